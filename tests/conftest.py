@@ -1,0 +1,13 @@
+"""Test set-up: without CUDA, Triton kernels run in the interpreter on the CPU (tiny shapes)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is first imported by any kernel module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
