@@ -1,0 +1,285 @@
+"""GGUF tensor formats: one descriptor per ggml type, with a torch reference dequantization.
+
+Block layouts follow ggml (mirrored by gguf-py's `gguf/quants.py`, which the tests compare against).
+Every decoder takes uint8 blocks [n_blocks, type_size] and returns float32 [n_blocks, block_size],
+using whole-tensor torch ops so the same code runs on CPU or GPU. The float32 arithmetic is done in
+the same order as ggml/gguf-py, so results are bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import gguf
+import gguf.quants
+import numpy as np
+import torch
+
+T = gguf.GGMLQuantizationType
+QK_K = 256  # weights per K-quant super-block
+
+# Rows are decoded in chunks of about this many output elements, so the float32 temporaries of a
+# decoder stay small next to the output even for a 151936x896 embedding.
+_CHUNK_ELEMENTS = 1 << 21
+
+
+class UnsupportedQuantType(ValueError):
+    """A tensor uses a ggml type that cobatch cannot decode."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    block_size: int
+    type_size: int
+    dequant_blocks: Callable[[torch.Tensor], torch.Tensor]
+
+    def row_bytes(self, n_cols: int) -> int:
+        if n_cols < 0 or n_cols % self.block_size:
+            raise ValueError(f"{self.name}: a row of {n_cols} values is not a whole number "
+                             f"of {self.block_size}-value blocks")
+        return n_cols // self.block_size * self.type_size
+
+
+# ---------------------------------------------------------------- shared bit-level helpers
+
+def _reinterpret(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View bytes [..., k] as `dtype`; copy first when the bytes are misaligned for it (odd offsets)."""
+    try:
+        return raw.view(dtype)
+    except RuntimeError:
+        return torch.empty_like(raw, memory_format=torch.contiguous_format).copy_(raw).view(dtype)
+
+
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The f16 field at byte `offset` of every block, as float32 [n_blocks, 1]."""
+    return _reinterpret(blocks[:, offset:offset + 2], torch.float16).float()
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Split each byte into 8/bits fields, low bits first: [..., k] -> [..., 8 // bits, k].
+
+    The field index lands in front of the byte index because ggml stores "all low nibbles, then
+    all high nibbles" (likewise for 2-bit and 1-bit planes)."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).view(-1, 1)
+    return (packed.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)
+
+
+def _merge_high(low: torch.Tensor, high: torch.Tensor, low_bits: int) -> torch.Tensor:
+    """Join separately stored high bits onto the low bits of each value."""
+    return low | (high << low_bits)
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: twelve bytes hold eight 6-bit sub-block scales and eight 6-bit mins.
+
+    Bytes 0-3 / 4-7 carry scales / mins 0-3 in their low 6 bits and the top 2 bits of
+    scales / mins 4-7 in their high 2 bits; bytes 8-11 carry the low nibbles of scales 4-7 (low)
+    and mins 4-7 (high)."""
+    sc, mn, low4 = packed.reshape(-1, 3, 4).unbind(1)
+    scales = torch.cat([sc & 63, _merge_high(low4 & 15, sc >> 6, 4)], dim=-1)
+    mins = torch.cat([mn & 63, _merge_high(low4 >> 4, mn >> 6, 4)], dim=-1)
+    return scales, mins
+
+
+def _pack_k_scales_mins(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_k_scales_mins` (used to build valid random blocks)."""
+    return torch.cat([
+        scales[:, :4] | ((scales[:, 4:] >> 4) << 6),
+        mins[:, :4] | ((mins[:, 4:] >> 4) << 6),
+        (scales[:, 4:] & 15) | ((mins[:, 4:] & 15) << 4),
+    ], dim=-1)
+
+
+def _scale_minus_min(d: torch.Tensor, scales: torch.Tensor, dmin: torch.Tensor, mins: torch.Tensor,
+                     q: torch.Tensor) -> torch.Tensor:
+    """K-quant affine decode per sub-block: (d * scale) * q - dmin * min, in ggml's operation order."""
+    return (d * scales.float()).unsqueeze(-1) * q.float() - (dmin * mins.float()).unsqueeze(-1)
+
+
+# ---------------------------------------------------------------- decoders
+
+def _float_blocks(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _reinterpret(blocks, dtype).float()
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * blocks[:, 2:].view(torch.int8).float()
+
+
+def _legacy_32(blocks: torch.Tensor, *, has_min: bool, has_high_bit: bool) -> torch.Tensor:
+    """Q4_0, Q4_1, Q5_0, Q5_1: f16 d, [f16 m], [32 high bits as a little-endian u32], 16 nibble bytes."""
+    n = blocks.shape[0]
+    offset = 4 if has_min else 2
+    q = _unpack(blocks[:, -16:], 4).reshape(n, 32)
+    if has_high_bit:  # bit i of the u32 belongs to value i: byte-major, so swap _unpack's order
+        high = _unpack(blocks[:, offset:offset + 4], 1).transpose(-1, -2).reshape(n, 32)
+        q = _merge_high(q, high, 4)
+    if has_min:
+        return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+    zero_point = 16 if has_high_bit else 8
+    return _f16(blocks, 0) * (q.float() - zero_point)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    # scales[16] (scale low nibble, min high nibble), qs[64] (2-bit), f16 d, f16 dmin
+    n = blocks.shape[0]
+    packed_scales = blocks[:, :16]
+    q = _unpack(blocks[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    out = _scale_minus_min(_f16(blocks, 80), packed_scales & 15, _f16(blocks, 82), packed_scales >> 4, q)
+    return out.reshape(n, QK_K)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    # hmask[32] (1-bit plane), qs[64] (2-bit), scales[12] (16 signed 6-bit), f16 d
+    n = blocks.shape[0]
+    low = _unpack(blocks[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    high = _unpack(blocks[:, :32], 1).reshape(n, 16, 16)
+    # ggml subtracts 4 where the hmask bit is CLEAR (the set bit means "no offset")
+    q = low.float() - 4 * (high ^ 1).float()
+    scales = _merge_high(_unpack(blocks[:, 96:104], 4).reshape(n, 16), _unpack(blocks[:, 104:108], 2).reshape(n, 16), 4)
+    return ((_f16(blocks, 108) * (scales.float() - 32)).unsqueeze(-1) * q).reshape(n, QK_K)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # f16 d, f16 dmin, scales[12], qs[128] (4-bit, 8 sub-blocks of 32)
+    n = blocks.shape[0]
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    q = _unpack(blocks[:, 16:144].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    return _scale_minus_min(_f16(blocks, 0), scales, _f16(blocks, 2), mins, q).reshape(n, QK_K)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    # like Q4_K, plus a 1-bit high plane qh[32] before qs[128]
+    n = blocks.shape[0]
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    low = _unpack(blocks[:, 48:176].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    q = _merge_high(low, _unpack(blocks[:, 16:48], 1), 4)
+    return _scale_minus_min(_f16(blocks, 0), scales, _f16(blocks, 2), mins, q).reshape(n, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # ql[128] (low nibbles), qh[64] (2-bit high), scales[16] (int8), f16 d
+    n = blocks.shape[0]
+    low = _unpack(blocks[:, :128].reshape(n, 2, 64), 4).reshape(n, 8, 32)
+    high = _unpack(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
+    q = (_merge_high(low, high, 4).float() - 32).reshape(n, 16, 16)
+    scales = blocks[:, 192:208].view(torch.int8).float()
+    return ((_f16(blocks, 208) * scales).unsqueeze(-1) * q).reshape(n, QK_K)
+
+
+_DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
+    T.F32: partial(_float_blocks, dtype=torch.float32),
+    T.F16: partial(_float_blocks, dtype=torch.float16),
+    T.BF16: partial(_float_blocks, dtype=torch.bfloat16),
+    T.Q8_0: _q8_0,
+    T.Q4_0: partial(_legacy_32, has_min=False, has_high_bit=False),
+    T.Q4_1: partial(_legacy_32, has_min=True, has_high_bit=False),
+    T.Q5_0: partial(_legacy_32, has_min=False, has_high_bit=True),
+    T.Q5_1: partial(_legacy_32, has_min=True, has_high_bit=True),
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
+}
+
+FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
+    t: QuantFormat(t.name.lower(), t, *gguf.GGML_QUANT_SIZES[t], decode) for t, decode in _DECODERS.items()
+}
+_BY_NAME = {fmt.name: fmt for fmt in FORMATS.values()}
+
+
+def format_of(ggml_type: gguf.GGMLQuantizationType | int | str) -> QuantFormat:
+    if isinstance(ggml_type, str):
+        fmt, label = _BY_NAME.get(ggml_type.lower()), ggml_type.upper()
+    else:
+        try:
+            known = T(int(ggml_type))
+            fmt, label = FORMATS.get(known), known.name
+        except ValueError:
+            fmt, label = None, str(ggml_type)
+    if fmt is None:
+        supported = ", ".join(t.name for t in FORMATS)
+        raise UnsupportedQuantType(f"unsupported tensor type {label} (supported: {supported})")
+    return fmt
+
+
+def dequantize(raw: torch.Tensor, ggml_type: gguf.GGMLQuantizationType | int | str, n_cols: int) -> torch.Tensor:
+    """uint8 [..., row_bytes] -> float32 [..., n_cols]. Never writes into `raw` (it may be a read-only mmap)."""
+    fmt = format_of(ggml_type)
+    row_bytes = fmt.row_bytes(n_cols)
+    if raw.dtype != torch.uint8 or raw.shape[-1] != row_bytes:
+        raise ValueError(f"{fmt.name}: expected uint8 rows of {row_bytes} bytes for {n_cols} values, "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    rows = raw.reshape(-1, row_bytes)
+    out = torch.empty(rows.shape[0], n_cols, dtype=torch.float32, device=raw.device)
+    step = max(1, _CHUNK_ELEMENTS // max(n_cols, 1))
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start:start + step]
+        out[start:start + step] = fmt.dequant_blocks(chunk.reshape(-1, fmt.type_size)).view(chunk.shape[0], n_cols)
+    return out.reshape(*raw.shape[:-1], n_cols)
+
+
+# ---------------------------------------------------------------- random and quantized data
+
+@dataclass(frozen=True)
+class _ScaleFields:
+    d: int                        # byte offset of the f16 (super-)block scale
+    min: int | None = None        # byte offset of the f16 min (Q4_1/Q5_1) or dmin (K-quants)
+    min_per_d: float = 0.0        # min field = min_per_d * d, which centres the unsigned quants on 0
+
+
+_SCALE_FIELDS: dict[T, _ScaleFields] = {
+    T.Q8_0: _ScaleFields(0), T.Q4_0: _ScaleFields(0), T.Q5_0: _ScaleFields(0),
+    T.Q4_1: _ScaleFields(0, 2, -7.5), T.Q5_1: _ScaleFields(0, 2, -15.5),  # value = d*q + m
+    # K-quants: value = d*sc*q - dmin*m; with m == sc, dmin = mean(q)*d centres each sub-block
+    T.Q2_K: _ScaleFields(80, 82, 1.5), T.Q3_K: _ScaleFields(108), T.Q4_K: _ScaleFields(0, 2, 7.5),
+    T.Q5_K: _ScaleFields(0, 2, 15.5), T.Q6_K: _ScaleFields(208),
+}
+
+
+def _write_scales(blocks: torch.Tensor, fields: _ScaleFields, d: torch.Tensor) -> None:
+    blocks[:, fields.d:fields.d + 2] = d.to(torch.float16).view(torch.uint8)
+    if fields.min is not None:
+        blocks[:, fields.min:fields.min + 2] = (d * fields.min_per_d).to(torch.float16).view(torch.uint8)
+
+
+def random_quantized(ggml_type, rows: int, cols: int, generator: torch.Generator, scale: float = 0.02) -> torch.Tensor:
+    """Valid random blocks, uint8 [rows, row_bytes], whose values have std ~ `scale` and mean ~ 0."""
+    fmt = format_of(ggml_type)
+    row_bytes = fmt.row_bytes(cols)
+    if fmt.block_size == 1:
+        values = torch.randn(rows, cols, generator=generator) * scale
+        dtype = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[fmt.ggml_type]
+        return values.to(dtype).view(torch.uint8).reshape(rows, row_bytes)
+    n_blocks = rows * cols // fmt.block_size
+    blocks = torch.randint(0, 256, (n_blocks, fmt.type_size), dtype=torch.uint8, generator=generator)
+    if fmt.ggml_type == T.Q2_K:  # tie each sub-block min to its scale (see _SCALE_FIELDS)
+        blocks[:, :16] = (blocks[:, :16] & 15) * 17
+    elif fmt.ggml_type in (T.Q4_K, T.Q5_K):
+        scales, _ = _k_scales_mins(blocks[:, 4:16])
+        blocks[:, 4:16] = _pack_k_scales_mins(scales, scales)
+    # Decode a sample at d = 1 to learn the spread the random bits give, then set d to hit `scale`.
+    fields = _SCALE_FIELDS[fmt.ggml_type]
+    sample = blocks[:4096]
+    _write_scales(sample, fields, torch.ones(sample.shape[0], 1))
+    unit_std = fmt.dequant_blocks(sample).std().item()
+    jitter = torch.rand(n_blocks, 1, generator=generator) + 0.5  # blocks differ in scale, like real weights
+    _write_scales(blocks, fields, jitter * (scale / max(unit_std, 1e-12)))
+    return blocks.reshape(rows, row_bytes)
+
+
+def quantize(values: torch.Tensor, ggml_type) -> torch.Tensor:
+    """float32 [..., cols] -> uint8 [..., row_bytes] via gguf-py (which has no K-quant quantizers)."""
+    fmt = format_of(ggml_type)
+    array = values.detach().to("cpu", torch.float32).numpy()
+    try:
+        data = gguf.quants.quantize(array, fmt.ggml_type)
+    except NotImplementedError:
+        raise UnsupportedQuantType(f"gguf-py cannot quantize to {fmt.ggml_type.name}") from None
+    data = np.ascontiguousarray(data).view(np.uint8)
+    return torch.from_numpy(data.reshape(*values.shape[:-1], fmt.row_bytes(values.shape[-1])))
