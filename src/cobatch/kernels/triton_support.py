@@ -1,0 +1,75 @@
+"""Triton is optional: the CPU path runs on the torch references alone.
+
+Kernel modules decorate with `jit` and use `tl` inside kernel bodies only, so they import cleanly without
+Triton (the bodies are never run then). `from __future__ import annotations` in those modules keeps
+`tl.constexpr` annotations from being evaluated at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    jit = triton.jit
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    triton = None
+    tl = None
+
+    def jit(fn):
+        return fn
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (the CPU test path)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(array) on a 1-element 1-d array,
+    which numpy >= 2.4 refuses; every loop with a run-time bound (range(start, end)) then fails. Index
+    through .item() instead. Touches only the interpreter's patching of tl.tensor."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_cobatch_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
+
+    patched._cobatch_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton is not None:
+    _fix_interpreter_scalar_index()
+
+
+def dot_in_f32(dtype: torch.dtype) -> bool:
+    """Upcast dot operands to f32? The interpreter's bf16 tl.dot returns garbage (triton 3.6, numpy has no
+    bf16), and an f32 KV cache needs IEEE f32 dots rather than tf32 to match the reference."""
+    return interpreting() or dtype == torch.float32
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    """Multiprocessors of t's device; a small fixed number under the interpreter (keeps CPU tests fast)."""
+    if not t.is_cuda:
+        return 4
+    return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
