@@ -1,0 +1,223 @@
+"""Chat messages -> prompt text, with the Jinja chat template stored in the GGUF.
+
+Templates are written for HF transformers' `apply_chat_template`, so we give them the same
+environment: a sandbox with trim_blocks/lstrip_blocks and loop controls, HF's `tojson` (no HTML
+escaping, with indent/separators/sort_keys), `raise_exception`, `strftime_now`, `bos_token` and
+`eos_token`, `{% generation %}` blocks, and messages with None-valued keys removed.
+Templates come from untrusted files, hence the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from cobatch.tokenizer import Tokenizer
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+# Names a message's reasoning may come under; templates read the first one (HF's convention).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# Appended to the final message to find where it ends once rendered (continue_final_message).
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class ChatTemplateError(ValueError):
+    """No usable chat template, a template that does not compile, or one that refused to render."""
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject a conversation; the message is meant for the API caller.
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes (<, >, &, '), which would corrupt prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _SafeNamespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, so templates cannot reach Python internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _SafeNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _SafeNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _DictFactory:
+    """`dict(...)` for templates, without handing them the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Accepts HF's `{% generation %}...{% endgeneration %}` (marks assistant text for training
+    masks); for prompting it only renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _SafeNamespace
+    env.globals["dict"] = _DictFactory()
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """A copy built from plain JSON types, so the template sees no caller objects (and cannot
+    change the caller's messages)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, str):  # subclasses (enums, ...) carry methods the sandbox does not vet
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if callable(getattr(value, "model_dump", None)):  # pydantic models (API request bodies)
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_messages(messages: list[Any]) -> list[dict]:
+    normalized = []
+    for message in _plain(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"chat messages must be objects with a role, got {message!r}")
+        # `content: null` / `tool_calls: null` from API clients: templates test for a missing key,
+        # and would otherwise render "None" or fail on concatenation.
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        normalized.append(message)
+    return normalized
+
+
+class ChatTemplate:
+    """One compiled chat template."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"chat template does not compile: {exc.message} (line {exc.lineno})") from exc
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer) -> ChatTemplate:
+        source = metadata.get(CHAT_TEMPLATE_KEY)
+        if not source:
+            raise ChatTemplateError(
+                f"model has no chat template ({CHAT_TEMPLATE_KEY} missing); use raw generation"
+            )
+        bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+        eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        return cls(str(source), bos_token=bos, eos_token=eos)
+
+    def render(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
+    ) -> str:
+        """The prompt for `messages`. `tools` are JSON-schema function descriptions
+        ({"type": "function", "function": {...}}). `continue_final_message` leaves the last
+        (assistant) message open so generation continues it, e.g. a prefilled answer.
+        Extra keyword arguments reach the template as variables (e.g. enable_thinking)."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+        chat = _normalize_messages(messages)
+        final_content = None
+        if continue_final_message:
+            final_content = chat[-1].get("content") if chat else None
+            if not isinstance(final_content, str):
+                raise ChatTemplateError("continue_final_message needs a final message with text content")
+            chat[-1]["content"] = final_content + _CONTINUE_MARK
+
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **_plain(extra)}
+        variables.setdefault("documents", None)
+        try:
+            rendered = self._template.render(
+                messages=chat,
+                tools=_plain(tools),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise ChatTemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
+
+        if continue_final_message:
+            rendered = self._cut_after_final_message(rendered, final_content)
+        return rendered
+
+    @staticmethod
+    def _cut_after_final_message(rendered: str, final_content: str) -> str:
+        mark = _CONTINUE_MARK.strip()
+        at = rendered.rfind(mark)
+        if at < 0 or final_content.strip() not in rendered:
+            raise ChatTemplateError("chat template dropped the final message; cannot continue it")
+        # Templates that strip message content also strip the space after the mark.
+        if rendered.startswith(_CONTINUE_MARK, at):
+            return rendered[:at]
+        return rendered[:at].rstrip()
