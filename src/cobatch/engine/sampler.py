@@ -1,0 +1,308 @@
+"""Batched sampling: one step's logits for every row -> one token per row, without a host sync.
+
+Every row carries its own parameters. The work is vectorized over the batch; expensive stages (penalties,
+sorting for top-k/top-p, min-p, random noise, logprobs) run only when some row needs them, decided on
+the host from the Python parameters. Nothing here reads device data back: the caller does the one
+transfer per step.
+
+Randomness is counter-based: the noise for a token is a hash of (request seed, request step, token id),
+so a request's samples do not depend on which other rows share the batch, on the batch order, or on the
+device. The hash is exact integer arithmetic (identical bits on CPU and CUDA); the Gumbel transform of it
+is float32 `log`, whose last-ulp rounding may differ between devices, so identical logits give the same
+token on CPU and CUDA except at float32-level near-ties.
+
+Pipeline per row: raw logits -> penalties -> (greedy: argmax) | (temperature -> top-k -> top-p over the
+top-k-renormalized distribution -> min-p relative to the most likely token -> Gumbel-max). logprobs are
+always of the raw logits (no penalties, no temperature).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
+MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+# Stand-in for +inf after temperature: large enough to dominate, small enough that adding Gumbel noise or
+# subtracting the row max cannot overflow into inf/NaN.
+_FLOAT32_HUGE = torch.finfo(torch.float32).max / 4
+
+
+# --- parameters --------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 -> greedy
+    top_k: int = 0                    # 0 -> off
+    top_p: float = 1.0                # 1 -> off
+    min_p: float = 0.0                # 0 -> off
+    seed: int | None = None           # None -> resolved_seed() draws one per request
+    repetition_penalty: float = 1.0   # HF/llama.cpp: logit>0 ? logit/p : logit*p over prompt+output tokens
+    presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
+    frequency_penalty: float = 0.0    # OpenAI: logit -= frequency * count, over output tokens
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; n>=0: the chosen token's logprob plus the top-n
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        _check_real("temperature", self.temperature, ">= 0 (0 means greedy)", lambda v: v >= 0)
+        _check_int("top_k", self.top_k, ">= 0 (0 means off)", lambda v: v >= 0)
+        _check_real("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        _check_real("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, "an integer or None", lambda v: True)
+        _check_real("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)", lambda v: v > 0)
+        bound = MAX_ABS_OPENAI_PENALTY
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name), f"in [-{bound}, {bound}]", lambda v: abs(v) <= bound)
+        _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        for token in self.stop_token_ids:
+            if vocab_size is None:
+                _check_int("stop_token_ids", token, "non-negative token ids", lambda v: v >= 0)
+            else:
+                _check_int("stop_token_ids", token, f"token ids in [0, {vocab_size})", lambda v: 0 <= v < vocab_size)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool (got {self.ignore_eos!r})")
+        if self.logprobs is not None:
+            limit = MAX_TOP_LOGPROBS if vocab_size is None else min(MAX_TOP_LOGPROBS, vocab_size)
+            _check_int("logprobs", self.logprobs, f"None or in [0, {limit}]", lambda v: 0 <= v <= limit)
+
+    def resolved_seed(self) -> int:
+        """The seed, or a fresh random 63-bit one; call once per request and keep it."""
+        return self.seed if self.seed is not None else random.SystemRandom().getrandbits(63)
+
+
+def _check_real(name: str, value: object, expected: str, in_range: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not in_range(value):
+        raise ValueError(f"{name} must be {expected} (got {value!r})")
+
+
+def _check_int(name: str, value: object, expected: str, in_range: Callable[[int], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not in_range(value):
+        raise ValueError(f"{name} must be {expected} (got {value!r})")
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the engine knows about one row this step."""
+    params: SamplingParams
+    seed: int                   # the request's resolved seed
+    step: int                   # number of tokens this request has sampled so far
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: torch.Tensor                  # int64 [B], on the logits' device
+    logprobs: torch.Tensor | None            # float32 [B]: log_softmax(raw logits) at the chosen token
+    top_ids: torch.Tensor | None             # int64 [B, n], n = the largest `logprobs` asked for this step
+    top_logprobs: torch.Tensor | None        # float32 [B, n]
+
+
+# --- counter-based noise -----------------------------------------------------------------------------
+# noise(row, token) = fmix32(row_key(seed, step) ^ token_key(token id)). The row key is mixed on the host
+# from Python ints; the per-token hash runs as int64 tensor ops on values in [0, 2^32) with no overflow
+# anywhere, so CPU and CUDA produce the same bits. fmix32 also accepts Python ints (same operators).
+
+def _mul32(x, constant: int):
+    """(x * constant) mod 2^32. A constant >= 2^31 is used as its negative twin constant - 2^32 (same
+    residue) so the product stays inside int64; & then takes the two's-complement residue."""
+    signed = constant - (1 << 32) if constant >= 1 << 31 else constant
+    return (x * signed) & _MASK32
+
+
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer: a bijection on [0, 2^32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (exact 64-bit arithmetic on the host)."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def row_noise_key(seed: int, step: int) -> int:
+    """32-bit key of one (seed, step), computed on the host: a few Python int ops per row per step."""
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    return (mixed ^ (mixed >> 32)) & _MASK32
+
+
+def token_noise_key(token_ids: torch.Tensor) -> torch.Tensor:
+    """32-bit key of each token id (int64 tensor)."""
+    return fmix32(_mul32(token_ids, 0x1B873593) ^ 0x5BD1E995)
+
+
+def counter_uniforms(row_keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+    """Uniform u in (0, 1), float32 [R, V], a pure function of (row key, token key).
+
+    23 hash bits + 0.5 fill the float32 mantissa exactly, so u is never 0 or 1 and -log(-log u) is finite.
+    """
+    bits = fmix32(row_keys[:, None] ^ token_keys[None, :]) >> 9
+    return (bits.to(torch.float32) + 0.5) * (2.0 ** -23)
+
+
+# --- logit transforms --------------------------------------------------------------------------------
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor without waiting on the GPU: a plain torch.tensor(..., device='cuda')
+    copies from pageable memory and synchronizes the stream; a pinned, non-blocking copy does not."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _padded_ids(id_lists: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(ids) for ids in id_lists))
+    return _to_device([list(ids) + [pad] * (width - len(ids)) for ids in id_lists], torch.int64, device)
+
+
+def needs_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Repetition (prompt+output), then frequency and presence (output) penalties; float32 [B, V].
+
+    Token counts come from padded id tensors scattered on the device; the pad id V lands in an extra
+    column that is dropped. Rows without penalties get neutral values (exactly the identity).
+    """
+    batch, vocab = logits.shape
+    device = logits.device
+    logits = logits.float()
+    uses_repetition = [r.params.repetition_penalty != 1.0 for r in rows]
+    uses_any = [needs_penalties(r.params) for r in rows]
+    # Only ship the ids a row's penalties actually read.
+    output_ids = _padded_ids([r.output_ids if use else () for r, use in zip(rows, uses_any)], vocab, device)
+    output_counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=device)
+    output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
+    output_counts = output_counts[:, :vocab]
+    output_seen = output_counts > 0
+
+    if any(uses_repetition):
+        prompt_ids = _padded_ids([r.prompt_ids if use else () for r, use in zip(rows, uses_repetition)],
+                                 vocab, device)
+        seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | output_seen
+        penalty = _to_device([r.params.repetition_penalty for r in rows], torch.float32, device)[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+
+    frequency = _to_device([r.params.frequency_penalty for r in rows], torch.float32, device)[:, None]
+    presence = _to_device([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
+    return logits - (frequency * output_counts + presence * output_seen.float())
+
+
+def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Set tokens outside each row's top-k / top-p / min-p sets to -inf; float32 [R, V] in and out.
+
+    `scores` are tempered logits. Order: top-k, then top-p over the top-k-renormalized distribution
+    (keep the smallest prefix whose mass reaches p), then min-p (keep p >= min_p * p_max). The most likely
+    token always survives, so min-p commutes with the other two. One sort per call, only if some row uses
+    top-k or top-p.
+    """
+    rows, vocab = scores.shape
+    device = scores.device
+    needs_top_k = any(0 < k < vocab for k in top_k)
+    needs_top_p = any(p < 1.0 for p in top_p)
+    if needs_top_k or needs_top_p:
+        # Stable sort: ties at a top-k cut-off resolve to the lower token id, the same way in every batch.
+        sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=device)
+        k_per_row = _to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, device)
+        drop_sorted = rank[None, :] >= k_per_row[:, None]
+        if needs_top_p:
+            probs = sorted_scores.masked_fill(drop_sorted, -math.inf).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # Rows with top_p = 1 get +inf so rounding in the cumsum (mass_before ~ 1) never trims their tail.
+            p_per_row = _to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
+            drop_sorted |= mass_before >= p_per_row[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        scores = scores.masked_fill(drop, -math.inf)
+    if any(p > 0.0 for p in min_p):
+        relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
+        min_p_per_row = _to_device(list(min_p), torch.float32, device)
+        scores = scores.masked_fill(relative_prob < min_p_per_row[:, None], -math.inf)
+    return scores
+
+
+# --- the sampler -------------------------------------------------------------------------------------
+
+class Sampler:
+    """Callable: (logits [B, V], one SampleRow per row) -> SampleOutput, all on the logits' device."""
+
+    def __init__(self) -> None:
+        # Token keys depend only on (vocab size, device): computed once, not per step.
+        self._token_keys: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab]; got {tuple(logits.shape)}")
+        raw = logits.float()
+        device = raw.device
+        penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
+        # NaN never wins (argmax would pick it); +inf stays and wins.
+        penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        token_ids = penalized.argmax(dim=-1)
+
+        sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        if sampled:
+            if len(sampled) == len(rows):
+                token_ids = self._sample(penalized, rows, greedy=token_ids)
+            else:
+                index = _to_device(sampled, torch.int64, device)
+                drawn = self._sample(penalized.index_select(0, index), [rows[i] for i in sampled],
+                                     greedy=token_ids.index_select(0, index))
+                token_ids = token_ids.index_copy(0, index, drawn)
+
+        wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if not wanted:
+            return SampleOutput(token_ids, None, None, None)
+        log_probs = torch.log_softmax(raw, dim=-1)
+        chosen = log_probs.gather(1, token_ids[:, None])[:, 0]
+        top_logprobs, top_ids = log_probs.topk(min(max(wanted), raw.shape[1]), dim=-1)
+        return SampleOutput(token_ids, chosen, top_ids, top_logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor) -> torch.Tensor:
+        """Gumbel-max over the filtered, tempered logits of rows that all have temperature > 0; `greedy`
+        (argmax of the same penalized logits) is the fallback for a row with no candidate left."""
+        device = logits.device
+        temperature = _to_device([r.params.temperature for r in rows], torch.float32, device)
+        # Overflow from a small temperature becomes a huge finite value so softmax/min-p stay NaN-free.
+        scores = torch.nan_to_num(logits / temperature[:, None], nan=-math.inf, posinf=_FLOAT32_HUGE,
+                                  neginf=-math.inf)
+        scores = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                               [r.params.min_p for r in rows])
+        row_keys = _to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
+        uniforms = counter_uniforms(row_keys, self._token_keys_for(logits.shape[1], device))
+        choice = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+        # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny
+        # temperature) still gets a valid token, the T -> 0 limit: its greedy token (the raw argmax when no
+        # penalty applies).
+        has_candidate = scores.amax(dim=-1) > -math.inf
+        return torch.where(has_candidate, choice, greedy)
+
+    def _token_keys_for(self, vocab: int, device: torch.device) -> torch.Tensor:
+        cache_key = (vocab, device)
+        if cache_key not in self._token_keys:
+            self._token_keys[cache_key] = token_noise_key(torch.arange(vocab, dtype=torch.int64, device=device))
+        return self._token_keys[cache_key]

@@ -1,0 +1,431 @@
+"""Sampler tests: exact checks against hand computations, and distribution checks (chi-square at p ~ 1e-4)
+against target probabilities computed here in float64 from the definitions, never by the sampler.
+
+Many independent draws are taken in one call as many rows (one seed or one step per row), which is
+both fast and exactly how the engine batches requests.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from cobatch.engine.sampler import (
+    MAX_TOP_LOGPROBS,
+    Sampler,
+    SampleRow,
+    SamplingParams,
+    apply_penalties,
+    counter_uniforms,
+    filter_logits,
+    fmix32,
+    row_noise_key,
+    token_noise_key,
+)
+
+# Logits of a small vocabulary with well-separated probabilities (no top-p boundary lands near a cut).
+SMALL_LOGITS = [1.5, 0.9, 0.6, 0.2, 0.0, -0.4, -1.0, -2.0]
+DRAWS = 20_000
+
+
+# --- independent references --------------------------------------------------------------------------
+
+def reference_fmix32(h: int) -> int:
+    """MurmurHash3 fmix32 written the textbook way (wrapping 32-bit multiplies)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
+def reference_probs(logits: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> list[float]:
+    """Target distribution from the definitions: softmax(logits/T); keep the top-k; then the smallest prefix
+    of the top-k-renormalized distribution whose mass reaches top_p; then p >= min_p * p_max; renormalize."""
+    scaled = [x / temperature for x in logits]
+    peak = max(scaled)
+    weights = [math.exp(x - peak) for x in scaled]
+    probs = [w / sum(weights) for w in weights]
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    kept = order[:top_k] if top_k else order
+    kept_mass = sum(probs[i] for i in kept)
+    nucleus, mass_before = [], 0.0
+    for i in kept:
+        if top_p < 1.0 and mass_before >= top_p:
+            break
+        assert top_p == 1.0 or abs(mass_before - top_p) > 1e-3, "test data too close to a top-p cut"
+        nucleus.append(i)
+        mass_before += probs[i] / kept_mass
+    final = [i for i in nucleus if probs[i] >= min_p * max(probs)]
+    total = sum(probs[i] for i in final)
+    return [probs[i] / total if i in final else 0.0 for i in range(len(probs))]
+
+
+def chi_square_critical(dof: int, z: float = 3.719) -> float:
+    """Upper chi-square quantile at p ~ 1e-4 (Wilson-Hilferty; slightly conservative for small dof)."""
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+def assert_matches_distribution(tokens: torch.Tensor, expected: list[float]) -> None:
+    counts = torch.bincount(tokens, minlength=len(expected)).tolist()
+    for token, (count, p) in enumerate(zip(counts, expected)):
+        if p == 0.0:
+            assert count == 0, f"filtered token {token} was sampled {count} times"
+    support = [(c, p * len(tokens)) for c, p in zip(counts, expected) if p > 0]
+    if len(support) < 2:
+        return
+    statistic = sum((c - e) ** 2 / e for c, e in support)
+    assert statistic < chi_square_critical(len(support) - 1), (statistic, counts, expected)
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+def make_row(params: SamplingParams, seed: int = 0, step: int = 0, prompt_ids=(), output_ids=()) -> SampleRow:
+    return SampleRow(params=params, seed=seed, step=step, prompt_ids=list(prompt_ids), output_ids=list(output_ids))
+
+
+def draw_many(logits: list[float], params: SamplingParams, n: int = DRAWS, seed_base: int = 12345) -> torch.Tensor:
+    """n independent draws: one row per seed, all with the same logits."""
+    batch = torch.tensor([logits], dtype=torch.float32).expand(n, -1)
+    rows = [SampleRow(params, seed_base + i, 7, (), ()) for i in range(n)]
+    return Sampler()(batch, rows).token_ids
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=generator) * scale
+
+
+# --- counter-based noise --------------------------------------------------------------------------------
+
+def test_fmix32_matches_textbook_murmur3_on_tensors_and_ints():
+    rng = random.Random(1)
+    values = [0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF] + [rng.getrandbits(32) for _ in range(2000)]
+    expected = [reference_fmix32(v) for v in values]
+    assert fmix32(torch.tensor(values, dtype=torch.int64)).tolist() == expected
+    assert [fmix32(v) for v in values[:50]] == expected[:50]
+
+
+def test_counter_uniforms_are_in_open_unit_interval_and_uniform():
+    row_keys = torch.tensor([row_noise_key(seed, step) for seed in range(20) for step in range(10)])
+    u = counter_uniforms(row_keys, token_noise_key(torch.arange(1000)))
+    assert u.shape == (200, 1000)
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    counts = torch.histc(u, bins=20, min=0.0, max=1.0)
+    expected = u.numel() / 20
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_critical(19)
+
+
+def test_noise_key_uses_the_whole_seed_and_step():
+    keys = {row_noise_key(seed, step) for seed in (0, 1, 1 << 32, 1 << 62, (1 << 63) - 1) for step in (0, 1, 1 << 33)}
+    assert len(keys) == 15
+
+
+# --- greedy --------------------------------------------------------------------------------------------
+
+def test_greedy_is_argmax():
+    logits = random_logits(16, 100, seed=0)
+    rows = [make_row(SamplingParams(temperature=0.0, top_k=i % 5, top_p=0.5, min_p=0.1), seed=i) for i in range(16)]
+    out = Sampler()(logits, rows)
+    assert out.token_ids.dtype == torch.int64
+    assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+
+
+def test_greedy_rows_stay_argmax_inside_a_mixed_batch():
+    logits = random_logits(12, 50, seed=1)
+    rows = [make_row(SamplingParams(temperature=0.0 if i % 2 else 1.3, top_k=10 * (i % 3)), seed=i) for i in range(12)]
+    out = Sampler()(logits, rows).token_ids.tolist()
+    argmax = logits.argmax(dim=-1).tolist()
+    assert [out[i] for i in range(1, 12, 2)] == [argmax[i] for i in range(1, 12, 2)]
+
+
+def test_bf16_logits_are_accepted():
+    logits = random_logits(4, 30, seed=2).to(torch.bfloat16)
+    rows = [make_row(SamplingParams(temperature=0.0))] * 4
+    assert Sampler()(logits, rows).token_ids.tolist() == logits.float().argmax(dim=-1).tolist()
+
+
+# --- penalties ------------------------------------------------------------------------------------------
+
+def test_penalties_match_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]] * 4)
+    rows = [
+        # prompt {0, 1}, output 3,3,4: repetition over {0,1,3,4}, then counts 3->2, 4->1
+        make_row(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+                 prompt_ids=[0, 1], output_ids=[3, 3, 4]),
+        make_row(SamplingParams(), prompt_ids=[0, 1, 2], output_ids=[4, 4]),                 # no penalties
+        make_row(SamplingParams(repetition_penalty=0.5), prompt_ids=[5, 2, 2], output_ids=[1]),
+        make_row(SamplingParams(presence_penalty=-1.0, frequency_penalty=1.0),
+                 prompt_ids=[0, 1, 2], output_ids=[2, 2, 2, 5]),
+    ]
+    expected = torch.tensor([
+        # 2/2, -1*2, 0.5, -0.5*2 - 0.25*2 - 0.5, 3/2 - 0.25 - 0.5, 0
+        [1.0, -2.0, 0.5, -2.0, 0.75, 0.0],
+        [2.0, -1.0, 0.5, -0.5, 3.0, 0.0],
+        # penalty < 1 boosts the seen tokens {1, 2, 5}: -1*0.5, 0.5/0.5, 0*0.5
+        [2.0, -0.5, 1.0, -0.5, 3.0, 0.0],
+        # prompt is not counted: token 2: 0.5 - 3 + 1, token 5: 0 - 1 + 1
+        [2.0, -1.0, -1.5, -0.5, 3.0, 0.0],
+    ])
+    torch.testing.assert_close(apply_penalties(logits, rows), expected, rtol=0, atol=1e-6)
+
+
+def test_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    row = make_row(params, prompt_ids=[0, 1], output_ids=[3, 3, 4])
+    assert Sampler()(logits, [row]).token_ids.tolist() == [0]      # penalized: [1.0, -2, 0.5, -2, 0.75, 0]
+
+
+# --- filters and temperature ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0),
+    (1.0, 3, 1.0, 0.0),
+    (1.0, 0, 0.7, 0.0),
+    (1.0, 0, 1.0, 0.3),
+    (0.7, 5, 0.8, 0.05),
+    (1.6, 6, 0.9, 0.15),
+    (0.5, 0, 1.0, 0.0),
+    (2.5, 0, 1.0, 0.0),
+])
+def test_filtered_sampling_matches_target_distribution(temperature, top_k, top_p, min_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    expected = reference_probs(SMALL_LOGITS, temperature, top_k, top_p, min_p)
+    assert_matches_distribution(draw_many(SMALL_LOGITS, params), expected)
+
+
+def test_filters_never_pick_a_removed_token_on_a_large_vocab():
+    vocab, n = 400, 1500
+    logits = random_logits(1, vocab, seed=3, scale=3.0).expand(n, -1)
+    probs = torch.softmax(logits[0].double() / 0.8, dim=-1)
+    top10 = set(torch.topk(probs, 10).indices.tolist())
+    for params, allowed in [
+        (SamplingParams(temperature=0.8, top_k=10), top10),
+        (SamplingParams(temperature=0.8, min_p=0.2), set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())),
+    ]:
+        rows = [make_row(params, seed=i, step=i % 3) for i in range(n)]
+        assert set(Sampler()(logits, rows).token_ids.tolist()) <= allowed
+
+
+def test_filter_off_keeps_every_token_while_neighbours_are_filtered():
+    # On a long, peaked vocabulary the float32 cumulative mass reaches 1.0 well before the tail; a row with
+    # top_p = 1 must not lose that tail just because its neighbour's top-p forced the sort.
+    scores = random_logits(2, 30_000, seed=12, scale=4.0)
+    filtered = filter_logits(scores, top_k=[0, 0], top_p=[1.0, 0.9], min_p=[0.0, 0.0])
+    assert torch.equal(filtered[0], scores[0])
+    assert bool(torch.isinf(filtered[1]).any())
+    probs = torch.softmax(scores[1].double(), dim=-1)
+    assert float(probs[torch.isfinite(filtered[1])].sum()) >= 0.9
+
+
+def test_temperature_sharpens_and_flattens():
+    top_share = {}
+    for temperature in (0.05, 0.5, 1.0, 2.0, 50.0):
+        tokens = draw_many(SMALL_LOGITS, SamplingParams(temperature=temperature), n=5000)
+        top_share[temperature] = float((tokens == 0).float().mean())
+    assert top_share[0.05] > 0.99                                       # ~greedy
+    assert top_share[0.5] > top_share[1.0] > top_share[2.0] > top_share[50.0]
+    assert abs(top_share[50.0] - 1 / len(SMALL_LOGITS)) < 0.03          # ~uniform
+
+
+# --- seeds, steps, batch invariance -------------------------------------------------------------------------
+
+def test_same_seed_and_step_give_the_same_token():
+    logits = random_logits(1, 1000, seed=4, scale=0.5).expand(64, -1)
+    params = SamplingParams(temperature=1.0)
+    rows = [make_row(params, seed=99, step=5)] * 64
+    first = Sampler()(logits, rows).token_ids
+    assert len(set(first.tolist())) == 1
+    assert torch.equal(Sampler()(logits, rows).token_ids, first)
+    # ...while other seeds at that step spread over the near-uniform vocabulary.
+    others = Sampler()(logits, [make_row(params, seed=s, step=5) for s in range(64)]).token_ids
+    assert len(set(others.tolist())) > 40
+
+
+def test_steps_of_one_request_are_independent_draws():
+    probs = [0.4, 0.3, 0.2, 0.1]
+    logits = [math.log(p) for p in probs]
+    n = 10_000
+    batch = torch.tensor([logits]).expand(2 * n, -1)
+    params = SamplingParams(temperature=1.0)
+    rows = [make_row(params, seed=seed, step=step) for seed in range(n) for step in (3, 4)]
+    tokens = Sampler()(batch, rows).token_ids.view(n, 2)
+    # (token at step 3, token at step 4) must follow the product distribution p_i * p_j.
+    joint = torch.bincount(tokens[:, 0] * 4 + tokens[:, 1], minlength=16).tolist()
+    expected = [n * probs[i] * probs[j] for i in range(4) for j in range(4)]
+    statistic = sum((c - e) ** 2 / e for c, e in zip(joint, expected))
+    assert statistic < chi_square_critical(15), (statistic, joint)
+    # One request's successive steps are themselves a sample of the target distribution.
+    one_request = Sampler()(batch[:n], [make_row(params, seed=2024, step=s) for s in range(n)]).token_ids
+    assert_matches_distribution(one_request, probs)
+
+
+def _varied_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.2, top_p=0.6),
+        SamplingParams(temperature=0.9, min_p=0.1),
+        SamplingParams(temperature=1.1, top_k=50, top_p=0.9, min_p=0.02),
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, logprobs=5),
+    ]
+
+
+def test_a_rows_token_does_not_depend_on_its_batch():
+    vocab = 300
+    targets = random_logits(8, vocab, seed=5, scale=1.5)
+    others = random_logits(24, vocab, seed=6, scale=3.0)
+    target_params = _varied_params()
+    other_params = list(reversed(_varied_params())) * 3
+    target_rows = [make_row(p, seed=1000 + i, step=i, prompt_ids=range(i, 40 + i), output_ids=[1, 2, 2, 7 * i])
+                   for i, p in enumerate(target_params)]
+    other_rows = [make_row(p, seed=i, step=3, prompt_ids=range(200), output_ids=range(0, 120, 3))
+                  for i, p in enumerate(other_params)]
+    sampler = Sampler()
+    alone = [sampler(targets[i:i + 1], [row]).token_ids.item() for i, row in enumerate(target_rows)]
+
+    order = list(range(len(target_rows) + len(other_rows)))
+    random.Random(7).shuffle(order)
+    all_logits = torch.cat([targets, others])
+    all_rows = target_rows + other_rows
+    batched = sampler(all_logits[order], [all_rows[j] for j in order]).token_ids.tolist()
+    position = {j: pos for pos, j in enumerate(order)}
+    assert [batched[position[i]] for i in range(len(target_rows))] == alone
+
+    # Alone, a plain row skips sorting/penalties/min-p; in a batch they run for its neighbours. Same token.
+    plain_alone = [sampler(targets[i:i + 1], [make_row(target_params[0], seed=s, step=s)]).token_ids.item()
+                   for i, s in enumerate(range(8))]
+    mixed_rows = [make_row(target_params[0], seed=s, step=s) for s in range(8)] + other_rows
+    assert sampler(torch.cat([targets, others]), mixed_rows).token_ids[:8].tolist() == plain_alone
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = random_logits(6, 64, seed=8)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.5, top_k=5, logprobs=7),
+              SamplingParams(temperature=1.0, repetition_penalty=1.8, logprobs=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=2.0, presence_penalty=1.0, min_p=0.1, logprobs=1),
+              SamplingParams(temperature=0.0, frequency_penalty=2.0)]
+    rows = [make_row(p, seed=i, prompt_ids=[1, 2, 3], output_ids=[4, 4]) for i, p in enumerate(params)]
+    out = Sampler()(logits, rows)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert out.logprobs.dtype == torch.float32 and out.top_logprobs.dtype == torch.float32
+    chosen = reference.gather(1, out.token_ids[:, None])[:, 0]
+    torch.testing.assert_close(out.logprobs.double(), chosen, rtol=0, atol=1e-5)
+    assert out.top_ids.shape == (6, 7)                                   # n = the largest request
+    top_values, top_ids = torch.topk(reference, 7, dim=-1)
+    assert out.top_ids.tolist() == top_ids.tolist()
+    torch.testing.assert_close(out.top_logprobs.double(), top_values, rtol=0, atol=1e-5)
+
+
+def test_logprobs_zero_gives_an_empty_top_list():
+    out = Sampler()(random_logits(2, 10, seed=9), [make_row(SamplingParams(logprobs=0))] * 2)
+    assert out.top_ids.shape == (2, 0) and out.logprobs.shape == (2,)
+
+
+# --- bad logits ---------------------------------------------------------------------------------------------
+
+def test_degenerate_logits_still_give_valid_tokens():
+    inf, nan = math.inf, math.nan
+    logits = torch.tensor([
+        [-inf] * 6,                                   # nothing finite at all
+        [nan, 1.0, nan, 0.5, -inf, nan],              # NaNs never win
+        [0.0, 1.0, inf, 0.5, -inf, 2.0],              # +inf wins
+        [-500.0, -400.0, -300.0, -450.0, -600.0, -350.0],   # all overflow to -inf at T=1e-37: greedy limit
+    ] * 2)
+    rows = [make_row(SamplingParams(temperature=0.0))] * 4 + [
+        make_row(SamplingParams(temperature=1.0, top_k=2, top_p=0.5, min_p=0.1), seed=1),
+        make_row(SamplingParams(temperature=1.0, top_k=1), seed=2),
+        make_row(SamplingParams(temperature=0.3, top_p=0.9, min_p=0.5), seed=3),
+        make_row(SamplingParams(temperature=1e-37, top_k=3), seed=4),
+    ]
+    tokens = Sampler()(logits, rows).token_ids.tolist()
+    assert 0 <= tokens[0] < 6 and 0 <= tokens[4] < 6
+    assert tokens[1] == tokens[5] == 1
+    assert tokens[2] == tokens[6] == 2
+    assert tokens[3] == tokens[7] == 2
+
+
+# --- validation ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "hot"),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5),
+    ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
+    ("max_tokens", 0), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
+    ("logprobs", -1), ("logprobs", MAX_TOP_LOGPROBS + 1),
+])
+def test_validate_rejects_out_of_range_values(field, value):
+    params = SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        params.validate()
+
+
+def test_validate_checks_ids_against_the_vocabulary():
+    SamplingParams(stop_token_ids=(0, 9), logprobs=5).validate(vocab_size=10)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(10,)).validate(vocab_size=10)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=5).validate(vocab_size=4)
+
+
+def test_validate_accepts_the_edges():
+    SamplingParams().validate()
+    SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=1.0, seed=-5, repetition_penalty=0.5,
+                   presence_penalty=-2.0, frequency_penalty=2.0, max_tokens=1, logprobs=MAX_TOP_LOGPROBS).validate()
+
+
+def test_resolved_seed():
+    assert SamplingParams(seed=42).resolved_seed() == 42
+    drawn = {SamplingParams().resolved_seed() for _ in range(8)}
+    assert len(drawn) == 8 and all(0 <= s < 1 << 63 for s in drawn)
+
+
+# --- no host sync ---------------------------------------------------------------------------------------------
+
+def test_sampler_never_reads_device_data_back(monkeypatch):
+    logits = random_logits(len(_varied_params()), 50, seed=10)
+    rows = [make_row(p, seed=i, step=i, prompt_ids=[1, 2], output_ids=[3]) for i, p in enumerate(_varied_params())]
+    sampler = Sampler()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the sampler read a tensor back to the host")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = sampler(logits, rows)
+    monkeypatch.undo()
+    assert out.token_ids.shape == (len(rows),)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+def test_cuda_matches_cpu_and_does_not_synchronize():
+    logits = random_logits(len(_varied_params()) * 4, 2000, seed=11)
+    rows = [make_row(p, seed=i, step=i, prompt_ids=[1, 2], output_ids=[3]) for i, p in enumerate(_varied_params() * 4)]
+    on_cpu = Sampler()(logits, rows)
+    sampler = Sampler()
+    device_logits = logits.cuda()
+    sampler(device_logits, rows)      # warm-up: token keys, pinned-memory pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")   # any stream/device sync inside the call raises
+    try:
+        on_gpu = sampler(device_logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert on_gpu.token_ids.device.type == "cuda"
+    assert on_gpu.token_ids.cpu().tolist() == on_cpu.token_ids.tolist()
