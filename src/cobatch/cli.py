@@ -1,0 +1,211 @@
+"""The `cobatch` command: chat, generate, inspect, serve, make-model.
+
+Bad input (a missing file, a prompt too long, an unknown flag value) gets one line on stderr and exit
+code 2 -- never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from cobatch.errors import UserError
+
+EXIT_USAGE = 2
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="path to a GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
+    p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+
+
+def _sampling(args):
+    from cobatch.engine.sampler import SamplingParams
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed, repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return params
+
+
+def _load(args, max_num_seqs: int = 1):
+    from cobatch.llm import LLM, EngineOptions
+    return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
+                                              max_num_seqs=max_num_seqs, quiet=getattr(args, "quiet", False)))
+
+
+def _stream(llm, prompt_ids: list[int], params) -> str:
+    """Generate and print the continuation as it comes; returns the whole text."""
+    engine = llm.engine
+    rid = engine.add_request(prompt_ids, params)
+    decoder = llm.tokenizer.stream_decoder(skip_special=True)
+    pieces = []
+    try:
+        while engine.has_work():
+            for out in engine.step():
+                if out.request_id == rid and out.new_token is not None and not (
+                        out.finish_reason == "stop"):
+                    piece = decoder.push(out.new_token)
+                    pieces.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+    except KeyboardInterrupt:
+        engine.abort(rid)
+        engine.step()
+        raise
+    tail = decoder.flush()
+    pieces.append(tail)
+    sys.stdout.write(tail)
+    sys.stdout.flush()
+    return "".join(pieces)
+
+
+def cmd_generate(args) -> int:
+    llm = _load(args)
+    params = _sampling(args)
+    if args.chat:
+        ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = llm.encode_prompt(args.prompt)
+    _stream(llm, ids, params)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _load(args)
+    params = _sampling(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    if args.prompt:
+        messages.append({"role": "user", "content": args.prompt})
+        _stream(llm, llm.encode_chat(messages), params)
+        sys.stdout.write("\n")
+        return 0
+    print("cobatch chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _stream(llm, llm.encode_chat(messages), params)
+        except UserError as e:              # e.g. the conversation outgrew the context
+            messages.pop()
+            print(f"\ncobatch: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_inspect(args) -> int:
+    from cobatch.config import ModelConfig
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.model_files import default_model_path
+    f = GGUFFile(args.path or default_model_path())
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    md = f.metadata
+    print(f"file:          {f.path}")
+    print(f"name:          {cfg.name}")
+    print(f"architecture:  {cfg.arch}")
+    print(f"layers:        {cfg.n_layers}   d_model: {cfg.d_model}   ffn: {cfg.ffn_dim}")
+    print(f"heads:         {cfg.n_heads} (kv {cfg.n_kv_heads}, head_dim {cfg.head_dim})")
+    print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
+    print(f"rope:          {'neox' if cfg.rope_neox else 'norm'} theta {cfg.rope_theta:g}"
+          f"{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}")
+    params = sum(int(t.n_elements) for t in f.tensors.values())
+    print(f"parameters:    {params / 1e6:.1f} M")
+    counts, sizes = Counter(), Counter()
+    for t in f.tensors.values():
+        counts[t.tensor_type.name] += 1
+        sizes[t.tensor_type.name] += int(t.n_bytes)
+    print("tensor types:")
+    for name, n in counts.most_common():
+        print(f"  {name:<6} {n:>5} tensors  {sizes[name] / 2**20:10.1f} MiB")
+    print(f"tokenizer:     {md.get('tokenizer.ggml.model', '?')} (pre: {md.get('tokenizer.ggml.pre', '-')}), "
+          f"{len(md.get('tokenizer.ggml.tokens', []))} tokens")
+    print(f"chat template: {'yes' if md.get('tokenizer.chat_template') else 'no'}")
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    from cobatch import gguf_writer
+    return gguf_writer.main(args.rest)
+
+
+def cmd_serve(args) -> int:
+    from cobatch.server.app import serve
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cobatch", description="Batched-decode LLM server for GGUF models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("chat", help="chat with a model (one answer, or interactive without a prompt)")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--system", help="system message")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("generate", help="continue a raw prompt")
+    p.add_argument("--prompt", "-p", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=128)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("inspect", help="describe a GGUF file")
+    p.add_argument("path", nargs="?")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("make-model", help="write a random-weight or layer-cut GGUF (see --help)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
+    p.add_argument("model_path", nargs="?", help="GGUF file (default: SmolLM2)")
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from cobatch.model_files import ModelNotFound
+    try:
+        for name in ("ctx", "max_tokens"):
+            value = getattr(args, name, None)
+            if value is not None and value < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be positive (got {value})")
+        return args.func(args) or 0
+    except (UserError, ModelNotFound, ValueError) as e:
+        print(f"cobatch: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

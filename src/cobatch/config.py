@@ -1,0 +1,87 @@
+"""ModelConfig: the numbers a model forward needs, read from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cobatch.errors import UserError
+
+# Architectures and their rope layout: llama-arch GGUFs store Q/K permuted for NORM (adjacent pairs);
+# qwen2/qwen3 keep the HF layout and rotate halves (NEOX). This comes from the arch, never from guessing.
+SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    arch: str
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float
+    rope_theta: float
+    rope_dim: int
+    rope_neox: bool
+    rope_scaling: dict | None     # {"type": "llama3"|"linear", "factor": ..., ...} when present
+    qkv_bias: bool                # qwen2
+    qk_norm: bool                 # qwen3
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
+        arch = md.get("general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise UserError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+        def get(key: str, default: Any = None) -> Any:
+            value = md.get(f"{arch}.{key}", default)
+            if value is None:
+                raise UserError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        d_model = int(get("embedding_length"))
+        n_heads = int(get("attention.head_count"))
+        n_kv = get("attention.head_count_kv", n_heads)
+        n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
+        head_dim = int(md.get(f"{arch}.attention.key_length", d_model // n_heads))
+        vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
+        return cls(
+            arch=arch,
+            name=str(md.get("general.name", arch)),
+            n_layers=int(get("block_count")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            ffn_dim=int(get("feed_forward_length")),
+            vocab_size=int(vocab),
+            context_length=int(get("context_length", 4096)),
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_dim=int(md.get(f"{arch}.rope.dimension_count", head_dim)),
+            rope_neox=SUPPORTED_ARCHS[arch],
+            rope_scaling=_rope_scaling(md, arch),
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        )
+
+
+def _rope_scaling(md: Mapping[str, Any], arch: str) -> dict | None:
+    kind = md.get(f"{arch}.rope.scaling.type")
+    factor = md.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    if kind not in ("linear", "llama3"):
+        raise UserError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    return {
+        "type": kind,
+        "factor": float(factor),
+        "original_context": int(md.get(f"{arch}.rope.scaling.original_context_length", 8192)),
+        "low_freq_factor": float(md.get(f"{arch}.rope.scaling.low_freq_factor", 1.0)),
+        "high_freq_factor": float(md.get(f"{arch}.rope.scaling.high_freq_factor", 4.0)),
+    }

@@ -1,0 +1,141 @@
+"""Engine: add requests, abort them, and step() -- one forward pass that advances every session.
+
+Used by the CLI, the server and the benchmarks. Not thread-safe: one thread drives it (the server
+runs it in its own thread and talks to it through queues).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from cobatch.engine.kv_cache import BlockManager, KVPool
+from cobatch.engine.runner import ModelRunner
+from cobatch.engine.sampler import SamplingParams
+from cobatch.engine.scheduler import Scheduler
+from cobatch.engine.sequence import Sequence, SeqStatus
+from cobatch.errors import UserError
+
+
+class ContextLengthExceeded(UserError):
+    """The prompt (plus at least one generated token) does not fit the context window."""
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: str
+    new_token: int | None            # None when the step only aborted/finished it
+    finished: bool
+    finish_reason: str | None        # "stop" | "length" | "abort"
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
+                 max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512):
+        self.runner = runner
+        self.pool: KVPool = runner.pool
+        self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk)
+        self.stop_ids = stop_ids
+        self.max_context = min(max_context, self.pool.num_blocks * self.pool.block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._aborted: list[Sequence] = []
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt_ids:
+            raise UserError("prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextLengthExceeded(
+                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
+                f"(prompt plus at least one generated token)")
+        params.validate()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id}")
+        seq = Sequence(request_id, len(prompt_ids), params, params.resolved_seed(), list(prompt_ids))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's slot and KV now; step() reports it once as finished with 'abort'."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return
+        seq.finish_reason = "abort"
+        self.scheduler.finished(seq)
+        self._aborted.append(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs = [self._output(seq, None) for seq in self._aborted]
+        for seq in self._aborted:
+            self.seqs.pop(seq.request_id, None)
+        self._aborted.clear()
+        plan = self.scheduler.plan()
+        if not plan.items:
+            return outputs
+        result = self.runner.execute(plan)
+        finished = 0
+        for (seq, n), token, logprob, top in zip(plan.items, result.tokens, result.logprobs, result.top):
+            self._advance_cache(seq, n)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                seq.finish_reason = reason
+                self.scheduler.finished(seq)
+                self.seqs.pop(seq.request_id, None)
+                finished += 1
+            outputs.append(self._output(seq, token, logprob, top))
+        self.scheduler.end_step(finished)
+        return outputs
+
+    def _advance_cache(self, seq: Sequence, n: int) -> None:
+        """Account for n newly computed tokens and make blocks that became full findable."""
+        seq.num_computed += n
+        bs = self.blocks.block_size
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            i = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(self.blocks.register_full_block(seq.block_table[i], prev, tokens))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_context:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, token: int | None, logprob=None, top=None) -> StepOutput:
+        return StepOutput(seq.request_id, token, seq.status is SeqStatus.FINISHED, seq.finish_reason,
+                          logprob, top, seq.prompt_len, seq.num_cached_prompt)
+
+    # --- offline use ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's generated token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_work():
+            for o in self.step():
+                if o.new_token is not None and o.request_id in out:
+                    out[o.request_id].append(o.new_token)
+        return [out[i] for i in ids]

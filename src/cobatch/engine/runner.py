@@ -1,0 +1,94 @@
+"""ModelRunner: turns a step plan into tensors, runs the forward pass, samples on the device.
+
+One host sync per step: the sampled token ids (and logprobs, if asked) come back in one transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cobatch.batch import AttentionMetadata
+from cobatch.engine.kv_cache import KVPool
+from cobatch.engine.sampler import Sampler, SampleRow
+from cobatch.engine.scheduler import StepPlan
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Per planned sequence: the sampled token (None if its prefill chunk did not reach the end)."""
+    tokens: list[int | None]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, device: torch.device):
+        self.model, self.pool, self.device = model, pool, device
+        self.sampler = Sampler()
+        self.block_size = pool.block_size
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids, pos, slots, starts, lens, sample_rows = [], [], [], [0], [], []
+        for seq, n in plan.items:
+            first = seq.num_computed
+            ids.extend(seq.token_ids[first:first + n])
+            positions = range(first, first + n)
+            pos.extend(positions)
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in positions)
+            starts.append(starts[-1] + n)
+            lens.append(first + n)
+            if first + n == len(seq.token_ids):
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(seq.block_table) for seq, _ in plan.items)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in plan.items]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(n for _, n in plan.items),
+            max_seq_len=max(lens),
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                meta, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        token_ids, positions, meta, sample_rows = self._inputs(plan)
+        hidden = self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v)
+        samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids)]
+        result = StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
+        if not samplers:
+            return result
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+        rows = [SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
+                          prompt_ids=seq.token_ids[:seq.prompt_len], output_ids=seq.output_ids)
+                for seq, _ in samplers]
+        out = self.sampler(logits, rows)
+        return self._to_host(plan, out, rows)
+
+    def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:
+        # The one host sync of the step: everything the caller needs in one transfer.
+        tensors = [out.token_ids.float()]
+        if out.logprobs is not None:
+            tensors += [out.logprobs.float(), out.top_ids.float(), out.top_logprobs.float()]
+        host = torch.cat([t.reshape(len(rows), -1) for t in tensors], dim=1).cpu().tolist()
+        result = StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
+        j = 0
+        for i, (seq, n) in enumerate(plan.items):
+            if seq.num_computed + n != len(seq.token_ids):
+                continue
+            row = host[j]
+            result.tokens[i] = int(row[0])
+            if out.logprobs is not None:
+                k = out.top_ids.shape[1]
+                want = rows[j].params.logprobs
+                result.logprobs[i] = row[1]
+                if want is not None:
+                    result.top[i] = [(int(t), lp) for t, lp in zip(row[2:2 + k], row[2 + k:2 + 2 * k])][:want]
+            j += 1
+        return result

@@ -1,0 +1,144 @@
+"""Step planning: which sequences run in the next forward pass, and how many rows each gets.
+
+Every decoding sequence advances by one token in every step (they are the latency-critical ones);
+prefill chunks fill the rest of the step's token budget, oldest request first, so a long prompt is
+sliced over several steps instead of stalling the streams that are already decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cobatch.engine.kv_cache import BlockManager
+from cobatch.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class StepPlan:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, rows this step)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self.items)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(seq.is_decoding and n == 1 for seq, n in self.items)
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """How often decode actually batched, and why it did not (the ds4 batch-diag counters)."""
+    decode_steps: int = 0
+    batched_steps: int = 0
+    lone_peer_prefill: int = 0   # the only decoder had a peer still prefilling
+    lone_peer_finish: int = 0    # a peer finished in the previous step
+    lone_no_peer: int = 0        # nobody else to batch with
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = DecodeStats()
+        self._finished_last_step = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.block_table:
+                matched = self.blocks.match_prefix(seq.token_ids)
+                seq.block_table = matched
+                seq.num_computed = len(matched) * self.blocks.block_size
+                seq.block_hashes = [self.blocks.blocks[b].hash for b in matched]
+                if seq.num_output == 0:
+                    seq.num_cached_prompt = seq.num_computed
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def _ensure_blocks(self, seq: Sequence, n_tokens: int) -> bool:
+        need = -(-(seq.num_computed + n_tokens) // self.blocks.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        got = self.blocks.allocate(need)
+        if got is None:
+            return False
+        seq.block_table.extend(got)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give a sequence's blocks back; it recomputes its tokens later (prefix cache may spare some)."""
+        self.running.remove(seq)
+        self.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+
+    def plan(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan()
+        budget = self.max_step_tokens
+        # Decoders first, in admission order; then prefill chunks in admission order.
+        order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
+        for seq in order:
+            if seq not in self.running:      # preempted while planning this step
+                continue
+            rows = 1 if seq.is_decoding else min(seq.pending, self.prefill_chunk, budget)
+            if rows <= 0:
+                continue
+            while not self._ensure_blocks(seq, rows):
+                # Out of KV: push back the newest sequence not already in this step (at worst this one).
+                planned = {id(s) for s, _ in plan.items}
+                victim = next((s for s in reversed(self.running) if s is not seq and id(s) not in planned), seq)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            plan.items.append((seq, rows))
+            budget -= rows
+        self._count(plan)
+        return plan
+
+    def _count(self, plan: StepPlan) -> None:
+        decoders = sum(1 for seq, _ in plan.items if seq.is_decoding)
+        if decoders == 0:
+            return
+        self.stats.decode_steps += 1
+        if decoders > 1:
+            self.stats.batched_steps += 1
+        elif len(plan.items) > 1 or self.waiting:
+            self.stats.lone_peer_prefill += 1
+        elif self._finished_last_step:
+            self.stats.lone_peer_finish += 1
+        else:
+            self.stats.lone_no_peer += 1
+
+    def finished(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def end_step(self, n_finished: int) -> None:
+        self._finished_last_step = n_finished

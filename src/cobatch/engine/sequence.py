@@ -1,0 +1,52 @@
+"""A session's own state: its tokens, how many of them are in the KV cache, its blocks, its sampling state.
+
+Everything shared between sessions (the KV pool, scratch, CUDA graphs) belongs to the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cobatch.engine.sampler import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"      # admitted to the engine, no KV yet (or preempted)
+    RUNNING = "running"      # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    token_ids: list[int]                     # prompt followed by every sampled token
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chain hashes of this sequence's full blocks
+    num_computed: int = 0                    # tokens whose K/V are in the cache
+    num_cached_prompt: int = 0               # prompt tokens served from the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens that still need a forward pass (1 while decoding, more while prefilling)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is SeqStatus.RUNNING and self.pending == 1 and self.num_output > 0

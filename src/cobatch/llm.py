@@ -1,0 +1,126 @@
+"""LLM: one loaded model with its tokenizer, chat template, KV pool and engine.
+
+The object the CLI, the server and the benchmarks share: `LLM.load(path)` and go.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cobatch.chat_template import ChatTemplate, ChatTemplateError
+from cobatch.config import ModelConfig
+from cobatch.engine.engine import Engine
+from cobatch.engine.kv_cache import KVPool
+from cobatch.engine.runner import ModelRunner
+from cobatch.errors import UserError
+from cobatch.loader.gguf import GGUFFile
+from cobatch.model_files import default_model_path
+from cobatch.models.llama import LlamaModel
+from cobatch.tokenizer import Tokenizer
+
+CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    device: str = "auto"               # "auto" | "cpu" | "cuda"
+    dtype: str | None = None           # activations and KV: f32 on CPU, bf16 on CUDA by default
+    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192)
+    max_num_seqs: int = 8              # sessions decoded together (--parallel)
+    kv_cache_gb: float | None = None   # KV pool size; default: from free memory (CUDA) or 1 GiB (CPU)
+    block_size: int = 16
+    prefill_chunk: int = 512
+    max_step_tokens: int = 2048
+    quiet: bool = False
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but no CUDA GPU is available")
+    return torch.device(name)
+
+
+_DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "f16": torch.float16, "float16": torch.float16}
+
+
+class LLM:
+    def __init__(self, path: Path, gguf: GGUFFile, cfg: ModelConfig, tokenizer: Tokenizer,
+                 template: ChatTemplate | None, model: LlamaModel, engine: Engine, options: EngineOptions):
+        self.path, self.gguf, self.config, self.tokenizer = path, gguf, cfg, tokenizer
+        self.template, self.model, self.engine, self.options = template, model, engine, options
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, options: EngineOptions | None = None) -> "LLM":
+        options = options or EngineOptions()
+        path = Path(path) if path else default_model_path()
+        device = _resolve_device(options.device)
+        if options.dtype and options.dtype not in _DTYPES:
+            raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
+        dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        gguf = GGUFFile(path)
+        cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
+        tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        try:
+            template = ChatTemplate.from_metadata(gguf.metadata, tokenizer)
+        except ChatTemplateError:
+            template = None
+        ctx = options.ctx or min(cfg.context_length, 8192)
+        if ctx < 2:
+            raise UserError(f"--ctx must be at least 2 (got {ctx})")
+        with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
+                  disable=options.quiet, file=sys.stderr) as bar:
+            model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update)
+        pool = _make_pool(cfg, options, ctx, dtype, device)
+        runner = ModelRunner(model, pool, device)
+        engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
+                        max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk)
+        return cls(path, gguf, cfg, tokenizer, template, model, engine, options)
+
+    # --- prompts ---------------------------------------------------------------------------------
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt: tokenized with the model's BOS/EOS conventions."""
+        return self.tokenizer.encode(text, add_special=True)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+        if self.template is None:
+            raise UserError("this model has no chat template (tokenizer.chat_template is missing); "
+                            "use raw generation instead")
+        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+        ids = self.tokenizer.encode(text, add_special=False)
+        bos = self.tokenizer.bos_id
+        # The template normally writes BOS itself; add it only where the model wants one and it is absent.
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+
+def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.dtype,
+               device: torch.device) -> KVPool:
+    per_block = KVPool.bytes_per_block(cfg, options.block_size, dtype)
+    if options.kv_cache_gb is not None:
+        budget = int(options.kv_cache_gb * (1 << 30))
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.85)
+    else:
+        # Enough for every slot's full context when it fits in the budget, else as much as the budget holds.
+        budget = min(CPU_KV_BUDGET_BYTES, per_block * -(-ctx // options.block_size) * options.max_num_seqs)
+    num_blocks = budget // per_block
+    min_blocks = -(-ctx // options.block_size)
+    if num_blocks < min_blocks:
+        num_blocks = min_blocks if options.kv_cache_gb is None else num_blocks
+    if num_blocks < 1:
+        raise UserError(f"KV cache budget too small: one block needs {per_block} bytes")
+    pool = KVPool(cfg, num_blocks, options.block_size, dtype, device)
+    if not options.quiet:
+        print(f"KV cache: {num_blocks} blocks x {options.block_size} tokens = {num_blocks * options.block_size} "
+              f"tokens, {pool.nbytes / 2**20:.0f} MiB ({dtype}, {device})", file=sys.stderr)
+    return pool

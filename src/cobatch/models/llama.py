@@ -1,0 +1,110 @@
+"""The llama family (llama, mistral, qwen2, qwen3) as one flat forward over a batch of rows.
+
+Rows from different sequences sit at different positions; attention goes through the paged KV cache.
+All math goes through `cobatch.ops`, so the same code runs the torch references on the CPU and the
+Triton kernels on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cobatch import ops
+from cobatch.batch import AttentionMetadata
+from cobatch.config import ModelConfig
+from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin
+from cobatch.loader.gguf import GGUFFile
+from cobatch.models.linear import load_linear
+
+
+@dataclass(slots=True)
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: object                  # fused q|k|v projection (see models/linear.py)
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # qwen3 per-head norms
+    k_norm: torch.Tensor | None
+    o: object
+    ffn_norm: torch.Tensor
+    gate_up: object              # fused gate|up projection
+    down: object
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, gguf: GGUFFile, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        dev = self.device
+
+        def vec(name: str) -> torch.Tensor:
+            return gguf.float_tensor(name).to(dev, dtype)
+
+        def lin(*names: str) -> object:
+            return load_linear([gguf.quant_weight(n) for n in names], dev, dtype)
+
+        self.layers: list[Layer] = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(Layer(
+                attn_norm=vec(p + "attn_norm.weight"),
+                qkv=lin(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                qkv_bias=torch.cat([vec(p + f"attn_{x}.bias") for x in "qkv"]) if cfg.qkv_bias else None,
+                q_norm=vec(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+                k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
+                o=lin(p + "attn_output.weight"),
+                ffn_norm=vec(p + "ffn_norm.weight"),
+                gate_up=lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                down=lin(p + "ffn_down.weight"),
+            ))
+            if progress is not None:
+                progress(1)
+        # The embedding is a gather, not a matmul: keep it dense. Tied models reuse it as the output head.
+        self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
+        head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+        self.lm_head = lin(head)
+        self.final_norm = vec("output_norm.weight")
+
+        n_pos = max_positions or cfg.context_length
+        factors = None
+        if "rope_freqs.weight" in gguf.tensors:
+            factors = gguf.float_tensor("rope_freqs.weight")
+        elif cfg.rope_scaling and cfg.rope_scaling["type"] == "llama3":
+            s = cfg.rope_scaling
+            factors = llama3_freq_factors(cfg.rope_dim, cfg.rope_theta, s["factor"], s["low_freq_factor"],
+                                          s["high_freq_factor"], s["original_context"])
+        linear_factor = cfg.rope_scaling["factor"] if cfg.rope_scaling and cfg.rope_scaling["type"] == "linear" else 1.0
+        self.cos_sin = rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor).to(dev)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """token_ids, positions: [N] -> final-normed hidden states [N, d_model]."""
+        cfg = self.cfg
+        n = token_ids.shape[0]
+        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        x = self.embed[token_ids]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual)
+            qkv = ops.linear(h, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q = qkv[:, :q_size].reshape(n, cfg.n_heads, cfg.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q, _ = ops.rms_norm(q.contiguous(), layer.q_norm, cfg.rms_eps)
+                k, _ = ops.rms_norm(k.contiguous(), layer.k_norm, cfg.rms_eps)
+            q, k = ops.rope(q, k, positions, self.cos_sin, cfg.rope_neox)
+            ops.kv_write(k, v, k_caches[i], v_caches[i], meta.slot_mapping)
+            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale)
+            x = ops.linear(attn.reshape(n, q_size), layer.o)
+            h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual)
+            x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.linear(hidden, self.lm_head).float()

@@ -1,0 +1,100 @@
+"""The engine on the CPU path with real weights: batching never changes a sequence's tokens."""
+
+import pytest
+
+from cobatch.engine.sampler import SamplingParams
+from model_fixtures import load_llm
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+    "1, 2, 3, 4,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_llm("smollm2")
+
+
+def _ids(llm, text):
+    return llm.encode_prompt(text)
+
+
+def test_batched_greedy_equals_each_alone(smol):
+    prompts = [_ids(smol, p) for p in PROMPTS]
+    alone = [smol.engine.generate([p], GREEDY)[0] for p in prompts]
+    together = smol.engine.generate(prompts, GREEDY)
+    assert together == alone
+    assert all(len(t) == GREEDY.max_tokens for t in alone)
+
+
+def test_staggered_arrivals_and_chunked_prefill_match():
+    llm = load_llm("smollm2", max_num_seqs=3, prefill_chunk=5)
+    prompts = [_ids(llm, p) for p in PROMPTS]
+    alone = [llm.engine.generate([p], GREEDY)[0] for p in prompts]
+    eng = llm.engine
+    out = {}
+    rid = {eng.add_request(prompts[0], GREEDY): 0}
+    steps = 0
+    while eng.has_work() or len(rid) < len(prompts):
+        if steps in (2, 4, 7) and len(rid) < len(prompts):     # late arrivals join running decodes
+            rid[eng.add_request(prompts[len(rid)], GREEDY)] = len(rid)
+        for o in eng.step():
+            if o.new_token is not None:
+                out.setdefault(rid[o.request_id], []).append(o.new_token)
+        steps += 1
+    assert [out[i] for i in range(len(prompts))] == alone
+    assert eng.stats.batched_steps > 0
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(smol):
+    eng = smol.engine
+    prompt = _ids(smol, "You are a helpful assistant. " * 8 + "Tell me a joke.")
+    first = eng.generate([prompt], GREEDY)[0]
+    rid = eng.add_request(prompt, GREEDY)
+    toks, cached = [], None
+    while eng.has_work():
+        for o in eng.step():
+            if o.request_id == rid and o.new_token is not None:
+                toks.append(o.new_token)
+                cached = o.num_cached_tokens
+    assert toks == first
+    bs = eng.pool.block_size
+    assert cached == (len(prompt) - 1) // bs * bs and cached > 0
+
+
+def test_abort_frees_blocks(smol):
+    eng = smol.engine
+    free_before = eng.blocks.num_free
+    rid = eng.add_request(_ids(smol, "Count to one hundred:"), SamplingParams(temperature=0.0, max_tokens=50))
+    eng.step()
+    eng.step()
+    assert eng.blocks.num_free < free_before
+    eng.abort(rid)
+    outs = eng.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" and o.finished for o in outs)
+    assert not eng.has_work()
+    assert eng.blocks.num_free == free_before
+
+
+def test_preemption_under_kv_pressure_keeps_tokens():
+    from cobatch.llm import LLM, EngineOptions
+    from cobatch.model_files import smollm2_path
+    base = load_llm("smollm2")
+    prompts = [_ids(base, p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    alone = [base.engine.generate([p], params)[0] for p in prompts]
+    # A pool of 8 blocks x 16 tokens cannot hold four sequences of ~35 tokens at once.
+    tight = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=128, max_num_seqs=4, kv_cache_gb=8.5 * (2 * 30 * 16 * 3 * 64 * 4) / 2**30, quiet=True))
+    assert tight.engine.pool.num_blocks == 8
+    assert tight.engine.generate(prompts, params) == alone
+    assert tight.engine.stats.preemptions > 0
+
+
+def test_context_limit_rejects_long_prompt(smol):
+    from cobatch.engine.engine import ContextLengthExceeded
+    with pytest.raises(ContextLengthExceeded):
+        smol.engine.add_request(list(range(5000)), GREEDY)
