@@ -1,0 +1,415 @@
+"""Kernel benchmark on the GPU: quantized GEMV / GEMM against the copy bandwidth and cuBLAS bf16.
+
+    PYTHONPATH=src python bench/kernels.py [--sweep] [--formats q8_0,q4_k,...] [--quick]
+
+1. Copy bandwidth (device-to-device, bytes read + written), measured in the same run: the ceiling.
+2. With --sweep: for each format and Llama-3-8B shape, times candidate narrow tile configs (n_tok 1 and 16)
+   and GEMM configs (n_tok 2048), picks the best, and finds the crossover T (largest measured n_tok where
+   the narrow kernel still beats the GEMM config). Writes the choice as quant_configs.json (to $OUT and
+   bench/results/); copy it to src/cobatch/kernels/ to make it the default.
+3. The table: n_tok 1..64 with the chosen plan: time, GB/s of weight bytes read, % of copy, speed-up over
+   torch bf16 F.linear at the same n_tok; prefill GEMM TFLOP/s at n_tok 512 / 2048 vs torch bf16.
+4. Decode-attention rows from bench/kernels_attention.py (run(copy_gbps) -> rows), when present.
+
+Small kernels are timed inside one CUDA graph that runs the op over rotating copies of the weights
+(together > 256 MB, several times the 60 MB L2), median over replays; never one launch with do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig  # noqa: E402
+from cobatch.kernels.quant_pack import PackedPlanes  # noqa: E402
+from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
+from cobatch.quant.weight import QuantWeight  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+FORMATS = ["q4_k", "q8_0", "q4_1", "q6_k"]
+DECODE_TOKS = [1, 2, 3, 4, 8, 16, 32, 64]
+PREFILL_TOKS = [512, 2048]
+ROTATE_BYTES = 256 << 20
+SMS = 132
+
+NARROW_BASES = [  # (BN, BK, warps, stages); split-K is swept separately
+    (64, 256, 4, 3), (128, 256, 4, 3), (128, 128, 4, 4), (128, 256, 4, 2), (128, 256, 8, 3), (64, 128, 4, 4)]
+GEMM_CANDIDATES = [TileConfig(128, 128, 64, 1, 8, 3), TileConfig(64, 128, 64, 1, 4, 3),
+                   TileConfig(128, 64, 64, 1, 4, 4), TileConfig(128, 128, 128, 1, 8, 3)]
+CROSSOVER_TOKS = [16, 32, 64, 128]
+
+
+# --- timing -----------------------------------------------------------------------------------------------
+
+def graph_time(launches, reps: int = 15) -> float:
+    """Seconds per launch: all launches captured in one CUDA graph, median over replays."""
+    for f in launches:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in launches:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / len(launches)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(512 << 20, device="cuda")
+    dst = torch.empty_like(src)
+    t = graph_time([lambda: dst.copy_(src)] * 4, reps=10)
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    return nbytes / t / 1e9
+
+
+# --- weights ----------------------------------------------------------------------------------------------
+
+def random_weight(fmt_name: str, rows: int, cols: int, seed: int = 0) -> QuantWeight:
+    """Valid random blocks: a 256-row random_quantized slab, tiled over the rows on the GPU (fast)."""
+    fmt = format_of(fmt_name)
+    slab = random_quantized(fmt.ggml_type, 256, cols, torch.Generator().manual_seed(seed)).cuda()
+    raw = slab.repeat(-(-rows // 256), 1)[:rows].contiguous()
+    return QuantWeight(fmt, rows, cols, raw)
+
+
+def clone_packed(pw: PackedWeight) -> PackedWeight:
+    p = pw.planes
+    planes = PackedPlanes(p.fmt_id, p.rows, p.cols, p.rows_pad, p.cols_pad, p.qs.clone(), p.d.clone(),
+                          None if p.m is None else p.m.clone(), None if p.sub is None else p.sub.clone(),
+                          None if p.qh is None else p.qh.clone())
+    return PackedWeight(pw.fmt_name, pw.rows, pw.cols, planes=planes, plan=pw.plan)
+
+
+def rotating(pw: PackedWeight) -> list[PackedWeight]:
+    n = max(2, math.ceil(ROTATE_BYTES / pw.nbytes))
+    return [pw] + [clone_packed(pw) for _ in range(n - 1)]
+
+
+def time_packed(copies: list[PackedWeight], n_tok: int, cfg: TileConfig | None) -> float:
+    cols = copies[0].cols
+    x = torch.randn(n_tok, cols, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n_tok, copies[0].rows, device="cuda", dtype=torch.bfloat16)
+    return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
+
+
+def time_torch_linear(rows: int, cols: int, n_tok: int, cache: dict) -> float:
+    key = (rows, cols)
+    if key not in cache:
+        one = rows * cols * 2
+        cache.clear()
+        cache[key] = [torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
+                      for _ in range(max(1, math.ceil(ROTATE_BYTES / one)))]
+    ws = cache[key]
+    x = torch.randn(n_tok, cols, device="cuda", dtype=torch.bfloat16)
+    return graph_time([lambda w=w: F.linear(x, w) for w in ws])
+
+
+# --- parallel precompile ----------------------------------------------------------------------------------
+
+def _compile_one(task) -> str:
+    fmt_name, cfg_tuple = task
+    cfg = TileConfig(*cfg_tuple)
+    try:
+        w = random_weight(fmt_name, 256, 4096)
+        pw = PackedWeight.from_quant(w, "cuda")
+        x = torch.randn(2, 4096, device="cuda").to(torch.bfloat16)
+        pw.matmul(x, config=cfg)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # reported, the config is dropped
+        return f"{fmt_name} {cfg}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(tasks: list[tuple[str, TileConfig]], workers: int) -> set[tuple[str, TileConfig]]:
+    """Compile every (format, config) in worker processes (Triton's disk cache is shared); returns the
+    ones that failed, so the sweep skips them."""
+    uniq = sorted({(f, c) for f, c in tasks}, key=str)
+    t0 = time.time()
+    bad = set()
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for (f, c), err in zip(uniq, pool.map(_compile_one, [(f, dataclasses.astuple(c)) for f, c in uniq])):
+            if err:
+                print("compile failed:", err, flush=True)
+                bad.add((f, c))
+    print(f"precompiled {len(uniq)} kernels in {time.time() - t0:.0f} s ({len(bad)} failed)", flush=True)
+    return bad
+
+
+# --- sweep -------------------------------------------------------------------------------------------------
+
+def narrow_candidates(rows: int, cols: int) -> list[TileConfig]:
+    out = []
+    for bn, bk, warps, stages in NARROW_BASES:
+        tiles = -(-rows // bn)
+        k_tiles = -(-cols // 256) * 256 // bk
+        for split in (1, 2, 4, 8):
+            if k_tiles % split or (split > 1 and tiles * split > 6 * SMS):
+                continue
+            out.append(TileConfig(16, bn, bk, split, warps, stages))
+    return out
+
+
+def sweep(formats, log, deadline: float, save) -> dict:
+    """Stops early at `deadline` (time.time()); formats/shapes not reached keep the built-in defaults."""
+    table = {"default": {}, "formats": {}}
+    tasks = [(f, c) for f in formats for (r, k) in SHAPES.values() for c in narrow_candidates(r, k)]
+    tasks += [(f, c) for f in formats for c in GEMM_CANDIDATES]
+    try:
+        bad = precompile(tasks, workers=min(14, os.cpu_count() or 4))
+    except Exception as e:  # compile lazily instead
+        print("parallel precompile failed:", repr(e), flush=True)
+        bad = set()
+    for fmt_name in formats:
+        if time.time() > deadline:
+            print("sweep deadline reached before", fmt_name, flush=True)
+            break
+        fmt_entry = {"shapes": {}}
+        table["formats"][fmt_name] = fmt_entry
+        # GEMM config: best TFLOP/s at n_tok 2048 on gate_up, used for every shape of the format
+        rows, cols = SHAPES["gate_up"]
+        pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
+        best_gemm = None
+        for cfg in GEMM_CANDIDATES:
+            if (fmt_name, cfg) in bad:
+                continue
+            t = time_packed([pw] * 3, 2048, cfg)
+            tflops = 2 * 2048 * rows * cols / t / 1e12
+            log.append({"kind": "sweep_gemm", "fmt": fmt_name, "config": _cfg_dict(cfg), "tflops": tflops})
+            print(f"  {fmt_name} gemm {cfg}: {tflops:.0f} TFLOP/s", flush=True)
+            if best_gemm is None or tflops > best_gemm[0]:
+                best_gemm = (tflops, cfg)
+        gemm = best_gemm[1]
+        fmt_entry["default"] = {"gemm": _cfg_dict(gemm)}
+        del pw
+        for name, (rows, cols) in SHAPES.items():
+            if time.time() > deadline:
+                print("sweep deadline reached at", fmt_name, name, flush=True)
+                break
+            pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
+            copies = rotating(pw)
+            results = []
+            for cfg in narrow_candidates(rows, cols):
+                if (fmt_name, cfg) in bad:
+                    continue
+                t1 = time_packed(copies, 1, cfg)
+                t16 = time_packed(copies, 16, cfg)
+                results.append(((t1 + t16) / 2, t1, t16, cfg))
+                log.append({"kind": "sweep_narrow", "fmt": fmt_name, "shape": name, "config": _cfg_dict(cfg),
+                            "us_1": t1 * 1e6, "us_16": t16 * 1e6, "gbps_1": pw.nbytes / t1 / 1e9})
+            results.sort(key=lambda r: r[0])
+            _, t1, t16, narrow = results[0]
+            print(f"  {fmt_name} {name}: narrow {narrow} {pw.nbytes / t1 / 1e9:.0f} GB/s @1, "
+                  f"{pw.nbytes / t16 / 1e9:.0f} GB/s @16", flush=True)
+            crossover = CROSSOVER_TOKS[0]
+            for n in CROSSOVER_TOKS:
+                tn, tg = time_packed(copies, n, narrow), time_packed(copies, n, gemm)
+                log.append({"kind": "sweep_crossover", "fmt": fmt_name, "shape": name, "n_tok": n,
+                            "narrow_us": tn * 1e6, "gemm_us": tg * 1e6})
+                if tn <= tg:
+                    crossover = n
+                else:
+                    break
+            fmt_entry["shapes"][f"{rows}x{cols}"] = {"narrow": _cfg_dict(narrow), "crossover": crossover}
+            del copies, pw
+            torch.cuda.empty_cache()
+            save(table)
+    return table
+
+
+def _cfg_dict(c: TileConfig) -> dict:
+    return {"BM": c.BM, "BN": c.BN, "BK": c.BK, "split_k": c.split_k, "num_warps": c.num_warps,
+            "num_stages": c.num_stages}
+
+
+# --- the table ---------------------------------------------------------------------------------------------
+
+def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, save=lambda: None) -> None:
+    if config_path:
+        os.environ["COBATCH_QUANT_CONFIGS"] = config_path
+        qm._config_table.cache_clear()
+    torch_cache: dict = {}
+    torch_us = {}
+    for name, (rows, cols) in SHAPES.items():
+        for n in DECODE_TOKS + PREFILL_TOKS:
+            torch_us[(name, n)] = time_torch_linear(rows, cols, n, torch_cache)
+    torch_cache.clear()
+    for fmt_name in formats:
+        for name, (rows, cols) in SHAPES.items():
+            w = random_weight(fmt_name, rows, cols)
+            pw = PackedWeight.from_quant(w, "cuda")
+            # sanity: the timed kernel computes the right thing on these weights
+            x = torch.randn(16, cols, device="cuda").to(torch.bfloat16)
+            sub = slice(0, 512)
+            ref = x.double() @ QuantWeight(w.fmt, 512, cols, w.raw[sub]).dequantize().double().T
+            err = ((pw.matmul(x)[:, sub].double() - ref).norm() / ref.norm()).item()
+            copies = rotating(pw)
+            plan = pw.plan
+            for n in DECODE_TOKS:
+                t = time_packed(copies, n, None)
+                path = "narrow" if n <= plan.crossover else "gemm"
+                gbps = pw.nbytes / t / 1e9
+                rows_out.append({"kind": "gemv", "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols,
+                                 "n_tok": n, "path": path, "us": t * 1e6, "gbps": gbps,
+                                 "pct_copy": 100 * gbps / copy_gbps, "weight_bytes": pw.nbytes,
+                                 "gguf_bytes": w.nbytes, "torch_bf16_us": torch_us[(name, n)] * 1e6,
+                                 "speedup_vs_bf16": torch_us[(name, n)] / t, "crossover": plan.crossover,
+                                 "narrow": _cfg_dict(plan.narrow), "rel_err": err})
+            for n in PREFILL_TOKS:
+                t = time_packed([pw] * 3, n, None)
+                tflops = 2 * n * rows * cols / t / 1e12
+                ttf = 2 * n * rows * cols / torch_us[(name, n)] / 1e12
+                rows_out.append({"kind": "gemm", "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols,
+                                 "n_tok": n, "us": t * 1e6, "tflops": tflops, "torch_bf16_tflops": ttf,
+                                 "ratio": tflops / ttf, "gemm": _cfg_dict(plan.gemm)})
+            print(f"  {fmt_name} {name}: rel_err {err:.1e}, crossover {plan.crossover}, narrow {plan.narrow}",
+                  flush=True)
+            del copies, pw, w
+            torch.cuda.empty_cache()
+        save()
+
+
+def attention_rows(copy_gbps: float) -> list[dict]:
+    path = ROOT / "bench" / "kernels_attention.py"
+    if not path.exists():
+        return []
+    spec = importlib.util.spec_from_file_location("kernels_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [{"kind": "attention", **r} for r in mod.run(copy_gbps)]
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    lines = [f"# Kernel benchmark {result['date']}", "", f"Command: `{result['command']}`", "",
+             f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}. "
+             f"Copy bandwidth (read + write): **{result['copy_gbps']:.0f} GB/s**.", "",
+             "## Quantized GEMV (decode): GB/s of weight bytes read (% of copy) / speed-up over torch bf16 "
+             "F.linear", ""]
+    for fmt_name in sorted({r["fmt"] for r in rows if r["kind"] == "gemv"}):
+        lines += [f"### {fmt_name}", "", "| shape | T | " + " | ".join(f"n={n}" for n in DECODE_TOKS) + " |",
+                  "|---|---|" + "---|" * len(DECODE_TOKS)]
+        for name in SHAPES:
+            cells = {r["n_tok"]: r for r in rows if r["kind"] == "gemv" and r["fmt"] == fmt_name and r["shape"] == name}
+            if not cells:
+                continue
+            t = next(iter(cells.values()))["crossover"]
+            lines.append(f"| {name} {SHAPES[name][0]}x{SHAPES[name][1]} | {t} | " + " | ".join(
+                f"{cells[n]['gbps']:.0f} ({cells[n]['pct_copy']:.0f}%) / {cells[n]['speedup_vs_bf16']:.2f}x"
+                for n in DECODE_TOKS if n in cells) + " |")
+        lines.append("")
+    lines += ["## Dequant GEMM (prefill): TFLOP/s vs torch bf16 matmul", "",
+              "| format | shape | n_tok | TFLOP/s | torch bf16 | ratio |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "gemm":
+            lines.append(f"| {r['fmt']} | {r['shape']} | {r['n_tok']} | {r['tflops']:.0f} | "
+                         f"{r['torch_bf16_tflops']:.0f} | {r['ratio']:.2f} |")
+    att = [r for r in rows if r["kind"] == "attention"]
+    if att:
+        keys = [k for k in att[0] if k != "kind"]
+        lines += ["", "## Decode attention", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        for r in att:
+            lines.append("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def short_table(result: dict) -> str:
+    out = [f"copy {result['copy_gbps']:.0f} GB/s", "fmt    shape     T   " + " ".join(f"{n:>9}" for n in DECODE_TOKS)]
+    rows = [r for r in result["rows"] if r["kind"] == "gemv"]
+    for fmt_name in sorted({r["fmt"] for r in rows}):
+        for name in SHAPES:
+            cells = {r["n_tok"]: r for r in rows if r["fmt"] == fmt_name and r["shape"] == name}
+            if cells:
+                out.append(f"{fmt_name:6} {name:8} {next(iter(cells.values()))['crossover']:3} " + " ".join(
+                    f"{cells[n]['pct_copy']:4.0f}%{cells[n]['speedup_vs_bf16']:4.1f}" for n in DECODE_TOKS))
+    out.append("gemm TFLOP/s (ratio to bf16): " + ", ".join(
+        f"{r['fmt']}/{r['shape']}/{r['n_tok']}: {r['tflops']:.0f} ({r['ratio']:.2f})"
+        for r in result["rows"] if r["kind"] == "gemm" and r["shape"] in ("gate_up", "o")))
+    for r in result["rows"]:
+        if r["kind"] == "attention":
+            out.append("attn " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in r.items() if k != "kind"))
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="choose tile configs and crossovers first")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--configs", default=None, help="quant_configs.json to use (default: the package's)")
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--sweep-seconds", type=float, default=150.0, help="time budget of the sweep")
+    args = ap.parse_args()
+    formats = args.formats.split(",")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    res_dir = ROOT / "bench" / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    log: list = []
+    config_path = args.configs
+    if args.sweep:
+        def save(table):
+            text = json.dumps(table, indent=1)
+            for d in [res_dir] + ([out_dir] if out_dir else []):
+                (d / "quant_configs.json").write_text(text)
+            if out_dir:
+                (out_dir / "sweep.json").write_text(json.dumps(log))
+        table = sweep(formats, log, time.time() + args.sweep_seconds, save)
+        save(table)
+        config_path = str(res_dir / "quant_configs.json")
+    rows: list = []
+
+    def save_partial():
+        if out_dir:
+            (out_dir / "kernels-partial.json").write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows}))
+    measure(formats, copy_gbps, rows, config_path, save_partial)
+    try:
+        rows += attention_rows(copy_gbps)
+    except Exception as e:  # the other module's failure must not lose our numbers
+        print("attention bench failed:", repr(e), flush=True)
+    result = {"date": args.date, "command": "PYTHONPATH=src python bench/kernels.py " + " ".join(sys.argv[1:]),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "copy_gbps": copy_gbps, "rows": rows, "sweep": log}
+    text = json.dumps(result, indent=1)
+    md = markdown(result)
+    for d in [res_dir] + ([out_dir] if out_dir else []):
+        (d / f"kernels-{args.date}.json").write_text(text)
+        (d / f"kernels-{args.date}.md").write_text(md)
+    print(short_table(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

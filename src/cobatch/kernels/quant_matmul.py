@@ -1,0 +1,462 @@
+"""Quantized linear layers on the GPU: y = x @ W.T with W kept in its GGUF block format.
+
+One Triton kernel serves every packed format (FMT constexpr) and every batch size; only the tile config
+changes with n_tok:
+  - narrow (n_tok <= T, decode): each program owns BN weight rows and a slice of K (split-K), loads every
+    weight block once, dequantizes it in registers and multiplies it against all n_tok activation rows at
+    once. "Swap AB": the weight tile is the MMA's M side (A operand, straight from registers) and the
+    tokens, padded to BM=16, are its N side, so a batch of 1 and a batch of 16 cost the same bytes.
+    Split-K partials are summed in a fixed order by the last program of each tile (no float atomics),
+    so row t's result is bitwise the same whatever n_tok is.
+  - gemm (n_tok > T, prefill): the same kernel with big token tiles (BM 64..256) on tensor cores.
+The crossover T and the tile configs come from quant_configs.json (measured on the H200 by
+bench/kernels.py); nothing is autotuned at run time.
+
+Formats without a packed layout (q5_1, q2_K, q3_K, q5_K, f16/bf16/f32 matrices) are dequantized once at load
+to a dense matrix and go through F.linear: correct, but they read 2 bytes per weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cobatch.kernels import quant_pack
+from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
+from cobatch.kernels.triton_support import interpreting, jit, tl, triton
+from cobatch.quant.weight import QuantWeight
+
+CONFIG_PATH = Path(__file__).with_name("quant_configs.json")
+
+
+def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The torch reference: float32 x @ dequant(W).T -> float32 [n_tok, rows]."""
+    return x.float() @ w.dequantize(torch.float32).to(x.device).T
+
+
+# --- Triton -------------------------------------------------------------------------------------------
+#
+# Loop structure: per K tile (BK weights), per 64-weight chunk, one [BN, 32]-byte quant load gives two
+# 32-weight blocks (q8_0: two loads). Each block is dequantized into the MMA's register A operand and
+# multiplied by x[toks, block].T ([32, BM], from shared memory) with its per-row scale broadcast along K.
+# Block-sized 2-D tiles keep Triton from routing the dequantized tile through shared memory (a [BN, BK]
+# tile with a per-32 scale broadcast did: +1 STS/weight), and 4-byte side loads (scales, mins, high
+# bits) per chunk let the pipeliner turn every load into an async copy.
+
+# The format ids as compile-time constants (Triton reads only constexpr globals).
+_const = tl.constexpr if tl is not None else (lambda v: v)
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K = (_const(getattr(quant_pack, n)) for n in
+                                      ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"))
+
+
+def _nibble_asm(dtype: str, affine: bool) -> str:
+    """Two bytes -> 4 weights as two packed pairs: $0 = low nibbles (block 2c), $1 = high nibbles (2c+1).
+
+    The nibbles go into 16-bit lanes under a magic exponent (bf16 0x4300 = 128, f16 0x6400 = 1024, whose
+    ulp is 1), one packed add removes the magic (and q4_0's zero point 8) exactly, one packed mul/fma
+    applies the scale: ~1.75 instructions per weight instead of ~5 for int->float conversions."""
+    magic, zp8, zp0 = {"bf16": ("0x43004300", "0xC308C308", "0xC300C300"),
+                       "f16": ("0x64006400", "0xE408E408", "0xE400E400")}[dtype]
+    scale = (f"fma.rn.{dtype}x2 $0, $0, $3, $5;\n fma.rn.{dtype}x2 $1, $1, $4, $6;" if affine else
+             f"mul.rn.{dtype}x2 $0, $0, $3;\n mul.rn.{dtype}x2 $1, $1, $4;")
+    return f"""{{
+ .reg .b32 t, u, z;
+ mov.b32 z, {zp0 if affine else zp8};
+ prmt.b32 t, $2, 0, 0x4140;
+ shr.u32 u, t, 4;
+ lop3.b32 $0, t, 0x000F000F, {magic}, 0xEA;
+ lop3.b32 $1, u, 0x000F000F, {magic}, 0xEA;
+ add.rn.{dtype}x2 $0, $0, z;
+ add.rn.{dtype}x2 $1, $1, z;
+ {scale}
+}}"""
+
+
+def _q8_asm(dtype: str) -> str:
+    """Two int8 bytes -> one packed pair: 2^23 magic in f32 (exact), f32 scale, one rounding to dtype."""
+    return f"""{{
+ .reg .b32 x, f0, f1, c;
+ mov.b32 c, 0x4B000000;
+ xor.b32 x, $1, 0x8080;
+ prmt.b32 f0, x, c, 0x7440;
+ prmt.b32 f1, x, c, 0x7441;
+ sub.f32 f0, f0, 0f4B000080;
+ sub.f32 f1, f1, 0f4B000080;
+ mul.f32 f0, f0, $2;
+ mul.f32 f1, f1, $3;
+ cvt.rn.{dtype}x2.f32 $0, f1, f0;
+}}"""
+
+
+_ASM_NIB_ZP_BF16, _ASM_NIB_ZP_F16 = _const(_nibble_asm("bf16", False)), _const(_nibble_asm("f16", False))
+_ASM_NIB_AFF_BF16, _ASM_NIB_AFF_F16 = _const(_nibble_asm("bf16", True)), _const(_nibble_asm("f16", True))
+_ASM_Q8_BF16, _ASM_Q8_F16 = _const(_q8_asm("bf16")), _const(_q8_asm("f16"))
+
+
+@jit
+def _exact_f32(u, offset: tl.constexpr):
+    """u int32 in [0, 2^23) -> float(u) - offset, exactly: the 2^23 magic number instead of a (slow) I2F."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+
+@jit
+def _pair(ptr):
+    """Load [BN, 2] at ptr and return its two columns as [BN, 1] tensors."""
+    a, b = tl.split(tl.load(ptr))
+    return a[:, None], b[:, None]
+
+
+@jit
+def _quad(ptr):
+    """Load [BN, 4] at ptr (4 consecutive elements per row) and return its four columns as [BN, 1]."""
+    t = tl.load(ptr)
+    even, odd = tl.split(tl.reshape(t, [t.shape[0], 2, 2]))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0[:, None], c1[:, None], c2[:, None], c3[:, None]
+
+
+@jit
+def _nibbles(q, s0, s1, m0, m1, AFFINE: tl.constexpr, ZP: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """Bytes q [BN, 32] -> (low nibbles * s0 + m0, high nibbles * s1 + m1) in DT ([BN, 1] scales; or
+    (q - ZP) * s without mins). One return at the end: Triton checks every branch's return type."""
+    if ASM:  # (dtypes spelled out: inline_asm_elementwise wants a dtype, not a constexpr)
+        if DT == tl.bfloat16:
+            if AFFINE:
+                w0, w1 = tl.inline_asm_elementwise(
+                    _ASM_NIB_AFF_BF16, "=r,=r,r,r,r,r,r", [q, s0.to(tl.bfloat16), s1.to(tl.bfloat16),
+                                                           m0.to(tl.bfloat16), m1.to(tl.bfloat16)],
+                    (tl.bfloat16, tl.bfloat16), True, 2)
+            else:
+                w0, w1 = tl.inline_asm_elementwise(_ASM_NIB_ZP_BF16, "=r,=r,r,r,r",
+                                                   [q, s0.to(tl.bfloat16), s1.to(tl.bfloat16)],
+                                                   (tl.bfloat16, tl.bfloat16), True, 2)
+        else:
+            if AFFINE:
+                w0, w1 = tl.inline_asm_elementwise(
+                    _ASM_NIB_AFF_F16, "=r,=r,r,r,r,r,r", [q, s0.to(tl.float16), s1.to(tl.float16),
+                                                          m0.to(tl.float16), m1.to(tl.float16)],
+                    (tl.float16, tl.float16), True, 2)
+            else:
+                w0, w1 = tl.inline_asm_elementwise(_ASM_NIB_ZP_F16, "=r,=r,r,r,r",
+                                                   [q, s0.to(tl.float16), s1.to(tl.float16)],
+                                                   (tl.float16, tl.float16), True, 2)
+    else:
+        qi = q.to(tl.int32)
+        lo = _exact_f32(qi & 0xF, ZP) * s0.to(tl.float32)
+        hi = _exact_f32((qi >> 4) & 0xF, ZP) * s1.to(tl.float32)
+        if AFFINE:
+            lo += m0.to(tl.float32)
+            hi += m1.to(tl.float32)
+        w0 = lo.to(DT)
+        w1 = hi.to(DT)
+    return w0, w1
+
+
+@jit
+def _q8_block(q, d, DT: tl.constexpr, ASM: tl.constexpr):
+    """int8 bits q [BN, 32] (uint8) times d [BN, 1] -> DT."""
+    if ASM:
+        if DT == tl.bfloat16:
+            w = tl.inline_asm_elementwise(_ASM_Q8_BF16, "=r,r,r,r", [q, d.to(tl.float32)], tl.bfloat16, True, 2)
+        else:
+            w = tl.inline_asm_elementwise(_ASM_Q8_F16, "=r,r,r,r", [q, d.to(tl.float32)], tl.float16, True, 2)
+    else:
+        w = (_exact_f32((q.to(tl.int32) & 0xFF) ^ 0x80, 128.0) * d.to(tl.float32)).to(DT)
+    return w
+
+
+@jit
+def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32, side256, chunk, j,
+                   FMT: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """Weights [64*chunk, 64*chunk + 64) of rows `row` ([BN, 1] int64) as two [BN, 32] tiles in DT: the
+    32-weight blocks 2*chunk and 2*chunk+1. j = arange(32)[None, :]."""
+    two = tl.arange(0, 2)[None, :]
+    four = tl.arange(0, 4)[None, :]
+    if FMT == Q8_0:
+        q0 = tl.load(qs_ptr + row * qs_stride + 64 * chunk + j)
+        q1 = tl.load(qs_ptr + row * qs_stride + 64 * chunk + 32 + j)
+        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
+        return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
+    q = tl.load(qs_ptr + row * qs_stride + 32 * chunk + j)        # low nibbles: block 2c, high: 2c+1
+    if FMT == Q4_0:
+        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
+        return _nibbles(q, d0, d1, d0, d1, False, 8.0, DT, ASM)
+    elif FMT == Q4_1:
+        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
+        m0, m1 = _pair(m_ptr + row * side32 + 2 * chunk + two)
+        return _nibbles(q, d0, d1, m0, m1, True, 0.0, DT, ASM)
+    elif FMT == Q4_K:
+        sc0, mn0, sc1, mn1 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)  # (scale, min) x 2 blocks
+        d, dmin = _pair(d_ptr + row * (2 * side256) + 2 * (chunk // 4) + two)
+        d = d.to(tl.float32)
+        dmin = dmin.to(tl.float32)
+        return _nibbles(q, d * sc0.to(tl.float32), d * sc1.to(tl.float32),
+                        -(dmin * mn0.to(tl.float32)), -(dmin * mn1.to(tl.float32)), True, 0.0, DT, ASM)
+    elif FMT == Q5_0:   # the fifth bit comes from a 32-bit word per block: plain Triton ops
+        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
+        h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + two)
+        qi = q.to(tl.int32)
+        lo = _exact_f32((qi & 0xF) | (((h0 >> j) & 1) << 4), 16.0) * d0.to(tl.float32)
+        hi = _exact_f32(((qi >> 4) & 0xF) | (((h1 >> j) & 1) << 4), 16.0) * d1.to(tl.float32)
+        return lo.to(DT), hi.to(DT)
+    else:               # Q6_K: low nibble | 2 high bits << 4, minus 32; an int8 scale per 16 weights
+        s0, s1, s2, s3 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)
+        h0, h1, h2, h3 = _quad(qh_ptr + row * (2 * side32) + 4 * chunk + four)
+        d = tl.load(d_ptr + row * side256 + chunk // 4)
+        first = j < 16
+        qi = q.to(tl.int32)
+        shift = 2 * (j % 16)
+        lo = _exact_f32((qi & 0xF) | (((tl.where(first, h0, h1) >> shift) & 3) << 4), 32.0)
+        hi = _exact_f32(((qi >> 4) & 0xF) | (((tl.where(first, h2, h3) >> shift) & 3) << 4), 32.0)
+        lo = lo * (d * tl.where(first, s0, s1).to(tl.float32))
+        hi = hi * (d * tl.where(first, s2, s3).to(tl.float32))
+        return lo.to(DT), hi.to(DT)
+
+
+@jit
+def _dot_block(acc, x_ptr, x_stride, toks, tok_ok, n_cols, w, k, j_col, EVEN_K: tl.constexpr):
+    """acc[BN, BM] += w[BN, 32] @ x[toks, k:k+32].T"""
+    ptrs = x_ptr + toks[None, :] * x_stride + (k + j_col)
+    if EVEN_K:
+        xt = tl.load(ptrs, mask=tok_ok[None, :], other=0.0)
+    else:
+        xt = tl.load(ptrs, mask=tok_ok[None, :] & (k + j_col < n_cols), other=0.0)
+    return tl.dot(w, xt.to(w.dtype), acc)
+
+
+def _kernel_jit(fn):
+    # Sizes and strides are not specialized (one compile serves every shape of a format and config, and
+    # n_tok = 1 runs the very same binary as n_tok = 16); their alignment is asserted with multiple_of.
+    if triton is None:
+        return jit(fn)
+    return triton.jit(fn, do_not_specialize=["n_tok", "n_rows", "n_cols", "n_super", "k_tiles_per_split"])
+
+
+@_kernel_jit
+def _quant_matmul_kernel(
+        x_ptr, out_ptr, partial_ptr, count_ptr,
+        qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
+        n_tok, n_rows, n_cols, x_stride, out_stride, n_super, k_tiles_per_split,
+        FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+    C: tl.constexpr = BK // 64
+    # Row strides of the planes from the padded row length in 256-weight super-blocks, so the compiler
+    # sees their alignment (16-byte vector loads) without specializing on the shape.
+    side256 = n_super
+    side32 = 8 * n_super
+    qs_stride = (256 if FMT == Q8_0 else 128) * n_super
+    # The interpreter's bf16 dot is wrong (numpy has no bf16) and runs no inline asm: f32 there.
+    DT: tl.constexpr = tl.float32 if F32_DOT else x_ptr.dtype.element_ty
+    ASM: tl.constexpr = not F32_DOT
+    pid_m = tl.program_id(0)               # token tile: fastest, so programs sharing a weight tile run together
+    pid_n = tl.program_id(1) // SPLIT_K
+    pid_k = tl.program_id(1) % SPLIT_K
+    rows = pid_n * BN + tl.arange(0, BN)
+    row = rows.to(tl.int64)[:, None]
+    j = tl.arange(0, 32)[None, :]
+    j_col = tl.arange(0, 32)[:, None]
+    toks = pid_m * BM + tl.arange(0, BM)
+    tok_ok = toks < n_tok
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for i in range(0, k_tiles_per_split):  # a contiguous K range per split
+        kt = pid_k * k_tiles_per_split + i
+        for c in tl.static_range(C):
+            chunk = kt * C + c
+            w0, w1 = _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32, side256,
+                                    chunk, j, FMT, DT, ASM)
+            acc = _dot_block(acc, x_ptr, x_stride, toks, tok_ok, n_cols, w0, 64 * chunk, j_col, EVEN_K)
+            acc = _dot_block(acc, x_ptr, x_stride, toks, tok_ok, n_cols, w1, 64 * chunk + 32, j_col, EVEN_K)
+
+    out_ptrs = out_ptr + toks[:, None] * out_stride + rows[None, :]
+    out_mask = tok_ok[:, None] & (rows[None, :] < n_rows)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Deterministic split-K: every split writes its partial tile; the last to arrive sums them in
+        # split order. The counter is re-armed by that program, so CUDA-graph replays start from 0.
+        tile = pid_m * (tl.num_programs(1) // SPLIT_K) + pid_n
+        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(partial_ptr + (tile * SPLIT_K + pid_k) * (BM * BN) + offs, tl.trans(acc))
+        tl.debug_barrier()                  # all threads' partial stores precede the release below
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BM, BN], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(partial_ptr + (tile * SPLIT_K + s) * (BM * BN) + offs, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+# --- configs ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    BM: int
+    BN: int
+    BK: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @staticmethod
+    def parse(d: dict) -> "TileConfig":
+        return TileConfig(**d)
+
+
+# Used when quant_configs.json has no entry for a format/shape.
+DEFAULT_NARROW = TileConfig(BM=16, BN=64, BK=256, split_k=1, num_warps=4, num_stages=3)
+DEFAULT_GEMM = TileConfig(BM=128, BN=128, BK=64, split_k=1, num_warps=8, num_stages=3)
+DEFAULT_CROSSOVER = 16
+INTERPRETER_NARROW = TileConfig(BM=16, BN=32, BK=64, split_k=2)   # small tiles keep the CPU tests fast
+INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulPlan:
+    """The tile configs of one weight: chosen at load, fixed for the process."""
+    narrow: TileConfig
+    gemm: TileConfig
+    crossover: int       # n_tok <= crossover -> narrow
+
+
+@lru_cache(maxsize=None)
+def _config_table(path: str) -> dict:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def default_split_k(n_rows: int, n_cols_pad: int, cfg: TileConfig, sms: int = 132) -> int:
+    """Enough programs to fill the GPU about twice: small matrices split K, big ones don't."""
+    tiles = -(-n_rows // cfg.BN)
+    k_tiles = n_cols_pad // cfg.BK
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= 8 and k_tiles % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int) -> MatmulPlan:
+    """Look up (format, "NxK") in quant_configs.json, else the format's default, else the built-in default."""
+    if interpreting():
+        return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
+    table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
+    fmt_table = table.get("formats", {}).get(fmt_name, {})
+    entry = {**table.get("default", {}), **fmt_table.get("default", {}),
+             **fmt_table.get("shapes", {}).get(f"{n_rows}x{n_cols}", {})}
+    narrow = TileConfig.parse(entry["narrow"]) if "narrow" in entry else DEFAULT_NARROW
+    if "narrow" not in entry or entry["narrow"].get("split_k") is None:
+        narrow = TileConfig(narrow.BM, narrow.BN, narrow.BK, default_split_k(n_rows, n_cols_pad, narrow),
+                            narrow.num_warps, narrow.num_stages)
+    gemm = TileConfig.parse(entry["gemm"]) if "gemm" in entry else DEFAULT_GEMM
+    return MatmulPlan(narrow, gemm, int(entry.get("crossover", DEFAULT_CROSSOVER)))
+
+
+# --- split-K scratch ----------------------------------------------------------------------------------
+
+class _SplitScratch:
+    """One partial-sum buffer and one counter array per device, shared by all weights.
+
+    Kernels on one stream run one after another, so they can share it; every counter is back at 0 when a
+    kernel ends. Grown at load time (from_quant), never inside a CUDA-graph capture."""
+    _by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def reserve(cls, device: torch.device, partial_elems: int, tiles: int) -> None:
+        have = cls._by_device.get(device)
+        if have is None or have[0].numel() < partial_elems or have[1].numel() < tiles:
+            p = max(partial_elems, have[0].numel() if have else 1)
+            c = max(tiles, have[1].numel() if have else 1)
+            cls._by_device[device] = (torch.empty(p, dtype=torch.float32, device=device),
+                                      torch.zeros(c, dtype=torch.int32, device=device))
+
+    @classmethod
+    def get(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return cls._by_device[device]
+
+
+def _scratch_need(cfg: TileConfig, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
+    if cfg.split_k == 1:
+        return 1, 1
+    tiles = (n_rows_pad // cfg.BN) * -(-max_tok // cfg.BM)
+    return tiles * cfg.split_k * cfg.BM * cfg.BN, tiles
+
+
+# --- the weight -------------------------------------------------------------------------------------
+
+class PackedWeight:
+    """What the GPU model holds for one linear layer: repacked once at load, then `matmul` per step."""
+
+    def __init__(self, fmt_name: str, rows: int, cols: int, planes: PackedPlanes | None = None,
+                 dense: torch.Tensor | None = None, plan: MatmulPlan | None = None):
+        self.fmt_name, self.rows, self.cols = fmt_name, rows, cols
+        self.planes, self.dense, self.plan = planes, dense, plan
+        self.nbytes = planes.nbytes if planes is not None else dense.numel() * dense.element_size()
+
+    @classmethod
+    def from_quant(cls, w: QuantWeight, device, dtype: torch.dtype = torch.bfloat16,
+                   plan: MatmulPlan | None = None) -> "PackedWeight":
+        device = torch.device(device)
+        if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
+            return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
+        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device)
+        plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad)
+        self = cls(w.fmt.name, w.rows, w.cols, planes=planes, plan=plan)
+        if device.type == "cuda" or interpreting():
+            elems, tiles = _scratch_need(plan.narrow, planes.rows_pad, plan.crossover)
+            _SplitScratch.reserve(device, elems, tiles)
+        return self
+
+    def matmul(self, x: torch.Tensor, config: TileConfig | None = None, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.cols)
+        if self.dense is not None:
+            return F.linear(x2, self.dense if self.dense.dtype == x.dtype else self.dense.to(x.dtype)
+                            ).reshape(*lead, self.rows)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        n_tok = x2.shape[0]
+        if config is None:
+            config = self.plan.narrow if n_tok <= self.plan.crossover else self.plan.gemm
+        out = torch.empty(n_tok, self.rows, dtype=x.dtype, device=x.device) if out is None else out
+        if n_tok == 0:
+            return out.reshape(*lead, self.rows)
+        launch(self.planes, x2, out, config)
+        return out.reshape(*lead, self.rows)
+
+    def __repr__(self) -> str:
+        kind = "dense" if self.dense is not None else "packed"
+        return f"PackedWeight({self.fmt_name}, {self.rows}x{self.cols}, {kind}, {self.nbytes} B)"
+
+
+def launch(p: PackedPlanes, x: torch.Tensor, out: torch.Tensor, cfg: TileConfig) -> None:
+    """One kernel launch; no host sync, no allocation when split_k == 1 or the scratch is reserved."""
+    n_tok = x.shape[0]
+    k_tiles = p.cols_pad // cfg.BK
+    assert p.cols_pad % cfg.BK == 0 and p.rows_pad % cfg.BN == 0 and cfg.BK % 64 == 0
+    assert k_tiles % cfg.split_k == 0, (k_tiles, cfg)
+    grid_m = -(-n_tok // cfg.BM)
+    grid = (grid_m, (p.rows_pad // cfg.BN) * cfg.split_k)
+    if cfg.split_k > 1:
+        elems, tiles = _scratch_need(cfg, p.rows_pad, n_tok)
+        _SplitScratch.reserve(x.device, elems, tiles)   # no-op once reserved at load
+        partial, count = _SplitScratch.get(x.device)
+    else:
+        partial, count = out, out                          # unused
+    dummy = p.qs
+    _quant_matmul_kernel[grid](
+        x, out, partial, count,
+        p.qs, p.d, p.m if p.m is not None else dummy, p.sub if p.sub is not None else dummy,
+        p.qh if p.qh is not None else dummy,
+        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), p.cols_pad // 256, k_tiles // cfg.split_k,
+        FMT=p.fmt_id, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
+        F32_DOT=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,172 @@
+"""Repack GGUF blocks once at load into planes the quantized-matmul kernels read with wide coalesced loads.
+
+GGUF interleaves each block's scale with its quants (34-byte q8_0 blocks, 144-byte q4_K super-blocks), so
+a row of blocks cannot be read in 16-byte vectors. Here every field gets its own contiguous plane,
+row-major [rows_pad, ...]:
+
+  qs     quants. q8_0: one byte per weight (the int8 bits, stored as uint8). 4-bit formats and q6_K's low
+         nibbles: one byte per two weights, paired within each 64-weight chunk: byte l of chunk c holds
+         weight 64c+l in its low nibble and weight 64c+32+l in its high nibble (q4_K's own GGUF order;
+         q4_0/q4_1/q5_0 pair within 32-blocks in GGUF and are re-paired here). So "the low nibbles of a
+         chunk" and "the high nibbles" are each one whole 32-weight block.
+  d      scale. f16 per 32-block (q8_0, q4_0, q4_1, q5_0); q4_K: f16 pairs (d, dmin) per 256-super-block;
+         q6_K: f32 per super-block (4 bytes, so the load can be an async copy; cp.async moves >= 4 bytes).
+  m      q4_1: f16 min per 32-block.
+  sub    q4_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
+  qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
+         16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
+
+Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
+(148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
+`nbytes` counts what the kernels really read.
+Rows are padded to a multiple of 128 and columns to a multiple of 256 with zero blocks, so the kernels
+load whole tiles without masks; the padding reads as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cobatch.quant.formats import QuantFormat, _k_scales_mins, format_of
+
+# Format ids: the kernels' FMT constexpr.
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K = range(6)
+PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K}
+
+ROW_PAD = 128    # largest BN any config uses
+COL_PAD = 256    # largest BK; also the K-quant super-block
+_ROWS_PER_CHUNK = 4096  # repack this many rows at a time, to bound the temporaries on the device
+
+
+@dataclass(slots=True)
+class PackedPlanes:
+    fmt_id: int
+    rows: int
+    cols: int
+    rows_pad: int
+    cols_pad: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+    sub: torch.Tensor | None = None
+    qh: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qs, self.d, self.m, self.sub, self.qh) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _f16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """[..., n_blocks, type_size] uint8 -> [..., n_blocks] f16 of the field at `offset`."""
+    return blocks[..., offset:offset + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def _u32_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    return blocks[..., offset:offset + 4].contiguous().view(torch.int32).squeeze(-1)
+
+
+def _gguf_nibbles_32(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF 32-block nibbles [..., nb, 16] -> values [..., nb*32] in weight order (byte j: weights j, j+16)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1).flatten(-2)
+
+
+def pack_nibbles_64(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., K] (K % 64 == 0) -> bytes [..., K/2]: byte l of chunk c = w[64c+l] | w[64c+32+l] << 4."""
+    v = values.reshape(*values.shape[:-1], -1, 2, 32)
+    return (v[..., 0, :] | (v[..., 1, :] << 4)).flatten(-2)
+
+
+def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
+    """One chunk of rows: raw uint8 [r, row_bytes] with cols already a multiple of COL_PAD."""
+    r = raw.shape[0]
+    if fmt_id == Q8_0:
+        b = raw.view(r, cols // 32, 34)
+        return {"qs": b[..., 2:].reshape(r, cols), "d": _f16_field(b, 0)}
+    if fmt_id in (Q4_0, Q4_1, Q5_0):
+        size = {Q4_0: 18, Q4_1: 20, Q5_0: 22}[fmt_id]
+        b = raw.view(r, cols // 32, size)
+        out = {"qs": pack_nibbles_64(_gguf_nibbles_32(b[..., size - 16:])), "d": _f16_field(b, 0)}
+        if fmt_id == Q4_1:
+            out["m"] = _f16_field(b, 2)
+        if fmt_id == Q5_0:
+            out["qh"] = _u32_field(b, 2)
+        return out
+    if fmt_id == Q4_K:
+        b = raw.view(r, cols // 256, 144)
+        scales, mins = _k_scales_mins(b[..., 4:16].reshape(-1, 12))
+        return {"qs": b[..., 16:].reshape(r, cols // 2), "d": b[..., 0:4].reshape(r, -1).view(torch.float16),
+                "sub": torch.stack([scales, mins], dim=-1).reshape(r, cols // 16)}
+    if fmt_id == Q6_K:
+        b = raw.view(r, cols // 256, 210)
+        ql = b[..., :128].reshape(r, -1, 2, 64)           # per 128-half: 64 bytes of low nibbles
+        low = torch.cat([ql & 15, ql >> 4], dim=-1)        # [r, ns, 2, 128]: weights 128h + i
+        qh = b[..., 128:192].reshape(r, -1, 2, 1, 32)      # byte l of a half: 2 bits of weights l+32i
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device).view(4, 1)) & 3
+        low = low.reshape(r, cols)
+        high = high.reshape(r, cols).to(torch.int32)        # [.., 2, 4, 32] -> weight order
+        shifts = (2 * torch.arange(16, device=raw.device, dtype=torch.int32))
+        qh_words = (high.view(r, cols // 16, 16) << shifts).sum(-1, dtype=torch.int64).to(torch.int64)
+        qh_words = torch.where(qh_words >= 2**31, qh_words - 2**32, qh_words).to(torch.int32)
+        return {"qs": pack_nibbles_64(low), "d": _f16_field(b, 208).float(),
+                "sub": b[..., 192:208].reshape(r, cols // 16).view(torch.int8), "qh": qh_words}
+    raise ValueError(fmt_id)
+
+
+def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device) -> PackedPlanes:
+    """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`."""
+    fmt_id = PACKED_FORMATS[fmt.name]
+    rows_pad, cols_pad = _round_up(rows, ROW_PAD), _round_up(cols, COL_PAD)
+    padded_row_bytes = fmt.row_bytes(cols_pad)
+    planes: dict[str, torch.Tensor] = {}
+    for r0 in range(0, rows_pad, _ROWS_PER_CHUNK):
+        r1 = min(rows_pad, r0 + _ROWS_PER_CHUNK)
+        chunk = torch.zeros(r1 - r0, padded_row_bytes, dtype=torch.uint8, device=device)
+        if r0 < rows:  # zero bytes decode to 0 in every format (the f16 scales are +0.0)
+            chunk[:min(rows, r1) - r0, :raw.shape[1]] = raw[r0:min(rows, r1)].to(device)
+        for name, t in _pack_chunk(fmt_id, chunk, cols_pad).items():
+            if name not in planes:
+                planes[name] = torch.empty(rows_pad, t.shape[1], dtype=t.dtype, device=device)
+            planes[name][r0:r1] = t
+    return PackedPlanes(fmt_id, rows, cols, rows_pad, cols_pad, **planes)
+
+
+def unpack_planes(p: PackedPlanes) -> torch.Tensor:
+    """Torch decode of the planes -> float32 [rows, cols]: checks the repack against formats.dequantize."""
+    R, K = p.rows_pad, p.cols_pad
+    if p.fmt_id == Q8_0:
+        q = p.qs.view(torch.int8).float().view(R, K // 32, 32)
+        w = q * p.d.float()[..., None]
+    else:
+        v = p.qs.view(R, K // 64, 1, 32)
+        nib = torch.cat([v & 15, v >> 4], dim=2).reshape(R, K).float()   # weight order
+        if p.fmt_id == Q6_K:
+            shifts = 2 * torch.arange(16, device=v.device, dtype=torch.int32)
+            high = ((p.qh[..., None] >> shifts) & 3).reshape(R, K).float()
+            q = (nib + 16 * high - 32).view(R, K // 16, 16)
+            w = (p.d.repeat_interleave(16, dim=1) * p.sub.float())[..., None] * q
+        elif p.fmt_id == Q4_K:
+            q = nib.view(R, K // 32, 32)
+            d, dmin = p.d.float().view(R, K // 256, 2).repeat_interleave(8, dim=1).unbind(-1)
+            sc, mn = p.sub.float().view(R, K // 32, 2).unbind(-1)
+            w = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+        else:
+            q = nib.view(R, K // 32, 32)
+            if p.fmt_id == Q5_0:
+                bits = (p.qh[..., None] >> torch.arange(32, device=v.device, dtype=torch.int32)) & 1
+                q = q + 16 * bits.float()
+            d = p.d.float()[..., None]
+            w = d * q + p.m.float()[..., None] if p.fmt_id == Q4_1 else d * (q - (16 if p.fmt_id == Q5_0 else 8))
+    return w.reshape(R, K)[:p.rows, :p.cols]
+
+
+def packable(fmt_name: str) -> bool:
+    return format_of(fmt_name).name in PACKED_FORMATS

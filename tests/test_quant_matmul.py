@@ -1,0 +1,189 @@
+"""Quantized matmul: repacked planes, the narrow GEMV / dequant GEMM kernel, and its batch invariance.
+
+On the CPU the Triton kernel runs in the interpreter (conftest sets TRITON_INTERPRET=1) on tiny shapes;
+the GPU tests run the compiled kernel (inline-asm dequant, tensor cores) at Llama-3-8B shapes.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.quant_matmul import PackedWeight, TileConfig, quant_matmul_ref
+from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
+from cobatch.quant.formats import dequantize, format_of, random_quantized
+from cobatch.quant.weight import QuantWeight
+
+from conftest import requires_cuda
+
+T = gguf.GGMLQuantizationType
+PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"]
+# Tiny shapes: rows not a multiple of BN, K a multiple of the block but not of the tile (K-quants: 256).
+SMALL_SHAPES = {"q8_0": (40, 96), "q4_0": (72, 160), "q4_1": (33, 64), "q5_0": (40, 96),
+                "q4_k": (40, 512), "q6_k": (24, 512)}
+TINY_SHAPES = {**SMALL_SHAPES, "q4_k": (24, 256), "q6_k": (24, 256)}   # the slower multi-run tests
+
+
+def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
+    fmt = format_of(fmt_name)
+    raw = random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(seed))
+    return QuantWeight(fmt, rows, cols, raw.to(device))
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_poisoned(pw: PackedWeight, x: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    out = torch.full((x.shape[0], pw.rows), float("nan"), dtype=x.dtype, device=x.device)
+    y = pw.matmul(x, config=config, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    return y
+
+
+# --- repack -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt_name", PACKED)
+def test_planes_decode_to_the_gguf_values(fmt_name):
+    rows, cols = SMALL_SHAPES[fmt_name]
+    w = make_weight(fmt_name, rows, cols, seed=1)
+    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"))
+    torch.testing.assert_close(unpack_planes(planes), dequantize(w.raw, w.fmt.ggml_type, cols), rtol=0, atol=0)
+    assert planes.rows_pad % 128 == 0 and planes.cols_pad % 256 == 0
+
+
+def test_nbytes_counts_what_the_kernel_reads():
+    for fmt_name, per_256 in [("q8_0", 272), ("q4_0", 144), ("q4_1", 160), ("q5_0", 176), ("q4_k", 148),
+                              ("q6_k", 212)]:
+        w = make_weight(fmt_name, 128, 512, seed=2)
+        assert PackedWeight.from_quant(w, "cpu").nbytes == 128 * 2 * per_256, fmt_name
+
+
+# --- the kernel under the interpreter ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt_name", PACKED)
+def test_narrow_kernel_matches_reference(fmt_name):
+    rows, cols = SMALL_SHAPES[fmt_name]
+    w = make_weight(fmt_name, rows, cols, seed=3)
+    pw = PackedWeight.from_quant(w, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    for n_tok in (1, 3):
+        x = torch.randn(n_tok, cols, generator=gen).to(torch.bfloat16)
+        y = run_poisoned(pw, x)
+        assert y.shape == (n_tok, rows) and y.dtype == torch.bfloat16
+        assert rel_err(y, quant_matmul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
+def test_gemm_config_matches_reference(fmt_name):
+    rows, cols = TINY_SHAPES[fmt_name]
+    w = make_weight(fmt_name, rows, cols, seed=5)
+    pw = PackedWeight.from_quant(w, "cpu")
+    n_tok = pw.plan.crossover + 33                     # past the crossover: the GEMM tiles, two token tiles
+    x = torch.randn(n_tok, cols, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    y = run_poisoned(pw, x)
+    assert y.dtype == torch.float16
+    assert rel_err(y, quant_matmul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt_name", PACKED)
+def test_row_is_bitwise_identical_whatever_the_batch(fmt_name):
+    """Row t alone (n_tok = 1) equals row t inside every batch up to the crossover, bit for bit."""
+    rows, cols = TINY_SHAPES[fmt_name]
+    pw = PackedWeight.from_quant(make_weight(fmt_name, rows, cols, seed=7), "cpu")
+    assert pw.plan.narrow.split_k > 1                  # the deterministic split-K reduction is exercised
+    T_max = pw.plan.crossover
+    x = torch.randn(T_max, cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    alone = torch.cat([run_poisoned(pw, x[t:t + 1]) for t in range(T_max)])
+    for n_tok in range(2, T_max + 1):
+        together = run_poisoned(pw, x[:n_tok])
+        assert torch.equal(together, alone[:n_tok]), n_tok
+
+
+def test_split_k_counters_are_rearmed():
+    pw = PackedWeight.from_quant(make_weight("q4_0", 72, 160, seed=9), "cpu")
+    run_poisoned(pw, torch.randn(2, 160).to(torch.bfloat16))
+    _, count = qm._SplitScratch.get(torch.device("cpu"))
+    assert int(count.abs().sum()) == 0
+
+
+def test_leading_dims_and_empty_batch():
+    w = make_weight("q8_0", 40, 96, seed=10)
+    pw = PackedWeight.from_quant(w, "cpu")
+    x = torch.randn(2, 1, 96).to(torch.bfloat16)
+    assert pw.matmul(x).shape == (2, 1, 40)
+    assert pw.matmul(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 40)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q5_1, T.Q3_K, T.F16])
+def test_unpacked_formats_fall_back_to_a_dense_matrix(ggml_type):
+    fmt = format_of(ggml_type)
+    assert fmt.name not in PACKED_FORMATS
+    rows, cols = 24, 256
+    w = QuantWeight(fmt, rows, cols, random_quantized(ggml_type, rows, cols, torch.Generator().manual_seed(11)))
+    pw = PackedWeight.from_quant(w, "cpu")
+    assert pw.dense is not None and pw.nbytes == rows * cols * 2
+    x = torch.randn(3, cols).to(torch.bfloat16)
+    assert rel_err(pw.matmul(x), quant_matmul_ref(x, w)) < 1e-2
+
+
+# --- GPU: real shapes, the compiled kernel -----------------------------------------------------------------
+
+def random_weight_cuda(fmt_name: str, rows: int, cols: int, seed: int) -> QuantWeight:
+    """Valid random blocks, built in row slices (random_quantized is CPU-only) and moved to the GPU."""
+    fmt = format_of(fmt_name)
+    parts = [random_quantized(fmt.ggml_type, min(1024, rows - r0), cols, torch.Generator().manual_seed(seed + r0))
+             for r0 in range(0, rows, 1024)]
+    return QuantWeight(fmt, rows, cols, torch.cat(parts).cuda())
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("fmt_name", PACKED)
+def test_gpu_matches_reference_at_llama_shapes(fmt_name, dtype):
+    for rows, cols in [(4096, 4096), (1024, 14336)]:
+        w = random_weight_cuda(fmt_name, rows, cols, seed=12)
+        pw = PackedWeight.from_quant(w, "cuda")
+        ref_w = w.dequantize(torch.float32)
+        gen = torch.Generator(device="cuda").manual_seed(13)
+        for n_tok in (1, 2, 8, pw.plan.crossover, pw.plan.crossover + 1, 64, 300):
+            x = torch.randn(n_tok, cols, device="cuda", generator=gen).to(dtype)
+            y = run_poisoned(pw, x)
+            ref = x.double() @ ref_w.double().T
+            assert rel_err(y, ref) < 1e-2, (rows, cols, n_tok)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", PACKED)
+def test_gpu_row_is_bitwise_identical_whatever_the_batch(fmt_name):
+    for rows, cols in [(4096, 4096), (6144, 4096)]:
+        pw = PackedWeight.from_quant(random_weight_cuda(fmt_name, rows, cols, seed=14), "cuda")
+        T_max = pw.plan.crossover
+        x = torch.randn(T_max, cols, device="cuda").to(torch.bfloat16)
+        alone = torch.cat([run_poisoned(pw, x[t:t + 1]) for t in range(T_max)])
+        for n_tok in range(2, T_max + 1):
+            assert torch.equal(run_poisoned(pw, x[:n_tok]), alone[:n_tok]), (rows, n_tok)
+
+
+@requires_cuda
+def test_gpu_cuda_graph_replay():
+    """Captured once, replayed with new inputs: no host sync or allocation inside, split-K re-armed."""
+    w = random_weight_cuda("q4_k", 4096, 4096, seed=15)
+    pw = PackedWeight.from_quant(w, "cuda")
+    assert pw.plan.narrow.split_k > 1
+    x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
+    out = torch.empty(4, 4096, device="cuda", dtype=torch.bfloat16)
+    pw.matmul(x, out=out)                                   # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pw.matmul(x, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, pw.matmul(x.clone()))
