@@ -67,6 +67,7 @@ class LLM:
         dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         gguf = GGUFFile(path)
         cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
+        gguf.check_tensor_types()
         tokenizer = Tokenizer.from_metadata(gguf.metadata)
         try:
             template = ChatTemplate.from_metadata(gguf.metadata, tokenizer)

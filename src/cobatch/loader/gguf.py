@@ -44,6 +44,14 @@ class GGUFFile:
             except Exception:
                 continue  # a field gguf-py can't render is one we don't use
 
+    def check_tensor_types(self) -> None:
+        """Fail early, with the tensor's name, on a format we cannot decode."""
+        for t in self.tensors.values():
+            try:
+                format_of(t.tensor_type)
+            except UnsupportedQuantType as e:
+                raise UserError(f"tensor {t.name}: {e}") from None
+
     def tensor_type(self, name: str) -> GGMLQuantizationType:
         return self.tensors[name].tensor_type
 

@@ -1,0 +1,113 @@
+"""The `cobatch` command end to end, and every bad input ending in one clear line and exit code 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from cobatch.engine.sampler import SamplingParams
+from cobatch.model_files import smollm2_path
+from model_fixtures import load_llm
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "cobatch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("cobatch: error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_chat_answers_paris():
+    proc = run_cli("chat", "What is the capital of France?", "--temperature", "0", "-n", "24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+
+
+def test_generate_prints_only_the_continuation():
+    proc = run_cli("generate", "--prompt", "The capital of France is", "-n", "8", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "The capital of France is" not in proc.stdout
+    assert "Paris" in proc.stdout
+
+
+def test_inspect_describes_the_file():
+    proc = run_cli("inspect", str(smollm2_path()))
+    assert proc.returncode == 0, proc.stderr
+    assert "llama" in proc.stdout and "Q4_1" in proc.stdout and "chat template: yes" in proc.stdout
+
+
+def test_qwen_coder_writes_a_function():
+    llm = load_llm("qwen2.5-coder")
+    ids = llm.encode_chat([{"role": "user", "content": "Write a Python function that squares a number."}])
+    out = llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=60))[0]
+    assert "def " in llm.tokenizer.decode(out)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_missing_model_path(tmp_path):
+    assert_clean_error(run_cli("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi"), "not found")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("this is not a model\n" * 10)
+    assert_clean_error(run_cli("generate", "-m", str(bad), "-p", "hi"), "not a GGUF")
+
+
+def test_truncated_gguf(tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path(), "rb") as f:
+        cut.write_bytes(f.read(8 << 20))
+    assert_clean_error(run_cli("generate", "-m", str(cut), "-p", "hi"), "truncated")
+
+
+def _write_gguf(path: Path, arch: str, tensor_type: gguf.GGMLQuantizationType) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    size = gguf.GGML_QUANT_SIZES[tensor_type]
+    raw = np.random.default_rng(0).integers(0, 255, size=(32, 256 // size[0] * size[1]), dtype=np.uint8)
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    _write_gguf(path, "mamba", gguf.GGMLQuantizationType.Q8_0)
+    assert_clean_error(run_cli("generate", "-m", str(path), "-p", "hi"), "unsupported architecture", "mamba")
+
+
+def test_unsupported_quant_type(tmp_path):
+    path = tmp_path / "iq.gguf"
+    _write_gguf(path, "llama", gguf.GGMLQuantizationType.IQ2_XS)
+    assert_clean_error(run_cli("generate", "-m", str(path), "-p", "x"), "IQ2_XS")
+
+
+def test_prompt_longer_than_context():
+    assert_clean_error(run_cli("generate", "--ctx", "16", "-p", "word " * 40), "context")
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "1.5"), ("-n", "0")])
+def test_bad_sampling_flag(flag, value):
+    assert_clean_error(run_cli("generate", "-p", "hi", flag, value))

@@ -1,0 +1,59 @@
+"""Our CPU forward against an independent implementation: Hugging Face transformers loading the same GGUF.
+
+Both dequantize the same blocks to float32, so logits should agree to float32 rounding (we see ~1e-6).
+"""
+
+import gc
+
+import pytest
+import torch
+
+from cobatch.batch import AttentionMetadata
+from cobatch.config import ModelConfig
+from cobatch.engine.kv_cache import KVPool
+from cobatch.loader.gguf import GGUFFile
+from cobatch.model_files import qwen_coder_path, smollm2_path
+from cobatch.models.llama import LlamaModel
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is",
+    "def square(x):\n    return",
+    "Ünïcödé, emoji 🙂 and numbers 12345 — all in one line.",
+]
+REL_ERR_BOUND = 1e-4
+
+
+def _our_logits(model: LlamaModel, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
+    n, bs = len(ids), 16
+    blocks = -(-n // bs)
+    pool = KVPool(cfg, blocks, bs, torch.float32, "cpu")
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        return model.logits(model.forward(torch.tensor(ids), torch.arange(n), meta, pool.k, pool.v))
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen2.5-coder"])
+def test_logits_match_transformers(which):
+    path = smollm2_path() if which == "smollm2" else qwen_coder_path()
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=256)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32)
+    hf.eval()
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        got = _our_logits(ours, cfg, ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < REL_ERR_BOUND, (prompt, rel)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1)), prompt
+    del hf, ours
+    gc.collect()
