@@ -10,6 +10,9 @@ import math
 
 import torch
 
+from cobatch.kernels.kv_write import cache_slot_strides
+from cobatch.kernels.triton_support import jit, next_pow2, tl
+
 
 def rope_cos_sin(rot_dim: int, max_pos: int, theta: float, freq_factors: torch.Tensor | None = None,
                  linear_factor: float = 1.0) -> torch.Tensor:
@@ -57,3 +60,95 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
         return torch.cat([out.to(x.dtype), x[..., rot:]], -1)
 
     return rotate(q), rotate(k)
+
+
+# --- Triton -------------------------------------------------------------------------------------------
+
+@jit
+def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, half_mask,
+                  BLOCK_H: tl.constexpr):
+    """Rotate the first rot dims of every head of one row in place; returns the rotated halves (in x.dtype)."""
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None] & half_mask[None, :]
+    base = x_ptr + row_off + heads[:, None] * head_stride
+    x1 = tl.load(base + off1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + off2[None, :], mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    # Round once to the tensor's dtype, as the reference does; the cache then gets the same values.
+    o1 = o1.to(x_ptr.dtype.element_ty)
+    o2 = o2.to(x_ptr.dtype.element_ty)
+    tl.store(base + off1[None, :], o1, mask=mask)
+    tl.store(base + off2[None, :], o2, mask=mask)
+    return o1, o2
+
+
+@jit
+def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+                 q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride, v_head_stride,
+                 cs_stride, cache_slot_stride, cache_head_stride, n_q_heads, n_kv_heads, head_dim,
+                 HALF: tl.constexpr, NEOX: tl.constexpr, WRITE_KV: tl.constexpr,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    half_mask = i < HALF
+    cos = tl.load(cs_ptr + pos * cs_stride + i, mask=half_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * cs_stride + HALF + i, mask=half_mask, other=0.0)
+    if NEOX:
+        off1 = i
+        off2 = i + HALF
+    else:
+        off1 = 2 * i
+        off2 = 2 * i + 1
+    _rotate_heads(q_ptr, row * q_row_stride, q_head_stride, n_q_heads, cos, sin, off1, off2, half_mask,
+                  BLOCK_H=BLOCK_HQ)
+    k1, k2 = _rotate_heads(k_ptr, row * k_row_stride, k_head_stride, n_kv_heads, cos, sin, off1, off2,
+                           half_mask, BLOCK_H=BLOCK_HK)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + row)
+        heads = tl.arange(0, BLOCK_HK)
+        keep = (heads < n_kv_heads) & (slot >= 0)
+        dst = slot * cache_slot_stride + heads[:, None] * cache_head_stride
+        rot_mask = keep[:, None] & half_mask[None, :]
+        tl.store(kc_ptr + dst + off1[None, :], k1.to(kc_ptr.dtype.element_ty), mask=rot_mask)
+        tl.store(kc_ptr + dst + off2[None, :], k2.to(kc_ptr.dtype.element_ty), mask=rot_mask)
+        d = tl.arange(0, BLOCK_D)
+        # Dims past the rotary part (partial rotary) go to the cache unrotated.
+        tail = keep[:, None] & (d >= 2 * HALF)[None, :] & (d < head_dim)[None, :]
+        k_tail = tl.load(k_ptr + row * k_row_stride + heads[:, None] * k_head_stride + d[None, :], mask=tail)
+        tl.store(kc_ptr + dst + d[None, :], k_tail.to(kc_ptr.dtype.element_ty), mask=tail)
+        full = keep[:, None] & (d < head_dim)[None, :]
+        v = tl.load(v_ptr + row * v_row_stride + heads[:, None] * v_head_stride + d[None, :], mask=full)
+        tl.store(vc_ptr + dst + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=full)
+
+
+def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
+                kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_ref, rotating q and k IN PLACE (they are returned). q, k may be strided views (e.g. of a fused
+    qkv output) with contiguous head dims. kv_write = (v, k_cache, v_cache, slot_mapping) also writes the
+    rotated k and v into the paged cache in the same launch (as kv_write_ref would, slot -1 skipped)."""
+    n_rows, n_q_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    rot = cos_sin.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1 and rot % 2 == 0
+    assert cos_sin.dtype == torch.float32 and rot <= head_dim
+    if n_rows == 0:
+        return q, k
+    if kv_write is None:
+        v, k_cache, v_cache, slots = k, k, k, positions
+        cache_strides = (0, 0)
+    else:
+        v, k_cache, v_cache, slots = kv_write
+        assert v.stride(-1) == 1 and v.shape == k.shape
+        cache_strides = cache_slot_strides(k_cache, v_cache)
+    _rope_kernel[(n_rows,)](
+        q, k, v, positions, cos_sin, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin.stride(0), *cache_strides, n_q_heads, n_kv_heads, head_dim,
+        HALF=rot // 2, NEOX=neox, WRITE_KV=kv_write is not None,
+        BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_kv_heads), BLOCK_HALF=next_pow2(rot // 2),
+        BLOCK_D=next_pow2(head_dim), num_warps=4)
+    return q, k

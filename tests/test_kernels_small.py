@@ -1,0 +1,216 @@
+"""The small fused ops (rms_norm, rope, kv_write, rope+kv_write, silu_mul) against their torch references.
+
+Tiny shapes run everywhere (in the Triton interpreter on the CPU); real Llama-3-8B shapes run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cobatch.kernels.activation import silu_mul_ref, silu_mul_triton  # noqa: E402
+from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton  # noqa: E402
+from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from cobatch.kernels.rope import rope_cos_sin, rope_ref, rope_triton  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
+from kernel_checks import DEVICE, assert_matches, assert_same_cache, poisoned  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# --- rms_norm -----------------------------------------------------------------------------------------------
+
+def check_rms_norm(rows: int, hidden: int, dtype: torch.dtype, with_residual: bool, in_place: bool,
+                   seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE)   # GGUF norm weights are f32
+    residual = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype) if with_residual else None
+    ref_out, ref_h = rms_norm_ref(x, weight, 1e-5, residual)
+    out = poisoned(x.shape, dtype)
+    if with_residual and in_place:
+        res = residual.clone()
+        got_out, got_h = rms_norm_triton(x, weight, 1e-5, res, out=out, residual_out=res)
+        assert got_h is res
+    else:
+        h_buf = poisoned(x.shape, dtype) if with_residual else None
+        got_out, got_h = rms_norm_triton(x, weight, 1e-5, residual, out=out, residual_out=h_buf)
+    assert got_out is out
+    assert_matches(got_out, ref_out)
+    assert_matches(got_h, ref_h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual,in_place", [(False, False), (True, False), (True, True)])
+def test_rms_norm_small(dtype, with_residual, in_place):
+    check_rms_norm(5, 48, dtype, with_residual, in_place, seed=1)     # 48: not a power of two
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 7, 2048])
+def test_rms_norm_llama8b(rows):
+    for dtype in (torch.bfloat16, torch.float32):
+        check_rms_norm(rows, 4096, dtype, True, True, seed=rows)
+        check_rms_norm(rows, 4096, dtype, False, False, seed=rows + 1)
+
+
+# --- rope (and rope fused with the KV write) --------------------------------------------------------------
+
+def make_caches(num_blocks: int, block_size: int, n_kv: int, head_dim: int, dtype, g) -> tuple[torch.Tensor, ...]:
+    shape = (num_blocks, block_size, n_kv, head_dim)
+    return (torch.randn(shape, generator=g).to(DEVICE, dtype), torch.randn(shape, generator=g).to(DEVICE, dtype))
+
+
+def random_slots(rows: int, num_slots: int, g, skip_every: int = 4) -> torch.Tensor:
+    """Distinct slots in random order, every skip_every-th row padded (-1)."""
+    slots = torch.randperm(num_slots, generator=g)[:rows]
+    slots[::skip_every] = -1
+    return slots.to(DEVICE)
+
+
+def check_rope(rows: int, n_q: int, n_kv: int, head_dim: int, rot: int, neox: bool, dtype, seed: int,
+               fused_kv_write: bool, block_size: int = 16) -> None:
+    g = torch.Generator().manual_seed(seed)
+    # q, k, v as strided views of one fused qkv output, as the model produces them.
+    qkv = torch.randn(rows, (n_q + 2 * n_kv) * head_dim, generator=g).to(DEVICE, dtype)
+    q = qkv[:, : n_q * head_dim].view(rows, n_q, head_dim)
+    k = qkv[:, n_q * head_dim: (n_q + n_kv) * head_dim].view(rows, n_kv, head_dim)
+    v = qkv[:, (n_q + n_kv) * head_dim:].view(rows, n_kv, head_dim)
+    max_pos = 4096
+    cos_sin = rope_cos_sin(rot, max_pos, 500000.0).to(DEVICE)
+    positions = torch.randint(0, max_pos, (rows,), generator=g).to(DEVICE)
+    ref_q, ref_k = rope_ref(q, k, positions, cos_sin, neox)
+    if not fused_kv_write:
+        got_q, got_k = rope_triton(q, k, positions, cos_sin, neox)
+    else:
+        num_blocks = (rows + block_size - 1) // block_size + 3
+        k_cache, v_cache = make_caches(num_blocks, block_size, n_kv, head_dim, dtype, g)
+        k_cache[0, 0] = float("nan")     # poison: a skipped or mis-addressed slot shows up
+        slots = random_slots(rows, num_blocks * block_size, g)
+        ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+        got_q, got_k = rope_triton(q, k, positions, cos_sin, neox, kv_write=(v, k_cache, v_cache, slots))
+        # The cache holds exactly the rotated k the kernel returns (which matches ref_k within tolerance:
+        # in f32 the GPU fuses multiply-adds where torch does not).
+        kv_write_ref(got_k, v, ref_kc, ref_vc, slots)
+        assert_same_cache(k_cache, ref_kc)
+        assert_same_cache(v_cache, ref_vc)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()   # in place
+    assert_matches(got_q, ref_q)
+    assert_matches(got_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rope_small(dtype, neox, fused):
+    check_rope(rows=9, n_q=6, n_kv=3, head_dim=32, rot=32, neox=neox, dtype=dtype, seed=2, fused_kv_write=fused)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_partial_rotary_small(neox):
+    # rot < head_dim (phi/stablelm style), odd head counts, GQA group 7.
+    check_rope(rows=5, n_q=7, n_kv=1, head_dim=40, rot=16, neox=neox, dtype=torch.bfloat16, seed=3,
+               fused_kv_write=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_llama8b(rows, neox):
+    check_rope(rows, 32, 8, 128, 128, neox, torch.bfloat16, seed=rows, fused_kv_write=False)
+    check_rope(rows, 32, 8, 128, 128, neox, torch.bfloat16, seed=rows + 1, fused_kv_write=True)
+
+
+# --- kv_write --------------------------------------------------------------------------------------------
+
+def check_kv_write(rows: int, n_kv: int, head_dim: int, dtype, cache_dtype, seed: int, block_size: int = 16) -> None:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(rows, 2, n_kv, head_dim, generator=g).to(DEVICE, dtype)
+    k, v = kv[:, 0], kv[:, 1]                                    # strided views
+    num_blocks = (rows + block_size - 1) // block_size + 2
+    k_cache, v_cache = make_caches(num_blocks, block_size, n_kv, head_dim, cache_dtype, g)
+    k_cache.view(-1)[::5] = float("nan")
+    slots = random_slots(rows, num_blocks * block_size, g, skip_every=3)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    kv_write_ref(k, v, ref_kc, ref_vc, slots)
+    kv_write_triton(k, v, k_cache, v_cache, slots)
+    assert_same_cache(k_cache, ref_kc)
+    assert_same_cache(v_cache, ref_vc)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_kv_write_small(dtype, cache_dtype):
+    check_kv_write(rows=11, n_kv=3, head_dim=24, dtype=dtype, cache_dtype=cache_dtype, seed=4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_kv_write_llama8b(rows):
+    check_kv_write(rows, 8, 128, torch.bfloat16, torch.bfloat16, seed=rows)
+
+
+# --- silu_mul ---------------------------------------------------------------------------------------------
+
+def check_silu_mul(rows: int, inter: int, dtype, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(rows, 2 * inter, generator=g)).to(DEVICE, dtype)
+    out = silu_mul_triton(x, out=poisoned((rows, inter), dtype))
+    assert_matches(out, silu_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_small(dtype):
+    check_silu_mul(3, 1100, dtype, seed=5)     # 1100: two column blocks, the second partial
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_silu_mul_llama8b(rows):
+    check_silu_mul(rows, 14336, torch.bfloat16, seed=rows)
+
+
+# --- ops dispatch ---------------------------------------------------------------------------------------------
+
+def test_ops_small_ops_match_references():
+    """ops.* picks Triton on CUDA and the reference on the CPU; either way the results match the reference."""
+    from cobatch import ops
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 64, generator=g).to(DEVICE, torch.bfloat16)
+    res = torch.randn(4, 64, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.rand(64, generator=g).to(DEVICE)
+    ref_out, ref_h = rms_norm_ref(x, w, 1e-6, res)
+    out, h = ops.rms_norm(x, w, 1e-6, res.clone())
+    assert_matches(out, ref_out)
+    assert_matches(h, ref_h)
+    res2 = res.clone()
+    out, h = ops.rms_norm(x, w, 1e-6, res2, inplace_residual=True)
+    assert h.data_ptr() == res2.data_ptr()
+    assert_matches(out, ref_out)
+    assert_matches(res2, ref_h)
+    assert_matches(ops.silu_mul(x), silu_mul_ref(x))
+
+    q = torch.randn(3, 4, 32, generator=g).to(DEVICE, torch.bfloat16)
+    k = torch.randn(3, 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(3, 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+    pos = torch.tensor([5, 0, 77], device=DEVICE)
+    cs = rope_cos_sin(32, 128, 10000.0).to(DEVICE)
+    ref_q, ref_k = rope_ref(q, k, pos, cs, False)
+    k_cache, v_cache = make_caches(2, 16, 2, 32, torch.bfloat16, g)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([3, -1, 20], device=DEVICE)
+    kv_write_ref(ref_k, v, ref_kc, ref_vc, slots)
+    got_q, got_k = ops.rope_kv_write(q.clone(), k.clone(), v, pos, cs, False, k_cache, v_cache, slots)
+    assert_matches(got_q, ref_q)
+    assert_matches(got_k, ref_k)
+    assert_matches(k_cache, ref_kc)
+    assert_same_cache(v_cache, ref_vc)
+    got_q, got_k = ops.rope(q.clone(), k.clone(), pos, cs, False)
+    assert_matches(got_q, ref_q)
+    assert_matches(got_k, ref_k)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    ops.kv_write(got_k, v, kc2, vc2, slots)
+    assert_same_cache(kc2, k_cache)
+    assert_same_cache(vc2, v_cache)
