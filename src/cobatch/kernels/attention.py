@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from cobatch.batch import AttentionMetadata
+from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
+                                             next_pow2, tl, triton)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -29,8 +34,309 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v_cache[blocks].reshape(-1, n_kv, head_dim)[:ctx].float().transpose(0, 1)
         qh = q[a:b].float().view(q_len, n_kv, group, head_dim).permute(1, 2, 0, 3)      # [Hk, G, q, D]
         scores = torch.einsum("hgqd,hkd->hgqk", qh, k) * scale
-        q_pos = torch.arange(ctx - q_len, ctx)
-        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
         o = torch.einsum("hgqk,hkd->hgqd", scores.softmax(-1), v)
         out[a:b] = o.permute(2, 0, 1, 3).reshape(q_len, n_heads, head_dim).to(q.dtype)
     return out
+
+
+# --- Triton: shared pieces --------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+@jit
+def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
+                    cache_slot_stride, cache_head_stride, PAGE: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, through its block table."""
+    page = tl.load(bt_row_ptr + toks // PAGE, mask=tok_mask, other=0).to(tl.int64)
+    off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
+    mask = tok_mask[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@jit
+def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.constexpr):
+    """One tile of flash attention: scores q.k^T over `valid`, then fold p.v into (m, l, acc), all f32.
+    qk_scale includes log2(e), so exp2 gives the softmax weights."""
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+# --- Triton: decode (one query row per sequence, flash-decoding split along the context) ------------------
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    block_n: int = 64            # tokens per tile (several pages)
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split: int = 128         # fewest tokens one program walks (keeps the reduce small)
+    max_splits: int = 64         # the reduce holds all splits of a row in registers
+    programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
+    # Programmatic dependent launch: each kernel's prologue overlaps its predecessor. Saved about 1 us a call
+    # on the H200 (bench/results/kernels_attention_h200.md) but is not yet checked on the GPU, so it is off.
+    pdl: bool = False
+
+
+DECODE_CONFIG = DecodeConfig()
+
+
+@jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                         q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+                         cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
+                         num_splits, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
+    so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if USE_PDL:
+        gdc_launch_dependents()        # let the reduce kernel get resident now; it waits for us anyway
+    # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+    if USE_PDL:
+        gdc_wait()                     # q and this step's K/V come from the previous kernel
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_D
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + seq * bt_stride
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
+                               cache_slot_stride, cache_head_stride, PAGE=PAGE)
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32)
+
+    gd_mask = g_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:
+        # Empty context (padded row): l == 0 and acc == 0, so the row comes out as zeros.
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    else:
+        # Partials laid out [seq, q_head, split, ...]; the reduce ignores splits past seq_len.
+        part = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
+
+
+@jit
+def _merge_splits(part_acc_ptr, part_ml_ptr, part0, n_valid, out_row_ptr, HEAD_D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge one head's first n_valid splits' (max, sum, acc), stored from partial index part0 on, into its
+    output row."""
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = sp < n_valid
+    part = part0 + sp
+    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :],
+                  mask=s_mask[:, None] & (d < HEAD_D)[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # empty row: every weight exp2(-inf) = 0, no NaN
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_row_ptr + d, out.to(out_row_ptr.dtype.element_ty), mask=d < HEAD_D)
+
+
+@jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
+                          split_len, num_splits, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (seq, q_head): merge the splits that seq_len reaches into the final row."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if USE_PDL:
+        gdc_launch_dependents()
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
+    if USE_PDL:
+        gdc_wait()                     # the split kernel's partials
+    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, n_valid,
+                  out_ptr + seq * out_row_stride + head * out_head_stride,
+                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S)
+
+
+def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
+                       cfg: DecodeConfig = DECODE_CONFIG) -> tuple[int, int]:
+    """(split_len, num_splits) from host ints only, so a captured graph stays valid for any seq_lens <=
+    max_seq_len. Aims at about cfg.programs_per_sm programs per SM: B=1 at 32k splits 64 ways, while B=64
+    (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at
+    512 tokens, 0.99 vs 0.94 at 4k)."""
+    wanted = max(1, round(cfg.programs_per_sm * sms / (num_seqs * n_kv_heads)))
+    split_len = max(cfg.min_split, math.ceil(max(max_seq_len, 1) / wanted))
+    split_len = max(split_len, math.ceil(max(max_seq_len, 1) / cfg.max_splits))
+    split_len = triton.cdiv(split_len, cfg.block_n) * cfg.block_n
+    return split_len, max(1, triton.cdiv(max_seq_len, split_len))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, out: torch.Tensor | None = None,
+                           cfg: DecodeConfig = DECODE_CONFIG) -> torch.Tensor:
+    """paged_attention_ref for a decode step (one row per sequence). Graph-safe: the grid depends only on
+    q's shape, the heads and meta.max_seq_len; no host syncs. With cfg.pdl the kernels are launched as
+    programmatic dependents and read meta.seq_lens before waiting for the previous kernel, so that kernel
+    must not be the one writing seq_lens (q and the caches may come from it)."""
+    n_rows, n_heads, head_dim = q.shape
+    n_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    assert meta.max_query_len == 1 and n_rows == meta.num_seqs and n_heads % n_kv_heads == 0
+    assert q.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
+    out = torch.empty_like(q) if out is None else out
+    if n_rows == 0:
+        return out
+    group = n_heads // n_kv_heads
+    split_len, num_splits = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
+    block_d = next_pow2(head_dim)
+    if num_splits > 1:
+        part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out   # unused
+    pdl = cfg.pdl and q.is_cuda        # the interpreter cannot run griddepcontrol
+    launch = {"launch_pdl": True} if pdl else {}
+    _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
+        q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits,
+        GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, USE_PDL=pdl, DOT_F32=dot_in_f32(k_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    if num_splits > 1:
+        _decode_reduce_kernel[(n_rows, n_heads)](
+            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits,
+            HEAD_D=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), USE_PDL=pdl, num_warps=4, **launch)
+    return out
+
+
+# --- Triton: prefill (causal flash attention of a chunk against the paged prefix plus itself) --------------
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    block_m: int = 64            # query rows per program
+    block_n: int = 64            # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+PREFILL_CONFIG = PrefillConfig()
+
+
+@jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+                    q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+                    cache_head_stride, out_row_stride, out_head_stride, qk_scale,
+                    GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (q_head, seq, query tile). Row i of the chunk sits at position seq_len - q_len + i and sees
+    keys 0..position; the keys come from the cache (the chunk's own K/V are already written there).
+    Tiles go last-first: the longest programs start first and the short ones fill the tail, and the heads
+    of one tile, which share K/V through L2, run together."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    kv_head = head // GROUP
+    row0 = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - row0
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = r < q_len
+    pos = seq_len - q_len + r
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_D
+    rows = (row0 + r).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * q_head_stride + d[None, :],
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
+
+    # Keys up to the tile's last row; tiles wholly at or below its first row need no causal mask.
+    last_r = tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1
+    kv_end = tl.maximum(tl.where(tile * BLOCK_M < q_len, seq_len - q_len + last_r + 1, 0), 0)
+    full_end = tl.maximum(tl.minimum((seq_len - q_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end), 0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + seq * bt_stride
+    all_keys = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
+    for n0 in range(0, full_end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, toks < kv_end, kv_head, d, d_mask, cache_block_stride,
+                               cache_slot_stride, cache_head_stride, PAGE=PAGE)
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < kv_end
+        k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
+                               cache_slot_stride, cache_head_stride, PAGE=PAGE)
+        valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32)
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                            scale: float, out: torch.Tensor | None = None,
+                            cfg: PrefillConfig = PREFILL_CONFIG) -> torch.Tensor:
+    """paged_attention_ref for chunks of several tokens per sequence (any q_len, 1 included). Rows past
+    query_start[-1] stay zero when `out` is allocated here and untouched when it is passed in."""
+    n_rows, n_heads, head_dim = q.shape
+    n_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    assert n_heads % n_kv_heads == 0 and q.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
+    out = torch.zeros_like(q) if out is None else out
+    if n_rows == 0 or meta.num_seqs == 0:
+        return out
+    grid = (n_heads, meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), cfg.block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        out.stride(0), out.stride(1), scale * LOG2E,
+        GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out)
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out)

@@ -17,11 +17,15 @@ try:
     import triton.language as tl
     jit = triton.jit
 except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    triton = None
-    tl = None
+    triton = tl = None
 
     def jit(fn):
         return fn
+
+try:  # programmatic dependent launch (Hopper+): only called under a USE_PDL constexpr, never interpreted
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 
 def interpreting() -> bool:
