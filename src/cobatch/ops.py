@@ -2,6 +2,9 @@
 
 The model code calls only these, so it is the same on both devices. Set COBATCH_TORCH_OPS=1 to force
 the torch references on CUDA too (a debugging aid: the GPU path must agree with them).
+
+Always use the returned tensors: on the Triton path rope rotates q and k in place, while the references
+return new tensors.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.activation import silu_mul_ref
-from cobatch.kernels.attention import paged_attention_ref
-from cobatch.kernels.kv_write import kv_write_ref
-from cobatch.kernels.norm import rms_norm_ref
-from cobatch.kernels.rope import rope_ref
+from cobatch.kernels.activation import silu_mul_ref, silu_mul_triton
+from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
+from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
+from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
+from cobatch.kernels.rope import rope_ref, rope_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
 
@@ -25,27 +28,56 @@ def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda and not _FORCE_TORCH
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_ref(x, weight, eps, residual)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             inplace_residual: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, residual_stream). inplace_residual=True writes x + residual into `residual` and returns it
+    as the residual stream (saves an allocation; the caller must not need the old residual)."""
+    if _triton(x):
+        return rms_norm_triton(x, weight, eps, residual,
+                               residual_out=residual if inplace_residual and residual is not None else None)
+    normed, h = rms_norm_ref(x, weight, eps, residual)
+    if inplace_residual and residual is not None:
+        h = residual.copy_(h)
+    return normed, h
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
          neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton(q):
+        return rope_triton(q, k, positions, cos_sin, neox)
     return rope_ref(q, k, positions, cos_sin, neox)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
+    if _triton(k):
+        kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope then kv_write of the rotated k and v, in one launch on the Triton path. Returns (q, k) rotated."""
+    if _triton(q):
+        return rope_triton(q, k, positions, cos_sin, neox, kv_write=(v, k_cache, v_cache, slot_mapping))
+    q, k = rope_ref(q, k, positions, cos_sin, neox)
     kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
               scale: float) -> torch.Tensor:
+    """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise."""
+    if _triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        return silu_mul_triton(x)
     return silu_mul_ref(x)
 
 
