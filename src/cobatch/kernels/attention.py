@@ -94,7 +94,7 @@ class DecodeConfig:
     max_splits: int = 64         # the reduce holds all splits of a row in registers
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
     # Programmatic dependent launch: each kernel's prologue overlaps its predecessor. Saved about 1 us a call
-    # on the H200 (bench/results/kernels_attention_h200.md) but is not yet checked on the GPU, so it is off.
+    # on the H200 (bench/results/kernels_attention-2026-11-29.md) but is not yet checked on the GPU, so it is off.
     pdl: bool = False
 
 

@@ -1,0 +1,249 @@
+"""Attention kernel benchmark: decode GB/s of KV bytes read, prefill TFLOP/s.
+
+    PYTHONPATH=src python bench/kernels_attention.py [--sweep]
+
+Decode: B = 1, 8, 64 sequences x context 512, 4k, 32k, Llama-3-8B heads (32 q, 8 KV, D 128), bf16 KV in
+16-token pages scattered over the pool. Bytes counted: K + V of every sequence's context (q, the output and
+the block tables are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
+copies of the inputs (R sized so that they overflow the 60 MB L2), divided by R.
+Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
+bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+from cobatch.batch import AttentionMetadata
+from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
+                                       paged_decode_attention, paged_prefill_attention)
+
+N_Q, N_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
+BATCHES, CONTEXTS = (1, 8, 64), (512, 4096, 32768)
+PREFILL_TOKENS = 2048
+L2_FLUSH_BYTES = 256 << 20
+
+
+def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written, median of 20."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _median_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graph_ms_per_call(calls, reps: int = 20) -> float:
+    """Median replay time of a graph of all `calls`, per call. Calls run once eagerly first (compile)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return _median_ms(graph.replay, reps) / len(calls)
+
+
+def _decode_inputs(batch: int, context: int, copies: int, gen: torch.Generator, filled: int | None = None):
+    """`copies` independent (q, meta) sets over one shared pool, each with its own scattered pages.
+    Sequences hold `filled` tokens (default: all `context`, the capacity the graph is planned for)."""
+    pages_per_seq = -(-context // PAGE)
+    num_pages = pages_per_seq * batch * copies
+    shape = (num_pages, PAGE, N_KV, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
+    sets = []
+    for c in range(copies):
+        tables = perm[c * batch * pages_per_seq: (c + 1) * batch * pages_per_seq].view(batch, pages_per_seq)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
+            query_start=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            seq_lens=torch.full((batch,), context if filled is None else filled, dtype=torch.int32, device="cuda"),
+            block_tables=tables.contiguous(), max_query_len=1, max_seq_len=context)
+        q = torch.randn(batch, N_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        sets.append((q, meta))
+    return k_cache, v_cache, sets
+
+
+def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generator,
+                 filled: int | None = None) -> dict:
+    kv_bytes = batch * (context if filled is None else filled) * N_KV * HEAD_DIM * 2 * 2
+    copies = max(1, min(64, -(-L2_FLUSH_BYTES // (batch * context * N_KV * HEAD_DIM * 4))))
+    k_cache, v_cache, sets = _decode_inputs(batch, context, copies, gen, filled)
+    outs = [torch.empty_like(q) for q, _ in sets]
+    scale = HEAD_DIM ** -0.5
+    calls = [lambda q=q, m=m, o=o: paged_decode_attention(q, k_cache, v_cache, m, scale, out=o, cfg=cfg)
+             for (q, m), o in zip(sets, outs)]
+    ms = _graph_ms_per_call(calls)
+    del k_cache, v_cache, sets, outs
+    return {"kernel": "decode_attention", "batch": batch, "context": context, "filled": filled or context,
+            "us": ms * 1e3,
+            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg)}
+
+
+def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFILL_TOKENS) -> dict:
+    pages = -(-tokens // PAGE)
+    shape = (pages, PAGE, N_KV, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tables = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)[None]
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device="cuda"),
+        query_start=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device="cuda"),
+        block_tables=tables, max_query_len=tokens, max_seq_len=tokens)
+    q = torch.randn(tokens, N_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM ** -0.5
+    flops = 4 * N_Q * HEAD_DIM * tokens * (tokens + 1) / 2      # causal: QK^T and PV over the visible keys
+    ms = _graph_ms_per_call([lambda: paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=cfg)])
+    # The same attention through torch SDPA on contiguous K/V (a reference point, not a goal).
+    k = k_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None]
+    v = v_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None]
+    qt = q.transpose(0, 1)[None]
+    sdpa_ms = _graph_ms_per_call([lambda: torch.nn.functional.scaled_dot_product_attention(
+        qt, k, v, is_causal=True, scale=scale, enable_gqa=True)])
+    return {"kernel": "prefill_attention", "tokens": tokens, "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+            "torch_sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12, "config": asdict(cfg)}
+
+
+def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
+        prefill_cfg: PrefillConfig = PREFILL_CONFIG) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            try:
+                r = bench_decode(batch, context, decode_cfg, gen)
+                r["ratio_to_copy"] = r["gbps"] / copy_gbps
+            except Exception as e:      # reported in the table's place rather than losing the other rows
+                r = {"kernel": "decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
+            rows.append(r)
+    try:
+        rows.append(bench_prefill(prefill_cfg, gen))
+    except Exception as e:
+        rows.append({"kernel": "prefill_attention", "error": repr(e)[:300]})
+    return rows
+
+
+DECODE_SWEEP = [
+    DECODE_CONFIG,
+    replace(DECODE_CONFIG, pdl=False),
+    replace(DECODE_CONFIG, min_split=64),
+    replace(DECODE_CONFIG, min_split=128),
+    replace(DECODE_CONFIG, min_split=128, pdl=False),
+    replace(DECODE_CONFIG, num_stages=3),
+    replace(DECODE_CONFIG, programs_per_sm=5),
+    replace(DECODE_CONFIG, block_n=128, num_warps=8),
+]
+PREFILL_SWEEP = [
+    PREFILL_CONFIG,
+    replace(PREFILL_CONFIG, num_stages=3),
+    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3),
+]
+
+
+def sweep(copy_gbps: float, budget_s: float = 150.0, dump=None) -> list[dict]:
+    """Prefill configs, then decode configs on every shape, until budget_s runs out: to choose the defaults.
+    dump(rows) is called after each config so that a cut-short run still leaves its numbers."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    t0 = time.monotonic()
+    rows = []
+    for i, cfg in enumerate(PREFILL_SWEEP):
+        try:
+            r = bench_prefill(cfg, gen)
+        except Exception as e:      # a config that fails to compile or launch is reported, not fatal
+            r = {"kernel": "prefill_attention", "error": repr(e)[:300]}
+        r["variant"] = i
+        rows.append(r)
+        print(f"prefill variant {i} {asdict(cfg)}: {r.get('tflops', 0):.0f} TFLOP/s "
+              f"(sdpa {r.get('torch_sdpa_tflops', 0):.0f})", flush=True)
+    # Fixed cost: graphs planned for a capacity, sequences holding one token (and a short fill of a long one).
+    for batch, context, filled in [(1, 32768, 1), (8, 4096, 1), (64, 512, 1), (8, 32768, 512)]:
+        r = bench_decode(batch, context, DECODE_CONFIG, gen, filled=filled)
+        r["variant"] = "floor"
+        rows.append(r)
+        print(f"decode B={batch} capacity {context} holding {filled}: {r['us']:.1f} us", flush=True)
+    for i, cfg in enumerate(DECODE_SWEEP):
+        if time.monotonic() - t0 > budget_s:
+            print(f"sweep stopped at decode variant {i}: time budget spent", flush=True)
+            break
+        for batch in BATCHES:
+            for context in CONTEXTS:
+                try:
+                    r = bench_decode(batch, context, cfg, gen)
+                except Exception as e:
+                    r = {"kernel": "decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
+                r["variant"] = i
+                r["ratio_to_copy"] = r.get("gbps", 0.0) / copy_gbps
+                rows.append(r)
+        print(f"decode variant {i} {asdict(cfg)}: " + " ".join(
+            f"{r['ratio_to_copy']:.2f}" for r in rows if r.get("variant") == i and r["kernel"] == "decode_attention"),
+            flush=True)
+        print("    us: " + " ".join(f"{r.get('us', 0):.1f}" for r in rows
+                                   if r.get("variant") == i and r["kernel"] == "decode_attention"), flush=True)
+        if dump:
+            dump(rows)
+    return rows
+
+
+def print_table(rows: list[dict], copy_gbps: float) -> None:
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+    print(f"{'decode':>8} {'B':>4} {'context':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}")
+    for r in rows:
+        if r["kernel"] == "decode_attention" and "gbps" in r:
+            print(f"{'':>8} {r['batch']:>4} {r['context']:>8} {r['us']:>9.1f} {r['gbps']:>8.0f} "
+                  f"{r['ratio_to_copy']:>7.0%}")
+        elif "error" in r:
+            print(f"{r['kernel']} {r.get('batch', '')} {r.get('context', '')}: {r['error']}")
+    for r in rows:
+        if r["kernel"] == "prefill_attention" and "tflops" in r:
+            print(f"prefill {r['tokens']} tokens: {r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s "
+                  f"(torch SDPA {r['torch_sdpa_tflops']:.0f})")
+
+
+def main() -> None:
+    copy_gbps = measure_copy_gbps()
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": copy_gbps,
+              "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d")}
+
+    def dump(name: str, payload: dict) -> None:
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], name), "w") as f:
+                json.dump(payload, f, indent=1)
+
+    if "--sweep" in sys.argv:
+        result["sweep"] = sweep(copy_gbps, budget_s=float(os.environ.get("SWEEP_BUDGET_S", 150)), dump=lambda rows: dump("kernels_attention_sweep.json", {**result, "sweep": rows}))
+        dump("kernels_attention_sweep.json", result)
+    rows = run(copy_gbps)
+    result["rows"] = rows
+    dump("kernels_attention.json", result)
+    print_table(rows, copy_gbps)
+
+
+if __name__ == "__main__":
+    main()
