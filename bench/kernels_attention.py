@@ -145,7 +145,9 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
         rows.append(bench_prefill(prefill_cfg, gen))
     except Exception as e:
         rows.append({"kernel": "prefill_attention", "error": repr(e)[:300]})
-    return rows
+    # One schema for every row (None where a field does not apply), so callers can tabulate them directly.
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k) for k in keys} for r in rows]
 
 
 DECODE_SWEEP = [
@@ -214,13 +216,13 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     print(f"{'decode':>8} {'B':>4} {'context':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
-        if r["kernel"] == "decode_attention" and "gbps" in r:
+        if r["kernel"] == "decode_attention" and r.get("gbps") is not None:
             print(f"{'':>8} {r['batch']:>4} {r['context']:>8} {r['us']:>9.1f} {r['gbps']:>8.0f} "
                   f"{r['ratio_to_copy']:>7.0%}")
-        elif "error" in r:
+        elif r.get("error"):
             print(f"{r['kernel']} {r.get('batch', '')} {r.get('context', '')}: {r['error']}")
     for r in rows:
-        if r["kernel"] == "prefill_attention" and "tflops" in r:
+        if r["kernel"] == "prefill_attention" and r.get("tflops") is not None:
             print(f"prefill {r['tokens']} tokens: {r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s "
                   f"(torch SDPA {r['torch_sdpa_tflops']:.0f})")
 
