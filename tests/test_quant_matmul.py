@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cobatch.kernels import quant_matmul as qm
-from cobatch.kernels.quant_matmul import PackedWeight, TileConfig, quant_matmul_ref
+from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig, quant_matmul_ref
 from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
@@ -24,9 +24,13 @@ PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"]
 SMALL_SHAPES = {"q8_0": (40, 96), "q4_0": (72, 160), "q4_1": (33, 64), "q5_0": (40, 96),
                 "q4_k": (40, 512), "q6_k": (24, 512)}
 TINY_SHAPES = {**SMALL_SHAPES, "q4_k": (24, 256), "q6_k": (24, 256)}   # the slower multi-run tests
+# The small-shape tests run the interpreter on the CPU and the compiled kernel on a GPU, with one explicit
+# plan: split-K 2 (the deterministic reduction is exercised) and a GEMM tier past 4 tokens.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_PLAN = MatmulPlan(TileConfig(16, 64, 64, 2, 4, 3), TileConfig(32, 64, 64, 1, 4, 3), 4)
 
 
-def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
+def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device=DEVICE) -> QuantWeight:
     fmt = format_of(fmt_name)
     raw = random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(seed))
     return QuantWeight(fmt, rows, cols, raw.to(device))
@@ -49,7 +53,7 @@ def run_poisoned(pw: PackedWeight, x: torch.Tensor, config: TileConfig | None = 
 @pytest.mark.parametrize("fmt_name", PACKED)
 def test_planes_decode_to_the_gguf_values(fmt_name):
     rows, cols = SMALL_SHAPES[fmt_name]
-    w = make_weight(fmt_name, rows, cols, seed=1)
+    w = make_weight(fmt_name, rows, cols, seed=1, device="cpu")
     planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"))
     torch.testing.assert_close(unpack_planes(planes), dequantize(w.raw, w.fmt.ggml_type, cols), rtol=0, atol=0)
     assert planes.rows_pad % 128 == 0 and planes.cols_pad % 256 == 0
@@ -58,7 +62,7 @@ def test_planes_decode_to_the_gguf_values(fmt_name):
 def test_nbytes_counts_what_the_kernel_reads():
     for fmt_name, per_256 in [("q8_0", 272), ("q4_0", 144), ("q4_1", 160), ("q5_0", 176), ("q4_k", 148),
                               ("q6_k", 212)]:
-        w = make_weight(fmt_name, 128, 512, seed=2)
+        w = make_weight(fmt_name, 128, 512, seed=2, device="cpu")
         assert PackedWeight.from_quant(w, "cpu").nbytes == 128 * 2 * per_256, fmt_name
 
 
@@ -68,10 +72,10 @@ def test_nbytes_counts_what_the_kernel_reads():
 def test_narrow_kernel_matches_reference(fmt_name):
     rows, cols = SMALL_SHAPES[fmt_name]
     w = make_weight(fmt_name, rows, cols, seed=3)
-    pw = PackedWeight.from_quant(w, "cpu")
+    pw = PackedWeight.from_quant(w, DEVICE, plan=SMALL_PLAN)
     gen = torch.Generator().manual_seed(4)
     for n_tok in (1, 3):
-        x = torch.randn(n_tok, cols, generator=gen).to(torch.bfloat16)
+        x = torch.randn(n_tok, cols, generator=gen).to(DEVICE, torch.bfloat16)
         y = run_poisoned(pw, x)
         assert y.shape == (n_tok, rows) and y.dtype == torch.bfloat16
         assert rel_err(y, quant_matmul_ref(x, w)) < 1e-2
@@ -81,9 +85,9 @@ def test_narrow_kernel_matches_reference(fmt_name):
 def test_gemm_config_matches_reference(fmt_name):
     rows, cols = TINY_SHAPES[fmt_name]
     w = make_weight(fmt_name, rows, cols, seed=5)
-    pw = PackedWeight.from_quant(w, "cpu")
+    pw = PackedWeight.from_quant(w, DEVICE, plan=SMALL_PLAN)
     n_tok = pw.plan.crossover + 33                     # past the crossover: the GEMM tiles, two token tiles
-    x = torch.randn(n_tok, cols, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    x = torch.randn(n_tok, cols, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
     y = run_poisoned(pw, x)
     assert y.dtype == torch.float16
     assert rel_err(y, quant_matmul_ref(x, w)) < 1e-2
@@ -93,10 +97,10 @@ def test_gemm_config_matches_reference(fmt_name):
 def test_row_is_bitwise_identical_whatever_the_batch(fmt_name):
     """Row t alone (n_tok = 1) equals row t inside every batch up to the crossover, bit for bit."""
     rows, cols = TINY_SHAPES[fmt_name]
-    pw = PackedWeight.from_quant(make_weight(fmt_name, rows, cols, seed=7), "cpu")
+    pw = PackedWeight.from_quant(make_weight(fmt_name, rows, cols, seed=7), DEVICE, plan=SMALL_PLAN)
     assert pw.plan.narrow.split_k > 1                  # the deterministic split-K reduction is exercised
     T_max = pw.plan.crossover
-    x = torch.randn(T_max, cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    x = torch.randn(T_max, cols, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.bfloat16)
     alone = torch.cat([run_poisoned(pw, x[t:t + 1]) for t in range(T_max)])
     for n_tok in range(2, T_max + 1):
         together = run_poisoned(pw, x[:n_tok])
@@ -104,18 +108,18 @@ def test_row_is_bitwise_identical_whatever_the_batch(fmt_name):
 
 
 def test_split_k_counters_are_rearmed():
-    pw = PackedWeight.from_quant(make_weight("q4_0", 72, 160, seed=9), "cpu")
-    run_poisoned(pw, torch.randn(2, 160).to(torch.bfloat16))
-    _, count = qm._SplitScratch.get(torch.device("cpu"))
+    pw = PackedWeight.from_quant(make_weight("q4_0", 72, 160, seed=9), DEVICE, plan=SMALL_PLAN)
+    run_poisoned(pw, torch.randn(2, 160).to(DEVICE, torch.bfloat16))
+    _, count = qm._SplitScratch.get(torch.device(DEVICE))
     assert int(count.abs().sum()) == 0
 
 
 def test_leading_dims_and_empty_batch():
     w = make_weight("q8_0", 40, 96, seed=10)
-    pw = PackedWeight.from_quant(w, "cpu")
-    x = torch.randn(2, 1, 96).to(torch.bfloat16)
+    pw = PackedWeight.from_quant(w, DEVICE, plan=SMALL_PLAN)
+    x = torch.randn(2, 1, 96).to(DEVICE, torch.bfloat16)
     assert pw.matmul(x).shape == (2, 1, 40)
-    assert pw.matmul(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 40)
+    assert pw.matmul(torch.empty(0, 96, dtype=torch.bfloat16, device=DEVICE)).shape == (0, 40)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q5_1, T.Q3_K, T.F16])
@@ -124,9 +128,9 @@ def test_unpacked_formats_fall_back_to_a_dense_matrix(ggml_type):
     assert fmt.name not in PACKED_FORMATS
     rows, cols = 24, 256
     w = QuantWeight(fmt, rows, cols, random_quantized(ggml_type, rows, cols, torch.Generator().manual_seed(11)))
-    pw = PackedWeight.from_quant(w, "cpu")
+    pw = PackedWeight.from_quant(w, DEVICE)
     assert pw.dense is not None and pw.nbytes == rows * cols * 2
-    x = torch.randn(3, cols).to(torch.bfloat16)
+    x = torch.randn(3, cols).to(DEVICE, torch.bfloat16)
     assert rel_err(pw.matmul(x), quant_matmul_ref(x, w)) < 1e-2
 
 
@@ -187,3 +191,16 @@ def test_gpu_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, pw.matmul(x.clone()))
+
+
+@pytest.mark.parametrize("fmt_name", PACKED)
+def test_dequantize_kernel_and_cublas_gemm_path(fmt_name):
+    rows, cols = TINY_SHAPES[fmt_name]
+    w = make_weight(fmt_name, rows, cols, seed=16)
+    plan = MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 4)
+    pw = PackedWeight.from_quant(w, DEVICE, plan=plan)
+    dense = torch.full((rows, cols), float("nan"), dtype=torch.float16, device=DEVICE)
+    qm.dequantize_planes(pw.planes, dense)
+    assert rel_err(dense, w.dequantize().to(DEVICE)) < 1e-3
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(17)).to(DEVICE, torch.bfloat16)
+    assert rel_err(run_poisoned(pw, x), quant_matmul_ref(x, w)) < 1e-2

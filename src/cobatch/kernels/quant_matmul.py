@@ -294,6 +294,39 @@ def _quant_matmul_kernel(
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
+@jit
+def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, n_cols, out_stride, n_super,
+                    FMT: tl.constexpr, BN: tl.constexpr, CHUNKS: tl.constexpr, F32: tl.constexpr):
+    """Write the dense matrix [n_rows, n_cols] (out's dtype): the prefill path dequantizes once per call
+    into a scratch matrix and lets cuBLAS run the GEMM. Same per-chunk dequant as the matmul kernel."""
+    DT: tl.constexpr = tl.float32 if F32 else out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    row = rows.to(tl.int64)[:, None]
+    j = tl.arange(0, 32)[None, :]
+    qs_stride = (256 if FMT == Q8_0 else 128) * n_super
+    row_ok = row < n_rows
+    for c in tl.static_range(CHUNKS):
+        chunk = tl.program_id(1) * CHUNKS + c
+        w0, w1 = _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, 8 * n_super, n_super,
+                                chunk, j, FMT, DT, not F32)
+        k = 64 * chunk + j
+        tl.store(out_ptr + row * out_stride + k, w0.to(out_ptr.dtype.element_ty), mask=row_ok & (k < n_cols))
+        tl.store(out_ptr + row * out_stride + k + 32, w1.to(out_ptr.dtype.element_ty),
+                 mask=row_ok & (k + 32 < n_cols))
+
+
+def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, cols] bf16/f16 <- the planes' values (one launch, no sync)."""
+    assert out.shape == (p.rows, p.cols) and out.stride(1) == 1
+    bn, chunks = 64, 4
+    dummy = p.qs
+    _dequant_kernel[(p.rows_pad // bn, p.cols_pad // (64 * chunks))](
+        out, p.qs, p.d, p.m if p.m is not None else dummy, p.sub if p.sub is not None else dummy,
+        p.qh if p.qh is not None else dummy, p.rows, p.cols, out.stride(0), p.cols_pad // 256,
+        FMT=p.fmt_id, BN=bn, CHUNKS=chunks, F32=interpreting(), num_warps=4)
+    return out
+
+
 # --- configs ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -318,12 +351,16 @@ INTERPRETER_NARROW = TileConfig(BM=16, BN=32, BK=64, split_k=2)   # small tiles 
 INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
 
 
+# plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
+DEQUANT_CUBLAS = "dequant+cublas"
+
+
 @dataclass(frozen=True, slots=True)
 class MatmulPlan:
     """The tile configs of one weight: chosen at load, fixed for the process."""
     narrow: TileConfig
-    gemm: TileConfig
-    crossover: int       # n_tok <= crossover -> narrow
+    gemm: TileConfig | str   # a TileConfig, or DEQUANT_CUBLAS
+    crossover: int           # n_tok <= crossover -> narrow
 
 
 @lru_cache(maxsize=None)
@@ -354,7 +391,8 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int) -> Matmul
     if "narrow" not in entry or entry["narrow"].get("split_k") is None:
         narrow = TileConfig(narrow.BM, narrow.BN, narrow.BK, default_split_k(n_rows, n_cols_pad, narrow),
                             narrow.num_warps, narrow.num_stages)
-    gemm = TileConfig.parse(entry["gemm"]) if "gemm" in entry else DEFAULT_GEMM
+    gemm = entry.get("gemm", DEFAULT_GEMM)
+    gemm = gemm if isinstance(gemm, (TileConfig, str)) else TileConfig.parse(gemm)
     return MatmulPlan(narrow, gemm, int(entry.get("crossover", DEFAULT_CROSSOVER)))
 
 
@@ -367,8 +405,16 @@ class _SplitScratch:
     kernel ends. Grown at load time (from_quant), never inside a CUDA-graph capture."""
     _by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @staticmethod
+    def _key(device: torch.device) -> torch.device:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
     @classmethod
     def reserve(cls, device: torch.device, partial_elems: int, tiles: int) -> None:
+        device = cls._key(device)
         have = cls._by_device.get(device)
         if have is None or have[0].numel() < partial_elems or have[1].numel() < tiles:
             p = max(partial_elems, have[0].numel() if have else 1)
@@ -378,7 +424,25 @@ class _SplitScratch:
 
     @classmethod
     def get(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return cls._by_device[device]
+        return cls._by_device[cls._key(device)]
+
+
+class _DenseScratch:
+    """One byte buffer per device for the DEQUANT_CUBLAS path, grown at load to the largest matrix."""
+    _by_device: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def reserve(cls, device: torch.device, nbytes: int) -> None:
+        device = _SplitScratch._key(device)
+        have = cls._by_device.get(device)
+        if have is None or have.numel() < nbytes:
+            cls._by_device[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    @classmethod
+    def matrix(cls, device: torch.device, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        cls.reserve(device, rows * cols * 2)   # no-op once reserved at load
+        buf = cls._by_device[_SplitScratch._key(device)]
+        return buf[:rows * cols * 2].view(dtype).view(rows, cols)
 
 
 def _scratch_need(cfg: TileConfig, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
@@ -411,9 +475,11 @@ class PackedWeight:
         if device.type == "cuda" or interpreting():
             elems, tiles = _scratch_need(plan.narrow, planes.rows_pad, plan.crossover)
             _SplitScratch.reserve(device, elems, tiles)
+            if plan.gemm == DEQUANT_CUBLAS:
+                _DenseScratch.reserve(device, w.rows * w.cols * 2)
         return self
 
-    def matmul(self, x: torch.Tensor, config: TileConfig | None = None, out: torch.Tensor | None = None
+    def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None
                ) -> torch.Tensor:
         """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks)."""
         lead = x.shape[:-1]
@@ -429,7 +495,11 @@ class PackedWeight:
         out = torch.empty(n_tok, self.rows, dtype=x.dtype, device=x.device) if out is None else out
         if n_tok == 0:
             return out.reshape(*lead, self.rows)
-        launch(self.planes, x2, out, config)
+        if config == DEQUANT_CUBLAS:
+            w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
+            torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
+        else:
+            launch(self.planes, x2, out, config)
         return out.reshape(*lead, self.rows)
 
     def __repr__(self) -> str:
