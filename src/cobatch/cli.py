@@ -185,7 +185,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
-    p.add_argument("model_path", nargs="?", help="GGUF file (default: SmolLM2)")
+    p.add_argument("model_path", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "-m", help="GGUF file (same as the positional argument)")
+    p.add_argument("--model-name", help="model id served by /v1/models (default: the file name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--parallel", "-np", type=int, default=8,
+                   help="slots: requests decoded together in one batched step (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot before new ones get 429 (default 64)")
+    p.add_argument("--ctx", type=int, default=None, help="context window per request, in tokens")
+    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key) on every route "
+                                                    "but /health")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV pool size in GiB (default: from free memory on CUDA, 1 GiB on CPU)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="most prompt tokens one request prefills per step, so running streams keep going")
+    p.add_argument("--max-step-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="request bodies over this get 413")
+    p.add_argument("--graceful-shutdown-s", type=int, default=30,
+                   help="on Ctrl-C, wait this long for running requests")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="uvicorn's access log (a line per request is "
+                                                              "logged anyway)")
     p.set_defaults(func=cmd_serve)
     return parser
 

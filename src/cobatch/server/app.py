@@ -1,0 +1,183 @@
+"""The FastAPI app: routes of both protocols, /health, /metrics, /slots, auth, errors; and `cobatch serve`.
+
+`create_app(llm, options)` builds an app around an already loaded model (tests and benchmarks run it
+in-process); its lifespan starts and stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import sys
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cobatch.llm import LLM
+from cobatch.server import anthropic, openai
+from cobatch.server.context import ServerContext, ServerOptions, get_context
+from cobatch.server.errors import ApiError, error_response
+
+log = logging.getLogger("cobatch.server")
+
+PUBLIC_PATHS = frozenset({"/health"})
+SLOTS_VIEW_TIMEOUT_S = 10.0
+
+
+def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
+    server = ServerContext(llm, options or ServerOptions())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.worker.stop)
+
+    app = FastAPI(title="cobatch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    _add_error_handlers(app, server)
+    _add_service_routes(app)
+    if server.options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=server.options.api_key)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, server: ServerContext) -> None:
+    def reply(request: Request, err: ApiError) -> JSONResponse:
+        server.metrics.http_errors.labels(str(err.status)).inc()
+        if err.status >= 500:
+            log.error("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
+        return error_response(err, request.url.path)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError):
+        return reply(request, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return reply(request, ApiError(exc.status_code, str(message), headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3])
+        return reply(request, ApiError(400, message or "invalid request"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return reply(request, ApiError(500, f"internal server error: {type(exc).__name__}"))
+
+
+def _add_service_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request):
+        server = get_context(request)
+        worker = server.worker
+        ok = worker.alive and worker.accepting
+        body = {"status": "ok" if ok else "unavailable", "model": server.model_name,
+                "slots_total": worker.num_slots, "slots_busy": worker.num_active, "queued": worker.queue_depth}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(get_context(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        worker = get_context(request).worker
+        view = await asyncio.wait_for(asyncio.wrap_future(worker.call(worker.slots_view)), SLOTS_VIEW_TIMEOUT_S)
+        return JSONResponse(view)
+
+
+class ApiKeyMiddleware:
+    """Every route but /health wants the key, as `Authorization: Bearer KEY` (OpenAI clients) or
+    `x-api-key: KEY` (Anthropic clients)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization", b"")
+        if given is None and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        if given is not None and hmac.compare_digest(given, self.key):
+            return await self.app(scope, receive, send)
+        server: ServerContext = scope["app"].state.server if "app" in scope else None
+        if server is not None:
+            server.metrics.http_errors.labels("401").inc()
+        message = "missing API key" if given is None else "invalid API key"
+        response = error_response(ApiError(401, message, code="invalid_api_key",
+                                           headers={"WWW-Authenticate": "Bearer"}), scope["path"])
+        await response(scope, receive, send)
+
+
+# --- cobatch serve --------------------------------------------------------------------------------
+
+def _check_serve_args(args) -> None:
+    from cobatch.errors import UserError
+    if args.model_path and args.model and args.model_path != args.model:
+        raise UserError("give the model once: as the positional argument or as --model")
+    for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
+                      ("port", 0)):
+        if getattr(args, name) < low:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {low} (got {getattr(args, name)})")
+    if args.max_body_mb <= 0:
+        raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+
+
+def serve(args) -> int:
+    from cobatch.llm import EngineOptions
+    _check_serve_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    llm = LLM.load(args.model_path or args.model, EngineOptions(
+        device=args.device, dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
+        kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens))
+    options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
+                            max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    app = create_app(llm, options)
+    server = app.state.server
+    pool = llm.engine.pool
+    print(f"cobatch serving {server.model_name} ({llm.path})\n"
+          f"  url:      http://{args.host}:{args.port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
+          f"Anthropic: /v1/messages)\n"
+          f"  slots:    {server.worker.num_slots} (--parallel), queue up to {options.max_queue}\n"
+          f"  context:  {llm.engine.max_context} tokens per request\n"
+          f"  KV cache: {pool.num_blocks} blocks x {pool.block_size} = {pool.num_blocks * pool.block_size} tokens "
+          f"({pool.nbytes / 2**20:.0f} MiB), prefix cache shared by all slots\n"
+          f"  device:   {llm.engine.runner.device}  api key: {'required' if args.api_key else 'none'}",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s)
+    DrainingServer(config, server).run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """Stops taking requests (503) as soon as a shutdown signal arrives; requests in flight finish."""
+
+    def __init__(self, config: uvicorn.Config, server: ServerContext):
+        super().__init__(config)
+        self.context = server
+
+    def handle_exit(self, sig, frame) -> None:
+        self.context.worker.accepting = False
+        super().handle_exit(sig, frame)

@@ -1,0 +1,40 @@
+"""What every route needs: the model, the engine thread, the metrics and the server options."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from cobatch.llm import LLM
+from cobatch.server.engine_thread import EngineWorker
+from cobatch.server.generation import Generation, GenerationRequest
+from cobatch.server.metrics import ServerMetrics
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20     # a 128k-token prompt as JSON is a few MB; this leaves room
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    model_name: str | None = None        # the id served by /v1/models (default: the file name)
+    api_key: str | None = None           # when set, every route but /health needs it
+    max_queue: int = 64                  # requests waiting for a slot before 429
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    num_slots: int | None = None         # default: the engine's max_num_seqs (--parallel)
+
+
+class ServerContext:
+    def __init__(self, llm: LLM, options: ServerOptions):
+        self.llm, self.options = llm, options
+        self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)
+        self.metrics = ServerMetrics(self.worker)
+        self.model_name = options.model_name or llm.path.stem
+        self.created = int(time.time())
+
+    def generation(self, request: GenerationRequest) -> Generation:
+        return Generation(self.worker, self.metrics, self.llm.tokenizer, request)
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.server

@@ -1,0 +1,332 @@
+"""The engine's own thread: the only code that touches the Engine while the server runs.
+
+The HTTP side (an asyncio loop) talks to it through an inbox of commands (add, abort, call) and gets
+each request's outputs on that request's asyncio queue, handed over once per engine step with
+`loop.call_soon_threadsafe`.
+
+Slots: `num_slots` requests (= the engine's max_num_seqs, `--parallel`) are in the engine at once;
+more wait in a FIFO queue here, up to `max_queue`; beyond that submit() refuses (the HTTP layer answers
+429). A request goes to the free slot whose previous prompt shares the longest prefix with it, then
+the least recently used one (the ds4 policy). The engine's prefix cache is global over KV blocks, so any
+slot reuses any cached prefix; the affinity only keeps /slots readable (a conversation tends to come
+back to the same slot).
+
+Aborts (client gone, stop string seen) are taken from the inbox before every step, so the request's
+KV blocks and slot are free by the end of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cobatch.engine.engine import Engine, StepOutput
+from cobatch.engine.sampler import SamplingParams
+from cobatch.errors import UserError
+
+log = logging.getLogger("cobatch.server")
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new requests."""
+
+
+@dataclass(slots=True)
+class EngineFailure:
+    """Delivered instead of a StepOutput when the engine could not run the request."""
+    message: str
+    user_error: bool = False      # the request itself was bad (400), not the server (500)
+
+
+@dataclass(slots=True, eq=False)
+class RequestHandle:
+    """One request as both sides see it. The outputs queue belongs to the HTTP side's loop."""
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted: float = field(default_factory=time.monotonic)
+    slot: int | None = None
+    finished: bool = False        # set on the HTTP side once the final output arrived
+
+
+@dataclass(slots=True)
+class Slot:
+    id: int
+    request: RequestHandle | None = None
+    last_prompt: tuple[int, ...] = ()
+    last_used: int = 0             # admission counter value when it last took a request
+    requests_served: int = 0
+    last_prompt_tokens: int = 0
+    last_cached_tokens: int = 0
+    last_generated_tokens: int = 0
+    generated: int = 0
+    cached_tokens: int = 0
+
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix, by binary search over slice comparisons (done in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, *, max_queue: int = 64, num_slots: int | None = None):
+        self.engine = engine
+        self.num_slots = min(num_slots or engine.scheduler.max_num_seqs, engine.scheduler.max_num_seqs)
+        self.max_queue = max_queue
+        self.slots = [Slot(i) for i in range(self.num_slots)]
+        self.accepting = True
+        self.steps = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued: deque[RequestHandle] = deque()        # engine thread only
+        self._active: dict[str, RequestHandle] = {}          # engine thread only
+        self._lock = threading.Lock()
+        self._in_system = 0                                  # submitted and not yet finished
+        self._admissions = itertools.count(1)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- HTTP side --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cobatch-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request; call from the asyncio loop that will read its outputs."""
+        if not self.accepting or not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        with self._lock:
+            if self._in_system >= self.num_slots + self.max_queue:
+                raise QueueFull(f"all {self.num_slots} slots are busy and {self.max_queue} requests are queued")
+            self._in_system += 1
+        handle = RequestHandle(f"req-{next(self._ids)}", prompt_ids, params, asyncio.get_running_loop())
+        self._inbox.put(("add", handle))
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        if not handle.finished:
+            self._inbox.put(("abort", handle.id))
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run fn on the engine thread between two steps (a consistent view of the engine)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_result(fn())
+            return future
+        self._inbox.put(("call", fn, future))
+        return future
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and end the thread."""
+        self.accepting = False
+        if self.alive:
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._take_commands(block=not (self.engine.has_work() or self._queued))
+            if self._stopping:
+                self._abort_all()
+                while self.engine.has_work():
+                    self._step()
+                return
+            self._admit()
+            if self.engine.has_work():
+                self._step()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._inbox.get() if block else self._inbox.get_nowait()
+            while True:
+                self._handle(command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            self._queued.append(command[1])
+        elif kind == "abort":
+            self._abort(command[1])
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                future.set_result(fn())
+            except Exception as exc:          # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _abort(self, request_id: str) -> None:
+        for handle in self._queued:
+            if handle.id == request_id:
+                self._queued.remove(handle)
+                self._release(handle)
+                self._send([(handle, StepOutput(request_id, None, True, "abort"))])
+                return
+        if request_id in self._active:
+            self.engine.abort(request_id)      # the next step reports it finished with "abort"
+
+    def _abort_all(self) -> None:
+        for handle in list(self._queued):
+            self._abort(handle.id)
+        for request_id in list(self._active):
+            self.engine.abort(request_id)
+
+    def _admit(self) -> None:
+        while self._queued:
+            free = [s for s in self.slots if s.request is None]
+            if not free:
+                return
+            handle = self._queued.popleft()
+            slot = self._pick_slot(free, handle.prompt_ids)
+            try:
+                self.engine.add_request(handle.prompt_ids, handle.params, request_id=handle.id)
+            except Exception as exc:          # noqa: BLE001 - validated before submit; report, don't die
+                self._release(handle)
+                self._send([(handle, EngineFailure(str(exc), user_error=isinstance(exc, (UserError, ValueError))))])
+                continue
+            slot.request, slot.last_used = handle, next(self._admissions)
+            slot.generated, slot.cached_tokens = 0, 0
+            slot.last_prompt = tuple(handle.prompt_ids)
+            handle.slot = slot.id
+            self._active[handle.id] = handle
+
+    @staticmethod
+    def _pick_slot(free: list[Slot], prompt_ids: list[int]) -> Slot:
+        prompt = tuple(prompt_ids)
+        return max(free, key=lambda s: (common_prefix_len(s.last_prompt, prompt), -s.last_used))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:                     # noqa: BLE001 - fail the requests, keep serving
+            log.error("engine step failed; failing %d requests\n%s", len(self._active), traceback.format_exc())
+            failed = list(self._active.values())
+            for handle in failed:
+                self.engine.abort(handle.id)
+                self._release(handle)
+            self._send([(h, EngineFailure("internal error in the engine step")) for h in failed])
+            return
+        self.steps += 1
+        deliveries = []
+        for out in outputs:
+            handle = self._active.get(out.request_id)
+            if handle is None:
+                continue
+            slot = self.slots[handle.slot]
+            if out.new_token is not None:
+                slot.generated += 1
+                slot.cached_tokens = out.num_cached_tokens
+            if out.finished:
+                self._release(handle)
+            deliveries.append((handle, out))
+        if deliveries:
+            self._send(deliveries)
+
+    def _release(self, handle: RequestHandle) -> None:
+        """The request leaves the system: free its slot and its place in the admission count."""
+        if self._active.pop(handle.id, None) is not None and handle.slot is not None:
+            slot = self.slots[handle.slot]
+            slot.request = None
+            slot.requests_served += 1
+            slot.last_prompt_tokens, slot.last_cached_tokens = len(handle.prompt_ids), slot.cached_tokens
+            slot.last_generated_tokens = slot.generated
+        with self._lock:
+            self._in_system -= 1
+
+    @staticmethod
+    def _send(deliveries: list[tuple[RequestHandle, StepOutput | EngineFailure]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, item in deliveries:
+            by_loop.setdefault(handle.loop, []).append((handle, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:              # that loop is closed: its clients are gone
+                pass
+
+    # --- views (run on the engine thread through call()) ----------------------------------------
+    def slots_view(self) -> dict:
+        engine = self.engine
+        slots = []
+        for slot in self.slots:
+            view: dict = {"id": slot.id, "state": "idle", "requests_served": slot.requests_served,
+                          "last_used": slot.last_used}
+            handle = slot.request
+            seq = engine.seqs.get(handle.id) if handle else None
+            if handle is not None and seq is not None:
+                view.update(
+                    state="waiting" if seq.status.value == "waiting" else
+                    ("decoding" if seq.num_output > 0 else "prefilling"),
+                    request_id=handle.id,
+                    prompt_tokens=seq.prompt_len,
+                    cached_prefix_tokens=seq.num_cached_prompt,
+                    computed_tokens=seq.num_computed,
+                    generated_tokens=seq.num_output,
+                    kv_blocks=len(seq.block_table),
+                    running_for_s=round(time.monotonic() - handle.submitted, 3),
+                )
+            else:
+                view.update(last_prompt_tokens=slot.last_prompt_tokens,
+                            last_cached_prefix_tokens=slot.last_cached_tokens,
+                            last_generated_tokens=slot.last_generated_tokens)
+            slots.append(view)
+        blocks = engine.blocks
+        return {
+            "slots": slots,
+            "queued": len(self._queued),
+            "max_queue": self.max_queue,
+            "prefix_cache": {
+                "scope": "global: every slot reuses any cached prefix (KV blocks are shared by hash)",
+                "block_size": blocks.block_size,
+                "cached_free_blocks": len(blocks.cached),
+            },
+            "kv_blocks": {"total": len(blocks.blocks), "used": blocks.num_used, "free": blocks.num_free},
+            "max_context": engine.max_context,
+        }
+
+
+def _deliver(items: list[tuple[RequestHandle, StepOutput | EngineFailure]]) -> None:
+    """On the HTTP loop: hand each output to its request."""
+    for handle, item in items:
+        handle.outputs.put_nowait(item)
+        if isinstance(item, EngineFailure) or item.finished:
+            handle.finished = True

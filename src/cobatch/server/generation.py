@@ -1,0 +1,208 @@
+"""The generation core both protocols share: submit a prompt, turn the engine's tokens into events.
+
+A protocol adapter builds a GenerationRequest, calls `Generation.start()` (which may refuse: 429 / 503)
+and then either streams the Chunk/Finish items of `events()` as its own SSE frames, or `collect()`s them
+into one Completed result. Timings, token counts and the per-request log line live here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from cobatch.engine.sampler import SamplingParams
+from cobatch.server.engine_thread import EngineFailure, EngineWorker, QueueFull, RequestHandle, ShuttingDown
+from cobatch.server.errors import ApiError
+from cobatch.server.metrics import ServerMetrics
+from cobatch.server.output_parser import (ContentDelta, Event, OutputParser, ReasoningDelta, ToolCallArgsDelta,
+                                          ToolCallStart)
+from cobatch.server.stream import TextStream
+from cobatch.tokenizer import Tokenizer
+
+log = logging.getLogger("cobatch.server")
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    api: str                                  # "chat" | "completions" | "messages": for metrics and logs
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    tool_names: list[str] | None = None       # None: tool calls are not parsed
+    parse_reasoning: bool = False
+    start_in_reasoning: bool = False
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class Chunk:
+    events: list[Event]
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Finish:
+    reason: str                     # "stop" | "length" | "tool_calls"
+    stop_string: str | None         # the stop string that ended it, if one did
+    usage: Usage
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Completed:
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    logprobs: list[TokenLogprob]
+    finish: Finish
+
+
+class Generation:
+    def __init__(self, worker: EngineWorker, metrics: ServerMetrics, tokenizer: Tokenizer, request: GenerationRequest):
+        self.worker, self.metrics, self.tokenizer, self.request = worker, metrics, tokenizer, request
+        self.arrival = time.perf_counter()
+        self.handle: RequestHandle | None = None
+        self._done = False
+
+    def start(self) -> None:
+        """Hand the request to the engine thread; refuses with 429 (queue full) or 503 (stopping)."""
+        try:
+            self.handle = self.worker.submit(self.request.prompt_ids, self.request.params)
+        except QueueFull as exc:
+            self.metrics.http_errors.labels("429").inc()
+            raise ApiError(429, f"server busy: {exc}; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ShuttingDown as exc:
+            self.metrics.http_errors.labels("503").inc()
+            raise ApiError(503, str(exc), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    def close(self) -> None:
+        """Abort the request if it is still running (client gone); idempotent."""
+        if self.handle is not None and not self._done:
+            self._done = True
+            self.worker.abort(self.handle)
+            self.metrics.requests.labels(self.request.api, "abort").inc()
+            log.info("%s %s aborted (client disconnected)", self.request.api, self.handle.id)
+
+    async def events(self) -> AsyncIterator[Chunk | Finish]:
+        assert self.handle is not None, "start() first"
+        req, handle, metrics = self.request, self.handle, self.metrics
+        text = TextStream(self.tokenizer, req.stop)
+        parser = OutputParser(tool_names=req.tool_names, reasoning=req.parse_reasoning,
+                              start_in_reasoning=req.start_in_reasoning)
+        want_logprobs = req.params.logprobs is not None
+        completion = cached = 0
+        first = last = None
+        try:
+            while True:
+                out = await handle.outputs.get()
+                if isinstance(out, EngineFailure):
+                    self._done = True
+                    raise ApiError(400 if out.user_error else 500, out.message)
+                now = time.perf_counter()
+                events: list[Event] = []
+                logprobs: list[TokenLogprob] = []
+                if out.new_token is not None:
+                    completion += 1
+                    if first is None:
+                        first, cached = now, out.num_cached_tokens
+                        metrics.ttft.observe(now - self.arrival)
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                    events = parser.push(text.push(out.new_token))
+                    if want_logprobs and out.logprob is not None:
+                        logprobs.append(TokenLogprob(out.new_token, out.logprob, out.top_logprobs or []))
+                if text.stop_matched is None and out.finished:
+                    if out.finish_reason == "abort":     # aborted by the server itself (shutting down)
+                        self._done = True
+                        raise ApiError(503, "request aborted: the server is shutting down")
+                    events += parser.push(text.finish())
+                ended = text.stop_matched is not None or out.finished
+                if ended:
+                    events += parser.finish()
+                if events or logprobs:
+                    yield Chunk(events, logprobs)
+                if ended:
+                    if text.stop_matched is not None:
+                        self.worker.abort(handle)        # the engine does not know about stop strings
+                        reason = "stop"
+                    else:
+                        reason = out.finish_reason
+                    if reason == "stop" and parser.num_tool_calls and text.stop_matched is None:
+                        reason = "tool_calls"
+                    self._done = True
+                    usage = Usage(len(req.prompt_ids), completion, cached)
+                    self._record(reason, usage, first, now)
+                    yield Finish(reason, text.stop_matched, usage)
+                    return
+        finally:
+            self.close()
+
+    def _record(self, reason: str, usage: Usage, first: float | None, end: float) -> None:
+        m = self.metrics
+        m.requests.labels(self.request.api, reason).inc()
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+        m.prefix_cache_hit_tokens.inc(usage.cached_tokens)
+        m.duration.observe(end - self.arrival)
+        ttft = (first - self.arrival) if first is not None else float("nan")
+        decode_s = end - first if first is not None else 0.0
+        rate = (usage.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
+        log.info("%s %s slot=%s prompt=%d cached=%d completion=%d ttft=%.3fs total=%.3fs decode=%.1f tok/s "
+                 "finish=%s", self.request.api, self.handle.id, self.handle.slot, usage.prompt_tokens,
+                 usage.cached_tokens, usage.completion_tokens, ttft, end - self.arrival, rate, reason)
+
+    async def collect(self) -> Completed:
+        """Run to the end and gather everything (the non-streaming responses)."""
+        content, reasoning, calls, logprobs = [], [], {}, []
+        finish = None
+        async for item in self.events():
+            if isinstance(item, Finish):
+                finish = item
+                continue
+            logprobs += item.logprobs
+            for e in item.events:
+                if isinstance(e, ContentDelta):
+                    content.append(e.text)
+                elif isinstance(e, ReasoningDelta):
+                    reasoning.append(e.text)
+                elif isinstance(e, ToolCallStart):
+                    calls[e.index] = ToolCall(e.name, "")
+                elif isinstance(e, ToolCallArgsDelta):
+                    calls[e.index].arguments += e.text
+        assert finish is not None
+        return Completed("".join(content), "".join(reasoning), [calls[i] for i in sorted(calls)], logprobs, finish)
+
+
+def make_sampling_params(vocab_size: int, **fields) -> SamplingParams:
+    """SamplingParams from a request's fields (None: the default); a bad value is a 400 naming it."""
+    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+    return params

@@ -1,0 +1,406 @@
+"""OpenAI protocol: /v1/models, /v1/chat/completions, /v1/completions.
+
+Request bodies are pydantic models; the work is the shared generation core, this module only
+translates requests into GenerationRequests and events into OpenAI's JSON and SSE chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from cobatch.engine.sampler import MAX_TOP_LOGPROBS
+from cobatch.server.context import ServerContext, get_context
+from cobatch.server.errors import ApiError, bad_request, error_body
+from cobatch.server.generation import (Chunk, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
+                                       make_sampling_params)
+from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from cobatch.server.prompting import check_prompt_fits, max_new_tokens, render_chat
+from cobatch.server.request_body import read_body
+from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
+
+router = APIRouter()
+
+MAX_STOP_STRINGS = 16
+
+
+# --- request bodies ---------------------------------------------------------------------------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")    # unknown fields are ignored, as vLLM and llama.cpp do
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    n: int | None = Field(None, ge=1, le=1, description="only one choice per request")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+
+# --- shared request -> generation ---------------------------------------------------------------------
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    return stops
+
+
+def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
+              logprobs: int | None):
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    return make_sampling_params(
+        ctx.llm.tokenizer.vocab_size,
+        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
+        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
+
+
+def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            raise bad_request(f"content part of type {kind!r} is not supported (text only)",
+                              param=f"{where}.content.{i}")
+    return "".join(parts)
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _message_text(m.content, f"messages.{i}")}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _arguments_object(c.function.arguments, f"messages.{i}.tool_calls.{j}")}}
+                for j, c in enumerate(m.tool_calls)]
+        out.append(msg)
+    return out
+
+
+def _arguments_object(arguments: str | dict, where: str) -> dict:
+    # OpenAI sends arguments as a JSON string; chat templates (Qwen's among them) want the object.
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        raise bad_request("tool call arguments must be a JSON object encoded as a string",
+                          param=f"{where}.function.arguments") from None
+    if not isinstance(value, dict):
+        raise bad_request("tool call arguments must be a JSON object", param=f"{where}.function.arguments")
+    return value
+
+
+def _tools(body: ChatCompletionRequest) -> list[dict] | None:
+    if not body.tools or body.tool_choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if isinstance(body.tool_choice, dict):     # a named function: offer only that one
+        name = (body.tool_choice.get("function") or {}).get("name")
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise bad_request(f"tool_choice names a function that is not in tools: {name!r}", param="tool_choice")
+    return tools
+
+
+# --- formatting --------------------------------------------------------------------------------------
+
+def _token_entry(ctx: ServerContext, token_id: int, logprob: float) -> dict:
+    raw = ctx.llm.tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _chat_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob]) -> dict:
+    return {"content": [{**_token_entry(ctx, lp.token_id, lp.logprob),
+                         "top_logprobs": [_token_entry(ctx, t, p) for t, p in lp.top]} for lp in logprobs]}
+
+
+def _completion_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob], offset: int) -> dict:
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(offset)
+        tokens.append(_token_entry(ctx, lp.token_id, lp.logprob)["token"])
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{_token_entry(ctx, t, p)["token"]: p for t, p in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def _usage(finish: Finish) -> dict:
+    u = finish.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _stream_error(err: ApiError) -> str:
+    return sse_data(error_body(err, anthropic=False))
+
+
+# --- routes ------------------------------------------------------------------------------------------
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    ctx = get_context(request)
+    return {"object": "list", "data": [_model_card(ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict:
+    ctx = get_context(request)
+    if model_id != ctx.model_name:
+        raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    return _model_card(ctx)
+
+
+def _model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "cobatch",
+            "max_model_len": ctx.llm.engine.max_context}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    ctx = get_context(request)
+    body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format {body.response_format.get('type')!r} is not supported "
+                          f"(no constrained decoding)", param="response_format")
+    tools = _tools(body)
+    messages = _template_messages(body.messages)
+    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
+    check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs)
+    gen = ctx.generation(GenerationRequest(
+        "chat", prompt_ids, params, _stops(body.stop), parse_reasoning=True, start_in_reasoning=in_think,
+        tool_names=[t["function"]["name"] for t in tools] if tools else None))
+    gen.start()
+    meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(_chat_stream(ctx, gen, meta, include_usage), gen.close)
+    return GeneratedJSONResponse(lambda: _chat_result(ctx, gen, meta), gen.close, request.url.path)
+
+
+async def _chat_result(ctx: ServerContext, gen: Generation, meta: dict) -> dict:
+    done: Completed = await gen.collect()
+    message: dict[str, Any] = {"role": "assistant", "content": done.content if done.content or not done.tool_calls
+                               else None}
+    if done.reasoning:
+        message["reasoning_content"] = done.reasoning
+    if done.tool_calls:
+        message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in done.tool_calls]
+    choice = {"index": 0, "message": message, "finish_reason": done.finish.reason,
+              "logprobs": _chat_logprobs(ctx, done.logprobs) if gen.request.params.logprobs is not None else None}
+    return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(done.finish)}
+
+
+async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_usage: bool) -> AsyncIterator[str]:
+    def frame(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        chunk = {**meta, "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            chunk["usage"] = None
+        return sse_data(chunk)
+
+    want_logprobs = gen.request.params.logprobs is not None
+    call_ids: dict[int, str] = {}
+    yield frame({"role": "assistant", "content": ""})
+    try:
+        async for item in gen.events():
+            if isinstance(item, Finish):
+                yield frame({}, item.reason)
+                if include_usage:
+                    yield sse_data({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(item)})
+                break
+            deltas = [_chat_delta(e, call_ids) for e in item.events] or [{"content": ""}]
+            logprobs = _chat_logprobs(ctx, item.logprobs) if want_logprobs else None
+            for i, delta in enumerate(deltas):
+                yield frame(delta, logprobs=logprobs if i == 0 else None)
+    except ApiError as err:
+        yield _stream_error(err)
+    yield sse_data("[DONE]")
+
+
+def _chat_delta(event, call_ids: dict[int, str]) -> dict:
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
+    if isinstance(event, ToolCallStart):
+        call_ids[event.index] = _call_id()
+        return {"tool_calls": [{"index": event.index, "id": call_ids[event.index], "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    assert isinstance(event, ToolCallArgsDelta)
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    ctx = get_context(request)
+    body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    prompt_ids, prompt_text = await run_in_threadpool(_completion_prompt, ctx, body.prompt)
+    check_prompt_fits(ctx.llm, len(prompt_ids), "prompt")
+    params = _sampling(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
+    gen = ctx.generation(GenerationRequest("completions", prompt_ids, params, _stops(body.stop)))
+    gen.start()
+    meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
+    echo = prompt_text if body.echo else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(_completion_stream(ctx, gen, meta, echo, include_usage), gen.close)
+    return GeneratedJSONResponse(lambda: _completion_result(ctx, gen, meta, echo), gen.close, request.url.path)
+
+
+def _completion_prompt(ctx: ServerContext, prompt) -> tuple[list[int], str]:
+    tok = ctx.llm.tokenizer
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request("one prompt per request (batched prompts are not supported)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return ctx.llm.encode_prompt(prompt), prompt
+    bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"prompt token id {bad} is outside the vocabulary (size {tok.vocab_size})", param="prompt")
+    return list(prompt), tok.decode(prompt)
+
+
+async def _completion_result(ctx: ServerContext, gen: Generation, meta: dict, echo: str) -> dict:
+    done = await gen.collect()
+    logprobs = _completion_logprobs(ctx, done.logprobs, len(echo)) if gen.request.params.logprobs is not None else None
+    choice = {"index": 0, "text": echo + done.content, "logprobs": logprobs, "finish_reason": done.finish.reason}
+    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(done.finish)}
+
+
+async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, echo: str,
+                             include_usage: bool) -> AsyncIterator[str]:
+    def frame(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        chunk = {**meta, "object": "text_completion",
+                 "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            chunk["usage"] = None
+        return sse_data(chunk)
+
+    want_logprobs = gen.request.params.logprobs is not None
+    offset = len(echo)
+    if echo:
+        yield frame(echo)
+    try:
+        async for item in gen.events():
+            if isinstance(item, Finish):
+                yield frame("", item.reason)
+                if include_usage:
+                    yield sse_data({**meta, "object": "text_completion", "choices": [], "usage": _usage(item)})
+                break
+            assert isinstance(item, Chunk)
+            text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
+            logprobs = _completion_logprobs(ctx, item.logprobs, offset) if want_logprobs else None
+            offset += len(text)
+            yield frame(text, logprobs=logprobs)
+    except ApiError as err:
+        yield _stream_error(err)
+    yield sse_data("[DONE]")

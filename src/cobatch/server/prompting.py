@@ -1,0 +1,51 @@
+"""Chat messages / raw prompts -> token ids, with the checks every protocol makes on them."""
+
+from __future__ import annotations
+
+from cobatch.chat_template import ChatTemplateError
+from cobatch.llm import LLM
+from cobatch.server.errors import ApiError, bad_request
+
+# Names the chat template itself binds; a client's chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+
+
+def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None, continue_final: bool = False) -> tuple[list[int], bool]:
+    """Token ids of the conversation, and whether the prompt opened a <think> block the output continues.
+
+    Like LLM.encode_chat, plus continue_final (the reply continues a prefilled assistant message,
+    Anthropic style) and the rendered text's end, which encode_chat does not give back."""
+    if llm.template is None:
+        raise bad_request("this model has no chat template; use /v1/completions with a raw prompt")
+    kwargs = dict(template_kwargs or {})
+    clash = _RESERVED_TEMPLATE_VARS & kwargs.keys()
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
+    try:
+        text = llm.template.render(messages, tools=tools or None, add_generation_prompt=not continue_final,
+                                   continue_final_message=continue_final, **kwargs)
+    except ChatTemplateError as exc:
+        raise bad_request(f"cannot render the conversation with the model's chat template: {exc}",
+                          param="messages") from None
+    tok = llm.tokenizer
+    ids = tok.encode(text, add_special=False)
+    # The template normally writes BOS itself; add it only where the model wants one and it is absent.
+    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+        ids = [tok.bos_id] + ids
+    return ids, text.rstrip().endswith("<think>")
+
+
+def check_prompt_fits(llm: LLM, n_prompt: int, param: str) -> None:
+    limit = llm.engine.max_context
+    if n_prompt == 0:
+        raise bad_request("the prompt is empty", param=param)
+    if n_prompt >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                            f"has {n_prompt} prompt tokens (plus at least 1 to generate). Please reduce "
+                            f"the length of the messages or prompt.", param=param, code="context_length_exceeded")
+
+
+def max_new_tokens(llm: LLM, requested: int | None, n_prompt: int) -> int:
+    """What the client asked for, or else whatever room the context has left."""
+    return requested if requested is not None else max(1, llm.engine.max_context - n_prompt)
