@@ -36,6 +36,7 @@ class EngineOptions:
     block_size: int = 16
     prefill_chunk: int = 512
     max_step_tokens: int = 2048
+    eager: bool = False                # CUDA: no decode-step graphs (slower; for debugging)
     quiet: bool = False
 
 
@@ -81,6 +82,8 @@ class LLM:
             model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update)
         pool = _make_pool(cfg, options, ctx, dtype, device)
         runner = ModelRunner(model, pool, device)
+        if device.type == "cuda" and not options.eager:
+            runner.capture_graphs(options.max_num_seqs, ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk)
         return cls(path, gguf, cfg, tokenizer, template, model, engine, options)

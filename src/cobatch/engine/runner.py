@@ -28,6 +28,11 @@ class ModelRunner:
         self.model, self.pool, self.device = model, pool, device
         self.sampler = Sampler()
         self.block_size = pool.block_size
+        self.graphs = None          # DecodeGraphs, once capture_graphs() ran (CUDA only)
+
+    def capture_graphs(self, max_batch: int, max_context: int, quiet: bool = False) -> None:
+        from cobatch.engine.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, max_context, quiet)
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -56,15 +61,39 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 meta, sample_rows)
 
+    def _graph_logits(self, plan: StepPlan) -> torch.Tensor:
+        """A decode step through the captured graph: inputs go to its static buffers in pinned copies."""
+        bs = self.block_size
+        seqs = [seq for seq, _ in plan.items]
+        pos = [seq.num_computed for seq in seqs]
+
+        def pinned(values, dtype):
+            return torch.tensor(values, dtype=dtype).pin_memory()
+
+        width = max(len(seq.block_table) for seq in seqs)
+        return self.graphs.run(
+            token_ids=pinned([seq.token_ids[p] for seq, p in zip(seqs, pos)], torch.int64),
+            positions=pinned(pos, torch.int64),
+            slot_mapping=pinned([seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)], torch.int64),
+            seq_lens=pinned([p + 1 for p in pos], torch.int32),
+            block_tables=pinned([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], torch.int32),
+        )
+
+    def _use_graph(self, plan: StepPlan) -> bool:
+        return (self.graphs is not None and len(plan.items) <= self.graphs.max_batch
+                and all(n == 1 and seq.pending == 1 for seq, n in plan.items))
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        token_ids, positions, meta, sample_rows = self._inputs(plan)
-        hidden = self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v)
         samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids)]
-        result = StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
-        if not samplers:
-            return result
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+        if self._use_graph(plan):
+            logits = self._graph_logits(plan)
+        else:
+            token_ids, positions, meta, sample_rows = self._inputs(plan)
+            hidden = self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v)
+            if not samplers:
+                return StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
+            logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
         rows = [SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
                           prompt_ids=seq.token_ids[:seq.prompt_len], output_ids=seq.output_ids)
                 for seq, _ in samplers]
@@ -72,7 +101,8 @@ class ModelRunner:
         return self._to_host(plan, out, rows)
 
     def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:
-        # The one host sync of the step: everything the caller needs in one transfer.
+        # The one host sync of the step: everything the caller needs in one transfer (token ids travel
+        # as float32, exact below 2**24, which every vocabulary we load is).
         tensors = [out.token_ids.float()]
         if out.logprobs is not None:
             tensors += [out.logprobs.float(), out.top_ids.float(), out.top_logprobs.float()]

@@ -63,7 +63,8 @@ class LlamaModel:
         # The embedding is a gather, not a matmul: keep it dense. Tied models reuse it as the output head.
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        self.lm_head = lin(head)
+        # Tied head on the CPU path: the dense embedding already is the head's weight; don't hold it twice.
+        self.lm_head = self.embed if head == "token_embd.weight" and dev.type == "cpu" else lin(head)
         self.final_norm = vec("output_norm.weight")
 
         n_pos = max_positions or cfg.context_length
@@ -97,8 +98,8 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q, _ = ops.rms_norm(q.contiguous(), layer.q_norm, cfg.rms_eps)
                 k, _ = ops.rms_norm(k.contiguous(), layer.k_norm, cfg.rms_eps)
-            q, k = ops.rope(q, k, positions, self.cos_sin, cfg.rope_neox)
-            ops.kv_write(k, v, k_caches[i], v_caches[i], meta.slot_mapping)
+            q, k = ops.rope_kv_write(q, k, v, positions, self.cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
+                                     meta.slot_mapping)
             attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale)
             x = ops.linear(attn.reshape(n, q_size), layer.o)
             h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual)

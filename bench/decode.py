@@ -1,0 +1,253 @@
+"""Decode benchmark on the GPU: one engine step advances B sessions; how close to the memory roofline?
+
+    PYTHONPATH=src python bench/decode.py --model L3-8B-q8_0.gguf [--model L3-8B-q4_k.gguf] [--hf-peer]
+
+For each model and context (512, 4096) and batch B: the engine step time (planning, graph replay,
+sampling, the one host sync), aggregate tok/s, its ratio to B=1, and the ratio of the step time to the
+roofline (weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
+Sessions are placed at the given context with random KV (the values don't change the bytes read), so
+no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens, and, with --hf-peer,
+the same shape in bf16 through Hugging Face transformers (random init): its ms/step at B = 1, 4, 16, 64.
+Prints a short table last; JSON (+ PNG plot) to $OUT or bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from cobatch.engine.sampler import SamplingParams  # noqa: E402
+from cobatch.engine.sequence import Sequence, SeqStatus  # noqa: E402
+from cobatch.llm import LLM, EngineOptions  # noqa: E402
+
+BATCHES = [1, 2, 3, 4, 8, 16, 32, 64, 128]
+CONTEXTS = [512, 4096]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the ceiling every ratio is taken against)."""
+    src = torch.randn(1 << 28, device="cuda")            # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes one decode step reads from the weights: every linear layer, norms, one embedding row each."""
+    total = 0
+    for layer in llm.model.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            parts = getattr(w, "parts", [w])
+            total += sum(p.nbytes for p in parts)
+    head = llm.model.lm_head
+    total += sum(p.nbytes for p in getattr(head, "parts", [head]))
+    return total
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    c = llm.config
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * llm.engine.pool.k[0].element_size()
+
+
+def place_sessions(llm: LLM, batch: int, context: int) -> list[Sequence]:
+    """B running sessions, each with `context` tokens already in (random) KV, ready to decode."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch * 7919 + context)
+    seqs = []
+    for i in range(batch):
+        ids = torch.randint(0, llm.config.vocab_size, (context,), generator=gen).tolist()
+        seq = Sequence(f"bench-{batch}-{i}", context - 1, params, 1234 + i, ids)
+        blocks = eng.blocks.allocate(-(-(context + 64) // eng.pool.block_size))
+        assert blocks is not None, "KV pool too small for this benchmark point"
+        seq.block_table, seq.num_computed = blocks, context - 1
+        seq.token_ids.append(ids[-1])           # one sampled token pending: the session is decoding
+        seq.status = SeqStatus.RUNNING
+        eng.scheduler.running.append(seq)
+        eng.seqs[seq.request_id] = seq
+        seqs.append(seq)
+    return seqs
+
+
+def time_steps(llm: LLM, steps: int = 12, warmup: int = 3) -> float:
+    eng = llm.engine
+    for _ in range(warmup):
+        eng.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()              # ends with the step's one host sync (sampled ids)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def clear(llm: LLM) -> None:
+    eng = llm.engine
+    for seq in list(eng.scheduler.running):
+        eng.abort(seq.request_id)
+    eng.step()
+
+
+def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float) -> dict:
+    t0 = time.perf_counter()
+    llm = LLM.load(path, EngineOptions(device="cuda", ctx=max(CONTEXTS) + 128, max_num_seqs=max_batch,
+                                       kv_cache_gb=kv_gb, prefill_chunk=2048, max_step_tokens=4096))
+    load_s = time.perf_counter() - t0
+    wbytes = weight_bytes(llm)
+    kvtok = kv_bytes_per_token(llm)
+    # Random KV: real bytes to read, never zeros.
+    for t in llm.engine.pool.k + llm.engine.pool.v:
+        t.normal_()
+    rows = []
+    for context in CONTEXTS:
+        base = None
+        for b in [b for b in BATCHES if b <= max_batch]:
+            place_sessions(llm, b, context)
+            step_s = time_steps(llm)
+            clear(llm)
+            kv_read = b * (context + 8) * kvtok          # contexts grow by ~8 tokens over the timed steps
+            roofline_s = (wbytes + kv_read) / copy_bps
+            base = base or b / step_s
+            rows.append(dict(context=context, batch=b, step_ms=step_s * 1e3, tok_s=b / step_s,
+                             vs_b1=(b / step_s) / base, roofline_ms=roofline_s * 1e3,
+                             step_over_roofline=step_s / roofline_s,
+                             gbps=(wbytes + kv_read) / step_s / 1e9))
+            print(f"  ctx {context:5d} B {b:4d}: {step_s * 1e3:7.2f} ms/step  {b / step_s:8.0f} tok/s  "
+                  f"x{(b / step_s) / base:5.2f} vs B=1  {step_s / roofline_s:4.2f}x roofline", flush=True)
+    prefill = []
+    for n in (512, 2048):
+        ids = torch.randint(0, llm.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))        # warm-up, compile
+        ids = [(i + 1) % llm.config.vocab_size for i in ids]                              # defeat the prefix cache
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
+        dt = time.perf_counter() - t
+        prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt))
+        print(f"  prefill {n}: {n / dt:8.0f} tok/s", flush=True)
+    out = dict(model=os.path.basename(path), load_s=load_s, weight_bytes=wbytes, kv_bytes_per_token=kvtok,
+               decode=rows, prefill=prefill, stats=dataclasses.asdict(llm.engine.stats))
+    del llm
+    torch.cuda.empty_cache()
+    return out
+
+
+def hf_peer(batches=(1, 4, 16, 64), context: int = 512) -> list[dict]:
+    """Llama-3-8B shape in bf16 through transformers (random init; the weights don't change the time)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    rows = []
+    for b in batches:
+        ids = torch.randint(0, cfg.vocab_size, (b, context), device="cuda")
+        with torch.inference_mode():
+            out = model(ids, use_cache=True)
+            past = out.past_key_values
+            nxt = out.logits[:, -1:].argmax(-1)
+            times = []
+            for i in range(8):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out = model(nxt, past_key_values=past, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                if i >= 2:
+                    times.append(time.perf_counter() - t)
+                past = out.past_key_values
+        ms = statistics.median(times) * 1e3
+        rows.append(dict(batch=b, context=context, step_ms=ms, tok_s=b / ms * 1e3))
+        print(f"  transformers bf16 B {b:3d}: {ms:7.2f} ms/step", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def plot(results: dict, copy_bps: float, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(CONTEXTS), figsize=(6 * len(CONTEXTS), 4.5))
+    for ax, context in zip(axes, CONTEXTS):
+        for m in results["models"]:
+            rows = [r for r in m["decode"] if r["context"] == context]
+            bs = [r["batch"] for r in rows]
+            ax.plot(bs, [r["tok_s"] for r in rows], "o-", label=f"{m['model']}")
+            roof = [b / ((m["weight_bytes"] + b * (context + 8) * m["kv_bytes_per_token"]) / copy_bps) for b in bs]
+            ax.plot(bs, roof, "--", label=f"roofline {m['model']}")
+        if results.get("hf_peer") and context == 512:
+            ax.plot([r["batch"] for r in results["hf_peer"]], [r["tok_s"] for r in results["hf_peer"]], "s:",
+                    label="transformers bf16")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sessions B")
+        ax.set_ylabel("aggregate decode tok/s")
+        ax.set_title(f"Llama-3-8B shape, context {context}, H200")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True)
+    ap.add_argument("--max-batch", type=int, default=128)
+    ap.add_argument("--kv-cache-gb", type=float, default=72.0)
+    ap.add_argument("--hf-peer", action="store_true")
+    args = ap.parse_args()
+    copy_bps = copy_bandwidth()
+    print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
+    results = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
+                   torch=torch.__version__, copy_gbps=copy_bps / 1e9, models=[])
+    for path in args.model:
+        print(f"== {path}", flush=True)
+        results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb))
+    if args.hf_peer:
+        results["hf_peer"] = hf_peer()
+    out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(results, indent=1))
+    try:
+        plot(results, copy_bps, out / "decode.png")
+    except Exception as e:      # the plot is a convenience; the JSON is the record
+        print(f"plot failed: {e}")
+    print(f"\ncopy {copy_bps / 1e9:.0f} GB/s; step time, aggregate tok/s, x vs B=1, step/roofline")
+    for m in results["models"]:
+        print(m["model"], f"weights {m['weight_bytes'] / 1e9:.2f} GB, load {m['load_s']:.0f}s")
+        for r in m["decode"]:
+            print(f"  ctx {r['context']:5d} B {r['batch']:4d} {r['step_ms']:7.2f} ms {r['tok_s']:8.0f} tok/s "
+                  f"x{r['vs_b1']:6.2f}  {r['step_over_roofline']:4.2f}x roof  {r['gbps']:6.0f} GB/s "
+                  f"({r['gbps'] * 1e9 / copy_bps:4.0%} of copy)")
+        for p in m["prefill"]:
+            print(f"  prefill {p['prompt_tokens']}: {p['tok_s']:.0f} tok/s")
+    for r in results.get("hf_peer", []):
+        print(f"  transformers bf16 B {r['batch']}: {r['step_ms']:.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
