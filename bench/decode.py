@@ -103,6 +103,45 @@ def time_steps(llm: LLM, steps: int = 12, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_replay_ms(llm: LLM, batch: int) -> float:
+    """GPU time of the captured decode graph alone (no planning, sampling or host sync)."""
+    g = llm.engine.runner.graphs
+    b = g.bucket_for(batch)
+    for _ in range(3):
+        g.graphs[b].replay()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.graphs[b].replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def kernel_breakdown(llm: LLM, batch: int) -> list[dict]:
+    """Per-kernel GPU time of one eager decode step (same kernels the graph replays), top entries."""
+    from torch.profiler import ProfilerActivity, profile
+    runner = llm.engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        llm.engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.engine.step()
+            torch.cuda.synchronize()
+    finally:
+        runner.graphs = graphs
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append(dict(kernel=ev.key[:90], calls=ev.count, ms=t / 1e3))
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:14]
+
+
 def clear(llm: LLM) -> None:
     eng = llm.engine
     for seq in list(eng.scheduler.running):
@@ -120,17 +159,20 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float) -> dic
     # Random KV: real bytes to read, never zeros.
     for t in llm.engine.pool.k + llm.engine.pool.v:
         t.normal_()
-    rows = []
+    rows, breakdowns = [], {}
     for context in CONTEXTS:
         base = None
         for b in [b for b in BATCHES if b <= max_batch]:
             place_sessions(llm, b, context)
             step_s = time_steps(llm)
+            graph_ms = graph_replay_ms(llm, b)
+            if context == CONTEXTS[0] and b in (1, 16):
+                breakdowns[b] = kernel_breakdown(llm, b)
             clear(llm)
             kv_read = b * (context + 8) * kvtok          # contexts grow by ~8 tokens over the timed steps
             roofline_s = (wbytes + kv_read) / copy_bps
             base = base or b / step_s
-            rows.append(dict(context=context, batch=b, step_ms=step_s * 1e3, tok_s=b / step_s,
+            rows.append(dict(context=context, batch=b, step_ms=step_s * 1e3, graph_ms=graph_ms, tok_s=b / step_s,
                              vs_b1=(b / step_s) / base, roofline_ms=roofline_s * 1e3,
                              step_over_roofline=step_s / roofline_s,
                              gbps=(wbytes + kv_read) / step_s / 1e9))
@@ -148,7 +190,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float) -> dic
         prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt))
         print(f"  prefill {n}: {n / dt:8.0f} tok/s", flush=True)
     out = dict(model=os.path.basename(path), load_s=load_s, weight_bytes=wbytes, kv_bytes_per_token=kvtok,
-               decode=rows, prefill=prefill, stats=dataclasses.asdict(llm.engine.stats))
+               decode=rows, prefill=prefill, kernel_breakdown=breakdowns, stats=dataclasses.asdict(llm.engine.stats))
     del llm
     torch.cuda.empty_cache()
     return out
@@ -240,9 +282,14 @@ def main() -> None:
     for m in results["models"]:
         print(m["model"], f"weights {m['weight_bytes'] / 1e9:.2f} GB, load {m['load_s']:.0f}s")
         for r in m["decode"]:
-            print(f"  ctx {r['context']:5d} B {r['batch']:4d} {r['step_ms']:7.2f} ms {r['tok_s']:8.0f} tok/s "
+            print(f"  ctx {r['context']:5d} B {r['batch']:4d} {r['step_ms']:7.2f} ms (graph {r['graph_ms']:6.2f}) "
+                  f"{r['tok_s']:8.0f} tok/s "
                   f"x{r['vs_b1']:6.2f}  {r['step_over_roofline']:4.2f}x roof  {r['gbps']:6.0f} GB/s "
                   f"({r['gbps'] * 1e9 / copy_bps:4.0%} of copy)")
+        for b, kernels in m["kernel_breakdown"].items():
+            print(f"  eager step B={b}, ctx 512, GPU time by kernel:")
+            for k in kernels[:8]:
+                print(f"    {k['ms']:7.3f} ms  {k['calls']:4d}x  {k['kernel']}")
         for p in m["prefill"]:
             print(f"  prefill {p['prompt_tokens']}: {p['tok_s']:.0f} tok/s")
     for r in results.get("hf_peer", []):

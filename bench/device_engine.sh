@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 QUANTS=${1:-q8_0}; shift || true
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  COBATCH_CUT_MODEL=.models/smollm2-6l.gguf timeout 240 python3 -m pytest -x -q tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log"
+  COBATCH_CUT_MODEL=.models/smollm2-6l.gguf timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider ${TESTS:-tests/test_gpu_engine.py} 2>&1 | grep -v "^PASSED" | tee "$OUT/gpu_tests.log"
 fi
 models=()
 for q in ${QUANTS//,/ }; do
