@@ -8,9 +8,13 @@ changes with n_tok:
     tokens, padded to BM=16, are its N side, so a batch of 1 and a batch of 16 cost the same bytes.
     Split-K partials are summed in a fixed order by the last program of each tile (no float atomics),
     so row t's result is bitwise the same whatever n_tok is.
-  - gemm (n_tok > T, prefill): the same kernel with big token tiles (BM 64..256) on tensor cores.
+  - gemm (n_tok > T, prefill): either the same kernel with big token tiles (BM 64..128) on tensor cores,
+    or DEQUANT_CUBLAS: dequantize into a shared bf16/f16 scratch matrix (one pass, `_dequant_kernel`)
+    and let cuBLAS multiply. On the H200 the second won for every format (0.74-0.88 of cuBLAS bf16 at
+    2048 tokens against 0.42-0.45 for the Triton tl.dot GEMM, whose register-A wgmma Triton waits on
+    after every MMA). The scratch is sized at load to the largest such matrix (1 GB for a 128k vocab).
 The crossover T and the tile configs come from quant_configs.json (measured on the H200 by
-bench/kernels.py); nothing is autotuned at run time.
+bench/kernels.py --sweep); nothing is autotuned at run time.
 
 Formats without a packed layout (q5_1, q2_K, q3_K, q5_K, f16/bf16/f32 matrices) are dequantized once at load
 to a dense matrix and go through F.linear: correct, but they read 2 bytes per weight.
