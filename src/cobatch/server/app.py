@@ -48,16 +48,15 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     app.include_router(anthropic.router)
     _add_error_handlers(app, server)
     _add_service_routes(app)
-    if server.options.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=server.options.api_key)
+    app.add_middleware(ApiKeyMiddleware, server=server)
     return app
 
 
 def _add_error_handlers(app: FastAPI, server: ServerContext) -> None:
     def reply(request: Request, err: ApiError) -> JSONResponse:
         server.metrics.http_errors.labels(str(err.status)).inc()
-        if err.status >= 500:
-            log.error("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
+        (log.error if err.status >= 500 else log.info)("%s %s -> %d %s", request.method, request.url.path,
+                                                        err.status, err.message)
         return error_response(err, request.url.path)
 
     @app.exception_handler(ApiError)
@@ -104,25 +103,24 @@ def _add_service_routes(app: FastAPI) -> None:
 
 
 class ApiKeyMiddleware:
-    """Every route but /health wants the key, as `Authorization: Bearer KEY` (OpenAI clients) or
-    `x-api-key: KEY` (Anthropic clients)."""
+    """When an API key is set, every route but /health wants it, as `Authorization: Bearer KEY` (OpenAI
+    clients) or `x-api-key: KEY` (Anthropic clients)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app: ASGIApp, server: ServerContext):
+        self.app, self.server = app, server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        key = self.server.options.api_key
+        if not key or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key")
         auth = headers.get(b"authorization", b"")
         if given is None and auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()
-        if given is not None and hmac.compare_digest(given, self.key):
+        if given is not None and hmac.compare_digest(given, key.encode()):
             return await self.app(scope, receive, send)
-        server: ServerContext = scope["app"].state.server if "app" in scope else None
-        if server is not None:
-            server.metrics.http_errors.labels("401").inc()
+        self.server.metrics.http_errors.labels("401").inc()
         message = "missing API key" if given is None else "invalid API key"
         response = error_response(ApiError(401, message, code="invalid_api_key",
                                            headers={"WWW-Authenticate": "Bearer"}), scope["path"])

@@ -11,8 +11,8 @@ the least recently used one (the ds4 policy). The engine's prefix cache is globa
 slot reuses any cached prefix; the affinity only keeps /slots readable (a conversation tends to come
 back to the same slot).
 
-Aborts (client gone, stop string seen) are taken from the inbox before every step, so the request's
-KV blocks and slot are free by the end of the next step.
+Aborts (client gone, stop string seen) are taken from the inbox before every step: the request's KV
+blocks and slot are free before the next step runs.
 """
 
 from __future__ import annotations
@@ -201,14 +201,15 @@ class EngineWorker:
                 self._release(handle)
                 self._send([(handle, StepOutput(request_id, None, True, "abort"))])
                 return
-        if request_id in self._active:
-            self.engine.abort(request_id)      # the next step reports it finished with "abort"
+        handle = self._active.get(request_id)
+        if handle is not None:
+            self.engine.abort(request_id)      # frees its KV blocks now
+            self._release(handle)              # and its slot, before the next step admits anyone
+            self._send([(handle, StepOutput(request_id, None, True, "abort"))])
 
     def _abort_all(self) -> None:
-        for handle in list(self._queued):
-            self._abort(handle.id)
-        for request_id in list(self._active):
-            self.engine.abort(request_id)
+        for request_id in [h.id for h in self._queued] + list(self._active):
+            self._abort(request_id)
 
     def _admit(self) -> None:
         while self._queued:

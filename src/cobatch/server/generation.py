@@ -84,6 +84,7 @@ class Generation:
         self.worker, self.metrics, self.tokenizer, self.request = worker, metrics, tokenizer, request
         self.arrival = time.perf_counter()
         self.handle: RequestHandle | None = None
+        self.completion_tokens = 0
         self._done = False
 
     def start(self) -> None:
@@ -104,7 +105,9 @@ class Generation:
             self._done = True
             self.worker.abort(self.handle)
             self.metrics.requests.labels(self.request.api, "abort").inc()
-            log.info("%s %s aborted (client disconnected)", self.request.api, self.handle.id)
+            log.info("%s %s slot=%s prompt=%d completion=%d total=%.3fs finish=abort (client disconnected)",
+                     self.request.api, self.handle.id, self.handle.slot, len(self.request.prompt_ids),
+                     self.completion_tokens, time.perf_counter() - self.arrival)
 
     async def events(self) -> AsyncIterator[Chunk | Finish]:
         assert self.handle is not None, "start() first"
@@ -125,7 +128,7 @@ class Generation:
                 events: list[Event] = []
                 logprobs: list[TokenLogprob] = []
                 if out.new_token is not None:
-                    completion += 1
+                    completion = self.completion_tokens = completion + 1
                     if first is None:
                         first, cached = now, out.num_cached_tokens
                         metrics.ttft.observe(now - self.arrival)

@@ -1,0 +1,387 @@
+"""The HTTP server on the CPU path with SmolLM2, through the real openai and anthropic clients."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from model_fixtures import load_llm
+from test_server_support import RawStream, all_slots_idle, live_server, metric, slots, wait_for
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(load_llm("smollm2")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _stream_text(stream) -> tuple[str, str | None, object]:
+    text, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = getattr(choice, "delta", None)
+            text.append((delta.content or "") if delta is not None else choice.text)
+            finish = choice.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+# --- the basics, through both SDKs ---------------------------------------------------------------------
+
+def test_models_and_health(server, oai):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [server.context.model_name]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["slots_total"] == 8
+
+
+def test_chat_completion_plain_and_streamed(oai):
+    plain = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=20, **GREEDY)
+    choice = plain.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    usage = plain.usage
+    assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    stream = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=20, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY)
+    text, finish, usage2 = _stream_text(stream)
+    assert text == choice.message.content and finish == "stop"
+    assert usage2.prompt_tokens == usage.prompt_tokens and usage2.completion_tokens == usage.completion_tokens
+    # Same prompt again: its full blocks come from the prefix cache.
+    assert usage2.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_length_finish_and_logprobs(oai):
+    out = oai.chat.completions.create(model="any", messages=QUESTION, max_completion_tokens=3, logprobs=True,
+                                      top_logprobs=2, **GREEDY)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 3
+    entries = choice.logprobs.content
+    assert len(entries) == 3 and "".join(e.token for e in entries) == choice.message.content
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].token == e.token      # greedy picks the most likely token
+
+
+def test_completion_plain_and_streamed(oai):
+    prompt = "The capital of France is"
+    plain = oai.completions.create(model="any", prompt=prompt, max_tokens=12, logprobs=1, **GREEDY)
+    choice = plain.choices[0]
+    assert choice.text.startswith(" Paris") and choice.finish_reason == "length"
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert len(choice.logprobs.token_logprobs) == 12 == plain.usage.completion_tokens
+    text, finish, usage = _stream_text(oai.completions.create(
+        model="any", prompt=prompt, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert (text, finish) == (choice.text, "length") and usage.completion_tokens == 12
+    # Token ids are a prompt too; echo gives the prompt back in front.
+    ids = load_llm("smollm2").encode_prompt(prompt)
+    echoed = oai.completions.create(model="any", prompt=ids, max_tokens=12, echo=True, **GREEDY)
+    assert echoed.choices[0].text == prompt + choice.text
+
+
+def test_anthropic_messages_plain_streamed_and_count_tokens(claude):
+    kwargs = dict(model="any", max_tokens=20, system="You are a concise assistant.", messages=QUESTION,
+                  extra_body=GREEDY)
+    counted = claude.messages.count_tokens(model="any", system=kwargs["system"], messages=QUESTION).input_tokens
+    plain = claude.messages.create(**kwargs)
+    assert plain.stop_reason == "end_turn" and plain.content[0].type == "text"
+    assert "Paris" in plain.content[0].text
+    u = plain.usage
+    assert u.input_tokens + u.cache_read_input_tokens == counted    # Anthropic: input excludes cache reads
+    with claude.messages.stream(**kwargs) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(pieces) == plain.content[0].text == final.content[0].text
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == u.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == counted
+    assert final.usage.cache_read_input_tokens > 0     # the second time, the prefix is cached
+
+
+def test_anthropic_stream_event_sequence(server):
+    body = {"model": "any", "max_tokens": 5, "messages": QUESTION, "stream": True, **GREEDY}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+        events = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start"
+    assert events[1] == "content_block_start" and set(events[2:-3]) == {"content_block_delta"}
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_anthropic_prefill_continues_the_assistant_turn(claude):
+    out = claude.messages.create(model="any", max_tokens=8, messages=QUESTION + [
+        {"role": "assistant", "content": "The capital of France is"}], extra_body=GREEDY)
+    assert out.content[0].text.lstrip().startswith("Paris")
+
+
+# --- batching: concurrent streams ---------------------------------------------------------------------
+
+PROMPTS = ["Write a haiku about the sea.", "What is 12 times 12?", "Name three primary colors.",
+           "Give me a word that rhymes with cat.", "Who wrote Hamlet?", "What is the boiling point of water?",
+           "Translate 'good morning' to Spanish.", "List two planets."]
+
+
+def test_eight_concurrent_greedy_streams_match_each_alone(server, oai):
+    def ask(prompt: str, stream: bool) -> str:
+        kwargs = dict(model="any", messages=[{"role": "user", "content": prompt}], max_tokens=24, **GREEDY)
+        if stream:
+            return _stream_text(oai.chat.completions.create(stream=True, **kwargs))[0]
+        return oai.chat.completions.create(**kwargs).choices[0].message.content
+
+    alone = [ask(p, stream=False) for p in PROMPTS]
+    batched_before = metric(server.url, "cobatch_batched_decode_steps_total")
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: ask(p, stream=True), PROMPTS))
+    assert together == alone
+    batched_after = metric(server.url, "cobatch_batched_decode_steps_total")
+    assert batched_after > batched_before      # they really were decoded together
+
+
+# --- streaming text: stop strings and UTF-8 ------------------------------------------------------------
+
+def test_stop_string_across_token_boundaries(server, oai, claude):
+    prompt = "Once upon a time, in a small village by the sea, there lived"
+    full = oai.completions.create(model="any", prompt=prompt, max_tokens=30, logprobs=0, **GREEDY).choices[0]
+    tokens = full.logprobs.tokens
+    # A stop string that starts inside one token and ends inside a later one.
+    for i in range(3, len(tokens) - 3):
+        a, b, c = tokens[i], tokens[i + 1], tokens[i + 2]
+        if len(a) >= 2 and len(c) >= 2:
+            stop = a[-1] + b + c[:1]
+            start = full.text.find(stop)
+            if start == len("".join(tokens[:i + 1])) - 1:
+                break
+    else:
+        pytest.skip("no suitable token triple in the output")
+    expected = full.text[:start]
+    chunks, finish = [], None
+    for chunk in oai.completions.create(model="any", prompt=prompt, max_tokens=30, stop=[stop, "zzz-never"],
+                                        stream=True, **GREEDY):
+        chunks.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(chunks) == expected and finish == "stop"
+    assert not any(stop in ch for ch in chunks)
+
+    # The same through the Anthropic route (chat prompt, so a different text): the stop sequence is named.
+    plain = claude.messages.create(model="any", max_tokens=20, messages=QUESTION, extra_body=GREEDY).content[0].text
+    cut = plain.index("Paris")
+    out = claude.messages.create(model="any", max_tokens=20, messages=QUESTION, stop_sequences=["Par"],
+                                 extra_body=GREEDY)
+    assert out.stop_reason == "stop_sequence" and out.stop_sequence == "Par"
+    assert out.content[0].text == plain[:cut]
+
+
+def test_multibyte_characters_are_never_split(oai):
+    prompt = "Les émojis: 😀 😃 😄 😁 😆 😅"
+    plain = oai.completions.create(model="any", prompt=prompt, max_tokens=24, logprobs=0, **GREEDY).choices[0]
+    assert any(ord(ch) > 0xFFFF for ch in plain.text)               # it does produce emoji
+    chunks = [c.choices[0].text for c in oai.completions.create(model="any", prompt=prompt, max_tokens=24,
+                                                                  stream=True, **GREEDY)]
+    assert "".join(chunks) == plain.text
+    assert not any("\ufffd" in c for c in chunks)
+    # Byte-level tokens split each emoji (a token alone is not valid UTF-8), so fewer chunks than tokens
+    # carried text: nothing was sent while a character was still incomplete.
+    assert any("\ufffd" in t for t in plain.logprobs.tokens)
+    assert len([c for c in chunks if c]) < 24
+
+
+# --- observability -----------------------------------------------------------------------------------
+
+def test_metrics_counters_move(server, oai):
+    url = server.url
+    names = ["cobatch_requests_total", "cobatch_prompt_tokens_total", "cobatch_generation_tokens_total",
+             "cobatch_time_to_first_token_seconds_count", "cobatch_inter_token_latency_seconds_count",
+             "cobatch_decode_steps_total", "cobatch_engine_steps_total", "cobatch_prefix_cache_hit_tokens_total"]
+    labels = {"cobatch_requests_total": {"api": "chat", "finish_reason": "length"}}
+    before = {n: metric(url, n, labels.get(n)) for n in names}
+    out = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=5, **GREEDY)
+    after = {n: metric(url, n, labels.get(n)) for n in names}
+    assert after["cobatch_requests_total"] == before["cobatch_requests_total"] + 1
+    assert after["cobatch_prompt_tokens_total"] - before["cobatch_prompt_tokens_total"] == out.usage.prompt_tokens
+    assert after["cobatch_generation_tokens_total"] - before["cobatch_generation_tokens_total"] == 5
+    assert after["cobatch_time_to_first_token_seconds_count"] == before["cobatch_time_to_first_token_seconds_count"] + 1
+    assert after["cobatch_inter_token_latency_seconds_count"] - before["cobatch_inter_token_latency_seconds_count"] == 4
+    assert after["cobatch_decode_steps_total"] - before["cobatch_decode_steps_total"] >= 4
+    assert after["cobatch_prefix_cache_hit_tokens_total"] - before["cobatch_prefix_cache_hit_tokens_total"] \
+        == out.usage.prompt_tokens_details.cached_tokens
+    text = httpx.get(url + "/metrics").text
+    for name in ("cobatch_kv_usage_ratio", "cobatch_queue_depth", "cobatch_batched_decode_fraction",
+                 'cobatch_lone_decode_steps_total{cause="no_peer"}', 'cobatch_lone_decode_steps_total{cause="peer_prefill"}',
+                 'cobatch_lone_decode_steps_total{cause="peer_finish"}', "cobatch_inter_token_latency_seconds_bucket"):
+        assert name in text
+
+
+def test_slots_show_a_running_request(server):
+    stream = RawStream(server.url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 200,
+                                                            "ignore_eos": True, "stream": True})
+    try:
+        stream.read_events(3)
+        view = slots(server.url)
+        busy = [s for s in view["slots"] if s["state"] != "idle"]
+        assert len(busy) == 1 and busy[0]["state"] == "decoding"
+        assert busy[0]["prompt_tokens"] > 0 and busy[0]["generated_tokens"] >= 2
+        assert "global" in view["prefix_cache"]["scope"]
+        assert view["kv_blocks"]["used"] >= 1
+    finally:
+        stream.hard_close()
+    wait_for(lambda: all_slots_idle(server.url), what="the slot to be freed")
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+OK_CHAT = {"messages": QUESTION, "max_tokens": 2}
+OK_MSG = {"model": "m", "max_tokens": 2, "messages": QUESTION}
+
+ERROR_CASES = [
+    ("malformed json", "POST", CHAT, b'{"messages": [', 400, None),
+    ("not an object", "POST", CHAT, b"[1, 2]", 400, None),
+    ("no messages", "POST", CHAT, {"model": "m"}, 400, "messages"),
+    ("empty messages", "POST", CHAT, {"messages": []}, 400, "messages"),
+    ("bad role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("temperature too high", "POST", CHAT, {**OK_CHAT, "temperature": 7}, 400, "temperature"),
+    ("temperature not a number", "POST", CHAT, {**OK_CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("top_p zero", "POST", CHAT, {**OK_CHAT, "top_p": 0}, 400, "top_p"),
+    ("negative max_tokens", "POST", CHAT, {**OK_CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ("n > 1", "POST", CHAT, {**OK_CHAT, "n": 3}, 400, "n"),
+    ("top_logprobs without logprobs", "POST", CHAT, {**OK_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("too many top_logprobs", "POST", CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
+    ("penalty out of range", "POST", CHAT, {**OK_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("image content", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content.0"),
+    ("bad tool arguments", "POST", CHAT, {"messages": [QUESTION[0], {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400, None),
+    ("json_schema response_format", "POST", CHAT, {**OK_CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
+    ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("completion batched prompt", "POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("unknown model id", "GET", "/v1/models/nope", None, 404, "model"),
+    ("unknown route", "GET", "/v1/nothing-here", None, 404, None),
+    ("wrong method", "GET", CHAT, None, 405, None),
+    ("anthropic missing max_tokens", "POST", MESSAGES, {"model": "m", "messages": QUESTION}, 400, None),
+    ("anthropic malformed json", "POST", MESSAGES, b"{", 400, None),
+    ("anthropic bad block", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, 400, None),
+    ("anthropic temperature > 1", "POST", MESSAGES, {**OK_MSG, "temperature": 1.5}, 400, None),
+    ("anthropic count_tokens no messages", "POST", MESSAGES + "/count_tokens", {"model": "m"}, 400, None),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_input_gets_the_protocols_error_shape(server, name, method, path, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    r = httpx.request(method, server.url + path, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()
+    if path.startswith(MESSAGES):
+        assert err["type"] == "error" and err["error"]["type"] and err["error"]["message"]
+    else:
+        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+        if param is not None:
+            assert err["error"]["param"] == param, err
+
+
+def test_prompt_over_the_context_is_context_length_exceeded(server, oai, claude):
+    long_text = "hello " * 2000     # the test model's context is 1024 tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="any", messages=[{"role": "user", "content": long_text}])
+    assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="any", prompt=long_text)
+    assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        claude.messages.create(model="any", max_tokens=5, messages=[{"role": "user", "content": long_text}])
+    assert "context length" in str(exc.value)
+
+
+def test_api_key(server):
+    options = server.context.options
+    options.api_key = "sekrit"
+    try:
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        r = httpx.post(server.url + CHAT, json=OK_CHAT)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(server.url + MESSAGES, json=OK_MSG)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0)
+        assert good.chat.completions.create(model="m", messages=QUESTION, max_tokens=2).choices
+        claude = anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)
+        assert claude.messages.count_tokens(model="m", messages=QUESTION).input_tokens > 0
+        assert httpx.get(server.url + "/health").status_code == 200      # health stays open
+    finally:
+        options.api_key = None
+
+
+def test_body_over_the_limit_is_413(server):
+    options = server.context.options
+    saved, options.max_body_bytes = options.max_body_bytes, 1000
+    try:
+        big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        r = httpx.post(server.url + CHAT, json=big)
+        assert r.status_code == 413 and r.json()["error"]["message"]
+        r = httpx.post(server.url + MESSAGES, json={**OK_MSG, "system": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+        def chunked():       # no Content-Length: the limit holds while reading
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(10):
+                yield b"y" * 500
+            yield b'"}]}'
+        r = httpx.post(server.url + CHAT, content=chunked())
+        assert r.status_code == 413
+    finally:
+        options.max_body_bytes = saved
+
+
+def test_full_queue_is_429_and_stopping_is_503(server, oai):
+    worker = server.context.worker
+    saved, worker.max_queue = worker.max_queue, 0
+    streams = []
+    try:
+        # Fill every slot with a long stream.
+        for _ in range(worker.num_slots):
+            streams.append(RawStream(server.url, CHAT, {"messages": QUESTION, "max_tokens": 500,
+                                                        "ignore_eos": True, "stream": True}))
+        for s in streams:
+            s.read_events(2)
+        with pytest.raises(openai.RateLimitError) as exc:
+            oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=2)
+        assert exc.value.response.headers["retry-after"]
+        r = httpx.post(server.url + MESSAGES, json=OK_MSG)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        worker.max_queue = saved
+        for s in streams:
+            s.hard_close()
+    wait_for(lambda: all_slots_idle(server.url), what="all slots to be freed")
+
+    worker.accepting = False        # what a shutdown signal does first
+    try:
+        r = httpx.post(server.url + CHAT, json=OK_CHAT)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        worker.accepting = True
+    assert oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=2).choices

@@ -1,0 +1,147 @@
+"""Streaming text pieces of the server, without a server: stop strings, UTF-8, reasoning and tool calls.
+
+Every case is fed whole and split at every pair of positions: the result must never depend on where the
+chunk boundaries fall.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cobatch.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgsDelta,
+                                          ToolCallStart, match_tool_header)
+from cobatch.server.stream import StopStringFilter, TextStream
+from model_fixtures import load_llm
+
+
+def _splits(text: str):
+    """text cut into three pieces at every pair of positions."""
+    for i, j in itertools.combinations_with_replacement(range(len(text) + 1), 2):
+        yield [text[:i], text[i:j], text[j:]]
+
+
+# --- stop strings ------------------------------------------------------------------------------------
+
+def _filter(pieces: list[str], stops: list[str]) -> tuple[list[str], str | None]:
+    f = StopStringFilter(stops)
+    out = [f.push(p) for p in pieces] + [f.flush()]
+    return out, f.matched
+
+
+@pytest.mark.parametrize("text,stops,expected,matched", [
+    ("Hello world. Goodbye.", ["world"], "Hello ", "world"),
+    ("Hello world. Goodbye.", ["Good", "o w"], "Hell", "o w"),          # the earliest stop wins
+    ("no stop in here", ["STOP"], "no stop in here", None),
+    ("ends with a partial ST", ["STOP"], "ends with a partial ST", None),  # held back, then flushed
+    ("aaab", ["aab"], "a", "aab"),                                          # overlapping prefixes
+    ("café ☕ end", ["☕"], "café ", "☕"),
+])
+def test_stop_strings_never_leak_whatever_the_split(text, stops, expected, matched):
+    for pieces in _splits(text):
+        out, hit = _filter(pieces, stops)
+        assert "".join(out) == expected and hit == matched, pieces
+        if matched:
+            assert not any(matched in piece for piece in out)
+
+
+def test_text_stream_keeps_multibyte_characters_whole():
+    tok = load_llm("smollm2").tokenizer
+    text = "naïve café — 😀 日本語 ok"
+    ids = tok.encode(text, add_special=False)
+    assert any(_not_utf8(tok.token_bytes(t)) for t in ids)      # some tokens are parts of a character
+    stream = TextStream(tok, stops=["日本"])
+    chunks = [stream.push(t) for t in ids] + [stream.finish()]
+    assert "".join(chunks) == "naïve café — 😀 " and stream.stop_matched == "日本"
+    assert not any("\ufffd" in c for c in chunks)
+
+
+def _not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+# --- reasoning and tool calls ------------------------------------------------------------------------
+
+def _parse(pieces: list[str], **kwargs) -> tuple[str, str, list[tuple[str, str]]]:
+    parser = OutputParser(**kwargs)
+    events = [e for p in pieces for e in parser.push(p)] + parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    calls: dict[int, list[str]] = {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            assert e.index not in calls, "a call starts once"
+            calls[e.index] = [e.name, ""]
+        elif isinstance(e, ToolCallArgsDelta):
+            calls[e.index][1] += e.text
+    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)]
+
+
+WEATHER = ["get_weather"]
+PARSE_CASES = [
+    ("plain text", "Hello world", {}, ("Hello world", "", [])),
+    ("leading space kept", " Paris.", {}, (" Paris.", "", [])),
+    ("think block", "<think>hmm\nok</think>\n\nThe answer", {}, ("The answer", "hmm\nok", [])),
+    ("think off", "<think>x</think>y", {"reasoning": False}, ("<think>x</think>y", "", [])),
+    ("prompt opened think", "hmm</think>answer", {"start_in_reasoning": True}, ("answer", "hmm", [])),
+    ("unclosed think", "<think>abc", {}, ("", "abc", [])),
+    ("think only at the start", "a < b <think> c", {}, ("a < b <think> c", "", [])),
+    ("tagged call after text",
+     'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "n": {"x": [1,2]}}}\n</tool_call>',
+     {"tool_names": WEATHER}, ("Sure.", "", [("get_weather", '{"city": "Pa\\"ris", "n": {"x": [1,2]}}')])),
+    ("two tagged calls, keys in any order",
+     '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"arguments": {"q": 1}, "name": "b"}</tool_call>',
+     {"tool_names": ["a", "b"]}, ("", "", [("a", "{}"), ("b", '{"q": 1}')])),
+    ("arguments as a JSON string", '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>',
+     {"tool_names": ["a"]}, ("", "", [("a", '{"x": 1}')])),
+    ("cut off mid-arguments", '<tool_call>{"name": "a", "arguments": {"x": 1', {"tool_names": ["a"]},
+     ("", "", [("a", '{"x": 1')])),
+    ("unparsable tagged call is text", "use <tool_ca and <tool_call>{bad json</tool_call> end",
+     {"tool_names": ["x"]}, ("use <tool_ca and<tool_call>{bad json</tool_call> end", "", [])),
+    ("tags without tools are text", '<tool_call>{"name": "a", "arguments": {}}</tool_call>', {},
+     ('<tool_call>{"name": "a", "arguments": {}}</tool_call>', "", [])),
+    ("bare call", '{"name": "get_weather", "arguments": {"city": "Berlin"}}', {"tool_names": WEATHER},
+     ("", "", [("get_weather", '{"city": "Berlin"}')])),
+    ("fenced bare call", '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+     {"tool_names": WEATHER}, ("", "", [("get_weather", '{\n    "city": "Paris"\n  }')])),
+    ("two fenced bare calls",
+     '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n'
+     '```json\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n```',
+     {"tool_names": WEATHER}, ("", "", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')])),
+    ("bare JSON naming an undeclared tool is text", '{"name": "other", "arguments": {"city": "Berlin"}}',
+     {"tool_names": WEATHER}, ('{"name": "other", "arguments": {"city": "Berlin"}}', "", [])),
+    ("other JSON is text", '{"a": 1}', {"tool_names": WEATHER}, ('{"a": 1}', "", [])),
+    ("code fence is text", "```python\nprint(1)\n```", {"tool_names": WEATHER}, ("```python\nprint(1)\n```", "", [])),
+    ("think then call", '<think>need weather</think>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+     {"tool_names": WEATHER}, ("", "need weather", [("get_weather", '{"city": "Oslo"}')])),
+]
+
+
+@pytest.mark.parametrize("name,text,kwargs,expected", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
+def test_output_parser_whatever_the_split(name, text, kwargs, expected):
+    for pieces in _splits(text):
+        assert _parse(pieces, **kwargs) == expected, pieces
+    assert _parse(list(text), **kwargs) == expected      # one character at a time
+
+
+def test_tool_arguments_stream_before_the_call_ends():
+    parser = OutputParser(tool_names=WEATHER)
+    events = parser.push('<tool_call>{"name": "get_weather", "arguments": {"ci')
+    assert events == [ToolCallStart(0, "get_weather"), ToolCallArgsDelta(0, '{"ci')]
+    assert parser.push('ty": "Rome"}') == [ToolCallArgsDelta(0, 'ty": "Rome"}')]
+    assert parser.push("}\n</tool_call>") + parser.finish() == []
+    assert parser.num_tool_calls == 1
+
+
+def test_tool_header_matching():
+    assert match_tool_header('{"name": "f", "arguments": {')[:2] == ("ok", "f")
+    assert match_tool_header(' {\n "name" : "f" , "parameters" : [')[:2] == ("ok", "f")
+    for prefix in ("", "{", '{"na', '{"name": "f', '{"name": "f", "arg', '{"name": "f", "arguments": '):
+        assert match_tool_header(prefix)[0] == "partial", prefix
+    for other in ('{"x"', "[", '{"name": 3', '{"name": "f"}'):
+        assert match_tool_header(other)[0] == "no", other
