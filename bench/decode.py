@@ -149,10 +149,11 @@ def clear(llm: LLM) -> None:
     eng.step()
 
 
-def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float) -> dict:
+def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense: bool) -> dict:
     t0 = time.perf_counter()
     llm = LLM.load(path, EngineOptions(device="cuda", ctx=max(CONTEXTS) + 128, max_num_seqs=max_batch,
-                                       kv_cache_gb=kv_gb, prefill_chunk=2048, max_step_tokens=4096))
+                                       kv_cache_gb=kv_gb, prefill_chunk=2048, max_step_tokens=4096,
+                                       dense_large_batch=dense))
     load_s = time.perf_counter() - t0
     wbytes = weight_bytes(llm)
     kvtok = kv_bytes_per_token(llm)
@@ -189,7 +190,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float) -> dic
         dt = time.perf_counter() - t
         prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt))
         print(f"  prefill {n}: {n / dt:8.0f} tok/s", flush=True)
-    out = dict(model=os.path.basename(path), load_s=load_s, weight_bytes=wbytes, kv_bytes_per_token=kvtok,
+    out = dict(model=os.path.basename(path) + (" +dense" if dense else ""), load_s=load_s, weight_bytes=wbytes, kv_bytes_per_token=kvtok,
                decode=rows, prefill=prefill, kernel_breakdown=breakdowns, stats=dataclasses.asdict(llm.engine.stats))
     del llm
     torch.cuda.empty_cache()
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=128)
     ap.add_argument("--kv-cache-gb", type=float, default=72.0)
     ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--dense-large-batch", action="store_true",
+                    help="also keep bf16 weights for batches above the GEMV crossover")
     args = ap.parse_args()
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
@@ -268,7 +271,8 @@ def main() -> None:
                    torch=torch.__version__, copy_gbps=copy_bps / 1e9, models=[])
     for path in args.model:
         print(f"== {path}", flush=True)
-        results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb))
+        results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb,
+                                             args.dense_large_batch))
     if args.hf_peer:
         results["hf_peer"] = hf_peer()
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")

@@ -37,6 +37,7 @@ class EngineOptions:
     prefill_chunk: int = 512
     max_step_tokens: int = 2048
     eager: bool = False                # CUDA: no decode-step graphs (slower; for debugging)
+    dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
     quiet: bool = False
 
 
@@ -79,7 +80,8 @@ class LLM:
             raise UserError(f"--ctx must be at least 2 (got {ctx})")
         with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
                   disable=options.quiet, file=sys.stderr) as bar:
-            model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update)
+            model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
+                               keep_dense=options.dense_large_batch)
         pool = _make_pool(cfg, options, ctx, dtype, device)
         runner = ModelRunner(model, pool, device)
         if device.type == "cuda" and not options.eager:

@@ -465,11 +465,14 @@ class PackedWeight:
                  dense: torch.Tensor | None = None, plan: MatmulPlan | None = None):
         self.fmt_name, self.rows, self.cols = fmt_name, rows, cols
         self.planes, self.dense, self.plan = planes, dense, plan
+        self.resident_dense: torch.Tensor | None = None   # see from_quant(keep_dense=True)
         self.nbytes = planes.nbytes if planes is not None else dense.numel() * dense.element_size()
 
     @classmethod
     def from_quant(cls, w: QuantWeight, device, dtype: torch.dtype = torch.bfloat16,
-                   plan: MatmulPlan | None = None) -> "PackedWeight":
+                   plan: MatmulPlan | None = None, keep_dense: bool = False) -> "PackedWeight":
+        """keep_dense: also keep a dequantized copy for n_tok above the crossover (big decode batches,
+        prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there."""
         device = torch.device(device)
         if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
@@ -479,7 +482,10 @@ class PackedWeight:
         if device.type == "cuda" or interpreting():
             elems, tiles = _scratch_need(plan.narrow, planes.rows_pad, plan.crossover)
             _SplitScratch.reserve(device, elems, tiles)
-            if plan.gemm == DEQUANT_CUBLAS:
+            if plan.gemm == DEQUANT_CUBLAS and keep_dense:
+                self.resident_dense = dequantize_planes(planes, torch.empty(w.rows, w.cols, dtype=dtype,
+                                                                            device=device))
+            elif plan.gemm == DEQUANT_CUBLAS:
                 _DenseScratch.reserve(device, w.rows * w.cols * 2)
         return self
 
@@ -499,7 +505,9 @@ class PackedWeight:
         out = torch.empty(n_tok, self.rows, dtype=x.dtype, device=x.device) if out is None else out
         if n_tok == 0:
             return out.reshape(*lead, self.rows)
-        if config == DEQUANT_CUBLAS:
+        if config == DEQUANT_CUBLAS and self.resident_dense is not None and self.resident_dense.dtype == x.dtype:
+            torch.mm(x2, self.resident_dense.t(), out=out.view(n_tok, self.rows))
+        elif config == DEQUANT_CUBLAS:
             w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
         else:

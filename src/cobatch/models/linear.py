@@ -23,16 +23,17 @@ class RowStack:
         return torch.cat([ops.linear(x, p) for p in self.parts], dim=-1)
 
 
-def _one(w: QuantWeight, device: torch.device, dtype: torch.dtype) -> object:
+def _one(w: QuantWeight, device: torch.device, dtype: torch.dtype, keep_dense: bool) -> object:
     if device.type == "cuda":
         from cobatch.kernels.quant_matmul import PackedWeight
-        return PackedWeight.from_quant(w, device)
+        return PackedWeight.from_quant(w, device, dtype, keep_dense=keep_dense)
     return w.dequantize(dtype)
 
 
-def load_linear(parts: list[QuantWeight], device: torch.device, dtype: torch.dtype) -> object:
+def load_linear(parts: list[QuantWeight], device: torch.device, dtype: torch.dtype,
+                keep_dense: bool = False) -> object:
     if device.type != "cuda":
         return torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
     if all(p.fmt is parts[0].fmt for p in parts):
-        return _one(QuantWeight.stack_rows(parts) if len(parts) > 1 else parts[0], device, dtype)
-    return RowStack([_one(p, device, dtype) for p in parts])
+        return _one(QuantWeight.stack_rows(parts) if len(parts) > 1 else parts[0], device, dtype, keep_dense)
+    return RowStack([_one(p, device, dtype, keep_dense) for p in parts])

@@ -34,7 +34,8 @@ class Layer:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, gguf: GGUFFile, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None):
+                 dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None,
+                 keep_dense: bool = False):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         dev = self.device
 
@@ -42,7 +43,7 @@ class LlamaModel:
             return gguf.float_tensor(name).to(dev, dtype)
 
         def lin(*names: str) -> object:
-            return load_linear([gguf.quant_weight(n) for n in names], dev, dtype)
+            return load_linear([gguf.quant_weight(n) for n in names], dev, dtype, keep_dense)
 
         self.layers: list[Layer] = []
         for i in range(cfg.n_layers):
