@@ -132,6 +132,19 @@ def test_anthropic_prefill_continues_the_assistant_turn(claude):
     assert out.content[0].text.lstrip().startswith("Paris")
 
 
+def test_reasoning_becomes_thinking_blocks(claude):
+    """A prompt that ends inside <think> (as reasoning models' templates do; here through a prefill) makes
+    the output reasoning until </think>: Anthropic thinking blocks, streamed as thinking deltas."""
+    kwargs = dict(model="any", max_tokens=8, extra_body=GREEDY,
+                  messages=QUESTION + [{"role": "assistant", "content": "<think>"}])
+    out = claude.messages.create(**kwargs)
+    assert [b.type for b in out.content] == ["thinking"] and out.content[0].thinking.strip()
+    with claude.messages.stream(**kwargs) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert set(deltas) == {"thinking_delta"} and final.content[0].thinking == out.content[0].thinking
+
+
 # --- batching: concurrent streams ---------------------------------------------------------------------
 
 PROMPTS = ["Write a haiku about the sea.", "What is 12 times 12?", "Name three primary colors.",

@@ -10,6 +10,7 @@ count_tokens returns for the same input.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
 router = APIRouter()
+log = logging.getLogger("cobatch.server")
 
 MAX_STOP_SEQUENCES = 16
 
@@ -248,6 +250,10 @@ async def _stream(ctx: ServerContext, gen: Generation, msg_id: str) -> AsyncIter
                     yield frame
     except ApiError as err:
         yield sse_event("error", error_body(err, anthropic=True))
+    except Exception as exc:             # a bug: end the stream with an error the client can parse
+        log.exception("stream failed")
+        yield sse_event("error", error_body(ApiError(500, f"internal server error: {type(exc).__name__}"),
+                                            anthropic=True))
 
 
 class _BlockWriter:

@@ -144,7 +144,7 @@ def _check_serve_args(args) -> None:
 def serve(args) -> int:
     from cobatch.llm import EngineOptions
     _check_serve_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     llm = LLM.load(args.model_path or args.model, EngineOptions(
         device=args.device, dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,

@@ -7,6 +7,7 @@ translates requests into GenerationRequests and events into OpenAI's JSON and SS
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
 router = APIRouter()
+log = logging.getLogger("cobatch.server")
 
 MAX_STOP_STRINGS = 16
 
@@ -320,6 +322,9 @@ async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_
                 yield frame(delta, logprobs=logprobs if i == 0 else None)
     except ApiError as err:
         yield _stream_error(err)
+    except Exception as exc:             # a bug: end the stream with an error the client can parse
+        log.exception("stream failed")
+        yield _stream_error(ApiError(500, f"internal server error: {type(exc).__name__}"))
     yield sse_data("[DONE]")
 
 
@@ -403,4 +408,7 @@ async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, ec
             yield frame(text, logprobs=logprobs)
     except ApiError as err:
         yield _stream_error(err)
+    except Exception as exc:             # a bug: end the stream with an error the client can parse
+        log.exception("stream failed")
+        yield _stream_error(ApiError(500, f"internal server error: {type(exc).__name__}"))
     yield sse_data("[DONE]")

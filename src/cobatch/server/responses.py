@@ -9,6 +9,7 @@ its request aborted at once and its slot and KV freed within one engine step.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -16,6 +17,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from cobatch.server.errors import ApiError, error_response
+
+log = logging.getLogger("cobatch.server")
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -82,6 +85,10 @@ class GeneratedJSONResponse(Response):
                         response = JSONResponse(await self.produce())
                     except ApiError as err:
                         response = error_response(err, self.path)
+                    except Exception as exc:         # a bug: still answer in the protocol's error shape
+                        log.exception("generation failed on %s", self.path)
+                        response = error_response(ApiError(500, f"internal server error: {type(exc).__name__}"),
+                                                  self.path)
                     tg.cancel_scope.cancel()
 
                 async def watch() -> None:
