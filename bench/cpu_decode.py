@@ -57,7 +57,7 @@ def main() -> None:
                   threads=args.threads, torch=torch.__version__, model=llm.path.name, rows=rows)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"cpu_decode-{result['date']}.json").write_text(json.dumps(result, indent=1))
+    (out / f"cpu_decode-{result['date']}-{args.threads}t.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -355,6 +355,8 @@ INTERPRETER_NARROW = TileConfig(BM=16, BN=32, BK=64, split_k=2)   # small tiles 
 INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
 
 
+RESIDENT_DENSE_CROSSOVER = 16   # with a resident dense copy (keep_dense), see from_quant
+
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
 
@@ -478,6 +480,11 @@ class PackedWeight:
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device)
         plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad)
+        if keep_dense and plan.gemm == DEQUANT_CUBLAS:
+            # Past 16 tokens the narrow kernel's time grows per 16-token tile, while cuBLAS on the resident
+            # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs
+            # B=64 8.7 ms dense, bench/results/decode-2026-11-29-dense.md): hand over at 16.
+            plan = MatmulPlan(plan.narrow, plan.gemm, min(plan.crossover, RESIDENT_DENSE_CROSSOVER))
         self = cls(w.fmt.name, w.rows, w.cols, planes=planes, plan=plan)
         if device.type == "cuda" or interpreting():
             elems, tiles = _scratch_need(plan.narrow, planes.rows_pad, plan.crossover)
