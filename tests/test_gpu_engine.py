@@ -130,12 +130,13 @@ def test_gpu_batched_equals_alone(models, n):
                 out.setdefault(rid[o.request_id], []).append(o.new_token)
         step += 1
     got = [out[i] for i in range(n)]
-    # Up to 16 sessions every step runs the same narrow GEMV as a lone session (bitwise batch-invariant);
-    # past that the step switches kernels (dense path), so only ties may part ways there.
-    ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, a, g, 0.05 if n > 16 else 0.0)
+    # A step whose rows stay under the GEMV crossover runs the same bitwise batch-invariant kernels as a lone
+    # session; steps with more rows (many decoders plus a prefill chunk) switch to the GEMM path, where
+    # only ties may part ways.
+    ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, a, g, 0.05)
             for p, a, g in zip(prompts, alone, got)]
     print(f"n={n}: identical {sum(t is None for t in ties)}/{n}; ties {[t for t in ties if t]}")
-    if n <= 16:
+    if n <= 8:
         assert got == alone
     assert eng.stats.batched_steps > 0
 
