@@ -160,7 +160,8 @@ class EngineWorker:
     # --- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._take_commands(block=not (self.engine.has_work() or self._queued))
+            can_admit = bool(self._queued) and any(s.request is None for s in self.slots)
+            self._take_commands(block=not (self.engine.has_work() or can_admit))
             if self._stopping:
                 self._abort_all()
                 while self.engine.has_work():
