@@ -208,6 +208,8 @@ class SubprocessServer:
                             ("--kv-cache-gb", args.kv_cache_gb)):
             if value is not None:
                 cmd += [flag, str(value)]
+        if args.dense_large_batch:
+            cmd.append("--dense-large-batch")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
         self.log = open(log_path, "w")
         print("server:", " ".join(cmd), flush=True)
@@ -240,7 +242,8 @@ class InProcessServer:
         else:
             llm = LLM.load(args.model, EngineOptions(
                 device=args.device, dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
-                kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens))
+                kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
+                dense_large_batch=args.dense_large_batch))
         app = create_app(llm, ServerOptions(max_queue=max(LEVELS) * args.rounds))
         self.thread = ServerThread(app).start()
         self.url = self.thread.url
@@ -339,6 +342,7 @@ def main() -> None:
     ap.add_argument("--stall-prompt-tokens", type=int, default=4096)
     ap.add_argument("--stall-stream-tokens", type=int, default=512)
     ap.add_argument("--in-process", action="store_true", help="server in a thread of this process")
+    ap.add_argument("--dense-large-batch", action="store_true", help="pass --dense-large-batch to the server")
     ap.add_argument("--stub-step-ms", type=float, help="stub engine: measure the HTTP side alone (in-process)")
     ap.add_argument("--url", help="benchmark an already running server instead")
     ap.add_argument("--load-timeout", type=float, default=1800)

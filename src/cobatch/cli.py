@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
     p.add_argument("--max-step-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--dense-large-batch", action="store_true",
+                   help="CUDA: also keep bf16/f16 weights for steps above the GEMV crossover (more memory, "
+                        "faster big batches and prefill)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="request bodies over this get 413")
     p.add_argument("--graceful-shutdown-s", type=int, default=30,
                    help="on Ctrl-C, wait this long for running requests")

@@ -88,6 +88,8 @@ class LLM:
             runner.capture_graphs(options.max_num_seqs, ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk)
+        if device.type == "cuda":
+            _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         return cls(path, gguf, cfg, tokenizer, template, model, engine, options)
 
     # --- prompts ---------------------------------------------------------------------------------
@@ -106,6 +108,20 @@ class LLM:
         if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
         return ids
+
+
+def _warm_up(engine: Engine, vocab: int, chunk: int, ctx: int) -> None:
+    """Run a multi-chunk prefill next to a decoding session once, at start.
+
+    Kernels compile (and buffers grow) on first use of a shape class; without this the first long prompt
+    a server sees stalls every running stream for over a second (H200: 1.35 s, bench/results/serve-*).
+    """
+    from cobatch.engine.sampler import SamplingParams
+    n_long = min(2 * chunk + 17, ctx - 8)
+    long = [(i * 7919 + 11) % vocab for i in range(n_long)]
+    short = [(i * 31 + 7) % vocab for i in range(9)]
+    engine.generate([short, long], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.generate([short[:5]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
 
 def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.dtype,
