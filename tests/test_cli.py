@@ -37,6 +37,17 @@ def test_chat_answers_paris():
     assert "Paris" in proc.stdout
 
 
+def test_interactive_chat_keeps_history_and_exits_on_eof():
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "cobatch.cli", "chat", "--temperature", "0", "-n", "24"],
+                          input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert "Berlin" in proc.stdout      # the second turn only makes sense with the first in the history
+    assert proc.stdout.count("> ") >= 2
+
+
 def test_generate_prints_only_the_continuation():
     proc = run_cli("generate", "--prompt", "The capital of France is", "-n", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]

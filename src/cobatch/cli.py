@@ -20,6 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
+    p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -46,7 +47,8 @@ def _sampling(args):
 def _load(args, max_num_seqs: int = 1):
     from cobatch.llm import LLM, EngineOptions
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
-                                              max_num_seqs=max_num_seqs, quiet=getattr(args, "quiet", False)))
+                                              max_num_seqs=max_num_seqs, eager=args.eager,
+                                              quiet=getattr(args, "quiet", False)))
 
 
 def _stream(llm, prompt_ids: list[int], params) -> str:
@@ -204,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
     p.add_argument("--max-step-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--dense-large-batch", action="store_true",
                    help="CUDA: also keep bf16/f16 weights for steps above the GEMV crossover (more memory, "
                         "faster big batches and prefill)")
