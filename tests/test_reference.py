@@ -57,3 +57,23 @@ def test_logits_match_transformers(which):
         assert torch.equal(got.argmax(-1), ref.argmax(-1)), prompt
     del hf, ours
     gc.collect()
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
+def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
+    """No small real qwen3 GGUF ships on PyPI: a random one of qwen3's layout (per-head q/k RMSNorm,
+    head_dim 128 != d_model / n_heads), written by our GGUF writer, read by both implementations."""
+    from cobatch.gguf_writer import write_random_model
+    path = write_random_model(tmp_path / f"qwen3-{quant}.gguf", "qwen3-tiny", quant,
+                              tokenizer_from=qwen_coder_path(), seed=5)
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    assert cfg.arch == "qwen3" and cfg.qk_norm and cfg.head_dim == 128 and cfg.rope_neox
+    ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    ids = [int(i) for i in torch.randint(0, 150000, (40,), generator=torch.Generator().manual_seed(0))]
+    got = _our_logits(ours, cfg, ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -74,10 +74,12 @@ class ModelShape:
     context_length: int
     qkv_bias: bool = False
     tied_embeddings: bool = False
+    qk_norm: bool = False        # qwen3: RMSNorm over each q and k head
+    head_size: int | None = None  # when heads are not d_model / n_heads wide (qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -86,6 +88,7 @@ SHAPES: dict[str, ModelShape] = {
     "qwen2.5-0.5b": ModelShape("qwen2", 24, 896, 14, 2, 4864, 151936, 1e6, 1e-6, 32768,
                                qkv_bias=True, tied_embeddings=True),
     "tiny": ModelShape("llama", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 4096),
+    "qwen3-tiny": ModelShape("qwen3", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128),
 }
 
 
@@ -169,7 +172,7 @@ class TensorSpec:
 
 def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layers: int) -> list[TensorSpec]:
     """Every tensor of the model, in the order llama.cpp's converter writes them."""
-    d, kv_dim = shape.d_model, shape.n_kv_heads * shape.head_dim
+    d, q_dim, kv_dim = shape.d_model, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
 
     def matrix(name: str, rows: int, cols: int, role: str = "other", layer: int = 0) -> TensorSpec:
         return TensorSpec(name, rows, cols, matrix_type(recipe, role, layer, n_layers, cols), "matrix")
@@ -181,13 +184,16 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
     for i in range(n_layers):
         blk = f"blk.{i}"
         plan.append(vector(f"{blk}.attn_norm.weight", d, "norm"))
-        plan.append(matrix(f"{blk}.attn_q.weight", d, d, layer=i))
+        plan.append(matrix(f"{blk}.attn_q.weight", q_dim, d, layer=i))
         plan.append(matrix(f"{blk}.attn_k.weight", kv_dim, d, layer=i))
         plan.append(matrix(f"{blk}.attn_v.weight", kv_dim, d, "attn_v", i))
         if shape.qkv_bias:
-            plan += [vector(f"{blk}.attn_q.bias", d, "bias"), vector(f"{blk}.attn_k.bias", kv_dim, "bias"),
+            plan += [vector(f"{blk}.attn_q.bias", q_dim, "bias"), vector(f"{blk}.attn_k.bias", kv_dim, "bias"),
                      vector(f"{blk}.attn_v.bias", kv_dim, "bias")]
-        plan.append(matrix(f"{blk}.attn_output.weight", d, d, layer=i))
+        if shape.qk_norm:
+            plan += [vector(f"{blk}.attn_q_norm.weight", shape.head_dim, "norm"),
+                     vector(f"{blk}.attn_k_norm.weight", shape.head_dim, "norm")]
+        plan.append(matrix(f"{blk}.attn_output.weight", d, q_dim, layer=i))
         plan.append(vector(f"{blk}.ffn_norm.weight", d, "norm"))
         plan.append(matrix(f"{blk}.ffn_gate.weight", shape.ffn_dim, d, layer=i))
         plan.append(matrix(f"{blk}.ffn_up.weight", shape.ffn_dim, d, layer=i))
@@ -471,6 +477,9 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_rope_dimension_count(shape.head_dim)
+    if shape.head_size:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
     writer.add_vocab_size(vocab_size)
     writer.add_file_type(int(recipe.file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

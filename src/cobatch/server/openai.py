@@ -298,13 +298,18 @@ async def _chat_result(ctx: ServerContext, gen: Generation, meta: dict) -> dict:
     return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(done.finish)}
 
 
+def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict) -> str:
+    """One streamed chunk; with include_usage every chunk carries "usage": null until the final one."""
+    chunk = {**meta, "object": obj, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None
+    return sse_data(chunk)
+
+
 async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_usage: bool) -> AsyncIterator[str]:
     def frame(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
-        chunk = {**meta, "object": "chat.completion.chunk",
-                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if include_usage:
-            chunk["usage"] = None
-        return sse_data(chunk)
+        return _sse_chunk(meta, "chat.completion.chunk", include_usage,
+                          {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     want_logprobs = gen.request.params.logprobs is not None
     call_ids: dict[int, str] = {}
@@ -384,11 +389,8 @@ async def _completion_result(ctx: ServerContext, gen: Generation, meta: dict, ec
 async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, echo: str,
                              include_usage: bool) -> AsyncIterator[str]:
     def frame(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
-        chunk = {**meta, "object": "text_completion",
-                 "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if include_usage:
-            chunk["usage"] = None
-        return sse_data(chunk)
+        return _sse_chunk(meta, "text_completion", include_usage,
+                          {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
     want_logprobs = gen.request.params.logprobs is not None
     offset = len(echo)
