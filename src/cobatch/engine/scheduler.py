@@ -99,7 +99,7 @@ class Scheduler:
         # Decoders first, in admission order; then prefill chunks in admission order.
         order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
         for seq in order:
-            if seq not in self.running:      # preempted while planning this step
+            if seq.status is not SeqStatus.RUNNING:      # preempted while planning this step
                 continue
             rows = 1 if seq.is_decoding else min(seq.pending, self.prefill_chunk, budget)
             if rows <= 0:
@@ -111,7 +111,7 @@ class Scheduler:
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq.status is not SeqStatus.RUNNING:
                 continue
             plan.items.append((seq, rows))
             budget -= rows
