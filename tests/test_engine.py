@@ -98,3 +98,11 @@ def test_context_limit_rejects_long_prompt(smol):
     from cobatch.engine.engine import ContextLengthExceeded
     with pytest.raises(ContextLengthExceeded):
         smol.engine.add_request(list(range(5000)), GREEDY)
+
+
+@pytest.mark.parametrize("bad", [-1, 49152, 10**9])
+def test_out_of_vocabulary_prompt_is_rejected(smol, bad):
+    from cobatch.errors import UserError
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        smol.engine.add_request([1, 2, bad], GREEDY)
+    assert not smol.engine.has_work()
