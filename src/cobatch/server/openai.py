@@ -280,7 +280,7 @@ async def chat_completions(request: Request):
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_chat_stream(ctx, gen, meta, include_usage), gen.close)
+        return EventStreamResponse(_ending_in_done(_chat_stream(ctx, gen, meta, include_usage)), gen.close)
     return GeneratedJSONResponse(lambda: _chat_result(ctx, gen, meta), gen.close, request.url.path)
 
 
@@ -296,6 +296,21 @@ async def _chat_result(ctx: ServerContext, gen: Generation, meta: dict) -> dict:
     choice = {"index": 0, "message": message, "finish_reason": done.finish.reason,
               "logprobs": _chat_logprobs(ctx, done.logprobs) if gen.request.params.logprobs is not None else None}
     return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(done.finish)}
+
+
+async def _ending_in_done(frames: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The frames, then [DONE]. An error mid-stream ends the stream with an error frame the client can parse."""
+    try:
+        async for frame in frames:
+            yield frame
+    except ApiError as err:
+        yield _stream_error(err)
+    except Exception as exc:             # a bug: still end the stream in the protocol's shape
+        log.exception("stream failed")
+        yield _stream_error(ApiError(500, f"internal server error: {type(exc).__name__}"))
+    finally:
+        await frames.aclose()            # also when the client left and the response closes us
+    yield sse_data("[DONE]")
 
 
 def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict) -> str:
@@ -314,23 +329,16 @@ async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_
     want_logprobs = gen.request.params.logprobs is not None
     call_ids: dict[int, str] = {}
     yield frame({"role": "assistant", "content": ""})
-    try:
-        async for item in gen.events():
-            if isinstance(item, Finish):
-                yield frame({}, item.reason)
-                if include_usage:
-                    yield sse_data({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(item)})
-                break
-            deltas = [_chat_delta(e, call_ids) for e in item.events] or [{"content": ""}]
-            logprobs = _chat_logprobs(ctx, item.logprobs) if want_logprobs else None
-            for i, delta in enumerate(deltas):
-                yield frame(delta, logprobs=logprobs if i == 0 else None)
-    except ApiError as err:
-        yield _stream_error(err)
-    except Exception as exc:             # a bug: end the stream with an error the client can parse
-        log.exception("stream failed")
-        yield _stream_error(ApiError(500, f"internal server error: {type(exc).__name__}"))
-    yield sse_data("[DONE]")
+    async for item in gen.events():
+        if isinstance(item, Finish):
+            yield frame({}, item.reason)
+            if include_usage:
+                yield sse_data({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(item)})
+            break
+        deltas = [_chat_delta(e, call_ids) for e in item.events] or [{"content": ""}]
+        logprobs = _chat_logprobs(ctx, item.logprobs) if want_logprobs else None
+        for i, delta in enumerate(deltas):
+            yield frame(delta, logprobs=logprobs if i == 0 else None)
 
 
 def _chat_delta(event, call_ids: dict[int, str]) -> dict:
@@ -361,7 +369,7 @@ async def completions(request: Request):
     echo = prompt_text if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_completion_stream(ctx, gen, meta, echo, include_usage), gen.close)
+        return EventStreamResponse(_ending_in_done(_completion_stream(ctx, gen, meta, echo, include_usage)), gen.close)
     return GeneratedJSONResponse(lambda: _completion_result(ctx, gen, meta, echo), gen.close, request.url.path)
 
 
@@ -396,21 +404,14 @@ async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, ec
     offset = len(echo)
     if echo:
         yield frame(echo)
-    try:
-        async for item in gen.events():
-            if isinstance(item, Finish):
-                yield frame("", item.reason)
-                if include_usage:
-                    yield sse_data({**meta, "object": "text_completion", "choices": [], "usage": _usage(item)})
-                break
-            assert isinstance(item, Chunk)
-            text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
-            logprobs = _completion_logprobs(ctx, item.logprobs, offset) if want_logprobs else None
-            offset += len(text)
-            yield frame(text, logprobs=logprobs)
-    except ApiError as err:
-        yield _stream_error(err)
-    except Exception as exc:             # a bug: end the stream with an error the client can parse
-        log.exception("stream failed")
-        yield _stream_error(ApiError(500, f"internal server error: {type(exc).__name__}"))
-    yield sse_data("[DONE]")
+    async for item in gen.events():
+        if isinstance(item, Finish):
+            yield frame("", item.reason)
+            if include_usage:
+                yield sse_data({**meta, "object": "text_completion", "choices": [], "usage": _usage(item)})
+            break
+        assert isinstance(item, Chunk)
+        text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
+        logprobs = _completion_logprobs(ctx, item.logprobs, offset) if want_logprobs else None
+        offset += len(text)
+        yield frame(text, logprobs=logprobs)

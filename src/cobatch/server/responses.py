@@ -38,6 +38,17 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
+async def _unless_disconnected(work: Callable[[], Awaitable[None]], receive: Receive) -> None:
+    """Run `work` until it ends or the client disconnects, whichever comes first."""
+    async with anyio.create_task_group() as tg:
+        async def run_then_stop(fn: Callable[[], Awaitable[None]]) -> None:
+            await fn()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run_then_stop, work)
+        tg.start_soon(run_then_stop, lambda: _until_disconnected(receive))
+
+
 class EventStreamResponse(Response):
     """Server-sent events from an async iterator of ready frames. `on_close` runs however it ends."""
 
@@ -48,19 +59,12 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            async with anyio.create_task_group() as tg:
-                async def pump() -> None:
-                    async for frame in self.frames:
-                        await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    tg.cancel_scope.cancel()
+            async def pump() -> None:
+                async for frame in self.frames:
+                    await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-                async def watch() -> None:
-                    await _until_disconnected(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(pump)
-                tg.start_soon(watch)
+            await _unless_disconnected(pump, receive)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.frames.aclose()
@@ -78,25 +82,18 @@ class GeneratedJSONResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response: Response | None = None
         try:
-            async with anyio.create_task_group() as tg:
-                async def work() -> None:
-                    nonlocal response
-                    try:
-                        response = JSONResponse(await self.produce())
-                    except ApiError as err:
-                        response = error_response(err, self.path)
-                    except Exception as exc:         # a bug: still answer in the protocol's error shape
-                        log.exception("generation failed on %s", self.path)
-                        response = error_response(ApiError(500, f"internal server error: {type(exc).__name__}"),
-                                                  self.path)
-                    tg.cancel_scope.cancel()
+            async def work() -> None:
+                nonlocal response
+                try:
+                    response = JSONResponse(await self.produce())
+                except ApiError as err:
+                    response = error_response(err, self.path)
+                except Exception as exc:         # a bug: still answer in the protocol's error shape
+                    log.exception("generation failed on %s", self.path)
+                    response = error_response(ApiError(500, f"internal server error: {type(exc).__name__}"),
+                                              self.path)
 
-                async def watch() -> None:
-                    await _until_disconnected(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(work)
-                tg.start_soon(watch)
+            await _unless_disconnected(work, receive)
         finally:
             self.on_close()
         if response is not None:
