@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels.quant_gemv import GemvConfig  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight, TileConfig  # noqa: E402
 from cobatch.kernels.quant_pack import PackedPlanes  # noqa: E402
 from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
@@ -122,7 +123,7 @@ def clone_packed(pw: PackedWeight) -> PackedWeight:
     p = pw.planes
     planes = PackedPlanes(p.fmt_id, p.rows, p.cols, p.rows_pad, p.cols_pad, p.qs.clone(), p.d.clone(),
                           None if p.m is None else p.m.clone(), None if p.sub is None else p.sub.clone(),
-                          None if p.qh is None else p.qh.clone())
+                          None if p.qh is None else p.qh.clone(), fragment=p.fragment)
     return PackedWeight(pw.fmt_name, pw.rows, pw.cols, planes=planes, plan=pw.plan)
 
 
@@ -131,10 +132,18 @@ def rotating(pw: PackedWeight) -> list[PackedWeight]:
     return [pw] + [clone_packed(pw) for _ in range(n - 1)]
 
 
-def time_packed(copies: list[PackedWeight], n_tok: int, cfg: TileConfig | None) -> float:
+def time_packed(copies: list[PackedWeight], n_tok: int, cfg, x_dtype=None) -> float:
+    """x_dtype: the activations' dtype; by default what the kernel reads (f16 for the Gluon GEMV, whose
+    caller converts bf16 once per call; bf16 otherwise)."""
     cols = copies[0].cols
-    x = torch.randn(n_tok, cols, device="cuda").to(torch.bfloat16)
+    if x_dtype is None:
+        gemv = isinstance(cfg if cfg is not None else copies[0].plan.narrow, GemvConfig) and (
+            cfg is not None or n_tok <= copies[0].plan.crossover)
+        x_dtype = torch.float16 if gemv else torch.bfloat16
+    x = torch.randn(n_tok, cols, device="cuda").to(x_dtype)
     out = torch.empty(n_tok, copies[0].rows, device="cuda", dtype=torch.bfloat16)
+    if x_dtype == torch.float16 and copies[0].planes is not None and not copies[0].planes.fragment:
+        out = out.to(torch.float16)
     return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
 
 
@@ -152,14 +161,29 @@ def time_torch_linear(rows: int, cols: int, n_tok: int, cache: dict) -> float:
 
 # --- parallel precompile ----------------------------------------------------------------------------------
 
+def _config_key(c):
+    """Picklable form of a config for the worker processes."""
+    if isinstance(c, GemvConfig):
+        return ("gemv", dataclasses.astuple(c))
+    return dataclasses.astuple(c) if isinstance(c, TileConfig) else c
+
+
+def _from_key(k):
+    if isinstance(k, tuple) and k and k[0] == "gemv":
+        return GemvConfig(*k[1])
+    return TileConfig(*k) if isinstance(k, tuple) else k
+
+
 def _compile_one(task) -> str:
-    fmt_name, cfg_tuple = task
-    cfg = TileConfig(*cfg_tuple) if isinstance(cfg_tuple, tuple) else cfg_tuple
+    fmt_name, key = task
+    cfg = _from_key(key)
     try:
         w = random_weight(fmt_name, 256, 4096)
         pw = PackedWeight.from_quant(w, "cuda")
         x = torch.randn(2, 4096, device="cuda").to(torch.bfloat16)
         pw.matmul(x, config=cfg)
+        if isinstance(cfg, GemvConfig):
+            pw.matmul(torch.randn(12, 4096, device="cuda").to(torch.bfloat16), config=cfg)   # BT = 16
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # reported, the config is dropped
@@ -174,8 +198,7 @@ def precompile(tasks: list[tuple[str, TileConfig]], workers: int) -> set[tuple[s
     bad = set()
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for (f, c), err in zip(uniq, pool.map(_compile_one, [(f, dataclasses.astuple(c) if isinstance(c, TileConfig) else c)
-                                                          for f, c in uniq])):
+        for (f, c), err in zip(uniq, pool.map(_compile_one, [(f, _config_key(c)) for f, c in uniq])):
             if err:
                 print("compile failed:", err, flush=True)
                 bad.add((f, c))
@@ -197,11 +220,28 @@ def narrow_candidates(rows: int, cols: int) -> list[TileConfig]:
     return out
 
 
+GEMV_BASES = [(4, 4, 1), (4, 2, 2), (4, 2, 1), (8, 2, 1), (4, 4, 2), (2, 4, 1), (8, 1, 2)]  # W, RT, U
+GEMV_PREFETCH = [0, 2, 4]                                                                # D
+
+
+def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
+    n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
+    rows_pad = -(-rows // 128) * 128
+    out = []
+    for w, rt, u in GEMV_BASES:
+        for split in (1, 2, 4, 8):
+            ctas = rows_pad // (16 * rt) * split
+            if n_chunks % (w * u * split) == 0 and (split == 1 or ctas <= 16 * SMS) and ctas >= SMS // 2:
+                out += [GemvConfig(W=w, RT=rt, split_k=split, U=u, D=d) for d in GEMV_PREFETCH
+                        if d == 0 or n_chunks // (w * split) > d]
+    return out
+
+
 def sweep(formats, log, deadline: float, save) -> dict:
     """Stops early at `deadline` (time.time()); formats/shapes not reached keep the built-in defaults."""
     table = {"default": {}, "formats": {}}
-    tasks = [(f, c) for f in formats for (r, k) in SHAPES.values() for c in narrow_candidates(r, k)]
-    tasks += [(f, c) for f in formats for c in GEMM_CANDIDATES]
+    tasks = [(f, c) for f in formats for (r, k) in SHAPES.values() for c in narrow_candidates_for(f, r, k)]
+    tasks += [(f, c) for f in formats for c in gemm_candidates_for(f)]
     try:
         bad = precompile(tasks, workers=min(14, os.cpu_count() or 4))
     except Exception as e:  # compile lazily instead
@@ -217,7 +257,7 @@ def sweep(formats, log, deadline: float, save) -> dict:
         rows, cols = SHAPES["gate_up"]
         pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
         best_gemm = None
-        for cfg in GEMM_CANDIDATES:
+        for cfg in gemm_candidates_for(fmt_name):
             if (fmt_name, cfg) in bad:
                 continue
             t = time_packed([pw] * 3, 2048, cfg)
@@ -239,7 +279,7 @@ def sweep(formats, log, deadline: float, save) -> dict:
             pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
             copies = rotating(pw)
             results = []
-            for cfg in narrow_candidates(rows, cols):
+            for cfg in narrow_candidates_for(fmt_name, rows, cols):
                 if (fmt_name, cfg) in bad:
                     continue
                 t1 = time_packed(copies, 1, cfg)
@@ -260,16 +300,32 @@ def sweep(formats, log, deadline: float, save) -> dict:
                     crossover = n
                 else:
                     break
-            fmt_entry["shapes"][f"{rows}x{cols}"] = {"narrow": _cfg_dict(narrow), "crossover": crossover}
+            if isinstance(narrow, GemvConfig):
+                fmt_entry["shapes"][f"{rows}x{cols}"] = {"gemv": _cfg_dict(narrow), "gemv_crossover": crossover}
+            else:
+                fmt_entry["shapes"][f"{rows}x{cols}"] = {"narrow": _cfg_dict(narrow), "crossover": crossover}
             del copies, pw
             torch.cuda.empty_cache()
             save(table)
     return table
 
 
-def _cfg_dict(c: TileConfig | str):
+def gemm_candidates_for(fmt_name: str) -> list:
+    """Fragment-order planes (the Gluon GEMV's) are read for prefill by the dequantize kernel only."""
+    return [qm.DEQUANT_CUBLAS] if qm.uses_gemv(fmt_name, torch.device("cuda")) else GEMM_CANDIDATES
+
+
+def narrow_candidates_for(fmt_name: str, rows: int, cols: int) -> list:
+    if qm.uses_gemv(fmt_name, torch.device("cuda")):
+        return gemv_candidates(fmt_name, rows, cols)
+    return narrow_candidates(rows, cols)
+
+
+def _cfg_dict(c):
     if isinstance(c, str):
         return c
+    if isinstance(c, GemvConfig):
+        return dataclasses.asdict(c)
     return {"BM": c.BM, "BN": c.BN, "BK": c.BK, "split_k": c.split_k, "num_warps": c.num_warps,
             "num_stages": c.num_stages}
 
@@ -283,7 +339,8 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
     tasks = []
     for fmt_name in formats:
         for rows, cols in SHAPES.values():
-            plan = qm.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256)
+            plan = qm.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256,
+                               gemv=qm.uses_gemv(fmt_name, torch.device("cuda")))
             tasks += [(fmt_name, plan.narrow), (fmt_name, plan.gemm)]
     try:
         precompile(tasks, workers=min(14, os.cpu_count() or 4))
@@ -309,13 +366,16 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
             for n in DECODE_TOKS:
                 t = time_packed(copies, n, None)
                 path = "narrow" if n <= plan.crossover else "gemm"
+                # what a bf16 caller pays: the f16 conversion of x is one more launch per call
+                t_bf16 = time_packed(copies, n, None, torch.bfloat16) if isinstance(plan.narrow, GemvConfig) \
+                    and n <= plan.crossover else t
                 gbps = pw.nbytes / t / 1e9
                 rows_out.append({"kind": "gemv", "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols,
                                  "n_tok": n, "path": path, "us": t * 1e6, "gbps": gbps,
                                  "pct_copy": 100 * gbps / copy_gbps, "weight_bytes": pw.nbytes,
                                  "gguf_bytes": w.nbytes, "torch_bf16_us": torch_us[(name, n)] * 1e6,
                                  "speedup_vs_bf16": torch_us[(name, n)] / t, "crossover": plan.crossover,
-                                 "narrow": _cfg_dict(plan.narrow), "rel_err": err})
+                                 "narrow": _cfg_dict(plan.narrow), "rel_err": err, "us_bf16_input": t_bf16 * 1e6})
             for n in PREFILL_TOKS:
                 t = time_packed([pw] * 3, n, None)
                 tflops = 2 * n * rows * cols / t / 1e12
@@ -423,6 +483,7 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="quant_configs.json to use (default: the package's)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--sweep-seconds", type=float, default=150.0, help="time budget of the sweep")
+    ap.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
     ap.add_argument("--render", default=None, help="only re-render the .md of this results .json")
     ap.add_argument("--ceiling-gbps", type=float, default=None,
                     help="with --render: percentages against this copy bandwidth instead of the run's")
@@ -463,7 +524,7 @@ def main() -> None:
                 r["pct_copy"] = 100 * r["gbps"] / copy_end
         copy_gbps = copy_end
     try:
-        rows += attention_rows(copy_gbps)
+        rows += [] if args.no_attention else attention_rows(copy_gbps)
     except Exception as e:  # the other module's failure must not lose our numbers
         print("attention bench failed:", repr(e), flush=True)
     result = {"date": args.date, "command": "PYTHONPATH=src python bench/kernels.py " + " ".join(sys.argv[1:]),

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import quant_pack
+from cobatch.kernels import quant_gemv, quant_pack
+from cobatch.kernels.quant_gemv import GemvConfig
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
 from cobatch.kernels.triton_support import interpreting, jit, tl, triton
 from cobatch.quant.weight import QuantWeight
@@ -177,18 +178,31 @@ def _q8_block(q, d, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @jit
+def _qs_tile(qs_ptr, row, qs_stride, col, j, FRAG: tl.constexpr):
+    """The [BN, 32] bytes at columns col + j (col % 32 == 0) of the qs plane. FRAG: the plane is in
+    fragment order (quant_pack.fragment_order, the Gluon GEMV's layout), read by a gather: byte (r, c)
+    of a 16 x 32 tile sits at lane 4 (r % 8) + (c % 8) // 2, byte 4 (c // 8) + r // 8 + 2 (c % 2)."""
+    if FRAG:
+        r = row % 16
+        lane = 4 * (r % 8) + (j % 8) // 2
+        byte = 4 * (j // 8) + r // 8 + 2 * (j % 2)
+        return tl.load(qs_ptr + (row // 16) * (16 * qs_stride) + (col // 32) * 512 + 16 * lane + byte)
+    return tl.load(qs_ptr + row * qs_stride + col + j)
+
+
+@jit
 def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32, side256, chunk, j,
-                   FMT: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+                   FMT: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, FRAG: tl.constexpr = False):
     """Weights [64*chunk, 64*chunk + 64) of rows `row` ([BN, 1] int64) as two [BN, 32] tiles in DT: the
-    32-weight blocks 2*chunk and 2*chunk+1. j = arange(32)[None, :]."""
+    32-weight blocks 2*chunk and 2*chunk+1. j = arange(32)[None, :]. qs_stride: bytes per row."""
     two = tl.arange(0, 2)[None, :]
     four = tl.arange(0, 4)[None, :]
     if FMT == Q8_0:
-        q0 = tl.load(qs_ptr + row * qs_stride + 64 * chunk + j)
-        q1 = tl.load(qs_ptr + row * qs_stride + 64 * chunk + 32 + j)
+        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FRAG)
+        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FRAG)
         d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
         return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
-    q = tl.load(qs_ptr + row * qs_stride + 32 * chunk + j)        # low nibbles: block 2c, high: 2c+1
+    q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FRAG)        # low nibbles: block 2c, high: 2c+1
     if FMT == Q4_0:
         d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
         return _nibbles(q, d0, d1, d0, d1, False, 8.0, DT, ASM)
@@ -300,7 +314,8 @@ def _quant_matmul_kernel(
 
 @jit
 def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, n_cols, out_stride, n_super,
-                    FMT: tl.constexpr, BN: tl.constexpr, CHUNKS: tl.constexpr, F32: tl.constexpr):
+                    FMT: tl.constexpr, BN: tl.constexpr, CHUNKS: tl.constexpr, F32: tl.constexpr,
+                    FRAG: tl.constexpr):
     """Write the dense matrix [n_rows, n_cols] (out's dtype): the prefill path dequantizes once per call
     into a scratch matrix and lets cuBLAS run the GEMM. Same per-chunk dequant as the matmul kernel."""
     DT: tl.constexpr = tl.float32 if F32 else out_ptr.dtype.element_ty
@@ -312,7 +327,7 @@ def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, n_co
     for c in tl.static_range(CHUNKS):
         chunk = tl.program_id(1) * CHUNKS + c
         w0, w1 = _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, 8 * n_super, n_super,
-                                chunk, j, FMT, DT, not F32)
+                                chunk, j, FMT, DT, not F32, FRAG)
         k = 64 * chunk + j
         tl.store(out_ptr + row * out_stride + k, w0.to(out_ptr.dtype.element_ty), mask=row_ok & (k < n_cols))
         tl.store(out_ptr + row * out_stride + k + 32, w1.to(out_ptr.dtype.element_ty),
@@ -327,7 +342,7 @@ def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
     _dequant_kernel[(p.rows_pad // bn, p.cols_pad // (64 * chunks))](
         out, p.qs, p.d, p.m if p.m is not None else dummy, p.sub if p.sub is not None else dummy,
         p.qh if p.qh is not None else dummy, p.rows, p.cols, out.stride(0), p.cols_pad // 256,
-        FMT=p.fmt_id, BN=bn, CHUNKS=chunks, F32=interpreting(), num_warps=4)
+        FMT=p.fmt_id, BN=bn, CHUNKS=chunks, F32=interpreting(), FRAG=p.fragment, num_warps=4)
     return out
 
 
@@ -356,6 +371,7 @@ INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
 
 
 RESIDENT_DENSE_CROSSOVER = 16   # with a resident dense copy (keep_dense), see from_quant
+GEMV_CROSSOVER = 16             # the Gluon GEMV's token tiles are 8 and 16 wide
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
@@ -364,7 +380,7 @@ DEQUANT_CUBLAS = "dequant+cublas"
 @dataclass(frozen=True, slots=True)
 class MatmulPlan:
     """The tile configs of one weight: chosen at load, fixed for the process."""
-    narrow: TileConfig
+    narrow: TileConfig | GemvConfig   # GemvConfig: the Gluon kernel on fragment-order planes
     gemm: TileConfig | str   # a TileConfig, or DEQUANT_CUBLAS
     crossover: int           # n_tok <= crossover -> narrow
 
@@ -385,8 +401,32 @@ def default_split_k(n_rows: int, n_cols_pad: int, cfg: TileConfig, sms: int = 13
     return split
 
 
-def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int) -> MatmulPlan:
-    """Look up (format, "NxK") in quant_configs.json, else the format's default, else the built-in default."""
+def uses_gemv(fmt_name: str, device: torch.device) -> bool:
+    """Does this weight go through the Gluon GEMV (fragment-order planes)? CUDA only: Gluon has no
+    interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons)."""
+    return (torch.device(device).type == "cuda" and not interpreting() and quant_gemv.gluon is not None
+            and PACKED_FORMATS.get(fmt_name) in quant_gemv.FRAGMENT_FORMATS
+            and os.environ.get("COBATCH_TRITON_GEMV") != "1")
+
+
+def default_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
+    """4 warps x 4 row tiles per CTA (64 rows); split K across CTAs until there are about 2 CTAs per SM
+    (what the H200 sweep preferred for shapes without an entry in quant_configs.json)."""
+    w, rt = 4, 4
+    ctas = n_rows_pad // (16 * rt)
+    split = 1
+    while ctas * split < 2 * sms and split < 8 and n_chunks % (w * split * 2) == 0:
+        split *= 2
+    return GemvConfig(W=w, RT=rt, split_k=split, U=1, D=0)
+
+
+def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
+    return n_cols_pad // (32 if fmt_name == "q8_0" else 64)
+
+
+def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False) -> MatmulPlan:
+    """Look up (format, "NxK") in quant_configs.json, else the format's default, else the built-in default.
+    gemv: the weight runs the Gluon GEMV (its config is the entry's "gemv", else default_gemv_config)."""
     if interpreting():
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
@@ -399,7 +439,14 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int) -> Matmul
                             narrow.num_warps, narrow.num_stages)
     gemm = entry.get("gemm", DEFAULT_GEMM)
     gemm = gemm if isinstance(gemm, (TileConfig, str)) else TileConfig.parse(gemm)
-    return MatmulPlan(narrow, gemm, int(entry.get("crossover", DEFAULT_CROSSOVER)))
+    crossover = int(entry.get("crossover", DEFAULT_CROSSOVER))
+    if gemv:   # fragment-order planes: the Triton GEMM tiers cannot read them
+        gemm = DEQUANT_CUBLAS
+        rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
+        narrow = (GemvConfig(**entry["gemv"]) if "gemv" in entry
+                  else default_gemv_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+        crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
+    return MatmulPlan(narrow, gemm, crossover)
 
 
 # --- split-K scratch ----------------------------------------------------------------------------------
@@ -451,7 +498,9 @@ class _DenseScratch:
         return buf[:rows * cols * 2].view(dtype).view(rows, cols)
 
 
-def _scratch_need(cfg: TileConfig, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
+def _scratch_need(cfg: TileConfig | GemvConfig, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
+    if isinstance(cfg, GemvConfig):
+        return quant_gemv.scratch_need(cfg, n_rows_pad, max_tok)
     if cfg.split_k == 1:
         return 1, 1
     tiles = (n_rows_pad // cfg.BN) * -(-max_tok // cfg.BM)
@@ -478,8 +527,10 @@ class PackedWeight:
         device = torch.device(device)
         if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
-        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device)
-        plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad)
+        # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
+        gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, GemvConfig))
+        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv)
+        plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv)
         if keep_dense and plan.gemm == DEQUANT_CUBLAS:
             # Past 16 tokens the narrow kernel's time grows per 16-token tile, while cuBLAS on the resident
             # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs
@@ -517,6 +568,13 @@ class PackedWeight:
         elif config == DEQUANT_CUBLAS:
             w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
+        elif isinstance(config, GemvConfig):
+            x16 = x2 if x2.dtype == torch.float16 else x2.to(torch.float16)
+            partial, count = out, out
+            if config.split_k > 1:
+                _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
+                partial, count = _SplitScratch.get(x.device)
+            quant_gemv.launch(self.planes, x16, out.view(n_tok, self.rows), config, partial, count)
         else:
             launch(self.planes, x2, out, config)
         return out.reshape(*lead, self.rows)

@@ -21,6 +21,11 @@ Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins bec
 `nbytes` counts what the kernels really read.
 Rows are padded to a multiple of 128 and columns to a multiple of 256 with zero blocks, so the kernels
 load whole tiles without masks; the padding reads as 0.
+
+Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q4_K for quant_gemv.py): the qs plane
+is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of a 4-bit format), stored
+[row tile, chunk, 512 bytes], and inside a tile lane L of a warp owns bytes 16 L .. 16 L + 15: exactly the
+bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from cobatch.quant.formats import QuantFormat, _k_scales_mins, format_of
 # Format ids: the kernels' FMT constexpr.
 Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K = range(6)
 PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K}
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K)   # whose qs may be stored in fragment order
 
 ROW_PAD = 128    # largest BN any config uses
 COL_PAD = 256    # largest BK; also the K-quant super-block
@@ -52,6 +58,7 @@ class PackedPlanes:
     m: torch.Tensor | None = None
     sub: torch.Tensor | None = None
     qh: torch.Tensor | None = None
+    fragment: bool = False   # qs in fragment order: [rows_pad / 16, chunks * 512]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qs, self.d, self.m, self.sub, self.qh) if t is not None]
@@ -121,8 +128,40 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Te
     raise ValueError(fmt_id)
 
 
-def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device) -> PackedPlanes:
-    """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`."""
+def fragment_order(device=None) -> torch.Tensor:
+    """Where each byte of a fragment-order tile comes from: [512] int64 indexes into the row-major
+    16 x 32 tile (row * 32 + col), position 16 L + p being byte p of lane L.
+
+    Lane L = 4 g + c holds rows g and g + 8 and, per 4-byte word j, columns 8 j + 2 c and 8 j + 2 c + 1
+    (the mma.sync m16n8k16 A fragment). Word byte b: row g + 8 (b & 1), column 8 j + 2 c + (b >> 1), so
+    that masking a word with 0x00FF00FF-style patterns yields one row's (k, k + 1) pair in a register."""
+    lane = torch.arange(32, device=device)[:, None]
+    p = torch.arange(16, device=device)[None, :]
+    g, c, j, b = lane // 4, lane % 4, p // 4, p % 4
+    row = g + 8 * (b & 1)
+    col = 8 * j + 2 * c + (b >> 1)
+    return (row * 32 + col).reshape(512)
+
+
+def to_fragment_order(qs: torch.Tensor) -> torch.Tensor:
+    """Row-major qs [rows, chunks * 32] (rows % 16 == 0) -> [rows / 16, chunks * 512]."""
+    r, n = qs.shape[0] // 16, qs.shape[1] // 32
+    tiles = qs.reshape(r, 16, n, 32).permute(0, 2, 1, 3).reshape(r, n, 512)
+    return tiles[..., fragment_order(qs.device)].reshape(r, n * 512)
+
+
+def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_fragment_order."""
+    r, n = frag.shape[0], frag.shape[1] // 512
+    tiles = torch.empty(r, n, 512, dtype=frag.dtype, device=frag.device)
+    tiles[..., fragment_order(frag.device)] = frag.reshape(r, n, 512)
+    return tiles.reshape(r, n, 16, 32).permute(0, 2, 1, 3).reshape(r * 16, n * 32)
+
+
+def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
+                fragment: bool = False) -> PackedPlanes:
+    """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`.
+    fragment: qs in fragment order (only for FRAGMENT_FORMATS)."""
     fmt_id = PACKED_FORMATS[fmt.name]
     rows_pad, cols_pad = _round_up(rows, ROW_PAD), _round_up(cols, COL_PAD)
     padded_row_bytes = fmt.row_bytes(cols_pad)
@@ -133,20 +172,27 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
         if r0 < rows:  # zero bytes decode to 0 in every format (the f16 scales are +0.0)
             chunk[:min(rows, r1) - r0, :raw.shape[1]] = raw[r0:min(rows, r1)].to(device)
         for name, t in _pack_chunk(fmt_id, chunk, cols_pad).items():
+            if name == "qs" and fragment:
+                t = to_fragment_order(t)
+                if name not in planes:
+                    planes[name] = torch.empty(rows_pad // 16, t.shape[1], dtype=t.dtype, device=device)
+                planes[name][r0 // 16:r1 // 16] = t
+                continue
             if name not in planes:
                 planes[name] = torch.empty(rows_pad, t.shape[1], dtype=t.dtype, device=device)
             planes[name][r0:r1] = t
-    return PackedPlanes(fmt_id, rows, cols, rows_pad, cols_pad, **planes)
+    return PackedPlanes(fmt_id, rows, cols, rows_pad, cols_pad, **planes, fragment=fragment)
 
 
 def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     """Torch decode of the planes -> float32 [rows, cols]: checks the repack against formats.dequantize."""
     R, K = p.rows_pad, p.cols_pad
+    qs = from_fragment_order(p.qs) if p.fragment else p.qs
     if p.fmt_id == Q8_0:
-        q = p.qs.view(torch.int8).float().view(R, K // 32, 32)
+        q = qs.view(torch.int8).float().view(R, K // 32, 32)
         w = q * p.d.float()[..., None]
     else:
-        v = p.qs.view(R, K // 64, 1, 32)
+        v = qs.view(R, K // 64, 1, 32)
         nib = torch.cat([v & 15, v >> 4], dim=2).reshape(R, K).float()   # weight order
         if p.fmt_id == Q6_K:
             shifts = 2 * torch.arange(16, device=v.device, dtype=torch.int32)

@@ -1,0 +1,373 @@
+"""Narrow quantized GEMV (decode, 1-16 tokens) in Gluon, Triton's explicit-layout dialect.
+
+Why not plain Triton: there the compiler picks register layouts, so a weight tile travels
+global -> shared memory -> registers in the MMA operand layout (cp.async, LDS, byte shuffles), and the
+inner loop spent 6-8 instructions per weight (bench/NOTES-gemv.md): half the copy bandwidth at best.
+Gluon lets the kernel say where every byte lives:
+
+  - The weights are repacked once at load in "fragment order" (`quant_pack.fragment_order`): for each
+    16-row x 32-byte tile, lane L of a warp finds the 16 bytes it needs for its mma.sync A fragments at
+    offset 16 L. One 16-byte load per lane per tile, straight into registers; the reshape/permute below
+    only renames registers, which `convert_layout(..., assert_trivial=True)` checks at compile time.
+  - Dequantization is a few packed-f16 instructions per 4 bytes (inline PTX): nibbles or bytes are
+    OR-ed under the f16 magic exponent 1024 (ulp 1), a packed subtract removes the magic exactly, a
+    packed multiply (or fma with the min) applies the scale. The bytes of a 32-bit word are ordered so
+    that `w & 0x000F000F` is already the (k, k+1) pair of one row: no byte shuffles.
+  - Tokens are the MMA's N side (8 per tile): a batch of 1 and of 8 read the same bytes.
+  - The warps of a CTA own the same rows and split K (a batched 3-D mma: the batch axis is the warp);
+    their partial sums meet once, in a fixed order, through shared memory (gl.sum over the warp axis).
+    A CTA-level split-K on top reduces through a scratch buffer in split order, as in quant_matmul.py,
+    so row t's result never depends on n_tok or on timing.
+
+MMA operands are f16: x is converted once per call (bf16 has too few mantissa bits for the exact
+byte-to-float trick of q8_0). The torch reference is `quant_matmul.quant_matmul_ref`; the repack is
+checked on the CPU by `quant_pack.unpack_planes`. Gluon has no interpreter: these kernels run on CUDA only
+(tests/test_quant_gemv.py), and the CPU CI exercises the same formats through quant_matmul.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cobatch.kernels import quant_pack
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - triton without gluon: the Triton kernel serves every format
+    gluon = gl = mma_v2 = None
+
+FRAGMENT_FORMATS = quant_pack.FRAGMENT_FORMATS   # the others use quant_matmul's Triton kernel
+
+
+def _c(v):
+    return gl.constexpr(v) if gl is not None else v
+
+
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q4_K = (_c(v) for v in FRAGMENT_FORMATS)
+
+# --- dequantization, 4 bytes at a time (pack=4) -------------------------------------------------------
+# Input word bytes (quant_pack.fragment_order): b0 = (row g, k), b1 = (g+8, k), b2 = (g, k+1),
+# b3 = (g+8, k+1). Outputs per tensor: two f16x2 registers, (g, k..k+1) then (g+8, k..k+1).
+
+# 4-bit: low nibbles are one 32-block ("lo"), high nibbles the next ("hi"). The high nibble is used in
+# place (value 1024 + 16 q), so its scale comes in divided by 16 (exact).
+# $0,$1 lo out; $2,$3 hi out; $4 word; $5,$6 lo scale; $7,$8 hi scale/16; [$9,$10 lo min; $11,$12 hi min]
+_NIB_EXTRACT = """
+ .reg .b32 v, a0, a1, b0, b1, z0, z1;
+ shr.b32 v, $4, 8;
+ lop3.b32 a0, $4, 0x000F000F, 0x64006400, 0xEA;
+ lop3.b32 a1, v, 0x000F000F, 0x64006400, 0xEA;
+ lop3.b32 b0, $4, 0x00F000F0, 0x64006400, 0xEA;
+ lop3.b32 b1, v, 0x00F000F0, 0x64006400, 0xEA;
+"""
+ASM_NIB_ZP = _c("{" + _NIB_EXTRACT + """
+ mov.b32 z0, 0x64086408;
+ mov.b32 z1, 0x64806480;
+ sub.rn.f16x2 a0, a0, z0;
+ sub.rn.f16x2 a1, a1, z0;
+ sub.rn.f16x2 b0, b0, z1;
+ sub.rn.f16x2 b1, b1, z1;
+ mul.rn.f16x2 $0, a0, $5;
+ mul.rn.f16x2 $1, a1, $6;
+ mul.rn.f16x2 $2, b0, $7;
+ mul.rn.f16x2 $3, b1, $8;
+}""")
+ASM_NIB_AFFINE = _c("{" + _NIB_EXTRACT + """
+ mov.b32 z0, 0x64006400;
+ sub.rn.f16x2 a0, a0, z0;
+ sub.rn.f16x2 a1, a1, z0;
+ sub.rn.f16x2 b0, b0, z0;
+ sub.rn.f16x2 b1, b1, z0;
+ fma.rn.f16x2 $0, a0, $5, $9;
+ fma.rn.f16x2 $1, a1, $6, $10;
+ fma.rn.f16x2 $2, b0, $7, $11;
+ fma.rn.f16x2 $3, b1, $8, $12;
+}""")
+# q8_0: flip the sign bit (q + 128 as an unsigned byte), put each byte under the magic, subtract
+# 1024 + 128 exactly, scale. $0,$1 out; $2 word; $3,$4 scale.
+ASM_Q8 = _c("""{
+ .reg .b32 u, a0, a1, z;
+ xor.b32 u, $2, 0x80808080;
+ mov.b32 z, 0x64806480;
+ prmt.b32 a0, u, 0x64646464, 0x4240;
+ prmt.b32 a1, u, 0x64646464, 0x4341;
+ sub.rn.f16x2 a0, a0, z;
+ sub.rn.f16x2 a1, a1, z;
+ mul.rn.f16x2 $0, a0, $3;
+ mul.rn.f16x2 $1, a1, $4;
+}""")
+
+# q4_K side data of one row and chunk: $4 = bytes (sc_lo, mn_lo, sc_hi, mn_hi) (6-bit values), $5 = the
+# super-block's (d, dmin) f16 pair. Outputs: d*sc_lo, d*sc_hi/16, -dmin*mn_lo, -dmin*mn_hi (f16, one
+# rounding each: the byte goes under the magic and the subtract is exact).
+ASM_Q4K_SCALES = _c("""{
+ .reg .b32 sc, mn, dd, dm, z, k;
+ mov.b32 z, 0x64006400;
+ prmt.b32 sc, $4, 0x64646464, 0x4240;
+ prmt.b32 mn, $4, 0x64646464, 0x4341;
+ sub.rn.f16x2 sc, sc, z;
+ sub.rn.f16x2 mn, mn, z;
+ prmt.b32 dd, $5, $5, 0x1010;
+ prmt.b32 dm, $5, $5, 0x3232;
+ mov.b32 k, 0x2C003C00;
+ mul.rn.f16x2 dd, dd, k;
+ neg.f16x2 dm, dm;
+ mul.rn.f16x2 sc, sc, dd;
+ mul.rn.f16x2 mn, mn, dm;
+ mov.b32 {$0, $1}, sc;
+ mov.b32 {$2, $3}, mn;
+}""")
+# An L2 prefetch of a lane's 16 bytes some K steps ahead: it holds no register or scoreboard entry.
+ASM_PREFETCH = _c("prefetch.global.L2 [$1];\n mov.u32 $0, 0;")
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _layouts(W, RT, BT):
+        """(MMA acc, A operand, B operand, 16-byte load) layouts: [W, 16 RT, BT], [W, 16 RT, 32],
+        [W, 32, BT], [W, RT, 32, 16]. The batch axis is the warp."""
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+        a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        ld = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+        return mma, a, b, ld
+
+    @gluon.jit
+    def _tile_offsets(tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr):
+        """Byte offsets [W, RT, 32 lanes, 16] of each warp's chunk (chunk: [W]) in the fragment-order plane."""
+        w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LD)))
+        rt_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LD)))
+        lane_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LD)))
+        byte_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LD)))
+        ch = gl.convert_layout(chunk, w_ax)
+        rt = gl.arange(0, RT, layout=rt_ax)
+        lane = gl.arange(0, 32, layout=lane_ax)
+        byte = gl.arange(0, 16, layout=byte_ax)
+        return (ch.to(gl.int64) * 512)[:, None, None, None] \
+            + ((tile0 + rt).to(gl.int64) * tile_stride)[None, :, None, None] \
+            + (lane * 16)[None, None, :, None] + byte[None, None, None, :]
+
+    @gluon.jit
+    def _as_operand(q, W: gl.constexpr, RT: gl.constexpr, A: gl.constexpr):
+        """Loaded bytes [W, RT, lane, 16] -> the [W, 16 RT, 32] A operand. The lane index splits into
+        (g = lane // 4, c = lane % 4) and the byte index into (r3, r2, r1, r0); row = 16 rt + 8 r1 + g,
+        k = 16 r3 + 8 r2 + 2 c + r0: exactly the mma.sync A fragment, so no data moves."""
+        q = gl.reshape(q, [W, RT, 8, 4, 2, 2, 2, 2])                # w, rt, g, c, r3, r2, r1, r0
+        q = gl.permute(q, [0, 1, 6, 2, 4, 5, 3, 7])                 # w, rt, r1, g, r3, r2, c, r0
+        q = gl.reshape(q, [W, 16 * RT, 32])
+        return gl.convert_layout(q, A, assert_trivial=True)
+
+    @gluon.jit
+    def _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT: gl.constexpr, B: gl.constexpr,
+                EVEN_K: gl.constexpr):
+        """x[tok0 : tok0 + BT, k0 + 0..31] as the [W, 32, BT] B operand (k0: [W], one K offset per warp)."""
+        w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, B))
+        k_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, B))
+        t_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, B))
+        k = gl.convert_layout(k0, w_ax)[:, None, None] + gl.arange(0, 32, layout=k_ax)[None, :, None]
+        t = tok0 + gl.arange(0, BT, layout=t_ax)[None, None, :]
+        mask = t < n_tok
+        if not EVEN_K:
+            mask = mask & (k < n_cols)
+        return gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0)
+
+    @gluon.jit
+    def _row_side(ptr, rows, stride, col, SIDE: gl.constexpr):
+        """ptr[rows, col] for rows [16 RT] and col [W] -> [W, 16 RT, 1] (broadcasts along k)."""
+        c = gl.convert_layout(col, gl.SliceLayout(1, SIDE))
+        v = gl.load(ptr + rows.to(gl.int64)[None, :] * stride + c[:, None])
+        return v[:, :, None]
+
+    @gluon.jit
+    def _load_sides(d_ptr, m_ptr, sub_ptr, rows, chunk, side32, side256, FMT: gl.constexpr, SIDE: gl.constexpr):
+        """The scale data of each warp's chunk, raw: four [W, 16 RT, 1] tensors (unused ones repeat)."""
+        if FMT == F_Q8_0:
+            a = _row_side(d_ptr, rows, side32, chunk, SIDE)
+            b = a
+            c = a
+            e = a
+        elif FMT == F_Q4_K:   # (sc, mn) bytes of both blocks as one word; the super-block's (d, dmin)
+            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), rows, side32 // 2, chunk, SIDE)
+            b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), rows, side256, chunk // 4, SIDE)
+            c = a
+            e = b
+        else:                 # f16 scales (and q4_1 mins) of the two blocks
+            a = _row_side(d_ptr, rows, side32, 2 * chunk, SIDE)
+            b = _row_side(d_ptr, rows, side32, 2 * chunk + 1, SIDE)
+            if FMT == F_Q4_1:
+                c = _row_side(m_ptr, rows, side32, 2 * chunk, SIDE)
+                e = _row_side(m_ptr, rows, side32, 2 * chunk + 1, SIDE)
+            else:
+                c = a
+                e = b
+        return a, b, c, e
+
+    @gluon.jit
+    def _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, rows, chunk, side32, side256,
+                     FMT: gl.constexpr, BT: gl.constexpr, SIDE: gl.constexpr, B: gl.constexpr,
+                     EVEN_K: gl.constexpr):
+        """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
+        a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, rows, chunk, side32, side256, FMT, SIDE)
+        if FMT == F_Q8_0:
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, B, EVEN_K)
+            x1 = x0
+        else:
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, B, EVEN_K)
+            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, B, EVEN_K)
+        return a, b, c, e, x0, x1
+
+    @gluon.jit
+    def _prefetch_tile(qs_ptr, tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr):
+        """Prefetch into L2 the bytes a later step will load (one prefetch per lane and row tile)."""
+        P: gl.constexpr = gl.SliceLayout(3, LD)
+        ch = gl.convert_layout(chunk, gl.SliceLayout(1, gl.SliceLayout(2, P)))
+        rt = gl.arange(0, RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, P)))
+        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, P)))
+        off = (ch.to(gl.int64) * 512)[:, None, None] + ((tile0 + rt).to(gl.int64) * tile_stride)[None, :, None] \
+            + (lane * 16)[None, None, :]
+        gl.inline_asm_elementwise(ASM_PREFETCH, "=r,l", [qs_ptr + off], gl.int32, False, 1)
+
+    @gluon.jit
+    def _dequant(q, a, b, c, e, FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, A: gl.constexpr):
+        """Loaded bytes and scale data -> f16 A operands: the (lo, hi) 32-weight blocks of a 4-bit chunk;
+        (w, w) for q8_0 (one block per chunk)."""
+        q = _as_operand(q, W, RT, A)
+        if FMT == F_Q8_0:
+            w = gl.inline_asm_elementwise(ASM_Q8, "=r,=r,r,r,r", [q, a], gl.float16, True, 4)
+            lo = w
+            hi = w
+        elif FMT == F_Q4_0:
+            lo, hi = gl.inline_asm_elementwise(ASM_NIB_ZP, "=r,=r,=r,=r,r,r,r,r,r", [q, a, b * 0.0625],
+                                               (gl.float16, gl.float16), True, 4)
+        elif FMT == F_Q4_1:
+            lo, hi = gl.inline_asm_elementwise(ASM_NIB_AFFINE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                               [q, a, b * 0.0625, c, e], (gl.float16, gl.float16), True, 4)
+        else:  # Q4_K: 6-bit (scale, min) per 32-block times the super-block's (d, dmin), in packed f16
+            d0, d1, m0, m1 = gl.inline_asm_elementwise(ASM_Q4K_SCALES, "=h,=h,=h,=h,r,r", [a, b],
+                                                       (gl.float16, gl.float16, gl.float16, gl.float16),
+                                                       True, 1)
+            lo, hi = gl.inline_asm_elementwise(ASM_NIB_AFFINE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                               [q, d0, d1, m0, m1], (gl.float16, gl.float16), True, 4)
+        return lo, hi
+
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
+    def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr,
+                     n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
+                     FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
+                     SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
+                     D: gl.constexpr):
+        MMA: gl.constexpr = _layouts(W, RT, BT)[0]
+        A: gl.constexpr = _layouts(W, RT, BT)[1]
+        B: gl.constexpr = _layouts(W, RT, BT)[2]
+        LD: gl.constexpr = _layouts(W, RT, BT)[3]
+        SIDE: gl.constexpr = gl.SliceLayout(2, A)
+        WPC: gl.constexpr = 32 if FMT == F_Q8_0 else 64      # weights per chunk (and per K step of a warp)
+        n_chunks = gl.multiple_of(n_chunks, 4)
+        side32 = n_chunks * WPC // 32
+        side256 = n_chunks * WPC // 256
+        tile_stride = n_chunks * 512                        # bytes per 16-row tile across all of K
+        pid_t = gl.program_id(0)                             # token tile (fastest: weight reuse in L2)
+        pid_n = gl.program_id(1) // SPLIT_K
+        pid_k = gl.program_id(1) % SPLIT_K
+        tile0 = pid_n * RT
+        rows = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(0, SIDE))
+        warp = gl.arange(0, W, layout=gl.SliceLayout(1, SIDE))
+        tok0 = pid_t * BT
+        acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
+        first = pid_k * steps_per_split
+        last = first + steps_per_split - 1
+        # U K steps per iteration, all their loads issued before their math; with D > 0 the quant bytes
+        # of step s + D are prefetched into L2 meanwhile. The warps of a CTA read adjacent chunks.
+        # (Tried on the H200: a cp.async shared-memory ring of 2-6 stages was slower, and Triton put a CTA
+        # barrier in every step of it; a one-step register pipeline compiled to ~1 PRMT per byte, as
+        # loop-carried bytes are unpacked, and was not run.)
+        for s in range(first, last + 1, U):
+            if D > 0:
+                for u in gl.static_range(U):
+                    _prefetch_tile(qs_ptr, tile0, gl.minimum(s + u + D, last) * W + warp, tile_stride, RT, LD)
+            for u in gl.static_range(U):
+                chunk = (s + u) * W + warp
+                q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
+                a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols,
+                                                  rows, chunk, side32, side256, FMT, BT, SIDE, B, EVEN_K)
+                lo, hi = _dequant(q, a, b, c, e, FMT, W, RT, A)
+                acc = mma_v2(lo, x0, acc)
+                if FMT != F_Q8_0:
+                    acc = mma_v2(hi, x1, acc)
+        total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
+        OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+        r = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
+        t = tok0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))[None, :]
+        out_ptrs = out_ptr + t * out_stride + r
+        out_mask = (t < n_tok) & (r < n_rows)
+        if SPLIT_K == 1:
+            gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Deterministic split-K (see quant_matmul.py): partial tiles, the last CTA sums them in order.
+            tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
+            offs = (r - pid_n * (16 * RT)) * BT + (t - tok0)
+            base = partial_ptr + tile.to(gl.int64) * (SPLIT_K * 16 * RT * BT)
+            gl.store(base + pid_k * (16 * RT * BT) + offs, total)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                acc2 = gl.zeros([16 * RT, BT], gl.float32, OUT)
+                for k in range(SPLIT_K):
+                    acc2 += gl.load(base + k * (16 * RT * BT) + offs, cache_modifier=".cg")
+                gl.store(out_ptrs, acc2.to(out_ptr.dtype.element_ty), mask=out_mask)
+                gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """W warps per CTA (they split K), RT 16-row tiles per warp, split_k CTAs per row block, U K steps
+    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off)."""
+    W: int = 4
+    RT: int = 4
+    split_k: int = 1
+    U: int = 1
+    D: int = 0
+
+    def rows_per_cta(self) -> int:
+        return 16 * self.RT
+
+
+def token_tile(n_tok: int) -> int:
+    return 8 if n_tok <= 8 else 16
+
+
+def steps(p: "quant_pack.PackedPlanes", cfg: GemvConfig) -> int:
+    n_chunks = p.qs.shape[1] // 512
+    assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (n_chunks, cfg)
+    return n_chunks // (cfg.W * cfg.split_k)
+
+
+def scratch_need(cfg: GemvConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
+    """(partial elements, tile counters) the split-K reduction needs for up to max_tok tokens."""
+    if cfg.split_k == 1:
+        return 1, 1
+    bt = token_tile(max_tok)
+    tiles = (rows_pad // cfg.rows_per_cta()) * -(-max_tok // bt)
+    return tiles * cfg.split_k * cfg.rows_per_cta() * bt, tiles
+
+
+def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
+           partial: torch.Tensor, count: torch.Tensor) -> None:
+    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 [n_tok, cols] (row stride free)."""
+    assert p.fragment and x.dtype == torch.float16 and x.stride(-1) == 1
+    n_tok = x.shape[0]
+    bt = token_tile(n_tok)
+    n_chunks = p.qs.shape[1] // 512
+    grid = (-(-n_tok // bt), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
+    dummy = p.qs
+    _gemv_kernel[grid](
+        x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
+        p.sub if p.sub is not None else dummy,
+        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
+        FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
+        U=cfg.U, D=cfg.D, num_warps=cfg.W)

@@ -1,0 +1,181 @@
+"""The Gluon narrow GEMV (quant_gemv.py) and its fragment-order repack.
+
+The repack runs on the CPU (CI): it must be a byte permutation that decodes to the GGUF values and
+that puts, for every lane, the bytes of its mma.sync m16n8k16 A fragment where the kernel's dequant
+expects them (checked against the fragment table of the PTX ISA, written out independently below).
+The kernel itself needs CUDA (Gluon has no interpreter): checked against the float64 reference on
+odd shapes, every config knob, batch invariance, and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.kernels import quant_gemv
+from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.quant_gemv import GemvConfig
+from cobatch.kernels.quant_matmul import PackedWeight
+from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes, to_fragment_order,
+                                        unpack_planes)
+from cobatch.quant.formats import dequantize, format_of, random_quantized
+from cobatch.quant.weight import QuantWeight
+
+from conftest import requires_cuda
+
+FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k"]
+
+
+def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
+    fmt = format_of(fmt_name)
+    parts = [random_quantized(fmt.ggml_type, min(1024, rows - r0), cols, torch.Generator().manual_seed(seed + r0))
+             for r0 in range(0, rows, 1024)]
+    return QuantWeight(fmt, rows, cols, torch.cat(parts).to(device))
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# --- repack (CPU) -----------------------------------------------------------------------------------------
+
+def test_fragment_order_is_a_permutation_and_inverts():
+    assert sorted(fragment_order().tolist()) == list(range(512))
+    qs = torch.randint(0, 256, (48, 7 * 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    frag = to_fragment_order(qs)
+    assert frag.shape == (3, 7 * 512)
+    assert torch.equal(from_fragment_order(frag), qs)
+
+
+def test_fragment_order_matches_the_ptx_a_fragment():
+    """PTX ISA, mma.m16n8k16 .f16 A fragment: lane = 4 g + c holds a0..a7 at
+    row = g + 8 * ((i // 2) % 2), col = 2 c + (i % 2) + 8 * (i // 4); registers pair (a0, a1), (a2, a3), ...
+    For a 16 x 32 tile, the second k16 half adds 16 to col (a8..a15). The kernel reads 32-bit word j of a
+    lane and takes bytes (0, 2) as register pair 2 j's elements and bytes (1, 3) as the next register's."""
+    order = fragment_order().view(32, 4, 4)                  # lane, word, byte -> row * 32 + col
+    for lane in range(32):
+        g, c = divmod(lane, 4)
+        for word in range(4):
+            half, reg_pair = divmod(word, 2)                  # word j: k16 half j // 2, registers a[4(j%2)..]
+            for first_byte, reg in ((0, 2 * reg_pair), (1, 2 * reg_pair + 1)):
+                for elem, byte in enumerate((first_byte, first_byte + 2)):
+                    i = 2 * reg + elem                        # a_i within the k16 half
+                    row = g + 8 * ((i // 2) % 2)
+                    col = 16 * half + 2 * c + (i % 2) + 8 * (i // 4)
+                    assert order[lane, word, byte].item() == row * 32 + col, (lane, word, byte)
+
+
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
+    rows, cols = 40, 512
+    w = make_weight(fmt_name, rows, cols, seed=1)
+    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"), fragment=True)
+    assert planes.fragment and planes.qs.shape[0] == planes.rows_pad // 16
+    row_major = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"))
+    assert planes.nbytes == row_major.nbytes
+    torch.testing.assert_close(unpack_planes(planes), dequantize(w.raw, w.fmt.ggml_type, cols), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_dequantize_kernel_reads_fragment_order(fmt_name):
+    """The prefill path's dequantize kernel (Triton, interpreted here) gathers fragment-order bytes."""
+    rows, cols = 40, 768 if fmt_name != "q4_k" else 512
+    w = make_weight(fmt_name, rows, cols, seed=2)
+    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"), fragment=True)
+    dense = torch.full((rows, cols), float("nan"), dtype=torch.float32)
+    qm.dequantize_planes(planes, dense)
+    torch.testing.assert_close(dense, dequantize(w.raw, w.fmt.ggml_type, cols), rtol=1e-6, atol=1e-7)
+
+
+def test_default_config_divides_k_and_fills_the_gpu():
+    for rows_pad, n_chunks in [(4096, 64), (4096, 128), (6144, 64), (28672, 64), (4096, 224), (128256, 128),
+                               (1024, 16), (896, 20), (4864, 16)]:
+        cfg = qm.default_gemv_config(rows_pad, n_chunks)
+        assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (rows_pad, n_chunks, cfg)
+        if rows_pad >= 4096 and n_chunks >= 64:
+            assert (rows_pad // cfg.rows_per_cta()) * cfg.split_k >= 2 * 132, (rows_pad, n_chunks, cfg)
+
+
+# --- the kernel (CUDA) ------------------------------------------------------------------------------------
+
+def run_poisoned(pw: PackedWeight, x: torch.Tensor, config=None) -> torch.Tensor:
+    out = torch.full((x.shape[0], pw.rows), float("nan"), dtype=x.dtype, device=x.device)
+    y = pw.matmul(x, config=config, out=out)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    return y
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_gemv_matches_reference_on_odd_shapes(fmt_name):
+    """Rows not a multiple of any tile, K not a multiple of 256 (masked x), several configs."""
+    for rows, cols in [(200, 768), (72, 320 if fmt_name != "q4_k" else 1280), (1000, 1024)]:
+        w = make_weight(fmt_name, rows, cols, seed=3, device="cuda")
+        pw = PackedWeight.from_quant(w, "cuda")
+        assert pw.planes.fragment, "the Gluon path was not selected"
+        ref_w = w.dequantize(torch.float32).double()
+        gen = torch.Generator(device="cuda").manual_seed(4)
+        n_chunks = pw.planes.qs.shape[1] // 512
+        configs = [None] + [GemvConfig(W=wp, RT=rt, split_k=s, U=u, D=d) for wp, rt, s, u, d in
+                            [(4, 1, 1, 1, 0), (2, 2, 2, 1, 1), (1, 4, 1, 2, 2), (4, 2, 2, 2, 0), (2, 1, 4, 1, 3),
+                             (4, 4, 1, 1, 9)]
+                            if n_chunks % (wp * s * u) == 0]     # prefetches past the last step are clamped
+        for cfg in configs:
+            for n_tok in (1, 3, 8, 9, 16):
+                for dtype in (torch.float16, torch.bfloat16):
+                    x = torch.randn(n_tok, cols, device="cuda", generator=gen).to(dtype)
+                    y = run_poisoned(pw, x, config=cfg)
+                    assert rel_err(y, x.double() @ ref_w.T) < 5e-3, (rows, cols, cfg, n_tok, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name):
+    w = make_weight(fmt_name, 4096, 4096, seed=5, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    assert pw.plan.narrow.split_k > 1            # the cross-CTA reduction is part of the check
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    alone = torch.cat([run_poisoned(pw, x[t:t + 1]) for t in range(16)])
+    for n_tok in range(2, 17):
+        assert torch.equal(run_poisoned(pw, x[:n_tok]), alone[:n_tok]), n_tok
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_gemv_dequantize_kernel(fmt_name):
+    rows, cols = 300, 768
+    w = make_weight(fmt_name, rows, cols, seed=7, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    for dtype in (torch.float16, torch.bfloat16):
+        dense = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")
+        qm.dequantize_planes(pw.planes, dense)
+        assert rel_err(dense, w.dequantize(torch.float32)) < 2e-3, dtype
+
+
+@requires_cuda
+def test_gemv_cuda_graph_replay():
+    w = make_weight("q8_0", 4096, 4096, seed=8, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    assert isinstance(pw.plan.narrow, GemvConfig) and pw.plan.narrow.split_k > 1
+    x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
+    out = torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16)
+    pw.matmul(x, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pw.matmul(x, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, pw.matmul(x.clone()))
+
+
+@requires_cuda
+def test_gluon_is_used_for_the_fragment_formats_only():
+    for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_0", "q6_k"]:
+        pw = PackedWeight.from_quant(make_weight(fmt_name, 128, 256, seed=9, device="cuda"), "cuda")
+        assert pw.planes.fragment == (fmt_name in FRAGMENT)
+        assert isinstance(pw.plan.narrow, GemvConfig) == (fmt_name in FRAGMENT)
+    assert quant_gemv.gluon is not None
