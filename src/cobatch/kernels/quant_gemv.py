@@ -19,8 +19,8 @@ Gluon lets the kernel say where every byte lives:
     A CTA-level split-K on top reduces through a scratch buffer in split order, as in quant_matmul.py,
     so row t's result never depends on n_tok or on timing.
 
-MMA operands are f16: x is converted once per call (bf16 has too few mantissa bits for the exact
-byte-to-float trick of q8_0). The torch reference is `quant_matmul.quant_matmul_ref`; the repack is
+MMA operands are f16 (bf16 has too few mantissa bits for the exact byte-to-float trick of q8_0): bf16 x
+is converted as it is loaded. The torch reference is `quant_matmul.quant_matmul_ref`; the repack is
 checked on the CPU by `quant_pack.unpack_planes`. Gluon has no interpreter: these kernels run on CUDA only
 (tests/test_quant_gemv.py), and the CPU CI exercises the same formats through quant_matmul.py.
 """
@@ -174,7 +174,9 @@ if gluon is not None:
         mask = t < n_tok
         if not EVEN_K:
             mask = mask & (k < n_cols)
-        return gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0)
+        # bf16 x is converted here (a few instructions per step, shared by the RT row tiles) rather than by
+        # a separate launch per call
+        return gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)
 
     @gluon.jit
     def _row_side(ptr, rows, stride, col, SIDE: gl.constexpr):
@@ -358,8 +360,8 @@ def scratch_need(cfg: GemvConfig, rows_pad: int, max_tok: int) -> tuple[int, int
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
            partial: torch.Tensor, count: torch.Tensor) -> None:
-    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 [n_tok, cols] (row stride free)."""
-    assert p.fragment and x.dtype == torch.float16 and x.stride(-1) == 1
+    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free)."""
+    assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
     bt = token_tile(n_tok)
     n_chunks = p.qs.shape[1] // 512

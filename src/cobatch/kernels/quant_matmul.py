@@ -569,7 +569,7 @@ class PackedWeight:
             w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
         elif isinstance(config, GemvConfig):
-            x16 = x2 if x2.dtype == torch.float16 else x2.to(torch.float16)
+            x16 = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
             partial, count = out, out
             if config.split_k > 1:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
