@@ -70,10 +70,16 @@ def kv_bytes_per_token(llm: LLM) -> int:
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * llm.engine.pool.k[0].element_size()
 
 
-def place_sessions(llm: LLM, batch: int, context: int) -> list[Sequence]:
+def randomize_kv(llm: LLM) -> None:
+    """Random KV: real bytes to read, never zeros (the values don't change the time)."""
+    for t in llm.engine.pool.k + llm.engine.pool.v:
+        t.normal_()
+
+
+def place_sessions(llm: LLM, batch: int, context: int, params: SamplingParams | None = None) -> list[Sequence]:
     """B running sessions, each with `context` tokens already in (random) KV, ready to decode."""
     eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     seqs = []
     for i in range(batch):
@@ -90,17 +96,23 @@ def place_sessions(llm: LLM, batch: int, context: int) -> list[Sequence]:
     return seqs
 
 
-def time_steps(llm: LLM, steps: int = 12, warmup: int = 3) -> float:
+def step_times(llm: LLM, steps: int = 12, warmup: int = 3) -> list[float]:
+    """Wall time of each of `steps` engine steps over the sessions in place (after `warmup` untimed ones)."""
     eng = llm.engine
     for _ in range(warmup):
         eng.step()
-    torch.cuda.synchronize()
+    if eng.runner.device.type == "cuda":
+        torch.cuda.synchronize()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         eng.step()              # ends with the step's one host sync (sampled ids)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def time_steps(llm: LLM, steps: int = 12, warmup: int = 3) -> float:
+    return statistics.median(step_times(llm, steps, warmup))
 
 
 def graph_replay_ms(llm: LLM, batch: int) -> float:
@@ -157,9 +169,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
     load_s = time.perf_counter() - t0
     wbytes = weight_bytes(llm)
     kvtok = kv_bytes_per_token(llm)
-    # Random KV: real bytes to read, never zeros.
-    for t in llm.engine.pool.k + llm.engine.pool.v:
-        t.normal_()
+    randomize_kv(llm)
     rows, breakdowns = [], {}
     for context in CONTEXTS:
         base = None
