@@ -7,6 +7,7 @@ runs it in its own thread and talks to it through queues).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cobatch.engine.kv_cache import BlockManager, KVPool
@@ -84,7 +85,9 @@ class Engine:
         return self.scheduler.stats
 
     # --- the step -------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[StepOutput]:
+        """One forward pass. `on_launched` (see ModelRunner.execute) runs while the device computes; steps
+        that sample nothing do not call it."""
         outputs = [self._output(seq, None) for seq in self._aborted]
         for seq in self._aborted:
             self.seqs.pop(seq.request_id, None)
@@ -92,7 +95,7 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan.items:
             return outputs
-        result = self.runner.execute(plan)
+        result = self.runner.execute(plan, on_launched)
         finished = 0
         for (seq, n), token, logprob, top in zip(plan.items, result.tokens, result.logprobs, result.top):
             self._advance_cache(seq, n)

@@ -5,6 +5,7 @@ One host sync per step: the sampled token ids (and logprobs, if asked) come back
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,9 @@ class ModelRunner:
                 and all(n == 1 and seq.pending == 1 for seq, n in plan.items))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
+        """Run one step. `on_launched` is called once the step's device work is queued, just before the host
+        waits for it: the caller's host work done there overlaps the GPU instead of delaying the launch."""
         samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids)]
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
@@ -96,6 +99,8 @@ class ModelRunner:
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
         rows = [self._sample_row(seq) for seq, _ in samplers]
         out = self.sampler(logits, rows)
+        if on_launched is not None:
+            on_launched()
         return self._to_host(plan, out, rows)
 
     @staticmethod

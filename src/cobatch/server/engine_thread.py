@@ -2,7 +2,9 @@
 
 The HTTP side (an asyncio loop) talks to it through an inbox of commands (add, abort, call) and gets
 each request's outputs on that request's asyncio queue, handed over once per engine step with
-`loop.call_soon_threadsafe`.
+`loop.call_soon_threadsafe`. A step's outputs are handed over while the next step runs on the device
+(Engine.step's on_launched), not before it is launched: the two threads share the GIL, and the HTTP side
+waking up to format N streams' tokens would otherwise hold up the next step's host work while the GPU idles.
 
 Slots: `num_slots` requests (= the engine's max_num_seqs, `--parallel`) are in the engine at once;
 more wait in a FIFO queue here, up to `max_queue`; beyond that submit() refuses (the HTTP layer answers
@@ -107,6 +109,7 @@ class EngineWorker:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._pending: list[tuple[RequestHandle, StepOutput]] = []   # the last step's outputs, not yet sent
 
     # --- HTTP side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -161,11 +164,15 @@ class EngineWorker:
     def _run(self) -> None:
         while True:
             can_admit = bool(self._queued) and any(s.request is None for s in self.slots)
-            self._take_commands(block=not (self.engine.has_work() or can_admit))
+            idle = not (self.engine.has_work() or can_admit)
+            if idle:
+                self._flush()                 # no next step to overlap with
+            self._take_commands(block=idle)
             if self._stopping:
                 self._abort_all()
                 while self.engine.has_work():
                     self._step()
+                self._flush()
                 return
             self._admit()
             if self.engine.has_work():
@@ -238,7 +245,7 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(on_launched=self._flush)
         except Exception:                     # noqa: BLE001 - fail the requests, keep serving
             log.error("engine step failed; failing %d requests\n%s", len(self._active), traceback.format_exc())
             failed = list(self._active.values())
@@ -248,6 +255,7 @@ class EngineWorker:
             self._send([(h, EngineFailure("internal error in the engine step")) for h in failed])
             return
         self.steps += 1
+        self._flush()                         # in case this step launched nothing
         deliveries = []
         for out in outputs:
             handle = self._active.get(out.request_id)
@@ -260,8 +268,7 @@ class EngineWorker:
             if out.finished:
                 self._release(handle)
             deliveries.append((handle, out))
-        if deliveries:
-            self._send(deliveries)
+        self._pending = deliveries
 
     def _release(self, handle: RequestHandle) -> None:
         """The request leaves the system: free its slot and its place in the admission count."""
@@ -274,8 +281,17 @@ class EngineWorker:
         with self._lock:
             self._in_system -= 1
 
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._hand_over(pending)
+
+    def _send(self, deliveries: list[tuple[RequestHandle, StepOutput | EngineFailure]]) -> None:
+        self._flush()                         # a request's outputs arrive in order
+        self._hand_over(deliveries)
+
     @staticmethod
-    def _send(deliveries: list[tuple[RequestHandle, StepOutput | EngineFailure]]) -> None:
+    def _hand_over(deliveries: list[tuple[RequestHandle, StepOutput | EngineFailure]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for handle, item in deliveries:
             by_loop.setdefault(handle.loop, []).append((handle, item))
