@@ -78,13 +78,21 @@ def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
 
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
 def test_dequantize_kernel_reads_fragment_order(fmt_name):
-    """The prefill path's dequantize kernel (Triton, interpreted here) gathers fragment-order bytes."""
+    """The prefill path's dequantize kernel (Triton: interpreted on the CPU, compiled on a GPU) gathers
+    fragment-order bytes. K not a multiple of 256 where the format allows it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rows, cols = 40, 768 if fmt_name != "q4_k" else 512
     w = make_weight(fmt_name, rows, cols, seed=2)
-    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"), fragment=True)
-    dense = torch.full((rows, cols), float("nan"), dtype=torch.float32)
-    qm.dequantize_planes(planes, dense)
-    torch.testing.assert_close(dense, dequantize(w.raw, w.fmt.ggml_type, cols), rtol=1e-6, atol=1e-7)
+    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device(device), fragment=True)
+    ref = dequantize(w.raw, w.fmt.ggml_type, cols)
+    if device == "cpu":       # the interpreter computes in f32
+        dense = torch.full((rows, cols), float("nan"), dtype=torch.float32)
+        qm.dequantize_planes(planes, dense)
+        torch.testing.assert_close(dense, ref, rtol=1e-6, atol=1e-7)
+    else:                     # the compiled kernel's packed-f16 dequant rounds once or twice
+        dense = torch.full((rows, cols), float("nan"), dtype=torch.float16, device=device)
+        qm.dequantize_planes(planes, dense)
+        assert rel_err(dense.cpu(), ref) < 2e-3
 
 
 def test_default_config_divides_k_and_fills_the_gpu():
@@ -146,10 +154,10 @@ def test_gemv_dequantize_kernel(fmt_name):
     rows, cols = 300, 768
     w = make_weight(fmt_name, rows, cols, seed=7, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    for dtype in (torch.float16, torch.bfloat16):
-        dense = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")
+    for dtype, bound in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):   # bf16: 8-bit mantissa, scale and
+        dense = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")  # product each rounded
         qm.dequantize_planes(pw.planes, dense)
-        assert rel_err(dense, w.dequantize(torch.float32)) < 2e-3, dtype
+        assert rel_err(dense, w.dequantize(torch.float32)) < bound, dtype
 
 
 @requires_cuda
