@@ -185,6 +185,21 @@ def test_penalty_changes_the_greedy_choice():
     assert Sampler()(logits, [row]).token_ids.tolist() == [0]      # penalized: [1.0, -2, 0.5, -2, 0.75, 0]
 
 
+def test_logit_bias_steers_greedy_and_sampled_rows_and_only_its_own_row():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.9], [2.0, -1.0, 0.5, 1.9]])
+    banned = make_row(SamplingParams(temperature=0.0, logit_bias=((0, -100.0),)))
+    plain = make_row(SamplingParams(temperature=0.0))
+    assert Sampler()(logits, [banned, plain]).token_ids.tolist() == [3, 0]   # 2.0 - 100 < 1.9
+    # A sampled row: the bias shifts the distribution exactly as adding it to the logits by hand does.
+    params = SamplingParams(temperature=1.0, logit_bias=((1, 3.0), (3, -1.5)))
+    shifted = [2.0, -1.0 + 3.0, 0.5, 1.9 - 1.5]
+    assert_matches_distribution(draw_many([2.0, -1.0, 0.5, 1.9], params), reference_probs(shifted, 1.0))
+    # Logprobs stay those of the raw logits (what the model said), like the penalties.
+    out = Sampler()(logits[:1], [make_row(SamplingParams(temperature=0.0, logprobs=0, logit_bias=((1, 50.0),)))])
+    assert out.token_ids.tolist() == [1]
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits[0], -1)[1:2])
+
+
 # --- filters and temperature ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
@@ -368,6 +383,8 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
     ("max_tokens", 0), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
     ("logprobs", -1), ("logprobs", MAX_TOP_LOGPROBS + 1),
+    ("logit_bias", ((1, 100.5),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1, math.nan),)),
+    ("logit_bias", ((1.5, 1.0),)), ("logit_bias", tuple((i, 1.0) for i in range(1025))),
 ])
 def test_validate_rejects_out_of_range_values(field, value):
     params = SamplingParams(**{field: value})
@@ -381,6 +398,9 @@ def test_validate_checks_ids_against_the_vocabulary():
         SamplingParams(stop_token_ids=(10,)).validate(vocab_size=10)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=5).validate(vocab_size=4)
+    SamplingParams(logit_bias=((9, -100.0), (0, 100.0))).validate(vocab_size=10)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((10, 1.0),)).validate(vocab_size=10)
 
 
 def test_validate_accepts_the_edges():

@@ -99,6 +99,25 @@ def test_completion_plain_and_streamed(oai):
     assert echoed.choices[0].text == prompt + choice.text
 
 
+def test_logit_bias_forces_and_bans_tokens(oai):
+    """OpenAI logit_bias: +100 makes a token the greedy choice, -100 bans it; keys are token-id strings."""
+    prompt = "The capital of France is"
+    tokenizer = load_llm("smollm2").tokenizer
+    london = tokenizer.encode(" London", add_special=False)[0]
+    forced = oai.completions.create(model="any", prompt=prompt, max_tokens=1, logit_bias={str(london): 100},
+                                    **GREEDY)
+    assert forced.choices[0].text == tokenizer.decode([london])
+    plain = oai.completions.create(model="any", prompt=prompt, max_tokens=1, **GREEDY).choices[0].text
+    paris = tokenizer.encode(plain, add_special=False)[0]
+    banned = oai.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt}],
+                                         max_completion_tokens=4, **GREEDY)
+    first = tokenizer.encode(banned.choices[0].message.content, add_special=False)[0]
+    again = oai.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt}],
+                                        max_completion_tokens=4, logit_bias={str(first): -100}, **GREEDY)
+    assert tokenizer.encode(again.choices[0].message.content, add_special=False)[0] != first
+    assert paris != london
+
+
 def test_anthropic_messages_plain_streamed_and_count_tokens(claude):
     kwargs = dict(model="any", max_tokens=20, system="You are a concise assistant.", messages=QUESTION,
                   extra_body=GREEDY)
@@ -279,6 +298,10 @@ ERROR_CASES = [
     ("top_logprobs without logprobs", "POST", CHAT, {**OK_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("too many top_logprobs", "POST", CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     ("penalty out of range", "POST", CHAT, {**OK_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("logit_bias key not a token id", "POST", CHAT, {**OK_CHAT, "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("logit_bias token out of vocab", "POST", CHAT, {**OK_CHAT, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
+    ("logit_bias value out of range", "POST", "/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, 400,
+     "logit_bias"),
     ("image content", "POST", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content.0"),
     ("bad tool arguments", "POST", CHAT, {"messages": [QUESTION[0], {"role": "assistant", "tool_calls": [

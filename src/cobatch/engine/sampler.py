@@ -27,6 +27,7 @@ import torch
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
+MAX_LOGIT_BIAS = 1024            # entries per request (bounds the host work of building the bias)
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -51,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; n>=0: the chosen token's logprob plus the top-n
+    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, bias in [-100, 100]) added to logits
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -75,6 +77,13 @@ class SamplingParams:
         if self.logprobs is not None:
             limit = MAX_TOP_LOGPROBS if vocab_size is None else min(MAX_TOP_LOGPROBS, vocab_size)
             _check_int("logprobs", self.logprobs, f"None or in [0, {limit}]", lambda v: 0 <= v <= limit)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
+        for token, bias in self.logit_bias:
+            ids = "token ids" if vocab_size is None else f"token ids in [0, {vocab_size})"
+            _check_int("logit_bias", token, f"keyed by {ids}",
+                       lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
+            _check_real("logit_bias", bias, "values in [-100, 100]", lambda v: -100 <= v <= 100)
 
     def resolved_seed(self) -> int:
         """The seed, or a fresh random 63-bit one; call once per request and keep it."""
@@ -179,6 +188,16 @@ def needs_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits (float32 [B, V], a new tensor); rows without one unchanged."""
+    entries = [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias]
+    if not entries:
+        return logits
+    index = _to_device([[i, token] for i, token, _ in entries], torch.int64, logits.device)
+    values = _to_device([bias for _, _, bias in entries], torch.float32, logits.device)
+    return logits.float().index_put((index[:, 0], index[:, 1]), values, accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Repetition (prompt+output), then frequency and presence (output) penalties; float32 [B, V].
 
@@ -260,6 +279,7 @@ class Sampler:
         raw = logits.float()
         device = raw.device
         penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
+        penalized = apply_logit_bias(penalized, rows)
         # NaN never wins (argmax would pick it); +inf stays and wins.
         penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         token_ids = penalized.argmax(dim=-1)

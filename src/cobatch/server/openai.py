@@ -125,17 +125,25 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias} -> sorted (id, bias) pairs; ranges are checked by SamplingParams."""
+    if not raw:
+        return None
+    try:
+        return tuple(sorted((int(key), bias) for key, bias in raw.items()))
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+
+
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
               logprobs: int | None):
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size,
         temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
         top_k=0 if body.top_k in (None, -1) else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
+        logit_bias=_logit_bias(body.logit_bias), max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
 
 
 def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
