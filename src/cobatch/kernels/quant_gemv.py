@@ -1,4 +1,4 @@
-"""Narrow quantized GEMV (decode, 1-16 tokens) in Gluon, Triton's explicit-layout dialect.
+"""Narrow quantized GEMV (decode: up to the crossover, 8- or 16-token tiles) in Gluon, Triton's explicit-layout dialect.
 
 Why not plain Triton: there the compiler picks register layouts, so a weight tile travels
 global -> shared memory -> registers in the MMA operand layout (cp.async, LDS, byte shuffles), and the
@@ -13,7 +13,7 @@ Gluon lets the kernel say where every byte lives:
     OR-ed under the f16 magic exponent 1024 (ulp 1), a packed subtract removes the magic exactly, a
     packed multiply (or fma with the min) applies the scale. The bytes of a 32-bit word are ordered so
     that `w & 0x000F000F` is already the (k, k+1) pair of one row: no byte shuffles.
-  - Tokens are the MMA's N side (8 per tile): a batch of 1 and of 8 read the same bytes.
+  - Tokens are the MMA's N side (8 per tile; 16 above 8 tokens): a batch of 1 and of 8 read the same bytes.
   - The warps of a CTA own the same rows and split K (a batched 3-D mma: the batch axis is the warp);
     their partial sums meet once, in a fixed order, through shared memory (gl.sum over the warp axis).
     A CTA-level split-K on top reduces through a scratch buffer in split order, as in quant_matmul.py,
