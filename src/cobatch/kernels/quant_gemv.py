@@ -1,4 +1,4 @@
-"""Narrow quantized GEMV (decode: up to the crossover, 8- or 16-token tiles) in Gluon, Triton's explicit-layout dialect.
+"""Narrow quantized GEMV (decode; 8- or 16-token tiles) in Gluon, Triton's explicit-layout dialect.
 
 Why not plain Triton: there the compiler picks register layouts, so a weight tile travels
 global -> shared memory -> registers in the MMA operand layout (cp.async, LDS, byte shuffles), and the
