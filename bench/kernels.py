@@ -133,17 +133,14 @@ def rotating(pw: PackedWeight) -> list[PackedWeight]:
 
 
 def time_packed(copies: list[PackedWeight], n_tok: int, cfg, x_dtype=None) -> float:
-    """x_dtype: the activations' dtype; by default what the kernel reads (f16 for the Gluon GEMV, whose
-    caller converts bf16 once per call; bf16 otherwise)."""
-    cols = copies[0].cols
+    """x_dtype: the activations' dtype; by default what the kernel reads natively (f16 for the Gluon GEMV,
+    which converts bf16 as it loads it; bf16 otherwise)."""
+    plan = copies[0].plan
+    config = cfg if cfg is not None else (plan.narrow if n_tok <= plan.crossover else plan.gemm)
     if x_dtype is None:
-        gemv = isinstance(cfg if cfg is not None else copies[0].plan.narrow, GemvConfig) and (
-            cfg is not None or n_tok <= copies[0].plan.crossover)
-        x_dtype = torch.float16 if gemv else torch.bfloat16
-    x = torch.randn(n_tok, cols, device="cuda").to(x_dtype)
+        x_dtype = torch.float16 if isinstance(config, GemvConfig) else torch.bfloat16
+    x = torch.randn(n_tok, copies[0].cols, device="cuda").to(x_dtype)
     out = torch.empty(n_tok, copies[0].rows, device="cuda", dtype=torch.bfloat16)
-    if x_dtype == torch.float16 and copies[0].planes is not None and not copies[0].planes.fragment:
-        out = out.to(torch.float16)
     return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
 
 

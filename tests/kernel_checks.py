@@ -36,3 +36,20 @@ def assert_same_cache(got: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
     else:
         torch.testing.assert_close(got, ref, rtol=8e-3, atol=1e-6, equal_nan=True)
+
+
+def assert_graph_replay_matches(matmul, x: torch.Tensor, out: torch.Tensor, replays: int = 3) -> None:
+    """`matmul(x, out=out)` captured once in a CUDA graph, replayed with new x: each replay writes every
+    element of `out` (poisoned before) and equals an eager call. Catches host syncs or allocations inside the
+    capture and split-K counters that are not re-armed."""
+    matmul(x, out=out)                                       # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        matmul(x, out=out)
+    for _ in range(replays):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, matmul(x.clone()))

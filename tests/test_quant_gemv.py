@@ -22,6 +22,7 @@ from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
+from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
 FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k"]
 
@@ -31,10 +32,6 @@ def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") ->
     parts = [random_quantized(fmt.ggml_type, min(1024, rows - r0), cols, torch.Generator().manual_seed(seed + r0))
              for r0 in range(0, rows, 1024)]
     return QuantWeight(fmt, rows, cols, torch.cat(parts).to(device))
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 # --- repack (CPU) -----------------------------------------------------------------------------------------
@@ -92,7 +89,7 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
     else:                     # the compiled kernel's packed-f16 dequant rounds once or twice
         dense = torch.full((rows, cols), float("nan"), dtype=torch.float16, device=device)
         qm.dequantize_planes(planes, dense)
-        assert rel_err(dense.cpu(), ref) < 2e-3
+        assert relative_error(dense.cpu(), ref) < 2e-3
 
 
 def test_default_config_divides_k_and_fills_the_gpu():
@@ -107,7 +104,7 @@ def test_default_config_divides_k_and_fills_the_gpu():
 # --- the kernel (CUDA) ------------------------------------------------------------------------------------
 
 def run_poisoned(pw: PackedWeight, x: torch.Tensor, config=None) -> torch.Tensor:
-    out = torch.full((x.shape[0], pw.rows), float("nan"), dtype=x.dtype, device=x.device)
+    out = poisoned((x.shape[0], pw.rows), x.dtype, x.device)
     y = pw.matmul(x, config=config, out=out)
     assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
     return y
@@ -133,7 +130,7 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
                 for dtype in (torch.float16, torch.bfloat16):
                     x = torch.randn(n_tok, cols, device="cuda", generator=gen).to(dtype)
                     y = run_poisoned(pw, x, config=cfg)
-                    assert rel_err(y, x.double() @ ref_w.T) < 5e-3, (rows, cols, cfg, n_tok, dtype)
+                    assert relative_error(y, x.double() @ ref_w.T) < 5e-3, (rows, cols, cfg, n_tok, dtype)
 
 
 @requires_cuda
@@ -157,7 +154,7 @@ def test_gemv_dequantize_kernel(fmt_name):
     for dtype, bound in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):   # bf16: 8-bit mantissa, scale and
         dense = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")  # product each rounded
         qm.dequantize_planes(pw.planes, dense)
-        assert rel_err(dense, w.dequantize(torch.float32)) < bound, dtype
+        assert relative_error(dense, w.dequantize(torch.float32)) < bound, dtype
 
 
 @requires_cuda
@@ -166,18 +163,7 @@ def test_gemv_cuda_graph_replay():
     pw = PackedWeight.from_quant(w, "cuda")
     assert isinstance(pw.plan.narrow, GemvConfig) and pw.plan.narrow.split_k > 1
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
-    out = torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16)
-    pw.matmul(x, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pw.matmul(x, out=out)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, pw.matmul(x.clone()))
+    assert_graph_replay_matches(pw.matmul, x, torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @requires_cuda

@@ -17,6 +17,7 @@ from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
+from kernel_checks import assert_graph_replay_matches
 
 T = gguf.GGMLQuantizationType
 PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"]
@@ -179,18 +180,7 @@ def test_gpu_cuda_graph_replay():
     pw = PackedWeight.from_quant(w, "cuda")
     assert pw.plan.narrow.split_k > 1
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
-    out = torch.empty(4, 4096, device="cuda", dtype=torch.bfloat16)
-    pw.matmul(x, out=out)                                   # warm-up: compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pw.matmul(x, out=out)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, pw.matmul(x.clone()))
+    assert_graph_replay_matches(pw.matmul, x, torch.empty(4, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt_name", PACKED)

@@ -40,14 +40,11 @@ try:
 except ImportError:  # pragma: no cover - triton without gluon: the Triton kernel serves every format
     gluon = gl = mma_v2 = None
 
-FRAGMENT_FORMATS = quant_pack.FRAGMENT_FORMATS   # the others use quant_matmul's Triton kernel
-
-
 def _c(v):
     return gl.constexpr(v) if gl is not None else v
 
 
-F_Q8_0, F_Q4_0, F_Q4_1, F_Q4_K = (_c(v) for v in FRAGMENT_FORMATS)
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q4_K = (_c(v) for v in quant_pack.FRAGMENT_FORMATS)
 
 # --- dequantization, 4 bytes at a time (pack=4) -------------------------------------------------------
 # Input word bytes (quant_pack.fragment_order): b0 = (row g, k), b1 = (g+8, k), b2 = (g, k+1),

@@ -405,7 +405,7 @@ def uses_gemv(fmt_name: str, device: torch.device) -> bool:
     """Does this weight go through the Gluon GEMV (fragment-order planes)? CUDA only: Gluon has no
     interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons)."""
     return (torch.device(device).type == "cuda" and not interpreting() and quant_gemv.gluon is not None
-            and PACKED_FORMATS.get(fmt_name) in quant_gemv.FRAGMENT_FORMATS
+            and PACKED_FORMATS.get(fmt_name) in quant_pack.FRAGMENT_FORMATS
             and os.environ.get("COBATCH_TRITON_GEMV") != "1")
 
 
@@ -569,12 +569,12 @@ class PackedWeight:
             w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
         elif isinstance(config, GemvConfig):
-            x16 = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
+            xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)   # f32 x
             partial, count = out, out
             if config.split_k > 1:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = _SplitScratch.get(x.device)
-            quant_gemv.launch(self.planes, x16, out.view(n_tok, self.rows), config, partial, count)
+            quant_gemv.launch(self.planes, xg, out.view(n_tok, self.rows), config, partial, count)
         else:
             launch(self.planes, x2, out, config)
         return out.reshape(*lead, self.rows)
