@@ -153,12 +153,12 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 DECODE_SWEEP = [
     DECODE_CONFIG,
     replace(DECODE_CONFIG, pdl=False),
+    replace(DECODE_CONFIG, prefetch_tokens=0),
+    replace(DECODE_CONFIG, prefetch_tokens=128),
+    replace(DECODE_CONFIG, prefetch_tokens=256),
     replace(DECODE_CONFIG, min_split=64),
-    replace(DECODE_CONFIG, min_split=128),
-    replace(DECODE_CONFIG, min_split=128, pdl=False),
+    replace(DECODE_CONFIG, min_split=256, prefetch_tokens=256),
     replace(DECODE_CONFIG, num_stages=3),
-    replace(DECODE_CONFIG, programs_per_sm=5),
-    replace(DECODE_CONFIG, block_n=128, num_warps=8),
 ]
 PREFILL_SWEEP = [
     PREFILL_CONFIG,

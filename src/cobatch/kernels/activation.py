@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels.triton_support import jit, tl, triton
+from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -18,8 +18,11 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # launched as a programmatic dependent: let the next kernel launch, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -36,5 +39,5 @@ def silu_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     out2 = out.view(-1, inter)
     block = 1024
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out2, inter, x2.stride(0), out2.stride(0),
-                                                               BLOCK=block, num_warps=4)
+                                                               BLOCK=block, **pdl_launch(x), num_warps=4)
     return out

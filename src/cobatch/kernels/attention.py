@@ -9,7 +9,7 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
-                                             next_pow2, tl, triton)
+                                             next_pow2, pdl_supported, tl, triton)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,6 +59,17 @@ def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_ma
 
 
 @jit
+def _prefetch_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, cache_block_stride, cache_slot_stride,
+                      cache_head_stride, PAGE: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the K and V rows of tokens `toks` (one prefetch per 128-byte line, no registers held)."""
+    page = tl.load(bt_row_ptr + toks // PAGE, mask=tok_mask, other=0).to(tl.int64)
+    off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
+    lines = off[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n prefetch.global.L2 [$2];\n mov.u32 $0, 0;", "=r,l,l",
+                              [kc_ptr + lines, vc_ptr + lines], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.constexpr):
     """One tile of flash attention: scores q.k^T over `valid`, then fold p.v into (m, l, acc), all f32.
     qk_scale includes log2(e), so exp2 gives the softmax weights."""
@@ -93,9 +104,11 @@ class DecodeConfig:
     min_split: int = 128         # fewest tokens one program walks (keeps the reduce small)
     max_splits: int = 64         # the reduce holds all splits of a row in registers
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
-    # Programmatic dependent launch: each kernel's prologue overlaps its predecessor. Saved about 1 us a call
-    # on the H200 (bench/results/kernels_attention-2026-11-29.md) but is not yet checked on the GPU, so it is off.
-    pdl: bool = False
+    # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
+    # and block tables and prefetches its first prefetch_tokens of K/V into L2 while the previous kernel
+    # finishes; it waits for that kernel before touching q or the outputs.
+    pdl: bool = True
+    prefetch_tokens: int = 64
 
 
 DECODE_CONFIG = DecodeConfig()
@@ -107,19 +120,25 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
                          num_splits, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT_F32: tl.constexpr,
+                         PREFETCH_N: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
     """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
     so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if USE_PDL:
-        gdc_launch_dependents()        # let the reduce kernel get resident now; it waits for us anyway
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
     if USE_PDL:
+        # Earlier tokens' K/V and the block table do not change during the step (this step's token is
+        # written by the previous kernel, but L2 is where that write lands: a prefetch cannot go stale).
+        for tok0 in range(start, tl.minimum(end, start + PREFETCH_N), BLOCK_N):
+            toks = tok0 + tl.arange(0, BLOCK_N)
+            _prefetch_kv_tile(kc_ptr, vc_ptr, bt_ptr + seq * bt_stride, toks, toks < end, kv_head,
+                              cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE, LINES=LINES,
+                              LINE=LINE)
         gdc_wait()                     # q and this step's K/V come from the previous kernel
 
     g = tl.arange(0, BLOCK_G)
@@ -140,6 +159,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                cache_slot_stride, cache_head_stride, PAGE=PAGE)
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32)
+    if USE_PDL:
+        # The next kernel may launch now (not at the start: a chain would get resident all at once).
+        gdc_launch_dependents()
 
     gd_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
@@ -229,7 +251,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out   # unused
-    pdl = cfg.pdl and q.is_cuda        # the interpreter cannot run griddepcontrol
+    pdl = cfg.pdl and pdl_supported(q)     # the interpreter cannot run griddepcontrol
+    line = 128 // k_cache.element_size()    # cache elements per 128-byte line
     launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
@@ -237,6 +260,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, USE_PDL=pdl, DOT_F32=dot_in_f32(k_cache.dtype),
+        PREFETCH_N=cfg.prefetch_tokens, LINES=next_pow2(-(-head_dim // line)), LINE=line,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cobatch.kernels.triton_support import jit, next_pow2, tl
+from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -21,8 +21,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, x_stride, res_stride, out_stride, h_stride,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # launched as a programmatic dependent: let the next kernel launch, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -55,5 +58,5 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     block = next_pow2(n_cols)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out2, h2, n_cols, x2.stride(0), res2.stride(0), out2.stride(0), h2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_launch(x), num_warps=min(16, max(1, block // 256)))
     return out, h

@@ -11,7 +11,7 @@ import math
 import torch
 
 from cobatch.kernels.kv_write import cache_slot_strides
-from cobatch.kernels.triton_support import jit, next_pow2, tl
+from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl
 
 
 def rope_cos_sin(rot_dim: int, max_pos: int, theta: float, freq_factors: torch.Tensor | None = None,
@@ -89,8 +89,11 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
                  cs_stride, cache_slot_stride, cache_head_stride, n_q_heads, n_kv_heads, head_dim,
                  HALF: tl.constexpr, NEOX: tl.constexpr, WRITE_KV: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # launched as a programmatic dependent: let the next kernel launch, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     pos = tl.load(pos_ptr + row).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     half_mask = i < HALF
@@ -150,5 +153,5 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
         cos_sin.stride(0), *cache_strides, n_q_heads, n_kv_heads, head_dim,
         HALF=rot // 2, NEOX=neox, WRITE_KV=kv_write is not None,
         BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_kv_heads), BLOCK_HALF=next_pow2(rot // 2),
-        BLOCK_D=next_pow2(head_dim), num_warps=4)
+        BLOCK_D=next_pow2(head_dim), **pdl_launch(q), num_warps=4)
     return q, k
