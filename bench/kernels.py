@@ -234,10 +234,12 @@ def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
     return out
 
 
-def sweep(formats, log, deadline: float, save) -> dict:
-    """Stops early at `deadline` (time.time()); formats/shapes not reached keep the built-in defaults."""
-    table = {"default": {}, "formats": {}}
-    tasks = [(f, c) for f in formats for (r, k) in SHAPES.values() for c in narrow_candidates_for(f, r, k)]
+def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
+    """Stops early at `deadline` (time.time()). Starts from the package's quant_configs.json: the entries of
+    the formats and shapes swept are replaced, the others kept (so a sweep of a few shapes is cheap)."""
+    shapes = {n: SHAPES[n] for n in (shapes or SHAPES)}
+    table = json.loads(qm.CONFIG_PATH.read_text())
+    tasks = [(f, c) for f in formats for (r, k) in shapes.values() for c in narrow_candidates_for(f, r, k)]
     tasks += [(f, c) for f in formats for c in gemm_candidates_for(f)]
     try:
         bad = precompile(tasks, workers=min(14, os.cpu_count() or 4))
@@ -248,8 +250,7 @@ def sweep(formats, log, deadline: float, save) -> dict:
         if time.time() > deadline:
             print("sweep deadline reached before", fmt_name, flush=True)
             break
-        fmt_entry = {"shapes": {}}
-        table["formats"][fmt_name] = fmt_entry
+        fmt_entry = table["formats"].setdefault(fmt_name, {"shapes": {}})
         # GEMM config: best TFLOP/s at n_tok 2048 on gate_up, used for every shape of the format
         rows, cols = SHAPES["gate_up"]
         pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
@@ -269,7 +270,7 @@ def sweep(formats, log, deadline: float, save) -> dict:
         gemm = best_gemm[1]
         fmt_entry["default"] = {"gemm": _cfg_dict(gemm)}
         del pw
-        for name, (rows, cols) in SHAPES.items():
+        for name, (rows, cols) in shapes.items():
             if time.time() > deadline:
                 print("sweep deadline reached at", fmt_name, name, flush=True)
                 break
@@ -297,10 +298,11 @@ def sweep(formats, log, deadline: float, save) -> dict:
                     crossover = n
                 else:
                     break
+            entry = fmt_entry["shapes"].setdefault(f"{rows}x{cols}", {})   # the other kernel's entry stays
             if isinstance(narrow, GemvConfig):
-                fmt_entry["shapes"][f"{rows}x{cols}"] = {"gemv": _cfg_dict(narrow), "gemv_crossover": crossover}
+                entry.update({"gemv": _cfg_dict(narrow), "gemv_crossover": crossover})
             else:
-                fmt_entry["shapes"][f"{rows}x{cols}"] = {"narrow": _cfg_dict(narrow), "crossover": crossover}
+                entry.update({"narrow": _cfg_dict(narrow), "crossover": crossover})
             del copies, pw
             torch.cuda.empty_cache()
             save(table)
@@ -480,6 +482,10 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="quant_configs.json to use (default: the package's)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--sweep-seconds", type=float, default=150.0, help="time budget of the sweep")
+    ap.add_argument("--sweep-shapes", default=None, help="sweep only these shapes (e.g. qkv,o,down)")
+    ap.add_argument("--gemv-bases", default=None,
+                    help="GEMV (W,RT,U) bases to sweep, e.g. '8,1,4;4,1,8' (default: GEMV_BASES)")
+    ap.add_argument("--gemv-prefetch", default=None, help="GEMV prefetch distances D to sweep, e.g. '0,2'")
     ap.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
     ap.add_argument("--render", default=None, help="only re-render the .md of this results .json")
     ap.add_argument("--ceiling-gbps", type=float, default=None,
@@ -504,7 +510,12 @@ def main() -> None:
                 (d / "quant_configs.json").write_text(text)
             if out_dir:
                 (out_dir / "sweep.json").write_text(json.dumps(log))
-        table = sweep(formats, log, time.time() + args.sweep_seconds, save)
+        if args.gemv_bases:
+            GEMV_BASES[:] = [tuple(int(v) for v in b.split(",")) for b in args.gemv_bases.split(";")]
+        if args.gemv_prefetch:
+            GEMV_PREFETCH[:] = [int(v) for v in args.gemv_prefetch.split(",")]
+        table = sweep(formats, log, time.time() + args.sweep_seconds, save,
+                      args.sweep_shapes.split(",") if args.sweep_shapes else None)
         save(table)
         config_path = str(res_dir / "quant_configs.json")
     rows: list = []

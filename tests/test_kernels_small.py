@@ -172,6 +172,54 @@ def test_silu_mul_llama8b(rows):
     check_silu_mul(rows, 14336, torch.bfloat16, seed=rows)
 
 
+# --- programmatic dependent launch ----------------------------------------------------------------------------
+
+@requires_cuda
+def test_pdl_chain_waits_for_each_input(monkeypatch):
+    """silu_mul -> rms_norm (+ residual, in place) -> rope on the norm's output, each reading what the previous
+    one wrote, captured in one CUDA graph and launched as programmatic dependents: every replay equals the
+    chain run eagerly without PDL. The intermediates are NaN-poisoned before each replay, so a kernel that
+    read its input (or wrote) before its wait would show up."""
+    from cobatch.kernels.triton_support import pdl_supported
+    rows, inter, hidden = 5, 14336, 4096
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 2 * inter, generator=g).to("cuda", torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to("cuda")
+    res = torch.randn(rows, hidden, generator=g).to("cuda", torch.bfloat16)
+    pos = torch.tensor([0, 3, 17, 400, 4095], device="cuda")
+    cs = rope_cos_sin(128, 4096, 500000.0).to("cuda")
+    act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
+    normed = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    assert pdl_supported(x)
+
+    def chain(x, res):
+        silu_mul_triton(x, out=act)
+        rms_norm_triton(act[:, :hidden], w, 1e-5, res, out=normed, residual_out=res)
+        q = normed.view(rows, 32, 128)
+        rope_triton(q[:, :24], q[:, 24:], pos, cs, neox=False)
+        return normed, res
+
+    res0 = res.clone()
+    chain(x, res.clone())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(x, res)
+    for seed in range(3):
+        x.copy_(torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(seed)).to(x))
+        res.copy_(res0)
+        act.fill_(float("nan"))
+        normed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got_normed, got_res = normed.clone(), res.clone()
+        monkeypatch.setenv("COBATCH_PDL", "0")
+        want_normed, want_res = (t.clone() for t in chain(x.clone(), res0.clone()))
+        monkeypatch.delenv("COBATCH_PDL")
+        assert torch.isfinite(want_normed).all()
+        assert torch.equal(got_normed, want_normed) and torch.equal(got_res, want_res), seed
+
+
 # --- ops dispatch ---------------------------------------------------------------------------------------------
 
 def test_ops_small_ops_match_references():

@@ -121,9 +121,9 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
         ref_w = w.dequantize(torch.float32).double()
         gen = torch.Generator(device="cuda").manual_seed(4)
         n_chunks = pw.planes.qs.shape[1] // 512
-        configs = [None] + [GemvConfig(W=wp, RT=rt, split_k=s, U=u, D=d, P=p) for wp, rt, s, u, d, p in
-                            [(4, 1, 1, 1, 0, 0), (2, 2, 2, 1, 1, 1), (1, 4, 1, 2, 2, 4), (4, 2, 2, 2, 0, 2),
-                             (2, 1, 4, 1, 3, 0), (4, 4, 1, 1, 9, 33)]
+        configs = [None] + [GemvConfig(W=wp, RT=rt, split_k=s, U=u, D=d) for wp, rt, s, u, d in
+                            [(4, 1, 1, 1, 0), (2, 2, 2, 1, 1), (1, 4, 1, 2, 2), (4, 2, 2, 2, 0), (2, 1, 4, 1, 3),
+                             (4, 4, 1, 1, 9), (4, 1, 1, 8, 0), (8, 1, 1, 4, 2)]
                             if n_chunks % (wp * s * u) == 0]     # prefetches past the last step are clamped
         for cfg in configs:
             for n_tok in (1, 3, 8, 9, 16):
@@ -164,44 +164,6 @@ def test_gemv_cuda_graph_replay():
     assert isinstance(pw.plan.narrow, GemvConfig) and pw.plan.narrow.split_k > 1
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replay_matches(pw.matmul, x, torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16))
-
-
-@requires_cuda
-def test_gemv_chain_under_pdl_waits_for_its_input(monkeypatch):
-    """Four GEMVs, each reading the previous one's output, captured in one CUDA graph and launched as
-    programmatic dependents that prefetch weights before waiting: every replay equals the same chain run
-    eagerly without PDL. Intermediates are NaN-poisoned before each replay, so a GEMV that read its input
-    before the wait (or wrote before it) would show up."""
-    from cobatch.kernels.triton_support import pdl_supported
-    ws = [PackedWeight.from_quant(make_weight("q8_0", 2048, 2048, seed=20 + i, device="cuda"), "cuda")
-          for i in range(4)]
-    configs = [None, GemvConfig(W=4, RT=2, split_k=4, P=0), GemvConfig(W=2, RT=4, split_k=2, P=16), None]
-    x = torch.randn(3, 2048, device="cuda").to(torch.bfloat16)
-    bufs = [torch.empty(3, 2048, device="cuda", dtype=torch.bfloat16) for _ in ws]
-    assert pdl_supported(x)
-
-    def chain(inp):
-        for w, cfg, buf in zip(ws, configs, bufs):
-            w.matmul(inp, config=cfg, out=buf)
-            inp = buf
-        return bufs[-1]
-
-    chain(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(x)
-    for seed in range(3):
-        x.copy_(torch.randn(3, 2048, generator=torch.Generator().manual_seed(seed)).to(x))
-        for buf in bufs:
-            buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        got = bufs[-1].clone()
-        monkeypatch.setenv("COBATCH_PDL", "0")
-        want = chain(x.clone()).clone()
-        monkeypatch.delenv("COBATCH_PDL")
-        assert torch.isfinite(want).all() and torch.equal(got, want), seed
 
 
 @requires_cuda

@@ -59,17 +59,6 @@ def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_ma
 
 
 @jit
-def _prefetch_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, cache_block_stride, cache_slot_stride,
-                      cache_head_stride, PAGE: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the K and V rows of tokens `toks` (one prefetch per 128-byte line, no registers held)."""
-    page = tl.load(bt_row_ptr + toks // PAGE, mask=tok_mask, other=0).to(tl.int64)
-    off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
-    lines = off[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n prefetch.global.L2 [$2];\n mov.u32 $0, 0;", "=r,l,l",
-                              [kc_ptr + lines, vc_ptr + lines], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
 def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.constexpr):
     """One tile of flash attention: scores q.k^T over `valid`, then fold p.v into (m, l, acc), all f32.
     qk_scale includes log2(e), so exp2 gives the softmax weights."""
@@ -105,10 +94,10 @@ class DecodeConfig:
     max_splits: int = 64         # the reduce holds all splits of a row in registers
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
-    # and block tables and prefetches its first prefetch_tokens of K/V into L2 while the previous kernel
-    # finishes; it waits for that kernel before touching q or the outputs.
+    # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
+    # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
+    # K/V into L2 before the wait gained nothing (bench/results/kernels_attention-2026-11-29-pdl-sweep.json).
     pdl: bool = True
-    prefetch_tokens: int = 64
 
 
 DECODE_CONFIG = DecodeConfig()
@@ -120,8 +109,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
                          num_splits, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT_F32: tl.constexpr,
-                         PREFETCH_N: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
     so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
@@ -132,13 +120,6 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
     if USE_PDL:
-        # Earlier tokens' K/V and the block table do not change during the step (this step's token is
-        # written by the previous kernel, but L2 is where that write lands: a prefetch cannot go stale).
-        for tok0 in range(start, tl.minimum(end, start + PREFETCH_N), BLOCK_N):
-            toks = tok0 + tl.arange(0, BLOCK_N)
-            _prefetch_kv_tile(kc_ptr, vc_ptr, bt_ptr + seq * bt_stride, toks, toks < end, kv_head,
-                              cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE, LINES=LINES,
-                              LINE=LINE)
         gdc_wait()                     # q and this step's K/V come from the previous kernel
 
     g = tl.arange(0, BLOCK_G)
@@ -252,7 +233,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out   # unused
     pdl = cfg.pdl and pdl_supported(q)     # the interpreter cannot run griddepcontrol
-    line = 128 // k_cache.element_size()    # cache elements per 128-byte line
     launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
@@ -260,7 +240,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, USE_PDL=pdl, DOT_F32=dot_in_f32(k_cache.dtype),
-        PREFETCH_N=cfg.prefetch_tokens, LINES=next_pow2(-(-head_dim // line)), LINE=line,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](

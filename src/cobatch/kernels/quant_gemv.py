@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_pack
-from cobatch.kernels.triton_support import pdl_supported
 
 try:
     from triton.experimental import gluon
@@ -121,10 +120,6 @@ ASM_Q4K_SCALES = _c("""{
 }""")
 # An L2 prefetch of a lane's 16 bytes some K steps ahead: it holds no register or scoreboard entry.
 ASM_PREFETCH = _c("prefetch.global.L2 [$1];\n mov.u32 $0, 0;")
-# Programmatic dependent launch (sm_90+): let the next kernel start launching, then wait for the previous
-# one to finish and its writes to be visible (the same PTX as triton.language.extra.cuda.gdc).
-ASM_LAUNCH_DEPENDENTS = _c("griddepcontrol.launch_dependents; // dummy $0")
-ASM_WAIT_PREDECESSOR = _c("griddepcontrol.wait; // dummy $0")
 
 
 if gluon is not None:
@@ -259,16 +254,12 @@ if gluon is not None:
                                                [q, d0, d1, m0, m1], (gl.float16, gl.float16), True, 4)
         return lo, hi
 
-    @gluon.jit
-    def _griddepcontrol(ASM: gl.constexpr):
-        gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
-                     D: gl.constexpr, PDL: gl.constexpr, P: gl.constexpr):
+                     D: gl.constexpr):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -289,13 +280,6 @@ if gluon is not None:
         acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
         first = pid_k * steps_per_split
         last = first + steps_per_split - 1
-        if PDL:
-            # Launched as a programmatic dependent: this CTA may run while the previous kernel finishes.
-            # The weights never change during a step, so the first P K steps start streaming into L2
-            # now; x, `out` and the split-K scratch are touched only after the wait.
-            for p in gl.static_range(P):
-                _prefetch_tile(qs_ptr, tile0, gl.minimum(first + p, last) * W + warp, tile_stride, RT, LD)
-            _griddepcontrol(ASM_WAIT_PREDECESSOR)
         # U K steps per iteration, all their loads issued before their math; with D > 0 the quant bytes
         # of step s + D are prefetched into L2 meanwhile. The warps of a CTA read adjacent chunks.
         # (Tried on the H200: a cp.async shared-memory ring of 2-6 stages was slower, and Triton put a CTA
@@ -314,10 +298,6 @@ if gluon is not None:
                 acc = mma_v2(lo, x0, acc)
                 if FMT != F_Q8_0:
                     acc = mma_v2(hi, x1, acc)
-        if PDL:
-            # Only now may the next kernel launch: triggered at the start, a chain of GEMVs would all get
-            # resident at once and fight over the SMs and L2 (measured: 35 -> 22 % of copy on o).
-            _griddepcontrol(ASM_LAUNCH_DEPENDENTS)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         r = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
@@ -345,14 +325,16 @@ if gluon is not None:
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """W warps per CTA (they split K), RT 16-row tiles per warp, split_k CTAs per row block, U K steps
-    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off), and
-    P K steps prefetched into L2 before waiting on the previous kernel (programmatic dependent launch)."""
+    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off).
+
+    Not launched as a programmatic dependent: on the H200 that cost 1-6 points of copy on the small
+    shapes and gained nothing on the big ones, with or without prefetching weights before the wait
+    (bench/results/pdl-2026-11-29.json, measured at commit d3003e0)."""
     W: int = 4
     RT: int = 4
     split_k: int = 1
     U: int = 1
     D: int = 0
-    P: int = 0      # H200: P = 2..8 cost 2-15 points of copy at every shape (bench/results/pdl-2026-11-29-pdl.json)
 
     def rows_per_cta(self) -> int:
         return 16 * self.RT
@@ -378,19 +360,17 @@ def scratch_need(cfg: GemvConfig, rows_pad: int, max_tok: int) -> tuple[int, int
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
-           partial: torch.Tensor, count: torch.Tensor, pdl: bool | None = None) -> None:
-    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
-    pdl: launch as a programmatic dependent (default: wherever the device supports it)."""
+           partial: torch.Tensor, count: torch.Tensor) -> None:
+    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free)."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
     bt = token_tile(n_tok)
     n_chunks = p.qs.shape[1] // 512
     grid = (-(-n_tok // bt), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
-    pdl = pdl_supported(x) if pdl is None else pdl
     dummy = p.qs
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
         p.sub if p.sub is not None else dummy,
         n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, PDL=pdl, P=cfg.P, num_warps=cfg.W, launch_pdl=pdl)
+        U=cfg.U, D=cfg.D, num_warps=cfg.W)
