@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the size ceiling (bench/size_ceiling.py), then the decode step (bench/decode.py, B <= 8, random Llama-3-8B q8_0) with programmatic
+# One device call: the size ceiling (bench/size_ceiling.py; SKIP_SIZE=1 skips it), GPU tests named in TESTS, then the decode step (bench/decode.py, B <= 8, random Llama-3-8B q8_0) with programmatic
 # dependent launch off and on, each in its own process (the graphs are captured with the setting).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
