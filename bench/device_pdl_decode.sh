@@ -4,8 +4,14 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 120 python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
-cp bench/results/size-ceiling-*.json "$OUT/" 2>/dev/null
+if [ -z "${SKIP_SIZE:-}" ]; then
+  timeout 100 python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
+  cp bench/results/size-ceiling-*.json "$OUT/" 2>/dev/null
+fi
+if [ -n "${TESTS:-}" ]; then
+  COBATCH_CUT_MODEL=.models/smollm2-6l.gguf timeout ${TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 \
+    | tail -15 | tee "$OUT/gpu_tests.log"
+fi
 python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q8_0 --tokenizer-from .models/smollm2-6l.gguf \
   -o /tmp/llama3-8b-q8_0.gguf 2>&1 | tail -1
 for pdl in 0 1; do

@@ -11,7 +11,7 @@ import math
 import torch
 
 from cobatch.kernels.kv_write import cache_slot_strides
-from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl
+from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl, triton
 
 
 def rope_cos_sin(rot_dim: int, max_pos: int, theta: float, freq_factors: torch.Tensor | None = None,
@@ -105,8 +105,14 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
     else:
         off1 = 2 * i
         off2 = 2 * i + 1
-    _rotate_heads(q_ptr, row * q_row_stride, q_head_stride, n_q_heads, cos, sin, off1, off2, half_mask,
-                  BLOCK_H=BLOCK_HQ)
+    # Program (row, part): parts 0..P-2 rotate BLOCK_HQ query heads each, the last part the KV heads (and
+    # writes the cache). One program per row ran its heads one dependent memory trip after another.
+    part = tl.program_id(1)
+    if part < tl.num_programs(1) - 1:
+        h0 = part * BLOCK_HQ
+        _rotate_heads(q_ptr, row * q_row_stride + h0 * q_head_stride, q_head_stride, n_q_heads - h0, cos, sin,
+                      off1, off2, half_mask, BLOCK_H=BLOCK_HQ)
+        return
     k1, k2 = _rotate_heads(k_ptr, row * k_row_stride, k_head_stride, n_kv_heads, cos, sin, off1, off2,
                            half_mask, BLOCK_H=BLOCK_HK)
     if WRITE_KV:
@@ -125,6 +131,9 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
         full = keep[:, None] & (d < head_dim)[None, :]
         v = tl.load(v_ptr + row * v_row_stride + heads[:, None] * v_head_stride + d[None, :], mask=full)
         tl.store(vc_ptr + dst + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=full)
+
+
+Q_HEADS_PER_PROGRAM = 4
 
 
 def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
@@ -147,11 +156,12 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
         v, k_cache, v_cache, slots = kv_write
         assert v.stride(-1) == 1 and v.shape == k.shape
         cache_strides = cache_slot_strides(k_cache, v_cache)
-    _rope_kernel[(n_rows,)](
+    block_hq = min(next_pow2(n_q_heads), Q_HEADS_PER_PROGRAM)
+    _rope_kernel[(n_rows, triton.cdiv(n_q_heads, block_hq) + 1)](
         q, k, v, positions, cos_sin, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), *cache_strides, n_q_heads, n_kv_heads, head_dim,
         HALF=rot // 2, NEOX=neox, WRITE_KV=kv_write is not None,
-        BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_kv_heads), BLOCK_HALF=next_pow2(rot // 2),
+        BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(n_kv_heads), BLOCK_HALF=next_pow2(rot // 2),
         BLOCK_D=next_pow2(head_dim), **pdl_launch(q), num_warps=4)
     return q, k
