@@ -277,6 +277,57 @@ def test_slots_show_a_running_request(server):
     wait_for(lambda: all_slots_idle(server.url), what="the slot to be freed")
 
 
+# --- n choices ------------------------------------------------------------------------------------------
+
+SAMPLED = {"temperature": 1.0, "max_tokens": 8}
+
+
+def test_n_choices_are_the_seeded_single_requests(oai):
+    """Choice i of a seeded request is what the same request with n = 1 and seed + i gives (sampling noise is
+    counter-based, so a choice does not depend on what it is batched with); the prompt is counted once."""
+    many = oai.chat.completions.create(model="any", messages=QUESTION, n=3, seed=1234, **SAMPLED)
+    singles = [oai.chat.completions.create(model="any", messages=QUESTION, seed=1234 + i, **SAMPLED)
+               for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert len({s.choices[0].message.content for s in singles}) > 1, "seed + i should give different samples"
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+    stream = oai.chat.completions.create(model="any", messages=QUESTION, n=3, seed=1234, stream=True,
+                                         stream_options={"include_usage": True}, **SAMPLED)
+    texts, finishes, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert texts == {i: c.message.content for i, c in enumerate(many.choices)}
+    assert finishes == {i: c.finish_reason for i, c in enumerate(many.choices)}
+    assert usage.completion_tokens == many.usage.completion_tokens
+
+    text = oai.completions.create(model="any", prompt="The capital of France is", n=2, seed=7, **SAMPLED)
+    alone = [oai.completions.create(model="any", prompt="The capital of France is", seed=7 + i, **SAMPLED)
+             for i in range(2)]
+    assert [c.text for c in text.choices] == [a.choices[0].text for a in alone]
+
+
+def test_n_choices_that_do_not_all_fit_are_429_and_leave_nothing_running(server, oai):
+    worker = server.context.worker
+    aborted = {"api": "chat", "finish_reason": "abort"}
+    before = metric(server.url, "cobatch_requests_total", aborted)
+    saved, worker.max_queue = worker.max_queue, 0
+    try:
+        with pytest.raises(openai.RateLimitError):
+            oai.chat.completions.create(model="any", messages=QUESTION, n=worker.num_slots + 1, max_tokens=1000,
+                                        extra_body={"ignore_eos": True})
+    finally:
+        worker.max_queue = saved
+    assert metric(server.url, "cobatch_requests_total", aborted) == before + worker.num_slots
+    wait_for(lambda: all_slots_idle(server.url), what="the choices that were started to be aborted")
+
+
 # --- errors --------------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"
@@ -294,7 +345,8 @@ ERROR_CASES = [
     ("temperature not a number", "POST", CHAT, {**OK_CHAT, "temperature": "hot"}, 400, "temperature"),
     ("top_p zero", "POST", CHAT, {**OK_CHAT, "top_p": 0}, 400, "top_p"),
     ("negative max_tokens", "POST", CHAT, {**OK_CHAT, "max_tokens": -1}, 400, "max_tokens"),
-    ("n > 1", "POST", CHAT, {**OK_CHAT, "n": 3}, 400, "n"),
+    ("n above the limit", "POST", CHAT, {**OK_CHAT, "n": 17}, 400, "n"),
+    ("n zero", "POST", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("top_logprobs without logprobs", "POST", CHAT, {**OK_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("too many top_logprobs", "POST", CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     ("penalty out of range", "POST", CHAT, {**OK_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),

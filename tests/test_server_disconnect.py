@@ -112,3 +112,18 @@ def test_disconnect_while_waiting_for_a_plain_answer(server):
              == aborts_before + 1, what="the abort to be counted")
     wait_for(lambda: all_slots_idle(url), what="all slots idle")
     wait_for(lambda: _engine_idle(server), what="no sequence or KV block left in the engine")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_every_choice(server, stream):
+    """n = 3: the client hangs up mid-decode; all three choices are aborted and their slots freed."""
+    url, worker = server.url, server.context.worker
+    aborts_before = metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
+    raw = RawStream(url, "/v1/chat/completions", {"messages": PEER, "n": 3, **LONG, "stream": stream})
+    wait_for(lambda: sum(s.request is not None and s.generated > 2 for s in worker.slots) == 3,
+             what="the three choices to be decoding")
+    raw.hard_close()
+    wait_for(lambda: metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
+             == aborts_before + 3, what="three aborts to be counted")
+    wait_for(lambda: all_slots_idle(url), what="all slots idle")
+    wait_for(lambda: _engine_idle(server), what="no sequence or KV block left in the engine")

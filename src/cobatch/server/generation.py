@@ -7,9 +7,11 @@ into one Completed result. Timings, token counts and the per-request log line li
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cobatch.engine.sampler import SamplingParams
@@ -85,6 +87,7 @@ class Generation:
         self.arrival = time.perf_counter()
         self.handle: RequestHandle | None = None
         self.completion_tokens = 0
+        self.finish: Finish | None = None       # set when events() ends normally
         self._done = False
 
     def start(self) -> None:
@@ -159,7 +162,8 @@ class Generation:
                     self._done = True
                     usage = Usage(len(req.prompt_ids), completion, cached)
                     self._record(reason, usage, first, now)
-                    yield Finish(reason, text.stop_matched, usage)
+                    self.finish = Finish(reason, text.stop_matched, usage)
+                    yield self.finish
                     return
         finally:
             self.close()
@@ -198,6 +202,75 @@ class Generation:
                     calls[e.index].arguments += e.text
         assert finish is not None
         return Completed("".join(content), "".join(reasoning), [calls[i] for i in sorted(calls)], logprobs, finish)
+
+
+class Choices:
+    """The n choices of one request (OpenAI's `n`): n generations of the same prompt, started together and
+    closed together. Choice i samples with seed + i when the request gives a seed (the same seed would give
+    n equal samples), else with its own random seed. The prompt is counted once in the usage."""
+
+    def __init__(self, make: Callable[[GenerationRequest], Generation], request: GenerationRequest, n: int):
+        self.generations: list[Generation] = []
+        try:
+            for i in range(n):
+                params = request.params
+                if params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + i)
+                gen = make(dataclasses.replace(request, params=params))
+                gen.start()
+                self.generations.append(gen)
+        except BaseException:
+            self.close()            # e.g. the queue took some choices but not all: give those back
+            raise
+
+    def close(self) -> None:
+        for gen in self.generations:
+            gen.close()
+
+    async def collect(self) -> list[Completed]:
+        return list(await asyncio.gather(*(gen.collect() for gen in self.generations)))
+
+    @staticmethod
+    def total_usage(finishes: list[Finish]) -> Usage:
+        first = finishes[0].usage
+        return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finishes), first.cached_tokens)
+
+
+async def interleave(streams: list[AsyncGenerator[str, None]]) -> AsyncIterator[str]:
+    """The items of several async iterators, each in its order, interleaved as they come. The first error
+    of any of them ends the whole (the others are cancelled, which closes their generations)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncGenerator[str, None]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except Exception as exc:        # handed to the consumer, which raises it
+            await queue.put(exc)
+        finally:
+            await stream.aclose()       # cancelled between two items: still run the stream's cleanup
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def make_sampling_params(vocab_size: int, **fields) -> SamplingParams:

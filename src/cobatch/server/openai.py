@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from cobatch.engine.sampler import MAX_TOP_LOGPROBS
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
-from cobatch.server.generation import (Chunk, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
-                                       make_sampling_params)
+from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
+                                       TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import check_prompt_fits, max_new_tokens, render_chat
 from cobatch.server.request_body import read_body
@@ -31,6 +31,7 @@ router = APIRouter()
 log = logging.getLogger("cobatch.server")
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16        # `n`: each choice is a session of its own, decoded in the same batch
 
 
 # --- request bodies ---------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ class _SamplingBody(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    n: int | None = Field(None, ge=1, le=1, description="only one choice per request")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate, each an independent sample")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -230,8 +231,7 @@ def _completion_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob], offse
             "text_offset": offsets}
 
 
-def _usage(finish: Finish) -> dict:
-    u = finish.usage
+def _usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
@@ -281,19 +281,27 @@ async def chat_completions(request: Request):
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs)
-    gen = ctx.generation(GenerationRequest(
+    choices = Choices(ctx.generation, GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), parse_reasoning=True, start_in_reasoning=in_think,
-        tool_names=[t["function"]["name"] for t in tools] if tools else None))
-    gen.start()
+        tool_names=[t["function"]["name"] for t in tools] if tools else None), body.n)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_ending_in_done(_chat_stream(ctx, gen, meta, include_usage)), gen.close)
-    return GeneratedJSONResponse(lambda: _chat_result(ctx, gen, meta), gen.close, request.url.path)
+        streams = [_chat_stream(ctx, gen, meta, include_usage, i) for i, gen in enumerate(choices.generations)]
+        return EventStreamResponse(_ending_in_done(_with_usage(streams, choices, meta, "chat.completion.chunk",
+                                                               include_usage)), choices.close)
+    return GeneratedJSONResponse(lambda: _chat_result(ctx, choices, meta), choices.close, request.url.path)
 
 
-async def _chat_result(ctx: ServerContext, gen: Generation, meta: dict) -> dict:
-    done: Completed = await gen.collect()
+async def _chat_result(ctx: ServerContext, choices: Choices, meta: dict) -> dict:
+    done = await choices.collect()
+    want_logprobs = choices.generations[0].request.params.logprobs is not None
+    return {**meta, "object": "chat.completion", "choices": [_chat_choice(ctx, i, d, want_logprobs)
+                                                             for i, d in enumerate(done)],
+            "usage": _usage(Choices.total_usage([d.finish for d in done]))}
+
+
+def _chat_choice(ctx: ServerContext, index: int, done: Completed, want_logprobs: bool) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": done.content if done.content or not done.tool_calls
                                else None}
     if done.reasoning:
@@ -301,9 +309,8 @@ async def _chat_result(ctx: ServerContext, gen: Generation, meta: dict) -> dict:
     if done.tool_calls:
         message["tool_calls"] = [{"id": _call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in done.tool_calls]
-    choice = {"index": 0, "message": message, "finish_reason": done.finish.reason,
-              "logprobs": _chat_logprobs(ctx, done.logprobs) if gen.request.params.logprobs is not None else None}
-    return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(done.finish)}
+    return {"index": index, "message": message, "finish_reason": done.finish.reason,
+            "logprobs": _chat_logprobs(ctx, done.logprobs) if want_logprobs else None}
 
 
 async def _ending_in_done(frames: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -329,10 +336,21 @@ def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict) -> str:
     return sse_data(chunk)
 
 
-async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_usage: bool) -> AsyncIterator[str]:
+async def _with_usage(streams: list, choices: Choices, meta: dict, obj: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """The choices' frames interleaved; then, when asked for, one chunk with the usage of all of them."""
+    async for frame in interleave(streams):
+        yield frame
+    if include_usage:
+        usage = Choices.total_usage([gen.finish for gen in choices.generations])
+        yield sse_data({**meta, "object": obj, "choices": [], "usage": _usage(usage)})
+
+
+async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_usage: bool,
+                       index: int) -> AsyncIterator[str]:
     def frame(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
         return _sse_chunk(meta, "chat.completion.chunk", include_usage,
-                          {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+                          {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     want_logprobs = gen.request.params.logprobs is not None
     call_ids: dict[int, str] = {}
@@ -340,8 +358,6 @@ async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_
     async for item in gen.events():
         if isinstance(item, Finish):
             yield frame({}, item.reason)
-            if include_usage:
-                yield sse_data({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(item)})
             break
         deltas = [_chat_delta(e, call_ids) for e in item.events] or [{"content": ""}]
         logprobs = _chat_logprobs(ctx, item.logprobs) if want_logprobs else None
@@ -371,14 +387,17 @@ async def completions(request: Request):
     prompt_ids, prompt_text = await run_in_threadpool(_completion_prompt, ctx, body.prompt)
     check_prompt_fits(ctx.llm, len(prompt_ids), "prompt")
     params = _sampling(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
-    gen = ctx.generation(GenerationRequest("completions", prompt_ids, params, _stops(body.stop)))
-    gen.start()
+    choices = Choices(ctx.generation, GenerationRequest("completions", prompt_ids, params, _stops(body.stop)), body.n)
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     echo = prompt_text if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_ending_in_done(_completion_stream(ctx, gen, meta, echo, include_usage)), gen.close)
-    return GeneratedJSONResponse(lambda: _completion_result(ctx, gen, meta, echo), gen.close, request.url.path)
+        streams = [_completion_stream(ctx, gen, meta, echo, include_usage, i)
+                   for i, gen in enumerate(choices.generations)]
+        return EventStreamResponse(_ending_in_done(_with_usage(streams, choices, meta, "text_completion",
+                                                               include_usage)), choices.close)
+    return GeneratedJSONResponse(lambda: _completion_result(ctx, choices, meta, echo), choices.close,
+                                 request.url.path)
 
 
 def _completion_prompt(ctx: ServerContext, prompt) -> tuple[list[int], str]:
@@ -395,18 +414,21 @@ def _completion_prompt(ctx: ServerContext, prompt) -> tuple[list[int], str]:
     return list(prompt), tok.decode(prompt)
 
 
-async def _completion_result(ctx: ServerContext, gen: Generation, meta: dict, echo: str) -> dict:
-    done = await gen.collect()
-    logprobs = _completion_logprobs(ctx, done.logprobs, len(echo)) if gen.request.params.logprobs is not None else None
-    choice = {"index": 0, "text": echo + done.content, "logprobs": logprobs, "finish_reason": done.finish.reason}
-    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(done.finish)}
+async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, echo: str) -> dict:
+    done = await choices.collect()
+    want_logprobs = choices.generations[0].request.params.logprobs is not None
+    out = [{"index": i, "text": echo + d.content, "finish_reason": d.finish.reason,
+            "logprobs": _completion_logprobs(ctx, d.logprobs, len(echo)) if want_logprobs else None}
+           for i, d in enumerate(done)]
+    return {**meta, "object": "text_completion", "choices": out,
+            "usage": _usage(Choices.total_usage([d.finish for d in done]))}
 
 
 async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, echo: str,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             include_usage: bool, index: int) -> AsyncIterator[str]:
     def frame(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
         return _sse_chunk(meta, "text_completion", include_usage,
-                          {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+                          {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
     want_logprobs = gen.request.params.logprobs is not None
     offset = len(echo)
@@ -415,8 +437,6 @@ async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, ec
     async for item in gen.events():
         if isinstance(item, Finish):
             yield frame("", item.reason)
-            if include_usage:
-                yield sse_data({**meta, "object": "text_completion", "choices": [], "usage": _usage(item)})
             break
         assert isinstance(item, Chunk)
         text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
