@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -328,6 +329,29 @@ def test_n_choices_that_do_not_all_fit_are_429_and_leave_nothing_running(server,
     wait_for(lambda: all_slots_idle(server.url), what="the choices that were started to be aborted")
 
 
+# --- response_format ------------------------------------------------------------------------------------
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["country", "capital"],
+        "properties": {"country": {"type": "string", "maxLength": 20}, "capital": {"type": "string", "maxLength": 20}}}
+
+
+def test_response_format_json_schema_and_json_object(oai):
+    pytest.importorskip("llguidance")
+    ask = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    plain = oai.chat.completions.create(model="any", messages=ask, response_format=fmt, max_tokens=60, **GREEDY)
+    value = json.loads(plain.choices[0].message.content)
+    assert set(value) == {"country", "capital"} and all(isinstance(v, str) for v in value.values())
+    assert plain.choices[0].finish_reason == "stop"
+    stream = oai.chat.completions.create(model="any", messages=ask, response_format=fmt, max_tokens=60, stream=True,
+                                         **GREEDY)
+    assert _stream_text(stream)[0] == plain.choices[0].message.content
+
+    text = oai.completions.create(model="any", prompt="A JSON object describing a cat:", max_tokens=60,
+                                  extra_body={"response_format": {"type": "json_object"}}, **GREEDY)
+    assert isinstance(json.loads(text.choices[0].text), dict)
+
+
 # --- errors --------------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"
@@ -358,7 +382,12 @@ ERROR_CASES = [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content.0"),
     ("bad tool arguments", "POST", CHAT, {"messages": [QUESTION[0], {"role": "assistant", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400, None),
-    ("json_schema response_format", "POST", CHAT, {**OK_CHAT, "response_format": {"type": "json_schema"}}, 400,
+    ("json_schema response_format without a schema object", "POST", CHAT,
+     {**OK_CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("response_format of an unknown type", "POST", CHAT, {**OK_CHAT, "response_format": {"type": "yaml"}}, 400,
+     "response_format"),
+    ("response_format schema that does not compile", "POST", "/v1/completions",
+     {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, 400,
      "response_format"),
     ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from cobatch.chat_template import ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
 from cobatch.engine.engine import Engine
+from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.runner import ModelRunner
 from cobatch.errors import UserError
@@ -87,7 +88,8 @@ class LLM:
         if device.type == "cuda" and not options.eager:
             runner.capture_graphs(options.max_num_seqs, ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
-                        max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk)
+                        max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
+                        grammars=Grammars(tokenizer, cfg.vocab_size))
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         return cls(path, gguf, cfg, tokenizer, template, model, engine, options)

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, KVPool
 from cobatch.engine.runner import ModelRunner
 from cobatch.engine.sampler import SamplingParams
@@ -36,8 +37,10 @@ class StepOutput:
 
 class Engine:
     def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
-                 max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512):
+                 max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512,
+                 grammars: Grammars | None = None):
         self.runner = runner
+        self.grammars = grammars         # compiles SamplingParams.grammar; None: grammars are refused
         self.pool: KVPool = runner.pool
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk)
@@ -64,6 +67,10 @@ class Engine:
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id}")
         seq = Sequence(request_id, len(prompt_ids), params, params.resolved_seed(), list(prompt_ids))
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("this engine has no grammar support (constrained decoding)")
+            seq.matcher = self.grammars.matcher(params.grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -102,6 +109,8 @@ class Engine:
             if token is None:
                 continue
             seq.token_ids.append(token)
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             reason = self._stop_reason(seq, token)
             if reason:
                 seq.finish_reason = reason
@@ -125,6 +134,8 @@ class Engine:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.done:      # the grammar is complete
             return "stop"
         if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_context:
             return "length"

@@ -110,7 +110,8 @@ class ModelRunner:
         history = needs_penalties(seq.params)
         return SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
                          prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
-                         output_ids=seq.output_ids if history else ())
+                         output_ids=seq.output_ids if history else (),
+                         allowed=seq.matcher.allowed() if seq.matcher is not None else None)
 
     def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:
         # The one host sync of the step: everything the caller needs in one transfer (token ids travel

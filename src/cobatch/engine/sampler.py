@@ -11,7 +11,7 @@ device. The hash is exact integer arithmetic (identical bits on CPU and CUDA); t
 is float32 `log`, whose last-ulp rounding may differ between devices, so identical logits give the same
 token on CPU and CUDA except at float32-level near-ties.
 
-Pipeline per row: raw logits -> penalties -> (greedy: argmax) | (temperature -> top-k -> top-p over the
+Pipeline per row: raw logits -> penalties -> logit bias -> grammar mask -> (greedy: argmax) | (temperature -> top-k -> top-p over the
 top-k-renormalized distribution -> min-p relative to the most likely token -> Gumbel-max). logprobs are
 always of the raw logits (no penalties, no temperature).
 """
@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from cobatch.engine.grammar import apply_token_masks
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
@@ -53,6 +55,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; n>=0: the chosen token's logprob plus the top-n
     logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, bias in [-100, 100]) added to logits
+    grammar: str | None = None        # an llguidance grammar the output must follow (engine/grammar.py)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -84,6 +87,8 @@ class SamplingParams:
             _check_int("logit_bias", token, f"keyed by {ids}",
                        lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
             _check_real("logit_bias", bias, "values in [-100, 100]", lambda v: -100 <= v <= 100)
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a string or None (got {type(self.grammar).__name__})")
 
     def resolved_seed(self) -> int:
         """The seed, or a fresh random 63-bit one; call once per request and keep it."""
@@ -109,6 +114,7 @@ class SampleRow:
     step: int                   # number of tokens this request has sampled so far
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    allowed: torch.Tensor | None = None     # the grammar's packed token mask (engine/grammar.py), if any
 
 
 @dataclass(slots=True)
@@ -280,6 +286,7 @@ class Sampler:
         device = raw.device
         penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
         penalized = apply_logit_bias(penalized, rows)
+        penalized = apply_token_masks(penalized, [r.allowed for r in rows])
         # NaN never wins (argmax would pick it); +inf stays and wins.
         penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         token_ids = penalized.argmax(dim=-1)

@@ -9,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cobatch.engine.grammar import TokenMatcher
 from cobatch.engine.sampler import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Sequence:
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    matcher: TokenMatcher | None = None      # where the output stands in its grammar (params.grammar)
 
     @property
     def output_ids(self) -> list[int]:

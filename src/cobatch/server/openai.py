@@ -17,7 +17,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from cobatch.engine.grammar import json_grammar, schema_from_response_format
 from cobatch.engine.sampler import MAX_TOP_LOGPROBS
+from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
@@ -61,6 +63,7 @@ class _SamplingBody(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
 
@@ -104,7 +107,6 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
@@ -136,15 +138,31 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] |
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
+async def _grammar(ctx: ServerContext, body: _SamplingBody) -> str | None:
+    """response_format json_object / json_schema -> the grammar the output must follow (None: free text)."""
+    if not body.response_format:
+        return None
+    try:
+        constrained, schema = schema_from_response_format(body.response_format)
+        if not constrained:
+            return None
+        grammar = json_grammar(schema)
+        await run_in_threadpool(ctx.llm.engine.grammars.check, grammar)    # a big schema takes a while
+    except (ValueError, UserError) as exc:
+        raise bad_request(str(exc), param="response_format") from None
+    return grammar
+
+
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
-              logprobs: int | None):
+              logprobs: int | None, grammar: str | None):
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size,
         temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
         top_k=0 if body.top_k in (None, -1) else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        logit_bias=_logit_bias(body.logit_bias), max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
+        logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
+        max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
 
 
 def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
@@ -272,15 +290,13 @@ async def chat_completions(request: Request):
     body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format {body.response_format.get('type')!r} is not supported "
-                          f"(no constrained decoding)", param="response_format")
+    grammar = await _grammar(ctx, body)
     tools = _tools(body)
     messages = _template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs)
+    params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs, grammar)
     choices = Choices(ctx.generation, GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), parse_reasoning=True, start_in_reasoning=in_think,
         tool_names=[t["function"]["name"] for t in tools] if tools else None), body.n)
@@ -384,9 +400,10 @@ async def completions(request: Request):
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
+    grammar = await _grammar(ctx, body)
     prompt_ids, prompt_text = await run_in_threadpool(_completion_prompt, ctx, body.prompt)
     check_prompt_fits(ctx.llm, len(prompt_ids), "prompt")
-    params = _sampling(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
+    params = _sampling(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, grammar)
     choices = Choices(ctx.generation, GenerationRequest("completions", prompt_ids, params, _stops(body.stop)), body.n)
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     echo = prompt_text if body.echo else ""

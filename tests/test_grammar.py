@@ -1,0 +1,98 @@
+"""Constrained decoding (engine/grammar.py): the token mask, and JSON output from the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cobatch.engine import grammar
+from cobatch.engine.grammar import GrammarError, apply_token_masks, json_grammar, schema_from_response_format
+from cobatch.engine.sampler import SamplingParams
+from cobatch.errors import UserError
+from model_fixtures import load_llm
+
+pytest.importorskip("llguidance")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer"},
+                         "role": {"enum": ["admin", "user", "guest"]}}}
+QUESTION = [{"role": "user", "content": "Describe a user of a web site as JSON: name, age and role."}]
+
+
+def conforms_to_person(value) -> bool:
+    """PERSON checked by hand (an independent reading of the schema, not llguidance's)."""
+    return (isinstance(value, dict) and set(value) == {"name", "age", "role"}
+            and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and isinstance(value["age"], int) and not isinstance(value["age"], bool)
+            and value["role"] in ("admin", "user", "guest"))
+
+
+def test_token_masks_set_exactly_the_left_out_logits_to_minus_inf():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70                                  # not a multiple of 32: the last word is partial
+    logits = torch.randn(3, vocab, generator=gen)
+    masks = [torch.randint(-2**31, 2**31 - 1, (3,), dtype=torch.int32, generator=gen), None,
+             torch.zeros(3, dtype=torch.int32)]
+    masks[2][1] = 1 << 5                        # row 2 allows token 37 only
+    out = apply_token_masks(logits, masks)
+    for row, mask in enumerate(masks):
+        for t in range(vocab):
+            allowed = mask is None or (int(mask[t // 32]) >> (t % 32)) & 1
+            assert out[row, t].item() == (logits[row, t].item() if allowed else float("-inf")), (row, t)
+    assert apply_token_masks(logits, [None, None, None]) is logits
+
+
+def test_response_format_parsing():
+    assert schema_from_response_format({"type": "text"}) == (False, None)
+    assert schema_from_response_format({"type": "json_object"}) == (True, None)
+    assert schema_from_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}) \
+        == (True, PERSON)
+    for bad in ({"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}}, {"type": "yaml"}):
+        with pytest.raises(ValueError):
+            schema_from_response_format(bad)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_llm("smollm2")
+
+
+def test_greedy_and_sampled_output_follows_the_schema(smol):
+    ids = smol.encode_chat(QUESTION)
+    g = json_grammar(PERSON)
+    params = [SamplingParams(temperature=0, max_tokens=80, grammar=g)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=80, grammar=g) for s in range(4)]
+    seq_ids = [smol.engine.add_request(ids, p) for p in params]
+    outputs = {i: [] for i in seq_ids}
+    reasons = {}
+    while smol.engine.has_work():
+        for o in smol.engine.step():
+            if o.new_token is not None:
+                outputs[o.request_id].append(o.new_token)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    for i in seq_ids:
+        text = smol.tokenizer.decode(outputs[i])
+        assert conforms_to_person(json.loads(text)), text
+        assert reasons[i] == "stop" and not any(t in smol.tokenizer.stop_ids for t in outputs[i])
+
+
+def test_json_object_mode_gives_an_object(smol):
+    ids = smol.encode_chat([{"role": "user", "content": "List three colors."}])
+    out = smol.engine.generate([ids], SamplingParams(temperature=0, max_tokens=60, grammar=json_grammar(None)))[0]
+    assert isinstance(json.loads(smol.tokenizer.decode(out)), dict)
+
+
+def test_bad_schema_and_missing_library_are_user_errors(smol, monkeypatch):
+    with pytest.raises(GrammarError):
+        smol.engine.grammars.check(json_grammar({"type": "frobnicate"}))
+    ids = smol.encode_chat(QUESTION)
+    with pytest.raises(UserError):
+        smol.engine.add_request(ids, SamplingParams(grammar="this is not a grammar ::= ???"))
+    assert not smol.engine.has_work()
+    monkeypatch.setattr(grammar, "llguidance", None)
+    with pytest.raises(GrammarError, match="llguidance"):
+        json_grammar(None)
