@@ -85,3 +85,47 @@ def test_anthropic_tool_use_plain_and_streamed(server):
     assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Paris"}]
     counted = claude.messages.count_tokens(model="qwen", messages=ASK, tools=[tool]).input_tokens
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == counted
+
+
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+SMALL_TALK = [{"role": "user", "content": "Hello, how are you?"}]
+
+
+def test_tool_choice_required_and_named_are_enforced(oai):
+    """Small talk gets a text answer under tool_choice auto; "required" makes it a call (through a grammar
+    in the template's <tool_call> format), and a named function makes it a call of that function."""
+    pytest.importorskip("llguidance")
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    free = oai.chat.completions.create(model="qwen", messages=SMALL_TALK, tools=tools, max_tokens=30, **GREEDY)
+    assert free.choices[0].finish_reason != "tool_calls" and free.choices[0].message.content
+
+    forced = oai.chat.completions.create(model="qwen", messages=SMALL_TALK, tools=tools, tool_choice="required",
+                                         max_tokens=60, **GREEDY)
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert (call.function.name, sorted(args)) in [("get_weather", ["city"]), ("get_time", ["zone"])]
+
+    named = oai.chat.completions.create(model="qwen", messages=ASK, tools=tools, max_tokens=60, **GREEDY,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments)["zone"], str)
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="qwen", messages=ASK, tool_choice="required", max_tokens=5)
+    assert exc.value.body["param"] == "tool_choice"
+
+
+def test_anthropic_tool_choice_any(server):
+    pytest.importorskip("llguidance")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    tool = {"name": "get_weather", "description": "Get the current weather for a city",
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    out = claude.messages.create(model="qwen", max_tokens=60, messages=SMALL_TALK, tools=[tool],
+                                 tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert out.stop_reason == "tool_use"
+    (block,) = [b for b in out.content if b.type == "tool_use"]
+    assert block.name == "get_weather" and isinstance(block.input["city"], str)

@@ -45,6 +45,22 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
 
 
+def forced_tool_call_grammar(tools: list[dict[str, Any]], tagged: bool, parallel: bool) -> str:
+    """A grammar under which the output is a call of one of `tools` (OpenAI function dicts): tool_choice
+    "required" (Anthropic "any") or a named tool. Written the way server/output_parser.py reads calls back:
+    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` when the chat template uses those tags
+    (`tagged`: Qwen2.5, Hermes), else the bare JSON object. `parallel`: one call or more."""
+    if llguidance is None:
+        raise GrammarError("tool_choice 'required' (constrained decoding) needs the llguidance package")
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+    one = '"<tool_call>\\n" call "\\n</tool_call>"' if tagged else "call"
+    start = f"start: {one}" + (f' ("\\n" {one})*' if parallel else "")
+    return llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: %json {json.dumps(schema)}")
+
+
 class Grammars:
     """Compiles grammars against one vocabulary (built once, on first use: about 0.1 s for 50k tokens)."""
 

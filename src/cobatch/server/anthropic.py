@@ -23,7 +23,7 @@ from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import Completed, Finish, Generation, GenerationRequest, make_sampling_params
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import check_prompt_fits, render_chat
+from cobatch.server.prompting import check_prompt_fits, render_chat, tool_call_grammar
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
@@ -178,8 +178,12 @@ async def messages(request: Request):
     body = await read_body(request, MessagesRequest, ctx.options.max_body_bytes)
     prompt_ids, in_think, tools = await run_in_threadpool(_prompt, ctx, body)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
+    choice = body.tool_choice or {}
+    grammar = None
+    if tools and choice.get("type") in ("any", "tool"):        # a call is enforced
+        grammar = await tool_call_grammar(ctx.llm, tools, parallel=not choice.get("disable_parallel_tool_use"))
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, max_tokens=body.max_tokens)
+                                  top_k=body.top_k, max_tokens=body.max_tokens, grammar=grammar)
     gen = ctx.generation(GenerationRequest(
         "messages", prompt_ids, params, list(body.stop_sequences or []), parse_reasoning=True,
         start_in_reasoning=in_think, tool_names=[t["function"]["name"] for t in tools] if tools else None))

@@ -25,7 +25,7 @@ from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
                                        TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import check_prompt_fits, max_new_tokens, render_chat
+from cobatch.server.prompting import check_prompt_fits, max_new_tokens, render_chat, tool_call_grammar
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -290,8 +290,13 @@ async def chat_completions(request: Request):
     body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    grammar = await _grammar(ctx, body)
     tools = _tools(body)
+    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):    # a call is enforced
+        if not tools:
+            raise bad_request("tool_choice 'required' or a named function needs tools", param="tool_choice")
+        grammar = await tool_call_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False)
+    else:
+        grammar = await _grammar(ctx, body)
     messages = _template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from starlette.concurrency import run_in_threadpool
+
 from cobatch.chat_template import ChatTemplateError
+from cobatch.engine.grammar import forced_tool_call_grammar
+from cobatch.errors import UserError
 from cobatch.llm import LLM
 from cobatch.server.errors import ApiError, bad_request
 
@@ -34,6 +38,18 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids = [tok.bos_id] + ids
     return ids, text.rstrip().endswith("<think>")
+
+
+async def tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
+    """The grammar that makes the reply a call of one of `tools` (tool_choice required / any / a named tool),
+    in the format the chat template shows the model; a tool whose parameters schema does not compile is a 400."""
+    tagged = llm.template is not None and "<tool_call>" in llm.template.source
+    try:
+        grammar = forced_tool_call_grammar(tools, tagged, parallel)
+        await run_in_threadpool(llm.engine.grammars.check, grammar)
+    except (ValueError, UserError) as exc:
+        raise bad_request(f"cannot enforce tool_choice with these tools: {exc}", param="tool_choice") from None
+    return grammar
 
 
 def check_prompt_fits(llm: LLM, n_prompt: int, param: str) -> None:
