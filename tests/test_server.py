@@ -314,6 +314,19 @@ def test_n_choices_are_the_seeded_single_requests(oai):
     assert [c.text for c in text.choices] == [a.choices[0].text for a in alone]
 
 
+def test_completions_with_several_prompts(oai):
+    """A list of prompts: n choices each, indexed prompt-major, each as the prompt alone would give it."""
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [oai.completions.create(model="any", prompt=p, max_tokens=6, **GREEDY) for p in prompts]
+    both = oai.completions.create(model="any", prompt=prompts, n=2, max_tokens=6, echo=True, **GREEDY)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [p + a.choices[0].text for p, a in zip(prompts, alone) for _ in "ab"]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = oai.completions.create(model="any", prompt=[[1, 2, 3], [4, 5]], max_tokens=2, **GREEDY)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
 def test_n_choices_that_do_not_all_fit_are_429_and_leave_nothing_running(server, oai):
     worker = server.context.worker
     aborted = {"api": "chat", "finish_reason": "abort"}
@@ -391,7 +404,9 @@ ERROR_CASES = [
      "response_format"),
     ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("completion batched prompt", "POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completion too many prompts", "POST", "/v1/completions", {"prompt": ["a"] * 33, "n": 2}, 400, "prompt"),
+    ("completion empty prompt list", "POST", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("completion bad id in a batched prompt", "POST", "/v1/completions", {"prompt": [[1, 2], [-1]]}, 400, "prompt"),
     ("unknown model id", "GET", "/v1/models/nope", None, 404, "model"),
     ("unknown route", "GET", "/v1/nothing-here", None, 404, None),
     ("wrong method", "GET", CHAT, None, 405, None),

@@ -205,20 +205,23 @@ class Generation:
 
 
 class Choices:
-    """The n choices of one request (OpenAI's `n`): n generations of the same prompt, started together and
-    closed together. Choice i samples with seed + i when the request gives a seed (the same seed would give
-    n equal samples), else with its own random seed. The prompt is counted once in the usage."""
+    """The choices of one HTTP request: n generations (OpenAI's `n`) of each of its prompts (a completions
+    request may carry several), started together and closed together, in the order prompt-major. Choice i of
+    a prompt samples with seed + i when the request gives a seed (the same seed would give n equal samples),
+    else with its own random seed. Each prompt is counted once in the usage."""
 
-    def __init__(self, make: Callable[[GenerationRequest], Generation], request: GenerationRequest, n: int):
+    def __init__(self, make: Callable[[GenerationRequest], Generation], requests: list[GenerationRequest], n: int):
+        self.n = n
         self.generations: list[Generation] = []
         try:
-            for i in range(n):
-                params = request.params
-                if params.seed is not None:
-                    params = dataclasses.replace(params, seed=params.seed + i)
-                gen = make(dataclasses.replace(request, params=params))
-                gen.start()
-                self.generations.append(gen)
+            for request in requests:
+                for i in range(n):
+                    params = request.params
+                    if params.seed is not None:
+                        params = dataclasses.replace(params, seed=params.seed + i)
+                    gen = make(dataclasses.replace(request, params=params))
+                    gen.start()
+                    self.generations.append(gen)
         except BaseException:
             self.close()            # e.g. the queue took some choices but not all: give those back
             raise
@@ -230,10 +233,11 @@ class Choices:
     async def collect(self) -> list[Completed]:
         return list(await asyncio.gather(*(gen.collect() for gen in self.generations)))
 
-    @staticmethod
-    def total_usage(finishes: list[Finish]) -> Usage:
-        first = finishes[0].usage
-        return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finishes), first.cached_tokens)
+    def total_usage(self, finishes: list[Finish]) -> Usage:
+        """The usage of all choices, finishes given in the generations' order."""
+        per_prompt = finishes[::self.n]
+        return Usage(sum(f.usage.prompt_tokens for f in per_prompt), sum(f.usage.completion_tokens for f in finishes),
+                     sum(f.usage.cached_tokens for f in per_prompt))
 
 
 async def interleave(streams: list[AsyncGenerator[str, None]]) -> AsyncIterator[str]:

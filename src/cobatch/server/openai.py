@@ -34,6 +34,7 @@ log = logging.getLogger("cobatch.server")
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16        # `n`: each choice is a session of its own, decoded in the same batch
+MAX_PROMPTS = 64        # prompts in one completions request, times n
 
 
 # --- request bodies ---------------------------------------------------------------------------------
@@ -302,9 +303,9 @@ async def chat_completions(request: Request):
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs, grammar)
-    choices = Choices(ctx.generation, GenerationRequest(
+    choices = Choices(ctx.generation, [GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), parse_reasoning=True, start_in_reasoning=in_think,
-        tool_names=[t["function"]["name"] for t in tools] if tools else None), body.n)
+        tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -319,7 +320,7 @@ async def _chat_result(ctx: ServerContext, choices: Choices, meta: dict) -> dict
     want_logprobs = choices.generations[0].request.params.logprobs is not None
     return {**meta, "object": "chat.completion", "choices": [_chat_choice(ctx, i, d, want_logprobs)
                                                              for i, d in enumerate(done)],
-            "usage": _usage(Choices.total_usage([d.finish for d in done]))}
+            "usage": _usage(choices.total_usage([d.finish for d in done]))}
 
 
 def _chat_choice(ctx: ServerContext, index: int, done: Completed, want_logprobs: bool) -> dict:
@@ -363,7 +364,7 @@ async def _with_usage(streams: list, choices: Choices, meta: dict, obj: str,
     async for frame in interleave(streams):
         yield frame
     if include_usage:
-        usage = Choices.total_usage([gen.finish for gen in choices.generations])
+        usage = choices.total_usage([gen.finish for gen in choices.generations])
         yield sse_data({**meta, "object": obj, "choices": [], "usage": _usage(usage)})
 
 
@@ -406,28 +407,39 @@ async def completions(request: Request):
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     grammar = await _grammar(ctx, body)
-    prompt_ids, prompt_text = await run_in_threadpool(_completion_prompt, ctx, body.prompt)
-    check_prompt_fits(ctx.llm, len(prompt_ids), "prompt")
-    params = _sampling(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, grammar)
-    choices = Choices(ctx.generation, GenerationRequest("completions", prompt_ids, params, _stops(body.stop)), body.n)
+    prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt)
+    if len(prompts) * body.n > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",
+                          param="prompt")
+    requests = []
+    for ids, _ in prompts:
+        check_prompt_fits(ctx.llm, len(ids), "prompt")
+        params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, grammar)
+        requests.append(GenerationRequest("completions", ids, params, _stops(body.stop)))
+    choices = Choices(ctx.generation, requests, body.n)
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
-    echo = prompt_text if body.echo else ""
+    echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]     # one per choice
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streams = [_completion_stream(ctx, gen, meta, echo, include_usage, i)
-                   for i, gen in enumerate(choices.generations)]
+                   for i, (gen, echo) in enumerate(zip(choices.generations, echoes))]
         return EventStreamResponse(_ending_in_done(_with_usage(streams, choices, meta, "text_completion",
                                                                include_usage)), choices.close)
-    return GeneratedJSONResponse(lambda: _completion_result(ctx, choices, meta, echo), choices.close,
+    return GeneratedJSONResponse(lambda: _completion_result(ctx, choices, meta, echoes), choices.close,
                                  request.url.path)
 
 
-def _completion_prompt(ctx: ServerContext, prompt) -> tuple[list[int], str]:
-    tok = ctx.llm.tokenizer
+def _completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]]:
+    """OpenAI's prompt forms (a string, token ids, or a list of either) -> (ids, text) per prompt."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request("one prompt per request (batched prompts are not supported)", param="prompt")
-        prompt = prompt[0]
+        return [_completion_prompt(ctx, p) for p in prompt]
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    return [_completion_prompt(ctx, prompt)]
+
+
+def _completion_prompt(ctx: ServerContext, prompt: str | list[int]) -> tuple[list[int], str]:
+    tok = ctx.llm.tokenizer
     if isinstance(prompt, str):
         return ctx.llm.encode_prompt(prompt), prompt
     bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
@@ -436,14 +448,14 @@ def _completion_prompt(ctx: ServerContext, prompt) -> tuple[list[int], str]:
     return list(prompt), tok.decode(prompt)
 
 
-async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, echo: str) -> dict:
+async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, echoes: list[str]) -> dict:
     done = await choices.collect()
     want_logprobs = choices.generations[0].request.params.logprobs is not None
     out = [{"index": i, "text": echo + d.content, "finish_reason": d.finish.reason,
             "logprobs": _completion_logprobs(ctx, d.logprobs, len(echo)) if want_logprobs else None}
-           for i, d in enumerate(done)]
+           for i, (d, echo) in enumerate(zip(done, echoes))]
     return {**meta, "object": "text_completion", "choices": out,
-            "usage": _usage(Choices.total_usage([d.finish for d in done]))}
+            "usage": _usage(choices.total_usage([d.finish for d in done]))}
 
 
 async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, echo: str,
