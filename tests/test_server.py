@@ -365,6 +365,26 @@ def test_response_format_json_schema_and_json_object(oai):
     assert isinstance(json.loads(text.choices[0].text), dict)
 
 
+# --- tokenize / detokenize ------------------------------------------------------------------------------
+
+def test_tokenize_and_detokenize(server, oai):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world, hello tokens!"}).json()
+    assert r["count"] == len(r["tokens"]) > 3 and r["max_model_len"] == 1024
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == \
+        {"prompt": "Hello world, hello tokens!", "content": "Hello world, hello tokens!"}
+    cpp = httpx.post(server.url + "/tokenize", json={"content": "Hello world, hello tokens!", "with_pieces": True})
+    assert cpp.json()["tokens"] == r["tokens"] and "".join(cpp.json()["token_strs"]).replace("Ġ", " ") == \
+        "Hello world, hello tokens!"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": QUESTION}).json()
+    reply = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    for path, body, param in [("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"), ("/detokenize", {}, "tokens")]:
+        bad = httpx.post(server.url + path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)
+
+
 # --- errors --------------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"

@@ -180,7 +180,7 @@ def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str
     return "".join(parts)
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -298,7 +298,7 @@ async def chat_completions(request: Request):
         grammar = await tool_call_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False)
     else:
         grammar = await _grammar(ctx, body)
-    messages = _template_messages(body.messages)
+    messages = template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
