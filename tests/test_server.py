@@ -424,6 +424,8 @@ ERROR_CASES = [
      "response_format"),
     ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("suffix on a model without fill-in-the-middle tokens", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"},
+     400, "suffix"),
     ("completion too many prompts", "POST", "/v1/completions", {"prompt": ["a"] * 33, "n": 2}, 400, "prompt"),
     ("completion empty prompt list", "POST", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("completion bad id in a batched prompt", "POST", "/v1/completions", {"prompt": [[1, 2], [-1]]}, 400, "prompt"),

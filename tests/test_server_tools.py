@@ -1,4 +1,5 @@
-"""Tool calls end to end with Qwen2.5-Coder-0.5B (its chat template supports tools), greedy.
+"""Tool calls end to end with Qwen2.5-Coder-0.5B (its chat template supports tools), greedy; and its
+fill-in-the-middle through /v1/completions' suffix.
 
 This small model answers a tool request with a bare `{"name": ..., "arguments": ...}` object rather than
 inside <tool_call> tags (checked: several prompts, with and without few-shot history); the parser accepts
@@ -129,3 +130,12 @@ def test_anthropic_tool_choice_any(server):
     assert out.stop_reason == "tool_use"
     (block,) = [b for b in out.content if b.type == "tool_use"]
     assert block.name == "get_weather" and isinstance(block.input["city"], str)
+
+
+def test_completion_suffix_fills_in_the_middle(oai):
+    out = oai.completions.create(model="qwen", prompt="def add(a, b):\n    ", suffix="\n\nprint(add(2, 3))\n",
+                                 max_tokens=8, **GREEDY)
+    assert out.choices[0].text.startswith("return a + b")
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="qwen", prompt=[1, 2, 3], suffix="x", max_tokens=2)
+    assert exc.value.body["param"] == "suffix"

@@ -181,6 +181,20 @@ def test_qwen_tool_call_marker_is_one_non_special_token() -> None:
     assert real.tokenizer.decode(ids, skip_special=True) == "<tool_call>\n{}"
 
 
+def test_fill_in_the_middle_tokens() -> None:
+    real = load_real_model("qwen_coder")
+    tokens = real.metadata["tokenizer.ggml.tokens"]
+    assert real.tokenizer.fim_ids == tuple(tokens.index(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                                        "<|fim_middle|>"))
+    assert load_real_model("smollm2").tokenizer.fim_ids is None
+    from cobatch.tokenizer import _fim_ids
+    vocab = ["<s>", "<PRE>", "<MID>", "<SUF>", "x"]
+    assert _fim_ids({}, vocab) == (1, 3, 2)                                   # CodeLlama's texts
+    named = {"tokenizer.ggml.fim_pre_token_id": 4, "tokenizer.ggml.fim_suf_token_id": 0,
+             "tokenizer.ggml.fim_mid_token_id": 2}
+    assert _fim_ids(named, vocab) == (4, 0, 2)                                # the metadata wins
+
+
 def test_special_ids_from_metadata(real: RealModel, reference: Any) -> None:
     tokens = real.metadata["tokenizer.ggml.tokens"]
     tok = real.tokenizer

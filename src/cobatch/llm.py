@@ -99,6 +99,16 @@ class LLM:
         """A raw prompt: tokenized with the model's BOS/EOS conventions."""
         return self.tokenizer.encode(text, add_special=True)
 
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's /infill builds it): the
+        model writes what goes between `prefix` and `suffix`."""
+        tok = self.tokenizer
+        if tok.fim_ids is None:
+            raise UserError("this model's vocabulary has no fill-in-the-middle tokens (suffix is not supported)")
+        pre, suf, mid = tok.fim_ids
+        ids = [pre] + tok.encode(prefix, add_special=False) + [suf] + tok.encode(suffix, add_special=False) + [mid]
+        return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + ids
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
         if self.template is None:
             raise UserError("this model has no chat template (tokenizer.chat_template is missing); "

@@ -43,6 +43,15 @@ END_OF_TURN_TEXTS = frozenset(
     }
 )
 
+# Fill-in-the-middle token texts (prefix, suffix, middle) llama.cpp recognizes when the metadata names none:
+# Qwen2.5-Coder / StarCoder 2, StarCoder, DeepSeek-style, CodeLlama.
+FIM_TEXTS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<PRE>", "<SUF>", "<MID>"),
+)
+
 SPM_SPACE = "\u2581"  # sentencepiece writes a space as "▁"
 
 
@@ -170,6 +179,19 @@ def _optional_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int 
     return value if 0 <= value < vocab_size else None
 
 
+def _fim_ids(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[int, int, int] | None:
+    """The fill-in-the-middle tokens: from tokenizer.ggml.fim_{pre,suf,mid}_token_id, else by their texts."""
+    n = len(tokens)
+    named = tuple(_optional_id(metadata, f"tokenizer.ggml.fim_{part}_token_id", n) for part in ("pre", "suf", "mid"))
+    if all(i is not None for i in named):
+        return named
+    index = {text: i for i, text in enumerate(tokens)}
+    for texts in FIM_TEXTS:
+        if all(t in index for t in texts):
+            return tuple(index[t] for t in texts)
+    return None
+
+
 class Tokenizer:
     """Encode/decode for one GGUF vocabulary (byte-level BPE or sentencepiece-style)."""
 
@@ -186,6 +208,7 @@ class Tokenizer:
         add_bos: bool,
         add_eos: bool,
         strip_leading_space: bool,
+        fim_ids: tuple[int, int, int] | None = None,
     ) -> None:
         self._backend = backend
         self._tokens = tokens
@@ -199,6 +222,7 @@ class Tokenizer:
         self.add_eos = add_eos
         # Sentencepiece vocabularies prepend a space when encoding; decoding takes it back off.
         self._strip_leading_space = strip_leading_space
+        self.fim_ids = fim_ids      # (prefix, suffix, middle) for fill-in-the-middle, if the vocabulary has them
 
     # --- construction -----------------------------------------------------------------------------
 
@@ -292,6 +316,7 @@ class Tokenizer:
             add_bos=add_bos,
             add_eos=add_eos,
             strip_leading_space=strip_leading_space,
+            fim_ids=_fim_ids(metadata, tokens),
         )
 
     # --- encoding ---------------------------------------------------------------------------------

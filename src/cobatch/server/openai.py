@@ -404,10 +404,8 @@ def _chat_delta(event, call_ids: dict[int, str]) -> dict:
 async def completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
-    if body.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
     grammar = await _grammar(ctx, body)
-    prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt)
+    prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt, body.suffix)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",
                           param="prompt")
@@ -429,17 +427,24 @@ async def completions(request: Request):
                                  request.url.path)
 
 
-def _completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]]:
+def _completion_prompts(ctx: ServerContext, prompt, suffix: str | None) -> list[tuple[list[int], str]]:
     """OpenAI's prompt forms (a string, token ids, or a list of either) -> (ids, text) per prompt."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return [_completion_prompt(ctx, p) for p in prompt]
+        return [_completion_prompt(ctx, p, suffix) for p in prompt]
     if isinstance(prompt, list) and not prompt:
         raise bad_request("the prompt is empty", param="prompt")
-    return [_completion_prompt(ctx, prompt)]
+    return [_completion_prompt(ctx, prompt, suffix)]
 
 
-def _completion_prompt(ctx: ServerContext, prompt: str | list[int]) -> tuple[list[int], str]:
+def _completion_prompt(ctx: ServerContext, prompt: str | list[int], suffix: str | None) -> tuple[list[int], str]:
     tok = ctx.llm.tokenizer
+    if suffix:             # fill in the middle between the prompt and the suffix
+        if not isinstance(prompt, str):
+            raise bad_request("suffix needs a text prompt (not token ids)", param="suffix")
+        try:
+            return ctx.llm.encode_infill(prompt, suffix), prompt
+        except UserError as exc:
+            raise bad_request(str(exc), param="suffix") from None
     if isinstance(prompt, str):
         return ctx.llm.encode_prompt(prompt), prompt
     bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
