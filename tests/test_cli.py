@@ -122,3 +122,19 @@ def test_prompt_longer_than_context():
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "1.5"), ("-n", "0")])
 def test_bad_sampling_flag(flag, value):
     assert_clean_error(run_cli("generate", "-p", "hi", flag, value))
+
+
+def test_chat_template_override(tmp_path):
+    """--chat-template replaces the model's template (given as a file or as text); one that does not compile
+    is one clear error line."""
+    from cobatch.llm import LLM, EngineOptions
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+               "<|im_start|>assistant\nSure! The answer is"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for given in (str(path), template):
+        llm = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=256, quiet=True, chat_template=given))
+        ids = llm.encode_chat([{"role": "user", "content": "Hi"}])
+        assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\nSure! The answer is")
+    proc = run_cli("chat", "hello", "-n", "2", "--chat-template", "{% for m in messages %}")
+    assert_clean_error(proc, "--chat-template")

@@ -106,3 +106,14 @@ def test_out_of_vocabulary_prompt_is_rejected(smol, bad):
     with pytest.raises(UserError, match="outside the vocabulary"):
         smol.engine.add_request([1, 2, bad], GREEDY)
     assert not smol.engine.has_work()
+
+
+def test_min_tokens_and_stop_token_ids(smol):
+    ids = smol.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    free = smol.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert free[-1] in smol.tokenizer.stop_ids and len(free) < 20          # a short answer, then end of turn
+    longer = smol.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=25))[0]
+    assert len(longer) >= 25 and not set(longer[:25]) & smol.tokenizer.stop_ids
+    assert longer[:len(free) - 1] == free[:-1]                              # the same answer, carried on
+    cut = smol.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(free[2],)))[0]
+    assert cut == free[:3]

@@ -200,6 +200,16 @@ def test_logit_bias_steers_greedy_and_sampled_rows_and_only_its_own_row():
     torch.testing.assert_close(out.logprobs, torch.log_softmax(logits[0], -1)[1:2])
 
 
+def test_banned_tokens_are_never_sampled_and_only_in_their_row():
+    logits = torch.tensor([[5.0, 4.0, -1.0, 0.0]] * 3)
+    greedy = SampleRow(SamplingParams(temperature=0.0), 0, 0, (), (), banned=(0,))
+    sampled = [SampleRow(SamplingParams(temperature=2.0), s, 0, (), (), banned=(0, 1)) for s in range(200)]
+    out = Sampler()(torch.cat([logits[:2], logits[:1].expand(200, -1)]),
+                    [greedy, make_row(SamplingParams(temperature=0.0))] + sampled).token_ids.tolist()
+    assert out[:2] == [1, 0]
+    assert set(out[2:]) == {2, 3}        # temperature 2 spreads the draws over every token left
+
+
 # --- filters and temperature ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
@@ -381,7 +391,7 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5),
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
-    ("max_tokens", 0), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
+    ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 257), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
     ("logprobs", -1), ("logprobs", MAX_TOP_LOGPROBS + 1),
     ("logit_bias", ((1, 100.5),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1, math.nan),)),
     ("logit_bias", ((1.5, 1.0),)), ("logit_bias", tuple((i, 1.0) for i in range(1025))),

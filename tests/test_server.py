@@ -404,6 +404,8 @@ ERROR_CASES = [
     ("negative max_tokens", "POST", CHAT, {**OK_CHAT, "max_tokens": -1}, 400, "max_tokens"),
     ("n above the limit", "POST", CHAT, {**OK_CHAT, "n": 17}, 400, "n"),
     ("n zero", "POST", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("min_tokens over max_tokens", "POST", CHAT, {**OK_CHAT, "min_tokens": 5}, 400, "min_tokens"),
+    ("stop_token_ids out of vocab", "POST", CHAT, {**OK_CHAT, "stop_token_ids": [10 ** 7]}, 400, "stop_token_ids"),
     ("top_logprobs without logprobs", "POST", CHAT, {**OK_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("too many top_logprobs", "POST", CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     ("penalty out of range", "POST", CHAT, {**OK_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),

@@ -164,9 +164,14 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"model has no chat template ({CHAT_TEMPLATE_KEY} missing); use raw generation"
             )
+        return cls.with_tokenizer(str(source), tokenizer)
+
+    @classmethod
+    def with_tokenizer(cls, source: str, tokenizer: Tokenizer) -> ChatTemplate:
+        """`source` with the vocabulary's BOS/EOS texts as bos_token / eos_token."""
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-        return cls(str(source), bos_token=bos, eos_token=eos)
+        return cls(source, bos_token=bos, eos_token=eos)
 
     def render(
         self,

@@ -21,6 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template text) to use instead of the model's")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -48,6 +50,7 @@ def _load(args, max_num_seqs: int = 1):
     from cobatch.llm import LLM, EngineOptions
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               max_num_seqs=max_num_seqs, eager=args.eager,
+                                              chat_template=args.chat_template,
                                               quiet=getattr(args, "quiet", False)))
 
 
@@ -207,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most prompt tokens one request prefills per step, so running streams keep going")
     p.add_argument("--max-step-tokens", type=int, default=2048, help="token budget of one engine step")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template text) to use instead of the model's")
     p.add_argument("--dense-large-batch", action="store_true",
                    help="CUDA: also keep bf16/f16 weights for steps above the GEMV crossover (more memory, "
                         "faster big batches and prefill)")

@@ -39,7 +39,26 @@ class EngineOptions:
     max_step_tokens: int = 2048
     eager: bool = False                # CUDA: no decode-step graphs (slower; for debugging)
     dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
+    chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
     quiet: bool = False
+
+
+def _chat_template(override: str | None, metadata, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The --chat-template override (a file's path, or the template itself), else the model's own, else None."""
+    if override is None:
+        try:
+            return ChatTemplate.from_metadata(metadata, tokenizer)
+        except ChatTemplateError:
+            return None
+    path = Path(override)
+    try:
+        source = path.read_text() if len(override) < 4096 and path.is_file() else override
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read --chat-template {override}: {exc}") from None
+    try:
+        return ChatTemplate.with_tokenizer(source, tokenizer)
+    except ChatTemplateError as exc:
+        raise UserError(f"--chat-template: {exc}") from None
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -72,10 +91,7 @@ class LLM:
         cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
         gguf.check_tensor_types()
         tokenizer = Tokenizer.from_metadata(gguf.metadata)
-        try:
-            template = ChatTemplate.from_metadata(gguf.metadata, tokenizer)
-        except ChatTemplateError:
-            template = None
+        template = _chat_template(options.chat_template, gguf.metadata, tokenizer)
         ctx = options.ctx or min(cfg.context_length, 8192)
         if ctx < 2:
             raise UserError(f"--ctx must be at least 2 (got {ctx})")
@@ -84,7 +100,7 @@ class LLM:
             model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
                                keep_dense=options.dense_large_batch)
         pool = _make_pool(cfg, options, ctx, dtype, device)
-        runner = ModelRunner(model, pool, device)
+        runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager:
             runner.capture_graphs(options.max_num_seqs, ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,

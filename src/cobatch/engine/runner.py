@@ -25,8 +25,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, device: torch.device):
+    def __init__(self, model, pool: KVPool, device: torch.device, stop_ids: frozenset[int] = frozenset()):
         self.model, self.pool, self.device = model, pool, device
+        self.stop_ids = stop_ids        # ends of turn: banned for a row that has not reached min_tokens
         self.sampler = Sampler()
         self.block_size = pool.block_size
         self.graphs = None          # DecodeGraphs, once capture_graphs() ran (CUDA only)
@@ -103,15 +104,19 @@ class ModelRunner:
             on_launched()
         return self._to_host(plan, out, rows)
 
-    @staticmethod
-    def _sample_row(seq) -> SampleRow:
+    def _sample_row(self, seq) -> SampleRow:
         # Token histories are copied only for rows whose penalties read them: at B=128 x 4k context the
         # copies alone cost milliseconds per step.
         history = needs_penalties(seq.params)
         return SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
                          prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
                          output_ids=seq.output_ids if history else (),
-                         allowed=seq.matcher.allowed() if seq.matcher is not None else None)
+                         allowed=seq.matcher.allowed() if seq.matcher is not None else None,
+                         banned=self._banned(seq.params) if seq.num_output < seq.params.min_tokens else ())
+
+    def _banned(self, params) -> tuple[int, ...]:
+        ends = () if params.ignore_eos else tuple(sorted(self.stop_ids))
+        return ends + tuple(params.stop_token_ids)
 
     def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:
         # The one host sync of the step: everything the caller needs in one transfer (token ids travel

@@ -11,7 +11,7 @@ device. The hash is exact integer arithmetic (identical bits on CPU and CUDA); t
 is float32 `log`, whose last-ulp rounding may differ between devices, so identical logits give the same
 token on CPU and CUDA except at float32-level near-ties.
 
-Pipeline per row: raw logits -> penalties -> logit bias -> grammar mask -> (greedy: argmax) | (temperature -> top-k -> top-p over the
+Pipeline per row: raw logits -> penalties -> logit bias -> grammar mask and bans -> (greedy: argmax) | (temperature -> top-k -> top-p over the
 top-k-renormalized distribution -> min-p relative to the most likely token -> Gumbel-max). logprobs are
 always of the raw logits (no penalties, no temperature).
 """
@@ -51,6 +51,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
     frequency_penalty: float = 0.0    # OpenAI: logit -= frequency * count, over output tokens
     max_tokens: int = 256
+    min_tokens: int = 0               # vLLM: no end of turn (nor stop_token_ids) before this many tokens
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; n>=0: the chosen token's logprob plus the top-n
@@ -70,6 +71,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name), f"in [-{bound}, {bound}]", lambda v: abs(v) <= bound)
         _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        _check_int("min_tokens", self.min_tokens, ">= 0 and <= max_tokens", lambda v: 0 <= v <= self.max_tokens)
         for token in self.stop_token_ids:
             if vocab_size is None:
                 _check_int("stop_token_ids", token, "non-negative token ids", lambda v: v >= 0)
@@ -115,6 +117,7 @@ class SampleRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     allowed: torch.Tensor | None = None     # the grammar's packed token mask (engine/grammar.py), if any
+    banned: Sequence[int] = ()              # tokens this row may not sample now (ends of turn before min_tokens)
 
 
 @dataclass(slots=True)
@@ -204,6 +207,15 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.T
     return logits.float().index_put((index[:, 0], index[:, 1]), values, accumulate=True)
 
 
+def apply_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """-inf at each row's banned tokens (float32 [B, V], a new tensor); rows without any unchanged."""
+    entries = [(i, token) for i, r in enumerate(rows) for token in r.banned]
+    if not entries:
+        return logits
+    index = _to_device(entries, torch.int64, logits.device)
+    return logits.float().index_put((index[:, 0], index[:, 1]), torch.tensor(-math.inf, device=logits.device))
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Repetition (prompt+output), then frequency and presence (output) penalties; float32 [B, V].
 
@@ -287,6 +299,7 @@ class Sampler:
         penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
         penalized = apply_logit_bias(penalized, rows)
         penalized = apply_token_masks(penalized, [r.allowed for r in rows])
+        penalized = apply_bans(penalized, rows)
         # NaN never wins (argmax would pick it); +inf stays and wins.
         penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         token_ids = penalized.argmax(dim=-1)

@@ -150,7 +150,8 @@ def serve(args) -> int:
     llm = LLM.load(args.model_path or args.model, EngineOptions(
         device=args.device, dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
         kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
-        dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False)))
+        dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
+        chat_template=getattr(args, "chat_template", None)))
     options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                             max_body_bytes=int(args.max_body_mb * (1 << 20)))
     app = create_app(llm, options)

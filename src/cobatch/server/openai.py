@@ -63,6 +63,8 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
@@ -162,6 +164,7 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         top_k=0 if body.top_k in (None, -1) else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
         max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
 
