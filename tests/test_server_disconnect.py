@@ -100,30 +100,17 @@ def test_disconnect_mid_prefill(server):
     assert metric(url, "cobatch_time_to_first_token_seconds_count") == ttft_before   # no token was produced
 
 
-def test_disconnect_while_waiting_for_a_plain_answer(server):
-    """A non-streamed request: the client hangs up while the answer is being generated."""
-    url = server.url
-    aborts_before = metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
-    stream = RawStream(url, "/v1/chat/completions", {"messages": PEER, "max_tokens": 400, "ignore_eos": True})
-    wait_for(lambda: any(s.request is not None and s.generated > 2 for s in server.context.worker.slots),
-             what="the request to be decoding")
-    stream.hard_close()
-    wait_for(lambda: metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
-             == aborts_before + 1, what="the abort to be counted")
-    wait_for(lambda: all_slots_idle(url), what="all slots idle")
-    wait_for(lambda: _engine_idle(server), what="no sequence or KV block left in the engine")
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_aborts_every_choice(server, stream):
-    """n = 3: the client hangs up mid-decode; all three choices are aborted and their slots freed."""
+@pytest.mark.parametrize("n, stream", [(1, False), (3, False), (3, True)])
+def test_disconnect_aborts_every_choice(server, n, stream):
+    """The client hangs up mid-decode, waiting for a plain answer or streaming it, with n choices: every
+    choice is aborted and its slot freed."""
     url, worker = server.url, server.context.worker
     aborts_before = metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
-    raw = RawStream(url, "/v1/chat/completions", {"messages": PEER, "n": 3, **LONG, "stream": stream})
-    wait_for(lambda: sum(s.request is not None and s.generated > 2 for s in worker.slots) == 3,
-             what="the three choices to be decoding")
+    raw = RawStream(url, "/v1/chat/completions", {"messages": PEER, "n": n, **LONG, "stream": stream})
+    wait_for(lambda: sum(s.request is not None and s.generated > 2 for s in worker.slots) == n,
+             what="the choices to be decoding")
     raw.hard_close()
     wait_for(lambda: metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
-             == aborts_before + 3, what="three aborts to be counted")
+             == aborts_before + n, what="the aborts to be counted")
     wait_for(lambda: all_slots_idle(url), what="all slots idle")
     wait_for(lambda: _engine_idle(server), what="no sequence or KV block left in the engine")
