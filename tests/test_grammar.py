@@ -96,3 +96,23 @@ def test_bad_schema_and_missing_library_are_user_errors(smol, monkeypatch):
     monkeypatch.setattr(grammar, "llguidance", None)
     with pytest.raises(GrammarError, match="llguidance"):
         json_grammar(None)
+
+
+def test_a_checked_grammar_is_not_compiled_again_on_the_engine_thread(smol, monkeypatch):
+    """The server compiles in a worker thread (check); the engine's matcher() must only copy that."""
+    import llguidance
+    g = json_grammar({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]})
+    compiled = []
+    real = llguidance.LLMatcher
+
+    def counting(*args, **kwargs):
+        compiled.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    grammars = grammar.Grammars(smol.tokenizer, smol.config.vocab_size)
+    grammars.check(g)
+    first, second = grammars.matcher(g), grammars.matcher(g)
+    assert compiled == [g]
+    first.accept(smol.tokenizer.encode("{", add_special=False)[0])
+    assert not torch.equal(first.allowed(), second.allowed())     # copies advance independently

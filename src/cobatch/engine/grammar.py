@@ -12,6 +12,8 @@ llguidance is an optional dependency: without it, a request with a grammar is re
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -62,29 +64,52 @@ def forced_tool_call_grammar(tools: list[dict[str, Any]], tagged: bool, parallel
 
 
 class Grammars:
-    """Compiles grammars against one vocabulary (built once, on first use: about 0.1 s for 50k tokens)."""
+    """Compiles grammars against one vocabulary (built once, on first use: about 0.1 s for 50k tokens).
+
+    Compiling a big schema can take 100 ms or more, which must not happen on the engine thread (every stream
+    would wait): the server calls `check` from a worker thread first, which keeps the compiled matcher, and
+    the engine's `matcher` then only copies it. Thread-safe."""
+
+    CACHED = 64         # compiled grammars kept (least recently used dropped)
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lltokenizer = None
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _vocabulary(self):
         if llguidance is None:
             raise GrammarError("constrained decoding (response_format) needs the llguidance package")
-        if self._lltokenizer is None:
-            self._lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer)),
-                                                       n_vocab=self.vocab_size,
-                                                       eos_token=sorted(self._tokenizer.stop_ids))
-        return self._lltokenizer
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer)), n_vocab=self.vocab_size,
+                    eos_token=sorted(self._tokenizer.stop_ids))
+            return self._lltokenizer
+
+    def _compiled_matcher(self, grammar: str):
+        """A fresh (never advanced) matcher of `grammar`, compiled once; GrammarError if it does not compile."""
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is not None:
+                self._compiled.move_to_end(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
+            if template.is_error():
+                raise GrammarError(f"invalid grammar: {template.get_error()}")
+            with self._lock:
+                self._compiled[grammar] = template
+                while len(self._compiled) > self.CACHED:
+                    self._compiled.popitem(last=False)
+        return template
 
     def check(self, grammar: str) -> None:
-        """Raise GrammarError with llguidance's message if `grammar` does not compile."""
-        message = llguidance.LLMatcher.validate_grammar(grammar, self._vocabulary())
-        if message:
-            raise GrammarError(f"invalid grammar: {message}")
+        """Compile `grammar` (kept for `matcher`); GrammarError with llguidance's message if it does not."""
+        self._compiled_matcher(grammar)
 
     def matcher(self, grammar: str) -> TokenMatcher:
-        return TokenMatcher(llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0), self.vocab_size)
+        return TokenMatcher(self._compiled_matcher(grammar).deep_copy(), self.vocab_size)
 
 
 class TokenMatcher:
