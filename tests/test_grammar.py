@@ -116,3 +116,15 @@ def test_a_checked_grammar_is_not_compiled_again_on_the_engine_thread(smol, monk
     assert compiled == [g]
     first.accept(smol.tokenizer.encode("{", add_special=False)[0])
     assert not torch.equal(first.allowed(), second.allowed())     # copies advance independently
+
+
+def test_parallel_masks_equal_one_at_a_time(smol):
+    from cobatch.engine.grammar import allowed_masks
+    grammars = grammar.Grammars(smol.tokenizer, smol.config.vocab_size)
+    matchers = [grammars.matcher(json_grammar(PERSON)), grammars.matcher(json_grammar(None)),
+                grammars.matcher(json_grammar(PERSON))]
+    for token in smol.tokenizer.encode('{"name', add_special=False):
+        matchers[2].accept(token)
+    together = allowed_masks(matchers)
+    assert [torch.equal(together[i], m.allowed()) for i, m in enumerate(matchers)] == [True] * 3
+    assert not torch.equal(together[0], together[2])

@@ -123,9 +123,7 @@ class TokenMatcher:
 
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next: int32 [ceil(V / 32)] on the CPU, bit t % 32 of word t // 32."""
-        mask = torch.empty(self._words, dtype=torch.int32)
-        self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        return mask
+        return allowed_masks([self])[0]
 
     def accept(self, token: int) -> None:
         self._matcher.consume_token(token)
@@ -134,6 +132,26 @@ class TokenMatcher:
     def done(self) -> bool:
         """The grammar is complete (or broken): nothing but an end of turn may follow."""
         return self._matcher.is_stopped() or self._matcher.is_error()
+
+
+_executor = None
+
+
+def allowed_masks(matchers: list[TokenMatcher]) -> torch.Tensor:
+    """TokenMatcher.allowed of several matchers (one vocabulary) as int32 [n, words], computed in parallel
+    on llguidance's thread pool when there are several (the GIL is released meanwhile)."""
+    global _executor
+    words = matchers[0]._words
+    masks = torch.empty(len(matchers), words, dtype=torch.int32)
+    one = words * masks.element_size()
+    if len(matchers) == 1:
+        matchers[0]._matcher.unsafe_compute_mask_ptr(masks.data_ptr(), one)
+        return masks
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)], masks.data_ptr(), one,
+                                      len(matchers))
+    return masks
 
 
 class _Vocabulary:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.batch import AttentionMetadata
+from cobatch.engine.grammar import allowed_masks
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.sampler import Sampler, SampleRow, needs_penalties
 from cobatch.engine.scheduler import StepPlan
@@ -98,21 +99,28 @@ class ModelRunner:
             if not samplers:
                 return StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-        rows = [self._sample_row(seq) for seq, _ in samplers]
+        rows = self._sample_rows([seq for seq, _ in samplers])
         out = self.sampler(logits, rows)
         if on_launched is not None:
             on_launched()
         return self._to_host(plan, out, rows)
 
-    def _sample_row(self, seq) -> SampleRow:
-        # Token histories are copied only for rows whose penalties read them: at B=128 x 4k context the
-        # copies alone cost milliseconds per step.
-        history = needs_penalties(seq.params)
-        return SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
-                         prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
-                         output_ids=seq.output_ids if history else (),
-                         allowed=seq.matcher.allowed() if seq.matcher is not None else None,
-                         banned=self._banned(seq.params) if seq.num_output < seq.params.min_tokens else ())
+    def _sample_rows(self, seqs: list) -> list[SampleRow]:
+        """What the sampler needs of each sequence. Runs while the device computes the step's logits, so
+        the grammar masks (host work, in parallel over the constrained rows) overlap the GPU."""
+        matchers = [seq.matcher for seq in seqs if seq.matcher is not None]
+        masks = iter(allowed_masks(matchers) if matchers else ())      # in the order of the constrained rows
+        rows = []
+        for seq in seqs:
+            # Token histories are copied only for rows whose penalties read them: at B=128 x 4k context the
+            # copies alone cost milliseconds per step.
+            history = needs_penalties(seq.params)
+            rows.append(SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
+                                  prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
+                                  output_ids=seq.output_ids if history else (),
+                                  allowed=next(masks) if seq.matcher is not None else None,
+                                  banned=self._banned(seq.params) if seq.num_output < seq.params.min_tokens else ()))
+        return rows
 
     def _banned(self, params) -> tuple[int, ...]:
         ends = () if params.ignore_eos else tuple(sorted(self.stop_ids))
