@@ -17,7 +17,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from cobatch.engine.grammar import json_grammar, schema_from_response_format
 from cobatch.engine.sampler import MAX_TOP_LOGPROBS
 from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
@@ -25,7 +24,8 @@ from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
                                        TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import check_prompt_fits, max_new_tokens, render_chat, tool_call_grammar
+from cobatch.server.prompting import (check_prompt_fits, max_new_tokens, render_chat, response_format_grammar,
+                                     tool_call_grammar)
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -141,21 +141,6 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] |
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
-async def _grammar(ctx: ServerContext, body: _SamplingBody) -> str | None:
-    """response_format json_object / json_schema -> the grammar the output must follow (None: free text)."""
-    if not body.response_format:
-        return None
-    try:
-        constrained, schema = schema_from_response_format(body.response_format)
-        if not constrained:
-            return None
-        grammar = json_grammar(schema)
-        await run_in_threadpool(ctx.llm.engine.grammars.check, grammar)    # a big schema takes a while
-    except (ValueError, UserError) as exc:
-        raise bad_request(str(exc), param="response_format") from None
-    return grammar
-
-
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
               logprobs: int | None, grammar: str | None):
     return make_sampling_params(
@@ -198,13 +183,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.function.name,
-                              "arguments": _arguments_object(c.function.arguments, f"messages.{i}.tool_calls.{j}")}}
+                              "arguments": arguments_object(c.function.arguments, f"messages.{i}.tool_calls.{j}")}}
                 for j, c in enumerate(m.tool_calls)]
         out.append(msg)
     return out
 
 
-def _arguments_object(arguments: str | dict, where: str) -> dict:
+def arguments_object(arguments: str | dict, where: str) -> dict:
     # OpenAI sends arguments as a JSON string; chat templates (Qwen's among them) want the object.
     if isinstance(arguments, dict):
         return arguments
@@ -259,7 +244,7 @@ def _usage(u: Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -300,7 +285,7 @@ async def chat_completions(request: Request):
             raise bad_request("tool_choice 'required' or a named function needs tools", param="tool_choice")
         grammar = await tool_call_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False)
     else:
-        grammar = await _grammar(ctx, body)
+        grammar = await response_format_grammar(ctx.llm, body.response_format)
     messages = template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
@@ -332,7 +317,7 @@ def _chat_choice(ctx: ServerContext, index: int, done: Completed, want_logprobs:
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
     if done.tool_calls:
-        message["tool_calls"] = [{"id": _call_id(), "type": "function",
+        message["tool_calls"] = [{"id": call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in done.tool_calls]
     return {"index": index, "message": message, "finish_reason": done.finish.reason,
             "logprobs": _chat_logprobs(ctx, done.logprobs) if want_logprobs else None}
@@ -396,7 +381,7 @@ def _chat_delta(event, call_ids: dict[int, str]) -> dict:
     if isinstance(event, ReasoningDelta):
         return {"reasoning_content": event.text}
     if isinstance(event, ToolCallStart):
-        call_ids[event.index] = _call_id()
+        call_ids[event.index] = call_id()
         return {"tool_calls": [{"index": event.index, "id": call_ids[event.index], "type": "function",
                                 "function": {"name": event.name, "arguments": ""}}]}
     assert isinstance(event, ToolCallArgsDelta)
@@ -407,7 +392,7 @@ def _chat_delta(event, call_ids: dict[int, str]) -> dict:
 async def completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
-    grammar = await _grammar(ctx, body)
+    grammar = await response_format_grammar(ctx.llm, body.response_format)
     prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt, body.suffix)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",

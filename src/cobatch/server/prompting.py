@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 
 from cobatch.chat_template import ChatTemplateError
-from cobatch.engine.grammar import forced_tool_call_grammar
+from cobatch.engine.grammar import forced_tool_call_grammar, json_grammar, schema_from_response_format
 from cobatch.errors import UserError
 from cobatch.llm import LLM
 from cobatch.server.errors import ApiError, bad_request
@@ -49,6 +49,22 @@ async def tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
         await run_in_threadpool(llm.engine.grammars.check, grammar)
     except (ValueError, UserError) as exc:
         raise bad_request(f"cannot enforce tool_choice with these tools: {exc}", param="tool_choice") from None
+    return grammar
+
+
+async def response_format_grammar(llm: LLM, response_format: dict | None, param: str = "response_format") -> str | None:
+    """OpenAI's response_format (json_object / json_schema) -> the grammar the output must follow (None: free text);
+    a bad one is a 400 naming `param`."""
+    if not response_format:
+        return None
+    try:
+        constrained, schema = schema_from_response_format(response_format)
+        if not constrained:
+            return None
+        grammar = json_grammar(schema)
+        await run_in_threadpool(llm.engine.grammars.check, grammar)    # a big schema takes a while
+    except (ValueError, UserError) as exc:
+        raise bad_request(str(exc), param=param) from None
     return grammar
 
 
