@@ -365,6 +365,39 @@ def test_response_format_json_schema_and_json_object(oai):
     assert isinstance(json.loads(text.choices[0].text), dict)
 
 
+# --- the Responses API ----------------------------------------------------------------------------------
+
+def test_responses_api_plain_streamed_incomplete_and_json(oai):
+    r = oai.responses.create(model="any", input="What is the capital of France?", max_output_tokens=30, **GREEDY)
+    assert r.status == "completed" and r.output[0].type == "message" and "Paris" in r.output_text
+    chat = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=30, **GREEDY)
+    assert r.output_text == chat.choices[0].message.content           # the same prompt through the same template
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+    events = list(oai.responses.create(model="any", input=QUESTION, max_output_tokens=30, stream=True, **GREEDY))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text == events[-1].response.output_text
+
+    short = oai.responses.create(model="any", input="Describe Paris.", max_output_tokens=3, **GREEDY)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage.output_tokens == 3
+    told = oai.responses.create(model="any", input="Describe Paris.", instructions="Be brief.", max_output_tokens=3,
+                                **GREEDY)
+    as_chat = oai.chat.completions.create(model="any", max_tokens=3, **GREEDY, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe Paris."}])
+    assert told.usage.input_tokens == as_chat.usage.prompt_tokens          # instructions are the system message
+    assert told.output_text == as_chat.choices[0].message.content
+
+    pytest.importorskip("llguidance")
+    fmt = {"format": {"type": "json_schema", "name": "city", "schema": CITY}}
+    structured = oai.responses.create(model="any", input="What is the capital of France? Answer in JSON.", text=fmt,
+                                      max_output_tokens=60, **GREEDY)
+    assert set(json.loads(structured.output_text)) == {"country", "capital"}
+
+
 # --- tokenize / detokenize ------------------------------------------------------------------------------
 
 def test_tokenize_and_detokenize(server, oai):
@@ -428,6 +461,17 @@ ERROR_CASES = [
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("suffix on a model without fill-in-the-middle tokens", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"},
      400, "suffix"),
+    ("responses without input", "POST", "/v1/responses", {"model": "m"}, 400, "input"),
+    ("responses previous_response_id", "POST", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
+     400, "previous_response_id"),
+    ("responses image input", "POST", "/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x"}]}]}, 400, "input.0.content.0"),
+    ("responses unknown input item", "POST", "/v1/responses", {"input": [{"type": "web_search_call"}]}, 400,
+     "input.0"),
+    ("responses bad text.format", "POST", "/v1/responses", {"input": "hi", "text": {"format": {"type": "yaml"}}},
+     400, "text.format"),
+    ("responses required without tools", "POST", "/v1/responses", {"input": "hi", "tool_choice": "required"}, 400,
+     "tool_choice"),
     ("completion too many prompts", "POST", "/v1/completions", {"prompt": ["a"] * 33, "n": 2}, 400, "prompt"),
     ("completion empty prompt list", "POST", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("completion bad id in a batched prompt", "POST", "/v1/completions", {"prompt": [[1, 2], [-1]]}, 400, "prompt"),

@@ -139,3 +139,25 @@ def test_completion_suffix_fills_in_the_middle(oai):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="qwen", prompt=[1, 2, 3], suffix="x", max_tokens=2)
     assert exc.value.body["param"] == "suffix"
+
+
+def test_responses_api_function_call_round_trip(oai):
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    r = oai.responses.create(model="qwen", input="What is the weather in Paris?", tools=[tool], max_output_tokens=40,
+                             **GREEDY)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and r.status == "completed"
+
+    events = list(oai.responses.create(model="qwen", input="What is the weather in Paris?", tools=[tool],
+                                       max_output_tokens=40, stream=True, **GREEDY))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Paris"}
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == "".join(pieces)
+
+    follow = oai.responses.create(model="qwen", tools=[tool], max_output_tokens=4, **GREEDY, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21, "sky": "sunny"}'}])
+    assert follow.usage.input_tokens > r.usage.input_tokens + 30        # the call and its result are in the prompt

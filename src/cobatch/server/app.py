@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch.llm import LLM
-from cobatch.server import anthropic, openai, tokens
+from cobatch.server import anthropic, openai, openai_responses, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 
@@ -45,6 +45,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     app = FastAPI(title="cobatch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.include_router(openai.router)
+    app.include_router(openai_responses.router)
     app.include_router(anthropic.router)
     app.include_router(tokens.router)
     _add_error_handlers(app, server)
