@@ -93,6 +93,21 @@ def test_preemption_under_kv_pressure_keeps_tokens():
     assert tight.engine.generate(prompts, params) == alone
     assert tight.engine.stats.preemptions > 0
 
+    # Prompt logprobs under the same pressure: each prompt token reported once, as when run alone.
+    def prompt_logprobs(llm, batch):
+        scoring = SamplingParams(temperature=0.0, max_tokens=20, prompt_logprobs=0)
+        ids = {llm.engine.add_request(p, scoring): i for i, p in enumerate(batch)}
+        got = {i: [] for i in ids.values()}
+        while llm.engine.has_work():
+            for out in llm.engine.step():
+                got[ids[out.request_id]] += [(t, round(lp, 4)) for t, lp, _ in out.prompt_logprobs or ()]
+        return [got[i] for i in range(len(batch))]
+    before = tight.engine.stats.preemptions
+    together = prompt_logprobs(tight, prompts)
+    assert tight.engine.stats.preemptions > before
+    assert together == [prompt_logprobs(base, [p])[0] for p in prompts]
+    assert [[t for t, _ in lps] for lps in together] == [p[1:] for p in prompts]
+
 
 def test_context_limit_rejects_long_prompt(smol):
     from cobatch.engine.engine import ContextLengthExceeded

@@ -77,3 +77,31 @@ def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_prompt_logprobs_match_transformers():
+    """The engine's prompt logprobs (prefill in 16-token chunks) against transformers' log-softmax of the same
+    prompt's logits: each token's logprob given the ones before it, and the top-3 alternatives."""
+    from cobatch.engine.sampler import SamplingParams
+    from model_fixtures import load_llm
+    path = smollm2_path()
+    llm = load_llm("smollm2", prefill_chunk=16)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = tok(PROMPTS[0] + " Berlin. The capital of Italy is Rome, and the capital of Spain is Madrid.")["input_ids"]
+    assert len(ids) > 16                                    # two chunks at least
+    llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
+    got = []
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            got += out.prompt_logprobs or []
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert [t for t, _, _ in got] == ids[1:]
+    for p, (token, logprob, top) in enumerate(got):
+        assert abs(logprob - ref[p, token].item()) < 1e-3, p
+        top_lp, top_ids = ref[p].topk(3)
+        assert [t for t, _ in top] == top_ids.tolist(), p
+        assert max(abs(a - b) for (_, a), b in zip(top, top_lp.tolist())) < 1e-3
+    del hf
+    gc.collect()

@@ -392,7 +392,7 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 257), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
-    ("logprobs", -1), ("logprobs", MAX_TOP_LOGPROBS + 1),
+    ("logprobs", -1), ("logprobs", MAX_TOP_LOGPROBS + 1), ("prompt_logprobs", -1), ("prompt_logprobs", 1.5),
     ("logit_bias", ((1, 100.5),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1, math.nan),)),
     ("logit_bias", ((1.5, 1.0),)), ("logit_bias", tuple((i, 1.0) for i in range(1025))),
 ])

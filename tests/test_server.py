@@ -365,6 +365,25 @@ def test_response_format_json_schema_and_json_object(oai):
     assert isinstance(json.loads(text.choices[0].text), dict)
 
 
+def test_echo_with_logprobs_scores_the_prompt(oai):
+    """lm-eval-harness' loglikelihood request: echo, logprobs and max_tokens 0 give each prompt token's logprob."""
+    prompt = "The capital of France is Paris"
+    r = oai.completions.create(model="any", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == prompt and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # The last prompt token's logprob is what the sampler reports when it generates that token.
+    gen = oai.completions.create(model="any", prompt="The capital of France is", max_tokens=1, logprobs=1, **GREEDY)
+    assert gen.choices[0].text == " Paris"
+    assert abs(gen.choices[0].logprobs.token_logprobs[0] - lp.token_logprobs[-1]) < 1e-4
+    stream = oai.completions.create(model="any", prompt=prompt, max_tokens=2, echo=True, logprobs=1, stream=True,
+                                    **GREEDY)
+    first = next(iter(stream)).choices[0]
+    assert first.text == prompt and first.logprobs.token_logprobs == lp.token_logprobs
+
+
 # --- the Responses API ----------------------------------------------------------------------------------
 
 def test_responses_api_plain_streamed_incomplete_and_json(oai):
@@ -472,6 +491,7 @@ ERROR_CASES = [
      400, "text.format"),
     ("responses required without tools", "POST", "/v1/responses", {"input": "hi", "tool_choice": "required"}, 400,
      "tool_choice"),
+    ("max_tokens 0 without echo", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("completion too many prompts", "POST", "/v1/completions", {"prompt": ["a"] * 33, "n": 2}, 400, "prompt"),
     ("completion empty prompt list", "POST", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("completion bad id in a batched prompt", "POST", "/v1/completions", {"prompt": [[1, 2], [-1]]}, 400, "prompt"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, KVPool
-from cobatch.engine.runner import ModelRunner
+from cobatch.engine.runner import ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams
 from cobatch.engine.scheduler import Scheduler
 from cobatch.engine.sequence import Sequence, SeqStatus
@@ -31,6 +31,7 @@ class StepOutput:
     finish_reason: str | None        # "stop" | "length" | "abort"
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None     # prompt tokens' logprobs reported by this step
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -104,9 +105,15 @@ class Engine:
             return outputs
         result = self.runner.execute(plan, on_launched)
         finished = 0
-        for (seq, n), token, logprob, top in zip(plan.items, result.tokens, result.logprobs, result.top):
+        prompt_lps = result.prompt_logprobs or [None] * len(plan.items)
+        for (seq, n), token, logprob, top, prompt_lp in zip(plan.items, result.tokens, result.logprobs, result.top,
+                                                             prompt_lps):
             self._advance_cache(seq, n)
+            if prompt_lp:
+                seq.num_prompt_logprobs += len(prompt_lp)
             if token is None:
+                if prompt_lp:
+                    outputs.append(self._output(seq, None, prompt_logprobs=prompt_lp))
                 continue
             seq.token_ids.append(token)
             if seq.matcher is not None:
@@ -117,7 +124,7 @@ class Engine:
                 self.scheduler.finished(seq)
                 self.seqs.pop(seq.request_id, None)
                 finished += 1
-            outputs.append(self._output(seq, token, logprob, top))
+            outputs.append(self._output(seq, token, logprob, top, prompt_lp))
         self.scheduler.end_step(finished)
         return outputs
 
@@ -142,9 +149,9 @@ class Engine:
         return None
 
     @staticmethod
-    def _output(seq: Sequence, token: int | None, logprob=None, top=None) -> StepOutput:
+    def _output(seq: Sequence, token: int | None, logprob=None, top=None, prompt_logprobs=None) -> StepOutput:
         return StepOutput(seq.request_id, token, seq.status is SeqStatus.FINISHED, seq.finish_reason,
-                          logprob, top, seq.prompt_len, seq.num_cached_prompt)
+                          logprob, top, prompt_logprobs or None, seq.prompt_len, seq.num_cached_prompt)
 
     # --- offline use ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -17,12 +17,18 @@ from cobatch.engine.sampler import Sampler, SampleRow, needs_penalties
 from cobatch.engine.scheduler import StepPlan
 
 
+# A prompt token's logprob under the model: (token id, logprob, top alternatives as (id, logprob)).
+PromptLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
 @dataclass(slots=True)
 class StepResult:
-    """Per planned sequence: the sampled token (None if its prefill chunk did not reach the end)."""
+    """Per planned sequence: the sampled token (None if its prefill chunk did not reach the end), and the
+    logprobs of the prompt tokens this step's rows predict, for sequences that asked for them."""
     tokens: list[int | None]
     logprobs: list[float | None]
     top: list[list[tuple[int, float]] | None]
+    prompt_logprobs: list[list[PromptLogprob] | None] | None = None
 
 
 class ModelRunner:
@@ -91,19 +97,49 @@ class ModelRunner:
         """Run one step. `on_launched` is called once the step's device work is queued, just before the host
         waits for it: the caller's host work done there overlaps the GPU instead of delaying the launch."""
         samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids)]
+        prompt_logprobs = None          # decode steps (the graph's) predict no prompt token
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
         else:
             token_ids, positions, meta, sample_rows = self._inputs(plan)
             hidden = self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v)
+            prompt_logprobs = self._prompt_logprobs(plan, hidden)
             if not samplers:
-                return StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
+                none = [None] * len(plan.items)
+                return StepResult(none, none, none, prompt_logprobs)
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
         rows = self._sample_rows([seq for seq, _ in samplers])
         out = self.sampler(logits, rows)
         if on_launched is not None:
             on_launched()
-        return self._to_host(plan, out, rows)
+        result = self._to_host(plan, out, rows)
+        result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[list[PromptLogprob] | None] | None:
+        """For sequences that asked (params.prompt_logprobs): row p of the chunk predicts prompt token p + 1.
+        Tokens an earlier step reported (before a preemption, say) are not reported again. The last prompt
+        row predicts the first sampled token, whose logprob is the ordinary one."""
+        if all(seq.params.prompt_logprobs is None for seq, _ in plan.items):
+            return None
+        out: list[list[PromptLogprob] | None] = []
+        row0 = 0
+        for seq, n in plan.items:
+            k, first = seq.params.prompt_logprobs, seq.num_computed
+            positions = [p for p in range(first, first + n) if seq.num_prompt_logprobs < p + 1 < seq.prompt_len]
+            if k is None or not positions:
+                out.append(None if k is None else [])
+                row0 += n
+                continue
+            index = torch.tensor([row0 + p - first for p in positions], device=hidden.device)
+            log_probs = torch.log_softmax(self.model.logits(hidden[index]).float(), dim=-1)
+            targets = torch.tensor([seq.token_ids[p + 1] for p in positions], device=hidden.device)
+            chosen = log_probs.gather(1, targets[:, None])[:, 0].tolist()
+            top_lp, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+            out.append([(seq.token_ids[p + 1], lp, list(zip(ids, lps)))
+                        for p, lp, ids, lps in zip(positions, chosen, top_ids.tolist(), top_lp.tolist())])
+            row0 += n
+        return out
 
     def _sample_rows(self, seqs: list) -> list[SampleRow]:
         """What the sampler needs of each sequence. Runs while the device computes the step's logits, so

@@ -55,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; n>=0: the chosen token's logprob plus the top-n
+    prompt_logprobs: int | None = None   # the same for each prompt token (the prefix cache is then not used)
     logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, bias in [-100, 100]) added to logits
     grammar: str | None = None        # an llguidance grammar the output must follow (engine/grammar.py)
 
@@ -82,6 +83,9 @@ class SamplingParams:
         if self.logprobs is not None:
             limit = MAX_TOP_LOGPROBS if vocab_size is None else min(MAX_TOP_LOGPROBS, vocab_size)
             _check_int("logprobs", self.logprobs, f"None or in [0, {limit}]", lambda v: 0 <= v <= limit)
+        if self.prompt_logprobs is not None:
+            limit = MAX_TOP_LOGPROBS if vocab_size is None else min(MAX_TOP_LOGPROBS, vocab_size)
+            _check_int("prompt_logprobs", self.prompt_logprobs, f"None or in [0, {limit}]", lambda v: 0 <= v <= limit)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
         for token, bias in self.logit_bias:

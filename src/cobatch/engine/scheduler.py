@@ -58,7 +58,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed == 0 and not seq.block_table:
+            # Prompt logprobs need every prompt row computed: no prefix-cache reuse for those requests.
+            if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
                 matched = self.blocks.match_prefix(seq.token_ids)
                 seq.block_table = matched
                 seq.num_computed = len(matched) * self.blocks.block_size

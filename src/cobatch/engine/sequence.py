@@ -30,6 +30,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)   # chain hashes of this sequence's full blocks
     num_computed: int = 0                    # tokens whose K/V are in the cache
     num_cached_prompt: int = 0               # prompt tokens served from the prefix cache
+    num_prompt_logprobs: int = 0             # prompt tokens after the first whose logprob was reported
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     arrival: float = field(default_factory=time.monotonic)

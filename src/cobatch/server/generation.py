@@ -37,19 +37,21 @@ class GenerationRequest:
     tool_names: list[str] | None = None       # None: tool calls are not parsed
     parse_reasoning: bool = False
     start_in_reasoning: bool = False
+    report_output: bool = True                # False: max_tokens 0 (the one token sampled is not reported)
 
 
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None                     # None: the prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] | None
 
 
 @dataclass(slots=True)
 class Chunk:
     events: list[Event]
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # params.prompt_logprobs asked for
 
 
 @dataclass(slots=True)
@@ -79,6 +81,7 @@ class Completed:
     tool_calls: list[ToolCall]
     logprobs: list[TokenLogprob]
     finish: Finish
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Generation:
@@ -130,7 +133,8 @@ class Generation:
                 now = time.perf_counter()
                 events: list[Event] = []
                 logprobs: list[TokenLogprob] = []
-                if out.new_token is not None:
+                prompt = [TokenLogprob(*entry) for entry in out.prompt_logprobs or ()]
+                if out.new_token is not None and req.report_output:
                     completion = self.completion_tokens = completion + 1
                     if first is None:
                         first, cached = now, out.num_cached_tokens
@@ -149,8 +153,8 @@ class Generation:
                 ended = text.stop_matched is not None or out.finished
                 if ended:
                     events += parser.finish()
-                if events or logprobs:
-                    yield Chunk(events, logprobs)
+                if events or logprobs or prompt:
+                    yield Chunk(events, logprobs, prompt)
                 if ended:
                     if text.stop_matched is not None:
                         self.worker.abort(handle)        # the engine does not know about stop strings
@@ -184,13 +188,14 @@ class Generation:
 
     async def collect(self) -> Completed:
         """Run to the end and gather everything (the non-streaming responses)."""
-        content, reasoning, calls, logprobs = [], [], {}, []
+        content, reasoning, calls, logprobs, prompt_logprobs = [], [], {}, [], []
         finish = None
         async for item in self.events():
             if isinstance(item, Finish):
                 finish = item
                 continue
             logprobs += item.logprobs
+            prompt_logprobs += item.prompt_logprobs
             for e in item.events:
                 if isinstance(e, ContentDelta):
                     content.append(e.text)
@@ -201,7 +206,8 @@ class Generation:
                 elif isinstance(e, ToolCallArgsDelta):
                     calls[e.index].arguments += e.text
         assert finish is not None
-        return Completed("".join(content), "".join(reasoning), [calls[i] for i in sorted(calls)], logprobs, finish)
+        return Completed("".join(content), "".join(reasoning), [calls[i] for i in sorted(calls)], logprobs, finish,
+                         prompt_logprobs)
 
 
 class Choices:

@@ -116,6 +116,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -142,14 +143,14 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] |
 
 
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
-              logprobs: int | None, grammar: str | None):
+              logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None):
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size,
         temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
         top_k=0 if body.top_k in (None, -1) else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+        prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
         max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
 
@@ -234,7 +235,8 @@ def _completion_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob], offse
         tokens.append(_token_entry(ctx, lp.token_id, lp.logprob)["token"])
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{_token_entry(ctx, t, p)["token"]: p for t, p in lp.top} for lp in logprobs],
+            "top_logprobs": [None if lp.top is None else {_token_entry(ctx, t, p)["token"]: p for t, p in lp.top}
+                             for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -397,11 +399,18 @@ async def completions(request: Request):
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",
                           param="prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 needs echo (it returns only the prompt, with its logprobs)",
+                          param="max_tokens")
+    # echo + logprobs: the prompt's tokens get logprobs too (lm-eval-harness' loglikelihood requests)
+    prompt_logprobs = body.logprobs if body.echo else None
     requests = []
     for ids, _ in prompts:
         check_prompt_fits(ctx.llm, len(ids), "prompt")
-        params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, grammar)
-        requests.append(GenerationRequest("completions", ids, params, _stops(body.stop)))
+        params = _sampling(ctx, body, len(ids), body.max_tokens or (1 if body.max_tokens == 0 else None),
+                           body.logprobs, grammar, prompt_logprobs)
+        requests.append(GenerationRequest("completions", ids, params, _stops(body.stop),
+                                          report_output=body.max_tokens != 0))
     choices = Choices(ctx.generation, requests, body.n)
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]     # one per choice
@@ -441,12 +450,21 @@ def _completion_prompt(ctx: ServerContext, prompt: str | list[int], suffix: str 
     return list(prompt), tok.decode(prompt)
 
 
+def _echoed_logprobs(gen: Generation, prompt_logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+    """The prompt's entries when it is echoed with logprobs: its first token has none (nothing predicts it)."""
+    if gen.request.params.prompt_logprobs is None:
+        return []
+    return [TokenLogprob(gen.request.prompt_ids[0], None, None)] + prompt_logprobs
+
+
 async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, echoes: list[str]) -> dict:
     done = await choices.collect()
     want_logprobs = choices.generations[0].request.params.logprobs is not None
     out = [{"index": i, "text": echo + d.content, "finish_reason": d.finish.reason,
-            "logprobs": _completion_logprobs(ctx, d.logprobs, len(echo)) if want_logprobs else None}
-           for i, (d, echo) in enumerate(zip(done, echoes))]
+            "logprobs": _completion_logprobs(ctx, _echoed_logprobs(gen, d.prompt_logprobs) + d.logprobs,
+                                             0 if gen.request.params.prompt_logprobs is not None else len(echo))
+            if want_logprobs else None}
+           for i, (d, echo, gen) in enumerate(zip(done, echoes, choices.generations))]
     return {**meta, "object": "text_completion", "choices": out,
             "usage": _usage(choices.total_usage([d.finish for d in done]))}
 
@@ -458,14 +476,20 @@ async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, ec
                           {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
     want_logprobs = gen.request.params.logprobs is not None
-    offset = len(echo)
-    if echo:
-        yield frame(echo)
+    offset, prompt_logprobs, echoed = len(echo), [], not echo
     async for item in gen.events():
+        # The echo goes out with the first output (or the end), once the prompt's logprobs are all in.
+        if isinstance(item, Chunk):
+            prompt_logprobs += item.prompt_logprobs
+        if not echoed and (isinstance(item, Finish) or item.events or item.logprobs):
+            echoed = True
+            entries = _echoed_logprobs(gen, prompt_logprobs)
+            yield frame(echo, logprobs=_completion_logprobs(ctx, entries, 0) if want_logprobs and entries else None)
         if isinstance(item, Finish):
             yield frame("", item.reason)
             break
-        assert isinstance(item, Chunk)
+        if not (item.events or item.logprobs):
+            continue
         text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
         logprobs = _completion_logprobs(ctx, item.logprobs, offset) if want_logprobs else None
         offset += len(text)
