@@ -100,17 +100,22 @@ def test_disconnect_mid_prefill(server):
     assert metric(url, "cobatch_time_to_first_token_seconds_count") == ttft_before   # no token was produced
 
 
-@pytest.mark.parametrize("n, stream", [(1, False), (3, False), (3, True)])
-def test_disconnect_aborts_every_choice(server, n, stream):
+@pytest.mark.parametrize("api, n, stream", [("chat", 1, False), ("chat", 3, False), ("chat", 3, True),
+                                            ("responses", 1, True), ("responses", 1, False)])
+def test_disconnect_aborts_every_choice(server, api, n, stream):
     """The client hangs up mid-decode, waiting for a plain answer or streaming it, with n choices: every
     choice is aborted and its slot freed."""
     url, worker = server.url, server.context.worker
-    aborts_before = metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
-    raw = RawStream(url, "/v1/chat/completions", {"messages": PEER, "n": n, **LONG, "stream": stream})
+    aborted = {"api": api, "finish_reason": "abort"}
+    aborts_before = metric(url, "cobatch_requests_total", aborted)
+    if api == "chat":
+        raw = RawStream(url, "/v1/chat/completions", {"messages": PEER, "n": n, **LONG, "stream": stream})
+    else:
+        raw = RawStream(url, "/v1/responses", {"input": PEER, "max_output_tokens": 400, "stream": stream})
     wait_for(lambda: sum(s.request is not None and s.generated > 2 for s in worker.slots) == n,
              what="the choices to be decoding")
     raw.hard_close()
-    wait_for(lambda: metric(url, "cobatch_requests_total", {"api": "chat", "finish_reason": "abort"})
-             == aborts_before + n, what="the aborts to be counted")
+    wait_for(lambda: metric(url, "cobatch_requests_total", aborted) == aborts_before + n,
+             what="the aborts to be counted")
     wait_for(lambda: all_slots_idle(url), what="all slots idle")
     wait_for(lambda: _engine_idle(server), what="no sequence or KV block left in the engine")
