@@ -152,3 +152,38 @@ def test_graph_and_eager_agree(models):
     finally:
         gpu.engine.runner.graphs = graphs
     assert with_graphs == eager
+
+
+def test_gpu_constraints_and_prompt_logprobs(models):
+    """The sampler-side features on the GPU path, beside unconstrained rows in the same steps: a JSON grammar
+    (its masks go host -> device), min_tokens bans, and prompt logprobs (eager prefill), the last against the
+    CPU path on the same weights."""
+    import json
+    pytest.importorskip("llguidance")
+    from cobatch.engine.grammar import json_grammar
+    cpu, gpu = models["cut"]
+    def schema(kind):      # values of bounded length: a cut model's output must still finish in max_tokens
+        return {"type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": kind}}
+    prompt = gpu.encode_prompt("A JSON object:")
+    params = [SamplingParams(temperature=0.0, max_tokens=24, grammar=json_grammar(schema({"type": "boolean"}))),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=24,
+                             grammar=json_grammar(schema({"enum": ["x", "y"]}))),
+              SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16), GREEDY]
+    outs = gpu.engine.generate([prompt] * len(params), params)
+    assert isinstance(json.loads(gpu.tokenizer.decode(outs[0]))["a"], bool)
+    assert json.loads(gpu.tokenizer.decode(outs[1]))["a"] in ("x", "y")
+    assert len(outs[2]) == 16 and not set(outs[2]) & gpu.tokenizer.stop_ids
+
+    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    ids = cpu.encode_prompt(PROMPTS[2])
+
+    def prompt_logprobs(llm):
+        llm.engine.add_request(ids, scoring)
+        got = []
+        while llm.engine.has_work():
+            for out in llm.engine.step():
+                got += out.prompt_logprobs or []
+        return got
+    want, got = prompt_logprobs(cpu), prompt_logprobs(gpu)
+    assert [t for t, _, _ in got] == [t for t, _, _ in want] == ids[1:]
+    assert max(abs(a[1] - b[1]) for a, b in zip(want, got)) < 0.05        # f16 vs f32 logits
