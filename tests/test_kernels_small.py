@@ -180,7 +180,7 @@ def test_pdl_chain_waits_for_each_input(monkeypatch):
     one wrote, captured in one CUDA graph and launched as programmatic dependents: every replay equals the
     chain run eagerly without PDL. The intermediates are NaN-poisoned before each replay, so a kernel that
     read its input (or wrote) before its wait would show up."""
-    from cobatch.kernels.triton_support import pdl_supported
+    from cobatch.kernels.triton_support import pdl_launch
     rows, inter, hidden = 5, 14336, 4096
     g = torch.Generator().manual_seed(11)
     x = torch.randn(rows, 2 * inter, generator=g).to("cuda", torch.bfloat16)
@@ -190,7 +190,7 @@ def test_pdl_chain_waits_for_each_input(monkeypatch):
     cs = rope_cos_sin(128, 4096, 500000.0).to("cuda")
     act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
     normed = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    assert pdl_supported(x)
+    assert pdl_launch(x)["PDL"]
 
     def chain(x, res):
         silu_mul_triton(x, out=act)

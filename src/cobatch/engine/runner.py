@@ -34,7 +34,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model, pool: KVPool, device: torch.device, stop_ids: frozenset[int] = frozenset()):
         self.model, self.pool, self.device = model, pool, device
-        self.stop_ids = stop_ids        # ends of turn: banned for a row that has not reached min_tokens
+        self.ends_of_turn = tuple(sorted(stop_ids))     # banned for a row that has not reached min_tokens
         self.sampler = Sampler()
         self.block_size = pool.block_size
         self.graphs = None          # DecodeGraphs, once capture_graphs() ran (CUDA only)
@@ -159,7 +159,7 @@ class ModelRunner:
         return rows
 
     def _banned(self, params) -> tuple[int, ...]:
-        ends = () if params.ignore_eos else tuple(sorted(self.stop_ids))
+        ends = () if params.ignore_eos else self.ends_of_turn
         return ends + tuple(params.stop_token_ids)
 
     def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:

@@ -9,7 +9,7 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
-                                             next_pow2, pdl_supported, tl, triton)
+                                             next_pow2, pdl_launch, tl, triton)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -109,7 +109,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
                          num_splits, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
     so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
@@ -119,7 +119,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
-    if USE_PDL:
+    if PDL:
         gdc_wait()                     # q and this step's K/V come from the previous kernel
 
     g = tl.arange(0, BLOCK_G)
@@ -140,7 +140,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                cache_slot_stride, cache_head_stride, PAGE=PAGE)
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32)
-    if USE_PDL:
+    if PDL:
         # The next kernel may launch now (not at the start: a chain would get resident all at once).
         gdc_launch_dependents()
 
@@ -182,15 +182,15 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, part0, n_valid, out_row_ptr, HEAD_D
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
                           split_len, num_splits, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Program (seq, q_head): merge the splits that seq_len reaches into the final row."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if USE_PDL:
+    if PDL:
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
     n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
-    if USE_PDL:
+    if PDL:
         gdc_wait()                     # the split kernel's partials
     _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, n_valid,
                   out_ptr + seq * out_row_stride + head * out_head_stride,
@@ -232,19 +232,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out   # unused
-    pdl = cfg.pdl and pdl_supported(q)     # the interpreter cannot run griddepcontrol
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
     _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, USE_PDL=pdl, DOT_F32=dot_in_f32(k_cache.dtype),
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits,
-            HEAD_D=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), USE_PDL=pdl, num_warps=4, **launch)
+            HEAD_D=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), num_warps=4, **launch)
     return out
 
 

@@ -68,7 +68,7 @@ def _pdl_on_device(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def pdl_supported(t: torch.Tensor) -> bool:
+def _pdl_supported(t: torch.Tensor) -> bool:
     """May kernels on t's device be launched as programmatic dependents (Hopper and later)?
     COBATCH_PDL=0 turns it off everywhere (to measure without it, or to rule it out)."""
     if not t.is_cuda or interpreting() or os.environ.get("COBATCH_PDL") == "0":
@@ -77,14 +77,15 @@ def pdl_supported(t: torch.Tensor) -> bool:
 
 
 def pdl_launch(t: torch.Tensor) -> dict:
-    """Launch arguments for a kernel with a `PDL` constexpr (which, when true, calls gdc_launch_dependents
-    and then gdc_wait before touching any tensor another kernel writes).
+    """Launch arguments for a kernel with a `PDL` constexpr. When true, the kernel calls gdc_wait before it
+    touches any tensor another kernel writes, and gdc_launch_dependents where the next kernel may start
+    (not before its main loop if it is long: a chain would get resident all at once).
 
     Programmatic dependent launch lets a kernel's CTAs start while the previous kernel finishes: launch
-    latency and prologues (a GEMV's weight prefetch) overlap the predecessor's tail. Correctness rests on
-    the wait: it returns once the previous kernel has completed and its writes are visible, and since that
-    kernel waited for its own predecessor, for everything before it too."""
-    pdl = pdl_supported(t)
+    latency and prologues overlap the predecessor's tail. Correctness rests on the wait: it returns once the
+    previous kernel has completed and its writes are visible, and since that kernel waited for its own
+    predecessor, for everything before it too."""
+    pdl = _pdl_supported(t)
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 

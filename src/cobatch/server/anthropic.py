@@ -23,7 +23,7 @@ from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import Completed, Finish, Generation, GenerationRequest, make_sampling_params
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import check_prompt_fits, render_chat, tool_call_grammar
+from cobatch.server.prompting import check_prompt_fits, named_tool_only, output_grammar, render_chat
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
@@ -145,10 +145,7 @@ def _tools(body: _Conversation) -> list[dict] | None:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools]
     if choice == "tool":      # a named tool: offer only that one
-        name = body.tool_choice.get("name")
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise bad_request(f"tool_choice names a tool that is not in tools: {name!r}")
+        tools = named_tool_only(tools, body.tool_choice.get("name"), param=None)
     return tools
 
 
@@ -179,9 +176,8 @@ async def messages(request: Request):
     prompt_ids, in_think, tools = await run_in_threadpool(_prompt, ctx, body)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     choice = body.tool_choice or {}
-    grammar = None
-    if tools and choice.get("type") in ("any", "tool"):        # a call is enforced
-        grammar = await tool_call_grammar(ctx.llm, tools, parallel=not choice.get("disable_parallel_tool_use"))
+    grammar = await output_grammar(ctx.llm, tools, force_call=choice.get("type") in ("any", "tool"),
+                                   parallel=not choice.get("disable_parallel_tool_use"))
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, max_tokens=body.max_tokens, grammar=grammar)
     gen = ctx.generation(GenerationRequest(

@@ -24,8 +24,7 @@ from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
                                        TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import (check_prompt_fits, max_new_tokens, render_chat, response_format_grammar,
-                                     tool_call_grammar)
+from cobatch.server.prompting import check_prompt_fits, max_new_tokens, named_tool_only, output_grammar, render_chat
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -209,10 +208,7 @@ def _tools(body: ChatCompletionRequest) -> list[dict] | None:
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     if isinstance(body.tool_choice, dict):     # a named function: offer only that one
-        name = (body.tool_choice.get("function") or {}).get("name")
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise bad_request(f"tool_choice names a function that is not in tools: {name!r}", param="tool_choice")
+        tools = named_tool_only(tools, (body.tool_choice.get("function") or {}).get("name"))
     return tools
 
 
@@ -282,12 +278,9 @@ async def chat_completions(request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     tools = _tools(body)
-    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):    # a call is enforced
-        if not tools:
-            raise bad_request("tool_choice 'required' or a named function needs tools", param="tool_choice")
-        grammar = await tool_call_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False)
-    else:
-        grammar = await response_format_grammar(ctx.llm, body.response_format)
+    grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
+                                   force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
+                                   response_format=body.response_format)
     messages = template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
@@ -394,7 +387,8 @@ def _chat_delta(event, call_ids: dict[int, str]) -> dict:
 async def completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
-    grammar = await response_format_grammar(ctx.llm, body.response_format)
+    grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False,
+                                   response_format=body.response_format)
     prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt, body.suffix)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",
@@ -407,7 +401,7 @@ async def completions(request: Request):
     requests = []
     for ids, _ in prompts:
         check_prompt_fits(ctx.llm, len(ids), "prompt")
-        params = _sampling(ctx, body, len(ids), body.max_tokens or (1 if body.max_tokens == 0 else None),
+        params = _sampling(ctx, body, len(ids), 1 if body.max_tokens == 0 else body.max_tokens,
                            body.logprobs, grammar, prompt_logprobs)
         requests.append(GenerationRequest("completions", ids, params, _stops(body.stop),
                                           report_output=body.max_tokens != 0))

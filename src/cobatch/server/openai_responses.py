@@ -24,8 +24,7 @@ from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import Finish, Generation, GenerationRequest, make_sampling_params
 from cobatch.server.openai import arguments_object, call_id
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import (check_prompt_fits, max_new_tokens, render_chat, response_format_grammar,
-                                      tool_call_grammar)
+from cobatch.server.prompting import check_prompt_fits, max_new_tokens, named_tool_only, output_grammar, render_chat
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
@@ -111,10 +110,7 @@ def _chat_tools(body: ResponsesRequest) -> list[dict] | None:
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
              for t in body.tools]
     if isinstance(body.tool_choice, dict):               # {"type": "function", "name": ...}
-        name = body.tool_choice.get("name")
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise bad_request(f"tool_choice names a function that is not in tools: {name!r}", param="tool_choice")
+        tools = named_tool_only(tools, body.tool_choice.get("name"))
     return tools
 
 
@@ -136,12 +132,9 @@ async def create_response(request: Request):
         raise bad_request("previous_response_id is not supported: responses are not stored; send the whole "
                           "conversation as input", param="previous_response_id")
     tools = _chat_tools(body)
-    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
-        if not tools:
-            raise bad_request("tool_choice 'required' or a named function needs tools", param="tool_choice")
-        grammar = await tool_call_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False)
-    else:
-        grammar = await response_format_grammar(ctx.llm, _response_format(body.text), param="text.format")
+    grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
+                                   force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
+                                   response_format=_response_format(body.text), format_param="text.format")
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body), tools)
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_p=body.top_p,

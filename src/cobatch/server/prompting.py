@@ -40,7 +40,26 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
     return ids, text.rstrip().endswith("<think>")
 
 
-async def tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
+def named_tool_only(tools: list[dict], name: str | None, param: str | None = "tool_choice") -> list[dict]:
+    """tool_choice naming one tool: offer only that one (OpenAI-shaped tool dicts); a 400 if there is none."""
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise bad_request(f"tool_choice names a tool that is not in tools: {name!r}", param=param)
+    return named
+
+
+async def output_grammar(llm: LLM, tools: list[dict] | None, *, force_call: bool, parallel: bool,
+                         response_format: dict | None = None, format_param: str = "response_format") -> str | None:
+    """The grammar the reply must follow: a call of one of `tools` when tool_choice forces one (required /
+    any / a named tool), else the response format's (None: free text)."""
+    if force_call:
+        if not tools:
+            raise bad_request("a tool_choice that forces a call needs tools", param="tool_choice")
+        return await _tool_call_grammar(llm, tools, parallel)
+    return await _response_format_grammar(llm, response_format, format_param)
+
+
+async def _tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
     """The grammar that makes the reply a call of one of `tools` (tool_choice required / any / a named tool),
     in the format the chat template shows the model; a tool whose parameters schema does not compile is a 400."""
     tagged = llm.template is not None and "<tool_call>" in llm.template.source
@@ -52,7 +71,7 @@ async def tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
     return grammar
 
 
-async def response_format_grammar(llm: LLM, response_format: dict | None, param: str = "response_format") -> str | None:
+async def _response_format_grammar(llm: LLM, response_format: dict | None, param: str) -> str | None:
     """OpenAI's response_format (json_object / json_schema) -> the grammar the output must follow (None: free text);
     a bad one is a 400 naming `param`."""
     if not response_format:
