@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
-from cobatch.kernels.quant_gemv import GemvConfig  # noqa: E402
+from cobatch.kernels.quant_gemv import GemvConfig, GemvPair  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight, TileConfig  # noqa: E402
 from cobatch.kernels.quant_pack import PackedPlanes  # noqa: E402
 from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
@@ -138,7 +138,7 @@ def time_packed(copies: list[PackedWeight], n_tok: int, cfg, x_dtype=None) -> fl
     plan = copies[0].plan
     config = cfg if cfg is not None else (plan.narrow if n_tok <= plan.crossover else plan.gemm)
     if x_dtype is None:
-        x_dtype = torch.float16 if isinstance(config, GemvConfig) else torch.bfloat16
+        x_dtype = torch.float16 if isinstance(config, (GemvConfig, GemvPair)) else torch.bfloat16
     x = torch.randn(n_tok, copies[0].cols, device="cuda").to(x_dtype)
     out = torch.empty(n_tok, copies[0].rows, device="cuda", dtype=torch.bfloat16)
     return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
@@ -217,8 +217,9 @@ def narrow_candidates(rows: int, cols: int) -> list[TileConfig]:
     return out
 
 
-GEMV_BASES = [(4, 4, 1), (4, 2, 2), (4, 2, 1), (8, 2, 1), (4, 4, 2), (2, 4, 1), (8, 1, 2)]  # W, RT, U
-GEMV_PREFETCH = [0, 2, 4]                                                                # D
+# W, RT, U. RT = 1 with many K steps per iteration tends to win 8-token tiles, RT = 2-4 the 16-token ones.
+GEMV_BASES = [(4, 4, 1), (4, 1, 8), (4, 1, 16), (8, 1, 4), (8, 1, 8), (4, 2, 4), (2, 1, 16), (8, 2, 2), (2, 2, 8)]
+GEMV_PREFETCH = [0, 2]                                                                   # D
 
 
 def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
@@ -285,8 +286,11 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                 results.append(((t1 + t16) / 2, t1, t16, cfg))
                 log.append({"kind": "sweep_narrow", "fmt": fmt_name, "shape": name, "config": _cfg_dict(cfg),
                             "us_1": t1 * 1e6, "us_16": t16 * 1e6, "gbps_1": pw.nbytes / t1 / 1e9})
-            results.sort(key=lambda r: r[0])
-            _, t1, t16, narrow = results[0]
+            if results and isinstance(results[0][3], GemvConfig):
+                t1, t16, narrow = best_gemv_pair(results)
+            else:
+                results.sort(key=lambda r: r[0])
+                _, t1, t16, narrow = results[0]
             print(f"  {fmt_name} {name}: narrow {narrow} {pw.nbytes / t1 / 1e9:.0f} GB/s @1, "
                   f"{pw.nbytes / t16 / 1e9:.0f} GB/s @16", flush=True)
             crossover = CROSSOVER_TOKS[0]
@@ -299,14 +303,32 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                 else:
                     break
             entry = fmt_entry["shapes"].setdefault(f"{rows}x{cols}", {})   # the other kernel's entry stays
-            if isinstance(narrow, GemvConfig):
-                entry.update({"gemv": _cfg_dict(narrow), "gemv_crossover": crossover})
+            if isinstance(narrow, GemvPair):
+                entry.update({"gemv": _cfg_dict(narrow.tile8), "gemv_crossover": crossover})
+                entry.pop("gemv16", None)
+                if narrow.tile16 != narrow.tile8:
+                    entry["gemv16"] = _cfg_dict(narrow.tile16)
             else:
                 entry.update({"narrow": _cfg_dict(narrow), "crossover": crossover})
             del copies, pw
             torch.cuda.empty_cache()
             save(table)
     return table
+
+
+def best_gemv_pair(results) -> tuple[float, float, GemvPair]:
+    """(t1, t16, pair) from (mean, t1, t16, config) rows: the fastest config at n_tok 1 for 8-token tiles and
+    at n_tok 16 for 16-token tiles, among configs that split K the same way (same W and split_k: batch
+    invariance); the (W, split_k) group with the least t1 + t16 wins."""
+    groups: dict = {}
+    for _, t1, t16, cfg in results:
+        groups.setdefault((cfg.W, cfg.split_k), []).append((t1, t16, cfg))
+    best = None
+    for rows in groups.values():
+        b1, b16 = min(rows, key=lambda r: r[0]), min(rows, key=lambda r: r[1])
+        if best is None or b1[0] + b16[1] < best[0] + best[1]:
+            best = (b1[0], b16[1], GemvPair(b1[2], b16[2]))
+    return best
 
 
 def gemm_candidates_for(fmt_name: str) -> list:
@@ -325,6 +347,8 @@ def _cfg_dict(c):
         return c
     if isinstance(c, GemvConfig):
         return dataclasses.asdict(c)
+    if isinstance(c, GemvPair):
+        return {"tile8": dataclasses.asdict(c.tile8), "tile16": dataclasses.asdict(c.tile16)}
     return {"BM": c.BM, "BN": c.BN, "BK": c.BK, "split_k": c.split_k, "num_warps": c.num_warps,
             "num_stages": c.num_stages}
 
@@ -340,7 +364,8 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
         for rows, cols in SHAPES.values():
             plan = qm.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256,
                                gemv=qm.uses_gemv(fmt_name, torch.device("cuda")))
-            tasks += [(fmt_name, plan.narrow), (fmt_name, plan.gemm)]
+            narrow = [plan.narrow.tile8, plan.narrow.tile16] if isinstance(plan.narrow, GemvPair) else [plan.narrow]
+            tasks += [(fmt_name, c) for c in narrow] + [(fmt_name, plan.gemm)]
     try:
         precompile(tasks, workers=min(14, os.cpu_count() or 4))
     except Exception as e:
@@ -366,7 +391,7 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
                 t = time_packed(copies, n, None)
                 path = "narrow" if n <= plan.crossover else "gemm"
                 # what a bf16 caller pays: the f16 conversion of x is one more launch per call
-                t_bf16 = time_packed(copies, n, None, torch.bfloat16) if isinstance(plan.narrow, GemvConfig) \
+                t_bf16 = time_packed(copies, n, None, torch.bfloat16) if isinstance(plan.narrow, GemvPair) \
                     and n <= plan.crossover else t
                 gbps = pw.nbytes / t / 1e9
                 rows_out.append({"kind": "gemv", "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols,

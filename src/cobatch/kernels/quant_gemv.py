@@ -344,14 +344,46 @@ def token_tile(n_tok: int) -> int:
     return 8 if n_tok <= 8 else 16
 
 
+@dataclass(frozen=True, slots=True)
+class GemvPair:
+    """The configs of one weight: `tile8` runs n_tok <= 8 (one 8-token tile), `tile16` runs more tokens.
+
+    The fastest config at 1 token is often not the fastest at 16: a 16-token tile doubles the operand
+    registers per weight, so fewer K steps fit in flight. Both split K the same way (same W and split_k),
+    so a row's reduction order, hence its bits, does not depend on the batch; RT, U and D only change
+    which rows a CTA owns and when bytes are loaded."""
+    tile8: GemvConfig
+    tile16: GemvConfig
+
+    def __post_init__(self):
+        if (self.tile8.W, self.tile8.split_k) != (self.tile16.W, self.tile16.split_k):
+            raise ValueError(f"GemvPair tiles must share W and split_k (batch invariance): {self}")
+
+    @staticmethod
+    def of(cfg: "GemvConfig | GemvPair") -> "GemvPair":
+        return cfg if isinstance(cfg, GemvPair) else GemvPair(cfg, cfg)
+
+    @property
+    def split_k(self) -> int:
+        return self.tile8.split_k
+
+    def for_tokens(self, n_tok: int) -> GemvConfig:
+        return self.tile8 if token_tile(n_tok) == 8 else self.tile16
+
+
 def steps(p: "quant_pack.PackedPlanes", cfg: GemvConfig) -> int:
     n_chunks = p.qs.shape[1] // 512
     assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (n_chunks, cfg)
     return n_chunks // (cfg.W * cfg.split_k)
 
 
-def scratch_need(cfg: GemvConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
+def scratch_need(cfg: GemvConfig | GemvPair, rows_pad: int, max_tok: int) -> tuple[int, int]:
     """(partial elements, tile counters) the split-K reduction needs for up to max_tok tokens."""
+    if isinstance(cfg, GemvPair):
+        needs = [scratch_need(cfg.tile8, rows_pad, min(max_tok, 8))]
+        if max_tok > 8:
+            needs.append(scratch_need(cfg.tile16, rows_pad, max_tok))
+        return max(n[0] for n in needs), max(n[1] for n in needs)
     if cfg.split_k == 1:
         return 1, 1
     bt = token_tile(max_tok)
@@ -359,11 +391,13 @@ def scratch_need(cfg: GemvConfig, rows_pad: int, max_tok: int) -> tuple[int, int
     return tiles * cfg.split_k * cfg.rows_per_cta() * bt, tiles
 
 
-def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
+def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPair,
            partial: torch.Tensor, count: torch.Tensor) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free)."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
+    if isinstance(cfg, GemvPair):
+        cfg = cfg.for_tokens(n_tok)
     bt = token_tile(n_tok)
     n_chunks = p.qs.shape[1] // 512
     grid = (-(-n_tok // bt), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
