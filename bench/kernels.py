@@ -3,7 +3,8 @@
     PYTHONPATH=src python bench/kernels.py [--sweep] [--formats q8_0,q4_k,...] [--quick]
 
 1. Copy bandwidth (device-to-device, bytes read + written), measured in the same run: the ceiling.
-2. With --sweep: for each format and Llama-3-8B shape, times candidate narrow tile configs (n_tok 1 and 16)
+2. With --sweep: for each format and Llama-3-8B shape, times candidate narrow tile configs (n_tok 1 and 16;
+   1, 4, 8 and 16 for the Gluon GEMV, which gets one config per token tier: best_gemv_plan)
    and GEMM configs (n_tok 2048), picks the best, and finds the crossover T (largest measured n_tok where
    the narrow kernel still beats the GEMM config). Writes the choice as quant_configs.json (to $OUT and
    bench/results/); copy it to src/cobatch/kernels/ to make it the default.
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
-from cobatch.kernels.quant_gemv import GemvConfig, GemvPair  # noqa: E402
+from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight, TileConfig  # noqa: E402
 from cobatch.kernels.quant_pack import PackedPlanes  # noqa: E402
 from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
@@ -138,7 +139,7 @@ def time_packed(copies: list[PackedWeight], n_tok: int, cfg, x_dtype=None) -> fl
     plan = copies[0].plan
     config = cfg if cfg is not None else (plan.narrow if n_tok <= plan.crossover else plan.gemm)
     if x_dtype is None:
-        x_dtype = torch.float16 if isinstance(config, (GemvConfig, GemvPair)) else torch.bfloat16
+        x_dtype = torch.float16 if isinstance(config, (GemvConfig, GemvPlan)) else torch.bfloat16
     x = torch.randn(n_tok, copies[0].cols, device="cuda").to(x_dtype)
     out = torch.empty(n_tok, copies[0].rows, device="cuda", dtype=torch.bfloat16)
     return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
@@ -277,20 +278,20 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                 break
             pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
             copies = rotating(pw)
-            results = []
+            timed = []
             for cfg in narrow_candidates_for(fmt_name, rows, cols):
                 if (fmt_name, cfg) in bad:
                     continue
-                t1 = time_packed(copies, 1, cfg)
-                t16 = time_packed(copies, 16, cfg)
-                results.append(((t1 + t16) / 2, t1, t16, cfg))
+                toks = (1, 16) if not isinstance(cfg, GemvConfig) else GEMV_TIERS + (GEMV_DEFAULT_TOK,)
+                times = {n: time_packed(copies, n, cfg) for n in toks}
+                timed.append((times, cfg))
                 log.append({"kind": "sweep_narrow", "fmt": fmt_name, "shape": name, "config": _cfg_dict(cfg),
-                            "us_1": t1 * 1e6, "us_16": t16 * 1e6, "gbps_1": pw.nbytes / t1 / 1e9})
-            if results and isinstance(results[0][3], GemvConfig):
-                t1, t16, narrow = best_gemv_pair(results)
-            else:
-                results.sort(key=lambda r: r[0])
-                _, t1, t16, narrow = results[0]
+                            **{f"us_{n}": t * 1e6 for n, t in times.items()}, "gbps_1": pw.nbytes / times[1] / 1e9})
+            if timed and isinstance(timed[0][1], GemvConfig):
+                narrow = best_gemv_plan(timed)
+            else:   # the Triton kernel: one config, by the mean of its 1- and 16-token times
+                narrow = min(timed, key=lambda r: r[0][1] + r[0][16])[1]
+            t1, t16 = time_packed(copies, 1, narrow), time_packed(copies, 16, narrow)
             print(f"  {fmt_name} {name}: narrow {narrow} {pw.nbytes / t1 / 1e9:.0f} GB/s @1, "
                   f"{pw.nbytes / t16 / 1e9:.0f} GB/s @16", flush=True)
             crossover = CROSSOVER_TOKS[0]
@@ -303,11 +304,11 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                 else:
                     break
             entry = fmt_entry["shapes"].setdefault(f"{rows}x{cols}", {})   # the other kernel's entry stays
-            if isinstance(narrow, GemvPair):
-                entry.update({"gemv": _cfg_dict(narrow.tile8), "gemv_crossover": crossover})
-                entry.pop("gemv16", None)
-                if narrow.tile16 != narrow.tile8:
-                    entry["gemv16"] = _cfg_dict(narrow.tile16)
+            if isinstance(narrow, GemvPlan):
+                entry.update({"gemv": _cfg_dict(narrow.default), "gemv_crossover": crossover})
+                entry.pop("gemv_upto", None)
+                if narrow.upto:
+                    entry["gemv_upto"] = {str(n): _cfg_dict(c) for n, c in narrow.upto}
             else:
                 entry.update({"narrow": _cfg_dict(narrow), "crossover": crossover})
             del copies, pw
@@ -316,19 +317,38 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
     return table
 
 
-def best_gemv_pair(results) -> tuple[float, float, GemvPair]:
-    """(t1, t16, pair) from (mean, t1, t16, config) rows: the fastest config at n_tok 1 for 8-token tiles and
-    at n_tok 16 for 16-token tiles, among configs that split K the same way (same W and split_k: batch
-    invariance); the (W, split_k) group with the least t1 + t16 wins."""
+# The token tiers a GEMV plan may have: a config for n_tok <= 1, <= 4, <= 8, and the default for more,
+# each chosen by its time at the tier's largest n_tok (16 for the default: the narrow path's usual top).
+GEMV_TIERS = (1, 4, 8)
+GEMV_DEFAULT_TOK = 16
+
+
+def best_gemv_plan(timed: list[tuple[dict, GemvConfig]]) -> GemvPlan:
+    """From (times by n_tok, config) rows: per tier, the fastest config at the tier's n_tok, among configs
+    that split K the same way (same W and split_k: batch invariance); the (W, split_k) group whose tiers
+    lose least to the overall best, summed over the tiers (each tier weighs the same), wins. Adjacent tiers
+    with the same config merge."""
+    toks = GEMV_TIERS + (GEMV_DEFAULT_TOK,)
+    fastest = {n: min(times[n] for times, _ in timed) for n in toks}
     groups: dict = {}
-    for _, t1, t16, cfg in results:
-        groups.setdefault((cfg.W, cfg.split_k), []).append((t1, t16, cfg))
+    for times, cfg in timed:
+        groups.setdefault((cfg.W, cfg.split_k), []).append((times, cfg))
     best = None
     for rows in groups.values():
-        b1, b16 = min(rows, key=lambda r: r[0]), min(rows, key=lambda r: r[1])
-        if best is None or b1[0] + b16[1] < best[0] + best[1]:
-            best = (b1[0], b16[1], GemvPair(b1[2], b16[2]))
-    return best
+        picks = [min(rows, key=lambda r: r[0][n]) for n in toks]
+        total = sum(p[0][n] / fastest[n] for p, n in zip(picks, toks))
+        if best is None or total < best[0]:
+            best = (total, [p[1] for p in picks])
+    *tier_cfgs, default = best[1]
+    upto = []
+    for bound, cfg in zip(GEMV_TIERS, tier_cfgs):
+        if upto and upto[-1][1] == cfg:
+            upto[-1] = (bound, cfg)    # the same config serves both tiers: one tier, the larger bound
+        else:
+            upto.append((bound, cfg))
+    while upto and upto[-1][1] == default:
+        upto.pop()
+    return GemvPlan(default, tuple(upto))
 
 
 def gemm_candidates_for(fmt_name: str) -> list:
@@ -347,8 +367,9 @@ def _cfg_dict(c):
         return c
     if isinstance(c, GemvConfig):
         return dataclasses.asdict(c)
-    if isinstance(c, GemvPair):
-        return {"tile8": dataclasses.asdict(c.tile8), "tile16": dataclasses.asdict(c.tile16)}
+    if isinstance(c, GemvPlan):
+        return {"default": dataclasses.asdict(c.default),
+                "upto": {str(n): dataclasses.asdict(t) for n, t in c.upto}}
     return {"BM": c.BM, "BN": c.BN, "BK": c.BK, "split_k": c.split_k, "num_warps": c.num_warps,
             "num_stages": c.num_stages}
 
@@ -364,7 +385,7 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
         for rows, cols in SHAPES.values():
             plan = qm.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256,
                                gemv=qm.uses_gemv(fmt_name, torch.device("cuda")))
-            narrow = [plan.narrow.tile8, plan.narrow.tile16] if isinstance(plan.narrow, GemvPair) else [plan.narrow]
+            narrow = plan.narrow.configs() if isinstance(plan.narrow, GemvPlan) else [plan.narrow]
             tasks += [(fmt_name, c) for c in narrow] + [(fmt_name, plan.gemm)]
     try:
         precompile(tasks, workers=min(14, os.cpu_count() or 4))
@@ -391,7 +412,7 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
                 t = time_packed(copies, n, None)
                 path = "narrow" if n <= plan.crossover else "gemm"
                 # what a bf16 caller pays: the f16 conversion of x is one more launch per call
-                t_bf16 = time_packed(copies, n, None, torch.bfloat16) if isinstance(plan.narrow, GemvPair) \
+                t_bf16 = time_packed(copies, n, None, torch.bfloat16) if isinstance(plan.narrow, GemvPlan) \
                     and n <= plan.crossover else t
                 gbps = pw.nbytes / t / 1e9
                 rows_out.append({"kind": "gemv", "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols,

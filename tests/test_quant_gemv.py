@@ -14,7 +14,7 @@ import torch
 
 from cobatch.kernels import quant_gemv
 from cobatch.kernels import quant_matmul as qm
-from cobatch.kernels.quant_gemv import GemvConfig, GemvPair
+from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_matmul import PackedWeight
 from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes, to_fragment_order,
                                         unpack_planes)
@@ -101,45 +101,51 @@ def test_default_config_divides_k_and_fills_the_gpu():
             assert (rows_pad // cfg.rows_per_cta()) * cfg.split_k >= 2 * 132, (rows_pad, n_chunks, cfg)
 
 
-def test_gemv_pair_tiles_must_split_k_the_same_way():
-    """A row's bits depend on how K is split (W warps x split_k CTAs), so the two token tiles must agree."""
-    GemvPair(GemvConfig(W=4, RT=1, split_k=2, U=8), GemvConfig(W=4, RT=4, split_k=2, U=1, D=2))
+def test_gemv_plan_tiers_must_split_k_the_same_way():
+    """A row's bits depend on how K is split (W warps x split_k CTAs), so every tier must agree."""
+    GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=1, D=2), ((1, GemvConfig(W=4, RT=1, split_k=2, U=8)),))
     with pytest.raises(ValueError):
-        GemvPair(GemvConfig(W=4, split_k=2), GemvConfig(W=8, split_k=2))
+        GemvPlan(GemvConfig(W=4, split_k=2), ((4, GemvConfig(W=8, split_k=2)),))
     with pytest.raises(ValueError):
-        GemvPair(GemvConfig(W=4, split_k=2), GemvConfig(W=4, split_k=4))
+        GemvPlan(GemvConfig(W=4, split_k=2), ((4, GemvConfig(W=4, split_k=4)),))
+    with pytest.raises(ValueError):     # tiers out of order
+        GemvPlan(GemvConfig(W=4), ((8, GemvConfig(W=4, RT=2)), (4, GemvConfig(W=4, RT=1))))
 
 
-def test_gemv_pair_picks_the_tile_by_token_count():
-    pair = GemvPair(GemvConfig(W=4, RT=1, split_k=2, U=8), GemvConfig(W=4, RT=2, split_k=2, U=4))
-    assert [pair.for_tokens(n) is pair.tile8 for n in (1, 5, 8, 9, 16, 64)] == [True] * 3 + [False] * 3
+def test_gemv_plan_picks_the_tier_by_token_count():
+    one, few, default = GemvConfig(W=4, RT=1, U=8), GemvConfig(W=4, RT=2, U=4), GemvConfig(W=4, RT=4)
+    plan = GemvPlan(default, ((1, one), (8, few)))
+    assert [plan.for_tokens(n) for n in (1, 2, 8, 9, 16, 64)] == [one, few, few, default, default, default]
+    assert plan.configs() == [one, few, default]
 
 
-def test_gemv_pair_scratch_covers_both_tiles():
-    """Each tile's split-K partials must fit: an 8-token tile with 1-row tiles has more CTAs per token tile
-    than a 16-token tile with 4-row tiles, and the 16-token tile has more tokens per CTA."""
-    tile8, tile16 = GemvConfig(W=4, RT=1, split_k=4, U=8), GemvConfig(W=4, RT=4, split_k=4)
-    pair = GemvPair(tile8, tile16)
-    for max_tok in (1, 8, 9, 16, 40):
-        need = quant_gemv.scratch_need(pair, 4096, max_tok)
+def test_gemv_plan_scratch_covers_every_tier():
+    """Each tier's split-K partials must fit: a 1-row-tile tier has more CTAs per token tile, a 16-token
+    tile more tokens per CTA."""
+    plan = GemvPlan(GemvConfig(W=4, RT=4, split_k=4), ((2, GemvConfig(W=4, RT=1, split_k=4, U=8)),
+                                                       (8, GemvConfig(W=4, RT=2, split_k=4, U=4))))
+    for max_tok in (1, 2, 8, 9, 16, 40):
+        need = quant_gemv.scratch_need(plan, 4096, max_tok)
         for n_tok in range(1, max_tok + 1):
-            elems, tiles = quant_gemv.scratch_need(pair.for_tokens(n_tok), 4096, n_tok)
+            elems, tiles = quant_gemv.scratch_need(plan.for_tokens(n_tok), 4096, n_tok)
             assert elems <= need[0] and tiles <= need[1], (max_tok, n_tok)
 
 
-def test_plan_reads_the_16_token_tile_config(tmp_path, monkeypatch):
+def test_plan_reads_the_token_tiers(tmp_path, monkeypatch):
     table = {"formats": {"q8_0": {"shapes": {"4096x4096": {
-        "gemv": {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0},
-        "gemv16": {"W": 4, "RT": 4, "split_k": 2, "U": 1, "D": 2}, "gemv_crossover": 32}}}}}
+        "gemv": {"W": 4, "RT": 4, "split_k": 2, "U": 1, "D": 2},
+        "gemv_upto": {"8": {"W": 4, "RT": 2, "split_k": 2, "U": 4, "D": 0},
+                      "2": {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0}}, "gemv_crossover": 32}}}}}
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
     monkeypatch.setattr(qm, "interpreting", lambda: False)   # the interpreter has its own small plan
     plan = qm.plan_for("q8_0", 4096, 4096, 4096, gemv=True)
-    assert plan.narrow == GemvPair(GemvConfig(4, 1, 2, 8, 0), GemvConfig(4, 4, 2, 1, 2))
+    assert plan.narrow == GemvPlan(GemvConfig(4, 4, 2, 1, 2), ((2, GemvConfig(4, 1, 2, 8, 0)),
+                                                               (8, GemvConfig(4, 2, 2, 4, 0))))
     assert plan.crossover == 32
-    only8 = qm.plan_for("q8_0", 4096, 14336, 14336, gemv=True)   # no entry: the default for both tiles
-    assert only8.narrow.tile8 == only8.narrow.tile16
+    no_entry = qm.plan_for("q8_0", 4096, 14336, 14336, gemv=True)   # the default config for every n_tok
+    assert no_entry.narrow.upto == () and no_entry.narrow.default.split_k >= 1
 
 
 # --- the kernel (CUDA) ------------------------------------------------------------------------------------
@@ -176,19 +182,21 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
 
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
-@pytest.mark.parametrize("pair", [None, GemvPair(GemvConfig(W=4, RT=1, split_k=2, U=8),
-                                                 GemvConfig(W=4, RT=4, split_k=2, U=1, D=2))],
-                         ids=["plan", "rt1u8-rt4d2"])
-def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, pair):
-    """n_tok 1..8 run the 8-token tile's config, 9..16 the 16-token tile's: a row must not change."""
+@pytest.mark.parametrize("plan", [None, GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=1, D=2),
+                                                 ((1, GemvConfig(W=4, RT=1, split_k=2, U=8)),
+                                                  (4, GemvConfig(W=4, RT=2, split_k=2, U=4))))],
+                         ids=["table", "tiers"])
+def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):
+    """Token counts 1, 2..4, 5..8 (8-token tiles) and 9..16 (a 16-token tile) run different configs of the
+    plan: a row must not change."""
     w = make_weight(fmt_name, 4096, 4096, seed=5, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    pair = pair or pw.plan.narrow
-    assert pair.split_k > 1                      # the cross-CTA reduction is part of the check
+    plan = plan or pw.plan.narrow
+    assert plan.split_k > 1                      # the cross-CTA reduction is part of the check
     x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
-    alone = torch.cat([run_poisoned(pw, x[t:t + 1], pair) for t in range(16)])
+    alone = torch.cat([run_poisoned(pw, x[t:t + 1], plan) for t in range(16)])
     for n_tok in range(2, 17):
-        assert torch.equal(run_poisoned(pw, x[:n_tok], pair), alone[:n_tok]), n_tok
+        assert torch.equal(run_poisoned(pw, x[:n_tok], plan), alone[:n_tok]), n_tok
 
 
 @requires_cuda
@@ -207,7 +215,7 @@ def test_gemv_dequantize_kernel(fmt_name):
 def test_gemv_cuda_graph_replay():
     w = make_weight("q8_0", 4096, 4096, seed=8, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    assert isinstance(pw.plan.narrow, GemvPair) and pw.plan.narrow.split_k > 1
+    assert isinstance(pw.plan.narrow, GemvPlan) and pw.plan.narrow.split_k > 1
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replay_matches(pw.matmul, x, torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16))
 
@@ -217,5 +225,5 @@ def test_gluon_is_used_for_the_fragment_formats_only():
     for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_0", "q6_k"]:
         pw = PackedWeight.from_quant(make_weight(fmt_name, 128, 256, seed=9, device="cuda"), "cuda")
         assert pw.planes.fragment == (fmt_name in FRAGMENT)
-        assert isinstance(pw.plan.narrow, GemvPair) == (fmt_name in FRAGMENT)
+        assert isinstance(pw.plan.narrow, GemvPlan) == (fmt_name in FRAGMENT)
     assert quant_gemv.gluon is not None

@@ -345,30 +345,41 @@ def token_tile(n_tok: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class GemvPair:
-    """The configs of one weight: `tile8` runs n_tok <= 8 (one 8-token tile), `tile16` runs more tokens.
+class GemvPlan:
+    """Which GemvConfig runs a call of n_tok tokens: the first `upto` tier (max_tok, config) with
+    n_tok <= max_tok (ascending), else `default`.
 
-    The fastest config at 1 token is often not the fastest at 16: a 16-token tile doubles the operand
-    registers per weight, so fewer K steps fit in flight. Both split K the same way (same W and split_k),
-    so a row's reduction order, hence its bits, does not depend on the batch; RT, U and D only change
-    which rows a CTA owns and when bytes are loaded."""
-    tile8: GemvConfig
-    tile16: GemvConfig
+    Why several: the fastest config at 1 token (1-row tiles, 8-16 K steps in flight per warp) loses at 8
+    tokens, where each weight needs 8 x 32 activations and 1-row tiles reload them 4x as often as 4-row
+    tiles, and a 16-token tile doubles the operand registers per weight. All tiers split K the same way
+    (same W and split_k), so a row's reduction order, hence its bits, does not depend on the batch; RT,
+    U and D only change which rows a CTA owns and when bytes are loaded."""
+    default: GemvConfig
+    upto: tuple[tuple[int, GemvConfig], ...] = ()
 
     def __post_init__(self):
-        if (self.tile8.W, self.tile8.split_k) != (self.tile16.W, self.tile16.split_k):
-            raise ValueError(f"GemvPair tiles must share W and split_k (batch invariance): {self}")
+        bounds = [b for b, _ in self.upto]
+        if bounds != sorted(set(bounds)) or any(b < 1 for b in bounds):
+            raise ValueError(f"GemvPlan tiers must have distinct ascending token bounds: {bounds}")
+        if any((c.W, c.split_k) != (self.default.W, self.default.split_k) for _, c in self.upto):
+            raise ValueError(f"GemvPlan tiers must share W and split_k (batch invariance): {self}")
 
     @staticmethod
-    def of(cfg: "GemvConfig | GemvPair") -> "GemvPair":
-        return cfg if isinstance(cfg, GemvPair) else GemvPair(cfg, cfg)
+    def of(cfg: "GemvConfig | GemvPlan") -> "GemvPlan":
+        return cfg if isinstance(cfg, GemvPlan) else GemvPlan(cfg)
 
     @property
     def split_k(self) -> int:
-        return self.tile8.split_k
+        return self.default.split_k
+
+    def configs(self) -> list[GemvConfig]:
+        return list(dict.fromkeys([c for _, c in self.upto] + [self.default]))
 
     def for_tokens(self, n_tok: int) -> GemvConfig:
-        return self.tile8 if token_tile(n_tok) == 8 else self.tile16
+        for bound, cfg in self.upto:
+            if n_tok <= bound:
+                return cfg
+        return self.default
 
 
 def steps(p: "quant_pack.PackedPlanes", cfg: GemvConfig) -> int:
@@ -377,12 +388,11 @@ def steps(p: "quant_pack.PackedPlanes", cfg: GemvConfig) -> int:
     return n_chunks // (cfg.W * cfg.split_k)
 
 
-def scratch_need(cfg: GemvConfig | GemvPair, rows_pad: int, max_tok: int) -> tuple[int, int]:
+def scratch_need(cfg: GemvConfig | GemvPlan, rows_pad: int, max_tok: int) -> tuple[int, int]:
     """(partial elements, tile counters) the split-K reduction needs for up to max_tok tokens."""
-    if isinstance(cfg, GemvPair):
-        needs = [scratch_need(cfg.tile8, rows_pad, min(max_tok, 8))]
-        if max_tok > 8:
-            needs.append(scratch_need(cfg.tile16, rows_pad, max_tok))
+    if isinstance(cfg, GemvPlan):   # each tier at the most tokens it can get
+        needs = [scratch_need(c, rows_pad, min(max_tok, bound)) for bound, c in cfg.upto]
+        needs.append(scratch_need(cfg.default, rows_pad, max_tok))
         return max(n[0] for n in needs), max(n[1] for n in needs)
     if cfg.split_k == 1:
         return 1, 1
@@ -391,12 +401,12 @@ def scratch_need(cfg: GemvConfig | GemvPair, rows_pad: int, max_tok: int) -> tup
     return tiles * cfg.split_k * cfg.rows_per_cta() * bt, tiles
 
 
-def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPair,
+def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
            partial: torch.Tensor, count: torch.Tensor) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free)."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
-    if isinstance(cfg, GemvPair):
+    if isinstance(cfg, GemvPlan):
         cfg = cfg.for_tokens(n_tok)
     bt = token_tile(n_tok)
     n_chunks = p.qs.shape[1] // 512

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import GemvConfig, GemvPair
+from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
 from cobatch.kernels.triton_support import interpreting, jit, tl, triton
 from cobatch.quant.weight import QuantWeight
@@ -380,7 +380,7 @@ DEQUANT_CUBLAS = "dequant+cublas"
 @dataclass(frozen=True, slots=True)
 class MatmulPlan:
     """The tile configs of one weight: chosen at load, fixed for the process."""
-    narrow: TileConfig | GemvPair   # GemvPair: the Gluon kernel on fragment-order planes
+    narrow: TileConfig | GemvPlan   # GemvPlan: the Gluon kernel on fragment-order planes
     gemm: TileConfig | str   # a TileConfig, or DEQUANT_CUBLAS
     crossover: int           # n_tok <= crossover -> narrow
 
@@ -426,7 +426,7 @@ def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
 
 def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False) -> MatmulPlan:
     """Look up (format, "NxK") in quant_configs.json, else the format's default, else the built-in default.
-    gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv16", else
+    gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
     default_gemv_config)."""
     if interpreting():
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
@@ -444,10 +444,11 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     if gemv:   # fragment-order planes: the Triton GEMM tiers cannot read them
         gemm = DEQUANT_CUBLAS
         rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
-        tile8 = (GemvConfig(**entry["gemv"]) if "gemv" in entry
-                 else default_gemv_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
-        # "gemv16": the config of 16-token tiles, when the sweep found a better one than "gemv"
-        narrow = GemvPair(tile8, GemvConfig(**entry["gemv16"]) if "gemv16" in entry else tile8)
+        default = (GemvConfig(**entry["gemv"]) if "gemv" in entry
+                   else default_gemv_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+        # "gemv_upto": {"max_tok": config}, the sweep's better configs for calls of few tokens
+        upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
+        narrow = GemvPlan(default, tuple(upto))
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
     return MatmulPlan(narrow, gemm, crossover)
 
@@ -501,8 +502,8 @@ class _DenseScratch:
         return buf[:rows * cols * 2].view(dtype).view(rows, cols)
 
 
-def _scratch_need(cfg: TileConfig | GemvConfig | GemvPair, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
-    if isinstance(cfg, (GemvConfig, GemvPair)):
+def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
+    if isinstance(cfg, (GemvConfig, GemvPlan)):
         return quant_gemv.scratch_need(cfg, n_rows_pad, max_tok)
     if cfg.split_k == 1:
         return 1, 1
@@ -531,7 +532,7 @@ class PackedWeight:
         if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
         # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
-        gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPair)))
+        gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv)
         plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv)
         if keep_dense and plan.gemm == DEQUANT_CUBLAS:
@@ -571,7 +572,7 @@ class PackedWeight:
         elif config == DEQUANT_CUBLAS:
             w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
-        elif isinstance(config, (GemvConfig, GemvPair)):
+        elif isinstance(config, (GemvConfig, GemvPlan)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)   # f32 x
             partial, count = out, out
             if config.split_k > 1:
