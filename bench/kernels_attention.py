@@ -152,12 +152,10 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
+    replace(DECODE_CONFIG, fused_merge=False),
     replace(DECODE_CONFIG, pdl=False),
-    replace(DECODE_CONFIG, prefetch_tokens=0),
-    replace(DECODE_CONFIG, prefetch_tokens=128),
-    replace(DECODE_CONFIG, prefetch_tokens=256),
     replace(DECODE_CONFIG, min_split=64),
-    replace(DECODE_CONFIG, min_split=256, prefetch_tokens=256),
+    replace(DECODE_CONFIG, min_split=256),
     replace(DECODE_CONFIG, num_stages=3),
 ]
 PREFILL_SWEEP = [
@@ -169,12 +167,13 @@ PREFILL_SWEEP = [
 
 
 def sweep(copy_gbps: float, budget_s: float = 150.0, dump=None) -> list[dict]:
-    """Prefill configs, then decode configs on every shape, until budget_s runs out: to choose the defaults.
+    """Prefill configs (unless SWEEP_PREFILL=0), then decode configs on every shape, until budget_s runs out:
+    to choose the defaults.
     dump(rows) is called after each config so that a cut-short run still leaves its numbers."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     t0 = time.monotonic()
     rows = []
-    for i, cfg in enumerate(PREFILL_SWEEP):
+    for i, cfg in enumerate(PREFILL_SWEEP if os.environ.get("SWEEP_PREFILL", "1") == "1" else []):
         try:
             r = bench_prefill(cfg, gen)
         except Exception as e:      # a config that fails to compile or launch is reported, not fatal

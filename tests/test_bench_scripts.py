@@ -1,0 +1,40 @@
+"""The GPU benchmark scripts import on the CPU (a stale config knob once broke one at import, which cost a
+device call), and the GEMV plan choice of bench/kernels.py keeps batch invariance."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from cobatch.kernels.quant_gemv import GemvConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling"])
+def test_bench_script_imports(name):
+    module = load(name)
+    assert callable(getattr(module, "main", None)), name
+
+
+def test_best_gemv_plan_keeps_one_k_split_and_picks_per_tier():
+    kernels = load("kernels")
+    one = GemvConfig(W=4, RT=1, split_k=2, U=8)      # fastest alone at 1 token
+    mid = GemvConfig(W=4, RT=2, split_k=2, U=4)
+    wide = GemvConfig(W=4, RT=4, split_k=2, D=2)
+    other = GemvConfig(W=8, RT=1, split_k=2, U=4)    # another K split: faster at 1 token, slow elsewhere
+    timed = [({1: 10, 4: 12, 8: 20, 16: 30}, one), ({1: 12, 4: 11, 8: 15, 16: 25}, mid),
+             ({1: 14, 4: 13, 8: 16, 16: 22}, wide), ({1: 9, 4: 20, 8: 30, 16: 40}, other)]
+    plan = kernels.best_gemv_plan(timed)
+    assert plan.default == wide and plan.upto == ((1, one), (8, mid))
+    assert {(c.W, c.split_k) for c in plan.configs()} == {(4, 2)}
+    assert kernels.best_gemv_plan([({1: 1, 4: 1, 8: 1, 16: 1}, one)]).upto == ()
