@@ -152,7 +152,6 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
-    replace(DECODE_CONFIG, fused_merge=False),
     replace(DECODE_CONFIG, pdl=False),
     replace(DECODE_CONFIG, min_split=64),
     replace(DECODE_CONFIG, min_split=256),

@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("triton")
 
 from cobatch.batch import AttentionMetadata  # noqa: E402
-from cobatch.kernels import attention  # noqa: E402
 from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
     plan_decode_splits)
@@ -23,10 +22,9 @@ from kernel_checks import DEVICE, assert_matches, poisoned, relative_error  # no
 
 # Small tiles for the interpreter: several tiles per split and several splits per sequence.
 TINY_DECODE = DecodeConfig(block_n=16, min_split=32, max_splits=8, programs_per_sm=64)
-DECODE_VARIANTS = {   # one split (direct write); splits merged by their last program; splits + reduce kernel
+DECODE_VARIANTS = {   # one split (direct write), splits + reduce kernel
     "single": DecodeConfig(block_n=16, min_split=1024),
     "split": TINY_DECODE,
-    "split-reduce-kernel": replace(TINY_DECODE, fused_merge=False),
 }
 TINY_PREFILL = PrefillConfig(block_m=16, block_n=16)
 
@@ -92,9 +90,6 @@ def test_decode_small(n_q, n_kv, variant):
     # Lengths off the page and tile sizes; a padded row (length 0); capacity beyond every length.
     check_attention([37, 0, 100, 5], [1, 1, 1, 1], n_q, n_kv, head_dim=32, dtype=torch.bfloat16, seed=n_q,
                     decode_cfg=DECODE_VARIANTS[variant], capacity=130)
-    # The fused merge's arrival counters are re-armed by the merging program, ready for the next call.
-    counters = attention._COUNTERS.get(torch.device(DEVICE))
-    assert counters is None or not counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -132,23 +127,21 @@ LLAMA8B = dict(n_q=32, n_kv=8, head_dim=128)
 @pytest.mark.parametrize("seq_lens", [[512], [4096], [32768], [4096] * 8, [1, 511, 0, 4097, 32768, 77, 2048, 16],
                                       [513] * 64])
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_llama8b(seq_lens, pdl, fused_merge):
+def test_decode_llama8b(seq_lens, pdl):
     check_attention(seq_lens, [1] * len(seq_lens), **LLAMA8B, dtype=torch.bfloat16, seed=len(seq_lens),
-                    capacity=32768, decode_cfg=replace(DecodeConfig(), pdl=pdl, fused_merge=fused_merge))
+                    capacity=32768, decode_cfg=replace(DecodeConfig(), pdl=pdl))
 
 
 @requires_cuda
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_cuda_graph_replay(pdl, fused_merge):
+def test_decode_cuda_graph_replay(pdl):
     """Captured once at a fixed capacity, replayed with other lengths, pages and queries written in place."""
     n, capacity = 6, 8192
     # The pool of the capture is sized for full-capacity sequences, so every later scenario fits in it.
     q, k_cache, v_cache, meta = paged_setup([capacity] * n, [1] * n, **LLAMA8B, dtype=torch.bfloat16, seed=30,
                                             capacity=capacity)
     scale = 128 ** -0.5
-    cfg = replace(DecodeConfig(), pdl=pdl, fused_merge=fused_merge)
+    cfg = replace(DecodeConfig(), pdl=pdl)
     # q is produced by a kernel right before attention (as rope is in the model), and two attention calls
     # run back to back: with PDL, each must still wait for its inputs.
     q_src = q.clone()

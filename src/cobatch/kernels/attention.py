@@ -98,9 +98,10 @@ class DecodeConfig:
     # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
     # K/V into L2 before the wait gained nothing (bench/results/kernels_attention-2026-11-29-pdl-sweep.json).
     pdl: bool = True
-    # Split contexts: the last split program of a (sequence, KV head) to finish merges the partials, instead
-    # of a second kernel launch doing it (the reduce kernel is kept for comparison and as the fallback).
-    fused_merge: bool = True
+    # Tried and removed: letting the last split program of a (sequence, KV head) merge the partials instead of
+    # launching the reduce kernel. One program merging GROUP heads serially is a tail that the reduce kernel's
+    # (seq, head) grid spreads out: B=1 x 4k fell from 34 to 22 % of copy, B=8 x 4k from 74 to 69 %
+    # (bench/results/kernels_attention-2026-11-29-fused-merge.json, variants 0 = fused, 1 = reduce kernel).
 
 
 DECODE_CONFIG = DecodeConfig()
@@ -108,12 +109,11 @@ DECODE_CONFIG = DecodeConfig()
 
 @jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                         count_ptr, q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+                         q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
                          num_splits, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, PDL: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
     so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
@@ -160,36 +160,21 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask)
         tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
-        if FUSED_MERGE:
-            # Every split program arrives (empty stretches too); the last one merges, in split order, and
-            # re-arms the counter, so CUDA-graph replays start from 0 (as quant_matmul's split-K).
-            tl.debug_barrier()                  # all threads' partial stores precede the release below
-            counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
-                for gi in tl.static_range(GROUP):
-                    head = kv_head * GROUP + gi
-                    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * (tl.num_programs(1) * GROUP) + head) * num_splits,
-                                  n_valid, out_ptr + seq * out_row_stride + head * out_head_stride,
-                                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, CG=True)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @jit
 def _merge_splits(part_acc_ptr, part_ml_ptr, part0, n_valid, out_row_ptr, HEAD_D: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CG: tl.constexpr = False):
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge one head's first n_valid splits' (max, sum, acc), stored from partial index part0 on, into its
-    output row. CG: read through L2 only (partials other programs of the same kernel wrote)."""
+    output row."""
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = sp < n_valid
     part = part0 + sp
-    cache: tl.constexpr = ".cg" if CG else ""
-    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"), cache_modifier=cache)
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0, cache_modifier=cache)
+    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :],
-                  mask=s_mask[:, None] & (d < HEAD_D)[None, :], other=0.0, cache_modifier=cache)
+                  mask=s_mask[:, None] & (d < HEAD_D)[None, :], other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # empty row: every weight exp2(-inf) = 0, no NaN
     w = tl.exp2(m - m_max)
@@ -229,25 +214,6 @@ def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: in
     return split_len, max(1, triton.cdiv(max_seq_len, split_len))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 counter per (sequence, KV head) for the fused merge, shared by every call on the device
-    (calls on one stream run one after another, and each leaves its counters at 0). Grown outside CUDA-graph
-    capture only (the engine and the benchmarks run each shape eagerly first); None inside a capture that
-    would need more, and the caller falls back to the reduce kernel."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
                            cfg: DecodeConfig = DECODE_CONFIG) -> torch.Tensor:
@@ -265,25 +231,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = n_heads // n_kv_heads
     split_len, num_splits = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
-    fused = False
-    counts = out   # unused unless the merge is fused
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
-        if cfg.fused_merge:
-            counts = _merge_counters(q.device, n_rows * n_kv_heads)
-            fused = counts is not None
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
     _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml, counts,
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, BLOCK_S=next_pow2(num_splits), SINGLE_SPLIT=num_splits == 1, FUSED_MERGE=fused,
-        DOT_F32=dot_in_f32(k_cache.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
-    if num_splits > 1 and not fused:
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits,
             HEAD_D=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), num_warps=4, **launch)
