@@ -27,13 +27,11 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_blocks = -(-max_context // pool.block_size)
         self.max_context = self.max_blocks * pool.block_size
-        n = max_batch
-        self.token_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.inputs = StagedInputs(max_batch, self.max_blocks, dev)
+        self.token_ids, self.positions = self.inputs.token_ids, self.inputs.positions
+        self.slot_mapping, self.seq_lens = self.inputs.slot_mapping, self.inputs.seq_lens
+        self.block_tables = self.inputs.block_tables
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
@@ -66,19 +64,59 @@ class DecodeGraphs:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Inputs for n <= max_batch sequences (host tensors, pinned) -> logits [n, vocab] (a view: use it
-        before the next run)."""
-        n = token_ids.shape[0]
-        b = self.bucket_for(n)
-        self.token_ids[:n].copy_(token_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.slot_mapping[n:b].fill_(-1)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.seq_lens[n:b].zero_()
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+    def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of n <= max_batch sequences (host lists; sequence lengths are positions + 1) ->
+        logits [n, vocab] (a view: use it before the next run)."""
+        b = self.bucket_for(len(token_ids))
+        self.inputs.stage(token_ids, positions, slot_mapping, block_tables, b)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[b][:len(token_ids)]
+
+
+class StagedInputs:
+    """The decode graphs' static inputs and their host mirror, a pinned buffer reused every step.
+
+    A step writes its rows into the mirror (and the padding rows of its bucket: slot -1, length 0) and sends
+    them in two copies: the per-row vectors, then the used part of the block tables. Building five pinned
+    tensors per step, five copies and two fills cost host time the GPU waited for, each step."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
+        n = self.max_batch = max_batch
+        pin = device.type == "cuda"
+        # token ids, positions, slots (int64), then sequence lengths (int32): one byte buffer, one copy
+        self.vector_bytes = 3 * 8 * n + 4 * n
+        self._host = torch.zeros(self.vector_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._device = torch.zeros(self.vector_bytes, dtype=torch.uint8, device=device)
+        self.token_ids, self.positions, self.slot_mapping, self.seq_lens = self._views(self._device)
+        self._host_views = [t.numpy() for t in self._views(self._host)]
+        self._host_views[2][:] = -1             # no slot: rows the capture runs write no KV
+        self._device.copy_(self._host)
+        self._host_tables = torch.zeros(n, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_tables_np = self._host_tables.numpy()
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self._sent = torch.cuda.Event() if device.type == "cuda" else None
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = self.max_batch
+        ids, pos, slots = buf[:24 * n].view(torch.int64).view(3, n)
+        return ids, pos, slots, buf[24 * n:].view(torch.int32)
+
+    def stage(self, token_ids: list[int], positions: list[int], slot_mapping: list[int],
+              block_tables: list[list[int]], bucket: int) -> None:
+        n = len(token_ids)
+        if self._sent is not None:
+            self._sent.synchronize()    # the previous step's copies have left the mirror (they always have by
+                                        # now: each step syncs on its sampled tokens)
+        ids, pos, slots, lens = self._host_views
+        ids[:n], pos[:n], slots[:n] = token_ids, positions, slot_mapping
+        lens[:n] = pos[:n] + 1
+        ids[n:bucket], pos[n:bucket], slots[n:bucket], lens[n:bucket] = 0, 0, -1, 0
+        width = max(len(t) for t in block_tables)
+        tables = self._host_tables_np
+        for i, table in enumerate(block_tables):
+            tables[i, :len(table)] = table      # entries past a row's length are never read (length bounds it)
+        self._device.copy_(self._host, non_blocking=True)
+        self.block_tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()

@@ -71,21 +71,15 @@ class ModelRunner:
                 meta, sample_rows)
 
     def _graph_logits(self, plan: StepPlan) -> torch.Tensor:
-        """A decode step through the captured graph: inputs go to its static buffers in pinned copies."""
+        """A decode step through the captured graph (its inputs are staged by DecodeGraphs)."""
         bs = self.block_size
         seqs = [seq for seq, _ in plan.items]
         pos = [seq.num_computed for seq in seqs]
-
-        def pinned(values, dtype):
-            return torch.tensor(values, dtype=dtype).pin_memory()
-
-        width = max(len(seq.block_table) for seq in seqs)
         return self.graphs.run(
-            token_ids=pinned([seq.token_ids[p] for seq, p in zip(seqs, pos)], torch.int64),
-            positions=pinned(pos, torch.int64),
-            slot_mapping=pinned([seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)], torch.int64),
-            seq_lens=pinned([p + 1 for p in pos], torch.int32),
-            block_tables=pinned([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], torch.int32),
+            token_ids=[seq.token_ids[p] for seq, p in zip(seqs, pos)],
+            positions=pos,
+            slot_mapping=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
+            block_tables=[seq.block_table for seq in seqs],
         )
 
     def _use_graph(self, plan: StepPlan) -> bool:

@@ -1,0 +1,37 @@
+"""The decode graphs' staged inputs (engine/cuda_graphs.StagedInputs): host mirror -> static device buffers.
+
+The staging logic is device-independent, so it is checked on the CPU: what the graph reads after a step must
+be that step's rows, with the bucket's padding rows harmless (slot -1, length 0), whatever earlier steps
+left behind. On CUDA, tests/test_gpu_engine.py::test_graph_and_eager_agree covers the same path end to end."""
+
+from __future__ import annotations
+
+import torch
+
+from cobatch.engine.cuda_graphs import StagedInputs
+
+
+def staged_rows(inputs: StagedInputs, bucket: int):
+    return (inputs.token_ids[:bucket].tolist(), inputs.positions[:bucket].tolist(),
+            inputs.slot_mapping[:bucket].tolist(), inputs.seq_lens[:bucket].tolist())
+
+
+def test_fresh_inputs_write_no_kv():
+    inputs = StagedInputs(max_batch=8, max_blocks=4, device=torch.device("cpu"))
+    assert inputs.slot_mapping.tolist() == [-1] * 8 and inputs.seq_lens.tolist() == [0] * 8
+    assert inputs.seq_lens.dtype == torch.int32 and inputs.block_tables.dtype == torch.int32
+    assert inputs.token_ids.dtype == inputs.positions.dtype == inputs.slot_mapping.dtype == torch.int64
+
+
+def test_each_step_sees_its_rows_and_harmless_padding():
+    inputs = StagedInputs(max_batch=8, max_blocks=4, device=torch.device("cpu"))
+    # A wide step first, so the narrower one after it must overwrite or pad every row it leaves behind.
+    inputs.stage([11, 12, 13, 14, 15], [3, 40, 7, 0, 16], [3, 72, 7, 96, 48],
+                 [[0], [1, 2, 4], [3], [6], [5, 7]], bucket=8)
+    assert staged_rows(inputs, 8) == ([11, 12, 13, 14, 15, 0, 0, 0], [3, 40, 7, 0, 16, 0, 0, 0],
+                                         [3, 72, 7, 96, 48, -1, -1, -1], [4, 41, 8, 1, 17, 0, 0, 0])
+    assert inputs.block_tables[1, :3].tolist() == [1, 2, 4] and inputs.block_tables[4, :2].tolist() == [5, 7]
+    inputs.stage([21, 22, 23], [41, 8, 20], [73, 8, 36], [[1, 2, 4], [9], [2, 3]], bucket=4)
+    assert staged_rows(inputs, 4) == ([21, 22, 23, 0], [41, 8, 20, 0], [73, 8, 36, -1], [42, 9, 21, 0])
+    # Each row's own pages are what attention reads (entries past a row's length are never read).
+    assert inputs.block_tables[1, :1].tolist() == [9] and inputs.block_tables[2, :2].tolist() == [2, 3]
