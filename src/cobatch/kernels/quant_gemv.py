@@ -364,10 +364,6 @@ class GemvPlan:
         if any((c.W, c.split_k) != (self.default.W, self.default.split_k) for _, c in self.upto):
             raise ValueError(f"GemvPlan tiers must share W and split_k (batch invariance): {self}")
 
-    @staticmethod
-    def of(cfg: "GemvConfig | GemvPlan") -> "GemvPlan":
-        return cfg if isinstance(cfg, GemvPlan) else GemvPlan(cfg)
-
     @property
     def split_k(self) -> int:
         return self.default.split_k
