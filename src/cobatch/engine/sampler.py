@@ -203,21 +203,22 @@ def needs_penalties(params: SamplingParams) -> bool:
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Add each row's logit_bias to its logits (float32 [B, V], a new tensor); rows without one unchanged."""
-    entries = [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias]
-    if not entries:
-        return logits
-    index = _to_device([[i, token] for i, token, _ in entries], torch.int64, logits.device)
-    values = _to_device([bias for _, _, bias in entries], torch.float32, logits.device)
-    return logits.float().index_put((index[:, 0], index[:, 1]), values, accumulate=True)
+    return _add_at(logits, [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias])
 
 
 def apply_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """-inf at each row's banned tokens (float32 [B, V], a new tensor); rows without any unchanged."""
-    entries = [(i, token) for i, r in enumerate(rows) for token in r.banned]
+    return _add_at(logits, [(i, token, -math.inf) for i, r in enumerate(rows) for token in r.banned])
+
+
+def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> torch.Tensor:
+    """logits (as float32, a new tensor) plus value at each (row, token, value); `logits` itself if none.
+    A -inf value stays -inf (a +inf logit plus -inf is NaN, which the sampler turns into -inf)."""
     if not entries:
         return logits
-    index = _to_device(entries, torch.int64, logits.device)
-    return logits.float().index_put((index[:, 0], index[:, 1]), torch.tensor(-math.inf, device=logits.device))
+    index = _to_device([[i, token] for i, token, _ in entries], torch.int64, logits.device)
+    values = _to_device([value for _, _, value in entries], torch.float32, logits.device)
+    return logits.float().index_put((index[:, 0], index[:, 1]), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
