@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.append(str(ROOT / "src"))   # appended: a tree on PYTHONPATH comes first (bench/gemv_ab.py)
 
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan  # noqa: E402

@@ -20,7 +20,7 @@ def load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling"])
+@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name

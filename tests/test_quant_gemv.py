@@ -16,7 +16,8 @@ from cobatch.kernels import quant_gemv
 from cobatch.kernels import quant_matmul as qm
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_matmul import PackedWeight
-from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes, to_fragment_order,
+from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes,
+                                        side_from_fragment_order, side_to_fragment_order, to_fragment_order,
                                         unpack_planes)
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
@@ -60,6 +61,26 @@ def test_fragment_order_matches_the_ptx_a_fragment():
                     row = g + 8 * ((i // 2) % 2)
                     col = 16 * half + 2 * c + (i % 2) + 8 * (i // 4)
                     assert order[lane, word, byte].item() == row * 32 + col, (lane, word, byte)
+
+
+@pytest.mark.parametrize("entry_bytes", [2, 4])
+def test_side_planes_put_a_lanes_two_rows_side_by_side(entry_bytes):
+    """Lane group g of an mma.sync fragment holds rows g and g + 8 of each 16-row tile: in the fragment
+    side order those two rows' entries are adjacent, entry after entry, tile after tile."""
+    rows, entries = 48, 5
+    gen = torch.Generator().manual_seed(4)
+    plane = torch.randint(0, 256, (rows, entries * entry_bytes), generator=gen, dtype=torch.uint8)
+    frag = side_to_fragment_order(plane, entry_bytes)
+    assert frag.shape == (rows // 16, entries * 16 * entry_bytes)
+    pieces = frag.reshape(rows // 16, entries, 8, 2, entry_bytes)        # tile, entry, g, (g | g + 8)
+    for tile in range(rows // 16):
+        for e in range(entries):
+            for g in range(8):
+                for half in range(2):
+                    row = 16 * tile + g + 8 * half
+                    expected = plane[row, e * entry_bytes:(e + 1) * entry_bytes]
+                    assert torch.equal(pieces[tile, e, g, half], expected), (tile, e, g, half)
+    assert torch.equal(side_from_fragment_order(frag, entry_bytes), plane)
 
 
 @pytest.mark.parametrize("fmt_name", FRAGMENT)

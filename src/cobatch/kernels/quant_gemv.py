@@ -176,42 +176,57 @@ if gluon is not None:
         return gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)
 
     @gluon.jit
-    def _row_side(ptr, rows, stride, col, SIDE: gl.constexpr):
-        """ptr[rows, col] for rows [16 RT] and col [W] -> [W, 16 RT, 1] (broadcasts along k)."""
-        c = gl.convert_layout(col, gl.SliceLayout(1, SIDE))
-        v = gl.load(ptr + rows.to(gl.int64)[None, :] * stride + c[:, None])
-        return v[:, :, None]
+    def _row_side(ptr, tile0, entries_per_row, col, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
+        """Side entry (rows of tiles tile0.., col) for col [W] -> [W, 16 RT, 1] (broadcasts along k).
+        The plane is in fragment order (quant_pack.side_to_fragment_order): a lane's rows g and g + 8 sit
+        side by side, so each lane loads them as one vector, and a warp's load reads one contiguous piece
+        instead of 16 rows' strided pieces (one memory transaction each)."""
+        V: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 8, 4], [W, 1, 1, 1], [3, 2, 1, 0])
+        w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V)))
+        rt_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, V)))
+        g_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V)))
+        r1_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V)))
+        c = gl.convert_layout(col, w_ax)
+        rt = gl.arange(0, RT, layout=rt_ax)
+        g = gl.arange(0, 8, layout=g_ax)
+        r1 = gl.arange(0, 2, layout=r1_ax)
+        off = ((tile0 + rt).to(gl.int64) * (16 * entries_per_row))[None, :, None, None] \
+            + (16 * c)[:, None, None, None] + (2 * g)[None, None, :, None] + r1[None, None, None, :]
+        v = gl.load(ptr + off)                                         # [W, RT, g, r1]
+        v = gl.reshape(gl.permute(v, [0, 1, 3, 2]), [W, 16 * RT])      # row 16 rt + 8 r1 + g
+        return gl.convert_layout(v, SIDE, assert_trivial=True)[:, :, None]
 
     @gluon.jit
-    def _load_sides(d_ptr, m_ptr, sub_ptr, rows, chunk, side32, side256, FMT: gl.constexpr, SIDE: gl.constexpr):
+    def _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, W: gl.constexpr,
+                    RT: gl.constexpr, SIDE: gl.constexpr):
         """The scale data of each warp's chunk, raw: four [W, 16 RT, 1] tensors (unused ones repeat)."""
         if FMT == F_Q8_0:
-            a = _row_side(d_ptr, rows, side32, chunk, SIDE)
+            a = _row_side(d_ptr, tile0, side32, chunk, W, RT, SIDE)
             b = a
             c = a
             e = a
         elif FMT == F_Q4_K:   # (sc, mn) bytes of both blocks as one word; the super-block's (d, dmin)
-            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), rows, side32 // 2, chunk, SIDE)
-            b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), rows, side256, chunk // 4, SIDE)
+            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
+            b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), tile0, side256, chunk // 4, W, RT, SIDE)
             c = a
             e = b
         else:                 # f16 scales (and q4_1 mins) of the two blocks
-            a = _row_side(d_ptr, rows, side32, 2 * chunk, SIDE)
-            b = _row_side(d_ptr, rows, side32, 2 * chunk + 1, SIDE)
+            a = _row_side(d_ptr, tile0, side32, 2 * chunk, W, RT, SIDE)
+            b = _row_side(d_ptr, tile0, side32, 2 * chunk + 1, W, RT, SIDE)
             if FMT == F_Q4_1:
-                c = _row_side(m_ptr, rows, side32, 2 * chunk, SIDE)
-                e = _row_side(m_ptr, rows, side32, 2 * chunk + 1, SIDE)
+                c = _row_side(m_ptr, tile0, side32, 2 * chunk, W, RT, SIDE)
+                e = _row_side(m_ptr, tile0, side32, 2 * chunk + 1, W, RT, SIDE)
             else:
                 c = a
                 e = b
         return a, b, c, e
 
     @gluon.jit
-    def _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, rows, chunk, side32, side256,
-                     FMT: gl.constexpr, BT: gl.constexpr, SIDE: gl.constexpr, B: gl.constexpr,
-                     EVEN_K: gl.constexpr):
+    def _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0, chunk, side32, side256,
+                     FMT: gl.constexpr, BT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr,
+                     B: gl.constexpr, EVEN_K: gl.constexpr):
         """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
-        a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, rows, chunk, side32, side256, FMT, SIDE)
+        a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
         if FMT == F_Q8_0:
             x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, B, EVEN_K)
             x1 = x0
@@ -274,7 +289,6 @@ if gluon is not None:
         pid_n = gl.program_id(1) // SPLIT_K
         pid_k = gl.program_id(1) % SPLIT_K
         tile0 = pid_n * RT
-        rows = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(0, SIDE))
         warp = gl.arange(0, W, layout=gl.SliceLayout(1, SIDE))
         tok0 = pid_t * BT
         acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
@@ -293,7 +307,7 @@ if gluon is not None:
                 chunk = (s + u) * W + warp
                 q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
                 a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols,
-                                                  rows, chunk, side32, side256, FMT, BT, SIDE, B, EVEN_K)
+                                                  tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE, B, EVEN_K)
                 lo, hi = _dequant(q, a, b, c, e, FMT, W, RT, A)
                 acc = mma_v2(lo, x0, acc)
                 if FMT != F_Q8_0:

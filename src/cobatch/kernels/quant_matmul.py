@@ -191,6 +191,16 @@ def _qs_tile(qs_ptr, row, qs_stride, col, j, FRAG: tl.constexpr):
 
 
 @jit
+def _side(row, entries_per_row, entry, FRAG: tl.constexpr):
+    """Index of side entry (row, entry) of a side plane: row-major, or in fragment order
+    (quant_pack.side_to_fragment_order: per 16-row tile and entry, rows g and g + 8 side by side)."""
+    if FRAG:
+        r = row % 16
+        return (row // 16) * (16 * entries_per_row) + 16 * entry + 2 * (r % 8) + r // 8
+    return row * entries_per_row + entry
+
+
+@jit
 def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32, side256, chunk, j,
                    FMT: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, FRAG: tl.constexpr = False):
     """Weights [64*chunk, 64*chunk + 64) of rows `row` ([BN, 1] int64) as two [BN, 32] tiles in DT: the
@@ -200,19 +210,20 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
     if FMT == Q8_0:
         q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FRAG)
         q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FRAG)
-        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
+        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
     q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FRAG)        # low nibbles: block 2c, high: 2c+1
     if FMT == Q4_0:
-        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
+        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _nibbles(q, d0, d1, d0, d1, False, 8.0, DT, ASM)
     elif FMT == Q4_1:
-        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
-        m0, m1 = _pair(m_ptr + row * side32 + 2 * chunk + two)
+        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
+        m0, m1 = _pair(m_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _nibbles(q, d0, d1, m0, m1, True, 0.0, DT, ASM)
     elif FMT == Q4_K:
-        sc0, mn0, sc1, mn1 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)  # (scale, min) x 2 blocks
-        d, dmin = _pair(d_ptr + row * (2 * side256) + 2 * (chunk // 4) + two)
+        # 4-byte entries: (scale, min) x 2 blocks per chunk; (d, dmin) per super-block
+        sc0, mn0, sc1, mn1 = _quad(sub_ptr + 4 * _side(row, side32 // 2, chunk, FRAG) + four)
+        d, dmin = _pair(d_ptr + 2 * _side(row, side256, chunk // 4, FRAG) + two)
         d = d.to(tl.float32)
         dmin = dmin.to(tl.float32)
         return _nibbles(q, d * sc0.to(tl.float32), d * sc1.to(tl.float32),

@@ -26,6 +26,12 @@ Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q4_K for quan
 is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of a 4-bit format), stored
 [row tile, chunk, 512 bytes], and inside a tile lane L of a warp owns bytes 16 L .. 16 L + 15: exactly the
 bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order.
+The side planes (d, m, sub) of a fragment-order weight are cut into the same 16-row tiles, stored
+[row tile, entry, 16 rows] with the rows in the order g, g + 8 for g = 0..7 (`side_to_fragment_order`):
+the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece of memory, where the
+row-major plane spread them over 16 pieces (one per row, each a separate memory transaction).
+An "entry" is what a row needs per K position: an f16 scale or min per 32-block; q4_K's 4 bytes of
+(scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ class PackedPlanes:
     m: torch.Tensor | None = None
     sub: torch.Tensor | None = None
     qh: torch.Tensor | None = None
-    fragment: bool = False   # qs in fragment order: [rows_pad / 16, chunks * 512]
+    fragment: bool = False   # qs in fragment order [rows_pad / 16, chunks * 512], side planes [rows_pad / 16, ...]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qs, self.d, self.m, self.sub, self.qh) if t is not None]
@@ -158,10 +164,37 @@ def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(r, n, 16, 32).permute(0, 2, 1, 3).reshape(r * 16, n * 32)
 
 
+# Row r of a 16-row tile sits at position 2 (r % 8) + r // 8 of its side entry: lane group g of an
+# mma.sync fragment holds rows g and g + 8, which thus lie side by side.
+_SIDE_ROWS = [p // 2 + 8 * (p % 2) for p in range(16)]   # the row at each position
+
+
+def _side_entry_bytes(fmt_id: int) -> int:
+    return 4 if fmt_id == Q4_K else 2     # q4_K: 4-byte (sc, mn) x 2 words and (d, dmin) pairs; else f16
+
+
+def side_to_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
+    """Row-major side plane [rows, n] (rows % 16 == 0; n * element_size a multiple of entry_bytes) ->
+    [rows / 16, n * 16] of the same dtype: tile, entry, then the 16 rows in _SIDE_ROWS order."""
+    r = t.shape[0]
+    b = t.view(torch.uint8).reshape(r // 16, 16, -1, entry_bytes)
+    rows = torch.tensor(_SIDE_ROWS, device=t.device)
+    return b[:, rows].permute(0, 2, 1, 3).reshape(r // 16, -1).view(t.dtype)
+
+
+def side_from_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
+    """The inverse of side_to_fragment_order."""
+    tiles = t.shape[0]
+    b = t.view(torch.uint8).reshape(tiles, -1, 16, entry_bytes).permute(0, 2, 1, 3)
+    out = torch.empty_like(b)
+    out[:, torch.tensor(_SIDE_ROWS, device=t.device)] = b
+    return out.reshape(tiles * 16, -1).view(t.dtype)
+
+
 def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
                 fragment: bool = False) -> PackedPlanes:
     """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`.
-    fragment: qs in fragment order (only for FRAGMENT_FORMATS)."""
+    fragment: qs and side planes in fragment order (only for FRAGMENT_FORMATS)."""
     fmt_id = PACKED_FORMATS[fmt.name]
     rows_pad, cols_pad = _round_up(rows, ROW_PAD), _round_up(cols, COL_PAD)
     padded_row_bytes = fmt.row_bytes(cols_pad)
@@ -172,8 +205,9 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
         if r0 < rows:  # zero bytes decode to 0 in every format (the f16 scales are +0.0)
             chunk[:min(rows, r1) - r0, :raw.shape[1]] = raw[r0:min(rows, r1)].to(device)
         for name, t in _pack_chunk(fmt_id, chunk, cols_pad).items():
-            if name == "qs" and fragment:
-                t = to_fragment_order(t)
+            if fragment:
+                t = to_fragment_order(t) if name == "qs" else side_to_fragment_order(
+                    t, _side_entry_bytes(fmt_id))
                 if name not in planes:
                     planes[name] = torch.empty(rows_pad // 16, t.shape[1], dtype=t.dtype, device=device)
                 planes[name][r0 // 16:r1 // 16] = t
@@ -187,7 +221,11 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
 def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     """Torch decode of the planes -> float32 [rows, cols]: checks the repack against formats.dequantize."""
     R, K = p.rows_pad, p.cols_pad
-    qs = from_fragment_order(p.qs) if p.fragment else p.qs
+    if p.fragment:
+        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs),
+                         *(None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id))
+                           for t in (p.d, p.m, p.sub)), qh=p.qh)
+    qs = p.qs
     if p.fmt_id == Q8_0:
         q = qs.view(torch.int8).float().view(R, K // 32, 32)
         w = q * p.d.float()[..., None]
