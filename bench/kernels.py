@@ -482,6 +482,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table_from_result(result: dict, table: dict) -> dict:
+    """Put the GEMV plans and crossovers a results JSON measured with into a quant_configs table: the
+    results file alone reproduces the table of its run (e.g. when the run's quant_configs.json was lost)."""
+    for r in result["rows"]:
+        if r["kind"] != "gemv" or not isinstance(r.get("narrow"), dict) or "default" not in r["narrow"]:
+            continue
+        entry = table["formats"].setdefault(r["fmt"], {"shapes": {}})["shapes"].setdefault(
+            f"{r['rows']}x{r['cols']}", {})
+        entry.update({"gemv": r["narrow"]["default"], "gemv_crossover": r["crossover"]})
+        entry.pop("gemv_upto", None)
+        if r["narrow"]["upto"]:
+            entry["gemv_upto"] = r["narrow"]["upto"]
+    return table
+
+
 def short_table(result: dict) -> str:
     out = [f"copy {result['copy_gbps']:.0f} GB/s", "fmt    shape     T   " + " ".join(f"{n:>9}" for n in DECODE_TOKS)]
     rows = [r for r in result["rows"] if r["kind"] == "gemv"]
@@ -534,11 +549,17 @@ def main() -> None:
     ap.add_argument("--gemv-prefetch", default=None, help="GEMV prefetch distances D to sweep, e.g. '0,2'")
     ap.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
     ap.add_argument("--render", default=None, help="only re-render the .md of this results .json")
+    ap.add_argument("--table-from", default=None,
+                    help="only write the GEMV plans of this results .json into the package's quant_configs.json")
     ap.add_argument("--ceiling-gbps", type=float, default=None,
                     help="with --render: percentages against this copy bandwidth instead of the run's")
     args = ap.parse_args()
     if args.render:
         render(Path(args.render), args.ceiling_gbps)
+        return
+    if args.table_from:
+        table = table_from_result(json.loads(Path(args.table_from).read_text()), json.loads(qm.CONFIG_PATH.read_text()))
+        qm.CONFIG_PATH.write_text(json.dumps(table, indent=1))
         return
     formats = args.formats.split(",")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None

@@ -38,3 +38,20 @@ def test_best_gemv_plan_keeps_one_k_split_and_picks_per_tier():
     assert plan.default == wide and plan.upto == ((1, one), (8, mid))
     assert {(c.W, c.split_k) for c in plan.configs()} == {(4, 2)}
     assert kernels.best_gemv_plan([({1: 1, 4: 1, 8: 1, 16: 1}, one)]).upto == ()
+
+
+def test_table_from_result_reproduces_a_runs_gemv_plans():
+    kernels = load("kernels")
+    plan = {"default": {"W": 4, "RT": 4, "split_k": 2, "U": 1, "D": 0},
+            "upto": {"8": {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0}}}
+    result = {"rows": [
+        {"kind": "gemv", "fmt": "q4_1", "rows": 4096, "cols": 4096, "n_tok": 1, "crossover": 64, "narrow": plan},
+        {"kind": "gemv", "fmt": "q8_0", "rows": 4096, "cols": 4096, "n_tok": 1, "crossover": 32,
+         "narrow": {"default": plan["default"], "upto": {}}},
+        {"kind": "gemm", "fmt": "q4_1", "rows": 4096, "cols": 4096, "n_tok": 512}]}
+    table = {"formats": {"q8_0": {"shapes": {"4096x4096": {"narrow": "kept", "gemv_upto": {"1": {}}}}}}}
+    out = kernels.table_from_result(result, table)
+    q41 = out["formats"]["q4_1"]["shapes"]["4096x4096"]
+    assert q41 == {"gemv": plan["default"], "gemv_crossover": 64, "gemv_upto": plan["upto"]}
+    q80 = out["formats"]["q8_0"]["shapes"]["4096x4096"]
+    assert q80 == {"narrow": "kept", "gemv": plan["default"], "gemv_crossover": 32}   # stale tiers dropped
