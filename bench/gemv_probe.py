@@ -15,7 +15,7 @@ from cobatch.quant.weight import QuantWeight  # noqa: E402
 
 out_dir = Path(os.environ.get("OUT", "/tmp/out"))
 ok = True
-for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k"]:
+for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]:
     rows, cols = 48, 512
     fmt = format_of(fmt_name)
     w = QuantWeight(fmt, rows, cols, random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(0)).cuda())

@@ -25,7 +25,7 @@ from cobatch.quant.weight import QuantWeight
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
-FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k"]
+FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
 
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:

@@ -44,7 +44,7 @@ def _c(v):
     return gl.constexpr(v) if gl is not None else v
 
 
-F_Q8_0, F_Q4_0, F_Q4_1, F_Q4_K = (_c(v) for v in quant_pack.FRAGMENT_FORMATS)
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q4_K, F_Q6_K = (_c(v) for v in quant_pack.FRAGMENT_FORMATS)
 
 # --- dequantization, 4 bytes at a time (pack=4) -------------------------------------------------------
 # Input word bytes (quant_pack.fragment_order): b0 = (row g, k), b1 = (g+8, k), b2 = (g, k+1),
@@ -118,6 +118,54 @@ ASM_Q4K_SCALES = _c("""{
  mov.b32 {$0, $1}, sc;
  mov.b32 {$2, $3}, mn;
 }""")
+# q6_K, one k16 half of a chunk: $4 = qs word (as for the 4-bit formats), $5 = its high-bit word, each
+# byte of quant_pack.high_bits_to_fragment_order twice: bits 4-5 | 6-7 | 8-9 | 10-11 of each 16-bit lane
+# hold the high bits of (row g, low block) | (g + 8, low) | (g, high) | (g + 8, high), i.e. just above the
+# nibble each belongs to (the high block's nibble is used in place, value 16 q). Magic 1024 + 32 (1024 + 512
+# for the high block) removes the offset 32 exactly. $6,$7 low-block scale; $8,$9 high-block scale / 16.
+ASM_Q6 = _c("""{
+ .reg .b32 v, hv, t, a0, a1, b0, b1, z0, z1;
+ shr.b32 v, $4, 8;
+ shr.b32 hv, $5, 2;
+ lop3.b32 t, $4, 0x000F000F, 0x64006400, 0xEA;
+ lop3.b32 a0, $5, 0x00300030, t, 0xEA;
+ lop3.b32 t, v, 0x000F000F, 0x64006400, 0xEA;
+ lop3.b32 a1, hv, 0x00300030, t, 0xEA;
+ lop3.b32 t, $4, 0x00F000F0, 0x64006400, 0xEA;
+ lop3.b32 b0, $5, 0x03000300, t, 0xEA;
+ lop3.b32 t, v, 0x00F000F0, 0x64006400, 0xEA;
+ lop3.b32 b1, hv, 0x03000300, t, 0xEA;
+ mov.b32 z0, 0x64206420;
+ mov.b32 z1, 0x66006600;
+ sub.rn.f16x2 a0, a0, z0;
+ sub.rn.f16x2 a1, a1, z0;
+ sub.rn.f16x2 b0, b0, z1;
+ sub.rn.f16x2 b1, b1, z1;
+ mul.rn.f16x2 $0, a0, $6;
+ mul.rn.f16x2 $1, a1, $7;
+ mul.rn.f16x2 $2, b0, $8;
+ mul.rn.f16x2 $3, b1, $9;
+}""")
+# q6_K scales of one row and chunk: $4 = the four int8 scales of its 16-weight groups (low block halves,
+# high block halves), $5 = the super-block's f32 d. Outputs d*s0, d*s1, d*s2/16, d*s3/16 in f16.
+ASM_Q6_SCALES = _c("""{
+ .reg .b32 u, lo, hi, z, dd, k;
+ .reg .f16 dh;
+ xor.b32 u, $4, 0x80808080;
+ prmt.b32 lo, u, 0x64646464, 0x4140;
+ prmt.b32 hi, u, 0x64646464, 0x4342;
+ mov.b32 z, 0x64806480;
+ sub.rn.f16x2 lo, lo, z;
+ sub.rn.f16x2 hi, hi, z;
+ cvt.rn.f16.f32 dh, $5;
+ mov.b32 dd, {dh, dh};
+ mul.rn.f16x2 lo, lo, dd;
+ mul.rn.f16x2 hi, hi, dd;
+ mov.b32 k, 0x2C002C00;
+ mul.rn.f16x2 hi, hi, k;
+ mov.b32 {$0, $1}, lo;
+ mov.b32 {$2, $3}, hi;
+}""")
 # An L2 prefetch of a lane's 16 bytes some K steps ahead: it holds no register or scoreboard entry.
 ASM_PREFETCH = _c("prefetch.global.L2 [$1];\n mov.u32 $0, 0;")
 
@@ -134,9 +182,15 @@ if gluon is not None:
         ld = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
         return mma, a, b, ld
 
+    @gluon.constexpr_function
+    def _byte_layout(W, BYTES):
+        """[W, RT, 32 lanes, BYTES]: each lane's BYTES contiguous bytes of a tile in one load."""
+        return gl.BlockedLayout([1, 1, 1, BYTES], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+
     @gluon.jit
-    def _tile_offsets(tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr):
-        """Byte offsets [W, RT, 32 lanes, 16] of each warp's chunk (chunk: [W]) in the fragment-order plane."""
+    def _tile_offsets(tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr, BYTES: gl.constexpr = 16):
+        """Byte offsets [W, RT, 32 lanes, BYTES] of each warp's chunk (chunk: [W]) in a fragment-order plane
+        of 32 x BYTES bytes per tile and chunk (the quants: 16; q6_K's high bits: 8)."""
         w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LD)))
         rt_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LD)))
         lane_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LD)))
@@ -144,10 +198,10 @@ if gluon is not None:
         ch = gl.convert_layout(chunk, w_ax)
         rt = gl.arange(0, RT, layout=rt_ax)
         lane = gl.arange(0, 32, layout=lane_ax)
-        byte = gl.arange(0, 16, layout=byte_ax)
-        return (ch.to(gl.int64) * 512)[:, None, None, None] \
+        byte = gl.arange(0, BYTES, layout=byte_ax)
+        return (ch.to(gl.int64) * (32 * BYTES))[:, None, None, None] \
             + ((tile0 + rt).to(gl.int64) * tile_stride)[None, :, None, None] \
-            + (lane * 16)[None, None, :, None] + byte[None, None, None, :]
+            + (lane * BYTES)[None, None, :, None] + byte[None, None, None, :]
 
     @gluon.jit
     def _as_operand(q, W: gl.constexpr, RT: gl.constexpr, A: gl.constexpr):
@@ -160,13 +214,33 @@ if gluon is not None:
         return gl.convert_layout(q, A, assert_trivial=True)
 
     @gluon.jit
+    def _as_half_operand(q, W: gl.constexpr, RT: gl.constexpr, A: gl.constexpr):
+        """One k16 half of the loaded bytes, [W, RT, lane, 8] -> the [W, 16 RT, 16] A operand of one mma
+        (as _as_operand, without the r3 bit)."""
+        q = gl.reshape(q, [W, RT, 8, 4, 2, 2, 2])                   # w, rt, g, c, r2, r1, r0
+        q = gl.permute(q, [0, 1, 5, 2, 4, 3, 6])                    # w, rt, r1, g, r2, c, r0
+        q = gl.reshape(q, [W, 16 * RT, 16])
+        return gl.convert_layout(q, A, assert_trivial=True)
+
+    @gluon.jit
+    def _halves(q, W: gl.constexpr, RT: gl.constexpr, N: gl.constexpr):
+        """[W, RT, lane, 2 N] bytes -> the first and the second N (the k16 halves of a lane's tile)."""
+        q = gl.permute(gl.reshape(q, [W, RT, 32, 2, N]), [0, 1, 2, 4, 3])
+        return gl.split(q)
+
+    @gluon.jit
+    def _twice(h, W: gl.constexpr, RT: gl.constexpr, N: gl.constexpr):
+        """[W, RT, lane, N] -> [W, RT, lane, 2 N] with every byte twice (h0 h0 h1 h1 ...)."""
+        return gl.reshape(gl.join(h, h), [W, RT, 32, 2 * N])
+
+    @gluon.jit
     def _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT: gl.constexpr, B: gl.constexpr,
-                EVEN_K: gl.constexpr):
-        """x[tok0 : tok0 + BT, k0 + 0..31] as the [W, 32, BT] B operand (k0: [W], one K offset per warp)."""
+                EVEN_K: gl.constexpr, K: gl.constexpr = 32):
+        """x[tok0 : tok0 + BT, k0 + 0..K-1] as the [W, K, BT] B operand (k0: [W], one K offset per warp)."""
         w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, B))
         k_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, B))
         t_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, B))
-        k = gl.convert_layout(k0, w_ax)[:, None, None] + gl.arange(0, 32, layout=k_ax)[None, :, None]
+        k = gl.convert_layout(k0, w_ax)[:, None, None] + gl.arange(0, K, layout=k_ax)[None, :, None]
         t = tok0 + gl.arange(0, BT, layout=t_ax)[None, None, :]
         mask = t < n_tok
         if not EVEN_K:
@@ -208,6 +282,11 @@ if gluon is not None:
         elif FMT == F_Q4_K:   # (sc, mn) bytes of both blocks as one word; the super-block's (d, dmin)
             a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
             b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), tile0, side256, chunk // 4, W, RT, SIDE)
+            c = a
+            e = b
+        elif FMT == F_Q6_K:   # the four int8 scales of the chunk's 16-weight groups as one word; f32 d
+            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
+            b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
             c = a
             e = b
         else:                 # f16 scales (and q4_1 mins) of the two blocks
@@ -269,8 +348,32 @@ if gluon is not None:
                                                [q, d0, d1, m0, m1], (gl.float16, gl.float16), True, 4)
         return lo, hi
 
+    @gluon.jit
+    def _q6_half(acc, q, y, s_lo, s_hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr,
+                 RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+        """acc += one k16 half of a q6_K chunk: low block columns k0..k0+15, high block k0+32..k0+47."""
+        lo, hi = gl.inline_asm_elementwise(ASM_Q6, "=r,=r,=r,=r,r,r,r,r,r,r",
+                                           [_as_half_operand(q, W, RT, A), _as_half_operand(y, W, RT, A),
+                                            s_lo, s_hi], (gl.float16, gl.float16), True, 4)
+        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, B, EVEN_K, 16), acc)
+        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, B, EVEN_K, 16), acc)
+
+    @gluon.jit
+    def _q6_chunk(acc, q, h, sc, d, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W: gl.constexpr,
+                  RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+        """acc += a q6_K chunk (64 weights per row), as two k16 halves: its scales change every 16 weights,
+        and a half is one mma's K. q: the quant bytes [W, RT, lane, 16]; h: the high bits [W, RT, lane, 8]."""
+        s0, s1, s2, s3 = gl.inline_asm_elementwise(ASM_Q6_SCALES, "=h,=h,=h,=h,r,f", [sc, d],
+                                                   (gl.float16, gl.float16, gl.float16, gl.float16), True, 1)
+        q0, q1 = _halves(q, W, RT, 8)
+        h0, h1 = _halves(h, W, RT, 4)
+        acc = _q6_half(acc, q0, _twice(h0, W, RT, 4), s0, s2, x_ptr, x_stride, tok0, n_tok, n_cols,
+                       chunk * 64, W, RT, BT, A, B, EVEN_K)
+        return _q6_half(acc, q1, _twice(h1, W, RT, 4), s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols,
+                        chunk * 64 + 16, W, RT, BT, A, B, EVEN_K)
+
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
-    def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr,
+    def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
@@ -306,12 +409,19 @@ if gluon is not None:
             for u in gl.static_range(U):
                 chunk = (s + u) * W + warp
                 q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
-                a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols,
-                                                  tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE, B, EVEN_K)
-                lo, hi = _dequant(q, a, b, c, e, FMT, W, RT, A)
-                acc = mma_v2(lo, x0, acc)
-                if FMT != F_Q8_0:
-                    acc = mma_v2(hi, x1, acc)
+                if FMT == F_Q6_K:
+                    h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, RT, _byte_layout(W, 8), 8))
+                    a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+                    acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B,
+                                    EVEN_K)
+                else:
+                    a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok,
+                                                      n_cols, tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE,
+                                                      B, EVEN_K)
+                    lo, hi = _dequant(q, a, b, c, e, FMT, W, RT, A)
+                    acc = mma_v2(lo, x0, acc)
+                    if FMT != F_Q8_0:
+                        acc = mma_v2(hi, x1, acc)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         r = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
@@ -424,7 +534,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     dummy = p.qs
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
-        p.sub if p.sub is not None else dummy,
+        p.sub if p.sub is not None else dummy, p.qh if p.qh is not None else dummy,
         n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
         U=cfg.U, D=cfg.D, num_warps=cfg.W)

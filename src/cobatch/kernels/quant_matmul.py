@@ -236,14 +236,25 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         hi = _exact_f32(((qi >> 4) & 0xF) | (((h1 >> j) & 1) << 4), 16.0) * d1.to(tl.float32)
         return lo.to(DT), hi.to(DT)
     else:               # Q6_K: low nibble | 2 high bits << 4, minus 32; an int8 scale per 16 weights
-        s0, s1, s2, s3 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)
-        h0, h1, h2, h3 = _quad(qh_ptr + row * (2 * side32) + 4 * chunk + four)
-        d = tl.load(d_ptr + row * side256 + chunk // 4)
+        s0, s1, s2, s3 = _quad(sub_ptr + 4 * _side(row, side32 // 2, chunk, FRAG) + four)
+        d = tl.load(d_ptr + _side(row, side256, chunk // 4, FRAG))
         first = j < 16
         qi = q.to(tl.int32)
-        shift = 2 * (j % 16)
-        lo = _exact_f32((qi & 0xF) | (((tl.where(first, h0, h1) >> shift) & 3) << 4), 32.0)
-        hi = _exact_f32(((qi >> 4) & 0xF) | (((tl.where(first, h2, h3) >> shift) & 3) << 4), 32.0)
+        if FRAG:       # quant_pack.high_bits_to_fragment_order: a byte per (lane, column) of the qs tile
+            r = row % 16
+            lane = 4 * (r % 8) + (j % 8) // 2
+            b = tl.load(qh_ptr + (row // 16) * (8 * qs_stride) + 256 * chunk + 8 * lane + 2 * (j // 8)
+                        + j % 2).to(tl.int32)
+            half = (r // 8).to(tl.int32)     # rows g + 8: the next bit pair
+            lo_bits = (b >> (4 + 2 * half)) & 3
+            hi_bits = (b >> (2 * half)) & 3
+        else:
+            h0, h1, h2, h3 = _quad(qh_ptr + row * (2 * side32) + 4 * chunk + four)
+            shift = 2 * (j % 16)
+            lo_bits = (tl.where(first, h0, h1) >> shift) & 3
+            hi_bits = (tl.where(first, h2, h3) >> shift) & 3
+        lo = _exact_f32((qi & 0xF) | (lo_bits << 4), 32.0)
+        hi = _exact_f32(((qi >> 4) & 0xF) | (hi_bits << 4), 32.0)
         lo = lo * (d * tl.where(first, s0, s1).to(tl.float32))
         hi = hi * (d * tl.where(first, s2, s3).to(tl.float32))
         return lo.to(DT), hi.to(DT)

@@ -45,7 +45,7 @@ from cobatch.quant.formats import QuantFormat, _k_scales_mins, format_of
 # Format ids: the kernels' FMT constexpr.
 Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K = range(6)
 PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K}
-FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K)   # whose qs may be stored in fragment order
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)   # whose planes may be stored in fragment order
 
 ROW_PAD = 128    # largest BN any config uses
 COL_PAD = 256    # largest BK; also the K-quant super-block
@@ -170,7 +170,8 @@ _SIDE_ROWS = [p // 2 + 8 * (p % 2) for p in range(16)]   # the row at each posit
 
 
 def _side_entry_bytes(fmt_id: int) -> int:
-    return 4 if fmt_id == Q4_K else 2     # q4_K: 4-byte (sc, mn) x 2 words and (d, dmin) pairs; else f16
+    # q4_K: (sc, mn) x 2 blocks and (d, dmin) pairs; q6_K: 4 int8 scales per 64 weights and an f32 d; else f16
+    return 4 if fmt_id in (Q4_K, Q6_K) else 2
 
 
 def side_to_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
@@ -191,6 +192,41 @@ def side_from_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
     return out.reshape(tiles * 16, -1).view(t.dtype)
 
 
+def _q6_high_values(qh: torch.Tensor) -> torch.Tensor:
+    """q6_K high-bit words [rows, cols / 16] (bits 2j, 2j + 1: weight j of each 16) -> values [rows, cols]."""
+    shifts = 2 * torch.arange(16, device=qh.device, dtype=torch.int32)
+    return ((qh[..., None] >> shifts) & 3).reshape(qh.shape[0], -1).to(torch.uint8)
+
+
+def high_bits_to_fragment_order(qh: torch.Tensor) -> torch.Tensor:
+    """q6_K's 2 high bits per weight (words [rows, cols / 16], rows % 16 == 0) -> the plane the Gluon GEMV
+    reads beside the fragment-order low nibbles: [rows / 16, chunks * 256] bytes, 8 per lane and tile.
+
+    Lane L = 4 g + c owns qs words j = 0..3, each holding columns k = 8 j + 2 c and k + 1 of rows g and
+    g + 8, low nibble = the chunk's low block (weight k), high nibble = its high block (weight 32 + k).
+    Its byte 2 j + e (e = 0, 1: column k + e) holds their high bits: bits 4-5 (row g, low block),
+    6-7 (g + 8, low), 0-1 (g, high), 2-3 (g + 8, high). The kernel duplicates each byte into a word of the
+    qs word's shape, where a mask puts every bit pair just above its nibble."""
+    high = _q6_high_values(qh)                                # [R, K]
+    r, k = high.shape
+    h = high.view(r // 16, 2, 8, k // 64, 2, 4, 4, 2).to(torch.int32)   # tile, half, g, chunk, block, j, c, e
+    byte = (h[:, 0, :, :, 0] << 4) | (h[:, 1, :, :, 0] << 6) | h[:, 0, :, :, 1] | (h[:, 1, :, :, 1] << 2)
+    # [tile, g, chunk, j, c, e] -> [tile, chunk, g, c, j, e]: lane 4 g + c, byte 2 j + e
+    return byte.permute(0, 2, 1, 4, 3, 5).reshape(r // 16, -1).to(torch.uint8)
+
+
+def high_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
+    """The inverse of high_bits_to_fragment_order: the q6_K high-bit words [rows, cols / 16]."""
+    tiles = frag.shape[0]
+    b = frag.view(tiles, -1, 8, 4, 4, 2).permute(0, 2, 1, 4, 3, 5).to(torch.int32)   # tile, g, chunk, j, c, e
+    parts = [[(b >> 4) & 3, b & 3], [(b >> 6) & 3, (b >> 2) & 3]]                  # [half][block]
+    high = torch.stack([torch.stack(parts[half], dim=3) for half in range(2)], dim=1)  # tile, half, g, chunk, ...
+    high = high.reshape(tiles * 16, -1, 16)
+    shifts = 2 * torch.arange(16, device=frag.device, dtype=torch.int64)
+    words = (high.to(torch.int64) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
                 fragment: bool = False) -> PackedPlanes:
     """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`.
@@ -206,8 +242,12 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
             chunk[:min(rows, r1) - r0, :raw.shape[1]] = raw[r0:min(rows, r1)].to(device)
         for name, t in _pack_chunk(fmt_id, chunk, cols_pad).items():
             if fragment:
-                t = to_fragment_order(t) if name == "qs" else side_to_fragment_order(
-                    t, _side_entry_bytes(fmt_id))
+                if name == "qs":
+                    t = to_fragment_order(t)
+                elif name == "qh":
+                    t = high_bits_to_fragment_order(t)
+                else:
+                    t = side_to_fragment_order(t, _side_entry_bytes(fmt_id))
                 if name not in planes:
                     planes[name] = torch.empty(rows_pad // 16, t.shape[1], dtype=t.dtype, device=device)
                 planes[name][r0 // 16:r1 // 16] = t
@@ -224,7 +264,8 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     if p.fragment:
         p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs),
                          *(None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id))
-                           for t in (p.d, p.m, p.sub)), qh=p.qh)
+                           for t in (p.d, p.m, p.sub)),
+                         qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
     qs = p.qs
     if p.fmt_id == Q8_0:
         q = qs.view(torch.int8).float().view(R, K // 32, 32)
@@ -233,8 +274,7 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
         v = qs.view(R, K // 64, 1, 32)
         nib = torch.cat([v & 15, v >> 4], dim=2).reshape(R, K).float()   # weight order
         if p.fmt_id == Q6_K:
-            shifts = 2 * torch.arange(16, device=v.device, dtype=torch.int32)
-            high = ((p.qh[..., None] >> shifts) & 3).reshape(R, K).float()
+            high = _q6_high_values(p.qh).float()
             q = (nib + 16 * high - 32).view(R, K // 16, 16)
             w = (p.d.repeat_interleave(16, dim=1) * p.sub.float())[..., None] * q
         elif p.fmt_id == Q4_K:
