@@ -26,6 +26,7 @@ from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
 FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
+K_QUANTS = ("q4_k", "q6_k")    # rows of whole 256-weight super-blocks
 
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
@@ -99,7 +100,7 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
     """The prefill path's dequantize kernel (Triton: interpreted on the CPU, compiled on a GPU) gathers
     fragment-order bytes. K not a multiple of 256 where the format allows it."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, cols = 40, 768 if fmt_name != "q4_k" else 512
+    rows, cols = 40, 768 if fmt_name not in K_QUANTS else 512
     w = make_weight(fmt_name, rows, cols, seed=2)
     planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device(device), fragment=True)
     ref = dequantize(w.raw, w.fmt.ggml_type, cols)
@@ -182,7 +183,7 @@ def run_poisoned(pw: PackedWeight, x: torch.Tensor, config=None) -> torch.Tensor
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
 def test_gemv_matches_reference_on_odd_shapes(fmt_name):
     """Rows not a multiple of any tile, K not a multiple of 256 (masked x), several configs."""
-    for rows, cols in [(200, 768), (72, 320 if fmt_name != "q4_k" else 1280), (1000, 1024)]:
+    for rows, cols in [(200, 768), (72, 320 if fmt_name not in K_QUANTS else 1280), (1000, 1024)]:
         w = make_weight(fmt_name, rows, cols, seed=3, device="cuda")
         pw = PackedWeight.from_quant(w, "cuda")
         assert pw.planes.fragment, "the Gluon path was not selected"
