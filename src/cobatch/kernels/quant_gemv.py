@@ -9,6 +9,10 @@ Gluon lets the kernel say where every byte lives:
     16-row x 32-byte tile, lane L of a warp finds the 16 bytes it needs for its mma.sync A fragments at
     offset 16 L. One 16-byte load per lane per tile, straight into registers; the reshape/permute below
     only renames registers, which `convert_layout(..., assert_trivial=True)` checks at compile time.
+    Scales and mins are stored per tile too, with the two rows a lane owns side by side (one vector load per
+    lane, one contiguous piece per warp), and so are q6_K's high bits, 8 bytes per lane and tile.
+  - Formats: q8_0, q4_0, q4_1, q4_K, q6_K. q6_K's scales change every 16 weights, so its chunks run as two
+    k16 halves (one mma each per block) with per-half scales.
   - Dequantization is a few packed-f16 instructions per 4 bytes (inline PTX): nibbles or bytes are
     OR-ed under the f16 magic exponent 1024 (ulp 1), a packed subtract removes the magic exactly, a
     packed multiply (or fma with the min) applies the scale. The bytes of a 32-bit word are ordered so

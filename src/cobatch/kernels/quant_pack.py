@@ -22,8 +22,8 @@ Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins bec
 Rows are padded to a multiple of 128 and columns to a multiple of 256 with zero blocks, so the kernels
 load whole tiles without masks; the padding reads as 0.
 
-Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q4_K for quant_gemv.py): the qs plane
-is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of a 4-bit format), stored
+Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q4_K/q6_K for quant_gemv.py): the qs
+plane is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of the others), stored
 [row tile, chunk, 512 bytes], and inside a tile lane L of a warp owns bytes 16 L .. 16 L + 15: exactly the
 bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order.
 The side planes (d, m, sub) of a fragment-order weight are cut into the same 16-row tiles, stored
@@ -31,7 +31,8 @@ The side planes (d, m, sub) of a fragment-order weight are cut into the same 16-
 the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece of memory, where the
 row-major plane spread them over 16 pieces (one per row, each a separate memory transaction).
 An "entry" is what a row needs per K position: an f16 scale or min per 32-block; q4_K's 4 bytes of
-(scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block.
+(scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block; q6_K's 4 int8 scales per chunk
+and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`).
 """
 
 from __future__ import annotations
