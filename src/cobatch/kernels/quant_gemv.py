@@ -177,19 +177,18 @@ ASM_PREFETCH = _c("prefetch.global.L2 [$1];\n mov.u32 $0, 0;")
 if gluon is not None:
 
     @gluon.constexpr_function
+    def _byte_layout(W, BYTES):
+        """[W, RT, 32 lanes, BYTES]: each lane's BYTES contiguous bytes of a tile in one load."""
+        return gl.BlockedLayout([1, 1, 1, BYTES], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+
+    @gluon.constexpr_function
     def _layouts(W, RT, BT):
         """(MMA acc, A operand, B operand, 16-byte load) layouts: [W, 16 RT, BT], [W, 16 RT, 32],
         [W, 32, BT], [W, RT, 32, 16]. The batch axis is the warp."""
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
         a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        ld = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
-        return mma, a, b, ld
-
-    @gluon.constexpr_function
-    def _byte_layout(W, BYTES):
-        """[W, RT, 32 lanes, BYTES]: each lane's BYTES contiguous bytes of a tile in one load."""
-        return gl.BlockedLayout([1, 1, 1, BYTES], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+        return mma, a, b, _byte_layout(W, 16)
 
     @gluon.jit
     def _tile_offsets(tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr, BYTES: gl.constexpr = 16):
