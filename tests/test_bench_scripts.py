@@ -55,3 +55,12 @@ def test_table_from_result_reproduces_a_runs_gemv_plans():
     assert q41 == {"gemv": plan["default"], "gemv_crossover": 64, "gemv_upto": plan["upto"]}
     q80 = out["formats"]["q8_0"]["shapes"]["4096x4096"]
     assert q80 == {"narrow": "kept", "gemv": plan["default"], "gemv_crossover": 32}   # stale tiers dropped
+
+
+def test_gemv_ab_table_takes_each_trees_best_round():
+    gemv_ab = load("gemv_ab")
+    row = lambda us, pct: {"fmt": "q4_1", "shape": "o", "n_tok": 1, "us": us, "pct_copy": pct, "rel_err": 1e-4}
+    results = {"old": [{"rows": [row(10.0, 20.0)]}, {"rows": [row(8.0, 25.0)]}],
+               "new": [{"rows": [row(4.0, 50.0)]}, {"rows": [row(5.0, 40.0)]}]}
+    line = gemv_ab.table(results).splitlines()[-1]
+    assert line == "| q4_1 | o | 1 | 25.0 | 50.0 | 0.500 | 1.0e-04 |"
