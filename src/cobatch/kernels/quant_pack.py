@@ -126,12 +126,9 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Te
         qh = b[..., 128:192].reshape(r, -1, 2, 1, 32)      # byte l of a half: 2 bits of weights l+32i
         high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device).view(4, 1)) & 3
         low = low.reshape(r, cols)
-        high = high.reshape(r, cols).to(torch.int32)        # [.., 2, 4, 32] -> weight order
-        shifts = (2 * torch.arange(16, device=raw.device, dtype=torch.int32))
-        qh_words = (high.view(r, cols // 16, 16) << shifts).sum(-1, dtype=torch.int64).to(torch.int64)
-        qh_words = torch.where(qh_words >= 2**31, qh_words - 2**32, qh_words).to(torch.int32)
         return {"qs": pack_nibbles_64(low), "d": _f16_field(b, 208).float(),
-                "sub": b[..., 192:208].reshape(r, cols // 16).view(torch.int8), "qh": qh_words}
+                "sub": b[..., 192:208].reshape(r, cols // 16).view(torch.int8),
+                "qh": _q6_high_words(high.reshape(r, cols))}              # [.., 2, 4, 32] -> weight order
     raise ValueError(fmt_id)
 
 
@@ -193,6 +190,13 @@ def side_from_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
     return out.reshape(tiles * 16, -1).view(t.dtype)
 
 
+def _q6_high_words(high: torch.Tensor) -> torch.Tensor:
+    """q6_K high bits, values 0..3 [rows, cols] -> int32 words [rows, cols / 16] (bits 2j, 2j + 1: weight j)."""
+    shifts = 2 * torch.arange(16, device=high.device, dtype=torch.int64)
+    words = (high.reshape(high.shape[0], -1, 16).to(torch.int64) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def _q6_high_values(qh: torch.Tensor) -> torch.Tensor:
     """q6_K high-bit words [rows, cols / 16] (bits 2j, 2j + 1: weight j of each 16) -> values [rows, cols]."""
     shifts = 2 * torch.arange(16, device=qh.device, dtype=torch.int32)
@@ -222,10 +226,7 @@ def high_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
     b = frag.view(tiles, -1, 8, 4, 4, 2).permute(0, 2, 1, 4, 3, 5).to(torch.int32)   # tile, g, chunk, j, c, e
     parts = [[(b >> 4) & 3, b & 3], [(b >> 6) & 3, (b >> 2) & 3]]                  # [half][block]
     high = torch.stack([torch.stack(parts[half], dim=3) for half in range(2)], dim=1)  # tile, half, g, chunk, ...
-    high = high.reshape(tiles * 16, -1, 16)
-    shifts = 2 * torch.arange(16, device=frag.device, dtype=torch.int64)
-    words = (high.to(torch.int64) << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return _q6_high_words(high.reshape(tiles * 16, -1))
 
 
 def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
