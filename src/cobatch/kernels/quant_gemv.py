@@ -65,18 +65,27 @@ _NIB_EXTRACT = """
  lop3.b32 b0, $4, 0x00F000F0, 0x64006400, 0xEA;
  lop3.b32 b1, v, 0x00F000F0, 0x64006400, 0xEA;
 """
-ASM_NIB_ZP = _c("{" + _NIB_EXTRACT + """
- mov.b32 z0, 0x64086408;
- mov.b32 z1, 0x64806480;
+
+
+def _minus_offset_times_scale(lo_offset: str, hi_offset: str, scale: int) -> str:
+    """Tail of a zero-point dequant: subtract the (magic + offset) f16x2 constants exactly, multiply by the
+    scale registers $scale .. $scale+3 (low block g, g + 8; high block g, g + 8) into $0 .. $3."""
+    return f"""
+ mov.b32 z0, {lo_offset};
+ mov.b32 z1, {hi_offset};
  sub.rn.f16x2 a0, a0, z0;
  sub.rn.f16x2 a1, a1, z0;
  sub.rn.f16x2 b0, b0, z1;
  sub.rn.f16x2 b1, b1, z1;
- mul.rn.f16x2 $0, a0, $5;
- mul.rn.f16x2 $1, a1, $6;
- mul.rn.f16x2 $2, b0, $7;
- mul.rn.f16x2 $3, b1, $8;
-}""")
+ mul.rn.f16x2 $0, a0, ${scale};
+ mul.rn.f16x2 $1, a1, ${scale + 1};
+ mul.rn.f16x2 $2, b0, ${scale + 2};
+ mul.rn.f16x2 $3, b1, ${scale + 3};
+}}"""
+
+
+# q4_0: offset 8 (the high nibble, used in place, 16 x 8)
+ASM_NIB_ZP = _c("{" + _NIB_EXTRACT + _minus_offset_times_scale("0x64086408", "0x64806480", 5))
 ASM_NIB_AFFINE = _c("{" + _NIB_EXTRACT + """
  mov.b32 z0, 0x64006400;
  sub.rn.f16x2 a0, a0, z0;
@@ -127,29 +136,13 @@ ASM_Q4K_SCALES = _c("""{
 # hold the high bits of (row g, low block) | (g + 8, low) | (g, high) | (g + 8, high), i.e. just above the
 # nibble each belongs to (the high block's nibble is used in place, value 16 q). Magic 1024 + 32 (1024 + 512
 # for the high block) removes the offset 32 exactly. $6,$7 low-block scale; $8,$9 high-block scale / 16.
-ASM_Q6 = _c("""{
- .reg .b32 v, hv, t, a0, a1, b0, b1, z0, z1;
- shr.b32 v, $4, 8;
+ASM_Q6 = _c("{" + _NIB_EXTRACT + """
+ .reg .b32 hv;
  shr.b32 hv, $5, 2;
- lop3.b32 t, $4, 0x000F000F, 0x64006400, 0xEA;
- lop3.b32 a0, $5, 0x00300030, t, 0xEA;
- lop3.b32 t, v, 0x000F000F, 0x64006400, 0xEA;
- lop3.b32 a1, hv, 0x00300030, t, 0xEA;
- lop3.b32 t, $4, 0x00F000F0, 0x64006400, 0xEA;
- lop3.b32 b0, $5, 0x03000300, t, 0xEA;
- lop3.b32 t, v, 0x00F000F0, 0x64006400, 0xEA;
- lop3.b32 b1, hv, 0x03000300, t, 0xEA;
- mov.b32 z0, 0x64206420;
- mov.b32 z1, 0x66006600;
- sub.rn.f16x2 a0, a0, z0;
- sub.rn.f16x2 a1, a1, z0;
- sub.rn.f16x2 b0, b0, z1;
- sub.rn.f16x2 b1, b1, z1;
- mul.rn.f16x2 $0, a0, $6;
- mul.rn.f16x2 $1, a1, $7;
- mul.rn.f16x2 $2, b0, $8;
- mul.rn.f16x2 $3, b1, $9;
-}""")
+ lop3.b32 a0, $5, 0x00300030, a0, 0xEA;
+ lop3.b32 a1, hv, 0x00300030, a1, 0xEA;
+ lop3.b32 b0, $5, 0x03000300, b0, 0xEA;
+ lop3.b32 b1, hv, 0x03000300, b1, 0xEA;""" + _minus_offset_times_scale("0x64206420", "0x66006600", 6))
 # q6_K scales of one row and chunk: $4 = the four int8 scales of its 16-weight groups (low block halves,
 # high block halves), $5 = the super-block's f32 d. Outputs d*s0, d*s1, d*s2/16, d*s3/16 in f16.
 ASM_Q6_SCALES = _c("""{
@@ -282,14 +275,14 @@ if gluon is not None:
             b = a
             c = a
             e = a
-        elif FMT == F_Q4_K:   # (sc, mn) bytes of both blocks as one word; the super-block's (d, dmin)
+        elif FMT == F_Q4_K or FMT == F_Q6_K:
+            # the chunk's scale bytes as one word (q4_K: (sc, mn) of both blocks; q6_K: the int8 scales of its
+            # four 16-weight groups), and the super-block's (d, dmin) f16 pair as a word / q6_K's f32 d
             a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
-            b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), tile0, side256, chunk // 4, W, RT, SIDE)
-            c = a
-            e = b
-        elif FMT == F_Q6_K:   # the four int8 scales of the chunk's 16-weight groups as one word; f32 d
-            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
-            b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
+            if FMT == F_Q4_K:
+                b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), tile0, side256, chunk // 4, W, RT, SIDE)
+            else:
+                b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
             c = a
             e = b
         else:                 # f16 scales (and q4_1 mins) of the two blocks
