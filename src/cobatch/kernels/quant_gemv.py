@@ -11,8 +11,9 @@ Gluon lets the kernel say where every byte lives:
     only renames registers, which `convert_layout(..., assert_trivial=True)` checks at compile time.
     Scales and mins are stored per tile too, with the two rows a lane owns side by side (one vector load per
     lane, one contiguous piece per warp), and so are q6_K's high bits, 8 bytes per lane and tile.
-  - Formats: q8_0, q4_0, q4_1, q4_K, q6_K. q6_K's scales change every 16 weights, so its chunks run as two
-    k16 halves (one mma each per block) with per-half scales.
+  - Formats: q8_0, q4_0, q4_1, q4_K, q6_K. q4_K is repacked as q4_1 (a precomputed f16 scale and offset
+    per 32-block). q6_K's scales change every 16 weights, so its chunks run as two k16 halves (one mma each
+    per block) with per-half scales.
   - Dequantization is a few packed-f16 instructions per 4 bytes (inline PTX): nibbles or bytes are
     OR-ed under the f16 magic exponent 1024 (ulp 1), a packed subtract removes the magic exactly, a
     packed multiply (or fma with the min) applies the scale. The bytes of a 32-bit word are ordered so
@@ -48,7 +49,8 @@ def _c(v):
     return gl.constexpr(v) if gl is not None else v
 
 
-F_Q8_0, F_Q4_0, F_Q4_1, F_Q4_K, F_Q6_K = (_c(v) for v in quant_pack.FRAGMENT_FORMATS)
+# The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine).
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K = (_c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K))
 
 # --- dequantization, 4 bytes at a time (pack=4) -------------------------------------------------------
 # Input word bytes (quant_pack.fragment_order): b0 = (row g, k), b1 = (g+8, k), b2 = (g, k+1),
@@ -111,26 +113,6 @@ ASM_Q8 = _c("""{
  mul.rn.f16x2 $1, a1, $4;
 }""")
 
-# q4_K side data of one row and chunk: $4 = bytes (sc_lo, mn_lo, sc_hi, mn_hi) (6-bit values), $5 = the
-# super-block's (d, dmin) f16 pair. Outputs: d*sc_lo, d*sc_hi/16, -dmin*mn_lo, -dmin*mn_hi (f16, one
-# rounding each: the byte goes under the magic and the subtract is exact).
-ASM_Q4K_SCALES = _c("""{
- .reg .b32 sc, mn, dd, dm, z, k;
- mov.b32 z, 0x64006400;
- prmt.b32 sc, $4, 0x64646464, 0x4240;
- prmt.b32 mn, $4, 0x64646464, 0x4341;
- sub.rn.f16x2 sc, sc, z;
- sub.rn.f16x2 mn, mn, z;
- prmt.b32 dd, $5, $5, 0x1010;
- prmt.b32 dm, $5, $5, 0x3232;
- mov.b32 k, 0x2C003C00;
- mul.rn.f16x2 dd, dd, k;
- neg.f16x2 dm, dm;
- mul.rn.f16x2 sc, sc, dd;
- mul.rn.f16x2 mn, mn, dm;
- mov.b32 {$0, $1}, sc;
- mov.b32 {$2, $3}, mn;
-}""")
 # q6_K, one k16 half of a chunk: $4 = qs word (as for the 4-bit formats), $5 = its high-bit word, each
 # byte of quant_pack.high_bits_to_fragment_order twice: bits 4-5 | 6-7 | 8-9 | 10-11 of each 16-bit lane
 # hold the high bits of (row g, low block) | (g + 8, low) | (g, high) | (g + 8, high), i.e. just above the
@@ -275,14 +257,9 @@ if gluon is not None:
             b = a
             c = a
             e = a
-        elif FMT == F_Q4_K or FMT == F_Q6_K:
-            # the chunk's scale bytes as one word (q4_K: (sc, mn) of both blocks; q6_K: the int8 scales of its
-            # four 16-weight groups), and the super-block's (d, dmin) f16 pair as a word / q6_K's f32 d
+        elif FMT == F_Q6_K:   # the four int8 scales of the chunk's 16-weight groups as one word; f32 d
             a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
-            if FMT == F_Q4_K:
-                b = _row_side(d_ptr.to(gl.pointer_type(gl.int32)), tile0, side256, chunk // 4, W, RT, SIDE)
-            else:
-                b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
+            b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
             c = a
             e = b
         else:                 # f16 scales (and q4_1 mins) of the two blocks
@@ -333,15 +310,9 @@ if gluon is not None:
         elif FMT == F_Q4_0:
             lo, hi = gl.inline_asm_elementwise(ASM_NIB_ZP, "=r,=r,=r,=r,r,r,r,r,r", [q, a, b * 0.0625],
                                                (gl.float16, gl.float16), True, 4)
-        elif FMT == F_Q4_1:
+        else:  # Q4_1, and q4_K as its planes hold it
             lo, hi = gl.inline_asm_elementwise(ASM_NIB_AFFINE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                                [q, a, b * 0.0625, c, e], (gl.float16, gl.float16), True, 4)
-        else:  # Q4_K: 6-bit (scale, min) per 32-block times the super-block's (d, dmin), in packed f16
-            d0, d1, m0, m1 = gl.inline_asm_elementwise(ASM_Q4K_SCALES, "=h,=h,=h,=h,r,r", [a, b],
-                                                       (gl.float16, gl.float16, gl.float16, gl.float16),
-                                                       True, 1)
-            lo, hi = gl.inline_asm_elementwise(ASM_NIB_AFFINE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                                               [q, d0, d1, m0, m1], (gl.float16, gl.float16), True, 4)
         return lo, hi
 
     @gluon.jit
