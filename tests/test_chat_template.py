@@ -118,6 +118,15 @@ def test_tool_calls_and_results_match_transformers(template: ChatTemplate, refer
     assert "None" not in rendered  # content=None was dropped, not printed
 
 
+def test_null_content_without_tool_calls_renders_as_empty(template: ChatTemplate, reference: Any) -> None:
+    # OpenAI clients may send an assistant turn as `content: null`; SmolLM2's template reads content unguarded.
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "Again?"}]
+    expected = reference.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+    assert template.render(messages) == expected
+
+
 def test_continue_final_message_matches_transformers(template: ChatTemplate, reference: Any) -> None:
     messages = CONVERSATION + [{"role": "assistant", "content": "Bien sûr: "}]
     expected = reference.apply_chat_template(messages, tokenize=False, continue_final_message=True)

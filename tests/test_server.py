@@ -447,6 +447,8 @@ OK_MSG = {"model": "m", "max_tokens": 2, "messages": QUESTION}
 ERROR_CASES = [
     ("malformed json", "POST", CHAT, b'{"messages": [', 400, None),
     ("not an object", "POST", CHAT, b"[1, 2]", 400, None),
+    ("JSON nested too deeply", "POST", CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("lone surrogate escape", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400, None),
     ("no messages", "POST", CHAT, {"model": "m"}, 400, "messages"),
     ("empty messages", "POST", CHAT, {"messages": []}, 400, "messages"),
     ("bad role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
@@ -500,6 +502,8 @@ ERROR_CASES = [
     ("wrong method", "GET", CHAT, None, 405, None),
     ("anthropic missing max_tokens", "POST", MESSAGES, {"model": "m", "messages": QUESTION}, 400, None),
     ("anthropic malformed json", "POST", MESSAGES, b"{", 400, None),
+    ("anthropic lone surrogate escape", "POST", MESSAGES,
+     b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
     ("anthropic bad block", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {}}]}]}, 400, None),
     ("anthropic temperature > 1", "POST", MESSAGES, {**OK_MSG, "temperature": 1.5}, 400, None),
@@ -519,6 +523,14 @@ def test_bad_input_gets_the_protocols_error_shape(server, name, method, path, bo
         assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
         if param is not None:
             assert err["error"]["param"] == param, err
+
+
+def test_escaped_surrogate_pair_is_one_character(server):
+    # The lone-surrogate check must let a valid pair through: JSON escapes of one emoji, U+1F600.
+    body = b'{"prompt": "\\ud83d\\ude00", "add_special_tokens": false}'
+    r = httpx.post(server.url + "/tokenize", content=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == server.context.llm.tokenizer.encode("\U0001F600", add_special=False)
 
 
 def test_prompt_over_the_context_is_context_length_exceeded(server, oai, claude):

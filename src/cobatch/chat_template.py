@@ -136,7 +136,10 @@ def _normalize_messages(messages: list[Any]) -> list[dict]:
         if not isinstance(message, dict):
             raise ChatTemplateError(f"chat messages must be objects with a role, got {message!r}")
         # `content: null` / `tool_calls: null` from API clients: templates test for a missing key,
-        # and would otherwise render "None" or fail on concatenation.
+        # and would otherwise render "None" or fail on concatenation. A message that carries nothing else
+        # (no tool calls, no reasoning) is an empty message: most templates read its content unguarded.
+        if message.get("content", "") is None and not any(message.get(k) for k in ("tool_calls", *_REASONING_FIELDS)):
+            message = {**message, "content": ""}
         message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import TypeVar
 
 from fastapi import Request
@@ -26,12 +27,38 @@ async def read_body(request: Request, model: type[Model], max_bytes: int) -> Mod
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise bad_request("malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
+        raise bad_request("the request body holds a lone UTF-16 surrogate escape (e.g. \\ud800): not valid Unicode")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise bad_request(*describe_validation_error(exc)) from None
+
+
+# JSON can smuggle a lone surrogate in only as a \uD800-\uDFFF escape (UTF-8 bytes cannot encode one), and
+# json.loads keeps it; the tokenizer then fails on the string. Pairs decode to one real character and pass.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(data) -> bool:
+    stack = [data]                    # a loop, not recursion: the body may nest as deep as json.loads allows
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack += value.keys()
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+    return False
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
