@@ -1,11 +1,13 @@
 """The `cobatch` command end to end, and every bad input ending in one clear line and exit code 2."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import gguf
+import httpx
 import numpy as np
 import pytest
 
@@ -117,6 +119,37 @@ def test_unsupported_quant_type(tmp_path):
 
 def test_prompt_longer_than_context():
     assert_clean_error(run_cli("generate", "--ctx", "16", "-p", "word " * 40), "context")
+
+
+def test_serve_port_out_of_range():
+    assert_clean_error(run_cli("serve", "--port", "99999"), "65535")
+
+
+def test_serve_port_in_use_fails_before_the_model_loads(tmp_path):
+    # The model path does not exist: the port's error coming first shows the socket is bound before the load.
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        proc = run_cli("serve", "--port", str(port), "--model", str(tmp_path / "nope.gguf"))
+    assert_clean_error(proc, "cannot listen", str(port))
+
+
+def test_serve_answers_on_the_port_it_prints():
+    """`cobatch serve --port 0` end to end: the OS picks a port, the banner names it, the server answers there."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "cobatch.cli", "serve", "--port", "0", "--parallel", "2",
+                             "--ctx", "512"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stderr:             # blocks until the banner (or EOF if the server died)
+            if line.strip().startswith("url:"):
+                url = line.split()[1]
+                break
+        assert url is not None and not url.endswith(":0/v1"), "no banner with a real port"
+        models = httpx.get(url + "/models", timeout=120).json()     # the socket listens already: this waits
+        assert models["data"][0]["max_model_len"] == 512
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "1.5"), ("-n", "0")])

@@ -249,4 +249,5 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path,
     assert gguf_writer.main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert err.startswith("cobatch: error: "), err     # as every other cobatch command says it
     assert not list(tmp_path.iterdir())

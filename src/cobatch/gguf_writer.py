@@ -662,7 +662,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m cobatch.gguf_
         else:
             path = cut_layers(args.src, args.dst, args.layers)
     except (_ArgumentError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"cobatch: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB)")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 import sys
 from contextlib import asynccontextmanager
 
@@ -139,13 +140,31 @@ def _check_serve_args(args) -> None:
                       ("port", 0)):
         if getattr(args, name) < low:
             raise UserError(f"--{name.replace('_', '-')} must be at least {low} (got {getattr(args, name)})")
+    if args.port > 65535:
+        raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: a port in use or a bad --host is one error line before the
+    model loads, not a uvicorn log line after it."""
+    from cobatch.errors import UserError
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host!r}: {exc.strerror}") from None
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
 
 
 def serve(args) -> int:
     from cobatch.llm import EngineOptions
     _check_serve_args(args)
+    sock = listen_socket(args.host, args.port)
+    port = sock.getsockname()[1]          # the one the OS picked for --port 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     llm = LLM.load(args.model_path or args.model, EngineOptions(
@@ -159,7 +178,7 @@ def serve(args) -> int:
     server = app.state.server
     pool = llm.engine.pool
     print(f"cobatch serving {server.model_name} ({llm.path})\n"
-          f"  url:      http://{args.host}:{args.port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
+          f"  url:      http://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
           f"Anthropic: /v1/messages)\n"
           f"  slots:    {server.worker.num_slots} (--parallel), queue up to {options.max_queue}\n"
           f"  context:  {llm.engine.max_context} tokens per request\n"
@@ -167,9 +186,9 @@ def serve(args) -> int:
           f"({pool.nbytes / 2**20:.0f} MiB), prefix cache shared by all slots\n"
           f"  device:   {llm.engine.runner.device}  api key: {'required' if args.api_key else 'none'}",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s)
-    DrainingServer(config, server).run()
+    DrainingServer(config, server).run(sockets=[sock])
     return 0
 
 
