@@ -165,18 +165,22 @@ if gluon is not None:
         b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         return mma, a, b, _byte_layout(W, 16)
 
+    @gluon.constexpr_function
+    def _axis_layout(layout, dim):
+        """The 1-D layout of axis `dim` of a rank-4 layout: the other three axes sliced away."""
+        for other in (3, 2, 1, 0):
+            if other != dim:
+                layout = gl.SliceLayout(other, layout)
+        return layout
+
     @gluon.jit
     def _tile_offsets(tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr, BYTES: gl.constexpr = 16):
         """Byte offsets [W, RT, 32 lanes, BYTES] of each warp's chunk (chunk: [W]) in a fragment-order plane
         of 32 x BYTES bytes per tile and chunk (the quants: 16; q6_K's high bits: 8)."""
-        w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LD)))
-        rt_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LD)))
-        lane_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LD)))
-        byte_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LD)))
-        ch = gl.convert_layout(chunk, w_ax)
-        rt = gl.arange(0, RT, layout=rt_ax)
-        lane = gl.arange(0, 32, layout=lane_ax)
-        byte = gl.arange(0, BYTES, layout=byte_ax)
+        ch = gl.convert_layout(chunk, _axis_layout(LD, 0))
+        rt = gl.arange(0, RT, layout=_axis_layout(LD, 1))
+        lane = gl.arange(0, 32, layout=_axis_layout(LD, 2))
+        byte = gl.arange(0, BYTES, layout=_axis_layout(LD, 3))
         return (ch.to(gl.int64) * (32 * BYTES))[:, None, None, None] \
             + ((tile0 + rt).to(gl.int64) * tile_stride)[None, :, None, None] \
             + (lane * BYTES)[None, None, :, None] + byte[None, None, None, :]
@@ -234,14 +238,10 @@ if gluon is not None:
         side by side, so each lane loads them as one vector, and a warp's load reads one contiguous piece
         instead of 16 rows' strided pieces (one memory transaction each)."""
         V: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 8, 4], [W, 1, 1, 1], [3, 2, 1, 0])
-        w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V)))
-        rt_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, V)))
-        g_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V)))
-        r1_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V)))
-        c = gl.convert_layout(col, w_ax)
-        rt = gl.arange(0, RT, layout=rt_ax)
-        g = gl.arange(0, 8, layout=g_ax)
-        r1 = gl.arange(0, 2, layout=r1_ax)
+        c = gl.convert_layout(col, _axis_layout(V, 0))
+        rt = gl.arange(0, RT, layout=_axis_layout(V, 1))
+        g = gl.arange(0, 8, layout=_axis_layout(V, 2))
+        r1 = gl.arange(0, 2, layout=_axis_layout(V, 3))
         off = ((tile0 + rt).to(gl.int64) * (16 * entries_per_row))[None, :, None, None] \
             + (16 * c)[:, None, None, None] + (2 * g)[None, None, :, None] + r1[None, None, None, :]
         v = gl.load(ptr + off)                                         # [W, RT, g, r1]

@@ -221,9 +221,10 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         m0, m1 = _pair(m_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _nibbles(q, d0, d1, m0, m1, True, 0.0, DT, ASM)
     elif FMT == Q4_K:
+        # Row-major only: fragment-order q4_K planes are q4_1's (quant_pack._q4k_as_affine) and take that branch.
         # 4-byte entries: (scale, min) x 2 blocks per chunk; (d, dmin) per super-block
-        sc0, mn0, sc1, mn1 = _quad(sub_ptr + 4 * _side(row, side32 // 2, chunk, FRAG) + four)
-        d, dmin = _pair(d_ptr + 2 * _side(row, side256, chunk // 4, FRAG) + two)
+        sc0, mn0, sc1, mn1 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)
+        d, dmin = _pair(d_ptr + row * (2 * side256) + 2 * (chunk // 4) + two)
         d = d.to(tl.float32)
         dmin = dmin.to(tl.float32)
         return _nibbles(q, d * sc0.to(tl.float32), d * sc1.to(tl.float32),
