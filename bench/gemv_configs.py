@@ -3,7 +3,7 @@
     python bench/gemv_configs.py --formats q4_1,q8_0 --shapes gate_up,lm_head --toks 8,16 \
         --configs '4,8,1,1,0;2,8,1,1,0' [--out $OUT/gemv_configs.json]
 
-A config is W,RT,split_k,U,D (quant_gemv.GemvConfig). Each row: microseconds, GB/s of weight bytes and % of
+A config is W,RT,split_k,U,D[,R] (quant_gemv.GemvConfig). Each row: microseconds, GB/s of weight bytes and % of
 the copy bandwidth measured in the same run; "plan" is the committed plan (quant_configs.json). Every
 config is checked against the plan's output first (rows are computed in the same K order only within a
 plan, so the check is a tolerance, not bitwise).
@@ -28,8 +28,10 @@ from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 def parse_configs(text: str) -> list[GemvConfig]:
     out = []
     for part in filter(None, text.split(";")):
-        w, rt, split_k, u, d = (int(v) for v in part.split(","))
-        out.append(GemvConfig(W=w, RT=rt, split_k=split_k, U=u, D=d))
+        values = [int(v) for v in part.split(",")]
+        if len(values) not in (5, 6):
+            raise ValueError(f"a config is W,RT,split_k,U,D[,R]: {part!r}")
+        out.append(GemvConfig(*values))
     return out
 
 
@@ -46,7 +48,7 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_1,q8_0")
     ap.add_argument("--shapes", default="gate_up,lm_head")
     ap.add_argument("--toks", default="8,16")
-    ap.add_argument("--configs", required=True, help="W,RT,split_k,U,D;...")
+    ap.add_argument("--configs", required=True, help="W,RT,split_k,U,D[,R];...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     formats, shapes = args.formats.split(","), args.shapes.split(",")

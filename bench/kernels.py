@@ -223,6 +223,7 @@ def narrow_candidates(rows: int, cols: int) -> list[TileConfig]:
 GEMV_BASES = [(4, 4, 1), (2, 4, 1), (4, 1, 8), (4, 1, 16), (8, 1, 4), (8, 1, 8), (4, 2, 4), (2, 1, 16), (8, 2, 2),
               (2, 2, 8)]
 GEMV_PREFETCH = [0, 2]                                                                   # D
+GEMV_REGISTERS = [0, 128]    # R: ptxas's own register choice, or a budget that lets it hoist the tile loads
 
 
 def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
@@ -233,8 +234,8 @@ def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
         for split in (1, 2, 4, 8):
             ctas = rows_pad // (16 * rt) * split
             if n_chunks % (w * u * split) == 0 and (split == 1 or ctas <= 16 * SMS) and ctas >= SMS // 2:
-                out += [GemvConfig(W=w, RT=rt, split_k=split, U=u, D=d) for d in GEMV_PREFETCH
-                        if d == 0 or n_chunks // (w * split) > d]
+                out += [GemvConfig(W=w, RT=rt, split_k=split, U=u, D=d, R=r) for d in GEMV_PREFETCH
+                        for r in GEMV_REGISTERS if d == 0 or n_chunks // (w * split) > d]
     return out
 
 

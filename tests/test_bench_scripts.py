@@ -29,10 +29,11 @@ def test_bench_script_imports(name):
 
 def test_gemv_configs_parses_its_config_list():
     parse = load("gemv_configs").parse_configs
-    assert parse("4,8,1,1,0;2,4,2,4,2") == [GemvConfig(W=4, RT=8, split_k=1, U=1, D=0),
-                                             GemvConfig(W=2, RT=4, split_k=2, U=4, D=2)]
-    with pytest.raises(ValueError):
-        parse("4,8,1")
+    assert parse("4,8,1,1,0;2,4,2,4,2,128") == [GemvConfig(W=4, RT=8, split_k=1, U=1, D=0),
+                                                 GemvConfig(W=2, RT=4, split_k=2, U=4, D=2, R=128)]
+    for bad in ("4,8,1", "4,8,1,1,0,128,7"):
+        with pytest.raises(ValueError):
+            parse(bad)
 
 
 def test_best_gemv_plan_keeps_one_k_split_and_picks_per_tier():

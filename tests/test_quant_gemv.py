@@ -38,20 +38,42 @@ def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") ->
 
 # --- repack (CPU) -----------------------------------------------------------------------------------------
 
-def test_fragment_order_is_a_permutation_and_inverts():
-    assert sorted(fragment_order().tolist()) == list(range(512))
+@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q6_K])
+def test_fragment_order_is_a_permutation_and_inverts(fmt_id):
+    assert sorted(fragment_order(fmt_id).tolist()) == list(range(512))
     qs = torch.randint(0, 256, (48, 7 * 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    frag = to_fragment_order(qs)
+    frag = to_fragment_order(qs, fmt_id)
     assert frag.shape == (3, 7 * 512)
-    assert torch.equal(from_fragment_order(frag), qs)
+    assert torch.equal(from_fragment_order(frag, fmt_id), qs)
 
 
-def test_fragment_order_matches_the_ptx_a_fragment():
+@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q4_1, quant_pack.Q6_K])
+def test_k_order_gives_each_lane_contiguous_activations(fmt_id):
+    """PTX ISA, mma.m16n8k16 .f16 B fragment: lane = 4 g + c holds b0..b3 at row (k) = 2 c + (i % 2) +
+    8 (i // 2), column (token) g; the second k16 half of a 32-column tile adds 16. Through k_order those
+    8 logical columns must be 8 contiguous GGUF columns (one 16-byte load of x per lane and token), or for
+    q6_K 4 contiguous columns per k16 half that stay in their half (its scales change every 16 weights)."""
+    order = quant_pack.k_order(fmt_id)
+    assert sorted(order) == list(range(32))
+    for c in range(4):
+        for half in range(2):
+            cols = sorted(order[16 * half + 2 * c + (i % 2) + 8 * (i // 2)] for i in range(4))
+            if fmt_id == quant_pack.Q6_K:
+                assert cols == list(range(16 * half + 4 * c, 16 * half + 4 * c + 4)), (c, half)
+        if fmt_id != quant_pack.Q6_K:
+            cols = sorted(order[16 * half + 2 * c + (i % 2) + 8 * (i // 2)] for half in range(2) for i in range(4))
+            assert cols == list(range(8 * c, 8 * c + 8)), c
+
+
+@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q6_K])
+def test_fragment_order_matches_the_ptx_a_fragment(fmt_id):
     """PTX ISA, mma.m16n8k16 .f16 A fragment: lane = 4 g + c holds a0..a7 at
     row = g + 8 * ((i // 2) % 2), col = 2 c + (i % 2) + 8 * (i // 4); registers pair (a0, a1), (a2, a3), ...
     For a 16 x 32 tile, the second k16 half adds 16 to col (a8..a15). The kernel reads 32-bit word j of a
-    lane and takes bytes (0, 2) as register pair 2 j's elements and bytes (1, 3) as the next register's."""
-    order = fragment_order().view(32, 4, 4)                  # lane, word, byte -> row * 32 + col
+    lane and takes bytes (0, 2) as register pair 2 j's elements and bytes (1, 3) as the next register's.
+    `col` is the logical column; the byte there is GGUF column k_order[col]."""
+    order = fragment_order(fmt_id).view(32, 4, 4)            # lane, word, byte -> row * 32 + GGUF col
+    k_order = quant_pack.k_order(fmt_id)
     for lane in range(32):
         g, c = divmod(lane, 4)
         for word in range(4):
@@ -61,7 +83,7 @@ def test_fragment_order_matches_the_ptx_a_fragment():
                     i = 2 * reg + elem                        # a_i within the k16 half
                     row = g + 8 * ((i // 2) % 2)
                     col = 16 * half + 2 * c + (i % 2) + 8 * (i // 4)
-                    assert order[lane, word, byte].item() == row * 32 + col, (lane, word, byte)
+                    assert order[lane, word, byte].item() == row * 32 + k_order[col], (lane, word, byte)
 
 
 @pytest.mark.parametrize("entry_bytes", [2, 4])
@@ -127,7 +149,7 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
 def test_default_config_divides_k_and_fills_the_gpu():
     for rows_pad, n_chunks in [(4096, 64), (4096, 128), (6144, 64), (28672, 64), (4096, 224), (128256, 128),
                                (1024, 16), (896, 20), (4864, 16)]:
-        cfg = qm.default_gemv_config(rows_pad, n_chunks)
+        cfg = qm.default_gemv_config("q4_k", rows_pad, n_chunks)
         assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (rows_pad, n_chunks, cfg)
         if rows_pad >= 4096 and n_chunks >= 64:
             assert (rows_pad // cfg.rows_per_cta()) * cfg.split_k >= 2 * 132, (rows_pad, n_chunks, cfg)
@@ -200,9 +222,9 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
         ref_w = w.dequantize(torch.float32).double()
         gen = torch.Generator(device="cuda").manual_seed(4)
         n_chunks = pw.planes.qs.shape[1] // 512
-        configs = [None] + [GemvConfig(W=wp, RT=rt, split_k=s, U=u, D=d) for wp, rt, s, u, d in
-                            [(4, 1, 1, 1, 0), (2, 2, 2, 1, 1), (1, 4, 1, 2, 2), (4, 2, 2, 2, 0), (2, 1, 4, 1, 3),
-                             (4, 4, 1, 1, 9), (4, 1, 1, 8, 0), (8, 1, 1, 4, 2)]
+        configs = [None] + [GemvConfig(W=wp, RT=rt, split_k=s, U=u, D=d, R=r) for wp, rt, s, u, d, r in
+                            [(4, 1, 1, 1, 0, 0), (2, 2, 2, 1, 1, 128), (1, 4, 1, 2, 2, 0), (4, 2, 2, 2, 0, 96),
+                             (2, 1, 4, 1, 3, 0), (4, 4, 1, 1, 9, 128), (4, 1, 1, 8, 0, 0), (8, 1, 1, 4, 2, 128)]
                             if n_chunks % (wp * s * u) == 0]     # prefetches past the last step are clamped
         for cfg in configs:
             for n_tok in (1, 3, 8, 9, 16):
@@ -215,7 +237,7 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
 @pytest.mark.parametrize("plan", [None, GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=1, D=2),
-                                                 ((1, GemvConfig(W=4, RT=1, split_k=2, U=8)),
+                                                 ((1, GemvConfig(W=4, RT=1, split_k=2, U=8, R=128)),
                                                   (4, GemvConfig(W=4, RT=2, split_k=2, U=4))))],
                          ids=["table", "tiers"])
 def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):

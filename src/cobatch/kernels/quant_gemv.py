@@ -216,20 +216,31 @@ if gluon is not None:
         return gl.reshape(gl.join(h, h), [W, RT, 32, 2 * N])
 
     @gluon.jit
-    def _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT: gl.constexpr, B: gl.constexpr,
+    def _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT: gl.constexpr, W: gl.constexpr, B: gl.constexpr,
                 EVEN_K: gl.constexpr, K: gl.constexpr = 32):
-        """x[tok0 : tok0 + BT, k0 + 0..K-1] as the [W, K, BT] B operand (k0: [W], one K offset per warp)."""
-        w_ax: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, B))
-        k_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, B))
-        t_ax: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, B))
-        k = gl.convert_layout(k0, w_ax)[:, None, None] + gl.arange(0, K, layout=k_ax)[None, :, None]
-        t = tok0 + gl.arange(0, BT, layout=t_ax)[None, None, :]
+        """x[tok0 : tok0 + BT, k0 + 0..K-1] as the [W, K, BT] B operand (k0: [W], one K offset per warp),
+        in the planes' column order (quant_pack.k_order): lane 4 g + c's logical columns
+        k = 16 h + 8 a + 2 c + e are the K / 4 contiguous columns k0 + K / 4 c + .. of token g (and g + 8),
+        one vector load per lane and token (a 4-byte load per (k, k + 1) pair made 4x the L1 wavefronts,
+        the bottleneck at 16 tokens). The reshape/permute after it only renames registers into the B
+        fragment's order, which convert_layout(..., assert_trivial=True) checks at compile time."""
+        V: gl.constexpr = K // 4
+        L: gl.constexpr = gl.BlockedLayout([1, 1, V, 1], [1, 4, 1, 8], [W, 1, 1, 1], [2, 1, 3, 0])
+        k = gl.convert_layout(k0, _axis_layout(L, 0))[:, None, None, None] \
+            + (V * gl.arange(0, 4, layout=_axis_layout(L, 1)))[None, :, None, None] \
+            + gl.arange(0, V, layout=_axis_layout(L, 2))[None, None, :, None]
+        t = tok0 + gl.arange(0, BT, layout=_axis_layout(L, 3))[None, None, None, :]
         mask = t < n_tok
         if not EVEN_K:
             mask = mask & (k < n_cols)
         # bf16 x is converted here (a few instructions per step, shared by the RT row tiles) rather than by
         # a separate launch per call
-        return gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)
+        x = gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)   # [W, c, V, BT]
+        if K == 32:
+            x = gl.permute(gl.reshape(x, [W, 4, 2, 2, 2, BT]), [0, 2, 3, 1, 4, 5])        # w, h, a, c, e, t
+        else:
+            x = gl.permute(gl.reshape(x, [W, 4, 2, 2, BT]), [0, 2, 1, 3, 4])              # w, a, c, e, t
+        return gl.convert_layout(gl.reshape(x, [W, K, BT]), B, assert_trivial=True)
 
     @gluon.jit
     def _row_side(ptr, tile0, entries_per_row, col, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
@@ -280,11 +291,11 @@ if gluon is not None:
         """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
         a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
         if FMT == F_Q8_0:
-            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, B, EVEN_K)
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, EVEN_K)
             x1 = x0
         else:
-            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, B, EVEN_K)
-            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, B, EVEN_K)
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, W, B, EVEN_K)
+            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, W, B, EVEN_K)
         return a, b, c, e, x0, x1
 
     @gluon.jit
@@ -322,8 +333,8 @@ if gluon is not None:
         lo, hi = gl.inline_asm_elementwise(ASM_Q6, "=r,=r,=r,=r,r,r,r,r,r,r",
                                            [_as_half_operand(q, W, RT, A), _as_half_operand(y, W, RT, A),
                                             s_lo, s_hi], (gl.float16, gl.float16), True, 4)
-        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, B, EVEN_K, 16), acc)
-        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, B, EVEN_K, 16), acc)
+        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, EVEN_K, 16), acc)
+        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, EVEN_K, 16), acc)
 
     @gluon.jit
     def _q6_chunk(acc, q, h, sc, d, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W: gl.constexpr,
@@ -416,7 +427,14 @@ if gluon is not None:
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """W warps per CTA (they split K), RT 16-row tiles per warp, split_k CTAs per row block, U K steps
-    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off).
+    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off),
+    R registers per thread allowed to ptxas (0: its own choice).
+
+    Why R: ptxas, left to itself, often issues each weight load just before its data is used, to save
+    registers: one 512-byte tile in flight per warp instead of the RT x U the loop issues before its math
+    (SASS of q4_1 W=4 RT=4 at 8 tokens: 1 of 4 tile loads ahead of the first mma; 4 of 4 with R = 128).
+    More bytes in flight per warp, fewer warps per SM: which wins depends on the shape
+    (bench/results/gemv-ab-2026-11-29-xvec-regs.json), so the plans choose.
 
     Not launched as a programmatic dependent: on the H200 that cost 1-6 points of copy on the small
     shapes and gained nothing on the big ones, with or without prefetching weights before the wait
@@ -426,6 +444,7 @@ class GemvConfig:
     split_k: int = 1
     U: int = 1
     D: int = 0
+    R: int = 0
 
     def rows_per_cta(self) -> int:
         return 16 * self.RT
@@ -504,4 +523,4 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         p.sub if p.sub is not None else dummy, p.qh if p.qh is not None else dummy,
         n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, num_warps=cfg.W)
+        U=cfg.U, D=cfg.D, num_warps=cfg.W, maxnreg=cfg.R or None)

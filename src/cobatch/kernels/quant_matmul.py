@@ -178,14 +178,29 @@ def _q8_block(q, d, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @jit
-def _qs_tile(qs_ptr, row, qs_stride, col, j, FRAG: tl.constexpr):
+def _logical_col(j, FMT: tl.constexpr):
+    """GGUF column j of a 32-column tile -> its logical column in a fragment-order plane (the inverse of
+    quant_pack.k_order: j = 8 c + 4 h + 2 a + e, or 16 h + 4 c + 2 a + e for q6_K; k = 16 h + 8 a + 2 c + e)."""
+    if FMT == Q6_K:
+        c = (j // 4) % 4
+        h = j // 16
+    else:
+        c = j // 8
+        h = (j // 4) % 2
+    return 16 * h + 8 * ((j // 2) % 2) + 2 * c + j % 2
+
+
+@jit
+def _qs_tile(qs_ptr, row, qs_stride, col, j, FMT: tl.constexpr, FRAG: tl.constexpr):
     """The [BN, 32] bytes at columns col + j (col % 32 == 0) of the qs plane. FRAG: the plane is in
-    fragment order (quant_pack.fragment_order, the Gluon GEMV's layout), read by a gather: byte (r, c)
-    of a 16 x 32 tile sits at lane 4 (r % 8) + (c % 8) // 2, byte 4 (c // 8) + r // 8 + 2 (c % 2)."""
+    fragment order (quant_pack.fragment_order, the Gluon GEMV's layout), read by a gather: byte (r, k)
+    of a 16 x 32 tile (k: the logical column) sits at lane 4 (r % 8) + (k % 8) // 2, byte
+    4 (k // 8) + r // 8 + 2 (k % 2)."""
     if FRAG:
         r = row % 16
-        lane = 4 * (r % 8) + (j % 8) // 2
-        byte = 4 * (j // 8) + r // 8 + 2 * (j % 2)
+        k = _logical_col(j, FMT)
+        lane = 4 * (r % 8) + (k % 8) // 2
+        byte = 4 * (k // 8) + r // 8 + 2 * (k % 2)
         return tl.load(qs_ptr + (row // 16) * (16 * qs_stride) + (col // 32) * 512 + 16 * lane + byte)
     return tl.load(qs_ptr + row * qs_stride + col + j)
 
@@ -208,11 +223,11 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
     two = tl.arange(0, 2)[None, :]
     four = tl.arange(0, 4)[None, :]
     if FMT == Q8_0:
-        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FRAG)
-        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FRAG)
+        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, FRAG)
+        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, FRAG)
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
-    q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FRAG)        # low nibbles: block 2c, high: 2c+1
+    q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, FRAG)        # low nibbles: block 2c, high: 2c+1
     if FMT == Q4_0:
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _nibbles(q, d0, d1, d0, d1, False, 8.0, DT, ASM)
@@ -243,9 +258,10 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         qi = q.to(tl.int32)
         if FRAG:       # quant_pack.high_bits_to_fragment_order: a byte per (lane, column) of the qs tile
             r = row % 16
-            lane = 4 * (r % 8) + (j % 8) // 2
-            b = tl.load(qh_ptr + (row // 16) * (8 * qs_stride) + 256 * chunk + 8 * lane + 2 * (j // 8)
-                        + j % 2).to(tl.int32)
+            k = _logical_col(j, FMT)
+            lane = 4 * (r % 8) + (k % 8) // 2
+            b = tl.load(qh_ptr + (row // 16) * (8 * qs_stride) + 256 * chunk + 8 * lane + 2 * (k // 8)
+                        + k % 2).to(tl.int32)
             half = (r // 8).to(tl.int32)     # rows g + 8: the next bit pair
             lo_bits = (b >> (4 + 2 * half)) & 3
             hi_bits = (b >> (2 * half)) & 3
@@ -432,15 +448,17 @@ def uses_gemv(fmt_name: str, device: torch.device) -> bool:
             and os.environ.get("COBATCH_TRITON_GEMV") != "1")
 
 
-def default_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
+def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
     """4 warps x 4 row tiles per CTA (64 rows); split K across CTAs until there are about 2 CTAs per SM
-    (what the H200 sweep preferred for shapes without an entry in quant_configs.json)."""
+    (what the H200 sweep preferred for shapes without an entry in quant_configs.json). The 4-bit formats
+    get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
+    about half (bench/results/gemv-ab-2026-11-29-xvec-regs.json)."""
     w, rt = 4, 4
     ctas = n_rows_pad // (16 * rt)
     split = 1
     while ctas * split < 2 * sms and split < 8 and n_chunks % (w * split * 2) == 0:
         split *= 2
-    return GemvConfig(W=w, RT=rt, split_k=split, U=1, D=0)
+    return GemvConfig(W=w, RT=rt, split_k=split, U=1, D=0, R=128 if fmt_name in ("q4_0", "q4_1", "q4_k") else 0)
 
 
 def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
@@ -468,7 +486,7 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
         gemm = DEQUANT_CUBLAS
         rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
         default = (GemvConfig(**entry["gemv"]) if "gemv" in entry
-                   else default_gemv_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+                   else default_gemv_config(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
         # "gemv_upto": {"max_tok": config}, the sweep's better configs for calls of few tokens
         upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
         narrow = GemvPlan(default, tuple(upto))

@@ -25,7 +25,8 @@ load whole tiles without masks; the padding reads as 0.
 Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q4_K/q6_K for quant_gemv.py): the qs
 plane is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of the others), stored
 [row tile, chunk, 512 bytes], and inside a tile lane L of a warp owns bytes 16 L .. 16 L + 15: exactly the
-bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order.
+bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order; inside each tile the
+columns are also reordered (`k_order`) so that each lane's activations are contiguous.
 The side planes (d, m, sub) of a fragment-order weight are cut into the same 16-row tiles, stored
 [row tile, entry, 16 rows] with the rows in the order g, g + 8 for g = 0..7 (`side_to_fragment_order`):
 the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece of memory, where the
@@ -132,33 +133,55 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Te
     raise ValueError(fmt_id)
 
 
-def fragment_order(device=None) -> torch.Tensor:
+def k_order(fmt_id: int) -> list[int]:
+    """The column order inside each 32-column tile of a fragment-order plane: logical column k (the mma's
+    K index) holds the weights of GGUF column k_order[k] of the tile (of the 32-block; for the 4-bit
+    formats, of both blocks a byte pairs).
+
+    Why: the mma.sync B fragment gives lane 4 g + c the logical columns 2 c + {0, 1, 8, 9} of each k16
+    half. In GGUF order those are four 4-byte pieces of the activation row, four loads per lane and token.
+    Reordered, they are contiguous: lane c reads one 16-byte vector (GGUF columns 8 c .. 8 c + 7). The
+    dot product does not care which order K is summed in, as long as weights and activations agree.
+    q6_K's scales change every 16 weights, so its order stays inside each k16 half (an 8-byte vector per
+    half: columns 16 h + 4 c .. 16 h + 4 c + 3)."""
+    order = []
+    for k in range(32):
+        half, pair, c, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2     # k = 16 half + 8 pair + 2 c + e
+        if fmt_id == Q6_K:
+            order.append(16 * half + 4 * c + 2 * pair + e)
+        else:
+            order.append(8 * c + 4 * half + 2 * pair + e)
+    return order
+
+
+def fragment_order(fmt_id: int, device=None) -> torch.Tensor:
     """Where each byte of a fragment-order tile comes from: [512] int64 indexes into the row-major
     16 x 32 tile (row * 32 + col), position 16 L + p being byte p of lane L.
 
-    Lane L = 4 g + c holds rows g and g + 8 and, per 4-byte word j, columns 8 j + 2 c and 8 j + 2 c + 1
-    (the mma.sync m16n8k16 A fragment). Word byte b: row g + 8 (b & 1), column 8 j + 2 c + (b >> 1), so
-    that masking a word with 0x00FF00FF-style patterns yields one row's (k, k + 1) pair in a register."""
+    Lane L = 4 g + c holds rows g and g + 8 and, per 4-byte word j, logical columns 8 j + 2 c and
+    8 j + 2 c + 1 (the mma.sync m16n8k16 A fragment), i.e. the GGUF columns k_order gives for them.
+    Word byte b: row g + 8 (b & 1), logical column 8 j + 2 c + (b >> 1), so that masking a word with
+    0x00FF00FF-style patterns yields one row's (k, k + 1) pair in a register."""
     lane = torch.arange(32, device=device)[:, None]
     p = torch.arange(16, device=device)[None, :]
     g, c, j, b = lane // 4, lane % 4, p // 4, p % 4
     row = g + 8 * (b & 1)
-    col = 8 * j + 2 * c + (b >> 1)
+    col = torch.tensor(k_order(fmt_id), device=device)[8 * j + 2 * c + (b >> 1)]
     return (row * 32 + col).reshape(512)
 
 
-def to_fragment_order(qs: torch.Tensor) -> torch.Tensor:
+def to_fragment_order(qs: torch.Tensor, fmt_id: int) -> torch.Tensor:
     """Row-major qs [rows, chunks * 32] (rows % 16 == 0) -> [rows / 16, chunks * 512]."""
     r, n = qs.shape[0] // 16, qs.shape[1] // 32
     tiles = qs.reshape(r, 16, n, 32).permute(0, 2, 1, 3).reshape(r, n, 512)
-    return tiles[..., fragment_order(qs.device)].reshape(r, n * 512)
+    return tiles[..., fragment_order(fmt_id, qs.device)].reshape(r, n * 512)
 
 
-def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
+def from_fragment_order(frag: torch.Tensor, fmt_id: int) -> torch.Tensor:
     """The inverse of to_fragment_order."""
     r, n = frag.shape[0], frag.shape[1] // 512
     tiles = torch.empty(r, n, 512, dtype=frag.dtype, device=frag.device)
-    tiles[..., fragment_order(frag.device)] = frag.reshape(r, n, 512)
+    tiles[..., fragment_order(fmt_id, frag.device)] = frag.reshape(r, n, 512)
     return tiles.reshape(r, n, 16, 32).permute(0, 2, 1, 3).reshape(r * 16, n * 32)
 
 
@@ -221,13 +244,14 @@ def high_bits_to_fragment_order(qh: torch.Tensor) -> torch.Tensor:
     """q6_K's 2 high bits per weight (words [rows, cols / 16], rows % 16 == 0) -> the plane the Gluon GEMV
     reads beside the fragment-order low nibbles: [rows / 16, chunks * 256] bytes, 8 per lane and tile.
 
-    Lane L = 4 g + c owns qs words j = 0..3, each holding columns k = 8 j + 2 c and k + 1 of rows g and
-    g + 8, low nibble = the chunk's low block (weight k), high nibble = its high block (weight 32 + k).
+    Lane L = 4 g + c owns qs words j = 0..3, each holding logical columns k = 8 j + 2 c and k + 1 of rows
+    g and g + 8 (in q6_K's k_order), low nibble = the chunk's low block, high nibble = its high block.
     Its byte 2 j + e (e = 0, 1: column k + e) holds their high bits: bits 4-5 (row g, low block),
     6-7 (g + 8, low), 0-1 (g, high), 2-3 (g + 8, high). The kernel duplicates each byte into a word of the
     qs word's shape, where a mask puts every bit pair just above its nibble."""
     high = _q6_high_values(qh)                                # [R, K]
     r, k = high.shape
+    high = high.view(r, k // 32, 32)[..., k_order(Q6_K)]      # logical column order
     h = high.view(r // 16, 2, 8, k // 64, 2, 4, 4, 2).to(torch.int32)   # tile, half, g, chunk, block, j, c, e
     byte = (h[:, 0, :, :, 0] << 4) | (h[:, 1, :, :, 0] << 6) | h[:, 0, :, :, 1] | (h[:, 1, :, :, 1] << 2)
     # [tile, g, chunk, j, c, e] -> [tile, chunk, g, c, j, e]: lane 4 g + c, byte 2 j + e
@@ -240,7 +264,10 @@ def high_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
     b = frag.view(tiles, -1, 8, 4, 4, 2).permute(0, 2, 1, 4, 3, 5).to(torch.int32)   # tile, g, chunk, j, c, e
     parts = [[(b >> 4) & 3, b & 3], [(b >> 6) & 3, (b >> 2) & 3]]                  # [half][block]
     high = torch.stack([torch.stack(parts[half], dim=3) for half in range(2)], dim=1)  # tile, half, g, chunk, ...
-    return _q6_high_words(high.reshape(tiles * 16, -1))
+    logical = high.reshape(tiles * 16, -1, 32)
+    gguf = torch.empty_like(logical)
+    gguf[..., k_order(Q6_K)] = logical
+    return _q6_high_words(gguf.reshape(tiles * 16, -1))
 
 
 def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
@@ -262,7 +289,7 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
         for name, t in chunk_planes.items():
             if fragment:
                 if name == "qs":
-                    t = to_fragment_order(t)
+                    t = to_fragment_order(t, fmt_id)
                 elif name == "qh":
                     t = high_bits_to_fragment_order(t)
                 else:
@@ -282,7 +309,7 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     """Torch decode of the planes -> float32 [rows, cols]: checks the repack against formats.dequantize."""
     R, K = p.rows_pad, p.cols_pad
     if p.fragment:
-        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs),
+        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs, p.fmt_id),
                          *(None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id))
                            for t in (p.d, p.m, p.sub)),
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
