@@ -19,6 +19,8 @@ Gluon lets the kernel say where every byte lives:
     packed multiply (or fma with the min) applies the scale. The bytes of a 32-bit word are ordered so
     that `w & 0x000F000F` is already the (k, k+1) pair of one row: no byte shuffles.
   - Tokens are the MMA's N side (8 per tile; 16 above 8 tokens): a batch of 1 and of 8 read the same bytes.
+    Inside each 32-column tile the planes' columns are reordered (`quant_pack.k_order`) so that the
+    activations a lane needs are contiguous: one 16-byte load per lane and token (`_load_x`).
   - The warps of a CTA own the same rows and split K (a batched 3-D mma: the batch axis is the warp);
     their partial sums meet once, in a fixed order, through shared memory (gl.sum over the warp axis).
     A CTA-level split-K on top reduces through a scratch buffer in split order, as in quant_matmul.py,
