@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -128,3 +129,30 @@ def test_parallel_masks_equal_one_at_a_time(smol):
     together = allowed_masks(matchers)
     assert [torch.equal(together[i], m.allowed()) for i, m in enumerate(matchers)] == [True] * 3
     assert not torch.equal(together[0], together[2])
+
+
+def test_structured_grammars_compile_and_bad_ones_are_user_errors(smol):
+    for kind, value in (("json", PERSON), ("json", json.dumps(PERSON)), ("regex", r"[0-9]{4}"),
+                        ("choice", ["yes", 'a "quoted" answer']), ("grammar", 'root ::= "a" | "b"'),
+                        ("grammar", 'start: "a" | "b"')):                   # GBNF and Lark
+        smol.engine.grammars.check(grammar.structured_grammar(kind, value))
+    for kind, value in (("json", "{"), ("json", [1]), ("choice", []), ("choice", ["a", 2]), ("choice", [""]),
+                        ("regex", ""), ("regex", 5), ("grammar", "root ::= (("), ("yaml", "x")):
+        with pytest.raises(GrammarError):
+            grammar.structured_grammar(kind, value)
+    with pytest.raises(GrammarError):            # a regex fails when compiled against the vocabulary
+        smol.engine.grammars.check(grammar.structured_grammar("regex", "(("))
+
+
+def test_choice_and_regex_outputs_from_the_real_weights(smol):
+    """Each output checked with Python's re, not with llguidance; sampled rows too stay inside."""
+    ids = smol.encode_chat([{"role": "user", "content": "Name a French city and a year."}])
+    choices = ["Paris", "Lyon", "a city I do not know"]
+    regex = r"[A-Z][a-z]+, [0-9]{4}"
+    for kind, value, ok in (("choice", choices, lambda t: t in choices),
+                            ("regex", regex, lambda t: re.fullmatch(regex, t) is not None)):
+        g = grammar.structured_grammar(kind, value)
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, grammar=g) for s in range(3)]
+        for out in smol.engine.generate([ids] * len(params), params):
+            text = smol.tokenizer.decode(out)
+            assert ok(text), (kind, text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -365,6 +366,40 @@ def test_response_format_json_schema_and_json_object(oai):
     assert isinstance(json.loads(text.choices[0].text), dict)
 
 
+def test_structured_outputs_as_vllm_and_llama_cpp_take_them(oai):
+    """vLLM's structured_outputs (and its older guided_* fields) and llama.cpp's grammar / json_schema: each
+    output is checked against its constraint by Python's own parser, not by llguidance."""
+    pytest.importorskip("llguidance")
+    ask = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+    choice = oai.chat.completions.create(model="any", messages=ask, max_tokens=10, **GREEDY,
+                                         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+    legacy = oai.chat.completions.create(model="any", messages=ask, max_tokens=10, **GREEDY,
+                                         extra_body={"guided_choice": ["yes", "no"]})
+    assert legacy.choices[0].message.content == choice.choices[0].message.content
+
+    year = r" ?1[0-9]{3}"
+    plain = oai.completions.create(model="any", prompt="The Eiffel Tower was finished in the year", max_tokens=8,
+                                   extra_body={"structured_outputs": {"regex": year}}, **GREEDY)
+    assert re.fullmatch(year, plain.choices[0].text) and plain.choices[0].finish_reason == "stop"
+    streamed = oai.completions.create(model="any", prompt="The Eiffel Tower was finished in the year", max_tokens=8,
+                                      extra_body={"guided_regex": year}, stream=True, **GREEDY)
+    assert _stream_text(streamed)[0] == plain.choices[0].text
+
+    gbnf = 'root ::= ("red" | "green" | "blue") "!"'     # llama.cpp's `grammar` field, GBNF
+    color = oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "Name a color."}],
+                                        max_tokens=10, extra_body={"grammar": gbnf}, **GREEDY)
+    assert color.choices[0].message.content in ("red!", "green!", "blue!")
+
+    for body in ({"guided_json": json.dumps(CITY)}, {"json_schema": CITY}, {"structured_outputs": {"json": CITY}}):
+        out = oai.completions.create(model="any", prompt="France as JSON:", max_tokens=60, extra_body=body, **GREEDY)
+        value = json.loads(out.choices[0].text)
+        assert set(value) == {"country", "capital"} and all(isinstance(v, str) for v in value.values()), body
+    anything = oai.completions.create(model="any", prompt="A cat as JSON:", max_tokens=60, **GREEDY,
+                                      extra_body={"structured_outputs": {"json_object": True}})
+    assert isinstance(json.loads(anything.choices[0].text), dict)
+
+
 def test_echo_with_logprobs_scores_the_prompt(oai):
     """lm-eval-harness' loglikelihood request: echo, logprobs and max_tokens 0 give each prompt token's logprob."""
     prompt = "The capital of France is Paris"
@@ -478,6 +513,23 @@ ERROR_CASES = [
     ("response_format schema that does not compile", "POST", "/v1/completions",
      {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, 400,
      "response_format"),
+    ("two structured outputs", "POST", CHAT, {**OK_CHAT, "guided_regex": "a", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("a structured output and a JSON response_format", "POST", CHAT,
+     {**OK_CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}}, 400, "guided_regex"),
+    ("a structured output and a forced tool call", "POST", CHAT, {**OK_CHAT, "structured_outputs": {"regex": "a"},
+     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400,
+     "structured_outputs.regex"),
+    ("a regex that does not compile", "POST", CHAT, {**OK_CHAT, "structured_outputs": {"regex": "(("}}, 400,
+     "structured_outputs.regex"),
+    ("GBNF that does not parse", "POST", "/v1/completions", {"prompt": "a", "grammar": "root ::= (("}, 400,
+     "grammar"),
+    ("an empty choice list", "POST", CHAT, {**OK_CHAT, "guided_choice": []}, 400, "guided_choice"),
+    ("a JSON schema that is not JSON", "POST", CHAT, {**OK_CHAT, "guided_json": "{not json"}, 400, "guided_json"),
+    ("an unknown structured output", "POST", CHAT, {**OK_CHAT, "structured_outputs": {"yaml": "x"}}, 400,
+     "structured_outputs"),
+    ("a structured output of the wrong type", "POST", CHAT, {**OK_CHAT, "structured_outputs": {"regex": 5}}, 400,
+     "structured_outputs.regex"),
     ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("suffix on a model without fill-in-the-middle tokens", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"},

@@ -1,4 +1,5 @@
-"""Constrained decoding: a grammar (a JSON schema, for now) limits which tokens a request may sample.
+"""Constrained decoding: a grammar (a JSON schema, a regex, a list of choices, GBNF or Lark) limits which tokens a
+request may sample.
 
 llguidance, the grammar engine vLLM and llama.cpp use for this, keeps one matcher per request. Before a
 row is sampled its matcher gives the allowed tokens as a bitmask (a few hundred microseconds on the host,
@@ -45,6 +46,38 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
                                                              defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
+
+
+# vLLM's structured outputs: its `structured_outputs` keys (and the older guided_* fields) -> llguidance formats
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def structured_grammar(kind: str, value: Any) -> str:
+    """A grammar from one of vLLM's structured outputs: `json` (a schema, or its JSON text), `regex` (Rust regex
+    syntax, as vLLM's llguidance backend takes it), `choice` (a list of strings: the output is one of them) or
+    `grammar` (GBNF as llama.cpp writes it, or Lark). JSON keeps json_grammar's fixed separators. A regex or
+    grammar that is invalid fails when compiled (Grammars.check), with llguidance's message."""
+    if llguidance is None:
+        raise GrammarError("constrained decoding (structured outputs) needs the llguidance package")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise GrammarError("a JSON schema must be an object")
+        return json_grammar(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise GrammarError("choice must be a non-empty list of non-empty strings")
+        value = json.dumps(value)
+    elif kind not in STRUCTURED_KINDS or not isinstance(value, str) or not value.strip():
+        raise GrammarError(f"{kind} must be a non-empty string")
+    try:
+        return llguidance.grammar_from(STRUCTURED_KINDS[kind], value)
+    except ValueError as exc:
+        raise GrammarError(f"invalid {kind}: {exc}") from None
 
 
 def forced_tool_call_grammar(tools: list[dict[str, Any]], tagged: bool, parallel: bool) -> str:

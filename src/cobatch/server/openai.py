@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from cobatch.engine.grammar import STRUCTURED_KINDS
 from cobatch.engine.sampler import MAX_TOP_LOGPROBS
 from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
@@ -24,7 +25,8 @@ from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
                                        TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from cobatch.server.prompting import check_prompt_fits, max_new_tokens, named_tool_only, output_grammar, render_chat
+from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
+                                      output_grammar, render_chat)
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -66,6 +68,15 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    # Structured outputs as vLLM takes them ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}), its
+    # older guided_* fields, and llama.cpp's server's `grammar` (GBNF) and `json_schema`
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     user: str | None = None
 
 
@@ -123,6 +134,33 @@ class CompletionRequest(_SamplingBody):
 
 
 # --- shared request -> generation ---------------------------------------------------------------------
+
+_STRUCTURED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                      "guided_grammar": "grammar", "grammar": "grammar", "json_schema": "json"}
+
+
+def _structured(body: _SamplingBody) -> StructuredOutput | None:
+    """The one structured output a request asks for beyond response_format (None: none); a 400 if it asks for
+    several, or names a kind there is none of."""
+    given = [StructuredOutput(kind, getattr(body, field), field) for field, kind in _STRUCTURED_FIELDS.items()
+             if getattr(body, field) is not None]
+    for key, value in (body.structured_outputs or {}).items():
+        if value is None or key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                                    "whitespace_pattern"):   # vLLM's backend options: no meaning here
+            continue
+        if key == "json_object":
+            if value is True:
+                given.append(StructuredOutput("json", {"type": "object"}, "structured_outputs.json_object"))
+            continue
+        if key not in STRUCTURED_KINDS:
+            raise bad_request(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
+                              "json_object)", param="structured_outputs")
+        given.append(StructuredOutput(key, value, f"structured_outputs.{key}"))
+    if len(given) > 1:
+        raise bad_request(f"give one structured output, not {len(given)}: {', '.join(g.param for g in given)}",
+                          param=given[1].param)
+    return given[0] if given else None
+
 
 def _stops(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -280,7 +318,7 @@ async def chat_completions(request: Request):
     tools = _tools(body)
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
-                                   response_format=body.response_format)
+                                   response_format=body.response_format, structured=_structured(body))
     messages = template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
@@ -388,7 +426,7 @@ async def completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False,
-                                   response_format=body.response_format)
+                                   response_format=body.response_format, structured=_structured(body))
     prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt, body.suffix)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",

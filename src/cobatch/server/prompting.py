@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from starlette.concurrency import run_in_threadpool
 
 from cobatch.chat_template import ChatTemplateError
-from cobatch.engine.grammar import forced_tool_call_grammar, json_grammar, schema_from_response_format
+from cobatch.engine.grammar import (forced_tool_call_grammar, json_grammar, schema_from_response_format,
+                                    structured_grammar)
 from cobatch.errors import UserError
 from cobatch.llm import LLM
 from cobatch.server.errors import ApiError, bad_request
@@ -48,15 +51,41 @@ def named_tool_only(tools: list[dict], name: str | None, param: str | None = "to
     return named
 
 
+class StructuredOutput(NamedTuple):
+    """One of vLLM's structured outputs (engine.grammar.structured_grammar), and the request field it came from."""
+    kind: str        # json | regex | choice | grammar
+    value: Any
+    param: str
+
+
 async def output_grammar(llm: LLM, tools: list[dict] | None, *, force_call: bool, parallel: bool,
-                         response_format: dict | None = None, format_param: str = "response_format") -> str | None:
+                         response_format: dict | None = None, format_param: str = "response_format",
+                         structured: StructuredOutput | None = None) -> str | None:
     """The grammar the reply must follow: a call of one of `tools` when tool_choice forces one (required /
-    any / a named tool), else the response format's (None: free text)."""
+    any / a named tool), else the structured output's or the response format's (None: free text).
+    A request may constrain its output one way only."""
+    if structured is not None:
+        if force_call:
+            raise bad_request(f"{structured.param} cannot be combined with a tool_choice that forces a call",
+                              param=structured.param)
+        if response_format and response_format.get("type", "text") != "text":
+            raise bad_request(f"{structured.param} cannot be combined with a {format_param} of type "
+                              f"{response_format.get('type')!r}", param=structured.param)
+        return await _structured_grammar(llm, structured)
     if force_call:
         if not tools:
             raise bad_request("a tool_choice that forces a call needs tools", param="tool_choice")
         return await _tool_call_grammar(llm, tools, parallel)
     return await _response_format_grammar(llm, response_format, format_param)
+
+
+async def _structured_grammar(llm: LLM, structured: StructuredOutput) -> str:
+    try:
+        grammar = structured_grammar(structured.kind, structured.value)
+        await run_in_threadpool(llm.engine.grammars.check, grammar)    # an invalid regex fails here
+    except (ValueError, UserError) as exc:
+        raise bad_request(str(exc), param=structured.param) from None
+    return grammar
 
 
 async def _tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
