@@ -105,3 +105,30 @@ def test_prompt_logprobs_match_transformers():
         assert max(abs(a - b) for (_, a), b in zip(top, top_lp.tolist())) < 1e-3
     del hf
     gc.collect()
+
+
+def test_embeddings_match_transformers_last_hidden_state():
+    """/v1/embeddings' vector (the engine's final-normed hidden state of the last prompt token) against
+    transformers' last hidden state of the same prompt, for prompts prefilled alone and in one batch."""
+    from cobatch.engine.sampler import SamplingParams
+    from model_fixtures import load_llm
+    path = smollm2_path()
+    llm = load_llm("smollm2", prefill_chunk=16)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    got = {}
+    for ids in prompts:
+        llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, embed=True), request_id=str(ids))
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            if out.embedding is not None:
+                got[out.request_id] = torch.tensor(out.embedding)
+    assert len(got) == len(prompts)
+    for ids in prompts:
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1].float()
+        rel = ((got[str(ids)] - ref).norm() / ref.norm()).item()
+        assert rel < REL_ERR_BOUND, (ids, rel)
+    del hf
+    gc.collect()

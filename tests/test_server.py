@@ -400,6 +400,27 @@ def test_structured_outputs_as_vllm_and_llama_cpp_take_them(oai):
     assert isinstance(json.loads(anything.choices[0].text), dict)
 
 
+def test_embeddings_through_the_openai_client(server, oai):
+    """The client asks for base64 by default and decodes it; float must agree. A text and its token ids give
+    the same vector, as does an input alone and inside a batch. (transformers checks the values:
+    test_reference.py.)"""
+    texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock markets fell sharply today."]
+    batch = oai.embeddings.create(model="any", input=texts)
+    width = server.context.llm.config.d_model
+    assert [d.index for d in batch.data] == [0, 1, 2] and all(len(d.embedding) == width for d in batch.data)
+    for d in batch.data:
+        assert abs(sum(v * v for v in d.embedding) - 1) < 1e-4           # unit length
+    ids = [server.context.llm.encode_prompt(t) for t in texts]
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(len(i) for i in ids)
+    alone = oai.embeddings.create(model="any", input=texts[2], encoding_format="float").data[0].embedding
+    as_ids = oai.embeddings.create(model="any", input=ids[2], encoding_format="float").data[0].embedding
+    for other in (alone, as_ids):
+        assert max(abs(a - b) for a, b in zip(other, batch.data[2].embedding)) < 1e-5
+    similar = sum(a * b for a, b in zip(batch.data[0].embedding, batch.data[1].embedding))
+    unrelated = sum(a * b for a, b in zip(batch.data[0].embedding, batch.data[2].embedding))
+    assert similar > unrelated
+
+
 def test_echo_with_logprobs_scores_the_prompt(oai):
     """lm-eval-harness' loglikelihood request: echo, logprobs and max_tokens 0 give each prompt token's logprob."""
     prompt = "The capital of France is Paris"
@@ -530,6 +551,15 @@ ERROR_CASES = [
      "structured_outputs"),
     ("a structured output of the wrong type", "POST", CHAT, {**OK_CHAT, "structured_outputs": {"regex": 5}}, 400,
      "structured_outputs.regex"),
+    ("embeddings without input", "POST", "/v1/embeddings", {"model": "m"}, 400, "input"),
+    ("embeddings of an empty list", "POST", "/v1/embeddings", {"input": []}, 400, "input"),
+    ("embeddings of an empty text", "POST", "/v1/embeddings", {"input": ""}, 400, "input"),
+    ("embeddings token out of vocab", "POST", "/v1/embeddings", {"input": [[1, 10 ** 9]]}, 400, "input"),
+    ("embeddings of too many inputs", "POST", "/v1/embeddings", {"input": ["a"] * 65}, 400, "input"),
+    ("embeddings in fewer dimensions", "POST", "/v1/embeddings", {"input": "a", "dimensions": 8}, 400, "dimensions"),
+    ("embeddings in an unknown encoding", "POST", "/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 400,
+     "encoding_format"),
+    ("embeddings of a text over the context", "POST", "/v1/embeddings", {"input": "hello " * 2000}, 400, "input"),
     ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("suffix on a model without fill-in-the-middle tokens", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"},

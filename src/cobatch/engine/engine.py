@@ -34,6 +34,7 @@ class StepOutput:
     prompt_logprobs: list[PromptLogprob] | None = None     # prompt tokens' logprobs reported by this step
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None      # params.embed: the last prompt token's final hidden state
 
 
 class Engine:
@@ -106,8 +107,9 @@ class Engine:
         result = self.runner.execute(plan, on_launched)
         finished = 0
         prompt_lps = result.prompt_logprobs or [None] * len(plan.items)
-        for (seq, n), token, logprob, top, prompt_lp in zip(plan.items, result.tokens, result.logprobs, result.top,
-                                                             prompt_lps):
+        embeddings = result.embeddings or [None] * len(plan.items)
+        for (seq, n), token, logprob, top, prompt_lp, embedding in zip(plan.items, result.tokens, result.logprobs,
+                                                                       result.top, prompt_lps, embeddings):
             self._advance_cache(seq, n)
             if prompt_lp:
                 seq.num_prompt_logprobs += len(prompt_lp)
@@ -124,7 +126,9 @@ class Engine:
                 self.scheduler.finished(seq)
                 self.seqs.pop(seq.request_id, None)
                 finished += 1
-            outputs.append(self._output(seq, token, logprob, top, prompt_lp))
+            out = self._output(seq, token, logprob, top, prompt_lp)
+            out.embedding = embedding
+            outputs.append(out)
         self.scheduler.end_step(finished)
         return outputs
 

@@ -24,11 +24,13 @@ PromptLogprob = tuple[int, float, list[tuple[int, float]]]
 @dataclass(slots=True)
 class StepResult:
     """Per planned sequence: the sampled token (None if its prefill chunk did not reach the end), and the
-    logprobs of the prompt tokens this step's rows predict, for sequences that asked for them."""
+    logprobs of the prompt tokens this step's rows predict, for sequences that asked for them, and the final
+    hidden state of the last prompt token, for sequences that asked for an embedding."""
     tokens: list[int | None]
     logprobs: list[float | None]
     top: list[list[tuple[int, float]] | None]
     prompt_logprobs: list[list[PromptLogprob] | None] | None = None
+    embeddings: list[list[float] | None] | None = None     # params.embed: the last prompt row's hidden state
 
 
 class ModelRunner:
@@ -84,14 +86,14 @@ class ModelRunner:
 
     def _use_graph(self, plan: StepPlan) -> bool:
         return (self.graphs is not None and len(plan.items) <= self.graphs.max_batch
-                and all(n == 1 and seq.pending == 1 for seq, n in plan.items))
+                and all(n == 1 and seq.pending == 1 and not seq.params.embed for seq, n in plan.items))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
         """Run one step. `on_launched` is called once the step's device work is queued, just before the host
         waits for it: the caller's host work done there overlaps the GPU instead of delaying the launch."""
         samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids)]
-        prompt_logprobs = None          # decode steps (the graph's) predict no prompt token
+        prompt_logprobs = embeddings = None     # decode steps (the graph's) predict no prompt token
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
         else:
@@ -101,14 +103,27 @@ class ModelRunner:
             if not samplers:
                 none = [None] * len(plan.items)
                 return StepResult(none, none, none, prompt_logprobs)
-            logits = self.model.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            last = hidden[torch.tensor(sample_rows, device=hidden.device)]
+            embeddings = self._embeddings(plan, samplers, last)
+            logits = self.model.logits(last)
         rows = self._sample_rows([seq for seq, _ in samplers])
         out = self.sampler(logits, rows)
         if on_launched is not None:
             on_launched()
         result = self._to_host(plan, out, rows)
-        result.prompt_logprobs = prompt_logprobs
+        result.prompt_logprobs, result.embeddings = prompt_logprobs, embeddings
         return result
+
+    @staticmethod
+    def _embeddings(plan: StepPlan, samplers: list, last: torch.Tensor) -> list[list[float] | None] | None:
+        """For sequences that asked (params.embed): the final-normed hidden state of the last prompt token, in
+        float32 (last: those rows of the sequences whose prompt ends this step, in `samplers`' order)."""
+        want = [j for j, (seq, _) in enumerate(samplers) if seq.params.embed]
+        if not want:
+            return None
+        vectors = iter(last[torch.tensor(want, device=last.device)].float().cpu().tolist())
+        by_seq = {id(samplers[j][0]): next(vectors) for j in want}
+        return [by_seq.get(id(seq)) for seq, _ in plan.items]
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[list[PromptLogprob] | None] | None:
         """For sequences that asked (params.prompt_logprobs): row p of the chunk predicts prompt token p + 1.

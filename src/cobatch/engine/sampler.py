@@ -58,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # the same for each prompt token (the prefix cache is then not used)
     logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, bias in [-100, 100]) added to logits
     grammar: str | None = None        # an llguidance grammar the output must follow (engine/grammar.py)
+    embed: bool = False               # also return the last prompt token's final hidden state (/v1/embeddings)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""

@@ -30,7 +30,7 @@ RETRY_AFTER_S = 1
 
 @dataclass(slots=True)
 class GenerationRequest:
-    api: str                                  # "chat" | "completions" | "messages": for metrics and logs
+    api: str                                  # "chat" | "completions" | "messages" | ...: for metrics and logs
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
@@ -82,6 +82,7 @@ class Completed:
     logprobs: list[TokenLogprob]
     finish: Finish
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    embedding: list[float] | None = None      # params.embed: the last prompt token's final hidden state
 
 
 class Generation:
@@ -91,6 +92,7 @@ class Generation:
         self.handle: RequestHandle | None = None
         self.completion_tokens = 0
         self.finish: Finish | None = None       # set when events() ends normally
+        self.embedding: list[float] | None = None   # params.embed: set when the prompt's last token is computed
         self._done = False
 
     def start(self) -> None:
@@ -131,6 +133,8 @@ class Generation:
                     self._done = True
                     raise ApiError(400 if out.user_error else 500, out.message)
                 now = time.perf_counter()
+                if out.embedding is not None:
+                    self.embedding = out.embedding
                 events: list[Event] = []
                 logprobs: list[TokenLogprob] = []
                 prompt = [TokenLogprob(*entry) for entry in out.prompt_logprobs or ()]
@@ -207,7 +211,7 @@ class Generation:
                     calls[e.index].arguments += e.text
         assert finish is not None
         return Completed("".join(content), "".join(reasoning), [calls[i] for i in sorted(calls)], logprobs, finish,
-                         prompt_logprobs)
+                         prompt_logprobs, self.embedding)
 
 
 class Choices:

@@ -26,7 +26,7 @@ from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Genera
                                        TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
-                                      output_grammar, render_chat)
+                                      output_grammar, raw_prompts, render_chat)
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -427,7 +427,7 @@ async def completions(request: Request):
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False,
                                    response_format=body.response_format, structured=_structured(body))
-    prompts = await run_in_threadpool(_completion_prompts, ctx, body.prompt, body.suffix)
+    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.prompt, body.suffix)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",
                           param="prompt")
@@ -454,32 +454,6 @@ async def completions(request: Request):
                                                                include_usage)), choices.close)
     return GeneratedJSONResponse(lambda: _completion_result(ctx, choices, meta, echoes), choices.close,
                                  request.url.path)
-
-
-def _completion_prompts(ctx: ServerContext, prompt, suffix: str | None) -> list[tuple[list[int], str]]:
-    """OpenAI's prompt forms (a string, token ids, or a list of either) -> (ids, text) per prompt."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return [_completion_prompt(ctx, p, suffix) for p in prompt]
-    if isinstance(prompt, list) and not prompt:
-        raise bad_request("the prompt is empty", param="prompt")
-    return [_completion_prompt(ctx, prompt, suffix)]
-
-
-def _completion_prompt(ctx: ServerContext, prompt: str | list[int], suffix: str | None) -> tuple[list[int], str]:
-    tok = ctx.llm.tokenizer
-    if suffix:             # fill in the middle between the prompt and the suffix
-        if not isinstance(prompt, str):
-            raise bad_request("suffix needs a text prompt (not token ids)", param="suffix")
-        try:
-            return ctx.llm.encode_infill(prompt, suffix), prompt
-        except UserError as exc:
-            raise bad_request(str(exc), param="suffix") from None
-    if isinstance(prompt, str):
-        return ctx.llm.encode_prompt(prompt), prompt
-    bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"prompt token id {bad} is outside the vocabulary (size {tok.vocab_size})", param="prompt")
-    return list(prompt), tok.decode(prompt)
 
 
 def _echoed_logprobs(gen: Generation, prompt_logprobs: list[TokenLogprob]) -> list[TokenLogprob]:

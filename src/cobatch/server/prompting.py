@@ -43,6 +43,33 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
     return ids, text.rstrip().endswith("<think>")
 
 
+def raw_prompts(llm: LLM, prompt, suffix: str | None = None, param: str = "prompt") -> list[tuple[list[int], str]]:
+    """OpenAI's prompt forms (a string, token ids, or a list of either) -> (ids, text) per prompt. `suffix`:
+    fill in the middle between each prompt and it. A 400 naming `param` for an empty prompt or a bad token id."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return [_raw_prompt(llm, p, suffix, param) for p in prompt]
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request("the prompt is empty", param=param)
+    return [_raw_prompt(llm, prompt, suffix, param)]
+
+
+def _raw_prompt(llm: LLM, prompt: str | list[int], suffix: str | None, param: str) -> tuple[list[int], str]:
+    tok = llm.tokenizer
+    if suffix:             # fill in the middle between the prompt and the suffix
+        if not isinstance(prompt, str):
+            raise bad_request("suffix needs a text prompt (not token ids)", param="suffix")
+        try:
+            return llm.encode_infill(prompt, suffix), prompt
+        except UserError as exc:
+            raise bad_request(str(exc), param="suffix") from None
+    if isinstance(prompt, str):
+        return llm.encode_prompt(prompt), prompt
+    bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"prompt token id {bad} is outside the vocabulary (size {tok.vocab_size})", param=param)
+    return list(prompt), tok.decode(prompt)
+
+
 def named_tool_only(tools: list[dict], name: str | None, param: str | None = "tool_choice") -> list[dict]:
     """tool_choice naming one tool: offer only that one (OpenAI-shaped tool dicts); a 400 if there is none."""
     named = [t for t in tools if t["function"]["name"] == name]
