@@ -59,9 +59,7 @@ async def embeddings(request: Request):
     if body.dimensions is not None and body.dimensions != width:
         raise bad_request(f"this model's embeddings have {width} dimensions; it cannot shorten them to "
                           f"{body.dimensions}", param="dimensions")
-    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.input, None, "input")
-    if len(prompts) > MAX_INPUTS:
-        raise bad_request(f"at most {MAX_INPUTS} inputs per request (got {len(prompts)})", param="input")
+    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.input, None, "input", MAX_INPUTS)
     requests = []
     for ids, _ in prompts:
         check_prompt_fits(ctx.llm, len(ids), "input")

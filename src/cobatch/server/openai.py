@@ -427,7 +427,7 @@ async def completions(request: Request):
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False,
                                    response_format=body.response_format, structured=_structured(body))
-    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.prompt, body.suffix)
+    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.prompt, body.suffix, "prompt", MAX_PROMPTS)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts x n per request (got {len(prompts)} x {body.n})",
                           param="prompt")

@@ -43,10 +43,14 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
     return ids, text.rstrip().endswith("<think>")
 
 
-def raw_prompts(llm: LLM, prompt, suffix: str | None = None, param: str = "prompt") -> list[tuple[list[int], str]]:
+def raw_prompts(llm: LLM, prompt, suffix: str | None = None, param: str = "prompt",
+                max_prompts: int | None = None) -> list[tuple[list[int], str]]:
     """OpenAI's prompt forms (a string, token ids, or a list of either) -> (ids, text) per prompt. `suffix`:
-    fill in the middle between each prompt and it. A 400 naming `param` for an empty prompt or a bad token id."""
+    fill in the middle between each prompt and it. A 400 naming `param` for an empty prompt, a bad token id,
+    or more than `max_prompts` prompts (checked before any is tokenized)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if max_prompts is not None and len(prompt) > max_prompts:
+            raise bad_request(f"at most {max_prompts} prompts per request (got {len(prompt)})", param=param)
         return [_raw_prompt(llm, p, suffix, param) for p in prompt]
     if isinstance(prompt, list) and not prompt:
         raise bad_request("the prompt is empty", param=param)
