@@ -560,6 +560,8 @@ ERROR_CASES = [
     ("embeddings in an unknown encoding", "POST", "/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 400,
      "encoding_format"),
     ("embeddings of a text over the context", "POST", "/v1/embeddings", {"input": "hello " * 2000}, 400, "input"),
+    ("llama.cpp infill on a model without fill-in-the-middle tokens", "POST", "/infill", {"input_prefix": "a"}, 400,
+     "input_suffix"),
     ("completion prompt token out of vocab", "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("suffix on a model without fill-in-the-middle tokens", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"},

@@ -115,14 +115,28 @@ class LLM:
         """A raw prompt: tokenized with the model's BOS/EOS conventions."""
         return self.tokenizer.encode(text, add_special=True)
 
-    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+    def encode_infill(self, prefix: str, suffix: str, extra_files: list[tuple[str, str]] = (),
+                      middle: str = "") -> list[int]:
         """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's /infill builds it): the
-        model writes what goes between `prefix` and `suffix`."""
+        model writes what goes between `prefix` and `suffix`, continuing `middle`. `extra_files` (filename, text)
+        are repository context before it: after the repository-name token and each behind a file separator
+        where the vocabulary has those tokens (Qwen2.5-Coder, StarCoder 2), else as text snippets."""
         tok = self.tokenizer
         if tok.fim_ids is None:
             raise UserError("this model's vocabulary has no fill-in-the-middle tokens (suffix is not supported)")
         pre, suf, mid = tok.fim_ids
-        ids = [pre] + tok.encode(prefix, add_special=False) + [suf] + tok.encode(suffix, add_special=False) + [mid]
+        context: list[int] = []
+        if extra_files and tok.fim_repo_ids is not None:
+            repo, sep = tok.fim_repo_ids
+            context = [repo] + tok.encode("myproject\n", add_special=False)
+            for filename, text in extra_files:
+                context += [sep] + tok.encode(f"{filename}\n{text}", add_special=False)
+            context += [sep] + tok.encode("filename\n", add_special=False)     # the file being edited
+        elif extra_files:
+            context = tok.encode("".join(f"\n\n--- snippet ---\n\n{text}" for _, text in extra_files),
+                                 add_special=False)
+        ids = context + [pre] + tok.encode(prefix, add_special=False) + [suf] + tok.encode(suffix, add_special=False)
+        ids += [mid] + tok.encode(middle, add_special=False)
         return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + ids
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:

@@ -52,6 +52,9 @@ FIM_TEXTS = (
     ("<PRE>", "<SUF>", "<MID>"),
 )
 
+# Repository-context token texts (repository name, file separator): Qwen2.5-Coder, StarCoder 2.
+FIM_REPO_TEXTS = (("<|repo_name|>", "<|file_sep|>"), ("<repo_name>", "<file_sep>"))
+
 SPM_SPACE = "\u2581"  # sentencepiece writes a space as "▁"
 
 
@@ -179,17 +182,30 @@ def _optional_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int 
     return value if 0 <= value < vocab_size else None
 
 
-def _fim_ids(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[int, int, int] | None:
-    """The fill-in-the-middle tokens: from tokenizer.ggml.fim_{pre,suf,mid}_token_id, else by their texts."""
+def _special_ids(metadata: Mapping[str, Any], tokens: list[str], parts: tuple[str, ...],
+                 known_texts: tuple[tuple[str, ...], ...]) -> tuple[int, ...] | None:
+    """Token ids named by tokenizer.ggml.fim_{part}_token_id for every part, else found by one of the known
+    texts (all parts of one spelling), else None."""
     n = len(tokens)
-    named = tuple(_optional_id(metadata, f"tokenizer.ggml.fim_{part}_token_id", n) for part in ("pre", "suf", "mid"))
+    named = tuple(_optional_id(metadata, f"tokenizer.ggml.fim_{part}_token_id", n) for part in parts)
     if all(i is not None for i in named):
         return named
     index = {text: i for i, text in enumerate(tokens)}
-    for texts in FIM_TEXTS:
+    for texts in known_texts:
         if all(t in index for t in texts):
             return tuple(index[t] for t in texts)
     return None
+
+
+def _fim_ids(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[int, int, int] | None:
+    """The fill-in-the-middle tokens: from tokenizer.ggml.fim_{pre,suf,mid}_token_id, else by their texts."""
+    return _special_ids(metadata, tokens, ("pre", "suf", "mid"), FIM_TEXTS)
+
+
+def _fim_repo_ids(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[int, int] | None:
+    """The repository-context tokens of code models (repository name, file separator), as llama.cpp's /infill
+    uses them for extra files: tokenizer.ggml.fim_{rep,sep}_token_id, else by their texts."""
+    return _special_ids(metadata, tokens, ("rep", "sep"), FIM_REPO_TEXTS)
 
 
 class Tokenizer:
@@ -209,6 +225,7 @@ class Tokenizer:
         add_eos: bool,
         strip_leading_space: bool,
         fim_ids: tuple[int, int, int] | None = None,
+        fim_repo_ids: tuple[int, int] | None = None,
     ) -> None:
         self._backend = backend
         self._tokens = tokens
@@ -223,6 +240,7 @@ class Tokenizer:
         # Sentencepiece vocabularies prepend a space when encoding; decoding takes it back off.
         self._strip_leading_space = strip_leading_space
         self.fim_ids = fim_ids      # (prefix, suffix, middle) for fill-in-the-middle, if the vocabulary has them
+        self.fim_repo_ids = fim_repo_ids    # (repository name, file separator), if it has them
 
     # --- construction -----------------------------------------------------------------------------
 
@@ -317,6 +335,7 @@ class Tokenizer:
             add_eos=add_eos,
             strip_leading_space=strip_leading_space,
             fim_ids=_fim_ids(metadata, tokens),
+            fim_repo_ids=_fim_repo_ids(metadata, tokens),
         )
 
     # --- encoding ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch.llm import LLM
-from cobatch.server import anthropic, embeddings, openai, openai_responses, tokens
+from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 
@@ -50,6 +50,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     app.include_router(anthropic.router)
     app.include_router(tokens.router)
     app.include_router(embeddings.router)
+    app.include_router(llama_cpp.router)
     _add_error_handlers(app, server)
     _add_service_routes(app)
     app.add_middleware(ApiKeyMiddleware, server=server)

@@ -1,0 +1,172 @@
+"""llama.cpp server's own API: POST /completion, POST /infill and GET /props.
+
+What editor plugins (llama.vim, llama.vscode) and scripts written for llama.cpp's server call. The requests
+run through the same generation core as the OpenAI routes; only the field names, the defaults (llama.cpp's:
+temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) and the answer's shape differ. Streams are SSE
+`data: {...}` lines without a [DONE] marker, the last one with "stop": true, as llama.cpp sends them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from cobatch.errors import UserError
+from cobatch.server.context import ServerContext, get_context
+from cobatch.server.errors import bad_request
+from cobatch.server.generation import (Choices, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
+                                       make_sampling_params)
+from cobatch.server.output_parser import ContentDelta
+from cobatch.server.prompting import StructuredOutput, check_prompt_fits, max_new_tokens, output_grammar, raw_prompts
+from cobatch.server.request_body import read_body
+from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
+
+router = APIRouter()
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")       # llama.cpp's many sampler knobs we do not have are ignored
+    prompt: str | list[int] = ""
+    n_predict: int = Field(-1, ge=-1, description="-1: until the end of turn or the context is full")
+    temperature: float = Field(0.8, ge=0)
+    top_k: int = Field(40, ge=0, description="0: off")
+    top_p: float = Field(0.95, gt=0, le=1)
+    min_p: float = Field(0.05, ge=0, le=1)
+    seed: int = Field(-1, description="-1: random")
+    repeat_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    n_probs: int = Field(0, ge=0, le=20, description="top alternatives per token (completion_probabilities)")
+    ignore_eos: bool = False
+    grammar: str | None = None                    # GBNF (or Lark)
+    json_schema: dict[str, Any] | None = None
+    return_tokens: bool = False
+
+
+class ExtraFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    filename: str = "tmp"
+    text: str = ""
+
+
+class InfillRequest(CompletionRequest):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = Field(default_factory=list)
+
+
+@router.get("/props")
+async def props(request: Request):
+    ctx = get_context(request)
+    llm = ctx.llm
+    return {"model_path": str(llm.path), "model_alias": ctx.model_name, "total_slots": ctx.worker.num_slots,
+            "chat_template": llm.template.source if llm.template is not None else "",
+            "default_generation_settings": {"n_ctx": llm.engine.max_context, **_defaults()},
+            "modalities": {"vision": False, "audio": False}, "build_info": "cobatch"}
+
+
+def _defaults() -> dict:
+    d = CompletionRequest()
+    return {"params": {"n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                       "min_p": d.min_p, "seed": d.seed, "repeat_penalty": d.repeat_penalty, "stop": d.stop}}
+
+
+@router.post("/completion")
+@router.post("/completions")
+async def completion(request: Request):
+    ctx = get_context(request)
+    body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
+    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.prompt, None, "prompt", 1)
+    return await _run(request, ctx, body, prompts[0][0])
+
+
+@router.post("/infill")
+async def infill(request: Request):
+    ctx = get_context(request)
+    body = await read_body(request, InfillRequest, ctx.options.max_body_bytes)
+    if not isinstance(body.prompt, str):
+        raise bad_request("/infill takes a text prompt (the start of the middle)", param="prompt")
+    try:
+        ids = await run_in_threadpool(ctx.llm.encode_infill, body.input_prefix, body.input_suffix,
+                                      [(f.filename, f.text) for f in body.input_extra], body.prompt)
+    except UserError as exc:
+        raise bad_request(str(exc), param="input_suffix") from None
+    return await _run(request, ctx, body, ids)
+
+
+async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, ids: list[int]):
+    check_prompt_fits(ctx.llm, len(ids), "prompt")
+    if body.n_predict == 0:
+        raise bad_request("n_predict must be -1 or at least 1", param="n_predict")
+    structured = (StructuredOutput("grammar", body.grammar, "grammar") if body.grammar is not None else
+                  StructuredOutput("json", body.json_schema, "json_schema") if body.json_schema is not None else None)
+    if body.grammar is not None and body.json_schema is not None:
+        raise bad_request("give grammar or json_schema, not both", param="json_schema")
+    grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False, structured=structured)
+    params = make_sampling_params(
+        ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
+        # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
+        logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,
+        max_tokens=max_new_tokens(ctx.llm, None if body.n_predict == -1 else body.n_predict, len(ids)))
+    choices = Choices(ctx.generation, [GenerationRequest("llama.cpp", ids, params, list(body.stop))], 1)
+    gen = choices.generations[0]
+    if body.stream:
+        return EventStreamResponse(_stream(ctx, gen, body), choices.close)
+    return GeneratedJSONResponse(lambda: _result(ctx, gen, body), choices.close, request.url.path)
+
+
+async def _result(ctx: ServerContext, gen: Generation, body: CompletionRequest) -> dict:
+    done: Completed = await gen.collect()
+    out = {"content": done.content, **_final(ctx, gen, done.finish, body)}
+    if body.n_probs:
+        out["completion_probabilities"] = _probabilities(ctx, done.logprobs)
+    if body.return_tokens:
+        out["tokens"] = [p.token_id for p in done.logprobs]
+    return out
+
+
+async def _stream(ctx: ServerContext, gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
+    async for item in gen.events():
+        if isinstance(item, Finish):
+            yield sse_data({"content": "", **_final(ctx, gen, item, body)})
+            return
+        text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
+        chunk: dict[str, Any] = {"content": text, "stop": False, "id_slot": gen.handle.slot}
+        if body.n_probs:
+            chunk["completion_probabilities"] = _probabilities(ctx, item.logprobs)
+        if body.return_tokens:
+            chunk["tokens"] = [p.token_id for p in item.logprobs]
+        if text or item.logprobs:
+            yield sse_data(chunk)
+
+
+def _final(ctx: ServerContext, gen: Generation, finish: Finish, body: CompletionRequest) -> dict:
+    """The fields of llama.cpp's last answer (or last stream line): why it stopped, counts, timings."""
+    usage = finish.usage
+    stop_type = "word" if finish.stop_string is not None else ("limit" if finish.reason == "length" else "eos")
+    elapsed_ms = (time.perf_counter() - gen.arrival) * 1e3
+    return {"stop": True, "id_slot": gen.handle.slot, "model": ctx.model_name, "stop_type": stop_type,
+            "stopping_word": finish.stop_string or "", "tokens_predicted": usage.completion_tokens,
+            "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens, "truncated": False,
+            "timings": {"prompt_n": usage.prompt_tokens - usage.cached_tokens, "predicted_n": usage.completion_tokens,
+                        "predicted_ms": elapsed_ms,
+                        "predicted_per_second": usage.completion_tokens / elapsed_ms * 1e3 if elapsed_ms else 0.0}}
+
+
+def _probabilities(ctx: ServerContext, logprobs: list[TokenLogprob]) -> list[dict]:
+    tok = ctx.llm.tokenizer
+
+    def entry(token_id: int, logprob: float) -> dict:
+        return {"id": token_id, "token": tok.decode([token_id]), "logprob": logprob}
+
+    return [{**entry(p.token_id, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top or ()]}
+            for p in logprobs]

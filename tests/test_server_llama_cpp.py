@@ -1,0 +1,100 @@
+"""llama.cpp server's own routes (/completion, /infill, /props) on the CPU path with Qwen2.5-Coder (it has
+fill-in-the-middle and repository-context tokens)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from model_fixtures import load_llm
+from test_server_support import live_server
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(load_llm("qwen2.5-coder")) as srv:
+        yield srv
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def test_completion_is_the_openai_completion_in_llama_cpp_shape(server):
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    want = oai.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=0)
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "return_tokens": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["content"] == want.choices[0].text and out["stop"] is True and out["stop_type"] == "limit"
+    assert out["tokens_predicted"] == len(out["tokens"]) == 12
+    assert out["tokens_evaluated"] == want.usage.prompt_tokens
+    assert server.context.llm.tokenizer.decode(out["tokens"]) == out["content"]
+
+
+def test_stop_word_and_stream(server):
+    body = {"prompt": PROMPT, "n_predict": 40, "temperature": 0, "stop": ["return"], "n_probs": 2}
+    plain = post(server, "/completion", body).json()
+    assert plain["stop_type"] == "word" and plain["stopping_word"] == "return" and "return" not in plain["content"]
+    assert len(plain["completion_probabilities"]) == plain["tokens_predicted"]
+    first = plain["completion_probabilities"][0]
+    assert first["top_logprobs"][0]["logprob"] == pytest.approx(first["logprob"]) and len(first["top_logprobs"]) == 2
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and "[DONE]" not in lines[-1]
+    chunks = [json.loads(line[len("data: "):]) for line in lines]
+    assert [c["stop"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert "".join(c["content"] for c in chunks) == plain["content"]
+    assert chunks[-1]["stop_type"] == "word" and chunks[-1]["tokens_predicted"] == plain["tokens_predicted"]
+
+
+def test_infill_builds_the_fim_prompt_and_matches_openai_suffix(server):
+    llm = server.context.llm
+    pre, suf, mid = llm.tokenizer.fim_ids
+    repo, sep = llm.tokenizer.fim_repo_ids
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    ids = llm.encode_infill(prefix, suffix, [("util.py", "def sub(a, b):\n    return a - b\n")], "return")
+    assert ids[0] == repo and ids.count(sep) == 2 and ids.index(pre) < ids.index(suf) < ids.index(mid)
+    assert llm.tokenizer.decode(ids[ids.index(mid) + 1:]) == "return"
+    assert "util.py\ndef sub(a, b):" in llm.tokenizer.decode(ids[:ids.index(pre)])
+
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    want = oai.completions.create(model="any", prompt=prefix, suffix=suffix, max_tokens=10, temperature=0)
+    got = post(server, "/infill", {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 10,
+                                   "temperature": 0}).json()
+    assert got["content"] == want.choices[0].text and got["tokens_evaluated"] == want.usage.prompt_tokens
+    extra = post(server, "/infill", {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4, "temperature": 0,
+                                     "input_extra": [{"filename": "util.py", "text": "x = 1\n"}]}).json()
+    assert extra["tokens_evaluated"] > got["tokens_evaluated"]
+
+
+def test_grammar_and_props(server):
+    out = post(server, "/completion", {"prompt": "The answer is", "n_predict": 8, "temperature": 0,
+                                       "grammar": 'root ::= " " ("yes" | "no") "."'}).json()
+    assert re.fullmatch(r" (yes|no)\.", out["content"]) and out["stop_type"] == "eos"
+    props = httpx.get(server.url + "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == server.context.llm.engine.max_context
+    assert props["total_slots"] == server.context.worker.num_slots and "<|im_start|>" in props["chat_template"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/completion", {"prompt": PROMPT, "n_predict": 0}, "n_predict"),
+    ("/completion", {"prompt": PROMPT, "n_predict": -2}, "n_predict"),
+    ("/completion", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ("/completion", {"prompt": ""}, "prompt"),
+    ("/completion", {"prompt": [1, 10 ** 9]}, "prompt"),
+    ("/completion", {"prompt": PROMPT, "grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, "json_schema"),
+    ("/completion", {"prompt": PROMPT, "grammar": "root ::= (("}, "grammar"),
+    ("/completion", {"prompt": "hello " * 2000}, "prompt"),
+    ("/infill", {"input_prefix": "a", "prompt": [1, 2]}, "prompt"),
+])
+def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
