@@ -105,10 +105,10 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
     check_prompt_fits(ctx.llm, len(ids), "prompt")
     if body.n_predict == 0:
         raise bad_request("n_predict must be -1 or at least 1", param="n_predict")
-    structured = (StructuredOutput("grammar", body.grammar, "grammar") if body.grammar is not None else
-                  StructuredOutput("json", body.json_schema, "json_schema") if body.json_schema is not None else None)
     if body.grammar is not None and body.json_schema is not None:
         raise bad_request("give grammar or json_schema, not both", param="json_schema")
+    structured = (StructuredOutput("grammar", body.grammar, "grammar") if body.grammar is not None else
+                  StructuredOutput("json", body.json_schema, "json_schema") if body.json_schema is not None else None)
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False, structured=structured)
     params = make_sampling_params(
         ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
