@@ -171,3 +171,16 @@ def test_chat_template_override(tmp_path):
         assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\nSure! The answer is")
     proc = run_cli("chat", "hello", "-n", "2", "--chat-template", "{% for m in messages %}")
     assert_clean_error(proc, "--chat-template")
+
+
+def test_serve_takes_vllm_and_llama_cpp_option_names():
+    from cobatch.cli import build_parser
+    ours = build_parser().parse_args(["serve", "--model-name", "m", "--parallel", "4", "--ctx", "2048",
+                                      "--max-step-tokens", "1024"])
+    for theirs in (["--served-model-name", "m", "--max-num-seqs", "4", "--max-model-len", "2048",
+                    "--max-num-batched-tokens", "1024"],
+                   ["--alias", "m", "-np", "4", "-c", "2048", "--max-step-tokens", "1024"],
+                   ["-a", "m", "--parallel", "4", "--ctx-size", "2048", "--max-step-tokens", "1024"]):
+        args = build_parser().parse_args(["serve", *theirs])
+        assert (args.model_name, args.parallel, args.ctx, args.max_step_tokens) == \
+            (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == ("m", 4, 2048, 1024), theirs

@@ -192,14 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
     p.add_argument("model_path", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--model", "-m", help="GGUF file (same as the positional argument)")
-    p.add_argument("--model-name", help="model id served by /v1/models (default: the file name)")
+    # The names vLLM (--served-model-name, --max-num-seqs, --max-model-len, --max-num-batched-tokens) and llama.cpp's
+    # server (--alias, -np, -c/--ctx-size) give these options work too, for users switching over.
+    p.add_argument("--model-name", "--served-model-name", "--alias", "-a", dest="model_name",
+                   help="model id served by /v1/models (default: the file name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--parallel", "-np", type=int, default=8,
+    p.add_argument("--parallel", "-np", "--max-num-seqs", dest="parallel", type=int, default=8,
                    help="slots: requests decoded together in one batched step (default 8)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot before new ones get 429 (default 64)")
-    p.add_argument("--ctx", type=int, default=None, help="context window per request, in tokens")
+    p.add_argument("--ctx", "--max-model-len", "-c", "--ctx-size", dest="ctx", type=int, default=None,
+                   help="context window per request, in tokens")
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key) on every route "
                                                     "but /health")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -208,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size in GiB (default: from free memory on CUDA, 1 GiB on CPU)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
-    p.add_argument("--max-step-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=2048,
+                   help="token budget of one engine step")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
