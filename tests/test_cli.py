@@ -1,5 +1,6 @@
 """The `cobatch` command end to end, and every bad input ending in one clear line and exit code 2."""
 
+import json
 import os
 import socket
 import subprocess
@@ -184,3 +185,32 @@ def test_serve_takes_vllm_and_llama_cpp_option_names():
         args = build_parser().parse_args(["serve", *theirs])
         assert (args.model_name, args.parallel, args.ctx, args.max_step_tokens) == \
             (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == ("m", 4, 2048, 1024), theirs
+
+
+def test_generate_and_chat_follow_a_grammar_or_json_schema(tmp_path):
+    """llama-cli's flag names; each output checked by Python's own parsers, not by llguidance."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = run_cli("generate", "--prompt", "A cat as JSON:", "-n", "60", "--temperature", "0", "--json-schema",
+                json.dumps(schema))
+    assert r.returncode == 0, r.stderr
+    value = json.loads(r.stdout)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    grammar = tmp_path / "yes_no.gbnf"
+    grammar.write_text('root ::= ("yes" | "no") "."\n')
+    r = run_cli("chat", "Is Paris in France?", "--temperature", "0", "--grammar-file", str(grammar))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("yes.", "no.")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--grammar", "root ::= (("], "invalid grammar"),
+    (["--grammar-file", "/nonexistent/g.gbnf"], "cannot read"),
+    (["--json-schema", "{not json"], "not valid JSON"),
+])
+def test_bad_grammar_flags_fail_before_the_model_loads(flags, message):
+    r = run_cli("chat", "hi", *flags)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cobatch: error:") and message in lines[0], r.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections import Counter
 
 from cobatch.errors import UserError
@@ -33,12 +34,38 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
+    # Constrained output, with llama-cli's flag names: at most one of these
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--grammar", help="a GBNF (or Lark) grammar the output must follow")
+    constraint.add_argument("--grammar-file", help="a file holding such a grammar")
+    constraint.add_argument("-j", "--json-schema", help="a JSON schema the output must follow ('{}': any JSON)")
+    constraint.add_argument("--json-schema-file", help="a file holding such a schema")
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}: cannot read {path}: {e}") from None
+
+
+def _grammar(args) -> str | None:
+    """The grammar of --grammar(-file) / --json-schema(-file), compiled to llguidance's form (None: free text)."""
+    from cobatch.engine.grammar import structured_grammar
+    if args.grammar is not None or args.grammar_file is not None:
+        text = args.grammar if args.grammar is not None else _read(args.grammar_file, "--grammar-file")
+        return structured_grammar("grammar", text)
+    if args.json_schema is not None or args.json_schema_file is not None:
+        text = args.json_schema if args.json_schema is not None else _read(args.json_schema_file, "--json-schema-file")
+        return structured_grammar("json", text if text.strip() not in ("", "{}") else '{"type": "object"}')
+    return None
 
 
 def _sampling(args):
     from cobatch.engine.sampler import SamplingParams
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens)
+                            seed=args.seed, repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens,
+                            grammar=_grammar(args))
     try:
         params.validate()
     except ValueError as e:
@@ -63,8 +90,9 @@ def _stream(llm, prompt_ids: list[int], params) -> str:
     try:
         while engine.has_work():
             for out in engine.step():
+                # an end-of-turn token is not printed (a grammar's last token, also finishing with "stop", is)
                 if out.request_id == rid and out.new_token is not None and not (
-                        out.finish_reason == "stop"):
+                        out.finish_reason == "stop" and out.new_token in engine.stop_ids):
                     piece = decoder.push(out.new_token)
                     pieces.append(piece)
                     sys.stdout.write(piece)
@@ -81,8 +109,8 @@ def _stream(llm, prompt_ids: list[int], params) -> str:
 
 
 def cmd_generate(args) -> int:
+    params = _sampling(args)          # bad flags fail before the model loads
     llm = _load(args)
-    params = _sampling(args)
     if args.chat:
         ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -93,8 +121,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    params = _sampling(args)          # bad flags fail before the model loads
     llm = _load(args)
-    params = _sampling(args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
