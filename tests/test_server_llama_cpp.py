@@ -93,6 +93,7 @@ def test_grammar_and_props(server):
     ("/completion", {"prompt": PROMPT, "grammar": "root ::= (("}, "grammar"),
     ("/completion", {"prompt": "hello " * 2000}, "prompt"),
     ("/infill", {"input_prefix": "a", "prompt": [1, 2]}, "prompt"),
+    ("/completion", {"prompt": PROMPT, "stop": ["x"] * 17}, "stop"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     r = post(server, path, body)

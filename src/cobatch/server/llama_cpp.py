@@ -41,7 +41,7 @@ class CompletionRequest(BaseModel):
     repeat_penalty: float = Field(1.0, gt=0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, max_length=16)
     stream: bool = False
     n_probs: int = Field(0, ge=0, le=20, description="top alternatives per token (completion_probabilities)")
     ignore_eos: bool = False
@@ -126,7 +126,7 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
 
 async def _result(ctx: ServerContext, gen: Generation, body: CompletionRequest) -> dict:
     done: Completed = await gen.collect()
-    out = {"content": done.content, **_final(ctx, gen, done.finish, body)}
+    out = {"content": done.content, **_final(ctx, gen, done.finish)}
     if body.n_probs:
         out["completion_probabilities"] = _probabilities(ctx, done.logprobs)
     if body.return_tokens:
@@ -137,7 +137,7 @@ async def _result(ctx: ServerContext, gen: Generation, body: CompletionRequest) 
 async def _stream(ctx: ServerContext, gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
     async for item in gen.events():
         if isinstance(item, Finish):
-            yield sse_data({"content": "", **_final(ctx, gen, item, body)})
+            yield sse_data({"content": "", **_final(ctx, gen, item)})
             return
         text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
         chunk: dict[str, Any] = {"content": text, "stop": False, "id_slot": gen.handle.slot}
@@ -149,7 +149,7 @@ async def _stream(ctx: ServerContext, gen: Generation, body: CompletionRequest) 
             yield sse_data(chunk)
 
 
-def _final(ctx: ServerContext, gen: Generation, finish: Finish, body: CompletionRequest) -> dict:
+def _final(ctx: ServerContext, gen: Generation, finish: Finish) -> dict:
     """The fields of llama.cpp's last answer (or last stream line): why it stopped, counts, timings."""
     usage = finish.usage
     stop_type = "word" if finish.stop_string is not None else ("limit" if finish.reason == "length" else "eos")
