@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 from cobatch.errors import UserError
 

@@ -126,9 +126,7 @@ class Engine:
                 self.scheduler.finished(seq)
                 self.seqs.pop(seq.request_id, None)
                 finished += 1
-            out = self._output(seq, token, logprob, top, prompt_lp)
-            out.embedding = embedding
-            outputs.append(out)
+            outputs.append(self._output(seq, token, logprob, top, prompt_lp, embedding))
         self.scheduler.end_step(finished)
         return outputs
 
@@ -153,9 +151,10 @@ class Engine:
         return None
 
     @staticmethod
-    def _output(seq: Sequence, token: int | None, logprob=None, top=None, prompt_logprobs=None) -> StepOutput:
+    def _output(seq: Sequence, token: int | None, logprob=None, top=None, prompt_logprobs=None,
+                embedding=None) -> StepOutput:
         return StepOutput(seq.request_id, token, seq.status is SeqStatus.FINISHED, seq.finish_reason,
-                          logprob, top, prompt_logprobs or None, seq.prompt_len, seq.num_cached_prompt)
+                          logprob, top, prompt_logprobs or None, seq.prompt_len, seq.num_cached_prompt, embedding)
 
     # --- offline use ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

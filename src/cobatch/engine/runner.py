@@ -104,26 +104,22 @@ class ModelRunner:
                 none = [None] * len(plan.items)
                 return StepResult(none, none, none, prompt_logprobs)
             last = hidden[torch.tensor(sample_rows, device=hidden.device)]
-            embeddings = self._embeddings(plan, samplers, last)
+            # params.embed: the final-normed hidden state of the last prompt token, copied once the step syncs
+            want = [j for j, (seq, _) in enumerate(samplers) if seq.params.embed]
+            if want:
+                embeddings = last[torch.tensor(want, device=last.device)].float()
             logits = self.model.logits(last)
         rows = self._sample_rows([seq for seq, _ in samplers])
         out = self.sampler(logits, rows)
         if on_launched is not None:
             on_launched()
         result = self._to_host(plan, out, rows)
-        result.prompt_logprobs, result.embeddings = prompt_logprobs, embeddings
+        result.prompt_logprobs = prompt_logprobs
+        if embeddings is not None:      # in plan order: the rows whose prompt ends this step and that asked
+            vectors = iter(embeddings.tolist())
+            result.embeddings = [next(vectors) if seq.params.embed and seq.num_computed + n == len(seq.token_ids)
+                                 else None for seq, n in plan.items]
         return result
-
-    @staticmethod
-    def _embeddings(plan: StepPlan, samplers: list, last: torch.Tensor) -> list[list[float] | None] | None:
-        """For sequences that asked (params.embed): the final-normed hidden state of the last prompt token, in
-        float32 (last: those rows of the sequences whose prompt ends this step, in `samplers`' order)."""
-        want = [j for j, (seq, _) in enumerate(samplers) if seq.params.embed]
-        if not want:
-            return None
-        vectors = iter(last[torch.tensor(want, device=last.device)].float().cpu().tolist())
-        by_seq = {id(samplers[j][0]): next(vectors) for j in want}
-        return [by_seq.get(id(seq)) for seq, _ in plan.items]
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[list[PromptLogprob] | None] | None:
         """For sequences that asked (params.prompt_logprobs): row p of the chunk predicts prompt token p + 1.
