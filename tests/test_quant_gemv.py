@@ -106,6 +106,27 @@ def test_side_planes_put_a_lanes_two_rows_side_by_side(entry_bytes):
     assert torch.equal(side_from_fragment_order(frag, entry_bytes), plane)
 
 
+def test_affine_side_plane_gives_a_lane_group_its_eight_values_in_16_bytes():
+    """q4_1's (d, m) in fragment order: per tile, chunk and lane group g, the values of (d, m) x (low block,
+    high block) x (row g, row g + 8), in that order, 8 f16 side by side."""
+    rows, blocks = 32, 6
+    gen = torch.Generator().manual_seed(5)
+    d, m = (torch.randn(rows, blocks, generator=gen).half() for _ in range(2))
+    frag = quant_pack.affine_sides_to_fragment_order(d, m)
+    assert frag.shape == (rows // 16, blocks * 32)
+    pieces = frag.view(rows // 16, blocks // 2, 8, 2, 2, 2)       # tile, chunk, g, kind, block, r1
+    for tile in range(rows // 16):
+        for chunk in range(blocks // 2):
+            for g in range(8):
+                for kind, plane in enumerate((d, m)):
+                    for block in range(2):
+                        for r1 in range(2):
+                            want = plane[16 * tile + 8 * r1 + g, 2 * chunk + block]
+                            assert pieces[tile, chunk, g, kind, block, r1] == want, (tile, chunk, g, kind, block, r1)
+    back = quant_pack.affine_sides_from_fragment_order(frag)
+    assert torch.equal(back[0], d) and torch.equal(back[1], m)
+
+
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
 def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
     rows, cols = 40, 512
@@ -115,7 +136,7 @@ def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
     row_major = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"))
     ref = dequantize(w.raw, w.fmt.ggml_type, cols)
     if fmt_name == "q4_k":   # repacked as q4_1: an f16 scale and offset per 32-block, each rounded once
-        assert planes.fmt_id == quant_pack.Q4_1 and planes.m is not None and planes.sub is None
+        assert planes.fmt_id == quant_pack.Q4_1 and planes.m is None and planes.sub is None   # m inside d
         assert planes.nbytes == planes.rows_pad * planes.cols_pad * 5 // 8    # 4 bits + 2 x f16 per 32
         assert relative_error(unpack_planes(planes), ref) < 1e-3
         return

@@ -245,6 +245,13 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(x, [W, K, BT]), B, assert_trivial=True)
 
     @gluon.jit
+    def _as_side(v, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
+        """[W, RT, g, r1] values of rows 16 rt + 8 r1 + g -> [W, 16 RT, 1] in the A operand's row layout
+        (broadcasts along k); only renames registers."""
+        v = gl.reshape(gl.permute(v, [0, 1, 3, 2]), [W, 16 * RT])
+        return gl.convert_layout(v, SIDE, assert_trivial=True)[:, :, None]
+
+    @gluon.jit
     def _row_side(ptr, tile0, entries_per_row, col, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
         """Side entry (rows of tiles tile0.., col) for col [W] -> [W, 16 RT, 1] (broadcasts along k).
         The plane is in fragment order (quant_pack.side_to_fragment_order): a lane's rows g and g + 8 sit
@@ -257,9 +264,26 @@ if gluon is not None:
         r1 = gl.arange(0, 2, layout=_axis_layout(V, 3))
         off = ((tile0 + rt).to(gl.int64) * (16 * entries_per_row))[None, :, None, None] \
             + (16 * c)[:, None, None, None] + (2 * g)[None, None, :, None] + r1[None, None, None, :]
-        v = gl.load(ptr + off)                                         # [W, RT, g, r1]
-        v = gl.reshape(gl.permute(v, [0, 1, 3, 2]), [W, 16 * RT])      # row 16 rt + 8 r1 + g
-        return gl.convert_layout(v, SIDE, assert_trivial=True)[:, :, None]
+        return _as_side(gl.load(ptr + off), W, RT, SIDE)                 # [W, RT, g, r1]
+
+    @gluon.jit
+    def _affine_sides(ptr, tile0, chunk, side32, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
+        """q4_1's scales and offsets of each warp's chunk from their one plane
+        (quant_pack.affine_sides_to_fragment_order): one 16-byte load per lane and row tile, split in registers
+        into (d of the low block, d of the high block, m low, m high), each [W, 16 RT, 1]."""
+        V: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 8, 4], [W, 1, 1, 1], [3, 2, 1, 0])
+        c = gl.convert_layout(chunk, _axis_layout(V, 0))
+        rt = gl.arange(0, RT, layout=_axis_layout(V, 1))
+        g = gl.arange(0, 8, layout=_axis_layout(V, 2))
+        e = gl.arange(0, 8, layout=_axis_layout(V, 3))
+        off = ((tile0 + rt).to(gl.int64) * (32 * side32))[None, :, None, None] \
+            + (64 * c)[:, None, None, None] + (8 * g)[None, None, :, None] + e[None, None, None, :]
+        v = gl.reshape(gl.load(ptr + off), [W, RT, 8, 2, 2, 2])          # w, rt, g, kind, block, r1
+        lo, hi = gl.split(gl.permute(v, [0, 1, 2, 5, 3, 4]))              # w, rt, g, r1, kind | block
+        d_lo, m_lo = gl.split(lo)
+        d_hi, m_hi = gl.split(hi)
+        return (_as_side(d_lo, W, RT, SIDE), _as_side(d_hi, W, RT, SIDE), _as_side(m_lo, W, RT, SIDE),
+                _as_side(m_hi, W, RT, SIDE))
 
     @gluon.jit
     def _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, W: gl.constexpr,
@@ -275,15 +299,13 @@ if gluon is not None:
             b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
             c = a
             e = b
-        else:                 # f16 scales (and q4_1 mins) of the two blocks
+        elif FMT == F_Q4_1:   # f16 scales and offsets of the two blocks, from one plane
+            a, b, c, e = _affine_sides(d_ptr, tile0, chunk, side32, W, RT, SIDE)
+        else:                 # q4_0: f16 scales of the two blocks
             a = _row_side(d_ptr, tile0, side32, 2 * chunk, W, RT, SIDE)
             b = _row_side(d_ptr, tile0, side32, 2 * chunk + 1, W, RT, SIDE)
-            if FMT == F_Q4_1:
-                c = _row_side(m_ptr, tile0, side32, 2 * chunk, W, RT, SIDE)
-                e = _row_side(m_ptr, tile0, side32, 2 * chunk + 1, W, RT, SIDE)
-            else:
-                c = a
-                e = b
+            c = a
+            e = b
         return a, b, c, e
 
     @gluon.jit

@@ -232,8 +232,14 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _nibbles(q, d0, d1, d0, d1, False, 8.0, DT, ASM)
     elif FMT == Q4_1:
-        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
-        m0, m1 = _pair(m_ptr + _side(row, side32, 2 * chunk + two, FRAG))
+        if FRAG:       # one plane (quant_pack.affine_sides_to_fragment_order): d at +0, +2; m at +4, +6
+            r = row % 16
+            side = (row // 16) * (32 * side32) + 64 * chunk + 8 * (r % 8) + r // 8 + 2 * two
+            d0, d1 = _pair(d_ptr + side)
+            m0, m1 = _pair(d_ptr + side + 4)
+        else:
+            d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, False))
+            m0, m1 = _pair(m_ptr + _side(row, side32, 2 * chunk + two, False))
         return _nibbles(q, d0, d1, m0, m1, True, 0.0, DT, ASM)
     elif FMT == Q4_K:
         # Row-major only: fragment-order q4_K planes are q4_1's (quant_pack._q4k_as_affine) and take that branch.

@@ -33,7 +33,9 @@ the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece
 row-major plane spread them over 16 pieces (one per row, each a separate memory transaction).
 An "entry" is what a row needs per K position: an f16 scale or min per 32-block; q4_K's 4 bytes of
 (scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block; q6_K's 4 int8 scales per chunk
-and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`).
+and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`). q4_1's scale and
+offset planes (and q4_K's, repacked as q4_1's) become one plane, `d`, with the 8 values a lane group needs per
+tile and chunk side by side (`affine_sides_to_fragment_order`); `m` is then None.
 """
 
 from __future__ import annotations
@@ -213,6 +215,24 @@ def side_from_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
     return out.reshape(tiles * 16, -1).view(t.dtype)
 
 
+def affine_sides_to_fragment_order(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q4_1's f16 scale and offset planes, row-major [rows, blocks] (rows % 16 == 0, blocks even) -> one f16
+    plane [rows / 16, blocks * 32]: per 16-row tile and 64-weight chunk, per lane group g, the 8 values its
+    lanes need, (d, m) x (low block, high block) x (row g, row g + 8), in 16 contiguous bytes. One 16-byte
+    load per lane and tile instead of four 4-byte ones (side_to_fragment_order's layout, per plane)."""
+    r, blocks = d.shape
+    both = torch.stack([d, m], dim=-1).view(r // 16, 2, 8, blocks // 2, 2, 2)   # tile, r1, g, chunk, blk, kind
+    return both.permute(0, 3, 2, 5, 4, 1).reshape(r // 16, -1)                # tile, chunk, g, kind, blk, r1
+
+
+def affine_sides_from_fragment_order(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of affine_sides_to_fragment_order: the row-major (d, m) planes."""
+    tiles = t.shape[0]
+    both = t.view(tiles, -1, 8, 2, 2, 2).permute(0, 5, 2, 1, 4, 3)               # tile, r1, g, chunk, blk, kind
+    both = both.reshape(tiles * 16, -1, 2)
+    return both[..., 0].contiguous(), both[..., 1].contiguous()
+
+
 def _q6_high_words(high: torch.Tensor) -> torch.Tensor:
     """q6_K high bits, values 0..3 [rows, cols] -> int32 words [rows, cols / 16] (bits 2j, 2j + 1: weight j)."""
     shifts = 2 * torch.arange(16, device=high.device, dtype=torch.int64)
@@ -286,9 +306,13 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
         chunk_planes = _pack_chunk(fmt_id, chunk, cols_pad)
         if fragment and fmt_id == Q4_K:
             chunk_planes = _q4k_as_affine(chunk_planes)
+        if fragment and "m" in chunk_planes:      # q4_1's layout: scales and offsets in one plane
+            chunk_planes["d"] = affine_sides_to_fragment_order(chunk_planes["d"], chunk_planes.pop("m"))
         for name, t in chunk_planes.items():
             if fragment:
-                if name == "qs":
+                if name == "d" and fmt_id in (Q4_1, Q4_K):
+                    pass                                # already in fragment order
+                elif name == "qs":
                     t = to_fragment_order(t, fmt_id)
                 elif name == "qh":
                     t = high_bits_to_fragment_order(t)
@@ -309,9 +333,12 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     """Torch decode of the planes -> float32 [rows, cols]: checks the repack against formats.dequantize."""
     R, K = p.rows_pad, p.cols_pad
     if p.fragment:
-        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs, p.fmt_id),
-                         *(None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id))
-                           for t in (p.d, p.m, p.sub)),
+        if p.fmt_id == Q4_1:
+            d, m = affine_sides_from_fragment_order(p.d)
+        else:
+            d, m = (None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id)) for t in (p.d, p.m))
+        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs, p.fmt_id), d, m,
+                         None if p.sub is None else side_from_fragment_order(p.sub, _side_entry_bytes(p.fmt_id)),
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
     qs = p.qs
     if p.fmt_id == Q8_0:
