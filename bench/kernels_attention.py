@@ -5,7 +5,7 @@
 Decode: B = 1, 8, 64 sequences x context 512, 4k, 32k, Llama-3-8B heads (32 q, 8 KV, D 128), bf16 KV in
 16-token pages scattered over the pool. Bytes counted: K + V of every sequence's context (q, the output and
 the block tables are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
-copies of the inputs (R sized so that they overflow the 60 MB L2), divided by R.
+copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
@@ -29,6 +29,7 @@ N_Q, N_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
 BATCHES, CONTEXTS = (1, 8, 64), (512, 4096, 32768)
 PREFILL_TOKENS = 2048
 L2_FLUSH_BYTES = 256 << 20
+MIN_CALLS = 4
 
 
 def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
@@ -90,7 +91,11 @@ def _decode_inputs(batch: int, context: int, copies: int, gen: torch.Generator, 
 def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generator,
                  filled: int | None = None) -> dict:
     kv_bytes = batch * (context if filled is None else filled) * N_KV * HEAD_DIM * 2 * 2
-    copies = max(1, min(64, -(-L2_FLUSH_BYTES // (batch * context * N_KV * HEAD_DIM * 4))))
+    set_bytes = batch * context * N_KV * HEAD_DIM * 4
+    # At least MIN_CALLS calls per graph, so that the graph's own launch (a few us, which a decode step pays
+    # once for ~300 kernels) is not charged to one or two calls; at most 16 GiB of inputs.
+    copies = max(MIN_CALLS, min(64, -(-L2_FLUSH_BYTES // set_bytes)))
+    copies = max(1, min(copies, (16 << 30) // set_bytes))
     k_cache, v_cache, sets = _decode_inputs(batch, context, copies, gen, filled)
     outs = [torch.empty_like(q) for q, _ in sets]
     scale = HEAD_DIM ** -0.5
@@ -152,10 +157,11 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
-    replace(DECODE_CONFIG, pdl=False),
-    replace(DECODE_CONFIG, min_split=64),
-    replace(DECODE_CONFIG, min_split=256),
     replace(DECODE_CONFIG, num_stages=3),
+    replace(DECODE_CONFIG, num_stages=3, min_split=64),
+    replace(DECODE_CONFIG, num_stages=3, programs_per_sm=3),
+    replace(DECODE_CONFIG, num_stages=4),
+    replace(DECODE_CONFIG, min_split=64),
 ]
 PREFILL_SWEEP = [
     PREFILL_CONFIG,

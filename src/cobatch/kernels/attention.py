@@ -89,8 +89,12 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
 class DecodeConfig:
     block_n: int = 64            # tokens per tile (several pages)
     num_warps: int = 4
-    num_stages: int = 2
-    min_split: int = 128         # fewest tokens one program walks (keeps the reduce small)
+    # 3 stages: the block-table load of a tile is issued a stage before its K/V loads, so the page lookup
+    # no longer sits in front of every tile's loads. 128 registers, 4 programs per SM (one wave of 512).
+    # H200, two runs: B=1 x 32k and B=8 x 4k 0.75-0.79 -> 0.80-0.81 of copy, B=64 x 512 0.75 -> 0.84-0.86
+    # (bench/results/kernels_attention-2026-11-29-stages.md). 4 stages: the same.
+    num_stages: int = 3
+    min_split: int = 64          # fewest tokens one program walks (B=1 x 4k: 0.35 -> 0.38 against 128)
     max_splits: int = 64         # the reduce holds all splits of a row in registers
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
