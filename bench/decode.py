@@ -54,7 +54,10 @@ def copy_bandwidth() -> float:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes one decode step reads from the weights: every linear layer, norms, one embedding row each."""
+    """Bytes one decode step reads from the weights: every linear layer, norms, one embedding row each.
+    (Dense models only: which experts an MoE step reads depends on its tokens.)"""
+    if llm.config.n_experts:
+        raise SystemExit("bench/decode.py measures dense models; this one has routed experts")
     total = 0
     for layer in llm.model.layers:
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):

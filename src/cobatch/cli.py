@@ -163,6 +163,9 @@ def cmd_inspect(args) -> int:
     print(f"architecture:  {cfg.arch}")
     print(f"layers:        {cfg.n_layers}   d_model: {cfg.d_model}   ffn: {cfg.ffn_dim}")
     print(f"heads:         {cfg.n_heads} (kv {cfg.n_kv_heads}, head_dim {cfg.head_dim})")
+    if cfg.n_experts:
+        shared = f", shared expert ffn {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
+        print(f"experts:       {cfg.n_experts_used} of {cfg.n_experts} per token, expert ffn {cfg.expert_ffn_dim}{shared}")
     print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
     print(f"rope:          {'neox' if cfg.rope_neox else 'norm'} theta {cfg.rope_theta:g}"
           f"{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}")

@@ -9,7 +9,11 @@ from cobatch.errors import UserError
 
 # Architectures and their rope layout: llama-arch GGUFs store Q/K permuted for NORM (adjacent pairs);
 # qwen2/qwen3 keep the HF layout and rotate halves (NEOX). This comes from the arch, never from guessing.
-SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True}
+# qwen2moe / qwen3moe are qwen2 / qwen3 with routed experts; llama with `llama.expert_count` is Mixtral.
+SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True}
+# Whether the top-k routing weights are renormalized to sum to 1, as llama.cpp's build_moe_ffn is told per
+# arch (Mixtral and Qwen3-MoE do; Qwen1.5/2-MoE do not). `{arch}.expert_weights_norm` overrides it.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,11 @@ class ModelConfig:
     rope_scaling: dict | None     # {"type": "llama3"|"linear", "factor": ..., ...} when present
     qkv_bias: bool                # qwen2
     qk_norm: bool                 # qwen3
+    n_experts: int = 0            # routed experts per layer (0: a dense feed-forward)
+    n_experts_used: int = 0       # experts each token is routed to (top-k)
+    expert_ffn_dim: int = 0       # hidden width of one expert
+    shared_expert_ffn_dim: int = 0  # qwen2moe: an always-on expert beside the routed ones (0: none)
+    expert_weights_norm: bool = False  # renormalize the top-k routing weights to sum to 1
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
@@ -68,7 +77,29 @@ class ModelConfig:
             rope_scaling=_rope_scaling(md, arch),
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            **_experts(md, arch, tensor_names),
         )
+
+
+def _experts(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    n_experts = int(md.get(f"{arch}.expert_count") or 0)
+    if n_experts == 0:
+        if arch.endswith("moe"):
+            raise UserError(f"GGUF metadata lacks {arch}.expert_count")
+        return {}
+    if "blk.0.ffn_gate_exps.weight" not in tensor_names:
+        raise UserError("this mixture-of-experts GGUF stores its experts as separate tensors per expert "
+                        "(an old layout); convert it again with a current llama.cpp")
+    used = int(md.get(f"{arch}.expert_used_count") or 0)
+    if not 1 <= used <= n_experts:
+        raise UserError(f"{arch}.expert_used_count is {used}, expected 1..{n_experts}")
+    ffn = md.get(f"{arch}.expert_feed_forward_length") or md.get(f"{arch}.feed_forward_length")
+    shared = md.get(f"{arch}.expert_shared_feed_forward_length") or 0
+    if "blk.0.ffn_gate_shexp.weight" in tensor_names and not shared:
+        raise UserError(f"GGUF metadata lacks {arch}.expert_shared_feed_forward_length")
+    return {"n_experts": n_experts, "n_experts_used": used, "expert_ffn_dim": int(ffn),
+            "shared_expert_ffn_dim": int(shared) if "blk.0.ffn_gate_shexp.weight" in tensor_names else 0,
+            "expert_weights_norm": bool(md.get(f"{arch}.expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))}
 
 
 def _rope_scaling(md: Mapping[str, Any], arch: str) -> dict | None:

@@ -76,6 +76,10 @@ class ModelShape:
     tied_embeddings: bool = False
     qk_norm: bool = False        # qwen3: RMSNorm over each q and k head
     head_size: int | None = None  # when heads are not d_model / n_heads wide (qwen3)
+    n_experts: int = 0           # routed experts per layer instead of one feed-forward (MoE)
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_expert_ffn_dim: int = 0  # qwen2moe's always-on expert (0: none)
 
     @property
     def head_dim(self) -> int:
@@ -89,6 +93,14 @@ SHAPES: dict[str, ModelShape] = {
                                qkv_bias=True, tied_embeddings=True),
     "tiny": ModelShape("llama", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 4096),
     "qwen3-tiny": ModelShape("qwen3", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128),
+    # Mixture-of-experts layouts, tiny: Qwen3-MoE (qwen3 + routed experts), Qwen2-MoE (+ a gated shared
+    # expert, qkv biases) and Mixtral (llama with experts).
+    "qwen3moe-tiny": ModelShape("qwen3moe", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128,
+                                n_experts=8, n_experts_used=2, expert_ffn_dim=128),
+    "qwen2moe-tiny": ModelShape("qwen2moe", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qkv_bias=True,
+                                n_experts=8, n_experts_used=2, expert_ffn_dim=128, shared_expert_ffn_dim=256),
+    "mixtral-tiny": ModelShape("llama", 2, 256, 4, 2, 512, None, 1e6, 1e-5, 4096,
+                               n_experts=4, n_experts_used=2, expert_ffn_dim=256),
 }
 
 
@@ -163,7 +175,8 @@ class TensorSpec:
     rows: int                    # output features (N); 1 for a vector
     cols: int                    # input features (K), the GGUF's fastest dimension
     ggml_type: T
-    kind: str                    # "matrix", "norm" or "bias"
+    kind: str                    # "matrix", "router", "norm" or "bias"
+    experts: int = 1             # > 1: a stack of that many [rows / experts, cols] matrices (a 3-D tensor)
 
     @property
     def nbytes(self) -> int:
@@ -195,13 +208,37 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
                      vector(f"{blk}.attn_k_norm.weight", shape.head_dim, "norm")]
         plan.append(matrix(f"{blk}.attn_output.weight", d, q_dim, layer=i))
         plan.append(vector(f"{blk}.ffn_norm.weight", d, "norm"))
-        plan.append(matrix(f"{blk}.ffn_gate.weight", shape.ffn_dim, d, layer=i))
-        plan.append(matrix(f"{blk}.ffn_up.weight", shape.ffn_dim, d, layer=i))
-        plan.append(matrix(f"{blk}.ffn_down.weight", d, shape.ffn_dim, "ffn_down", i))
+        if shape.n_experts:
+            plan += _expert_tensors(shape, blk, i, matrix)
+        else:
+            plan.append(matrix(f"{blk}.ffn_gate.weight", shape.ffn_dim, d, layer=i))
+            plan.append(matrix(f"{blk}.ffn_up.weight", shape.ffn_dim, d, layer=i))
+            plan.append(matrix(f"{blk}.ffn_down.weight", d, shape.ffn_dim, "ffn_down", i))
     plan.append(vector("output_norm.weight", d, "norm"))
     if not shape.tied_embeddings:
         plan.append(matrix("output.weight", vocab_size, d, "head"))
     return plan
+
+
+def _expert_tensors(shape: ModelShape, blk: str, layer: int, matrix) -> list[TensorSpec]:
+    """A MoE layer's feed-forward tensors, as llama.cpp's converter writes them: the router (kept in F32,
+    as llama.cpp's quantizer keeps it), the experts stacked in 3-D tensors, and qwen2moe's shared expert."""
+    d, n, ffn = shape.d_model, shape.n_experts, shape.expert_ffn_dim
+    plan = [TensorSpec(f"{blk}.ffn_gate_inp.weight", n, d, T.F32, "router")]
+    for name, rows, cols, role in (("ffn_gate_exps", ffn, d, "other"), ("ffn_up_exps", ffn, d, "other"),
+                                   ("ffn_down_exps", d, ffn, "ffn_down")):
+        spec = matrix(f"{blk}.{name}.weight", n * rows, cols, role, layer)
+        plan.append(TensorSpec(spec.name, spec.rows, spec.cols, spec.ggml_type, "matrix", experts=n))
+    if shape.shared_expert_ffn_dim:
+        shared = shape.shared_expert_ffn_dim
+        plan += [TensorSpec(f"{blk}.ffn_gate_inp_shexp.weight", 1, d, T.F32, "bias"),
+                 matrix(f"{blk}.ffn_gate_shexp.weight", shared, d, layer=layer),
+                 matrix(f"{blk}.ffn_up_shexp.weight", shared, d, layer=layer),
+                 matrix(f"{blk}.ffn_down_shexp.weight", d, shared, "ffn_down", layer)]
+    return plan
+
+
+ROUTER_STD = 0.2           # router weights: logits of std ~3, so the top-k choice is clear of float rounding
 
 
 class _RandomTensor:
@@ -224,9 +261,10 @@ class _RandomTensor:
             yield (WEIGHT_STD * torch.randn(spec.cols, generator=generator)).view(torch.uint8)
         else:
             step = max(1, _CHUNK_VALUES // spec.cols)
+            scale = ROUTER_STD if spec.kind == "router" else WEIGHT_STD
             for start in range(0, spec.rows, step):
                 rows = min(step, spec.rows - start)
-                yield random_quantized(spec.ggml_type, rows, spec.cols, generator, scale=WEIGHT_STD)
+                yield random_quantized(spec.ggml_type, rows, spec.cols, generator, scale=scale)
 
     def tofile(self, fout: BinaryIO) -> None:
         written = 0
@@ -480,6 +518,12 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
     if shape.head_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.n_experts:
+        writer.add_expert_count(shape.n_experts)
+        writer.add_expert_used_count(shape.n_experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn_dim)
+        if shape.shared_expert_ffn_dim:
+            writer.add_expert_shared_feed_forward_length(shape.shared_expert_ffn_dim)
     writer.add_vocab_size(vocab_size)
     writer.add_file_type(int(recipe.file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -490,9 +534,11 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
 
     plan = tensor_plan(shape, recipe, vocab_size, n_layers)
     for spec in plan:
-        if spec.kind == "matrix":  # byte shape + raw type: gguf-py turns (N, row_bytes) into ne = (K, N)
-            writer.add_tensor_info(spec.name, (spec.rows, spec.nbytes // spec.rows), np.dtype(np.uint8),
-                                   spec.nbytes, raw_dtype=spec.ggml_type)
+        if spec.kind in ("matrix", "router"):  # byte shape + raw type: gguf-py turns (N, row_bytes) into ne = (K, N)
+            byte_shape = (spec.rows, spec.nbytes // spec.rows)
+            if spec.experts > 1:                 # ne = (K, N / experts, experts)
+                byte_shape = (spec.experts, spec.rows // spec.experts, byte_shape[1])
+            writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), spec.nbytes, raw_dtype=spec.ggml_type)
         else:
             writer.add_tensor_info(spec.name, (spec.cols,), np.dtype(np.float32), spec.nbytes)
     return writer, plan

@@ -1,4 +1,4 @@
-"""The llama family (llama, mistral, qwen2, qwen3) as one flat forward over a batch of rows.
+"""The llama family (llama, mistral, mixtral, qwen2, qwen3 and their MoE variants) as one flat forward over a batch of rows.
 
 Rows from different sequences sit at different positions; attention goes through the paged KV cache.
 All math goes through `cobatch.ops`, so the same code runs the torch references on the CPU and the
@@ -17,6 +17,7 @@ from cobatch.config import ModelConfig
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import load_linear
+from cobatch.models.moe import MoeFeedForward
 
 
 @dataclass(slots=True)
@@ -28,8 +29,9 @@ class Layer:
     k_norm: torch.Tensor | None
     o: object
     ffn_norm: torch.Tensor
-    gate_up: object              # fused gate|up projection
-    down: object
+    gate_up: object | None       # fused gate|up projection (dense feed-forward)
+    down: object | None
+    moe: MoeFeedForward | None = None   # routed experts instead of gate_up / down
 
 
 class LlamaModel:
@@ -56,12 +58,15 @@ class LlamaModel:
                 k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
                 o=lin(p + "attn_output.weight"),
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                gate_up=lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                down=lin(p + "ffn_down.weight"),
+                gate_up=None if cfg.n_experts else lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                down=None if cfg.n_experts else lin(p + "ffn_down.weight"),
+                moe=MoeFeedForward(cfg, gguf, p, dev, dtype, keep_dense) if cfg.n_experts else None,
             ))
             if progress is not None:
                 progress(1)
         # The embedding is a gather, not a matmul: keep it dense. Tied models reuse it as the output head.
+        # Routing needs a host sync per layer (models/moe.py), which a captured CUDA graph cannot hold.
+        self.graph_safe = not cfg.n_experts
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         # Tied head on the CPU path: the dense embedding already is the head's weight; don't hold it twice.
@@ -104,7 +109,10 @@ class LlamaModel:
             attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale)
             x = ops.linear(attn.reshape(n, q_size), layer.o)
             h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual)
-            x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+            if layer.moe is not None:
+                x = layer.moe(h)
+            else:
+                x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
         return out
 

@@ -1,0 +1,162 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): routing, the expert feed-forward, the engine.
+
+No small real MoE GGUF ships on PyPI: random ones of each layout, written by our GGUF writer (llama.cpp's
+tensor names and 3-D expert tensors), are read by our code and, where transformers has a GGUF loader for the
+architecture, by Hugging Face transformers as the independent reference.
+"""
+
+import gc
+import os
+
+import pytest
+import torch
+
+from cobatch.batch import AttentionMetadata
+from cobatch.config import ModelConfig
+from cobatch.engine.kv_cache import KVPool
+from cobatch.engine.sampler import SamplingParams
+from cobatch.errors import UserError
+from cobatch.gguf_writer import write_random_model
+from cobatch.llm import LLM, EngineOptions
+from cobatch.loader.gguf import GGUFFile
+from cobatch.model_files import smollm2_path
+from cobatch.models.llama import LlamaModel
+
+REL_ERR_BOUND = 1e-4
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe")
+    # On the GPU machine SmolLM2 is not installed: the cut model the GPU tests use lends its tokenizer.
+    tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()
+    return {
+        "qwen3moe": write_random_model(tmp / "qwen3moe.gguf", "qwen3moe-tiny", "q8_0", tokenizer_from=tokenizer, seed=11),
+        "qwen2moe": write_random_model(tmp / "qwen2moe.gguf", "qwen2moe-tiny", "q4_k", tokenizer_from=tokenizer, seed=12),
+        "mixtral": write_random_model(tmp / "mixtral.gguf", "mixtral-tiny", "q4_0", tokenizer_from=tokenizer, seed=13),
+    }
+
+
+def _load(path, device="cpu", dtype=torch.float32):
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    return f, cfg, LlamaModel(cfg, f, device, dtype, max_positions=128)
+
+
+def _logits(model: LlamaModel, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one prompt, prefilled in one step."""
+    dev, n, bs = model.device, len(ids), 16
+    blocks = -(-n // bs)
+    pool = KVPool(cfg, blocks, bs, model.dtype, dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev), query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None], max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        hidden = model.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, pool.k, pool.v)
+        return model.logits(hidden).float().cpu()
+
+
+def test_config_reads_the_expert_layout(moe_models):
+    cfgs = {name: ModelConfig.from_metadata(GGUFFile(p).metadata, set(GGUFFile(p).tensors))
+            for name, p in moe_models.items()}
+    q3, q2, mx = cfgs["qwen3moe"], cfgs["qwen2moe"], cfgs["mixtral"]
+    assert (q3.n_experts, q3.n_experts_used, q3.expert_ffn_dim, q3.shared_expert_ffn_dim) == (8, 2, 128, 0)
+    assert q3.expert_weights_norm and q3.qk_norm and q3.rope_neox
+    assert (q2.n_experts, q2.shared_expert_ffn_dim, q2.expert_weights_norm, q2.qkv_bias) == (8, 256, False, True)
+    assert (mx.arch, mx.n_experts, mx.n_experts_used, mx.expert_weights_norm, mx.rope_neox) == ("llama", 4, 2, True, False)
+
+
+@pytest.mark.parametrize("arch, hf_config", [
+    ("qwen3moe", {"moe_intermediate_size": 128, "norm_topk_prob": True}),
+    ("qwen2moe", {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "norm_topk_prob": False}),
+])
+def test_logits_match_transformers(moe_models, arch, hf_config):
+    """transformers' GGUF config mapping does not carry the expert widths or the renormalization, so they
+    are passed as config overrides with the values the GGUF metadata holds."""
+    transformers = pytest.importorskip("transformers")
+    path = moe_models[arch]
+    _, cfg, ours = _load(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32, **hf_config)
+    ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
+    got = _logits(ours, cfg, ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    del hf, ours
+    gc.collect()
+
+
+def test_moe_layer_equals_per_token_formula(moe_models):
+    """Mixtral (no transformers GGUF loader): the layer against the routing formula written per token, on
+    weights dequantized straight from the file."""
+    f, cfg, model = _load(moe_models["mixtral"])
+    moe = model.layers[1].moe
+    n, d, ffn = cfg.n_experts, cfg.d_model, cfg.expert_ffn_dim
+    router = f.quant_weight("blk.1.ffn_gate_inp.weight").dequantize()
+    gate = f.quant_weight("blk.1.ffn_gate_exps.weight").dequantize().view(n, ffn, d)
+    up = f.quant_weight("blk.1.ffn_up_exps.weight").dequantize().view(n, ffn, d)
+    down = f.quant_weight("blk.1.ffn_down_exps.weight").dequantize().view(n, d, ffn)
+    h = torch.randn(6, d, generator=torch.Generator().manual_seed(4))
+    want = torch.zeros(6, d)
+    for t in range(6):
+        logits = router @ h[t]
+        top = logits.topk(cfg.n_experts_used).indices
+        weights = torch.softmax(logits[top], 0)     # Mixtral's form: softmax over the chosen logits
+        for w, e in zip(weights, top.tolist()):
+            want[t] += w * (down[e] @ (torch.nn.functional.silu(gate[e] @ h[t]) * (up[e] @ h[t])))
+    got = moe(h)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    # Rows are independent of the rows beside them: each row alone gives the same output.
+    alone = torch.cat([moe(h[t:t + 1]) for t in range(6)])
+    assert torch.allclose(alone, got, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_greedy_equals_each_alone(moe_models):
+    llm = LLM.load(moe_models["qwen3moe"], EngineOptions(device="cpu", ctx=256, max_num_seqs=4, quiet=True))
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,")]
+    alone = [llm.engine.generate([p], greedy)[0] for p in prompts]
+    together = llm.engine.generate(prompts, greedy)
+    assert together == alone and all(len(t) == 10 for t in alone)
+    assert not llm.model.graph_safe
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3moe.expert_used_count", 9, "expert_used_count is 9"),
+    ("qwen3moe.expert_count", None, "lacks qwen3moe.expert_count"),
+])
+def test_bad_expert_metadata_is_a_user_error(moe_models, key, value, message):
+    f = GGUFFile(moe_models["qwen3moe"])
+    md = dict(f.metadata)
+    if value is None:
+        del md[key]
+    else:
+        md[key] = value
+    with pytest.raises(UserError, match=message):
+        ModelConfig.from_metadata(md, set(f.tensors))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_gpu_logits_close_to_cpu(moe_models, arch):
+    """The CUDA path (packed experts through the narrow GEMV, eager steps) against the CPU path."""
+    ids = [int(i) for i in torch.randint(0, 49000, (24,), generator=torch.Generator().manual_seed(1))]
+    _, cfg, cpu = _load(moe_models[arch])
+    _, _, gpu = _load(moe_models[arch], "cuda", torch.float16)
+    want, got = _logits(cpu, cfg, ids), _logits(gpu, cfg, ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+def test_gpu_engine_batched_equals_alone(moe_models):
+    """Serving an MoE model on CUDA: eager decode steps (no graphs), batched rows equal to each alone."""
+    llm = LLM.load(moe_models["qwen3moe"], EngineOptions(device="cuda", ctx=256, max_num_seqs=4, quiet=True))
+    assert llm.engine.runner.graphs is None
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,")]
+    alone = [llm.engine.generate([p], greedy)[0] for p in prompts]
+    assert llm.engine.generate(prompts, greedy) == alone
