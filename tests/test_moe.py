@@ -30,11 +30,10 @@ def moe_models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
     # On the GPU machine SmolLM2 is not installed: the cut model the GPU tests use lends its tokenizer.
     tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()
-    return {
-        "qwen3moe": write_random_model(tmp / "qwen3moe.gguf", "qwen3moe-tiny", "q8_0", tokenizer_from=tokenizer, seed=11),
-        "qwen2moe": write_random_model(tmp / "qwen2moe.gguf", "qwen2moe-tiny", "q4_k", tokenizer_from=tokenizer, seed=12),
-        "mixtral": write_random_model(tmp / "mixtral.gguf", "mixtral-tiny", "q4_0", tokenizer_from=tokenizer, seed=13),
-    }
+    layouts = {"qwen3moe": ("qwen3moe-tiny", "q8_0"), "qwen2moe": ("qwen2moe-tiny", "q4_k"),
+               "mixtral": ("mixtral-tiny", "q4_0")}
+    return {name: write_random_model(tmp / f"{name}.gguf", shape, quant, tokenizer_from=tokenizer, seed=11 + i)
+            for i, (name, (shape, quant)) in enumerate(layouts.items())}
 
 
 def _load(path, device="cpu", dtype=torch.float32):
@@ -64,7 +63,8 @@ def test_config_reads_the_expert_layout(moe_models):
     assert (q3.n_experts, q3.n_experts_used, q3.expert_ffn_dim, q3.shared_expert_ffn_dim) == (8, 2, 128, 0)
     assert q3.expert_weights_norm and q3.qk_norm and q3.rope_neox
     assert (q2.n_experts, q2.shared_expert_ffn_dim, q2.expert_weights_norm, q2.qkv_bias) == (8, 256, False, True)
-    assert (mx.arch, mx.n_experts, mx.n_experts_used, mx.expert_weights_norm, mx.rope_neox) == ("llama", 4, 2, True, False)
+    assert (mx.arch, mx.n_experts, mx.n_experts_used) == ("llama", 4, 2)
+    assert mx.expert_weights_norm and not mx.rope_neox
 
 
 @pytest.mark.parametrize("arch, hf_config", [

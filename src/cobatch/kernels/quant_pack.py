@@ -33,9 +33,9 @@ the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece
 row-major plane spread them over 16 pieces (one per row, each a separate memory transaction).
 An "entry" is what a row needs per K position: an f16 scale or min per 32-block; q4_K's 4 bytes of
 (scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block; q6_K's 4 int8 scales per chunk
-and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`). q4_1's scale and
-offset planes (and q4_K's, repacked as q4_1's) become one plane, `d`, with the 8 values a lane group needs per
-tile and chunk side by side (`affine_sides_to_fragment_order`); `m` is then None.
+and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`).
+q4_1's scale and offset planes (and q4_K's, repacked as q4_1's) become one plane, `d`, with the 8 values a lane
+group needs per tile and chunk side by side (`affine_sides_to_fragment_order`); `m` is then None.
 """
 
 from __future__ import annotations
