@@ -10,7 +10,8 @@ from cobatch.errors import UserError
 # Architectures and their rope layout: llama-arch GGUFs store Q/K permuted for NORM (adjacent pairs);
 # qwen2/qwen3 keep the HF layout and rotate halves (NEOX). This comes from the arch, never from guessing.
 # qwen2moe / qwen3moe are qwen2 / qwen3 with routed experts; llama with `llama.expert_count` is Mixtral.
-SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True}
+# phi3 (Phi-3, Phi-3.5, Phi-4) stores q|k|v and gate|up each as one tensor, which is how cobatch fuses them anyway.
+SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True, "phi3": True}
 # Whether the top-k routing weights are renormalized to sum to 1, as llama.cpp's build_moe_ffn is told per
 # arch (Mixtral and Qwen3-MoE do; Qwen1.5/2-MoE do not). `{arch}.expert_weights_norm` overrides it.
 _EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -35,6 +36,8 @@ class ModelConfig:
     rope_scaling: dict | None     # {"type": "llama3"|"linear", "factor": ..., ...} when present
     qkv_bias: bool                # qwen2
     qk_norm: bool                 # qwen3
+    rope_original_context: int = 0  # phi3 LongRoPE: past this context the "long" frequency factors apply
+    rope_attn_factor: float = 1.0   # phi3 LongRoPE: cos and sin are scaled by it (HF's attention_factor)
     n_experts: int = 0            # routed experts per layer (0: a dense feed-forward)
     n_experts_used: int = 0       # experts each token is routed to (top-k)
     expert_ffn_dim: int = 0       # hidden width of one expert
@@ -75,6 +78,9 @@ class ModelConfig:
             rope_dim=int(md.get(f"{arch}.rope.dimension_count", head_dim)),
             rope_neox=SUPPORTED_ARCHS[arch],
             rope_scaling=_rope_scaling(md, arch),
+            rope_original_context=int(md.get(f"{arch}.rope.scaling.original_context_length")
+                                      or get("context_length", 4096)),
+            rope_attn_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             **_experts(md, arch, tensor_names),
@@ -105,8 +111,8 @@ def _experts(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[s
 def _rope_scaling(md: Mapping[str, Any], arch: str) -> dict | None:
     kind = md.get(f"{arch}.rope.scaling.type")
     factor = md.get(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or not factor or float(factor) == 1.0:
-        return None
+    if kind in (None, "none", "longrope", "su") or not factor or float(factor) == 1.0:
+        return None     # LongRoPE ships as rope_factors_long / _short tensors (models/llama.py)
     if kind not in ("linear", "llama3"):
         raise UserError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
     return {

@@ -80,6 +80,9 @@ class ModelShape:
     n_experts_used: int = 0
     expert_ffn_dim: int = 0
     shared_expert_ffn_dim: int = 0  # qwen2moe's always-on expert (0: none)
+    fused: bool = False          # phi3: q|k|v in one attn_qkv tensor, gate|up in one ffn_up tensor
+    rope_dim: int | None = None  # rotated dims per head when not all (Phi-4-mini: 3/4)
+    longrope: bool = False       # phi3 LongRoPE: rope_factors_long / _short tensors and their metadata
 
     @property
     def head_dim(self) -> int:
@@ -101,7 +104,12 @@ SHAPES: dict[str, ModelShape] = {
                                 n_experts=8, n_experts_used=2, expert_ffn_dim=128, shared_expert_ffn_dim=256),
     "mixtral-tiny": ModelShape("llama", 2, 256, 4, 2, 512, None, 1e6, 1e-5, 4096,
                                n_experts=4, n_experts_used=2, expert_ffn_dim=256),
+    # Phi-3 (fused tensors) and Phi-4-mini's layout (GQA, 3/4 of each head rotated, LongRoPE to 4x the context).
+    "phi3-tiny": ModelShape("phi3", 2, 256, 4, 4, 512, None, 10000.0, 1e-5, 4096, fused=True),
+    "phi4-mini-tiny": ModelShape("phi3", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 16384, fused=True, rope_dim=48,
+                                 longrope=True),
 }
+LONGROPE_ORIGINAL_CONTEXT = 4096   # the context a LongRoPE random model was "trained" at (a quarter of its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +162,12 @@ def matrix_type(recipe: QuantRecipe, role: str, layer: int, n_layers: int, cols:
     return _fit_block(ggml_type, cols)
 
 
+def longrope_attn_factor(context_length: int) -> float:
+    """LongRoPE's scaling of q and k for a context stretched past the original one (HF's default)."""
+    scale = context_length / LONGROPE_ORIGINAL_CONTEXT
+    return math.sqrt(1 + math.log(scale) / math.log(LONGROPE_ORIGINAL_CONTEXT)) if scale > 1 else 1.0
+
+
 def _lookup_shape(shape: str) -> ModelShape:
     if shape not in SHAPES:
         raise UserError(f"unknown model shape {shape!r} (valid: {', '.join(SHAPES)})")
@@ -175,7 +189,7 @@ class TensorSpec:
     rows: int                    # output features (N); 1 for a vector
     cols: int                    # input features (K), the GGUF's fastest dimension
     ggml_type: T
-    kind: str                    # "matrix", "router", "norm" or "bias"
+    kind: str                    # "matrix", "router", "norm", "bias" or "rope_factors"
     experts: int = 1             # > 1: a stack of that many [rows / experts, cols] matrices (a 3-D tensor)
 
     @property
@@ -194,12 +208,19 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
         return TensorSpec(name, 1, n, T.F32, kind)
 
     plan = [matrix("token_embd.weight", vocab_size, d, "head" if shape.tied_embeddings else "other")]
+    if shape.longrope:
+        half = (shape.rope_dim or shape.head_dim) // 2
+        plan += [TensorSpec("rope_factors_long.weight", 1, half, T.F32, "rope_factors"),
+                 TensorSpec("rope_factors_short.weight", 1, half, T.F32, "rope_factors")]
     for i in range(n_layers):
         blk = f"blk.{i}"
         plan.append(vector(f"{blk}.attn_norm.weight", d, "norm"))
-        plan.append(matrix(f"{blk}.attn_q.weight", q_dim, d, layer=i))
-        plan.append(matrix(f"{blk}.attn_k.weight", kv_dim, d, layer=i))
-        plan.append(matrix(f"{blk}.attn_v.weight", kv_dim, d, "attn_v", i))
+        if shape.fused:
+            plan.append(matrix(f"{blk}.attn_qkv.weight", q_dim + 2 * kv_dim, d, layer=i))
+        else:
+            plan.append(matrix(f"{blk}.attn_q.weight", q_dim, d, layer=i))
+            plan.append(matrix(f"{blk}.attn_k.weight", kv_dim, d, layer=i))
+            plan.append(matrix(f"{blk}.attn_v.weight", kv_dim, d, "attn_v", i))
         if shape.qkv_bias:
             plan += [vector(f"{blk}.attn_q.bias", q_dim, "bias"), vector(f"{blk}.attn_k.bias", kv_dim, "bias"),
                      vector(f"{blk}.attn_v.bias", kv_dim, "bias")]
@@ -210,6 +231,9 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
         plan.append(vector(f"{blk}.ffn_norm.weight", d, "norm"))
         if shape.n_experts:
             plan += _expert_tensors(shape, blk, i, matrix)
+        elif shape.fused:
+            plan.append(matrix(f"{blk}.ffn_up.weight", 2 * shape.ffn_dim, d, layer=i))     # gate | up
+            plan.append(matrix(f"{blk}.ffn_down.weight", d, shape.ffn_dim, "ffn_down", i))
         else:
             plan.append(matrix(f"{blk}.ffn_gate.weight", shape.ffn_dim, d, layer=i))
             plan.append(matrix(f"{blk}.ffn_up.weight", shape.ffn_dim, d, layer=i))
@@ -257,6 +281,9 @@ class _RandomTensor:
         spec, generator = self.spec, torch.Generator().manual_seed(self.seed)
         if spec.kind == "norm":
             yield (1.0 + NORM_JITTER * torch.randn(spec.cols, generator=generator)).view(torch.uint8)
+        elif spec.kind == "rope_factors":    # frequency divisors >= 1, rising with the wavelength as LongRoPE's
+            ramp = torch.linspace(1.0, 4.0, spec.cols)
+            yield (ramp * (1.0 + 0.1 * torch.rand(spec.cols, generator=generator))).view(torch.uint8)
         elif spec.kind == "bias":
             yield (WEIGHT_STD * torch.randn(spec.cols, generator=generator)).view(torch.uint8)
         else:
@@ -514,7 +541,10 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
     writer.add_head_count_kv(shape.n_kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rope_dim or shape.head_dim)
+    if shape.longrope:
+        writer.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL_CONTEXT)
+        writer.add_rope_scaling_attn_factors(longrope_attn_factor(context_length))
     if shape.head_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)

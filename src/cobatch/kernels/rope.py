@@ -15,14 +15,15 @@ from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit,
 
 
 def rope_cos_sin(rot_dim: int, max_pos: int, theta: float, freq_factors: torch.Tensor | None = None,
-                 linear_factor: float = 1.0) -> torch.Tensor:
-    """float32 [max_pos, rot_dim]: cos in [:, :rot_dim/2], sin in [:, rot_dim/2:]."""
+                 linear_factor: float = 1.0, attn_factor: float = 1.0) -> torch.Tensor:
+    """float32 [max_pos, rot_dim]: cos in [:, :rot_dim/2], sin in [:, rot_dim/2:], both times attn_factor
+    (LongRoPE's scaling of the rotated q and k)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
     if freq_factors is not None:        # llama3-style scaling ships as per-frequency divisors
         inv_freq = inv_freq / freq_factors.double()
     pos = torch.arange(max_pos, dtype=torch.float64) / linear_factor
     angles = torch.outer(pos, inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * attn_factor).float()
 
 
 def llama3_freq_factors(rot_dim: int, theta: float, factor: float, low_freq_factor: float,

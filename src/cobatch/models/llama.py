@@ -34,6 +34,13 @@ class Layer:
     moe: MoeFeedForward | None = None   # routed experts instead of gate_up / down
 
 
+def _gate_up(prefix: str, gguf: GGUFFile, lin) -> object:
+    """The fused gate|up projection: phi3 stores it so (in ffn_up, gate first), the others as two tensors."""
+    if prefix + "ffn_gate.weight" not in gguf.tensors:
+        return lin(prefix + "ffn_up.weight")
+    return lin(prefix + "ffn_gate.weight", prefix + "ffn_up.weight")
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, gguf: GGUFFile, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None,
@@ -52,13 +59,14 @@ class LlamaModel:
             p = f"blk.{i}."
             self.layers.append(Layer(
                 attn_norm=vec(p + "attn_norm.weight"),
-                qkv=lin(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                qkv=(lin(p + "attn_qkv.weight") if p + "attn_qkv.weight" in gguf.tensors     # phi3: stored fused
+                     else lin(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")),
                 qkv_bias=torch.cat([vec(p + f"attn_{x}.bias") for x in "qkv"]) if cfg.qkv_bias else None,
                 q_norm=vec(p + "attn_q_norm.weight") if cfg.qk_norm else None,
                 k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
                 o=lin(p + "attn_output.weight"),
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                gate_up=None if cfg.n_experts else lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                gate_up=None if cfg.n_experts else _gate_up(p, gguf, lin),
                 down=None if cfg.n_experts else lin(p + "ffn_down.weight"),
                 moe=MoeFeedForward(cfg, gguf, p, dev, dtype, keep_dense) if cfg.n_experts else None,
             ))
@@ -77,12 +85,18 @@ class LlamaModel:
         factors = None
         if "rope_freqs.weight" in gguf.tensors:
             factors = gguf.float_tensor("rope_freqs.weight")
+        elif "rope_factors_long.weight" in gguf.tensors:
+            # phi3 LongRoPE: the long factors when the context goes past the original one (as llama.cpp
+            # chooses by the context it runs with), else the short ones.
+            long = n_pos > cfg.rope_original_context
+            factors = gguf.float_tensor("rope_factors_long.weight" if long else "rope_factors_short.weight")
         elif cfg.rope_scaling and cfg.rope_scaling["type"] == "llama3":
             s = cfg.rope_scaling
             factors = llama3_freq_factors(cfg.rope_dim, cfg.rope_theta, s["factor"], s["low_freq_factor"],
                                           s["high_freq_factor"], s["original_context"])
         linear_factor = cfg.rope_scaling["factor"] if cfg.rope_scaling and cfg.rope_scaling["type"] == "linear" else 1.0
-        self.cos_sin = rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor).to(dev)
+        self.cos_sin = rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor,
+                                    cfg.rope_attn_factor).to(dev)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
