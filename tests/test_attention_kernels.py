@@ -55,16 +55,17 @@ def paged_setup(seq_lens: list[int], q_lens: list[int], n_q: int, n_kv: int, hea
 
 
 def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_cfg=None, prefill_cfg=None,
-                    capacity=None) -> None:
+                    capacity=None, window=0) -> None:
     q, k_cache, v_cache, meta = paged_setup(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, capacity=capacity)
     scale = head_dim ** -0.5
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, window)
     out = poisoned(q.shape, dtype)
     if meta.max_query_len == 1:
-        got = paged_decode_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=decode_cfg or DecodeConfig())
+        got = paged_decode_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=decode_cfg or DecodeConfig(),
+                                     window=window)
     else:
         got = paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out,
-                                      cfg=prefill_cfg or PrefillConfig())
+                                      cfg=prefill_cfg or PrefillConfig(), window=window)
     assert got is out
     assert_matches(got, ref)
     assert relative_error(got, ref) < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
@@ -116,6 +117,38 @@ def test_prefill_small(n_q, n_kv):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_small_dtypes(dtype):
     check_attention([40, 19], [18, 19], 4, 2, head_dim=24, dtype=dtype, seed=21, prefill_cfg=TINY_PREFILL)
+
+
+# --- sliding window (Gemma's local layers) -------------------------------------------------------------------
+
+def test_window_ref_is_attention_over_the_last_keys():
+    """The reference with a window equals plain attention of each row over only its last `window` keys."""
+    q, k_cache, v_cache, meta = paged_setup([45], [45], 4, 2, 16, torch.float32, seed=30)
+    window = 7
+    got = paged_attention_ref(q, k_cache, v_cache, meta, 0.25, window)
+    blocks = meta.block_tables[0, :3].long()
+    k = k_cache[blocks].reshape(-1, 2, 16)[:45]
+    v = v_cache[blocks].reshape(-1, 2, 16)[:45]
+    for i in (0, 6, 7, 30, 44):
+        lo = max(0, i - window + 1)
+        for h in range(4):
+            kv = h // 2
+            w = torch.softmax(k[lo:i + 1, kv] @ q[i, h] * 0.25, 0)
+            assert torch.allclose(got[i, h], w @ v[lo:i + 1, kv], atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+@pytest.mark.parametrize("window", [1, 20, 64])
+def test_decode_small_window(variant, window):
+    check_attention([37, 0, 100, 5], [1, 1, 1, 1], 8, 2, head_dim=32, dtype=torch.float32, seed=31,
+                    decode_cfg=DECODE_VARIANTS[variant], capacity=130, window=window)
+
+
+@pytest.mark.parametrize("window", [1, 5, 20, 200])
+def test_prefill_small_window(window):
+    # Rows whose window starts inside an early tile see none of its keys (the EMPTY_ROWS case).
+    check_attention([29, 70, 33, 0], [29, 21, 1, 0], 8, 2, head_dim=32, dtype=torch.float32, seed=32,
+                    prefill_cfg=TINY_PREFILL, window=window)
 
 
 # --- GPU, real shapes ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cobatch.kernels.activation import silu_mul_ref, silu_mul_triton  # noqa: E402
+from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton, silu_mul_ref, silu_mul_triton  # noqa: E402
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton  # noqa: E402
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from cobatch.kernels.rope import rope_cos_sin, rope_ref, rope_triton  # noqa: E402
@@ -164,6 +164,17 @@ def check_silu_mul(rows: int, inter: int, dtype, seed: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_small(dtype):
     check_silu_mul(3, 1100, dtype, seed=5)     # 1100: two column blocks, the second partial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_small(dtype):
+    x = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    out = gated_mul_triton(x, "gelu_tanh", out=poisoned((3, 1100), dtype))
+    assert_matches(out, gated_mul_ref(x, "gelu_tanh"))
+    # The reference is tanh-GELU: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) times up.
+    g, up = x[:, :1100].float(), x[:, 1100:].float()
+    want = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))) * up
+    assert torch.allclose(gated_mul_ref(x, "gelu_tanh").float(), want, rtol=1e-2, atol=1e-2)
 
 
 @requires_cuda

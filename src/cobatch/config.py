@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -11,7 +12,12 @@ from cobatch.errors import UserError
 # qwen2/qwen3 keep the HF layout and rotate halves (NEOX). This comes from the arch, never from guessing.
 # qwen2moe / qwen3moe are qwen2 / qwen3 with routed experts; llama with `llama.expert_count` is Mixtral.
 # phi3 (Phi-3, Phi-3.5, Phi-4) stores q|k|v and gate|up each as one tensor, which is how cobatch fuses them anyway.
-SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True, "phi3": True}
+# gemma3 (text): tanh-GELU gating, embeddings scaled by sqrt(d_model), norms after each sublayer too, and
+# every 6th layer global while the others attend over a sliding window with their own rope base.
+SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True, "phi3": True,
+                   "gemma3": True}
+GEMMA3_SWA_PATTERN = 6            # llama.cpp's and transformers' default: layers 5, 11, ... are global
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # the sliding-window layers' rope base (not in the GGUF metadata)
 # Whether the top-k routing weights are renormalized to sum to 1, as llama.cpp's build_moe_ffn is told per
 # arch (Mixtral and Qwen3-MoE do; Qwen1.5/2-MoE do not). `{arch}.expert_weights_norm` overrides it.
 _EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -38,6 +44,13 @@ class ModelConfig:
     qk_norm: bool                 # qwen3
     rope_original_context: int = 0  # phi3 LongRoPE: past this context the "long" frequency factors apply
     rope_attn_factor: float = 1.0   # phi3 LongRoPE: cos and sin are scaled by it (HF's attention_factor)
+    activation: str = "silu"      # of the gated feed-forward: "silu" or "gelu_tanh" (gemma)
+    embed_scale: float = 1.0      # input embeddings are multiplied by it (gemma: sqrt(d_model))
+    attn_scale: float = 0.0       # q.k scale (0: head_dim ** -0.5)
+    post_norms: bool = False      # gemma: RMSNorm on each sublayer's output before the residual add
+    sliding_window: int = 0       # > 0: the local layers attend to their last sliding_window keys only
+    swa_pattern: int = 0          # every swa_pattern-th layer is global (the others local)
+    rope_theta_local: float = 0.0  # the local layers' rope base
     n_experts: int = 0            # routed experts per layer (0: a dense feed-forward)
     n_experts_used: int = 0       # experts each token is routed to (top-k)
     expert_ffn_dim: int = 0       # hidden width of one expert
@@ -84,7 +97,25 @@ class ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             **_experts(md, arch, tensor_names),
+            **(_gemma3(md, n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads)
+               if arch == "gemma3" else {}),
         )
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of a layer, 0 for a global one."""
+        if not self.sliding_window or (layer + 1) % self.swa_pattern == 0:
+            return 0
+        return self.sliding_window
+
+
+def _gemma3(md: Mapping[str, Any], n_layers: int, d_model: int, n_heads: int) -> dict[str, Any]:
+    head_dim = int(md.get("gemma3.attention.key_length", d_model // n_heads))
+    # Gemma 3 27B scales q by d_model / n_heads instead of head_dim (query_pre_attn_scalar); the GGUF does not
+    # say, so it is told by its layer count, as llama.cpp does.
+    attn_scalar = d_model / n_heads if n_layers == 62 else head_dim
+    return {"activation": "gelu_tanh", "embed_scale": math.sqrt(d_model), "attn_scale": attn_scalar ** -0.5,
+            "post_norms": True, "sliding_window": int(md.get("gemma3.attention.sliding_window") or 0),
+            "swa_pattern": GEMMA3_SWA_PATTERN, "rope_theta_local": GEMMA3_LOCAL_ROPE_THETA}
 
 
 def _experts(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:

@@ -83,6 +83,8 @@ class ModelShape:
     fused: bool = False          # phi3: q|k|v in one attn_qkv tensor, gate|up in one ffn_up tensor
     rope_dim: int | None = None  # rotated dims per head when not all (Phi-4-mini: 3/4)
     longrope: bool = False       # phi3 LongRoPE: rope_factors_long / _short tensors and their metadata
+    sliding_window: int = 0      # gemma3: the local layers' window (and post-sublayer norms)
+    rope_linear_factor: float = 0.0  # rope.scaling linear (gemma3 4b+: its global layers)
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +110,9 @@ SHAPES: dict[str, ModelShape] = {
     "phi3-tiny": ModelShape("phi3", 2, 256, 4, 4, 512, None, 10000.0, 1e-5, 4096, fused=True),
     "phi4-mini-tiny": ModelShape("phi3", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 16384, fused=True, rope_dim=48,
                                  longrope=True),
+    # Gemma 3 (text): 6 layers so that one (the last) is global; a window of 12 keys on the others.
+    "gemma3-tiny": ModelShape("gemma3", 6, 128, 4, 2, 256, None, 1e6, 1e-6, 4096, tied_embeddings=True,
+                              qk_norm=True, head_size=64, sliding_window=12, rope_linear_factor=8.0),
 }
 LONGROPE_ORIGINAL_CONTEXT = 4096   # the context a LongRoPE random model was "trained" at (a quarter of its own)
 
@@ -228,6 +233,8 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
             plan += [vector(f"{blk}.attn_q_norm.weight", shape.head_dim, "norm"),
                      vector(f"{blk}.attn_k_norm.weight", shape.head_dim, "norm")]
         plan.append(matrix(f"{blk}.attn_output.weight", d, q_dim, layer=i))
+        if shape.sliding_window:
+            plan.append(vector(f"{blk}.post_attention_norm.weight", d, "norm"))
         plan.append(vector(f"{blk}.ffn_norm.weight", d, "norm"))
         if shape.n_experts:
             plan += _expert_tensors(shape, blk, i, matrix)
@@ -238,6 +245,8 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
             plan.append(matrix(f"{blk}.ffn_gate.weight", shape.ffn_dim, d, layer=i))
             plan.append(matrix(f"{blk}.ffn_up.weight", shape.ffn_dim, d, layer=i))
             plan.append(matrix(f"{blk}.ffn_down.weight", d, shape.ffn_dim, "ffn_down", i))
+        if shape.sliding_window:
+            plan.append(vector(f"{blk}.post_ffw_norm.weight", d, "norm"))
     plan.append(vector("output_norm.weight", d, "norm"))
     if not shape.tied_embeddings:
         plan.append(matrix("output.weight", vocab_size, d, "head"))
@@ -548,6 +557,11 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
     if shape.head_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.rope_linear_factor:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(shape.rope_linear_factor)
     if shape.n_experts:
         writer.add_expert_count(shape.n_experts)
         writer.add_expert_used_count(shape.n_experts_used)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.activation import silu_mul_ref, silu_mul_triton
+from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
@@ -68,17 +68,23 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-              scale: float) -> torch.Tensor:
-    """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise."""
+              scale: float, window: int = 0) -> torch.Tensor:
+    """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise.
+    window > 0: each row sees only its last `window` keys (sliding-window layers)."""
     if _triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, window)
+
+
+def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of the fused gate|up output; act "silu" or "gelu_tanh" (Gemma)."""
+    if _triton(x):
+        return gated_mul_triton(x, act)
+    return gated_mul_ref(x, act)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    if _triton(x):
-        return silu_mul_triton(x)
-    return silu_mul_ref(x)
+    return gated_mul(x, "silu")
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The llama family (llama, mistral, mixtral, qwen2, qwen3 and their MoE variants) as one flat forward over a batch of rows.
+"""The llama family (llama, mistral, mixtral, qwen2/3 and their MoE variants, phi3, gemma3) as one flat
+forward over a batch of rows.
 
 Rows from different sequences sit at different positions; attention goes through the paged KV cache.
 All math goes through `cobatch.ops`, so the same code runs the torch references on the CPU and the
@@ -32,6 +33,9 @@ class Layer:
     gate_up: object | None       # fused gate|up projection (dense feed-forward)
     down: object | None
     moe: MoeFeedForward | None = None   # routed experts instead of gate_up / down
+    post_attn_norm: torch.Tensor | None = None   # gemma: on the attention output, before the residual add
+    post_ffn_norm: torch.Tensor | None = None    # gemma: on the feed-forward output, likewise
+    window: int = 0              # sliding window of a local layer (0: global)
 
 
 def _gate_up(prefix: str, gguf: GGUFFile, lin) -> object:
@@ -69,6 +73,9 @@ class LlamaModel:
                 gate_up=None if cfg.n_experts else _gate_up(p, gguf, lin),
                 down=None if cfg.n_experts else lin(p + "ffn_down.weight"),
                 moe=MoeFeedForward(cfg, gguf, p, dev, dtype, keep_dense) if cfg.n_experts else None,
+                post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.post_norms else None,
+                post_ffn_norm=vec(p + "post_ffw_norm.weight") if cfg.post_norms else None,
+                window=cfg.layer_window(i),
             ))
             if progress is not None:
                 progress(1)
@@ -97,7 +104,10 @@ class LlamaModel:
         linear_factor = cfg.rope_scaling["factor"] if cfg.rope_scaling and cfg.rope_scaling["type"] == "linear" else 1.0
         self.cos_sin = rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor,
                                     cfg.rope_attn_factor).to(dev)
-        self.scale = cfg.head_dim ** -0.5
+        # gemma3's sliding-window layers rotate with their own base and no scaling.
+        self.cos_sin_local = (rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta_local).to(dev)
+                              if cfg.sliding_window else self.cos_sin)
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -106,6 +116,8 @@ class LlamaModel:
         n = token_ids.shape[0]
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         x = self.embed[token_ids]
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)    # rounded to the dtype first, as gemma does
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual)
@@ -118,15 +130,20 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q, _ = ops.rms_norm(q.contiguous(), layer.q_norm, cfg.rms_eps)
                 k, _ = ops.rms_norm(k.contiguous(), layer.k_norm, cfg.rms_eps)
-            q, k = ops.rope_kv_write(q, k, v, positions, self.cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
+            cos_sin = self.cos_sin_local if layer.window else self.cos_sin
+            q, k = ops.rope_kv_write(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
                                      meta.slot_mapping)
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale)
+            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window)
             x = ops.linear(attn.reshape(n, q_size), layer.o)
+            if layer.post_attn_norm is not None:
+                x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
             h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual)
             if layer.moe is not None:
                 x = layer.moe(h)
             else:
-                x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+                x = ops.linear(ops.gated_mul(ops.linear(h, layer.gate_up), cfg.activation), layer.down)
+            if layer.post_ffn_norm is not None:
+                x, _ = ops.rms_norm(x, layer.post_ffn_norm, cfg.rms_eps)
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
         return out
 
