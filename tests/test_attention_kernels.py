@@ -55,17 +55,17 @@ def paged_setup(seq_lens: list[int], q_lens: list[int], n_q: int, n_kv: int, hea
 
 
 def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_cfg=None, prefill_cfg=None,
-                    capacity=None, window=0) -> None:
+                    capacity=None, window=0, softcap=0.0) -> None:
     q, k_cache, v_cache, meta = paged_setup(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, capacity=capacity)
     scale = head_dim ** -0.5
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, window)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
     out = poisoned(q.shape, dtype)
     if meta.max_query_len == 1:
         got = paged_decode_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=decode_cfg or DecodeConfig(),
-                                     window=window)
+                                     window=window, softcap=softcap)
     else:
         got = paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out,
-                                      cfg=prefill_cfg or PrefillConfig(), window=window)
+                                      cfg=prefill_cfg or PrefillConfig(), window=window, softcap=softcap)
     assert got is out
     assert_matches(got, ref)
     assert relative_error(got, ref) < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
@@ -149,6 +149,32 @@ def test_prefill_small_window(window):
     # Rows whose window starts inside an early tile see none of its keys (the EMPTY_ROWS case).
     check_attention([29, 70, 33, 0], [29, 21, 1, 0], 8, 2, head_dim=32, dtype=torch.float32, seed=32,
                     prefill_cfg=TINY_PREFILL, window=window)
+
+
+# --- soft-capped scores (Gemma 2) ------------------------------------------------------------------------------
+
+def test_softcap_ref_caps_the_scores():
+    q, k_cache, v_cache, meta = paged_setup([20], [20], 2, 1, 16, torch.float32, seed=33)
+    q = q * 8                                  # large scores, so that the cap bites
+    capped = paged_attention_ref(q, k_cache, v_cache, meta, 1.0, softcap=5.0)
+    blocks = meta.block_tables[0, :2].long()
+    k, v = k_cache[blocks].reshape(-1, 1, 16)[:20, 0], v_cache[blocks].reshape(-1, 1, 16)[:20, 0]
+    i = 19
+    w = torch.softmax(5.0 * torch.tanh((k[:i + 1] @ q[i, 0]) / 5.0), 0)
+    assert torch.allclose(capped[i, 0], w @ v[:i + 1], atol=1e-5)
+    assert not torch.allclose(capped, paged_attention_ref(q, k_cache, v_cache, meta, 1.0), atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+def test_decode_small_softcap(variant):
+    check_attention([37, 0, 100, 5], [1, 1, 1, 1], 8, 2, head_dim=32, dtype=torch.float32, seed=34,
+                    decode_cfg=DECODE_VARIANTS[variant], capacity=130, softcap=0.5)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_prefill_small_softcap(window):
+    check_attention([29, 70, 33, 0], [29, 21, 1, 0], 8, 2, head_dim=32, dtype=torch.float32, seed=35,
+                    prefill_cfg=TINY_PREFILL, window=window, softcap=0.5)
 
 
 # --- GPU, real shapes ----------------------------------------------------------------------------------------

@@ -12,12 +12,14 @@ from cobatch.errors import UserError
 # qwen2/qwen3 keep the HF layout and rotate halves (NEOX). This comes from the arch, never from guessing.
 # qwen2moe / qwen3moe are qwen2 / qwen3 with routed experts; llama with `llama.expert_count` is Mixtral.
 # phi3 (Phi-3, Phi-3.5, Phi-4) stores q|k|v and gate|up each as one tensor, which is how cobatch fuses them anyway.
-# gemma3 (text): tanh-GELU gating, embeddings scaled by sqrt(d_model), norms after each sublayer too, and
-# every 6th layer global while the others attend over a sliding window with their own rope base.
+# gemma2 / gemma3 (text): tanh-GELU gating, embeddings scaled by sqrt(d_model), norms after each sublayer too,
+# and sliding-window layers: every other one in gemma2 (with soft-capped attention and logits), five of six in
+# gemma3 (with their own rope base).
 SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True, "phi3": True,
-                   "gemma3": True}
-GEMMA3_SWA_PATTERN = 6            # llama.cpp's and transformers' default: layers 5, 11, ... are global
-GEMMA3_LOCAL_ROPE_THETA = 10000.0  # the sliding-window layers' rope base (not in the GGUF metadata)
+                   "gemma2": True, "gemma3": True}
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}   # every n-th layer is global (llama.cpp's and transformers')
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models scale q by d_model / n_heads, not head_dim
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # gemma3's sliding-window layers' rope base (not in the GGUF metadata)
 # Whether the top-k routing weights are renormalized to sum to 1, as llama.cpp's build_moe_ffn is told per
 # arch (Mixtral and Qwen3-MoE do; Qwen1.5/2-MoE do not). `{arch}.expert_weights_norm` overrides it.
 _EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -51,6 +53,8 @@ class ModelConfig:
     sliding_window: int = 0       # > 0: the local layers attend to their last sliding_window keys only
     swa_pattern: int = 0          # every swa_pattern-th layer is global (the others local)
     rope_theta_local: float = 0.0  # the local layers' rope base
+    attn_softcap: float = 0.0     # gemma2: attention scores soft-capped at this (0: not)
+    final_softcap: float = 0.0    # gemma2: output logits soft-capped at this (0: not)
     n_experts: int = 0            # routed experts per layer (0: a dense feed-forward)
     n_experts_used: int = 0       # experts each token is routed to (top-k)
     expert_ffn_dim: int = 0       # hidden width of one expert
@@ -97,8 +101,8 @@ class ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             **_experts(md, arch, tensor_names),
-            **(_gemma3(md, n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads)
-               if arch == "gemma3" else {}),
+            **(_gemma(md, arch, n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads)
+               if arch in GEMMA_SWA_PATTERN else {}),
         )
 
     def layer_window(self, layer: int) -> int:
@@ -108,14 +112,21 @@ class ModelConfig:
         return self.sliding_window
 
 
-def _gemma3(md: Mapping[str, Any], n_layers: int, d_model: int, n_heads: int) -> dict[str, Any]:
-    head_dim = int(md.get("gemma3.attention.key_length", d_model // n_heads))
-    # Gemma 3 27B scales q by d_model / n_heads instead of head_dim (query_pre_attn_scalar); the GGUF does not
-    # say, so it is told by its layer count, as llama.cpp does.
-    attn_scalar = d_model / n_heads if n_layers == 62 else head_dim
-    return {"activation": "gelu_tanh", "embed_scale": math.sqrt(d_model), "attn_scale": attn_scalar ** -0.5,
-            "post_norms": True, "sliding_window": int(md.get("gemma3.attention.sliding_window") or 0),
-            "swa_pattern": GEMMA3_SWA_PATTERN, "rope_theta_local": GEMMA3_LOCAL_ROPE_THETA}
+def _gemma(md: Mapping[str, Any], arch: str, n_layers: int, d_model: int, n_heads: int) -> dict[str, Any]:
+    head_dim = int(md.get(f"{arch}.attention.key_length", d_model // n_heads))
+    # The 27B models scale q by d_model / n_heads instead of head_dim (query_pre_attn_scalar); the GGUF does
+    # not say, so it is told by the layer count, as llama.cpp does.
+    attn_scalar = d_model / n_heads if n_layers == GEMMA_27B_LAYERS[arch] else head_dim
+    traits = {"activation": "gelu_tanh", "embed_scale": math.sqrt(d_model), "attn_scale": attn_scalar ** -0.5,
+              "post_norms": True, "sliding_window": int(md.get(f"{arch}.attention.sliding_window") or 0),
+              "swa_pattern": GEMMA_SWA_PATTERN[arch]}
+    if arch == "gemma2":
+        traits.update(rope_theta_local=float(md.get("gemma2.rope.freq_base", 10000.0)),
+                      attn_softcap=float(md.get("gemma2.attn_logit_softcapping") or 0.0),
+                      final_softcap=float(md.get("gemma2.final_logit_softcapping") or 0.0))
+    else:
+        traits["rope_theta_local"] = GEMMA3_LOCAL_ROPE_THETA
+    return traits
 
 
 def _experts(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:

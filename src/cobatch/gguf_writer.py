@@ -85,6 +85,8 @@ class ModelShape:
     longrope: bool = False       # phi3 LongRoPE: rope_factors_long / _short tensors and their metadata
     sliding_window: int = 0      # gemma3: the local layers' window (and post-sublayer norms)
     rope_linear_factor: float = 0.0  # rope.scaling linear (gemma3 4b+: its global layers)
+    attn_softcap: float = 0.0    # gemma2: soft caps on the attention scores and the output logits
+    final_softcap: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -110,6 +112,9 @@ SHAPES: dict[str, ModelShape] = {
     "phi3-tiny": ModelShape("phi3", 2, 256, 4, 4, 512, None, 10000.0, 1e-5, 4096, fused=True),
     "phi4-mini-tiny": ModelShape("phi3", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 16384, fused=True, rope_dim=48,
                                  longrope=True),
+    # Gemma 2: every other layer local. The caps are set low enough to bite on random weights (real: 50, 30).
+    "gemma2-tiny": ModelShape("gemma2", 4, 128, 4, 2, 256, None, 10000.0, 1e-6, 4096, tied_embeddings=True,
+                              head_size=64, sliding_window=12, attn_softcap=0.05, final_softcap=0.2),
     # Gemma 3 (text): 6 layers so that one (the last) is global; a window of 12 keys on the others.
     "gemma3-tiny": ModelShape("gemma3", 6, 128, 4, 2, 256, None, 1e6, 1e-6, 4096, tied_embeddings=True,
                               qk_norm=True, head_size=64, sliding_window=12, rope_linear_factor=8.0),
@@ -559,6 +564,9 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
         writer.add_value_length(shape.head_dim)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.attn_softcap:
+        writer.add_attn_logit_softcapping(shape.attn_softcap)
+        writer.add_final_logit_softcapping(shape.final_softcap)
     if shape.rope_linear_factor:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_linear_factor)

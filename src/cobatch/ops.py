@@ -68,12 +68,13 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-              scale: float, window: int = 0) -> torch.Tensor:
+              scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise.
-    window > 0: each row sees only its last `window` keys (sliding-window layers)."""
+    window > 0: each row sees only its last `window` keys (sliding-window layers); softcap > 0: scores are
+    soft-capped (Gemma 2)."""
     if _triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, window)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:

@@ -13,12 +13,12 @@ from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_d
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [N, Hq, D]; caches [num_blocks, block_size, Hk, D] (this step's K/V already written).
 
     Row i of sequence s sits at position seq_len - q_len + i and sees keys 0..that position, or with a
-    sliding window (> 0) only the last `window` of them (Gemma's local layers). Rows past query_start[-1]
-    (padding) come out as zeros.
+    sliding window (> 0) only the last `window` of them (Gemma's local layers). softcap > 0 (Gemma 2): scores
+    become softcap * tanh(score / softcap). Rows past query_start[-1] (padding) come out as zeros.
     """
     n_rows, n_heads, head_dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -35,6 +35,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v_cache[blocks].reshape(-1, n_kv, head_dim)[:ctx].float().transpose(0, 1)
         qh = q[a:b].float().view(q_len, n_kv, group, head_dim).permute(1, 2, 0, 3)      # [Hk, G, q, D]
         scores = torch.einsum("hgqd,hkd->hgqk", qh, k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         hidden = key_pos > q_pos[:, None]
@@ -64,15 +66,21 @@ def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_ma
 
 
 @jit
-def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
+def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.constexpr, EMPTY_ROWS: tl.constexpr = False,
+                         softcap=0.0, SOFTCAP: tl.constexpr = False):
     """One tile of flash attention: scores q.k^T over `valid`, then fold p.v into (m, l, acc), all f32.
     qk_scale includes log2(e), so exp2 gives the softmax weights. EMPTY_ROWS: a row may have no valid key in
-    this tile and none before it (its max stays -inf), so the exponents are taken against 0 instead of NaN."""
+    this tile and none before it (its max stays -inf), so the exponents are taken against 0 instead of NaN.
+    SOFTCAP (Gemma 2): scores become softcap * tanh(score / softcap) before the softmax."""
     if DOT_F32:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid, s * qk_scale, float("-inf"))
+    if SOFTCAP:      # tanh(x) = 2 sigmoid(2x) - 1, x = score / softcap (qk_scale carries log2(e))
+        s = (2.0 * tl.sigmoid(s * (2.0 * qk_scale / (LOG2E * softcap))) - 1.0) * (softcap * LOG2E)
+    else:
+        s = s * qk_scale
+    s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     if EMPTY_ROWS:
         m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -126,9 +134,10 @@ DECODE_CONFIG = DecodeConfig()
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
-                         num_splits, window, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
+                         num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
     so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
@@ -160,7 +169,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         tok_mask = toks < end
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                cache_slot_stride, cache_head_stride, PAGE=PAGE)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32)
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32,
+                                         softcap=softcap, SOFTCAP=SOFTCAP)
     if PDL:
         # The next kernel may launch now (not at the start: a chain would get resident all at once).
         gdc_launch_dependents()
@@ -233,7 +243,7 @@ def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: in
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
-                           cfg: DecodeConfig = DECODE_CONFIG, window: int = 0) -> torch.Tensor:
+                           cfg: DecodeConfig = DECODE_CONFIG, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """paged_attention_ref for a decode step (one row per sequence). Graph-safe: the grid depends only on
     q's shape, the heads and meta.max_seq_len; no host syncs. With cfg.pdl the kernels are launched as
     programmatic dependents and read meta.seq_lens before waiting for the previous kernel, so that kernel
@@ -257,9 +267,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits, window,
+        out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype),
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
@@ -284,9 +294,10 @@ PREFILL_CONFIG = PrefillConfig()
 @jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
                     q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
-                    cache_head_stride, out_row_stride, out_head_stride, qk_scale, window,
+                    cache_head_stride, out_row_stride, out_head_stride, qk_scale, window, softcap,
                     GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     """Program (q_head, seq, query tile). Row i of the chunk sits at position seq_len - q_len + i and sees
     keys 0..position; the keys come from the cache (the chunk's own K/V are already written there).
     Tiles go last-first: the longest programs start first and the short ones fill the tail, and the heads
@@ -327,21 +338,24 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                    cache_slot_stride, cache_head_stride, PAGE=PAGE)
             valid = (toks[None, :] <= pos[:, None]) & (toks[None, :] > pos[:, None] - window) & tok_mask[None, :]
-            m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32, EMPTY_ROWS=True)
+            m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32, EMPTY_ROWS=True,
+                                             softcap=softcap, SOFTCAP=SOFTCAP)
     else:
         all_keys = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
         for n0 in range(0, full_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, toks < kv_end, kv_head, d, d_mask,
                                    cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE)
-            m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32)
+            m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32,
+                                             softcap=softcap, SOFTCAP=SOFTCAP)
         for n0 in range(full_end, kv_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                    cache_slot_stride, cache_head_stride, PAGE=PAGE)
             valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
-            m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32)
+            m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32,
+                                             softcap=softcap, SOFTCAP=SOFTCAP)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + d[None, :],
@@ -350,7 +364,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                             scale: float, out: torch.Tensor | None = None,
-                            cfg: PrefillConfig = PREFILL_CONFIG, window: int = 0) -> torch.Tensor:
+                            cfg: PrefillConfig = PREFILL_CONFIG, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """paged_attention_ref for chunks of several tokens per sequence (any q_len, 1 included). Rows past
     query_start[-1] stay zero when `out` is allocated here and untouched when it is passed in."""
     n_rows, n_heads, head_dim = q.shape
@@ -363,15 +377,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), scale * LOG2E, window,
+        out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0,
+        BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                           scale: float, out: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
-        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, window=window)
-    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window)
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)

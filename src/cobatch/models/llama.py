@@ -1,4 +1,4 @@
-"""The llama family (llama, mistral, mixtral, qwen2/3 and their MoE variants, phi3, gemma3) as one flat
+"""The llama family (llama, mistral, mixtral, qwen2/3 and their MoE variants, phi3, gemma2/3) as one flat
 forward over a batch of rows.
 
 Rows from different sequences sit at different positions; attention goes through the paged KV cache.
@@ -133,7 +133,7 @@ class LlamaModel:
             cos_sin = self.cos_sin_local if layer.window else self.cos_sin
             q, k = ops.rope_kv_write(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
                                      meta.slot_mapping)
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window)
+            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap)
             x = ops.linear(attn.reshape(n, q_size), layer.o)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
@@ -148,4 +148,7 @@ class LlamaModel:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return ops.linear(hidden, self.lm_head).float()
+        logits = ops.linear(hidden, self.lm_head).float()
+        if self.cfg.final_softcap:      # gemma2
+            logits = self.cfg.final_softcap * torch.tanh(logits / self.cfg.final_softcap)
+        return logits

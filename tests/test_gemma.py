@@ -1,9 +1,11 @@
-"""Gemma 3 (text): tanh-GELU gating, scaled embeddings, post-sublayer norms, sliding-window local layers with
-their own rope base, linear rope scaling on the global layers.
+"""Gemma 2 and Gemma 3 (text): tanh-GELU gating, scaled embeddings, post-sublayer norms, sliding-window local
+layers; Gemma 2's soft-capped attention scores and logits; Gemma 3's local rope base and linear rope scaling
+on the global layers.
 
-A random model of its layout, written by our GGUF writer, read by our code and by transformers (the
-independent reference). transformers' GGUF mapping does not carry query_pre_attn_scalar or the per-layer-type
-rope parameters, so those are passed as config overrides with the values llama.cpp derives for the file.
+Random models of their layouts, written by our GGUF writer, read by our code and by transformers (the
+independent reference). transformers' GGUF mapping does not carry query_pre_attn_scalar, the soft caps or the
+per-layer-type rope parameters, so those are passed as config overrides with the values the file holds (or
+llama.cpp derives for it).
 """
 
 import dataclasses
@@ -26,10 +28,16 @@ IDS = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator(
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
+def gemma_files(tmp_path_factory):
     tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()
-    return write_random_model(tmp_path_factory.mktemp("gemma") / "gemma3.gguf", "gemma3-tiny", "q8_0",
-                              tokenizer_from=tokenizer, seed=31)
+    tmp = tmp_path_factory.mktemp("gemma")
+    return {arch: write_random_model(tmp / f"{arch}.gguf", f"{arch}-tiny", "q8_0", tokenizer_from=tokenizer, seed=31)
+            for arch in ("gemma2", "gemma3")}
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_files):
+    return gemma_files["gemma3"]
 
 
 def _open(path):
@@ -64,6 +72,28 @@ def test_logits_match_transformers(gemma):
     assert ((_logits(unwindowed, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND
 
 
+def test_gemma2_config_and_logits_match_transformers(gemma_files):
+    path = gemma_files["gemma2"]
+    f, cfg = _open(path)
+    assert [cfg.layer_window(i) for i in range(4)] == [12, 0, 12, 0]
+    assert cfg.attn_softcap == pytest.approx(0.05) and cfg.final_softcap == pytest.approx(0.2)
+    transformers = pytest.importorskip("transformers")
+    ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                           query_pre_attn_scalar=cfg.head_dim,
+                                                           attn_logit_softcapping=cfg.attn_softcap,
+                                                           final_logit_softcapping=cfg.final_softcap)
+    got = _logits(ours, cfg, IDS)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([IDS])).logits[0].float()
+    assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # Each Gemma 2 trait changes the logits well beyond the bound: the test would see one missing.
+    for trait in ("attn_softcap", "final_softcap", "sliding_window"):
+        without = LlamaModel(dataclasses.replace(cfg, **{trait: 0}), f, "cpu", torch.float32, max_positions=128)
+        assert ((_logits(without, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND, trait
+
+
 def test_batched_greedy_equals_each_alone(gemma):
     """Decode steps past the window (local layers drop old keys) batched with other sequences."""
     llm = LLM.load(gemma, EngineOptions(device="cpu", ctx=256, max_num_seqs=4, quiet=True))
@@ -79,8 +109,9 @@ def test_batched_greedy_equals_each_alone(gemma):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
-def test_gpu_logits_close_to_cpu(gemma):
-    f, cfg = _open(gemma)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gpu_logits_close_to_cpu(gemma_files, arch):
+    f, cfg = _open(gemma_files[arch])
     cpu = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
     gpu = LlamaModel(cfg, f, "cuda", torch.float16, max_positions=128)
     want, got = _logits(cpu, cfg, IDS), _logits(gpu, cfg, IDS)
