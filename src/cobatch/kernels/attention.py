@@ -76,8 +76,9 @@ def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.conste
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if SOFTCAP:      # tanh(x) = 2 sigmoid(2x) - 1, x = score / softcap (qk_scale carries log2(e))
-        s = (2.0 * tl.sigmoid(s * (2.0 * qk_scale / (LOG2E * softcap))) - 1.0) * (softcap * LOG2E)
+    if SOFTCAP:      # tanh(x) = 2 sigmoid(2x) - 1, x = score / softcap; qk_scale carries log2(e) = 1.4427
+        s = (2.0 * tl.sigmoid(s * (2.0 * qk_scale / (1.4426950408889634 * softcap))) - 1.0) \
+            * (softcap * 1.4426950408889634)
     else:
         s = s * qk_scale
     s = tl.where(valid, s, float("-inf"))
