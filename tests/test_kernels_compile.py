@@ -24,12 +24,13 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cobatch.kernels import activation, attention
+from cobatch.kernels import activation, attention, kv_write, norm, rope
 
 H200 = GPUTarget("cuda", 90, 32)
-INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr"}
-FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr"}
-FLOAT_SCALARS = {"qk_scale", "softcap"}
+INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr"}
+LONG_POINTERS = {"slot_ptr"}
+FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr"}
+FLOAT_SCALARS = {"qk_scale", "softcap", "eps"}
 
 
 def compile_for_h200(kernel, constants, num_warps=4, num_stages=2):
@@ -41,6 +42,8 @@ def compile_for_h200(kernel, constants, num_warps=4, num_stages=2):
             signature[name] = "constexpr"
         elif name in INT_POINTERS:
             signature[name] = "*i32"
+        elif name in LONG_POINTERS:
+            signature[name] = "*i64"
         elif name in FLOAT_POINTERS:
             signature[name] = "*fp32"
         elif name.endswith("_ptr"):
@@ -69,6 +72,14 @@ for softcap in (False, True):
 variants["decode reduce"] = (attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_S=64, PDL=True), 4, 2)
 for gelu in (False, True):
     variants[f"gated_mul gelu={gelu}"] = (activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, PDL=True), 4, 2)
+for residual in (False, True):
+    variants[f"rms_norm residual={residual}"] = (norm._rms_norm_kernel,
+                                                 dict(HAS_RESIDUAL=residual, BLOCK=4096, PDL=True), 16, 2)
+for neox, half in ((False, 64), (True, 64), (True, 24)):      # 24: Phi-4-mini's partial rotary (48 of 64 dims)
+    variants[f"rope+kv_write neox={neox} half={half}"] = (
+        rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, BLOCK_HQ=16, BLOCK_HK=8,
+                                BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
+variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 
 results = {}
 for name, (kernel, constants, warps, stages) in variants.items():
@@ -93,7 +104,7 @@ def compiled() -> dict[str, str]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_every_attention_and_activation_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 11
+def test_every_variant_of_the_small_kernels_compiles_for_sm90(compiled):
+    assert len(compiled) == 17
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed
