@@ -72,6 +72,18 @@ def test_logits_match_transformers(gemma):
     assert ((_logits(unwindowed, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND
 
 
+def test_incomplete_files_are_user_errors(gemma_files):
+    from cobatch.errors import UserError
+    f, cfg = _open(gemma_files["gemma3"])
+    md = dict(f.metadata)
+    del md["gemma3.attention.sliding_window"]
+    with pytest.raises(UserError, match="lacks gemma3.attention.sliding_window"):
+        ModelConfig.from_metadata(md, set(f.tensors))
+    del f.tensors["blk.1.post_ffw_norm.weight"]
+    with pytest.raises(UserError, match="no tensor blk.1.post_ffw_norm.weight, which a gemma3 model needs"):
+        LlamaModel(cfg, f, "cpu", torch.float32, max_positions=64)
+
+
 def test_gemma2_config_and_logits_match_transformers(gemma_files):
     path = gemma_files["gemma2"]
     f, cfg = _open(path)

@@ -117,9 +117,11 @@ def _gemma(md: Mapping[str, Any], arch: str, n_layers: int, d_model: int, n_head
     # The 27B models scale q by d_model / n_heads instead of head_dim (query_pre_attn_scalar); the GGUF does
     # not say, so it is told by the layer count, as llama.cpp does.
     attn_scalar = d_model / n_heads if n_layers == GEMMA_27B_LAYERS[arch] else head_dim
+    window = md.get(f"{arch}.attention.sliding_window")
+    if not window:
+        raise UserError(f"GGUF metadata lacks {arch}.attention.sliding_window")
     traits = {"activation": "gelu_tanh", "embed_scale": math.sqrt(d_model), "attn_scale": attn_scalar ** -0.5,
-              "post_norms": True, "sliding_window": int(md.get(f"{arch}.attention.sliding_window") or 0),
-              "swa_pattern": GEMMA_SWA_PATTERN[arch]}
+              "post_norms": True, "sliding_window": int(window), "swa_pattern": GEMMA_SWA_PATTERN[arch]}
     if arch == "gemma2":
         traits.update(rope_theta_local=float(md.get("gemma2.rope.freq_base", 10000.0)),
                       attn_softcap=float(md.get("gemma2.attn_logit_softcapping") or 0.0),

@@ -53,17 +53,26 @@ class GGUFFile:
                 raise UserError(f"tensor {t.name}: {e}") from None
 
     def tensor_type(self, name: str) -> GGMLQuantizationType:
-        return self.tensors[name].tensor_type
+        return self._tensor(name).tensor_type
+
+    def _tensor(self, name: str):
+        """The tensor record, or a clear error when the file lacks a tensor its architecture needs."""
+        t = self.tensors.get(name)
+        if t is None:
+            arch = self.metadata.get("general.architecture", "?")
+            raise UserError(f"{self.path.name}: no tensor {name}, which a {arch} model needs "
+                            "(an incomplete or differently converted file?)")
+        return t
 
     def _raw(self, name: str) -> torch.Tensor:
-        data = self.tensors[name].data
+        data = self._tensor(name).data
         with warnings.catch_warnings():  # the mmap is read-only; we never write through it
             warnings.simplefilter("ignore")
             return torch.from_numpy(np.asarray(data))
 
     def quant_weight(self, name: str) -> QuantWeight:
         """A 2-D weight as stored: GGUF shape is [K, N] (fastest dim first), rows are N."""
-        t = self.tensors[name]
+        t = self._tensor(name)
         try:
             fmt = format_of(t.tensor_type)
         except UnsupportedQuantType as e:
@@ -74,7 +83,7 @@ class GGUFFile:
 
     def float_tensor(self, name: str) -> torch.Tensor:
         """A small tensor (norm weight, bias) as float32."""
-        t = self.tensors[name]
+        t = self._tensor(name)
         if t.tensor_type == GGMLQuantizationType.F32:
             return self._raw(name).view(torch.float32).reshape(-1).clone()
         return self.quant_weight(name).dequantize().reshape(-1)
