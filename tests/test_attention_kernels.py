@@ -244,3 +244,20 @@ def test_ops_attention_dispatches_decode_and_prefill():
         q, k_cache, v_cache, meta = paged_setup(seq_lens, q_lens, 4, 2, 32, torch.bfloat16, seed=40)
         assert_matches(ops.attention(q, k_cache, v_cache, meta, 0.2),
                        paged_attention_ref(q, k_cache, v_cache, meta, 0.2))
+
+
+GEMMA3_4B = dict(n_q=8, n_kv=4, head_dim=256)     # 256-wide heads: the kernels' largest tiles
+
+
+@requires_cuda
+@pytest.mark.parametrize("window,softcap", [(1024, 0.0), (0, 50.0), (4096, 50.0)])
+def test_decode_gemma_shapes(window, softcap):
+    check_attention([1, 1023, 1025, 5000, 0], [1] * 5, **GEMMA3_4B, dtype=torch.bfloat16, seed=window,
+                    capacity=8192, window=window, softcap=softcap)
+
+
+@requires_cuda
+@pytest.mark.parametrize("window,softcap", [(1024, 0.0), (0, 50.0), (4096, 50.0)])
+def test_prefill_gemma_shapes(window, softcap):
+    check_attention([3000, 1500, 64], [3000, 700, 1], **GEMMA3_4B, dtype=torch.bfloat16, seed=window + 1,
+                    window=window, softcap=softcap)
