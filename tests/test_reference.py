@@ -132,3 +132,29 @@ def test_embeddings_match_transformers_last_hidden_state():
         assert rel < REL_ERR_BOUND, (ids, rel)
     del hf
     gc.collect()
+
+
+def test_yarn_rope_scaling_matches_transformers(tmp_path):
+    """YaRN (Qwen3 / Qwen2.5 GGUFs past their 32k): a random qwen3 with rope.scaling yarn, factor 4 over a
+    1024-token original context. transformers' GGUF mapping carries no rope scaling: it is passed as an
+    override with the file's values, and without it the logits are far off (the scaling does act)."""
+    from cobatch.gguf_writer import YARN_ORIGINAL_CONTEXT, write_random_model
+    path = write_random_model(tmp_path / "qwen3-yarn.gguf", "qwen3-yarn-tiny", "q8_0",
+                              tokenizer_from=smollm2_path(), seed=6)
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    assert cfg.rope_scaling["type"] == "yarn" and cfg.rope_scaling["original_context"] == YARN_ORIGINAL_CONTEXT
+    ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=4096)
+    ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
+    got = _our_logits(ours, cfg, ids)
+    refs = {}
+    for scaled in (True, False):
+        rope = {"rope_type": "yarn", "factor": cfg.rope_scaling["factor"], "rope_theta": cfg.rope_theta,
+                "original_max_position_embeddings": YARN_ORIGINAL_CONTEXT}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
+                                                               **({"rope_scaling": rope} if scaled else {}))
+        with torch.inference_mode():
+            refs[scaled] = hf(torch.tensor([ids])).logits[0].float()
+    assert ((got - refs[True]).norm() / refs[True].norm()).item() < REL_ERR_BOUND
+    assert torch.equal(got.argmax(-1), refs[True].argmax(-1))
+    assert ((got - refs[False]).norm() / refs[False].norm()).item() > 100 * REL_ERR_BOUND

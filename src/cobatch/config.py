@@ -157,12 +157,14 @@ def _rope_scaling(md: Mapping[str, Any], arch: str) -> dict | None:
     factor = md.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none", "longrope", "su") or not factor or float(factor) == 1.0:
         return None     # LongRoPE ships as rope_factors_long / _short tensors (models/llama.py)
-    if kind not in ("linear", "llama3"):
-        raise UserError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    if kind not in ("linear", "llama3", "yarn"):
+        raise UserError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn)")
     return {
         "type": kind,
         "factor": float(factor),
         "original_context": int(md.get(f"{arch}.rope.scaling.original_context_length", 8192)),
         "low_freq_factor": float(md.get(f"{arch}.rope.scaling.low_freq_factor", 1.0)),
         "high_freq_factor": float(md.get(f"{arch}.rope.scaling.high_freq_factor", 4.0)),
+        "beta_fast": float(md.get(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+        "beta_slow": float(md.get(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),
     }

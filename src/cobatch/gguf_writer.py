@@ -87,6 +87,7 @@ class ModelShape:
     rope_linear_factor: float = 0.0  # rope.scaling linear (gemma3 4b+: its global layers)
     attn_softcap: float = 0.0    # gemma2: soft caps on the attention scores and the output logits
     final_softcap: float = 0.0
+    rope_yarn_factor: float = 0.0  # rope.scaling yarn over YARN_ORIGINAL_CONTEXT (Qwen3 / Qwen2.5 past 32k)
 
     @property
     def head_dim(self) -> int:
@@ -100,6 +101,8 @@ SHAPES: dict[str, ModelShape] = {
                                qkv_bias=True, tied_embeddings=True),
     "tiny": ModelShape("llama", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 4096),
     "qwen3-tiny": ModelShape("qwen3", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128),
+    "qwen3-yarn-tiny": ModelShape("qwen3", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128,
+                                  rope_yarn_factor=4.0),
     # Mixture-of-experts layouts, tiny: Qwen3-MoE (qwen3 + routed experts), Qwen2-MoE (+ a gated shared
     # expert, qkv biases) and Mixtral (llama with experts).
     "qwen3moe-tiny": ModelShape("qwen3moe", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128,
@@ -120,6 +123,7 @@ SHAPES: dict[str, ModelShape] = {
                               qk_norm=True, head_size=64, sliding_window=12, rope_linear_factor=8.0),
 }
 LONGROPE_ORIGINAL_CONTEXT = 4096   # the context a LongRoPE random model was "trained" at (a quarter of its own)
+YARN_ORIGINAL_CONTEXT = 1024       # likewise for the YaRN one: a quarter of its 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,6 +571,10 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
     if shape.attn_softcap:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
         writer.add_final_logit_softcapping(shape.final_softcap)
+    if shape.rope_yarn_factor:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.rope_yarn_factor)
+        writer.add_rope_scaling_orig_ctx_len(YARN_ORIGINAL_CONTEXT)
     if shape.rope_linear_factor:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_linear_factor)

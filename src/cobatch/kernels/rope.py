@@ -45,6 +45,26 @@ def llama3_freq_factors(rot_dim: int, theta: float, factor: float, low_freq_fact
     return torch.tensor(out, dtype=torch.float64)
 
 
+def yarn_freq_factors(rot_dim: int, theta: float, factor: float, original_context: int, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0) -> torch.Tensor:
+    """The divisors YaRN applies to each frequency (as llama.cpp's rope_yarn and HF compute them): frequencies
+    that turn more than beta_fast times over the original context are kept, those that turn fewer than
+    beta_slow times are divided by `factor`, with a linear ramp between."""
+    def corr_dim(rotations: float) -> float:
+        return rot_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), rot_dim - 1)
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp                     # 1: extrapolate (keep the frequency), 0: interpolate (divide it)
+    return 1.0 / (keep + (1 - keep) / factor)
+
+
+def yarn_attn_factor(factor: float) -> float:
+    """YaRN's scaling of the rotated q and k (HF's attention_factor, llama.cpp's mscale)."""
+    return 1.0 + 0.1 * math.log(factor)
+
+
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
              neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [N, Hq, D], k: [N, Hk, D], positions: int [N] -> rotated (q, k), same dtypes."""

@@ -15,7 +15,7 @@ import torch
 from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
-from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin
+from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import load_linear
 from cobatch.models.moe import MoeFeedForward
@@ -43,6 +43,29 @@ def _gate_up(prefix: str, gguf: GGUFFile, lin) -> object:
     if prefix + "ffn_gate.weight" not in gguf.tensors:
         return lin(prefix + "ffn_up.weight")
     return lin(prefix + "ffn_gate.weight", prefix + "ffn_up.weight")
+
+
+def _rope_table(cfg: ModelConfig, gguf: GGUFFile, n_pos: int) -> torch.Tensor:
+    """cos|sin of the (global) layers' rotation, with the file's rope scaling applied."""
+    factors, linear_factor, attn_factor = None, 1.0, cfg.rope_attn_factor
+    scaling = cfg.rope_scaling or {}
+    if "rope_freqs.weight" in gguf.tensors:
+        factors = gguf.float_tensor("rope_freqs.weight")
+    elif "rope_factors_long.weight" in gguf.tensors:
+        # phi3 LongRoPE: the long factors when the context goes past the original one (as llama.cpp chooses,
+        # by the context it runs with), else the short ones.
+        long = n_pos > cfg.rope_original_context
+        factors = gguf.float_tensor("rope_factors_long.weight" if long else "rope_factors_short.weight")
+    elif scaling.get("type") == "llama3":
+        factors = llama3_freq_factors(cfg.rope_dim, cfg.rope_theta, scaling["factor"], scaling["low_freq_factor"],
+                                      scaling["high_freq_factor"], scaling["original_context"])
+    elif scaling.get("type") == "yarn":
+        factors = yarn_freq_factors(cfg.rope_dim, cfg.rope_theta, scaling["factor"], scaling["original_context"],
+                                    scaling["beta_fast"], scaling["beta_slow"])
+        attn_factor *= yarn_attn_factor(scaling["factor"])
+    elif scaling.get("type") == "linear":
+        linear_factor = scaling["factor"]
+    return rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor, attn_factor)
 
 
 class LlamaModel:
@@ -89,21 +112,7 @@ class LlamaModel:
         self.final_norm = vec("output_norm.weight")
 
         n_pos = max_positions or cfg.context_length
-        factors = None
-        if "rope_freqs.weight" in gguf.tensors:
-            factors = gguf.float_tensor("rope_freqs.weight")
-        elif "rope_factors_long.weight" in gguf.tensors:
-            # phi3 LongRoPE: the long factors when the context goes past the original one (as llama.cpp
-            # chooses by the context it runs with), else the short ones.
-            long = n_pos > cfg.rope_original_context
-            factors = gguf.float_tensor("rope_factors_long.weight" if long else "rope_factors_short.weight")
-        elif cfg.rope_scaling and cfg.rope_scaling["type"] == "llama3":
-            s = cfg.rope_scaling
-            factors = llama3_freq_factors(cfg.rope_dim, cfg.rope_theta, s["factor"], s["low_freq_factor"],
-                                          s["high_freq_factor"], s["original_context"])
-        linear_factor = cfg.rope_scaling["factor"] if cfg.rope_scaling and cfg.rope_scaling["type"] == "linear" else 1.0
-        self.cos_sin = rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor,
-                                    cfg.rope_attn_factor).to(dev)
+        self.cos_sin = _rope_table(cfg, gguf, n_pos).to(dev)
         # gemma3's sliding-window layers rotate with their own base and no scaling.
         self.cos_sin_local = (rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta_local).to(dev)
                               if cfg.sliding_window else self.cos_sin)
