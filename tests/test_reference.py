@@ -158,3 +158,12 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     assert ((got - refs[True]).norm() / refs[True].norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), refs[True].argmax(-1))
     assert ((got - refs[False]).norm() / refs[False].norm()).item() > 100 * REL_ERR_BOUND
+
+
+def test_unknown_rope_scaling_is_a_user_error():
+    from cobatch.errors import UserError
+    md = {"general.architecture": "qwen3", "qwen3.embedding_length": 256, "qwen3.attention.head_count": 4,
+          "qwen3.block_count": 2, "qwen3.feed_forward_length": 512, "qwen3.rope.scaling.type": "dynamic",
+          "qwen3.rope.scaling.factor": 2.0}
+    with pytest.raises(UserError, match="unsupported rope scaling type 'dynamic' .*yarn"):
+        ModelConfig.from_metadata(md, set())
