@@ -63,7 +63,7 @@ def _rope_table(cfg: ModelConfig, gguf: GGUFFile, n_pos: int) -> torch.Tensor:
         factors = yarn_freq_factors(cfg.rope_dim, cfg.rope_theta, scaling["factor"], scaling["original_context"],
                                     scaling["beta_fast"], scaling["beta_slow"])
         attn_factor *= yarn_attn_factor(scaling["factor"])
-    elif scaling.get("type") == "linear":
+    if scaling.get("type") == "linear":     # positions divided, whatever per-frequency factors apply
         linear_factor = scaling["factor"]
     return rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta, factors, linear_factor, attn_factor)
 
