@@ -42,8 +42,10 @@ class MoeFeedForward:
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if cfg.shared_expert_ffn_dim:
             self.shared_gate_up = load_linear([gguf.quant_weight(prefix + "ffn_gate_shexp.weight"),
-                                               gguf.quant_weight(prefix + "ffn_up_shexp.weight")], device, dtype)
-            self.shared_down = load_linear([gguf.quant_weight(prefix + "ffn_down_shexp.weight")], device, dtype)
+                                               gguf.quant_weight(prefix + "ffn_up_shexp.weight")], device, dtype,
+                                              keep_dense)
+            self.shared_down = load_linear([gguf.quant_weight(prefix + "ffn_down_shexp.weight")], device, dtype,
+                                           keep_dense)
             if prefix + "ffn_gate_inp_shexp.weight" in gguf.tensors:   # a sigmoid gate on the shared expert
                 self.shared_gate = gguf.float_tensor(prefix + "ffn_gate_inp_shexp.weight").to(device)
 
