@@ -64,6 +64,17 @@ def test_inspect_describes_the_file():
     assert "llama" in proc.stdout and "Q4_1" in proc.stdout and "chat template: yes" in proc.stdout
 
 
+def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path):
+    from cobatch.gguf_writer import write_random_model
+    for shape, expected in (("qwen2moe-tiny", "experts:       2 of 8 per token, expert ffn 128, shared expert ffn 256"),
+                            ("gemma2-tiny", "sliding window 12, one layer in 2 global, scores soft-capped at 0.05"),
+                            ("phi4-mini-tiny", "longrope factors  (48 of 64 dims)")):
+        path = write_random_model(tmp_path / f"{shape}.gguf", shape, "q8_0", tokenizer_from=smollm2_path())
+        proc = run_cli("inspect", str(path))
+        assert proc.returncode == 0, proc.stderr
+        assert expected in proc.stdout, proc.stdout
+
+
 def test_qwen_coder_writes_a_function():
     llm = load_llm("qwen2.5-coder")
     ids = llm.encode_chat([{"role": "user", "content": "Write a Python function that squares a number."}])

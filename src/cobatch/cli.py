@@ -168,7 +168,12 @@ def cmd_inspect(args) -> int:
         print(f"experts:       {cfg.n_experts_used} of {cfg.n_experts} per token, expert ffn {cfg.expert_ffn_dim}{shared}")
     print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
     print(f"rope:          {'neox' if cfg.rope_neox else 'norm'} theta {cfg.rope_theta:g}"
-          f"{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}")
+          f"{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}"
+          f"{'  longrope factors' if 'rope_factors_long.weight' in f.tensors else ''}"
+          f"{f'  ({cfg.rope_dim} of {cfg.head_dim} dims)' if cfg.rope_dim != cfg.head_dim else ''}")
+    if cfg.sliding_window:
+        print(f"attention:     sliding window {cfg.sliding_window}, one layer in {cfg.swa_pattern} global"
+              f"{f', scores soft-capped at {cfg.attn_softcap:g}' if cfg.attn_softcap else ''}")
     params = sum(int(t.n_elements) for t in f.tensors.values())
     print(f"parameters:    {params / 1e6:.1f} M")
     counts, sizes = Counter(), Counter()
