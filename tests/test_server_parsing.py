@@ -119,6 +119,18 @@ PARSE_CASES = [
     ("code fence is text", "```python\nprint(1)\n```", {"tool_names": WEATHER}, ("```python\nprint(1)\n```", "", [])),
     ("think then call", '<think>need weather</think>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',
      {"tool_names": WEATHER}, ("", "need weather", [("get_weather", '{"city": "Oslo"}')])),
+    ("bare list of calls (Mistral, Phi-4-mini)",
+     '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+     {"tool_names": WEATHER}, ("", "", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')])),
+    ("bare list, Llama's parameters, then text",
+     '[ {"name": "get_weather", "parameters": {"city": "Oslo"}} ]\nDone.',
+     {"tool_names": WEATHER}, ("Done.", "", [("get_weather", '{"city": "Oslo"}')])),
+    ("list of other JSON is text", '[1, 2, {"name": "get_weather"}]', {"tool_names": WEATHER},
+     ('[1, 2, {"name": "get_weather"}]', "", [])),
+    ("list without tools is text", '[{"name": "get_weather", "arguments": {}}]', {},
+     ('[{"name": "get_weather", "arguments": {}}]', "", [])),
+    ("list breaking off after a call", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, oops',
+     {"tool_names": WEATHER}, (", oops", "", [("get_weather", '{"city": "Oslo"}')])),
 ]
 
 

@@ -6,7 +6,9 @@ Recognized formats:
   request declared tools.
 - A bare `{"name": <declared tool>, "arguments": {...}}` object as the whole answer, optionally in a
   ```json fence, when the request declared tools: small models (Qwen2.5-Coder-0.5B among them) answer
-  that way despite the template asking for tags.
+  that way despite the template asking for tags. `"parameters"` is accepted for `"arguments"` (Llama 3.x).
+- A bare JSON list of such objects, `[{...}, {...}]`: Mistral's `[TOOL_CALLS][...]` and Phi-4-mini's
+  `<|tool_call|>[...]<|/tool_call|>`, whose markers are special tokens and so absent from the text.
 
 A tool call's name is sent as soon as it is known and its arguments' JSON text as it arrives, so clients
 see partial argument deltas. Text that may still turn into a marker is held back, like stop strings.
@@ -225,6 +227,7 @@ class OutputParser:
         self._buf = ""
         self._scanner: ToolCallScanner | None = None
         self._fenced = False
+        self._in_list = False           # inside a bare [call, call, ...] list
         self.num_tool_calls = 0
         self._events: list[Event] = []
 
@@ -275,17 +278,19 @@ class OutputParser:
                     return self._probe_bare(after[fence_end + 1:], fenced=True, final=final)
             elif body.startswith("{"):
                 return self._probe_bare(body, fenced=False, final=final)
+            elif body.startswith("["):
+                return self._probe_bare(body[1:], fenced=False, final=final, in_list=True)
         waiting_for = ((THINK_OPEN,) if self._think_allowed else ()) + ((FENCE, TOOL_OPEN) if self._tools else ())
         if not final and any(m.startswith(body) for m in waiting_for):
             return False
         return self._to_content()
 
-    def _probe_bare(self, body: str, fenced: bool, final: bool) -> bool:
+    def _probe_bare(self, body: str, fenced: bool, final: bool, in_list: bool = False) -> bool:
         status, name, _ = match_tool_header(body)
         if status == _PARTIAL and not final:
             return False
         if status == "ok" and name in self._tool_names:
-            self._fenced = fenced
+            self._fenced, self._in_list = fenced, in_list
             self._start_tool(body, bare=True)
             return True
         return self._to_content()
@@ -368,6 +373,22 @@ class OutputParser:
     def _on_after_tool(self, final: bool) -> bool:
         """Between tool calls: whitespace and a closing fence go; another call or text may follow."""
         body = self._buf.lstrip()
+        if self._in_list:                 # `, {next call}` or the closing `]`
+            if not body:
+                self._buf = body
+                return False
+            if body.startswith(","):
+                rest = body[1:].lstrip()
+                status, name, _ = match_tool_header(rest)
+                if status == _PARTIAL and not final:
+                    self._buf = body
+                    return False
+                if status == "ok" and name in self._tool_names:
+                    self._start_tool(rest, bare=True)
+                    return True
+            elif body.startswith("]"):
+                body = body[1:]
+            self._in_list = False         # the list ended (or broke off): what follows is handled as usual
         if self._fenced:
             if not body or (not final and FENCE.startswith(body) and body != FENCE):
                 self._buf = body
