@@ -160,3 +160,18 @@ def test_gpu_engine_batched_equals_alone(moe_models):
     prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,")]
     alone = [llm.engine.generate([p], greedy)[0] for p in prompts]
     assert llm.engine.generate(prompts, greedy) == alone
+
+
+def test_serve_banner_says_how_decode_runs():
+    """`cobatch serve` prints whether decode steps run in CUDA graphs or eager, and why eager."""
+    from types import SimpleNamespace as NS
+
+    from cobatch.server.app import _graphs_note
+
+    def llm(device, graphs, graph_safe):
+        return NS(engine=NS(runner=NS(device=torch.device(device), graphs=graphs)), model=NS(graph_safe=graph_safe))
+
+    assert _graphs_note(llm("cpu", None, True)) == ""
+    assert _graphs_note(llm("cuda", object(), True)) == " (decode in CUDA graphs)"
+    assert "experts are routed on the host" in _graphs_note(llm("cuda", None, False))
+    assert "--eager" in _graphs_note(llm("cuda", None, True))

@@ -162,6 +162,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _graphs_note(llm: LLM) -> str:
+    """How decode steps run on CUDA: captured graphs, or eager (mixture-of-experts routing, or --eager)."""
+    if llm.engine.runner.device.type != "cuda":
+        return ""
+    if llm.engine.runner.graphs is not None:
+        return " (decode in CUDA graphs)"
+    return " (decode eager: " + ("experts are routed on the host)" if not llm.model.graph_safe else "--eager)")
+
+
 def serve(args) -> int:
     from cobatch.llm import EngineOptions
     _check_serve_args(args)
@@ -186,7 +195,8 @@ def serve(args) -> int:
           f"  context:  {llm.engine.max_context} tokens per request\n"
           f"  KV cache: {pool.num_blocks} blocks x {pool.block_size} = {pool.num_blocks * pool.block_size} tokens "
           f"({pool.nbytes / 2**20:.0f} MiB), prefix cache shared by all slots\n"
-          f"  device:   {llm.engine.runner.device}  api key: {'required' if args.api_key else 'none'}",
+          f"  device:   {llm.engine.runner.device}{_graphs_note(llm)}  "
+          f"api key: {'required' if args.api_key else 'none'}",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s)
