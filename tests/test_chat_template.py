@@ -256,3 +256,35 @@ def test_from_metadata_uses_the_tokenizer_for_special_tokens() -> None:
     }
     template = ChatTemplate.from_metadata(metadata, Tokenizer.from_metadata(metadata))
     assert template.render([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
+
+
+# The check Mistral's chat templates make on tool-call ids, word for word.
+MISTRAL_LIKE = (
+    "{%- for message in messages %}"
+    "{%- if message.tool_calls is defined %}{%- for tc in message.tool_calls %}"
+    "{%- if not tc.id is defined or tc.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "[CALL {{ tc.id }} {{ tc.function.name }}]{%- endfor %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if message.tool_call_id|length != 9 %}{{- raise_exception('bad id') }}{%- endif %}"
+    "[RESULT {{ message.tool_call_id }}]"
+    "{%- else %}[{{ message.role }}: {{ message.content }}]{%- endif %}{%- endfor %}"
+)
+
+
+def test_tool_call_ids_fit_a_template_that_wants_nine_characters() -> None:
+    """Mistral's templates accept only 9-alphanumeric ids; clients send back whatever the server (or OpenAI)
+    gave them. A call and its result map to the same short id; a conforming id stays as it is."""
+    calls = [{"id": "call_5f1c2e9a8b7d4c3e2f1a0b9c", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "AbC123xyz", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_5f1c2e9a8b7d4c3e2f1a0b9c", "content": "1"},
+                {"role": "tool", "tool_call_id": "AbC123xyz", "content": "2"}]
+    out = ChatTemplate(MISTRAL_LIKE).render(messages, add_generation_prompt=False)
+    short = [part.split()[0] for part in out.split("[CALL ")[1:]]
+    assert len(short[0]) == 9 and short[0].isalnum() and short[1] == "AbC123xyz"
+    assert f"[RESULT {short[0]}]" in out and "[RESULT AbC123xyz]" in out
+    assert messages[2]["tool_call_id"].startswith("call_")          # the caller's messages are left alone
+    # A template without that check sees the ids as sent.
+    plain = ChatTemplate("{% for m in messages %}{{ m.tool_call_id }}{% endfor %}")
+    assert "call_5f1c2e9a8b7d4c3e2f1a0b9c" in plain.render(messages, add_generation_prompt=False)

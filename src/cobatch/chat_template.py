@@ -9,7 +9,9 @@ Templates come from untrusted files, hence the sandbox.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -148,6 +150,32 @@ def _normalize_messages(messages: list[Any]) -> list[dict]:
     return normalized
 
 
+# Mistral's templates reject tool-call ids that are not 9 alphanumerics (its tokenizer's format). Ids from any
+# client (OpenAI's "call_...", Anthropic's "toolu_...", ours) are mapped to 9 stable alphanumerics for such a
+# template: a call and its result map to the same short id, so the pairing the template checks survives.
+_NINE_CHAR_ID_CHECK = re.compile(r"length\s*[!=]=\s*9\b")
+_NINE_CHAR_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _nine_char_id(tool_call_id: Any) -> Any:
+    if not isinstance(tool_call_id, str) or _NINE_CHAR_ID.fullmatch(tool_call_id):
+        return tool_call_id
+    return hashlib.sha256(tool_call_id.encode()).hexdigest()[:9]
+
+
+def _with_nine_char_ids(chat: list[dict]) -> list[dict]:
+    out = []
+    for message in chat:
+        message = dict(message)
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [{**c, "id": _nine_char_id(c["id"])} if isinstance(c, dict) and "id" in c else c
+                                     for c in message["tool_calls"]]
+        if "tool_call_id" in message:
+            message["tool_call_id"] = _nine_char_id(message["tool_call_id"])
+        out.append(message)
+    return out
+
+
 class ChatTemplate:
     """One compiled chat template."""
 
@@ -155,6 +183,7 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._nine_char_ids = bool(_NINE_CHAR_ID_CHECK.search(source))
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -192,6 +221,8 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
         chat = _normalize_messages(messages)
+        if self._nine_char_ids:
+            chat = _with_nine_char_ids(chat)
         final_content = None
         if continue_final_message:
             final_content = chat[-1].get("content") if chat else None
