@@ -18,10 +18,9 @@ from cobatch.config import GEMMA3_LOCAL_ROPE_THETA, ModelConfig
 from cobatch.engine.sampler import SamplingParams
 from cobatch.gguf_writer import write_random_model
 from cobatch.llm import LLM, EngineOptions
-from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
 from cobatch.models.llama import LlamaModel
-from test_moe import _logits
+from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits
 
 REL_ERR_BOUND = 1e-4
 IDS = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
@@ -40,13 +39,8 @@ def gemma(gemma_files):
     return gemma_files["gemma3"]
 
 
-def _open(path):
-    f = GGUFFile(path)
-    return f, ModelConfig.from_metadata(f.metadata, set(f.tensors))
-
-
 def test_config(gemma):
-    _, cfg = _open(gemma)
+    _, cfg = open_gguf(gemma)
     assert (cfg.arch, cfg.activation, cfg.post_norms, cfg.sliding_window) == ("gemma3", "gelu_tanh", True, 12)
     assert [cfg.layer_window(i) for i in range(6)] == [12, 12, 12, 12, 12, 0]
     assert cfg.embed_scale == pytest.approx(128 ** 0.5) and cfg.attn_scale == pytest.approx(64 ** -0.5)
@@ -55,26 +49,26 @@ def test_config(gemma):
 
 def test_logits_match_transformers(gemma):
     transformers = pytest.importorskip("transformers")
-    f, cfg = _open(gemma)
+    f, cfg = open_gguf(gemma)
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
     rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": cfg.rope_theta},
             "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
                                                            dtype=torch.float32, query_pre_attn_scalar=cfg.head_dim,
                                                            rope_parameters=rope)
-    got = _logits(ours, cfg, IDS)
+    got = prompt_logits(ours, cfg, IDS)
     with torch.inference_mode():
         ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     # The 40-token prompt does exercise the window: without it the logits are far off.
     unwindowed = LlamaModel(dataclasses.replace(cfg, sliding_window=0), f, "cpu", torch.float32, max_positions=128)
-    assert ((_logits(unwindowed, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND
+    assert ((prompt_logits(unwindowed, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND
 
 
 def test_incomplete_files_are_user_errors(gemma_files):
     from cobatch.errors import UserError
-    f, cfg = _open(gemma_files["gemma3"])
+    f, cfg = open_gguf(gemma_files["gemma3"])
     md = dict(f.metadata)
     del md["gemma3.attention.sliding_window"]
     with pytest.raises(UserError, match="lacks gemma3.attention.sliding_window"):
@@ -86,7 +80,7 @@ def test_incomplete_files_are_user_errors(gemma_files):
 
 def test_gemma2_config_and_logits_match_transformers(gemma_files):
     path = gemma_files["gemma2"]
-    f, cfg = _open(path)
+    f, cfg = open_gguf(path)
     assert [cfg.layer_window(i) for i in range(4)] == [12, 0, 12, 0]
     assert cfg.attn_softcap == pytest.approx(0.05) and cfg.final_softcap == pytest.approx(0.2)
     transformers = pytest.importorskip("transformers")
@@ -95,7 +89,7 @@ def test_gemma2_config_and_logits_match_transformers(gemma_files):
                                                            query_pre_attn_scalar=cfg.head_dim,
                                                            attn_logit_softcapping=cfg.attn_softcap,
                                                            final_logit_softcapping=cfg.final_softcap)
-    got = _logits(ours, cfg, IDS)
+    got = prompt_logits(ours, cfg, IDS)
     with torch.inference_mode():
         ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
@@ -103,7 +97,7 @@ def test_gemma2_config_and_logits_match_transformers(gemma_files):
     # Each Gemma 2 trait changes the logits well beyond the bound: the test would see one missing.
     for trait in ("attn_softcap", "final_softcap", "sliding_window"):
         without = LlamaModel(dataclasses.replace(cfg, **{trait: 0}), f, "cpu", torch.float32, max_positions=128)
-        assert ((_logits(without, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND, trait
+        assert ((prompt_logits(without, cfg, IDS) - ref).norm() / ref.norm()).item() > 100 * REL_ERR_BOUND, trait
 
 
 def test_batched_greedy_equals_each_alone(gemma):
@@ -114,19 +108,16 @@ def test_batched_greedy_equals_each_alone(gemma):
     alone = [llm.engine.generate([p], greedy)[0] for p in prompts]
     assert llm.engine.generate(prompts, greedy) == alone and all(len(t) == 16 for t in alone)
     # Decoding token by token gives what prefilling the whole text gives (the window applied the same way).
-    f, cfg = _open(gemma)
+    f, cfg = open_gguf(gemma)
     ids = prompts[0] + alone[0][:-1]
-    teacher = _logits(llm.model, cfg, ids).argmax(-1)[len(prompts[0]) - 1:]
+    teacher = prompt_logits(llm.model, cfg, ids).argmax(-1)[len(prompts[0]) - 1:]
     assert teacher.tolist() == alone[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gpu_logits_close_to_cpu(gemma_files, arch):
-    f, cfg = _open(gemma_files[arch])
-    cpu = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
-    gpu = LlamaModel(cfg, f, "cuda", torch.float16, max_positions=128)
-    want, got = _logits(cpu, cfg, IDS), _logits(gpu, cfg, IDS)
+    got, want = gpu_and_cpu_logits(gemma_files[arch], IDS)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
@@ -139,8 +130,8 @@ def test_gpu_decode_graphs_match_prefill(gemma):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompt = gpu.encode_prompt("The capital of France is")
     tokens = gpu.engine.generate([prompt], greedy)[0]
-    _, cfg = _open(gemma)
-    logits = _logits(gpu.model, cfg, prompt + tokens[:-1])[len(prompt) - 1:]
+    _, cfg = open_gguf(gemma)
+    logits = prompt_logits(gpu.model, cfg, prompt + tokens[:-1])[len(prompt) - 1:]
     for step, (tok, row) in enumerate(zip(tokens, logits)):
         top2 = row.topk(2).values
         assert tok == row.argmax().item() or (top2[0] - row[tok]).item() < 0.05, step

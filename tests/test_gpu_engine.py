@@ -63,12 +63,12 @@ def assert_same_or_tie(ref_logits, prompt, want, got, tol):
 
 @pytest.mark.parametrize("name", ["tiny", "cut"])
 def test_gpu_greedy_matches_cpu_for_32_steps(models, name):
-    from test_reference import _our_logits
+    from model_checks import prompt_logits
     cpu, gpu = models[name]
     prompts = [cpu.encode_prompt(p) for p in PROMPTS[:4]]
     want = [cpu.engine.generate([p], GREEDY)[0] for p in prompts]
     got = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
-    ties = [assert_same_or_tie(lambda ids: _our_logits(cpu.model, cpu.config, ids), p, w, g, TIE_TOL[name])
+    ties = [assert_same_or_tie(lambda ids: prompt_logits(cpu.model, cpu.config, ids), p, w, g, TIE_TOL[name])
             for p, w, g in zip(prompts, want, got)]
     print(f"{name}: prompts identical for 32 steps: {sum(t is None for t in ties)}/{len(ties)}; ties (step, margin): "
           f"{[t for t in ties if t]}")
@@ -79,10 +79,10 @@ def test_gpu_greedy_matches_cpu_for_32_steps(models, name):
 def test_gpu_logits_close_to_cpu_teacher_forced(models, name):
     """Both paths read the same 40-token sequence in one prefill: f16 logits within 2 % of f32 ones, and
     the same top-1 wherever the CPU's top-2 margin exceeds 5x the observed error."""
-    from test_reference import _our_logits
+    from model_checks import prompt_logits
     cpu, gpu = models[name]
     ids = cpu.encode_prompt(PROMPTS[2]) + cpu.engine.generate([cpu.encode_prompt(PROMPTS[2])], GREEDY)[0][:24]
-    want = _our_logits(cpu.model, cpu.config, ids)
+    want = prompt_logits(cpu.model, cpu.config, ids)
     got = _gpu_logits(gpu, ids)
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
     err = (got - want).abs().max().item()

@@ -11,16 +11,14 @@ import os
 import pytest
 import torch
 
-from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
-from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.sampler import SamplingParams
 from cobatch.errors import UserError
 from cobatch.gguf_writer import write_random_model
 from cobatch.llm import LLM, EngineOptions
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
-from cobatch.models.llama import LlamaModel
+from model_checks import gpu_and_cpu_logits, load_model, prompt_logits
 
 REL_ERR_BOUND = 1e-4
 
@@ -34,26 +32,6 @@ def moe_models(tmp_path_factory):
                "mixtral": ("mixtral-tiny", "q4_0")}
     return {name: write_random_model(tmp / f"{name}.gguf", shape, quant, tokenizer_from=tokenizer, seed=11 + i)
             for i, (name, (shape, quant)) in enumerate(layouts.items())}
-
-
-def _load(path, device="cpu", dtype=torch.float32):
-    f = GGUFFile(path)
-    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
-    return f, cfg, LlamaModel(cfg, f, device, dtype, max_positions=128)
-
-
-def _logits(model: LlamaModel, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt, prefilled in one step."""
-    dev, n, bs = model.device, len(ids), 16
-    blocks = -(-n // bs)
-    pool = KVPool(cfg, blocks, bs, model.dtype, dev)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=dev), query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None], max_query_len=n, max_seq_len=n)
-    with torch.inference_mode():
-        hidden = model.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, pool.k, pool.v)
-        return model.logits(hidden).float().cpu()
 
 
 def test_config_reads_the_expert_layout(moe_models):
@@ -76,11 +54,11 @@ def test_logits_match_transformers(moe_models, arch, hf_config):
     are passed as config overrides with the values the GGUF metadata holds."""
     transformers = pytest.importorskip("transformers")
     path = moe_models[arch]
-    _, cfg, ours = _load(path)
+    _, cfg, ours = load_model(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32, **hf_config)
     ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
-    got = _logits(ours, cfg, ids)
+    got = prompt_logits(ours, cfg, ids)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
@@ -92,7 +70,7 @@ def test_logits_match_transformers(moe_models, arch, hf_config):
 def test_moe_layer_equals_per_token_formula(moe_models):
     """Mixtral (no transformers GGUF loader): the layer against the routing formula written per token, on
     weights dequantized straight from the file."""
-    f, cfg, model = _load(moe_models["mixtral"])
+    f, cfg, model = load_model(moe_models["mixtral"])
     moe = model.layers[1].moe
     n, d, ffn = cfg.n_experts, cfg.d_model, cfg.expert_ffn_dim
     router = f.quant_weight("blk.1.ffn_gate_inp.weight").dequantize()
@@ -144,9 +122,7 @@ def test_bad_expert_metadata_is_a_user_error(moe_models, key, value, message):
 def test_gpu_logits_close_to_cpu(moe_models, arch):
     """The CUDA path (packed experts through the narrow GEMV, eager steps) against the CPU path."""
     ids = [int(i) for i in torch.randint(0, 49000, (24,), generator=torch.Generator().manual_seed(1))]
-    _, cfg, cpu = _load(moe_models[arch])
-    _, _, gpu = _load(moe_models[arch], "cuda", torch.float16)
-    want, got = _logits(cpu, cfg, ids), _logits(gpu, cfg, ids)
+    got, want = gpu_and_cpu_logits(moe_models[arch], ids)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 

@@ -10,12 +10,10 @@ import os
 import pytest
 import torch
 
-from cobatch.config import ModelConfig
 from cobatch.gguf_writer import LONGROPE_ORIGINAL_CONTEXT, longrope_attn_factor, write_random_model
-from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
 from cobatch.models.llama import LlamaModel
-from test_moe import _logits
+from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits
 
 REL_ERR_BOUND = 1e-4
 IDS = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
@@ -30,15 +28,10 @@ def phi_models(tmp_path_factory):
                                             seed=22)}
 
 
-def _open(path):
-    f = GGUFFile(path)
-    return f, ModelConfig.from_metadata(f.metadata, set(f.tensors))
-
-
 def test_config(phi_models):
-    _, phi3 = _open(phi_models["phi3"])
+    _, phi3 = open_gguf(phi_models["phi3"])
     assert (phi3.arch, phi3.rope_neox, phi3.rope_dim, phi3.rope_attn_factor) == ("phi3", True, 64, 1.0)
-    _, phi4 = _open(phi_models["phi4-mini"])
+    _, phi4 = open_gguf(phi_models["phi4-mini"])
     assert (phi4.rope_dim, phi4.head_dim, phi4.rope_original_context) == (48, 64, LONGROPE_ORIGINAL_CONTEXT)
     assert phi4.rope_attn_factor == pytest.approx(longrope_attn_factor(16384), rel=1e-6) and phi4.rope_attn_factor > 1
 
@@ -46,10 +39,10 @@ def test_config(phi_models):
 def test_phi3_matches_transformers(phi_models):
     transformers = pytest.importorskip("transformers")
     path = phi_models["phi3"]
-    f, cfg = _open(path)
+    f, cfg = open_gguf(path)
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    got = _logits(ours, cfg, IDS)
+    got = prompt_logits(ours, cfg, IDS)
     with torch.inference_mode():
         ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
@@ -63,7 +56,7 @@ def test_longrope_matches_transformers(phi_models, context):
     the long case it is given the long factors as its short ones: both then rotate by the long factors."""
     transformers = pytest.importorskip("transformers")
     path = phi_models["phi4-mini"]
-    f, cfg = _open(path)
+    f, cfg = open_gguf(path)
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=context)
     long = f.float_tensor("rope_factors_long.weight").tolist()
     short = f.float_tensor("rope_factors_short.weight").tolist()
@@ -74,7 +67,7 @@ def test_longrope_matches_transformers(phi_models, context):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                            rope_scaling=rope,
                                                            original_max_position_embeddings=cfg.rope_original_context)
-    got = _logits(ours, cfg, IDS)
+    got = prompt_logits(ours, cfg, IDS)
     with torch.inference_mode():
         ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
@@ -84,8 +77,5 @@ def test_longrope_matches_transformers(phi_models, context):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("name", ["phi3", "phi4-mini"])
 def test_gpu_logits_close_to_cpu(phi_models, name):
-    f, cfg = _open(phi_models[name])
-    cpu = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
-    gpu = LlamaModel(cfg, f, "cuda", torch.float16, max_positions=128)
-    want, got = _logits(cpu, cfg, IDS), _logits(gpu, cfg, IDS)
+    got, want = gpu_and_cpu_logits(phi_models[name], IDS)
     assert ((got - want).norm() / want.norm()).item() < 1e-2

@@ -8,12 +8,11 @@ import gc
 import pytest
 import torch
 
-from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
-from cobatch.engine.kv_cache import KVPool
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import qwen_coder_path, smollm2_path
 from cobatch.models.llama import LlamaModel
+from model_checks import prompt_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,18 +22,6 @@ PROMPTS = [
     "Ünïcödé, emoji 🙂 and numbers 12345 — all in one line.",
 ]
 REL_ERR_BOUND = 1e-4
-
-
-def _our_logits(model: LlamaModel, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
-    n, bs = len(ids), 16
-    blocks = -(-n // bs)
-    pool = KVPool(cfg, blocks, bs, torch.float32, "cpu")
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, max_seq_len=n)
-    with torch.inference_mode():
-        return model.logits(model.forward(torch.tensor(ids), torch.arange(n), meta, pool.k, pool.v))
 
 
 @pytest.mark.parametrize("which", ["smollm2", "qwen2.5-coder"])
@@ -49,7 +36,7 @@ def test_logits_match_transformers(which):
     hf.eval()
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
-        got = _our_logits(ours, cfg, ids)
+        got = prompt_logits(ours, cfg, ids)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
         rel = ((got - ref).norm() / ref.norm()).item()
@@ -72,7 +59,7 @@ def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     ids = [int(i) for i in torch.randint(0, 150000, (40,), generator=torch.Generator().manual_seed(0))]
-    got = _our_logits(ours, cfg, ids)
+    got = prompt_logits(ours, cfg, ids)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
@@ -146,7 +133,7 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     assert cfg.rope_scaling["type"] == "yarn" and cfg.rope_scaling["original_context"] == YARN_ORIGINAL_CONTEXT
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=4096)
     ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
-    got = _our_logits(ours, cfg, ids)
+    got = prompt_logits(ours, cfg, ids)
     refs = {}
     for scaled in (True, False):
         rope = {"rope_type": "yarn", "factor": cfg.rope_scaling["factor"], "rope_theta": cfg.rope_theta,

@@ -1,0 +1,42 @@
+"""Shared by the model tests: open a GGUF, run one prompt's prefill, compare the CUDA path with the CPU one."""
+
+from __future__ import annotations
+
+import torch
+
+from cobatch.batch import AttentionMetadata
+from cobatch.config import ModelConfig
+from cobatch.engine.kv_cache import KVPool
+from cobatch.loader.gguf import GGUFFile
+from cobatch.models.llama import LlamaModel
+
+
+def open_gguf(path) -> tuple[GGUFFile, ModelConfig]:
+    f = GGUFFile(path)
+    return f, ModelConfig.from_metadata(f.metadata, set(f.tensors))
+
+
+def load_model(path, device="cpu", dtype=torch.float32, max_positions: int = 128):
+    f, cfg = open_gguf(path)
+    return f, cfg, LlamaModel(cfg, f, device, dtype, max_positions=max_positions)
+
+
+def prompt_logits(model: LlamaModel, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
+    """float32 logits of every position of one prompt, prefilled in one step on the model's device (CPU out)."""
+    dev, n, bs = model.device, len(ids), 16
+    blocks = -(-n // bs)
+    pool = KVPool(cfg, blocks, bs, model.dtype, dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev), query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None], max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        hidden = model.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, pool.k, pool.v)
+        return model.logits(hidden).float().cpu()
+
+
+def gpu_and_cpu_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f16 CUDA logits, f32 CPU logits) of the same file and prompt."""
+    _, cfg, cpu = load_model(path)
+    _, _, gpu = load_model(path, "cuda", torch.float16)
+    return prompt_logits(gpu, cfg, ids), prompt_logits(cpu, cfg, ids)
