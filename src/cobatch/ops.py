@@ -84,9 +84,6 @@ def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     return gated_mul_ref(x, act)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    return gated_mul(x, "silu")
-
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """weight: a dense tensor [N, K] (CPU path, float weights) or a packed quantized weight (GPU)."""

@@ -4,7 +4,7 @@ The router is a small float32 matrix; softmax over all experts, top-k, optionall
 llama.cpp's build_moe_ffn does per architecture). The experts run per expert on the rows routed to it, so a
 step reads only the experts its tokens chose, each once, whatever the batch (ds4's "routed experts run per
 sequence", grouped by expert). On CUDA each expert is a packed quantized weight and goes through the same
-narrow GEMV as the dense layers; finding which rows chose which expert is a host sync per layer, so MoE
+narrow GEMV as the dense layers; counting the rows each expert got is a host sync per layer, so MoE
 models run their decode steps without CUDA graphs (LlamaModel.graph_safe).
 
 A token's output sums its experts' contributions in expert-id order, so a row's result does not depend on
@@ -60,12 +60,21 @@ class MoeFeedForward:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(h)
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
-        for e in ids.unique().tolist():     # sorted: each row adds its experts in expert-id order
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = ops.linear(ops.silu_mul(ops.linear(h[rows], self.gate_up[e])), self.down[e])
+        # (row, slot) pairs grouped by expert, rows ascending within each: a stable sort of the flat ids. The
+        # per-expert counts are the layer's one host sync.
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.gate_up)).tolist()
+        pair_rows, pair_slots = order // self.top_k, order % self.top_k
+        start = 0
+        for e, count in enumerate(counts):  # expert-id order: each row adds its experts in that order
+            if count == 0:
+                continue
+            rows, slot = pair_rows[start:start + count], pair_slots[start:start + count]
+            start += count
+            y = ops.linear(ops.gated_mul(ops.linear(h[rows], self.gate_up[e])), self.down[e])
             out.index_add_(0, rows, y.float() * weights[rows, slot, None])
         if self.shared_gate_up is not None:
-            y = ops.linear(ops.silu_mul(ops.linear(h, self.shared_gate_up)), self.shared_down).float()
+            y = ops.linear(ops.gated_mul(ops.linear(h, self.shared_gate_up)), self.shared_down).float()
             if self.shared_gate is not None:
                 y = y * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
             out += y
