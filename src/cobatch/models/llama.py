@@ -115,7 +115,8 @@ class LlamaModel:
         self.cos_sin = _rope_table(cfg, gguf, n_pos).to(dev)
         # gemma3's sliding-window layers rotate with their own base and no scaling (gemma2's like the others).
         own_table = cfg.sliding_window and (cfg.rope_theta_local != cfg.rope_theta or cfg.rope_scaling)
-        self.cos_sin_local = rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta_local).to(dev) if own_table else self.cos_sin
+        self.cos_sin_local = (rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta_local).to(dev) if own_table
+                              else self.cos_sin)
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
