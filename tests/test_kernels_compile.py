@@ -24,12 +24,12 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cobatch.kernels import activation, attention, kv_write, norm, rope
+from cobatch.kernels import activation, attention, kv_write, moe_routing, norm, rope
 
 H200 = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr"}
-LONG_POINTERS = {"slot_ptr"}
-FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr"}
+LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr"}
+FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr", "weights_ptr"}
 FLOAT_SCALARS = {"qk_scale", "softcap", "eps"}
 
 
@@ -80,6 +80,11 @@ for neox, half in ((False, 64), (True, 64), (True, 24)):      # 24: Phi-4-mini's
         rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, BLOCK_HQ=16, BLOCK_HK=8,
                                 BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
+variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
+variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=8, BLOCK_K=256, PDL=True), 4, 2)
+for normalize in (False, True):
+    variants[f"moe top-k normalize={normalize}"] = (
+        moe_routing._top_k_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, PDL=True), 4, 2)
 
 results = {}
 for name, (kernel, constants, warps, stages) in variants.items():
@@ -105,6 +110,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_variant_of_the_small_kernels_compiles_for_sm90(compiled):
-    assert len(compiled) == 17
+    assert len(compiled) == 21
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

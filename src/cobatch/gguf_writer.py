@@ -107,6 +107,9 @@ SHAPES: dict[str, ModelShape] = {
     # expert, qkv biases) and Mixtral (llama with experts).
     "qwen3moe-tiny": ModelShape("qwen3moe", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qk_norm=True, head_size=128,
                                 n_experts=8, n_experts_used=2, expert_ffn_dim=128),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 per token (about 3B of its 30B weights read per token at B = 1).
+    "qwen3-30b-a3b": ModelShape("qwen3moe", 48, 2048, 32, 4, 6144, 151936, 1e6, 1e-6, 40960, qk_norm=True,
+                                head_size=128, n_experts=128, n_experts_used=8, expert_ffn_dim=768),
     "qwen2moe-tiny": ModelShape("qwen2moe", 2, 256, 4, 2, 512, None, 1e6, 1e-6, 4096, qkv_bias=True,
                                 n_experts=8, n_experts_used=2, expert_ffn_dim=128, shared_expert_ffn_dim=256),
     "mixtral-tiny": ModelShape("llama", 2, 256, 4, 2, 512, None, 1e6, 1e-5, 4096,

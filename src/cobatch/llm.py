@@ -102,7 +102,8 @@ class LLM:
         pool = _make_pool(cfg, options, ctx, dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager and model.graph_safe:
-            runner.capture_graphs(options.max_num_seqs, ctx, quiet=options.quiet)
+            runner.capture_graphs(min(options.max_num_seqs, model.graph_max_rows or options.max_num_seqs), ctx,
+                                  quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
                         grammars=Grammars(tokenizer, cfg.vocab_size))

@@ -18,6 +18,7 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
+from cobatch.kernels.moe_routing import ExpertSlots, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import rope_ref, rope_triton
 
@@ -83,6 +84,19 @@ def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
         return gated_mul_triton(x, act)
     return gated_mul_ref(x, act)
 
+
+def moe_route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [N, k], expert ids [N, k]) of an MoE router; a row's do not depend on the other rows."""
+    if _triton(h):
+        return route_triton(h, router, k, normalize)
+    return route_ref(h, router, k, normalize)
+
+
+def moe_combine(y: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
+    """float32 [N, d]: each row's expert outputs (y, one row per pair) weighted and summed in expert-id order."""
+    if _triton(y):
+        return combine_triton(y, slots, torch.float32)
+    return combine_ref(y, slots, torch.float32)
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -374,12 +374,15 @@ if gluon is not None:
         return _q6_half(acc, q1, _twice(h1, W, RT, 4), s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols,
                         chunk * 64 + 16, W, RT, BT, A, B, EVEN_K)
 
-    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_slot",
+                                  "tiles_per_expert"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
+                     slot_expert_ptr, slot_start_ptr, slot_count_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
+                     tiles_per_slot, tiles_per_expert,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
-                     D: gl.constexpr):
+                     D: gl.constexpr, ROUTED: gl.constexpr):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -399,6 +402,17 @@ if gluon is not None:
         acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
         first = pid_k * steps_per_split
         last = first + steps_per_split - 1
+        if ROUTED:
+            # Stacked experts (moe_routing.py): token tile pid_t is one of its slot's tiles, over the slot's
+            # run of pairs (rows of x and out), with the slot's expert's row tiles. A tile past the run (an
+            # empty slot, or a short one) runs no K step and stores nothing.
+            slot = pid_t // tiles_per_slot
+            start = gl.load(slot_start_ptr + slot)
+            tok0 = start + (pid_t % tiles_per_slot) * BT
+            n_tok = start + gl.load(slot_count_ptr + slot)
+            tile0 += gl.load(slot_expert_ptr + slot) * tiles_per_expert
+            if tok0 >= n_tok:
+                last = first - 1
         # U K steps per iteration, all their loads issued before their math; with D > 0 the quant bytes
         # of step s + D are prefetched into L2 meanwhile. The warps of a CTA read adjacent chunks.
         # (Tried on the H200: a cp.async shared-memory ring of 2-6 stages was slower, and Triton put a CTA
@@ -531,20 +545,41 @@ def scratch_need(cfg: GemvConfig | GemvPlan, rows_pad: int, max_tok: int) -> tup
     return tiles * cfg.split_k * cfg.rows_per_cta() * bt, tiles
 
 
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """A routed launch over stacked experts (kernels/moe_routing.py): slot s multiplies x rows
+    slot_start[s] .. + slot_count[s] by expert slot_expert[s], whose rows are the planes' row tiles
+    slot_expert[s] * rows_per_expert / 16 .. ; max_count bounds any slot's count."""
+    slot_expert: torch.Tensor
+    slot_start: torch.Tensor
+    slot_count: torch.Tensor
+    max_count: int
+    rows_per_expert: int
+
+
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
-           partial: torch.Tensor, count: torch.Tensor) -> None:
-    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free)."""
+           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None) -> None:
+    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
+    With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T, out having
+    rows_per_expert columns; the plan's tier is the one for max_count tokens."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
+    tokens = routing.max_count if routing else n_tok          # the most rows one weight is dotted with
     if isinstance(cfg, GemvPlan):
-        cfg = cfg.for_tokens(n_tok)
-    bt = token_tile(n_tok)
+        cfg = cfg.for_tokens(tokens)
+    bt = token_tile(tokens)
     n_chunks = p.qs.shape[1] // 512
-    grid = (-(-n_tok // bt), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
+    rows, rows_pad = (routing.rows_per_expert, routing.rows_per_expert) if routing else (p.rows, p.rows_pad)
+    tiles_per_slot = -(-tokens // bt)
+    n_tile_groups = routing.slot_expert.shape[0] * tiles_per_slot if routing else tiles_per_slot
+    grid = (n_tile_groups, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
     dummy = p.qs
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
         p.sub if p.sub is not None else dummy, p.qh if p.qh is not None else dummy,
-        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
+        routing.slot_expert if routing else dummy, routing.slot_start if routing else dummy,
+        routing.slot_count if routing else dummy,
+        n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
+        tiles_per_slot, rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, num_warps=cfg.W, maxnreg=cfg.R or None)
+        U=cfg.U, D=cfg.D, ROUTED=routing is not None, num_warps=cfg.W, maxnreg=cfg.R or None)

@@ -103,8 +103,15 @@ class LlamaModel:
             if progress is not None:
                 progress(1)
         # The embedding is a gather, not a matmul: keep it dense. Tied models reuse it as the output head.
-        # Routing needs a host sync per layer (models/moe.py), which a captured CUDA graph cannot hold.
-        self.graph_safe = not cfg.n_experts
+        # MoE: steps of up to ROUTED_MAX_ROWS rows route on the device and can be captured; where the experts'
+        # format has no routed kernel, routing needs a host sync per layer (models/moe.py), which a captured
+        # CUDA graph cannot hold.
+        moes = [layer.moe for layer in self.layers if layer.moe is not None]
+        self.graph_safe = all(m.routed for m in moes)
+        self.graph_max_rows: int | None = None
+        if moes and self.graph_safe:
+            from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
+            self.graph_max_rows = ROUTED_MAX_ROWS
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         # Tied head on the CPU path: the dense embedding already is the head's weight; don't hold it twice.

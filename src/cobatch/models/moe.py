@@ -1,14 +1,17 @@
 """A mixture-of-experts feed-forward: each token is routed to the top-k of n experts (Mixtral, Qwen2/3-MoE).
 
 The router is a small float32 matrix; softmax over all experts, top-k, optionally renormalized (as
-llama.cpp's build_moe_ffn does per architecture). The experts run per expert on the rows routed to it, so a
-step reads only the experts its tokens chose, each once, whatever the batch (ds4's "routed experts run per
-sequence", grouped by expert). On CUDA each expert is a packed quantized weight and goes through the same
-narrow GEMV as the dense layers; counting the rows each expert got is a host sync per layer, so MoE
-models run their decode steps without CUDA graphs (LlamaModel.graph_safe).
+llama.cpp's build_moe_ffn does per architecture). A step reads only the experts its tokens chose, each
+once, whatever the batch (ds4's "routed experts run per sequence", grouped by expert). Two ways to run them:
+  - routed (CUDA, steps of up to ROUTED_MAX_ROWS rows: every decode step): the (row, expert) pairs are
+    grouped by expert on the device (kernels/moe_routing.py) and each projection is one launch of the
+    routed GEMV over all experts stacked (kernels/packed_experts.py). No host sync, so decode steps are
+    captured in CUDA graphs like a dense model's.
+  - expert by expert (the CPU, prefill chunks, and formats the routed GEMV does not read): each expert
+    that got rows runs on them through ops.linear; counting those rows is a host sync.
 
-A token's output sums its experts' contributions in expert-id order, so a row's result does not depend on
-which other rows share the step.
+A token's output sums its experts' contributions in float32 in expert-id order, both ways, so a row's
+result does not depend on which other rows share the step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from cobatch import ops
 from cobatch.config import ModelConfig
+from cobatch.kernels.moe_routing import expert_slots
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import load_linear
 from cobatch.quant.weight import QuantWeight
@@ -28,17 +32,34 @@ def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
     return [QuantWeight(w.fmt, rows, w.cols, w.raw[e * rows:(e + 1) * rows]) for e in range(n_experts)]
 
 
+def _gate_up_per_expert(gate: QuantWeight, up: QuantWeight, n_experts: int) -> QuantWeight:
+    """The stacked gate and up experts as one stack of fused gate|up experts: expert e's gate rows, then its
+    up rows (the layout of a dense layer's gate|up, which ops.gated_mul splits)."""
+    rows = gate.rows // n_experts
+    raw = torch.stack([gate.raw.reshape(n_experts, rows, -1), up.raw.reshape(n_experts, rows, -1)], 1)
+    return QuantWeight(gate.fmt, 2 * gate.rows, gate.cols, raw.reshape(2 * gate.rows, -1))
+
+
 class MoeFeedForward:
     def __init__(self, cfg: ModelConfig, gguf: GGUFFile, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
-        n = cfg.n_experts
+        n = self.n_experts = cfg.n_experts
         self.top_k, self.normalize = cfg.n_experts_used, cfg.expert_weights_norm
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
-        gates = _expert_rows(gguf.quant_weight(prefix + "ffn_gate_exps.weight"), n)
-        ups = _expert_rows(gguf.quant_weight(prefix + "ffn_up_exps.weight"), n)
-        downs = _expert_rows(gguf.quant_weight(prefix + "ffn_down_exps.weight"), n)
-        self.gate_up = [load_linear([g, u], device, dtype, keep_dense) for g, u in zip(gates, ups)]
-        self.down = [load_linear([d], device, dtype, keep_dense) for d in downs]
+        gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
+        self.routed_gate_up = self.routed_down = None
+        if device.type == "cuda" and gate.fmt is up.fmt:
+            from cobatch.kernels.packed_experts import PackedExperts
+            gate_up = PackedExperts.from_quant(_gate_up_per_expert(gate, up, n), n, device)
+            down_stack = PackedExperts.from_quant(down, n, device)
+            if gate_up is not None and down_stack is not None:
+                self.routed_gate_up, self.routed_down = gate_up, down_stack
+        if self.routed_gate_up is not None:     # the expert-by-expert path reads the same planes
+            self.gate_up, self.down = self.routed_gate_up.experts, self.routed_down.experts
+        else:
+            self.gate_up = [load_linear([g, u], device, dtype, keep_dense)
+                            for g, u in zip(_expert_rows(gate, n), _expert_rows(up, n))]
+            self.down = [load_linear([d], device, dtype, keep_dense) for d in _expert_rows(down, n)]
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if cfg.shared_expert_ffn_dim:
             self.shared_gate_up = load_linear([gguf.quant_weight(prefix + "ffn_gate_shexp.weight"),
@@ -51,14 +72,35 @@ class MoeFeedForward:
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, expert ids [N, k]) for rows h [N, d]."""
-        probs = torch.softmax(h.float() @ self.router.T, dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids
+        return ops.moe_route(h, self.router, self.top_k, self.normalize)
+
+    @property
+    def routed(self) -> bool:
+        """Do steps of up to ROUTED_MAX_ROWS rows run without a host sync?"""
+        return self.routed_gate_up is not None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
         weights, ids = self.route(h)
+        if self.routed and h.shape[0] <= ROUTED_MAX_ROWS:
+            out = self._routed(h, weights, ids)
+        else:
+            out = self._expert_by_expert(h, weights, ids)
+        if self.shared_gate_up is not None:
+            y = ops.linear(ops.gated_mul(ops.linear(h, self.shared_gate_up)), self.shared_down).float()
+            if self.shared_gate is not None:
+                y = y * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
+            out += y
+        return out.to(h.dtype)
+
+    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [N, d]: all experts of the step in two routed launches, grouped on the device."""
+        slots = expert_slots(ids, weights, self.n_experts)
+        y = ops.gated_mul(self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots))
+        return ops.moe_combine(self.routed_down.routed_matmul(y, slots), slots)
+
+    def _expert_by_expert(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [N, d]: each expert that got rows, on its rows, in expert-id order."""
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         # (row, slot) pairs grouped by expert, rows ascending within each: a stable sort of the flat ids. The
         # per-expert counts are the layer's one host sync.
@@ -73,9 +115,4 @@ class MoeFeedForward:
             start += count
             y = ops.linear(ops.gated_mul(ops.linear(h[rows], self.gate_up[e])), self.down[e])
             out.index_add_(0, rows, y.float() * weights[rows, slot, None])
-        if self.shared_gate_up is not None:
-            y = ops.linear(ops.gated_mul(ops.linear(h, self.shared_gate_up)), self.shared_down).float()
-            if self.shared_gate is not None:
-                y = y * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
-            out += y
-        return out.to(h.dtype)
+        return out

@@ -168,7 +168,7 @@ def _graphs_note(llm: LLM) -> str:
         return ""
     if llm.engine.runner.graphs is not None:
         return " (decode in CUDA graphs)"
-    return " (decode eager: " + ("experts are routed on the host)" if not llm.model.graph_safe else "--eager)")
+    return " (decode eager: " + ("these experts' format has no device routing)" if not llm.model.graph_safe else "--eager)")
 
 
 def serve(args) -> int:

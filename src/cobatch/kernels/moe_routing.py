@@ -1,0 +1,175 @@
+"""Routing an MoE step's rows to its experts on the device, with no host sync (so a decode step that runs
+experts can be captured in a CUDA graph).
+
+Routing itself (`route_triton`: logits, softmax, top-k) has its own kernels: a row's experts and weights must
+not depend on the other rows of the step, which cuBLAS does not promise for the logits.
+
+A step of N rows, each routed to k experts, makes P = N k (row, expert) pairs. `expert_slots` sorts them by
+expert (stable: rows ascending within an expert) and gives each distinct expert a "slot": the experts of
+the step, ascending, then empty slots (count 0) up to min(n_experts, P), a bound known without looking at
+the ids. The routed GEMV (quant_gemv, ROUTED) runs one group of CTAs per slot, over that slot's run of
+pairs, with that expert's weights: each chosen expert's weights are read once per step, whatever N.
+
+`combine` sums each row's k expert outputs weighted by the router, in ascending expert id, in float32: the
+order the eager path (models/moe.py) adds them in, so a row's result does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
+
+
+def route_ref(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [N, k], expert ids int64 [N, k]): softmax of h @ router.T over all experts, the top k,
+    renormalized to sum 1 if `normalize` (router: float32 [n_experts, d])."""
+    probs = torch.softmax(h.float() @ router.T, dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+@jit
+def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, d, BLOCK_K):     # fixed blocks, one reduction tree per block: the same sums for any N
+        k = k0 + tl.arange(0, BLOCK_K)
+        h = tl.load(h_ptr + row * h_stride + k, mask=k < d, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None] * d + k[None, :], mask=(e[:, None] < n_experts) & (k[None, :] < d), other=0.0)
+        acc += tl.sum(w * h[None, :], axis=1)
+    tl.store(out_ptr + row * n_experts + e, acc, mask=e < n_experts)
+
+
+@jit
+def _top_k_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, BLOCK_E: tl.constexpr, K: tl.constexpr,
+                  BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    slot = tl.arange(0, BLOCK_KK)
+    chosen_w = tl.zeros([BLOCK_KK], dtype=tl.float32)
+    chosen_id = tl.zeros([BLOCK_KK], dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(K):        # the j-th largest; ties go to the lower id
+        best = tl.max(p, axis=0)
+        best_id = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+        chosen_w = tl.where(slot == j, best, chosen_w)
+        chosen_id = tl.where(slot == j, best_id, chosen_id)
+        total += best
+        p = tl.where(e == best_id, -1.0, p)
+    if NORMALIZE:
+        chosen_w = chosen_w / total
+    tl.store(weights_ptr + row * K + slot, chosen_w, mask=slot < K)
+    tl.store(ids_ptr + row * K + slot, chosen_id.to(tl.int64), mask=slot < K)
+
+
+def route_triton(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As route_ref, in two kernels (the logits, spread over the experts; then softmax and top-k per row),
+    and a row's result does not depend on the other rows of the call. cuBLAS does not promise that (it picks
+    its algorithm, hence its summation order, by the shape), and a routed row must not change experts with
+    its batch."""
+    n, d = h.shape
+    n_experts = router.shape[0]
+    assert h.stride(-1) == 1 and router.is_contiguous() and k <= n_experts
+    logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
+    block_e = min(8, triton.next_power_of_2(n_experts))
+    _router_logits_kernel[(n, triton.cdiv(n_experts, block_e))](h, router, logits, d, n_experts, h.stride(0),
+                                                                BLOCK_E=block_e, BLOCK_K=256, **pdl_launch(h),
+                                                                num_warps=4)
+    weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
+    ids = torch.empty(n, k, dtype=torch.int64, device=h.device)
+    _top_k_kernel[(n,)](logits, weights, ids, n_experts, BLOCK_E=triton.next_power_of_2(n_experts), K=k,
+                        BLOCK_KK=triton.next_power_of_2(k), NORMALIZE=normalize, **pdl_launch(h), num_warps=4)
+    return weights, ids
+
+
+@dataclass(slots=True)
+class ExpertSlots:
+    pair_rows: torch.Tensor    # [P] int64: the input row of each pair, pairs sorted by expert
+    slot_expert: torch.Tensor  # [S] int32: the expert of each slot (0 for an empty slot)
+    slot_start: torch.Tensor   # [S] int32: its first pair
+    slot_count: torch.Tensor   # [S] int32: its number of pairs (0: empty)
+    row_pairs: torch.Tensor    # [N, k] int64: each row's pairs, in ascending expert id
+    row_weights: torch.Tensor  # [N, k] float32: the router weights in the same order
+    max_count: int             # bound on any slot's count: N (an expert takes a row at most once)
+
+    @property
+    def n_slots(self) -> int:
+        return self.slot_expert.shape[0]
+
+
+def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
+    """ids, weights: [N, k] (a row's k ids distinct) -> the slots. Torch ops of fixed shapes only: no sync."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    n_pairs = flat.shape[0]
+    n_slots = min(n_experts, n_pairs)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot = torch.cumsum(starts, 0) - 1                                   # each pair's slot
+    slot_expert = torch.zeros(n_slots, dtype=torch.int32, device=ids.device)
+    slot_expert.scatter_(0, slot, sorted_ids.to(torch.int32))           # the pairs of a slot agree
+    slot_count = torch.zeros(n_slots, dtype=torch.int32, device=ids.device)
+    slot_count.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
+    slot_start = (torch.cumsum(slot_count, 0) - slot_count).to(torch.int32)
+    # where each (row, j) pair landed; a row's pairs sorted by position are sorted by expert id
+    position = torch.empty_like(order)
+    position[order] = torch.arange(n_pairs, device=ids.device)
+    row_pairs, perm = position.view(n, k).sort(dim=1)
+    return ExpertSlots(order // k, slot_expert, slot_start, slot_count, row_pairs,
+                       weights.float().gather(1, perm), n)
+
+
+def combine_ref(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:
+    """y: [P, d] the experts' outputs per pair -> [N, d]: sum over j of row_weights[:, j] * y[row_pairs[:, j]]."""
+    out = torch.zeros(slots.row_pairs.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(slots.row_pairs.shape[1]):
+        out += y[slots.row_pairs[:, j]].float() * slots.row_weights[:, j, None]
+    return out.to(out_dtype)
+
+
+@jit
+def _combine_kernel(y_ptr, pairs_ptr, w_ptr, out_ptr, d, y_stride, out_stride, K: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):     # ascending expert id, as combine_ref and the eager path
+        pair = tl.load(pairs_ptr + row * K + j)
+        w = tl.load(w_ptr + row * K + j)
+        y = tl.load(y_ptr + pair * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        prod = y * w
+        acc += prod
+    tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_triton(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:
+    n, k = slots.row_pairs.shape
+    d = y.shape[1]
+    out = torch.empty(n, d, dtype=out_dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(n, triton.cdiv(d, block))](y, slots.row_pairs, slots.row_weights, out, d, y.stride(0),
+                                                out.stride(0), K=k, BLOCK=block, **pdl_launch(y), num_warps=4,
+                                                enable_fp_fusion=False)   # product rounded, then added
+    return out

@@ -1,0 +1,79 @@
+"""The experts of one MoE projection, packed as one stacked weight, for the routed GEMV.
+
+All n experts share format and shape (GGUF stores them as one 3-D tensor), so their fragment-order planes
+are packed as one matrix of n * rows rows, expert e owning row tiles e * rows / 16 onwards. One routed launch
+(quant_gemv, ROUTED) then runs every expert a step chose, each over its run of (row, expert) pairs
+(moe_routing.py): a fixed grid and no host sync, so it can be captured in a CUDA graph. `expert(e)` is a
+PackedWeight view of one expert (no copy), for steps of many rows (prefill), which run expert by expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from cobatch.kernels import quant_gemv
+from cobatch.kernels.moe_routing import ExpertSlots
+from cobatch.kernels.quant_matmul import (PackedWeight, _DenseScratch, _scratch_need, _SplitScratch, plan_for,
+                                          uses_gemv)
+from cobatch.kernels.quant_pack import ROW_PAD, PackedPlanes, pack_planes
+from cobatch.quant.weight import QuantWeight
+
+# Steps of up to this many rows route on the device. Every decode step up to this batch can be captured in
+# a CUDA graph; bigger steps (prefill chunks) run expert by expert, through the dequant GEMM where an expert
+# gets many rows.
+ROUTED_MAX_ROWS = 64
+
+
+def _without_split_k(plan: quant_gemv.GemvPlan) -> quant_gemv.GemvPlan:
+    """A routed launch has a group of CTAs per slot, enough to fill the GPU; split-K's partial buffers and
+    extra CTAs (mostly idle ones, for slots that got few rows) would only cost."""
+    return quant_gemv.GemvPlan(replace(plan.default, split_k=1),
+                               tuple((bound, replace(c, split_k=1)) for bound, c in plan.upto))
+
+
+class PackedExperts:
+    def __init__(self, fmt_name: str, n_experts: int, rows: int, cols: int, planes: PackedPlanes, plan):
+        self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
+        self.planes, self.plan = planes, plan
+        self._routed_plan = _without_split_k(plan.narrow)
+        self.experts = [PackedWeight(fmt_name, rows, cols, planes=self._planes_of(e), plan=plan)
+                        for e in range(n_experts)]
+
+    @classmethod
+    def from_quant(cls, w: QuantWeight, n_experts: int, device: torch.device) -> "PackedExperts | None":
+        """w: the experts stacked expert-major, [n_experts * rows, cols]. None where the routed GEMV cannot
+        serve them: a format without fragment planes, or experts whose rows are not whole row pads."""
+        rows = w.rows // n_experts
+        if not uses_gemv(w.fmt.name, device) or rows % ROW_PAD:
+            return None
+        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True)
+        self = cls(w.fmt.name, n_experts, rows, w.cols, planes,
+                   plan_for(w.fmt.name, rows, w.cols, planes.cols_pad, gemv=True))
+        # Scratch for the expert-by-expert path, reserved now (never inside a graph capture).
+        _SplitScratch.reserve(device, *_scratch_need(self.plan.narrow, rows, self.plan.crossover))
+        _DenseScratch.reserve(device, rows * w.cols * 2)
+        return self
+
+    def _planes_of(self, e: int) -> PackedPlanes:
+        p, t = self.planes, self.rows // 16
+
+        def part(plane: torch.Tensor | None) -> torch.Tensor | None:
+            return None if plane is None else plane[e * t:(e + 1) * t]
+        return PackedPlanes(p.fmt_id, self.rows, p.cols, self.rows, p.cols_pad, part(p.qs), part(p.d), part(p.m),
+                            part(p.sub), part(p.qh), fragment=True)
+
+    def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
+        """x [P, cols], one row per (row, expert) pair in slot order -> [P, rows]: each pair's row times its
+        expert. Fixed launch shape for a given P: no host sync."""
+        assert slots.max_count <= ROUTED_MAX_ROWS and x.stride(-1) == 1
+        out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
+        routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.max_count,
+                                     self.rows)
+        quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.planes.nbytes

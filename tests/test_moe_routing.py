@@ -1,0 +1,148 @@
+"""Routing MoE rows on the device (kernels/moe_routing.py) and the routed GEMV over stacked experts
+(kernels/packed_experts.py, quant_gemv ROUTED).
+
+The slots are checked against a plain-Python grouping of the pairs; the combine kernel against its torch
+reference (CPU, interpreter); the routed GEMV, on CUDA, bitwise against each expert's own GEMV on its rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.kernels.moe_routing import combine_ref, combine_triton, expert_slots
+from cobatch.quant.weight import QuantWeight
+
+from conftest import requires_cuda
+from test_quant_gemv import make_weight
+
+
+def random_routing(n_rows: int, n_experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(n_rows)])
+    return ids, torch.rand(n_rows, k, generator=g)
+
+
+@pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8)])
+def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k):
+    ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows * 100 + n_experts)
+    s = expert_slots(ids, weights, n_experts)
+    # The grouping, written plainly: for each expert that got rows, ascending, its rows ascending.
+    used = sorted({int(e) for e in ids.flatten()})
+    runs = {e: [r for r in range(n_rows) if e in ids[r].tolist()] for e in used}
+    assert s.n_slots == min(n_experts, n_rows * k) and s.max_count == n_rows
+    assert s.slot_expert[:len(used)].tolist() == used
+    assert s.slot_count.tolist() == [len(runs[e]) for e in used] + [0] * (s.n_slots - len(used))
+    pair_rows = s.pair_rows.tolist()
+    for slot, e in enumerate(used):
+        start = int(s.slot_start[slot])
+        assert pair_rows[start:start + len(runs[e])] == runs[e]
+    # Each row's pairs, in ascending expert id, with the router weight of that expert.
+    for r in range(n_rows):
+        experts = sorted(ids[r].tolist())
+        assert [int(s.slot_expert[_slot_of(s, p)]) for p in s.row_pairs[r].tolist()] == experts
+        assert all(pair_rows[p] == r for p in s.row_pairs[r].tolist())
+        want = [float(weights[r, ids[r].tolist().index(e)]) for e in experts]
+        assert s.row_weights[r].tolist() == pytest.approx(want, abs=0)
+
+
+def _slot_of(s, pair: int) -> int:
+    starts, counts = s.slot_start.tolist(), s.slot_count.tolist()
+    return next(i for i, (a, c) in enumerate(zip(starts, counts)) if a <= pair < a + c)
+
+
+def test_combine_kernel_matches_reference():
+    ids, weights = random_routing(7, 8, 3, seed=3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = expert_slots(ids.to(dev), weights.to(dev), 8)
+    y = torch.randn(21, 300, generator=torch.Generator().manual_seed(5)).bfloat16().to(dev)
+    want = combine_ref(y, s, torch.float32)
+    got = combine_triton(y, s, torch.float32)
+    assert torch.equal(got, want)      # the same f32 products added in the same order
+    # and the reference is the weighted sum it claims to be
+    rows = torch.stack([sum(float(weights[r, j]) * y[_pair(s, r, int(ids[r, j]))].float() for j in range(3))
+                        for r in range(7)])
+    assert torch.allclose(want, rows, rtol=1e-5, atol=1e-5)
+
+
+def _pair(s, row: int, expert: int) -> int:
+    return next(p for p in s.row_pairs[row].tolist() if int(s.slot_expert[_slot_of(s, p)]) == expert)
+
+
+# --- the routed GEMV (CUDA) ---------------------------------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("n_rows", [1, 3, 8, 13, 40])
+def test_routed_gemv_equals_each_experts_own_gemv(fmt_name, n_rows):
+    from cobatch.kernels.packed_experts import PackedExperts
+    n_experts, k, rows, cols = 12, 3, 256, 512
+    stacked = make_weight(fmt_name, n_experts * rows, cols, seed=7)
+    experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"))
+    assert experts is not None
+    ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
+    s = expert_slots(ids.cuda(), weights.cuda(), n_experts)
+    x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    xp = x[s.pair_rows]
+    got = experts.routed_matmul(xp, s)
+    want = torch.full_like(got, float("nan"))
+    for slot in range(s.n_slots):
+        start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
+        if count:
+            want[start:start + count] = experts.experts[e].matmul(xp[start:start + count],
+                                                                  config=experts._routed_plan)
+    assert not want.isnan().any()
+    assert torch.equal(got, want)
+    # and one expert's GEMV is that expert's matrix: against the float reference on its GGUF bytes
+    e = int(s.slot_expert[0])
+    ref = xp[:int(s.slot_count[0])].float() @ QuantWeight(stacked.fmt, rows, cols,
+                                                          stacked.raw[e * rows:(e + 1) * rows]).dequantize().cuda().T
+    assert ((got[:int(s.slot_count[0])].float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@requires_cuda
+def test_routed_gemv_replays_in_a_cuda_graph_with_new_routes():
+    from cobatch.kernels.packed_experts import PackedExperts
+    n_experts, k, rows, cols = 8, 2, 128, 256
+    experts = PackedExperts.from_quant(make_weight("q8_0", n_experts * rows, cols, seed=3), n_experts,
+                                       torch.device("cuda"))
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    ids = torch.zeros(4, k, dtype=torch.int64, device="cuda")
+    weights = torch.ones(4, k, device="cuda")
+
+    def step():
+        s = expert_slots(ids, weights, n_experts)
+        return experts.routed_matmul(x[s.pair_rows], s), s
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, slots = step()
+    for seed in range(3):       # new routes each replay: the graph reads them from the device
+        new_ids, _ = random_routing(4, n_experts, k, seed=seed)
+        ids.copy_(new_ids)
+        graph.replay()
+        want, want_slots = step()
+        assert torch.equal(slots.pair_rows, want_slots.pair_rows)
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("n_experts, k, normalize", [(8, 2, True), (60, 4, False), (128, 8, True)])
+def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normalize):
+    from cobatch.kernels.moe_routing import route_ref, route_triton
+    g = torch.Generator().manual_seed(n_experts)
+    d = 300
+    router = torch.randn(n_experts, d, generator=g) * 0.2
+    h = torch.randn(9, d, generator=g)
+    if torch.cuda.is_available():
+        router, h = router.cuda(), h.cuda()
+    w, ids = route_triton(h, router, k, normalize)
+    w_ref, ids_ref = route_ref(h, router, k, normalize)
+    assert torch.equal(ids, ids_ref)
+    assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+    if normalize:
+        assert torch.allclose(w.sum(-1), torch.ones(9, device=w.device), atol=1e-6)
+    for r in range(9):       # a row alone gives the same bits as inside the batch
+        w1, ids1 = route_triton(h[r:r + 1], router, k, normalize)
+        assert torch.equal(ids1[0], ids[r]) and torch.equal(w1[0], w[r])
