@@ -9,9 +9,10 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m cobatch.gguf_writer random --shape qwen3-30b-a3b --quant q4_k_m --layers "${LAYERS:-12}" \
   --tokenizer-from .models/smollm2-6l.gguf -o /tmp/moe.gguf 2>&1 | tail -1 &
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_routing.py tests/test_moe.py \
-  "tests/test_gemma.py::test_gemma2_config_and_logits_match_transformers" \
-  tests/test_quant_gemv.py -k "not gemv_dequantize and (routed or route or combine or slots or moe or gemma2 or odd_shapes or bitwise or engine or logits or layer)" \
-  ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+# TESTS (pytest arguments) replaces the default selection
+DEFAULT_TESTS=(tests/test_moe_routing.py tests/test_moe.py "tests/test_gemma.py::test_gemma2_config_and_logits_match_transformers"
+  tests/test_quant_gemv.py -k "not gemv_dequantize and (routed or route or combine or slots or moe or gemma2 or odd_shapes or bitwise or engine or logits or layer)")
+if [ -n "${TESTS:-}" ]; then read -r -a SELECTED <<< "$TESTS"; else SELECTED=("${DEFAULT_TESTS[@]}"); fi
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider "${SELECTED[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 wait
 timeout ${BENCH_TIMEOUT:-240} python3 bench/moe_decode.py --model /tmp/moe.gguf 2>&1 | grep -v Warning | tee "$OUT/moe_decode.log"

@@ -27,9 +27,11 @@ from triton.compiler import ASTSource
 from cobatch.kernels import activation, attention, kv_write, moe_routing, norm, rope
 
 H200 = GPUTarget("cuda", 90, 32)
-INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr"}
-LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr"}
-FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr", "weights_ptr"}
+INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_expert_ptr", "slot_start_ptr",
+                "slot_count_ptr"}
+LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr", "pair_rows_ptr", "row_pairs_ptr"}
+FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr", "weights_ptr",
+                  "row_weights_ptr"}
 FLOAT_SCALARS = {"qk_scale", "softcap", "eps"}
 
 
@@ -82,6 +84,7 @@ for neox, half in ((False, 64), (True, 64), (True, 24)):      # 24: Phi-4-mini's
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=8, BLOCK_K=256, PDL=True), 4, 2)
+variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, BLOCK_E=128, BLOCK_S=128, PDL=True), 4, 2)
 for normalize in (False, True):
     variants[f"moe top-k normalize={normalize}"] = (
         moe_routing._top_k_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, PDL=True), 4, 2)
@@ -110,6 +113,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_variant_of_the_small_kernels_compiles_for_sm90(compiled):
-    assert len(compiled) == 21
+    assert len(compiled) == 22
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

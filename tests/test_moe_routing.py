@@ -146,3 +146,17 @@ def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normal
     for r in range(9):       # a row alone gives the same bits as inside the batch
         w1, ids1 = route_triton(h[r:r + 1], router, k, normalize)
         assert torch.equal(ids1[0], ids[r]) and torch.equal(w1[0], w[r])
+
+
+@pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8),
+                                                 (64, 128, 8)])
+def test_slots_kernel_matches_reference(n_rows, n_experts, k):
+    from cobatch.kernels.moe_routing import expert_slots_ref, expert_slots_triton
+    ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows + n_experts)
+    if torch.cuda.is_available():
+        ids, weights = ids.cuda(), weights.cuda()
+    want = expert_slots_ref(ids, weights, n_experts)
+    got = expert_slots_triton(ids, weights, n_experts)
+    for field in ("pair_rows", "slot_expert", "slot_start", "slot_count", "row_pairs", "row_weights"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.max_count == want.max_count

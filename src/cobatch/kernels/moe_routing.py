@@ -114,8 +114,9 @@ class ExpertSlots:
         return self.slot_expert.shape[0]
 
 
-def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
-    """ids, weights: [N, k] (a row's k ids distinct) -> the slots. Torch ops of fixed shapes only: no sync."""
+def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
+    """ids, weights: [N, k] (a row's k ids distinct) -> the slots. Torch ops of fixed shapes only: no sync,
+    but about 20 launches."""
     n, k = ids.shape
     flat = ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
@@ -135,6 +136,80 @@ def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> Ex
     row_pairs, perm = position.view(n, k).sort(dim=1)
     return ExpertSlots(order // k, slot_expert, slot_start, slot_count, row_pairs,
                        weights.float().gather(1, perm), n)
+
+
+@jit
+def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, row_pairs_ptr,
+                  row_weights_ptr, n_pairs, n_experts, n_slots, K: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    """Program i: the sorted position ("rank") of pairs i*CHUNK.. (a stable counting sort: the pairs before a
+    pair have a lower expert id, or the same id and a lower index) and their place in their row's expert-id
+    order. Program 0 also lays out the slots."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    big = 1 << 30
+    p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    p_ok = p < n_pairs
+    id_p = tl.load(ids_ptr + p, mask=p_ok, other=big).to(tl.int32)
+    rank = tl.zeros([CHUNK], dtype=tl.int32)
+    for q0 in range(0, n_pairs, CHUNK):
+        q = q0 + tl.arange(0, CHUNK)
+        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=big).to(tl.int32)
+        before = (id_q[None, :] < id_p[:, None]) | ((id_q[None, :] == id_p[:, None]) & (q[None, :] < p[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    row = p // K
+    tl.store(pair_rows_ptr + rank, row.to(tl.int64), mask=p_ok)
+    in_row = tl.zeros([CHUNK], dtype=tl.int32)     # the row's experts with a lower id (a row's ids are distinct)
+    for j in tl.static_range(K):
+        other = tl.load(ids_ptr + row * K + j, mask=p_ok, other=big).to(tl.int32)
+        in_row += (other < id_p).to(tl.int32)
+    tl.store(row_pairs_ptr + row * K + in_row, rank.to(tl.int64), mask=p_ok)
+    tl.store(row_weights_ptr + row * K + in_row, tl.load(w_ptr + p, mask=p_ok, other=0.0), mask=p_ok)
+    if tl.program_id(0) == 0:
+        e = tl.arange(0, BLOCK_E)
+        count = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for q0 in range(0, n_pairs, CHUNK):
+            q = q0 + tl.arange(0, CHUNK)
+            id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
+            count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
+        used = (count > 0).to(tl.int32)
+        slot = tl.cumsum(used, axis=0) - used       # used experts, ascending, take slots 0, 1, ...
+        start = tl.cumsum(count, axis=0) - count
+        is_used = (count > 0) & (e < n_experts)
+        tl.store(slot_expert_ptr + slot, e, mask=is_used)
+        tl.store(slot_start_ptr + slot, start, mask=is_used)
+        tl.store(slot_count_ptr + slot, count, mask=is_used)
+        s = tl.arange(0, BLOCK_S)                   # the rest are empty (disjoint from the stores above)
+        empty = (s >= tl.sum(used, axis=0)) & (s < n_slots)
+        tl.store(slot_expert_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
+        tl.store(slot_start_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32) + n_pairs, mask=empty)
+        tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
+
+
+def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
+    """As expert_slots_ref, in one launch."""
+    n, k = ids.shape
+    n_pairs = n * k
+    n_slots = min(n_experts, n_pairs)
+    dev = ids.device
+    pair_rows = torch.empty(n_pairs, dtype=torch.int64, device=dev)
+    slot_expert, slot_start, slot_count = (torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3))
+    row_pairs = torch.empty(n, k, dtype=torch.int64, device=dev)
+    row_weights = torch.empty(n, k, dtype=torch.float32, device=dev)
+    chunk = 32
+    _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
+        ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
+        row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(n_experts),
+        BLOCK_S=triton.next_power_of_2(n_slots), **pdl_launch(ids), num_warps=4)
+    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, n)
+
+
+def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
+    """The slots of a step's routing: one kernel on CUDA, the torch reference elsewhere."""
+    if ids.is_cuda:
+        return expert_slots_triton(ids, weights, n_experts)
+    return expert_slots_ref(ids, weights, n_experts)
 
 
 def combine_ref(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:
