@@ -3,7 +3,7 @@
 All n experts share format and shape (GGUF stores them as one 3-D tensor), so their fragment-order planes
 are packed as one matrix of n * rows rows, expert e owning row tiles e * rows / 16 onwards. One routed launch
 (quant_gemv, ROUTED) then runs every expert a step chose, each over its run of (row, expert) pairs
-(moe_routing.py): a fixed grid and no host sync, so it can be captured in a CUDA graph. `expert(e)` is a
+(moe_routing.py): a fixed grid and no host sync, so it can be captured in a CUDA graph. `experts[e]` is a
 PackedWeight view of one expert (no copy), for steps of many rows (prefill), which run expert by expert.
 """
 

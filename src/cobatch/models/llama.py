@@ -15,6 +15,7 @@ import torch
 from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
+from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import load_linear
@@ -110,7 +111,6 @@ class LlamaModel:
         self.graph_safe = all(m.routed for m in moes)
         self.graph_max_rows: int | None = None
         if moes and self.graph_safe:
-            from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
             self.graph_max_rows = ROUTED_MAX_ROWS
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"

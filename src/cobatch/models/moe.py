@@ -20,6 +20,7 @@ import torch
 
 from cobatch import ops
 from cobatch.config import ModelConfig
+from cobatch.kernels import packed_experts
 from cobatch.kernels.moe_routing import expert_slots
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import load_linear
@@ -49,9 +50,8 @@ class MoeFeedForward:
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
         if device.type == "cuda" and gate.fmt is up.fmt:
-            from cobatch.kernels.packed_experts import PackedExperts
-            gate_up = PackedExperts.from_quant(_gate_up_per_expert(gate, up, n), n, device)
-            down_stack = PackedExperts.from_quant(down, n, device)
+            gate_up = packed_experts.PackedExperts.from_quant(_gate_up_per_expert(gate, up, n), n, device)
+            down_stack = packed_experts.PackedExperts.from_quant(down, n, device)
             if gate_up is not None and down_stack is not None:
                 self.routed_gate_up, self.routed_down = gate_up, down_stack
         if self.routed_gate_up is not None:     # the expert-by-expert path reads the same planes
@@ -80,9 +80,8 @@ class MoeFeedForward:
         return self.routed_gate_up is not None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
         weights, ids = self.route(h)
-        if self.routed and h.shape[0] <= ROUTED_MAX_ROWS:
+        if self.routed and h.shape[0] <= packed_experts.ROUTED_MAX_ROWS:
             out = self._routed(h, weights, ids)
         else:
             out = self._expert_by_expert(h, weights, ids)

@@ -163,12 +163,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def _graphs_note(llm: LLM) -> str:
-    """How decode steps run on CUDA: captured graphs, or eager (mixture-of-experts routing, or --eager)."""
+    """How decode steps run on CUDA: captured graphs, or eager (experts the device cannot route, or --eager)."""
     if llm.engine.runner.device.type != "cuda":
         return ""
     if llm.engine.runner.graphs is not None:
         return " (decode in CUDA graphs)"
-    return " (decode eager: " + ("these experts' format has no device routing)" if not llm.model.graph_safe else "--eager)")
+    why = "these experts' format has no device routing" if not llm.model.graph_safe else "--eager"
+    return f" (decode eager: {why})"
 
 
 def serve(args) -> int:
