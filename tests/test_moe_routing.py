@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cobatch.kernels.moe_routing import combine_ref, combine_triton, expert_slots
+from cobatch.kernels.moe_routing import combine_ref, combine_triton, expert_slots, slot_bound
 from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
@@ -23,20 +23,24 @@ def random_routing(n_rows: int, n_experts: int, k: int, seed: int) -> tuple[torc
     return ids, torch.rand(n_rows, k, generator=g)
 
 
-@pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8)])
+@pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8),
+                                                 (64, 8, 2)])
 def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k):
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows * 100 + n_experts)
     s = expert_slots(ids, weights, n_experts)
-    # The grouping, written plainly: for each expert that got rows, ascending, its rows ascending.
+    # The grouping, written plainly: for each expert that got rows, ascending, its rows ascending, cut into
+    # slots of the GEMV's token tile.
+    size = 8 if n_rows <= 8 else 16
     used = sorted({int(e) for e in ids.flatten()})
     runs = {e: [r for r in range(n_rows) if e in ids[r].tolist()] for e in used}
-    assert s.n_slots == min(n_experts, n_rows * k) and s.max_count == n_rows
-    assert s.slot_expert[:len(used)].tolist() == used
-    assert s.slot_count.tolist() == [len(runs[e]) for e in used] + [0] * (s.n_slots - len(used))
+    pieces = [(e, runs[e][i:i + size]) for e in used for i in range(0, len(runs[e]), size)]
+    assert s.max_count == size and len(pieces) <= s.n_slots == slot_bound(n_rows, k, n_experts)
+    assert s.slot_expert[:len(pieces)].tolist() == [e for e, _ in pieces]
+    assert s.slot_count.tolist() == [len(rows) for _, rows in pieces] + [0] * (s.n_slots - len(pieces))
     pair_rows = s.pair_rows.tolist()
-    for slot, e in enumerate(used):
+    for slot, (e, rows) in enumerate(pieces):
         start = int(s.slot_start[slot])
-        assert pair_rows[start:start + len(runs[e])] == runs[e]
+        assert pair_rows[start:start + len(rows)] == rows
     # Each row's pairs, in ascending expert id, with the router weight of that expert.
     for r in range(n_rows):
         experts = sorted(ids[r].tolist())
@@ -44,6 +48,16 @@ def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k):
         assert all(pair_rows[p] == r for p in s.row_pairs[r].tolist())
         want = [float(weights[r, ids[r].tolist().index(e)]) for e in experts]
         assert s.row_weights[r].tolist() == pytest.approx(want, abs=0)
+
+
+def test_slot_bound_covers_the_worst_routing():
+    """Every row choosing the same k experts puts N pairs on each: the most slots a step can need."""
+    for n_rows, k, n_experts in [(1, 8, 128), (8, 8, 128), (9, 2, 4), (64, 8, 128), (256, 8, 128), (33, 4, 8)]:
+        size = 8 if n_rows <= 8 else 16
+        worst_same = k * -(-n_rows // size)
+        assert slot_bound(n_rows, k, n_experts) >= worst_same
+        ids = torch.stack([torch.arange(k)] * n_rows)
+        assert expert_slots(ids, torch.ones(n_rows, k), n_experts).slot_count.gt(0).sum() == worst_same
 
 
 def _slot_of(s, pair: int) -> int:
@@ -149,7 +163,7 @@ def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normal
 
 
 @pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8),
-                                                 (64, 128, 8)])
+                                                 (64, 128, 8), (64, 8, 2), (200, 16, 4)])
 def test_slots_kernel_matches_reference(n_rows, n_experts, k):
     from cobatch.kernels.moe_routing import expert_slots_ref, expert_slots_triton
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows + n_experts)

@@ -5,10 +5,12 @@ Routing itself (`route_triton`: logits, softmax, top-k) has its own kernels: a r
 not depend on the other rows of the step, which cuBLAS does not promise for the logits.
 
 A step of N rows, each routed to k experts, makes P = N k (row, expert) pairs. `expert_slots` sorts them by
-expert (stable: rows ascending within an expert) and gives each distinct expert a "slot": the experts of
-the step, ascending, then empty slots (count 0) up to min(n_experts, P), a bound known without looking at
-the ids. The routed GEMV (quant_gemv, ROUTED) runs one group of CTAs per slot, over that slot's run of
-pairs, with that expert's weights: each chosen expert's weights are read once per step, whatever N.
+expert (stable: rows ascending within an expert) and cuts each expert's run into "slots" of at most one
+token tile of the GEMV (8 pairs, 16 above 8 rows): the experts of the step, ascending, then empty slots up to
+a bound known without looking at the ids (`slot_bound`). The routed GEMV (quant_gemv, ROUTED) runs one group
+of CTAs per slot, over that slot's pairs, with that expert's weights: up to 8 rows, each chosen expert's
+weights are read once per step; above, once per 16 of its rows (as a dense GEMV reads its weights once per
+16-token tile).
 
 `combine` sums each row's k expert outputs weighted by the router, in ascending expert id, in float32: the
 order the eager path (models/moe.py) adds them in, so a row's result does not depend on its batch.
@@ -104,47 +106,67 @@ class ExpertSlots:
     pair_rows: torch.Tensor    # [P] int64: the input row of each pair, pairs sorted by expert
     slot_expert: torch.Tensor  # [S] int32: the expert of each slot (0 for an empty slot)
     slot_start: torch.Tensor   # [S] int32: its first pair
-    slot_count: torch.Tensor   # [S] int32: its number of pairs (0: empty)
+    slot_count: torch.Tensor   # [S] int32: its number of pairs, at most max_count (0: empty)
     row_pairs: torch.Tensor    # [N, k] int64: each row's pairs, in ascending expert id
     row_weights: torch.Tensor  # [N, k] float32: the router weights in the same order
-    max_count: int             # bound on any slot's count: N (an expert takes a row at most once)
+    max_count: int             # the slot size: the routed GEMV's token tile (8, or 16 above 8 rows)
 
     @property
     def n_slots(self) -> int:
         return self.slot_expert.shape[0]
 
 
+def slot_size(n_rows: int) -> int:
+    """An expert's run of pairs is cut into slots of this many (the GEMV's token tile for the step): with up to
+    8 rows every expert's run fits one slot; above, runs longer than 16 take several."""
+    return 8 if n_rows <= 8 else 16
+
+
+def slot_bound(n_rows: int, k: int, n_experts: int) -> int:
+    """Slots a step can need, known without looking at the ids: each used expert (at most min(n_experts, P))
+    takes ceil(count / size) slots, and the counts sum to P = n_rows k."""
+    n_pairs, size = n_rows * k, slot_size(n_rows)
+    used = min(n_experts, n_pairs)
+    return min(used * -(-n_rows // size), -(-n_pairs // size) + used)
+
+
 def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
-    """ids, weights: [N, k] (a row's k ids distinct) -> the slots. Torch ops of fixed shapes only: no sync,
-    but about 20 launches."""
+    """ids, weights: [N, k] (a row's k ids distinct) -> the slots, written plainly (host loops: the test
+    oracle of the kernel; the CPU path never routes)."""
     n, k = ids.shape
-    flat = ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    n_pairs = flat.shape[0]
-    n_slots = min(n_experts, n_pairs)
-    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
-    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    slot = torch.cumsum(starts, 0) - 1                                   # each pair's slot
-    slot_expert = torch.zeros(n_slots, dtype=torch.int32, device=ids.device)
-    slot_expert.scatter_(0, slot, sorted_ids.to(torch.int32))           # the pairs of a slot agree
-    slot_count = torch.zeros(n_slots, dtype=torch.int32, device=ids.device)
-    slot_count.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
-    slot_start = (torch.cumsum(slot_count, 0) - slot_count).to(torch.int32)
-    # where each (row, j) pair landed; a row's pairs sorted by position are sorted by expert id
+    size = slot_size(n)
+    flat = ids.reshape(-1).cpu()
+    order = torch.sort(flat, stable=True).indices
+    sorted_ids = flat[order].tolist()
+    expert, start, count = [], [], []
+    p = 0
+    while p < len(sorted_ids):               # each expert's run, cut into slots of `size`
+        run_end = p
+        while run_end < len(sorted_ids) and sorted_ids[run_end] == sorted_ids[p]:
+            run_end += 1
+        for s0 in range(p, run_end, size):
+            expert.append(sorted_ids[p]), start.append(s0), count.append(min(size, run_end - s0))
+        p = run_end
+    n_slots = slot_bound(n, k, n_experts)
+    pad = n_slots - len(expert)
+    expert, start, count = expert + [0] * pad, start + [n * k] * pad, count + [0] * pad
     position = torch.empty_like(order)
-    position[order] = torch.arange(n_pairs, device=ids.device)
-    row_pairs, perm = position.view(n, k).sort(dim=1)
-    return ExpertSlots(order // k, slot_expert, slot_start, slot_count, row_pairs,
-                       weights.float().gather(1, perm), n)
+    position[order] = torch.arange(n * k)
+    row_pairs, perm = position.view(n, k).sort(dim=1)    # a row's pairs by position = by expert id
+    dev = ids.device
+    as_i32 = (lambda v: torch.tensor(v, dtype=torch.int32, device=dev))
+    return ExpertSlots((order // k).to(dev), as_i32(expert), as_i32(start), as_i32(count), row_pairs.to(dev),
+                       weights.float().gather(1, perm.to(dev)), size)
 
 
 @jit
 def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, row_pairs_ptr,
                   row_weights_ptr, n_pairs, n_experts, n_slots, K: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program i: the sorted position ("rank") of pairs i*CHUNK.. (a stable counting sort: the pairs before a
     pair have a lower expert id, or the same id and a lower index) and their place in their row's expert-id
-    order. Program 0 also lays out the slots."""
+    order. Program 0 also lays out the slots: each used expert's run cut into slots of SIZE pairs."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -173,25 +195,26 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
             q = q0 + tl.arange(0, CHUNK)
             id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
             count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
-        used = (count > 0).to(tl.int32)
-        slot = tl.cumsum(used, axis=0) - used       # used experts, ascending, take slots 0, 1, ...
+        n_own = (count + SIZE - 1) // SIZE           # the slots of each expert (0 if unused)
+        first = tl.cumsum(n_own, axis=0) - n_own     # used experts, ascending, take slots 0, 1, ...
         start = tl.cumsum(count, axis=0) - count
-        is_used = (count > 0) & (e < n_experts)
-        tl.store(slot_expert_ptr + slot, e, mask=is_used)
-        tl.store(slot_start_ptr + slot, start, mask=is_used)
-        tl.store(slot_count_ptr + slot, count, mask=is_used)
+        for i in tl.static_range(MAX_PER_EXPERT):
+            mine = (i < n_own) & (e < n_experts)
+            tl.store(slot_expert_ptr + first + i, e, mask=mine)
+            tl.store(slot_start_ptr + first + i, start + i * SIZE, mask=mine)
+            tl.store(slot_count_ptr + first + i, tl.minimum(count - i * SIZE, SIZE), mask=mine)
         s = tl.arange(0, BLOCK_S)                   # the rest are empty (disjoint from the stores above)
-        empty = (s >= tl.sum(used, axis=0)) & (s < n_slots)
+        empty = (s >= tl.sum(n_own, axis=0)) & (s < n_slots)
         tl.store(slot_expert_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
         tl.store(slot_start_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32) + n_pairs, mask=empty)
         tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
 
 
 def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
-    """As expert_slots_ref, in one launch."""
+    """As expert_slots_ref, in one launch and without a host sync."""
     n, k = ids.shape
-    n_pairs = n * k
-    n_slots = min(n_experts, n_pairs)
+    n_pairs, size = n * k, slot_size(n)
+    n_slots = slot_bound(n, k, n_experts)
     dev = ids.device
     pair_rows = torch.empty(n_pairs, dtype=torch.int64, device=dev)
     slot_expert, slot_start, slot_count = (torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3))
@@ -201,12 +224,13 @@ def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int
     _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
         ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
         row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(n_experts),
-        BLOCK_S=triton.next_power_of_2(n_slots), **pdl_launch(ids), num_warps=4)
-    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, n)
+        BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size, MAX_PER_EXPERT=-(-n // size), **pdl_launch(ids),
+        num_warps=4)
+    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, size)
 
 
 def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
-    """The slots of a step's routing: one kernel on CUDA, the torch reference elsewhere."""
+    """The slots of a step's routing: one kernel on CUDA, the reference elsewhere."""
     if ids.is_cuda:
         return expert_slots_triton(ids, weights, n_experts)
     return expert_slots_ref(ids, weights, n_experts)

@@ -22,8 +22,8 @@ from cobatch.quant.weight import QuantWeight
 
 # Steps of up to this many rows route on the device. Every decode step up to this batch can be captured in
 # a CUDA graph; bigger steps (prefill chunks) run expert by expert, through the dequant GEMM where an expert
-# gets many rows.
-ROUTED_MAX_ROWS = 64
+# gets many rows. (Measured on the H200 up to 64: bench/results/moe-decode-2026-11-29-*.)
+ROUTED_MAX_ROWS = 256
 
 
 def _without_split_k(plan: quant_gemv.GemvPlan) -> quant_gemv.GemvPlan:
@@ -67,7 +67,7 @@ class PackedExperts:
     def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
         """x [P, cols], one row per (row, expert) pair in slot order -> [P, rows]: each pair's row times its
         expert. Fixed launch shape for a given P: no host sync."""
-        assert slots.max_count <= ROUTED_MAX_ROWS and x.stride(-1) == 1
+        assert x.shape[0] == slots.pair_rows.shape[0] and x.stride(-1) == 1
         out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
         routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.max_count,
                                      self.rows)
