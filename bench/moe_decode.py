@@ -8,7 +8,8 @@ One load. For each batch B at context 512, three ways to run the same decode ste
   - eager per expert: the path before device routing (one GEMV pair per chosen expert, a host sync per layer).
 Bytes per step: the dense weights, each layer's distinct chosen experts (counted from the routing of one
 eager step at that batch) and the KV read; GB/s and the ratio to a device-to-device copy measured in this run.
-Prints a short table last; JSON to $OUT or bench/results/.
+Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a short table last; JSON to $OUT or
+bench/results/.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from decode import (clear, copy_bandwidth, graph_replay_ms, kv_bytes_per_token, place_sessions, randomize_kv,
-                    time_steps)
+from decode import (clear, copy_bandwidth, graph_replay_ms, kernel_breakdown, kv_bytes_per_token, place_sessions,
+                    randomize_kv, time_steps)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -32,7 +33,7 @@ from cobatch.kernels import packed_experts  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 from cobatch.models.moe import MoeFeedForward  # noqa: E402
 
-BATCHES = [1, 2, 4, 8, 16, 32, 64]
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXT = 512
 
 
@@ -75,7 +76,7 @@ def routed_expert_bytes(llm: LLM) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=64, help="up to 256 (the device-routed limit)")
     args = ap.parse_args()
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
@@ -86,10 +87,12 @@ def main() -> None:
     dense, kvtok = dense_bytes(llm), kv_bytes_per_token(llm)
     runner = llm.engine.runner
     graphs = runner.graphs
-    rows = []
+    rows, breakdowns = [], {}
     for b in [b for b in BATCHES if b <= args.max_batch]:
         place_sessions(llm, b, CONTEXT)
         expert_b = routed_expert_bytes(llm)
+        if b in (1, 8):
+            breakdowns[b] = kernel_breakdown(llm, b)
         step_bytes = dense + expert_b + b * (CONTEXT + 8) * kvtok
         graph_s = time_steps(llm)
         graph_ms = graph_replay_ms(llm, b)
@@ -113,10 +116,15 @@ def main() -> None:
     cfg = llm.config
     result = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, copy_gbps=copy_bps / 1e9, model=args.model, layers=cfg.n_layers,
-                  experts=cfg.n_experts, experts_used=cfg.n_experts_used, dense_bytes=dense, rows=rows)
+                  experts=cfg.n_experts, experts_used=cfg.n_experts_used, dense_bytes=dense, rows=rows,
+                  kernel_breakdown=breakdowns)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_decode.json").write_text(json.dumps(result, indent=1))
+    for b, kernels in breakdowns.items():
+        print(f"  eager step B={b}, GPU time by kernel:")
+        for k in kernels[:10]:
+            print(f"    {k['ms']:7.3f} ms  {k['calls']:4d}x  {k['kernel']}")
     print(f"\ncopy {copy_bps / 1e9:.0f} GB/s; {Path(args.model).name}: {cfg.n_layers} layers, {cfg.n_experts} experts, "
           f"{cfg.n_experts_used} per token; context {CONTEXT}")
     print("   B  step ms  replay ms   tok/s  GB read  GB/s (replay)  of copy  | eager routed  eager per expert  "
