@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from decode import (clear, copy_bandwidth, graph_replay_ms, kernel_breakdown, kv_bytes_per_token, place_sessions,
-                    randomize_kv, time_steps)
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # `decode` by name
+from decode import (clear, copy_bandwidth, graph_replay_ms, kernel_breakdown, kv_bytes_per_token,  # noqa: E402
+                    place_sessions, randomize_kv, time_steps)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
