@@ -75,6 +75,18 @@ def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path):
         assert expected in proc.stdout, proc.stdout
 
 
+def test_inspect_says_how_experts_decode_on_cuda(tmp_path):
+    """q8_0 experts stack for the routed GEMV; in the q4_k file the 128-wide down experts fall back to q5_0
+    (K-quants need 256 columns), which it does not read."""
+    from cobatch.gguf_writer import write_random_model
+    for quant, expected in (("q8_0", "on CUDA: routed on the device, decode in CUDA graphs"),
+                            ("q4_k", "on CUDA: expert by expert, decode eager: down experts in q5_0 (256 rows)")):
+        path = write_random_model(tmp_path / f"{quant}.gguf", "qwen2moe-tiny", quant, tokenizer_from=smollm2_path())
+        proc = run_cli("inspect", str(path))
+        assert proc.returncode == 0, proc.stderr
+        assert expected in proc.stdout, proc.stdout
+
+
 def test_qwen_coder_writes_a_function():
     llm = load_llm("qwen2.5-coder")
     ids = llm.encode_chat([{"role": "user", "content": "Write a Python function that squares a number."}])

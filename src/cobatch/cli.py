@@ -165,7 +165,9 @@ def cmd_inspect(args) -> int:
     print(f"heads:         {cfg.n_heads} (kv {cfg.n_kv_heads}, head_dim {cfg.head_dim})")
     if cfg.n_experts:
         shared = f", shared expert ffn {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
-        print(f"experts:       {cfg.n_experts_used} of {cfg.n_experts} per token, expert ffn {cfg.expert_ffn_dim}{shared}")
+        print(f"experts:       {cfg.n_experts_used} of {cfg.n_experts} per token, "
+              f"expert ffn {cfg.expert_ffn_dim}{shared}")
+        print(f"               on CUDA: {_expert_decode(f, cfg)}")
     print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
     print(f"rope:          {'neox' if cfg.rope_neox else 'norm'} theta {cfg.rope_theta:g}"
           f"{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}"
@@ -187,6 +189,23 @@ def cmd_inspect(args) -> int:
           f"{len(md.get('tokenizer.ggml.tokens', []))} tokens")
     print(f"chat template: {'yes' if md.get('tokenizer.chat_template') else 'no'}")
     return 0
+
+
+def _expert_decode(f, cfg) -> str:
+    """How the experts decode on CUDA: routed on the device (CUDA graphs) if every layer's expert tensors can be
+    stacked for the routed GEMV (kernels/packed_experts.py), else expert by expert (eager), and why."""
+    from cobatch.kernels.packed_experts import stackable
+    blocking = set()
+    for i in range(cfg.n_layers):
+        kinds = {x: f.tensors[f"blk.{i}.ffn_{x}_exps.weight"].tensor_type.name.lower() for x in ("gate", "up", "down")}
+        if kinds["gate"] != kinds["up"]:
+            blocking.add(f"gate {kinds['gate']} and up {kinds['up']} differ")
+        for x, rows in (("gate", 2 * cfg.expert_ffn_dim), ("down", cfg.d_model)):
+            if not stackable(kinds[x], rows):
+                blocking.add(f"{x} experts in {kinds[x]} ({rows} rows)")
+    if not blocking:
+        return "routed on the device, decode in CUDA graphs"
+    return "expert by expert, decode eager: " + "; ".join(sorted(blocking))
 
 
 def cmd_make_model(args) -> int:

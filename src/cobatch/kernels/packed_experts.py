@@ -17,13 +17,19 @@ from cobatch.kernels import quant_gemv
 from cobatch.kernels.moe_routing import ExpertSlots
 from cobatch.kernels.quant_matmul import (PackedWeight, _DenseScratch, _scratch_need, _SplitScratch, plan_for,
                                           uses_gemv)
-from cobatch.kernels.quant_pack import ROW_PAD, PackedPlanes, pack_planes
+from cobatch.kernels.quant_pack import FRAGMENT_FORMATS, PACKED_FORMATS, ROW_PAD, PackedPlanes, pack_planes
 from cobatch.quant.weight import QuantWeight
 
 # Steps of up to this many rows route on the device. Every decode step up to this batch can be captured in
 # a CUDA graph; bigger steps (prefill chunks) run expert by expert, through the dequant GEMM where an expert
 # gets many rows. (Measured on the H200 up to 64: bench/results/moe-decode-2026-11-29-*.)
 ROUTED_MAX_ROWS = 256
+
+
+def stackable(fmt_name: str, rows: int) -> bool:
+    """Can experts of this format and row count be stacked for the routed GEMV (on CUDA)? Its formats are the
+    fragment-order ones; an expert must own whole row pads, so that expert views start at a row tile."""
+    return PACKED_FORMATS.get(fmt_name) in FRAGMENT_FORMATS and rows % ROW_PAD == 0
 
 
 def _without_split_k(plan: quant_gemv.GemvPlan) -> quant_gemv.GemvPlan:
@@ -46,7 +52,7 @@ class PackedExperts:
         """w: the experts stacked expert-major, [n_experts * rows, cols]. None where the routed GEMV cannot
         serve them: a format without fragment planes, or experts whose rows are not whole row pads."""
         rows = w.rows // n_experts
-        if not uses_gemv(w.fmt.name, device) or rows % ROW_PAD:
+        if not uses_gemv(w.fmt.name, device) or not stackable(w.fmt.name, rows):
             return None
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True)
         self = cls(w.fmt.name, n_experts, rows, w.cols, planes,
