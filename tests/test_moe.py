@@ -175,3 +175,34 @@ def test_serve_banner_says_how_decode_runs():
     assert _graphs_note(llm("cuda", object(), True)) == " (decode in CUDA graphs)"
     assert "no device routing" in _graphs_note(llm("cuda", None, False))
     assert "--eager" in _graphs_note(llm("cuda", None, True))
+
+
+def test_routed_plan_on_the_cpu_equals_expert_by_expert(moe_models):
+    """The routed path's glue, run with dense CPU matmuls where CUDA runs the routed GEMV: the gate|up stack
+    puts expert e's gate rows then its up rows at rows 2 e ffn.., the slots give each pair its expert, and the
+    combine sums a row's experts as the expert-by-expert path does."""
+    from cobatch.kernels.moe_routing import combine_ref, expert_slots
+    from cobatch.models.moe import _gate_up_per_expert
+    f, cfg, model = load_model(moe_models["mixtral"])
+    moe, n, ffn = model.layers[0].moe, cfg.n_experts, cfg.expert_ffn_dim
+    gate, up, down = (f.quant_weight(f"blk.0.ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
+    stacked = _gate_up_per_expert(gate, up, n).dequantize()
+    down_w = down.dequantize()
+    for e in range(n):
+        assert torch.equal(stacked[2 * e * ffn:(2 * e + 1) * ffn], gate.dequantize()[e * ffn:(e + 1) * ffn])
+        assert torch.equal(stacked[(2 * e + 1) * ffn:(2 * e + 2) * ffn], up.dequantize()[e * ffn:(e + 1) * ffn])
+    h = torch.randn(11, cfg.d_model, generator=torch.Generator().manual_seed(8))
+    weights, ids = moe.route(h)
+    s = expert_slots(ids, weights, n)
+    x = h[s.pair_rows]
+    y = torch.full((x.shape[0], cfg.d_model), float("nan"))
+    for slot in range(s.n_slots):
+        start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
+        rows = slice(start, start + count)
+        act = torch.nn.functional.silu(x[rows] @ stacked[2 * e * ffn:(2 * e + 1) * ffn].T) \
+            * (x[rows] @ stacked[(2 * e + 1) * ffn:(2 * e + 2) * ffn].T)
+        y[rows] = act @ down_w[e * cfg.d_model:(e + 1) * cfg.d_model].T
+    assert not y.isnan().any()          # every pair belongs to a slot
+    got = combine_ref(y, s, torch.float32)
+    want = moe._expert_by_expert(h, weights, ids)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
