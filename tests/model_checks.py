@@ -1,7 +1,11 @@
-"""Shared by the model tests: open a GGUF, run one prompt's prefill, compare the CUDA path with the CPU one."""
+"""Shared by the model tests: open a GGUF, run one prompt's prefill, compare the CUDA path with the CPU one or
+with Hugging Face transformers reading the same file."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from cobatch.batch import AttentionMetadata
@@ -40,3 +44,14 @@ def gpu_and_cpu_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
     _, cfg, cpu = load_model(path)
     _, _, gpu = load_model(path, "cuda", torch.float16)
     return prompt_logits(gpu, cfg, ids), prompt_logits(cpu, cfg, ids)
+
+
+def transformers_logits(path, ids: list[int], **config) -> torch.Tensor:
+    """float32 logits of one prompt from transformers loading the same GGUF (the independent reference; skips
+    without transformers). `config` overrides what its GGUF mapping does not carry."""
+    transformers = pytest.importorskip("transformers")
+    path = Path(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                           **config)
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()

@@ -20,7 +20,7 @@ from cobatch.gguf_writer import write_random_model
 from cobatch.llm import LLM, EngineOptions
 from cobatch.model_files import smollm2_path
 from cobatch.models.llama import LlamaModel
-from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits
+from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits, transformers_logits
 
 REL_ERR_BOUND = 1e-4
 IDS = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
@@ -48,17 +48,13 @@ def test_config(gemma):
 
 
 def test_logits_match_transformers(gemma):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     f, cfg = open_gguf(gemma)
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
     rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": cfg.rope_theta},
             "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
-                                                           dtype=torch.float32, query_pre_attn_scalar=cfg.head_dim,
-                                                           rope_parameters=rope)
+    ref = transformers_logits(gemma, IDS, query_pre_attn_scalar=cfg.head_dim, rope_parameters=rope)
     got = prompt_logits(ours, cfg, IDS)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     # The 40-token prompt does exercise the window: without it the logits are far off.
@@ -83,18 +79,12 @@ def test_gemma2_config_and_logits_match_transformers(gemma_files):
     f, cfg = open_gguf(path)
     assert [cfg.layer_window(i) for i in range(4)] == [12, 0, 12, 0]
     assert cfg.attn_softcap == pytest.approx(0.05) and cfg.final_softcap == pytest.approx(0.2)
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                           query_pre_attn_scalar=cfg.head_dim,
-                                                           # eager: some transformers versions drop the
-                                                           # score cap in their SDPA path (seen on the H200's)
-                                                           attn_implementation="eager",
-                                                           attn_logit_softcapping=cfg.attn_softcap,
-                                                           final_logit_softcapping=cfg.final_softcap)
+    # eager attention: some transformers versions drop the score cap in their SDPA path (seen on the H200's)
+    ref = transformers_logits(path, IDS, query_pre_attn_scalar=cfg.head_dim, attn_implementation="eager",
+                              attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
     got = prompt_logits(ours, cfg, IDS)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     # Each Gemma 2 trait changes the logits well beyond the bound: the test would see one missing.

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton, silu_mul_ref, silu_mul_triton  # noqa: E402
+from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton  # noqa: E402
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton  # noqa: E402
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from cobatch.kernels.rope import rope_cos_sin, rope_ref, rope_triton  # noqa: E402
@@ -157,8 +157,8 @@ def test_kv_write_llama8b(rows):
 def check_silu_mul(rows: int, inter: int, dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     x = (2 * torch.randn(rows, 2 * inter, generator=g)).to(DEVICE, dtype)
-    out = silu_mul_triton(x, out=poisoned((rows, inter), dtype))
-    assert_matches(out, silu_mul_ref(x))
+    out = gated_mul_triton(x, "silu", out=poisoned((rows, inter), dtype))
+    assert_matches(out, gated_mul_ref(x, "silu"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -204,7 +204,7 @@ def test_pdl_chain_waits_for_each_input(monkeypatch):
     assert pdl_launch(x)["PDL"]
 
     def chain(x, res):
-        silu_mul_triton(x, out=act)
+        gated_mul_triton(x, "silu", out=act)
         rms_norm_triton(act[:, :hidden], w, 1e-5, res, out=normed, residual_out=res)
         q = normed.view(rows, 32, 128)
         rope_triton(q[:, :24], q[:, 24:], pos, cs, neox=False)
@@ -249,7 +249,7 @@ def test_ops_small_ops_match_references():
     assert h.data_ptr() == res2.data_ptr()
     assert_matches(out, ref_out)
     assert_matches(res2, ref_h)
-    assert_matches(ops.gated_mul(x), silu_mul_ref(x))
+    assert_matches(ops.gated_mul(x), gated_mul_ref(x, "silu"))
 
     q = torch.randn(3, 4, 32, generator=g).to(DEVICE, torch.bfloat16)
     k = torch.randn(3, 2, 32, generator=g).to(DEVICE, torch.bfloat16)

@@ -13,7 +13,7 @@ import torch
 from cobatch.gguf_writer import LONGROPE_ORIGINAL_CONTEXT, longrope_attn_factor, write_random_model
 from cobatch.model_files import smollm2_path
 from cobatch.models.llama import LlamaModel
-from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits
+from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits, transformers_logits
 
 REL_ERR_BOUND = 1e-4
 IDS = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
@@ -37,14 +37,12 @@ def test_config(phi_models):
 
 
 def test_phi3_matches_transformers(phi_models):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     path = phi_models["phi3"]
     f, cfg = open_gguf(path)
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ref = transformers_logits(path, IDS)
     got = prompt_logits(ours, cfg, IDS)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -54,7 +52,7 @@ def test_longrope_matches_transformers(phi_models, context):
     """At the original context the short factors rotate, past it the long ones (chosen by the context the
     model runs with, as llama.cpp does). transformers picks by the current sequence length instead, so for
     the long case it is given the long factors as its short ones: both then rotate by the long factors."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     path = phi_models["phi4-mini"]
     f, cfg = open_gguf(path)
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=context)
@@ -64,12 +62,8 @@ def test_longrope_matches_transformers(phi_models, context):
             "long_factor": long, "attention_factor": cfg.rope_attn_factor, "rope_theta": cfg.rope_theta,
             "original_max_position_embeddings": cfg.rope_original_context,
             "partial_rotary_factor": cfg.rope_dim / cfg.head_dim}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                           rope_scaling=rope,
-                                                           original_max_position_embeddings=cfg.rope_original_context)
+    ref = transformers_logits(path, IDS, rope_scaling=rope, original_max_position_embeddings=cfg.rope_original_context)
     got = prompt_logits(ours, cfg, IDS)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([IDS])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 

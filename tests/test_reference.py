@@ -12,7 +12,7 @@ from cobatch.config import ModelConfig
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import qwen_coder_path, smollm2_path
 from cobatch.models.llama import LlamaModel
-from model_checks import prompt_logits
+from model_checks import prompt_logits, transformers_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,11 +57,9 @@ def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
     cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
     assert cfg.arch == "qwen3" and cfg.qk_norm and cfg.head_dim == 128 and cfg.rope_neox
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=128)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     ids = [int(i) for i in torch.randint(0, 150000, (40,), generator=torch.Generator().manual_seed(0))]
+    ref = transformers_logits(path, ids)
     got = prompt_logits(ours, cfg, ids)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
     assert ((got - ref).norm() / ref.norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -134,14 +132,9 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=4096)
     ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
     got = prompt_logits(ours, cfg, ids)
-    refs = {}
-    for scaled in (True, False):
-        rope = {"rope_type": "yarn", "factor": cfg.rope_scaling["factor"], "rope_theta": cfg.rope_theta,
-                "original_max_position_embeddings": YARN_ORIGINAL_CONTEXT}
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
-                                                               **({"rope_scaling": rope} if scaled else {}))
-        with torch.inference_mode():
-            refs[scaled] = hf(torch.tensor([ids])).logits[0].float()
+    rope = {"rope_type": "yarn", "factor": cfg.rope_scaling["factor"], "rope_theta": cfg.rope_theta,
+            "original_max_position_embeddings": YARN_ORIGINAL_CONTEXT}
+    refs = {True: transformers_logits(path, ids, rope_scaling=rope), False: transformers_logits(path, ids)}
     assert ((got - refs[True]).norm() / refs[True].norm()).item() < REL_ERR_BOUND
     assert torch.equal(got.argmax(-1), refs[True].argmax(-1))
     assert ((got - refs[False]).norm() / refs[False].norm()).item() > 100 * REL_ERR_BOUND

@@ -19,10 +19,6 @@ def gated_mul_ref(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     return (gate * x[..., half:].float()).to(x.dtype)
 
 
-def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    return gated_mul_ref(x, "silu")
-
-
 # --- Triton -------------------------------------------------------------------------------------------
 
 
@@ -42,10 +38,6 @@ def _gated_mul_kernel(x_ptr, out_ptr, inter, x_stride, out_stride, BLOCK: tl.con
     else:
         act = gate * tl.sigmoid(gate)
     tl.store(out_ptr + row * out_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return gated_mul_triton(x, "silu", out)
 
 
 def gated_mul_triton(x: torch.Tensor, act: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
