@@ -252,33 +252,34 @@ if gluon is not None:
         return gl.convert_layout(v, SIDE, assert_trivial=True)[:, :, None]
 
     @gluon.jit
-    def _row_side(ptr, tile0, entries_per_row, col, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
-        """Side entry (rows of tiles tile0.., col) for col [W] -> [W, 16 RT, 1] (broadcasts along k).
-        The plane is in fragment order (quant_pack.side_to_fragment_order): a lane's rows g and g + 8 sit
-        side by side, so each lane loads them as one vector, and a warp's load reads one contiguous piece
-        instead of 16 rows' strided pieces (one memory transaction each)."""
-        V: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 8, 4], [W, 1, 1, 1], [3, 2, 1, 0])
+    def _side_pointers(ptr, tile0, col, tile_stride, W: gl.constexpr, RT: gl.constexpr, E: gl.constexpr):
+        """Pointers [W, RT, 8 g, E] to each warp's entry `col` (col: [W]) of row tiles tile0.. in a fragment-order
+        side plane: the E values lane group g needs of an entry sit side by side (its rows g and g + 8; for
+        q4_1's one plane, (d, m) x (low, high block) x those rows), so a lane loads them as one vector and a
+        warp's load reads one contiguous piece."""
+        V: gl.constexpr = gl.BlockedLayout([1, 1, 1, E], [1, 1, 8, 4], [W, 1, 1, 1], [3, 2, 1, 0])
         c = gl.convert_layout(col, _axis_layout(V, 0))
         rt = gl.arange(0, RT, layout=_axis_layout(V, 1))
         g = gl.arange(0, 8, layout=_axis_layout(V, 2))
-        r1 = gl.arange(0, 2, layout=_axis_layout(V, 3))
-        off = ((tile0 + rt).to(gl.int64) * (16 * entries_per_row))[None, :, None, None] \
-            + (16 * c)[:, None, None, None] + (2 * g)[None, None, :, None] + r1[None, None, None, :]
-        return _as_side(gl.load(ptr + off), W, RT, SIDE)                 # [W, RT, g, r1]
+        e = gl.arange(0, E, layout=_axis_layout(V, 3))
+        return ptr + ((tile0 + rt).to(gl.int64) * tile_stride)[None, :, None, None] \
+            + (8 * E * c)[:, None, None, None] + (E * g)[None, None, :, None] + e[None, None, None, :]
+
+    @gluon.jit
+    def _row_side(ptr, tile0, entries_per_row, col, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
+        """Side entry (rows of tiles tile0.., col) for col [W] -> [W, 16 RT, 1] (broadcasts along k).
+        The plane is in fragment order (quant_pack.side_to_fragment_order): a lane's rows g and g + 8 sit
+        side by side, instead of 16 rows' strided pieces (one memory transaction each)."""
+        v = gl.load(_side_pointers(ptr, tile0, col, 16 * entries_per_row, W, RT, 2))
+        return _as_side(v, W, RT, SIDE)                                  # [W, RT, g, r1]
 
     @gluon.jit
     def _affine_sides(ptr, tile0, chunk, side32, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr):
         """q4_1's scales and offsets of each warp's chunk from their one plane
         (quant_pack.affine_sides_to_fragment_order): one 16-byte load per lane and row tile, split in registers
         into (d of the low block, d of the high block, m low, m high), each [W, 16 RT, 1]."""
-        V: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 8, 4], [W, 1, 1, 1], [3, 2, 1, 0])
-        c = gl.convert_layout(chunk, _axis_layout(V, 0))
-        rt = gl.arange(0, RT, layout=_axis_layout(V, 1))
-        g = gl.arange(0, 8, layout=_axis_layout(V, 2))
-        e = gl.arange(0, 8, layout=_axis_layout(V, 3))
-        off = ((tile0 + rt).to(gl.int64) * (32 * side32))[None, :, None, None] \
-            + (64 * c)[:, None, None, None] + (8 * g)[None, None, :, None] + e[None, None, None, :]
-        v = gl.reshape(gl.load(ptr + off), [W, RT, 8, 2, 2, 2])          # w, rt, g, kind, block, r1
+        v = gl.load(_side_pointers(ptr, tile0, chunk, 32 * side32, W, RT, 8))
+        v = gl.reshape(v, [W, RT, 8, 2, 2, 2])                           # w, rt, g, kind, block, r1
         lo, hi = gl.split(gl.permute(v, [0, 1, 2, 5, 3, 4]))              # w, rt, g, r1, kind | block
         d_lo, m_lo = gl.split(lo)
         d_hi, m_hi = gl.split(hi)
