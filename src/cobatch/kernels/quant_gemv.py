@@ -375,12 +375,11 @@ if gluon is not None:
         return _q6_half(acc, q1, _twice(h1, W, RT, 4), s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols,
                         chunk * 64 + 16, W, RT, BT, A, B, EVEN_K)
 
-    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_slot",
-                                  "tiles_per_expert"])
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_expert"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
                      slot_expert_ptr, slot_start_ptr, slot_count_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
-                     tiles_per_slot, tiles_per_expert,
+                     tiles_per_expert,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr):
@@ -404,14 +403,11 @@ if gluon is not None:
         first = pid_k * steps_per_split
         last = first + steps_per_split - 1
         if ROUTED:
-            # Stacked experts (moe_routing.py): token tile pid_t is one of its slot's tiles, over the slot's
-            # run of pairs (rows of x and out), with the slot's expert's row tiles. A tile past the run (an
-            # empty slot, or a short one) runs no K step and stores nothing.
-            slot = pid_t // tiles_per_slot
-            start = gl.load(slot_start_ptr + slot)
-            tok0 = start + (pid_t % tiles_per_slot) * BT
-            n_tok = start + gl.load(slot_count_ptr + slot)
-            tile0 += gl.load(slot_expert_ptr + slot) * tiles_per_expert
+            # Stacked experts (moe_routing.py): token tile pid_t is slot pid_t, at most BT pairs (rows of x and
+            # out), with the slot's expert's row tiles. An empty slot runs no K step and stores nothing.
+            tok0 = gl.load(slot_start_ptr + pid_t)
+            n_tok = tok0 + gl.load(slot_count_ptr + pid_t)
+            tile0 += gl.load(slot_expert_ptr + pid_t) * tiles_per_expert
             if tok0 >= n_tok:
                 last = first - 1
         # U K steps per iteration, all their loads issued before their math; with D > 0 the quant bytes
@@ -550,7 +546,7 @@ def scratch_need(cfg: GemvConfig | GemvPlan, rows_pad: int, max_tok: int) -> tup
 class Routing:
     """A routed launch over stacked experts (kernels/moe_routing.py): slot s multiplies x rows
     slot_start[s] .. + slot_count[s] by expert slot_expert[s], whose rows are the planes' row tiles
-    slot_expert[s] * rows_per_expert / 16 .. ; max_count bounds any slot's count."""
+    slot_expert[s] * rows_per_expert / 16 .. ; max_count bounds any slot's count, and is one token tile (8 or 16)."""
     slot_expert: torch.Tensor
     slot_start: torch.Tensor
     slot_count: torch.Tensor
@@ -571,9 +567,10 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     bt = token_tile(tokens)
     n_chunks = p.qs.shape[1] // 512
     rows, rows_pad = (routing.rows_per_expert, routing.rows_per_expert) if routing else (p.rows, p.rows_pad)
-    tiles_per_slot = -(-tokens // bt)
-    n_tile_groups = routing.slot_expert.shape[0] * tiles_per_slot if routing else tiles_per_slot
-    grid = (n_tile_groups, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
+    if routing:
+        assert routing.max_count == bt, "a slot is one token tile (moe_routing.slot_size)"
+    token_tiles = routing.slot_expert.shape[0] if routing else -(-n_tok // bt)
+    grid = (token_tiles, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
     dummy = p.qs
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
@@ -581,6 +578,6 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         routing.slot_expert if routing else dummy, routing.slot_start if routing else dummy,
         routing.slot_count if routing else dummy,
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
-        tiles_per_slot, rows_pad // 16,
+        rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
         U=cfg.U, D=cfg.D, ROUTED=routing is not None, num_warps=cfg.W, maxnreg=cfg.R or None)
