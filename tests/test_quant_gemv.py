@@ -145,6 +145,21 @@ def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
 
 
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_row_tiles_of_a_stack_are_each_part_packed_alone(fmt_name):
+    """Stacked MoE experts (kernels/packed_experts.py): packing 3 experts of 128 rows as one matrix and taking
+    expert e's row tiles gives the planes of expert e packed alone, byte for byte."""
+    rows, cols = 128, 512
+    w = make_weight(fmt_name, 3 * rows, cols, seed=4)
+    stack = pack_planes(w.fmt, 3 * rows, cols, w.raw, torch.device("cpu"), fragment=True)
+    for e in range(3):
+        view = stack.row_tiles(e * rows // 16, (e + 1) * rows // 16)
+        alone = pack_planes(w.fmt, rows, cols, w.raw[e * rows:(e + 1) * rows], torch.device("cpu"), fragment=True)
+        assert (view.rows, view.rows_pad, view.fmt_id) == (alone.rows, alone.rows_pad, alone.fmt_id)
+        assert len(view.tensors()) == len(alone.tensors())
+        assert all(torch.equal(a, b) for a, b in zip(view.tensors(), alone.tensors()))
+
+
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
 def test_dequantize_kernel_reads_fragment_order(fmt_name):
     """The prefill path's dequantize kernel (Triton: interpreted on the CPU, compiled on a GPU) gathers
     fragment-order bytes. K not a multiple of 256 where the format allows it."""

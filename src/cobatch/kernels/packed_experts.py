@@ -15,8 +15,7 @@ import torch
 
 from cobatch.kernels import quant_gemv
 from cobatch.kernels.moe_routing import ExpertSlots
-from cobatch.kernels.quant_matmul import (PackedWeight, _DenseScratch, _scratch_need, _SplitScratch, plan_for,
-                                          uses_gemv)
+from cobatch.kernels.quant_matmul import PackedWeight, plan_for, reserve_scratch, uses_gemv
 from cobatch.kernels.quant_pack import FRAGMENT_FORMATS, PACKED_FORMATS, ROW_PAD, PackedPlanes, pack_planes
 from cobatch.quant.weight import QuantWeight
 
@@ -44,8 +43,9 @@ class PackedExperts:
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
         self._routed_plan = _without_split_k(plan.narrow)
-        self.experts = [PackedWeight(fmt_name, rows, cols, planes=self._planes_of(e), plan=plan)
-                        for e in range(n_experts)]
+        tiles = rows // 16
+        self.experts = [PackedWeight(fmt_name, rows, cols, planes=planes.row_tiles(e * tiles, (e + 1) * tiles),
+                                     plan=plan) for e in range(n_experts)]
 
     @classmethod
     def from_quant(cls, w: QuantWeight, n_experts: int, device: torch.device) -> "PackedExperts | None":
@@ -57,18 +57,8 @@ class PackedExperts:
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True)
         self = cls(w.fmt.name, n_experts, rows, w.cols, planes,
                    plan_for(w.fmt.name, rows, w.cols, planes.cols_pad, gemv=True))
-        # Scratch for the expert-by-expert path, reserved now (never inside a graph capture).
-        _SplitScratch.reserve(device, *_scratch_need(self.plan.narrow, rows, self.plan.crossover))
-        _DenseScratch.reserve(device, rows * w.cols * 2)
+        reserve_scratch(device, self.plan, rows, rows, w.cols)      # for the expert-by-expert path
         return self
-
-    def _planes_of(self, e: int) -> PackedPlanes:
-        p, t = self.planes, self.rows // 16
-
-        def part(plane: torch.Tensor | None) -> torch.Tensor | None:
-            return None if plane is None else plane[e * t:(e + 1) * t]
-        return PackedPlanes(p.fmt_id, self.rows, p.cols, self.rows, p.cols_pad, part(p.qs), part(p.d), part(p.m),
-                            part(p.sub), part(p.qh), fragment=True)
 
     def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
         """x [P, cols], one row per (row, expert) pair in slot order -> [P, rows]: each pair's row times its

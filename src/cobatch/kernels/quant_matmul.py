@@ -560,6 +560,15 @@ def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan, n_rows_pad: int, max_
 
 # --- the weight -------------------------------------------------------------------------------------
 
+def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows: int, cols: int,
+                    dense: bool = True) -> None:
+    """Grow the shared split-K buffers, and with `dense` the dequantize-to-cuBLAS matrix, to what a weight of
+    this plan and shape needs (at load: never inside a CUDA-graph capture)."""
+    _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
+    if dense and plan.gemm == DEQUANT_CUBLAS:
+        _DenseScratch.reserve(device, rows * cols * 2)
+
+
 class PackedWeight:
     """What the GPU model holds for one linear layer: repacked once at load, then `matmul` per step."""
 
@@ -589,13 +598,11 @@ class PackedWeight:
             plan = MatmulPlan(plan.narrow, plan.gemm, min(plan.crossover, RESIDENT_DENSE_CROSSOVER))
         self = cls(w.fmt.name, w.rows, w.cols, planes=planes, plan=plan)
         if device.type == "cuda" or interpreting():
-            elems, tiles = _scratch_need(plan.narrow, planes.rows_pad, plan.crossover)
-            _SplitScratch.reserve(device, elems, tiles)
-            if plan.gemm == DEQUANT_CUBLAS and keep_dense:
+            resident = keep_dense and plan.gemm == DEQUANT_CUBLAS
+            if resident:
                 self.resident_dense = dequantize_planes(planes, torch.empty(w.rows, w.cols, dtype=dtype,
                                                                             device=device))
-            elif plan.gemm == DEQUANT_CUBLAS:
-                _DenseScratch.reserve(device, w.rows * w.cols * 2)
+            reserve_scratch(device, plan, planes.rows_pad, w.rows, w.cols, dense=not resident)
         return self
 
     def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None

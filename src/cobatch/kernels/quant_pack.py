@@ -70,6 +70,15 @@ class PackedPlanes:
     qh: torch.Tensor | None = None
     fragment: bool = False   # qs in fragment order [rows_pad / 16, chunks * 512], side planes [rows_pad / 16, ...]
 
+    def row_tiles(self, start: int, stop: int) -> "PackedPlanes":
+        """A view of fragment-order planes' 16-row tiles start .. stop - 1 (no copy): rows 16 start .. as a
+        matrix of their own (one expert of a stack, kernels/packed_experts.py)."""
+        assert self.fragment
+        rows = 16 * (stop - start)
+        part = (lambda plane: None if plane is None else plane[start:stop])
+        return PackedPlanes(self.fmt_id, rows, self.cols, rows, self.cols_pad, part(self.qs), part(self.d),
+                            part(self.m), part(self.sub), part(self.qh), fragment=True)
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qs, self.d, self.m, self.sub, self.qh) if t is not None]
 
