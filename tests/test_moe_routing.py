@@ -34,7 +34,7 @@ def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k):
     used = sorted({int(e) for e in ids.flatten()})
     runs = {e: [r for r in range(n_rows) if e in ids[r].tolist()] for e in used}
     pieces = [(e, runs[e][i:i + size]) for e in used for i in range(0, len(runs[e]), size)]
-    assert s.max_count == size and len(pieces) <= s.n_slots == slot_bound(n_rows, k, n_experts)
+    assert s.slot_size == size and len(pieces) <= s.n_slots == slot_bound(n_rows, k, n_experts)
     assert s.slot_expert[:len(pieces)].tolist() == [e for e, _ in pieces]
     assert s.slot_count.tolist() == [len(rows) for _, rows in pieces] + [0] * (s.n_slots - len(pieces))
     pair_rows = s.pair_rows.tolist()
@@ -173,4 +173,4 @@ def test_slots_kernel_matches_reference(n_rows, n_experts, k):
     got = expert_slots_triton(ids, weights, n_experts)
     for field in ("pair_rows", "slot_expert", "slot_start", "slot_count", "row_pairs", "row_weights"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
-    assert got.max_count == want.max_count
+    assert got.slot_size == want.slot_size

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cobatch.kernels.quant_gemv import token_tile
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 
@@ -106,10 +107,10 @@ class ExpertSlots:
     pair_rows: torch.Tensor    # [P] int64: the input row of each pair, pairs sorted by expert
     slot_expert: torch.Tensor  # [S] int32: the expert of each slot (0 for an empty slot)
     slot_start: torch.Tensor   # [S] int32: its first pair
-    slot_count: torch.Tensor   # [S] int32: its number of pairs, at most max_count (0: empty)
+    slot_count: torch.Tensor   # [S] int32: its number of pairs, at most slot_size (0: empty)
     row_pairs: torch.Tensor    # [N, k] int64: each row's pairs, in ascending expert id
     row_weights: torch.Tensor  # [N, k] float32: the router weights in the same order
-    max_count: int             # the slot size: the routed GEMV's token tile (8, or 16 above 8 rows)
+    slot_size: int             # the routed GEMV's token tile (8, or 16 above 8 rows)
 
     @property
     def n_slots(self) -> int:
@@ -117,9 +118,9 @@ class ExpertSlots:
 
 
 def slot_size(n_rows: int) -> int:
-    """An expert's run of pairs is cut into slots of this many (the GEMV's token tile for the step): with up to
-    8 rows every expert's run fits one slot; above, runs longer than 16 take several."""
-    return 8 if n_rows <= 8 else 16
+    """An expert's run of pairs is cut into slots of the GEMV's token tile for the step: with up to 8 rows
+    every expert's run fits one slot; above, runs longer than 16 take several."""
+    return token_tile(n_rows)
 
 
 def slot_bound(n_rows: int, k: int, n_experts: int) -> int:

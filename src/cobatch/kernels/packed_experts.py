@@ -65,7 +65,7 @@ class PackedExperts:
         expert. Fixed launch shape for a given P: no host sync."""
         assert x.shape[0] == slots.pair_rows.shape[0] and x.stride(-1) == 1
         out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
-        routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.max_count,
+        routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.slot_size,
                                      self.rows)
         quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing)
         return out
