@@ -1,4 +1,5 @@
-"""The Triton kernels compile for the H200 (sm_90) without a GPU: Triton's own ptxas runs on the CPU.
+"""The Triton kernels and the Gluon GEMV compile for the H200 (sm_90) without a GPU: Triton's own ptxas runs
+on the CPU.
 
 The interpreter that runs the kernel tests in CI is more lenient than the compiler (it lets a kernel read a
 Python global, for one), so each variant the model can launch is also compiled for real here, registers
@@ -72,8 +73,9 @@ for softcap in (False, True):
             dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n, BLOCK_D=128, DOT_F32=False,
                  WINDOWED=windowed, SOFTCAP=softcap), pre.num_warps, pre.num_stages)
 variants["decode reduce"] = (attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_S=64, PDL=True), 4, 2)
-for gelu in (False, True):
-    variants[f"gated_mul gelu={gelu}"] = (activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, PDL=True), 4, 2)
+for gelu, interleaved in ((False, False), (True, False), (False, True)):
+    variants[f"gated_mul gelu={gelu} interleaved={interleaved}"] = (
+        activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, INTERLEAVED=interleaved, PDL=True), 4, 2)
 for residual in (False, True):
     variants[f"rms_norm residual={residual}"] = (norm._rms_norm_kernel,
                                                  dict(HAS_RESIDUAL=residual, BLOCK=4096, PDL=True), 16, 2)
@@ -90,10 +92,51 @@ for normalize in (False, True):
     variants[f"moe top-k normalize={normalize}"] = (
         moe_routing._top_k_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, PDL=True), 4, 2)
 
+
+
+def compile_gemv_for_h200(constants, R):
+    # The Gluon GEMV (quant_gemv.py): its own front end, and q6_K's f32 super-block scales.
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from cobatch.kernels import quant_gemv
+    kernel = quant_gemv._gemv_kernel
+    names = list(kernel.arg_names)
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ("partial_ptr",) or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
+            signature[name] = "*fp32"
+        elif name in ("d_ptr", "m_ptr"):
+            signature[name] = "*fp16"
+        elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
+            signature[name] = "*u8"
+        elif name in ("x_ptr", "out_ptr"):
+            signature[name] = "*bf16"
+        else:
+            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
+    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
+                              options={"num_warps": constants["W"], "maxnreg": R})
+    assert compiled.asm["cubin"]
+
+
+from cobatch.kernels import quant_gemv, quant_pack
+gemv_variants = {}
+if quant_gemv.gluon is not None:
+    # every format; the act*mul epilogue with and without split-K, at both token tiles; routed experts
+    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K):
+        for act, split, bt, routed in ((0, 2, 8, False), (1, 1, 16, False), (2, 2, 16, False), (1, 1, 8, True)):
+            gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
+                FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act)
+
 results = {}
-for name, (kernel, constants, warps, stages) in variants.items():
+jobs = [(name, compile_for_h200, (kernel, constants, warps, stages))
+        for name, (kernel, constants, warps, stages) in variants.items()]
+jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in gemv_variants.items()]
+for name, fn, args in jobs:
     try:
-        compile_for_h200(kernel, constants, warps, stages)
+        fn(*args)
         results[name] = "ok"
     except Exception as e:  # reported per variant, so one failure names itself
         results[name] = f"{type(e).__name__}: {str(e)[-400:]}"
@@ -113,7 +156,7 @@ def compiled() -> dict[str, str]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_every_variant_of_the_small_kernels_compiles_for_sm90(compiled):
-    assert len(compiled) == 22
+def test_every_kernel_variant_compiles_for_sm90(compiled):
+    assert len(compiled) == 23 + 16
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -177,6 +177,24 @@ def test_gelu_tanh_mul_small(dtype):
     assert torch.allclose(gated_mul_ref(x, "gelu_tanh").float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_mul_reads_the_interleaved_layout(act):
+    """Interleaved gate|up: columns 16 j + i are gate column 8 j + i and 16 j + 8 + i its up (i < 8). The same
+    values laid out both ways give the same result, in the reference and in the kernel."""
+    inter = 1104                                     # 2 column blocks of the kernel, the second partial
+    g = torch.Generator().manual_seed(9)
+    gate, up = (2 * torch.randn(3, inter, generator=g)).bfloat16(), (2 * torch.randn(3, inter, generator=g)).bfloat16()
+    plain = torch.cat([gate, up], -1)
+    inter8 = torch.empty(3, 2 * inter, dtype=torch.bfloat16)
+    for j in range(inter // 8):
+        inter8[:, 16 * j:16 * j + 8] = gate[:, 8 * j:8 * j + 8]
+        inter8[:, 16 * j + 8:16 * j + 16] = up[:, 8 * j:8 * j + 8]
+    want = gated_mul_ref(plain, act)
+    assert torch.equal(gated_mul_ref(inter8, act, interleaved=True), want)
+    out = gated_mul_triton(inter8.to(DEVICE), act, out=poisoned((3, inter), torch.bfloat16), interleaved=True)
+    assert_matches(out, gated_mul_triton(plain.to(DEVICE), act))
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 64, 2048])
 def test_silu_mul_llama8b(rows):

@@ -176,18 +176,20 @@ def test_serve_banner_says_how_decode_runs():
 
 def test_routed_plan_on_the_cpu_equals_expert_by_expert(moe_models):
     """The routed path's glue, run with dense CPU matmuls where CUDA runs the routed GEMV: the gate|up stack
-    puts expert e's gate rows then its up rows at rows 2 e ffn.., the slots give each pair its expert, and the
-    combine sums a row's experts as the expert-by-expert path does."""
+    holds expert e at rows 2 e ffn.., its gate and up rows interleaved 8 by 8 (gate 0..7, up 0..7, gate 8..15,
+    ...), the slots give each pair its expert, and the combine sums a row's experts as the expert-by-expert
+    path does."""
     from cobatch.kernels.moe_routing import combine_ref, expert_slots
     from cobatch.models.moe import _gate_up_per_expert
     f, cfg, model = load_model(moe_models["mixtral"])
     moe, n, ffn = model.layers[0].moe, cfg.n_experts, cfg.expert_ffn_dim
     gate, up, down = (f.quant_weight(f"blk.0.ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
     stacked = _gate_up_per_expert(gate, up, n).dequantize()
-    down_w = down.dequantize()
+    gate_w, up_w, down_w = gate.dequantize(), up.dequantize(), down.dequantize()
     for e in range(n):
-        assert torch.equal(stacked[2 * e * ffn:(2 * e + 1) * ffn], gate.dequantize()[e * ffn:(e + 1) * ffn])
-        assert torch.equal(stacked[(2 * e + 1) * ffn:(2 * e + 2) * ffn], up.dequantize()[e * ffn:(e + 1) * ffn])
+        for r in range(0, 2 * ffn, 8):            # each group of 8 rows: gate or up rows 8 (r // 16)..
+            src = (gate_w if r % 16 == 0 else up_w)[e * ffn + r // 16 * 8:][:8]
+            assert torch.equal(stacked[2 * e * ffn + r:][:8], src), (e, r)
     h = torch.randn(11, cfg.d_model, generator=torch.Generator().manual_seed(8))
     weights, ids = moe.route(h)
     s = expert_slots(ids, weights, n)
@@ -196,8 +198,8 @@ def test_routed_plan_on_the_cpu_equals_expert_by_expert(moe_models):
     for slot in range(s.n_slots):
         start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
         rows = slice(start, start + count)
-        act = torch.nn.functional.silu(x[rows] @ stacked[2 * e * ffn:(2 * e + 1) * ffn].T) \
-            * (x[rows] @ stacked[(2 * e + 1) * ffn:(2 * e + 2) * ffn].T)
+        act = torch.nn.functional.silu(x[rows] @ gate_w[e * ffn:(e + 1) * ffn].T) \
+            * (x[rows] @ up_w[e * ffn:(e + 1) * ffn].T)
         y[rows] = act @ down_w[e * cfg.d_model:(e + 1) * cfg.d_model].T
     assert not y.isnan().any()          # every pair belongs to a slot
     got = combine_ref(y, s, torch.float32)

@@ -89,24 +89,27 @@ def _pair(s, row: int, expert: int) -> int:
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n_rows", [1, 3, 8, 13, 40])
 def test_routed_gemv_equals_each_experts_own_gemv(fmt_name, n_rows):
+    """Also with the act*mul epilogue (gate|up experts packed interleaved): each pair's act(gate) * up row
+    is bitwise its expert's own GEMV with that epilogue."""
     from cobatch.kernels.packed_experts import PackedExperts
     n_experts, k, rows, cols = 12, 3, 256, 512
     stacked = make_weight(fmt_name, n_experts * rows, cols, seed=7)
-    experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"))
+    experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"), gate_up_interleaved=True)
     assert experts is not None
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
     s = expert_slots(ids.cuda(), weights.cuda(), n_experts)
     x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
     xp = x[s.pair_rows]
-    got = experts.routed_matmul(xp, s)
-    want = torch.full_like(got, float("nan"))
-    for slot in range(s.n_slots):
-        start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
-        if count:
-            want[start:start + count] = experts.experts[e].matmul(xp[start:start + count],
-                                                                  config=experts._routed_plan)
-    assert not want.isnan().any()
-    assert torch.equal(got, want)
+    for act in ("silu", None):
+        got = experts.routed_matmul(xp, s, act=act)
+        want = torch.full_like(got, float("nan"))
+        for slot in range(s.n_slots):
+            start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
+            if count:
+                want[start:start + count] = experts.experts[e].matmul(xp[start:start + count],
+                                                                      config=experts._routed_plan, act=act)
+        assert not want.isnan().any()
+        assert torch.equal(got, want), act
     # and one expert's GEMV is that expert's matrix: against the float reference on its GGUF bytes
     e = int(s.slot_expert[0])
     ref = xp[:int(s.slot_count[0])].float() @ QuantWeight(stacked.fmt, rows, cols,

@@ -291,6 +291,35 @@ def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):
 
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gemv_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
+    """A gate|up weight packed interleaved: the GEMV's act*mul epilogue against the GEMV's own output put
+    through the act*mul kernel (which reads the interleaved layout), under split-K and not, at 8- and
+    16-token tiles, and with rows that end inside a row tile (inter 200: 400 rows of 512 padded); each
+    token's row is also bitwise the same whatever the batch."""
+    from cobatch.kernels.activation import gated_mul_triton
+    inter, cols = 200, 1280
+    gate, up = make_weight(fmt_name, inter, cols, seed=11), make_weight(fmt_name, inter, cols, seed=12)
+    pw = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
+    assert pw.planes.fragment
+    x = torch.randn(16, cols, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
+    n_chunks = pw.planes.qs.shape[1] // 512
+    for cfg in [None, GemvConfig(W=4, RT=2, split_k=1), GemvConfig(W=2, RT=4, split_k=2, U=1, R=128)]:
+        if cfg is not None and n_chunks % (cfg.W * cfg.split_k * cfg.U):
+            continue
+        for n_tok in (1, 5, 16):
+            full = pw.matmul(x[:n_tok], config=cfg)
+            want = gated_mul_triton(full, act, interleaved=True)
+            got = poisoned((n_tok, inter), torch.bfloat16, "cuda")
+            pw.matmul(x[:n_tok], config=cfg, out=got, act=act)
+            assert torch.isfinite(got).all(), (cfg, n_tok)
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5, msg=f"{cfg} {n_tok}")
+        alone = torch.cat([pw.matmul(x[t:t + 1], config=cfg, act=act) for t in range(16)])
+        assert torch.equal(pw.matmul(x, config=cfg, act=act), alone), cfg
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
 def test_gemv_dequantize_kernel(fmt_name):
     rows, cols = 300, 768
     w = make_weight(fmt_name, rows, cols, seed=7, device="cuda")

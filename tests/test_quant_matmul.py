@@ -108,6 +108,27 @@ def test_row_is_bitwise_identical_whatever_the_batch(fmt_name):
         assert torch.equal(together, alone[:n_tok]), n_tok
 
 
+def test_interleaved_gate_up_with_act_equals_act_of_the_plain_matmuls():
+    """A gate|up pair packed with its rows interleaved 8 by 8 (QuantWeight.interleave_rows), asked for
+    act(gate) * up (the path of the steps the GEMV's epilogue does not serve: here the Triton kernel, then
+    gated_mul reading the interleaved layout), equals the act of the gate and up matmuls run apart."""
+    from cobatch.kernels.activation import gated_mul_ref
+    inter, cols = 24, 96
+    gate, up = make_weight("q8_0", inter, cols, seed=21), make_weight("q8_0", inter, cols, seed=22)
+    both = QuantWeight.interleave_rows(gate, up, 8)
+    assert torch.equal(both.raw[8:16], up.raw[:8]) and torch.equal(both.raw[16:24], gate.raw[8:16])
+    pw = PackedWeight.from_quant(both, DEVICE, plan=SMALL_PLAN, gate_up_interleaved=True)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(23)).to(DEVICE, torch.bfloat16)
+    for act in ("silu", "gelu_tanh"):
+        out = torch.full((3, inter), float("nan"), dtype=x.dtype, device=DEVICE)
+        got = pw.matmul(x, act=act, out=out)
+        assert got.shape == (3, inter) and torch.isfinite(got).all()
+        plain = torch.cat([quant_matmul_ref(x, gate), quant_matmul_ref(x, up)], -1).to(x.dtype)
+        assert rel_err(got, gated_mul_ref(plain, act)) < 2e-2, act
+    with pytest.raises(AssertionError):      # act on a weight not packed for it
+        PackedWeight.from_quant(gate, DEVICE, plan=SMALL_PLAN).matmul(x, act="silu")
+
+
 def test_split_k_counters_are_rearmed():
     pw = PackedWeight.from_quant(make_weight("q4_0", 72, 160, seed=9), DEVICE, plan=SMALL_PLAN)
     run_poisoned(pw, torch.randn(2, 160).to(DEVICE, torch.bfloat16))

@@ -85,6 +85,14 @@ def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     return gated_mul_ref(x, act)
 
 
+def gated_linear(x: torch.Tensor, gate_up, act: str = "silu") -> torch.Tensor:
+    """act(x @ gate.T) * (x @ up.T) for a fused gate|up weight. One GEMV launch where the weight is packed for
+    it (rows interleaved, models/linear.py: load_gate_up), else the matmul then gated_mul."""
+    if getattr(gate_up, "gate_up_interleaved", False):
+        return gate_up.matmul(x, act=act)
+    return gated_mul(linear(x, gate_up), act)
+
+
 def moe_route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [N, k], expert ids [N, k]) of an MoE router; a row's do not depend on the other rows."""
     if _triton(h):

@@ -39,35 +39,40 @@ def _without_split_k(plan: quant_gemv.GemvPlan) -> quant_gemv.GemvPlan:
 
 
 class PackedExperts:
-    def __init__(self, fmt_name: str, n_experts: int, rows: int, cols: int, planes: PackedPlanes, plan):
+    def __init__(self, fmt_name: str, n_experts: int, rows: int, cols: int, planes: PackedPlanes, plan,
+                 gate_up_interleaved: bool = False):
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
         self._routed_plan = _without_split_k(plan.narrow)
         tiles = rows // 16
         self.experts = [PackedWeight(fmt_name, rows, cols, planes=planes.row_tiles(e * tiles, (e + 1) * tiles),
-                                     plan=plan) for e in range(n_experts)]
+                                     plan=plan, gate_up_interleaved=gate_up_interleaved) for e in range(n_experts)]
 
     @classmethod
-    def from_quant(cls, w: QuantWeight, n_experts: int, device: torch.device) -> "PackedExperts | None":
+    def from_quant(cls, w: QuantWeight, n_experts: int, device: torch.device,
+                   gate_up_interleaved: bool = False) -> "PackedExperts | None":
         """w: the experts stacked expert-major, [n_experts * rows, cols]. None where the routed GEMV cannot
-        serve them: a format without fragment planes, or experts whose rows are not whole row pads."""
+        serve them: a format without fragment planes, or experts whose rows are not whole row pads.
+        gate_up_interleaved: each expert is a gate|up pair, rows interleaved 8 by 8 (routed_matmul's act)."""
         rows = w.rows // n_experts
         if not uses_gemv(w.fmt.name, device) or not stackable(w.fmt.name, rows):
             return None
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True)
         self = cls(w.fmt.name, n_experts, rows, w.cols, planes,
-                   plan_for(w.fmt.name, rows, w.cols, planes.cols_pad, gemv=True))
+                   plan_for(w.fmt.name, rows, w.cols, planes.cols_pad, gemv=True), gate_up_interleaved)
         reserve_scratch(device, self.plan, rows, rows, w.cols)      # for the expert-by-expert path
         return self
 
-    def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
+    def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots, act: str | None = None) -> torch.Tensor:
         """x [P, cols], one row per (row, expert) pair in slot order -> [P, rows]: each pair's row times its
-        expert. Fixed launch shape for a given P: no host sync."""
+        expert. Fixed launch shape for a given P: no host sync. act (gate|up experts packed interleaved):
+        act(gate) * up instead, [P, rows / 2], applied in the GEMV's epilogue."""
         assert x.shape[0] == slots.pair_rows.shape[0] and x.stride(-1) == 1
-        out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
+        assert act is None or self.experts[0].gate_up_interleaved
+        out = torch.empty(x.shape[0], self.rows // 2 if act else self.rows, dtype=x.dtype, device=x.device)
         routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.slot_size,
                                      self.rows)
-        quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing)
+        quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing, act=act)
         return out
 
     @property

@@ -26,6 +26,11 @@ Gluon lets the kernel say where every byte lives:
     A CTA-level split-K on top reduces through a scratch buffer in split order, as in quant_matmul.py,
     so row t's result never depends on n_tok or on timing.
 
+  - A fused gate|up weight, packed with its rows interleaved 8 by 8 (activation.GATE_UP_GROUP), can have
+    act(gate) * up applied in the epilogue (ACT): the accumulator gives a lane rows g and g + 8 of each
+    16-row tile, a gate row and its up row, so the pairing moves no data, and the act*mul launch and
+    the round trip of the 2 x wider output through memory go away.
+
 MMA operands are f16 (bf16 has too few mantissa bits for the exact byte-to-float trick of q8_0): bf16 x
 is converted as it is loaded. The torch reference is `quant_matmul.quant_matmul_ref`; the repack is
 checked on the CPU by `quant_pack.unpack_planes`. Gluon has no interpreter: these kernels run on CUDA only
@@ -53,6 +58,9 @@ def _c(v):
 
 # The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine).
 F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K = (_c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K))
+# The epilogue: store the rows as they are, or act(gate) * up of gate|up rows interleaved 8 by 8.
+ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
+ACT_NONE, ACT_SILU, ACT_GELU_TANH = (_c(v) for v in ACTS.values())
 
 # --- dequantization, 4 bytes at a time (pack=4) -------------------------------------------------------
 # Input word bytes (quant_pack.fragment_order): b0 = (row g, k), b1 = (g+8, k), b2 = (g, k+1),
@@ -375,6 +383,35 @@ if gluon is not None:
         return _q6_half(acc, q1, _twice(h1, W, RT, 4), s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols,
                         chunk * 64 + 16, W, RT, BT, A, B, EVEN_K)
 
+    @gluon.jit
+    def _gate_up_halves(v, RT: gl.constexpr, BT: gl.constexpr):
+        """[16 RT, BT] accumulator rows 16 rt + 8 h + i -> the gate (h = 0) and up (h = 1) rows [RT, 8, BT]:
+        both in one lane's registers (the mma row pair g, g + 8), so this only renames them."""
+        return gl.split(gl.permute(gl.reshape(v, [RT, 2, 8, BT]), [0, 2, 3, 1]))
+
+    @gluon.jit
+    def _store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, RT: gl.constexpr, BT: gl.constexpr,
+                    ACT: gl.constexpr):
+        """Store the [16 RT, BT] result of rows r ([16 RT, 1]) and tokens t ([1, BT]). With ACT, the rows are
+        gate|up interleaved 8 by 8 and what is stored is act(gate) * up, column (r // 16) * 8 + r % 16 of
+        n_rows / 2: each value rounded to the output dtype first, as the separate act*mul kernel would read
+        it (activation._gated_mul_kernel; the same float math, in the same order)."""
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        if ACT == ACT_NONE:
+            gl.store(out_ptr + t * out_stride + r, total.to(dtype), mask=(t < n_tok) & (r < n_rows))
+        else:
+            gate, up = _gate_up_halves(total, RT, BT)
+            rg, _ = _gate_up_halves(r + 0 * t, RT, BT)
+            tg, _ = _gate_up_halves(t + 0 * r, RT, BT)
+            g = gate.to(dtype).to(gl.float32)
+            u = up.to(dtype).to(gl.float32)
+            if ACT == ACT_GELU_TANH:   # g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+                a = g * (1 / (1 + gl.exp(-(1.5957691216057308 * (g + 0.044715 * g * g * g)))))
+            else:                      # SiLU
+                a = g * (1 / (1 + gl.exp(-g)))
+            col = (rg // 16) * 8 + rg % 16
+            gl.store(out_ptr + tg * out_stride + col, (a * u).to(dtype), mask=(tg < n_tok) & (col < n_rows // 2))
+
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_expert"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
                      slot_expert_ptr, slot_start_ptr, slot_count_ptr,
@@ -382,7 +419,7 @@ if gluon is not None:
                      tiles_per_expert,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
-                     D: gl.constexpr, ROUTED: gl.constexpr):
+                     D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -439,10 +476,8 @@ if gluon is not None:
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         r = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
         t = tok0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))[None, :]
-        out_ptrs = out_ptr + t * out_stride + r
-        out_mask = (t < n_tok) & (r < n_rows)
         if SPLIT_K == 1:
-            gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
         else:
             # Deterministic split-K (see quant_matmul.py): partial tiles, the last CTA sums them in order.
             tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
@@ -455,7 +490,7 @@ if gluon is not None:
                 acc2 = gl.zeros([16 * RT, BT], gl.float32, OUT)
                 for k in range(SPLIT_K):
                     acc2 += gl.load(base + k * (16 * RT * BT) + offs, cache_modifier=".cg")
-                gl.store(out_ptrs, acc2.to(out_ptr.dtype.element_ty), mask=out_mask)
+                _store_rows(acc2, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
                 gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -555,10 +590,13 @@ class Routing:
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
-           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None) -> None:
+           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None
+           ) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T, out having
-    rows_per_expert columns; the plan's tier is the one for max_count tokens."""
+    rows_per_expert columns; the plan's tier is the one for max_count tokens.
+    With `act` ("silu", "gelu_tanh"), W's rows (each expert's) are gate|up interleaved 8 by 8
+    (activation.GATE_UP_GROUP) and out gets act(gate) * up: half as many columns."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
     tokens = routing.max_count if routing else n_tok          # the most rows one weight is dotted with
@@ -569,6 +607,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     rows, rows_pad = (routing.rows_per_expert, routing.rows_per_expert) if routing else (p.rows, p.rows_pad)
     if routing:
         assert routing.max_count == bt, "a slot is one token tile (moe_routing.slot_size)"
+    assert out.shape[-1] == (rows // 2 if act else rows) and (not act or rows % 16 == 0), (out.shape, rows, act)
     token_tiles = routing.slot_expert.shape[0] if routing else -(-n_tok // bt)
     grid = (token_tiles, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
     dummy = p.qs
@@ -580,4 +619,4 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, ROUTED=routing is not None, num_warps=cfg.W, maxnreg=cfg.R or None)
+        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=ACTS[act], num_warps=cfg.W, maxnreg=cfg.R or None)

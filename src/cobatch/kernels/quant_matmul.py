@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.kernels import quant_gemv, quant_pack
+from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
 from cobatch.kernels.triton_support import interpreting, jit, tl, triton
@@ -573,17 +574,21 @@ class PackedWeight:
     """What the GPU model holds for one linear layer: repacked once at load, then `matmul` per step."""
 
     def __init__(self, fmt_name: str, rows: int, cols: int, planes: PackedPlanes | None = None,
-                 dense: torch.Tensor | None = None, plan: MatmulPlan | None = None):
+                 dense: torch.Tensor | None = None, plan: MatmulPlan | None = None, gate_up_interleaved: bool = False):
         self.fmt_name, self.rows, self.cols = fmt_name, rows, cols
         self.planes, self.dense, self.plan = planes, dense, plan
+        # rows are a gate|up pair interleaved 8 by 8 (kernels/activation.py): matmul(x, act=...) applies act*mul
+        self.gate_up_interleaved = gate_up_interleaved
         self.resident_dense: torch.Tensor | None = None   # see from_quant(keep_dense=True)
         self.nbytes = planes.nbytes if planes is not None else dense.numel() * dense.element_size()
 
     @classmethod
     def from_quant(cls, w: QuantWeight, device, dtype: torch.dtype = torch.bfloat16,
-                   plan: MatmulPlan | None = None, keep_dense: bool = False) -> "PackedWeight":
+                   plan: MatmulPlan | None = None, keep_dense: bool = False,
+                   gate_up_interleaved: bool = False) -> "PackedWeight":
         """keep_dense: also keep a dequantized copy for n_tok above the crossover (big decode batches,
-        prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there."""
+        prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there.
+        gate_up_interleaved: w is a gate|up pair with its rows interleaved (QuantWeight.interleave_rows)."""
         device = torch.device(device)
         if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
@@ -596,7 +601,7 @@ class PackedWeight:
             # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs
             # B=64 8.7 ms dense, bench/results/decode-2026-11-29-dense.md): hand over at 16.
             plan = MatmulPlan(plan.narrow, plan.gemm, min(plan.crossover, RESIDENT_DENSE_CROSSOVER))
-        self = cls(w.fmt.name, w.rows, w.cols, planes=planes, plan=plan)
+        self = cls(w.fmt.name, w.rows, w.cols, planes=planes, plan=plan, gate_up_interleaved=gate_up_interleaved)
         if device.type == "cuda" or interpreting():
             resident = keep_dense and plan.gemm == DEQUANT_CUBLAS
             if resident:
@@ -605,22 +610,29 @@ class PackedWeight:
             reserve_scratch(device, plan, planes.rows_pad, w.rows, w.cols, dense=not resident)
         return self
 
-    def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks)."""
+    def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None,
+               act: str | None = None) -> torch.Tensor:
+        """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks).
+        act ("silu", "gelu_tanh"; gate_up_interleaved weights only): act(gate) * up, [n_tok, rows / 2], applied
+        in the GEMV's epilogue, or by gated_mul after the other kernels."""
+        assert act is None or self.gate_up_interleaved, "act needs a gate|up weight packed interleaved"
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.cols)
+        n_tok = x2.shape[0]
+        out_cols = self.rows // 2 if act else self.rows
+        if config is None and self.dense is None:
+            config = self.plan.narrow if n_tok <= self.plan.crossover else self.plan.gemm
+        if act and not isinstance(config, (GemvConfig, GemvPlan)):
+            y = self.matmul(x2, config)
+            return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
         if self.dense is not None:
             return F.linear(x2, self.dense if self.dense.dtype == x.dtype else self.dense.to(x.dtype)
                             ).reshape(*lead, self.rows)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        n_tok = x2.shape[0]
-        if config is None:
-            config = self.plan.narrow if n_tok <= self.plan.crossover else self.plan.gemm
-        out = torch.empty(n_tok, self.rows, dtype=x.dtype, device=x.device) if out is None else out
+        out = torch.empty(n_tok, out_cols, dtype=x.dtype, device=x.device) if out is None else out
         if n_tok == 0:
-            return out.reshape(*lead, self.rows)
+            return out.reshape(*lead, out_cols)
         if config == DEQUANT_CUBLAS and self.resident_dense is not None and self.resident_dense.dtype == x.dtype:
             torch.mm(x2, self.resident_dense.t(), out=out.view(n_tok, self.rows))
         elif config == DEQUANT_CUBLAS:
@@ -632,10 +644,10 @@ class PackedWeight:
             if config.split_k > 1:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = _SplitScratch.get(x.device)
-            quant_gemv.launch(self.planes, xg, out.view(n_tok, self.rows), config, partial, count)
+            quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         else:
             launch(self.planes, x2, out, config)
-        return out.reshape(*lead, self.rows)
+        return out.reshape(*lead, out_cols)
 
     def __repr__(self) -> str:
         kind = "dense" if self.dense is not None else "packed"

@@ -18,7 +18,7 @@ from cobatch.config import ModelConfig
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
-from cobatch.models.linear import load_linear
+from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.models.moe import MoeFeedForward
 
 
@@ -39,11 +39,15 @@ class Layer:
     window: int = 0              # sliding window of a local layer (0: global)
 
 
-def _gate_up(prefix: str, gguf: GGUFFile, lin) -> object:
+def _gate_up(prefix: str, gguf: GGUFFile, device: torch.device, dtype: torch.dtype, keep_dense: bool) -> object:
     """The fused gate|up projection: phi3 stores it so (in ffn_up, gate first), the others as two tensors."""
     if prefix + "ffn_gate.weight" not in gguf.tensors:
-        return lin(prefix + "ffn_up.weight")
-    return lin(prefix + "ffn_gate.weight", prefix + "ffn_up.weight")
+        fused = gguf.quant_weight(prefix + "ffn_up.weight")
+        half = fused.rows // 2
+        gate, up = fused.row_slice(0, half), fused.row_slice(half, fused.rows)
+    else:
+        gate, up = gguf.quant_weight(prefix + "ffn_gate.weight"), gguf.quant_weight(prefix + "ffn_up.weight")
+    return load_gate_up(gate, up, device, dtype, keep_dense)
 
 
 def _rope_table(cfg: ModelConfig, gguf: GGUFFile, n_pos: int) -> torch.Tensor:
@@ -94,7 +98,7 @@ class LlamaModel:
                 k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
                 o=lin(p + "attn_output.weight"),
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                gate_up=None if cfg.n_experts else _gate_up(p, gguf, lin),
+                gate_up=None if cfg.n_experts else _gate_up(p, gguf, dev, dtype, keep_dense),
                 down=None if cfg.n_experts else lin(p + "ffn_down.weight"),
                 moe=MoeFeedForward(cfg, gguf, p, dev, dtype, keep_dense) if cfg.n_experts else None,
                 post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.post_norms else None,
@@ -158,7 +162,7 @@ class LlamaModel:
             if layer.moe is not None:
                 x = layer.moe(h)
             else:
-                x = ops.linear(ops.gated_mul(ops.linear(h, layer.gate_up), cfg.activation), layer.down)
+                x = ops.linear(ops.gated_linear(h, layer.gate_up, cfg.activation), layer.down)
             if layer.post_ffn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_ffn_norm, cfg.rms_eps)
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)

@@ -23,7 +23,8 @@ from cobatch.config import ModelConfig
 from cobatch.kernels import packed_experts
 from cobatch.kernels.moe_routing import expert_slots
 from cobatch.loader.gguf import GGUFFile
-from cobatch.models.linear import load_linear
+from cobatch.kernels.activation import GATE_UP_GROUP
+from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
 
 
@@ -34,10 +35,11 @@ def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
 
 
 def _gate_up_per_expert(gate: QuantWeight, up: QuantWeight, n_experts: int) -> QuantWeight:
-    """The stacked gate and up experts as one stack of fused gate|up experts: expert e's gate rows, then its
-    up rows (the layout of a dense layer's gate|up, which ops.gated_mul splits)."""
+    """The stacked gate and up experts as one stack of fused gate|up experts: expert e's gate and up rows
+    interleaved 8 by 8 (QuantWeight.interleave_rows; the layout whose act*mul the GEMV applies itself)."""
     rows = gate.rows // n_experts
-    raw = torch.stack([gate.raw.reshape(n_experts, rows, -1), up.raw.reshape(n_experts, rows, -1)], 1)
+    group = [n_experts, rows // GATE_UP_GROUP, GATE_UP_GROUP, -1]
+    raw = torch.stack([gate.raw.reshape(group), up.raw.reshape(group)], 2)
     return QuantWeight(gate.fmt, 2 * gate.rows, gate.cols, raw.reshape(2 * gate.rows, -1))
 
 
@@ -50,21 +52,22 @@ class MoeFeedForward:
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
         if device.type == "cuda" and gate.fmt is up.fmt:
-            gate_up = packed_experts.PackedExperts.from_quant(_gate_up_per_expert(gate, up, n), n, device)
+            gate_up = packed_experts.PackedExperts.from_quant(_gate_up_per_expert(gate, up, n), n, device,
+                                                              gate_up_interleaved=True)
             down_stack = packed_experts.PackedExperts.from_quant(down, n, device)
             if gate_up is not None and down_stack is not None:
                 self.routed_gate_up, self.routed_down = gate_up, down_stack
         if self.routed_gate_up is not None:     # the expert-by-expert path reads the same planes
             self.gate_up, self.down = self.routed_gate_up.experts, self.routed_down.experts
         else:
-            self.gate_up = [load_linear([g, u], device, dtype, keep_dense)
+            self.gate_up = [load_gate_up(g, u, device, dtype, keep_dense)
                             for g, u in zip(_expert_rows(gate, n), _expert_rows(up, n))]
             self.down = [load_linear([d], device, dtype, keep_dense) for d in _expert_rows(down, n)]
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if cfg.shared_expert_ffn_dim:
-            self.shared_gate_up = load_linear([gguf.quant_weight(prefix + "ffn_gate_shexp.weight"),
-                                               gguf.quant_weight(prefix + "ffn_up_shexp.weight")], device, dtype,
-                                              keep_dense)
+            self.shared_gate_up = load_gate_up(gguf.quant_weight(prefix + "ffn_gate_shexp.weight"),
+                                               gguf.quant_weight(prefix + "ffn_up_shexp.weight"), device, dtype,
+                                               keep_dense)
             self.shared_down = load_linear([gguf.quant_weight(prefix + "ffn_down_shexp.weight")], device, dtype,
                                            keep_dense)
             if prefix + "ffn_gate_inp_shexp.weight" in gguf.tensors:   # a sigmoid gate on the shared expert
@@ -86,7 +89,7 @@ class MoeFeedForward:
         else:
             out = self._expert_by_expert(h, weights, ids)
         if self.shared_gate_up is not None:
-            y = ops.linear(ops.gated_mul(ops.linear(h, self.shared_gate_up)), self.shared_down).float()
+            y = ops.linear(ops.gated_linear(h, self.shared_gate_up), self.shared_down).float()
             if self.shared_gate is not None:
                 y = y * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
             out += y
@@ -95,7 +98,7 @@ class MoeFeedForward:
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 [N, d]: all experts of the step in two routed launches, grouped on the device."""
         slots = expert_slots(ids, weights, self.n_experts)
-        y = ops.gated_mul(self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots))
+        y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu")   # act*mul in the GEMV
         return ops.moe_combine(self.routed_down.routed_matmul(y, slots), slots)
 
     def _expert_by_expert(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -112,6 +115,6 @@ class MoeFeedForward:
                 continue
             rows, slot = pair_rows[start:start + count], pair_slots[start:start + count]
             start += count
-            y = ops.linear(ops.gated_mul(ops.linear(h[rows], self.gate_up[e])), self.down[e])
+            y = ops.linear(ops.gated_linear(h[rows], self.gate_up[e]), self.down[e])
             out.index_add_(0, rows, y.float() * weights[rows, slot, None])
         return out

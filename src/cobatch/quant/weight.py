@@ -33,3 +33,15 @@ class QuantWeight:
         first = parts[0]
         assert all(p.fmt is first.fmt and p.cols == first.cols for p in parts)
         return QuantWeight(first.fmt, sum(p.rows for p in parts), first.cols, torch.cat([p.raw for p in parts]))
+
+    def row_slice(self, start: int, stop: int) -> "QuantWeight":
+        """Rows start..stop-1 (a view, no copy)."""
+        return QuantWeight(self.fmt, stop - start, self.cols, self.raw[start:stop])
+
+    @staticmethod
+    def interleave_rows(a: "QuantWeight", b: "QuantWeight", group: int) -> "QuantWeight":
+        """a's and b's rows alternating `group` by `group` (a 0..g-1, b 0..g-1, a g..2g-1, ...): how CUDA packs a
+        gate|up projection so the GEMV can apply the activation in its epilogue (kernels/activation.py)."""
+        assert a.fmt is b.fmt and a.cols == b.cols and a.rows == b.rows and a.rows % group == 0
+        raw = torch.stack([a.raw.reshape(-1, group, a.raw.shape[1]), b.raw.reshape(-1, group, b.raw.shape[1])], 1)
+        return QuantWeight(a.fmt, 2 * a.rows, a.cols, raw.reshape(2 * a.rows, -1))
