@@ -85,12 +85,12 @@ for neox, half in ((False, 64), (True, 64), (True, 24)):      # 24: Phi-4-mini's
                                 BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
-variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=8, BLOCK_K=256, PDL=True), 4, 2)
+variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
 variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, BLOCK_E=128, BLOCK_S=256, SIZE=16,
                                                            MAX_PER_EXPERT=4, PDL=True), 4, 2)
 for normalize in (False, True):
     variants[f"moe top-k normalize={normalize}"] = (
-        moe_routing._top_k_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, PDL=True), 4, 2)
+        moe_routing._top_k_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, PDL=True), 1, 2)
 
 
 

@@ -145,11 +145,12 @@ def test_routed_gemv_replays_in_a_cuda_graph_with_new_routes():
         assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("n_experts, k, normalize", [(8, 2, True), (60, 4, False), (128, 8, True)])
-def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normalize):
-    from cobatch.kernels.moe_routing import route_ref, route_triton
+@pytest.mark.parametrize("n_experts, k, normalize, d", [(8, 2, True, 300), (60, 4, False, 300), (128, 8, True, 300),
+                                                       (8, 2, False, 4096 + 300)])   # d > one load: the K loop
+def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normalize, d):
+    from cobatch.kernels.moe_routing import ROUTER_BLOCK_K, route_ref, route_triton
+    assert d < ROUTER_BLOCK_K or d % ROUTER_BLOCK_K      # a partial block is masked
     g = torch.Generator().manual_seed(n_experts)
-    d = 300
     router = torch.randn(n_experts, d, generator=g) * 0.2
     h = torch.randn(9, d, generator=g)
     if torch.cuda.is_available():

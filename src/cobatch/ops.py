@@ -100,11 +100,12 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) ->
     return route_ref(h, router, k, normalize)
 
 
-def moe_combine(y: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
-    """float32 [N, d]: each row's expert outputs (y, one row per pair) weighted and summed in expert-id order."""
+def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, d]: each row's expert outputs (y, one row per pair) weighted and summed in expert-id order, in
+    float32, then stored as out_dtype."""
     if _triton(y):
-        return combine_triton(y, slots, torch.float32)
-    return combine_ref(y, slots, torch.float32)
+        return combine_triton(y, slots, out_dtype)
+    return combine_ref(y, slots, out_dtype)
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -85,7 +85,8 @@ class MoeFeedForward:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(h)
         if self.routed and h.shape[0] <= packed_experts.ROUTED_MAX_ROWS:
-            out = self._routed(h, weights, ids)
+            # summed in float32 either way; stored as h's dtype unless the shared expert is still to be added
+            out = self._routed(h, weights, ids, torch.float32 if self.shared_gate_up is not None else h.dtype)
         else:
             out = self._expert_by_expert(h, weights, ids)
         if self.shared_gate_up is not None:
@@ -95,11 +96,12 @@ class MoeFeedForward:
             out += y
         return out.to(h.dtype)
 
-    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """float32 [N, d]: all experts of the step in two routed launches, grouped on the device."""
+    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype
+                ) -> torch.Tensor:
+        """[N, d] out_dtype: all experts of the step in two routed launches, grouped on the device."""
         slots = expert_slots(ids, weights, self.n_experts)
         y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu")   # act*mul in the GEMV
-        return ops.moe_combine(self.routed_down.routed_matmul(y, slots), slots)
+        return ops.moe_combine(self.routed_down.routed_matmul(y, slots), slots, out_dtype)
 
     def _expert_by_expert(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 [N, d]: each expert that got rows, on its rows, in expert-id order."""
