@@ -187,3 +187,16 @@ def test_gpu_constraints_and_prompt_logprobs(models):
     want, got = prompt_logprobs(cpu), prompt_logprobs(gpu)
     assert [t for t, _, _ in got] == [t for t, _, _ in want] == ids[1:]
     assert max(abs(a[1] - b[1]) for a, b in zip(want, got)) < 0.05        # f16 vs f32 logits
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
+def test_qwen3_gpu_logits_close_to_cpu(tmp_path, quant):
+    """qwen3's per-head q / k norms run inside the rope kernel on CUDA (kernels/rope.py, QK_NORM), and its
+    gate|up through the GEMV's act*mul epilogue: the prompt's logits against the CPU path's."""
+    from cobatch.gguf_writer import write_random_model
+    from model_checks import gpu_and_cpu_logits
+    path = write_random_model(tmp_path / f"qwen3-{quant}.gguf", "qwen3-tiny", quant, tokenizer_from=_cut_model(),
+                              seed=5)
+    ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
+    got, want = gpu_and_cpu_logits(path, ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2

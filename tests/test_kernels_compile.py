@@ -79,9 +79,10 @@ for gelu, interleaved in ((False, False), (True, False), (False, True)):
 for residual in (False, True):
     variants[f"rms_norm residual={residual}"] = (norm._rms_norm_kernel,
                                                  dict(HAS_RESIDUAL=residual, BLOCK=4096, PDL=True), 16, 2)
-for neox, half in ((False, 64), (True, 64), (True, 24)):      # 24: Phi-4-mini's partial rotary (48 of 64 dims)
-    variants[f"rope+kv_write neox={neox} half={half}"] = (
-        rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, BLOCK_HQ=16, BLOCK_HK=8,
+for neox, half, qk_norm in ((False, 64, False), (True, 64, False), (True, 24, False), (True, 64, True)):
+    # 24: Phi-4-mini's partial rotary (48 of 64 dims); qk_norm: qwen3's per-head norms
+    variants[f"rope+kv_write neox={neox} half={half} qk_norm={qk_norm}"] = (
+        rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, QK_NORM=qk_norm, BLOCK_HQ=16, BLOCK_HK=8,
                                 BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
@@ -157,6 +158,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 23 + 16
+    assert len(compiled) == 24 + 16
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

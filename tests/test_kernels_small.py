@@ -152,6 +152,33 @@ def test_kv_write_llama8b(rows):
     check_kv_write(rows, 8, 128, torch.bfloat16, torch.bfloat16, seed=rows)
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_with_qk_norm_equals_the_norms_then_rope(neox):
+    """qwen3's per-head q / k RMS norms done by the rope kernel, on strided views of one qkv output: the
+    same as rms_norm (weights per head dim) and then rope, and the cache gets the normed, rotated k."""
+    rows, n_q, n_kv, head_dim = 5, 6, 2, 64
+    g = torch.Generator().manual_seed(31)
+    qkv = (3 * torch.randn(rows, (n_q + 2 * n_kv) * head_dim, generator=g)).to(DEVICE, torch.bfloat16)
+    q = qkv[:, :n_q * head_dim].view(rows, n_q, head_dim)
+    k = qkv[:, n_q * head_dim:(n_q + n_kv) * head_dim].view(rows, n_kv, head_dim)
+    v = qkv[:, (n_q + n_kv) * head_dim:].view(rows, n_kv, head_dim)
+    qw, kw = (1 + 0.3 * torch.randn(head_dim, generator=g)).to(DEVICE, torch.bfloat16), \
+        (1 + 0.3 * torch.randn(head_dim, generator=g)).to(DEVICE, torch.bfloat16)
+    cos_sin = rope_cos_sin(head_dim, 512, 1e6).to(DEVICE)
+    positions = torch.tensor([0, 7, 100, 511, 3], device=DEVICE)
+    ref_q, ref_k = rope_ref(rms_norm_ref(q, qw, 1e-6)[0], rms_norm_ref(k, kw, 1e-6)[0], positions, cos_sin, neox)
+    k_cache, v_cache = make_caches(2, 16, n_kv, head_dim, torch.bfloat16, g)
+    slots = torch.tensor([3, -1, 20, 8, 31], device=DEVICE)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    kv_write_ref(ref_k, v, ref_kc, ref_vc, slots)
+    got_q, got_k = rope_triton(q, k, positions, cos_sin, neox, kv_write=(v, k_cache, v_cache, slots),
+                               qk_norm=(qw, kw, 1e-6))
+    assert_matches(got_q, ref_q)
+    assert_matches(got_k, ref_k)
+    assert_matches(k_cache, ref_kc)
+    assert_same_cache(v_cache, ref_vc)
+
+
 # --- silu_mul ---------------------------------------------------------------------------------------------
 
 def check_silu_mul(rows: int, inter: int, dtype, seed: int) -> None:

@@ -20,7 +20,7 @@ from cobatch.kernels.attention import paged_attention_ref, paged_attention_trito
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.moe_routing import ExpertSlots, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
-from cobatch.kernels.rope import rope_ref, rope_triton
+from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
 
@@ -59,10 +59,19 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin: torch.Tensor, neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope then kv_write of the rotated k and v, in one launch on the Triton path. Returns (q, k) rotated."""
+                  slot_mapping: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope then kv_write of the rotated k and v, in one launch on the Triton path. Returns (q, k) rotated.
+    qk_norm = (q_weight, k_weight, eps): each head RMS-normed first (qwen3), in the same launch where every
+    dim rotates."""
+    if qk_norm is not None and not (_triton(q) and fuses_qk_norm(cos_sin.shape[1], q.shape[-1])):
+        q_weight, k_weight, eps = qk_norm
+        q, _ = rms_norm(q.contiguous(), q_weight, eps)
+        k, _ = rms_norm(k.contiguous(), k_weight, eps)
+        qk_norm = None
     if _triton(q):
-        return rope_triton(q, k, positions, cos_sin, neox, kv_write=(v, k_cache, v_cache, slot_mapping))
+        return rope_triton(q, k, positions, cos_sin, neox, kv_write=(v, k_cache, v_cache, slot_mapping),
+                           qk_norm=qk_norm)
     q, k = rope_ref(q, k, positions, cos_sin, neox)
     kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
     return q, k

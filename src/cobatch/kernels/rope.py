@@ -86,14 +86,22 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
 # --- Triton -------------------------------------------------------------------------------------------
 
 @jit
-def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, half_mask,
-                  BLOCK_H: tl.constexpr):
-    """Rotate the first rot dims of every head of one row in place; returns the rotated halves (in x.dtype)."""
+def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, half_mask, norm_ptr, eps,
+                  BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, N_DIMS: tl.constexpr):
+    """Rotate the first rot dims of every head of one row in place; returns the rotated halves (in x.dtype).
+    QK_NORM (qwen3; full rotary only): each head is first RMS-normed with the weights at norm_ptr and rounded
+    to x's dtype, as rms_norm then rope would."""
     heads = tl.arange(0, BLOCK_H)
     mask = (heads < n_heads)[:, None] & half_mask[None, :]
     base = x_ptr + row_off + heads[:, None] * head_stride
     x1 = tl.load(base + off1[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + off2[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / N_DIMS + eps)[:, None]
+        w1 = tl.load(norm_ptr + off1, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + off2, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = (x1 * rstd * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
     # Round once to the tensor's dtype, as the reference does; the cache then gets the same values.
@@ -105,10 +113,10 @@ def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, ha
 
 
 @jit
-def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr,
                  q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride, v_head_stride,
-                 cs_stride, cache_slot_stride, cache_head_stride, n_q_heads, n_kv_heads, head_dim,
-                 HALF: tl.constexpr, NEOX: tl.constexpr, WRITE_KV: tl.constexpr,
+                 cs_stride, cache_slot_stride, cache_head_stride, n_q_heads, n_kv_heads, head_dim, eps,
+                 HALF: tl.constexpr, NEOX: tl.constexpr, WRITE_KV: tl.constexpr, QK_NORM: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -132,10 +140,10 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
     if part < tl.num_programs(1) - 1:
         h0 = part * BLOCK_HQ
         _rotate_heads(q_ptr, row * q_row_stride + h0 * q_head_stride, q_head_stride, n_q_heads - h0, cos, sin,
-                      off1, off2, half_mask, BLOCK_H=BLOCK_HQ)
+                      off1, off2, half_mask, qn_ptr, eps, BLOCK_H=BLOCK_HQ, QK_NORM=QK_NORM, N_DIMS=2 * HALF)
         return
     k1, k2 = _rotate_heads(k_ptr, row * k_row_stride, k_head_stride, n_kv_heads, cos, sin, off1, off2,
-                           half_mask, BLOCK_H=BLOCK_HK)
+                           half_mask, kn_ptr, eps, BLOCK_H=BLOCK_HK, QK_NORM=QK_NORM, N_DIMS=2 * HALF)
     if WRITE_KV:
         slot = tl.load(slot_ptr + row)
         heads = tl.arange(0, BLOCK_HK)
@@ -157,12 +165,20 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
 Q_HEADS_PER_PROGRAM = 4
 
 
+def fuses_qk_norm(rot_dim: int, head_dim: int) -> bool:
+    """Can the rope kernel apply the per-head q/k norms? Only when every dim rotates: the norm scales the
+    whole head, and the kernel touches only the rotated dims."""
+    return rot_dim == head_dim
+
+
 def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
-                kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_ref, rotating q and k IN PLACE (they are returned). q, k may be strided views (e.g. of a fused
     qkv output) with contiguous head dims. kv_write = (v, k_cache, v_cache, slot_mapping) also writes the
-    rotated k and v into the paged cache in the same launch (as kv_write_ref would, slot -1 skipped)."""
+    rotated k and v into the paged cache in the same launch (as kv_write_ref would, slot -1 skipped).
+    qk_norm = (q_weight, k_weight, eps): RMS-norm each head first (qwen3), as rms_norm_ref would; full rotary
+    only (see fuses_qk_norm)."""
     n_rows, n_q_heads, head_dim = q.shape
     n_kv_heads = k.shape[1]
     rot = cos_sin.shape[1]
@@ -177,12 +193,17 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
         v, k_cache, v_cache, slots = kv_write
         assert v.stride(-1) == 1 and v.shape == k.shape
         cache_strides = cache_slot_strides(k_cache, v_cache)
+    if qk_norm is None:
+        q_weight, k_weight, eps = cos_sin, cos_sin, 0.0
+    else:
+        q_weight, k_weight, eps = qk_norm
+        assert fuses_qk_norm(rot, head_dim) and q_weight.is_contiguous() and k_weight.is_contiguous()
     block_hq = min(next_pow2(n_q_heads), Q_HEADS_PER_PROGRAM)
     _rope_kernel[(n_rows, triton.cdiv(n_q_heads, block_hq) + 1)](
-        q, k, v, positions, cos_sin, k_cache, v_cache, slots,
+        q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_weight, k_weight,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin.stride(0), *cache_strides, n_q_heads, n_kv_heads, head_dim,
-        HALF=rot // 2, NEOX=neox, WRITE_KV=kv_write is not None,
+        cos_sin.stride(0), *cache_strides, n_q_heads, n_kv_heads, head_dim, eps,
+        HALF=rot // 2, NEOX=neox, WRITE_KV=kv_write is not None, QK_NORM=qk_norm is not None,
         BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(n_kv_heads), BLOCK_HALF=next_pow2(rot // 2),
         BLOCK_D=next_pow2(head_dim), **pdl_launch(q), num_warps=4)
     return q, k

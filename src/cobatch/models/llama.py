@@ -148,12 +148,10 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(n, cfg.n_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(n, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(n, cfg.n_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
-                q, _ = ops.rms_norm(q.contiguous(), layer.q_norm, cfg.rms_eps)
-                k, _ = ops.rms_norm(k.contiguous(), layer.k_norm, cfg.rms_eps)
             cos_sin = self.cos_sin_local if layer.window else self.cos_sin
+            qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_eps) if layer.q_norm is not None else None
             q, k = ops.rope_kv_write(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
-                                     meta.slot_mapping)
+                                     meta.slot_mapping, qk_norm)
             attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap)
             x = ops.linear(attn.reshape(n, q_size), layer.o)
             if layer.post_attn_norm is not None:
