@@ -459,3 +459,33 @@ def test_cuda_matches_cpu_and_does_not_synchronize():
         torch.cuda.set_sync_debug_mode("default")
     assert on_gpu.token_ids.device.type == "cuda"
     assert on_gpu.token_ids.cpu().tolist() == on_cpu.token_ids.tolist()
+
+
+def test_bad_word_bans_the_token_that_would_complete_it():
+    from cobatch.engine.sampler import bad_word_bans
+    words = ((7,), (1, 2, 3), (4, 5))
+    assert bad_word_bans(words, ()) == (7,)                  # a one-token word: always
+    assert bad_word_bans(words, (9, 1, 2)) == (7, 3)          # the output ends with 1 2: 3 would complete it
+    assert bad_word_bans(words, (1, 2, 9)) == (7,)
+    assert bad_word_bans(words, (2, 4)) == (7, 5)
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    """Greedy and sampled rows alike pick only among a row's allowed_token_ids; a row without the field is
+    untouched in the same batch."""
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    allowed = (4, 17, 30)
+    rows = [make_row(SamplingParams(temperature=0.0, allowed_token_ids=allowed)),
+            make_row(SamplingParams(temperature=1.0, allowed_token_ids=allowed), seed=5),
+            make_row(SamplingParams(temperature=0.0))]
+    for step in range(20):
+        for r in rows:
+            r.step = step
+        out = Sampler()(logits, rows).token_ids.tolist()
+        assert out[0] == max(allowed, key=lambda t: logits[0, t]) and out[1] in allowed
+        assert out[2] == int(logits[2].argmax())
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=(3, 50)).validate(vocab_size=vocab)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=((1, 99),)).validate(vocab_size=vocab)

@@ -120,6 +120,63 @@ def test_logit_bias_forces_and_bans_tokens(oai):
     assert paris != london
 
 
+def test_vllm_sampling_extras(oai):
+    """vLLM's extra sampling fields, through the openai client's extra_body: allowed_token_ids,
+    bad_words, include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens."""
+    tokenizer = load_llm("smollm2").tokenizer
+    prompt = "The capital of France is"
+    plain = oai.completions.create(model="any", prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
+    first = tokenizer.encode(plain, add_special=False)[0]
+    london, berlin = (tokenizer.encode(w, add_special=False)[0] for w in (" London", " Berlin"))
+    assert first not in (london, berlin)
+
+    # allowed_token_ids: every sampled token is one of them, greedy or not
+    for extra in ({}, {"temperature": 1.0, "seed": 3}):
+        out = oai.completions.create(model="any", prompt=prompt, max_tokens=4, logprobs=0,
+                                     extra_body={"allowed_token_ids": [london, berlin], **GREEDY, **extra})
+        ids = [tokenizer.encode(t, add_special=False) for t in out.choices[0].logprobs.tokens]
+        assert all(t == [london] or t == [berlin] for t in ids), ids
+
+    # bad_words: the greedy continuation's first word is banned, whether at the start or after a space
+    word = plain.split()[0]
+    out = oai.completions.create(model="any", prompt=prompt, max_tokens=8, extra_body={"bad_words": [word], **GREEDY})
+    assert word not in out.choices[0].text.split() and out.choices[0].text != plain
+
+    # include_stop_str_in_output: the text runs to the end of the stop string instead of its start
+    stop = plain.split()[1] if len(plain.split()) > 1 else plain.split()[0]
+    cut = oai.completions.create(model="any", prompt=prompt, max_tokens=8, stop=[stop], **GREEDY).choices[0]
+    kept = oai.completions.create(model="any", prompt=prompt, max_tokens=8, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True, **GREEDY}).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == cut.text + stop and plain.startswith(kept.text)
+
+    # stop_token_ids: the stopping token's text is left out, unless include_stop_str_in_output
+    stop_id = tokenizer.encode(plain, add_special=False)[1]
+    without = oai.completions.create(model="any", prompt=prompt, max_tokens=8,
+                                     extra_body={"stop_token_ids": [stop_id], **GREEDY}).choices[0]
+    with_it = oai.completions.create(model="any", prompt=prompt, max_tokens=8, extra_body={
+        "stop_token_ids": [stop_id], "include_stop_str_in_output": True, **GREEDY}).choices[0]
+    assert without.finish_reason == "stop" and with_it.text == without.text + tokenizer.decode([stop_id])
+
+    # skip_special_tokens: false lets a special token's text through (here the chat template's own, forced)
+    im_end = tokenizer.encode("<|im_end|>", add_special=False)
+    assert len(im_end) == 1
+    special = {"logit_bias": {str(im_end[0]): 100}, "ignore_eos": True, **GREEDY}
+    hidden = oai.completions.create(model="any", prompt=prompt, max_tokens=2, extra_body=special).choices[0]
+    shown = oai.completions.create(model="any", prompt=prompt, max_tokens=2,
+                                   extra_body={**special, "skip_special_tokens": False}).choices[0]
+    assert hidden.text == "" and shown.text == "<|im_end|><|im_end|>"
+
+    # truncate_prompt_tokens: only the prompt's last k tokens are read
+    tail = tokenizer.encode(prompt, add_special=False)
+    ids = tokenizer.encode("Some unrelated words first.", add_special=False) + tail
+    truncated = oai.completions.create(model="any", prompt=ids, max_tokens=8,
+                                       extra_body={"truncate_prompt_tokens": len(tail), **GREEDY})
+    assert truncated.usage.prompt_tokens == len(tail)
+    assert truncated.choices[0].text == oai.completions.create(model="any", prompt=tail, max_tokens=8,
+                                                               **GREEDY).choices[0].text
+
+
 def test_anthropic_messages_plain_streamed_and_count_tokens(claude):
     kwargs = dict(model="any", max_tokens=20, system="You are a concise assistant.", messages=QUESTION,
                   extra_body=GREEDY)
@@ -516,6 +573,11 @@ ERROR_CASES = [
     ("n zero", "POST", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("min_tokens over max_tokens", "POST", CHAT, {**OK_CHAT, "min_tokens": 5}, 400, "min_tokens"),
     ("stop_token_ids out of vocab", "POST", CHAT, {**OK_CHAT, "stop_token_ids": [10 ** 7]}, 400, "stop_token_ids"),
+    ("allowed_token_ids out of vocab", "POST", CHAT, {**OK_CHAT, "allowed_token_ids": [3, 10 ** 7]}, 400,
+     "allowed_token_ids"),
+    ("empty bad word", "POST", "/v1/completions", {"prompt": "a", "bad_words": ["ok", " "]}, 400, "bad_words.1"),
+    ("truncate_prompt_tokens zero", "POST", CHAT, {**OK_CHAT, "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
     ("top_logprobs without logprobs", "POST", CHAT, {**OK_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("too many top_logprobs", "POST", CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     ("penalty out of range", "POST", CHAT, {**OK_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),

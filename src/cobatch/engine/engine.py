@@ -35,6 +35,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     embedding: list[float] | None = None      # params.embed: the last prompt token's final hidden state
+    stop_token: bool = False                  # new_token ended the request as an end of turn / stop_token_ids
 
 
 class Engine:
@@ -126,7 +127,9 @@ class Engine:
                 self.scheduler.finished(seq)
                 self.seqs.pop(seq.request_id, None)
                 finished += 1
-            outputs.append(self._output(seq, token, logprob, top, prompt_lp, embedding))
+            out = self._output(seq, token, logprob, top, prompt_lp, embedding)
+            out.stop_token = reason == "stop" and self._is_stop_token(seq, token)
+            outputs.append(out)
         self.scheduler.end_step(finished)
         return outputs
 
@@ -140,9 +143,12 @@ class Engine:
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(self.blocks.register_full_block(seq.block_table[i], prev, tokens))
 
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        return (token in self.stop_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if self._is_stop_token(seq, token):
             return "stop"
         if seq.matcher is not None and seq.matcher.done:      # the grammar is complete
             return "stop"

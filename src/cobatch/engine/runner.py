@@ -13,7 +13,7 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.engine.grammar import allowed_masks
 from cobatch.engine.kv_cache import KVPool
-from cobatch.engine.sampler import Sampler, SampleRow, needs_penalties
+from cobatch.engine.sampler import MAX_BAD_WORD_TOKENS, Sampler, SampleRow, bad_word_bans, needs_penalties
 from cobatch.engine.scheduler import StepPlan
 
 
@@ -160,12 +160,19 @@ class ModelRunner:
                                   prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
                                   output_ids=seq.output_ids if history else (),
                                   allowed=next(masks) if seq.matcher is not None else None,
-                                  banned=self._banned(seq.params) if seq.num_output < seq.params.min_tokens else ()))
+                                  banned=self._banned(seq)))
         return rows
 
-    def _banned(self, params) -> tuple[int, ...]:
-        ends = () if params.ignore_eos else self.ends_of_turn
-        return ends + tuple(params.stop_token_ids)
+    def _banned(self, seq) -> tuple[int, ...]:
+        """Ends of turn before min_tokens, and the tokens that would complete a bad word."""
+        params = seq.params
+        banned = ()
+        if seq.num_output < params.min_tokens:
+            banned = (() if params.ignore_eos else self.ends_of_turn) + tuple(params.stop_token_ids)
+        if params.bad_words:     # the output's tail is all a word can match (no copy of a long history)
+            tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - MAX_BAD_WORD_TOKENS):]
+            banned += bad_word_bans(params.bad_words, tail)
+        return banned
 
     def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:
         # The one host sync of the step: everything the caller needs in one transfer (token ids travel

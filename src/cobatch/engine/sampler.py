@@ -11,7 +11,7 @@ device. The hash is exact integer arithmetic (identical bits on CPU and CUDA); t
 is float32 `log`, whose last-ulp rounding may differ between devices, so identical logits give the same
 token on CPU and CUDA except at float32-level near-ties.
 
-Pipeline per row: raw logits -> penalties -> logit bias -> grammar mask and bans -> (greedy: argmax) | (temperature -> top-k -> top-p over the
+Pipeline per row: raw logits -> penalties -> logit bias -> allowed tokens, grammar mask and bans -> (greedy: argmax) | (temperature -> top-k -> top-p over the
 top-k-renormalized distribution -> min-p relative to the most likely token -> Gumbel-max). logprobs are
 always of the raw logits (no penalties, no temperature).
 """
@@ -30,6 +30,9 @@ from cobatch.engine.grammar import apply_token_masks
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
 MAX_LOGIT_BIAS = 1024            # entries per request (bounds the host work of building the bias)
+MAX_ALLOWED_TOKENS = 65536       # allowed_token_ids per request
+MAX_BAD_WORDS = 256              # bad_words sequences per request (each checked on the host every step)
+MAX_BAD_WORD_TOKENS = 64
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -58,6 +61,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # the same for each prompt token (the prefix cache is then not used)
     logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, bias in [-100, 100]) added to logits
     grammar: str | None = None        # an llguidance grammar the output must follow (engine/grammar.py)
+    allowed_token_ids: tuple[int, ...] = ()   # vLLM: only these may be sampled (empty: every token)
+    bad_words: tuple[tuple[int, ...], ...] = ()   # vLLM: token sequences the output may not contain (bad_word_bans)
     embed: bool = False               # also return the last prompt token's final hidden state (/v1/embeddings)
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -94,6 +99,20 @@ class SamplingParams:
             _check_int("logit_bias", token, f"keyed by {ids}",
                        lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
             _check_real("logit_bias", bias, "values in [-100, 100]", lambda v: -100 <= v <= 100)
+        ids = "token ids" if vocab_size is None else f"token ids in [0, {vocab_size})"
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
+            raise ValueError(f"allowed_token_ids must have at most {MAX_ALLOWED_TOKENS} entries")
+        for token in self.allowed_token_ids:
+            _check_int("allowed_token_ids", token, f"a list of {ids}",
+                       lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must have at most {MAX_BAD_WORDS} entries (got {len(self.bad_words)})")
+        for word in self.bad_words:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad_words entries must be 1 to {MAX_BAD_WORD_TOKENS} tokens long")
+            for token in word:
+                _check_int("bad_words", token, f"sequences of {ids}",
+                           lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a string or None (got {type(self.grammar).__name__})")
 
@@ -122,7 +141,8 @@ class SampleRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     allowed: torch.Tensor | None = None     # the grammar's packed token mask (engine/grammar.py), if any
-    banned: Sequence[int] = ()              # tokens this row may not sample now (ends of turn before min_tokens)
+    banned: Sequence[int] = ()              # tokens this row may not sample now (ends of turn before min_tokens,
+                                            # the last token of a bad word whose rest the output ends with)
 
 
 @dataclass(slots=True)
@@ -205,6 +225,29 @@ def needs_penalties(params: SamplingParams) -> bool:
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Add each row's logit_bias to its logits (float32 [B, V], a new tensor); rows without one unchanged."""
     return _add_at(logits, [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias])
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> tuple[int, ...]:
+    """The tokens that would complete one of the bad words now: a word's last token, where the output ends
+    with the rest of the word (vLLM's bad_words; a one-token word is always banned)."""
+    banned = []
+    for word in bad_words:
+        head = len(word) - 1
+        if head == 0 or (len(output_ids) >= head and tuple(output_ids[len(output_ids) - head:]) == tuple(word[:head])):
+            banned.append(word[-1])
+    return tuple(banned)
+
+
+def apply_allowed(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """-inf outside each row's allowed_token_ids (float32 [B, V], a new tensor); rows without any unchanged."""
+    entries = [(i, token) for i, r in enumerate(rows) for token in r.params.allowed_token_ids]
+    if not entries:
+        return logits
+    restricted = _to_device([bool(r.params.allowed_token_ids) for r in rows], torch.bool, logits.device)
+    index = _to_device(entries, torch.int64, logits.device)
+    allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    allowed[index[:, 0], index[:, 1]] = True
+    return logits.float().masked_fill(restricted[:, None] & ~allowed, -math.inf)
 
 
 def apply_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -304,6 +347,7 @@ class Sampler:
         device = raw.device
         penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
         penalized = apply_logit_bias(penalized, rows)
+        penalized = apply_allowed(penalized, rows)
         penalized = apply_token_masks(penalized, [r.allowed for r in rows])
         penalized = apply_bans(penalized, rows)
         # NaN never wins (argmax would pick it); +inf stays and wins.

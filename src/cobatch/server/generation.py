@@ -34,6 +34,8 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
+    include_stop: bool = False                # the matched stop string ends the text (vLLM's include_stop_str_in_output)
+    skip_special: bool = True                 # special tokens give no text (vLLM's skip_special_tokens)
     tool_names: list[str] | None = None       # None: tool calls are not parsed
     parse_reasoning: bool = False
     start_in_reasoning: bool = False
@@ -120,7 +122,7 @@ class Generation:
     async def events(self) -> AsyncIterator[Chunk | Finish]:
         assert self.handle is not None, "start() first"
         req, handle, metrics = self.request, self.handle, self.metrics
-        text = TextStream(self.tokenizer, req.stop)
+        text = TextStream(self.tokenizer, req.stop, include_stop=req.include_stop, skip_special=req.skip_special)
         parser = OutputParser(tool_names=req.tool_names, reasoning=req.parse_reasoning,
                               start_in_reasoning=req.start_in_reasoning)
         want_logprobs = req.params.logprobs is not None
@@ -146,7 +148,9 @@ class Generation:
                     else:
                         metrics.itl.observe(now - last)
                     last = now
-                    events = parser.push(text.push(out.new_token))
+                    # The token that ended the request gives no text, unless asked for (as vLLM does)
+                    if not out.stop_token or req.include_stop:
+                        events = parser.push(text.push(out.new_token))
                     if want_logprobs and out.logprob is not None:
                         logprobs.append(TokenLogprob(out.new_token, out.logprob, out.top_logprobs or []))
                 if text.stop_matched is None and out.finished:

@@ -78,6 +78,12 @@ class _SamplingBody(_Body):
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     user: str | None = None
+    # vLLM's sampling extras
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the prompt's last k tokens")
 
 
 class FunctionDef(_Body):
@@ -179,6 +185,26 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] |
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
+def _bad_words(ctx: ServerContext, words: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
+    """vLLM's bad_words as token sequences: each word as written, and after a space (mid-text), so it is
+    banned at the start of the output and after another word alike."""
+    if not words:
+        return None
+    tokenizer, out = ctx.llm.tokenizer, []
+    for i, word in enumerate(words):
+        if not word.strip():
+            raise bad_request("bad_words entries must not be empty", param=f"bad_words.{i}")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            out.append(tuple(tokenizer.encode(text, add_special=False)))
+    return tuple(dict.fromkeys(out))
+
+
+def _truncated(body: _SamplingBody, prompt_ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens (left truncation)."""
+    k = body.truncate_prompt_tokens
+    return prompt_ids[-k:] if k is not None and len(prompt_ids) > k else prompt_ids
+
+
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
               logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None):
     return make_sampling_params(
@@ -189,6 +215,8 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
+        allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids else None,
+        bad_words=_bad_words(ctx, body.bad_words),
         max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt))
 
 
@@ -321,11 +349,13 @@ async def chat_completions(request: Request):
                                    response_format=body.response_format, structured=_structured(body))
     messages = template_messages(body.messages)
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
+    prompt_ids = _truncated(body, prompt_ids)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs, grammar)
     choices = Choices(ctx.generation, [GenerationRequest(
-        "chat", prompt_ids, params, _stops(body.stop), parse_reasoning=True, start_in_reasoning=in_think,
+        "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
+        skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
         tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
@@ -438,11 +468,13 @@ async def completions(request: Request):
     prompt_logprobs = body.logprobs if body.echo else None
     requests = []
     for ids, _ in prompts:
+        ids = _truncated(body, ids)
         check_prompt_fits(ctx.llm, len(ids), "prompt")
         params = _sampling(ctx, body, len(ids), 1 if body.max_tokens == 0 else body.max_tokens,
                            body.logprobs, grammar, prompt_logprobs)
         requests.append(GenerationRequest("completions", ids, params, _stops(body.stop),
-                                          report_output=body.max_tokens != 0))
+                                          include_stop=body.include_stop_str_in_output,
+                                          skip_special=body.skip_special_tokens, report_output=body.max_tokens != 0))
     choices = Choices(ctx.generation, requests, body.n)
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]     # one per choice

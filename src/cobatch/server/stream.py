@@ -3,7 +3,8 @@
 Two things are held back until they are decided:
 - bytes of a UTF-8 character split over several tokens (the tokenizer's StreamDecoder does that);
 - text that may be the start of a stop string: a stop string can span any number of tokens, and the
-  stop string itself is never sent, so its first characters cannot go out before we know.
+  stop string itself is not sent (unless the request asks for it), so its first characters cannot go out
+  before we know.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from cobatch.tokenizer import Tokenizer
 
 
 class StopStringFilter:
-    """Cuts the text at the first stop string; holds back a tail that may still become one."""
+    """Cuts the text at the first stop string (after it with include_stop); holds back a tail that may still
+    become one."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
         self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.include_stop = include_stop
         self._longest = max((len(s) for s in self.stops), default=0)
         self._held = ""
         self.matched: str | None = None
@@ -33,7 +36,7 @@ class StopStringFilter:
                   key=lambda found: (found[0], -len(found[1])))
         if hit is not None:
             self.matched, self._held = hit[1], ""
-            return buf[:hit[0]]
+            return buf[:hit[0] + (len(hit[1]) if self.include_stop else 0)]
         keep = self._partial_stop_suffix(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]
@@ -53,11 +56,13 @@ class StopStringFilter:
 
 
 class TextStream:
-    """Token ids in, sendable text out: UTF-8 safe, special tokens skipped, stop strings cut."""
+    """Token ids in, sendable text out: UTF-8 safe, special tokens skipped (unless skip_special is False),
+    stop strings cut (kept, with include_stop)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
-        self._decoder = tokenizer.stream_decoder(skip_special=True)
-        self._stops = StopStringFilter(stops)
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), include_stop: bool = False,
+                 skip_special: bool = True):
+        self._decoder = tokenizer.stream_decoder(skip_special=skip_special)
+        self._stops = StopStringFilter(stops, include_stop)
 
     @property
     def stop_matched(self) -> str | None:
