@@ -712,6 +712,44 @@ def test_api_key(server):
         options.api_key = None
 
 
+def test_cors_preflight_and_version(server):
+    """Browsers may call the API (CORS, any origin by default, as vLLM and llama.cpp's server allow): the
+    preflight is answered before the key check, and errors carry the header too. /version is open."""
+    origin = {"Origin": "http://localhost:3000"}
+    options = server.context.options
+    options.api_key = "sekrit"
+    try:
+        pre = httpx.options(server.url + CHAT, headers={**origin, "Access-Control-Request-Method": "POST",
+                                                        "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] in ("*", origin["Origin"])
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        denied = httpx.post(server.url + CHAT, json=OK_CHAT, headers=origin)
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] in ("*", origin["Origin"])
+        ok = httpx.post(server.url + CHAT, json=OK_CHAT, headers={**origin, "Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200 and "access-control-allow-origin" in ok.headers
+        from cobatch import __version__
+        assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    finally:
+        options.api_key = None
+
+
+def test_cors_can_be_limited_or_off():
+    from cobatch.server.app import create_app
+    from cobatch.server.context import ServerOptions
+    from fastapi.testclient import TestClient
+    llm = load_llm("smollm2")
+    preflight = {"Access-Control-Request-Method": "POST"}
+    for origins, origin, allowed in ((("https://app.example",), "https://app.example", True),
+                                     (("https://app.example",), "https://evil.example", False),
+                                     ((), "https://app.example", False)):
+        # Without `with`, the app's lifespan (its engine thread) does not start: the preflight needs none, and
+        # the module's live server keeps the model's engine to itself.
+        client = TestClient(create_app(llm, ServerOptions(allowed_origins=origins)))
+        r = client.options("/v1/models", headers={"Origin": origin, **preflight})
+        assert (r.headers.get("access-control-allow-origin") == origin) == allowed, (origins, origin)
+
+
 def test_body_over_the_limit_is_413(server):
     options = server.context.options
     saved, options.max_body_bytes = options.max_body_bytes, 1000

@@ -260,7 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", "--max-model-len", "-c", "--ctx-size", dest="ctx", type=int, default=None,
                    help="context window per request, in tokens")
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key) on every route "
-                                                    "but /health")
+                                                    "but /health and /version")
+    p.add_argument("--allowed-origins", default="*",
+                   help="origins browsers may call the API from (CORS), comma-separated; '*' any (the default, "
+                        "as vLLM and llama.cpp's server); '' none")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     p.add_argument("--kv-cache-gb", type=float, default=None,

@@ -1,4 +1,5 @@
-"""The FastAPI app: routes of both protocols, /health, /metrics, /slots, auth, errors; and `cobatch serve`.
+"""The FastAPI app: routes of both protocols, /health, /version, /metrics, /slots, auth, CORS, errors; and
+`cobatch serve`.
 
 `create_app(llm, options)` builds an app around an already loaded model (tests and benchmarks run it
 in-process); its lifespan starts and stops the engine thread.
@@ -16,11 +17,13 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cobatch import __version__
 from cobatch.llm import LLM
 from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
@@ -28,7 +31,7 @@ from cobatch.server.errors import ApiError, error_response
 
 log = logging.getLogger("cobatch.server")
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/version"})
 SLOTS_VIEW_TIMEOUT_S = 10.0
 
 
@@ -54,6 +57,11 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     _add_error_handlers(app, server)
     _add_service_routes(app)
     app.add_middleware(ApiKeyMiddleware, server=server)
+    if server.options.allowed_origins:
+        # Added last, so outermost: a browser's preflight is answered before the key check (it carries no
+        # key), and errors, the 401 among them, carry the CORS headers the browser needs to read them.
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.options.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 
@@ -96,6 +104,10 @@ def _add_service_routes(app: FastAPI) -> None:
                 "slots_total": worker.num_slots, "slots_busy": worker.num_active, "queued": worker.queue_depth}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics(request: Request):
         return Response(get_context(request).metrics.render(), media_type="text/plain; version=0.0.4")
@@ -108,7 +120,7 @@ def _add_service_routes(app: FastAPI) -> None:
 
 
 class ApiKeyMiddleware:
-    """When an API key is set, every route but /health wants it, as `Authorization: Bearer KEY` (OpenAI
+    """When an API key is set, every route but /health and /version wants it, as `Authorization: Bearer KEY` (OpenAI
     clients) or `x-api-key: KEY` (Anthropic clients)."""
 
     def __init__(self, app: ASGIApp, server: ServerContext):
@@ -184,8 +196,9 @@ def serve(args) -> int:
         kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
         chat_template=getattr(args, "chat_template", None)))
+    origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
     options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                            max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                            max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins)
     app = create_app(llm, options)
     server = app.state.server
     pool = llm.engine.pool

@@ -18,10 +18,11 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20     # a 128k-token prompt as JSON is a few MB;
 @dataclass(slots=True)
 class ServerOptions:
     model_name: str | None = None        # the id served by /v1/models (default: the file name)
-    api_key: str | None = None           # when set, every route but /health needs it
+    api_key: str | None = None           # when set, every route but /health and /version needs it
     max_queue: int = 64                  # requests waiting for a slot before 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     num_slots: int | None = None         # default: the engine's max_num_seqs (--parallel)
+    allowed_origins: tuple[str, ...] = ("*",)   # CORS: origins browsers may call from ("*": any; (): none)
 
 
 class ServerContext:
