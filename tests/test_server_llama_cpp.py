@@ -38,6 +38,22 @@ def test_completion_is_the_openai_completion_in_llama_cpp_shape(server):
     assert server.context.llm.tokenizer.decode(out["tokens"]) == out["content"]
 
 
+def test_logit_bias_in_llama_cpp_forms(server):
+    """llama.cpp's logit_bias: [[id, false]] never samples the token, [[text, bias]] biases each of the text's
+    tokens, and {"id": bias} works as OpenAI's does."""
+    tokenizer = server.context.llm.tokenizer
+    base = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "return_tokens": True}
+    plain = post(server, "/completion", base).json()["tokens"]
+    first = plain[0]
+    banned = post(server, "/completion", {**base, "logit_bias": [[first, False]]}).json()["tokens"]
+    assert first not in banned
+    word = " banana"
+    forced = post(server, "/completion", {**base, "n_predict": 1, "logit_bias": [[word, 100]]}).json()["tokens"]
+    assert forced[0] in tokenizer.encode(word, add_special=False)
+    as_object = post(server, "/completion", {**base, "n_predict": 1, "logit_bias": {str(first + 1): 100}}).json()
+    assert as_object["tokens"] == [first + 1]
+
+
 def test_stop_word_and_stream(server):
     body = {"prompt": PROMPT, "n_predict": 40, "temperature": 0, "stop": ["return"], "n_probs": 2}
     plain = post(server, "/completion", body).json()
@@ -94,6 +110,9 @@ def test_grammar_and_props(server):
     ("/completion", {"prompt": "hello " * 2000}, "prompt"),
     ("/infill", {"input_prefix": "a", "prompt": [1, 2]}, "prompt"),
     ("/completion", {"prompt": PROMPT, "stop": ["x"] * 17}, "stop"),
+    ("/completion", {"prompt": PROMPT, "logit_bias": [[5, "high"]]}, "logit_bias.0"),
+    ("/completion", {"prompt": PROMPT, "logit_bias": [[10 ** 9, 1.0]]}, "logit_bias"),
+    ("/completion", {"prompt": PROMPT, "logit_bias": [[5]]}, "logit_bias.0"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     r = post(server, path, body)

@@ -48,6 +48,8 @@ class CompletionRequest(BaseModel):
     grammar: str | None = None                    # GBNF (or Lark)
     json_schema: dict[str, Any] | None = None
     return_tokens: bool = False
+    # [[token id or text, bias or false], ...] (false: never), or {"token id": bias}
+    logit_bias: list[list[Any]] | dict[str, float] | None = None
 
 
 class ExtraFile(BaseModel):
@@ -101,6 +103,35 @@ async def infill(request: Request):
     return await _run(request, ctx, body, ids)
 
 
+def _logit_bias(ctx: ServerContext, raw: list[list[Any]] | dict[str, float] | None
+                ) -> tuple[tuple[tuple[int, float], ...] | None, tuple[tuple[int], ...] | None]:
+    """llama.cpp's logit_bias -> (bias pairs, tokens banned outright). A text entry biases each of its tokens;
+    a bias of false means the token is never sampled (a one-token bad word: banned at every step)."""
+    if not raw:
+        return None, None
+    entries = list(raw.items()) if isinstance(raw, dict) else raw
+    bias, banned = {}, []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise bad_request("logit_bias entries are [token id or text, bias or false]", param=f"logit_bias.{i}")
+        key, value = entry
+        if isinstance(key, str) and not isinstance(raw, dict):
+            tokens = ctx.llm.tokenizer.encode(key, add_special=False)
+        else:
+            try:
+                tokens = [int(key)]
+            except (TypeError, ValueError):
+                raise bad_request("logit_bias keys must be token ids", param=f"logit_bias.{i}") from None
+        if value is False:
+            banned += tokens
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            for token in tokens:
+                bias[token] = float(value)
+        else:
+            raise bad_request("a logit_bias value is a number or false", param=f"logit_bias.{i}")
+    return (tuple(sorted(bias.items())) or None), (tuple((t,) for t in dict.fromkeys(banned)) or None)
+
+
 async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, ids: list[int]):
     check_prompt_fits(ctx.llm, len(ids), "prompt")
     if body.n_predict == 0:
@@ -110,12 +141,14 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
     structured = (StructuredOutput("grammar", body.grammar, "grammar") if body.grammar is not None else
                   StructuredOutput("json", body.json_schema, "json_schema") if body.json_schema is not None else None)
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False, structured=structured)
+    bias, banned = _logit_bias(ctx, body.logit_bias)
     params = make_sampling_params(
         ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,
+        logit_bias=bias, bad_words=banned,
         max_tokens=max_new_tokens(ctx.llm, None if body.n_predict == -1 else body.n_predict, len(ids)))
     choices = Choices(ctx.generation, [GenerationRequest("llama.cpp", ids, params, list(body.stop))], 1)
     gen = choices.generations[0]
