@@ -210,6 +210,42 @@ def test_serve_takes_vllm_and_llama_cpp_option_names():
             (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == ("m", 4, 2048, 1024), theirs
 
 
+def test_serve_takes_llama_cpp_flags_that_copied_commands_carry():
+    from cobatch.cli import build_parser
+    from cobatch.server.app import _device
+    args = build_parser().parse_args(["serve", "-m", "x.gguf", "-ngl", "99", "-t", "4", "--jinja", "-fa", "-c", "4096"])
+    assert (args.gpu_layers, args.threads, args.jinja, args.flash_attn, args.ctx) == (99, 4, True, "on", 4096)
+    assert _device(args) == "auto"
+    assert _device(build_parser().parse_args(["serve", "-ngl", "0"])) == "cpu"
+    assert build_parser().parse_args(["serve", "-fa", "off"]).flash_attn == "off"
+
+
+@pytest.mark.parametrize("flags, message", [(["-ngl", "0", "--device", "cuda"], "-ngl 0"),
+                                            (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+                                            (["--threads", "0"], "--threads")])
+def test_contradicting_or_bad_serve_flags_fail_before_the_model_loads(flags, message):
+    proc = run_cli("serve", "--model", "/nonexistent.gguf", *flags)
+    assert_clean_error(proc, message)
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache(monkeypatch):
+    """vLLM's --gpu-memory-utilization: the KV cache gets that share of the whole GPU less what the loaded
+    weights already use; a share they already exceed is a clear error."""
+    import torch
+
+    from cobatch.errors import UserError
+    from cobatch.llm import EngineOptions, kv_budget_bytes
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 100 * gib))   # 40 GiB in use
+    cuda = torch.device("cuda")
+    assert kv_budget_bytes(EngineOptions(gpu_memory_utilization=0.9), cuda, 0) == 50 * gib
+    assert kv_budget_bytes(EngineOptions(), cuda, 0) == int(60 * gib * 0.85)
+    assert kv_budget_bytes(EngineOptions(kv_cache_gb=2.0, gpu_memory_utilization=0.9), cuda, 0) == 2 * gib
+    with pytest.raises(UserError, match="no room"):
+        kv_budget_bytes(EngineOptions(gpu_memory_utilization=0.3), cuda, 0)
+    assert kv_budget_bytes(EngineOptions(), torch.device("cpu"), 5000) == 5000
+
+
 def test_generate_and_chat_follow_a_grammar_or_json_schema(tmp_path):
     """llama-cli's flag names; each output checked by Python's own parsers, not by llguidance."""
     pytest.importorskip("llguidance")

@@ -268,6 +268,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV pool size in GiB (default: from free memory on CUDA, 1 GiB on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA, as vLLM's: weights + KV cache up to this share of the GPU's memory (default: the KV "
+                        "cache takes 85 %% of what is free after loading)")
+    # llama.cpp server flags that copied commands carry: accepted, and what they mean here
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, default=None,
+                   help="llama.cpp's: 0 runs on the CPU; any other value, the whole model on the GPU (cobatch does not "
+                        "split a model between CPU and GPU)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for the torch CPU path")
+    p.add_argument("--jinja", action="store_true", help="llama.cpp's; chat templates are always rendered with Jinja")
+    p.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None,
+                   help="llama.cpp's; attention is always flash attention here")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
     p.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=2048,

@@ -34,6 +34,7 @@ class EngineOptions:
     ctx: int | None = None             # context window per sequence (default: the model's, at most 8192)
     max_num_seqs: int = 8              # sessions decoded together (--parallel)
     kv_cache_gb: float | None = None   # KV pool size; default: from free memory (CUDA) or 1 GiB (CPU)
+    gpu_memory_utilization: float | None = None   # CUDA, vLLM's knob: weights + KV up to this share of the GPU
     block_size: int = 16
     prefill_chunk: int = 512
     max_step_tokens: int = 2048
@@ -167,17 +168,28 @@ def _warm_up(engine: Engine, vocab: int, chunk: int, ctx: int) -> None:
     engine.generate([short[:5]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
 
+def kv_budget_bytes(options: EngineOptions, device: torch.device, all_slots_full: int) -> int:
+    """Bytes for the KV pool: --kv-cache-gb; on CUDA, --gpu-memory-utilization of the whole GPU less what is in
+    use already (the weights, after loading), else 85 % of the free memory; on the CPU, enough for every slot's
+    full context (all_slots_full) up to 1 GiB."""
+    if options.kv_cache_gb is not None:
+        return int(options.kv_cache_gb * (1 << 30))
+    if device.type != "cuda":
+        return min(CPU_KV_BUDGET_BYTES, all_slots_full)
+    free, total = torch.cuda.mem_get_info(device)
+    if options.gpu_memory_utilization is None:
+        return int(free * 0.85)
+    budget = int(options.gpu_memory_utilization * total) - (total - free)
+    if budget <= 0:
+        raise UserError(f"--gpu-memory-utilization {options.gpu_memory_utilization} leaves no room for the KV cache: "
+                        f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use after loading the model")
+    return budget
+
+
 def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.dtype,
                device: torch.device) -> KVPool:
     per_block = KVPool.bytes_per_block(cfg, options.block_size, dtype)
-    if options.kv_cache_gb is not None:
-        budget = int(options.kv_cache_gb * (1 << 30))
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * 0.85)
-    else:
-        # Enough for every slot's full context when it fits in the budget, else as much as the budget holds.
-        budget = min(CPU_KV_BUDGET_BYTES, per_block * -(-ctx // options.block_size) * options.max_num_seqs)
+    budget = kv_budget_bytes(options, device, per_block * -(-ctx // options.block_size) * options.max_num_seqs)
     num_blocks = budget // per_block
     min_blocks = -(-ctx // options.block_size)
     if num_blocks < min_blocks:

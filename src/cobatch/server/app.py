@@ -146,10 +146,24 @@ class ApiKeyMiddleware:
 
 # --- cobatch serve --------------------------------------------------------------------------------
 
+def _device(args) -> str:
+    """--device, or llama.cpp's -ngl 0: the CPU."""
+    if getattr(args, "gpu_layers", None) == 0:
+        return "cpu"
+    return args.device
+
+
 def _check_serve_args(args) -> None:
     from cobatch.errors import UserError
     if args.model_path and args.model and args.model_path != args.model:
         raise UserError("give the model once: as the positional argument or as --model")
+    if getattr(args, "gpu_layers", None) == 0 and args.device not in ("auto", "cpu"):
+        raise UserError(f"-ngl 0 (the CPU) contradicts --device {args.device}")
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if utilization is not None and not 0 < utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization must be in (0, 1] (got {utilization})")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise UserError(f"--threads must be at least 1 (got {args.threads})")
     for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
                       ("port", 0)):
         if getattr(args, name) < low:
@@ -191,9 +205,13 @@ def serve(args) -> int:
     port = sock.getsockname()[1]          # the one the OS picked for --port 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if getattr(args, "threads", None) is not None:
+        import torch
+        torch.set_num_threads(args.threads)
     llm = LLM.load(args.model_path or args.model, EngineOptions(
-        device=args.device, dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
-        kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
+        device=_device(args), dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
+        kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+        prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
         chat_template=getattr(args, "chat_template", None)))
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
