@@ -21,7 +21,7 @@ def load(name: str):
 
 
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab",
-                                  "gemv_configs", "moe_decode"])
+                                  "gemv_configs", "moe_decode", "speculative"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name

@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jinja", action="store_true", help="llama.cpp's; chat templates are always rendered with Jinja")
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None,
                    help="llama.cpp's; attention is always flash attention here")
+    p.add_argument("--speculative-config", default=None,
+                   help='vLLM\'s, prompt-lookup speculative decoding: \'{"method": "ngram", "num_speculative_tokens": '
+                        '4, "prompt_lookup_max": 3}\' (default: off)')
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
     p.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=2048,

@@ -18,6 +18,7 @@ from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.runner import ModelRunner
+from cobatch.engine.speculative import NgramSpec
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
@@ -41,6 +42,7 @@ class EngineOptions:
     eager: bool = False                # CUDA: no decode-step graphs (slower; for debugging)
     dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
+    speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
     quiet: bool = False
 
 
@@ -107,7 +109,7 @@ class LLM:
                                   quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
-                        grammars=Grammars(tokenizer, cfg.vocab_size))
+                        grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative)
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         return cls(path, gguf, cfg, tokenizer, template, model, engine, options)

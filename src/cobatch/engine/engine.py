@@ -16,6 +16,7 @@ from cobatch.engine.runner import ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams
 from cobatch.engine.scheduler import Scheduler
 from cobatch.engine.sequence import Sequence, SeqStatus
+from cobatch.engine.speculative import NgramSpec, TokenIndex, can_speculate, propose
 from cobatch.errors import UserError
 
 
@@ -41,12 +42,14 @@ class StepOutput:
 class Engine:
     def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
                  max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, speculative: NgramSpec | None = None):
         self.runner = runner
         self.grammars = grammars         # compiles SamplingParams.grammar; None: grammars are refused
+        self.speculative = speculative   # prompt-lookup drafts for decoding sequences (engine/speculative.py)
         self.pool: KVPool = runner.pool
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk,
+                                   draft=self._draft if speculative is not None else None)
         self.stop_ids = stop_ids
         self.max_context = min(max_context, self.pool.num_blocks * self.pool.block_size)
         self.seqs: dict[str, Sequence] = {}
@@ -109,8 +112,12 @@ class Engine:
         finished = 0
         prompt_lps = result.prompt_logprobs or [None] * len(plan.items)
         embeddings = result.embeddings or [None] * len(plan.items)
-        for (seq, n), token, logprob, top, prompt_lp, embedding in zip(plan.items, result.tokens, result.logprobs,
-                                                                       result.top, prompt_lps, embeddings):
+        drafted = result.drafted or [None] * len(plan.items)
+        for (seq, n), token, logprob, top, prompt_lp, embedding, draft_out in zip(
+                plan.items, result.tokens, result.logprobs, result.top, prompt_lps, embeddings, drafted):
+            if seq.draft:
+                finished += self._accept_drafts(seq, [(token, logprob, top)] + draft_out, outputs)
+                continue
             self._advance_cache(seq, n)
             if prompt_lp:
                 seq.num_prompt_logprobs += len(prompt_lp)
@@ -142,6 +149,48 @@ class Engine:
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(self.blocks.register_full_block(seq.block_table[i], prev, tokens))
+
+    # --- speculative decoding ---------------------------------------------------------------------
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Prompt-lookup drafts for a decoding sequence: none that would pass max_tokens or the context."""
+        if not can_speculate(seq):
+            return []
+        if seq.lookup is None:
+            seq.lookup = TokenIndex()
+        room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_context - len(seq.token_ids) - 1)
+        return propose(seq.token_ids, seq.lookup, self.speculative, room)
+
+    def _accept_drafts(self, seq: Sequence, sampled: list, outputs: list[StepOutput]) -> int:
+        """Row j of a speculating sequence ran draft j - 1 (row 0 its last token) and sampled sampled[j]. Keep
+        sampled[0], then sampled[j] while draft j - 1 equals sampled[j - 1] (row j's input was the real next
+        token), up to a token that ends the request. Returns 1 if the request finished."""
+        keep = 1
+        while keep < len(sampled) and seq.draft[keep - 1] == sampled[keep - 1][0]:
+            keep += 1
+        reason = None
+        kept = []
+        for token, logprob, top in sampled[:keep]:
+            seq.token_ids.append(token)
+            kept.append((token, logprob, top))
+            reason = self._stop_reason(seq, token)
+            if reason:
+                break
+        self.scheduler.stats.accepted_tokens += len(kept) - 1
+        # The rows whose input was right hold valid K/V: the last token's and the kept drafts'.
+        self._advance_cache(seq, len(kept))
+        seq.draft = []
+        if reason:
+            seq.finish_reason = reason
+            self.scheduler.finished(seq)
+            self.seqs.pop(seq.request_id, None)
+        for i, (token, logprob, top) in enumerate(kept):
+            out = self._output(seq, token, logprob, top)
+            if i < len(kept) - 1:                   # only the last one may end the request
+                out.finished, out.finish_reason = False, None
+            else:
+                out.stop_token = reason == "stop" and self._is_stop_token(seq, token)
+            outputs.append(out)
+        return 1 if reason else 0
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         return (token in self.stop_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids

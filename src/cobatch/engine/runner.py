@@ -5,6 +5,7 @@ One host sync per step: the sampled token ids (and logprobs, if asked) come back
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ class StepResult:
     top: list[list[tuple[int, float]] | None]
     prompt_logprobs: list[list[PromptLogprob] | None] | None = None
     embeddings: list[list[float] | None] | None = None     # params.embed: the last prompt row's hidden state
+    # A sequence with drafts (seq.draft): the (token, logprob, top) sampled at each draft row, in order
+    drafted: list[list[tuple[int, float | None, list[tuple[int, float]] | None]] | None] | None = None
 
 
 class ModelRunner:
@@ -50,13 +53,15 @@ class ModelRunner:
         ids, pos, slots, starts, lens, sample_rows = [], [], [], [0], [], []
         for seq, n in plan.items:
             first = seq.num_computed
-            ids.extend(seq.token_ids[first:first + n])
+            ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[first:first + n])
             positions = range(first, first + n)
             pos.extend(positions)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in positions)
             starts.append(starts[-1] + n)
             lens.append(first + n)
-            if first + n == len(seq.token_ids):
+            if seq.draft:                   # every row samples: the last token's and each draft's
+                sample_rows.extend(range(starts[-2], starts[-1]))
+            elif first + n == len(seq.token_ids):
                 sample_rows.append(starts[-1] - 1)
         width = max(len(seq.block_table) for seq, _ in plan.items)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in plan.items]
@@ -92,7 +97,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
         """Run one step. `on_launched` is called once the step's device work is queued, just before the host
         waits for it: the caller's host work done there overlaps the GPU instead of delaying the launch."""
-        samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids)]
+        samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids) + len(seq.draft)]
         prompt_logprobs = embeddings = None     # decode steps (the graph's) predict no prompt token
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
@@ -105,7 +110,8 @@ class ModelRunner:
                 return StepResult(none, none, none, prompt_logprobs)
             last = hidden[torch.tensor(sample_rows, device=hidden.device)]
             # params.embed: the final-normed hidden state of the last prompt token, copied once the step syncs
-            want = [j for j, (seq, _) in enumerate(samplers) if seq.params.embed]
+            first_rows = itertools.accumulate((1 + len(seq.draft) for seq, _ in samplers), initial=0)
+            want = [row for row, (seq, _) in zip(first_rows, samplers) if seq.params.embed]
             if want:
                 embeddings = last[torch.tensor(want, device=last.device)].float()
             logits = self.model.logits(last)
@@ -161,6 +167,10 @@ class ModelRunner:
                                   output_ids=seq.output_ids if history else (),
                                   allowed=next(masks) if seq.matcher is not None else None,
                                   banned=self._banned(seq)))
+            # Draft rows (speculative.can_speculate: nothing here depends on the tokens before them) draw
+            # with the steps plain decoding would give those tokens.
+            rows.extend(SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output + j, prompt_ids=(),
+                                  output_ids=()) for j in range(1, len(seq.draft) + 1))
         return rows
 
     def _banned(self, seq) -> tuple[int, ...]:
@@ -182,17 +192,25 @@ class ModelRunner:
             tensors += [out.logprobs.float(), out.top_ids.float(), out.top_logprobs.float()]
         host = torch.cat([t.reshape(len(rows), -1) for t in tensors], dim=1).cpu().tolist()
         result = StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
+
+        def sampled(j: int) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+            row, logprob, top = host[j], None, None
+            if out.logprobs is not None:
+                k, want = out.top_ids.shape[1], rows[j].params.logprobs
+                logprob = row[1]
+                if want is not None:
+                    top = [(int(t), lp) for t, lp in zip(row[2:2 + k], row[2 + k:2 + 2 * k])][:want]
+            return int(row[0]), logprob, top
+
         j = 0
         for i, (seq, n) in enumerate(plan.items):
-            if seq.num_computed + n != len(seq.token_ids):
+            if seq.num_computed + n != len(seq.token_ids) + len(seq.draft):
                 continue
-            row = host[j]
-            result.tokens[i] = int(row[0])
-            if out.logprobs is not None:
-                k = out.top_ids.shape[1]
-                want = rows[j].params.logprobs
-                result.logprobs[i] = row[1]
-                if want is not None:
-                    result.top[i] = [(int(t), lp) for t, lp in zip(row[2:2 + k], row[2 + k:2 + 2 * k])][:want]
+            result.tokens[i], result.logprobs[i], result.top[i] = sampled(j)
             j += 1
+            if seq.draft:
+                if result.drafted is None:
+                    result.drafted = [None] * len(plan.items)
+                result.drafted[i] = [sampled(j + d) for d in range(len(seq.draft))]
+                j += len(seq.draft)
         return result

@@ -8,6 +8,7 @@ sliced over several steps instead of stalling the streams that are already decod
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cobatch.engine.kv_cache import BlockManager
@@ -36,11 +37,15 @@ class DecodeStats:
     lone_peer_finish: int = 0    # a peer finished in the previous step
     lone_no_peer: int = 0        # nobody else to batch with
     preemptions: int = 0
+    draft_tokens: int = 0        # speculative tokens proposed (engine/speculative.py)
+    accepted_tokens: int = 0     # ... and kept
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int,
+                 draft: Callable[[Sequence, int], list[int]] | None = None):
         self.blocks = blocks
+        self.draft = draft           # speculative drafts of a decoding sequence, at most the int given
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
@@ -85,6 +90,7 @@ class Scheduler:
         self.running.remove(seq)
         self.free(seq)
         seq.num_computed = 0
+        seq.draft = []
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
@@ -102,7 +108,13 @@ class Scheduler:
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:      # preempted while planning this step
                 continue
-            rows = 1 if seq.is_decoding else min(seq.pending, self.prefill_chunk, budget)
+            seq.draft = []
+            if seq.is_decoding:
+                if self.draft is not None and budget > len(order):      # drafts only from spare budget
+                    seq.draft = self.draft(seq, budget - len(order))
+                rows = 1 + len(seq.draft)
+            else:
+                rows = min(seq.pending, self.prefill_chunk, budget)
             if rows <= 0:
                 continue
             while not self._ensure_blocks(seq, rows):
@@ -113,8 +125,10 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
+                seq.draft = []
                 continue
             plan.items.append((seq, rows))
+            self.stats.draft_tokens += len(seq.draft)
             budget -= rows
         self._count(plan)
         return plan

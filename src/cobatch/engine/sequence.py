@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from cobatch.engine.grammar import TokenMatcher
 from cobatch.engine.sampler import SamplingParams
+from cobatch.engine.speculative import TokenIndex
 
 
 class SeqStatus(enum.Enum):
@@ -36,6 +37,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     matcher: TokenMatcher | None = None      # where the output stands in its grammar (params.grammar)
+    draft: list[int] = field(default_factory=list)   # this step's speculative tokens (engine/speculative.py)
+    lookup: TokenIndex | None = None         # its tokens indexed for prompt lookup, when the engine speculates
 
     @property
     def output_ids(self) -> list[int]:

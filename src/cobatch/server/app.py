@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import sys
@@ -146,6 +147,22 @@ class ApiKeyMiddleware:
 
 # --- cobatch serve --------------------------------------------------------------------------------
 
+def _speculative(args):
+    """--speculative-config (vLLM's JSON) as an NgramSpec, or None."""
+    from cobatch.engine.speculative import NgramSpec
+    from cobatch.errors import UserError
+    raw = getattr(args, "speculative_config", None)
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+        if not isinstance(config, dict):
+            raise ValueError("it must be a JSON object")
+        return NgramSpec.from_config(config)
+    except ValueError as exc:
+        raise UserError(f"--speculative-config: {exc}") from None
+
+
 def _device(args) -> str:
     """--device, or llama.cpp's -ngl 0: the CPU."""
     if getattr(args, "gpu_layers", None) == 0:
@@ -164,6 +181,7 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1] (got {utilization})")
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1 (got {args.threads})")
+    _speculative(args)
     for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
                       ("port", 0)):
         if getattr(args, name) < low:
@@ -213,7 +231,7 @@ def serve(args) -> int:
         kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
-        chat_template=getattr(args, "chat_template", None)))
+        chat_template=getattr(args, "chat_template", None), speculative=_speculative(args)))
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
     options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                             max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins)

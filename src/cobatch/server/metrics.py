@@ -76,3 +76,5 @@ class _EngineCollector:
         lone.add_metric(["no_peer"], stats.lone_no_peer)
         yield lone
         yield counter("cobatch_preemptions", "Sequences pushed back for lack of KV blocks", stats.preemptions)
+        yield counter("cobatch_spec_draft_tokens", "Speculative (prompt-lookup) tokens proposed", stats.draft_tokens)
+        yield counter("cobatch_spec_accepted_tokens", "Speculative tokens kept", stats.accepted_tokens)

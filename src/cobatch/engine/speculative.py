@@ -1,0 +1,105 @@
+"""Speculative decoding with prompt lookup (n-gram drafts; vLLM's "ngram" method, llama.cpp's lookup decoding).
+
+A decoding sequence whose last n tokens occurred earlier in its own text (prompt or output) is given the
+tokens that followed that occurrence as drafts. The step then runs the sequence's last token and its k
+drafts as k + 1 rows, samples a token at every row, and keeps the sampled tokens while each draft equals the
+token sampled before it: one step can emit up to k + 1 tokens. Decode reads every weight once per step
+whatever the rows (the GEMV's token tile holds 8), so accepted drafts are nearly free; rejected ones cost
+their rows' attention and activations, and their KV entries, past the sequence's end, are simply overwritten
+later.
+
+Row j samples with the sequence's (seed, step + j) noise, the draw plain decoding would make for that token
+(engine/sampler.py), so speculation changes which tokens come out only through the logits: the rows run the
+prefill attention kernel where plain decoding runs the decode kernel, equal up to float rounding.
+
+Only sequences whose sampling does not depend on the tokens before it in the same step speculate: no
+grammar, no penalties, no bad words, no pending min_tokens, no logprobs of the prompt.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cobatch.engine.sampler import needs_penalties
+
+if TYPE_CHECKING:
+    from cobatch.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class NgramSpec:
+    num_tokens: int          # drafts per step (k)
+    max_ngram: int = 3       # the longest suffix looked up first ...
+    min_ngram: int = 2       # ... down to this one (1-grams matched too often for their drafts to hold)
+
+    def __post_init__(self):
+        if not 1 <= self.num_tokens <= 15:
+            raise ValueError(f"num_speculative_tokens must be in [1, 15] (got {self.num_tokens})")
+        if not 1 <= self.min_ngram <= self.max_ngram <= 16:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16 (got {self.min_ngram}, "
+                             f"{self.max_ngram})")
+
+    @staticmethod
+    def from_config(config: dict) -> "NgramSpec":
+        """vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+        "prompt_lookup_min": m}. Raises ValueError naming what is wrong."""
+        method = config.get("method", "ngram")
+        if method not in ("ngram", "[ngram]"):
+            raise ValueError(f"speculative method {method!r} is not supported (ngram)")
+        unknown = set(config) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown:
+            raise ValueError(f"unknown speculative-config keys: {', '.join(sorted(unknown))}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative-config needs num_speculative_tokens")
+        values = [config.get(k, d) for k, d in (("num_speculative_tokens", 0), ("prompt_lookup_max", 3),
+                                                 ("prompt_lookup_min", 2))]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError("speculative-config values must be integers")
+        return NgramSpec(*values)
+
+
+def can_speculate(seq: "Sequence") -> bool:
+    """Does this sequence's sampling of a token depend only on that token's logits and step?"""
+    p = seq.params
+    return (seq.matcher is None and not needs_penalties(p) and not p.bad_words and seq.num_output >= p.min_tokens
+            and p.prompt_logprobs is None and not p.embed)
+
+
+class TokenIndex:
+    """A sequence's tokens as 4-byte words, grown as tokens arrive, so a suffix lookup is one bytes.rfind
+    (C speed) instead of a Python scan of up to the whole context every step."""
+
+    __slots__ = ("_bytes",)
+
+    def __init__(self) -> None:
+        self._bytes = bytearray()
+
+    def sync(self, tokens: list[int]) -> bytes:
+        have = len(self._bytes) // 4
+        if have < len(tokens):
+            self._bytes += array("i", tokens[have:]).tobytes()
+        return self._bytes
+
+
+def propose(tokens: list[int], index: TokenIndex, spec: NgramSpec, limit: int) -> list[int]:
+    """Up to min(spec.num_tokens, limit) drafts: what followed the latest earlier occurrence of the longest
+    suffix n-gram (max_ngram down to min_ngram) that has one; [] if none has."""
+    limit = min(limit, spec.num_tokens)
+    if limit <= 0 or len(tokens) < 2:
+        return []
+    data = index.sync(tokens)
+    hay_end = len(data) - 4            # occurrences must end before the last token: a draft must follow them
+    for n in range(min(spec.max_ngram, len(tokens) - 1), spec.min_ngram - 1, -1):
+        pattern = bytes(data[len(data) - 4 * n:])
+        end = hay_end
+        while True:
+            i = data.rfind(pattern, 0, end)
+            if i < 0:
+                break
+            if i % 4 == 0:             # aligned to a token: a real occurrence
+                start = i // 4 + n
+                return tokens[start:start + limit]
+            end = i + len(pattern) - 1     # look for one that starts earlier
+    return []

@@ -1,0 +1,157 @@
+"""Prompt-lookup speculative decoding (engine/speculative.py): the drafts, and the engine's output with it on
+against the same engine without it (SmolLM2, CPU path)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cobatch.engine.sampler import SamplingParams
+from cobatch.engine.speculative import NgramSpec, TokenIndex, propose
+from cobatch.llm import LLM, EngineOptions
+from cobatch.model_files import smollm2_path
+from model_fixtures import load_llm
+
+# Text the model goes on repeating: its continuation is in its own prompt, so drafts get accepted.
+REPEAT = "apple banana cherry dates elderberry fig grape. " * 3 + "apple banana"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def drafts(tokens, k=4, max_n=3, min_n=1, limit=99):
+    return propose(tokens, TokenIndex(), NgramSpec(k, max_n, min_n), limit)
+
+
+def test_propose_follows_the_latest_earlier_occurrence_of_the_longest_suffix():
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6]
+    # suffix (5, 6) last occurred at 5..6 (then 7, 1, 5, 6); the 3-gram (1, 5, 6) never did before
+    assert drafts(tokens) == [7, 1, 5, 6]
+    assert drafts(tokens, k=2) == [7, 1]
+    assert drafts(tokens, limit=1) == [7]
+    assert drafts(tokens, limit=0) == []
+    assert drafts([1, 2, 3, 4]) == []                       # no suffix occurs earlier
+    assert drafts([3, 1, 2, 3], max_n=1) == [1, 2, 3]       # a 1-gram: the token 3 at 0
+    assert drafts([3, 1, 2, 3], min_n=2) == []              # ... not looked up below 2
+    assert drafts([7, 7]) == [7]                            # an occurrence right before the last token
+
+
+def test_propose_ignores_matches_that_straddle_tokens():
+    """The lookup is a byte search over 4-byte tokens: a byte match across two tokens is not an occurrence."""
+    a, b = 0x01020304, 0x05060708
+    straddle = (b & 0xFFFF) << 16 | (a >> 16)               # bytes that appear across a | b, little-endian
+    tokens = [a, b, 99, straddle]
+    assert drafts(tokens, max_n=1) == []
+    assert drafts(tokens + [99, straddle], max_n=2) == [99, straddle]   # a real (99, straddle) at 2..3
+
+
+def test_the_index_grows_with_the_tokens():
+    index, spec = TokenIndex(), NgramSpec(3, 2, 1)
+    tokens = [1, 2, 3]
+    assert propose(tokens, index, spec, 9) == []
+    tokens += [1, 2]
+    assert propose(tokens, index, spec, 9) == [3, 1, 2]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 3}, "not supported"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": "3"}, "integers"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "unknown"),
+])
+def test_bad_speculative_config_is_a_clear_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        NgramSpec.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=1024, quiet=True,
+                                                  speculative=NgramSpec(4, 3, 1)))
+
+
+def test_greedy_output_is_the_same_with_fewer_steps(spec_llm):
+    plain = load_llm("smollm2")
+    prompt = plain.encode_prompt(REPEAT)
+    want = plain.engine.generate([prompt], GREEDY)[0]
+    eng = spec_llm.engine
+    drafted, accepted = eng.stats.draft_tokens, eng.stats.accepted_tokens
+    rid = eng.add_request(prompt, GREEDY)
+    got, steps = [], 0
+    while eng.has_work():
+        steps += 1
+        got += [o.new_token for o in eng.step() if o.request_id == rid and o.new_token is not None]
+    assert got == want and len(got) == GREEDY.max_tokens
+    kept = eng.stats.accepted_tokens - accepted
+    assert eng.stats.draft_tokens - drafted >= kept > 10          # the repetition was drafted and kept
+    assert steps <= 1 + GREEDY.max_tokens - kept                   # each kept draft saved a step
+
+
+def test_mixed_batch_equals_plain_decoding(spec_llm):
+    """Sequences that speculate next to ones that may not (penalties, a grammar-free sampled one with a seed),
+    prompts in prefill beside them: every output is what the engine without speculation gives."""
+    plain = load_llm("smollm2")
+    prompts = [plain.encode_prompt(REPEAT), plain.encode_prompt("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5,"),
+               plain.encode_prompt(REPEAT), plain.encode_prompt("The capital of France is")]
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=24),
+              SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=7)]
+    want = plain.engine.generate(prompts, params)
+    assert spec_llm.engine.generate(prompts, params) == want
+    assert [len(w) for w in want][0] == GREEDY.max_tokens
+
+
+def test_max_tokens_and_end_of_turn_cut_the_kept_drafts(spec_llm):
+    plain = load_llm("smollm2")
+    prompt = plain.encode_prompt(REPEAT)
+    for n in (1, 2, 5, 9):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        assert spec_llm.engine.generate([prompt], params)[0] == plain.engine.generate([prompt], params)[0]
+    # stop_token_ids: a token the repetition reaches ends the request there, drafts after it discarded
+    full = plain.engine.generate([prompt], GREEDY)[0]
+    stop = full[6]
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop,))
+    out = spec_llm.engine.generate([prompt], params)[0]
+    assert out == full[:full.index(stop) + 1]
+
+
+def test_the_prefix_cache_holds_only_kept_tokens(spec_llm):
+    """After a speculating request, its prompt + output as a new prompt reuses the cached blocks, and what
+    follows is what plain decoding gives for that prompt: rejected drafts left nothing in the cache."""
+    plain = load_llm("smollm2")
+    prompt = plain.encode_prompt(REPEAT)
+    first = spec_llm.engine.generate([prompt], GREEDY)[0]
+    longer = prompt + first
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng = spec_llm.engine
+    rid = eng.add_request(longer, params)
+    got, cached = [], 0
+    while eng.has_work():
+        for o in eng.step():
+            if o.request_id == rid and o.new_token is not None:
+                got.append(o.new_token)
+                cached = max(cached, o.num_cached_tokens)
+    assert cached >= 16 * ((len(prompt) + len(first)) // 16 - 1)
+    assert got == plain.engine.generate([longer], params)[0]
+
+
+def test_served_with_speculation_streams_the_same_text(spec_llm):
+    """Through the HTTP server: a step that keeps several tokens of a request delivers each of them, streamed
+    or not, and the text is plain decoding's; the metrics count the drafts."""
+    import httpx
+    import openai
+
+    from test_server_support import live_server
+    plain = load_llm("smollm2")
+    want = plain.tokenizer.decode(plain.engine.generate([plain.encode_prompt(REPEAT)], GREEDY)[0])
+    with live_server(spec_llm) as server:
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        body = dict(model="any", prompt=REPEAT, max_tokens=GREEDY.max_tokens, temperature=0,
+                    extra_body={"ignore_eos": True})
+        whole = oai.completions.create(**body).choices[0]
+        chunks = [c.choices[0].text for c in oai.completions.create(stream=True, **body)]
+        assert whole.text == "".join(chunks) == want and whole.finish_reason == "length"
+        metrics = httpx.get(server.url + "/metrics").text
+        accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("cobatch_spec_accepted_tokens_total")]
+        assert accepted and accepted[0] > 10
