@@ -222,7 +222,10 @@ def test_serve_takes_llama_cpp_flags_that_copied_commands_carry():
 
 @pytest.mark.parametrize("flags, message", [(["-ngl", "0", "--device", "cuda"], "-ngl 0"),
                                             (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-                                            (["--threads", "0"], "--threads")])
+                                            (["--threads", "0"], "--threads"),
+                                            (["--speculative-config", "{bad"], "--speculative-config"),
+                                            (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+                                             "not supported")])
 def test_contradicting_or_bad_serve_flags_fail_before_the_model_loads(flags, message):
     proc = run_cli("serve", "--model", "/nonexistent.gguf", *flags)
     assert_clean_error(proc, message)
