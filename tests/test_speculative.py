@@ -155,3 +155,14 @@ def test_served_with_speculation_streams_the_same_text(spec_llm):
         accepted = [float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("cobatch_spec_accepted_tokens_total")]
         assert accepted and accepted[0] > 10
+
+
+def test_seeded_sampling_draws_what_plain_decoding_draws(spec_llm):
+    """Temperature sampling: row j of a speculating step draws with the (seed, step) noise plain decoding uses
+    for that token, so a seeded request gives the same tokens either way."""
+    plain = load_llm("smollm2")
+    prompt = plain.encode_prompt(REPEAT)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)
+    kept = spec_llm.engine.stats.accepted_tokens
+    assert spec_llm.engine.generate([prompt], params)[0] == plain.engine.generate([prompt], params)[0]
+    assert spec_llm.engine.stats.accepted_tokens > kept            # drafts were kept along the way
