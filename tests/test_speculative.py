@@ -166,3 +166,16 @@ def test_seeded_sampling_draws_what_plain_decoding_draws(spec_llm):
     kept = spec_llm.engine.stats.accepted_tokens
     assert spec_llm.engine.generate([prompt], params)[0] == plain.engine.generate([prompt], params)[0]
     assert spec_llm.engine.stats.accepted_tokens > kept            # drafts were kept along the way
+
+
+def test_a_sequence_whose_drafts_fail_pauses_drafting():
+    """Mostly rejected drafts: drafting pauses, except a probe every PROBE_EVERY tokens; kept drafts resume it."""
+    from cobatch.engine.speculative import PROBE_EVERY, DraftRecord
+    record = DraftRecord()
+    assert record.worth_drafting(1)
+    for _ in range(3):
+        record.add(4, 0)
+    assert not record.worth_drafting(1) and record.worth_drafting(PROBE_EVERY)
+    for _ in range(4):
+        record.add(4, 4)
+    assert record.worth_drafting(1)

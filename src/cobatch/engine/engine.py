@@ -153,7 +153,7 @@ class Engine:
     # --- speculative decoding ---------------------------------------------------------------------
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Prompt-lookup drafts for a decoding sequence: none that would pass max_tokens or the context."""
-        if not can_speculate(seq):
+        if not can_speculate(seq) or not seq.drafts.worth_drafting(seq.num_output):
             return []
         if seq.lookup is None:
             seq.lookup = TokenIndex()
@@ -176,6 +176,7 @@ class Engine:
             if reason:
                 break
         self.scheduler.stats.accepted_tokens += len(kept) - 1
+        seq.drafts.add(len(seq.draft), keep - 1)
         # The rows whose input was right hold valid K/V: the last token's and the kept drafts'.
         self._advance_cache(seq, len(kept))
         seq.draft = []

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from cobatch.engine.grammar import TokenMatcher
 from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.speculative import TokenIndex
+from cobatch.engine.speculative import DraftRecord, TokenIndex
 
 
 class SeqStatus(enum.Enum):
@@ -39,6 +39,7 @@ class Sequence:
     matcher: TokenMatcher | None = None      # where the output stands in its grammar (params.grammar)
     draft: list[int] = field(default_factory=list)   # this step's speculative tokens (engine/speculative.py)
     lookup: TokenIndex | None = None         # its tokens indexed for prompt lookup, when the engine speculates
+    drafts: DraftRecord = field(default_factory=DraftRecord)   # how its recent drafts fared
 
     @property
     def output_ids(self) -> list[int]:

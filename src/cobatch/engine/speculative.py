@@ -13,7 +13,8 @@ Row j samples with the sequence's (seed, step + j) noise, the draw plain decodin
 prefill attention kernel where plain decoding runs the decode kernel, equal up to float rounding.
 
 Only sequences whose sampling does not depend on the tokens before it in the same step speculate: no
-grammar, no penalties, no bad words, no pending min_tokens, no logprobs of the prompt.
+grammar, no penalties, no bad words, no pending min_tokens, no logprobs of the prompt. A sequence whose recent
+drafts were mostly rejected pauses drafting (DraftRecord).
 """
 
 from __future__ import annotations
@@ -58,6 +59,28 @@ class NgramSpec:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise ValueError("speculative-config values must be integers")
         return NgramSpec(*values)
+
+
+# Drafts that keep failing cost their rows (and on CUDA the step leaves the decode graph): a sequence whose
+# recent drafts were mostly rejected stops drafting, and tries again every PROBE_EVERY tokens.
+RECENT_DECAY = 0.8           # per draft step: the weight of earlier drafts in the running tallies
+MIN_KEPT_SHARE = 0.3         # below this share of recent drafts kept, stop drafting ...
+PROBE_EVERY = 8              # ... except every this many tokens
+
+
+@dataclass(slots=True)
+class DraftRecord:
+    """A sequence's recent drafts: decayed tallies of drafted and kept tokens."""
+    drafted: float = 0.0
+    kept: float = 0.0
+
+    def add(self, drafted: int, kept: int) -> None:
+        self.drafted = RECENT_DECAY * self.drafted + drafted
+        self.kept = RECENT_DECAY * self.kept + kept
+
+    def worth_drafting(self, num_output: int) -> bool:
+        failing = self.drafted >= 4 and self.kept < MIN_KEPT_SHARE * self.drafted
+        return not failing or num_output % PROBE_EVERY == 0
 
 
 def can_speculate(seq: "Sequence") -> bool:
