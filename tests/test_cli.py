@@ -58,6 +58,15 @@ def test_generate_prints_only_the_continuation():
     assert "Paris" in proc.stdout
 
 
+def test_generate_with_speculative_decoding_prints_the_same_text():
+    prompt = "apple banana cherry dates elderberry fig grape. " * 3 + "apple banana"
+    args = ("generate", "--prompt", prompt, "-n", "24", "--temperature", "0")
+    plain = run_cli(*args)
+    spec = run_cli(*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    assert plain.returncode == spec.returncode == 0, spec.stderr[-2000:]
+    assert spec.stdout == plain.stdout and "cherry" in plain.stdout
+
+
 def test_inspect_describes_the_file():
     proc = run_cli("inspect", str(smollm2_path()))
     assert proc.returncode == 0, proc.stderr

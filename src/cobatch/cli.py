@@ -24,6 +24,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
+    _add_speculative_arg(p)
+
+
+def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None,
+                   help='vLLM\'s, prompt-lookup speculative decoding: \'{"method": "ngram", "num_speculative_tokens": '
+                        '4, "prompt_lookup_max": 3}\' (default: off)')
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -74,10 +81,12 @@ def _sampling(args):
 
 
 def _load(args, max_num_seqs: int = 1):
+    from cobatch.engine.speculative import parse_speculative_config
     from cobatch.llm import LLM, EngineOptions
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               max_num_seqs=max_num_seqs, eager=args.eager,
                                               chat_template=args.chat_template,
+                                              speculative=parse_speculative_config(args.speculative_config),
                                               quiet=getattr(args, "quiet", False)))
 
 
@@ -279,9 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jinja", action="store_true", help="llama.cpp's; chat templates are always rendered with Jinja")
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None,
                    help="llama.cpp's; attention is always flash attention here")
-    p.add_argument("--speculative-config", default=None,
-                   help='vLLM\'s, prompt-lookup speculative decoding: \'{"method": "ngram", "num_speculative_tokens": '
-                        '4, "prompt_lookup_max": 3}\' (default: off)')
+    _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
     p.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=2048,

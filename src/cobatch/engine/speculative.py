@@ -19,11 +19,13 @@ drafts were mostly rejected pauses drafting (DraftRecord).
 
 from __future__ import annotations
 
+import json
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cobatch.engine.sampler import needs_penalties
+from cobatch.errors import UserError
 
 if TYPE_CHECKING:
     from cobatch.engine.sequence import Sequence
@@ -59,6 +61,19 @@ class NgramSpec:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise ValueError("speculative-config values must be integers")
         return NgramSpec(*values)
+
+
+def parse_speculative_config(raw: str | None) -> NgramSpec | None:
+    """The --speculative-config flag (vLLM's JSON) as an NgramSpec (None: off); a bad one is a UserError."""
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+        if not isinstance(config, dict):
+            raise ValueError("it must be a JSON object")
+        return NgramSpec.from_config(config)
+    except ValueError as exc:
+        raise UserError(f"--speculative-config: {exc}") from None
 
 
 # Drafts that keep failing cost their rows (and on CUDA the step leaves the decode graph): a sequence whose

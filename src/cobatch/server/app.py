@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import socket
 import sys
@@ -148,19 +147,8 @@ class ApiKeyMiddleware:
 # --- cobatch serve --------------------------------------------------------------------------------
 
 def _speculative(args):
-    """--speculative-config (vLLM's JSON) as an NgramSpec, or None."""
-    from cobatch.engine.speculative import NgramSpec
-    from cobatch.errors import UserError
-    raw = getattr(args, "speculative_config", None)
-    if raw is None:
-        return None
-    try:
-        config = json.loads(raw)
-        if not isinstance(config, dict):
-            raise ValueError("it must be a JSON object")
-        return NgramSpec.from_config(config)
-    except ValueError as exc:
-        raise UserError(f"--speculative-config: {exc}") from None
+    from cobatch.engine.speculative import parse_speculative_config
+    return parse_speculative_config(getattr(args, "speculative_config", None))
 
 
 def _device(args) -> str:
