@@ -18,6 +18,7 @@ from cobatch.gguf_writer import write_random_model
 from cobatch.llm import LLM, EngineOptions
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
+from cobatch.quant.weight import QuantWeight
 from model_checks import gpu_and_cpu_logits, load_model, prompt_logits, transformers_logits
 
 REL_ERR_BOUND = 1e-4
@@ -182,11 +183,10 @@ def test_routed_plan_on_the_cpu_equals_expert_by_expert(moe_models):
     ...), the slots give each pair its expert, and the combine sums a row's experts as the expert-by-expert
     path does."""
     from cobatch.kernels.moe_routing import combine_ref, expert_slots
-    from cobatch.models.moe import _gate_up_per_expert
     f, cfg, model = load_model(moe_models["mixtral"])
     moe, n, ffn = model.layers[0].moe, cfg.n_experts, cfg.expert_ffn_dim
     gate, up, down = (f.quant_weight(f"blk.0.ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
-    stacked = _gate_up_per_expert(gate, up, n).dequantize()
+    stacked = QuantWeight.interleave_rows(gate, up, 8).dequantize()      # as models/moe.py stacks them
     gate_w, up_w, down_w = gate.dequantize(), up.dequantize(), down.dequantize()
     for e in range(n):
         for r in range(0, 2 * ffn, 8):            # each group of 8 rows: gate or up rows 8 (r // 16)..

@@ -16,7 +16,7 @@ from cobatch.engine.runner import ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams
 from cobatch.engine.scheduler import Scheduler
 from cobatch.engine.sequence import Sequence, SeqStatus
-from cobatch.engine.speculative import NgramSpec, TokenIndex, can_speculate, propose
+from cobatch.engine.speculative import NgramSpec, can_speculate, propose
 from cobatch.errors import UserError
 
 
@@ -155,8 +155,6 @@ class Engine:
         """Prompt-lookup drafts for a decoding sequence: none that would pass max_tokens or the context."""
         if not can_speculate(seq) or not seq.drafts.worth_drafting(seq.num_output):
             return []
-        if seq.lookup is None:
-            seq.lookup = TokenIndex()
         room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_context - len(seq.token_ids) - 1)
         return propose(seq.token_ids, seq.lookup, self.speculative, room)
 
@@ -167,15 +165,14 @@ class Engine:
         keep = 1
         while keep < len(sampled) and seq.draft[keep - 1] == sampled[keep - 1][0]:
             keep += 1
-        reason = None
-        kept = []
-        for token, logprob, top in sampled[:keep]:
+        reason, n_kept = None, 0
+        while n_kept < keep and not reason:
+            token = sampled[n_kept][0]
             seq.token_ids.append(token)
-            kept.append((token, logprob, top))
+            n_kept += 1
             reason = self._stop_reason(seq, token)
-            if reason:
-                break
-        self.scheduler.stats.accepted_tokens += len(kept) - 1
+        kept = sampled[:n_kept]
+        self.scheduler.stats.accepted_tokens += n_kept - 1
         seq.drafts.add(len(seq.draft), keep - 1)
         # The rows whose input was right hold valid K/V: the last token's and the kept drafts'.
         self._advance_cache(seq, len(kept))

@@ -36,6 +36,11 @@ class StepResult:
     drafted: list[list[tuple[int, float | None, list[tuple[int, float]] | None]] | None] | None = None
 
 
+def _samples(seq, n: int) -> bool:
+    """Do the n rows a step gives this sequence reach its last token (and any drafts), so that it samples?"""
+    return seq.num_computed + n == len(seq.token_ids) + len(seq.draft)
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, device: torch.device, stop_ids: frozenset[int] = frozenset()):
         self.model, self.pool, self.device = model, pool, device
@@ -53,16 +58,15 @@ class ModelRunner:
         ids, pos, slots, starts, lens, sample_rows = [], [], [], [0], [], []
         for seq, n in plan.items:
             first = seq.num_computed
-            ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[first:first + n])
+            ids.extend(seq.token_ids[first:first + n])
+            ids.extend(seq.draft)           # (a speculating sequence's n rows: its last token, then its drafts)
             positions = range(first, first + n)
             pos.extend(positions)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in positions)
             starts.append(starts[-1] + n)
             lens.append(first + n)
-            if seq.draft:                   # every row samples: the last token's and each draft's
-                sample_rows.extend(range(starts[-2], starts[-1]))
-            elif first + n == len(seq.token_ids):
-                sample_rows.append(starts[-1] - 1)
+            if _samples(seq, n):            # the last row, and each draft's
+                sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
         width = max(len(seq.block_table) for seq, _ in plan.items)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in plan.items]
         dev = self.device
@@ -97,7 +101,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
         """Run one step. `on_launched` is called once the step's device work is queued, just before the host
         waits for it: the caller's host work done there overlaps the GPU instead of delaying the launch."""
-        samplers = [(seq, n) for seq, n in plan.items if seq.num_computed + n == len(seq.token_ids) + len(seq.draft)]
+        samplers = [(seq, n) for seq, n in plan.items if _samples(seq, n)]
         prompt_logprobs = embeddings = None     # decode steps (the graph's) predict no prompt token
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
@@ -204,7 +208,7 @@ class ModelRunner:
 
         j = 0
         for i, (seq, n) in enumerate(plan.items):
-            if seq.num_computed + n != len(seq.token_ids) + len(seq.draft):
+            if not _samples(seq, n):
                 continue
             result.tokens[i], result.logprobs[i], result.top[i] = sampled(j)
             j += 1

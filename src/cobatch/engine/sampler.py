@@ -80,10 +80,7 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
         _check_int("min_tokens", self.min_tokens, ">= 0 and <= max_tokens", lambda v: 0 <= v <= self.max_tokens)
         for token in self.stop_token_ids:
-            if vocab_size is None:
-                _check_int("stop_token_ids", token, "non-negative token ids", lambda v: v >= 0)
-            else:
-                _check_int("stop_token_ids", token, f"token ids in [0, {vocab_size})", lambda v: 0 <= v < vocab_size)
+            _check_token("stop_token_ids", token, "", vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool (got {self.ignore_eos!r})")
         if self.logprobs is not None:
@@ -95,30 +92,31 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
         for token, bias in self.logit_bias:
-            ids = "token ids" if vocab_size is None else f"token ids in [0, {vocab_size})"
-            _check_int("logit_bias", token, f"keyed by {ids}",
-                       lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
+            _check_token("logit_bias", token, "keyed by ", vocab_size)
             _check_real("logit_bias", bias, "values in [-100, 100]", lambda v: -100 <= v <= 100)
-        ids = "token ids" if vocab_size is None else f"token ids in [0, {vocab_size})"
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
             raise ValueError(f"allowed_token_ids must have at most {MAX_ALLOWED_TOKENS} entries")
         for token in self.allowed_token_ids:
-            _check_int("allowed_token_ids", token, f"a list of {ids}",
-                       lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
+            _check_token("allowed_token_ids", token, "a list of ", vocab_size)
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words must have at most {MAX_BAD_WORDS} entries (got {len(self.bad_words)})")
         for word in self.bad_words:
             if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
                 raise ValueError(f"bad_words entries must be 1 to {MAX_BAD_WORD_TOKENS} tokens long")
             for token in word:
-                _check_int("bad_words", token, f"sequences of {ids}",
-                           lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
+                _check_token("bad_words", token, "sequences of ", vocab_size)
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a string or None (got {type(self.grammar).__name__})")
 
     def resolved_seed(self) -> int:
         """The seed, or a fresh random 63-bit one; call once per request and keep it."""
         return self.seed if self.seed is not None else random.SystemRandom().getrandbits(63)
+
+
+def _check_token(name: str, token: object, how: str, vocab_size: int | None) -> None:
+    """A token id of field `name`: an int in [0, vocab_size) (non-negative without a vocabulary)."""
+    ids = "token ids" if vocab_size is None else f"token ids in [0, {vocab_size})"
+    _check_int(name, token, how + ids, lambda v: v >= 0 and (vocab_size is None or v < vocab_size))
 
 
 def _check_real(name: str, value: object, expected: str, in_range: Callable[[float], bool]) -> None:

@@ -38,7 +38,7 @@ class Sequence:
     first_token_time: float | None = None
     matcher: TokenMatcher | None = None      # where the output stands in its grammar (params.grammar)
     draft: list[int] = field(default_factory=list)   # this step's speculative tokens (engine/speculative.py)
-    lookup: TokenIndex | None = None         # its tokens indexed for prompt lookup, when the engine speculates
+    lookup: TokenIndex = field(default_factory=TokenIndex)   # its tokens for prompt lookup (filled when drafting)
     drafts: DraftRecord = field(default_factory=DraftRecord)   # how its recent drafts fared
 
     @property

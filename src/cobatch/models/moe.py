@@ -21,9 +21,9 @@ import torch
 from cobatch import ops
 from cobatch.config import ModelConfig
 from cobatch.kernels import packed_experts
+from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import expert_slots
 from cobatch.loader.gguf import GGUFFile
-from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
 
@@ -34,15 +34,6 @@ def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
     return [QuantWeight(w.fmt, rows, w.cols, w.raw[e * rows:(e + 1) * rows]) for e in range(n_experts)]
 
 
-def _gate_up_per_expert(gate: QuantWeight, up: QuantWeight, n_experts: int) -> QuantWeight:
-    """The stacked gate and up experts as one stack of fused gate|up experts: expert e's gate and up rows
-    interleaved 8 by 8 (QuantWeight.interleave_rows; the layout whose act*mul the GEMV applies itself)."""
-    rows = gate.rows // n_experts
-    group = [n_experts, rows // GATE_UP_GROUP, GATE_UP_GROUP, -1]
-    raw = torch.stack([gate.raw.reshape(group), up.raw.reshape(group)], 2)
-    return QuantWeight(gate.fmt, 2 * gate.rows, gate.cols, raw.reshape(2 * gate.rows, -1))
-
-
 class MoeFeedForward:
     def __init__(self, cfg: ModelConfig, gguf: GGUFFile, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
@@ -51,9 +42,12 @@ class MoeFeedForward:
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
-        if device.type == "cuda" and gate.fmt is up.fmt:
-            gate_up = packed_experts.PackedExperts.from_quant(_gate_up_per_expert(gate, up, n), n, device,
-                                                              gate_up_interleaved=True)
+        if device.type == "cuda" and gate.fmt is up.fmt and packed_experts.stackable(gate.fmt.name, gate.rows // n):
+            # Interleaving the whole stacks 8 rows by 8 interleaves each expert's gate and up rows (an expert
+            # owns whole groups of 8): expert e's fused gate|up is rows 2 e ffn.. of the result, laid out for
+            # the GEMV's act*mul epilogue.
+            gate_up = packed_experts.PackedExperts.from_quant(QuantWeight.interleave_rows(gate, up, GATE_UP_GROUP),
+                                                              n, device, gate_up_interleaved=True)
             down_stack = packed_experts.PackedExperts.from_quant(down, n, device)
             if gate_up is not None and down_stack is not None:
                 self.routed_gate_up, self.routed_down = gate_up, down_stack
