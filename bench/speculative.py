@@ -1,10 +1,18 @@
 """Prompt-lookup speculative decoding against plain decoding, on the CPU path or CUDA.
 
     python bench/speculative.py [--device cpu|cuda] [--model PATH] [--tokens 96] [--batches 1,8] [--k 4]
+                                [--drafts lookup,oracle,wrong]
 
-For each prompt kind (text the model repeats; a free-form question) and batch B, greedy decode with and
-without --speculative-config {"method": "ngram", "num_speculative_tokens": k}: tokens/s, steps, drafts
-proposed and kept. GB/s is the weight bytes every step reads (steps x weight bytes / time) and its ratio to a
+One engine with --speculative-config {"method": "ngram", "num_speculative_tokens": k} (on CUDA its decode
+graphs hold B x (1 + k) rows). For each prompt kind (text the model repeats; a free-form question) and
+batch B, greedy decode of B sessions, timed over the decode steps, with each way of drafting:
+- plain: no drafts;
+- lookup: the engine's own prompt-lookup drafts;
+- oracle: the plain run's next k tokens, so every draft is kept (the most speculation can give: what a step
+  of B x (1 + k) rows costs against one of B rows);
+- wrong: the same tokens shifted by one id, so none is kept (what failing drafts cost).
+The oracle and wrong rows measure the machinery on any model, random weights included; lookup needs a model
+whose text repeats. GB/s is the weight bytes every step reads (steps x weight bytes / time) and its ratio to a
 copy measured in this run (device-to-device on CUDA, a 256 MiB tensor copy on the CPU). A short table last;
 JSON to $OUT or bench/results/.
 """
@@ -49,12 +57,17 @@ def cpu_copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
-def run(llm: LLM, prompt: list[int], batch: int, tokens: int) -> dict:
+def run(llm: LLM, prompt: list[int], batch: int, tokens: int, drafter=None) -> dict:
+    """Greedy decode of `batch` sessions; drafter(session, seq, budget) -> drafts, or None for none."""
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     drafted, kept = eng.stats.draft_tokens, eng.stats.accepted_tokens
     ids = [eng.add_request(prompt + [i + 10] * (i > 0), params) for i in range(batch)]   # distinct sessions
-    while any(eng.seqs[i].num_output == 0 for i in ids):     # prefill first; time the decode steps only
+    session = {rid: i for i, rid in enumerate(ids)}
+    eng.scheduler.draft = None if drafter is None else lambda seq, budget: drafter(session[seq.request_id], seq,
+                                                                                     budget)
+    seqs = [eng.seqs[i] for i in ids]
+    while any(seq.num_output == 0 for seq in seqs):         # prefill first; time the decode steps only
         eng.step()
     if llm.engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
@@ -67,7 +80,21 @@ def run(llm: LLM, prompt: list[int], batch: int, tokens: int) -> dict:
     seconds = time.perf_counter() - t
     decoded = batch * (tokens - 1)
     return dict(batch=batch, steps=steps, seconds=seconds, tok_s=decoded / seconds,
-                drafted=eng.stats.draft_tokens - drafted, kept=eng.stats.accepted_tokens - kept)
+                drafted=eng.stats.draft_tokens - drafted, kept=eng.stats.accepted_tokens - kept,
+                outputs=[seq.output_ids for seq in seqs])
+
+
+def drafters(llm: LLM, k: int, plain_outputs: list[list[int]]) -> dict:
+    """The ways of drafting, as drafter(session, seq, budget) functions (see the module docstring)."""
+    eng, vocab = llm.engine, llm.config.vocab_size
+
+    def upcoming(i, seq, budget):
+        room = min(k, budget, seq.params.max_tokens - seq.num_output - 1)
+        return plain_outputs[i][seq.num_output:seq.num_output + max(room, 0)]
+
+    return {"lookup": lambda i, seq, budget: eng._draft(seq, budget),
+            "oracle": upcoming,
+            "wrong": lambda i, seq, budget: [(t + 1) % vocab for t in upcoming(i, seq, budget)]}
 
 
 def main() -> None:
@@ -77,36 +104,44 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--drafts", default="lookup", help="comma list of lookup, oracle, wrong")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     copy_bps = copy_bandwidth() if cuda else cpu_copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.1f} GB/s", flush=True)
+    batches = [int(x) for x in args.batches.split(",")]
+    llm = LLM.load(args.model, EngineOptions(device=args.device, ctx=1024, max_num_seqs=max(batches), quiet=True,
+                                             speculative=NgramSpec(args.k)))
+    wbytes = weight_bytes(llm)
+    llm.engine.generate([llm.encode_prompt("Hello")], SamplingParams(temperature=0.0, max_tokens=8))   # warm-up
     rows = []
-    for label, spec in (("plain", None), (f"ngram k={args.k}", NgramSpec(args.k))):
-        llm = LLM.load(args.model, EngineOptions(device=args.device, ctx=1024, max_num_seqs=8, quiet=True,
-                                                 speculative=spec))
-        wbytes = weight_bytes(llm)
-        llm.engine.generate([llm.encode_prompt("Hello")], SamplingParams(temperature=0.0, max_tokens=8))   # warm-up
-        for kind, text in PROMPTS.items():
-            for b in [int(x) for x in args.batches.split(",")]:
-                r = run(llm, llm.encode_prompt(text), b, args.tokens)
-                r.update(mode=label, prompt=kind, gbps=r["steps"] * wbytes / r["seconds"] / 1e9)
+    for kind, text in PROMPTS.items():
+        for b in batches:
+            plain = run(llm, llm.encode_prompt(text), b, args.tokens)
+            want = plain["outputs"]
+            ways = drafters(llm, args.k, want)
+            results = [("plain", plain)] + [(name, run(llm, llm.encode_prompt(text), b, args.tokens, ways[name]))
+                                            for name in args.drafts.split(",")]
+            for label, r in results:
+                r.update(mode=label, prompt=kind, gbps=r["steps"] * wbytes / r["seconds"] / 1e9,
+                         same_as_plain=sum(o == p for o, p in zip(r.pop("outputs"), want)))
                 rows.append(r)
-                print(f"  {label:10s} {kind:8s} B={b}: {r['tok_s']:7.1f} tok/s, {r['steps']} steps, drafts "
-                      f"{r['drafted']} kept {r['kept']}, {r['gbps']:.1f} GB/s of weights", flush=True)
-        del llm
+                print(f"  {label:7s} {kind:8s} B={b}: {r['tok_s']:8.1f} tok/s, {r['steps']} steps, drafts "
+                      f"{r['drafted']} kept {r['kept']}, {r['gbps']:.1f} GB/s of weights, outputs as plain "
+                      f"{r['same_as_plain']}/{b}", flush=True)
     result = dict(date=str(datetime.date.today()), command=" ".join(["python"] + sys.argv), device=args.device,
-                  torch=torch.__version__, copy_gbps=copy_bps / 1e9, tokens=args.tokens, rows=rows)
+                  model=str(llm.path), torch=torch.__version__, copy_gbps=copy_bps / 1e9, tokens=args.tokens,
+                  k=args.k, rows=rows)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"speculative-{result['date']}-{args.device.split(':')[0]}.json").write_text(json.dumps(result, indent=1))
-    print(f"\ncopy {copy_bps / 1e9:.1f} GB/s; greedy, {args.tokens} tokens per session")
-    print("mode        prompt    B    tok/s  steps  drafts  kept  GB/s  of copy  speed-up")
+    print(f"\ncopy {copy_bps / 1e9:.1f} GB/s; greedy, {args.tokens} tokens per session, k = {args.k}")
+    print("drafts   prompt    B     tok/s  steps  drafts  kept  as plain   GB/s  of copy  speed-up")
     base = {(r["prompt"], r["batch"]): r["tok_s"] for r in rows if r["mode"] == "plain"}
     for r in rows:
-        print(f"{r['mode']:10s}  {r['prompt']:8s} {r['batch']:2d}  {r['tok_s']:7.1f}  {r['steps']:5d}  "
-              f"{r['drafted']:6d}  {r['kept']:4d}  {r['gbps']:5.1f}  {r['gbps'] * 1e9 / copy_bps:6.0%}  "
-              f"{r['tok_s'] / base[(r['prompt'], r['batch'])]:6.2f}x")
+        print(f"{r['mode']:7s}  {r['prompt']:8s} {r['batch']:3d}  {r['tok_s']:8.1f}  {r['steps']:5d}  "
+              f"{r['drafted']:6d}  {r['kept']:4d}  {r['same_as_plain']:3d}/{r['batch']:<3d}  {r['gbps']:6.1f}  "
+              f"{r['gbps'] * 1e9 / copy_bps:6.0%}  {r['tok_s'] / base[(r['prompt'], r['batch'])]:6.2f}x")
 
 
 if __name__ == "__main__":

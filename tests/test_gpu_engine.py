@@ -154,6 +154,36 @@ def test_graph_and_eager_agree(models):
     assert with_graphs == eager
 
 
+def test_speculative_steps_replay_the_decode_graph(models):
+    """Prompt-lookup drafts on CUDA: a step of decoders and their drafts replays the decode graph (one row per
+    token and draft), and greedy output is plain decoding's, up to ties (the attention's split plan follows
+    the step's row count)."""
+    from cobatch.engine.speculative import NgramSpec
+    _, gpu = models["cut"]
+    spec = LLM.load(_cut_model(), EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True,
+                                                speculative=NgramSpec(4)))
+    assert spec.engine.runner.graphs.max_batch == 4 * 5
+    prompts = [gpu.encode_prompt("apple banana cherry dates elderberry fig grape. " * 3 + "apple banana"),
+               gpu.encode_prompt("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5,"), gpu.encode_prompt(PROMPTS[0])]
+    want = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
+    runner, replayed = spec.engine.runner, []
+    graph_logits = runner._graph_logits
+
+    def counting(plan):
+        replayed.append((len(plan.items), sum(n for _, n in plan.items)))
+        return graph_logits(plan)
+
+    runner._graph_logits = counting
+    got = spec.engine.generate(prompts, GREEDY)
+    ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, w, g, 0.05) for p, w, g in zip(prompts, want, got)]
+    print(f"speculative on CUDA: identical {sum(t is None for t in ties)}/{len(ties)}; ties {[t for t in ties if t]};"
+          f" graph steps {len(replayed)}, with drafts {sum(rows > seqs for seqs, rows in replayed)}; kept "
+          f"{spec.engine.stats.accepted_tokens} of {spec.engine.stats.draft_tokens} drafts")
+    assert any(rows > seqs for seqs, rows in replayed)         # drafts rode in the graph
+    assert spec.engine.stats.accepted_tokens > 10
+    assert sum(t is None for t in ties) >= 2
+
+
 def test_gpu_constraints_and_prompt_logprobs(models):
     """The sampler-side features on the GPU path, beside unconstrained rows in the same steps: a JSON grammar
     (its masks go host -> device), min_tokens bans, and prompt logprobs (eager prefill), the last against the

@@ -168,6 +168,31 @@ def test_seeded_sampling_draws_what_plain_decoding_draws(spec_llm):
     assert spec_llm.engine.stats.accepted_tokens > kept            # drafts were kept along the way
 
 
+@pytest.mark.parametrize("shift", [0, 1])
+def test_right_or_wrong_drafts_leave_the_output_as_plain(spec_llm, shift):
+    """Drafts that are plain decoding's next tokens are all kept (shift 0); drafts that are all wrong (shift 1)
+    are all rejected. Either way, the text is plain decoding's."""
+    plain = load_llm("smollm2")
+    prompt = plain.encode_prompt("The capital of France is")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = plain.engine.generate([prompt], params)[0]
+    eng, vocab = spec_llm.engine, spec_llm.config.vocab_size
+
+    def draft(seq, budget):
+        upcoming = want[seq.num_output:seq.num_output + min(4, budget, params.max_tokens - seq.num_output - 1)]
+        return [(t + shift) % vocab for t in upcoming]
+
+    drafted, kept = eng.stats.draft_tokens, eng.stats.accepted_tokens
+    own, eng.scheduler.draft = eng.scheduler.draft, draft
+    try:
+        got = eng.generate([prompt], params)[0]
+    finally:
+        eng.scheduler.draft = own
+    drafted, kept = eng.stats.draft_tokens - drafted, eng.stats.accepted_tokens - kept
+    assert got == want
+    assert drafted >= 12 and kept == (drafted if shift == 0 else 0)
+
+
 def test_a_sequence_whose_drafts_fail_pauses_drafting():
     """Mostly rejected drafts: drafting pauses, except a probe every PROBE_EVERY tokens; kept drafts resume it."""
     from cobatch.engine.speculative import PROBE_EVERY, DraftRecord

@@ -76,6 +76,14 @@ _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
            "f16": torch.float16, "float16": torch.float16}
 
 
+def _graph_rows(options: EngineOptions, model_limit: int | None) -> int:
+    """Rows the decode graphs hold: a token per session, and with speculation its drafts too."""
+    rows = options.max_num_seqs
+    if options.speculative:         # drafts come out of the step's token budget
+        rows = max(rows, min(rows * (1 + options.speculative.num_tokens), options.max_step_tokens))
+    return min(rows, model_limit or rows)
+
+
 class LLM:
     def __init__(self, path: Path, gguf: GGUFFile, cfg: ModelConfig, tokenizer: Tokenizer,
                  template: ChatTemplate | None, model: LlamaModel, engine: Engine, options: EngineOptions):
@@ -105,8 +113,7 @@ class LLM:
         pool = _make_pool(cfg, options, ctx, dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager and model.graph_safe:
-            runner.capture_graphs(min(options.max_num_seqs, model.graph_max_rows or options.max_num_seqs), ctx,
-                                  quiet=options.quiet)
+            runner.capture_graphs(_graph_rows(options, model.graph_max_rows), ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative)

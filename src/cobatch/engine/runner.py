@@ -55,7 +55,7 @@ class ModelRunner:
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
-        ids, pos, slots, starts, lens, sample_rows = [], [], [], [0], [], []
+        ids, pos, slots, starts, lens, tables, sample_rows = [], [], [], [0], [], [], []
         for seq, n in plan.items:
             first = seq.num_computed
             ids.extend(seq.token_ids[first:first + n])
@@ -63,39 +63,48 @@ class ModelRunner:
             positions = range(first, first + n)
             pos.extend(positions)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in positions)
-            starts.append(starts[-1] + n)
-            lens.append(first + n)
+            # A speculating sequence's rows are queries of their own, each as long as its position makes it
+            # (a row sees the rows before it through the KV they write in the same layer): a step of decoders
+            # and their drafts stays a decode step, one query row per entry, as plain decoding runs it.
+            for rows, length in ([(1, p + 1) for p in positions] if seq.draft else [(n, first + n)]):
+                starts.append(starts[-1] + rows)
+                lens.append(length)
+                tables.append(seq.block_table)
             if _samples(seq, n):            # the last row, and each draft's
                 sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
-        width = max(len(seq.block_table) for seq, _ in plan.items)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in plan.items]
+        width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(n for _, n in plan.items),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(lens),
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 meta, sample_rows)
 
     def _graph_logits(self, plan: StepPlan) -> torch.Tensor:
-        """A decode step through the captured graph (its inputs are staged by DecodeGraphs)."""
+        """A decode step through the captured graph (its inputs are staged by DecodeGraphs). A speculating
+        sequence's drafts are rows of their own after its last token, at the positions that follow it."""
         bs = self.block_size
-        seqs = [seq for seq, _ in plan.items]
-        pos = [seq.num_computed for seq in seqs]
-        return self.graphs.run(
-            token_ids=[seq.token_ids[p] for seq, p in zip(seqs, pos)],
-            positions=pos,
-            slot_mapping=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
-            block_tables=[seq.block_table for seq in seqs],
-        )
+        ids, pos, tables = [], [], []
+        for seq, n in plan.items:
+            first = seq.num_computed
+            ids.append(seq.token_ids[first])
+            ids.extend(seq.draft)
+            pos.extend(range(first, first + n))
+            tables.extend([seq.block_table] * n)
+        return self.graphs.run(token_ids=ids, positions=pos,
+                               slot_mapping=[t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
+                               block_tables=tables)
 
     def _use_graph(self, plan: StepPlan) -> bool:
-        return (self.graphs is not None and len(plan.items) <= self.graphs.max_batch
-                and all(n == 1 and seq.pending == 1 and not seq.params.embed for seq, n in plan.items))
+        """Decoders only (each its last token, and its drafts if it speculates), within the graphs' rows."""
+        return (self.graphs is not None and sum(n for _, n in plan.items) <= self.graphs.max_batch
+                and all(n == 1 + len(seq.draft) and seq.pending == 1 and not seq.params.embed
+                        for seq, n in plan.items))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:

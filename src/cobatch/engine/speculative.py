@@ -8,9 +8,11 @@ whatever the rows (the GEMV's token tile holds 8), so accepted drafts are nearly
 their rows' attention and activations, and their KV entries, past the sequence's end, are simply overwritten
 later.
 
-Row j samples with the sequence's (seed, step + j) noise, the draw plain decoding would make for that token
-(engine/sampler.py), so speculation changes which tokens come out only through the logits: the rows run the
-prefill attention kernel where plain decoding runs the decode kernel, equal up to float rounding.
+Each row is a decode row of its own (engine/runner.py): on CUDA a step of decoders and their drafts replays
+the decode graph of its row count. Row j samples with the sequence's (seed, step + j) noise, the draw plain
+decoding would make for that token (engine/sampler.py), so speculation changes which tokens come out only
+through the logits, and those only by float rounding (the decode attention splits the context by the step's
+row count).
 
 Only sequences whose sampling does not depend on the tokens before it in the same step speculate: no
 grammar, no penalties, no bad words, no pending min_tokens, no logprobs of the prompt. A sequence whose recent
@@ -76,7 +78,7 @@ def parse_speculative_config(raw: str | None) -> NgramSpec | None:
         raise UserError(f"--speculative-config: {exc}") from None
 
 
-# Drafts that keep failing cost their rows (and on CUDA the step leaves the decode graph): a sequence whose
+# Drafts that keep failing cost their rows' attention and activations: a sequence whose
 # recent drafts were mostly rejected stops drafting, and tries again every PROBE_EVERY tokens.
 RECENT_DECAY = 0.8           # per draft step: the weight of earlier drafts in the running tallies
 MIN_KEPT_SHARE = 0.3         # below this share of recent drafts kept, stop drafting ...

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Device call for speculative decoding inside the decode graphs (session 11, 2026-11-30). Repo root on the GPU
+# machine; carry .whl and .models (smollm2-6l.gguf).
+#   GPU tests (the graph with draft rows; the MoE batched = alone tests), then bench/speculative.py on the
+#   6-layer SmolLM2 cut (real weights: lookup, oracle and wrong drafts) and on a random Llama-3-8B Q4_K_M
+#   (oracle and wrong drafts: what a step of B x (1 + k) rows costs against one of B rows).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+  --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1 &
+writer=$!
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py tests/test_moe.py \
+  -k "${K:-speculative or batched_equals or graph_and_eager}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+OUT=$OUT/cut timeout 150 python3 bench/speculative.py --device cuda --model .models/smollm2-6l.gguf --tokens 96 \
+  --batches 1,8 --drafts lookup,oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-cut.log" | tail -16
+wait $writer; tail -1 "$OUT/write.log"
+OUT=$OUT/l8 timeout "${BENCH_TIMEOUT:-200}" python3 bench/speculative.py --device cuda --model /tmp/l8.gguf --tokens 64 \
+  --batches 1,8,32 --drafts oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-l8.log" | tail -12
