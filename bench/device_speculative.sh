@@ -14,7 +14,7 @@ writer=$!
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py tests/test_moe.py \
   -k "${K:-speculative or batched_equals or graph_and_eager}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 OUT=$OUT/cut timeout 150 python3 bench/speculative.py --device cuda --model .models/smollm2-6l.gguf --tokens 96 \
-  --batches 1,8 --drafts lookup,oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-cut.log" | tail -16
+  --batches 1,4,8 --drafts lookup,oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-cut.log" | tail -16
 wait $writer; tail -1 "$OUT/write.log"
 OUT=$OUT/l8 timeout "${BENCH_TIMEOUT:-200}" python3 bench/speculative.py --device cuda --model /tmp/l8.gguf --tokens 64 \
-  --batches 1,8,32 --drafts oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-l8.log" | tail -12
+  --batches ${L8_BATCHES:-1,2,4,8,16} --drafts oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-l8.log" | tail -24

@@ -10,7 +10,8 @@ batch B, greedy decode of B sessions, timed over the decode steps, with each way
 - lookup: the engine's own prompt-lookup drafts;
 - oracle: the plain run's next k tokens, so every draft is kept (the most speculation can give: what a step
   of B x (1 + k) rows costs against one of B rows);
-- wrong: the same tokens shifted by one id, so none is kept (what failing drafts cost).
+- wrong: the same tokens shifted by one id, so none is kept (what failing drafts cost). Its steps have the
+  rows the oracle's have, so its ms/step against plain's is the price of a step's drafts, kept or not.
 The oracle and wrong rows measure the machinery on any model, random weights included; lookup needs a model
 whose text repeats. GB/s is the weight bytes every step reads (steps x weight bytes / time) and its ratio to a
 copy measured in this run (device-to-device on CUDA, a 256 MiB tensor copy on the CPU). A short table last;
@@ -136,10 +137,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"speculative-{result['date']}-{args.device.split(':')[0]}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy {copy_bps / 1e9:.1f} GB/s; greedy, {args.tokens} tokens per session, k = {args.k}")
-    print("drafts   prompt    B     tok/s  steps  drafts  kept  as plain   GB/s  of copy  speed-up")
+    print("drafts   prompt    B     tok/s  steps  ms/step  drafts  kept  as plain   GB/s  of copy  speed-up")
     base = {(r["prompt"], r["batch"]): r["tok_s"] for r in rows if r["mode"] == "plain"}
     for r in rows:
         print(f"{r['mode']:7s}  {r['prompt']:8s} {r['batch']:3d}  {r['tok_s']:8.1f}  {r['steps']:5d}  "
+              f"{1e3 * r['seconds'] / r['steps']:7.3f}  "
               f"{r['drafted']:6d}  {r['kept']:4d}  {r['same_as_plain']:3d}/{r['batch']:<3d}  {r['gbps']:6.1f}  "
               f"{r['gbps'] * 1e9 / copy_bps:6.0%}  {r['tok_s'] / base[(r['prompt'], r['batch'])]:6.2f}x")
 

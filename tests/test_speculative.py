@@ -204,3 +204,27 @@ def test_a_sequence_whose_drafts_fail_pauses_drafting():
     for _ in range(4):
         record.add(4, 4)
     assert record.worth_drafting(1)
+
+
+@pytest.mark.parametrize("decoders, rows, each", [(1, 16, 15), (4, 16, 3), (5, 16, 2), (16, 16, 0), (8, None, 255)])
+def test_drafts_share_the_step_rows_equally(decoders, rows, each):
+    """A step with drafts holds at most draft_rows rows (CUDA: the GEMV's flat range), shared equally among the
+    decoders; without a cap, the token budget bounds the drafts."""
+    from cobatch.engine.kv_cache import BlockManager
+    from cobatch.engine.scheduler import Scheduler
+    from cobatch.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=16), max_num_seqs=32, max_step_tokens=2048,
+                      prefill_chunk=512, draft=lambda seq, limit: [7] * min(limit, 255), draft_rows=rows)
+    seqs = [Sequence(f"r{i}", prompt_len=3, params=SamplingParams(max_tokens=500), seed=0, token_ids=[1, 2, 3])
+            for i in range(decoders)]
+    for seq in seqs:
+        sched.add(seq)
+    assert all(n == 3 and not seq.draft for seq, n in sched.plan().items)    # the prompts
+    for seq in seqs:                    # what the engine does once a prompt's last row sampled a token
+        seq.num_computed = 3
+        seq.token_ids.append(4)
+    plan = sched.plan()
+    assert [len(seq.draft) for seq, _ in plan.items] == [each] * decoders
+    assert all(n == 1 + len(seq.draft) for seq, n in plan.items)
+    assert sum(n for _, n in plan.items) <= (rows or 2048)

@@ -18,7 +18,7 @@ from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.runner import ModelRunner
-from cobatch.engine.speculative import NgramSpec
+from cobatch.engine.speculative import CUDA_STEP_ROWS, NgramSpec
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
@@ -79,8 +79,8 @@ _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 def _graph_rows(options: EngineOptions, model_limit: int | None) -> int:
     """Rows the decode graphs hold: a token per session, and with speculation its drafts too."""
     rows = options.max_num_seqs
-    if options.speculative:         # drafts come out of the step's token budget
-        rows = max(rows, min(rows * (1 + options.speculative.num_tokens), options.max_step_tokens))
+    if options.speculative:         # drafts fill a step up to CUDA_STEP_ROWS rows
+        rows = max(rows, min(CUDA_STEP_ROWS, rows * (1 + options.speculative.num_tokens), options.max_step_tokens))
     return min(rows, model_limit or rows)
 
 

@@ -16,7 +16,7 @@ from cobatch.engine.runner import ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams
 from cobatch.engine.scheduler import Scheduler
 from cobatch.engine.sequence import Sequence, SeqStatus
-from cobatch.engine.speculative import NgramSpec, can_speculate, propose
+from cobatch.engine.speculative import NgramSpec, can_speculate, propose, step_rows_with_drafts
 from cobatch.errors import UserError
 
 
@@ -49,7 +49,8 @@ class Engine:
         self.pool: KVPool = runner.pool
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk,
-                                   draft=self._draft if speculative is not None else None)
+                                   draft=self._draft if speculative is not None else None,
+                                   draft_rows=step_rows_with_drafts(runner.device))
         self.stop_ids = stop_ids
         self.max_context = min(max_context, self.pool.num_blocks * self.pool.block_size)
         self.seqs: dict[str, Sequence] = {}

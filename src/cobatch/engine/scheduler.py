@@ -43,9 +43,10 @@ class DecodeStats:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int,
-                 draft: Callable[[Sequence, int], list[int]] | None = None):
+                 draft: Callable[[Sequence, int], list[int]] | None = None, draft_rows: int | None = None):
         self.blocks = blocks
         self.draft = draft           # speculative drafts of a decoding sequence, at most the int given
+        self.draft_rows = draft_rows     # most rows a step with drafts may have (None: the token budget)
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
@@ -99,19 +100,29 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
 
+    def _drafts_each(self, order: list[Sequence]) -> int:
+        """Drafts each decoder may propose this step: the rows left once every running sequence has one,
+        shared equally among the decoders (so the first ones do not take them all)."""
+        decoders = sum(seq.is_decoding for seq in order)
+        if self.draft is None or not decoders:
+            return 0
+        rows = self.max_step_tokens if self.draft_rows is None else min(self.draft_rows, self.max_step_tokens)
+        return max(0, rows - len(order)) // decoders
+
     def plan(self) -> StepPlan:
         self._admit()
         plan = StepPlan()
         budget = self.max_step_tokens
         # Decoders first, in admission order; then prefill chunks in admission order.
         order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
+        drafts_each = self._drafts_each(order)
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:      # preempted while planning this step
                 continue
             seq.draft = []
             if seq.is_decoding:
-                if self.draft is not None and budget > len(order):      # drafts only from spare budget
-                    seq.draft = self.draft(seq, budget - len(order))
+                if drafts_each > 0:
+                    seq.draft = self.draft(seq, drafts_each)
                 rows = 1 + len(seq.draft)
             else:
                 rows = min(seq.pending, self.prefill_chunk, budget)

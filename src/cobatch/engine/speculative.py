@@ -100,6 +100,18 @@ class DraftRecord:
         return not failing or num_output % PROBE_EVERY == 0
 
 
+# On CUDA a step's rows are nearly free up to the narrow GEMV's two 8-token tiles; past its crossover (32-64
+# rows) every weight is dequantized for cuBLAS. H200, Llama-3-8B Q4_K_M: a step of 5 rows 3.06 ms against
+# 2.96 for 1, of 40 rows 8.7 ms (bench/results/speculative-2026-11-30-cuda-l8-uncapped.log). So drafts
+# fill a step up to 16 rows there. On the CPU a row costs its compute wherever it is: no cap.
+CUDA_STEP_ROWS = 16
+
+
+def step_rows_with_drafts(device) -> int | None:
+    """The most rows a step with drafts may have on this device (None: only the token budget bounds it)."""
+    return CUDA_STEP_ROWS if device.type == "cuda" else None
+
+
 def can_speculate(seq: "Sequence") -> bool:
     """Does this sequence's sampling of a token depend only on that token's logits and step?"""
     p = seq.params
