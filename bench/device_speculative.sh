@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device call for speculative decoding inside the decode graphs (session 11, 2026-11-30). Repo root on the GPU
 # machine; carry .whl and .models (smollm2-6l.gguf).
-#   GPU tests (the graph with draft rows; the MoE batched = alone tests), then bench/speculative.py on the
-#   6-layer SmolLM2 cut (real weights: lookup, oracle and wrong drafts) and on a random Llama-3-8B Q4_K_M
-#   (oracle and wrong drafts: what a step of B x (1 + k) rows costs against one of B rows).
+#   1. decode attention with the batch-invariant split plan against the old per-row-count plan (ATTN=0 skips);
+#   2. GPU tests (K selects; default: the graph with draft rows, the MoE batched = alone tests);
+#   3. bench/speculative.py on the 6-layer SmolLM2 cut (real weights: lookup, oracle and wrong drafts) and on a
+#      random Llama-3-8B Q4_K_M (oracle and wrong drafts: what a step's drafts cost), caps of 8 and 16 rows.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
@@ -11,10 +12,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
   --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1 &
 writer=$!
+if [ "${ATTN:-1}" = 1 ]; then
+  ATTN_BATCHES=1,4,8,16,64 SWEEP_PREFILL=0 SWEEP_BUDGET_S=200 timeout 240 python3 bench/kernels_attention.py --sweep \
+    2>&1 | grep -v Warning | tee "$OUT/attention.log" | grep -E "^decode variant|^copy" 
+fi
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py tests/test_moe.py \
-  -k "${K:-speculative or batched_equals or graph_and_eager}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  tests/test_attention_kernels.py -k "${K:-speculative or batched_equals or graph_and_eager or bitwise}" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -4
 OUT=$OUT/cut timeout 150 python3 bench/speculative.py --device cuda --model .models/smollm2-6l.gguf --tokens 96 \
-  --batches 1,4,8 --drafts lookup,oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-cut.log" | tail -16
+  --batches 1,4,8 --drafts lookup,oracle,wrong 2>&1 | grep -v Warning > "$OUT/spec-cut.log"
 wait $writer; tail -1 "$OUT/write.log"
 OUT=$OUT/l8 timeout "${BENCH_TIMEOUT:-200}" python3 bench/speculative.py --device cuda --model /tmp/l8.gguf --tokens 64 \
-  --batches ${L8_BATCHES:-1,2,4,8,16} --drafts oracle,wrong 2>&1 | grep -v Warning | tee "$OUT/spec-l8.log" | tail -24
+  --batches ${L8_BATCHES:-1,2,4,8} --drafts oracle,wrong --step-rows 8,16 2>&1 | grep -v Warning > "$OUT/spec-l8.log"
+tail -35 "$OUT/spec-l8.log"

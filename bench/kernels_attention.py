@@ -26,7 +26,8 @@ from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConf
                                        paged_decode_attention, paged_prefill_attention)
 
 N_Q, N_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
-BATCHES, CONTEXTS = (1, 8, 64), (512, 4096, 32768)
+BATCHES = tuple(int(b) for b in os.environ.get("ATTN_BATCHES", "1,8,64").split(","))
+CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = 2048
 L2_FLUSH_BYTES = 256 << 20
 MIN_CALLS = 4
@@ -157,11 +158,7 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
-    replace(DECODE_CONFIG, num_stages=3),
-    replace(DECODE_CONFIG, num_stages=3, min_split=64),
-    replace(DECODE_CONFIG, num_stages=3, programs_per_sm=3),
-    replace(DECODE_CONFIG, num_stages=4),
-    replace(DECODE_CONFIG, min_split=64),
+    replace(DECODE_CONFIG, invariant_rows=0),      # each batch planned for its own row count (before 2026-11-30)
 ]
 PREFILL_SWEEP = [
     PREFILL_CONFIG,

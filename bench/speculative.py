@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--drafts", default="lookup", help="comma list of lookup, oracle, wrong")
+    ap.add_argument("--step-rows", default="", help="comma list of caps on a step's rows with drafts to try "
+                    "(default: the engine's own)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     copy_bps = copy_bandwidth() if cuda else cpu_copy_bandwidth()
@@ -116,18 +118,24 @@ def main() -> None:
     wbytes = weight_bytes(llm)
     llm.engine.generate([llm.encode_prompt("Hello")], SamplingParams(temperature=0.0, max_tokens=8))   # warm-up
     rows = []
+    caps = [int(c) for c in args.step_rows.split(",")] if args.step_rows else [None]
+    own_cap = llm.engine.scheduler.draft_rows
     for kind, text in PROMPTS.items():
         for b in batches:
             plain = run(llm, llm.encode_prompt(text), b, args.tokens)
             want = plain["outputs"]
             ways = drafters(llm, args.k, want)
-            results = [("plain", plain)] + [(name, run(llm, llm.encode_prompt(text), b, args.tokens, ways[name]))
-                                            for name in args.drafts.split(",")]
+            results = [("plain", plain)]
+            for cap in caps:
+                llm.engine.scheduler.draft_rows = own_cap if cap is None else cap
+                results += [(name if cap is None else f"{name}@{cap}",
+                             run(llm, llm.encode_prompt(text), b, args.tokens, ways[name]))
+                            for name in args.drafts.split(",")]
             for label, r in results:
                 r.update(mode=label, prompt=kind, gbps=r["steps"] * wbytes / r["seconds"] / 1e9,
                          same_as_plain=sum(o == p for o, p in zip(r.pop("outputs"), want)))
                 rows.append(r)
-                print(f"  {label:7s} {kind:8s} B={b}: {r['tok_s']:8.1f} tok/s, {r['steps']} steps, drafts "
+                print(f"  {label:10s} {kind:8s} B={b}: {r['tok_s']:8.1f} tok/s, {r['steps']} steps, drafts "
                       f"{r['drafted']} kept {r['kept']}, {r['gbps']:.1f} GB/s of weights, outputs as plain "
                       f"{r['same_as_plain']}/{b}", flush=True)
     result = dict(date=str(datetime.date.today()), command=" ".join(["python"] + sys.argv), device=args.device,
@@ -137,10 +145,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"speculative-{result['date']}-{args.device.split(':')[0]}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy {copy_bps / 1e9:.1f} GB/s; greedy, {args.tokens} tokens per session, k = {args.k}")
-    print("drafts   prompt    B     tok/s  steps  ms/step  drafts  kept  as plain   GB/s  of copy  speed-up")
+    print("drafts      prompt    B     tok/s  steps  ms/step  drafts  kept  as plain   GB/s  of copy  speed-up")
     base = {(r["prompt"], r["batch"]): r["tok_s"] for r in rows if r["mode"] == "plain"}
     for r in rows:
-        print(f"{r['mode']:7s}  {r['prompt']:8s} {r['batch']:3d}  {r['tok_s']:8.1f}  {r['steps']:5d}  "
+        print(f"{r['mode']:10s}  {r['prompt']:8s} {r['batch']:3d}  {r['tok_s']:8.1f}  {r['steps']:5d}  "
               f"{1e3 * r['seconds'] / r['steps']:7.3f}  "
               f"{r['drafted']:6d}  {r['kept']:4d}  {r['same_as_plain']:3d}/{r['batch']:<3d}  {r['gbps']:6.1f}  "
               f"{r['gbps'] * 1e9 / copy_bps:6.0%}  {r['tok_s'] / base[(r['prompt'], r['batch'])]:6.2f}x")

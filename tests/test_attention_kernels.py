@@ -83,6 +83,15 @@ def test_plan_decode_splits_fills_the_gpu():
     assert plan_decode_splits(64, 8, 32768, 132)[1] <= 2
 
 
+def test_plan_decode_splits_is_the_same_for_up_to_invariant_rows():
+    """A row splits its context the same way whether it is alone or in a step of up to invariant_rows."""
+    rows = DecodeConfig().invariant_rows
+    for ctx in (1, 512, 4096, 32768):
+        plans = {plan_decode_splits(b, 8, ctx, 132) for b in range(1, rows + 1)}
+        assert len(plans) == 1, (ctx, plans)
+    assert plan_decode_splits(rows + 1, 8, 32768, 132) != plan_decode_splits(1, 8, 32768, 132)
+
+
 # --- decode -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2), (7, 1)])     # GQA groups 1, 4, 7
@@ -189,6 +198,20 @@ LLAMA8B = dict(n_q=32, n_kv=8, head_dim=128)
 def test_decode_llama8b(seq_lens, pdl):
     check_attention(seq_lens, [1] * len(seq_lens), **LLAMA8B, dtype=torch.bfloat16, seed=len(seq_lens),
                     capacity=32768, decode_cfg=replace(DecodeConfig(), pdl=pdl))
+
+
+@requires_cuda
+def test_decode_row_is_bitwise_the_same_in_any_step_of_up_to_16_rows():
+    """Batch invariance of decode attention: row 0 alone, among 8 rows and among 16 gives the same bits."""
+    lens = [3000, 77, 4096, 1, 0, 2500, 640, 4000, 33, 1024, 2048, 5, 3999, 64, 65, 4095]
+    q, k_cache, v_cache, meta = paged_setup(lens, [1] * 16, **LLAMA8B, dtype=torch.bfloat16, seed=40, capacity=4096)
+    scale = 128 ** -0.5
+    outs = []
+    for n in (1, 8, 16):
+        sub = AttentionMetadata(meta.slot_mapping[:n], meta.query_start[:n + 1], meta.seq_lens[:n],
+                                meta.block_tables[:n], max_query_len=1, max_seq_len=meta.max_seq_len)
+        outs.append(paged_decode_attention(q[:n], k_cache, v_cache, sub, scale))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[1], outs[2][:8])
 
 
 @requires_cuda

@@ -117,6 +117,10 @@ class DecodeConfig:
     min_split: int = 64          # fewest tokens one program walks (B=1 x 4k: 0.35 -> 0.38 against 128)
     max_splits: int = 64         # the reduce holds all splits of a row in registers
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
+    # Steps of up to this many rows split the context as one row would. A row's output then depends on its
+    # own length and the capacity only, not on how many rows share the step: bitwise the same alone, in a
+    # batch, or beside its speculative drafts (the GEMV is batch-invariant up to 16 rows too).
+    invariant_rows: int = 16
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
     # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
     # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
@@ -234,8 +238,9 @@ def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: in
     """(split_len, num_splits) from host ints only, so a captured graph stays valid for any seq_lens <=
     max_seq_len. Aims at about cfg.programs_per_sm programs per SM: B=1 at 32k splits 64 ways, while B=64
     (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at
-    512 tokens, 0.99 vs 0.94 at 4k)."""
-    wanted = max(1, round(cfg.programs_per_sm * sms / (num_seqs * n_kv_heads)))
+    512 tokens, 0.99 vs 0.94 at 4k). Up to cfg.invariant_rows sequences plan as one does."""
+    planned_rows = 1 if num_seqs <= cfg.invariant_rows else num_seqs
+    wanted = max(1, round(cfg.programs_per_sm * sms / (planned_rows * n_kv_heads)))
     split_len = max(cfg.min_split, math.ceil(max(max_seq_len, 1) / wanted))
     split_len = max(split_len, math.ceil(max(max_seq_len, 1) / cfg.max_splits))
     split_len = triton.cdiv(split_len, cfg.block_n) * cfg.block_n
