@@ -201,17 +201,17 @@ def test_decode_llama8b(seq_lens, pdl):
 
 
 @requires_cuda
-def test_decode_row_is_bitwise_the_same_in_any_step_of_up_to_16_rows():
-    """Batch invariance of decode attention: row 0 alone, among 8 rows and among 16 gives the same bits."""
-    lens = [3000, 77, 4096, 1, 0, 2500, 640, 4000, 33, 1024, 2048, 5, 3999, 64, 65, 4095]
-    q, k_cache, v_cache, meta = paged_setup(lens, [1] * 16, **LLAMA8B, dtype=torch.bfloat16, seed=40, capacity=4096)
+def test_decode_row_is_bitwise_the_same_in_any_step_of_up_to_invariant_rows():
+    """Batch invariance of decode attention: row 0 alone, among 4 rows and among 8 gives the same bits."""
+    lens = [3000, 77, 4096, 1, 0, 2500, 640, 4000]
+    q, k_cache, v_cache, meta = paged_setup(lens, [1] * 8, **LLAMA8B, dtype=torch.bfloat16, seed=40, capacity=4096)
     scale = 128 ** -0.5
     outs = []
-    for n in (1, 8, 16):
+    for n in (1, 4, 8):
         sub = AttentionMetadata(meta.slot_mapping[:n], meta.query_start[:n + 1], meta.seq_lens[:n],
                                 meta.block_tables[:n], max_query_len=1, max_seq_len=meta.max_seq_len)
         outs.append(paged_decode_attention(q[:n], k_cache, v_cache, sub, scale))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[1], outs[2][:8])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[1], outs[2][:4])
 
 
 @requires_cuda

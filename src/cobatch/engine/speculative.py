@@ -10,9 +10,9 @@ later.
 
 Each row is a decode row of its own (engine/runner.py): on CUDA a step of decoders and their drafts replays
 the decode graph of its row count. Row j samples with the sequence's (seed, step + j) noise, the draw plain
-decoding would make for that token (engine/sampler.py), so speculation changes which tokens come out only
-through the logits, and those only by float rounding (the decode attention splits the context by the step's
-row count).
+decoding would make for that token (engine/sampler.py). On CUDA, steps of up to 8 rows compute each row
+bitwise as plain decoding does (the GEMV and decode attention are batch-invariant there), so the output is
+plain decoding's exactly; elsewhere up to float rounding.
 
 Only sequences whose sampling does not depend on the tokens before it in the same step speculate: no
 grammar, no penalties, no bad words, no pending min_tokens, no logprobs of the prompt. A sequence whose recent
@@ -100,11 +100,14 @@ class DraftRecord:
         return not failing or num_output % PROBE_EVERY == 0
 
 
-# On CUDA a step's rows are nearly free up to the narrow GEMV's two 8-token tiles; past its crossover (32-64
-# rows) every weight is dequantized for cuBLAS. H200, Llama-3-8B Q4_K_M: a step of 5 rows 3.06 ms against
-# 2.96 for 1, of 40 rows 8.7 ms (bench/results/speculative-2026-11-30-cuda-l8-uncapped.log). So drafts
-# fill a step up to 16 rows there. On the CPU a row costs its compute wherever it is: no cap.
-CUDA_STEP_ROWS = 16
+# On CUDA a step's rows cost little up to the narrow GEMV's first 8-token tile; a second tile costs 22-30 %
+# more, and past the GEMV's crossover (32-64 rows) every weight is dequantized for cuBLAS. H200, Llama-3-8B
+# Q4_K_M, one step: 1 row 2.96 ms, 5 rows 3.25, 8 rows 3.08-3.31, 10-16 rows 4.0-4.3, 40 rows 8.7. With
+# drafts all rejected, a cap of 8 rows cost 1-8 % and one of 16 rows 18-28 %; with drafts all kept, 16 rows
+# beat 8 only at B = 4-8 (bench/results/speculative-2026-11-30-cuda*.log). So drafts fill a step up to 8
+# rows there; decode attention plans such steps as one row (kernels/attention.py, invariant_rows), so their
+# rows are bitwise plain decoding's. On the CPU a row costs its compute wherever it is: no cap.
+CUDA_STEP_ROWS = 8
 
 
 def step_rows_with_drafts(device) -> int | None:
