@@ -158,6 +158,7 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
+    replace(DECODE_CONFIG, invariant_rows=16),
     replace(DECODE_CONFIG, invariant_rows=0),      # each batch planned for its own row count (before 2026-11-30)
 ]
 PREFILL_SWEEP = [

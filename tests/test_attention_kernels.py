@@ -22,9 +22,12 @@ from kernel_checks import DEVICE, assert_matches, poisoned, relative_error  # no
 
 # Small tiles for the interpreter: several tiles per split and several splits per sequence.
 TINY_DECODE = DecodeConfig(block_n=16, min_split=32, max_splits=8, programs_per_sm=64)
-DECODE_VARIANTS = {   # one split (direct write), splits + reduce kernel
+# A batch of up to 8 rows planned as one row, its programs walking 3 splits each (4 rows, 4 SMs here).
+WALKING_DECODE = DecodeConfig(block_n=16, min_split=16, max_splits=16, programs_per_sm=8, invariant_rows=8)
+DECODE_VARIANTS = {   # one split (direct write), splits + reduce kernel, several splits per program
     "single": DecodeConfig(block_n=16, min_split=1024),
     "split": TINY_DECODE,
+    "walk": WALKING_DECODE,
 }
 TINY_PREFILL = PrefillConfig(block_m=16, block_n=16)
 
@@ -76,9 +79,9 @@ def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_c
 def test_plan_decode_splits_fills_the_gpu():
     # B=1 at 32k on 132 SMs: many splits; B=64: few; always whole tiles and covering the capacity.
     for b, ctx in [(1, 32768), (1, 512), (8, 4096), (64, 32768), (64, 512), (3, 1)]:
-        split_len, num_splits = plan_decode_splits(b, 8, ctx, 132)
+        split_len, num_splits, per_program = plan_decode_splits(b, 8, ctx, 132)
         assert split_len % DecodeConfig().block_n == 0 and split_len * num_splits >= ctx
-        assert 1 <= num_splits <= DecodeConfig().max_splits
+        assert 1 <= num_splits <= DecodeConfig().max_splits and 1 <= per_program <= num_splits
     assert plan_decode_splits(1, 8, 32768, 132)[1] >= 32
     assert plan_decode_splits(64, 8, 32768, 132)[1] <= 2
 
@@ -87,9 +90,11 @@ def test_plan_decode_splits_is_the_same_for_up_to_invariant_rows():
     """A row splits its context the same way whether it is alone or in a step of up to invariant_rows."""
     rows = DecodeConfig().invariant_rows
     for ctx in (1, 512, 4096, 32768):
-        plans = {plan_decode_splits(b, 8, ctx, 132) for b in range(1, rows + 1)}
+        plans = {plan_decode_splits(b, 8, ctx, 132)[:2] for b in range(1, rows + 1)}
         assert len(plans) == 1, (ctx, plans)
-    assert plan_decode_splits(rows + 1, 8, 32768, 132) != plan_decode_splits(1, 8, 32768, 132)
+    assert plan_decode_splits(rows + 1, 8, 32768, 132)[:2] != plan_decode_splits(1, 8, 32768, 132)[:2]
+    # ... while a batch's programs walk several splits each, as many programs as its own plan would run
+    assert plan_decode_splits(1, 8, 32768, 132)[2] == 1 and plan_decode_splits(rows, 8, 32768, 132)[2] > 1
 
 
 # --- decode -----------------------------------------------------------------------------------------------
@@ -100,6 +105,24 @@ def test_decode_small(n_q, n_kv, variant):
     # Lengths off the page and tile sizes; a padded row (length 0); capacity beyond every length.
     check_attention([37, 0, 100, 5], [1, 1, 1, 1], n_q, n_kv, head_dim=32, dtype=torch.bfloat16, seed=n_q,
                     decode_cfg=DECODE_VARIANTS[variant], capacity=130)
+
+
+def test_walking_plan_has_programs_walk_several_splits():
+    assert plan_decode_splits(4, 2, 130, 4, WALKING_DECODE) == (16, 9, 3)
+    assert plan_decode_splits(1, 2, 130, 4, WALKING_DECODE) == (16, 9, 1)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_small_row_is_bitwise_the_same_alone_and_batched(window):
+    """Row 0 alone (a program per split) and among 4 rows (programs walking 3 splits): the same bits."""
+    q, k_cache, v_cache, meta = paged_setup([100, 37, 130, 5], [1] * 4, 4, 2, 32, torch.bfloat16, seed=21,
+                                            capacity=130)
+    alone = AttentionMetadata(meta.slot_mapping[:1], meta.query_start[:2], meta.seq_lens[:1], meta.block_tables[:1],
+                              max_query_len=1, max_seq_len=meta.max_seq_len)
+    one = paged_decode_attention(q[:1], k_cache, v_cache, alone, 0.2, cfg=WALKING_DECODE, window=window)
+    four = paged_decode_attention(q, k_cache, v_cache, meta, 0.2, cfg=WALKING_DECODE, window=window)
+    assert torch.equal(one[0], four[0])
+    assert_matches(four, paged_attention_ref(q, k_cache, v_cache, meta, 0.2, window))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -141,21 +141,26 @@ DECODE_CONFIG = DecodeConfig()
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
-                         num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         splits_per_program, num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr):
-    """Program (seq, kv_head, split): all GROUP query heads of one KV head over one stretch of the context,
-    so each KV tile is read once per sequence. Stretches past seq_len run no iterations."""
+    """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over splits_per_program splits of
+    the context, so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
+    from scratch over its own tiles, so it has the same bits however many splits a program walks: the
+    split plan, not the grid, fixes a row's numerics. Tiles are aligned to BLOCK_N (split_len is a multiple);
+    a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    chunk_len = splits_per_program * split_len
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * split_len
-    end = tl.minimum(seq_len, start + split_len)
-    if window > 0:                     # sliding window: only the last `window` keys (stretches before: no work)
-        start = tl.maximum(start, seq_len - window)
+    start = tl.program_id(2) * chunk_len
+    end = tl.minimum(seq_len, start + chunk_len)
+    first_key = 0
+    if window > 0:                     # sliding window: only the last `window` keys (tiles before: no work)
+        first_key = tl.maximum(seq_len - window, 0)
+        start = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)
     if PDL:
         gdc_wait()                     # q and this step's K/V come from the previous kernel
 
@@ -163,47 +168,53 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     d = tl.arange(0, BLOCK_D)
     g_mask = g < GROUP
     d_mask = d < HEAD_D
+    gd_mask = g_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
+                mask=gd_mask, other=0.0).to(kc_ptr.dtype.element_ty)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq * bt_stride
+    # Partials laid out [seq, q_head, split, ...]; the reduce reads the splits the window and seq_len reach.
+    part_row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + tl.arange(0, BLOCK_N)
-        tok_mask = toks < end
+        tok_mask = (toks < end) & (toks >= first_key)
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                cache_slot_stride, cache_head_stride, PAGE=PAGE)
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32,
                                          softcap=softcap, SOFTCAP=SOFTCAP)
+        if not SINGLE_SPLIT:
+            # The split's last tile: store its partial and start the next split from scratch.
+            split_done = ((tok0 + BLOCK_N) % split_len == 0) | (tok0 + BLOCK_N >= end)
+            part = part_row + tok0 // split_len
+            tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask & split_done)
+            tl.store(part_ml_ptr + part * 2, m, mask=g_mask & split_done)
+            tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask & split_done)
+            m = tl.where(split_done, float("-inf"), m)
+            l = tl.where(split_done, 0.0, l)
+            acc = tl.where(split_done, 0.0, acc)
     if PDL:
         # The next kernel may launch now (not at the start: a chain would get resident all at once).
         gdc_launch_dependents()
 
-    gd_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
         # Empty context (padded row): l == 0 and acc == 0, so the row comes out as zeros.
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gd_mask)
-    else:
-        # Partials laid out [seq, q_head, split, ...]; the reduce ignores splits past seq_len.
-        part = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask)
-        tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
-        tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
 
 
 @jit
-def _merge_splits(part_acc_ptr, part_ml_ptr, part0, n_valid, out_row_ptr, HEAD_D: tl.constexpr,
+def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, out_row_ptr, HEAD_D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge one head's first n_valid splits' (max, sum, acc), stored from partial index part0 on, into its
-    output row."""
+    """Merge one head's splits first_valid .. n_valid - 1 (max, sum, acc), stored from partial index part0
+    on, into its output row."""
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = sp < n_valid
+    s_mask = (sp >= first_valid) & (sp < n_valid)
     part = part0 + sp
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
@@ -219,34 +230,44 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, part0, n_valid, out_row_ptr, HEAD_D
 
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
-                          split_len, num_splits, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          split_len, num_splits, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    """Program (seq, q_head): merge the splits that seq_len reaches into the final row."""
+    """Program (seq, q_head): merge the splits that seq_len (and the window) reach into the final row."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
     n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
+    first_valid = 0
+    if window > 0:                     # splits wholly before the window hold no partial
+        first_valid = tl.maximum(seq_len - window, 0) // split_len
     if PDL:
         gdc_wait()                     # the split kernel's partials
-    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, n_valid,
+    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid, n_valid,
                   out_ptr + seq * out_row_stride + head * out_head_stride,
                   HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S)
 
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
-                       cfg: DecodeConfig = DECODE_CONFIG) -> tuple[int, int]:
-    """(split_len, num_splits) from host ints only, so a captured graph stays valid for any seq_lens <=
-    max_seq_len. Aims at about cfg.programs_per_sm programs per SM: B=1 at 32k splits 64 ways, while B=64
-    (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at
-    512 tokens, 0.99 vs 0.94 at 4k). Up to cfg.invariant_rows sequences plan as one does."""
-    planned_rows = 1 if num_seqs <= cfg.invariant_rows else num_seqs
-    wanted = max(1, round(cfg.programs_per_sm * sms / (planned_rows * n_kv_heads)))
-    split_len = max(cfg.min_split, math.ceil(max(max_seq_len, 1) / wanted))
-    split_len = max(split_len, math.ceil(max(max_seq_len, 1) / cfg.max_splits))
-    split_len = triton.cdiv(split_len, cfg.block_n) * cfg.block_n
-    return split_len, max(1, triton.cdiv(max_seq_len, split_len))
+                       cfg: DecodeConfig = DECODE_CONFIG) -> tuple[int, int, int]:
+    """(split_len, num_splits, splits_per_program) from host ints only, so a captured graph stays valid for
+    any seq_lens <= max_seq_len. Aims at about cfg.programs_per_sm programs per SM: B=1 at 32k splits 64
+    ways, while B=64 (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69
+    of copy at 512 tokens, 0.99 vs 0.94 at 4k). Up to cfg.invariant_rows sequences split as one does, and
+    the programs they want walk several of those splits each."""
+    def split_plan(rows: int) -> tuple[int, int]:
+        wanted = max(1, round(cfg.programs_per_sm * sms / (rows * n_kv_heads)))
+        split_len = max(cfg.min_split, math.ceil(max(max_seq_len, 1) / wanted))
+        split_len = max(split_len, math.ceil(max(max_seq_len, 1) / cfg.max_splits))
+        split_len = triton.cdiv(split_len, cfg.block_n) * cfg.block_n
+        return split_len, max(1, triton.cdiv(max_seq_len, split_len))
+
+    own_len, own_splits = split_plan(num_seqs)
+    if num_seqs > cfg.invariant_rows:
+        return own_len, own_splits, 1
+    split_len, num_splits = split_plan(1)
+    return split_len, num_splits, triton.cdiv(num_splits, own_splits)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -264,7 +285,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n_rows == 0:
         return out
     group = n_heads // n_kv_heads
-    split_len, num_splits = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
+    split_len, num_splits, per_program = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q),
+                                                            cfg)
     block_d = next_pow2(head_dim)
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
@@ -272,16 +294,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
-    _decode_split_kernel[(n_rows, n_kv_heads, num_splits)](
+    _decode_split_kernel[(n_rows, n_kv_heads, triton.cdiv(num_splits, per_program))](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), scale * LOG2E, split_len, num_splits, window, softcap,
+        out.stride(0), out.stride(1), scale * LOG2E, split_len, per_program, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
-            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits,
+            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits, window,
             HEAD_D=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), num_warps=4, **launch)
     return out
 
