@@ -144,7 +144,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          splits_per_program, num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
-                         SOFTCAP: tl.constexpr):
+                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over splits_per_program splits of
     the context, so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
     from scratch over its own tiles, so it has the same bits however many splits a program walks: the
@@ -157,8 +157,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     seq_len = tl.load(seq_lens_ptr + seq)
     start = tl.program_id(2) * chunk_len
     end = tl.minimum(seq_len, start + chunk_len)
-    first_key = 0
-    if window > 0:                     # sliding window: only the last `window` keys (tiles before: no work)
+    if WINDOWED:                       # sliding window: only the last `window` keys (tiles before: no work)
         first_key = tl.maximum(seq_len - window, 0)
         start = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)
     if PDL:
@@ -181,9 +180,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     part_row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + tl.arange(0, BLOCK_N)
-        tok_mask = (toks < end) & (toks >= first_key)
+        tok_mask = toks < end
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                cache_slot_stride, cache_head_stride, PAGE=PAGE)
+        if WINDOWED:    # the keys of the tile before the window are loaded (they are cached) but not attended
+            tok_mask &= toks >= first_key
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32,
                                          softcap=softcap, SOFTCAP=SOFTCAP)
         if not SINGLE_SPLIT:
@@ -300,6 +301,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), scale * LOG2E, split_len, per_program, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
+        WINDOWED=window > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
