@@ -10,6 +10,8 @@ batch B, greedy decode of B sessions, timed over the decode steps, with each way
 - lookup: the engine's own prompt-lookup drafts;
 - oracle: the plain run's next k tokens, so every draft is kept (the most speculation can give: what a step
   of B x (1 + k) rows costs against one of B rows);
+- cold: plain decoding with an empty prefix cache (the first run of each prompt; the rows after it find their
+  prompt blocks cached, and "as plain" compares each with the warm plain run);
 - wrong: the same tokens shifted by one id, so none is kept (what failing drafts cost). Its steps have the
   rows the oracle's have, so its ms/step against plain's is the price of a step's drafts, kept or not.
 The oracle and wrong rows measure the machinery on any model, random weights included; lookup needs a model
@@ -122,10 +124,13 @@ def main() -> None:
     own_cap = llm.engine.scheduler.draft_rows
     for kind, text in PROMPTS.items():
         for b in batches:
+            # The first run fills the prefix cache; every later one reads its prompt blocks from there and
+            # recomputes only the last partial block, which can round differently: compare warm with warm.
+            cold = run(llm, llm.encode_prompt(text), b, args.tokens)
             plain = run(llm, llm.encode_prompt(text), b, args.tokens)
             want = plain["outputs"]
             ways = drafters(llm, args.k, want)
-            results = [("plain", plain)]
+            results = [("cold", cold), ("plain", plain)]
             for cap in caps:
                 llm.engine.scheduler.draft_rows = own_cap if cap is None else cap
                 results += [(name if cap is None else f"{name}@{cap}",
