@@ -119,9 +119,10 @@ class DecodeConfig:
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
     # Steps of up to this many rows split the context as one row would. A row's output then depends on its
     # own length and the capacity only, not on how many rows share the step: bitwise the same alone, in a
-    # batch, or beside its speculative drafts (the GEMV is batch-invariant up to 16 rows too). The price is
-    # paid at long contexts: H200, of copy, 8 x 4k 0.80 -> 0.68, 4 x 4k 0.66 -> 0.60; 16 x 4k would be
-    # 0.92 -> 0.73, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
+    # batch, or beside its speculative drafts (the GEMV is batch-invariant up to 16 rows too). The batch's
+    # programs walk several splits each (as many programs as its own plan), yet pay for the extra partials
+    # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
+    # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
     invariant_rows: int = 8
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
     # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
