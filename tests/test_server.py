@@ -543,8 +543,14 @@ def test_tokenize_and_detokenize(server, oai):
     chat = httpx.post(server.url + "/tokenize", json={"messages": QUESTION}).json()
     reply = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=1)
     assert chat["count"] == reply.usage.prompt_tokens
+    # llama.cpp's /apply-template: the text the model reads, which tokenizes to the chat's prompt ids
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": QUESTION}).json()["prompt"]
+    assert QUESTION[-1]["content"] in prompt
+    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": prompt, "add_special": False}).json()
+    assert tokenized["tokens"] == chat["tokens"]
     for path, body, param in [("/tokenize", {}, "prompt"),
                               ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
+                              ("/apply-template", {}, "messages"),
                               ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"), ("/detokenize", {}, "tokens")]:
         bad = httpx.post(server.url + path, json=body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)

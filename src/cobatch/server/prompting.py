@@ -23,6 +23,18 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
 
     Like LLM.encode_chat, plus continue_final (the reply continues a prefilled assistant message,
     Anthropic style) and the rendered text's end, which encode_chat does not give back."""
+    text = chat_text(llm, messages, tools, template_kwargs, continue_final)
+    tok = llm.tokenizer
+    ids = tok.encode(text, add_special=False)
+    # The template normally writes BOS itself; add it only where the model wants one and it is absent.
+    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+        ids = [tok.bos_id] + ids
+    return ids, text.rstrip().endswith("<think>")
+
+
+def chat_text(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
+              template_kwargs: dict | None = None, continue_final: bool = False) -> str:
+    """The conversation rendered with the model's chat template (a 400 if it has none or it fails)."""
     if llm.template is None:
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt")
     kwargs = dict(template_kwargs or {})
@@ -30,17 +42,11 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
     try:
-        text = llm.template.render(messages, tools=tools or None, add_generation_prompt=not continue_final,
+        return llm.template.render(messages, tools=tools or None, add_generation_prompt=not continue_final,
                                    continue_final_message=continue_final, **kwargs)
     except ChatTemplateError as exc:
         raise bad_request(f"cannot render the conversation with the model's chat template: {exc}",
                           param="messages") from None
-    tok = llm.tokenizer
-    ids = tok.encode(text, add_special=False)
-    # The template normally writes BOS itself; add it only where the model wants one and it is absent.
-    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-        ids = [tok.bos_id] + ids
-    return ids, text.rstrip().endswith("<think>")
 
 
 def raw_prompts(llm: LLM, prompt, suffix: str | None = None, param: str = "prompt",

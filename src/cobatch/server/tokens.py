@@ -1,9 +1,11 @@
-"""POST /tokenize and /detokenize, as vLLM and the llama.cpp server offer them (both request shapes).
+"""POST /tokenize, /detokenize and /apply-template, as vLLM and the llama.cpp server offer them (both request
+shapes).
 
 /tokenize takes a raw prompt (`prompt`, or llama.cpp's `content`; `add_special_tokens` / `add_special`) or a
 chat (`messages`, rendered with the model's template as /v1/chat/completions would) and answers the token ids,
 their count and the context size; `return_token_strs` / `with_pieces` adds each token's text.
 /detokenize takes `tokens` and answers the text under both names (`prompt`, `content`).
+/apply-template (llama.cpp's) takes `messages` and answers the prompt text the model would read (`prompt`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from cobatch.server.context import get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.openai import ChatMessage, template_messages
-from cobatch.server.prompting import render_chat
+from cobatch.server.prompting import chat_text, render_chat
 from cobatch.server.request_body import read_body
 
 router = APIRouter()
@@ -33,6 +35,11 @@ class TokenizeRequest(BaseModel):
     add_special: bool | None = None
     return_token_strs: bool = False
     with_pieces: bool = False
+
+
+class ApplyTemplateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    messages: list[ChatMessage]
 
 
 class DetokenizeRequest(BaseModel):
@@ -70,3 +77,10 @@ async def detokenize(request: Request) -> dict[str, str]:
         raise bad_request(f"token id {bad} is outside the vocabulary (size {tok.vocab_size})", param="tokens")
     text = tok.decode(body.tokens)
     return {"prompt": text, "content": text}
+
+
+@router.post("/apply-template")
+async def apply_template(request: Request) -> dict[str, str]:
+    ctx = get_context(request)
+    body = await read_body(request, ApplyTemplateRequest, ctx.options.max_body_bytes)
+    return {"prompt": await run_in_threadpool(chat_text, ctx.llm, template_messages(body.messages))}
