@@ -228,3 +228,21 @@ def test_drafts_share_the_step_rows_equally(decoders, rows, each):
     assert [len(seq.draft) for seq, _ in plan.items] == [each] * decoders
     assert all(n == 1 + len(seq.draft) for seq, n in plan.items)
     assert sum(n for _, n in plan.items) <= (rows or 2048)
+
+
+def test_drafts_under_kv_pressure_leave_every_output_as_plain():
+    """Speculating sequences in a pool too small for all of them: drafts take blocks, sequences get preempted
+    and recomputed, and every output is still plain decoding's."""
+    plain = load_llm("smollm2")
+    prompts = [plain.encode_prompt(REPEAT + " cherry" * i) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = [plain.engine.generate([p], params)[0] for p in prompts]
+    # 8 blocks x 16 tokens; four sequences of ~75 tokens need 20.
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    tight = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=128, max_num_seqs=4, quiet=True,
+                                                   kv_cache_gb=8.5 * block_bytes / 2**30,
+                                                   speculative=NgramSpec(4, 3, 1)))
+    assert tight.engine.pool.num_blocks == 8
+    assert tight.engine.generate(prompts, params) == alone
+    assert tight.engine.stats.preemptions > 0 and tight.engine.stats.accepted_tokens > 10
+    assert tight.engine.blocks.num_free == 8 and not tight.engine.has_work()     # every block given back
