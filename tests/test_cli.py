@@ -229,7 +229,37 @@ def test_serve_takes_llama_cpp_flags_that_copied_commands_carry():
     assert build_parser().parse_args(["serve", "-fa", "off"]).flash_attn == "off"
 
 
+def test_serve_takes_more_llama_cpp_flags():
+    from cobatch.cli import build_parser
+    args = build_parser().parse_args(["serve", "-cb", "--metrics", "--slots", "--no-webui", "--mlock", "--no-mmap",
+                                      "-b", "1024", "-ub", "256", "-v"])
+    assert (args.max_step_tokens, args.prefill_chunk, args.log_level) == (1024, 256, "debug")
+    assert build_parser().parse_args(["serve"]).log_level == "info"
+
+
+def test_serve_takes_vllm_flags_that_copied_commands_carry():
+    import logging
+
+    from cobatch.cli import build_parser
+    from cobatch.server.app import configure_logging
+    args = build_parser().parse_args([
+        "serve", "--model", "x.gguf", "--tensor-parallel-size", "1", "--trust-remote-code", "--enforce-eager",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
+        "--enable-prefix-caching", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning"])
+    assert (args.eager, args.tensor_parallel_size, args.log_level) == (True, 1, "warning")
+    requests = logging.getLogger("cobatch.server.requests")
+    try:
+        configure_logging(args)                # the per-request lines (info) are dropped ...
+        assert requests.level == logging.WARNING
+        configure_logging(build_parser().parse_args(["serve"]))     # ... unless asked to: the server's level
+        assert requests.level == logging.NOTSET
+    finally:
+        requests.setLevel(logging.NOTSET)
+
+
 @pytest.mark.parametrize("flags, message", [(["-ngl", "0", "--device", "cuda"], "-ngl 0"),
+                                            (["--tensor-parallel-size", "2"], "one GPU"),
+                                            (["-pp", "4"], "one GPU"),
                                             (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
                                             (["--threads", "0"], "--threads"),
                                             (["--speculative-config", "{bad"], "--speculative-config"),

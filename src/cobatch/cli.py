@@ -288,12 +288,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jinja", action="store_true", help="llama.cpp's; chat templates are always rendered with Jinja")
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None,
                    help="llama.cpp's; attention is always flash attention here")
+    for flags, what in ((("-cb", "--cont-batching"), "requests are always batched continuously"),
+                        (("--metrics",), "/metrics is always served"), (("--slots",), "/slots is always served"),
+                        (("--no-webui",), "there is no web UI"),
+                        (("--mlock", "--no-mmap"), "weights are read into memory and repacked at load")):
+        p.add_argument(*flags, action="store_true", help=f"llama.cpp's; {what}")
+    p.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="debug", default="info",
+                   help="llama.cpp's; the same as --log-level debug")
+    # vLLM flags that copied commands carry: accepted, and what they mean here
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="vLLM's; cobatch runs a model on one GPU, so only 1")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="vLLM's; cobatch runs a model on one GPU, so only 1")
+    for flags, what in ((("--trust-remote-code",), "a GGUF file carries no code"),
+                        (("--enable-prefix-caching",), "the prefix cache is always on"),
+                        (("--enable-auto-tool-choice",), "tool calls are always parsed when a request declares tools"),
+                        (("--disable-log-stats",), "cobatch logs no periodic stats")):
+        p.add_argument(*flags, action="store_true", help=f"vLLM's; {what}")
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        p.add_argument(flag, default=None, help="vLLM's; the output's format is recognized whatever it is: Hermes / "
+                                                "Qwen <tool_call> tags, bare JSON calls, Mistral and Phi-4 lists, "
+                                                "<think> blocks")
+    p.add_argument("--disable-log-requests", action="store_true", help="vLLM's; no log line per request")
     _add_speculative_arg(p)
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")
-    p.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=2048,
-                   help="token budget of one engine step")
-    p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
+    p.add_argument("--max-step-tokens", "--max-num-batched-tokens", "-b", "--batch-size", dest="max_step_tokens",
+                   type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--eager", "--enforce-eager", dest="eager", action="store_true",
+                   help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
     p.add_argument("--dense-large-batch", action="store_true",
@@ -302,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=32.0, help="request bodies over this get 413")
     p.add_argument("--graceful-shutdown-s", type=int, default=30,
                    help="on Ctrl-C, wait this long for running requests")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="uvicorn's access log (a line per request is "
                                                               "logged anyway)")
     p.set_defaults(func=cmd_serve)

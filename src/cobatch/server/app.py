@@ -169,6 +169,10 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1] (got {utilization})")
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1 (got {args.threads})")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name, 1) != 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: cobatch runs a model on one GPU "
+                            "(only 1 is accepted)")
     _speculative(args)
     for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
                       ("port", 0)):
@@ -204,13 +208,20 @@ def _graphs_note(llm: LLM) -> str:
     return f" (decode eager: {why})"
 
 
+def configure_logging(args) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    # vLLM's --disable-log-requests: the line each finished request logs (server/generation.py) goes
+    logging.getLogger("cobatch.server.requests").setLevel(
+        logging.WARNING if getattr(args, "disable_log_requests", False) else logging.NOTSET)
+
+
 def serve(args) -> int:
     from cobatch.llm import EngineOptions
     _check_serve_args(args)
     sock = listen_socket(args.host, args.port)
     port = sock.getsockname()[1]          # the one the OS picked for --port 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(args)
     if getattr(args, "threads", None) is not None:
         import torch
         torch.set_num_threads(args.threads)

@@ -24,6 +24,7 @@ from cobatch.server.stream import TextStream
 from cobatch.tokenizer import Tokenizer
 
 log = logging.getLogger("cobatch.server")
+request_log = logging.getLogger("cobatch.server.requests")     # a line per finished request (--disable-log-requests)
 
 RETRY_AFTER_S = 1
 
@@ -115,9 +116,9 @@ class Generation:
             self._done = True
             self.worker.abort(self.handle)
             self.metrics.requests.labels(self.request.api, "abort").inc()
-            log.info("%s %s slot=%s prompt=%d completion=%d total=%.3fs finish=abort (client disconnected)",
-                     self.request.api, self.handle.id, self.handle.slot, len(self.request.prompt_ids),
-                     self.completion_tokens, time.perf_counter() - self.arrival)
+            request_log.info("%s %s slot=%s prompt=%d completion=%d total=%.3fs finish=abort (client disconnected)",
+                             self.request.api, self.handle.id, self.handle.slot, len(self.request.prompt_ids),
+                             self.completion_tokens, time.perf_counter() - self.arrival)
 
     async def events(self) -> AsyncIterator[Chunk | Finish]:
         assert self.handle is not None, "start() first"
@@ -190,9 +191,9 @@ class Generation:
         ttft = (first - self.arrival) if first is not None else float("nan")
         decode_s = end - first if first is not None else 0.0
         rate = (usage.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
-        log.info("%s %s slot=%s prompt=%d cached=%d completion=%d ttft=%.3fs total=%.3fs decode=%.1f tok/s "
-                 "finish=%s", self.request.api, self.handle.id, self.handle.slot, usage.prompt_tokens,
-                 usage.cached_tokens, usage.completion_tokens, ttft, end - self.arrival, rate, reason)
+        request_log.info("%s %s slot=%s prompt=%d cached=%d completion=%d ttft=%.3fs total=%.3fs decode=%.1f "
+                         "tok/s finish=%s", self.request.api, self.handle.id, self.handle.slot, usage.prompt_tokens,
+                         usage.cached_tokens, usage.completion_tokens, ttft, end - self.arrival, rate, reason)
 
     async def collect(self) -> Completed:
         """Run to the end and gather everything (the non-streaming responses)."""
