@@ -63,13 +63,11 @@ class ModelRunner:
             positions = range(first, first + n)
             pos.extend(positions)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in positions)
-            # A speculating sequence's rows are queries of their own, each as long as its position makes it
-            # (a row sees the rows before it through the KV they write in the same layer): a step of decoders
-            # and their drafts stays a decode step, one query row per entry, as plain decoding runs it.
-            for rows, length in ([(1, p + 1) for p in positions] if seq.draft else [(n, first + n)]):
-                starts.append(starts[-1] + rows)
-                lens.append(length)
-                tables.append(seq.block_table)
+            # A speculating sequence's rows (its last token, then its drafts) are one causal query here, read
+            # once per layer; the decode graph runs them as rows of their own instead (_graph_logits).
+            starts.append(starts[-1] + n)
+            lens.append(first + n)
+            tables.append(seq.block_table)
             if _samples(seq, n):            # the last row, and each draft's
                 sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
         width = max(len(t) for t in tables)
@@ -79,7 +77,7 @@ class ModelRunner:
             query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_query_len=max(n for _, n in plan.items),
             max_seq_len=max(lens),
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
@@ -87,7 +85,9 @@ class ModelRunner:
 
     def _graph_logits(self, plan: StepPlan) -> torch.Tensor:
         """A decode step through the captured graph (its inputs are staged by DecodeGraphs). A speculating
-        sequence's drafts are rows of their own after its last token, at the positions that follow it."""
+        sequence's drafts are decode rows of their own after its last token, at the positions that follow it,
+        each seeing the rows before it through the KV they write in the same layer: so each row computes what
+        plain decoding computes for that token (bitwise, up to decode attention's invariant_rows)."""
         bs = self.block_size
         ids, pos, tables = [], [], []
         for seq, n in plan.items:

@@ -8,11 +8,12 @@ whatever the rows (the GEMV's token tile holds 8), so accepted drafts are nearly
 their rows' attention and activations, and their KV entries, past the sequence's end, are simply overwritten
 later.
 
-Each row is a decode row of its own (engine/runner.py): on CUDA a step of decoders and their drafts replays
-the decode graph of its row count. Row j samples with the sequence's (seed, step + j) noise, the draw plain
-decoding would make for that token (engine/sampler.py). On CUDA, steps of up to 8 rows compute each row
-bitwise as plain decoding does (the GEMV and decode attention are batch-invariant there), so the output is
-plain decoding's exactly; elsewhere up to float rounding.
+On CUDA a step of decoders and their drafts replays the decode graph of its row count, each draft a decode
+row of its own (engine/runner.py); on the CPU (and eager CUDA steps) a sequence's rows are one causal query.
+Row j samples with the sequence's (seed, step + j) noise, the draw plain decoding would make for that token
+(engine/sampler.py). In the CUDA graphs, steps of up to 8 rows compute each row bitwise as plain decoding does
+(the GEMV and decode attention are batch-invariant there), so the output is plain decoding's exactly;
+elsewhere up to float rounding.
 
 Only sequences whose sampling does not depend on the tokens before it in the same step speculate: no
 grammar, no penalties, no bad words, no pending min_tokens, no logprobs of the prompt. A sequence whose recent
