@@ -58,10 +58,18 @@ def test_the_index_grows_with_the_tokens():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "integers"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "unknown"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])
 def test_bad_speculative_config_is_a_clear_error(config, message):
     with pytest.raises(ValueError, match=message):
         NgramSpec.from_config(config)
+
+
+def test_speculative_config_takes_vllms_ngram_keys():
+    config = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+              "disable_by_batch_size": 8}
+    assert NgramSpec.from_config(config) == NgramSpec(5, 4, 1, 8)
+    assert NgramSpec.from_config({"method": "[ngram]", "num_speculative_tokens": 2}) == NgramSpec(2, 3, 2, None)
 
 
 @pytest.fixture(scope="module")
@@ -206,16 +214,20 @@ def test_a_sequence_whose_drafts_fail_pauses_drafting():
     assert record.worth_drafting(1)
 
 
-@pytest.mark.parametrize("decoders, rows, each", [(1, 16, 15), (4, 16, 3), (5, 16, 2), (16, 16, 0), (8, None, 255)])
-def test_drafts_share_the_step_rows_equally(decoders, rows, each):
+@pytest.mark.parametrize("decoders, rows, each, max_running", [(1, 16, 15, None), (4, 16, 3, None), (5, 16, 2, None),
+                                                               (16, 16, 0, None), (8, None, 255, None),
+                                                               (4, 16, 3, 4), (5, 16, 0, 4)])
+def test_drafts_share_the_step_rows_equally(decoders, rows, each, max_running):
     """A step with drafts holds at most draft_rows rows (CUDA: the GEMV's flat range), shared equally among the
-    decoders; without a cap, the token budget bounds the drafts."""
+    decoders; without a cap, the token budget bounds the drafts. vLLM's disable_by_batch_size (max_running):
+    no drafts while more sequences run."""
     from cobatch.engine.kv_cache import BlockManager
     from cobatch.engine.scheduler import Scheduler
     from cobatch.engine.sequence import Sequence
 
     sched = Scheduler(BlockManager(num_blocks=256, block_size=16), max_num_seqs=32, max_step_tokens=2048,
-                      prefill_chunk=512, draft=lambda seq, limit: [7] * min(limit, 255), draft_rows=rows)
+                      prefill_chunk=512, draft=lambda seq, limit: [7] * min(limit, 255), draft_rows=rows,
+                      draft_max_running=max_running)
     seqs = [Sequence(f"r{i}", prompt_len=3, params=SamplingParams(max_tokens=500), seed=0, token_ids=[1, 2, 3])
             for i in range(decoders)]
     for seq in seqs:

@@ -50,7 +50,8 @@ class Engine:
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk,
                                    draft=self._draft if speculative is not None else None,
-                                   draft_rows=step_rows_with_drafts(runner.device))
+                                   draft_rows=step_rows_with_drafts(runner.device),
+                                   draft_max_running=speculative.disable_by_batch_size if speculative else None)
         self.stop_ids = stop_ids
         self.max_context = min(max_context, self.pool.num_blocks * self.pool.block_size)
         self.seqs: dict[str, Sequence] = {}

@@ -43,10 +43,12 @@ class DecodeStats:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int,
-                 draft: Callable[[Sequence, int], list[int]] | None = None, draft_rows: int | None = None):
+                 draft: Callable[[Sequence, int], list[int]] | None = None, draft_rows: int | None = None,
+                 draft_max_running: int | None = None):
         self.blocks = blocks
         self.draft = draft           # speculative drafts of a decoding sequence, at most the int given
         self.draft_rows = draft_rows     # most rows a step with drafts may have (None: the token budget)
+        self.draft_max_running = draft_max_running   # no drafts while more sequences than this run (None: any)
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
@@ -104,7 +106,7 @@ class Scheduler:
         """Drafts each decoder may propose this step: the rows left once every running sequence has one,
         shared equally among the decoders (so the first ones do not take them all)."""
         decoders = sum(seq.is_decoding for seq in order)
-        if self.draft is None or not decoders:
+        if self.draft is None or not decoders or len(order) > (self.draft_max_running or len(order)):
             return 0
         rows = self.max_step_tokens if self.draft_rows is None else min(self.draft_rows, self.max_step_tokens)
         return max(0, rows - len(order)) // decoders

@@ -39,6 +39,7 @@ class NgramSpec:
     num_tokens: int          # drafts per step (k)
     max_ngram: int = 3       # the longest suffix looked up first ...
     min_ngram: int = 2       # ... down to this one (1-grams matched too often for their drafts to hold)
+    disable_by_batch_size: int | None = None    # no drafts while more requests than this are running
 
     def __post_init__(self):
         if not 1 <= self.num_tokens <= 15:
@@ -46,22 +47,24 @@ class NgramSpec:
         if not 1 <= self.min_ngram <= self.max_ngram <= 16:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16 (got {self.min_ngram}, "
                              f"{self.max_ngram})")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1 (got {self.disable_by_batch_size})")
 
     @staticmethod
     def from_config(config: dict) -> "NgramSpec":
         """vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
-        "prompt_lookup_min": m}. Raises ValueError naming what is wrong."""
+        "prompt_lookup_min": m, "disable_by_batch_size": b}. Raises ValueError naming what is wrong."""
         method = config.get("method", "ngram")
         if method not in ("ngram", "[ngram]"):
             raise ValueError(f"speculative method {method!r} is not supported (ngram)")
-        unknown = set(config) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        keys = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+        unknown = set(config) - {"method", *keys}
         if unknown:
             raise ValueError(f"unknown speculative-config keys: {', '.join(sorted(unknown))}")
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative-config needs num_speculative_tokens")
-        values = [config.get(k, d) for k, d in (("num_speculative_tokens", 0), ("prompt_lookup_max", 3),
-                                                 ("prompt_lookup_min", 2))]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        values = [config.get(k, d) for k, d in zip(keys, (0, 3, 2, None))]
+        if not all(v is None or isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise ValueError("speculative-config values must be integers")
         return NgramSpec(*values)
 
