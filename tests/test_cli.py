@@ -259,6 +259,8 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
 
 @pytest.mark.parametrize("flags, message", [(["-ngl", "0", "--device", "cuda"], "-ngl 0"),
                                             (["--tensor-parallel-size", "2"], "one GPU"),
+                                            (["--temp", "-1"], "--temperature"),
+                                            (["--top-p", "0"], "--top-p"),
                                             (["-pp", "4"], "one GPU"),
                                             (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
                                             (["--threads", "0"], "--threads"),

@@ -97,6 +97,36 @@ def test_grammar_and_props(server):
     props = httpx.get(server.url + "/props").json()
     assert props["default_generation_settings"]["n_ctx"] == server.context.llm.engine.max_context
     assert props["total_slots"] == server.context.worker.num_slots and "<|im_start|>" in props["chat_template"]
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8     # llama.cpp's own default
+
+
+def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
+    """serve --temperature 0 --top-k 1 ...: a request that leaves those fields unset samples with them (OpenAI,
+    llama.cpp's /completion, Anthropic); one that sets them keeps its own."""
+    from cobatch.cli import build_parser
+    from cobatch.llm import LLM, EngineOptions
+    from cobatch.model_files import smollm2_path
+    from cobatch.server.app import sampling_defaults
+    from cobatch.server.context import ServerOptions
+    args = build_parser().parse_args(["serve", "--temp", "0", "--top-k", "1", "--seed", "5"])
+    defaults = sampling_defaults(args)
+    assert defaults == {"temperature": 0.0, "top_k": 1, "seed": 5}
+    llm = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=256, quiet=True))
+    question = [{"role": "user", "content": "Name a colour."}]
+    with live_server(llm, ServerOptions(sampling_defaults=defaults)) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        greedy = oai.chat.completions.create(model="any", messages=question, max_tokens=12, temperature=0)
+        unset = [oai.chat.completions.create(model="any", messages=question, max_tokens=12) for _ in range(2)]
+        assert [u.choices[0].message.content for u in unset] == [greedy.choices[0].message.content] * 2
+        want = oai.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        assert post(srv, "/completion", {"prompt": PROMPT, "n_predict": 8}).json()["content"] == want
+        hot = [post(srv, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 1.5, "top_k": 0,
+                                         "seed": s}).json()["content"] for s in range(4)]
+        assert len(set(hot)) > 1             # the request's own temperature and top_k won
+        anthropic_reply = httpx.post(srv.url + "/v1/messages", json={"model": "m", "max_tokens": 12,
+                                                                      "messages": question}, timeout=120).json()
+        assert anthropic_reply["content"][0]["text"] == greedy.choices[0].message.content
+        assert httpx.get(srv.url + "/props").json()["default_generation_settings"]["params"]["temperature"] == 0.0
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -310,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "Qwen <tool_call> tags, bare JSON calls, Mistral and Phi-4 lists, "
                                                 "<think> blocks")
     p.add_argument("--disable-log-requests", action="store_true", help="vLLM's; no log line per request")
+    # Sampling defaults for requests that leave a field unset (llama.cpp's server takes its flags the same way)
+    for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),
+                              (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
+                              (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
+                              (("--seed", "-s"), "seed", int)):
+        p.add_argument(*flags, dest=f"default_{name}", type=kind, default=None,
+                       help=f"default {name} of requests that do not set it")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")

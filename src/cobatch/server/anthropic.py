@@ -178,7 +178,8 @@ async def messages(request: Request):
     choice = body.tool_choice or {}
     grammar = await output_grammar(ctx.llm, tools, force_call=choice.get("type") in ("any", "tool"),
                                    parallel=not choice.get("disable_parallel_tool_use"))
-    params = make_sampling_params(ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_p=body.top_p,
+    params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
+                                  temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, max_tokens=body.max_tokens, grammar=grammar)
     gen = ctx.generation(GenerationRequest(
         "messages", prompt_ids, params, list(body.stop_sequences or []), parse_reasoning=True,

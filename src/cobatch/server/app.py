@@ -174,6 +174,7 @@ def _check_serve_args(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: cobatch runs a model on one GPU "
                             "(only 1 is accepted)")
     _speculative(args)
+    sampling_defaults(args)
     for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
                       ("port", 0)):
         if getattr(args, name) < low:
@@ -182,6 +183,20 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+
+
+def sampling_defaults(args) -> dict:
+    """serve's --temperature / --top-k / --top-p / --min-p / --repeat-penalty / --seed, as the sampling fields
+    requests that leave them unset take; a bad value is a UserError naming the flag."""
+    from cobatch.engine.sampler import SamplingParams
+    from cobatch.errors import UserError
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    defaults = {n: getattr(args, f"default_{n}") for n in names if getattr(args, f"default_{n}", None) is not None}
+    try:
+        SamplingParams(**defaults).validate()
+    except ValueError as exc:
+        raise UserError(f"--{str(exc).replace('_', '-')}") from None
+    return defaults
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -233,7 +248,8 @@ def serve(args) -> int:
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args)))
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
     options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                            max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins)
+                            max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
+                            sampling_defaults=sampling_defaults(args))
     app = create_app(llm, options)
     server = app.state.server
     pool = llm.engine.pool

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -23,6 +24,8 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     num_slots: int | None = None         # default: the engine's max_num_seqs (--parallel)
     allowed_origins: tuple[str, ...] = ("*",)   # CORS: origins browsers may call from ("*": any; (): none)
+    # Sampling fields a request leaves unset take these values (serve's --temperature, --top-k, ...)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class ServerContext:

@@ -292,9 +292,11 @@ async def interleave(streams: list[AsyncGenerator[str, None]]) -> AsyncIterator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def make_sampling_params(vocab_size: int, **fields) -> SamplingParams:
-    """SamplingParams from a request's fields (None: the default); a bad value is a 400 naming it."""
-    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+def make_sampling_params(vocab_size: int, defaults: dict | None = None, **fields) -> SamplingParams:
+    """SamplingParams from a request's fields; one left None takes its value from `defaults` (the server's),
+    else SamplingParams' own. A bad value is a 400 naming it."""
+    fields = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
+    params = SamplingParams(**fields)
     try:
         params.validate(vocab_size)
     except ValueError as exc:

@@ -33,12 +33,13 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")       # llama.cpp's many sampler knobs we do not have are ignored
     prompt: str | list[int] = ""
     n_predict: int = Field(-1, ge=-1, description="-1: until the end of turn or the context is full")
-    temperature: float = Field(0.8, ge=0)
-    top_k: int = Field(40, ge=0, description="0: off")
-    top_p: float = Field(0.95, gt=0, le=1)
-    min_p: float = Field(0.05, ge=0, le=1)
+    # Unset: the server's default (serve --temperature ...), else llama.cpp's (LLAMA_CPP_SAMPLING)
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, description="0: off")
+    top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int = Field(-1, description="-1: random")
-    repeat_penalty: float = Field(1.0, gt=0)
+    repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: list[str] = Field(default_factory=list, max_length=16)
@@ -50,6 +51,10 @@ class CompletionRequest(BaseModel):
     return_tokens: bool = False
     # [[token id or text, bias or false], ...] (false: never), or {"token id": bias}
     logit_bias: list[list[Any]] | dict[str, float] | None = None
+
+
+# llama.cpp server's sampling defaults, for /completion and /infill fields neither the request nor serve sets
+LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
 class ExtraFile(BaseModel):
@@ -70,14 +75,17 @@ async def props(request: Request):
     llm = ctx.llm
     return {"model_path": str(llm.path), "model_alias": ctx.model_name, "total_slots": ctx.worker.num_slots,
             "chat_template": llm.template.source if llm.template is not None else "",
-            "default_generation_settings": {"n_ctx": llm.engine.max_context, **_defaults()},
+            "default_generation_settings": {"n_ctx": llm.engine.max_context, **_defaults(ctx)},
             "modalities": {"vision": False, "audio": False}, "build_info": "cobatch"}
 
 
-def _defaults() -> dict:
+def _defaults(ctx: ServerContext) -> dict:
+    """What a /completion request that sets nothing samples with."""
     d = CompletionRequest()
-    return {"params": {"n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                       "min_p": d.min_p, "seed": d.seed, "repeat_penalty": d.repeat_penalty, "stop": d.stop}}
+    sampling = {**LLAMA_CPP_SAMPLING, "repetition_penalty": 1.0, **ctx.options.sampling_defaults}
+    return {"params": {"n_predict": d.n_predict, "temperature": sampling["temperature"], "top_k": sampling["top_k"],
+                       "top_p": sampling["top_p"], "min_p": sampling["min_p"], "seed": sampling.get("seed", d.seed),
+                       "repeat_penalty": sampling["repetition_penalty"], "stop": d.stop}}
 
 
 @router.post("/completion")
@@ -143,7 +151,8 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False, structured=structured)
     bias, banned = _logit_bias(ctx, body.logit_bias)
     params = make_sampling_params(
-        ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        ctx.llm.tokenizer.vocab_size, {**LLAMA_CPP_SAMPLING, **ctx.options.sampling_defaults},
+        temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only

@@ -208,9 +208,9 @@ def _truncated(body: _SamplingBody, prompt_ids: list[int]) -> list[int]:
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
               logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None):
     return make_sampling_params(
-        ctx.llm.tokenizer.vocab_size,
+        ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
         temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
-        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        top_k=0 if body.top_k == -1 else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -137,7 +137,8 @@ async def create_response(request: Request):
                                    response_format=_response_format(body.text), format_param="text.format")
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body), tools)
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
-    params = make_sampling_params(ctx.llm.tokenizer.vocab_size, temperature=body.temperature, top_p=body.top_p,
+    params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
+                                  temperature=body.temperature, top_p=body.top_p,
                                   grammar=grammar,
                                   max_tokens=max_new_tokens(ctx.llm, body.max_output_tokens, len(prompt_ids)))
     gen = ctx.generation(GenerationRequest(
