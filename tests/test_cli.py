@@ -237,6 +237,14 @@ def test_serve_takes_more_llama_cpp_flags():
     assert build_parser().parse_args(["serve"]).log_level == "info"
 
 
+def test_override_generation_config_gives_the_defaults_and_the_flags_win():
+    from cobatch.cli import build_parser
+    from cobatch.server.app import sampling_defaults
+    args = build_parser().parse_args(["serve", "--override-generation-config",
+                                      '{"temperature": 0.6, "top_k": 20, "max_new_tokens": 64}', "--temp", "0.3"])
+    assert sampling_defaults(args) == {"temperature": 0.3, "top_k": 20, "max_tokens": 64}
+
+
 def test_serve_takes_vllm_flags_that_copied_commands_carry():
     import logging
 
@@ -259,8 +267,11 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
 
 @pytest.mark.parametrize("flags, message", [(["-ngl", "0", "--device", "cuda"], "-ngl 0"),
                                             (["--tensor-parallel-size", "2"], "one GPU"),
-                                            (["--temp", "-1"], "--temperature"),
-                                            (["--top-p", "0"], "--top-p"),
+                                            (["--temp", "-1"], "temperature"),
+                                            (["--top-p", "0"], "top_p"),
+                                            (["-n", "0"], "max_tokens"),
+                                            (["--override-generation-config", '{"max_length": 9}'], "max_length"),
+                                            (["--override-generation-config", "{bad"], "not JSON"),
                                             (["-pp", "4"], "one GPU"),
                                             (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
                                             (["--threads", "0"], "--threads"),

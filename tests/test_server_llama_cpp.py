@@ -108,9 +108,9 @@ def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
     from cobatch.model_files import smollm2_path
     from cobatch.server.app import sampling_defaults
     from cobatch.server.context import ServerOptions
-    args = build_parser().parse_args(["serve", "--temp", "0", "--top-k", "1", "--seed", "5"])
+    args = build_parser().parse_args(["serve", "--temp", "0", "--top-k", "1", "--seed", "5", "-n", "3"])
     defaults = sampling_defaults(args)
-    assert defaults == {"temperature": 0.0, "top_k": 1, "seed": 5}
+    assert defaults == {"temperature": 0.0, "top_k": 1, "seed": 5, "max_tokens": 3}
     llm = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=256, quiet=True))
     question = [{"role": "user", "content": "Name a colour."}]
     with live_server(llm, ServerOptions(sampling_defaults=defaults)) as srv:
@@ -127,6 +127,10 @@ def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
                                                                       "messages": question}, timeout=120).json()
         assert anthropic_reply["content"][0]["text"] == greedy.choices[0].message.content
         assert httpx.get(srv.url + "/props").json()["default_generation_settings"]["params"]["temperature"] == 0.0
+        # -n: the length of requests that set none
+        short = oai.chat.completions.create(model="any", messages=question)
+        assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+        assert post(srv, "/completion", {"prompt": PROMPT}).json()["tokens_predicted"] == 3
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -314,9 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),
                               (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
-                              (("--seed", "-s"), "seed", int)):
+                              (("--seed", "-s"), "seed", int), (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
         p.add_argument(*flags, dest=f"default_{name}", type=kind, default=None,
                        help=f"default {name} of requests that do not set it")
+    p.add_argument("--override-generation-config", default=None,
+                   help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
+                        "(temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens; the flags above "
+                        "win over it)")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")

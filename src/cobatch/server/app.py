@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import sys
@@ -186,17 +187,39 @@ def _check_serve_args(args) -> None:
 
 
 def sampling_defaults(args) -> dict:
-    """serve's --temperature / --top-k / --top-p / --min-p / --repeat-penalty / --seed, as the sampling fields
-    requests that leave them unset take; a bad value is a UserError naming the flag."""
+    """serve's --temperature / --top-k / --top-p / --min-p / --repeat-penalty / --seed / -n (over vLLM's
+    --override-generation-config JSON), as the fields requests that leave them unset take; a bad value is a
+    UserError naming it."""
     from cobatch.engine.sampler import SamplingParams
     from cobatch.errors import UserError
-    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-    defaults = {n: getattr(args, f"default_{n}") for n in names if getattr(args, f"default_{n}", None) is not None}
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_tokens")
+    defaults = _generation_config(getattr(args, "override_generation_config", None), names)
+    defaults.update({n: getattr(args, f"default_{n}") for n in names
+                     if getattr(args, f"default_{n}", None) is not None})
     try:
         SamplingParams(**defaults).validate()
-    except ValueError as exc:
-        raise UserError(f"--{str(exc).replace('_', '-')}") from None
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"sampling default: {exc}") from None
     return defaults
+
+
+def _generation_config(raw: str | None, names: tuple[str, ...]) -> dict:
+    """vLLM's --override-generation-config JSON (its max_new_tokens is our max_tokens)."""
+    from cobatch.errors import UserError
+    if raw is None:
+        return {}
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise UserError(f"--override-generation-config: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UserError("--override-generation-config: it must be a JSON object")
+    config = {("max_tokens" if k == "max_new_tokens" else k): v for k, v in config.items()}
+    unknown = sorted(set(config) - set(names))
+    if unknown:
+        raise UserError(f"--override-generation-config: unknown keys {', '.join(unknown)} (known: "
+                        f"{', '.join(n if n != 'max_tokens' else 'max_new_tokens' for n in names)})")
+    return config
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -83,7 +83,8 @@ def _defaults(ctx: ServerContext) -> dict:
     """What a /completion request that sets nothing samples with."""
     d = CompletionRequest()
     sampling = {**LLAMA_CPP_SAMPLING, "repetition_penalty": 1.0, **ctx.options.sampling_defaults}
-    return {"params": {"n_predict": d.n_predict, "temperature": sampling["temperature"], "top_k": sampling["top_k"],
+    return {"params": {"n_predict": sampling.get("max_tokens", d.n_predict), "temperature": sampling["temperature"],
+                       "top_k": sampling["top_k"],
                        "top_p": sampling["top_p"], "min_p": sampling["min_p"], "seed": sampling.get("seed", d.seed),
                        "repeat_penalty": sampling["repetition_penalty"], "stop": d.stop}}
 
@@ -158,7 +159,8 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,
         logit_bias=bias, bad_words=banned,
-        max_tokens=max_new_tokens(ctx.llm, None if body.n_predict == -1 else body.n_predict, len(ids)))
+        max_tokens=max_new_tokens(ctx.llm, None if body.n_predict == -1 else body.n_predict, len(ids),
+                                   ctx.options.sampling_defaults.get("max_tokens")))
     choices = Choices(ctx.generation, [GenerationRequest("llama.cpp", ids, params, list(body.stop))], 1)
     gen = choices.generations[0]
     if body.stream:

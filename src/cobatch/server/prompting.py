@@ -163,6 +163,10 @@ def check_prompt_fits(llm: LLM, n_prompt: int, param: str) -> None:
                             f"the length of the messages or prompt.", param=param, code="context_length_exceeded")
 
 
-def max_new_tokens(llm: LLM, requested: int | None, n_prompt: int) -> int:
-    """What the client asked for, or else whatever room the context has left."""
-    return requested if requested is not None else max(1, llm.engine.max_context - n_prompt)
+def max_new_tokens(llm: LLM, requested: int | None, n_prompt: int, default: int | None = None) -> int:
+    """What the client asked for, or else the server's default (serve -n), or else whatever room the context
+    has left (the default too is cut to that room)."""
+    if requested is not None:
+        return requested
+    room = max(1, llm.engine.max_context - n_prompt)
+    return room if default is None else min(default, room)
