@@ -115,12 +115,13 @@ def main() -> None:
     copy_bps = copy_bandwidth() if cuda else cpu_copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.1f} GB/s", flush=True)
     batches = [int(x) for x in args.batches.split(",")]
-    llm = LLM.load(args.model, EngineOptions(device=args.device, ctx=1024, max_num_seqs=max(batches), quiet=True,
-                                             speculative=NgramSpec(args.k)))
+    caps = [int(c) for c in args.step_rows.split(",")] if args.step_rows else [None]
+    # Slots for the largest batch, and decode graphs for the largest cap tried (they hold max_num_seqs rows or more)
+    llm = LLM.load(args.model, EngineOptions(device=args.device, ctx=1024, quiet=True, speculative=NgramSpec(args.k),
+                                             max_num_seqs=max(batches + [c for c in caps if c])))
     wbytes = weight_bytes(llm)
     llm.engine.generate([llm.encode_prompt("Hello")], SamplingParams(temperature=0.0, max_tokens=8))   # warm-up
     rows = []
-    caps = [int(c) for c in args.step_rows.split(",")] if args.step_rows else [None]
     own_cap = llm.engine.scheduler.draft_rows
     for kind, text in PROMPTS.items():
         for b in batches:
