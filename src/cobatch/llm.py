@@ -18,7 +18,7 @@ from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.runner import ModelRunner
-from cobatch.engine.speculative import CUDA_STEP_ROWS, NgramSpec
+from cobatch.engine.speculative import NgramSpec, step_rows_with_drafts
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
@@ -76,11 +76,13 @@ _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
            "f16": torch.float16, "float16": torch.float16}
 
 
-def _graph_rows(options: EngineOptions, model_limit: int | None) -> int:
-    """Rows the decode graphs hold: a token per session, and with speculation its drafts too."""
+def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.device) -> int:
+    """Rows the decode graphs hold: a token per session, and with speculation its drafts too (up to the rows
+    the scheduler lets a step with drafts have)."""
     rows = options.max_num_seqs
-    if options.speculative:         # drafts fill a step up to CUDA_STEP_ROWS rows
-        rows = max(rows, min(CUDA_STEP_ROWS, rows * (1 + options.speculative.num_tokens), options.max_step_tokens))
+    if options.speculative:
+        with_drafts = min(rows * (1 + options.speculative.num_tokens), options.max_step_tokens)
+        rows = max(rows, min(with_drafts, step_rows_with_drafts(device) or with_drafts))
     return min(rows, model_limit or rows)
 
 
@@ -113,7 +115,7 @@ class LLM:
         pool = _make_pool(cfg, options, ctx, dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager and model.graph_safe:
-            runner.capture_graphs(_graph_rows(options, model.graph_max_rows), ctx, quiet=options.quiet)
+            runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative)

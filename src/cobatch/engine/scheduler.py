@@ -106,7 +106,8 @@ class Scheduler:
         """Drafts each decoder may propose this step: the rows left once every running sequence has one,
         shared equally among the decoders (so the first ones do not take them all)."""
         decoders = sum(seq.is_decoding for seq in order)
-        if self.draft is None or not decoders or len(order) > (self.draft_max_running or len(order)):
+        too_many = self.draft_max_running is not None and len(order) > self.draft_max_running
+        if self.draft is None or not decoders or too_many:
             return 0
         rows = self.max_step_tokens if self.draft_rows is None else min(self.draft_rows, self.max_step_tokens)
         return max(0, rows - len(order)) // decoders

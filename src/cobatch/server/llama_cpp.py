@@ -79,14 +79,18 @@ async def props(request: Request):
             "modalities": {"vision": False, "audio": False}, "build_info": "cobatch"}
 
 
+def _sampling_defaults(ctx: ServerContext) -> dict:
+    """The sampling fields a /completion request leaves unset: the server's, else llama.cpp's."""
+    return {**LLAMA_CPP_SAMPLING, **ctx.options.sampling_defaults}
+
+
 def _defaults(ctx: ServerContext) -> dict:
     """What a /completion request that sets nothing samples with."""
-    d = CompletionRequest()
-    sampling = {**LLAMA_CPP_SAMPLING, "repetition_penalty": 1.0, **ctx.options.sampling_defaults}
+    d, sampling = CompletionRequest(), _sampling_defaults(ctx)
     return {"params": {"n_predict": sampling.get("max_tokens", d.n_predict), "temperature": sampling["temperature"],
-                       "top_k": sampling["top_k"],
-                       "top_p": sampling["top_p"], "min_p": sampling["min_p"], "seed": sampling.get("seed", d.seed),
-                       "repeat_penalty": sampling["repetition_penalty"], "stop": d.stop}}
+                       "top_k": sampling["top_k"], "top_p": sampling["top_p"], "min_p": sampling["min_p"],
+                       "seed": sampling.get("seed", d.seed), "repeat_penalty": sampling.get("repetition_penalty", 1.0),
+                       "stop": d.stop}}
 
 
 @router.post("/completion")
@@ -152,15 +156,14 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False, structured=structured)
     bias, banned = _logit_bias(ctx, body.logit_bias)
     params = make_sampling_params(
-        ctx.llm.tokenizer.vocab_size, {**LLAMA_CPP_SAMPLING, **ctx.options.sampling_defaults},
+        ctx.llm.tokenizer.vocab_size, _sampling_defaults(ctx),
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,
         logit_bias=bias, bad_words=banned,
-        max_tokens=max_new_tokens(ctx.llm, None if body.n_predict == -1 else body.n_predict, len(ids),
-                                   ctx.options.sampling_defaults.get("max_tokens")))
+        max_tokens=max_new_tokens(ctx, None if body.n_predict == -1 else body.n_predict, len(ids)))
     choices = Choices(ctx.generation, [GenerationRequest("llama.cpp", ids, params, list(body.stop))], 1)
     gen = choices.generations[0]
     if body.stream:

@@ -217,7 +217,7 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
         allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids else None,
         bad_words=_bad_words(ctx, body.bad_words),
-        max_tokens=max_new_tokens(ctx.llm, max_tokens, n_prompt, ctx.options.sampling_defaults.get("max_tokens")))
+        max_tokens=max_new_tokens(ctx, max_tokens, n_prompt))
 
 
 def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:

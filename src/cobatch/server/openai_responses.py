@@ -140,8 +140,7 @@ async def create_response(request: Request):
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
                                   temperature=body.temperature, top_p=body.top_p,
                                   grammar=grammar,
-                                  max_tokens=max_new_tokens(ctx.llm, body.max_output_tokens, len(prompt_ids),
-                                                                 ctx.options.sampling_defaults.get("max_tokens")))
+                                  max_tokens=max_new_tokens(ctx, body.max_output_tokens, len(prompt_ids)))
     gen = ctx.generation(GenerationRequest(
         "responses", prompt_ids, params, [], parse_reasoning=True, start_in_reasoning=in_think,
         tool_names=[t["function"]["name"] for t in tools] if tools else None))

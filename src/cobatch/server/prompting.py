@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from starlette.concurrency import run_in_threadpool
 
@@ -12,6 +12,9 @@ from cobatch.engine.grammar import (forced_tool_call_grammar, json_grammar, sche
 from cobatch.errors import UserError
 from cobatch.llm import LLM
 from cobatch.server.errors import ApiError, bad_request
+
+if TYPE_CHECKING:
+    from cobatch.server.context import ServerContext
 
 # Names the chat template itself binds; a client's chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
@@ -163,10 +166,11 @@ def check_prompt_fits(llm: LLM, n_prompt: int, param: str) -> None:
                             f"the length of the messages or prompt.", param=param, code="context_length_exceeded")
 
 
-def max_new_tokens(llm: LLM, requested: int | None, n_prompt: int, default: int | None = None) -> int:
+def max_new_tokens(ctx: ServerContext, requested: int | None, n_prompt: int) -> int:
     """What the client asked for, or else the server's default (serve -n), or else whatever room the context
     has left (the default too is cut to that room)."""
     if requested is not None:
         return requested
-    room = max(1, llm.engine.max_context - n_prompt)
+    room = max(1, ctx.llm.engine.max_context - n_prompt)
+    default = ctx.options.sampling_defaults.get("max_tokens")
     return room if default is None else min(default, room)
