@@ -1,8 +1,9 @@
 """Decode benchmark on the GPU: one engine step advances B sessions; how close to the memory roofline?
 
     PYTHONPATH=src python bench/decode.py --model L3-8B-q8_0.gguf [--model L3-8B-q4_k.gguf] [--hf-peer]
+        [--kv-cache-dtype auto,fp8] [--contexts 4096,32768] [--batches 1,4,8,16]
 
-For each model and context (512, 4096) and batch B: the engine step time (planning, graph replay,
+For each model, KV cache dtype (each in its own load) and context (512, 4096) and batch B: the engine step time (planning, graph replay,
 sampling, the one host sync), aggregate tok/s, its ratio to B=1, and the ratio of the step time to the
 roofline (weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
 Sessions are placed at the given context with random KV (the values don't change the bytes read), so
@@ -74,9 +75,11 @@ def kv_bytes_per_token(llm: LLM) -> int:
 
 
 def randomize_kv(llm: LLM) -> None:
-    """Random KV: real bytes to read, never zeros (the values don't change the time)."""
+    """Random KV: real bytes to read, never zeros (the values don't change the time). Drawn in bf16 and cast
+    (torch draws no fp8), a slice at a time."""
     for t in llm.engine.pool.k + llm.engine.pool.v:
-        t.normal_()
+        for piece in t.split(4096):
+            piece.copy_(torch.randn(piece.shape, device=piece.device, dtype=torch.bfloat16))
 
 
 def place_sessions(llm: LLM, batch: int, context: int, params: SamplingParams | None = None) -> list[Sequence]:
@@ -164,11 +167,12 @@ def clear(llm: LLM) -> None:
     eng.step()
 
 
-def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense: bool) -> dict:
+def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense: bool,
+                kv_cache_dtype: str = "auto") -> dict:
     t0 = time.perf_counter()
     llm = LLM.load(path, EngineOptions(device="cuda", ctx=max(CONTEXTS) + 128, max_num_seqs=max_batch,
                                        kv_cache_gb=kv_gb, prefill_chunk=2048, max_step_tokens=4096,
-                                       dense_large_batch=dense))
+                                       dense_large_batch=dense, kv_cache_dtype=kv_cache_dtype))
     load_s = time.perf_counter() - t0
     wbytes = weight_bytes(llm)
     kvtok = kv_bytes_per_token(llm)
@@ -203,7 +207,10 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
         dt = time.perf_counter() - t
         prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt))
         print(f"  prefill {n}: {n / dt:8.0f} tok/s", flush=True)
-    out = dict(model=os.path.basename(path) + (" +dense" if dense else ""), load_s=load_s, weight_bytes=wbytes, kv_bytes_per_token=kvtok,
+    label = os.path.basename(path) + (" +dense" if dense else "")
+    label += f" kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
+    out = dict(model=label, kv_cache_dtype=str(llm.engine.pool.dtype).removeprefix("torch."), load_s=load_s,
+               weight_bytes=wbytes, kv_bytes_per_token=kvtok,
                decode=rows, prefill=prefill, kernel_breakdown=breakdowns, stats=dataclasses.asdict(llm.engine.stats))
     del llm
     torch.cuda.empty_cache()
@@ -277,15 +284,25 @@ def main() -> None:
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--dense-large-batch", action="store_true",
                     help="also keep bf16 weights for batches above the GEMV crossover")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma-separated KV cache dtypes, each measured in its own load (e.g. auto,fp8)")
+    ap.add_argument("--contexts", default=None, help="comma-separated contexts (default 512,4096)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,2,3,4,8,...,128)")
     args = ap.parse_args()
+    global CONTEXTS, BATCHES
+    if args.contexts:
+        CONTEXTS = [int(c) for c in args.contexts.split(",")]
+    if args.batches:
+        BATCHES = [int(b) for b in args.batches.split(",")]
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
     results = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                    torch=torch.__version__, copy_gbps=copy_bps / 1e9, models=[])
     for path in args.model:
-        print(f"== {path}", flush=True)
-        results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb,
-                                             args.dense_large_batch))
+        for kv_dtype in args.kv_cache_dtype.split(","):
+            print(f"== {path} (KV cache {kv_dtype})", flush=True)
+            results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb,
+                                                 args.dense_large_batch, kv_dtype))
     if args.hf_peer:
         results["hf_peer"] = hf_peer()
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")

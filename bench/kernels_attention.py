@@ -3,8 +3,9 @@
     PYTHONPATH=src python bench/kernels_attention.py [--sweep]
 
 Decode: B = 1, 8, 64 sequences x context 512, 4k, 32k, Llama-3-8B heads (32 q, 8 KV, D 128), bf16 KV in
-16-token pages scattered over the pool. Bytes counted: K + V of every sequence's context (q, the output and
-the block tables are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
+16-token pages scattered over the pool (ATTN_KV_DTYPES=bf16,fp8: also an fp8 cache, --kv-cache-dtype fp8).
+Bytes counted: K + V of every sequence's context in the cache's dtype (q, the output and the block tables
+are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
@@ -27,6 +28,8 @@ from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConf
 
 N_Q, N_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
 BATCHES = tuple(int(b) for b in os.environ.get("ATTN_BATCHES", "1,8,64").split(","))
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+RUN_KV_DTYPES = tuple(os.environ.get("ATTN_KV_DTYPES", "bf16").split(","))
 CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = 2048
 L2_FLUSH_BYTES = 256 << 20
@@ -67,14 +70,26 @@ def _graph_ms_per_call(calls, reps: int = 20) -> float:
     return _median_ms(graph.replay, reps) / len(calls)
 
 
-def _decode_inputs(batch: int, context: int, copies: int, gen: torch.Generator, filled: int | None = None):
+def _random_cache(shape, gen: torch.Generator, kv_dtype: torch.dtype) -> torch.Tensor:
+    """Random K or V in kv_dtype (drawn in bf16: torch draws no fp8)."""
+    if kv_dtype == torch.bfloat16:
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(shape, device="cuda", dtype=kv_dtype)
+    for page0 in range(0, shape[0], 4096):        # in slices: no bf16 copy of a 16 GiB pool
+        piece = out[page0: page0 + 4096]
+        piece.copy_(torch.randn(piece.shape, device="cuda", dtype=torch.bfloat16, generator=gen))
+    return out
+
+
+def _decode_inputs(batch: int, context: int, copies: int, gen: torch.Generator, filled: int | None = None,
+                   kv_dtype: torch.dtype = torch.bfloat16):
     """`copies` independent (q, meta) sets over one shared pool, each with its own scattered pages.
     Sequences hold `filled` tokens (default: all `context`, the capacity the graph is planned for)."""
     pages_per_seq = -(-context // PAGE)
     num_pages = pages_per_seq * batch * copies
     shape = (num_pages, PAGE, N_KV, HEAD_DIM)
-    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = _random_cache(shape, gen, kv_dtype)
+    v_cache = _random_cache(shape, gen, kv_dtype)
     perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
     sets = []
     for c in range(copies):
@@ -90,14 +105,15 @@ def _decode_inputs(batch: int, context: int, copies: int, gen: torch.Generator, 
 
 
 def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generator,
-                 filled: int | None = None) -> dict:
-    kv_bytes = batch * (context if filled is None else filled) * N_KV * HEAD_DIM * 2 * 2
-    set_bytes = batch * context * N_KV * HEAD_DIM * 4
+                 filled: int | None = None, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    itemsize = torch.empty(0, dtype=kv_dtype).element_size()
+    kv_bytes = batch * (context if filled is None else filled) * N_KV * HEAD_DIM * 2 * itemsize
+    set_bytes = batch * context * N_KV * HEAD_DIM * 2 * itemsize
     # At least MIN_CALLS calls per graph, so that the graph's own launch (a few us, which a decode step pays
     # once for ~300 kernels) is not charged to one or two calls; at most 16 GiB of inputs.
     copies = max(MIN_CALLS, min(64, -(-L2_FLUSH_BYTES // set_bytes)))
     copies = max(1, min(copies, (16 << 30) // set_bytes))
-    k_cache, v_cache, sets = _decode_inputs(batch, context, copies, gen, filled)
+    k_cache, v_cache, sets = _decode_inputs(batch, context, copies, gen, filled, kv_dtype)
     outs = [torch.empty_like(q) for q, _ in sets]
     scale = HEAD_DIM ** -0.5
     calls = [lambda q=q, m=m, o=o: paged_decode_attention(q, k_cache, v_cache, m, scale, out=o, cfg=cfg)
@@ -105,7 +121,7 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
     ms = _graph_ms_per_call(calls)
     del k_cache, v_cache, sets, outs
     return {"kernel": "decode_attention", "batch": batch, "context": context, "filled": filled or context,
-            "us": ms * 1e3,
+            "kv_dtype": str(kv_dtype).removeprefix("torch."), "us": ms * 1e3,
             "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg)}
 
 
@@ -139,14 +155,16 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
         prefill_cfg: PrefillConfig = PREFILL_CONFIG) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for batch in BATCHES:
-        for context in CONTEXTS:
-            try:
-                r = bench_decode(batch, context, decode_cfg, gen)
-                r["ratio_to_copy"] = r["gbps"] / copy_gbps
-            except Exception as e:      # reported in the table's place rather than losing the other rows
-                r = {"kernel": "decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
-            rows.append(r)
+    for kv in RUN_KV_DTYPES:
+        for batch in BATCHES:
+            for context in CONTEXTS:
+                try:
+                    r = bench_decode(batch, context, decode_cfg, gen, kv_dtype=KV_DTYPES[kv])
+                    r["ratio_to_copy"] = r["gbps"] / copy_gbps
+                except Exception as e:      # reported in the table's place rather than losing the other rows
+                    r = {"kernel": "decode_attention", "batch": batch, "context": context, "kv_dtype": kv,
+                         "error": repr(e)[:300]}
+                rows.append(r)
     try:
         rows.append(bench_prefill(prefill_cfg, gen))
     except Exception as e:
@@ -216,10 +234,10 @@ def sweep(copy_gbps: float, budget_s: float = 150.0, dump=None) -> list[dict]:
 
 def print_table(rows: list[dict], copy_gbps: float) -> None:
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
-    print(f"{'decode':>8} {'B':>4} {'context':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'decode':>8} {'KV':>14} {'B':>4} {'context':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
         if r["kernel"] == "decode_attention" and r.get("gbps") is not None:
-            print(f"{'':>8} {r['batch']:>4} {r['context']:>8} {r['us']:>9.1f} {r['gbps']:>8.0f} "
+            print(f"{'':>8} {r['kv_dtype']:>14} {r['batch']:>4} {r['context']:>8} {r['us']:>9.1f} {r['gbps']:>8.0f} "
                   f"{r['ratio_to_copy']:>7.0%}")
         elif r.get("error"):
             print(f"{r['kernel']} {r.get('batch', '')} {r.get('context', '')}: {r['error']}")

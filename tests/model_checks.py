@@ -25,11 +25,12 @@ def load_model(path, device="cpu", dtype=torch.float32, max_positions: int = 128
     return f, cfg, LlamaModel(cfg, f, device, dtype, max_positions=max_positions)
 
 
-def prompt_logits(model: LlamaModel, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
-    """float32 logits of every position of one prompt, prefilled in one step on the model's device (CPU out)."""
+def prompt_logits(model: LlamaModel, cfg: ModelConfig, ids: list[int], kv_dtype=None) -> torch.Tensor:
+    """float32 logits of every position of one prompt, prefilled in one step on the model's device (CPU out);
+    the KV cache in kv_dtype (default: the model's dtype)."""
     dev, n, bs = model.device, len(ids), 16
     blocks = -(-n // bs)
-    pool = KVPool(cfg, blocks, bs, model.dtype, dev)
+    pool = KVPool(cfg, blocks, bs, kv_dtype or model.dtype, dev)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, device=dev), query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),

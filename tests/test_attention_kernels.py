@@ -33,9 +33,9 @@ TINY_PREFILL = PrefillConfig(block_m=16, block_n=16)
 
 
 def paged_setup(seq_lens: list[int], q_lens: list[int], n_q: int, n_kv: int, head_dim: int, dtype,
-                seed: int, block_size: int = 16, capacity: int | None = None):
-    """Random q, random caches, and each sequence's blocks scattered over the pool in random order.
-    The chunk's own K/V count as already written (the caches are random everywhere)."""
+                seed: int, block_size: int = 16, capacity: int | None = None, kv_dtype=None):
+    """Random q, random caches (in kv_dtype, default dtype), and each sequence's blocks scattered over the pool
+    in random order. The chunk's own K/V count as already written (the caches are random everywhere)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
@@ -45,8 +45,8 @@ def paged_setup(seq_lens: list[int], q_lens: list[int], n_q: int, n_kv: int, hea
     for s, nb in enumerate(blocks_per_seq):
         block_tables[s, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
     shape = (num_blocks, block_size, n_kv, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
-    v_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    k_cache = torch.randn(shape, generator=g).to(DEVICE, kv_dtype or dtype)
+    v_cache = torch.randn(shape, generator=g).to(DEVICE, kv_dtype or dtype)
     n_rows = sum(q_lens)
     q = torch.randn(n_rows, n_q, head_dim, generator=g).to(DEVICE, dtype)
     query_start = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -58,8 +58,9 @@ def paged_setup(seq_lens: list[int], q_lens: list[int], n_q: int, n_kv: int, hea
 
 
 def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_cfg=None, prefill_cfg=None,
-                    capacity=None, window=0, softcap=0.0) -> None:
-    q, k_cache, v_cache, meta = paged_setup(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, capacity=capacity)
+                    capacity=None, window=0, softcap=0.0, kv_dtype=None) -> None:
+    q, k_cache, v_cache, meta = paged_setup(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, capacity=capacity,
+                                            kv_dtype=kv_dtype)
     scale = head_dim ** -0.5
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
     out = poisoned(q.shape, dtype)
@@ -128,6 +129,23 @@ def test_decode_small_row_is_bitwise_the_same_alone_and_batched(window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_small_dtypes(dtype):
     check_attention([50, 17], [1, 1], 4, 2, head_dim=24, dtype=dtype, seed=11, decode_cfg=TINY_DECODE)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+def test_decode_small_fp8_cache(variant):
+    """An fp8 cache (--kv-cache-dtype fp8): the kernel widens each tile to q's dtype; the reference reads the
+    same fp8 values."""
+    check_attention([37, 0, 100, 5], [1, 1, 1, 1], 8, 2, head_dim=32, dtype=torch.bfloat16, seed=12,
+                    decode_cfg=DECODE_VARIANTS[variant], kv_dtype=FP8)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_prefill_small_fp8_cache(window):
+    check_attention([29, 70, 33, 0], [29, 21, 1, 0], 8, 2, head_dim=32, dtype=torch.bfloat16, seed=13,
+                    prefill_cfg=TINY_PREFILL, kv_dtype=FP8, window=window)
 
 
 def test_decode_padded_rows_are_zero():
@@ -221,6 +239,19 @@ LLAMA8B = dict(n_q=32, n_kv=8, head_dim=128)
 def test_decode_llama8b(seq_lens, pdl):
     check_attention(seq_lens, [1] * len(seq_lens), **LLAMA8B, dtype=torch.bfloat16, seed=len(seq_lens),
                     capacity=32768, decode_cfg=replace(DecodeConfig(), pdl=pdl))
+
+
+@requires_cuda
+@pytest.mark.parametrize("seq_lens", [[4096], [1, 511, 0, 4097, 32768, 77, 2048, 16]])
+def test_decode_llama8b_fp8_cache(seq_lens):
+    check_attention(seq_lens, [1] * len(seq_lens), **LLAMA8B, dtype=torch.bfloat16, seed=50 + len(seq_lens),
+                    capacity=32768, kv_dtype=torch.float8_e4m3fn)
+
+
+@requires_cuda
+def test_prefill_llama8b_fp8_cache():
+    check_attention([4096 + 512, 700], [512, 700], **LLAMA8B, dtype=torch.bfloat16, seed=51,
+                    kv_dtype=torch.float8_e4m3fn)
 
 
 @requires_cuda

@@ -237,6 +237,22 @@ def test_serve_takes_more_llama_cpp_flags():
     assert build_parser().parse_args(["serve"]).log_level == "info"
 
 
+def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():
+    """vLLM's --kv-cache-dtype, or llama.cpp's -ctk / -ctv (both the same; q8_0 is cobatch's 8-bit cache, fp8)."""
+    from cobatch.cli import build_parser, kv_cache_dtype_arg
+    from cobatch.server.app import _kv_cache_dtype
+    for command in ("serve", "chat"):
+        for flags, want in ((["--kv-cache-dtype", "fp8"], "fp8"), ([], "auto"), (["-ctk", "q8_0", "-ctv", "q8_0"], "fp8"),
+                            (["--cache-type-k", "f16", "--cache-type-v", "f16"], "auto"), (["-ctk", "f32", "-ctv", "f32"], "f32")):
+            args = build_parser().parse_args([command, *flags])
+            assert (kv_cache_dtype_arg(args) if command == "chat" else _kv_cache_dtype(args)) == want, (command, flags)
+
+
+def test_bad_kv_cache_dtype_fails_before_the_model_loads():
+    assert_clean_error(run_cli("chat", "hi", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "int4"),
+                       "--kv-cache-dtype")
+
+
 def test_override_generation_config_gives_the_defaults_and_the_flags_win():
     from cobatch.cli import build_parser
     from cobatch.server.app import sampling_defaults
@@ -277,7 +293,12 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
                                             (["--threads", "0"], "--threads"),
                                             (["--speculative-config", "{bad"], "--speculative-config"),
                                             (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
-                                             "not supported")])
+                                             "not supported"),
+                                            (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+                                            (["-ctk", "q4_0", "-ctv", "q4_0"], "-ctk q4_0"),
+                                            (["-ctk", "q8_0"], "one dtype"),
+                                            (["-ctk", "q8_0", "-ctv", "q8_0", "--kv-cache-dtype", "f16"],
+                                             "contradicts")])
 def test_contradicting_or_bad_serve_flags_fail_before_the_model_loads(flags, message):
     proc = run_cli("serve", "--model", "/nonexistent.gguf", *flags)
     assert_clean_error(proc, message)

@@ -141,6 +141,30 @@ def test_gpu_batched_equals_alone(models, n):
     assert eng.stats.batched_steps > 0
 
 
+def test_fp8_kv_cache_on_cuda(models):
+    """--kv-cache-dtype fp8 with bf16 activations (decode graphs; the kernels write the cache in fp8 and widen it as
+    they read): teacher-forced logits within the bounds the CPU path's fp8 cache keeps to an independent reference
+    (tests/test_kv_cache_dtype.py), greedy batched = alone, graphs = eager."""
+    cpu, _ = models["cut"]
+    gpu = LLM.load(cpu.path, EngineOptions(device="cuda", kv_cache_dtype="fp8", ctx=256, max_num_seqs=8, quiet=True))
+    assert gpu.engine.pool.dtype == torch.float8_e4m3fn and gpu.engine.runner.graphs is not None
+    from model_checks import prompt_logits
+    ids = cpu.encode_prompt(PROMPTS[2]) + cpu.engine.generate([cpu.encode_prompt(PROMPTS[2])], GREEDY)[0][:24]
+    want, got = prompt_logits(cpu.model, cpu.config, ids), _gpu_logits(gpu, ids)
+    rel = ((got - want).norm() / want.norm()).item()
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"fp8 KV on CUDA against the CPU path's f32 cache: rel {rel:.3f}, top-1 agreement {agree:.3f}")
+    assert rel < 0.1 and agree >= 0.9
+    prompts = [gpu.encode_prompt(p) for p in PROMPTS]
+    alone = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
+    assert gpu.engine.generate(prompts, GREEDY) == alone
+    graphs, gpu.engine.runner.graphs = gpu.engine.runner.graphs, None
+    try:
+        assert gpu.engine.generate(prompts[:2], GREEDY) == alone[:2]
+    finally:
+        gpu.engine.runner.graphs = graphs
+
+
 def test_graph_and_eager_agree(models):
     """The captured decode graph computes what the eager forward computes."""
     _, gpu = models["cut"]

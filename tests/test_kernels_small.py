@@ -71,7 +71,7 @@ def random_slots(rows: int, num_slots: int, g, skip_every: int = 4) -> torch.Ten
 
 
 def check_rope(rows: int, n_q: int, n_kv: int, head_dim: int, rot: int, neox: bool, dtype, seed: int,
-               fused_kv_write: bool, block_size: int = 16) -> None:
+               fused_kv_write: bool, block_size: int = 16, cache_dtype=None) -> None:
     g = torch.Generator().manual_seed(seed)
     # q, k, v as strided views of one fused qkv output, as the model produces them.
     qkv = torch.randn(rows, (n_q + 2 * n_kv) * head_dim, generator=g).to(DEVICE, dtype)
@@ -86,7 +86,7 @@ def check_rope(rows: int, n_q: int, n_kv: int, head_dim: int, rot: int, neox: bo
         got_q, got_k = rope_triton(q, k, positions, cos_sin, neox)
     else:
         num_blocks = (rows + block_size - 1) // block_size + 3
-        k_cache, v_cache = make_caches(num_blocks, block_size, n_kv, head_dim, dtype, g)
+        k_cache, v_cache = make_caches(num_blocks, block_size, n_kv, head_dim, cache_dtype or dtype, g)
         k_cache[0, 0] = float("nan")     # poison: a skipped or mis-addressed slot shows up
         slots = random_slots(rows, num_blocks * block_size, g)
         ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
@@ -121,6 +121,9 @@ def test_rope_partial_rotary_small(neox):
 def test_rope_llama8b(rows, neox):
     check_rope(rows, 32, 8, 128, 128, neox, torch.bfloat16, seed=rows, fused_kv_write=False)
     check_rope(rows, 32, 8, 128, 128, neox, torch.bfloat16, seed=rows + 1, fused_kv_write=True)
+    # an fp8 cache gets the rotated bf16 k, converted once (bitwise the reference's conversion on CUDA)
+    check_rope(rows, 32, 8, 128, 128, neox, torch.bfloat16, seed=rows + 2, fused_kv_write=True,
+               cache_dtype=torch.float8_e4m3fn)
 
 
 # --- kv_write --------------------------------------------------------------------------------------------
@@ -128,6 +131,11 @@ def test_rope_llama8b(rows, neox):
 def check_kv_write(rows: int, n_kv: int, head_dim: int, dtype, cache_dtype, seed: int, block_size: int = 16) -> None:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(rows, 2, n_kv, head_dim, generator=g).to(DEVICE, dtype)
+    if cache_dtype == torch.float8_e4m3fn:
+        # Values fp8 holds exactly: this checks where each value goes. How values round into fp8 is the
+        # hardware's conversion (test_fp8_cache_write_saturates_and_rounds_to_nearest, on CUDA); Triton 3.6's
+        # interpreter gets it wrong (1.953125 -> 1.0: a mantissa carry is lost).
+        kv = kv.to(cache_dtype).to(dtype)
     k, v = kv[:, 0], kv[:, 1]                                    # strided views
     num_blocks = (rows + block_size - 1) // block_size + 2
     k_cache, v_cache = make_caches(num_blocks, block_size, n_kv, head_dim, cache_dtype, g)
@@ -141,7 +149,8 @@ def check_kv_write(rows: int, n_kv: int, head_dim: int, dtype, cache_dtype, seed
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                                               (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+                                               (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
 def test_kv_write_small(dtype, cache_dtype):
     check_kv_write(rows=11, n_kv=3, head_dim=24, dtype=dtype, cache_dtype=cache_dtype, seed=4)
 
@@ -150,6 +159,33 @@ def test_kv_write_small(dtype, cache_dtype):
 @pytest.mark.parametrize("rows", [1, 64, 2048])
 def test_kv_write_llama8b(rows):
     check_kv_write(rows, 8, 128, torch.bfloat16, torch.bfloat16, seed=rows)
+    check_kv_write(rows, 8, 128, torch.bfloat16, torch.float8_e4m3fn, seed=rows + 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_cache_write_saturates_and_rounds_to_nearest(fused):
+    """An fp8 cache: values past the largest finite e4m3 (448) are stored as +-448, not NaN, by the reference
+    and the kernels alike; values inside its range round to the nearest fp8 (3 mantissa bits)."""
+    k = torch.tensor([[[1000.0, -3000.0, 448.0, 1.0 + 2 ** -4, 0.3, -1e-3, 460.0, 96.0]]])
+    v = -k
+    slots = torch.tensor([1])
+    want = torch.tensor([448.0, -448.0, 448.0, 1.0, 0.3, -1e-3, 448.0, 96.0]).to(torch.float8_e4m3fn).float()
+    assert want[:3].tolist() == [448.0, -448.0, 448.0] and want[3].item() == 1.0   # 1 + 1/16 ties to even
+    for kc_dtype, write in (("ref", kv_write_ref), ("kernel", kv_write_triton)):
+        kc = torch.zeros(2, 1, 1, 8, dtype=torch.float8_e4m3fn, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        if write is kv_write_triton and fused:
+            cos_sin = rope_cos_sin(8, 4, 10000.0).to(DEVICE)
+            q = torch.zeros(1, 1, 8, device=DEVICE)
+            # position 0: the rotation is the identity, so the cache gets k itself
+            rope_triton(q, k.to(DEVICE).clone(), torch.zeros(1, dtype=torch.int64, device=DEVICE), cos_sin, False,
+                        kv_write=(v.to(DEVICE), kc, vc, slots.to(DEVICE)))
+        else:
+            write(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
+        assert torch.equal(kc[1, 0, 0].float().cpu(), want), kc_dtype
+        assert torch.equal(vc[1, 0, 0].float().cpu(), -want), kc_dtype
+        assert torch.equal(kc[0].float().cpu(), torch.zeros(1, 1, 8))
 
 
 @pytest.mark.parametrize("neox", [False, True])

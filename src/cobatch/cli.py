@@ -20,11 +20,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="path to a GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
+    _add_kv_cache_args(p)
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
     _add_speculative_arg(p)
+
+
+def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="vLLM's: auto (the activations' dtype, the default) or fp8 (e4m3, one byte a value: twice "
+                        "the tokens in the same memory, half the bytes decode attention reads)")
+    p.add_argument("-ctk", "--cache-type-k", default=None, help="llama.cpp's: f16 (the default), f32, q8_0 (= fp8)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, help="llama.cpp's: the same types; as -ctk")
+
+
+def kv_cache_dtype_arg(args) -> str:
+    from cobatch.llm import kv_cache_dtype_flag
+    return kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
 
 
 def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
@@ -84,6 +98,7 @@ def _load(args, max_num_seqs: int = 1):
     from cobatch.engine.speculative import parse_speculative_config
     from cobatch.llm import LLM, EngineOptions
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
+                                              kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
                                               chat_template=args.chat_template,
                                               speculative=parse_speculative_config(args.speculative_config),
@@ -275,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as vLLM and llama.cpp's server); '' none")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
+    _add_kv_cache_args(p)
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV pool size in GiB (default: from free memory on CUDA, 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,

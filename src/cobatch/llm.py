@@ -31,7 +31,8 @@ CPU_KV_BUDGET_BYTES = 1 << 30
 @dataclass(slots=True)
 class EngineOptions:
     device: str = "auto"               # "auto" | "cpu" | "cuda"
-    dtype: str | None = None           # activations and KV: f32 on CPU, bf16 on CUDA by default
+    dtype: str | None = None           # activations (and KV): f32 on CPU, bf16 on CUDA by default
+    kv_cache_dtype: str = "auto"       # vLLM's names: auto (= dtype), fp8 / fp8_e4m3 (1 byte a value), bf16, ...
     ctx: int | None = None             # context window per sequence (default: the model's, at most 8192)
     max_num_seqs: int = 8              # sessions decoded together (--parallel)
     kv_cache_gb: float | None = None   # KV pool size; default: from free memory (CUDA) or 1 GiB (CPU)
@@ -76,6 +77,40 @@ _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
            "f16": torch.float16, "float16": torch.float16}
 
 
+# vLLM's --kv-cache-dtype fp8 is e4m3 with a scale of 1: values keep 3 mantissa bits and saturate at +-448
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for --kv-cache-dtype `name` with activations in `dtype`."""
+    if name == "auto":
+        return dtype
+    if name not in _KV_DTYPES:
+        raise UserError(f"unknown --kv-cache-dtype {name!r} (choose from auto, fp8, fp8_e4m3, bf16, f16, f32)")
+    return _KV_DTYPES[name]
+
+
+# llama.cpp's -ctk / -ctv types: its default f16 means "as the activations" here; its 8-bit q8_0 maps to the 8-bit
+# cache cobatch has (fp8 e4m3, not q8_0's blocks of 32 with a scale each)
+_LLAMA_CPP_CACHE_TYPES = {"f16": "auto", "bf16": "auto", "f32": "f32", "q8_0": "fp8"}
+
+
+def kv_cache_dtype_flag(kv_cache_dtype: str | None, cache_type_k: str | None, cache_type_v: str | None) -> str:
+    """--kv-cache-dtype (vLLM) or llama.cpp's -ctk / -ctv, as one --kv-cache-dtype name."""
+    if cache_type_k is None and cache_type_v is None:
+        return kv_cache_dtype or "auto"
+    k, v = cache_type_k or "f16", cache_type_v or "f16"        # llama.cpp's default for the one not given
+    for flag, value in (("-ctk", k), ("-ctv", v)):
+        if value not in _LLAMA_CPP_CACHE_TYPES:
+            raise UserError(f"{flag} {value}: cobatch's KV cache types are {', '.join(_LLAMA_CPP_CACHE_TYPES)} "
+                            "(q8_0 is stored as fp8 e4m3)")
+    if _LLAMA_CPP_CACHE_TYPES[k] != _LLAMA_CPP_CACHE_TYPES[v]:
+        raise UserError(f"-ctk {k} -ctv {v}: cobatch stores K and V in one dtype; give both the same type")
+    if kv_cache_dtype is not None and kv_cache_dtype != _LLAMA_CPP_CACHE_TYPES[k]:
+        raise UserError(f"--kv-cache-dtype {kv_cache_dtype} contradicts -ctk/-ctv {k}")
+    return _LLAMA_CPP_CACHE_TYPES[k]
+
+
 def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.device) -> int:
     """Rows the decode graphs hold: a token per session, and with speculation its drafts too (up to the rows
     the scheduler lets a step with drafts have)."""
@@ -100,6 +135,7 @@ class LLM:
         if options.dtype and options.dtype not in _DTYPES:
             raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
         dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        kv_cache_dtype(options.kv_cache_dtype, dtype)          # a bad name fails before the model loads
         gguf = GGUFFile(path)
         cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
         gguf.check_tensor_types()
@@ -112,7 +148,7 @@ class LLM:
                   disable=options.quiet, file=sys.stderr) as bar:
             model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
                                keep_dense=options.dense_large_batch)
-        pool = _make_pool(cfg, options, ctx, dtype, device)
+        pool = _make_pool(cfg, options, ctx, kv_cache_dtype(options.kv_cache_dtype, dtype), device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager and model.graph_safe:
             runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)

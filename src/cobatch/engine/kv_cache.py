@@ -24,7 +24,7 @@ class KVPool:
         shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

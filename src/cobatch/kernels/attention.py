@@ -51,17 +51,20 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # --- Triton: shared pieces --------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
+# KV cache dtypes stored in 8 bits (vLLM's --kv-cache-dtype fp8 = e4m3, no scale): half the bytes to read
+FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 @jit
 def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                    cache_slot_stride, cache_head_stride, PAGE: tl.constexpr):
-    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, through its block table."""
+                    cache_slot_stride, cache_head_stride, PAGE: tl.constexpr, OPERAND: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, through its block table, as OPERAND
+    (an fp8 cache is widened to q's dtype in registers: the bytes read are what it saves)."""
     page = tl.load(bt_row_ptr + toks // PAGE, mask=tok_mask, other=0).to(tl.int64)
     off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
     mask = tok_mask[:, None] & d_mask[None, :]
-    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
-    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
     return k, v
 
 
@@ -98,6 +101,13 @@ def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.conste
     return m_new, l, acc * alpha[:, None] + pv
 
 
+def operand_dtype(q: torch.Tensor, k_cache: torch.Tensor):
+    """The dtype the kernels' dots take K, V and q in: the cache's, except that an fp8 cache is widened to
+    q's dtype (bf16 / f16) as its tiles are loaded."""
+    dtype = q.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype
+    return getattr(tl, str(dtype).removeprefix("torch."))
+
+
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -124,6 +134,10 @@ class DecodeConfig:
     # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
     # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
     invariant_rows: int = 8
+    # ptxas's register cap for an fp8 cache's kernel: left alone it took 150-160 registers (its tiles widened
+    # to bf16 in registers), so 3 programs per SM; capped, 128 and no spills, as the bf16 kernels' 124-128
+    # (sm_90 compile, tests/test_kernels_compile.py). The bf16 ones stay uncapped: the cap made one spill.
+    fp8_max_registers: int = 128
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
     # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
     # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
@@ -145,7 +159,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          splits_per_program, num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
-                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr):
+                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over splits_per_program splits of
     the context, so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
     from scratch over its own tiles, so it has the same bits however many splits a program walks: the
@@ -171,7 +185,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     gd_mask = g_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride + d[None, :],
-                mask=gd_mask, other=0.0).to(kc_ptr.dtype.element_ty)
+                mask=gd_mask, other=0.0).to(OPERAND)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -183,7 +197,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         toks = tok0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                               cache_slot_stride, cache_head_stride, PAGE=PAGE)
+                               cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
         if WINDOWED:    # the keys of the tile before the window are loaded (they are cached) but not attended
             tok_mask &= toks >= first_key
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32,
@@ -302,8 +316,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), scale * LOG2E, split_len, per_program, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
-        WINDOWED=window > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        maxnreg=cfg.fp8_max_registers if k_cache.dtype in FP8_DTYPES else None, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits, window,
@@ -330,7 +345,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
                     cache_head_stride, out_row_stride, out_head_stride, qk_scale, window, softcap,
                     GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+                    SOFTCAP: tl.constexpr, OPERAND: tl.constexpr):
     """Program (q_head, seq, query tile). Row i of the chunk sits at position seq_len - q_len + i and sees
     keys 0..position; the keys come from the cache (the chunk's own K/V are already written there).
     Tiles go last-first: the longest programs start first and the short ones fill the tail, and the heads
@@ -350,7 +365,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
     d_mask = d < HEAD_D
     rows = (row0 + r).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * q_head_stride + d[None, :],
-                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(OPERAND)
 
     # Keys up to the tile's last row; tiles wholly at or below its first row need no causal mask.
     last_r = tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1
@@ -369,7 +384,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                                   cache_slot_stride, cache_head_stride, PAGE=PAGE)
+                                   cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
             valid = (toks[None, :] <= pos[:, None]) & (toks[None, :] > pos[:, None] - window) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32, EMPTY_ROWS=True,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
@@ -378,14 +393,14 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
         for n0 in range(0, full_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, toks < kv_end, kv_head, d, d_mask,
-                                   cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE)
+                                   cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
         for n0 in range(full_end, kv_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                                   cache_slot_stride, cache_head_stride, PAGE=PAGE)
+                                   cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
             valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
@@ -413,7 +428,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        OPERAND=operand_dtype(q, k_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

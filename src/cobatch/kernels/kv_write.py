@@ -7,13 +7,24 @@ import torch
 from cobatch.kernels.triton_support import jit, next_pow2, tl
 
 
+FP8_MAX = 448.0     # the largest finite float8 e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it. fp8 saturates at +-448, as the kernels' conversion (cvt.rn.satfinite) does,
+    rather than turning into NaN."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """k, v: [N, Hk, D]; caches: [num_blocks, block_size, Hk, D]; slot = block * block_size + offset."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[keep], v_cache.dtype)
 
 
 # --- Triton -------------------------------------------------------------------------------------------

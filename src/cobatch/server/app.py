@@ -176,6 +176,7 @@ def _check_serve_args(args) -> None:
                             "(only 1 is accepted)")
     _speculative(args)
     sampling_defaults(args)
+    _kv_cache_dtype(args)
     for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
                       ("port", 0)):
         if getattr(args, name) < low:
@@ -184,6 +185,12 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+
+
+def _kv_cache_dtype(args) -> str:
+    from cobatch.llm import kv_cache_dtype_flag
+    return kv_cache_dtype_flag(getattr(args, "kv_cache_dtype", None), getattr(args, "cache_type_k", None),
+                               getattr(args, "cache_type_v", None))
 
 
 def sampling_defaults(args) -> dict:
@@ -264,7 +271,8 @@ def serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     llm = LLM.load(args.model_path or args.model, EngineOptions(
-        device=_device(args), dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
+        device=_device(args), dtype=args.dtype, kv_cache_dtype=_kv_cache_dtype(args), ctx=args.ctx,
+        max_num_seqs=args.parallel,
         kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
@@ -282,7 +290,8 @@ def serve(args) -> int:
           f"  slots:    {server.worker.num_slots} (--parallel), queue up to {options.max_queue}\n"
           f"  context:  {llm.engine.max_context} tokens per request\n"
           f"  KV cache: {pool.num_blocks} blocks x {pool.block_size} = {pool.num_blocks * pool.block_size} tokens "
-          f"({pool.nbytes / 2**20:.0f} MiB), prefix cache shared by all slots\n"
+          f"({pool.nbytes / 2**20:.0f} MiB, {str(pool.dtype).removeprefix('torch.')}), prefix cache shared by all "
+          f"slots\n"
           f"  device:   {llm.engine.runner.device}{_graphs_note(llm)}  "
           f"api key: {'required' if args.api_key else 'none'}",
           file=sys.stderr, flush=True)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device calls for the fp8 KV cache (--kv-cache-dtype fp8, session 12, 2026-11-30). Repo root on the GPU machine;
+# carry .whl and .models (smollm2-6l.gguf).
+#   PART=tests:  the GPU tests of the fp8 reads and writes (attention kernels, rope / kv_write, the engine against
+#                the CPU path) and the bf16 ones they sit beside; then decode attention, bf16 and fp8 caches, in one
+#                bench/kernels_attention.py run (GB/s of the cache's bytes, ratio to a copy measured in the run).
+#   PART=decode: whole decode steps of a random Llama-3-8B Q4_K_M, KV cache bf16 then fp8 (each its own load),
+#                at contexts 4096 and 32768 (bench/decode.py).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ "${PART:-tests}" = tests ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_attention_kernels.py \
+    tests/test_kernels_small.py tests/test_gpu_engine.py \
+    -k "${K:-fp8 or llama8b or bitwise or cuda_graph_replay or batched_equals or graph_and_eager}" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -4
+  ATTN_KV_DTYPES=bf16,fp8 ATTN_BATCHES=${ATTN_BATCHES:-1,8,64} timeout 240 python3 bench/kernels_attention.py 2>&1 \
+    | grep -v Warning | tee "$OUT/attention.log" | tail -24
+else
+  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+    --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
+  tail -1 "$OUT/write.log"
+  timeout "${BENCH_TIMEOUT:-420}" python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype auto,fp8 \
+    --contexts ${CONTEXTS:-4096,32768} --batches ${BATCHES:-1,4,8,16} --max-batch 16 --kv-cache-gb 72 2>&1 \
+    | grep -v -E "Warning|warn_once|loading|capturing" | tee "$OUT/decode.log" | tail -40
+fi
