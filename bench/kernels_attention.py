@@ -125,11 +125,12 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
             "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg)}
 
 
-def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFILL_TOKENS) -> dict:
+def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFILL_TOKENS,
+                  kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     pages = -(-tokens // PAGE)
     shape = (pages, PAGE, N_KV, HEAD_DIM)
-    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = _random_cache(shape, gen, kv_dtype)
+    v_cache = _random_cache(shape, gen, kv_dtype)
     tables = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)[None]
     meta = AttentionMetadata(
         slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device="cuda"),
@@ -141,13 +142,14 @@ def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFIL
     scale = HEAD_DIM ** -0.5
     flops = 4 * N_Q * HEAD_DIM * tokens * (tokens + 1) / 2      # causal: QK^T and PV over the visible keys
     ms = _graph_ms_per_call([lambda: paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=cfg)])
-    # The same attention through torch SDPA on contiguous K/V (a reference point, not a goal).
-    k = k_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None]
-    v = v_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None]
+    # The same attention through torch SDPA on contiguous bf16 K/V (a reference point, not a goal).
+    k = k_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None].to(torch.bfloat16)
+    v = v_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None].to(torch.bfloat16)
     qt = q.transpose(0, 1)[None]
     sdpa_ms = _graph_ms_per_call([lambda: torch.nn.functional.scaled_dot_product_attention(
         qt, k, v, is_causal=True, scale=scale, enable_gqa=True)])
-    return {"kernel": "prefill_attention", "tokens": tokens, "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+    return {"kernel": "prefill_attention", "tokens": tokens, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+            "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
             "torch_sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12, "config": asdict(cfg)}
 
 
@@ -165,10 +167,11 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
                     r = {"kernel": "decode_attention", "batch": batch, "context": context, "kv_dtype": kv,
                          "error": repr(e)[:300]}
                 rows.append(r)
-    try:
-        rows.append(bench_prefill(prefill_cfg, gen))
-    except Exception as e:
-        rows.append({"kernel": "prefill_attention", "error": repr(e)[:300]})
+    for kv in RUN_KV_DTYPES:
+        try:
+            rows.append(bench_prefill(prefill_cfg, gen, kv_dtype=KV_DTYPES[kv]))
+        except Exception as e:
+            rows.append({"kernel": "prefill_attention", "kv_dtype": kv, "error": repr(e)[:300]})
     # One schema for every row (None where a field does not apply), so callers can tabulate them directly.
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return [{k: r.get(k) for k in keys} for r in rows]
@@ -243,7 +246,7 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
             print(f"{r['kernel']} {r.get('batch', '')} {r.get('context', '')}: {r['error']}")
     for r in rows:
         if r["kernel"] == "prefill_attention" and r.get("tflops") is not None:
-            print(f"prefill {r['tokens']} tokens: {r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s "
+            print(f"prefill {r['tokens']} tokens, {r['kv_dtype']} KV: {r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s "
                   f"(torch SDPA {r['torch_sdpa_tflops']:.0f})")
 
 

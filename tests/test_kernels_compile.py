@@ -96,15 +96,16 @@ for softcap in (False, True):
             attention._prefill_kernel,
             dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n, BLOCK_D=128, DOT_F32=False,
                  WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16), pre.num_warps, pre.num_stages)
+F16 = triton.language.float16        # what an fp8 cache's tiles are widened to (attention.operand_dtype)
 for single in (False, True):
     variants[f"decode softcap=False single_split={single} windowed=False fp8 cache"] = (
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, SINGLE_SPLIT=single,
-             PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=BF16),
+             PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16),
         dec.num_warps, dec.num_stages, FP8_CACHE, dec.fp8_max_registers)
 variants["prefill fp8 cache"] = (
     attention._prefill_kernel, dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n,
-                                    BLOCK_D=128, DOT_F32=False, WINDOWED=False, SOFTCAP=False, OPERAND=BF16),
+                                    BLOCK_D=128, DOT_F32=False, WINDOWED=False, SOFTCAP=False, OPERAND=F16),
     pre.num_warps, pre.num_stages, FP8_CACHE)
 variants["rope+kv_write fp8 cache"] = (
     rope._rope_kernel, dict(HALF=64, NEOX=False, WRITE_KV=True, QK_NORM=False, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64,

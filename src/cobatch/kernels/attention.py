@@ -59,7 +59,7 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                     cache_slot_stride, cache_head_stride, PAGE: tl.constexpr, OPERAND: tl.constexpr):
     """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, through its block table, as OPERAND
-    (an fp8 cache is widened to q's dtype in registers: the bytes read are what it saves)."""
+    (an fp8 cache is widened to f16 in registers: the bytes read are what it saves)."""
     page = tl.load(bt_row_ptr + toks // PAGE, mask=tok_mask, other=0).to(tl.int64)
     off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
     mask = tok_mask[:, None] & d_mask[None, :]
@@ -102,9 +102,11 @@ def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.conste
 
 
 def operand_dtype(q: torch.Tensor, k_cache: torch.Tensor):
-    """The dtype the kernels' dots take K, V and q in: the cache's, except that an fp8 cache is widened to
-    q's dtype (bf16 / f16) as its tiles are loaded."""
-    dtype = q.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype
+    """The dtype the kernels' dots take K, V and q in: the cache's, except that an fp8 cache is widened to f16
+    as its tiles are loaded (one cvt per two values, where bf16 takes a second conversion per value: sm_90
+    compile, 128 more per 64-token tile; f16 also holds every e4m3 value and the softmax weights exactly enough).
+    q goes to f16 then: a query beyond f16's 65504 is not a thing models make."""
+    dtype = torch.float16 if k_cache.dtype in FP8_DTYPES else k_cache.dtype
     return getattr(tl, str(dtype).removeprefix("torch."))
 
 
