@@ -321,7 +321,7 @@ def main() -> None:
                   f"x{r['vs_b1']:6.2f}  {r['step_over_roofline']:4.2f}x roof  {r['gbps']:6.0f} GB/s "
                   f"({r['gbps'] * 1e9 / copy_bps:4.0%} of copy)")
         for b, kernels in m["kernel_breakdown"].items():
-            print(f"  eager step B={b}, ctx 512, GPU time by kernel:")
+            print(f"  eager step B={b}, ctx {CONTEXTS[0]}, GPU time by kernel:")
             for k in kernels[:8]:
                 print(f"    {k['ms']:7.3f} ms  {k['calls']:4d}x  {k['kernel']}")
         for p in m["prefill"]:

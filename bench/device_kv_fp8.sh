@@ -5,7 +5,8 @@
 #                the CPU path) and the bf16 ones they sit beside; then decode attention, bf16 and fp8 caches, in one
 #                bench/kernels_attention.py run (GB/s of the cache's bytes, ratio to a copy measured in the run).
 #   PART=decode: whole decode steps of a random Llama-3-8B Q4_K_M, KV cache bf16 then fp8 (each its own load),
-#                at contexts 4096 and 32768 (bench/decode.py).
+#                at contexts 4096 and 32768 (graphs captured for 32k), then bf16 at 4096 with graphs captured for 4k
+#                (bench/decode.py).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
@@ -24,4 +25,8 @@ else
   timeout "${BENCH_TIMEOUT:-420}" python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype auto,fp8 \
     --contexts ${CONTEXTS:-4096,32768} --batches ${BATCHES:-1,4,8,16} --max-batch 16 --kv-cache-gb 72 2>&1 \
     | grep -v -E "Warning|warn_once|loading|capturing" | tee "$OUT/decode.log" | tail -40
+  # the same steps with graphs captured for 4k only: what the 32k-capacity rows at 4k should match
+  OUT=$OUT/cap4k timeout 200 python3 bench/decode.py --model /tmp/l8.gguf --contexts 4096 \
+    --batches ${BATCHES:-1,4,8,16} --max-batch 16 --kv-cache-gb 72 2>&1 \
+    | grep -v -E "Warning|warn_once|loading|capturing" | tee "$OUT/decode-cap4k.log" | tail -8
 fi

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
-    plan_decode_splits)
+    plan_decode_splits, row_split_len)
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import DEVICE, assert_matches, poisoned, relative_error  # noqa: E402
 
@@ -78,24 +78,43 @@ def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_c
 # --- split planning -----------------------------------------------------------------------------------------
 
 def test_plan_decode_splits_fills_the_gpu():
-    # B=1 at 32k on 132 SMs: many splits; B=64: few; always whole tiles and covering the capacity.
-    for b, ctx in [(1, 32768), (1, 512), (8, 4096), (64, 32768), (64, 512), (3, 1)]:
-        split_len, num_splits, per_program = plan_decode_splits(b, 8, ctx, 132)
-        assert split_len % DecodeConfig().block_n == 0 and split_len * num_splits >= ctx
-        assert 1 <= num_splits <= DecodeConfig().max_splits and 1 <= per_program <= num_splits
-    assert plan_decode_splits(1, 8, 32768, 132)[1] >= 32
-    assert plan_decode_splits(64, 8, 32768, 132)[1] <= 2
+    # B=1 at 32k on 132 SMs: many splits; B=64: few; every row up to the capacity splits into whole tiles,
+    # at most num_splits of them, all within the grid's chunks.
+    cfg = DecodeConfig()
+    for b, ctx in [(1, 32768), (1, 512), (8, 4096), (64, 32768), (64, 512), (3, 1), (16, 4100)]:
+        num_splits, per_program, chunks = plan_decode_splits(b, 8, ctx, 132)
+        assert 1 <= num_splits <= cfg.max_splits and 1 <= per_program <= num_splits
+        for n in list(range(0, min(ctx, 5000) + 1, 7)) + list(range(ctx - 200, ctx + 1)):
+            split_len = row_split_len(n, num_splits)
+            assert split_len % cfg.block_n == 0 and split_len >= cfg.min_split, (b, ctx, n)
+            assert -(-n // split_len) <= min(num_splits, chunks * per_program), (b, ctx, n)
+    assert plan_decode_splits(1, 8, 32768, 132)[0] >= 32
+    assert plan_decode_splits(64, 8, 32768, 132)[0] <= 2
+
+
+def test_a_short_row_splits_its_own_length_not_the_capacity():
+    """A row holding 4k tokens in a step planned for a 32k capacity splits as in a step planned for 4k, over
+    several programs; planned from the capacity, its 4k tokens were one or two 512-token splits, walked by one
+    program (decode graphs captured for a 32k context ran 4k conversations at 2x the step time:
+    bench/results/decode-2026-11-30-kv-capacity32k.log)."""
+    for b in (1, 8, 16):
+        n_short, _, _ = plan_decode_splits(b, 8, 4096, 132)
+        n_long, per_program, chunks = plan_decode_splits(b, 8, 32768, 132)
+        assert n_short == n_long
+        splits = -(-4096 // row_split_len(4096, n_long))
+        assert splits == n_long or row_split_len(4096, n_long) == DecodeConfig().min_split
+        assert -(-splits // per_program) > 1        # spread over several programs
 
 
 def test_plan_decode_splits_is_the_same_for_up_to_invariant_rows():
     """A row splits its context the same way whether it is alone or in a step of up to invariant_rows."""
     rows = DecodeConfig().invariant_rows
     for ctx in (1, 512, 4096, 32768):
-        plans = {plan_decode_splits(b, 8, ctx, 132)[:2] for b in range(1, rows + 1)}
+        plans = {plan_decode_splits(b, 8, ctx, 132)[0] for b in range(1, rows + 1)}
         assert len(plans) == 1, (ctx, plans)
-    assert plan_decode_splits(rows + 1, 8, 32768, 132)[:2] != plan_decode_splits(1, 8, 32768, 132)[:2]
+    assert plan_decode_splits(rows + 1, 8, 32768, 132)[0] != plan_decode_splits(1, 8, 32768, 132)[0]
     # ... while a batch's programs walk several splits each, as many programs as its own plan would run
-    assert plan_decode_splits(1, 8, 32768, 132)[2] == 1 and plan_decode_splits(rows, 8, 32768, 132)[2] > 1
+    assert plan_decode_splits(1, 8, 32768, 132)[1] == 1 and plan_decode_splits(rows, 8, 32768, 132)[1] > 1
 
 
 # --- decode -----------------------------------------------------------------------------------------------
@@ -109,8 +128,22 @@ def test_decode_small(n_q, n_kv, variant):
 
 
 def test_walking_plan_has_programs_walk_several_splits():
-    assert plan_decode_splits(4, 2, 130, 4, WALKING_DECODE) == (16, 9, 3)
-    assert plan_decode_splits(1, 2, 130, 4, WALKING_DECODE) == (16, 9, 1)
+    # (num_splits, splits_per_program, chunks): rows of up to 130 tokens have at most 9 splits of 16
+    assert plan_decode_splits(4, 2, 130, 4, WALKING_DECODE) == (16, 4, 3)
+    assert plan_decode_splits(1, 2, 130, 4, WALKING_DECODE) == (16, 1, 9)
+    assert row_split_len(130, 16, WALKING_DECODE) == 16 and row_split_len(400, 16, WALKING_DECODE) == 32
+
+
+@pytest.mark.parametrize("variant", ["split", "walk"])
+def test_decode_small_row_is_bitwise_the_same_whatever_the_capacity(variant):
+    """The same rows in a step planned for their own longest length and for a capacity 3x that: the same bits."""
+    q, k_cache, v_cache, meta = paged_setup([100, 37, 130, 5], [1] * 4, 4, 2, 32, torch.bfloat16, seed=22,
+                                            capacity=400)
+    cfg = DECODE_VARIANTS[variant]
+    tight = AttentionMetadata(meta.slot_mapping, meta.query_start, meta.seq_lens, meta.block_tables,
+                              max_query_len=1, max_seq_len=130)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, meta, 0.2, cfg=cfg),
+                       paged_decode_attention(q, k_cache, v_cache, tight, 0.2, cfg=cfg))
 
 
 @pytest.mark.parametrize("window", [0, 40])

@@ -89,7 +89,8 @@ for softcap in (False, True):
             variants[f"decode softcap={softcap} single_split={single} windowed={windowed}"] = (
                 attention._decode_split_kernel,
                 dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n,
-                     SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=softcap, WINDOWED=windowed, OPERAND=BF16),
+                     MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=softcap,
+                     WINDOWED=windowed, OPERAND=BF16),
                 dec.num_warps, dec.num_stages)
     for windowed in (False, True):
         variants[f"prefill softcap={softcap} windowed={windowed}"] = (
@@ -100,7 +101,8 @@ F16 = triton.language.float16        # what an fp8 cache's tiles are widened to 
 for single in (False, True):
     variants[f"decode softcap=False single_split={single} windowed=False fp8 cache"] = (
         attention._decode_split_kernel,
-        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, SINGLE_SPLIT=single,
+        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, MIN_SPLIT=dec.min_split,
+             SINGLE_SPLIT=single,
              PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16),
         dec.num_warps, dec.num_stages, FP8_CACHE, dec.fp8_max_registers)
 variants["prefill fp8 cache"] = (
@@ -111,7 +113,8 @@ variants["rope+kv_write fp8 cache"] = (
     rope._rope_kernel, dict(HALF=64, NEOX=False, WRITE_KV=True, QK_NORM=False, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64,
                             BLOCK_D=128, PDL=True), 4, 2, FP8_CACHE)
 variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2, FP8_CACHE)
-variants["decode reduce"] = (attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_S=64, PDL=True), 4, 2)
+variants["decode reduce"] = (attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_S=64, PDL=True,
+                                                                   MIN_SPLIT=dec.min_split, BLOCK_N=dec.block_n), 4, 2)
 for gelu, interleaved in ((False, False), (True, False), (False, True)):
     variants[f"gated_mul gelu={gelu} interleaved={interleaved}"] = (
         activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, INTERLEAVED=interleaved, PDL=True), 4, 2)

@@ -157,21 +157,24 @@ DECODE_CONFIG = DecodeConfig()
 @jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
-                         cache_head_stride, out_row_stride, out_head_stride, qk_scale, split_len,
+                         cache_head_stride, out_row_stride, out_head_stride, qk_scale,
                          splits_per_program, num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over splits_per_program splits of
     the context, so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
     from scratch over its own tiles, so it has the same bits however many splits a program walks: the
-    split plan, not the grid, fixes a row's numerics. Tiles are aligned to BLOCK_N (split_len is a multiple);
+    split plan, not the grid, fixes a row's numerics; and the plan is the row's own (_row_split_len), not the
+    batch's or the graph's capacity. Tiles are aligned to BLOCK_N (split_len is a multiple);
     a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    chunk_len = splits_per_program * split_len
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
+    chunk_len = splits_per_program * split_len
     start = tl.program_id(2) * chunk_len
     end = tl.minimum(seq_len, start + chunk_len)
     if WINDOWED:                       # sliding window: only the last `window` keys (tiles before: no work)
@@ -226,6 +229,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
 
 
 @jit
+def _row_split_len(seq_len, num_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A row's split length from its own length only: at most num_splits splits of at least MIN_SPLIT tokens,
+    in whole BLOCK_N tiles. So a row's bits depend neither on the rows beside it (up to invariant_rows) nor on
+    the capacity a graph was captured for, and a short row in a long-context graph still spreads out."""
+    per = tl.maximum((seq_len + num_splits - 1) // num_splits, MIN_SPLIT)
+    return (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+
+@jit
 def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, out_row_ptr, HEAD_D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge one head's splits first_valid .. n_valid - 1 (max, sum, acc), stored from partial index part0
@@ -248,7 +260,8 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, out_ro
 
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
-                          split_len, num_splits, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          num_splits, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                          BLOCK_N: tl.constexpr,
                           BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Program (seq, q_head): merge the splits that seq_len (and the window) reach into the final row."""
     seq = tl.program_id(0).to(tl.int64)
@@ -256,6 +269,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
     if PDL:
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
     n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
     first_valid = 0
     if window > 0:                     # splits wholly before the window hold no partial
@@ -269,23 +283,28 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
                        cfg: DecodeConfig = DECODE_CONFIG) -> tuple[int, int, int]:
-    """(split_len, num_splits, splits_per_program) from host ints only, so a captured graph stays valid for
-    any seq_lens <= max_seq_len. Aims at about cfg.programs_per_sm programs per SM: B=1 at 32k splits 64
-    ways, while B=64 (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69
-    of copy at 512 tokens, 0.99 vs 0.94 at 4k). Up to cfg.invariant_rows sequences split as one does, and
-    the programs they want walk several of those splits each."""
-    def split_plan(rows: int) -> tuple[int, int]:
-        wanted = max(1, round(cfg.programs_per_sm * sms / (rows * n_kv_heads)))
-        split_len = max(cfg.min_split, math.ceil(max(max_seq_len, 1) / wanted))
-        split_len = max(split_len, math.ceil(max(max_seq_len, 1) / cfg.max_splits))
-        split_len = triton.cdiv(split_len, cfg.block_n) * cfg.block_n
-        return split_len, max(1, triton.cdiv(max_seq_len, split_len))
+    """(num_splits, splits_per_program, chunks) from host ints only, so a captured graph stays valid for any
+    seq_lens <= max_seq_len. num_splits is the most splits a row may have; each row then splits its own length
+    into at most that many (row_split_len), so a row holding 4k tokens in a graph planned for 32k still spreads
+    over the GPU. It aims at about cfg.programs_per_sm programs per SM: B=1 splits up to 64 ways, while B=64
+    (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at 512
+    tokens, 0.99 vs 0.94 at 4k). Up to cfg.invariant_rows sequences split as one does, and the programs they
+    want walk several of those splits each. chunks (the grid's third axis) covers the splits a row up to
+    max_seq_len can have."""
+    def splits_for(rows: int) -> int:
+        return max(1, min(cfg.max_splits, round(cfg.programs_per_sm * sms / (rows * n_kv_heads))))
 
-    own_len, own_splits = split_plan(num_seqs)
-    if num_seqs > cfg.invariant_rows:
-        return own_len, own_splits, 1
-    split_len, num_splits = split_plan(1)
-    return split_len, num_splits, triton.cdiv(num_splits, own_splits)
+    own = splits_for(num_seqs)
+    num_splits = own if num_seqs > cfg.invariant_rows else splits_for(1)
+    per_program = triton.cdiv(num_splits, own)
+    reachable = min(num_splits, triton.cdiv(max(max_seq_len, 1), cfg.min_split))
+    return num_splits, per_program, triton.cdiv(reachable, per_program)
+
+
+def row_split_len(seq_len: int, num_splits: int, cfg: DecodeConfig = DECODE_CONFIG) -> int:
+    """The split length of a row of seq_len tokens (as _row_split_len computes it in the kernels)."""
+    per = max(triton.cdiv(seq_len, num_splits), cfg.min_split)
+    return triton.cdiv(per, cfg.block_n) * cfg.block_n
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -303,8 +322,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n_rows == 0:
         return out
     group = n_heads // n_kv_heads
-    split_len, num_splits, per_program = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q),
-                                                            cfg)
+    num_splits, per_program, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
@@ -312,19 +330,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
-    _decode_split_kernel[(n_rows, n_kv_heads, triton.cdiv(num_splits, per_program))](
+    _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), scale * LOG2E, split_len, per_program, num_splits, window, softcap,
+        out.stride(0), out.stride(1), scale * LOG2E, per_program, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
+        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
         WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.fp8_max_registers if k_cache.dtype in FP8_DTYPES else None, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
-            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), split_len, num_splits, window,
-            HEAD_D=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), num_warps=4, **launch)
+            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, window,
+            HEAD_D=head_dim, BLOCK_D=block_d, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
+            BLOCK_S=next_pow2(num_splits), num_warps=4, **launch)
     return out
 
 
