@@ -138,6 +138,31 @@ def graph_replay_ms(llm: LLM, batch: int) -> float:
     return statistics.median(times)
 
 
+def graph_kernel_breakdown(llm: LLM, batch: int, replays: int = 5) -> list[dict]:
+    """Per-kernel GPU time inside the captured decode graph, per replay (kernels in a graph run back to back,
+    with programmatic dependent launch overlapping them: not the same as one eager step's)."""
+    from torch.profiler import ProfilerActivity, profile
+    g = llm.engine.runner.graphs
+    graph = g.graphs[g.bucket_for(batch)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return _top_kernels(prof, replays)
+
+
+def _top_kernels(prof, per: int = 1) -> list[dict]:
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append(dict(kernel=ev.key[:90], calls=ev.count // per, ms=t / 1e3 / per))
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:14]
+
+
 def kernel_breakdown(llm: LLM, batch: int) -> list[dict]:
     """Per-kernel GPU time of one eager decode step (same kernels the graph replays), top entries."""
     from torch.profiler import ProfilerActivity, profile
@@ -151,13 +176,7 @@ def kernel_breakdown(llm: LLM, batch: int) -> list[dict]:
             torch.cuda.synchronize()
     finally:
         runner.graphs = graphs
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            rows.append(dict(kernel=ev.key[:90], calls=ev.count, ms=t / 1e3))
-    rows.sort(key=lambda r: -r["ms"])
-    return rows[:14]
+    return _top_kernels(prof)
 
 
 def clear(llm: LLM) -> None:
@@ -186,6 +205,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
             graph_ms = graph_replay_ms(llm, b)
             if context == CONTEXTS[0] and b in (1, 16):
                 breakdowns[b] = kernel_breakdown(llm, b)
+                breakdowns[f"graph {b}"] = graph_kernel_breakdown(llm, b)
             clear(llm)
             kv_read = b * (context + 8) * kvtok          # contexts grow by ~8 tokens over the timed steps
             roofline_s = (wbytes + kv_read) / copy_bps
@@ -321,7 +341,8 @@ def main() -> None:
                   f"x{r['vs_b1']:6.2f}  {r['step_over_roofline']:4.2f}x roof  {r['gbps']:6.0f} GB/s "
                   f"({r['gbps'] * 1e9 / copy_bps:4.0%} of copy)")
         for b, kernels in m["kernel_breakdown"].items():
-            print(f"  eager step B={b}, ctx {CONTEXTS[0]}, GPU time by kernel:")
+            what = f"graph replay B={b.split()[1]}" if str(b).startswith("graph") else f"eager step B={b}"
+            print(f"  {what}, ctx {CONTEXTS[0]}, GPU time by kernel:")
             for k in kernels[:8]:
                 print(f"    {k['ms']:7.3f} ms  {k['calls']:4d}x  {k['kernel']}")
         for p in m["prefill"]:

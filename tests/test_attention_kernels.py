@@ -77,33 +77,39 @@ def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_c
 
 # --- split planning -----------------------------------------------------------------------------------------
 
+def chunk_splits(seq_len: int, num_splits: int, chunks: int, cfg: DecodeConfig = DecodeConfig()) -> list[int]:
+    """How many splits each of a row's `chunks` programs walks (as the split kernel shares them out)."""
+    n = -(-seq_len // row_split_len(seq_len, num_splits, cfg))
+    per = -(-n // chunks)
+    return [max(0, min(per, n - c * per)) for c in range(chunks)]
+
+
 def test_plan_decode_splits_fills_the_gpu():
     # B=1 at 32k on 132 SMs: many splits; B=64: few; every row up to the capacity splits into whole tiles,
-    # at most num_splits of them, all within the grid's chunks.
+    # at most num_splits of them, all walked by the grid's chunks.
     cfg = DecodeConfig()
     for b, ctx in [(1, 32768), (1, 512), (8, 4096), (64, 32768), (64, 512), (3, 1), (16, 4100)]:
-        num_splits, per_program, chunks = plan_decode_splits(b, 8, ctx, 132)
-        assert 1 <= num_splits <= cfg.max_splits and 1 <= per_program <= num_splits
-        for n in list(range(0, min(ctx, 5000) + 1, 7)) + list(range(ctx - 200, ctx + 1)):
+        num_splits, chunks = plan_decode_splits(b, 8, ctx, 132)
+        assert 1 <= num_splits <= cfg.max_splits and 1 <= chunks <= num_splits
+        for n in list(range(0, min(ctx, 5000) + 1, 7)) + list(range(max(0, ctx - 200), ctx + 1)):
             split_len = row_split_len(n, num_splits)
             assert split_len % cfg.block_n == 0 and split_len >= cfg.min_split, (b, ctx, n)
-            assert -(-n // split_len) <= min(num_splits, chunks * per_program), (b, ctx, n)
+            assert sum(chunk_splits(n, num_splits, chunks)) == -(-n // split_len) <= num_splits, (b, ctx, n)
     assert plan_decode_splits(1, 8, 32768, 132)[0] >= 32
     assert plan_decode_splits(64, 8, 32768, 132)[0] <= 2
 
 
 def test_a_short_row_splits_its_own_length_not_the_capacity():
-    """A row holding 4k tokens in a step planned for a 32k capacity splits as in a step planned for 4k, over
-    several programs; planned from the capacity, its 4k tokens were one or two 512-token splits, walked by one
-    program (decode graphs captured for a 32k context ran 4k conversations at 2x the step time:
+    """A row in a step planned for a 32k capacity splits and spreads as in a step planned for its own length:
+    planned from the capacity, a 4k row was one or two 512-token splits walked by one program (decode graphs
+    captured for a 32k context ran 4k conversations at 2x the step time:
     bench/results/decode-2026-11-30-kv-capacity32k.log)."""
     for b in (1, 8, 16):
-        n_short, _, _ = plan_decode_splits(b, 8, 4096, 132)
-        n_long, per_program, chunks = plan_decode_splits(b, 8, 32768, 132)
-        assert n_short == n_long
-        splits = -(-4096 // row_split_len(4096, n_long))
-        assert splits == n_long or row_split_len(4096, n_long) == DecodeConfig().min_split
-        assert -(-splits // per_program) > 1        # spread over several programs
+        for n in (512, 4096):
+            short, long = plan_decode_splits(b, 8, n, 132), plan_decode_splits(b, 8, 32768, 132)
+            assert short[0] == long[0]                  # the same splits, so the same bits
+            walked = [c for c in chunk_splits(n, *long) if c]
+            assert walked == [c for c in chunk_splits(n, *short) if c], (b, n)   # and as many programs
 
 
 def test_plan_decode_splits_is_the_same_for_up_to_invariant_rows():
@@ -114,7 +120,8 @@ def test_plan_decode_splits_is_the_same_for_up_to_invariant_rows():
         assert len(plans) == 1, (ctx, plans)
     assert plan_decode_splits(rows + 1, 8, 32768, 132)[0] != plan_decode_splits(1, 8, 32768, 132)[0]
     # ... while a batch's programs walk several splits each, as many programs as its own plan would run
-    assert plan_decode_splits(1, 8, 32768, 132)[1] == 1 and plan_decode_splits(rows, 8, 32768, 132)[1] > 1
+    assert chunk_splits(32768, *plan_decode_splits(1, 8, 32768, 132))[0] == 1
+    assert chunk_splits(32768, *plan_decode_splits(rows, 8, 32768, 132))[0] > 1
 
 
 # --- decode -----------------------------------------------------------------------------------------------
@@ -128,10 +135,11 @@ def test_decode_small(n_q, n_kv, variant):
 
 
 def test_walking_plan_has_programs_walk_several_splits():
-    # (num_splits, splits_per_program, chunks): rows of up to 130 tokens have at most 9 splits of 16
-    assert plan_decode_splits(4, 2, 130, 4, WALKING_DECODE) == (16, 4, 3)
-    assert plan_decode_splits(1, 2, 130, 4, WALKING_DECODE) == (16, 1, 9)
+    # (num_splits, chunks): 4 rows get 4 programs each (1 row: 9, as many as a 130-token row has splits)
+    assert plan_decode_splits(4, 2, 130, 4, WALKING_DECODE) == (16, 4)
+    assert plan_decode_splits(1, 2, 130, 4, WALKING_DECODE) == (16, 9)
     assert row_split_len(130, 16, WALKING_DECODE) == 16 and row_split_len(400, 16, WALKING_DECODE) == 32
+    assert chunk_splits(130, 16, 4, WALKING_DECODE) == [3, 3, 3, 0]
 
 
 @pytest.mark.parametrize("variant", ["split", "walk"])

@@ -165,7 +165,9 @@ def test_fp8_kv_cache_on_cuda(models):
     assert rel < 0.1 and agree >= 0.9
     prompts = [gpu.encode_prompt(p) for p in PROMPTS]
     alone = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
-    ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, a, g, 0.05)
+    # The reference is a prefill of the whole text, whose K/V (from the GEMM) round to other fp8 values than the
+    # decode steps' (from the GEMV) now and then: a full fp8 step, 1/8, so ties are wider than bf16's 0.05.
+    ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, a, g, 0.3)
             for p, a, g in zip(prompts, alone, _staggered(gpu.engine, prompts))]
     print(f"fp8 KV batched: identical {sum(t is None for t in ties)}/{len(ties)}; ties {[t for t in ties if t]}")
     assert sum(t is None for t in ties) >= len(ties) // 2

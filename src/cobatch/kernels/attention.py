@@ -136,10 +136,11 @@ class DecodeConfig:
     # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
     # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
     invariant_rows: int = 8
-    # ptxas's register cap for an fp8 cache's kernel: left alone it took 150-160 registers (its tiles widened
-    # to bf16 in registers), so 3 programs per SM; capped, 128 and no spills, as the bf16 kernels' 124-128
-    # (sm_90 compile, tests/test_kernels_compile.py). The bf16 ones stay uncapped: the cap made one spill.
-    fp8_max_registers: int = 128
+    # ptxas's register cap, for 4 programs per SM. Left alone, an fp8 cache's kernel took 160-184 registers (its
+    # tiles widened in registers), a windowed or soft-capped one 134-136 since splits follow each row's length;
+    # capped at 128 none of them spills (sm_90 compile, tests/test_kernels_compile.py). One-split bf16 kernels
+    # stay uncapped: they fit 128 alone, and the cap made them spill 8 bytes.
+    max_registers: int = 128
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
     # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
     # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
@@ -158,13 +159,13 @@ DECODE_CONFIG = DecodeConfig()
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale,
-                         splits_per_program, num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
+                         num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          MIN_SPLIT: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr):
-    """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over splits_per_program splits of
-    the context, so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
+    """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
+    (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
     from scratch over its own tiles, so it has the same bits however many splits a program walks: the
     split plan, not the grid, fixes a row's numerics; and the plan is the row's own (_row_split_len), not the
     batch's or the graph's capacity. Tiles are aligned to BLOCK_N (split_len is a multiple);
@@ -174,6 +175,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
+    # The row's splits shared among the chunks: a short row in a long-capacity grid still spreads out
+    splits_per_program = tl.cdiv(tl.cdiv(seq_len, split_len), tl.num_programs(2))
     chunk_len = splits_per_program * split_len
     start = tl.program_id(2) * chunk_len
     end = tl.minimum(seq_len, start + chunk_len)
@@ -282,23 +285,26 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
 
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
-                       cfg: DecodeConfig = DECODE_CONFIG) -> tuple[int, int, int]:
-    """(num_splits, splits_per_program, chunks) from host ints only, so a captured graph stays valid for any
-    seq_lens <= max_seq_len. num_splits is the most splits a row may have; each row then splits its own length
-    into at most that many (row_split_len), so a row holding 4k tokens in a graph planned for 32k still spreads
-    over the GPU. It aims at about cfg.programs_per_sm programs per SM: B=1 splits up to 64 ways, while B=64
-    (already 512 programs) does not split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at 512
-    tokens, 0.99 vs 0.94 at 4k). Up to cfg.invariant_rows sequences split as one does, and the programs they
-    want walk several of those splits each. chunks (the grid's third axis) covers the splits a row up to
-    max_seq_len can have."""
+                       cfg: DecodeConfig = DECODE_CONFIG) -> tuple[int, int]:
+    """(num_splits, chunks) from host ints only, so a captured graph stays valid for any seq_lens <= max_seq_len.
+    num_splits is the most splits a row may have; each row splits its own length into at most that many
+    (row_split_len), and the grid's `chunks` programs per row and KV head share a row's splits evenly, so a row
+    holding 4k tokens in a graph planned for 32k still spreads over the GPU. It aims at about
+    cfg.programs_per_sm programs per SM: B=1 splits up to 64 ways, while B=64 (already 512 programs) does not
+    split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at 512 tokens, 0.99 vs 0.94 at 4k). Up to
+    cfg.invariant_rows sequences split as one does, and the fewer programs they want walk several splits each."""
     def splits_for(rows: int) -> int:
         return max(1, min(cfg.max_splits, round(cfg.programs_per_sm * sms / (rows * n_kv_heads))))
 
     own = splits_for(num_seqs)
     num_splits = own if num_seqs > cfg.invariant_rows else splits_for(1)
-    per_program = triton.cdiv(num_splits, own)
-    reachable = min(num_splits, triton.cdiv(max(max_seq_len, 1), cfg.min_split))
-    return num_splits, per_program, triton.cdiv(reachable, per_program)
+    reachable = min(num_splits, triton.cdiv(max(max_seq_len, 1), cfg.min_split))   # splits of a row <= capacity
+    return num_splits, min(own, reachable)
+
+
+def decode_register_cap(num_splits: int, kv_dtype: torch.dtype, cfg: DecodeConfig = DECODE_CONFIG) -> int | None:
+    """maxnreg for the split kernel (see DecodeConfig.max_registers)."""
+    return cfg.max_registers if num_splits > 1 or kv_dtype in FP8_DTYPES else None
 
 
 def row_split_len(seq_len: int, num_splits: int, cfg: DecodeConfig = DECODE_CONFIG) -> int:
@@ -322,7 +328,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n_rows == 0:
         return out
     group = n_heads // n_kv_heads
-    num_splits, per_program, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
+    num_splits, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
@@ -333,12 +339,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), scale * LOG2E, per_program, num_splits, window, softcap,
+        out.stride(0), out.stride(1), scale * LOG2E, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
         WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=cfg.fp8_max_registers if k_cache.dtype in FP8_DTYPES else None, **launch)
+        maxnreg=decode_register_cap(num_splits, k_cache.dtype, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, window,
