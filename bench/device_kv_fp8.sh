@@ -4,6 +4,7 @@
 #   PART=tests:  the GPU tests of the fp8 reads and writes (attention kernels, rope / kv_write, the engine against
 #                the CPU path) and the bf16 ones they sit beside; then decode attention, bf16 and fp8 caches, in one
 #                bench/kernels_attention.py run (GB/s of the cache's bytes, ratio to a copy measured in the run).
+#   PART=capacity: fp8 KV at 32k context with 16, 24 and 32 sessions (a bf16 cache of the same 72 GiB holds 16).
 #   PART=decode: whole decode steps of a random Llama-3-8B Q4_K_M, KV cache bf16 then fp8 (each its own load),
 #                at contexts 4096 and 32768 (graphs captured for 32k), then bf16 at 4096 with graphs captured for 4k
 #                (bench/decode.py).
@@ -18,6 +19,12 @@ if [ "${PART:-tests}" = tests ]; then
     | tee "$OUT/gpu_tests.log" | tail -4
   ATTN_KV_DTYPES=bf16,fp8 ATTN_BATCHES=${ATTN_BATCHES:-1,8,64} timeout 240 python3 bench/kernels_attention.py 2>&1 \
     | grep -v Warning | tee "$OUT/attention.log" | tail -24
+elif [ "${PART}" = capacity ]; then
+  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+    --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype fp8 --contexts 32768 \
+    --batches 16,24,32 --max-batch 32 --kv-cache-gb 72 2>&1 \
+    | grep -v -E "Warning|warn_once|loading|capturing" | tee "$OUT/decode-capacity.log" | tail -30
 else
   python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
