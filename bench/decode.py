@@ -274,8 +274,8 @@ def plot(results: dict, copy_bps: float, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(CONTEXTS), figsize=(6 * len(CONTEXTS), 4.5))
-    for ax, context in zip(axes, CONTEXTS):
+    fig, axes = plt.subplots(1, len(CONTEXTS), figsize=(6 * len(CONTEXTS), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], CONTEXTS):
         for m in results["models"]:
             rows = [r for r in m["decode"] if r["context"] == context]
             bs = [r["batch"] for r in rows]

@@ -5,6 +5,8 @@
 #                the CPU path) and the bf16 ones they sit beside; then decode attention, bf16 and fp8 caches, in one
 #                bench/kernels_attention.py run (GB/s of the cache's bytes, ratio to a copy measured in the run).
 #   PART=capacity: fp8 KV at 32k context with 16, 24 and 32 sessions (a bf16 cache of the same 72 GiB holds 16).
+#   PART=pdl:    graph replay time with programmatic dependent launch off and on (COBATCH_PDL=0/1), bf16 and fp8 KV,
+#                context 4096, B = 1 and 8 (an fp8 cache's graph was 0.2-0.3 ms slower than bf16's at B = 1).
 #   PART=decode: whole decode steps of a random Llama-3-8B Q4_K_M, KV cache bf16 then fp8 (each its own load),
 #                at contexts 4096 and 32768 (graphs captured for 32k), then bf16 at 4096 with graphs captured for 4k
 #                (bench/decode.py).
@@ -19,6 +21,15 @@ if [ "${PART:-tests}" = tests ]; then
     | tee "$OUT/gpu_tests.log" | tail -4
   ATTN_KV_DTYPES=bf16,fp8 ATTN_BATCHES=${ATTN_BATCHES:-1,8,64} timeout 240 python3 bench/kernels_attention.py 2>&1 \
     | grep -v Warning | tee "$OUT/attention.log" | tail -24
+elif [ "${PART}" = pdl ]; then
+  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+    --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
+  for pdl in 0 1; do
+    COBATCH_PDL=$pdl OUT=$OUT/pdl$pdl timeout 200 python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype auto,fp8 \
+      --contexts 4096 --batches 1,8 --max-batch 8 --kv-cache-gb 40 2>&1 | grep -v -E "Warning|warn_once|loading|capturing" \
+      > "$OUT/decode-pdl$pdl.log"
+    echo "== COBATCH_PDL=$pdl"; grep -E "graph  " "$OUT/decode-pdl$pdl.log"
+  done
 elif [ "${PART}" = capacity ]; then
   python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
