@@ -335,9 +335,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out   # unused
-    # The PDL constexpr and the launch option. Not for an fp8 cache: in a Llama-3-8B decode graph at 4k, PDL took
-    # 0.12 ms off a bf16 step and put 0.11 ms on an fp8 one (bench/results/decode-2026-11-30-kv-fp8-pdl.log).
-    launch = pdl_launch(q) if cfg.pdl and k_cache.dtype not in FP8_DTYPES else {"PDL": False}
+    launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
