@@ -106,7 +106,8 @@ def kv_cache_dtype_flag(kv_cache_dtype: str | None, cache_type_k: str | None, ca
                             "(q8_0 is stored as fp8 e4m3)")
     if _LLAMA_CPP_CACHE_TYPES[k] != _LLAMA_CPP_CACHE_TYPES[v]:
         raise UserError(f"-ctk {k} -ctv {v}: cobatch stores K and V in one dtype; give both the same type")
-    if kv_cache_dtype is not None and kv_cache_dtype != _LLAMA_CPP_CACHE_TYPES[k]:
+    if kv_cache_dtype is not None and _KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype) != _KV_DTYPES.get(
+            _LLAMA_CPP_CACHE_TYPES[k], _LLAMA_CPP_CACHE_TYPES[k]):
         raise UserError(f"--kv-cache-dtype {kv_cache_dtype} contradicts -ctk/-ctv {k}")
     return _LLAMA_CPP_CACHE_TYPES[k]
 
