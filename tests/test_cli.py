@@ -242,8 +242,10 @@ def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():
     from cobatch.cli import build_parser, kv_cache_dtype_arg
     from cobatch.server.app import _kv_cache_dtype
     for command in ("serve", "chat"):
-        for flags, want in ((["--kv-cache-dtype", "fp8"], "fp8"), ([], "auto"), (["-ctk", "q8_0", "-ctv", "q8_0"], "fp8"),
-                            (["--cache-type-k", "f16", "--cache-type-v", "f16"], "auto"), (["-ctk", "f32", "-ctv", "f32"], "f32")):
+        for flags, want in ((["--kv-cache-dtype", "fp8"], "fp8"), ([], "auto"),
+                            (["-ctk", "q8_0", "-ctv", "q8_0"], "fp8"),
+                            (["--cache-type-k", "f16", "--cache-type-v", "f16"], "auto"),
+                            (["-ctk", "f32", "-ctv", "f32"], "f32")):
             args = build_parser().parse_args([command, *flags])
             assert (kv_cache_dtype_arg(args) if command == "chat" else _kv_cache_dtype(args)) == want, (command, flags)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -165,11 +164,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
-    (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's partial (max, sum, acc) is computed
-    from scratch over its own tiles, so it has the same bits however many splits a program walks: the
-    split plan, not the grid, fixes a row's numerics; and the plan is the row's own (_row_split_len), not the
-    batch's or the graph's capacity. Tiles are aligned to BLOCK_N (split_len is a multiple);
-    a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
+    (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
+    partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
+    splits a program walks: the split plan, not the grid, fixes a row's numerics; and the plan is the row's own
+    (_row_split_len), not the batch's or the graph's capacity. Tiles are aligned to BLOCK_N (split_len is a
+    multiple); a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
@@ -341,8 +340,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), scale * LOG2E, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0,
-        WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
+        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1,
+        DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, cfg), **launch)
     if num_splits > 1:
