@@ -318,6 +318,10 @@ def test_metrics_counters_move(server, oai):
                  'cobatch_lone_decode_steps_total{cause="no_peer"}', 'cobatch_lone_decode_steps_total{cause="peer_prefill"}',
                  'cobatch_lone_decode_steps_total{cause="peer_finish"}', "cobatch_inter_token_latency_seconds_bucket"):
         assert name in text
+    pool = server.context.llm.engine.pool       # the CPU test server's cache: float32, the activations' dtype
+    info = (f'cobatch_kv_cache_info{{block_size="{pool.block_size}",dtype="float32",'
+            f'tokens="{pool.num_blocks * pool.block_size}"}} 1.0')
+    assert info in text, [line for line in text.splitlines() if "kv_cache_info" in line]
 
 
 def test_slots_show_a_running_request(server):

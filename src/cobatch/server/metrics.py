@@ -62,6 +62,12 @@ class _EngineCollector:
         yield gauge("cobatch_kv_blocks_used", "KV cache blocks held by requests", blocks.num_used)
         yield gauge("cobatch_kv_usage_ratio", "Fraction of KV blocks held by requests",
                     blocks.num_used / total_blocks if total_blocks else 0.0)
+        # as vLLM's cache_config_info: the configuration in labels, value 1
+        info = GaugeMetricFamily("cobatch_kv_cache_info", "KV cache configuration (value 1): dtype (--kv-cache-dtype), "
+                                 "tokens per block, tokens it holds", labels=["dtype", "block_size", "tokens"])
+        info.add_metric([str(engine.pool.dtype).removeprefix("torch."), str(engine.pool.block_size),
+                         str(engine.pool.num_blocks * engine.pool.block_size)], 1)
+        yield info
         yield counter("cobatch_engine_steps", "Engine steps (forward passes)", worker.steps)
         yield counter("cobatch_decode_steps", "Steps that decoded at least one sequence", stats.decode_steps)
         yield counter("cobatch_batched_decode_steps", "Decode steps that decoded two or more sequences",
