@@ -135,10 +135,11 @@ class DecodeConfig:
     # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
     # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
     invariant_rows: int = 8
-    # ptxas's register cap, for 4 programs per SM. Left alone, an fp8 cache's kernel took 160-184 registers (its
-    # tiles widened in registers), a windowed or soft-capped one 134-136 since splits follow each row's length;
-    # capped at 128 none of them spills (sm_90 compile, tests/test_kernels_compile.py). One-split bf16 kernels
-    # stay uncapped: they fit 128 alone, and the cap made them spill 8 bytes.
+    # ptxas's register cap for 128-wide heads, for 4 programs per SM. Left alone, an fp8 cache's kernel took
+    # 160-184 registers (its tiles widened in registers), a windowed or soft-capped one 134-136 since splits
+    # follow each row's length; capped at 128 none of them spills (sm_90 compile, tests/test_kernels_compile.py).
+    # One-split bf16 kernels stay uncapped: they fit 128 alone, and the cap made them spill 8 bytes. 256-wide
+    # heads (Gemma) need 200-255 and spill under it, so they are not capped either.
     max_registers: int = 128
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
     # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
@@ -301,8 +302,11 @@ def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: in
     return num_splits, min(own, reachable)
 
 
-def decode_register_cap(num_splits: int, kv_dtype: torch.dtype, cfg: DecodeConfig = DECODE_CONFIG) -> int | None:
+def decode_register_cap(num_splits: int, kv_dtype: torch.dtype, head_dim: int,
+                        cfg: DecodeConfig = DECODE_CONFIG) -> int | None:
     """maxnreg for the split kernel (see DecodeConfig.max_registers)."""
+    if head_dim > 128:
+        return None
     return cfg.max_registers if num_splits > 1 or kv_dtype in FP8_DTYPES else None
 
 
@@ -343,7 +347,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=decode_register_cap(num_splits, k_cache.dtype, cfg), **launch)
+        maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, window,
