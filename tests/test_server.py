@@ -811,3 +811,25 @@ def test_full_queue_is_429_and_stopping_is_503(server, oai):
     finally:
         worker.accepting = True
     assert oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=2).choices
+
+
+def test_predicted_output_gives_the_same_answer_and_counts_its_tokens(server, oai):
+    """OpenAI's Predicted Outputs: with the answer itself as the prediction, the answer is the same and most of its
+    tokens come from accepted prediction drafts; with a prediction that turns wrong after its start, still the
+    same answer, and the drafts past that point rejected. The usage says so (completion_tokens_details), through
+    the real openai client."""
+    ask = dict(model="any", messages=[{"role": "user", "content": "Write a haiku about the sea."}], max_tokens=24,
+               **GREEDY)
+    plain = oai.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    right = oai.chat.completions.create(**ask, prediction={"type": "content", "content": text})
+    assert right.choices[0].message.content == text
+    assert right.usage.completion_tokens_details.accepted_prediction_tokens >= plain.usage.completion_tokens // 2
+    turns_wrong = [{"type": "text", "text": text[:len(text) // 3]}, {"type": "text", "text": " Zebra quantum" * 8}]
+    wrong = oai.chat.completions.create(**ask, prediction={"type": "content", "content": turns_wrong})
+    assert wrong.choices[0].message.content == text
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    bad = httpx.post(server.url + "/v1/chat/completions", json={**ask, "prediction": {"type": "content",
+                                                                                       "content": [{"type": "image"}]}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction.content.0", bad.text

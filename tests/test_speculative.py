@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.speculative import NgramSpec, TokenIndex, propose
+from cobatch.engine.speculative import NgramSpec, Prediction, TokenIndex, propose
 from cobatch.llm import LLM, EngineOptions
 from cobatch.model_files import smollm2_path
 from model_fixtures import load_llm
@@ -258,3 +258,76 @@ def test_drafts_under_kv_pressure_leave_every_output_as_plain():
     assert tight.engine.generate(prompts, params) == alone
     assert tight.engine.stats.preemptions > 0 and tight.engine.stats.accepted_tokens > 10
     assert tight.engine.blocks.num_free == 8 and not tight.engine.has_work()     # every block given back
+
+
+# --- predicted outputs (OpenAI's `prediction`) ----------------------------------------------------------------
+
+def test_prediction_drafts_its_next_tokens_while_the_output_follows_it():
+    spec = NgramSpec(3, 3, 1)
+    pred = Prediction([10, 11, 12, 13, 14, 15])
+    prompt = [1, 2]
+    assert pred.propose(prompt, 2, spec, 9) == [10, 11, 12]               # nothing out yet: its start
+    assert pred.propose(prompt + [10, 11], 2, spec, 9) == [12, 13, 14]
+    assert pred.propose(prompt + [10, 11], 2, spec, 1) == [12]            # the step's room
+    assert pred.propose(prompt + [10, 11, 12, 13, 14, 15], 2, spec, 9) == []   # all of it out
+
+
+def test_prediction_finds_its_place_again_after_an_edit():
+    """The output departs from the prediction (an edit), then goes on with text the prediction holds further
+    on: drafts follow the output's last tokens there, and the search moves forward through the prediction."""
+    spec = NgramSpec(2, 2, 1)
+    #                   0   1   2   3   4   5   6   7   8
+    pred = Prediction([10, 11, 12, 13, 14, 10, 11, 15, 16])
+    out = [10, 11, 99]                         # 99: an edit; no n-gram of ..., 11, 99 in the prediction
+    assert pred.propose([1] + out, 1, spec, 9) == []
+    out += [13]                                # back in: 13 occurs once, at 3
+    assert pred.propose([1] + out, 1, spec, 9) == [14, 10]
+    out += [14, 10, 11]                        # (10, 11) at 0 and at 5: the one after the last drafts' place
+    assert pred.propose([1] + out, 1, spec, 9) == [15, 16]
+
+
+def test_prediction_ignores_byte_matches_that_straddle_tokens():
+    a, b = 0x01020304, 0x05060708
+    straddle = (b & 0xFFFF) << 16 | (a >> 16)
+    pred = Prediction([a, b, 7])
+    assert pred.propose([0, 5, straddle], 1, NgramSpec(2, 1, 1), 9) == []
+
+
+def test_a_prediction_speeds_up_plain_decoding_without_changing_it():
+    """A request with a prediction drafts from it though the engine does not speculate otherwise: with plain
+    decoding's own output as the prediction, the output is the same in far fewer steps and every draft is kept;
+    with that output edited in its middle, the output is still plain decoding's, and the drafts after the edit
+    are found again (OpenAI's accepted / rejected prediction tokens)."""
+    llm = load_llm("smollm2")
+    prompt = llm.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = llm.engine.generate([prompt], params)[0]
+    edited = want[:10] + [llm.config.vocab_size - 1 - t for t in want[10:13]] + want[13:]
+    for prediction, all_kept in ((want, True), (edited, False)):
+        eng = llm.engine
+        rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                                                     prediction=tuple(prediction)))
+        got, steps, last = [], 0, None
+        while eng.has_work():
+            steps += 1
+            for o in eng.step():
+                if o.request_id == rid and o.new_token is not None:
+                    got.append(o.new_token)
+                    last = o
+        assert got == want
+        accepted, rejected = last.prediction_accepted, last.prediction_rejected
+        assert accepted > 15 and steps <= 1 + len(want) - accepted       # each kept draft saved a step
+        assert (rejected == 0) if all_kept else (rejected > 0)
+
+
+def test_decode_graphs_hold_a_step_with_prediction_drafts():
+    """Any request may bring a prediction, so on CUDA the decode graphs hold a step of drafts (8 rows) even with
+    one slot and no --speculative-config: such steps replay a graph rather than running eagerly."""
+    import torch
+
+    from cobatch.llm import _graph_rows
+    cuda = torch.device("cuda")
+    assert _graph_rows(EngineOptions(max_num_seqs=1), None, cuda) == 8
+    assert _graph_rows(EngineOptions(max_num_seqs=32), None, cuda) == 32
+    assert _graph_rows(EngineOptions(max_num_seqs=1, max_step_tokens=4), None, cuda) == 4
+    assert _graph_rows(EngineOptions(max_num_seqs=1), 2, cuda) == 2            # the model's own limit (MoE)

@@ -18,7 +18,7 @@ from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.runner import ModelRunner
-from cobatch.engine.speculative import NgramSpec, step_rows_with_drafts
+from cobatch.engine.speculative import PREDICTION_SPEC, NgramSpec, step_rows_with_drafts
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
@@ -113,12 +113,12 @@ def kv_cache_dtype_flag(kv_cache_dtype: str | None, cache_type_k: str | None, ca
 
 
 def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.device) -> int:
-    """Rows the decode graphs hold: a token per session, and with speculation its drafts too (up to the rows
-    the scheduler lets a step with drafts have)."""
+    """Rows the decode graphs hold: a token per session and its drafts, up to the rows the scheduler lets a step
+    with drafts have (any request may bring drafts: its predicted output)."""
     rows = options.max_num_seqs
-    if options.speculative:
-        with_drafts = min(rows * (1 + options.speculative.num_tokens), options.max_step_tokens)
-        rows = max(rows, min(with_drafts, step_rows_with_drafts(device) or with_drafts))
+    spec = options.speculative or PREDICTION_SPEC
+    with_drafts = min(rows * (1 + spec.num_tokens), options.max_step_tokens)
+    rows = max(rows, min(with_drafts, step_rows_with_drafts(device) or with_drafts))
     return min(rows, model_limit or rows)
 
 

@@ -16,7 +16,8 @@ from cobatch.engine.runner import ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams
 from cobatch.engine.scheduler import Scheduler
 from cobatch.engine.sequence import Sequence, SeqStatus
-from cobatch.engine.speculative import NgramSpec, can_speculate, propose, step_rows_with_drafts
+from cobatch.engine.speculative import (PREDICTION_SPEC, NgramSpec, Prediction, can_speculate, propose,
+                                         step_rows_with_drafts)
 from cobatch.errors import UserError
 
 
@@ -37,6 +38,8 @@ class StepOutput:
     num_cached_tokens: int = 0
     embedding: list[float] | None = None      # params.embed: the last prompt token's final hidden state
     stop_token: bool = False                  # new_token ended the request as an end of turn / stop_token_ids
+    prediction_accepted: int = 0              # params.prediction's drafts kept so far, and not kept
+    prediction_rejected: int = 0
 
 
 class Engine:
@@ -49,7 +52,7 @@ class Engine:
         self.pool: KVPool = runner.pool
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk,
-                                   draft=self._draft if speculative is not None else None,
+                                   draft=self._draft,      # every request may carry a prediction
                                    draft_rows=step_rows_with_drafts(runner.device),
                                    draft_max_running=speculative.disable_by_batch_size if speculative else None)
         self.stop_ids = stop_ids
@@ -75,6 +78,8 @@ class Engine:
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id}")
         seq = Sequence(request_id, len(prompt_ids), params, params.resolved_seed(), list(prompt_ids))
+        if params.prediction:
+            seq.prediction = Prediction(params.prediction)
         if params.grammar is not None:
             if self.grammars is None:
                 raise GrammarError("this engine has no grammar support (constrained decoding)")
@@ -154,10 +159,18 @@ class Engine:
 
     # --- speculative decoding ---------------------------------------------------------------------
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Prompt-lookup drafts for a decoding sequence: none that would pass max_tokens or the context."""
-        if not can_speculate(seq) or not seq.drafts.worth_drafting(seq.num_output):
+        """Drafts for a decoding sequence, from its prediction if it has one (while it finds some there), else
+        by prompt lookup when the server speculates: none that would pass max_tokens or the context."""
+        seq.draft_from_prediction = False
+        if (seq.prediction is None and self.speculative is None) or not can_speculate(seq) \
+                or not seq.drafts.worth_drafting(seq.num_output):
             return []
         room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_context - len(seq.token_ids) - 1)
+        if seq.prediction is not None:
+            drafts = seq.prediction.propose(seq.token_ids, seq.prompt_len, self.speculative or PREDICTION_SPEC, room)
+            if drafts or self.speculative is None:
+                seq.draft_from_prediction = bool(drafts)
+                return drafts
         return propose(seq.token_ids, seq.lookup, self.speculative, room)
 
     def _accept_drafts(self, seq: Sequence, sampled: list, outputs: list[StepOutput]) -> int:
@@ -176,6 +189,9 @@ class Engine:
         kept = sampled[:n_kept]
         self.scheduler.stats.accepted_tokens += n_kept - 1
         seq.drafts.add(len(seq.draft), keep - 1)
+        if seq.draft_from_prediction:
+            seq.prediction_accepted += n_kept - 1
+            seq.prediction_rejected += len(seq.draft) - (n_kept - 1)
         # The rows whose input was right hold valid K/V: the last token's and the kept drafts'.
         self._advance_cache(seq, len(kept))
         seq.draft = []
@@ -209,7 +225,8 @@ class Engine:
     def _output(seq: Sequence, token: int | None, logprob=None, top=None, prompt_logprobs=None,
                 embedding=None) -> StepOutput:
         return StepOutput(seq.request_id, token, seq.status is SeqStatus.FINISHED, seq.finish_reason,
-                          logprob, top, prompt_logprobs or None, seq.prompt_len, seq.num_cached_prompt, embedding)
+                          logprob, top, prompt_logprobs or None, seq.prompt_len, seq.num_cached_prompt, embedding,
+                          prediction_accepted=seq.prediction_accepted, prediction_rejected=seq.prediction_rejected)
 
     # --- offline use ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -64,6 +64,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()   # vLLM: only these may be sampled (empty: every token)
     bad_words: tuple[tuple[int, ...], ...] = ()   # vLLM: token sequences the output may not contain (bad_word_bans)
     embed: bool = False               # also return the last prompt token's final hidden state (/v1/embeddings)
+    prediction: tuple[int, ...] = ()  # OpenAI's predicted output: drafts for speculative decoding (same output)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -81,6 +82,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, ">= 0 and <= max_tokens", lambda v: 0 <= v <= self.max_tokens)
         for token in self.stop_token_ids:
             _check_token("stop_token_ids", token, "", vocab_size)
+        for token in self.prediction:
+            _check_token("prediction", token, "", vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool (got {self.ignore_eos!r})")
         if self.logprobs is not None:

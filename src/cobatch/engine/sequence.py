@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from cobatch.engine.grammar import TokenMatcher
 from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.speculative import DraftRecord, TokenIndex
+from cobatch.engine.speculative import DraftRecord, Prediction, TokenIndex
 
 
 class SeqStatus(enum.Enum):
@@ -40,6 +40,10 @@ class Sequence:
     draft: list[int] = field(default_factory=list)   # this step's speculative tokens (engine/speculative.py)
     lookup: TokenIndex = field(default_factory=TokenIndex)   # its tokens for prompt lookup (filled when drafting)
     drafts: DraftRecord = field(default_factory=DraftRecord)   # how its recent drafts fared
+    prediction: Prediction | None = None     # params.prediction as a draft source
+    draft_from_prediction: bool = False      # this step's drafts came from it
+    prediction_accepted: int = 0             # its drafts kept so far (OpenAI's accepted_prediction_tokens) ...
+    prediction_rejected: int = 0             # ... and not kept (rejected_prediction_tokens)
 
     @property
     def output_ids(self) -> list[int]:

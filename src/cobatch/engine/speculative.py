@@ -1,7 +1,10 @@
-"""Speculative decoding with prompt lookup (n-gram drafts; vLLM's "ngram" method, llama.cpp's lookup decoding).
+"""Speculative decoding with prompt lookup (n-gram drafts; vLLM's "ngram" method, llama.cpp's lookup decoding),
+and with a request's predicted output (OpenAI's Predicted Outputs).
 
 A decoding sequence whose last n tokens occurred earlier in its own text (prompt or output) is given the
-tokens that followed that occurrence as drafts. The step then runs the sequence's last token and its k
+tokens that followed that occurrence as drafts. A request that says what its output will mostly be (a file
+to rewrite with a few edits) drafts from that prediction instead (Prediction), whether or not the server
+speculates otherwise. The step then runs the sequence's last token and its k
 drafts as k + 1 rows, samples a token at every row, and keeps the sampled tokens while each draft equals the
 token sampled before it: one step can emit up to k + 1 tokens. Decode reads every weight once per step
 whatever the rows (the GEMV's token tile holds 8), so accepted drafts are nearly free; rejected ones cost
@@ -140,6 +143,58 @@ class TokenIndex:
         if have < len(tokens):
             self._bytes += array("i", tokens[have:]).tobytes()
         return self._bytes
+
+
+# Drafting from a request's prediction when the server has no --speculative-config: up to 7 drafts (a step of 8
+# rows on CUDA), suffixes of 3 tokens down to 1 (a prediction is the text expected next, so even one token
+# locates it well; drafts that fail pause drafting as any others do).
+PREDICTION_SPEC = NgramSpec(num_tokens=7, max_ngram=3, min_ngram=1)
+
+
+class Prediction:
+    """A request's predicted output as a draft source. While the output so far is a prefix of the prediction,
+    the drafts are its next tokens. Once the output departs from it (an edit), they are the tokens that follow
+    the latest occurrence in it of the output's last n tokens: looked for from where the previous drafts
+    started on (the output moves through the prediction in order), else from its start."""
+
+    __slots__ = ("tokens", "_bytes", "_matched", "_on_track", "_cursor")
+
+    def __init__(self, tokens: tuple[int, ...] | list[int]):
+        self.tokens = list(tokens)
+        self._bytes = array("i", self.tokens).tobytes()
+        self._matched = 0          # output tokens that equal the prediction's first ones (while on track)
+        self._on_track = True
+        self._cursor = 0           # where in the prediction the previous drafts started
+
+    def propose(self, token_ids: list[int], prompt_len: int, spec: NgramSpec, limit: int) -> list[int]:
+        limit = min(limit, spec.num_tokens)
+        n_out = len(token_ids) - prompt_len
+        if limit <= 0:
+            return []
+        while self._on_track and self._matched < n_out:
+            i = self._matched
+            if i < len(self.tokens) and token_ids[prompt_len + i] == self.tokens[i]:
+                self._matched += 1
+            else:
+                self._on_track = False
+        if self._on_track:
+            self._cursor = n_out
+            return self.tokens[n_out:n_out + limit]
+        for n in range(min(spec.max_ngram, len(token_ids)), spec.min_ngram - 1, -1):
+            pattern = array("i", token_ids[-n:]).tobytes()
+            for start in (4 * self._cursor, 0):
+                at = self._find(pattern, start)
+                if at is not None and at + n < len(self.tokens):
+                    self._cursor = at + n
+                    return self.tokens[at + n:at + n + limit]
+        return []
+
+    def _find(self, pattern: bytes, start: int) -> int | None:
+        """The first token-aligned occurrence of pattern at or after byte `start`, as a token index."""
+        i = self._bytes.find(pattern, start)
+        while i >= 0 and i % 4:
+            i = self._bytes.find(pattern, i + 1)
+        return None if i < 0 else i // 4
 
 
 def propose(tokens: list[int], index: TokenIndex, spec: NgramSpec, limit: int) -> list[int]:

@@ -62,6 +62,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    accepted_prediction_tokens: int = 0      # drafts from the request's prediction that were kept ...
+    rejected_prediction_tokens: int = 0      # ... and that were not (OpenAI's Predicted Outputs)
 
 
 @dataclass(slots=True)
@@ -173,7 +175,8 @@ class Generation:
                     if reason == "stop" and parser.num_tool_calls and text.stop_matched is None:
                         reason = "tool_calls"
                     self._done = True
-                    usage = Usage(len(req.prompt_ids), completion, cached)
+                    usage = Usage(len(req.prompt_ids), completion, cached, out.prediction_accepted,
+                                  out.prediction_rejected)
                     self._record(reason, usage, first, now)
                     self.finish = Finish(reason, text.stop_matched, usage)
                     yield self.finish
@@ -252,7 +255,9 @@ class Choices:
         """The usage of all choices, finishes given in the generations' order."""
         per_prompt = finishes[::self.n]
         return Usage(sum(f.usage.prompt_tokens for f in per_prompt), sum(f.usage.completion_tokens for f in finishes),
-                     sum(f.usage.cached_tokens for f in per_prompt))
+                     sum(f.usage.cached_tokens for f in per_prompt),
+                     sum(f.usage.accepted_prediction_tokens for f in finishes),
+                     sum(f.usage.rejected_prediction_tokens for f in finishes))
 
 
 async def interleave(streams: list[AsyncGenerator[str, None]]) -> AsyncIterator[str]:

@@ -118,8 +118,16 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
 
 
+class PredictedContent(_Body):
+    """OpenAI's Predicted Outputs: text the answer will mostly be (a file to rewrite with a few edits). It only
+    gives speculative decoding its drafts: the answer is the same with or without it."""
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    prediction: PredictedContent | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -206,7 +214,8 @@ def _truncated(body: _SamplingBody, prompt_ids: list[int]) -> list[int]:
 
 
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
-              logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None):
+              logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None,
+              prediction: tuple[int, ...] | None = None):
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
         temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
@@ -216,7 +225,7 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
         allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids else None,
-        bad_words=_bad_words(ctx, body.bad_words),
+        bad_words=_bad_words(ctx, body.bad_words), prediction=prediction,
         max_tokens=max_new_tokens(ctx, max_tokens, n_prompt))
 
 
@@ -232,6 +241,12 @@ def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str
             raise bad_request(f"content part of type {kind!r} is not supported (text only)",
                               param=f"{where}.content.{i}")
     return "".join(parts)
+
+
+def _prediction(ctx: ServerContext, prediction: PredictedContent | None) -> tuple[int, ...] | None:
+    """The predicted output's tokens, as the answer would hold them (no special tokens added)."""
+    text = _message_text(prediction.content, "prediction") if prediction is not None else None
+    return tuple(ctx.llm.tokenizer.encode(text, add_special=False)) if text else None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -305,7 +320,9 @@ def _completion_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob], offse
 def _usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_prediction_tokens,
+                                          "rejected_prediction_tokens": u.rejected_prediction_tokens}}
 
 
 def call_id() -> str:
@@ -352,7 +369,8 @@ async def chat_completions(request: Request):
     prompt_ids = _truncated(body, prompt_ids)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs, grammar)
+    params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs, grammar,
+                       prediction=_prediction(ctx, body.prediction))
     choices = Choices(ctx.generation, [GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
