@@ -15,8 +15,7 @@ import torch
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.sampler import SamplingParams
 from cobatch.model_files import qwen_coder_path, smollm2_path
-from cobatch.tokenizer import Tokenizer
-from model_checks import load_model, prompt_logits, transformers_logits
+from model_checks import prompt_logits, transformers_logits
 from model_fixtures import load_llm
 
 FP8 = torch.float8_e4m3fn
@@ -41,9 +40,9 @@ def test_fp8_cache_logits_stay_close_to_transformers(which):
     fp8 every cached K/V value is rounded to 3 mantissa bits. Measured (2026-11-30): logits 3-5 % off in norm,
     0.002-0.008 nats of KL, the top token the same at 96-100 % of positions. Bounds at about twice that."""
     path = smollm2_path() if which == "smollm2" else qwen_coder_path()
-    gguf, cfg, model = load_model(path, max_positions=256)
-    tokenizer = Tokenizer.from_metadata(gguf.metadata)
-    ids = tokenizer.encode(TEXTS[which], add_special=True)
+    llm = load_llm(which)          # the CPU model other tests load too (float32; its own KV pools here)
+    model, cfg = llm.model, llm.config
+    ids = llm.tokenizer.encode(TEXTS[which], add_special=True)
     ref = transformers_logits(path, ids)
     got = prompt_logits(model, cfg, ids, kv_dtype=FP8)
     rel = ((got - ref).norm() / ref.norm()).item()
