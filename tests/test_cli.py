@@ -240,14 +240,13 @@ def test_serve_takes_more_llama_cpp_flags():
 def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():
     """vLLM's --kv-cache-dtype, or llama.cpp's -ctk / -ctv (both the same; q8_0 is cobatch's 8-bit cache, fp8)."""
     from cobatch.cli import build_parser, kv_cache_dtype_arg
-    from cobatch.server.app import _kv_cache_dtype
     for command in ("serve", "chat"):
         for flags, want in ((["--kv-cache-dtype", "fp8"], "fp8"), ([], "auto"),
                             (["-ctk", "q8_0", "-ctv", "q8_0"], "fp8"),
                             (["--cache-type-k", "f16", "--cache-type-v", "f16"], "auto"),
                             (["-ctk", "f32", "-ctv", "f32"], "f32")):
             args = build_parser().parse_args([command, *flags])
-            assert (kv_cache_dtype_arg(args) if command == "chat" else _kv_cache_dtype(args)) == want, (command, flags)
+            assert kv_cache_dtype_arg(args) == want, (command, flags)
 
 
 def test_bad_kv_cache_dtype_fails_before_the_model_loads():

@@ -37,6 +37,7 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_cache_dtype_arg(args) -> str:
+    """--kv-cache-dtype or llama.cpp's -ctk / -ctv (chat, generate and serve), as one --kv-cache-dtype name."""
     from cobatch.llm import kv_cache_dtype_flag
     return kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
 

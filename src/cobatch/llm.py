@@ -136,7 +136,7 @@ class LLM:
         if options.dtype and options.dtype not in _DTYPES:
             raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
         dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        kv_cache_dtype(options.kv_cache_dtype, dtype)          # a bad name fails before the model loads
+        kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
         gguf = GGUFFile(path)
         cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
         gguf.check_tensor_types()
@@ -149,7 +149,7 @@ class LLM:
                   disable=options.quiet, file=sys.stderr) as bar:
             model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
                                keep_dense=options.dense_large_batch)
-        pool = _make_pool(cfg, options, ctx, kv_cache_dtype(options.kv_cache_dtype, dtype), device)
+        pool = _make_pool(cfg, options, ctx, kv_dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager and model.graph_safe:
             runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)

@@ -24,12 +24,16 @@ class KVPool:
         shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
 
     @property
     def nbytes(self) -> int:

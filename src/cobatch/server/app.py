@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch import __version__
+from cobatch.cli import kv_cache_dtype_arg
 from cobatch.llm import LLM
 from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
@@ -176,7 +177,7 @@ def _check_serve_args(args) -> None:
                             "(only 1 is accepted)")
     _speculative(args)
     sampling_defaults(args)
-    _kv_cache_dtype(args)
+    kv_cache_dtype_arg(args)
     for name, low in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 1), ("max_step_tokens", 1),
                       ("port", 0)):
         if getattr(args, name) < low:
@@ -185,12 +186,6 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
-
-
-def _kv_cache_dtype(args) -> str:
-    from cobatch.llm import kv_cache_dtype_flag
-    return kv_cache_dtype_flag(getattr(args, "kv_cache_dtype", None), getattr(args, "cache_type_k", None),
-                               getattr(args, "cache_type_v", None))
 
 
 def sampling_defaults(args) -> dict:
@@ -271,7 +266,7 @@ def serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     llm = LLM.load(args.model_path or args.model, EngineOptions(
-        device=_device(args), dtype=args.dtype, kv_cache_dtype=_kv_cache_dtype(args), ctx=args.ctx,
+        device=_device(args), dtype=args.dtype, kv_cache_dtype=kv_cache_dtype_arg(args), ctx=args.ctx,
         max_num_seqs=args.parallel,
         kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
