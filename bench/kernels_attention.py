@@ -184,7 +184,8 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
-    replace(DECODE_CONFIG, invariant_rows=16),
+    replace(DECODE_CONFIG, split_group=1),         # a partial per split, whatever the program walks (before 2026-11-30b)
+    replace(DECODE_CONFIG, split_group=8),
     replace(DECODE_CONFIG, invariant_rows=0),      # each batch planned for its own row count (before 2026-11-30)
 ]
 PREFILL_SWEEP = [

@@ -13,7 +13,11 @@ batch B, greedy decode of B sessions, timed over the decode steps, with each way
 - cold: plain decoding with an empty prefix cache (the first run of each prompt; the rows after it find their
   prompt blocks cached, and "as plain" compares each with the warm plain run);
 - wrong: the same tokens shifted by one id, so none is kept (what failing drafts cost). Its steps have the
-  rows the oracle's have, so its ms/step against plain's is the price of a step's drafts, kept or not.
+  rows the oracle's have, so its ms/step against plain's is the price of a step's drafts, kept or not;
+- predicted: the plain run's whole output sent as the request's `prediction` (OpenAI's Predicted Outputs, the
+  engine's own prediction drafts, as a server request gets them);
+- edited: that prediction with every 16th token changed (an edit the output does not follow: the drafts
+  recover by the n-gram search of the prediction).
 The oracle and wrong rows measure the machinery on any model, random weights included; lookup needs a model
 whose text repeats. GB/s is the weight bytes every step reads (steps x weight bytes / time) and its ratio to a
 copy measured in this run (device-to-device on CUDA, a 256 MiB tensor copy on the CPU). A short table last;
@@ -60,12 +64,14 @@ def cpu_copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
-def run(llm: LLM, prompt: list[int], batch: int, tokens: int, drafter=None) -> dict:
-    """Greedy decode of `batch` sessions; drafter(session, seq, budget) -> drafts, or None for none."""
+def run(llm: LLM, prompt: list[int], batch: int, tokens: int, drafter=None, predictions=None) -> dict:
+    """Greedy decode of `batch` sessions; drafter(session, seq, budget) -> drafts, or None for none;
+    predictions: each session's `prediction` (token ids)."""
     eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                             prediction=tuple(predictions[i]) if predictions else ()) for i in range(batch)]
     drafted, kept = eng.stats.draft_tokens, eng.stats.accepted_tokens
-    ids = [eng.add_request(prompt + [i + 10] * (i > 0), params) for i in range(batch)]   # distinct sessions
+    ids = [eng.add_request(prompt + [i + 10] * (i > 0), params[i]) for i in range(batch)]   # distinct sessions
     session = {rid: i for i, rid in enumerate(ids)}
     eng.scheduler.draft = None if drafter is None else lambda seq, budget: drafter(session[seq.request_id], seq,
                                                                                      budget)
@@ -96,6 +102,8 @@ def drafters(llm: LLM, k: int, plain_outputs: list[list[int]]) -> dict:
         return plain_outputs[i][seq.num_output:seq.num_output + max(room, 0)]
 
     return {"lookup": lambda i, seq, budget: eng._draft(seq, budget),
+            "predicted": lambda i, seq, budget: eng._draft(seq, budget),
+            "edited": lambda i, seq, budget: eng._draft(seq, budget),
             "oracle": upcoming,
             "wrong": lambda i, seq, budget: [(t + 1) % vocab for t in upcoming(i, seq, budget)]}
 
@@ -107,7 +115,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--drafts", default="lookup", help="comma list of lookup, oracle, wrong")
+    ap.add_argument("--drafts", default="lookup", help="comma list of lookup, oracle, wrong, predicted, edited")
     ap.add_argument("--step-rows", default="", help="comma list of caps on a step's rows with drafts to try "
                     "(default: the engine's own)")
     args = ap.parse_args()
@@ -131,11 +139,14 @@ def main() -> None:
             plain = run(llm, llm.encode_prompt(text), b, args.tokens)
             want = plain["outputs"]
             ways = drafters(llm, args.k, want)
+            vocab = llm.config.vocab_size
+            predictions = {"predicted": want,
+                           "edited": [[(t + 1) % vocab if j % 16 == 15 else t for j, t in enumerate(o)] for o in want]}
             results = [("cold", cold), ("plain", plain)]
             for cap in caps:
                 llm.engine.scheduler.draft_rows = own_cap if cap is None else cap
                 results += [(name if cap is None else f"{name}@{cap}",
-                             run(llm, llm.encode_prompt(text), b, args.tokens, ways[name]))
+                             run(llm, llm.encode_prompt(text), b, args.tokens, ways[name], predictions.get(name)))
                             for name in args.drafts.split(",")]
             for label, r in results:
                 r.update(mode=label, prompt=kind, gbps=r["steps"] * wbytes / r["seconds"] / 1e9,

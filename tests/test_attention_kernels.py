@@ -16,18 +16,22 @@ pytest.importorskip("triton")
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
-    plan_decode_splits, row_split_len)
+    plan_decode_splits, plan_has_groups, row_split_len, whole_groups)
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import DEVICE, assert_matches, poisoned, relative_error  # noqa: E402
 
 # Small tiles for the interpreter: several tiles per split and several splits per sequence.
 TINY_DECODE = DecodeConfig(block_n=16, min_split=32, max_splits=8, programs_per_sm=64)
-# A batch of up to 8 rows planned as one row, its programs walking 3 splits each (4 rows, 4 SMs here).
-WALKING_DECODE = DecodeConfig(block_n=16, min_split=16, max_splits=16, programs_per_sm=8, invariant_rows=8)
+# A batch of up to 8 rows planned as one row, its programs walking 3 splits each (4 rows, 4 SMs here), which
+# make a group: they merge them in registers.
+WALKING_DECODE = DecodeConfig(block_n=16, min_split=16, max_splits=16, programs_per_sm=8, invariant_rows=8,
+                              split_group=3)
 DECODE_VARIANTS = {   # one split (direct write), splits + reduce kernel, several splits per program
     "single": DecodeConfig(block_n=16, min_split=1024),
     "split": TINY_DECODE,
-    "walk": WALKING_DECODE,
+    "walk": WALKING_DECODE,                                     # in groups of 3 splits
+    "walk_pairs": replace(WALKING_DECODE, split_group=2),       # 2 groups of 2 splits a program
+    "walk_ungrouped": replace(WALKING_DECODE, split_group=1),
 }
 TINY_PREFILL = PrefillConfig(block_m=16, block_n=16)
 
@@ -140,6 +144,27 @@ def test_walking_plan_has_programs_walk_several_splits():
     assert plan_decode_splits(1, 2, 130, 4, WALKING_DECODE) == (16, 9)
     assert row_split_len(130, 16, WALKING_DECODE) == 16 and row_split_len(400, 16, WALKING_DECODE) == 32
     assert chunk_splits(130, 16, 4, WALKING_DECODE) == [3, 3, 3, 0]
+    # 4 rows: a 130-token row's programs walk its 9 splits 3 by 3, each a whole group of 3 that it merges itself;
+    # in groups of 2, group 1 (splits 2-3) straddles two programs.
+    assert plan_has_groups(16, 4, WALKING_DECODE) and whole_groups(9, 4, WALKING_DECODE) == [0, 1, 2]
+    assert whole_groups(9, 4, replace(WALKING_DECODE, split_group=2)) == [0, 2, 3, 4]
+    assert not plan_has_groups(16, 9, WALKING_DECODE)           # one row: a program per split
+    assert chunk_splits(130, 16, 9, WALKING_DECODE) == [1] * 9
+
+
+def test_llama8b_batches_of_invariant_rows_walk_whole_groups():
+    """8 x 4k on the H200's 132 SMs: each program walks 8 splits, two groups, so a row stores 16 partials per
+    head instead of 64; alone, a row's 64 programs walk one split each and the reduce folds the groups."""
+    cfg = DecodeConfig()
+    num_splits, chunks = plan_decode_splits(8, 8, 4096, 132)
+    assert plan_has_groups(num_splits, chunks) and chunk_splits(4096, num_splits, chunks) == [8] * 8
+    assert whole_groups(64, chunks) == list(range(16))
+    assert not plan_has_groups(*plan_decode_splits(1, 8, 4096, 132))
+    assert not plan_has_groups(num_splits, chunks, kv_dtype=torch.float8_e4m3fn)
+    # 4160 tokens (a 4k prompt and its answer): 33 splits of 128, 5 a program, every program busy but one
+    assert chunk_splits(4160, num_splits, chunks) == [5, 5, 5, 5, 5, 5, 3, 0]
+    assert whole_groups(33, chunks) == [0, 4, 5, 8]          # splits 0-3, 16-19, 20-23, 32
+    assert num_splits // cfg.split_group == 16
 
 
 @pytest.mark.parametrize("variant", ["split", "walk"])
@@ -154,16 +179,21 @@ def test_decode_small_row_is_bitwise_the_same_whatever_the_capacity(variant):
                        paged_decode_attention(q, k_cache, v_cache, tight, 0.2, cfg=cfg))
 
 
-@pytest.mark.parametrize("window", [0, 40])
-def test_decode_small_row_is_bitwise_the_same_alone_and_batched(window):
-    """Row 0 alone (a program per split) and among 4 rows (programs walking 3 splits): the same bits."""
-    q, k_cache, v_cache, meta = paged_setup([100, 37, 130, 5], [1] * 4, 4, 2, 32, torch.bfloat16, seed=21,
+@pytest.mark.parametrize("split_group", [1, 2, 3])
+@pytest.mark.parametrize("window,dtype", [(0, torch.bfloat16), (40, torch.bfloat16), (0, torch.float32)])
+def test_decode_small_row_is_bitwise_the_same_alone_and_batched(window, dtype, split_group):
+    """Each row alone (a program per split, the reduce folding groups of splits) and among 4 rows (programs
+    walking whole groups, folding them in registers; ungrouped, 2-3 splits each): the same bits. float32 rows
+    show a one-ulp difference of the f32 partials that a bf16 output may round away."""
+    q, k_cache, v_cache, meta = paged_setup([100, 37, 130, 5], [1] * 4, 4, 2, 32, dtype, seed=21,
                                             capacity=130)
-    alone = AttentionMetadata(meta.slot_mapping[:1], meta.query_start[:2], meta.seq_lens[:1], meta.block_tables[:1],
-                              max_query_len=1, max_seq_len=meta.max_seq_len)
-    one = paged_decode_attention(q[:1], k_cache, v_cache, alone, 0.2, cfg=WALKING_DECODE, window=window)
-    four = paged_decode_attention(q, k_cache, v_cache, meta, 0.2, cfg=WALKING_DECODE, window=window)
-    assert torch.equal(one[0], four[0])
+    cfg = replace(WALKING_DECODE, split_group=split_group)
+    four = paged_decode_attention(q, k_cache, v_cache, meta, 0.2, cfg=cfg, window=window)
+    for r in range(4):      # rows of 7, 3, 9 and 1 splits: groups of 2 and 3 both walked whole by some row
+        alone = AttentionMetadata(meta.slot_mapping[r:r + 1], meta.query_start[:2], meta.seq_lens[r:r + 1],
+                                  meta.block_tables[r:r + 1], max_query_len=1, max_seq_len=meta.max_seq_len)
+        one = paged_decode_attention(q[r:r + 1], k_cache, v_cache, alone, 0.2, cfg=cfg, window=window)
+        assert torch.equal(one[0], four[r]), r
     assert_matches(four, paged_attention_ref(q, k_cache, v_cache, meta, 0.2, window))
 
 
@@ -296,17 +326,25 @@ def test_prefill_llama8b_fp8_cache():
 
 
 @requires_cuda
-def test_decode_row_is_bitwise_the_same_in_any_step_of_up_to_invariant_rows():
-    """Batch invariance of decode attention: row 0 alone, among 4 rows and among 8 gives the same bits."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_row_is_bitwise_the_same_in_any_step_of_up_to_invariant_rows(dtype):
+    """Batch invariance of decode attention: each row alone, among 4 rows and among 8 gives the same bits. Alone,
+    a 4k row's programs walk a split each; among 4 or 8, whole groups of splits, merged in registers. float32 rows
+    show differences of the f32 partials that bf16 outputs may round away."""
     lens = [3000, 77, 4096, 1, 0, 2500, 640, 4000]
-    q, k_cache, v_cache, meta = paged_setup(lens, [1] * 8, **LLAMA8B, dtype=torch.bfloat16, seed=40, capacity=4096)
+    q, k_cache, v_cache, meta = paged_setup(lens, [1] * 8, **LLAMA8B, dtype=dtype, seed=40, capacity=4096)
     scale = 128 ** -0.5
-    outs = []
-    for n in (1, 4, 8):
-        sub = AttentionMetadata(meta.slot_mapping[:n], meta.query_start[:n + 1], meta.seq_lens[:n],
-                                meta.block_tables[:n], max_query_len=1, max_seq_len=meta.max_seq_len)
-        outs.append(paged_decode_attention(q[:n], k_cache, v_cache, sub, scale))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[1], outs[2][:4])
+
+    def rows(a, b):
+        sub = AttentionMetadata(meta.slot_mapping[a:b], meta.query_start[:b - a + 1], meta.seq_lens[a:b],
+                                meta.block_tables[a:b], max_query_len=1, max_seq_len=meta.max_seq_len)
+        return paged_decode_attention(q[a:b], k_cache, v_cache, sub, scale)
+
+    eight = rows(0, 8)
+    assert torch.equal(rows(0, 4), eight[:4]) and torch.equal(rows(4, 8), eight[4:])
+    for r in range(8):
+        assert torch.equal(rows(r, r + 1)[0], eight[r]), r
+    assert_matches(eight, paged_attention_ref(q, k_cache, v_cache, meta, scale))
 
 
 @requires_cuda

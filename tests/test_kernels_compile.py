@@ -84,13 +84,15 @@ dec, pre = attention.DECODE_CONFIG, attention.PREFILL_CONFIG
 BF16 = triton.language.bfloat16
 FP8_CACHE = {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}     # --kv-cache-dtype fp8
 variants = {}
+# GROUPS: the split programs of a batch of invariant rows merge whole groups of splits (two accumulators)
+SPLITS = dict(MIN_SPLIT=dec.min_split, SPLIT_GROUP=dec.split_group)
 for softcap in (False, True):
-    for single in (False, True):
+    for single, groups in ((False, False), (False, True), (True, False)):
         for windowed in (False, True):
-            variants[f"decode softcap={softcap} single_split={single} windowed={windowed}"] = (
+            variants[f"decode softcap={softcap} single_split={single} groups={groups} windowed={windowed}"] = (
                 attention._decode_split_kernel,
-                dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n,
-                     MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=softcap,
+                dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
+                     GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=softcap,
                      WINDOWED=windowed, OPERAND=BF16),
                 dec.num_warps, dec.num_stages, None,
                 attention.decode_register_cap(1 if single else 2, torch.bfloat16, 128, dec))
@@ -100,18 +102,18 @@ for softcap in (False, True):
             dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n, BLOCK_D=128, DOT_F32=False,
                  WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16), pre.num_warps, pre.num_stages)
 F16 = triton.language.float16        # what an fp8 cache's tiles are widened to (attention.operand_dtype)
-for single in (False, True):
-    variants[f"decode softcap=False single_split={single} windowed=False fp8 cache"] = (
+for single, groups in ((False, False), (True, False)):      # no groups with fp8 (attention.plan_has_groups)
+    variants[f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache"] = (
         attention._decode_split_kernel,
-        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, MIN_SPLIT=dec.min_split,
-             SINGLE_SPLIT=single,
+        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
+             GROUPS=groups, SINGLE_SPLIT=single,
              PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16),
         dec.num_warps, dec.num_stages, FP8_CACHE, attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills
 for fp8 in (False, True):
     variants[f"decode head_d=256 softcap=True single_split=False windowed=True fp8={fp8}"] = (
         attention._decode_split_kernel,
-        dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=dec.block_n, MIN_SPLIT=dec.min_split,
+        dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=dec.block_n, **SPLITS, GROUPS=not fp8,
              SINGLE_SPLIT=False, PDL=True, DOT_F32=False, SOFTCAP=True, WINDOWED=True, OPERAND=F16 if fp8 else BF16),
         dec.num_warps, dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 256, dec))
@@ -123,8 +125,10 @@ variants["rope+kv_write fp8 cache"] = (
     rope._rope_kernel, dict(HALF=64, NEOX=False, WRITE_KV=True, QK_NORM=False, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64,
                             BLOCK_D=128, PDL=True), 4, 2, FP8_CACHE)
 variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2, FP8_CACHE)
-variants["decode reduce"] = (attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_S=64, PDL=True,
-                                                                   MIN_SPLIT=dec.min_split, BLOCK_N=dec.block_n), 4, 2)
+for groups in (False, True):
+    variants[f"decode reduce groups={groups}"] = (
+        attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_GROUPS=64 // dec.split_group, PDL=True,
+                                              BLOCK_N=dec.block_n, **SPLITS, GROUPS=groups), 4, 2)
 for gelu, interleaved in ((False, False), (True, False), (False, True)):
     variants[f"gated_mul gelu={gelu} interleaved={interleaved}"] = (
         activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, INTERLEAVED=interleaved, PDL=True), 4, 2)
@@ -216,6 +220,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 35 + 16
+    assert len(compiled) == 40 + 16
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

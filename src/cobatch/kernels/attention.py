@@ -135,6 +135,12 @@ class DecodeConfig:
     # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
     # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
     invariant_rows: int = 8
+    # A program that walks at least this many splits merges each run of them (a group, fixed per row: splits
+    # 0..G-1, G..2G-1, ...) in registers and stores one partial per group instead of one per split; the reduce
+    # kernel merges the splits of a group the same way, in the same order, when one program walked each. So a
+    # row keeps its bits either way, and a batch of invariant rows (8 x 4k: 8 splits a program) writes and
+    # reads a G-th of the partials. 1: no groups.
+    split_group: int = 4
     # ptxas's register cap for 128-wide heads, for 4 programs per SM. Left alone, an fp8 cache's kernel took
     # 160-184 registers (its tiles widened in registers), a windowed or soft-capped one 134-136 since splits
     # follow each row's length; capped at 128 none of them spills (sm_90 compile, tests/test_kernels_compile.py).
@@ -161,23 +167,28 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          cache_head_stride, out_row_stride, out_head_stride, qk_scale,
                          num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MIN_SPLIT: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr, SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
     splits a program walks: the split plan, not the grid, fixes a row's numerics; and the plan is the row's own
-    (_row_split_len), not the batch's or the graph's capacity. Tiles are aligned to BLOCK_N (split_len is a
-    multiple); a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
+    (_row_split_len), not the batch's or the graph's capacity. GROUPS: a group of SPLIT_GROUP splits (0..G-1,
+    G..2G-1, ...) that lies wholly in one program is merged there as the reduce kernel would (_merge_partial),
+    and stored as one partial under its first split (_whole_group). Tiles are aligned to BLOCK_N (split_len is a multiple); a sliding window masks the keys
+    before it. Chunks past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
     # The row's splits shared among the chunks: a short row in a long-capacity grid still spreads out
-    splits_per_program = tl.cdiv(tl.cdiv(seq_len, split_len), tl.num_programs(2))
+    row_splits = tl.cdiv(seq_len, split_len)
+    splits_per_program = tl.cdiv(row_splits, tl.num_programs(2))
     chunk_len = splits_per_program * split_len
+    program_first = tl.program_id(2) * splits_per_program
+    program_last = tl.minimum(program_first + splits_per_program, row_splits) - 1
     start = tl.program_id(2) * chunk_len
     end = tl.minimum(seq_len, start + chunk_len)
     if WINDOWED:                       # sliding window: only the last `window` keys (tiles before: no work)
@@ -198,6 +209,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    group_m = tl.full([BLOCK_G], float("-inf"), tl.float32)      # the merged partial of a whole group
+    group_l = tl.zeros([BLOCK_G], tl.float32)
+    group_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq * bt_stride
     # Partials laid out [seq, q_head, split, ...]; the reduce reads the splits the window and seq_len reach.
     part_row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits
@@ -211,15 +225,26 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32,
                                          softcap=softcap, SOFTCAP=SOFTCAP)
         if not SINGLE_SPLIT:
-            # The split's last tile: store its partial and start the next split from scratch.
+            # The split's last tile: store its partial (or fold it into its group's).
             split_done = ((tok0 + BLOCK_N) % split_len == 0) | (tok0 + BLOCK_N >= end)
-            part = part_row + tok0 // split_len
-            tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask & split_done)
-            tl.store(part_ml_ptr + part * 2, m, mask=g_mask & split_done)
-            tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask & split_done)
+            split = tok0 // split_len
+            split_store = split_done
+            if GROUPS:
+                whole, group_first, group_last = _whole_group(split, row_splits, program_first, program_last,
+                                                              SPLIT_GROUP)
+                if split_done & whole:
+                    group_m, group_l, group_acc = _merge_partial(group_m, group_l, group_acc, m, l, acc)
+                    # Its last split stores it; an empty group again (max -inf) weighs what it held by
+                    # exp2(-inf) = 0 at its first fold.
+                    if split == group_last:
+                        _store_partial(part_acc_ptr, part_ml_ptr, part_row + group_first, group_m, group_l,
+                                       group_acc, d, g_mask, gd_mask, BLOCK_D)
+                        group_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                split_store = split_done & ~whole
+            _store_partial(part_acc_ptr, part_ml_ptr, part_row + split, m, l, acc, d, g_mask & split_store,
+                           gd_mask & split_store, BLOCK_D)
+            # The next split starts from scratch: with m = -inf its first tile scales l and acc by exp2(-inf) = 0.
             m = tl.where(split_done, float("-inf"), m)
-            l = tl.where(split_done, 0.0, l)
-            acc = tl.where(split_done, 0.0, acc)
     if PDL:
         # The next kernel may launch now (not at the start: a chain would get resident all at once).
         gdc_launch_dependents()
@@ -241,32 +266,84 @@ def _row_split_len(seq_len, num_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.con
 
 
 @jit
-def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, out_row_ptr, HEAD_D: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _store_partial(part_acc_ptr, part_ml_ptr, part, m, l, acc, d, g_mask, gd_mask, BLOCK_D: tl.constexpr):
+    """One split's (or group's) partial (max, sum, acc) of each query head, at partial index `part`."""
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask)
+    tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
+    tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
+
+
+@jit
+def _whole_group(split, row_splits, program_first, program_last, SPLIT_GROUP: tl.constexpr):
+    """(whether the group of `split` lies wholly in the program walking splits program_first..program_last, its
+    first split, its last split): the split kernel merges and stores such a group itself, the reduce kernel
+    reads it as one partial."""
+    first = split // SPLIT_GROUP * SPLIT_GROUP
+    last = tl.minimum(first + SPLIT_GROUP, row_splits) - 1
+    return (first >= program_first) & (last <= program_last), first, last
+
+
+@jit
+def _merge_partial(m, l, acc, m_s, l_s, acc_s):
+    """Fold split partial (m_s, l_s, acc_s) into the running (m, l, acc): the same operations in the split
+    kernel (its registers) and the reduce kernel (the stored splits), so both give the same bits. The fmas are
+    spelled out so that the compiler's contraction cannot differ between them. An empty side (max -inf) gets
+    weight exp2(-inf) = 0, and two empty sides stay empty (no NaN)."""
+    m_new = tl.maximum(m, m_s)
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    a = tl.exp2(m - m_ref)
+    b = tl.exp2(m_s - m_ref)
+    return m_new, tl.fma(l_s, b, l * a), tl.fma(acc_s, b[:, None], acc * a[:, None])
+
+
+@jit
+def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits_per_program, out_row_ptr,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SPLIT_GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr):
     """Merge one head's splits first_valid .. n_valid - 1 (max, sum, acc), stored from partial index part0
-    on, into its output row."""
-    sp = tl.arange(0, BLOCK_S)
+    on, into its output row: each group of SPLIT_GROUP splits folded in order (_merge_partial), then the groups
+    at once. GROUPS: a group that lay wholly in one split program (of splits_per_program) was folded there and
+    stored under its first split; it is read as that one partial (folded into an empty group: the same bits)."""
+    grp = tl.arange(0, BLOCK_GROUPS)
     d = tl.arange(0, BLOCK_D)
-    s_mask = (sp >= first_valid) & (sp < n_valid)
-    part = part0 + sp
-    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :],
-                  mask=s_mask[:, None] & (d < HEAD_D)[None, :], other=0.0)
+    d_mask = d < HEAD_D
+    first = grp * SPLIT_GROUP
+    whole = first < 0                                  # False, as a tensor
+    if GROUPS:
+        program_first = first // splits_per_program * splits_per_program     # of the program walking `first`
+        whole = _whole_group(first, n_valid, program_first,
+                             tl.minimum(program_first + splits_per_program, n_valid) - 1, SPLIT_GROUP)[0]
+    has_valid = (tl.minimum(first + SPLIT_GROUP, n_valid) > first_valid) & (first < n_valid)
+    m = tl.full([BLOCK_GROUPS], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_GROUPS], tl.float32)
+    acc = tl.zeros([BLOCK_GROUPS, BLOCK_D], tl.float32)
+    for j in tl.static_range(SPLIT_GROUP):
+        sp = first + j
+        if j == 0:
+            s_mask = tl.where(whole, has_valid, (sp >= first_valid) & (sp < n_valid))
+        else:
+            s_mask = ~whole & (sp >= first_valid) & (sp < n_valid)
+        part = part0 + sp
+        m_s = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+        acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :],
+                        mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        m, l, acc = _merge_partial(m, l, acc, m_s, l_s, acc_s)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # empty row: every weight exp2(-inf) = 0, no NaN
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_row_ptr + d, out.to(out_row_ptr.dtype.element_ty), mask=d < HEAD_D)
+    tl.store(out_row_ptr + d, out.to(out_row_ptr.dtype.element_ty), mask=d_mask)
 
 
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
-                          num_splits, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                          BLOCK_N: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    """Program (seq, q_head): merge the splits that seq_len (and the window) reach into the final row."""
+                          num_splits, chunks, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SPLIT_GROUP: tl.constexpr,
+                          GROUPS: tl.constexpr, PDL: tl.constexpr):
+    """Program (seq, q_head): merge the splits that seq_len (and the window) reach into the final row. `chunks`:
+    the split kernel's programs per row and KV head, which decide whether they stored groups or splits."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if PDL:
@@ -280,8 +357,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
     if PDL:
         gdc_wait()                     # the split kernel's partials
     _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid, n_valid,
-                  out_ptr + seq * out_row_stride + head * out_head_stride,
-                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S)
+                  tl.maximum(tl.cdiv(n_valid, chunks), 1), out_ptr + seq * out_row_stride + head * out_head_stride,
+                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
 
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
@@ -310,6 +387,24 @@ def decode_register_cap(num_splits: int, kv_dtype: torch.dtype, head_dim: int,
     return cfg.max_registers if num_splits > 1 or kv_dtype in FP8_DTYPES else None
 
 
+def plan_has_groups(num_splits: int, chunks: int, cfg: DecodeConfig = DECODE_CONFIG,
+                    kv_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a plan's programs may walk a whole group of cfg.split_group splits (the kernels' GROUPS: without
+    it they compile no group code). Not with an fp8 cache: its widened tiles leave no registers for the group's
+    accumulator (24 bytes of spills under the 128 cap, sm_90 compile); its rows fold groups in the reduce kernel
+    only, which gives the same bits."""
+    return (cfg.split_group > 1 and num_splits > 1 and triton.cdiv(num_splits, chunks) >= cfg.split_group
+            and kv_dtype not in FP8_DTYPES)
+
+
+def whole_groups(row_splits: int, chunks: int, cfg: DecodeConfig = DECODE_CONFIG) -> list[int]:
+    """The groups of a row's splits that lie wholly in one of its `chunks` programs (as _whole_group decides):
+    those the split kernel merges itself, where the plan has groups."""
+    per, size = triton.cdiv(row_splits, chunks), cfg.split_group
+    return [g for g in range(triton.cdiv(row_splits, size))
+            if g * size // per == (min(g * size + size, row_splits) - 1) // per]
+
+
 def row_split_len(seq_len: int, num_splits: int, cfg: DecodeConfig = DECODE_CONFIG) -> int:
     """The split length of a row of seq_len tokens (as _row_split_len computes it in the kernels)."""
     per = max(triton.cdiv(seq_len, num_splits), cfg.min_split)
@@ -333,6 +428,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = n_heads // n_kv_heads
     num_splits, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
+    groups = plan_has_groups(num_splits, chunks, cfg, k_cache.dtype)
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
@@ -344,15 +440,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), scale * LOG2E, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1,
+        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SPLIT_GROUP=cfg.split_group, GROUPS=groups,
+        SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
-            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, window,
+            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, window,
             HEAD_D=head_dim, BLOCK_D=block_d, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
-            BLOCK_S=next_pow2(num_splits), num_warps=4, **launch)
+            BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
+            GROUPS=groups, num_warps=4, **launch)
     return out
 
 
