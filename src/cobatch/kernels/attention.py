@@ -135,11 +135,13 @@ class DecodeConfig:
     # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
     # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
     invariant_rows: int = 8
-    # A program that walks at least this many splits merges each run of them (a group, fixed per row: splits
-    # 0..G-1, G..2G-1, ...) in registers and stores one partial per group instead of one per split; the reduce
-    # kernel merges the splits of a group the same way, in the same order, when one program walked each. So a
-    # row keeps its bits either way, and a batch of invariant rows (8 x 4k: 8 splits a program) writes and
-    # reads a G-th of the partials. 1: no groups.
+    # A row's splits merge in groups of this many (splits 0..G-1, G..2G-1, ...: folded in order, then the groups
+    # at once). A group that one program walks whole is folded in its registers and stored as one partial; the
+    # reduce kernel folds the others the same way, in the same order. So a row keeps its bits either way, and a
+    # batch of invariant rows (8 x 4k: 8 splits a program) writes and reads a G-th of the partials. H200, of
+    # copy, G = 1 -> 4 / 8: 8 x 4k 0.72 -> 0.76 / 0.78, 4 x 4k 0.62 -> 0.64 / 0.61 (4 splits a program: no
+    # group is whole at G = 8, and its reduce folds 8 deep), B = 1 the same
+    # (bench/results/kernels_attention-2026-11-30-split-groups.log). 1: no groups.
     split_group: int = 4
     # ptxas's register cap for 128-wide heads, for 4 programs per SM. Left alone, an fp8 cache's kernel took
     # 160-184 registers (its tiles widened in registers), a windowed or soft-capped one 134-136 since splits
