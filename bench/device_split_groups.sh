@@ -6,8 +6,6 @@
 #   2. bench/kernels_attention.py --sweep: split_group 4 (default) / 1 (a partial per split, as before) / 8, and
 #      invariant_rows 0 (each batch its own plan: the bound without batch invariance); then the default table.
 #   3. Whole decode steps, random Llama-3-8B Q4_K_M, old tree then new, context 4096, B = 1, 4, 8, 16.
-# PART=prefetch: GPU tests of the L2 prefetch and the engine, then whole decode steps with COBATCH_L2_PREFETCH=0 / o /
-#   o,qkv alternating, ROUNDS rounds (B = 1, 4, 8, context 4096).
 # PART=ab: only whole decode steps, old / new alternating, ROUNDS rounds (B = 1, 4, 8); then OpenAI's Predicted
 #   Outputs on the same model (bench/speculative.py --drafts predicted,edited,oracle, B = 1 and 8).
 set -uo pipefail
@@ -25,18 +23,6 @@ decode() {   # decode SIDE TAG BATCHES
     | grep -v -E "Warning|warn_once|loading|capturing" > "$OUT/decode-$2.log"
   echo "== $2"; grep -E "\(graph |^copy" "$OUT/decode-$2.log" | head -12
 }
-if [ "${PART:-all}" = prefetch ]; then   # L2 prefetch of the next weights (kernels/l2_prefetch.py): tests, then A/B
-  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_l2_prefetch.py tests/test_gpu_engine.py \
-    -k "prefetch or graph_and_eager or greedy_matches or batched_equals or speculative" 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -3
-  wait $writer
-  for round in $(seq 1 "${ROUNDS:-2}"); do
-    for what in 0 o o,qkv; do
-      export COBATCH_L2_PREFETCH=$what; decode new "prefetch-${what/,/+}-$round" 1,4,8
-    done
-  done
-  exit 0
-fi
 if [ "${PART:-all}" = ab ]; then
   wait $writer
   for round in $(seq 1 "${ROUNDS:-2}"); do

@@ -18,7 +18,6 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
-from cobatch.kernels.l2_prefetch import L2Prefetch
 from cobatch.kernels.moe_routing import ExpertSlots, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
@@ -116,13 +115,6 @@ def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = to
     if _triton(y):
         return combine_triton(y, slots, out_dtype)
     return combine_ref(y, slots, out_dtype)
-
-
-def prefetch_weight(weight, n_tok: int, role: str) -> L2Prefetch:
-    """Start reading the bytes a linear layer's GEMV will read for n_tok tokens into L2, beside the kernels
-    launched until .join() (call it before the layer runs). Only the packed weights of the CUDA path;
-    elsewhere, and for weights another kernel serves at n_tok, a no-op (kernels/l2_prefetch.py)."""
-    return L2Prefetch(weight.narrow_planes(n_tok) if hasattr(weight, "narrow_planes") else [], role)
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -649,12 +649,6 @@ class PackedWeight:
             launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)
 
-    def narrow_planes(self, n_tok: int) -> list[torch.Tensor]:
-        """The tensors the narrow kernel reads for n_tok tokens (none where cuBLAS serves them)."""
-        if self.planes is None or self.dense is not None or n_tok > self.plan.crossover:
-            return []
-        return self.planes.tensors()
-
     def __repr__(self) -> str:
         kind = "dense" if self.dense is not None else "packed"
         return f"PackedWeight({self.fmt_name}, {self.rows}x{self.cols}, {kind}, {self.nbytes} B)"

@@ -25,9 +25,6 @@ class RowStack:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([ops.linear(x, p) for p in self.parts], dim=-1)
 
-    def narrow_planes(self, n_tok: int) -> list[torch.Tensor]:
-        return [t for p in self.parts if hasattr(p, "narrow_planes") for t in p.narrow_planes(n_tok)]
-
 
 def _one(w: QuantWeight, device: torch.device, dtype: torch.dtype, keep_dense: bool,
          gate_up_interleaved: bool = False) -> object:

@@ -140,11 +140,8 @@ class LlamaModel:
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)    # rounded to the dtype first, as gemma does
         residual = None
-        qkv_ahead = None
         for i, layer in enumerate(self.layers):
             h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual)
-            if qkv_ahead is not None:
-                qkv_ahead.join()
             qkv = ops.linear(h, layer.qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -155,9 +152,7 @@ class LlamaModel:
             qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_eps) if layer.q_norm is not None else None
             q, k = ops.rope_kv_write(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
                                      meta.slot_mapping, qk_norm)
-            o_ahead = ops.prefetch_weight(layer.o, n, "o")      # into L2 while attention runs
             attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap)
-            o_ahead.join()
             x = ops.linear(attn.reshape(n, q_size), layer.o)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
@@ -165,10 +160,7 @@ class LlamaModel:
             if layer.moe is not None:
                 x = layer.moe(h)
             else:
-                act = ops.gated_linear(h, layer.gate_up, cfg.activation)
-                if i + 1 < len(self.layers):       # the next layer's q|k|v into L2 while down runs
-                    qkv_ahead = ops.prefetch_weight(self.layers[i + 1].qkv, n, "qkv")
-                x = ops.linear(act, layer.down)
+                x = ops.linear(ops.gated_linear(h, layer.gate_up, cfg.activation), layer.down)
             if layer.post_ffn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_ffn_norm, cfg.rms_eps)
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
