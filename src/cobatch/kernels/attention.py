@@ -178,8 +178,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     splits a program walks: the split plan, not the grid, fixes a row's numerics; and the plan is the row's own
     (_row_split_len), not the batch's or the graph's capacity. GROUPS: a group of SPLIT_GROUP splits (0..G-1,
     G..2G-1, ...) that lies wholly in one program is merged there as the reduce kernel would (_merge_partial),
-    and stored as one partial under its first split (_whole_group). Tiles are aligned to BLOCK_N (split_len is a multiple); a sliding window masks the keys
-    before it. Chunks past seq_len run no iterations."""
+    and stored as one partial under its first split (_whole_group). Tiles are aligned to BLOCK_N (split_len is
+    a multiple); a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
@@ -342,8 +342,8 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
                           num_splits, chunks, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SPLIT_GROUP: tl.constexpr,
-                          GROUPS: tl.constexpr, PDL: tl.constexpr):
+                          MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+                          SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Program (seq, q_head): merge the splits that seq_len (and the window) reach into the final row. `chunks`:
     the split kernel's programs per row and KV head, which decide whether they stored groups or splits."""
     seq = tl.program_id(0).to(tl.int64)
@@ -403,8 +403,13 @@ def whole_groups(row_splits: int, chunks: int, cfg: DecodeConfig = DECODE_CONFIG
     """The groups of a row's splits that lie wholly in one of its `chunks` programs (as _whole_group decides):
     those the split kernel merges itself, where the plan has groups."""
     per, size = triton.cdiv(row_splits, chunks), cfg.split_group
-    return [g for g in range(triton.cdiv(row_splits, size))
-            if g * size // per == (min(g * size + size, row_splits) - 1) // per]
+    groups = []
+    for g in range(triton.cdiv(row_splits, size)):
+        first, last = g * size, min(g * size + size, row_splits) - 1
+        program_first = first // per * per                  # of the program walking the group's first split
+        if last <= min(program_first + per, row_splits) - 1:
+            groups.append(g)
+    return groups
 
 
 def row_split_len(seq_len: int, num_splits: int, cfg: DecodeConfig = DECODE_CONFIG) -> int:
