@@ -29,9 +29,7 @@ WALKING_DECODE = DecodeConfig(block_n=16, min_split=16, max_splits=16, programs_
 DECODE_VARIANTS = {   # one split (direct write), splits + reduce kernel, several splits per program
     "single": DecodeConfig(block_n=16, min_split=1024),
     "split": TINY_DECODE,
-    "walk": WALKING_DECODE,                                     # in groups of 3 splits
-    "walk_pairs": replace(WALKING_DECODE, split_group=2),       # 2 groups of 2 splits a program
-    "walk_ungrouped": replace(WALKING_DECODE, split_group=1),
+    "walk": WALKING_DECODE,          # in groups of 3 splits (other groupings: the bitwise tests below)
 }
 TINY_PREFILL = PrefillConfig(block_m=16, block_n=16)
 
