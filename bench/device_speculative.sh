@@ -6,12 +6,8 @@
 #   3. bench/speculative.py on the 6-layer SmolLM2 cut (real weights: lookup, oracle and wrong drafts) and on a
 #      random Llama-3-8B Q4_K_M (oracle and wrong drafts: what a step's drafts cost); CAPS="8,16" tries caps.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
-  --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1 &
-writer=$!
+source bench/device_env.sh
+write_llama8b_q4km
 if [ "${ATTN:-1}" = 1 ]; then
   ATTN_BATCHES=1,4,8,16,64 SWEEP_PREFILL=0 SWEEP_BUDGET_S=200 timeout 240 python3 bench/kernels_attention.py --sweep \
     2>&1 | grep -v Warning | tee "$OUT/attention.log" | grep -E "^decode variant|^copy"

@@ -9,12 +9,8 @@
 # PART=ab: only whole decode steps, old / new alternating, ROUNDS rounds (B = 1, 4, 8); then OpenAI's Predicted
 #   Outputs on the same model (bench/speculative.py --drafts predicted,edited,oracle, B = 1 and 8).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
-  --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1 &
-writer=$!
+source bench/device_env.sh
+write_llama8b_q4km
 decode() {   # decode SIDE TAG BATCHES
   local src=src script=bench/decode.py
   [ "$1" = old ] && src=.ab_old/src script=.ab_old/bench/decode.py

@@ -101,9 +101,10 @@ def drafters(llm: LLM, k: int, plain_outputs: list[list[int]]) -> dict:
         room = min(k, budget, seq.params.max_tokens - seq.num_output - 1)
         return plain_outputs[i][seq.num_output:seq.num_output + max(room, 0)]
 
-    return {"lookup": lambda i, seq, budget: eng._draft(seq, budget),
-            "predicted": lambda i, seq, budget: eng._draft(seq, budget),
-            "edited": lambda i, seq, budget: eng._draft(seq, budget),
+    def own(i, seq, budget):              # the engine's drafts: prompt lookup, or the request's prediction
+        return eng._draft(seq, budget)
+
+    return {"lookup": own, "predicted": own, "edited": own,
             "oracle": upcoming,
             "wrong": lambda i, seq, budget: [(t + 1) % vocab for t in upcoming(i, seq, budget)]}
 
