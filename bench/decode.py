@@ -4,8 +4,8 @@
         [--kv-cache-dtype auto,fp8] [--contexts 4096,32768] [--batches 1,4,8,16]
 
 For each model, KV cache dtype (each in its own load) and context (512, 4096) and batch B: the engine step
-time (planning, graph replay, sampling, the one host sync), aggregate tok/s, its ratio to B=1, and the ratio of
-the step time to the roofline (weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
+time (planning, graph replay, sampling, the one host sync), overlapped (the default: step n + 1 launched
+while step n runs) and not, aggregate tok/s, its ratio to B=1, and the ratio of the step time to the roofline (weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
 Sessions are placed at the given context with random KV (the values don't change the bytes read), so
 no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens, and, with --hf-peer,
 the same shape in bf16 through Hugging Face transformers (random init): its ms/step at B = 1, 4, 16, 64.
@@ -168,7 +168,9 @@ def kernel_breakdown(llm: LLM, batch: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
     runner = llm.engine.runner
     graphs, runner.graphs = runner.graphs, None
+    llm.engine.overlap = False          # one step per call: the profile holds exactly one
     try:
+        llm.engine.step()
         llm.engine.step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -176,6 +178,7 @@ def kernel_breakdown(llm: LLM, batch: int) -> list[dict]:
             torch.cuda.synchronize()
     finally:
         runner.graphs = graphs
+        llm.engine.overlap = True
     return _top_kernels(prof)
 
 
@@ -201,7 +204,10 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
         base = None
         for b in [b for b in BATCHES if b <= max_batch]:
             place_sessions(llm, b, context)
-            step_s = time_steps(llm)
+            step_s = time_steps(llm)                 # overlapped steps (the engine's default)
+            llm.engine.overlap = False
+            plain_s = time_steps(llm)                # each step's tokens read before the next is planned
+            llm.engine.overlap = True
             graph_ms = graph_replay_ms(llm, b)
             if context == CONTEXTS[0] and b in (1, 16):
                 breakdowns[b] = kernel_breakdown(llm, b)
@@ -210,11 +216,13 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
             kv_read = b * (context + 8) * kvtok          # contexts grow by ~8 tokens over the timed steps
             roofline_s = (wbytes + kv_read) / copy_bps
             base = base or b / step_s
-            rows.append(dict(context=context, batch=b, step_ms=step_s * 1e3, graph_ms=graph_ms, tok_s=b / step_s,
+            rows.append(dict(context=context, batch=b, step_ms=step_s * 1e3, step_ms_no_overlap=plain_s * 1e3,
+                             graph_ms=graph_ms, tok_s=b / step_s,
                              vs_b1=(b / step_s) / base, roofline_ms=roofline_s * 1e3,
                              step_over_roofline=step_s / roofline_s,
                              gbps=(wbytes + kv_read) / step_s / 1e9))
-            print(f"  ctx {context:5d} B {b:4d}: {step_s * 1e3:7.2f} ms/step  {b / step_s:8.0f} tok/s  "
+            print(f"  ctx {context:5d} B {b:4d}: {step_s * 1e3:7.2f} ms/step ({plain_s * 1e3:6.2f} not overlapped)  "
+                  f"{b / step_s:8.0f} tok/s  "
                   f"x{(b / step_s) / base:5.2f} vs B=1  {step_s / roofline_s:4.2f}x roofline", flush=True)
     prefill = []
     for n in (512, 2048):
@@ -336,7 +344,8 @@ def main() -> None:
     for m in results["models"]:
         print(m["model"], f"weights {m['weight_bytes'] / 1e9:.2f} GB, load {m['load_s']:.0f}s")
         for r in m["decode"]:
-            print(f"  ctx {r['context']:5d} B {r['batch']:4d} {r['step_ms']:7.2f} ms (graph {r['graph_ms']:6.2f}) "
+            print(f"  ctx {r['context']:5d} B {r['batch']:4d} {r['step_ms']:7.2f} ms (not overlapped "
+                  f"{r['step_ms_no_overlap']:6.2f}, graph {r['graph_ms']:6.2f}) "
                   f"{r['tok_s']:8.0f} tok/s "
                   f"x{r['vs_b1']:6.2f}  {r['step_over_roofline']:4.2f}x roof  {r['gbps']:6.0f} GB/s "
                   f"({r['gbps'] * 1e9 / copy_bps:4.0%} of copy)")

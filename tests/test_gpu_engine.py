@@ -191,6 +191,54 @@ def test_graph_and_eager_agree(models):
     assert with_graphs == eager
 
 
+def test_overlapped_steps_on_cuda(models):
+    """Overlapped steps (the default) against steps that read their tokens first, on CUDA, through the decode
+    graphs and eagerly: 4 sessions (under every kernel's batch-invariant row count, so the row that a stopped
+    session still computes in the step in flight changes no one's bits), greedy and seeded sampling with
+    logprobs, one stopping on its own token mid-run: the same outputs, and most steps planned ahead."""
+    _, gpu = models["cut"]
+    eng = gpu.engine
+    prompts = [gpu.encode_prompt(p) for p in PROMPTS[:4]]
+    greedy = gpu.engine.generate([prompts[2]], GREEDY)[0]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=STEPS, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=STEPS, stop_token_ids=(greedy[6],)),
+              SamplingParams(temperature=0.6, seed=9, max_tokens=STEPS // 2)]
+    launch = eng.runner.launch
+
+    def run(overlap: bool) -> tuple[list, int]:
+        eng.overlap, ahead = overlap, []
+
+        def counting(plan):
+            ahead.append(plan.follows is not None)
+            return launch(plan)
+
+        eng.runner.launch = counting
+        try:
+            ids = {eng.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
+            got = [[] for _ in prompts]
+            while eng.has_work():
+                for o in eng.step():
+                    lp = None if o.logprob is None else round(o.logprob, 4)
+                    got[ids[o.request_id]].append((o.new_token, lp, o.finish_reason))
+        finally:
+            eng.runner.launch, eng.overlap = launch, True
+        return got, sum(ahead)
+
+    graphs = eng.runner.graphs
+    for with_graphs in (True, False):
+        eng.runner.graphs = graphs if with_graphs else None
+        try:
+            want, _ = run(False)
+            got, ahead = run(True)
+        finally:
+            eng.runner.graphs = graphs
+        print(f"overlap on CUDA ({'graphs' if with_graphs else 'eager'}): {ahead} steps planned ahead; "
+              f"lengths {[len(g) for g in got]}")
+        assert got == want
+        assert want[2][-1][2] == "stop" and len(want[2]) <= 7
+        assert ahead >= STEPS // 2
+
+
 def test_speculative_steps_replay_the_decode_graph(models):
     """Prompt-lookup drafts on CUDA: a step of decoders and their drafts replays the decode graph (one row per
     token and draft), and greedy output is plain decoding's, up to ties (the attention's split plan follows

@@ -44,6 +44,7 @@ class EngineOptions:
     dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
     speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
+    overlap_steps: bool = True         # plan and launch decode step n + 1 while step n runs (engine.py)
     quiet: bool = False
 
 
@@ -155,7 +156,8 @@ class LLM:
             runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
-                        grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative)
+                        grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative,
+                        overlap=options.overlap_steps)
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         return cls(path, gguf, cfg, tokenizer, template, model, engine, options)

@@ -65,11 +65,15 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
+            block_tables: list[list[int]], device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of n <= max_batch sequences (host lists; sequence lengths are positions + 1) ->
-        logits [n, vocab] (a view: use it before the next run)."""
+        logits [n, vocab] (a view: use it before the next run). device_token_ids: the n input tokens as a
+        device tensor (a step planned before the previous one's tokens reached the host); token_ids are
+        then placeholders."""
         b = self.bucket_for(len(token_ids))
         self.inputs.stage(token_ids, positions, slot_mapping, block_tables, b)
+        if device_token_ids is not None:
+            self.token_ids[:len(token_ids)].copy_(device_token_ids)
         self.graphs[b].replay()
         return self.logits[b][:len(token_ids)]
 
@@ -106,8 +110,8 @@ class StagedInputs:
               block_tables: list[list[int]], bucket: int) -> None:
         n = len(token_ids)
         if self._sent is not None:
-            self._sent.synchronize()    # the previous step's copies have left the mirror (they always have by
-                                        # now: each step syncs on its sampled tokens)
+            self._sent.synchronize()    # the previous step's copies have left the mirror (they have by now: the
+                                        # step before it was collected, and they queue right behind it)
         ids, pos, slots, lens = self._host_views
         ids[:n], pos[:n], slots[:n] = token_ids, positions, slot_mapping
         lens[:n] = pos[:n] + 1

@@ -2,6 +2,16 @@
 
 Used by the CLI, the server and the benchmarks. Not thread-safe: one thread drives it (the server
 runs it in its own thread and talks to it through queues).
+
+Overlapped steps (`overlap=True`, vLLM's "async scheduling"): while decode step n runs on the device, the
+host plans and launches step n + 1, whose input tokens are step n's, read on the device; only then does
+it wait for step n's tokens and turn them into outputs. The GPU no longer idles while the host plans,
+stages inputs and post-processes (H200, a random Llama-3-8B: bench/results/decode-*-overlap-ab.log). A step is
+planned ahead only where nothing but the input token depends on step n's results: every running sequence
+decodes, samples without reading its own tokens (no penalties, grammar, bad words or drafts), and nobody
+waits for a free slot. A sequence that step n ends (a stop token) has computed one token too many, which
+is dropped; its blocks are freed only after that step in device order, so no one else's KV is touched.
+step() then returns step n's outputs, so the outputs trail the device by one step, never by tokens.
 """
 
 from __future__ import annotations
@@ -12,9 +22,9 @@ from dataclasses import dataclass
 
 from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, KVPool
-from cobatch.engine.runner import ModelRunner, PromptLogprob
-from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.scheduler import Scheduler
+from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
+from cobatch.engine.sampler import SamplingParams, needs_penalties
+from cobatch.engine.scheduler import Scheduler, StepPlan
 from cobatch.engine.sequence import Sequence, SeqStatus
 from cobatch.engine.speculative import (PREDICTION_SPEC, NgramSpec, Prediction, can_speculate, propose,
                                          step_rows_with_drafts)
@@ -45,8 +55,9 @@ class StepOutput:
 class Engine:
     def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
                  max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512,
-                 grammars: Grammars | None = None, speculative: NgramSpec | None = None):
+                 grammars: Grammars | None = None, speculative: NgramSpec | None = None, overlap: bool = True):
         self.runner = runner
+        self.overlap = overlap           # plan and launch decode step n + 1 before step n's tokens are read
         self.grammars = grammars         # compiles SamplingParams.grammar; None: grammars are refused
         self.speculative = speculative   # prompt-lookup drafts for decoding sequences (engine/speculative.py)
         self.pool: KVPool = runner.pool
@@ -60,6 +71,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []
+        self._in_flight: LaunchedStep | None = None    # a step launched ahead, not collected yet
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -98,7 +110,7 @@ class Engine:
         self._aborted.append(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work() or bool(self._aborted) or self._in_flight is not None
 
     @property
     def stats(self):
@@ -107,21 +119,38 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[StepOutput]:
         """One forward pass. `on_launched` (see ModelRunner.execute) runs while the device computes; steps
-        that sample nothing do not call it."""
+        that sample nothing do not call it. With overlap, the step returned may be one launched by the previous
+        call, and the next one is already running when this returns."""
         outputs = [self._output(seq, None) for seq in self._aborted]
         for seq in self._aborted:
             self.seqs.pop(seq.request_id, None)
         self._aborted.clear()
-        plan = self.scheduler.plan()
-        if not plan.items:
-            return outputs
-        result = self.runner.execute(plan, on_launched)
+        launched, self._in_flight = self._in_flight, None
+        try:
+            if launched is None:
+                plan = self.scheduler.plan()
+                if not plan.items:
+                    return outputs
+                launched = self.runner.launch(plan)
+            if self.overlap:
+                ahead = self._plan_ahead(launched)
+                if ahead is not None:
+                    self._in_flight = self.runner.launch(ahead)
+            if on_launched is not None and launched.out is not None:
+                on_launched()
+            result = self.runner.collect(launched)
+        except BaseException:
+            self._in_flight = None           # the caller fails these requests; nothing is left half-done
+            raise
+        plan = launched.plan
         finished = 0
         prompt_lps = result.prompt_logprobs or [None] * len(plan.items)
         embeddings = result.embeddings or [None] * len(plan.items)
         drafted = result.drafted or [None] * len(plan.items)
         for (seq, n), token, logprob, top, prompt_lp, embedding, draft_out in zip(
                 plan.items, result.tokens, result.logprobs, result.top, prompt_lps, embeddings, drafted):
+            if seq.status is not SeqStatus.RUNNING:
+                continue        # a step planned ahead: ended by the step before it (stop token, abort)
             if seq.draft:
                 finished += self._accept_drafts(seq, [(token, logprob, top)] + draft_out, outputs)
                 continue
@@ -146,6 +175,32 @@ class Engine:
             outputs.append(out)
         self.scheduler.end_step(finished)
         return outputs
+
+    def _plan_ahead(self, launched: LaunchedStep) -> StepPlan | None:
+        """The next decode step, planned while `launched` runs, or None where it must wait for the host to see
+        launched's tokens (see the module's notes)."""
+        scheduler = self.scheduler
+        if launched.out is None or (self.speculative is not None
+                                    and scheduler.drafts_each(scheduler.running, all_decoding=True)):
+            return None                      # prompt-lookup drafts read the tokens
+        if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+            return None                      # admit the newcomer first
+        sampling = {id(seq) for seq in launched.sampling_seqs()}
+        continuing = []
+        for seq in scheduler.running:
+            if id(seq) not in sampling or not self._samples_blind(seq):
+                return None
+            # It samples its last token in `launched` when that token reaches max_tokens or the context.
+            if seq.num_output + 1 < seq.params.max_tokens and len(seq.token_ids) + 1 < self.max_context:
+                continuing.append(seq)
+        return scheduler.plan_ahead(continuing, launched) if continuing else None
+
+    @staticmethod
+    def _samples_blind(seq: Sequence) -> bool:
+        """Can this sequence's next token be sampled without the host knowing its tokens so far?"""
+        params = seq.params
+        return (not seq.draft and seq.prediction is None and seq.matcher is None and not params.bad_words
+                and not needs_penalties(params) and not params.embed)
 
     def _advance_cache(self, seq: Sequence, n: int) -> None:
         """Account for n newly computed tokens and make blocks that became full findable."""

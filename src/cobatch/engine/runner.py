@@ -1,20 +1,24 @@
 """ModelRunner: turns a step plan into tensors, runs the forward pass, samples on the device.
 
-One host sync per step: the sampled token ids (and logprobs, if asked) come back in one transfer.
+A step is launched (its device work queued, its results' copy to the host queued behind it) and collected
+later (one wait, one transfer: the sampled token ids, and logprobs if asked). In between, the engine may
+launch the next decode step, whose input tokens are the ones this step samples, read on the device: the
+host's work for one step then overlaps the GPU's for the other (engine.py, "overlapped steps").
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.engine.grammar import allowed_masks
 from cobatch.engine.kv_cache import KVPool
-from cobatch.engine.sampler import MAX_BAD_WORD_TOKENS, Sampler, SampleRow, bad_word_bans, needs_penalties
+from cobatch.engine.sampler import (MAX_BAD_WORD_TOKENS, Sampler, SampleOutput, SampleRow, bad_word_bans,
+                                    needs_penalties, to_device)
 from cobatch.engine.scheduler import StepPlan
 
 
@@ -36,6 +40,33 @@ class StepResult:
     drafted: list[list[tuple[int, float | None, list[tuple[int, float]] | None]] | None] | None = None
 
 
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose device work is queued. `samplers`: (index in plan.items, drafts) of the planned sequences
+    that sample, in the order of `out`'s rows (a speculating sequence: its last row, then one per draft); taken
+    at launch, since a sequence's state moves on before a step planned ahead is collected. `host`/`ready`: the
+    pinned buffer the results are copied into, and the event that says they are there (None on the CPU)."""
+    plan: StepPlan
+    samplers: list[tuple[int, int]] = field(default_factory=list)
+    rows: list[SampleRow] = field(default_factory=list)
+    out: SampleOutput | None = None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    prompt_logprobs: list[list[PromptLogprob] | None] | None = None
+    embeddings: torch.Tensor | None = None      # float32 [rows that asked, d_model], on the device
+
+    def sampling_seqs(self) -> list:
+        return [self.plan.items[i][0] for i, _ in self.samplers]
+
+    def row_of(self) -> dict[int, int]:
+        """id(sequence) -> the row of `out` holding the token it sampled (its first, if it had drafts)."""
+        rows, row = {}, 0
+        for i, drafts in self.samplers:
+            rows[id(self.plan.items[i][0])] = row
+            row += 1 + drafts
+        return rows
+
+
 def _samples(seq, n: int) -> bool:
     """Do the n rows a step gives this sequence reach its last token (and any drafts), so that it samples?"""
     return seq.num_computed + n == len(seq.token_ids) + len(seq.draft)
@@ -54,10 +85,10 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool, max_batch, max_context, quiet)
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
+        bs, ahead = self.block_size, plan.ahead
         ids, pos, slots, starts, lens, tables, sample_rows = [], [], [], [0], [], [], []
-        for seq, n in plan.items:
-            first = seq.num_computed
+        for i, (seq, n) in enumerate(plan.items):
+            first = seq.num_computed + (plan.behind[i] if ahead else 0)
             ids.extend(seq.token_ids[first:first + n])
             ids.extend(seq.draft)           # (a speculating sequence's n rows: its last token, then its drafts)
             positions = range(first, first + n)
@@ -68,76 +99,109 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             lens.append(first + n)
             tables.append(seq.block_table)
-            if _samples(seq, n):            # the last row, and each draft's
+            if ahead or _samples(seq, n):   # the last row, and each draft's
                 sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
         width = max(len(t) for t in tables)
         dev = self.device
+        # Pinned, non-blocking copies: the host must not wait here for a step still running on the device.
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            query_start=to_device(starts, torch.int32, dev),
+            seq_lens=to_device(lens, torch.int32, dev),
+            block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
             max_query_len=max(n for _, n in plan.items),
             max_seq_len=max(lens),
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                meta, sample_rows)
+        token_ids = self._followed_tokens(plan) if ahead else to_device(ids, torch.int64, dev)
+        return token_ids, to_device(pos, torch.int64, dev), meta, sample_rows
+
+    def _followed_tokens(self, plan: StepPlan) -> torch.Tensor:
+        """The input tokens of a step planned ahead: the ones the step it follows samples, on the device."""
+        step = plan.follows
+        row_of = step.row_of()
+        index = [row_of[id(seq)] for seq, _ in plan.items]
+        if index == list(range(len(index))):
+            return step.out.token_ids[:len(index)]
+        return step.out.token_ids.index_select(0, to_device(index, torch.int64, self.device))
 
     def _graph_logits(self, plan: StepPlan) -> torch.Tensor:
         """A decode step through the captured graph (its inputs are staged by DecodeGraphs). A speculating
         sequence's drafts are decode rows of their own after its last token, at the positions that follow it,
         each seeing the rows before it through the KV they write in the same layer: so each row computes what
         plain decoding computes for that token (bitwise, up to decode attention's invariant_rows)."""
-        bs = self.block_size
+        bs, ahead = self.block_size, plan.ahead
         ids, pos, tables = [], [], []
-        for seq, n in plan.items:
-            first = seq.num_computed
-            ids.append(seq.token_ids[first])
+        for i, (seq, n) in enumerate(plan.items):
+            first = seq.num_computed + (plan.behind[i] if ahead else 0)
+            ids.append(seq.token_ids[first] if not ahead else 0)     # ahead: the device's, copied in below
             ids.extend(seq.draft)
             pos.extend(range(first, first + n))
             tables.extend([seq.block_table] * n)
         return self.graphs.run(token_ids=ids, positions=pos,
                                slot_mapping=[t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
-                               block_tables=tables)
+                               block_tables=tables, device_token_ids=self._followed_tokens(plan) if ahead else None)
 
     def _use_graph(self, plan: StepPlan) -> bool:
-        """Decoders only (each its last token, and its drafts if it speculates), within the graphs' rows."""
-        return (self.graphs is not None and sum(n for _, n in plan.items) <= self.graphs.max_batch
-                and all(n == 1 + len(seq.draft) and seq.pending == 1 and not seq.params.embed
-                        for seq, n in plan.items))
+        """Decoders only (each its last token, and its drafts if it speculates), within the graphs' rows. A
+        plan made ahead is one decode row per sequence by construction (the host's state lags it)."""
+        if self.graphs is None or sum(n for _, n in plan.items) > self.graphs.max_batch:
+            return False
+        return bool(plan.ahead) or all(n == 1 + len(seq.draft) and seq.pending == 1 and not seq.params.embed
+                                 for seq, n in plan.items)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
-        """Run one step. `on_launched` is called once the step's device work is queued, just before the host
-        waits for it: the caller's host work done there overlaps the GPU instead of delaying the launch."""
-        samplers = [(seq, n) for seq, n in plan.items if _samples(seq, n)]
-        prompt_logprobs = embeddings = None     # decode steps (the graph's) predict no prompt token
+        """Run one step: launch, then collect. `on_launched` is called once the step's device work is queued,
+        just before the host waits for it (not for a step that samples nothing): the caller's host work done
+        there overlaps the GPU instead of delaying the launch."""
+        step = self.launch(plan)
+        if on_launched is not None and step.out is not None:
+            on_launched()
+        return self.collect(step)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue a step's forward pass, its sampling and the copy of its results to the host; wait for none of
+        it (except where prompt logprobs are asked: those are read back here). A plan made ahead
+        (plan.follows) reads its input tokens from the step it follows, on the device."""
+        step = LaunchedStep(plan, samplers=[(i, len(seq.draft)) for i, (seq, n) in enumerate(plan.items)
+                                            if plan.ahead or _samples(seq, n)])
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
         else:
             token_ids, positions, meta, sample_rows = self._inputs(plan)
             hidden = self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v)
-            prompt_logprobs = self._prompt_logprobs(plan, hidden)
-            if not samplers:
-                none = [None] * len(plan.items)
-                return StepResult(none, none, none, prompt_logprobs)
-            last = hidden[torch.tensor(sample_rows, device=hidden.device)]
+            if not plan.ahead:              # (a row planned ahead is past its prompt)
+                step.prompt_logprobs = self._prompt_logprobs(plan, hidden)
+            if not step.samplers:
+                return step
+            last = hidden[to_device(sample_rows, torch.int64, hidden.device)]
             # params.embed: the final-normed hidden state of the last prompt token, copied once the step syncs
-            first_rows = itertools.accumulate((1 + len(seq.draft) for seq, _ in samplers), initial=0)
-            want = [row for row, (seq, _) in zip(first_rows, samplers) if seq.params.embed]
+            first_rows = itertools.accumulate((1 + drafts for _, drafts in step.samplers), initial=0)
+            want = [row for row, seq in zip(first_rows, step.sampling_seqs()) if seq.params.embed]
             if want:
-                embeddings = last[torch.tensor(want, device=last.device)].float()
+                step.embeddings = last[to_device(want, torch.int64, last.device)].float()
             logits = self.model.logits(last)
-        rows = self._sample_rows([seq for seq, _ in samplers])
-        out = self.sampler(logits, rows)
-        if on_launched is not None:
-            on_launched()
-        result = self._to_host(plan, out, rows)
-        result.prompt_logprobs = prompt_logprobs
-        if embeddings is not None:      # in plan order: the rows whose prompt ends this step and that asked
-            vectors = iter(embeddings.tolist())
-            result.embeddings = [next(vectors) if seq.params.embed and seq.num_computed + n == len(seq.token_ids)
-                                 else None for seq, n in plan.items]
+        step.rows = self._sample_rows(step.sampling_seqs(), plan.ahead)
+        step.out = self.sampler(logits, step.rows)
+        self._start_transfer(step)
+        return step
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's results and return them (the step's one host sync)."""
+        if step.out is None:
+            none = [None] * len(step.plan.items)
+            return StepResult(none, none, none, step.prompt_logprobs)
+        if step.ready is not None:
+            step.ready.synchronize()
+        result = self._unpack(step)
+        result.prompt_logprobs = step.prompt_logprobs
+        if step.embeddings is not None:      # in plan order: the rows whose prompt ends this step and that asked
+            vectors = iter(step.embeddings.tolist())
+            result.embeddings = [None] * len(step.plan.items)
+            for i, _ in step.samplers:
+                if step.plan.items[i][0].params.embed:
+                    result.embeddings[i] = next(vectors)
         return result
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[list[PromptLogprob] | None] | None:
@@ -165,9 +229,11 @@ class ModelRunner:
             row0 += n
         return out
 
-    def _sample_rows(self, seqs: list) -> list[SampleRow]:
+    def _sample_rows(self, seqs: list, ahead: int = 0) -> list[SampleRow]:
         """What the sampler needs of each sequence. Runs while the device computes the step's logits, so
-        the grammar masks (host work, in parallel over the constrained rows) overlap the GPU."""
+        the grammar masks (host work, in parallel over the constrained rows) overlap the GPU. ahead = 1: the
+        step was planned before the host saw each sequence's last token (engine.py: only for sequences whose
+        sampling does not read their tokens), so it counts that token."""
         matchers = [seq.matcher for seq in seqs if seq.matcher is not None]
         masks = iter(allowed_masks(matchers) if matchers else ())      # in the order of the constrained rows
         rows = []
@@ -175,36 +241,50 @@ class ModelRunner:
             # Token histories are copied only for rows whose penalties read them: at B=128 x 4k context the
             # copies alone cost milliseconds per step.
             history = needs_penalties(seq.params)
-            rows.append(SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output,
+            rows.append(SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output + ahead,
                                   prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
                                   output_ids=seq.output_ids if history else (),
                                   allowed=next(masks) if seq.matcher is not None else None,
-                                  banned=self._banned(seq)))
+                                  banned=self._banned(seq, ahead)))
             # Draft rows (speculative.can_speculate: nothing here depends on the tokens before them) draw
             # with the steps plain decoding would give those tokens.
             rows.extend(SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output + j, prompt_ids=(),
                                   output_ids=()) for j in range(1, len(seq.draft) + 1))
         return rows
 
-    def _banned(self, seq) -> tuple[int, ...]:
+    def _banned(self, seq, ahead: int = 0) -> tuple[int, ...]:
         """Ends of turn before min_tokens, and the tokens that would complete a bad word."""
         params = seq.params
         banned = ()
-        if seq.num_output < params.min_tokens:
+        if seq.num_output + ahead < params.min_tokens:
             banned = (() if params.ignore_eos else self.ends_of_turn) + tuple(params.stop_token_ids)
         if params.bad_words:     # the output's tail is all a word can match (no copy of a long history)
             tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - MAX_BAD_WORD_TOKENS):]
             banned += bad_word_bans(params.bad_words, tail)
         return banned
 
-    def _to_host(self, plan: StepPlan, out, rows: list[SampleRow]) -> StepResult:
-        # The one host sync of the step: everything the caller needs in one transfer (token ids travel
-        # as float32, exact below 2**24, which every vocabulary we load is).
+    @staticmethod
+    def _start_transfer(step: LaunchedStep) -> None:
+        """Queue the copy of the step's results to the host, in one buffer (token ids travel as float32, exact
+        below 2**24, which every vocabulary we load is)."""
+        out, n = step.out, len(step.rows)
         tensors = [out.token_ids.float()]
         if out.logprobs is not None:
             tensors += [out.logprobs.float(), out.top_ids.float(), out.top_logprobs.float()]
-        host = torch.cat([t.reshape(len(rows), -1) for t in tensors], dim=1).cpu().tolist()
-        result = StepResult([None] * len(plan.items), [None] * len(plan.items), [None] * len(plan.items))
+        packed = torch.cat([t.reshape(n, -1) for t in tensors], dim=1)
+        if packed.is_cuda:
+            step.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            step.host.copy_(packed, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        else:
+            step.host = packed
+
+    @staticmethod
+    def _unpack(step: LaunchedStep) -> StepResult:
+        out, rows, items = step.out, step.rows, step.plan.items
+        host = step.host.tolist()
+        result = StepResult([None] * len(items), [None] * len(items), [None] * len(items))
 
         def sampled(j: int) -> tuple[int, float | None, list[tuple[int, float]] | None]:
             row, logprob, top = host[j], None, None
@@ -216,14 +296,12 @@ class ModelRunner:
             return int(row[0]), logprob, top
 
         j = 0
-        for i, (seq, n) in enumerate(plan.items):
-            if not _samples(seq, n):
-                continue
+        for i, drafts in step.samplers:
             result.tokens[i], result.logprobs[i], result.top[i] = sampled(j)
             j += 1
-            if seq.draft:
+            if drafts:
                 if result.drafted is None:
-                    result.drafted = [None] * len(plan.items)
-                result.drafted[i] = [sampled(j + d) for d in range(len(seq.draft))]
-                j += len(seq.draft)
+                    result.drafted = [None] * len(items)
+                result.drafted[i] = [sampled(j + d) for d in range(drafts)]
+                j += drafts
         return result

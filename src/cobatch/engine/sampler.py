@@ -205,7 +205,7 @@ def counter_uniforms(row_keys: torch.Tensor, token_keys: torch.Tensor) -> torch.
 
 # --- logit transforms --------------------------------------------------------------------------------
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> device tensor without waiting on the GPU: a plain torch.tensor(..., device='cuda')
     copies from pageable memory and synchronizes the stream; a pinned, non-blocking copy does not."""
     tensor = torch.tensor(values, dtype=dtype)
@@ -216,7 +216,7 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 def _padded_ids(id_lists: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(ids) for ids in id_lists))
-    return _to_device([list(ids) + [pad] * (width - len(ids)) for ids in id_lists], torch.int64, device)
+    return to_device([list(ids) + [pad] * (width - len(ids)) for ids in id_lists], torch.int64, device)
 
 
 def needs_penalties(params: SamplingParams) -> bool:
@@ -244,8 +244,8 @@ def apply_allowed(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tens
     entries = [(i, token) for i, r in enumerate(rows) for token in r.params.allowed_token_ids]
     if not entries:
         return logits
-    restricted = _to_device([bool(r.params.allowed_token_ids) for r in rows], torch.bool, logits.device)
-    index = _to_device(entries, torch.int64, logits.device)
+    restricted = to_device([bool(r.params.allowed_token_ids) for r in rows], torch.bool, logits.device)
+    index = to_device(entries, torch.int64, logits.device)
     allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     allowed[index[:, 0], index[:, 1]] = True
     return logits.float().masked_fill(restricted[:, None] & ~allowed, -math.inf)
@@ -261,8 +261,8 @@ def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> torc
     A -inf value stays -inf (a +inf logit plus -inf is NaN, which the sampler turns into -inf)."""
     if not entries:
         return logits
-    index = _to_device([[i, token] for i, token, _ in entries], torch.int64, logits.device)
-    values = _to_device([value for _, _, value in entries], torch.float32, logits.device)
+    index = to_device([[i, token] for i, token, _ in entries], torch.int64, logits.device)
+    values = to_device([value for _, _, value in entries], torch.float32, logits.device)
     return logits.float().index_put((index[:, 0], index[:, 1]), values, accumulate=True)
 
 
@@ -290,12 +290,12 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
         seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, prompt_ids, True)
         seen = seen[:, :vocab] | output_seen
-        penalty = _to_device([r.params.repetition_penalty for r in rows], torch.float32, device)[:, None]
+        penalty = to_device([r.params.repetition_penalty for r in rows], torch.float32, device)[:, None]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
 
-    frequency = _to_device([r.params.frequency_penalty for r in rows], torch.float32, device)[:, None]
-    presence = _to_device([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
+    frequency = to_device([r.params.frequency_penalty for r in rows], torch.float32, device)[:, None]
+    presence = to_device([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
     return logits - (frequency * output_counts + presence * output_seen.float())
 
 
@@ -315,19 +315,19 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
         # Stable sort: ties at a top-k cut-off resolve to the lower token id, the same way in every batch.
         sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=device)
-        k_per_row = _to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, device)
+        k_per_row = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, device)
         drop_sorted = rank[None, :] >= k_per_row[:, None]
         if needs_top_p:
             probs = sorted_scores.masked_fill(drop_sorted, -math.inf).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
             # Rows with top_p = 1 get +inf so rounding in the cumsum (mass_before ~ 1) never trims their tail.
-            p_per_row = _to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
+            p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
             drop_sorted |= mass_before >= p_per_row[:, None]
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         scores = scores.masked_fill(drop, -math.inf)
     if any(p > 0.0 for p in min_p):
         relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
-        min_p_per_row = _to_device(list(min_p), torch.float32, device)
+        min_p_per_row = to_device(list(min_p), torch.float32, device)
         scores = scores.masked_fill(relative_prob < min_p_per_row[:, None], -math.inf)
     return scores
 
@@ -360,7 +360,7 @@ class Sampler:
             if len(sampled) == len(rows):
                 token_ids = self._sample(penalized, rows, greedy=token_ids)
             else:
-                index = _to_device(sampled, torch.int64, device)
+                index = to_device(sampled, torch.int64, device)
                 drawn = self._sample(penalized.index_select(0, index), [rows[i] for i in sampled],
                                      greedy=token_ids.index_select(0, index))
                 token_ids = token_ids.index_copy(0, index, drawn)
@@ -377,13 +377,13 @@ class Sampler:
         """Gumbel-max over the filtered, tempered logits of rows that all have temperature > 0; `greedy`
         (argmax of the same penalized logits) is the fallback for a row with no candidate left."""
         device = logits.device
-        temperature = _to_device([r.params.temperature for r in rows], torch.float32, device)
+        temperature = to_device([r.params.temperature for r in rows], torch.float32, device)
         # Overflow from a small temperature becomes a huge finite value so softmax/min-p stay NaN-free.
         scores = torch.nan_to_num(logits / temperature[:, None], nan=-math.inf, posinf=_FLOAT32_HUGE,
                                   neginf=-math.inf)
         scores = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
                                [r.params.min_p for r in rows])
-        row_keys = _to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
+        row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
         uniforms = counter_uniforms(row_keys, self._token_keys_for(logits.shape[1], device))
         choice = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)
         # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny

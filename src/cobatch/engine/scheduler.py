@@ -18,6 +18,16 @@ from cobatch.engine.sequence import Sequence, SeqStatus
 @dataclass(slots=True)
 class StepPlan:
     items: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, rows this step)
+    # A plan made ahead (plan_ahead): one decode row per sequence, for the token that the launched step
+    # `follows` samples. Each sequence's host state is behind: by behind[i] rows of K/V (the rows `follows`
+    # gives it: 1, or a prompt's last chunk) and by one sampled token.
+    follows: object | None = None
+    behind: list[int] = field(default_factory=list)
+
+    @property
+    def ahead(self) -> int:
+        """Sampled tokens each sequence has that its host state lacks: 1 for a plan made ahead, else 0."""
+        return 0 if self.follows is None else 1
 
     @property
     def num_rows(self) -> int:
@@ -102,10 +112,11 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
 
-    def _drafts_each(self, order: list[Sequence]) -> int:
+    def drafts_each(self, order: list[Sequence], all_decoding: bool = False) -> int:
         """Drafts each decoder may propose this step: the rows left once every running sequence has one,
-        shared equally among the decoders (so the first ones do not take them all)."""
-        decoders = sum(seq.is_decoding for seq in order)
+        shared equally among the decoders (so the first ones do not take them all). all_decoding: count every
+        sequence as a decoder (the step after one that ends their prompts)."""
+        decoders = len(order) if all_decoding else sum(seq.is_decoding for seq in order)
         too_many = self.draft_max_running is not None and len(order) > self.draft_max_running
         if self.draft is None or not decoders or too_many:
             return 0
@@ -118,7 +129,7 @@ class Scheduler:
         budget = self.max_step_tokens
         # Decoders first, in admission order; then prefill chunks in admission order.
         order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
-        drafts_each = self._drafts_each(order)
+        drafts_each = self.drafts_each(order)
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:      # preempted while planning this step
                 continue
@@ -144,6 +155,21 @@ class Scheduler:
             plan.items.append((seq, rows))
             self.stats.draft_tokens += len(seq.draft)
             budget -= rows
+        self._count(plan)
+        return plan
+
+    def plan_ahead(self, seqs: list[Sequence], follows: object) -> StepPlan | None:
+        """The next decode step of `seqs` (each of which samples its next token in the launched step `follows`:
+        a decoder, or a prompt's last chunk), planned before that token reaches the host. None where it would need a preemption: the
+        caller then collects the step in flight and plans as usual."""
+        plan = StepPlan(follows=follows)
+        rows = {id(seq): n for seq, n in follows.plan.items}
+        for seq in seqs:
+            # Blocks for the rows in flight and for the one this step adds after them.
+            if not self._ensure_blocks(seq, rows[id(seq)] + 1):
+                return None
+            plan.items.append((seq, 1))
+            plan.behind.append(rows[id(seq)])
         self._count(plan)
         return plan
 

@@ -271,7 +271,8 @@ def serve(args) -> int:
         kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
-        chat_template=getattr(args, "chat_template", None), speculative=_speculative(args)))
+        chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
+        overlap_steps=getattr(args, "async_scheduling", True)))
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
     options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                             max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
