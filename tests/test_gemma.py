@@ -118,7 +118,7 @@ def test_gpu_logits_close_to_cpu(gemma_files, arch):
 def test_gpu_decode_graphs_match_prefill(gemma):
     """Decode through the CUDA graphs (windowed decode attention, 16 steps: past the 12-key window) against
     the prefill kernels on the same text: each decoded token is the prefill's argmax, or a near tie there."""
-    gpu = LLM.load(gemma, EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True))
+    gpu = LLM.load(gemma, EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True, kv_cache_gb=1))
     assert gpu.engine.runner.graphs is not None
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompt = gpu.encode_prompt("The capital of France is")

@@ -39,7 +39,9 @@ def models(tmp_path_factory):
     out = {}
     for name, path in (("tiny", tiny), ("cut", _cut_model())):
         cpu = LLM.load(path, EngineOptions(device="cpu", ctx=256, max_num_seqs=8, quiet=True))
-        gpu = LLM.load(path, EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=40, quiet=True))
+        # A small KV pool each: by default a load takes 85 % of the free memory, and this file loads several.
+        gpu = LLM.load(path, EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=40, quiet=True,
+                                           kv_cache_gb=1))
         out[name] = (cpu, gpu)
     return out
 
@@ -154,7 +156,8 @@ def test_fp8_kv_cache_on_cuda(models):
     runs their attention through the prefill kernel, whose other rounding an fp8 cache can turn into a tie-break);
     graphs = eager."""
     cpu, _ = models["cut"]
-    gpu = LLM.load(cpu.path, EngineOptions(device="cuda", kv_cache_dtype="fp8", ctx=256, max_num_seqs=8, quiet=True))
+    gpu = LLM.load(cpu.path, EngineOptions(device="cuda", kv_cache_dtype="fp8", ctx=256, max_num_seqs=8, quiet=True,
+                                           kv_cache_gb=1))
     assert gpu.engine.pool.dtype == torch.float8_e4m3fn and gpu.engine.runner.graphs is not None
     from model_checks import prompt_logits
     ids = cpu.encode_prompt(PROMPTS[2]) + cpu.engine.generate([cpu.encode_prompt(PROMPTS[2])], GREEDY)[0][:24]
@@ -246,7 +249,7 @@ def test_speculative_steps_replay_the_decode_graph(models):
     from cobatch.engine.speculative import NgramSpec
     _, gpu = models["cut"]
     spec = LLM.load(_cut_model(), EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True,
-                                                speculative=NgramSpec(4)))
+                                                kv_cache_gb=1, speculative=NgramSpec(4)))
     assert spec.engine.runner.graphs.max_batch == 8           # 4 sessions, drafts up to 8 rows a step
     prompts = [gpu.encode_prompt("apple banana cherry dates elderberry fig grape. " * 3 + "apple banana"),
                gpu.encode_prompt("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5,"), gpu.encode_prompt(PROMPTS[0])]

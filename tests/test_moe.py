@@ -151,7 +151,7 @@ def test_gpu_engine_batched_equals_alone(moe_models, arch, graphs):
         # batch-invariant (a 3-prompt prefill step of 18 rows would put the attention projections through
         # cuBLAS, where only ties may part ways: tests/test_gpu_engine.py)
         return LLM.load(moe_models[arch], EngineOptions(device="cuda", ctx=256, max_num_seqs=4, quiet=True,
-                                                        eager=eager, max_step_tokens=16))
+                                                        kv_cache_gb=1, eager=eager, max_step_tokens=16))
     llm = load(False)
     assert (llm.engine.runner.graphs is not None) == graphs == llm.model.graph_safe
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
