@@ -262,7 +262,8 @@ def engine_options(args):
     from cobatch.llm import EngineOptions
     return EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx, max_num_seqs=args.parallel,
                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk,
-                         max_step_tokens=args.max_step_tokens, dense_large_batch=args.dense_large_batch)
+                         max_step_tokens=args.max_step_tokens, dense_large_batch=args.dense_large_batch,
+                         overlap_steps=not args.no_async_scheduling)
 
 
 def max_queue(args) -> int:
@@ -289,6 +290,8 @@ class SubprocessServer:
                     cmd += [flag, str(value)]
             if args.dense_large_batch:
                 cmd.append("--dense-large-batch")
+            if args.no_async_scheduling:
+                cmd.append("--no-async-scheduling")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
         self.log = open(log_path, "w")
         print("server:", " ".join(cmd), flush=True)
@@ -543,6 +546,8 @@ def main() -> None:
     ap.add_argument("--stall-stream-tokens", type=int, default=512)
     ap.add_argument("--in-process", action="store_true", help="server in a thread of this process")
     ap.add_argument("--dense-large-batch", action="store_true", help="pass --dense-large-batch to the server")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="pass --no-async-scheduling to the server (each step's tokens read before the next is planned)")
     ap.add_argument("--engine-baseline", action="store_true",
                     help="also time the engine alone (same configuration, decode steps only) at B = each level")
     ap.add_argument("--stub-step-ms", type=float, help="stub engine: measure the HTTP side alone")
