@@ -26,7 +26,8 @@ def _ids(llm, text):
 
 def _run(llm, requests, overlap: bool, arrivals=None, abort_at=None):
     """Step the engine over `requests` [(prompt ids, params)]; arrivals {step: request index} join later;
-    abort_at {step: request index}. Returns ({index: [(token, logprob, finish_reason)]}, steps planned ahead)."""
+    abort_at {step: request index}. Returns ({index: [(token, logprob, finish_reason)]}, steps planned ahead,
+    decode steps counted by the scheduler's statistics)."""
     eng = llm.engine
     eng.overlap = overlap
     arrivals = arrivals or {}
@@ -38,7 +39,7 @@ def _run(llm, requests, overlap: bool, arrivals=None, abort_at=None):
         return launch(plan)
 
     eng.runner.launch = counting
-    free_before = eng.blocks.num_free
+    free_before, decode_steps = eng.blocks.num_free, eng.stats.decode_steps
     ids = {}
     try:
         for i, (prompt, params) in enumerate(requests):
@@ -61,7 +62,7 @@ def _run(llm, requests, overlap: bool, arrivals=None, abort_at=None):
         eng.overlap = True
     assert eng.blocks.num_free == free_before          # nothing leaked, in flight or not
     assert not eng.has_work()
-    return got, sum(ahead)
+    return got, sum(ahead), eng.stats.decode_steps - decode_steps
 
 
 def _assert_same(got, want):
@@ -84,10 +85,12 @@ def test_overlap_gives_the_same_tokens(smol):
         (chat, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=25)),
         (_ids(smol, "1, 2, 3, 4,"), SamplingParams(temperature=0.7, seed=3, max_tokens=5)),
     ]
-    want, sync_ahead = _run(smol, requests, overlap=False)
-    got, ahead = _run(smol, requests, overlap=True)
+    want, sync_ahead, sync_steps = _run(smol, requests, overlap=False)
+    got, ahead, steps = _run(smol, requests, overlap=True)
     _assert_same(got, want)
     assert sync_ahead == 0
+    # The same decode steps counted (the /metrics counter), plus at most the one that a stop token made moot.
+    assert sync_steps <= steps <= sync_steps + 1
     assert want[2][-1][2] == "stop" and len(want[2]) < 40      # a stop token really ended one mid-run
     assert ahead >= 20                                         # the overlap engaged on most decode steps
 
@@ -102,8 +105,8 @@ def test_overlap_with_arrivals_aborts_and_penalties(smol):
         (_ids(smol, "A list of fruits:"), SamplingParams(temperature=0.8, seed=11, max_tokens=16)),
     ]
     arrivals, abort_at = {5: 2, 20: 3}, {9: 1}
-    want, _ = _run(smol, requests, overlap=False, arrivals=arrivals, abort_at=abort_at)
-    got, ahead = _run(smol, requests, overlap=True, arrivals=arrivals, abort_at=abort_at)
+    want, _, _ = _run(smol, requests, overlap=False, arrivals=arrivals, abort_at=abort_at)
+    got, ahead, _ = _run(smol, requests, overlap=True, arrivals=arrivals, abort_at=abort_at)
     _assert_same(got, want)
     assert want[1][-1] == (None, None, "abort") and len(want[1]) < 30
     assert ahead > 0

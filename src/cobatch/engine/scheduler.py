@@ -174,7 +174,8 @@ class Scheduler:
         return plan
 
     def _count(self, plan: StepPlan) -> None:
-        decoders = sum(1 for seq, _ in plan.items if seq.is_decoding)
+        # (A plan made ahead decodes every sequence, some of them before the host has seen their first token.)
+        decoders = len(plan.items) if plan.ahead else sum(1 for seq, _ in plan.items if seq.is_decoding)
         if decoders == 0:
             return
         self.stats.decode_steps += 1
