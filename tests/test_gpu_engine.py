@@ -195,12 +195,13 @@ def test_graph_and_eager_agree(models):
 
 
 def test_overlapped_steps_on_cuda(models):
-    """Overlapped steps (the default) against steps that read their tokens first, on CUDA, through the decode
+    """Overlapped steps (the default on CUDA) against steps that read their tokens first, on CUDA, through the decode
     graphs and eagerly: 4 sessions (under every kernel's batch-invariant row count, so the row that a stopped
     session still computes in the step in flight changes no one's bits), greedy and seeded sampling with
     logprobs, one stopping on its own token mid-run: the same outputs, and most steps planned ahead."""
     _, gpu = models["cut"]
     eng = gpu.engine
+    assert eng.overlap                                # the default on CUDA
     prompts = [gpu.encode_prompt(p) for p in PROMPTS[:4]]
     greedy = gpu.engine.generate([prompts[2]], GREEDY)[0]
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=STEPS, logprobs=1),
@@ -209,7 +210,7 @@ def test_overlapped_steps_on_cuda(models):
     launch = eng.runner.launch
 
     def run(overlap: bool) -> tuple[list, int]:
-        eng.overlap, ahead = overlap, []
+        own, eng.overlap, ahead = eng.overlap, overlap, []
 
         def counting(plan):
             ahead.append(plan.follows is not None)
@@ -224,7 +225,7 @@ def test_overlapped_steps_on_cuda(models):
                     lp = None if o.logprob is None else round(o.logprob, 4)
                     got[ids[o.request_id]].append((o.new_token, lp, o.finish_reason))
         finally:
-            eng.runner.launch, eng.overlap = launch, True
+            eng.runner.launch, eng.overlap = launch, own
         return got, sum(ahead)
 
     graphs = eng.runner.graphs

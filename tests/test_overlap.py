@@ -1,4 +1,5 @@
 """Overlapped steps (engine.py): decode step n + 1 planned and launched before step n's tokens reach the host.
+On by default on CUDA only; these tests turn it on for the CPU path, where the same code runs synchronously.
 
 The same requests, stepped with and without overlap on the same engine, must give the same tokens and finish
 reasons, and logprobs within float32 noise, whatever ends them (stop token, max_tokens, abort) and whichever rows
@@ -29,7 +30,7 @@ def _run(llm, requests, overlap: bool, arrivals=None, abort_at=None):
     abort_at {step: request index}. Returns ({index: [(token, logprob, finish_reason)]}, steps planned ahead,
     decode steps counted by the scheduler's statistics)."""
     eng = llm.engine
-    eng.overlap = overlap
+    own, eng.overlap = eng.overlap, overlap
     arrivals = arrivals or {}
     abort_at = abort_at or {}
     launch, ahead = eng.runner.launch, []
@@ -59,7 +60,7 @@ def _run(llm, requests, overlap: bool, arrivals=None, abort_at=None):
             assert step < 500
     finally:
         eng.runner.launch = launch
-        eng.overlap = True
+        eng.overlap = own
     assert eng.blocks.num_free == free_before          # nothing leaked, in flight or not
     assert not eng.has_work()
     return got, sum(ahead), eng.stats.decode_steps - decode_steps
@@ -85,6 +86,7 @@ def test_overlap_gives_the_same_tokens(smol):
         (chat, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=25)),
         (_ids(smol, "1, 2, 3, 4,"), SamplingParams(temperature=0.7, seed=3, max_tokens=5)),
     ]
+    assert not smol.engine.overlap                  # off by default on the CPU
     want, sync_ahead, sync_steps = _run(smol, requests, overlap=False)
     got, ahead, steps = _run(smol, requests, overlap=True)
     _assert_same(got, want)
@@ -118,7 +120,7 @@ def test_steps_planned_ahead_read_the_device_tokens(smol):
     eng = smol.engine
     prompt = _ids(smol, "The capital of France is")
     params = SamplingParams(temperature=0.0, max_tokens=10)
-    eng.overlap = False
+    own, eng.overlap = eng.overlap, False
     want = eng.generate([prompt], params)[0]
     eng.overlap = True
     seen = []
@@ -137,6 +139,6 @@ def test_steps_planned_ahead_read_the_device_tokens(smol):
     try:
         got = eng.generate([prompt], params)[0]
     finally:
-        eng.runner._inputs = inputs
+        eng.runner._inputs, eng.overlap = inputs, own
     assert got == want
     assert seen and seen == want[:len(seen)]

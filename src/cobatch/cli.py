@@ -344,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-tokens", "--max-num-batched-tokens", "-b", "--batch-size", dest="max_step_tokens",
                    type=int, default=2048, help="token budget of one engine step")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan and launch each decode step while the previous one runs on the device (default on; "
-                        "--no-async-scheduling waits for each step's tokens first)")
+                   help="CUDA: plan and launch each decode step while the previous one runs on the device (default "
+                        "on; --no-async-scheduling waits for each step's tokens first)")
     p.add_argument("--eager", "--enforce-eager", dest="eager", action="store_true",
                    help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,

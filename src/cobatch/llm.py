@@ -44,7 +44,7 @@ class EngineOptions:
     dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
     speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
-    overlap_steps: bool = True         # plan and launch decode step n + 1 while step n runs (engine.py)
+    overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
     quiet: bool = False
 
 
@@ -157,7 +157,9 @@ class LLM:
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative,
-                        overlap=options.overlap_steps)
+                        # On the CPU a launch computes the step before it returns: planning ahead would only
+                        # hold each step's tokens back until the next one is computed.
+                        overlap=options.overlap_steps and device.type == "cuda")
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         return cls(path, gguf, cfg, tokenizer, template, model, engine, options)

@@ -147,7 +147,7 @@ class ModelRunner:
         if self.graphs is None or sum(n for _, n in plan.items) > self.graphs.max_batch:
             return False
         return bool(plan.ahead) or all(n == 1 + len(seq.draft) and seq.pending == 1 and not seq.params.embed
-                                 for seq, n in plan.items)
+                                       for seq, n in plan.items)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
