@@ -8,7 +8,9 @@ from cobatch.llm import LLM, EngineOptions
 from cobatch.model_files import qwen_coder_path, smollm2_path
 
 
-@functools.lru_cache(maxsize=None)
+# The last two loads only: the suite runs in two processes (README), each going through many files, and unbounded
+# caches of every variant (qwen ~3 GB, smollm2 ~1 GB each) took both to 20 GB together.
+@functools.lru_cache(maxsize=2)
 def load_llm(which: str, max_num_seqs: int = 8, ctx: int = 1024, prefill_chunk: int = 512,
              kv_cache_dtype: str = "auto") -> LLM:
     path = smollm2_path() if which == "smollm2" else qwen_coder_path()
