@@ -229,6 +229,15 @@ def test_serve_takes_llama_cpp_flags_that_copied_commands_carry():
     assert build_parser().parse_args(["serve", "-fa", "off"]).flash_attn == "off"
 
 
+def test_serve_async_scheduling_flag():
+    """Overlapped steps are on unless --no-async-scheduling (vLLM's flag) turns them off."""
+    from cobatch.cli import build_parser
+    from cobatch.server.app import engine_options
+    assert engine_options(build_parser().parse_args(["serve"])).overlap_steps is True
+    assert engine_options(build_parser().parse_args(["serve", "--no-async-scheduling"])).overlap_steps is False
+    assert engine_options(build_parser().parse_args(["serve", "--async-scheduling"])).overlap_steps is True
+
+
 def test_serve_takes_more_llama_cpp_flags():
     from cobatch.cli import build_parser
     args = build_parser().parse_args(["serve", "-cb", "--metrics", "--slots", "--no-webui", "--mlock", "--no-mmap",

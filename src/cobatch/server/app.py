@@ -256,8 +256,20 @@ def configure_logging(args) -> None:
         logging.WARNING if getattr(args, "disable_log_requests", False) else logging.NOTSET)
 
 
-def serve(args) -> int:
+def engine_options(args):
+    """The engine configuration `cobatch serve`'s flags ask for."""
     from cobatch.llm import EngineOptions
+    return EngineOptions(
+        device=_device(args), dtype=args.dtype, kv_cache_dtype=kv_cache_dtype_arg(args), ctx=args.ctx,
+        max_num_seqs=args.parallel,
+        kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+        prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
+        dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
+        chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
+        overlap_steps=getattr(args, "async_scheduling", True))
+
+
+def serve(args) -> int:
     _check_serve_args(args)
     sock = listen_socket(args.host, args.port)
     port = sock.getsockname()[1]          # the one the OS picked for --port 0
@@ -265,14 +277,7 @@ def serve(args) -> int:
     if getattr(args, "threads", None) is not None:
         import torch
         torch.set_num_threads(args.threads)
-    llm = LLM.load(args.model_path or args.model, EngineOptions(
-        device=_device(args), dtype=args.dtype, kv_cache_dtype=kv_cache_dtype_arg(args), ctx=args.ctx,
-        max_num_seqs=args.parallel,
-        kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
-        prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
-        dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
-        chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
-        overlap_steps=getattr(args, "async_scheduling", True)))
+    llm = LLM.load(args.model_path or args.model, engine_options(args))
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
     options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                             max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
