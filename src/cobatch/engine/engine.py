@@ -118,9 +118,10 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[StepOutput]:
-        """One forward pass. `on_launched` (see ModelRunner.execute) runs while the device computes; steps
-        that sample nothing do not call it. With overlap, the step returned may be one launched by the previous
-        call, and the next one is already running when this returns."""
+        """One forward pass. `on_launched` is called once the step's device work is queued, just before the host
+        waits for it (not for a step that samples nothing): the caller's host work done there overlaps the GPU
+        instead of delaying the launch. With overlap, the step returned may be one launched by the previous call,
+        and the next one is already running when this returns."""
         outputs = [self._output(seq, None) for seq in self._aborted]
         for seq in self._aborted:
             self.seqs.pop(seq.request_id, None)

@@ -9,7 +9,6 @@ host's work for one step then overlaps the GPU's for the other (engine.py, "over
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +87,7 @@ class ModelRunner:
         bs, ahead = self.block_size, plan.ahead
         ids, pos, slots, starts, lens, tables, sample_rows = [], [], [], [0], [], [], []
         for i, (seq, n) in enumerate(plan.items):
-            first = seq.num_computed + (plan.behind[i] if ahead else 0)
+            first = plan.first_position(i)
             ids.extend(seq.token_ids[first:first + n])
             ids.extend(seq.draft)           # (a speculating sequence's n rows: its last token, then its drafts)
             positions = range(first, first + n)
@@ -132,7 +131,7 @@ class ModelRunner:
         bs, ahead = self.block_size, plan.ahead
         ids, pos, tables = [], [], []
         for i, (seq, n) in enumerate(plan.items):
-            first = seq.num_computed + (plan.behind[i] if ahead else 0)
+            first = plan.first_position(i)
             ids.append(seq.token_ids[first] if not ahead else 0)     # ahead: the device's, copied in below
             ids.extend(seq.draft)
             pos.extend(range(first, first + n))
@@ -148,16 +147,6 @@ class ModelRunner:
             return False
         return bool(plan.ahead) or all(n == 1 + len(seq.draft) and seq.pending == 1 and not seq.params.embed
                                        for seq, n in plan.items)
-
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan, on_launched: Callable[[], None] | None = None) -> StepResult:
-        """Run one step: launch, then collect. `on_launched` is called once the step's device work is queued,
-        just before the host waits for it (not for a step that samples nothing): the caller's host work done
-        there overlaps the GPU instead of delaying the launch."""
-        step = self.launch(plan)
-        if on_launched is not None and step.out is not None:
-            on_launched()
-        return self.collect(step)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:

@@ -29,6 +29,10 @@ class StepPlan:
         """Sampled tokens each sequence has that its host state lacks: 1 for a plan made ahead, else 0."""
         return 0 if self.follows is None else 1
 
+    def first_position(self, i: int) -> int:
+        """The position of item i's first row (past the rows in flight, for a plan made ahead)."""
+        return self.items[i][0].num_computed + (self.behind[i] if self.follows is not None else 0)
+
     @property
     def num_rows(self) -> int:
         return sum(n for _, n in self.items)
