@@ -33,25 +33,11 @@ from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.engine.sequence import Sequence, SeqStatus  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from timing import copy_bandwidth, replay_seconds  # noqa: E402
+
 BATCHES = [1, 2, 3, 4, 8, 16, 32, 64, 128]
 CONTEXTS = [512, 4096]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (the ceiling every ratio is taken against)."""
-    src = torch.randn(1 << 28, device="cuda")            # 1 GiB
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times)
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -122,20 +108,13 @@ def time_steps(llm: LLM, steps: int = 12, warmup: int = 3) -> float:
 
 
 def graph_replay_ms(llm: LLM, batch: int) -> float:
-    """GPU time of the captured decode graph alone (no planning, sampling or host sync)."""
+    """GPU time of the captured decode graph alone (no planning, sampling or host sync; replays queued behind a
+    GPU sleep, bench/timing.py)."""
     g = llm.engine.runner.graphs
     b = g.bucket_for(batch)
     for _ in range(3):
         g.graphs[b].replay()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.graphs[b].replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return replay_seconds(g.graphs[b], reps=10) * 1e3
 
 
 def graph_kernel_breakdown(llm: LLM, batch: int, replays: int = 5) -> list[dict]:

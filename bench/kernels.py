@@ -27,7 +27,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,9 @@ from cobatch.kernels.quant_matmul import PackedWeight, TileConfig  # noqa: E402
 from cobatch.kernels.quant_pack import PackedPlanes  # noqa: E402
 from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from timing import COPY_DETAIL, copy_bandwidth, graph_time, graph_times  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -64,50 +66,7 @@ GEMM_CANDIDATES = [TileConfig(128, 128, 64, 1, 8, 3), TileConfig(128, 128, 128, 
 CROSSOVER_TOKS = [16, 32, 64, 128]
 
 
-# --- timing -----------------------------------------------------------------------------------------------
-
-def graph_time(launches, reps: int = 15) -> float:
-    """Seconds per launch: all launches captured in one CUDA graph, median over replays."""
-    for f in launches:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in launches:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times) / len(launches)
-
-
-COPY_DETAIL: dict = {}
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written, best of two ways:
-    an SM kernel (torch.mul by 1) and copy_ (a memcpy; inside a CUDA graph it becomes a memcpy node, which
-    read only 2.7 TB/s in the first runs, so it cannot be the ceiling alone). Best of 3 after a warm-up."""
-    src = torch.randn(512 << 20, device="cuda")
-    dst = torch.empty_like(src)
-    nbytes = 2 * src.numel() * src.element_size()
-    ways = {"sm_kernel": lambda: torch.mul(src, 1.0, out=dst), "memcpy": lambda: dst.copy_(src)}
-    for f in ways.values():
-        for _ in range(50):
-            f()
-    torch.cuda.synchronize()
-    for name, f in ways.items():
-        COPY_DETAIL[name] = nbytes / min(graph_time([f] * 8, reps=10) for _ in range(3)) / 1e9
-    del src, dst
-    return max(COPY_DETAIL.values())
+# --- timing: bench/timing.py (graph replays queued behind a GPU sleep; the 2 GiB copy) ---------------
 
 
 # --- weights ----------------------------------------------------------------------------------------------
@@ -133,16 +92,17 @@ def rotating(pw: PackedWeight) -> list[PackedWeight]:
     return [pw] + [clone_packed(pw) for _ in range(n - 1)]
 
 
-def time_packed(copies: list[PackedWeight], n_tok: int, cfg, x_dtype=None) -> float:
-    """x_dtype: the activations' dtype; by default what the kernel reads natively (f16 for the Gluon GEMV,
-    which converts bf16 as it loads it; bf16 otherwise)."""
+def time_packed(copies: list[PackedWeight], n_tok: int, cfg, x_dtype=None, both: bool = False):
+    """Seconds per call (a GraphTime with both=True). x_dtype: the activations' dtype; by default what the
+    kernel reads natively (f16 for the Gluon GEMV, which converts bf16 as it loads it; bf16 otherwise)."""
     plan = copies[0].plan
     config = cfg if cfg is not None else (plan.narrow if n_tok <= plan.crossover else plan.gemm)
     if x_dtype is None:
         x_dtype = torch.float16 if isinstance(config, (GemvConfig, GemvPlan)) else torch.bfloat16
     x = torch.randn(n_tok, copies[0].cols, device="cuda").to(x_dtype)
     out = torch.empty(n_tok, copies[0].rows, device="cuda", dtype=torch.bfloat16)
-    return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
+    launches = [lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies]
+    return graph_times(launches) if both else graph_time(launches)
 
 
 def time_torch_linear(rows: int, cols: int, n_tok: int, cache: dict) -> float:
@@ -413,7 +373,8 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
             copies = rotating(pw)
             plan = pw.plan
             for n in DECODE_TOKS:
-                t = time_packed(copies, n, None)
+                timed = time_packed(copies, n, None, both=True)
+                t = timed.queued
                 path = "narrow" if n <= plan.crossover else "gemm"
                 # what a bf16 caller pays: the f16 conversion of x is one more launch per call
                 t_bf16 = time_packed(copies, n, None, torch.bfloat16) if isinstance(plan.narrow, GemvPlan) \
@@ -424,7 +385,9 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
                                  "pct_copy": 100 * gbps / copy_gbps, "weight_bytes": pw.nbytes,
                                  "gguf_bytes": w.nbytes, "torch_bf16_us": torch_us[(name, n)] * 1e6,
                                  "speedup_vs_bf16": torch_us[(name, n)] / t, "crossover": plan.crossover,
-                                 "narrow": _cfg_dict(plan.narrow), "rel_err": err, "us_bf16_input": t_bf16 * 1e6})
+                                 "narrow": _cfg_dict(plan.narrow), "rel_err": err, "us_bf16_input": t_bf16 * 1e6,
+                                 "us_idle_stream": timed.idle * 1e6,
+                                 "pct_copy_idle_stream": 100 * pw.nbytes / timed.idle / 1e9 / copy_gbps})
             for n in PREFILL_TOKS:
                 t = time_packed([pw] * 3, n, None)
                 tflops = 2 * n * rows * cols / t / 1e12
@@ -469,6 +432,18 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} {SHAPES[name][0]}x{SHAPES[name][1]} | {t} | " + " | ".join(
                 f"{cells[n]['gbps']:.0f} ({cells[n]['pct_copy']:.0f}%) / {cells[n]['speedup_vs_bf16']:.2f}x"
                 for n in DECODE_TOKS if n in cells) + " |")
+        lines.append("")
+    idle = [r for r in rows if r["kind"] == "gemv" and r.get("us_idle_stream")]
+    if idle:
+        lines += ["### The same, timed as before 2026-11-30 (graph replayed onto an idle stream: its submission "
+                  "charged to the calls), % of copy", "", "| format | shape | " + " | ".join(
+                      f"n={n}" for n in DECODE_TOKS) + " |", "|---|---|" + "---|" * len(DECODE_TOKS)]
+        for fmt_name in sorted({r["fmt"] for r in idle}):
+            for name in SHAPES:
+                cells = {r["n_tok"]: r for r in idle if r["fmt"] == fmt_name and r["shape"] == name}
+                if cells:
+                    lines.append(f"| {fmt_name} | {name} | " + " | ".join(
+                        f"{cells[n]['pct_copy_idle_stream']:.0f}%" for n in DECODE_TOKS if n in cells) + " |")
         lines.append("")
     lines += ["## Dequant GEMM (prefill): TFLOP/s vs torch bf16 matmul", "",
               "| format | shape | n_tok | TFLOP/s | torch bf16 | ratio |", "|---|---|---|---|---|---|"]
