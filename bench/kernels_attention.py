@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import copy_bandwidth, graph_time, graph_times  # noqa: E402  (replays queued behind a GPU sleep)
 
 N_Q, N_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
 BATCHES = tuple(int(b) for b in os.environ.get("ATTN_BATCHES", "1,8,64").split(","))
@@ -34,40 +37,6 @@ CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = 2048
 L2_FLUSH_BYTES = 256 << 20
 MIN_CALLS = 4
-
-
-def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written, median of 20."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def _median_ms(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _graph_ms_per_call(calls, reps: int = 20) -> float:
-    """Median replay time of a graph of all `calls`, per call. Calls run once eagerly first (compile)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return _median_ms(graph.replay, reps) / len(calls)
 
 
 def _random_cache(shape, gen: torch.Generator, kv_dtype: torch.dtype) -> torch.Tensor:
@@ -118,11 +87,13 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
     scale = HEAD_DIM ** -0.5
     calls = [lambda q=q, m=m, o=o: paged_decode_attention(q, k_cache, v_cache, m, scale, out=o, cfg=cfg)
              for (q, m), o in zip(sets, outs)]
-    ms = _graph_ms_per_call(calls)
+    timed = graph_times(calls, reps=20)
+    ms = timed.queued * 1e3
     del k_cache, v_cache, sets, outs
     return {"kernel": "decode_attention", "batch": batch, "context": context, "filled": filled or context,
             "kv_dtype": str(kv_dtype).removeprefix("torch."), "us": ms * 1e3,
-            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg)}
+            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg),
+            "us_idle_stream": timed.idle * 1e6, "gbps_idle_stream": kv_bytes / timed.idle / 1e9}
 
 
 def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFILL_TOKENS,
@@ -141,12 +112,12 @@ def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFIL
     out = torch.empty_like(q)
     scale = HEAD_DIM ** -0.5
     flops = 4 * N_Q * HEAD_DIM * tokens * (tokens + 1) / 2      # causal: QK^T and PV over the visible keys
-    ms = _graph_ms_per_call([lambda: paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=cfg)])
+    ms = 1e3 * graph_time([lambda: paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, cfg=cfg)])
     # The same attention through torch SDPA on contiguous bf16 K/V (a reference point, not a goal).
     k = k_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None].to(torch.bfloat16)
     v = v_cache[tables[0].long()].reshape(-1, N_KV, HEAD_DIM)[:tokens].transpose(0, 1)[None].to(torch.bfloat16)
     qt = q.transpose(0, 1)[None]
-    sdpa_ms = _graph_ms_per_call([lambda: torch.nn.functional.scaled_dot_product_attention(
+    sdpa_ms = 1e3 * graph_time([lambda: torch.nn.functional.scaled_dot_product_attention(
         qt, k, v, is_causal=True, scale=scale, enable_gqa=True)])
     return {"kernel": "prefill_attention", "tokens": tokens, "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
@@ -184,9 +155,9 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
-    replace(DECODE_CONFIG, split_group=1),         # a partial per split, whatever the program walks (before 2026-11-30b)
-    replace(DECODE_CONFIG, split_group=8),
-    replace(DECODE_CONFIG, invariant_rows=0),      # each batch planned for its own row count (before 2026-11-30)
+    # Pages a tile ahead (2026-11-30): K/V get num_stages - 1 shared buffers. 64-token tiles x 2 stages: one
+    # buffer in 45 KB (4 programs per SM); 32-token tiles x 3 stages: two buffers in 45 KB.
+    replace(DECODE_CONFIG, block_n=32, num_stages=3),
 ]
 PREFILL_SWEEP = [
     PREFILL_CONFIG,
@@ -243,11 +214,13 @@ def sweep(copy_gbps: float, budget_s: float = 150.0, dump=None) -> list[dict]:
 
 def print_table(rows: list[dict], copy_gbps: float) -> None:
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
-    print(f"{'decode':>8} {'KV':>14} {'B':>4} {'context':>8} {'holding':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'decode':>8} {'KV':>14} {'B':>4} {'context':>8} {'holding':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}"
+          f"   (idle stream: {'us':>7} {'of copy':>8})")
     for r in rows:
         if r["kernel"] == "decode_attention" and r.get("gbps") is not None:
             print(f"{'':>8} {r['kv_dtype']:>14} {r['batch']:>4} {r['context']:>8} {r['filled']:>8} {r['us']:>9.1f} "
-                  f"{r['gbps']:>8.0f} {r['ratio_to_copy']:>7.0%}")
+                  f"{r['gbps']:>8.0f} {r['ratio_to_copy']:>7.0%}   {'':>14}{r['us_idle_stream']:>7.1f} "
+                  f"{r['gbps_idle_stream'] / copy_gbps:>7.0%}")
         elif r.get("error"):
             print(f"{r['kernel']} {r.get('batch', '')} {r.get('context', '')}: {r['error']}")
     for r in rows:
@@ -257,7 +230,7 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
 
 
 def main() -> None:
-    copy_gbps = measure_copy_gbps()
+    copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": copy_gbps,
               "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d")}

@@ -55,11 +55,24 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 @jit
-def _gather_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
+def _tile_pages(bt_row_ptr, toks, end, PAGE: tl.constexpr):
+    """The cache pages of tokens `toks` (< end) of one sequence, from its block table.
+
+    The decode loop looks up the next tile's pages at the end of each iteration and carries them, and the first
+    tile's before waiting for the previous kernel: one DRAM round trip less after the wait (H200: a call of
+    B = 1 x 512 6.6 -> 5.7 us, 1 x 4k 11.6 -> 11.0 us; bench/results/kernels_attention-2026-11-30-pages-ahead.log).
+    With the lookup carried, Triton's pipeliner gives K/V num_stages - 1 shared buffers (looked up in their own
+    iteration, it gave one at any num_stages); two buffers (77 KB at 64-token tiles, 2 programs per SM) or 32-token
+    tiles in 3 stages measured no better. Prefill looks up each tile's pages in its own iteration: carried there,
+    it ran 2-3 % slower."""
+    return tl.load(bt_row_ptr + toks // PAGE, mask=toks < end, other=0).to(tl.int64)
+
+
+@jit
+def _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                     cache_slot_stride, cache_head_stride, PAGE: tl.constexpr, OPERAND: tl.constexpr):
-    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, through its block table, as OPERAND
-    (an fp8 cache is widened to f16 in registers: the bytes read are what it saves)."""
-    page = tl.load(bt_row_ptr + toks // PAGE, mask=tok_mask, other=0).to(tl.int64)
+    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, on their pages (_tile_pages), as
+    OPERAND (an fp8 cache is widened to f16 in registers: the bytes read are what it saves)."""
     off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
     mask = tok_mask[:, None] & d_mask[None, :]
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
@@ -120,11 +133,12 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
 class DecodeConfig:
     block_n: int = 64            # tokens per tile (several pages)
     num_warps: int = 4
-    # 3 stages: the block-table load of a tile is issued a stage before its K/V loads, so the page lookup
-    # no longer sits in front of every tile's loads. 128 registers, 4 programs per SM (one wave of 512).
-    # H200, two runs: B=1 x 32k and B=8 x 4k 0.75-0.79 -> 0.80-0.81 of copy, B=64 x 512 0.75 -> 0.84-0.86
-    # (bench/results/kernels_attention-2026-11-29-stages.md). 4 stages: the same.
-    num_stages: int = 3
+    # The next tile's pages are looked up a tile ahead in the loop (_tile_pages), so 2 stages keep the pipeline
+    # that 3 stages gave when the lookup was in the tile's own iteration (2026-11-29: the lookup a stage ahead of
+    # the K/V loads, B=8 x 4k 0.75 -> 0.80, kernels_attention-2026-11-29-stages.md): one K/V buffer, 45 KB of
+    # shared memory, 128 registers, 4 programs per SM (one wave of 512). 3 stages would double-buffer K/V in 77 KB
+    # and halve the programs per SM: B=8 x 4k 0.75 -> 0.71 (kernels_attention-2026-11-30-pages-ahead.log).
+    num_stages: int = 2
     min_split: int = 64          # fewest tokens one program walks (B=1 x 4k: 0.35 -> 0.38 against 128)
     max_splits: int = 64         # the reduce holds all splits of a row in registers
     programs_per_sm: int = 4     # how many split programs to aim for per multiprocessor
@@ -196,6 +210,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     if WINDOWED:                       # sliding window: only the last `window` keys (tiles before: no work)
         first_key = tl.maximum(seq_len - window, 0)
         start = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)
+    # So are the block tables: the first tile's pages are looked up before the wait too (one round trip less
+    # after it).
+    bt_row = bt_ptr + seq * bt_stride
+    page = _tile_pages(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
     if PDL:
         gdc_wait()                     # q and this step's K/V come from the previous kernel
 
@@ -214,14 +232,14 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     group_m = tl.full([BLOCK_G], float("-inf"), tl.float32)      # the merged partial of a whole group
     group_l = tl.zeros([BLOCK_G], tl.float32)
     group_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + seq * bt_stride
     # Partials laid out [seq, q_head, split, ...]; the reduce reads the splits the window and seq_len reach.
     part_row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
+        k, v = _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
                                cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
+        page = _tile_pages(bt_row, toks + BLOCK_N, end, PAGE)      # the next tile's, carried
         if WINDOWED:    # the keys of the tile before the window are loaded (they are cached) but not attended
             tok_mask &= toks >= first_key
         m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok_mask[None, :], DOT_F32=DOT_F32,
@@ -423,8 +441,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cfg: DecodeConfig = DECODE_CONFIG, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """paged_attention_ref for a decode step (one row per sequence). Graph-safe: the grid depends only on
     q's shape, the heads and meta.max_seq_len; no host syncs. With cfg.pdl the kernels are launched as
-    programmatic dependents and read meta.seq_lens before waiting for the previous kernel, so that kernel
-    must not be the one writing seq_lens (q and the caches may come from it)."""
+    programmatic dependents and read meta.seq_lens and meta.block_tables before waiting for the previous
+    kernel, so that kernel must not be the one writing them (q and the caches may come from it)."""
     n_rows, n_heads, head_dim = q.shape
     n_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert meta.max_query_len == 1 and n_rows == meta.num_seqs and n_heads % n_kv_heads == 0
@@ -518,8 +536,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
         for n0 in range(first, kv_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
-            k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                                   cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
+            k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, tok_mask, kv_head,
+                                   d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
+                                   OPERAND=OPERAND)
             valid = (toks[None, :] <= pos[:, None]) & (toks[None, :] > pos[:, None] - window) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32, EMPTY_ROWS=True,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
@@ -527,15 +546,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
         all_keys = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
         for n0 in range(0, full_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
-            k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, toks < kv_end, kv_head, d, d_mask,
-                                   cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
+            k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, toks < kv_end,
+                                   kv_head, d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride,
+                                   PAGE=PAGE, OPERAND=OPERAND)
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
         for n0 in range(full_end, kv_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
-            k, v = _gather_kv_tile(kc_ptr, vc_ptr, bt_row, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                                   cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
+            k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, tok_mask, kv_head,
+                                   d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
+                                   OPERAND=OPERAND)
             valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
