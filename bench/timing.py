@@ -2,12 +2,12 @@
 
 A benchmark captures R calls of a kernel (on rotating inputs bigger than L2) in one graph, times replays with
 CUDA events and divides by R. Replayed onto an idle stream, the start event is stamped at once, and the graph's
-first kernel starts only when the host has finished submitting the graph: that submission (several us for tens
-of nodes) was charged to the kernels, a few % of a 4-call graph of 40 us calls, more of a short one.
-A decode step pays that once per ~300 kernels, and with overlapped steps while the step before it runs. So
-each replay here is queued behind a GPU sleep that outlasts the submission: the events then bracket the
+first kernel starts only when the host has finished submitting the graph, and that submission was charged to
+the kernels. A decode step pays it once per ~300 kernels, and with overlapped steps while the step before it runs.
+So each replay here is queued behind a GPU sleep that outlasts the submission: the events then bracket the
 graph's execution only (its kernels' launches inside the graph included, as a decode step has them).
-`idle` keeps the old figure (replays onto an idle stream) for comparison.
+`idle` keeps the old figure (replays onto an idle stream) for comparison: on the H200 it read 0-4 % slower
+(bench/NOTES-gemv.md, session 15).
 """
 
 from __future__ import annotations
