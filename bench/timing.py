@@ -43,8 +43,8 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int, queued: bool = True) 
     return statistics.median(times)
 
 
-def graph_times(launches, reps: int = 15) -> GraphTime:
-    """Seconds per launch, both ways: all launches run once eagerly (compile), then captured in one graph."""
+def captured(launches) -> torch.cuda.CUDAGraph:
+    """All launches run once eagerly (compile), then captured in one graph, replayed once (upload)."""
     for f in launches:
         f()
     torch.cuda.synchronize()
@@ -54,15 +54,19 @@ def graph_times(launches, reps: int = 15) -> GraphTime:
             f()
     graph.replay()
     torch.cuda.synchronize()
-    result = GraphTime(queued=replay_seconds(graph, reps) / len(launches),
-                       idle=replay_seconds(graph, reps, queued=False) / len(launches))
-    del graph
-    return result
+    return graph
+
+
+def graph_times(launches, reps: int = 15) -> GraphTime:
+    """Seconds per launch, both ways (for result tables that keep the idle-stream figure beside the other)."""
+    graph = captured(launches)
+    return GraphTime(queued=replay_seconds(graph, reps) / len(launches),
+                     idle=replay_seconds(graph, reps, queued=False) / len(launches))
 
 
 def graph_time(launches, reps: int = 15) -> float:
-    """Seconds per launch, the graph queued behind a busy GPU."""
-    return graph_times(launches, reps).queued
+    """Seconds per launch, the graph queued behind a busy GPU (sweeps: no idle-stream replays)."""
+    return replay_seconds(captured(launches), reps) / len(launches)
 
 
 COPY_DETAIL: dict = {}
