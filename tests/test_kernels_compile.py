@@ -187,8 +187,58 @@ if quant_gemv.gluon is not None:
             gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
                 FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act)
 
+def compile_gemm_for_h200(constants):
+    # The Gluon mid-batch GEMM (quant_gemm.py): its wgmmas must stay pipelined (ptxas serializes them, and says
+    # so in an info line, when a register operand is redefined while a wgmma reading it is in flight).
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from cobatch.kernels import quant_gemm
+    kernel = quant_gemm._gemm_kernel
+    names = list(kernel.arg_names)
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
+            signature[name] = "*fp32"
+        elif name == "d_ptr":
+            signature[name] = "*fp16"
+        elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
+            signature[name] = "*u8"
+        elif name in ("x_ptr", "out_ptr"):
+            signature[name] = "*bf16"
+        else:
+            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
+    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
+                              options={"num_warps": constants["NW"]})
+    assert compiled.asm["cubin"]
+    import os, subprocess, tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                text=True).stderr
+    if "serialized" in report:
+        raise RuntimeError(report.strip().splitlines()[0])
+
+
+gemm_variants = {}
+from cobatch.kernels import quant_gemm
+if quant_gemm.warpgroup_mma is not None:
+    # every format; between them: the largest token tile, split-K with each epilogue, one warpgroup, odd K, prefetch
+    for fmt, nw, bn, split, act, even_k, d in (
+            (quant_pack.Q8_0, 8, 256, 1, 0, True, 0), (quant_pack.Q8_0, 4, 32, 4, 2, False, 2),
+            (quant_pack.Q4_0, 8, 64, 2, 1, True, 0), (quant_pack.Q4_1, 8, 256, 1, 0, True, 0),
+            (quant_pack.Q4_1, 4, 32, 4, 2, False, 2), (quant_pack.Q6_K, 8, 256, 1, 0, True, 0),
+            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0)):
+        gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, ACT=act)
+
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
+jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm_variants.items()]
 jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in gemv_variants.items()]
 for name, fn, args in jobs:
     try:
@@ -220,6 +270,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 40 + 16
+    assert len(compiled) == 40 + 16 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -346,7 +346,12 @@ if gluon is not None:
     def _dequant(q, a, b, c, e, FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, A: gl.constexpr):
         """Loaded bytes and scale data -> f16 A operands: the (lo, hi) 32-weight blocks of a 4-bit chunk;
         (w, w) for q8_0 (one block per chunk)."""
-        q = _as_operand(q, W, RT, A)
+        return _dequant_operand(_as_operand(q, W, RT, A), a, b, c, e, FMT)
+
+    @gluon.jit
+    def _dequant_operand(q, a, b, c, e, FMT: gl.constexpr):
+        """_dequant on bytes already renamed into an A-operand layout (the GEMV's mma.sync one, or the GEMM's
+        warpgroup-MMA one: both give a lane the same rows and columns), scale data broadcast along k."""
         if FMT == F_Q8_0:
             w = gl.inline_asm_elementwise(ASM_Q8, "=r,=r,r,r,r", [q, a], gl.float16, True, 4)
             lo = w
@@ -360,12 +365,24 @@ if gluon is not None:
         return lo, hi
 
     @gluon.jit
+    def _q6_operands(q, y, s_lo, s_hi):
+        """One k16 half of a q6_K chunk, its bytes and high bits renamed into an A-operand layout -> the f16
+        operands of the low and the high block (ASM_Q6)."""
+        return gl.inline_asm_elementwise(ASM_Q6, "=r,=r,=r,=r,r,r,r,r,r,r", [q, y, s_lo, s_hi],
+                                         (gl.float16, gl.float16), True, 4)
+
+    @gluon.jit
+    def _q6_scales(sc, d):
+        """q6_K's four int8 scales of a row and chunk (one word) and its super-block's f32 d -> the f16 scales
+        of the low block's halves and the high block's halves / 16 (ASM_Q6_SCALES)."""
+        return gl.inline_asm_elementwise(ASM_Q6_SCALES, "=h,=h,=h,=h,r,f", [sc, d],
+                                         (gl.float16, gl.float16, gl.float16, gl.float16), True, 1)
+
+    @gluon.jit
     def _q6_half(acc, q, y, s_lo, s_hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr,
                  RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
         """acc += one k16 half of a q6_K chunk: low block columns k0..k0+15, high block k0+32..k0+47."""
-        lo, hi = gl.inline_asm_elementwise(ASM_Q6, "=r,=r,=r,=r,r,r,r,r,r,r",
-                                           [_as_half_operand(q, W, RT, A), _as_half_operand(y, W, RT, A),
-                                            s_lo, s_hi], (gl.float16, gl.float16), True, 4)
+        lo, hi = _q6_operands(_as_half_operand(q, W, RT, A), _as_half_operand(y, W, RT, A), s_lo, s_hi)
         acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, EVEN_K, 16), acc)
         return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, EVEN_K, 16), acc)
 
@@ -374,8 +391,7 @@ if gluon is not None:
                   RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
         """acc += a q6_K chunk (64 weights per row), as two k16 halves: its scales change every 16 weights,
         and a half is one mma's K. q: the quant bytes [W, RT, lane, 16]; h: the high bits [W, RT, lane, 8]."""
-        s0, s1, s2, s3 = gl.inline_asm_elementwise(ASM_Q6_SCALES, "=h,=h,=h,=h,r,f", [sc, d],
-                                                   (gl.float16, gl.float16, gl.float16, gl.float16), True, 1)
+        s0, s1, s2, s3 = _q6_scales(sc, d)
         q0, q1 = _halves(q, W, RT, 8)
         h0, h1 = _halves(h, W, RT, 4)
         acc = _q6_half(acc, q0, _twice(h0, W, RT, 4), s0, s2, x_ptr, x_stride, tok0, n_tok, n_cols,
@@ -411,6 +427,28 @@ if gluon is not None:
                 a = g * (1 / (1 + gl.exp(-g)))
             col = (rg // 16) * 8 + rg % 16
             gl.store(out_ptr + tg * out_stride + col, (a * u).to(dtype), mask=(tg < n_tok) & (col < n_rows // 2))
+
+    @gluon.jit
+    def _finish_rows(total, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k, n_rows,
+                     n_tok, RT: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
+        """Store a CTA's [16 RT, BT] sums of rows r, tokens t (rows row0.., tokens tok0..); with SPLIT_K > 1, its
+        K slice's partial sums instead, and the last CTA of the tile adds all of them in split order and stores.
+        Deterministic: no float atomics, so a row's result does not depend on timing (as in quant_matmul.py).
+        Shared by the GEMV and the GEMM (quant_gemm.py)."""
+        if SPLIT_K == 1:
+            _store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
+        else:
+            offs = (r - row0) * BT + (t - tok0)
+            base = partial_ptr + tile.to(gl.int64) * (SPLIT_K * 16 * RT * BT)
+            gl.store(base + pid_k * (16 * RT * BT) + offs, total)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                acc2 = gl.zeros_like(total)
+                for k in range(SPLIT_K):
+                    acc2 += gl.load(base + k * (16 * RT * BT) + offs, cache_modifier=".cg")
+                _store_rows(acc2, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
+                gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_expert"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
@@ -476,22 +514,9 @@ if gluon is not None:
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         r = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
         t = tok0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))[None, :]
-        if SPLIT_K == 1:
-            _store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
-        else:
-            # Deterministic split-K (see quant_matmul.py): partial tiles, the last CTA sums them in order.
-            tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
-            offs = (r - pid_n * (16 * RT)) * BT + (t - tok0)
-            base = partial_ptr + tile.to(gl.int64) * (SPLIT_K * 16 * RT * BT)
-            gl.store(base + pid_k * (16 * RT * BT) + offs, total)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                acc2 = gl.zeros([16 * RT, BT], gl.float32, OUT)
-                for k in range(SPLIT_K):
-                    acc2 += gl.load(base + k * (16 * RT * BT) + offs, cache_modifier=".cg")
-                _store_rows(acc2, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
-                gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
+        _finish_rows(total, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * RT), tok0, tile, pid_k,
+                     n_rows, n_tok, RT, BT, SPLIT_K, ACT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,8 @@ changes with n_tok:
     tokens, padded to BM=16, are its N side, so a batch of 1 and a batch of 16 cost the same bytes.
     Split-K partials are summed in a fixed order by the last program of each tile (no float atomics),
     so row t's result is bitwise the same whatever n_tok is.
+  - mid (T < n_tok <= mid_upto, busy decode steps; Hopper): the Gluon quantized GEMM of quant_gemm.py, which
+    reads every weight byte once per call on warpgroup MMAs, from the GEMV's fragment-order planes.
   - gemm (n_tok > T, prefill): either the same kernel with big token tiles (BM 64..128) on tensor cores,
     or DEQUANT_CUBLAS: dequantize into a shared bf16/f16 scratch matrix (one pass, `_dequant_kernel`)
     and let cuBLAS multiply. On the H200 the second won for every format (0.74-0.88 of cuBLAS bf16 at
@@ -31,8 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import quant_gemv, quant_pack
+from cobatch.kernels import quant_gemm, quant_gemv, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
+from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
 from cobatch.kernels.triton_support import interpreting, jit, tl, triton
@@ -418,6 +421,7 @@ INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
 
 RESIDENT_DENSE_CROSSOVER = 16   # with a resident dense copy (keep_dense), see from_quant
 GEMV_CROSSOVER = 16             # the Gluon GEMV's token tiles are 8 and 16 wide
+QUANT_GEMM_UPTO = 128           # measured: the quantized GEMM beats dequantize + cuBLAS up to here (bench/results/gemm.md)
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
@@ -429,6 +433,15 @@ class MatmulPlan:
     narrow: TileConfig | GemvPlan   # GemvPlan: the Gluon kernel on fragment-order planes
     gemm: TileConfig | str   # a TileConfig, or DEQUANT_CUBLAS
     crossover: int           # n_tok <= crossover -> narrow
+    mid: GemmConfig | None = None   # crossover < n_tok <= mid_upto -> the quantized GEMM (quant_gemm.py)
+    mid_upto: int = 0
+
+    def config_for(self, n_tok: int) -> "TileConfig | GemvPlan | GemmConfig | str":
+        if n_tok <= self.crossover:
+            return self.narrow
+        if self.mid is not None and n_tok <= self.mid_upto:
+            return self.mid
+        return self.gemm
 
 
 @lru_cache(maxsize=None)
@@ -468,14 +481,25 @@ def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int 
     return GemvConfig(W=w, RT=rt, split_k=split, U=1, D=0, R=128 if fmt_name in ("q4_0", "q4_1", "q4_k") else 0)
 
 
+def uses_quant_gemm(device: torch.device) -> bool:
+    """Does a GEMV weight on this device also get the quantized GEMM for mid-size batches? Hopper (wgmma)
+    only; COBATCH_QUANT_GEMM=0 keeps dequantize + cuBLAS there (for comparisons)."""
+    device = torch.device(device)
+    return (device.type == "cuda" and quant_gemm.warpgroup_mma is not None
+            and torch.cuda.get_device_capability(device)[0] == 9 and os.environ.get("COBATCH_QUANT_GEMM") != "0")
+
+
 def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
     return n_cols_pad // (32 if fmt_name == "q8_0" else 64)
 
 
-def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False) -> MatmulPlan:
+def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False,
+             quant_gemm_too: bool = False) -> MatmulPlan:
     """Look up (format, "NxK") in quant_configs.json, else the format's default, else the built-in default.
     gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
-    default_gemv_config)."""
+    default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
+    "quant_gemm" config and "quant_gemm_upto", else quant_gemm.default_config and QUANT_GEMM_UPTO), from
+    the GEMV's last token tile ("quant_gemm_crossover", else GEMV_CROSSOVER) on."""
     if interpreting():
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
@@ -498,6 +522,12 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
         upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
         narrow = GemvPlan(default, tuple(upto))
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
+        if quant_gemm_too:
+            rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
+            mid = (GemmConfig(**entry["quant_gemm"]) if "quant_gemm" in entry
+                   else quant_gemm.default_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+            return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", GEMV_CROSSOVER)), mid,
+                              int(entry.get("quant_gemm_upto", QUANT_GEMM_UPTO)))
     return MatmulPlan(narrow, gemm, crossover)
 
 
@@ -550,9 +580,12 @@ class _DenseScratch:
         return buf[:rows * cols * 2].view(dtype).view(rows, cols)
 
 
-def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan, n_rows_pad: int, max_tok: int) -> tuple[int, int]:
+def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan | GemmConfig, n_rows_pad: int,
+                  max_tok: int) -> tuple[int, int]:
     if isinstance(cfg, (GemvConfig, GemvPlan)):
         return quant_gemv.scratch_need(cfg, n_rows_pad, max_tok)
+    if isinstance(cfg, GemmConfig):
+        return quant_gemm.scratch_need(cfg, n_rows_pad, max_tok)
     if cfg.split_k == 1:
         return 1, 1
     tiles = (n_rows_pad // cfg.BN) * -(-max_tok // cfg.BM)
@@ -566,6 +599,8 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     """Grow the shared split-K buffers, and with `dense` the dequantize-to-cuBLAS matrix, to what a weight of
     this plan and shape needs (at load: never inside a CUDA-graph capture)."""
     _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
+    if plan.mid is not None:
+        _SplitScratch.reserve(device, *_scratch_need(plan.mid, rows_pad, plan.mid_upto))
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
 
@@ -595,7 +630,9 @@ class PackedWeight:
         # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
         gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv)
-        plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv)
+        # A resident dense copy (--dense-large-batch) serves every batch past the GEMV itself
+        plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv,
+                                quant_gemm_too=gemv and not keep_dense and uses_quant_gemm(device))
         if keep_dense and plan.gemm == DEQUANT_CUBLAS:
             # Past 16 tokens the narrow kernel's time grows per 16-token tile, while cuBLAS on the resident
             # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs
@@ -621,8 +658,8 @@ class PackedWeight:
         n_tok = x2.shape[0]
         out_cols = self.rows // 2 if act else self.rows
         if config is None and self.dense is None:
-            config = self.plan.narrow if n_tok <= self.plan.crossover else self.plan.gemm
-        if act and not isinstance(config, (GemvConfig, GemvPlan)):
+            config = self.plan.config_for(n_tok)
+        if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig)):
             y = self.matmul(x2, config)
             return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
         if self.dense is not None:
@@ -645,6 +682,13 @@ class PackedWeight:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = _SplitScratch.get(x.device)
             quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
+        elif isinstance(config, GemmConfig):
+            xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
+            partial, count = out, out
+            if config.split_k > 1:
+                _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
+                partial, count = _SplitScratch.get(x.device)
+            quant_gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         else:
             launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)

@@ -1,0 +1,237 @@
+"""Mid-batch quantized GEMM benchmark on the GPU (quant_gemm.py): 16 to 256 tokens, and prefill sizes.
+
+    PYTHONPATH=src python bench/gemm.py [--formats q8_0,q4_k,q4_1,q6_k] [--shapes qkv,o,...] [--toks 16,...]
+
+For each format and Llama-3-8B shape (bench/kernels.py's SHAPES) and token count n:
+  - the quantized GEMM, each candidate config (NW, split_k, D) timed, the best reported;
+  - the path it replaces: the GEMV up to the old crossover, else dequantize + cuBLAS (the plan without the GEMM);
+  - cuBLAS bf16 (F.linear on a bf16 copy of the matrix): its TFLOP/s at this shape and n;
+  - the two-sided roofline: the larger of weight bytes / copy bandwidth (measured in this run) and
+    2 n rows cols / cuBLAS bf16's TFLOP/s at this shape and n. The GEMM's time over it is the figure of merit.
+A correctness check against the float64 reference (512 rows) runs first for every weight. One config per weight
+is then chosen for every batch (its split of K fixes a row's bits: batch invariance), the fastest over the
+decode token counts, and written with the largest n where the GEMM still beats dequantize + cuBLAS as
+quant_configs-gemm.json (merge into src/cobatch/kernels/quant_configs.json). Prints a short table last; JSON and
+markdown to $OUT and bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cobatch.kernels import quant_gemm  # noqa: E402
+from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels.quant_gemm import GemmConfig  # noqa: E402
+from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
+from cobatch.quant.weight import QuantWeight  # noqa: E402
+from kernels import SHAPES, random_weight, rotating, time_torch_linear  # noqa: E402
+from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
+
+FORMATS = ["q8_0", "q4_k", "q4_1", "q6_k"]
+TOKS = [16, 32, 64, 128, 256, 512, 2048]
+DECODE = [32, 64, 128, 256]          # the token counts a weight's one config is chosen by
+
+
+def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
+    rows_pad = -(-rows // 128) * 128
+    base = quant_gemm.default_config(rows_pad, n_chunks)
+    s = base.split_k
+    out = [base, GemmConfig(8, s, D=4), GemmConfig(4, s), GemmConfig(8, 2 * s), GemmConfig(8, max(1, s // 2)),
+           GemmConfig(4, 2 * s)]
+    ok = []
+    for c in out:
+        if c.split_k <= 16 and n_chunks % (c.split_k * quant_gemm.STEPS_PER_ITERATION) == 0 and c not in ok:
+            ok.append(c)
+    return ok
+
+
+def _compile_one(task) -> str:
+    """Run one (format, config, token tile) once on a small weight: fills Triton's disk cache."""
+    fmt_name, nw, split, d, n_tok = task
+    try:
+        cfg = GemmConfig(nw, split, D=d)
+        cols = 4096 if fmt_name != "q8_0" else 4096
+        pw = PackedWeight.from_quant(random_weight(fmt_name, 256, cols), "cuda")
+        n_chunks = pw.planes.qs.shape[1] // 512
+        if n_chunks % (split * quant_gemm.STEPS_PER_ITERATION):
+            return ""
+        pw.matmul(torch.randn(n_tok, cols, device="cuda").to(torch.bfloat16), config=cfg)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # reported; the config is then skipped in the timing
+        return f"{task}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(tasks, workers: int) -> None:
+    t0 = time.time()
+    uniq = sorted(set(tasks))
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        for err in pool.map(_compile_one, uniq):
+            if err:
+                print("compile failed:", err, flush=True)
+    print(f"precompiled {len(uniq)} GEMM variants in {time.time() - t0:.0f} s", flush=True)
+
+
+def check(pw: PackedWeight, w: QuantWeight) -> float:
+    """Worst relative error against the float64 reference (first 512 rows) at 17, 100 and 256 tokens."""
+    ref_w = QuantWeight(w.fmt, 512, w.cols, w.raw[:512]).dequantize().double()
+    worst = 0.0
+    for n in (17, 100, 256):
+        x = torch.randn(n, w.cols, device="cuda").to(torch.bfloat16)
+        y = pw.matmul(x, config=pw.plan.mid)[:, :512].double()
+        ref = x.double() @ ref_w.T
+        worst = max(worst, ((y - ref).norm() / ref.norm()).item())
+    return worst
+
+
+def time_config(copies: list[PackedWeight], n: int, cfg) -> float:
+    x = torch.randn(n, copies[0].cols, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n, copies[0].rows, device="cuda", dtype=torch.bfloat16)
+    return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--toks", default=",".join(map(str, TOKS)))
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    args = ap.parse_args()
+    formats, shapes, toks = args.formats.split(","), args.shapes.split(","), [int(t) for t in args.toks.split(",")]
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    res_dir = ROOT / "bench" / "results"
+    torch.manual_seed(0)
+    tasks = []
+    for fmt_name in formats:
+        for name in shapes:
+            rows, cols = SHAPES[name]
+            n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
+            for c in candidates(rows, n_chunks):
+                tasks += [(fmt_name, c.NW, c.split_k, c.D, n) for n in toks]
+    precompile(tasks, workers=min(14, os.cpu_count() or 4))
+    copy_gbps = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    cublas_us, cache = {}, {}
+    for name in shapes:
+        for n in toks:
+            cublas_us[(name, n)] = time_torch_linear(*SHAPES[name], n, cache) * 1e6
+    cache.clear()
+    peak_tflops = {name: max(2 * n * SHAPES[name][0] * SHAPES[name][1] / cublas_us[(name, n)] / 1e6 for n in toks)
+                   for name in shapes}
+    rows_out, chosen = [], {}
+    for fmt_name in formats:
+        for name in shapes:
+            rows, cols = SHAPES[name]
+            w = random_weight(fmt_name, rows, cols)
+            pw = PackedWeight.from_quant(w, "cuda")
+            assert pw.plan.mid is not None, "no quantized GEMM on this device"
+            old = qm.plan_for(fmt_name, rows, cols, pw.planes.cols_pad, gemv=True)   # the plan before it
+            err = check(pw, w)
+            copies = rotating(pw)
+            n_chunks = pw.planes.qs.shape[1] // 512
+            cands = candidates(rows, n_chunks)
+            times = {}
+            for n in toks:
+                for c in cands:
+                    try:
+                        times[(c, n)] = time_config(copies, n, c) * 1e6
+                    except Exception as e:   # a config that fails to compile or run is reported and skipped
+                        print(f"  {fmt_name} {name} {c} n={n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                old_cfg = old.config_for(n)
+                t_old = time_config(copies, n, old_cfg) * 1e6
+                t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
+                best = min((c for c in cands if (c, n) in times), key=lambda c: times[(c, n)])
+                t = times[(best, n)]
+                flops = 2 * n * rows * cols
+                cublas_tflops = flops / cublas_us[(name, n)] / 1e6
+                bytes_us = pw.nbytes / copy_gbps / 1e3
+                roof_us = max(bytes_us, cublas_us[(name, n)])              # the issue's: cuBLAS at this n
+                strict_us = max(bytes_us, flops / peak_tflops[name] / 1e6)  # cuBLAS's best rate on this shape
+                rows_out.append({
+                    "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols, "n_tok": n, "gemm_us": t,
+                    "gemm_config": [best.NW, best.split_k, best.D], "old_us": t_old,
+                    "old_path": "gemv" if old_cfg is old.narrow else str(old_cfg), "dequant_cublas_us": t_dq,
+                    "cublas_bf16_us": cublas_us[(name, n)], "cublas_bf16_tflops": cublas_tflops,
+                    "gemm_tflops": flops / t / 1e6, "weight_bytes": pw.nbytes,
+                    "gemm_gbps": pw.nbytes / t / 1e3, "pct_copy": 100 * pw.nbytes / t / 1e3 / copy_gbps,
+                    "roofline_us": roof_us, "x_roofline": t / roof_us, "strict_roofline_us": strict_us,
+                    "x_strict": t / strict_us, "x_bytes": t / bytes_us, "rel_err": err,
+                    "all_configs_us": {f"{c.NW},{c.split_k},{c.D}": times.get((c, n)) for c in cands}})
+                print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D}) "
+                      f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
+                      f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
+            decode = [n for n in DECODE if n in toks]
+            one = min(cands, key=lambda c: sum(times.get((c, n), 1e9) / min(times.get((d, n), 1e9) for d in cands)
+                                               for n in decode))
+            wins = [n for n in toks if n > 16 and times.get((one, n), 1e9) < next(
+                r["dequant_cublas_us"] for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name
+                and r["n_tok"] == n)]
+            upto = max(wins) if wins else 16
+            chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = {
+                "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D},
+                "quant_gemm_upto": upto if upto < max(toks) else 1 << 20}
+            print(f"  {fmt_name} {name}: rel_err {err:.1e}; one config {one}, GEMM up to {upto} tokens", flush=True)
+            del copies, pw, w
+            torch.cuda.empty_cache()
+    copy_end = copy_bandwidth()
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    result = {"date": args.date, "tree": tree, "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "copy_gbps": copy_gbps, "copy_gbps_end": copy_end,
+              "copy_detail": COPY_DETAIL, "rows": rows_out, "chosen": chosen}
+    table = {"formats": {f: {"shapes": s} for f, s in chosen.items()}}
+    md = markdown(result)
+    for d in [res_dir] + ([out_dir] if out_dir else []):
+        (d / "gemm.json").write_text(json.dumps(result, indent=1))
+        (d / "gemm.md").write_text(md)
+        (d / "quant_configs-gemm.json").write_text(json.dumps(table, indent=1))
+    print(md.split("\n## ")[1] if "\n## " in md else md, flush=True)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Mid-batch quantized GEMM ({result['device']}, {result['date']}, tree {result['tree']})", "",
+             f"`{result['command']}`; copy bandwidth {result['copy_gbps']:.0f} GB/s (read + write; "
+             f"{result['copy_gbps_end']:.0f} at the end). Roofline: max(weight bytes / copy, cuBLAS bf16 time at the "
+             "same shape and n: the issue's), and the strict one: max(weight bytes / copy, FLOPs / cuBLAS bf16's best "
+             "TFLOP/s on the shape over all n). `old`: the path the GEMM replaces (GEMV up to the old crossover, else "
+             "dequantize + cuBLAS).", "",
+             "## GEMM time over the roofline: the issue's / the strict one (speed-up over the old path)", ""]
+    toks = sorted({r["n_tok"] for r in result["rows"]})
+    lines.append("| format | shape | " + " | ".join(f"n={n}" for n in toks) + " |")
+    lines.append("|---|---|" + "---|" * len(toks))
+    keys = sorted({(r["fmt"], r["shape"]) for r in result["rows"]}, key=lambda k: (k[0], list(SHAPES).index(k[1])))
+    for fmt, shape in keys:
+        cells = []
+        for n in toks:
+            r = next((r for r in result["rows"] if r["fmt"] == fmt and r["shape"] == shape and r["n_tok"] == n), None)
+            cells.append("" if r is None else
+                         f"{r['x_roofline']:.2f} / {r['x_strict']:.2f} ({r['old_us'] / r['gemm_us']:.2f}x)")
+        lines.append(f"| {fmt} | {shape} | " + " | ".join(cells) + " |")
+    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D) | % copy | TFLOP/s | "
+              "cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['fmt']} | {r['shape']} | {r['n_tok']} | {r['gemm_us']:.1f} | {r['gemm_config']} | "
+                     f"{r['pct_copy']:.0f} | {r['gemm_tflops']:.0f} | {r['cublas_bf16_us']:.1f} / "
+                     f"{r['cublas_bf16_tflops']:.0f} | {r['old_us']:.1f} ({r['old_path']}) | "
+                     f"{r['dequant_cublas_us']:.1f} | {r['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

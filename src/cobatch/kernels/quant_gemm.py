@@ -1,0 +1,351 @@
+"""Mid-batch quantized GEMM (17 to 256 tokens, and prefill) in Gluon, on Hopper's warpgroup MMA.
+
+Past 16 tokens the GEMV (quant_gemv.py) runs one CTA row per 16-token tile, so each weight byte is read once
+per tile; dequantizing to bf16 for cuBLAS moves ~5 bytes per weight. This kernel reads each weight byte once per
+call up to 256 tokens, from the same fragment-order planes (no second copy of the weights):
+
+  - Tokens are wgmma's N side (16-256, one token tile per CTA), weights its M side: a CTA of NW warps owns
+    16 NW rows, warp w the 16-row tile w, which is exactly the tile a lane's fragment-order bytes describe.
+    So weight bytes go global -> registers with one 16-byte load per lane and tile, are dequantized there by
+    the GEMV's own packed-f16 code (quant_gemv._dequant_operand, _q6_operands) and feed wgmma as its register
+    A operand. The renames from loaded bytes to the operand are checked at compile time (assert_trivial).
+  - Activations are wgmma's B operand, from shared memory: each K step's x block is loaded by the CTA's
+    threads, converted to f16 and stored in the planes' column order (quant_pack.k_order: a per-32-column
+    permutation, in registers) into the swizzled buffer of its step of the loop iteration (4 steps, 4 buffers).
+    One barrier per K step orders the stores before the MMAs. A buffer is rewritten 4 steps later, when every
+    warpgroup has waited for the MMAs that read it (each waits for all but its current step's, and for all at
+    the end of an iteration).
+  - The wgmmas are asynchronous: a step's MMAs run while the next step loads and dequantizes.
+  - Split-K for the small matrices (qkv, o) reduces in split order through the scratch buffer, as the GEMV does
+    (quant_gemv._finish_rows), and the act*mul epilogue of a gate|up weight is the GEMV's too.
+
+Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
+number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
+kernel's token range. The torch reference is quant_matmul.quant_matmul_ref. Gluon has no interpreter: these
+kernels run on CUDA only (tests/test_quant_gemm.py); the CPU CI compiles them for sm_90
+(tests/test_kernels_compile.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cobatch.kernels import quant_gemv, quant_pack
+from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q6_K, F_Q8_0, gl, gluon
+
+try:
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+except ImportError:  # pragma: no cover - triton without gluon's Hopper modules
+    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+
+# Token tiles (wgmma's N): a call of n tokens runs the smallest tile >= n, several 256-token tiles above.
+TOKEN_TILES = (16, 32, 64, 128, 256)
+# K steps per loop iteration of the kernel, each with an x buffer of its own (at least 3: a buffer is rewritten
+# only after every warpgroup retired the MMAs that read it). Every packed weight's chunk count divides by it.
+STEPS_PER_ITERATION = 4
+_STEPS = quant_gemv._c(STEPS_PER_ITERATION)    # the kernel's copy (Triton reads constexpr globals only)
+
+
+def token_tile(n_tok: int) -> int:
+    return next((b for b in TOKEN_TILES if n_tok <= b), TOKEN_TILES[-1])
+
+
+if gluon is not None and warpgroup_mma is not None:
+
+    @gluon.constexpr_function
+    def _layouts(NW, BN):
+        """(wgmma accumulator [16 NW, BN], its A operand [16 NW, K], weight bytes [NW, 32 lanes, 16]). Warp w
+        holds rows 16 w .. 16 w + 15 of both, as an mma.sync fragment would."""
+        mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 16])
+        a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        ld = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+        return mma, a, ld
+
+    @gluon.constexpr_function
+    def _bytes_layout(NW, BYTES):
+        return gl.BlockedLayout([1, 1, BYTES], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+
+    @gluon.constexpr_function
+    def _x_layout(NW, Q6):
+        """A step's x as loaded, [BN, tile, c, v]: GGUF column T tile + V c + v of the step, T = 32 (q6_K: 16)
+        columns per permuted tile, V = T / 4 contiguous columns per thread and token (one vector load)."""
+        return gl.BlockedLayout([1, 1, 1, 4 if Q6 else 8], [8, 1, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+    @gluon.constexpr_function
+    def _x_smem_layout(BN, KB):
+        return gl.NVMMASharedLayout.get_default_for([BN, KB], gl.float16)
+
+    @gluon.jit
+    def _tile_offsets(tile0, chunk, tile_stride, NW: gl.constexpr, BYTES: gl.constexpr):
+        """Byte offsets [NW, 32 lanes, BYTES] of `chunk` in row tiles tile0 .. tile0 + NW - 1 of a fragment-order
+        plane of 32 x BYTES bytes per tile and chunk."""
+        L: gl.constexpr = _bytes_layout(NW, BYTES)
+        rt = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        return ((tile0 + rt).to(gl.int64) * tile_stride)[:, None, None] + chunk.to(gl.int64) * (32 * BYTES) \
+            + (lane * BYTES)[None, :, None] + byte[None, None, :]
+
+    @gluon.jit
+    def _prefetch(qs_ptr, tile0, chunk, tile_stride, NW: gl.constexpr):
+        """An L2 prefetch of each lane's 16 bytes of `chunk` (quant_gemv.ASM_PREFETCH)."""
+        L: gl.constexpr = gl.SliceLayout(2, _bytes_layout(NW, 16))
+        rt = gl.arange(0, NW, layout=gl.SliceLayout(1, L))
+        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
+        off = ((tile0 + rt).to(gl.int64) * tile_stride)[:, None] + chunk.to(gl.int64) * 512 + (lane * 16)[None, :]
+        gl.inline_asm_elementwise(quant_gemv.ASM_PREFETCH, "=r,l", [qs_ptr + off], gl.int32, False, 1)
+
+    @gluon.jit
+    def _as_operand(q, NW: gl.constexpr, A: gl.constexpr):
+        """Bytes [NW, lane, 16] -> the [16 NW, 32] A operand (as quant_gemv._as_operand, with the warp as the
+        row tile): lane = (g, c), byte = (r3, r2, r1, r0); row = 16 w + 8 r1 + g, k = 16 r3 + 8 r2 + 2 c + r0."""
+        q = gl.reshape(q, [NW, 8, 4, 2, 2, 2, 2])                  # w, g, c, r3, r2, r1, r0
+        q = gl.permute(q, [0, 5, 1, 3, 4, 2, 6])                   # w, r1, g, r3, r2, c, r0
+        return gl.convert_layout(gl.reshape(q, [16 * NW, 32]), A, assert_trivial=True)
+
+    @gluon.jit
+    def _as_half_operand(q, NW: gl.constexpr, A: gl.constexpr):
+        """One k16 half, [NW, lane, 8] -> [16 NW, 16] (as _as_operand, without r3)."""
+        q = gl.reshape(q, [NW, 8, 4, 2, 2, 2])                     # w, g, c, r2, r1, r0
+        q = gl.permute(q, [0, 4, 1, 3, 2, 5])                      # w, r1, g, r2, c, r0
+        return gl.convert_layout(gl.reshape(q, [16 * NW, 16]), A, assert_trivial=True)
+
+    @gluon.jit
+    def _halves(q, NW: gl.constexpr, N: gl.constexpr):
+        """[NW, lane, 2 N] -> its first and second N bytes per lane (a tile's two k16 halves)."""
+        return gl.split(gl.permute(gl.reshape(q, [NW, 32, 2, N]), [0, 1, 3, 2]))
+
+    @gluon.jit
+    def _twice(h, NW: gl.constexpr, N: gl.constexpr):
+        """[NW, lane, N] -> [NW, lane, 2 N], every byte twice (quant_gemv._twice)."""
+        return gl.reshape(gl.join(h, h), [NW, 32, 2 * N])
+
+    @gluon.jit
+    def _side(ptr, tile0, col, tile_stride, NW: gl.constexpr, E: gl.constexpr):
+        """Entry `col` of a fragment-order side plane for row tiles tile0..: [NW, 8 g, E], the E values a lane
+        group needs side by side (quant_pack.side_to_fragment_order)."""
+        V: gl.constexpr = gl.BlockedLayout([1, 1, E], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+        rt = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, V)))
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V)))
+        e = gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, V)))
+        return gl.load(ptr + ((tile0 + rt).to(gl.int64) * tile_stride)[:, None, None] + (8 * E) * col
+                       + (E * g)[None, :, None] + e[None, None, :])
+
+    @gluon.jit
+    def _row_side(ptr, tile0, col, tile_stride, NW: gl.constexpr, SIDE: gl.constexpr):
+        """A per-row side entry (rows g, g + 8 of each lane group) as the [16 NW, 1] column of the A rows."""
+        return _as_rows(_side(ptr, tile0, col, tile_stride, NW, 2), NW, SIDE)
+
+    @gluon.jit
+    def _as_rows(v, NW: gl.constexpr, SIDE: gl.constexpr):
+        """[NW, g, r1] values of rows 16 w + 8 r1 + g -> [16 NW, 1] in the A operand's row layout."""
+        v = gl.reshape(gl.permute(v, [0, 2, 1]), [16 * NW])
+        return gl.convert_layout(v, SIDE, assert_trivial=True)[:, None]
+
+    @gluon.jit
+    def _sides(d_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, NW: gl.constexpr,
+               SIDE: gl.constexpr):
+        """A chunk's scale data as four [16 NW, 1] tensors, in quant_gemv._dequant_operand's order."""
+        if FMT == F_Q8_0:
+            a = _row_side(d_ptr, tile0, chunk, 16 * side32, NW, SIDE)
+            b = a
+            c = a
+            e = a
+        elif FMT == F_Q6_K:   # four int8 scales as one word; the super-block's f32 d
+            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, chunk, 8 * side32, NW, SIDE)
+            b = _row_side(d_ptr, tile0, chunk // 4, 16 * side256, NW, SIDE)
+            c = a
+            e = b
+        elif FMT == F_Q4_0:
+            a = _row_side(d_ptr, tile0, 2 * chunk, 16 * side32, NW, SIDE)
+            b = _row_side(d_ptr, tile0, 2 * chunk + 1, 16 * side32, NW, SIDE)
+            c = a
+            e = b
+        else:                 # q4_1 and q4_K: (d, m) x (low, high block) x (row g, g + 8) in one plane
+            v = gl.reshape(_side(d_ptr, tile0, chunk, 32 * side32, NW, 8), [NW, 8, 2, 2, 2])
+            lo, hi = gl.split(gl.permute(v, [0, 1, 4, 2, 3]))     # w, g, r1, kind | block
+            d_lo, m_lo = gl.split(lo)
+            d_hi, m_hi = gl.split(hi)
+            a = _as_rows(d_lo, NW, SIDE)
+            b = _as_rows(d_hi, NW, SIDE)
+            c = _as_rows(m_lo, NW, SIDE)
+            e = _as_rows(m_hi, NW, SIDE)
+        return a, b, c, e
+
+    @gluon.jit
+    def _x_step(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BN: gl.constexpr, KC: gl.constexpr, NW: gl.constexpr,
+                Q6: gl.constexpr, EVEN_K: gl.constexpr):
+        """x[tok0 : tok0 + BN, k0 : k0 + KC] as f16 [BN, KC] in the planes' logical column order
+        (quant_pack.k_order), per 32-column tile: logical k = 8 j + 2 c + e holds GGUF column 8 c + 2 j + e
+        (q6_K, per 16-column half: 8 p + 2 c + e holds 4 c + 2 p + e). Loaded in GGUF order, permuted in
+        registers (each thread owns the columns it moves)."""
+        L: gl.constexpr = _x_layout(NW, Q6)
+        N1: gl.constexpr = 2 if Q6 else 4                  # j (p) values: the tile is 8 N1 columns
+        NT: gl.constexpr = KC // (8 * N1)
+        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        tile = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+        v = gl.arange(0, 2 * N1, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+        col = k0 + (8 * N1 * tile)[None, :, None, None] + (2 * N1 * c)[None, None, :, None] \
+            + v[None, None, None, :]
+        tt = t[:, None, None, None]
+        mask = tt < n_tok
+        if not EVEN_K:
+            mask = mask & (col < n_cols)
+        x = gl.load(x_ptr + tt.to(gl.int64) * x_stride + col, mask=mask, other=0.0).to(gl.float16)
+        x = gl.permute(gl.reshape(x, [BN, NT, 4, N1, 2]), [0, 1, 3, 2, 4])     # t, tile, j, c, e
+        return gl.reshape(x, [BN, KC])
+
+    @gluon.jit
+    def _step(acc, buf, chunk, first, steps_per_split, s, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0,
+              n_tok, n_cols, tile0, tile_stride, side32, side256, FMT: gl.constexpr, NW: gl.constexpr,
+              BN: gl.constexpr, EVEN_K: gl.constexpr, D: gl.constexpr, A: gl.constexpr, SIDE: gl.constexpr):
+        """One K step (a chunk): load its weights, scales and x, stage x in `buf`, dequantize, and issue its
+        MMAs on acc (asynchronously: the caller waits)."""
+        Q6: gl.constexpr = FMT == F_Q6_K
+        KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
+        if D > 0:   # the quant bytes of step s + D into L2 (no register held)
+            _prefetch(qs_ptr, tile0, first + gl.minimum(s + D, steps_per_split - 1), tile_stride, NW)
+        q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, NW, 16))
+        a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, NW, SIDE)
+        if Q6:
+            h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, NW, 8))
+        buf.store(_x_step(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, Q6, EVEN_K))
+        if Q6:
+            s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
+            q0, q1 = _halves(q, NW, 8)
+            h0, h1 = _halves(h, NW, 4)
+            # w0 / w1: the low block's k16 halves (columns +0, +16); w2 / w3: the high block's (+32, +48)
+            w0, w2 = quant_gemv._q6_operands(_as_half_operand(q0, NW, A),
+                                             _as_half_operand(_twice(h0, NW, 4), NW, A), s0, s2)
+            w1, w3 = quant_gemv._q6_operands(_as_half_operand(q1, NW, A),
+                                             _as_half_operand(_twice(h1, NW, 4), NW, A), s1, s3)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(w0, buf.slice(0, 16, 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w1, buf.slice(16, 16, 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w2, buf.slice(32, 16, 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w3, buf.slice(48, 16, 1).permute((1, 0)), acc, is_async=True)
+        else:
+            w0, w1 = quant_gemv._dequant_operand(_as_operand(q, NW, A), a, b, c, e, FMT)
+            fence_async_shared()
+            gl.thread_barrier()
+            if FMT == F_Q8_0:
+                acc = warpgroup_mma(w0, buf.permute((1, 0)), acc, is_async=True)
+            else:       # the low nibbles are the chunk's first 32 columns, the high nibbles the next 32
+                acc = warpgroup_mma(w0, buf.slice(0, 32, 1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(w1, buf.slice(32, 32, 1).permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
+    def _gemm_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, sub_ptr, qh_ptr,
+                     n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
+                     FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
+                     EVEN_K: gl.constexpr, D: gl.constexpr, ACT: gl.constexpr):
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        A: gl.constexpr = _layouts(NW, BN)[1]
+        SIDE: gl.constexpr = gl.SliceLayout(1, A)
+        Q6: gl.constexpr = FMT == F_Q6_K
+        WPC: gl.constexpr = 32 if FMT == F_Q8_0 else 64      # weights per chunk (one K step)
+        NB: gl.constexpr = 1 if FMT == F_Q8_0 else (4 if Q6 else 2)   # MMAs (commit groups) per step
+        KC: gl.constexpr = WPC                               # x columns per step
+        n_chunks = gl.multiple_of(n_chunks, 4)
+        side32 = n_chunks * WPC // 32
+        side256 = n_chunks * WPC // 256
+        tile_stride = n_chunks * 512
+        pid_t = gl.program_id(0)                             # token tile (fastest: the weights stay in L2)
+        pid_n = gl.program_id(1) // SPLIT_K
+        pid_k = gl.program_id(1) % SPLIT_K
+        tile0 = pid_n * NW
+        tok0 = pid_t * BN
+        # One x buffer per step of an iteration, each an allocation of its own: Triton orders a store after an
+        # MMA's read of the same allocation with a barrier of its own, on top of the step's.
+        XS: gl.constexpr = _x_smem_layout(BN, KC)
+        xs = (gl.allocate_shared_memory(gl.float16, [BN, KC], XS), gl.allocate_shared_memory(gl.float16, [BN, KC], XS),
+              gl.allocate_shared_memory(gl.float16, [BN, KC], XS), gl.allocate_shared_memory(gl.float16, [BN, KC], XS))
+        acc = gl.zeros([16 * NW, BN], gl.float32, MMA)
+        first = pid_k * steps_per_split
+        # U K steps per iteration. Each step's MMAs stay in flight while the next step loads and dequantizes;
+        # the iteration ends with none in flight. ptxas serializes every wgmma of a loop whose register
+        # operands (loaded from global memory) are redefined while a wgmma reading them is in flight across
+        # the back edge (its warnings C7514 / C7515): within an unrolled iteration each step's operands are
+        # registers of their own.
+        U: gl.constexpr = _STEPS
+        for s0 in range(0, steps_per_split, U):
+            for u in gl.static_range(U):
+                s = s0 + u
+                acc = _step(acc, xs[u], first + s, first, steps_per_split, s, x_ptr, x_stride, qs_ptr, d_ptr,
+                            sub_ptr, qh_ptr, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN,
+                            EVEN_K, D, A, SIDE)
+                if u < U - 1:   # retire the step before this one
+                    acc = warpgroup_mma_wait(num_outstanding=NB, deps=(acc,))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
+        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
+        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
+        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
+                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """NW warps per CTA (16 NW weight rows; 4 or 8: one or two warpgroups), split_k CTAs per row block, the quant
+    bytes prefetched into L2 D K steps ahead (0: off), R registers per thread allowed to ptxas (0: its own)."""
+    NW: int = 8
+    split_k: int = 1
+    D: int = 0
+    R: int = 0
+
+    def __post_init__(self):
+        if self.NW not in (4, 8):
+            raise ValueError(f"GemmConfig needs NW 4 or 8 (one or two warpgroups): {self}")
+
+    def rows_per_cta(self) -> int:
+        return 16 * self.NW
+
+
+def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
+    """Two warpgroups (128 rows) per CTA; split K until the row blocks fill the GPU about once."""
+    cfg = GemmConfig()
+    blocks = rows_pad // cfg.rows_per_cta()
+    split = 1
+    while blocks * split < sms and split < 8 and n_chunks % (split * 2 * STEPS_PER_ITERATION) == 0:
+        split *= 2
+    return GemmConfig(cfg.NW, split, cfg.D, cfg.R)
+
+
+def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
+    n_chunks = p.qs.shape[1] // 512
+    assert n_chunks % (cfg.split_k * STEPS_PER_ITERATION) == 0, (n_chunks, cfg)
+    return n_chunks // cfg.split_k
+
+
+def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
+    """(partial elements, tile counters) of the split-K reduction for calls of up to max_tok tokens."""
+    if cfg.split_k == 1:
+        return 1, 1
+    bn = token_tile(max_tok)
+    tiles = (rows_pad // cfg.rows_per_cta()) * -(-max_tok // bn)
+    return tiles * cfg.split_k * cfg.rows_per_cta() * bn, tiles
+
+
+def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
+           partial: torch.Tensor, count: torch.Tensor, act: str | None = None) -> None:
+    """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
+    With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch)."""
+    assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
+    assert p.rows_pad % cfg.rows_per_cta() == 0, (p.rows_pad, cfg)
+    n_tok = x.shape[0]
+    bn = token_tile(n_tok)
+    assert out.shape[-1] == (p.rows // 2 if act else p.rows), (out.shape, p.rows, act)
+    grid = (-(-n_tok // bn), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
+    dummy = p.qs
+    _gemm_kernel[grid](
+        x, out, partial, count, p.qs, p.d, p.sub if p.sub is not None else dummy,
+        p.qh if p.qh is not None else dummy,
+        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), p.qs.shape[1] // 512, steps(p, cfg),
+        FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D,
+        ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.R or None)

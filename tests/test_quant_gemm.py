@@ -1,0 +1,161 @@
+"""The mid-batch quantized GEMM (quant_gemm.py): Gluon on Hopper's warpgroup MMA, CUDA only.
+
+Checked against the float64 reference (x @ dequant(W).T) on odd shapes, every config knob and token tile,
+its act*mul epilogue against the act kernel, row results bitwise the same whatever the batch (within the
+GEMM's token range: 17 .. 256 and beyond), CUDA-graph replay, and that PackedWeight dispatches to it. The
+CPU CI compiles every variant for sm_90 (tests/test_kernels_compile.py) and checks the plan here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.kernels import quant_gemm
+from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.quant_gemm import GemmConfig
+from cobatch.kernels.quant_matmul import PackedWeight
+from cobatch.quant.weight import QuantWeight
+
+from conftest import requires_cuda
+from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
+from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
+
+requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                     reason="needs a Hopper GPU (wgmma)")
+
+
+# --- CPU: the plan ------------------------------------------------------------------------------------------
+
+def test_token_tile_is_the_smallest_that_holds_the_batch():
+    assert [quant_gemm.token_tile(n) for n in (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 2048)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128, 256, 256, 256, 256]
+
+
+def test_default_config_fills_the_gpu_and_divides_k():
+    for rows, chunks in [(4096, 64), (6144, 128), (28672, 64), (4096, 224), (128256, 128), (256, 12)]:
+        cfg = quant_gemm.default_config(rows, chunks)
+        blocks = rows // cfg.rows_per_cta()
+        assert chunks % (cfg.split_k * quant_gemm.STEPS_PER_ITERATION) == 0, (rows, chunks, cfg)
+        could_split_more = cfg.split_k < 8 and chunks % (2 * cfg.split_k * quant_gemm.STEPS_PER_ITERATION) == 0
+        assert blocks * cfg.split_k >= 132 or not could_split_more, (rows, chunks, cfg)
+
+
+def test_config_rejects_what_the_kernel_cannot_run():
+    with pytest.raises(ValueError):
+        GemmConfig(NW=2)
+
+
+def test_plan_hands_mid_batches_to_the_gemm():
+    gemv = qm.GemvPlan(qm.GemvConfig())
+    plan = qm.MatmulPlan(gemv, qm.DEQUANT_CUBLAS, 16, GemmConfig(), 256)
+    assert plan.config_for(16) is gemv
+    assert isinstance(plan.config_for(17), GemmConfig) and isinstance(plan.config_for(256), GemmConfig)
+    assert plan.config_for(257) == qm.DEQUANT_CUBLAS
+    assert qm.MatmulPlan(gemv, qm.DEQUANT_CUBLAS, 32).config_for(33) == qm.DEQUANT_CUBLAS
+
+
+def test_scratch_covers_every_token_tile_of_a_split_config():
+    cfg = GemmConfig(NW=8, split_k=4)
+    elems, tiles = quant_gemm.scratch_need(cfg, 4096, 300)
+    assert tiles == 32 * 2 and elems == tiles * 4 * 128 * 256
+    assert quant_gemm.scratch_need(GemmConfig(split_k=1), 4096, 300) == (1, 1)
+
+
+# --- CUDA ---------------------------------------------------------------------------------------------------
+
+def run_poisoned(pw: PackedWeight, x: torch.Tensor, config, act=None) -> torch.Tensor:
+    out = poisoned((x.shape[0], pw.rows // 2 if act else pw.rows), torch.bfloat16, "cuda")
+    y = pw.matmul(x, config=config, out=out, act=act)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    return y
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_gemm_matches_reference_on_odd_shapes(fmt_name):
+    """Rows not a multiple of the CTA's, K not a multiple of 256 (masked x), token counts inside and across
+    token tiles, f16 and bf16 activations, one and two warpgroups, split-K and the L2 prefetch."""
+    for rows, cols in [(200, 768), (72, 320 if fmt_name not in K_QUANTS else 1280), (1000, 1024)]:
+        w = make_weight(fmt_name, rows, cols, seed=3, device="cuda")
+        pw = PackedWeight.from_quant(w, "cuda")
+        assert pw.planes.fragment and pw.plan.mid is not None, "the quantized GEMM was not planned"
+        ref_w = w.dequantize(torch.float32).double()
+        gen = torch.Generator(device="cuda").manual_seed(4)
+        n_chunks = pw.planes.qs.shape[1] // 512
+        configs = [GemmConfig(NW=nw, split_k=s, D=d) for nw, s, d in [(4, 1, 2), (8, 2, 0)]
+                   if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
+        for cfg in [pw.plan.mid] + configs:
+            for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
+                for dtype in (torch.bfloat16,) if cfg is not pw.plan.mid or n_tok > 17 else (torch.float16,
+                                                                                             torch.bfloat16):
+                    x = torch.randn(n_tok, cols, device="cuda", generator=gen).to(dtype)
+                    y = run_poisoned(pw, x, cfg)
+                    assert relative_error(y, x.double() @ ref_w.T) < 5e-3, (rows, cols, cfg, n_tok, dtype)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_gemm_row_is_bitwise_identical_whatever_the_batch(fmt_name):
+    """Token counts from 17 to 300 run token tiles of 32 .. 256 (and two tiles past 256): a row's result
+    must not change, under split-K (the cross-CTA reduction is part of the check)."""
+    w = make_weight(fmt_name, 4096, 4096, seed=5, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    cfg = pw.plan.mid
+    assert cfg.split_k > 1
+    x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    full = run_poisoned(pw, x, cfg)
+    for n_tok in (17, 32, 33, 64, 65, 200, 256, 257):
+        assert torch.equal(run_poisoned(pw, x[:n_tok], cfg), full[:n_tok]), n_tok
+    for t0 in (0, 100, 250):    # the same rows at other positions of a batch
+        assert torch.equal(run_poisoned(pw, x[t0:t0 + 40], cfg), full[t0:t0 + 40]), t0
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
+    """A gate|up weight packed interleaved: the epilogue against the GEMM's own output put through the act*mul
+    kernel, with and without split-K, with rows that end inside a CTA's rows."""
+    from cobatch.kernels.activation import gated_mul_triton
+    inter, cols = 200, 1280
+    gate, up = make_weight(fmt_name, inter, cols, seed=11), make_weight(fmt_name, inter, cols, seed=12)
+    pw = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
+    x = torch.randn(100, cols, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
+    n_chunks = pw.planes.qs.shape[1] // 512
+    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2)]:
+        if n_chunks % (cfg.split_k * quant_gemm.STEPS_PER_ITERATION):
+            continue
+        for n_tok in (17, 100):
+            want = gated_mul_triton(pw.matmul(x[:n_tok], config=cfg), act, interleaved=True)
+            got = run_poisoned(pw, x[:n_tok], cfg, act=act)
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5, msg=f"{cfg} {n_tok}")
+
+
+@requires_cuda
+@requires_hopper
+def test_gemm_cuda_graph_replay():
+    w = make_weight("q4_k", 4096, 4096, seed=8, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    assert pw.plan.mid.split_k > 1
+    x = torch.randn(48, 4096, device="cuda").to(torch.bfloat16)
+    assert_graph_replay_matches(pw.matmul, x, torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
+
+
+@requires_cuda
+@requires_hopper
+def test_packed_weight_dispatches_by_batch(monkeypatch):
+    """17 .. 256 tokens run the quantized GEMM (no dequantized scratch matrix is touched), more run dequantize +
+    cuBLAS; COBATCH_QUANT_GEMM=0 plans without it."""
+    w = make_weight("q8_0", 512, 1024, seed=9, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    calls = []
+    monkeypatch.setattr(quant_gemm, "launch", lambda *a, **k: calls.append(a[1].shape[0]))
+    for n_tok in (16, 17, 256, 257):
+        pw.matmul(torch.randn(n_tok, 1024, device="cuda").to(torch.bfloat16))
+    assert calls == [17, 256]
+    monkeypatch.setenv("COBATCH_QUANT_GEMM", "0")
+    assert PackedWeight.from_quant(w, "cuda").plan.mid is None
