@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from timing import replay_seconds  # noqa: E402
 
 BATCHES = [1, 2, 3, 4, 8, 16, 32, 64, 128]
 CONTEXTS = [512, 4096]
+PREFILL = (512, 2048)
 
 
 def copy_bandwidth() -> float:
@@ -178,7 +180,7 @@ def clear(llm: LLM) -> None:
 def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense: bool,
                 kv_cache_dtype: str = "auto") -> dict:
     t0 = time.perf_counter()
-    llm = LLM.load(path, EngineOptions(device="cuda", ctx=max(CONTEXTS) + 128, max_num_seqs=max_batch,
+    llm = LLM.load(path, EngineOptions(device="cuda", ctx=max(*CONTEXTS, *PREFILL) + 128, max_num_seqs=max_batch,
                                        kv_cache_gb=kv_gb, prefill_chunk=2048, max_step_tokens=4096,
                                        dense_large_batch=dense, kv_cache_dtype=kv_cache_dtype))
     load_s = time.perf_counter() - t0
@@ -211,7 +213,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
                   f"{b / step_s:8.0f} tok/s  "
                   f"x{(b / step_s) / base:5.2f} vs B=1  {step_s / roofline_s:4.2f}x roofline", flush=True)
     prefill = []
-    for n in (512, 2048):
+    for n in PREFILL:
         ids = torch.randint(0, llm.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))        # warm-up, compile
         ids = [(i + 1) % llm.config.vocab_size for i in ids]                              # defeat the prefix cache
@@ -310,7 +312,9 @@ def main() -> None:
         BATCHES = [int(b) for b in args.batches.split(",")]
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
-    results = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    results = dict(date=str(datetime.date.today()), tree=tree, command=" ".join(sys.argv),
+                   quant_gemm=os.environ.get("COBATCH_QUANT_GEMM") != "0", device=torch.cuda.get_device_name(),
                    torch=torch.__version__, copy_gbps=copy_bps / 1e9, models=[])
     for path in args.model:
         for kv_dtype in args.kv_cache_dtype.split(","):

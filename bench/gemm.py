@@ -43,6 +43,8 @@ from kernels import SHAPES, random_weight, rotating, time_torch_linear  # noqa: 
 from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
 FORMATS = ["q8_0", "q4_k", "q4_1", "q6_k"]
+# Q4_K_M files hold k and v as matrices of their own (v in q6_K): a separate 1024-row launch each
+SHAPES = {**SHAPES, "kv": (1024, 4096)}
 TOKS = [16, 32, 64, 128, 256, 512, 2048]
 DECODE = [32, 64, 128, 256]          # the token counts a weight's one config is chosen by
 
@@ -51,8 +53,11 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
     rows_pad = -(-rows // 128) * 128
     base = quant_gemm.default_config(rows_pad, n_chunks)
     s = base.split_k
-    out = [base, GemmConfig(8, s, D=4), GemmConfig(4, s), GemmConfig(8, 2 * s), GemmConfig(8, max(1, s // 2)),
-           GemmConfig(4, 2 * s)]
+    out = []
+    for split in (s, 2 * s):
+        for nw in (8, 4):
+            out += [GemmConfig(nw, split), GemmConfig(nw, split, P=True)]
+    out.append(GemmConfig(8, s, D=4, P=True))
     ok = []
     for c in out:
         if c.split_k <= 16 and n_chunks % (c.split_k * quant_gemm.STEPS_PER_ITERATION) == 0 and c not in ok:
@@ -62,9 +67,9 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
 
 def _compile_one(task) -> str:
     """Run one (format, config, token tile) once on a small weight: fills Triton's disk cache."""
-    fmt_name, nw, split, d, n_tok = task
+    fmt_name, nw, split, d, p, n_tok = task
     try:
-        cfg = GemmConfig(nw, split, D=d)
+        cfg = GemmConfig(nw, split, D=d, P=p)
         cols = 4096 if fmt_name != "q8_0" else 4096
         pw = PackedWeight.from_quant(random_weight(fmt_name, 256, cols), "cuda")
         n_chunks = pw.planes.qs.shape[1] // 512
@@ -122,7 +127,7 @@ def main() -> None:
             rows, cols = SHAPES[name]
             n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
             for c in candidates(rows, n_chunks):
-                tasks += [(fmt_name, c.NW, c.split_k, c.D, n) for n in toks]
+                tasks += [(fmt_name, c.NW, c.split_k, c.D, c.P, n) for n in toks]
     precompile(tasks, workers=min(14, os.cpu_count() or 4))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
@@ -164,28 +169,42 @@ def main() -> None:
                 strict_us = max(bytes_us, flops / peak_tflops[name] / 1e6)  # cuBLAS's best rate on this shape
                 rows_out.append({
                     "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols, "n_tok": n, "gemm_us": t,
-                    "gemm_config": [best.NW, best.split_k, best.D], "old_us": t_old,
+                    "gemm_config": [best.NW, best.split_k, best.D, int(best.P)], "old_us": t_old,
                     "old_path": "gemv" if old_cfg is old.narrow else str(old_cfg), "dequant_cublas_us": t_dq,
                     "cublas_bf16_us": cublas_us[(name, n)], "cublas_bf16_tflops": cublas_tflops,
                     "gemm_tflops": flops / t / 1e6, "weight_bytes": pw.nbytes,
                     "gemm_gbps": pw.nbytes / t / 1e3, "pct_copy": 100 * pw.nbytes / t / 1e3 / copy_gbps,
                     "roofline_us": roof_us, "x_roofline": t / roof_us, "strict_roofline_us": strict_us,
                     "x_strict": t / strict_us, "x_bytes": t / bytes_us, "rel_err": err,
-                    "all_configs_us": {f"{c.NW},{c.split_k},{c.D}": times.get((c, n)) for c in cands}})
-                print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D}) "
+                    "all_configs_us": {f"{c.NW},{c.split_k},{c.D},{int(c.P)}": times.get((c, n)) for c in cands}})
+                print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D},{best.P:d}) "
                       f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
                       f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
-            decode = [n for n in DECODE if n in toks]
-            one = min(cands, key=lambda c: sum(times.get((c, n), 1e9) / min(times.get((d, n), 1e9) for d in cands)
-                                               for n in decode))
-            wins = [n for n in toks if n > 16 and times.get((one, n), 1e9) < next(
-                r["dequant_cublas_us"] for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name
-                and r["n_tok"] == n)]
-            upto = max(wins) if wins else 16
+            # One config per weight (its split of K fixes a row's bits). The plan runs the GEMV up to the largest
+            # token count where the GEMV still beat this config (among the GEMV's own), the GEMM up to the largest
+            # one where it beat dequantize + cuBLAS; the config with the least total time that way wins.
+            mine = {n: r for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name for n in [r["n_tok"]]}
+
+            def plan_of(c):
+                gemv_ns = [n for n in toks if mine[n]["old_path"] == "gemv"]
+                low = 16
+                for n in sorted(gemv_ns):
+                    if n > 16 and mine[n]["old_us"] <= times.get((c, n), 1e9) and low == max(m for m in gemv_ns
+                                                                                           if m < n):
+                        low = n
+                wins = [n for n in toks if n > low and times.get((c, n), 1e9) < mine[n]["dequant_cublas_us"]]
+                high = max(wins) if wins else low
+                total = sum(mine[n]["old_us"] if n <= low else times.get((c, n), 1e9) if n <= high
+                            else mine[n]["dequant_cublas_us"] for n in DECODE if n in toks)
+                return total, low, high
+
+            one = min(cands, key=lambda c: plan_of(c)[0])
+            _, low, upto = plan_of(one)
             chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = {
-                "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D},
-                "quant_gemm_upto": upto if upto < max(toks) else 1 << 20}
-            print(f"  {fmt_name} {name}: rel_err {err:.1e}; one config {one}, GEMM up to {upto} tokens", flush=True)
+                "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D, "P": one.P},
+                "quant_gemm_crossover": low, "quant_gemm_upto": upto if upto < max(toks) else 1 << 20}
+            print(f"  {fmt_name} {name}: rel_err {err:.1e}; one config {one}, GEMV up to {low}, GEMM up to {upto} "
+                  "tokens", flush=True)
             del copies, pw, w
             torch.cuda.empty_cache()
     copy_end = copy_bandwidth()
@@ -195,11 +214,16 @@ def main() -> None:
               "triton": __import__("triton").__version__, "copy_gbps": copy_gbps, "copy_gbps_end": copy_end,
               "copy_detail": COPY_DETAIL, "rows": rows_out, "chosen": chosen}
     table = {"formats": {f: {"shapes": s} for f, s in chosen.items()}}
+    merged = json.loads(qm.CONFIG_PATH.read_text())        # the package's table with these entries merged in
+    for f, shapes_of in chosen.items():
+        for shape, entry in shapes_of.items():
+            merged.setdefault("formats", {}).setdefault(f, {}).setdefault("shapes", {}).setdefault(shape, {}).update(entry)
     md = markdown(result)
     for d in [res_dir] + ([out_dir] if out_dir else []):
         (d / "gemm.json").write_text(json.dumps(result, indent=1))
         (d / "gemm.md").write_text(md)
         (d / "quant_configs-gemm.json").write_text(json.dumps(table, indent=1))
+        (d / "quant_configs.json").write_text(json.dumps(merged, indent=1) + "\n")
     print(md.split("\n## ")[1] if "\n## " in md else md, flush=True)
 
 
@@ -222,7 +246,7 @@ def markdown(result: dict) -> str:
             cells.append("" if r is None else
                          f"{r['x_roofline']:.2f} / {r['x_strict']:.2f} ({r['old_us'] / r['gemm_us']:.2f}x)")
         lines.append(f"| {fmt} | {shape} | " + " | ".join(cells) + " |")
-    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D) | % copy | TFLOP/s | "
+    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P) | % copy | TFLOP/s | "
               "cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

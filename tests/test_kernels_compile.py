@@ -228,13 +228,13 @@ gemm_variants = {}
 from cobatch.kernels import quant_gemm
 if quant_gemm.warpgroup_mma is not None:
     # every format; between them: the largest token tile, split-K with each epilogue, one warpgroup, odd K, prefetch
-    for fmt, nw, bn, split, act, even_k, d in (
-            (quant_pack.Q8_0, 8, 256, 1, 0, True, 0), (quant_pack.Q8_0, 4, 32, 4, 2, False, 2),
-            (quant_pack.Q4_0, 8, 64, 2, 1, True, 0), (quant_pack.Q4_1, 8, 256, 1, 0, True, 0),
-            (quant_pack.Q4_1, 4, 32, 4, 2, False, 2), (quant_pack.Q6_K, 8, 256, 1, 0, True, 0),
-            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0)):
-        gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d}"] = dict(
-            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, ACT=act)
+    for fmt, nw, bn, split, act, even_k, d, p in (
+            (quant_pack.Q8_0, 8, 256, 1, 0, True, 0, 1), (quant_pack.Q8_0, 4, 32, 4, 2, False, 2, 0),
+            (quant_pack.Q4_0, 8, 64, 2, 1, True, 0, 1), (quant_pack.Q4_1, 8, 256, 1, 0, True, 0, 0),
+            (quant_pack.Q4_1, 4, 32, 4, 2, False, 2, 1), (quant_pack.Q6_K, 8, 256, 1, 0, True, 0, 1),
+            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0, 0)):
+        gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d} p={p}"] = \
+            dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, P=bool(p), ACT=act)
 
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]

@@ -84,7 +84,8 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
         ref_w = w.dequantize(torch.float32).double()
         gen = torch.Generator(device="cuda").manual_seed(4)
         n_chunks = pw.planes.qs.shape[1] // 512
-        configs = [GemmConfig(NW=nw, split_k=s, D=d) for nw, s, d in [(4, 1, 2), (8, 2, 0)]
+        configs = [GemmConfig(NW=nw, split_k=s, D=d, P=pf) for nw, s, d, pf in [(4, 1, 2, True), (8, 2, 0, False),
+                                                                                 (8, 4, 0, True)]
                    if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
@@ -126,13 +127,26 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
     pw = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
     x = torch.randn(100, cols, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
     n_chunks = pw.planes.qs.shape[1] // 512
-    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2)]:
+    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True)]:
         if n_chunks % (cfg.split_k * quant_gemm.STEPS_PER_ITERATION):
             continue
         for n_tok in (17, 100):
             want = gated_mul_triton(pw.matmul(x[:n_tok], config=cfg), act, interleaved=True)
             got = run_poisoned(pw, x[:n_tok], cfg, act=act)
             torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5, msg=f"{cfg} {n_tok}")
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q6_k"])
+def test_gemm_loads_ahead_give_the_same_bits(fmt_name):
+    """P (loads one step ahead) and D (L2 prefetch) only move loads: the results are bitwise the same."""
+    w = make_weight(fmt_name, 512, 2048, seed=14, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    x = torch.randn(70, 2048, generator=torch.Generator().manual_seed(15)).to("cuda", torch.bfloat16)
+    plain = run_poisoned(pw, x, GemmConfig(NW=8, split_k=2))
+    for cfg in (GemmConfig(NW=8, split_k=2, P=True), GemmConfig(NW=8, split_k=2, D=3, P=True)):
+        assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
 
 
 @requires_cuda

@@ -15,7 +15,9 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     One barrier per K step orders the stores before the MMAs. A buffer is rewritten 4 steps later, when every
     warpgroup has waited for the MMAs that read it (each waits for all but its current step's, and for all at
     the end of an iteration).
-  - The wgmmas are asynchronous: a step's MMAs run while the next step loads and dequantizes.
+  - The wgmmas are asynchronous: a step's MMAs run while the next step loads and dequantizes. With P, each
+    step's loads are issued one step earlier, before the barrier of the step before (a barrier also keeps the
+    compiler from hoisting loads above it).
   - Split-K for the small matrices (qkv, o) reduces in split order through the scratch buffer, as the GEMV does
     (quant_gemv._finish_rows), and the act*mul epilogue of a gate|up weight is the GEMV's too.
 
@@ -176,12 +178,10 @@ if gluon is not None and warpgroup_mma is not None:
         return a, b, c, e
 
     @gluon.jit
-    def _x_step(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BN: gl.constexpr, KC: gl.constexpr, NW: gl.constexpr,
+    def _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BN: gl.constexpr, KC: gl.constexpr, NW: gl.constexpr,
                 Q6: gl.constexpr, EVEN_K: gl.constexpr):
-        """x[tok0 : tok0 + BN, k0 : k0 + KC] as f16 [BN, KC] in the planes' logical column order
-        (quant_pack.k_order), per 32-column tile: logical k = 8 j + 2 c + e holds GGUF column 8 c + 2 j + e
-        (q6_K, per 16-column half: 8 p + 2 c + e holds 4 c + 2 p + e). Loaded in GGUF order, permuted in
-        registers (each thread owns the columns it moves)."""
+        """x[tok0 : tok0 + BN, k0 : k0 + KC] as loaded, [BN, tile, c, v] in its own dtype: GGUF column
+        T tile + V c + v of the step, T = 32 (q6_K: 16) columns per permuted tile (_x_operand)."""
         L: gl.constexpr = _x_layout(NW, Q6)
         N1: gl.constexpr = 2 if Q6 else 4                  # j (p) values: the tile is 8 N1 columns
         NT: gl.constexpr = KC // (8 * N1)
@@ -195,25 +195,42 @@ if gluon is not None and warpgroup_mma is not None:
         mask = tt < n_tok
         if not EVEN_K:
             mask = mask & (col < n_cols)
-        x = gl.load(x_ptr + tt.to(gl.int64) * x_stride + col, mask=mask, other=0.0).to(gl.float16)
-        x = gl.permute(gl.reshape(x, [BN, NT, 4, N1, 2]), [0, 1, 3, 2, 4])     # t, tile, j, c, e
+        return gl.load(x_ptr + tt.to(gl.int64) * x_stride + col, mask=mask, other=0.0)
+
+    @gluon.jit
+    def _x_operand(x, BN: gl.constexpr, KC: gl.constexpr, Q6: gl.constexpr):
+        """A loaded x step -> f16 [BN, KC] in the planes' logical column order (quant_pack.k_order), per 32-column
+        tile: logical k = 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (q6_K, per 16-column half:
+        8 p + 2 c + e holds 4 c + 2 p + e). Each thread owns the columns it moves: only registers are renamed."""
+        N1: gl.constexpr = 2 if Q6 else 4
+        NT: gl.constexpr = KC // (8 * N1)
+        x = gl.permute(gl.reshape(x.to(gl.float16), [BN, NT, 4, N1, 2]), [0, 1, 3, 2, 4])     # t, tile, j, c, e
         return gl.reshape(x, [BN, KC])
 
     @gluon.jit
-    def _step(acc, buf, chunk, first, steps_per_split, s, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0,
-              n_tok, n_cols, tile0, tile_stride, side32, side256, FMT: gl.constexpr, NW: gl.constexpr,
-              BN: gl.constexpr, EVEN_K: gl.constexpr, D: gl.constexpr, A: gl.constexpr, SIDE: gl.constexpr):
-        """One K step (a chunk): load its weights, scales and x, stage x in `buf`, dequantize, and issue its
-        MMAs on acc (asynchronously: the caller waits)."""
-        Q6: gl.constexpr = FMT == F_Q6_K
+    def _load_step(chunk, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok, n_cols, tile0, tile_stride,
+                   side32, side256, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
+                   SIDE: gl.constexpr):
+        """The loads of one K step (a chunk): quant bytes, scale data, q6_K's high bits (else the quant bytes
+        again: unused) and x, raw."""
         KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
-        if D > 0:   # the quant bytes of step s + D into L2 (no register held)
-            _prefetch(qs_ptr, tile0, first + gl.minimum(s + D, steps_per_split - 1), tile_stride, NW)
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, NW, 16))
         a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, NW, SIDE)
-        if Q6:
+        if FMT == F_Q6_K:
             h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, NW, 8))
-        buf.store(_x_step(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, Q6, EVEN_K))
+        else:
+            h = q
+        x = _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, FMT == F_Q6_K, EVEN_K)
+        return q, a, b, c, e, h, x
+
+    @gluon.jit
+    def _mma_step(acc, buf, q, a, b, c, e, h, x, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
+                  A: gl.constexpr):
+        """One K step from its loads: stage x in `buf`, dequantize, and issue the step's MMAs on acc
+        (asynchronously: the caller waits)."""
+        Q6: gl.constexpr = FMT == F_Q6_K
+        KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
+        buf.store(_x_operand(x, BN, KC, Q6))
         if Q6:
             s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
             q0, q1 = _halves(q, NW, 8)
@@ -244,7 +261,7 @@ if gluon is not None and warpgroup_mma is not None:
     def _gemm_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, sub_ptr, qh_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
                      FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
-                     EVEN_K: gl.constexpr, D: gl.constexpr, ACT: gl.constexpr):
+                     EVEN_K: gl.constexpr, D: gl.constexpr, P: gl.constexpr, ACT: gl.constexpr):
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
@@ -274,12 +291,26 @@ if gluon is not None and warpgroup_mma is not None:
         # the back edge (its warnings C7514 / C7515): within an unrolled iteration each step's operands are
         # registers of their own.
         U: gl.constexpr = _STEPS
+        if P:   # the loads of step s + 1 are issued before step s's barrier, so their latency overlaps it
+            q, a, b, c, e, h, x = _load_step(first, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok,
+                                             n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN, EVEN_K, SIDE)
         for s0 in range(0, steps_per_split, U):
             for u in gl.static_range(U):
                 s = s0 + u
-                acc = _step(acc, xs[u], first + s, first, steps_per_split, s, x_ptr, x_stride, qs_ptr, d_ptr,
-                            sub_ptr, qh_ptr, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN,
-                            EVEN_K, D, A, SIDE)
+                if D > 0:   # the quant bytes of step s + D into L2 (no register held)
+                    _prefetch(qs_ptr, tile0, first + gl.minimum(s + D, steps_per_split - 1), tile_stride, NW)
+                if P:       # (the last step loads itself again: harmless, and no branch)
+                    q1, a1, b1, c1, e1, h1, x1 = _load_step(first + gl.minimum(s + 1, steps_per_split - 1), x_ptr,
+                                                            x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok,
+                                                            n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN,
+                                                            EVEN_K, SIDE)
+                    acc = _mma_step(acc, xs[u], q, a, b, c, e, h, x, FMT, NW, BN, A)
+                    q, a, b, c, e, h, x = q1, a1, b1, c1, e1, h1, x1
+                else:
+                    q0, a0, b0, c0, e0, h0, x0 = _load_step(first + s, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr,
+                                                            qh_ptr, tok0, n_tok, n_cols, tile0, tile_stride, side32,
+                                                            side256, FMT, NW, BN, EVEN_K, SIDE)
+                    acc = _mma_step(acc, xs[u], q0, a0, b0, c0, e0, h0, x0, FMT, NW, BN, A)
                 if u < U - 1:   # retire the step before this one
                     acc = warpgroup_mma_wait(num_outstanding=NB, deps=(acc,))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -293,10 +324,12 @@ if gluon is not None and warpgroup_mma is not None:
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
     """NW warps per CTA (16 NW weight rows; 4 or 8: one or two warpgroups), split_k CTAs per row block, the quant
-    bytes prefetched into L2 D K steps ahead (0: off), R registers per thread allowed to ptxas (0: its own)."""
+    bytes prefetched into L2 D K steps ahead (0: off), P: each step's loads issued one step ahead (into
+    registers), R registers per thread allowed to ptxas (0: its own). Only split_k changes a row's bits."""
     NW: int = 8
     split_k: int = 1
     D: int = 0
+    P: bool = False
     R: int = 0
 
     def __post_init__(self):
@@ -314,7 +347,7 @@ def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
     split = 1
     while blocks * split < sms and split < 8 and n_chunks % (split * 2 * STEPS_PER_ITERATION) == 0:
         split *= 2
-    return GemmConfig(cfg.NW, split, cfg.D, cfg.R)
+    return GemmConfig(cfg.NW, split, cfg.D, cfg.P, cfg.R)
 
 
 def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
@@ -347,5 +380,5 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         x, out, partial, count, p.qs, p.d, p.sub if p.sub is not None else dummy,
         p.qh if p.qh is not None else dummy,
         n_tok, p.rows, p.cols, x.stride(0), out.stride(0), p.qs.shape[1] // 512, steps(p, cfg),
-        FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D,
+        FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D, P=cfg.P,
         ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.R or None)
