@@ -202,7 +202,7 @@ def main() -> None:
             _, low, upto = plan_of(one)
             chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = {
                 "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D, "P": one.P},
-                "quant_gemm_crossover": low, "quant_gemm_upto": upto if upto < max(toks) else 1 << 20}
+                "quant_gemm_crossover": low, "quant_gemm_upto": upto}   # nothing past the largest n measured
             print(f"  {fmt_name} {name}: rel_err {err:.1e}; one config {one}, GEMV up to {low}, GEMM up to {upto} "
                   "tokens", flush=True)
             del copies, pw, w

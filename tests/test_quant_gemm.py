@@ -162,14 +162,16 @@ def test_gemm_cuda_graph_replay():
 @requires_cuda
 @requires_hopper
 def test_packed_weight_dispatches_by_batch(monkeypatch):
-    """17 .. 256 tokens run the quantized GEMM (no dequantized scratch matrix is touched), more run dequantize +
-    cuBLAS; COBATCH_QUANT_GEMM=0 plans without it."""
+    """Past the GEMV's tokens and up to the plan's bound (a shape without an entry in quant_configs.json: 17 ..
+    QUANT_GEMM_UPTO) calls run the quantized GEMM, more run dequantize + cuBLAS; COBATCH_QUANT_GEMM=0 plans
+    without it."""
     w = make_weight("q8_0", 512, 1024, seed=9, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
+    assert (pw.plan.crossover, pw.plan.mid_upto) == (qm.GEMV_CROSSOVER, qm.QUANT_GEMM_UPTO)
     calls = []
     monkeypatch.setattr(quant_gemm, "launch", lambda *a, **k: calls.append(a[1].shape[0]))
-    for n_tok in (16, 17, 256, 257):
+    for n_tok in (16, 17, qm.QUANT_GEMM_UPTO, qm.QUANT_GEMM_UPTO + 1):
         pw.matmul(torch.randn(n_tok, 1024, device="cuda").to(torch.bfloat16))
-    assert calls == [17, 256]
+    assert calls == [17, qm.QUANT_GEMM_UPTO]
     monkeypatch.setenv("COBATCH_QUANT_GEMM", "0")
     assert PackedWeight.from_quant(w, "cuda").plan.mid is None

@@ -22,6 +22,7 @@ from cobatch.engine.speculative import PREDICTION_SPEC, NgramSpec, step_rows_wit
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
+from cobatch.models.linear import resident_bytes
 from cobatch.models.llama import LlamaModel
 from cobatch.tokenizer import Tokenizer
 
@@ -150,6 +151,13 @@ class LLM:
                   disable=options.quiet, file=sys.stderr) as bar:
             model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
                                keep_dense=options.dense_large_batch)
+        if not options.quiet:
+            held = resident_bytes(model)
+            copies = (f"{held['bf16_copies'] / 2**30:.2f} GiB of dequantized copies (--dense-large-batch)"
+                      if held["bf16_copies"] else "no dequantized copies")
+            print(f"weights: {sum(held.values()) / 2**30:.2f} GiB resident on {device} "
+                  f"({held['quantized'] / 2**30:.2f} GiB quantized, {held['dense'] / 2**30:.2f} GiB dense, {copies})",
+                  file=sys.stderr)
         pool = _make_pool(cfg, options, ctx, kv_dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
         if device.type == "cuda" and not options.eager and model.graph_safe:

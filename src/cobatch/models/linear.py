@@ -9,10 +9,13 @@ projection the GEMV reads has its rows interleaved 8 by 8, so the GEMV applies a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cobatch import ops
 from cobatch.kernels.activation import GATE_UP_GROUP
+from cobatch.kernels.quant_pack import PackedPlanes
 from cobatch.quant.weight import QuantWeight
 
 
@@ -60,3 +63,52 @@ def load_gate_up(gate: QuantWeight, up: QuantWeight, device: torch.device, dtype
         return _one(QuantWeight.interleave_rows(gate, up, GATE_UP_GROUP), torch.device(device), dtype, keep_dense,
                     gate_up_interleaved=True)
     return load_linear([gate, up], device, dtype, keep_dense)
+
+
+def resident_bytes(model: object) -> dict[str, int]:
+    """Bytes of weights a model holds on its device, by kind: "quantized" (packed planes the kernels read),
+    "dense" (embeddings, norms, tables, dequantized fallback matrices) and "bf16_copies" (dequantized copies of
+    quantized weights, kept only with --dense-large-batch). Each storage is counted once: an expert's view
+    shares its stack's planes."""
+    from cobatch.kernels.quant_matmul import PackedWeight
+    device = torch.device(getattr(model, "device", "cpu"))
+    totals = {"quantized": 0, "dense": 0, "bf16_copies": 0}
+    storages: set[tuple[str, int]] = set()
+    visited: set[int] = set()
+
+    def count(t: torch.Tensor, kind: str) -> None:
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if t.device.type == device.type and key not in storages:
+            storages.add(key)
+            totals[kind] += t.untyped_storage().nbytes()
+
+    def walk(obj: object) -> None:
+        if id(obj) in visited or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            return
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            count(obj, "dense")
+        elif isinstance(obj, PackedPlanes):
+            for t in obj.tensors():
+                count(t, "quantized")
+        elif isinstance(obj, PackedWeight):
+            walk(obj.planes)
+            if obj.dense is not None:
+                count(obj.dense, "dense")
+            if obj.resident_dense is not None:
+                count(obj.resident_dense, "bf16_copies")
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item)
+        elif dataclasses.is_dataclass(obj):          # (slots dataclasses have no __dict__)
+            for field in dataclasses.fields(obj):
+                walk(getattr(obj, field.name))
+        elif hasattr(obj, "__dict__"):
+            for item in vars(obj).values():
+                walk(item)
+
+    walk(model)
+    return totals
