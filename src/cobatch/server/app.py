@@ -30,6 +30,7 @@ from cobatch.llm import LLM
 from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
+from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
 
 log = logging.getLogger("cobatch.server")
 
@@ -37,8 +38,10 @@ PUBLIC_PATHS = frozenset({"/health", "/version"})
 SLOTS_VIEW_TIMEOUT_S = 10.0
 
 
-def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
+def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecycle | None = None) -> FastAPI:
     server = ServerContext(llm, options or ServerOptions())
+    if lifecycle is not None:
+        server.lifecycle = lifecycle
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,6 +61,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     app.include_router(llama_cpp.router)
     _add_error_handlers(app, server)
     _add_service_routes(app)
+    app.add_middleware(LifecycleMiddleware, lifecycle=server.lifecycle)
     app.add_middleware(ApiKeyMiddleware, server=server)
     if server.options.allowed_origins:
         # Added last, so outermost: a browser's preflight is answered before the key check (it carries no
@@ -270,6 +274,8 @@ def engine_options(args):
 
 
 def serve(args) -> int:
+    """Bind the port, answer 503 while the model loads, serve, drain on SIGTERM / SIGINT, exit 0."""
+    from cobatch.errors import UserError
     _check_serve_args(args)
     sock = listen_socket(args.host, args.port)
     port = sock.getsockname()[1]          # the one the OS picked for --port 0
@@ -277,38 +283,53 @@ def serve(args) -> int:
     if getattr(args, "threads", None) is not None:
         import torch
         torch.set_num_threads(args.threads)
-    llm = LLM.load(args.model_path or args.model, engine_options(args))
+    options = server_options(args)
+    print(f"cobatch loading {args.model_path or args.model or 'the default model'}\n"
+          f"  url:      http://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
+          f"Anthropic: /v1/messages)   /health answers 503 until the model is ready",
+          file=sys.stderr, flush=True)
+    lifecycle = Lifecycle("loading")
+    config = uvicorn.Config(None, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=args.graceful_shutdown_s, **_tls(args))
+
+    def build(llm: LLM) -> FastAPI:
+        app = create_app(llm, options, lifecycle)
+        _print_ready(app.state.server, llm, options)
+        return app
+
+    uvicorn_server = None
+    loading = LoadingApp(lambda: LLM.load(args.model_path or args.model, engine_options(args)), build, lifecycle,
+                         on_failure=lambda: setattr(uvicorn_server, "should_exit", True))
+    config.app = loading
+    uvicorn_server = DrainingServer(config, lifecycle, grace_s=args.graceful_shutdown_s)
+    uvicorn_server.run(sockets=[sock])
+    if loading.error is not None:
+        from cobatch.model_files import ModelNotFound
+        if isinstance(loading.error, (UserError, ModelNotFound, ValueError, OSError)):
+            raise UserError(str(loading.error)) from None
+        raise loading.error
+    return 0
+
+
+def server_options(args) -> ServerOptions:
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
-    options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                            max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
-                            sampling_defaults=sampling_defaults(args))
-    app = create_app(llm, options)
-    server = app.state.server
+    return ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
+                         sampling_defaults=sampling_defaults(args))
+
+
+def _tls(args) -> dict:
+    return {}
+
+
+def _print_ready(server: ServerContext, llm: LLM, options: ServerOptions) -> None:
     pool = llm.engine.pool
     print(f"cobatch serving {server.model_name} ({llm.path})\n"
-          f"  url:      http://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
-          f"Anthropic: /v1/messages)\n"
           f"  slots:    {server.worker.num_slots} (--parallel), queue up to {options.max_queue}\n"
           f"  context:  {llm.engine.max_context} tokens per request\n"
           f"  KV cache: {pool.num_blocks} blocks x {pool.block_size} = {pool.num_blocks * pool.block_size} tokens "
           f"({pool.nbytes / 2**20:.0f} MiB, {str(pool.dtype).removeprefix('torch.')}), prefix cache shared by all "
           f"slots\n"
           f"  device:   {llm.engine.runner.device}{_graphs_note(llm)}  "
-          f"api key: {'required' if args.api_key else 'none'}",
+          f"api key: {'required' if options.api_key else 'none'}",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s)
-    DrainingServer(config, server).run(sockets=[sock])
-    return 0
-
-
-class DrainingServer(uvicorn.Server):
-    """Stops taking requests (503) as soon as a shutdown signal arrives; requests in flight finish."""
-
-    def __init__(self, config: uvicorn.Config, server: ServerContext):
-        super().__init__(config)
-        self.context = server
-
-    def handle_exit(self, sig, frame) -> None:
-        self.context.worker.accepting = False
-        super().handle_exit(sig, frame)

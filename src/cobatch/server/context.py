@@ -11,6 +11,7 @@ from fastapi import Request
 from cobatch.llm import LLM
 from cobatch.server.engine_thread import EngineWorker
 from cobatch.server.generation import Generation, GenerationRequest
+from cobatch.server.lifecycle import Lifecycle
 from cobatch.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20     # a 128k-token prompt as JSON is a few MB; this leaves room
@@ -35,6 +36,7 @@ class ServerContext:
         self.metrics = ServerMetrics(self.worker)
         self.model_name = options.model_name or llm.path.stem
         self.created = int(time.time())
+        self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
 
     def generation(self, request: GenerationRequest) -> Generation:
         return Generation(self.worker, self.metrics, self.llm.tokenizer, request)
