@@ -27,14 +27,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cobatch import __version__
 from cobatch.cli import kv_cache_dtype_arg
 from cobatch.llm import LLM
-from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, tokens
+from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, openapi, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
 
 log = logging.getLogger("cobatch.server")
 
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
 SLOTS_VIEW_TIMEOUT_S = 10.0
 
 
@@ -51,14 +51,14 @@ def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecy
         finally:
             await asyncio.to_thread(server.worker.stop)
 
-    app = FastAPI(title="cobatch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    docs = server.options.openapi
+    app = FastAPI(title="cobatch", version=__version__, lifespan=lifespan, redoc_url=None,
+                  docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = server
-    app.include_router(openai.router)
-    app.include_router(openai_responses.router)
-    app.include_router(anthropic.router)
-    app.include_router(tokens.router)
-    app.include_router(embeddings.router)
-    app.include_router(llama_cpp.router)
+    routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp)]
+    for router in routers:
+        app.include_router(router)
+    openapi.install(app, routers)
     _add_error_handlers(app, server)
     _add_service_routes(app)
     app.add_middleware(LifecycleMiddleware, lifecycle=server.lifecycle)

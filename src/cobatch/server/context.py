@@ -27,6 +27,7 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ("*",)   # CORS: origins browsers may call from ("*": any; (): none)
     # Sampling fields a request leaves unset take these values (serve's --temperature, --top-k, ...)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    openapi: bool = True                 # serve /openapi.json and /docs
 
 
 class ServerContext:

@@ -27,6 +27,7 @@ from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Genera
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
                                       output_grammar, raw_prompts, render_chat)
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -355,6 +356,7 @@ def _model_card(ctx: ServerContext) -> dict:
 
 
 @router.post("/v1/chat/completions")
+@accepts(ChatCompletionRequest)
 async def chat_completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
@@ -470,6 +472,7 @@ def _chat_delta(event, call_ids: dict[int, str]) -> dict:
 
 
 @router.post("/v1/completions")
+@accepts(CompletionRequest)
 async def completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
