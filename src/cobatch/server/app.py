@@ -133,15 +133,17 @@ class ApiKeyMiddleware:
         self.app, self.server = app, server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.server.options.api_key
-        if not key or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        options = self.server.options
+        keys = [k.encode() for k in (options.api_key, *options.api_keys) if k]
+        if not keys or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key")
         auth = headers.get(b"authorization", b"")
         if given is None and auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()
-        if given is not None and hmac.compare_digest(given, key.encode()):
+        # every key compared (no early exit), so the time taken does not tell which one came close
+        if given is not None and sum(hmac.compare_digest(given, key) for key in keys):
             return await self.app(scope, receive, send)
         self.server.metrics.http_errors.labels("401").inc()
         message = "missing API key" if given is None else "invalid API key"

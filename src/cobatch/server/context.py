@@ -28,6 +28,10 @@ class ServerOptions:
     # Sampling fields a request leaves unset take these values (serve's --temperature, --top-k, ...)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     openapi: bool = True                 # serve /openapi.json and /docs
+    model_aliases: tuple[str, ...] = ()  # more names requests may give as `model` (serve --served-model-name A B)
+    # A `model` the server does not serve: accepted (in-process use, tests) or 404 (serve, unless --accept-any-model)
+    accept_any_model: bool = True
+    api_keys: tuple[str, ...] = ()       # keys accepted besides api_key (serve's repeated --api-key, --api-key-file)
 
 
 class ServerContext:
@@ -36,6 +40,7 @@ class ServerContext:
         self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)
         self.metrics = ServerMetrics(self.worker)
         self.model_name = options.model_name or llm.path.stem
+        self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
 
