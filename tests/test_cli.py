@@ -216,7 +216,7 @@ def test_serve_takes_vllm_and_llama_cpp_option_names():
                    ["-a", "m", "--parallel", "4", "--ctx-size", "2048", "--max-step-tokens", "1024"]):
         args = build_parser().parse_args(["serve", *theirs])
         assert (args.model_name, args.parallel, args.ctx, args.max_step_tokens) == \
-            (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == ("m", 4, 2048, 1024), theirs
+            (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == (["m"], 4, 2048, 1024), theirs
 
 
 def test_serve_takes_llama_cpp_flags_that_copied_commands_carry():

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cobatch.builtin_templates import template_source
 from cobatch.chat_template import ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
 from cobatch.engine.engine import Engine
@@ -33,7 +34,7 @@ class EngineOptions:
     device: str = "auto"               # "auto" | "cpu" | "cuda"
     dtype: str | None = None           # activations (and KV): f32 on CPU, bf16 on CUDA by default
     kv_cache_dtype: str = "auto"       # vLLM's names: auto (= dtype), fp8 / fp8_e4m3 (1 byte a value), bf16, ...
-    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192)
+    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192; 0: the model's)
     max_num_seqs: int = 8              # sessions decoded together (--parallel)
     kv_cache_gb: float | None = None   # KV pool size; default: from free memory (CUDA) or 1 GiB (CPU)
     gpu_memory_utilization: float | None = None   # CUDA, vLLM's knob: weights + KV up to this share of the GPU
@@ -55,13 +56,8 @@ def _chat_template(override: str | None, metadata, tokenizer: Tokenizer) -> Chat
             return ChatTemplate.from_metadata(metadata, tokenizer)
         except ChatTemplateError:
             return None
-    path = Path(override)
     try:
-        source = path.read_text() if len(override) < 4096 and path.is_file() else override
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read --chat-template {override}: {exc}") from None
-    try:
-        return ChatTemplate.with_tokenizer(source, tokenizer)
+        return ChatTemplate.with_tokenizer(template_source(override), tokenizer)
     except ChatTemplateError as exc:
         raise UserError(f"--chat-template: {exc}") from None
 
@@ -143,7 +139,8 @@ class LLM:
         gguf.check_tensor_types()
         tokenizer = Tokenizer.from_metadata(gguf.metadata)
         template = _chat_template(options.chat_template, gguf.metadata, tokenizer)
-        ctx = options.ctx or min(cfg.context_length, 8192)
+        # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
+        ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
         if ctx < 2:
             raise UserError(f"--ctx must be at least 2 (got {ctx})")
         with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,

@@ -192,6 +192,13 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+    if getattr(args, "graceful_shutdown_s", 0) < 0:
+        raise UserError(f"--graceful-shutdown-s must be at least 0 (got {args.graceful_shutdown_s})")
+    if getattr(args, "chat_template", None) is not None:
+        from cobatch.builtin_templates import template_source
+        template_source(args.chat_template)
+    api_keys(args)
+    _tls(args)
 
 
 def sampling_defaults(args) -> dict:
@@ -286,8 +293,9 @@ def serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     options = server_options(args)
+    scheme = "https" if _tls(args) else "http"
     print(f"cobatch loading {args.model_path or args.model or 'the default model'}\n"
-          f"  url:      http://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
+          f"  url:      {scheme}://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
           f"Anthropic: /v1/messages)   /health answers 503 until the model is ready",
           file=sys.stderr, flush=True)
     lifecycle = Lifecycle("loading")
@@ -315,13 +323,53 @@ def serve(args) -> int:
 
 def server_options(args) -> ServerOptions:
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
-    return ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
+    names = getattr(args, "model_name", None) or []
+    names = [names] if isinstance(names, str) else names
+    return ServerOptions(model_name=names[0] if names else None, model_aliases=tuple(names[1:]),
+                         accept_any_model=getattr(args, "accept_any_model", False),
+                         api_keys=api_keys(args), max_queue=args.max_queue,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
-                         sampling_defaults=sampling_defaults(args))
+                         sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
+                         metrics_compat=getattr(args, "metrics_compat", None))
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """The accepted keys: every --api-key, the lines of --api-key-file, and $COBATCH_API_KEY."""
+    import os
+    from cobatch.errors import UserError
+    given = getattr(args, "api_key", None) or []
+    keys = [given] if isinstance(given, str) else list(given)
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = open(path).read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--api-key-file: cannot read {path}: {exc}") from None
+        from_file = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not from_file:
+            raise UserError(f"--api-key-file {path} holds no key")
+        keys += from_file
+    if os.environ.get("COBATCH_API_KEY"):
+        keys.append(os.environ["COBATCH_API_KEY"])
+    if any(not k.strip() for k in keys):
+        raise UserError("an API key must not be empty")
+    return tuple(dict.fromkeys(keys))
 
 
 def _tls(args) -> dict:
-    return {}
+    """uvicorn's TLS settings for --ssl-keyfile / --ssl-certfile (both or neither; checked readable now)."""
+    from cobatch.errors import UserError
+    key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if not key and not cert:
+        return {}
+    if not (key and cert):
+        raise UserError("--ssl-keyfile and --ssl-certfile go together: give both")
+    import ssl
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UserError(f"--ssl-certfile / --ssl-keyfile: cannot load {cert} with {key}: {exc}") from None
+    return {"ssl_keyfile": key, "ssl_certfile": cert}
 
 
 def _print_ready(server: ServerContext, llm: LLM, options: ServerOptions) -> None:
@@ -333,5 +381,5 @@ def _print_ready(server: ServerContext, llm: LLM, options: ServerOptions) -> Non
           f"({pool.nbytes / 2**20:.0f} MiB, {str(pool.dtype).removeprefix('torch.')}), prefix cache shared by all "
           f"slots\n"
           f"  device:   {llm.engine.runner.device}{_graphs_note(llm)}  "
-          f"api key: {'required' if options.api_key else 'none'}",
+          f"api key: {'required' if options.api_key or options.api_keys else 'none'}",
           file=sys.stderr, flush=True)

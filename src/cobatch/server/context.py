@@ -31,6 +31,7 @@ class ServerOptions:
     model_aliases: tuple[str, ...] = ()  # more names requests may give as `model` (serve --served-model-name A B)
     # A `model` the server does not serve: accepted (in-process use, tests) or 404 (serve, unless --accept-any-model)
     accept_any_model: bool = True
+    metrics_compat: str | None = None    # "vllm": /metrics also under vLLM's names
     api_keys: tuple[str, ...] = ()       # keys accepted besides api_key (serve's repeated --api-key, --api-key-file)
 
 
@@ -38,8 +39,9 @@ class ServerContext:
     def __init__(self, llm: LLM, options: ServerOptions):
         self.llm, self.options = llm, options
         self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)
-        self.metrics = ServerMetrics(self.worker)
         self.model_name = options.model_name or llm.path.stem
+        self.metrics = ServerMetrics(self.worker, vllm_names=options.metrics_compat == "vllm",
+                                     model_name=self.model_name)
         self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
