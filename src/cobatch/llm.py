@@ -15,9 +15,11 @@ from tqdm import tqdm
 from cobatch.builtin_templates import template_source
 from cobatch.chat_template import ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
+from cobatch.engine.disk_cache import DiskPrefixCache
 from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
+from cobatch.engine.kv_store import model_identity
 from cobatch.engine.runner import ModelRunner
 from cobatch.engine.speculative import PREDICTION_SPEC, NgramSpec, step_rows_with_drafts
 from cobatch.errors import UserError
@@ -46,6 +48,8 @@ class EngineOptions:
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
     speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
+    kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool (engine/disk_cache.py)
+    kv_disk_gb: float = 16.0           # ... kept under this size
     quiet: bool = False
 
 
@@ -124,6 +128,7 @@ class LLM:
                  template: ChatTemplate | None, model: LlamaModel, engine: Engine, options: EngineOptions):
         self.path, self.gguf, self.config, self.tokenizer = path, gguf, cfg, tokenizer
         self.template, self.model, self.engine, self.options = template, model, engine, options
+        self.kv_identity = ""      # what saved KV state must match (engine/kv_store.model_identity); set by load()
 
     @classmethod
     def load(cls, path: str | Path | None = None, options: EngineOptions | None = None) -> "LLM":
@@ -149,6 +154,12 @@ class LLM:
                                keep_dense=options.dense_large_batch)
         pool = _make_pool(cfg, options, ctx, kv_dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
+        identity = model_identity(path, pool)
+        spill = None
+        if options.kv_disk_cache:
+            if options.kv_disk_gb <= 0:
+                raise UserError(f"--kv-disk-gb must be positive (got {options.kv_disk_gb})")
+            spill = DiskPrefixCache(options.kv_disk_cache, int(options.kv_disk_gb * (1 << 30)), pool, identity)
         if device.type == "cuda" and not options.eager and model.graph_safe:
             runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
@@ -159,7 +170,10 @@ class LLM:
                         overlap=options.overlap_steps and device.type == "cuda")
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
-        return cls(path, gguf, cfg, tokenizer, template, model, engine, options)
+        engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file
+        llm = cls(path, gguf, cfg, tokenizer, template, model, engine, options)
+        llm.kv_identity = identity
+        return llm
 
     # --- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:
