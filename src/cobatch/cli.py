@@ -310,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     _add_kv_cache_args(p)
+    p.add_argument("--slot-save-path", default=None,
+                   help="llama.cpp's: the directory of POST /slots/{id}?action=save|restore files (default: refused)")
+    p.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                   help="spill prefix-cache KV blocks evicted from the pool to DIR, read them back on a prefix hit; "
+                        "they survive a restart on the same model file")
+    p.add_argument("--kv-disk-gb", type=float, default=16.0,
+                   help="keep --kv-disk-cache under this many GB, oldest files deleted first (default 16)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV pool size in GiB (default: from free memory on CUDA, 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,

@@ -35,6 +35,7 @@ def export_slot(blocks: BlockManager, pool: KVPool, tokens: list[int]) -> SlotSt
 
 def write_slot(path: Path, state: SlotState, identity: str, pool: KVPool) -> int:
     n_blocks = len(state.payload) // block_nbytes(pool)
+    path.parent.mkdir(parents=True, exist_ok=True)
     return write_record(path, new_header("slot", identity, pool, state.tokens, n_blocks), state.payload, durable=True)
 
 

@@ -14,6 +14,7 @@ import logging
 import socket
 import sys
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cobatch import __version__
 from cobatch.cli import kv_cache_dtype_arg
 from cobatch.llm import LLM
-from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, openapi, tokens
+from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, openapi, slot_files, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
@@ -55,7 +56,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecy
     app = FastAPI(title="cobatch", version=__version__, lifespan=lifespan, redoc_url=None,
                   docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = server
-    routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp)]
+    routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp, slot_files)]
     for router in routers:
         app.include_router(router)
     openapi.install(app, routers)
@@ -192,6 +193,12 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+    if getattr(args, "kv_disk_gb", 1) <= 0:
+        raise UserError(f"--kv-disk-gb must be positive (got {args.kv_disk_gb})")
+    for flag in ("slot_save_path", "kv_disk_cache"):
+        directory = getattr(args, flag, None)
+        if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+            raise UserError(f"--{flag.replace('_', '-')} {directory}: not a directory")
     if getattr(args, "graceful_shutdown_s", 0) < 0:
         raise UserError(f"--graceful-shutdown-s must be at least 0 (got {args.graceful_shutdown_s})")
     if getattr(args, "chat_template", None) is not None:
@@ -279,7 +286,8 @@ def engine_options(args):
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
-        overlap_steps=getattr(args, "async_scheduling", True))
+        overlap_steps=getattr(args, "async_scheduling", True),
+        kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0))
 
 
 def serve(args) -> int:
@@ -330,7 +338,8 @@ def server_options(args) -> ServerOptions:
                          api_keys=api_keys(args), max_queue=args.max_queue,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
                          sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
-                         metrics_compat=getattr(args, "metrics_compat", None))
+                         metrics_compat=getattr(args, "metrics_compat", None),
+                         slot_save_path=getattr(args, "slot_save_path", None))
 
 
 def api_keys(args) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ class ServerOptions:
     accept_any_model: bool = True
     metrics_compat: str | None = None    # "vllm": /metrics also under vLLM's names
     api_keys: tuple[str, ...] = ()       # keys accepted besides api_key (serve's repeated --api-key, --api-key-file)
+    slot_save_path: str | None = None    # the directory of POST /slots/{id}?action=save|restore files; None: refused
 
 
 class ServerContext:
