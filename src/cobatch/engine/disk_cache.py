@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -24,6 +25,21 @@ from cobatch.engine.kv_store import (KVFileError, block_bytes, block_nbytes, loa
 log = logging.getLogger("cobatch.kv_disk_cache")
 
 SUFFIX = ".kvblock"
+STALE_TMP_S = 3600.0
+
+
+def _older_than(entry: os.DirEntry, seconds: float) -> bool:
+    try:
+        return time.time() - entry.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _unlink(path: str | Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class DiskPrefixCache:
@@ -34,7 +50,9 @@ class DiskPrefixCache:
         self.files: OrderedDict[str, int] = OrderedDict()     # name -> size, least recently used first
         found = []
         for entry in os.scandir(self.dir):
-            if entry.name.endswith(SUFFIX) and entry.is_file():
+            if entry.name.startswith(".tmp-") and _older_than(entry, STALE_TMP_S):
+                _unlink(entry.path)           # a write cut off by a kill (a live one is younger)
+            elif entry.name.endswith(SUFFIX) and entry.is_file():
                 st = entry.stat()
                 found.append((st.st_mtime_ns, entry.name, st.st_size))
         for _, name, size in sorted(found):
@@ -88,10 +106,7 @@ class DiskPrefixCache:
 
     def _drop(self, name: str) -> None:
         self.bytes -= self.files.pop(name, 0)
-        try:
-            (self.dir / name).unlink()
-        except OSError:
-            pass
+        _unlink(self.dir / name)
 
     def _evict_over_budget(self) -> None:
         while self.bytes > self.max_bytes and self.files:
