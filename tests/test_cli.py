@@ -15,6 +15,7 @@ import pytest
 from cobatch.engine.sampler import SamplingParams
 from cobatch.model_files import smollm2_path
 from model_fixtures import load_llm
+from test_server_support import wait_for
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -178,7 +179,9 @@ def test_serve_answers_on_the_port_it_prints():
                 url = line.split()[1]
                 break
         assert url is not None and not url.endswith(":0/v1"), "no banner with a real port"
-        models = httpx.get(url + "/models", timeout=120).json()     # the socket listens already: this waits
+        # The socket listens already; /health answers 503 until the model is loaded
+        wait_for(lambda: httpx.get(url.removesuffix("/v1") + "/health").status_code == 200, 120, "the model")
+        models = httpx.get(url + "/models", timeout=120).json()
         assert models["data"][0]["max_model_len"] == 512
     finally:
         proc.terminate()
@@ -216,7 +219,7 @@ def test_serve_takes_vllm_and_llama_cpp_option_names():
                    ["-a", "m", "--parallel", "4", "--ctx-size", "2048", "--max-step-tokens", "1024"]):
         args = build_parser().parse_args(["serve", *theirs])
         assert (args.model_name, args.parallel, args.ctx, args.max_step_tokens) == \
-            (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == ("m", 4, 2048, 1024), theirs
+            (ours.model_name, ours.parallel, ours.ctx, ours.max_step_tokens) == (["m"], 4, 2048, 1024), theirs
 
 
 def test_serve_takes_llama_cpp_flags_that_copied_commands_carry():

@@ -244,7 +244,9 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cobatch import __version__
     parser = argparse.ArgumentParser(prog="cobatch", description="Batched-decode LLM server for GGUF models")
+    parser.add_argument("--version", action="version", version=f"cobatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chat", help="chat with a model (one answer, or interactive without a prompt)")
@@ -274,8 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", help="GGUF file (same as the positional argument)")
     # The names vLLM (--served-model-name, --max-num-seqs, --max-model-len, --max-num-batched-tokens) and llama.cpp's
     # server (--alias, -np, -c/--ctx-size) give these options work too, for users switching over.
-    p.add_argument("--model-name", "--served-model-name", "--alias", "-a", dest="model_name",
-                   help="model id served by /v1/models (default: the file name)")
+    p.add_argument("--model-name", "--alias", "-a", dest="model_name", action="append",
+                   help="model id served by /v1/models (default: the file name); repeat it for aliases")
+    p.add_argument("--served-model-name", dest="model_name", action="extend", nargs="+",
+                   help="vLLM's: one or more names; the first is the id responses carry, requests may give any")
+    p.add_argument("--accept-any-model", action="store_true",
+                   help="answer requests whatever `model` they name (default: 404 model_not_found for a name "
+                        "not served)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--parallel", "-np", "--max-num-seqs", dest="parallel", type=int, default=8,
@@ -283,15 +290,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot before new ones get 429 (default 64)")
     p.add_argument("--ctx", "--max-model-len", "-c", "--ctx-size", dest="ctx", type=int, default=None,
-                   help="context window per request, in tokens")
-    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key) on every route "
-                                                    "but /health and /version")
+                   help="context window per request, in tokens (0: the model's own; default: that, at most 8192)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require this key (Bearer or x-api-key) on every route but /health, /version, /docs and "
+                        "/openapi.json; repeat it for several keys (also: $COBATCH_API_KEY)")
+    p.add_argument("--api-key-file", default=None, help="a file of accepted keys, one a line")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile, serve HTTPS")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    p.add_argument("--no-docs", dest="openapi", action="store_false",
+                   help="do not serve /openapi.json and /docs")
+    p.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                   help="vllm: /metrics also under vLLM's names (vllm:num_requests_running, ...) for its "
+                        "dashboards")
+    p.add_argument("--config", default=None, help="a YAML file of these flags (max_num_seqs: 16); the command "
+                                                  "line wins over it")
     p.add_argument("--allowed-origins", default="*",
                    help="origins browsers may call the API from (CORS), comma-separated; '*' any (the default, "
                         "as vLLM and llama.cpp's server); '' none")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     _add_kv_cache_args(p)
+    p.add_argument("--slot-save-path", default=None,
+                   help="llama.cpp's: the directory of POST /slots/{id}?action=save|restore files (default: refused)")
+    p.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                   help="spill prefix-cache KV blocks evicted from the pool to DIR, read them back on a prefix hit; "
+                        "they survive a restart on the same model file")
+    p.add_argument("--kv-disk-gb", type=float, default=16.0,
+                   help="keep --kv-disk-cache under this many GB, oldest files deleted first (default 16)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV pool size in GiB (default: from free memory on CUDA, 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -354,24 +379,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: also keep bf16/f16 weights for steps above the GEMV crossover (more memory, "
                         "faster big batches and prefill)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="request bodies over this get 413")
-    p.add_argument("--graceful-shutdown-s", type=int, default=30,
-                   help="on Ctrl-C, wait this long for running requests")
+    p.add_argument("--graceful-shutdown-s", type=float, default=30,
+                   help="on SIGTERM or Ctrl-C, new requests get 503 and running ones get this long to finish; "
+                        "then the server exits 0")
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="uvicorn's access log (a line per request is "
                                                               "logged anyway)")
     p.set_defaults(func=cmd_serve)
+    parser.serve_parser = p           # for --config, which names serve's flags
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from cobatch.config_file import expand_config
     from cobatch.model_files import ModelNotFound
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        for name in ("ctx", "max_tokens"):
+        if argv[:1] == ["serve"]:
+            argv = expand_config(argv, parser.serve_parser)
+    except UserError as e:
+        print(f"cobatch: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
+    try:
+        for name, low in (("ctx", 0), ("max_tokens", 1)):     # ctx 0: the model's own context
             value = getattr(args, name, None)
-            if value is not None and value < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be positive (got {value})")
+            if value is not None and value < low:
+                raise UserError(f"--{name.replace('_', '-')} must be at least {low} (got {value})")
         return args.func(args) or 0
     except (UserError, ModelNotFound, ValueError) as e:
         print(f"cobatch: error: {e}", file=sys.stderr)

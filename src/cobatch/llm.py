@@ -12,11 +12,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cobatch.builtin_templates import template_source
 from cobatch.chat_template import ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
+from cobatch.engine.disk_cache import DiskPrefixCache
 from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
+from cobatch.engine.kv_store import model_identity
 from cobatch.engine.runner import ModelRunner
 from cobatch.engine.speculative import PREDICTION_SPEC, NgramSpec, step_rows_with_drafts
 from cobatch.errors import UserError
@@ -34,7 +37,7 @@ class EngineOptions:
     device: str = "auto"               # "auto" | "cpu" | "cuda"
     dtype: str | None = None           # activations (and KV): f32 on CPU, bf16 on CUDA by default
     kv_cache_dtype: str = "auto"       # vLLM's names: auto (= dtype), fp8 / fp8_e4m3 (1 byte a value), bf16, ...
-    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192)
+    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192; 0: the model's)
     max_num_seqs: int = 8              # sessions decoded together (--parallel)
     kv_cache_gb: float | None = None   # KV pool size; default: from free memory (CUDA) or 1 GiB (CPU)
     gpu_memory_utilization: float | None = None   # CUDA, vLLM's knob: weights + KV up to this share of the GPU
@@ -46,6 +49,8 @@ class EngineOptions:
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
     speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
+    kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool (engine/disk_cache.py)
+    kv_disk_gb: float = 16.0           # ... kept under this size
     quiet: bool = False
 
 
@@ -56,13 +61,8 @@ def _chat_template(override: str | None, metadata, tokenizer: Tokenizer) -> Chat
             return ChatTemplate.from_metadata(metadata, tokenizer)
         except ChatTemplateError:
             return None
-    path = Path(override)
     try:
-        source = path.read_text() if len(override) < 4096 and path.is_file() else override
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read --chat-template {override}: {exc}") from None
-    try:
-        return ChatTemplate.with_tokenizer(source, tokenizer)
+        return ChatTemplate.with_tokenizer(template_source(override), tokenizer)
     except ChatTemplateError as exc:
         raise UserError(f"--chat-template: {exc}") from None
 
@@ -129,6 +129,7 @@ class LLM:
                  template: ChatTemplate | None, model: LlamaModel, engine: Engine, options: EngineOptions):
         self.path, self.gguf, self.config, self.tokenizer = path, gguf, cfg, tokenizer
         self.template, self.model, self.engine, self.options = template, model, engine, options
+        self.kv_identity = ""      # what saved KV state must match (engine/kv_store.model_identity); set by load()
 
     @classmethod
     def load(cls, path: str | Path | None = None, options: EngineOptions | None = None) -> "LLM":
@@ -144,7 +145,8 @@ class LLM:
         gguf.check_tensor_types()
         tokenizer = Tokenizer.from_metadata(gguf.metadata)
         template = _chat_template(options.chat_template, gguf.metadata, tokenizer)
-        ctx = options.ctx or min(cfg.context_length, 8192)
+        # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
+        ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
         if ctx < 2:
             raise UserError(f"--ctx must be at least 2 (got {ctx})")
         with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
@@ -160,6 +162,12 @@ class LLM:
                   file=sys.stderr)
         pool = _make_pool(cfg, options, ctx, kv_dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
+        identity = model_identity(path, pool)
+        spill = None
+        if options.kv_disk_cache:
+            if options.kv_disk_gb <= 0:
+                raise UserError(f"--kv-disk-gb must be positive (got {options.kv_disk_gb})")
+            spill = DiskPrefixCache(options.kv_disk_cache, int(options.kv_disk_gb * (1 << 30)), pool, identity)
         if device.type == "cuda" and not options.eager and model.graph_safe:
             runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
@@ -170,7 +178,10 @@ class LLM:
                         overlap=options.overlap_steps and device.type == "cuda")
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
-        return cls(path, gguf, cfg, tokenizer, template, model, engine, options)
+        engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file
+        llm = cls(path, gguf, cfg, tokenizer, template, model, engine, options)
+        llm.kv_identity = identity
+        return llm
 
     # --- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cobatch.engine.grammar import GrammarError, Grammars
-from cobatch.engine.kv_cache import BlockManager, KVPool
+from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams, needs_penalties
 from cobatch.engine.scheduler import Scheduler, StepPlan
@@ -55,13 +55,15 @@ class StepOutput:
 class Engine:
     def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
                  max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512,
-                 grammars: Grammars | None = None, speculative: NgramSpec | None = None, overlap: bool = True):
+                 grammars: Grammars | None = None, speculative: NgramSpec | None = None, overlap: bool = True,
+                 spill: BlockSpill | None = None):
         self.runner = runner
         self.overlap = overlap           # plan and launch decode step n + 1 before step n's tokens are read
         self.grammars = grammars         # compiles SamplingParams.grammar; None: grammars are refused
         self.speculative = speculative   # prompt-lookup drafts for decoding sequences (engine/speculative.py)
         self.pool: KVPool = runner.pool
-        self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
+        # spill: where evicted prefix-cache blocks go and come back from (engine/disk_cache.py); None: nowhere
+        self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, spill=spill)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk,
                                    draft=self._draft,      # every request may carry a prediction
                                    draft_rows=step_rows_with_drafts(runner.device),

@@ -3,13 +3,19 @@
 The pool tensors live on the device; everything else here is host-side bookkeeping. A block that is
 full and whose tokens are known gets a hash chained from its predecessor's, so a new prompt that shares
 a prefix (same system prompt, same conversation so far) finds those blocks and skips their prefill.
-Freed blocks that carry a hash stay findable until the allocator needs them (LRU eviction).
+Freed blocks that carry a hash stay findable until the allocator needs them (LRU eviction). With a spill
+(engine/disk_cache.py) an evicted block is written to disk first, and a prefix lookup that misses in the pool
+looks there; the chain hash is stable across processes (blake2b, not Python's hash) so that files written by
+one server process are found by the next.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,6 +46,20 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    """A full block's hash, chained from its predecessor's: it names the whole prefix up to the block's end."""
+    data = (prev if prev is not None else (1 << 64) - 1).to_bytes(8, "little") + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+class BlockSpill(Protocol):
+    """Where evicted hashed blocks go and come back from (engine/disk_cache.DiskPrefixCache)."""
+
+    def save(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None: ...
+
+    def load_into(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> bool: ...
+
+
 @dataclass(slots=True)
 class _Block:
     ref: int = 0
@@ -48,8 +68,9 @@ class _Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, spill: BlockSpill | None = None):
         self.block_size = block_size
+        self.spill = spill
         self.blocks = [_Block() for _ in range(num_blocks)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # never-hashed blocks, stack
         self.cached: OrderedDict[int, None] = OrderedDict()           # ref 0 but findable; LRU first
@@ -64,7 +85,12 @@ class BlockManager:
         return len(self.blocks) - self.num_free
 
     def _chain(self, prev: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((prev, tokens))
+        return chain_hash(prev, tokens)
+
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The pool block holding these tokens under this chain hash, if any (no reference taken)."""
+        bid = self.by_hash.get(block_hash)
+        return bid if bid is not None and self.blocks[bid].tokens == tokens else None
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Blocks holding the longest cached prefix of full blocks; takes a reference on each.
@@ -76,16 +102,31 @@ class BlockManager:
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             tokens = tuple(token_ids[start:start + bs])
             h = self._chain(prev, tokens)
-            bid = self.by_hash.get(h)
-            if bid is None or self.blocks[bid].tokens != tokens:
+            bid = self.lookup(h, tokens)
+            if bid is not None:
+                self.take(bid)       # now, so that a disk read below cannot evict it
+            elif self.spill is None or (bid := self._read_back(h, tokens)) is None:
                 break
             matched.append(bid)
             prev = h
-        for bid in matched:
-            self._take(bid)
         return matched
 
-    def _take(self, bid: int) -> None:
+    def _read_back(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """A fresh block (one reference) filled from the spill, or None where the spill lacks it or no block is free."""
+        got = self.allocate(1)
+        if got is None:
+            return None
+        bid = got[0]
+        if not self.spill.load_into(bid, block_hash, tokens):
+            self.release(got)
+            return None
+        block = self.blocks[bid]
+        block.hash, block.tokens = block_hash, tokens
+        self.by_hash[block_hash] = bid
+        return bid
+
+    def take(self, bid: int) -> None:
+        """One more reference on a block (out of the LRU while referenced)."""
         block = self.blocks[bid]
         if block.ref == 0:
             self.cached.pop(bid, None)
@@ -102,6 +143,8 @@ class BlockManager:
             else:
                 bid, _ = self.cached.popitem(last=False)
                 block = self.blocks[bid]
+                if self.spill is not None:
+                    self.spill.save(bid, block.hash, block.tokens)
                 if self.by_hash.get(block.hash) == bid:
                     del self.by_hash[block.hash]
                 block.hash = block.tokens = None
@@ -130,3 +173,23 @@ class BlockManager:
                 else:
                     block.hash = block.tokens = None
                     self.free.append(bid)
+
+    def forget(self, bid: int) -> bool:
+        """Drop an unused cached block from the prefix cache (not spilled); False if it is in use or not cached."""
+        block = self.blocks[bid]
+        if block.ref or bid not in self.cached:
+            return False
+        del self.cached[bid]
+        if self.by_hash.get(block.hash) == bid:
+            del self.by_hash[block.hash]
+        block.hash = block.tokens = None
+        self.free.append(bid)
+        return True
+
+    def spill_all(self) -> int:
+        """Hand every findable block to the spill (at shutdown: what is still in the pool survives the restart)."""
+        if self.spill is None:
+            return 0
+        for h, bid in list(self.by_hash.items()):
+            self.spill.save(bid, h, self.blocks[bid].tokens)
+        return len(self.by_hash)

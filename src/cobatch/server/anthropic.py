@@ -24,6 +24,7 @@ from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import Completed, Finish, Generation, GenerationRequest, make_sampling_params
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import check_prompt_fits, named_tool_only, output_grammar, render_chat
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
@@ -162,6 +163,7 @@ def _prompt(ctx: ServerContext, body: _Conversation) -> tuple[list[int], bool, l
 # --- routes ------------------------------------------------------------------------------------------
 
 @router.post("/v1/messages/count_tokens")
+@accepts(CountTokensRequest)
 async def count_tokens(request: Request) -> dict:
     ctx = get_context(request)
     body = await read_body(request, CountTokensRequest, ctx.options.max_body_bytes)
@@ -170,6 +172,7 @@ async def count_tokens(request: Request) -> dict:
 
 
 @router.post("/v1/messages")
+@accepts(MessagesRequest)
 async def messages(request: Request):
     ctx = get_context(request)
     body = await read_body(request, MessagesRequest, ctx.options.max_body_bytes)

@@ -14,6 +14,7 @@ import logging
 import socket
 import sys
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,18 +28,21 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cobatch import __version__
 from cobatch.cli import kv_cache_dtype_arg
 from cobatch.llm import LLM
-from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, tokens
+from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, openapi, slot_files, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
+from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
 
 log = logging.getLogger("cobatch.server")
 
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
 SLOTS_VIEW_TIMEOUT_S = 10.0
 
 
-def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
+def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecycle | None = None) -> FastAPI:
     server = ServerContext(llm, options or ServerOptions())
+    if lifecycle is not None:
+        server.lifecycle = lifecycle
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,16 +52,17 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(server.worker.stop)
 
-    app = FastAPI(title="cobatch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    docs = server.options.openapi
+    app = FastAPI(title="cobatch", version=__version__, lifespan=lifespan, redoc_url=None,
+                  docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = server
-    app.include_router(openai.router)
-    app.include_router(openai_responses.router)
-    app.include_router(anthropic.router)
-    app.include_router(tokens.router)
-    app.include_router(embeddings.router)
-    app.include_router(llama_cpp.router)
+    routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp, slot_files)]
+    for router in routers:
+        app.include_router(router)
+    openapi.install(app, routers)
     _add_error_handlers(app, server)
     _add_service_routes(app)
+    app.add_middleware(LifecycleMiddleware, lifecycle=server.lifecycle)
     app.add_middleware(ApiKeyMiddleware, server=server)
     if server.options.allowed_origins:
         # Added last, so outermost: a browser's preflight is answered before the key check (it carries no
@@ -129,15 +134,17 @@ class ApiKeyMiddleware:
         self.app, self.server = app, server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.server.options.api_key
-        if not key or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        options = self.server.options
+        keys = [k.encode() for k in (options.api_key, *options.api_keys) if k]
+        if not keys or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key")
         auth = headers.get(b"authorization", b"")
         if given is None and auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()
-        if given is not None and hmac.compare_digest(given, key.encode()):
+        # every key compared (no early exit), so the time taken does not tell which one came close
+        if given is not None and sum(hmac.compare_digest(given, key) for key in keys):
             return await self.app(scope, receive, send)
         self.server.metrics.http_errors.labels("401").inc()
         message = "missing API key" if given is None else "invalid API key"
@@ -186,6 +193,19 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--port must be at most 65535 (got {args.port})")
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be positive (got {args.max_body_mb})")
+    if getattr(args, "kv_disk_gb", 1) <= 0:
+        raise UserError(f"--kv-disk-gb must be positive (got {args.kv_disk_gb})")
+    for flag in ("slot_save_path", "kv_disk_cache"):
+        directory = getattr(args, flag, None)
+        if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+            raise UserError(f"--{flag.replace('_', '-')} {directory}: not a directory")
+    if getattr(args, "graceful_shutdown_s", 0) < 0:
+        raise UserError(f"--graceful-shutdown-s must be at least 0 (got {args.graceful_shutdown_s})")
+    if getattr(args, "chat_template", None) is not None:
+        from cobatch.builtin_templates import template_source
+        template_source(args.chat_template)
+    api_keys(args)
+    _tls(args)
 
 
 def sampling_defaults(args) -> dict:
@@ -266,10 +286,13 @@ def engine_options(args):
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
-        overlap_steps=getattr(args, "async_scheduling", True))
+        overlap_steps=getattr(args, "async_scheduling", True),
+        kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0))
 
 
 def serve(args) -> int:
+    """Bind the port, answer 503 while the model loads, serve, drain on SIGTERM / SIGINT, exit 0."""
+    from cobatch.errors import UserError
     _check_serve_args(args)
     sock = listen_socket(args.host, args.port)
     port = sock.getsockname()[1]          # the one the OS picked for --port 0
@@ -277,38 +300,95 @@ def serve(args) -> int:
     if getattr(args, "threads", None) is not None:
         import torch
         torch.set_num_threads(args.threads)
-    llm = LLM.load(args.model_path or args.model, engine_options(args))
+    options = server_options(args)
+    scheme = "https" if _tls(args) else "http"
+    print(f"cobatch loading {args.model_path or args.model or 'the default model'}\n"
+          f"  url:      {scheme}://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
+          f"Anthropic: /v1/messages)   /health answers 503 until the model is ready",
+          file=sys.stderr, flush=True)
+    lifecycle = Lifecycle("loading")
+    config = uvicorn.Config(None, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=args.graceful_shutdown_s, **_tls(args))
+
+    def build(llm: LLM) -> FastAPI:
+        app = create_app(llm, options, lifecycle)
+        _print_ready(app.state.server, llm, options)
+        return app
+
+    uvicorn_server = None
+    loading = LoadingApp(lambda: LLM.load(args.model_path or args.model, engine_options(args)), build, lifecycle,
+                         on_failure=lambda: setattr(uvicorn_server, "should_exit", True))
+    config.app = loading
+    uvicorn_server = DrainingServer(config, lifecycle, grace_s=args.graceful_shutdown_s)
+    uvicorn_server.run(sockets=[sock])
+    if loading.error is not None:
+        from cobatch.model_files import ModelNotFound
+        if isinstance(loading.error, (UserError, ModelNotFound, ValueError, OSError)):
+            raise UserError(str(loading.error)) from None
+        raise loading.error
+    return 0
+
+
+def server_options(args) -> ServerOptions:
     origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
-    options = ServerOptions(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                            max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
-                            sampling_defaults=sampling_defaults(args))
-    app = create_app(llm, options)
-    server = app.state.server
+    names = getattr(args, "model_name", None) or []
+    names = [names] if isinstance(names, str) else names
+    return ServerOptions(model_name=names[0] if names else None, model_aliases=tuple(names[1:]),
+                         accept_any_model=getattr(args, "accept_any_model", False),
+                         api_keys=api_keys(args), max_queue=args.max_queue,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
+                         sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
+                         metrics_compat=getattr(args, "metrics_compat", None),
+                         slot_save_path=getattr(args, "slot_save_path", None))
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """The accepted keys: every --api-key, the lines of --api-key-file, and $COBATCH_API_KEY."""
+    import os
+    from cobatch.errors import UserError
+    given = getattr(args, "api_key", None) or []
+    keys = [given] if isinstance(given, str) else list(given)
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = open(path).read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--api-key-file: cannot read {path}: {exc}") from None
+        from_file = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not from_file:
+            raise UserError(f"--api-key-file {path} holds no key")
+        keys += from_file
+    if os.environ.get("COBATCH_API_KEY"):
+        keys.append(os.environ["COBATCH_API_KEY"])
+    if any(not k.strip() for k in keys):
+        raise UserError("an API key must not be empty")
+    return tuple(dict.fromkeys(keys))
+
+
+def _tls(args) -> dict:
+    """uvicorn's TLS settings for --ssl-keyfile / --ssl-certfile (both or neither; checked readable now)."""
+    from cobatch.errors import UserError
+    key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if not key and not cert:
+        return {}
+    if not (key and cert):
+        raise UserError("--ssl-keyfile and --ssl-certfile go together: give both")
+    import ssl
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UserError(f"--ssl-certfile / --ssl-keyfile: cannot load {cert} with {key}: {exc}") from None
+    return {"ssl_keyfile": key, "ssl_certfile": cert}
+
+
+def _print_ready(server: ServerContext, llm: LLM, options: ServerOptions) -> None:
     pool = llm.engine.pool
     print(f"cobatch serving {server.model_name} ({llm.path})\n"
-          f"  url:      http://{args.host}:{port}/v1   (OpenAI: /v1/chat/completions, /v1/completions; "
-          f"Anthropic: /v1/messages)\n"
           f"  slots:    {server.worker.num_slots} (--parallel), queue up to {options.max_queue}\n"
           f"  context:  {llm.engine.max_context} tokens per request\n"
           f"  KV cache: {pool.num_blocks} blocks x {pool.block_size} = {pool.num_blocks * pool.block_size} tokens "
           f"({pool.nbytes / 2**20:.0f} MiB, {str(pool.dtype).removeprefix('torch.')}), prefix cache shared by all "
           f"slots\n"
           f"  device:   {llm.engine.runner.device}{_graphs_note(llm)}  "
-          f"api key: {'required' if args.api_key else 'none'}",
+          f"api key: {'required' if options.api_key or options.api_keys else 'none'}",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s)
-    DrainingServer(config, server).run(sockets=[sock])
-    return 0
-
-
-class DrainingServer(uvicorn.Server):
-    """Stops taking requests (503) as soon as a shutdown signal arrives; requests in flight finish."""
-
-    def __init__(self, config: uvicorn.Config, server: ServerContext):
-        super().__init__(config)
-        self.context = server
-
-    def handle_exit(self, sig, frame) -> None:
-        self.context.worker.accepting = False
-        super().handle_exit(sig, frame)

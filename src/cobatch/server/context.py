@@ -11,6 +11,7 @@ from fastapi import Request
 from cobatch.llm import LLM
 from cobatch.server.engine_thread import EngineWorker
 from cobatch.server.generation import Generation, GenerationRequest
+from cobatch.server.lifecycle import Lifecycle
 from cobatch.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20     # a 128k-token prompt as JSON is a few MB; this leaves room
@@ -26,15 +27,25 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ("*",)   # CORS: origins browsers may call from ("*": any; (): none)
     # Sampling fields a request leaves unset take these values (serve's --temperature, --top-k, ...)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    openapi: bool = True                 # serve /openapi.json and /docs
+    model_aliases: tuple[str, ...] = ()  # more names requests may give as `model` (serve --served-model-name A B)
+    # A `model` the server does not serve: accepted (in-process use, tests) or 404 (serve, unless --accept-any-model)
+    accept_any_model: bool = True
+    metrics_compat: str | None = None    # "vllm": /metrics also under vLLM's names
+    api_keys: tuple[str, ...] = ()       # keys accepted besides api_key (serve's repeated --api-key, --api-key-file)
+    slot_save_path: str | None = None    # the directory of POST /slots/{id}?action=save|restore files; None: refused
 
 
 class ServerContext:
     def __init__(self, llm: LLM, options: ServerOptions):
         self.llm, self.options = llm, options
         self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)
-        self.metrics = ServerMetrics(self.worker)
         self.model_name = options.model_name or llm.path.stem
+        self.metrics = ServerMetrics(self.worker, vllm_names=options.metrics_compat == "vllm",
+                                     model_name=self.model_name)
+        self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
         self.created = int(time.time())
+        self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
 
     def generation(self, request: GenerationRequest) -> Generation:
         return Generation(self.worker, self.metrics, self.llm.tokenizer, request)

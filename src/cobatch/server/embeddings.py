@@ -22,6 +22,7 @@ from cobatch.server.context import get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.generation import Choices, GenerationRequest
 from cobatch.server.prompting import check_prompt_fits, raw_prompts
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 
 router = APIRouter()
@@ -52,6 +53,7 @@ def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
 
 
 @router.post("/v1/embeddings")
+@accepts(EmbeddingRequest)
 async def embeddings(request: Request):
     ctx = get_context(request)
     body = await read_body(request, EmbeddingRequest, ctx.options.max_body_bytes)

@@ -78,6 +78,7 @@ class Slot:
     last_generated_tokens: int = 0
     generated: int = 0
     cached_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)   # its last request's prompt and output (what a save keeps)
 
 
 def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -173,10 +174,21 @@ class EngineWorker:
                 while self.engine.has_work():
                     self._step()
                 self._flush()
+                self._spill_prefix_cache()
                 return
             self._admit()
             if self.engine.has_work():
                 self._step()
+
+    def _spill_prefix_cache(self) -> None:
+        """With a disk spill (--kv-disk-cache), write what is still cached in the pool, for the next process."""
+        try:
+            n = self.engine.blocks.spill_all()
+        except Exception:                     # noqa: BLE001 - a cache; stopping must go on
+            log.warning("could not write the prefix cache to disk\n%s", traceback.format_exc())
+            return
+        if n:
+            log.info("prefix cache: %d blocks on disk for the next start", n)
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -235,6 +247,7 @@ class EngineWorker:
             slot.request, slot.last_used = handle, next(self._admissions)
             slot.generated, slot.cached_tokens = 0, 0
             slot.last_prompt = tuple(handle.prompt_ids)
+            slot.tokens = list(handle.prompt_ids)
             handle.slot = slot.id
             self._active[handle.id] = handle
 
@@ -264,6 +277,7 @@ class EngineWorker:
             slot = self.slots[handle.slot]
             if out.new_token is not None:
                 slot.generated += 1
+                slot.tokens.append(out.new_token)
                 slot.cached_tokens = out.num_cached_tokens
             if out.finished:
                 self._release(handle)

@@ -16,6 +16,7 @@ _TYPES: dict[int, tuple[str, str]] = {
     401: ("authentication_error", "authentication_error"),
     404: ("not_found_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
+    409: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
 
 
 class ServerThread:
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 make_server: Callable[[uvicorn.Config], uvicorn.Server] = uvicorn.Server):
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(config)
         self.thread = threading.Thread(target=self.server.run, name="cobatch-http", daemon=True)
         self.host = host
 

@@ -23,6 +23,7 @@ from cobatch.server.generation import (Choices, Completed, Finish, Generation, G
                                        make_sampling_params)
 from cobatch.server.output_parser import ContentDelta
 from cobatch.server.prompting import StructuredOutput, check_prompt_fits, max_new_tokens, output_grammar, raw_prompts
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -95,6 +96,7 @@ def _defaults(ctx: ServerContext) -> dict:
 
 @router.post("/completion")
 @router.post("/completions")
+@accepts(CompletionRequest)
 async def completion(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
@@ -103,6 +105,7 @@ async def completion(request: Request):
 
 
 @router.post("/infill")
+@accepts(InfillRequest)
 async def infill(request: Request):
     ctx = get_context(request)
     body = await read_body(request, InfillRequest, ctx.options.max_body_bytes)

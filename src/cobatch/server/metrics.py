@@ -17,7 +17,10 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 
 
 class ServerMetrics:
-    def __init__(self, worker: EngineWorker):
+    """`vllm_names`: the series vLLM's dashboards read are also exported under vLLM's names (--metrics-compat
+    vllm), labelled with model_name as vLLM labels them."""
+
+    def __init__(self, worker: EngineWorker, vllm_names: bool = False, model_name: str = ""):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("cobatch_requests", "Generation requests by API and finish reason "
                                 "(abort: the client went away)", ["api", "finish_reason"], registry=r)
@@ -33,9 +36,67 @@ class ServerMetrics:
         self.duration = Histogram("cobatch_request_duration_seconds", "Request arrival to last token",
                                   buckets=DURATION_BUCKETS, registry=r)
         r.register(_EngineCollector(worker))
+        if vllm_names:
+            self._add_vllm_names(worker, model_name)
+
+    def _add_vllm_names(self, worker: EngineWorker, model_name: str) -> None:
+        r, labels = self.registry, ["model_name"]
+
+        def also(ours, theirs):
+            return _Both(ours, theirs.labels(model_name))
+        self.prompt_tokens = also(self.prompt_tokens, Counter("vllm:prompt_tokens", "Prefill tokens processed",
+                                                              labels, registry=r))
+        self.generation_tokens = also(self.generation_tokens, Counter(
+            "vllm:generation_tokens", "Generation tokens processed", labels, registry=r))
+        self.ttft = also(self.ttft, Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                              labels, buckets=TTFT_BUCKETS, registry=r))
+        itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", labels, buckets=ITL_BUCKETS,
+                        registry=r)
+        older = Histogram("vllm:time_per_output_token_seconds", "Time per output token (vLLM's older name of "
+                          "the inter-token latency)", labels, buckets=ITL_BUCKETS, registry=r)
+        self.itl = _Both(self.itl, itl.labels(model_name), older.labels(model_name))
+        self.duration = also(self.duration, Histogram("vllm:e2e_request_latency_seconds", "End-to-end request "
+                                                      "latency", labels, buckets=DURATION_BUCKETS, registry=r))
+        r.register(_VllmEngineCollector(worker, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Both:
+    """One metric update, applied to our series and to their vLLM-named twins."""
+
+    def __init__(self, *metrics):
+        self.metrics = metrics
+
+    def inc(self, amount: float = 1) -> None:
+        for m in self.metrics:
+            m.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
+
+
+class _VllmEngineCollector:
+    """The engine gauges under vLLM's names (kv_cache_usage_perc is the current name of gpu_cache_usage_perc;
+    both are exported, for dashboards of either vLLM version)."""
+
+    def __init__(self, worker: EngineWorker, model_name: str):
+        self.worker, self.model_name = worker, model_name
+
+    def collect(self):
+        worker, blocks = self.worker, self.worker.engine.blocks
+        total = len(blocks.blocks)
+        usage = blocks.num_used / total if total else 0.0
+        for name, doc, value in (("vllm:num_requests_running", "Requests in the model's batch", worker.num_active),
+                                 ("vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                                  worker.queue_depth),
+                                 ("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full)", usage),
+                                 ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", usage)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
 
 
 class _EngineCollector:

@@ -27,6 +27,7 @@ from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Genera
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
                                       output_grammar, raw_prompts, render_chat)
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
@@ -136,6 +137,10 @@ class ChatCompletionRequest(_SamplingBody):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # vLLM's: the reply continues the final assistant message (a prefill). A final assistant message is
+    # continued anyway; continue_final_message true / add_generation_prompt false just insist on one.
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(_SamplingBody):
@@ -284,6 +289,20 @@ def arguments_object(arguments: str | dict, where: str) -> dict:
     return value
 
 
+def _continues_final(body: ChatCompletionRequest) -> bool:
+    """Whether the reply continues the final message: yes when it is the assistant's; a 400 when the request
+    insists on that (continue_final_message, add_generation_prompt false) and the final message is another's."""
+    final = body.messages[-1]
+    if final.role == "assistant" and not final.tool_calls:
+        return True
+    for name, insists in (("continue_final_message", body.continue_final_message),
+                          ("add_generation_prompt", not body.add_generation_prompt)):
+        if insists:
+            raise bad_request(f"{name} needs the final message to be the assistant's (the text to continue)",
+                              param=name)
+    return False
+
+
 def _tools(body: ChatCompletionRequest) -> list[dict] | None:
     if not body.tools or body.tool_choice == "none":
         return None
@@ -338,23 +357,24 @@ def _stream_error(err: ApiError) -> str:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     ctx = get_context(request)
-    return {"object": "list", "data": [_model_card(ctx)]}
+    return {"object": "list", "data": [_model_card(ctx, name) for name in ctx.model_names]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     ctx = get_context(request)
-    if model_id != ctx.model_name:
+    if model_id not in ctx.model_names:
         raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
-    return _model_card(ctx)
+    return _model_card(ctx, model_id)
 
 
-def _model_card(ctx: ServerContext) -> dict:
-    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "cobatch",
+def _model_card(ctx: ServerContext, name: str) -> dict:
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "cobatch",
             "max_model_len": ctx.llm.engine.max_context}
 
 
 @router.post("/v1/chat/completions")
+@accepts(ChatCompletionRequest)
 async def chat_completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
@@ -365,7 +385,8 @@ async def chat_completions(request: Request):
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
                                    response_format=body.response_format, structured=_structured(body))
     messages = template_messages(body.messages)
-    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs)
+    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs,
+                                                   _continues_final(body))
     prompt_ids = _truncated(body, prompt_ids)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -470,6 +491,7 @@ def _chat_delta(event, call_ids: dict[int, str]) -> dict:
 
 
 @router.post("/v1/completions")
+@accepts(CompletionRequest)
 async def completions(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)

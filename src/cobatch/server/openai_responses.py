@@ -25,6 +25,7 @@ from cobatch.server.generation import Finish, Generation, GenerationRequest, mak
 from cobatch.server.openai import arguments_object, call_id
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import check_prompt_fits, max_new_tokens, named_tool_only, output_grammar, render_chat
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
@@ -125,6 +126,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- the route -------------------------------------------------------------------------------------------
 
 @router.post("/v1/responses")
+@accepts(ResponsesRequest)
 async def create_response(request: Request):
     ctx = get_context(request)
     body = await read_body(request, ResponsesRequest, ctx.options.max_body_bytes)

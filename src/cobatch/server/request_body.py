@@ -1,4 +1,4 @@
-"""Reading a request body: size limit (413), JSON (400 on malformed), pydantic model (400 naming the field)."""
+"""Reading a request body: size limit (413), JSON (400 on malformed), pydantic model (400 naming the field), then\nthe model name (404) and fields this server does not implement (400)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from cobatch.server.errors import ApiError, bad_request
+from cobatch.server.strictness import check_model, refuse_unsupported
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -34,9 +35,14 @@ async def read_body(request: Request, model: type[Model], max_bytes: int) -> Mod
     if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
         raise bad_request("the request body holds a lone UTF-16 surrogate escape (e.g. \\ud800): not valid Unicode")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise bad_request(*describe_validation_error(exc)) from None
+    server = request.app.state.server
+    if "model" in model.model_fields:
+        check_model(server.model_names, server.options.accept_any_model, getattr(body, "model"))
+    refuse_unsupported(data)
+    return body
 
 
 # JSON can smuggle a lone surrogate in only as a \uD800-\uDFFF escape (UTF-8 bytes cannot encode one), and

@@ -20,6 +20,7 @@ from cobatch.server.context import get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.openai import ChatMessage, template_messages
 from cobatch.server.prompting import chat_text, render_chat
+from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 
 router = APIRouter()
@@ -49,6 +50,7 @@ class DetokenizeRequest(BaseModel):
 
 
 @router.post("/tokenize")
+@accepts(TokenizeRequest)
 async def tokenize(request: Request) -> dict[str, Any]:
     ctx = get_context(request)
     body = await read_body(request, TokenizeRequest, ctx.options.max_body_bytes)
@@ -68,6 +70,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 
 @router.post("/detokenize")
+@accepts(DetokenizeRequest)
 async def detokenize(request: Request) -> dict[str, str]:
     ctx = get_context(request)
     body = await read_body(request, DetokenizeRequest, ctx.options.max_body_bytes)
@@ -80,6 +83,7 @@ async def detokenize(request: Request) -> dict[str, str]:
 
 
 @router.post("/apply-template")
+@accepts(ApplyTemplateRequest)
 async def apply_template(request: Request) -> dict[str, str]:
     ctx = get_context(request)
     body = await read_body(request, ApplyTemplateRequest, ctx.options.max_body_bytes)
