@@ -58,6 +58,7 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
         for nw in (8, 4):
             out += [GemmConfig(nw, split), GemmConfig(nw, split, P=True)]
     out.append(GemmConfig(8, s, D=4, P=True))
+    out += [GemmConfig(8, s, P=True, TMA=3), GemmConfig(8, s, P=True, TMA=4), GemmConfig(4, s, P=True, TMA=3)]
     ok = []
     for c in out:
         if c.split_k <= 16 and n_chunks % (c.split_k * quant_gemm.STEPS_PER_ITERATION) == 0 and c not in ok:
@@ -67,9 +68,9 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
 
 def _compile_one(task) -> str:
     """Run one (format, config, token tile) once on a small weight: fills Triton's disk cache."""
-    fmt_name, nw, split, d, p, n_tok = task
+    fmt_name, nw, split, d, p, tm, n_tok = task
     try:
-        cfg = GemmConfig(nw, split, D=d, P=p)
+        cfg = GemmConfig(nw, split, D=d, P=p, TMA=tm)
         cols = 4096 if fmt_name != "q8_0" else 4096
         pw = PackedWeight.from_quant(random_weight(fmt_name, 256, cols), "cuda")
         n_chunks = pw.planes.qs.shape[1] // 512
@@ -127,7 +128,7 @@ def main() -> None:
             rows, cols = SHAPES[name]
             n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
             for c in candidates(rows, n_chunks):
-                tasks += [(fmt_name, c.NW, c.split_k, c.D, c.P, n) for n in toks]
+                tasks += [(fmt_name, c.NW, c.split_k, c.D, c.P, c.TMA, n) for n in toks]
     precompile(tasks, workers=min(14, os.cpu_count() or 4))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
@@ -169,15 +170,15 @@ def main() -> None:
                 strict_us = max(bytes_us, flops / peak_tflops[name] / 1e6)  # cuBLAS's best rate on this shape
                 rows_out.append({
                     "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols, "n_tok": n, "gemm_us": t,
-                    "gemm_config": [best.NW, best.split_k, best.D, int(best.P)], "old_us": t_old,
+                    "gemm_config": [best.NW, best.split_k, best.D, int(best.P), best.TMA], "old_us": t_old,
                     "old_path": "gemv" if old_cfg is old.narrow else str(old_cfg), "dequant_cublas_us": t_dq,
                     "cublas_bf16_us": cublas_us[(name, n)], "cublas_bf16_tflops": cublas_tflops,
                     "gemm_tflops": flops / t / 1e6, "weight_bytes": pw.nbytes,
                     "gemm_gbps": pw.nbytes / t / 1e3, "pct_copy": 100 * pw.nbytes / t / 1e3 / copy_gbps,
                     "roofline_us": roof_us, "x_roofline": t / roof_us, "strict_roofline_us": strict_us,
                     "x_strict": t / strict_us, "x_bytes": t / bytes_us, "rel_err": err,
-                    "all_configs_us": {f"{c.NW},{c.split_k},{c.D},{int(c.P)}": times.get((c, n)) for c in cands}})
-                print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D},{best.P:d}) "
+                    "all_configs_us": {f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA}": times.get((c, n)) for c in cands}})
+                print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D},{best.P:d},{best.TMA}) "
                       f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
                       f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
             # One config per weight (its split of K fixes a row's bits). The plan runs the GEMV up to the largest
@@ -201,7 +202,7 @@ def main() -> None:
             one = min(cands, key=lambda c: plan_of(c)[0])
             _, low, upto = plan_of(one)
             chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = {
-                "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D, "P": one.P},
+                "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D, "P": one.P, "TMA": one.TMA},
                 "quant_gemm_crossover": low, "quant_gemm_upto": upto}   # nothing past the largest n measured
             print(f"  {fmt_name} {name}: rel_err {err:.1e}; one config {one}, GEMV up to {low}, GEMM up to {upto} "
                   "tokens", flush=True)
@@ -246,7 +247,7 @@ def markdown(result: dict) -> str:
             cells.append("" if r is None else
                          f"{r['x_roofline']:.2f} / {r['x_strict']:.2f} ({r['old_us'] / r['gemm_us']:.2f}x)")
         lines.append(f"| {fmt} | {shape} | " + " | ".join(cells) + " |")
-    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P) | % copy | TFLOP/s | "
+    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P, TMA) | % copy | TFLOP/s | "
               "cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -236,8 +236,46 @@ if quant_gemm.warpgroup_mma is not None:
         gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d} p={p}"] = \
             dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, P=bool(p), ACT=act)
 
+def compile_gemm_tma_for_h200(constants):
+    # The GEMM's TMA variant: x arrives as a tensor descriptor
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon import language as gl
+    from cobatch.kernels import quant_gemm
+    kernel = quant_gemm._gemm_tma_kernel
+    kc = 32 if constants["FMT"] == quant_pack.Q8_0 else 64
+    layout = gl.NVMMASharedLayout.get_default_for([constants["BN"], kc], gl.float16)
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name == "x_desc":
+            signature[name] = f"tensordesc<fp16[{constants['BN']}, {kc}],{layout!r}>"
+        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
+            signature[name] = "*fp32"
+        elif name == "d_ptr":
+            signature[name] = "*fp16"
+        elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
+            signature[name] = "*u8"
+        elif name == "out_ptr":
+            signature[name] = "*bf16"
+        else:
+            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
+    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                 if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
+                              options={"num_warps": constants["NW"]})
+    assert compiled.asm["cubin"]
+
+
+gemm_tma_variants = {}
+if quant_gemm.warpgroup_mma is not None:
+    for fmt, nw, bn, split, act, s in ((quant_pack.Q4_1, 8, 256, 1, 0, 3), (quant_pack.Q6_K, 4, 64, 2, 1, 4)):
+        gemm_tma_variants[f"gemm tma fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, D=0, P=True, S=s, ACT=act)
+
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
+jobs += [(name, compile_gemm_tma_for_h200, (constants,)) for name, constants in gemm_tma_variants.items()]
 jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm_variants.items()]
 jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in gemv_variants.items()]
 for name, fn, args in jobs:
@@ -270,6 +308,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 40 + 16 + 7
+    assert len(compiled) == 40 + 16 + 7 + 2
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cobatch.kernels import quant_gemm
+from cobatch.kernels import quant_gemm, quant_pack
 from cobatch.kernels import quant_matmul as qm
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_matmul import PackedWeight
@@ -44,6 +44,8 @@ def test_default_config_fills_the_gpu_and_divides_k():
 def test_config_rejects_what_the_kernel_cannot_run():
     with pytest.raises(ValueError):
         GemmConfig(NW=2)
+    with pytest.raises(ValueError):
+        GemmConfig(TMA=1)        # a ring needs two buffers at least
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -53,6 +55,18 @@ def test_plan_hands_mid_batches_to_the_gemm():
     assert isinstance(plan.config_for(17), GemmConfig) and isinstance(plan.config_for(256), GemmConfig)
     assert plan.config_for(257) == qm.DEQUANT_CUBLAS
     assert qm.MatmulPlan(gemv, qm.DEQUANT_CUBLAS, 32).config_for(33) == qm.DEQUANT_CUBLAS
+
+
+@pytest.mark.parametrize("q6", [False, True])
+def test_x_operands_permute_and_convert_like_the_reference(q6):
+    """The TMA variant's one pass over x (Triton; the interpreter on the CPU) against the gather through
+    quant_pack.k_order, and the permutation is the one whose activations each lane's fragment columns need."""
+    from kernel_checks import DEVICE
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(16)).to(DEVICE, torch.bfloat16)
+    got = quant_gemm.x_operands(x, q6)
+    assert got.dtype == torch.float16 and torch.equal(got, quant_gemm.x_operands_ref(x, q6))
+    order = quant_pack.k_order(quant_pack.Q6_K if q6 else quant_pack.Q8_0)
+    assert torch.equal(got[:, 32 + 5], x[:, 32 + order[5]].to(torch.float16))
 
 
 def test_scratch_covers_every_token_tile_of_a_split_config():
@@ -84,8 +98,9 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
         ref_w = w.dequantize(torch.float32).double()
         gen = torch.Generator(device="cuda").manual_seed(4)
         n_chunks = pw.planes.qs.shape[1] // 512
-        configs = [GemmConfig(NW=nw, split_k=s, D=d, P=pf) for nw, s, d, pf in [(4, 1, 2, True), (8, 2, 0, False),
-                                                                                 (8, 4, 0, True)]
+        configs = [GemmConfig(NW=nw, split_k=s, D=d, P=pf, TMA=tm)
+                   for nw, s, d, pf, tm in [(4, 1, 2, True, 0), (8, 2, 0, False, 0), (8, 4, 0, True, 0),
+                                            (8, 1, 0, True, 3), (4, 2, 2, False, 4)]
                    if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
@@ -139,13 +154,16 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q6_k"])
-def test_gemm_loads_ahead_give_the_same_bits(fmt_name):
-    """P (loads one step ahead) and D (L2 prefetch) only move loads: the results are bitwise the same."""
+def test_gemm_variants_give_the_same_bits(fmt_name):
+    """P (loads one step ahead), D (L2 prefetch) and TMA (x converted once and streamed by TMA) only move loads,
+    and NW only which rows a CTA owns: the results are bitwise the same."""
     w = make_weight(fmt_name, 512, 2048, seed=14, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     x = torch.randn(70, 2048, generator=torch.Generator().manual_seed(15)).to("cuda", torch.bfloat16)
     plain = run_poisoned(pw, x, GemmConfig(NW=8, split_k=2))
-    for cfg in (GemmConfig(NW=8, split_k=2, P=True), GemmConfig(NW=8, split_k=2, D=3, P=True)):
+    for cfg in (GemmConfig(NW=8, split_k=2, P=True), GemmConfig(NW=8, split_k=2, D=3, P=True),
+                GemmConfig(NW=4, split_k=2), GemmConfig(NW=8, split_k=2, P=True, TMA=3),
+                GemmConfig(NW=4, split_k=2, TMA=2)):
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
 
 
@@ -157,6 +175,9 @@ def test_gemm_cuda_graph_replay():
     assert pw.plan.mid.split_k > 1
     x = torch.randn(48, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replay_matches(pw.matmul, x, torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
+    tma = GemmConfig(NW=8, split_k=pw.plan.mid.split_k, P=True, TMA=3)     # its descriptor is captured too
+    assert_graph_replay_matches(lambda x, out=None: pw.matmul(x, config=tma, out=out), x,
+                                torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @requires_cuda

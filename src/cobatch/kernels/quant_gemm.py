@@ -30,6 +30,7 @@ kernels run on CUDA only (tests/test_quant_gemm.py); the CPU CI compiles them fo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +38,14 @@ import torch
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q6_K, F_Q8_0, gl, gluon
 
+from cobatch.kernels.triton_support import jit, tl
+
 try:
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - triton without gluon's Hopper modules
-    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
 
 # Token tiles (wgmma's N): a call of n tokens runs the smallest tile >= n, several 256-token tiles above.
 TOKEN_TILES = (16, 32, 64, 128, 256)
@@ -210,9 +214,9 @@ if gluon is not None and warpgroup_mma is not None:
     @gluon.jit
     def _load_step(chunk, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok, n_cols, tile0, tile_stride,
                    side32, side256, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
-                   SIDE: gl.constexpr):
+                   SIDE: gl.constexpr, X: gl.constexpr = True):
         """The loads of one K step (a chunk): quant bytes, scale data, q6_K's high bits (else the quant bytes
-        again: unused) and x, raw."""
+        again: unused) and, with X, x, raw (else the quant bytes again)."""
         KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, NW, 16))
         a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, NW, SIDE)
@@ -220,17 +224,21 @@ if gluon is not None and warpgroup_mma is not None:
             h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, NW, 8))
         else:
             h = q
-        x = _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, FMT == F_Q6_K, EVEN_K)
+        if X:
+            x = _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, FMT == F_Q6_K, EVEN_K)
+        else:
+            x = q
         return q, a, b, c, e, h, x
 
     @gluon.jit
     def _mma_step(acc, buf, q, a, b, c, e, h, x, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
-                  A: gl.constexpr):
-        """One K step from its loads: stage x in `buf`, dequantize, and issue the step's MMAs on acc
-        (asynchronously: the caller waits)."""
+                  A: gl.constexpr, STAGE: gl.constexpr = True):
+        """One K step from its loads: with STAGE, stage x in `buf` (else it is there: TMA), dequantize, and issue
+        the step's MMAs on acc (asynchronously: the caller waits)."""
         Q6: gl.constexpr = FMT == F_Q6_K
         KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
-        buf.store(_x_operand(x, BN, KC, Q6))
+        if STAGE:
+            buf.store(_x_operand(x, BN, KC, Q6))
         if Q6:
             s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
             q0, q1 = _halves(q, NW, 8)
@@ -240,16 +248,18 @@ if gluon is not None and warpgroup_mma is not None:
                                              _as_half_operand(_twice(h0, NW, 4), NW, A), s0, s2)
             w1, w3 = quant_gemv._q6_operands(_as_half_operand(q1, NW, A),
                                              _as_half_operand(_twice(h1, NW, 4), NW, A), s1, s3)
-            fence_async_shared()
-            gl.thread_barrier()
+            if STAGE:
+                fence_async_shared()
+                gl.thread_barrier()
             acc = warpgroup_mma(w0, buf.slice(0, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w1, buf.slice(16, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w2, buf.slice(32, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w3, buf.slice(48, 16, 1).permute((1, 0)), acc, is_async=True)
         else:
             w0, w1 = quant_gemv._dequant_operand(_as_operand(q, NW, A), a, b, c, e, FMT)
-            fence_async_shared()
-            gl.thread_barrier()
+            if STAGE:
+                fence_async_shared()
+                gl.thread_barrier()
             if FMT == F_Q8_0:
                 acc = warpgroup_mma(w0, buf.permute((1, 0)), acc, is_async=True)
             else:       # the low nibbles are the chunk's first 32 columns, the high nibbles the next 32
@@ -321,6 +331,119 @@ if gluon is not None and warpgroup_mma is not None:
                                 tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
 
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
+    def _gemm_tma_kernel(x_desc, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, sub_ptr, qh_ptr,
+                         n_tok, n_rows, n_cols, out_stride, n_chunks, steps_per_split,
+                         FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
+                         D: gl.constexpr, P: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr):
+        """_gemm_kernel with x already f16 and in the planes' column order (x_operands) and streamed by TMA into a
+        ring of S buffers, each with an mbarrier: no x registers, no x stores. A buffer is refilled (with the
+        step S - 1 ahead) after the CTA barrier that follows every warpgroup's retiring of the MMAs that read it."""
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        A: gl.constexpr = _layouts(NW, BN)[1]
+        SIDE: gl.constexpr = gl.SliceLayout(1, A)
+        WPC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
+        NB: gl.constexpr = 1 if FMT == F_Q8_0 else (4 if FMT == F_Q6_K else 2)
+        n_chunks = gl.multiple_of(n_chunks, 4)
+        side32 = n_chunks * WPC // 32
+        side256 = n_chunks * WPC // 256
+        tile_stride = n_chunks * 512
+        pid_t = gl.program_id(0)
+        pid_n = gl.program_id(1) // SPLIT_K
+        pid_k = gl.program_id(1) % SPLIT_K
+        tile0 = pid_n * NW
+        tok0 = pid_t * BN
+        xs = gl.allocate_shared_memory(gl.float16, [S, BN, WPC], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+        fence_async_shared()
+        first = pid_k * steps_per_split
+        for i in gl.static_range(S - 1):     # the ring's first steps
+            mbarrier.expect(ready.index(i), x_desc.block_type.nbytes, pred=i < steps_per_split)
+            tma.async_copy_global_to_shared(x_desc, [tok0, (first + i) * WPC], ready.index(i), xs.index(i),
+                                            pred=i < steps_per_split)
+        acc = gl.zeros([16 * NW, BN], gl.float32, MMA)
+        U: gl.constexpr = _STEPS
+        if P:
+            q, a, b, c, e, h, x = _load_step(first, out_ptr, 0, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok,
+                                             n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN, True, SIDE,
+                                             False)
+        for s0 in range(0, steps_per_split, U):
+            for u in gl.static_range(U):
+                s = s0 + u
+                if D > 0:
+                    _prefetch(qs_ptr, tile0, first + gl.minimum(s + D, steps_per_split - 1), tile_stride, NW)
+                if P:
+                    q1, a1, b1, c1, e1, h1, x1 = _load_step(first + gl.minimum(s + 1, steps_per_split - 1), out_ptr,
+                                                            0, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok, n_cols,
+                                                            tile0, tile_stride, side32, side256, FMT, NW, BN, True,
+                                                            SIDE, False)
+                else:
+                    q, a, b, c, e, h, x = _load_step(first + s, out_ptr, 0, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0,
+                                                     n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN,
+                                                     True, SIDE, False)
+                slot = s % S
+                mbarrier.wait(ready.index(slot), (s // S) & 1)
+                acc = _mma_step(acc, xs.index(slot), q, a, b, c, e, h, x, FMT, NW, BN, A, False)
+                if P:
+                    q, a, b, c, e, h, x = q1, a1, b1, c1, e1, h1, x1
+                if u < U - 1:   # retire the step before this one
+                    acc = warpgroup_mma_wait(num_outstanding=NB, deps=(acc,))
+                else:           # none in flight across the back edge
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()         # every warpgroup has retired step s - 1: its buffer is free
+                nxt = s + S - 1
+                free = (s + S - 1) % S
+                mbarrier.expect(ready.index(free), x_desc.block_type.nbytes, pred=nxt < steps_per_split)
+                tma.async_copy_global_to_shared(x_desc, [tok0, (first + nxt) * WPC], ready.index(free),
+                                                xs.index(free), pred=nxt < steps_per_split)
+        for i in gl.static_range(S):
+            mbarrier.invalidate(ready.index(i))
+        r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
+        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
+        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
+        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
+                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
+
+
+@jit
+def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, Q6: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = x[t] as f16 in the planes' column order (quant_pack.k_order), one program per (row, BLOCK columns):
+    within each 32-column tile logical column 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (q6_K, per 16-column
+    half: 8 p + 2 c + e holds 4 c + 2 p + e)."""
+    t = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    within = k % 32
+    if Q6:
+        half, p, c, e = within // 16, (within // 8) % 2, (within // 2) % 4, within % 2
+        src = k - within + 16 * half + 4 * c + 2 * p + e
+    else:
+        j, c, e = within // 8, (within // 2) % 4, within % 2
+        src = k - within + 8 * c + 2 * j + e
+    ok = k < n_cols
+    v = tl.load(x_ptr + t.to(tl.int64) * x_stride + src, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * n_cols + k, v.to(tl.float16), mask=ok)
+
+
+def x_operands(x: torch.Tensor, q6: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n_tok, cols] (cols % 32 == 0) -> f16 [n_tok, cols] in the planes' column order: what the TMA variant
+    streams. One launch."""
+    n_tok, cols = x.shape
+    assert cols % 32 == 0 and x.stride(-1) == 1
+    out = torch.empty(n_tok, cols, dtype=torch.float16, device=x.device) if out is None else out
+    block = 1024
+    _x_operands_kernel[(n_tok, -(-cols // block))](x, out, cols, x.stride(0), Q6=q6, BLOCK=block)
+    return out
+
+
+def x_operands_ref(x: torch.Tensor, q6: bool) -> torch.Tensor:
+    """The torch reference of x_operands: a gather through quant_pack.k_order."""
+    order = torch.tensor(quant_pack.k_order(quant_pack.Q6_K if q6 else quant_pack.Q8_0), device=x.device)
+    n_tok, cols = x.shape
+    return x.reshape(n_tok, cols // 32, 32)[:, :, order].reshape(n_tok, cols).to(torch.float16)
+
+
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
     """NW warps per CTA (16 NW weight rows; 4 or 8: one or two warpgroups), split_k CTAs per row block, the quant
@@ -331,10 +454,11 @@ class GemmConfig:
     D: int = 0
     P: bool = False
     R: int = 0
+    TMA: int = 0     # > 0: x converted once per call (x_operands) and streamed by TMA through a ring of TMA buffers
 
     def __post_init__(self):
-        if self.NW not in (4, 8):
-            raise ValueError(f"GemmConfig needs NW 4 or 8 (one or two warpgroups): {self}")
+        if self.NW not in (4, 8) or self.TMA == 1:
+            raise ValueError(f"GemmConfig needs NW 4 or 8 (one or two warpgroups) and TMA 0 or a ring of 2+: {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
@@ -347,7 +471,7 @@ def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
     split = 1
     while blocks * split < sms and split < 8 and n_chunks % (split * 2 * STEPS_PER_ITERATION) == 0:
         split *= 2
-    return GemmConfig(cfg.NW, split, cfg.D, cfg.P, cfg.R)
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
@@ -376,9 +500,46 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     assert out.shape[-1] == (p.rows // 2 if act else p.rows), (out.shape, p.rows, act)
     grid = (-(-n_tok // bn), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
     dummy = p.qs
+    sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
+    n_chunks = p.qs.shape[1] // 512
+    if cfg.TMA:
+        kc = 32 if p.fmt_id == quant_pack.Q8_0 else 64
+        x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
+        layout = gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)
+        desc = TensorDescriptor.from_tensor(x16, [bn, kc], layout)
+        _gemm_tma_kernel[grid](
+            desc, out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols, out.stride(0), n_chunks,
+            steps(p, cfg), FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, D=cfg.D, P=cfg.P, S=cfg.TMA,
+            ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.R or None)
+        return
     _gemm_kernel[grid](
-        x, out, partial, count, p.qs, p.d, p.sub if p.sub is not None else dummy,
-        p.qh if p.qh is not None else dummy,
-        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), p.qs.shape[1] // 512, steps(p, cfg),
+        x, out, partial, count, p.qs, p.d, sub, qh,
+        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D, P=cfg.P,
         ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.R or None)
+
+
+def reserve_x_scratch(device: torch.device, elems: int) -> None:
+    """Grow the TMA variant's f16 activation buffer to `elems` (at load: never inside a CUDA-graph capture)."""
+    _XScratch.reserve(torch.device(device), elems)
+
+
+class _XScratch:
+    """One f16 activation buffer per device for the TMA variant (calls on one stream run one after another).
+    Grown when a call needs more; reserve it before a CUDA-graph capture (reserve_x_scratch)."""
+    _by_device: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def reserve(cls, device: torch.device, elems: int) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        have = cls._by_device.get(device)
+        if have is None or have.numel() < elems:
+            cls._by_device[device] = torch.empty(elems, dtype=torch.float16, device=device)
+
+    @classmethod
+    def get(cls, device: torch.device, n_tok: int, cols: int) -> torch.Tensor:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        cls.reserve(device, n_tok * cols)
+        return cls._by_device[device][:n_tok * cols].view(n_tok, cols)

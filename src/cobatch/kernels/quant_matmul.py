@@ -601,6 +601,8 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
     if plan.mid is not None:
         _SplitScratch.reserve(device, *_scratch_need(plan.mid, rows_pad, plan.mid_upto))
+        if plan.mid.TMA:
+            quant_gemm.reserve_x_scratch(device, plan.mid_upto * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
 
