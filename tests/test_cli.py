@@ -248,7 +248,8 @@ def test_serve_takes_more_llama_cpp_flags():
 
 def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():
     """vLLM's --kv-cache-dtype, or llama.cpp's -ctk / -ctv (both the same; q8_0 is cobatch's 8-bit cache, fp8)."""
-    from cobatch.cli import build_parser, kv_cache_dtype_arg
+    from cobatch.cli import build_parser
+    from cobatch.llm import kv_cache_dtype_arg
     for command in ("serve", "chat"):
         for flags, want in ((["--kv-cache-dtype", "fp8"], "fp8"), ([], "auto"),
                             (["-ctk", "q8_0", "-ctv", "q8_0"], "fp8"),

@@ -113,6 +113,11 @@ def kv_cache_dtype_flag(kv_cache_dtype: str | None, cache_type_k: str | None, ca
     return _LLAMA_CPP_CACHE_TYPES[k]
 
 
+def kv_cache_dtype_arg(args) -> str:
+    """The parsed --kv-cache-dtype, -ctk and -ctv flags (chat, generate and serve) as one --kv-cache-dtype name."""
+    return kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
+
+
 def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.device) -> int:
     """Rows the decode graphs hold: a token per session and its drafts, up to the rows the scheduler lets a step
     with drafts have (any request may bring drafts: its predicted output)."""
