@@ -247,7 +247,7 @@ def test_speculative_steps_replay_the_decode_graph(models):
     """Prompt-lookup drafts on CUDA: a step of decoders and their drafts replays the decode graph (one row per
     token and draft), and greedy output is plain decoding's, up to ties (the attention's split plan follows
     the step's row count)."""
-    from cobatch.engine.speculative import NgramSpec
+    from cobatch.engine.drafts import NgramSpec
     _, gpu = models["cut"]
     spec = LLM.load(_cut_model(), EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True,
                                                 kv_cache_gb=1, speculative=NgramSpec(4)))

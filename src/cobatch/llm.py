@@ -14,11 +14,12 @@ from tqdm import tqdm
 
 from cobatch.chat_template import ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
+from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec
 from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.runner import ModelRunner
-from cobatch.engine.speculative import PREDICTION_SPEC, NgramSpec, step_rows_with_drafts
+from cobatch.engine.speculative import step_rows_with_drafts
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
