@@ -12,7 +12,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 models=()
 for q in ${QUANTS//,/ }; do
-  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant "$q" --tokenizer-from .models/smollm2-6l.gguf -o "/tmp/llama3-8b-$q.gguf" 2>&1 | tail -1
+  python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant "$q" --tokenizer-from .models/smollm2-6l.gguf -o "/tmp/llama3-8b-$q.gguf" 2>&1 | tail -1
   models+=(--model "/tmp/llama3-8b-$q.gguf")
 done
 timeout ${BENCH_TIMEOUT:-400} python3 bench/decode.py "${models[@]}" "$@" 2>&1 | tee "$OUT/decode.log"

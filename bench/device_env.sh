@@ -5,7 +5,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 write_llama8b_q4km() {
-  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+  python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q4_k_m \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1 &
   writer=$!
 }

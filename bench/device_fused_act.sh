@@ -16,7 +16,7 @@ tests)
     tests/test_gemma.py tests/test_phi3.py "tests/test_quant_matmul.py::test_interleaved_gate_up_with_act_equals_act_of_the_plain_matmuls" \
     tests/test_kernels_small.py -k "${K:-not gemv_dequantize}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
 moe)
-  python3 -m cobatch.gguf_writer random --shape qwen3-30b-a3b --quant q4_k_m --layers "${LAYERS:-12}" \
+  python3 -m cobatch.testing.gguf_writer random --shape qwen3-30b-a3b --quant q4_k_m --layers "${LAYERS:-12}" \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/moe.gguf 2>&1 | tail -1
   for side in old new; do
     dir=.; [ "$side" = old ] && dir=.ab_old

@@ -7,7 +7,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m cobatch.gguf_writer random --shape llama3-8b --quant "${QUANT:-q8_0}" \
+python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant "${QUANT:-q8_0}" \
   --tokenizer-from .models/smollm2-6l.gguf -o /tmp/m.gguf 2>&1 | tail -1
 for round in $(seq 1 "${3:-2}"); do
   for side in old new; do

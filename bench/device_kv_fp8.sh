@@ -22,7 +22,7 @@ if [ "${PART:-tests}" = tests ]; then
   ATTN_KV_DTYPES=bf16,fp8 ATTN_BATCHES=${ATTN_BATCHES:-1,8,64} timeout 240 python3 bench/kernels_attention.py 2>&1 \
     | grep -v Warning | tee "$OUT/attention.log" | tail -24
 elif [ "${PART}" = pdl ]; then
-  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+  python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q4_k_m \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
   for pdl in 0 1; do
     COBATCH_PDL=$pdl OUT=$OUT/pdl$pdl timeout 200 python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype auto,fp8 \
@@ -31,13 +31,13 @@ elif [ "${PART}" = pdl ]; then
     echo "== COBATCH_PDL=$pdl"; grep -E "graph  " "$OUT/decode-pdl$pdl.log"
   done
 elif [ "${PART}" = capacity ]; then
-  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+  python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q4_k_m \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype fp8 --contexts 32768 \
     --batches 16,24,32 --max-batch 32 --kv-cache-gb 72 2>&1 \
     | grep -v -E "Warning|warn_once|loading|capturing" | tee "$OUT/decode-capacity.log" | tail -30
 else
-  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
+  python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q4_k_m \
     --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1
   tail -1 "$OUT/write.log"
   timeout "${BENCH_TIMEOUT:-420}" python3 bench/decode.py --model /tmp/l8.gguf --kv-cache-dtype auto,fp8 \

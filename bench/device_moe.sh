@@ -7,7 +7,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m cobatch.gguf_writer random --shape qwen3-30b-a3b --quant q4_k_m --layers "${LAYERS:-12}" \
+python3 -m cobatch.testing.gguf_writer random --shape qwen3-30b-a3b --quant q4_k_m --layers "${LAYERS:-12}" \
   --tokenizer-from .models/smollm2-6l.gguf -o /tmp/moe.gguf 2>&1 | tail -1 &
 # TESTS (pytest arguments) replaces the default selection
 DEFAULT_TESTS=(tests/test_moe_routing.py tests/test_moe.py "tests/test_gemma.py::test_gemma2_config_and_logits_match_transformers"

@@ -12,7 +12,7 @@ if [ -n "${TESTS:-}" ]; then
   COBATCH_CUT_MODEL=.models/smollm2-6l.gguf timeout ${TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 \
     | tail -15 | tee "$OUT/gpu_tests.log"
 fi
-python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q8_0 --tokenizer-from .models/smollm2-6l.gguf \
+python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q8_0 --tokenizer-from .models/smollm2-6l.gguf \
   -o /tmp/llama3-8b-q8_0.gguf 2>&1 | tail -1
 for pdl in 0 1; do
   mkdir -p "$OUT/pdl$pdl"

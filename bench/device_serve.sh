@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 MODEL=${MODEL:-/tmp/l3.gguf}
-[ -f "$MODEL" ] || timeout "$(left 150)" python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q8_0 \
+[ -f "$MODEL" ] || timeout "$(left 150)" python3 -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q8_0 \
   --tokenizer-from .models/smollm2-6l.gguf -o "$MODEL" 2>&1 | tail -1
 # 256 output tokens, 2 rounds: each round's steady window (all N streams decoding) spans ~250 steps.
 COMMON=(--model "$MODEL" --device cuda --parallel 64 --kv-cache-gb 40 --levels 1,8,32,64 --rounds 2

@@ -15,10 +15,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from cobatch import gguf_writer
+from cobatch.testing import gguf_writer
 from cobatch.config import ModelConfig
 from cobatch.errors import UserError
-from cobatch.gguf_writer import SHAPES, QUANTS, ModelShape, cut_layers, planned_size, write_random_model
+from cobatch.testing.gguf_writer import SHAPES, QUANTS, ModelShape, cut_layers, planned_size, write_random_model
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import ModelNotFound, smollm2_path
 from cobatch.quant.formats import dequantize
@@ -228,7 +228,7 @@ def test_unreadable_files_are_user_errors(tmp_path):
 
 def test_cli_rejects_unknown_shape_with_one_line_and_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cobatch.gguf_writer", "random", "--shape", "llama9-1t", "-o", str(tmp_path / "x.gguf")],
+        [sys.executable, "-m", "cobatch.testing.gguf_writer", "random", "--shape", "llama9-1t", "-o", str(tmp_path / "x.gguf")],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

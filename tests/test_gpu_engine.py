@@ -25,7 +25,7 @@ def _cut_model() -> Path:
     path = os.environ.get("COBATCH_CUT_MODEL")
     if path:
         return Path(path)
-    from cobatch.gguf_writer import cut_layers
+    from cobatch.testing.gguf_writer import cut_layers
     from cobatch.model_files import smollm2_path
     out = Path(os.environ.get("TMPDIR", "/tmp")) / "smollm2-6l.gguf"
     return out if out.exists() else cut_layers(smollm2_path(), out, 6)
@@ -33,7 +33,7 @@ def _cut_model() -> Path:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     tiny = write_random_model(tmp_path_factory.mktemp("m") / "tiny-q8_0.gguf", "tiny", "q8_0",
                               tokenizer_from=_cut_model(), seed=3)
     out = {}
@@ -312,7 +312,7 @@ def test_gpu_constraints_and_prompt_logprobs(models):
 def test_qwen3_gpu_logits_close_to_cpu(tmp_path, quant):
     """qwen3's per-head q / k norms run inside the rope kernel on CUDA (kernels/rope.py, QK_NORM), and its
     gate|up through the GEMV's act*mul epilogue: the prompt's logits against the CPU path's."""
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     from model_checks import gpu_and_cpu_logits
     path = write_random_model(tmp_path / f"qwen3-{quant}.gguf", "qwen3-tiny", quant, tokenizer_from=_cut_model(),
                               seed=5)

@@ -50,7 +50,7 @@ def test_logits_match_transformers(which):
 def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
     """No small real qwen3 GGUF ships on PyPI: a random one of qwen3's layout (per-head q/k RMSNorm,
     head_dim 128 != d_model / n_heads), written by our GGUF writer, read by both implementations."""
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     path = write_random_model(tmp_path / f"qwen3-{quant}.gguf", "qwen3-tiny", quant,
                               tokenizer_from=qwen_coder_path(), seed=5)
     f = GGUFFile(path)
@@ -123,7 +123,7 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     """YaRN (Qwen3 / Qwen2.5 GGUFs past their 32k): a random qwen3 with rope.scaling yarn, factor 4 over a
     1024-token original context. transformers' GGUF mapping carries no rope scaling: it is passed as an
     override with the file's values, and without it the logits are far off (the scaling does act)."""
-    from cobatch.gguf_writer import YARN_ORIGINAL_CONTEXT, write_random_model
+    from cobatch.testing.gguf_writer import YARN_ORIGINAL_CONTEXT, write_random_model
     path = write_random_model(tmp_path / "qwen3-yarn.gguf", "qwen3-yarn-tiny", "q8_0",
                               tokenizer_from=smollm2_path(), seed=6)
     f = GGUFFile(path)

@@ -228,7 +228,7 @@ def _expert_decode(f, cfg) -> str:
 
 
 def cmd_make_model(args) -> int:
-    from cobatch import gguf_writer
+    from cobatch.testing import gguf_writer
     return gguf_writer.main(args.rest)
 
 

@@ -19,8 +19,8 @@ Which format each matrix gets follows llama.cpp's quantizer (llama_tensor_get_ty
     Q5_K->Q5_1, Q6_K->Q8_0; Q2_K/Q3_K->Q4_0 where llama.cpp picks IQ4_NL, which cobatch does not
     decode). qwen2.5-0.5b (d_model 896) hits this, like the real Qwen2.5-0.5B K-quant files.
 
-    python -m cobatch.gguf_writer random --shape llama3-8b --quant q8_0 -o PATH [--layers N] [--seed S]
-    python -m cobatch.gguf_writer cut SRC DST --layers N
+    python -m cobatch.testing.gguf_writer random --shape llama3-8b --quant q8_0 -o PATH [--layers N] [--seed S]
+    python -m cobatch.testing.gguf_writer cut SRC DST --layers N
 """
 
 from __future__ import annotations
@@ -736,7 +736,7 @@ class _Parser(argparse.ArgumentParser):
         raise _ArgumentError(message)
 
 
-def build_parser(prog: str = "python -m cobatch.gguf_writer") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m cobatch.testing.gguf_writer") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Write GGUF models for tests and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     rnd = sub.add_parser("random", help="random weights in the shape of a real model, with a real tokenizer")
@@ -756,7 +756,7 @@ def build_parser(prog: str = "python -m cobatch.gguf_writer") -> argparse.Argume
     return parser
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m cobatch.gguf_writer") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m cobatch.testing.gguf_writer") -> int:
     try:
         args = build_parser(prog).parse_args(argv)
         if args.command == "random":
