@@ -1,9 +1,12 @@
 """The GPU benchmark scripts import on the CPU (a stale config knob once broke one at import, which cost a
-device call), and the GEMV plan choice of bench/kernels.py keeps batch invariance."""
+device call), bench/device.sh parses and knows its suites, and the GEMV plan choice of bench/kernels.py keeps
+batch invariance."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,25 @@ def test_gemv_ab_table_takes_each_trees_best_round():
                "new": [{"rows": [row(4.0, 50.0)]}, {"rows": [row(5.0, 40.0)]}]}
     line = gemv_ab.table(results).splitlines()[-1]
     assert line == "| q4_1 | o | 1 | 25.0 | 50.0 | 0.500 | 1.0e-04 |"
+
+
+DEVICE_SH = ROOT / "bench" / "device.sh"
+
+
+def test_device_sh_parses_and_lists_its_suites():
+    assert subprocess.run(["bash", "-n", str(DEVICE_SH)]).returncode == 0
+    usage = subprocess.run(["bash", str(DEVICE_SH)], capture_output=True, text=True)
+    assert usage.returncode == 2
+    for suite in ("tests", "kernels", "decode", "serve", "moe", "ab OLD NEW"):
+        assert f"\n  {suite} " in "\n" + usage.stdout, suite
+    # every suite the usage lists has its branch in the script
+    listed = [line.split()[0] for line in usage.stdout.splitlines() if line.startswith("  ") and line[2] != " "]
+    script = DEVICE_SH.read_text()
+    assert listed and all(f"\n{suite})" in script for suite in listed), listed
+
+
+def test_device_sh_refuses_an_unknown_suite_before_touching_the_machine(tmp_path):
+    run = subprocess.run(["bash", str(DEVICE_SH), "benchmarks"], capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert run.returncode == 2 and "unknown suite 'benchmarks'" in run.stderr
+    assert not (tmp_path / "out").exists()
