@@ -5,6 +5,7 @@ batch invariance."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -23,7 +24,7 @@ def load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab",
+@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "speculative"])
 def test_bench_script_imports(name):
     module = load(name)
@@ -99,3 +100,20 @@ def test_device_sh_refuses_an_unknown_suite_before_touching_the_machine(tmp_path
                          env={**os.environ, "OUT": str(tmp_path / "out")})
     assert run.returncode == 2 and "unknown suite 'benchmarks'" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_plot_draws_every_point_of_the_results(tmp_path):
+    plot = load("plot")
+    decode = {"date": "d", "device": "GPU", "models": [{"model": "/m.gguf", "decode": [
+        {"context": 512, "batch": b, "tok_s": 100.0 * b} for b in (1, 2, 4)] + [
+        {"context": 4096, "batch": b, "tok_s": 50.0 * b} for b in (1, 2, 4)]}]}
+    serve = {"config": {"prompt_tokens": 128}, "levels": [{"clients": 1, "steady_tok_s": 90.0},
+                                                            {"clients": 4, "steady_tok_s": 380.0}]}
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    (tmp_path / "serve.json").write_text(json.dumps(serve))
+    out = tmp_path / "plot.svg"
+    assert plot.main(["--decode", str(tmp_path / "decode.json"), "--serve", str(tmp_path / "serve.json"),
+                      "-o", str(out)]) == 0
+    text = out.read_text()
+    assert text.count("<polyline") == 3 and text.count("<circle") == 8
+    assert "engine, ctx 512" in text and "engine, ctx 4096" in text and "HTTP streaming clients" in text
