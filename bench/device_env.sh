@@ -1,11 +1,27 @@
-# Sourced by the bench/device_*.sh scripts (repo root on the GPU machine; carry .whl and .models): the carried
-# wheels on the path, $OUT made, and write_llama8b_q4km starting a random Llama-3-8B Q4_K_M at /tmp/l8.gguf in the
-# background (its pid in $writer; `wait $writer` before using it).
+# The prologue of bench/device.sh, run from the repo root on the GPU machine (carry .whl and .models; see
+# docs/development.md): the carried wheels on the path, $OUT made, and helpers for the suites.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 COBATCH_CUT_MODEL=${COBATCH_CUT_MODEL:-.models/smollm2-6l.gguf}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-write_llama8b_q4km() {
-  python3 -m cobatch.gguf_writer random --shape llama3-8b --quant q4_k_m \
-    --tokenizer-from .models/smollm2-6l.gguf -o /tmp/l8.gguf > "$OUT/write.log" 2>&1 &
-  writer=$!
+TOKENIZER=${TOKENIZER:-.models/smollm2-6l.gguf}
+
+# random_model SHAPE QUANT [LAYERS]: the path of a random-weight model of that shape, written once per machine
+# by `cobatch make-model` (this tree's writer, whichever tree is benchmarked).
+random_model() {
+  local shape=$1 quant=$2 layers=${3:-} path
+  path=/tmp/$shape-$quant${layers:+-${layers}l}.gguf
+  if [ ! -f "$path" ]; then
+    python3 -m cobatch.cli make-model random --shape "$shape" --quant "$quant" ${layers:+--layers "$layers"} \
+      --tokenizer-from "$TOKENIZER" -o "$path.tmp" > "$OUT/make-model.log" 2>&1 && mv "$path.tmp" "$path"
+  fi
+  echo "$path"
+}
+
+# quiet: drop the lines of warnings and progress that every benchmark prints.
+quiet() { grep -v -E "Warning|warn_once|^loading|^capturing"; }
+
+# left SECONDS: min(SECONDS, what is left of BUDGET_S since the start), at least 1 (timeout 0 means no limit).
+DEADLINE=$((SECONDS + ${BUDGET_S:-3600}))
+left() {
+  local t=$((DEADLINE - SECONDS)); [ "$t" -gt "$1" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo "$t"
 }

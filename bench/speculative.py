@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
-from cobatch.engine.speculative import NgramSpec  # noqa: E402
+from cobatch.engine.drafts import NgramSpec  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 PROMPTS = {

@@ -7,7 +7,7 @@ the kernels. A decode step pays it once per ~300 kernels, and with overlapped st
 So each replay here is queued behind a GPU sleep that outlasts the submission: the events then bracket the
 graph's execution only (its kernels' launches inside the graph included, as a decode step has them).
 `idle` keeps the old figure (replays onto an idle stream) for comparison: on the H200 it read 0-4 % slower
-(bench/NOTES-gemv.md, session 15).
+(docs/kernels.md).
 """
 
 from __future__ import annotations

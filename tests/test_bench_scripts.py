@@ -1,9 +1,13 @@
 """The GPU benchmark scripts import on the CPU (a stale config knob once broke one at import, which cost a
-device call), and the GEMV plan choice of bench/kernels.py keeps batch invariance."""
+device call), bench/device.sh parses and knows its suites, and the GEMV plan choice of bench/kernels.py keeps
+batch invariance."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,7 @@ def load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab",
+@pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "speculative"])
 def test_bench_script_imports(name):
     module = load(name)
@@ -74,3 +78,42 @@ def test_gemv_ab_table_takes_each_trees_best_round():
                "new": [{"rows": [row(4.0, 50.0)]}, {"rows": [row(5.0, 40.0)]}]}
     line = gemv_ab.table(results).splitlines()[-1]
     assert line == "| q4_1 | o | 1 | 25.0 | 50.0 | 0.500 | 1.0e-04 |"
+
+
+DEVICE_SH = ROOT / "bench" / "device.sh"
+
+
+def test_device_sh_parses_and_lists_its_suites():
+    assert subprocess.run(["bash", "-n", str(DEVICE_SH)]).returncode == 0
+    usage = subprocess.run(["bash", str(DEVICE_SH)], capture_output=True, text=True)
+    assert usage.returncode == 2
+    for suite in ("tests", "kernels", "decode", "serve", "moe", "ab OLD NEW"):
+        assert f"\n  {suite} " in "\n" + usage.stdout, suite
+    # every suite the usage lists has its branch in the script
+    listed = [line.split()[0] for line in usage.stdout.splitlines() if line.startswith("  ") and line[2] != " "]
+    script = DEVICE_SH.read_text()
+    assert listed and all(f"\n{suite})" in script for suite in listed), listed
+
+
+def test_device_sh_refuses_an_unknown_suite_before_touching_the_machine(tmp_path):
+    run = subprocess.run(["bash", str(DEVICE_SH), "benchmarks"], capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert run.returncode == 2 and "unknown suite 'benchmarks'" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_draws_every_point_of_the_results(tmp_path):
+    plot = load("plot")
+    decode = {"date": "d", "device": "GPU", "models": [{"model": "/m.gguf", "decode": [
+        {"context": 512, "batch": b, "tok_s": 100.0 * b} for b in (1, 2, 4)] + [
+        {"context": 4096, "batch": b, "tok_s": 50.0 * b} for b in (1, 2, 4)]}]}
+    serve = {"config": {"prompt_tokens": 128}, "levels": [{"clients": 1, "steady_tok_s": 90.0},
+                                                            {"clients": 4, "steady_tok_s": 380.0}]}
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    (tmp_path / "serve.json").write_text(json.dumps(serve))
+    out = tmp_path / "plot.svg"
+    assert plot.main(["--decode", str(tmp_path / "decode.json"), "--serve", str(tmp_path / "serve.json"),
+                      "-o", str(out)]) == 0
+    text = out.read_text()
+    assert text.count("<polyline") == 3 and text.count("<circle") == 8
+    assert "engine, ctx 512" in text and "engine, ctx 4096" in text and "HTTP streaming clients" in text

@@ -75,7 +75,7 @@ def test_inspect_describes_the_file():
 
 
 def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path):
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     for shape, expected in (("qwen2moe-tiny", "experts:       2 of 8 per token, expert ffn 128, shared expert ffn 256"),
                             ("gemma2-tiny", "sliding window 12, one layer in 2 global, scores soft-capped at 0.05"),
                             ("phi4-mini-tiny", "longrope factors  (48 of 64 dims)")):
@@ -88,7 +88,7 @@ def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path):
 def test_inspect_says_how_experts_decode_on_cuda(tmp_path):
     """q8_0 experts stack for the routed GEMV; in the q4_k file the 128-wide down experts fall back to q5_0
     (K-quants need 256 columns), which it does not read."""
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     for quant, expected in (("q8_0", "on CUDA: routed on the device, decode in CUDA graphs"),
                             ("q4_k", "on CUDA: expert by expert, decode eager: down experts in q5_0 (256 rows)")):
         path = write_random_model(tmp_path / f"{quant}.gguf", "qwen2moe-tiny", quant, tokenizer_from=smollm2_path())
@@ -251,7 +251,8 @@ def test_serve_takes_more_llama_cpp_flags():
 
 def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():
     """vLLM's --kv-cache-dtype, or llama.cpp's -ctk / -ctv (both the same; q8_0 is cobatch's 8-bit cache, fp8)."""
-    from cobatch.cli import build_parser, kv_cache_dtype_arg
+    from cobatch.cli import build_parser
+    from cobatch.llm import kv_cache_dtype_arg
     for command in ("serve", "chat"):
         for flags, want in ((["--kv-cache-dtype", "fp8"], "fp8"), ([], "auto"),
                             (["-ctk", "q8_0", "-ctv", "q8_0"], "fp8"),

@@ -16,7 +16,7 @@ import torch
 
 from cobatch.config import GEMMA3_LOCAL_ROPE_THETA, ModelConfig
 from cobatch.engine.sampler import SamplingParams
-from cobatch.gguf_writer import write_random_model
+from cobatch.testing.gguf_writer import write_random_model
 from cobatch.llm import LLM, EngineOptions
 from cobatch.model_files import smollm2_path
 from cobatch.models.llama import LlamaModel

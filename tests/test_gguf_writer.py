@@ -15,10 +15,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from cobatch import gguf_writer
+from cobatch.testing import gguf_writer
 from cobatch.config import ModelConfig
 from cobatch.errors import UserError
-from cobatch.gguf_writer import SHAPES, QUANTS, ModelShape, cut_layers, planned_size, write_random_model
+from cobatch.testing.gguf_writer import SHAPES, QUANTS, ModelShape, cut_layers, planned_size, write_random_model
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import ModelNotFound, smollm2_path
 from cobatch.quant.formats import dequantize
@@ -204,7 +204,24 @@ def test_cut_of_a_random_model_is_the_random_model_with_fewer_layers(small_token
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "full.gguf", "short.gguf"]
 
 
-def test_raw_directory_reader_agrees_with_gguf_py(smollm2):
+@pytest.fixture(scope="module")
+def smollm2_by_gguf_py(smollm2):
+    """gguf-py's own reading of SmolLM2: the oracle for cobatch's directory reader (it takes seconds: read once)."""
+    return gguf.GGUFReader(smollm2.path, "r")
+
+
+def _gguf_py_metadata(reader) -> dict:
+    values = {}
+    for key, field in reader.fields.items():
+        try:
+            values[key] = field.contents()
+        except Exception:
+            pass
+    return values
+
+
+def test_raw_directory_reader_agrees_with_gguf_py(smollm2, smollm2_by_gguf_py):
+    want = _gguf_py_metadata(smollm2_by_gguf_py)
     with gguf_writer.RawGGUF(smollm2.path) as raw:
         for name, field in raw.fields.items():
             value = raw.value(field).value
@@ -212,10 +229,10 @@ def test_raw_directory_reader_agrees_with_gguf_py(smollm2):
                 value = value.decode()
             elif isinstance(value, list) and value and isinstance(value[0], bytes):
                 value = [item.decode() for item in value]
-            assert value == smollm2.metadata[name], name
+            assert value == want[name], name
         assert [(t.name, t.ggml_type, list(t.dims), raw.data_start + t.offset, t.nbytes) for t in raw.tensors] == [
             (t.name, t.tensor_type, [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes))
-            for t in smollm2.tensors.values()]
+            for t in smollm2_by_gguf_py.tensors]
 
 
 def test_unreadable_files_are_user_errors(tmp_path):
@@ -228,7 +245,7 @@ def test_unreadable_files_are_user_errors(tmp_path):
 
 def test_cli_rejects_unknown_shape_with_one_line_and_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cobatch.gguf_writer", "random", "--shape", "llama9-1t", "-o", str(tmp_path / "x.gguf")],
+        [sys.executable, "-m", "cobatch.testing.gguf_writer", "random", "--shape", "llama9-1t", "-o", str(tmp_path / "x.gguf")],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -251,3 +268,25 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path,
     assert len(err.strip().splitlines()) == 1 and message in err, err
     assert err.startswith("cobatch: error: "), err     # as every other cobatch command says it
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("which", ["smollm2", "random moe"])
+def test_loader_reads_what_gguf_py_reads(which, smollm2_by_gguf_py, small_tokenizer, tmp_path):
+    """GGUFFile's own directory reader gives the metadata, tensor formats, shapes and bytes gguf-py's reader gives
+    (on the real SmolLM2 file, and on a random MoE file with a K-quant mix and 3-D expert tensors)."""
+    if which == "smollm2":
+        path, theirs = smollm2_path(), smollm2_by_gguf_py
+    else:
+        path = write_random_model(tmp_path / "moe.gguf", "qwen3moe-tiny", "q4_k_m", tokenizer_from=small_tokenizer,
+                                  seed=3)
+        theirs = gguf.GGUFReader(path, "r")
+    ours = GGUFFile(path)
+    want = _gguf_py_metadata(theirs)
+    assert len(want) > 20 and ours.metadata == want
+    assert list(ours.tensors) == [t.name for t in theirs.tensors]
+    for t in theirs.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.tensor_type, mine.shape, mine.n_elements, mine.n_bytes) == \
+            (t.tensor_type, tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes)), t.name
+    for t in theirs.tensors[:: max(1, len(theirs.tensors) // 12)]:     # a dozen tensors' bytes, spread out
+        assert np.array_equal(ours.tensors[t.name].data, np.asarray(t.data).reshape(-1).view(np.uint8)), t.name

@@ -25,7 +25,7 @@ def _cut_model() -> Path:
     path = os.environ.get("COBATCH_CUT_MODEL")
     if path:
         return Path(path)
-    from cobatch.gguf_writer import cut_layers
+    from cobatch.testing.gguf_writer import cut_layers
     from cobatch.model_files import smollm2_path
     out = Path(os.environ.get("TMPDIR", "/tmp")) / "smollm2-6l.gguf"
     return out if out.exists() else cut_layers(smollm2_path(), out, 6)
@@ -33,7 +33,7 @@ def _cut_model() -> Path:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     tiny = write_random_model(tmp_path_factory.mktemp("m") / "tiny-q8_0.gguf", "tiny", "q8_0",
                               tokenizer_from=_cut_model(), seed=3)
     out = {}
@@ -247,7 +247,7 @@ def test_speculative_steps_replay_the_decode_graph(models):
     """Prompt-lookup drafts on CUDA: a step of decoders and their drafts replays the decode graph (one row per
     token and draft), and greedy output is plain decoding's, up to ties (the attention's split plan follows
     the step's row count)."""
-    from cobatch.engine.speculative import NgramSpec
+    from cobatch.engine.drafts import NgramSpec
     _, gpu = models["cut"]
     spec = LLM.load(_cut_model(), EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True,
                                                 kv_cache_gb=1, speculative=NgramSpec(4)))
@@ -312,7 +312,7 @@ def test_gpu_constraints_and_prompt_logprobs(models):
 def test_qwen3_gpu_logits_close_to_cpu(tmp_path, quant):
     """qwen3's per-head q / k norms run inside the rope kernel on CUDA (kernels/rope.py, QK_NORM), and its
     gate|up through the GEMV's act*mul epilogue: the prompt's logits against the CPU path's."""
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     from model_checks import gpu_and_cpu_logits
     path = write_random_model(tmp_path / f"qwen3-{quant}.gguf", "qwen3-tiny", quant, tokenizer_from=_cut_model(),
                               seed=5)

@@ -281,7 +281,7 @@ jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in 
 for name, fn, args in jobs:
     try:
         out = fn(*args)
-        # Decode attention runs 4 programs per SM only within 128 registers (session 11: a mask carried
+        # Decode attention runs 4 programs per SM only within 128 registers (measured: a mask carried
         # through the pipeline took 168 and cost 20 % of bandwidth), and the cap must not make it spill
         # (256-wide heads cannot fit 128: they must not spill either).
         usage = registers(out) if name.startswith("decode") else None

@@ -15,8 +15,8 @@ import torch
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.sampler import SamplingParams
 from cobatch.model_files import qwen_coder_path, smollm2_path
-from model_checks import prompt_logits, transformers_logits
-from model_fixtures import load_llm
+from model_checks import prompt_logits
+from model_fixtures import load_llm, load_transformers
 
 FP8 = torch.float8_e4m3fn
 TEXTS = {
@@ -43,7 +43,8 @@ def test_fp8_cache_logits_stay_close_to_transformers(which):
     llm = load_llm(which)          # the CPU model other tests load too (float32; its own KV pools here)
     model, cfg = llm.model, llm.config
     ids = llm.tokenizer.encode(TEXTS[which], add_special=True)
-    ref = transformers_logits(path, ids)
+    with torch.inference_mode():                 # transformers' float32 model, shared with test_reference.py's
+        ref = load_transformers(path)[1](torch.tensor([ids])).logits[0].float()
     got = prompt_logits(model, cfg, ids, kv_dtype=FP8)
     rel = ((got - ref).norm() / ref.norm()).item()
     log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)

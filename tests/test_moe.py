@@ -14,7 +14,7 @@ import torch
 from cobatch.config import ModelConfig
 from cobatch.engine.sampler import SamplingParams
 from cobatch.errors import UserError
-from cobatch.gguf_writer import write_random_model
+from cobatch.testing.gguf_writer import write_random_model
 from cobatch.llm import LLM, EngineOptions
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from cobatch.gguf_writer import LONGROPE_ORIGINAL_CONTEXT, longrope_attn_factor, write_random_model
+from cobatch.testing.gguf_writer import LONGROPE_ORIGINAL_CONTEXT, longrope_attn_factor, write_random_model
 from cobatch.model_files import smollm2_path
 from cobatch.models.llama import LlamaModel
 from model_checks import gpu_and_cpu_logits, open_gguf, prompt_logits, transformers_logits

@@ -13,6 +13,7 @@ from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import qwen_coder_path, smollm2_path
 from cobatch.models.llama import LlamaModel
 from model_checks import prompt_logits, transformers_logits
+from model_fixtures import load_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,10 +31,7 @@ def test_logits_match_transformers(which):
     f = GGUFFile(path)
     cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
     ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=256)
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32)
-    hf.eval()
+    tok, hf = load_transformers(path)
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
         got = prompt_logits(ours, cfg, ids)
@@ -42,7 +40,7 @@ def test_logits_match_transformers(which):
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < REL_ERR_BOUND, (prompt, rel)
         assert torch.equal(got.argmax(-1), ref.argmax(-1)), prompt
-    del hf, ours
+    del ours
     gc.collect()
 
 
@@ -50,7 +48,7 @@ def test_logits_match_transformers(which):
 def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
     """No small real qwen3 GGUF ships on PyPI: a random one of qwen3's layout (per-head q/k RMSNorm,
     head_dim 128 != d_model / n_heads), written by our GGUF writer, read by both implementations."""
-    from cobatch.gguf_writer import write_random_model
+    from cobatch.testing.gguf_writer import write_random_model
     path = write_random_model(tmp_path / f"qwen3-{quant}.gguf", "qwen3-tiny", quant,
                               tokenizer_from=qwen_coder_path(), seed=5)
     f = GGUFFile(path)
@@ -71,8 +69,7 @@ def test_prompt_logprobs_match_transformers():
     from model_fixtures import load_llm
     path = smollm2_path()
     llm = load_llm("smollm2", prefill_chunk=16)
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tok, hf = load_transformers(path)
     ids = tok(PROMPTS[0] + " Berlin. The capital of Italy is Rome, and the capital of Spain is Madrid.")["input_ids"]
     assert len(ids) > 16                                    # two chunks at least
     llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
@@ -88,8 +85,6 @@ def test_prompt_logprobs_match_transformers():
         top_lp, top_ids = ref[p].topk(3)
         assert [t for t, _ in top] == top_ids.tolist(), p
         assert max(abs(a - b) for (_, a), b in zip(top, top_lp.tolist())) < 1e-3
-    del hf
-    gc.collect()
 
 
 def test_embeddings_match_transformers_last_hidden_state():
@@ -99,8 +94,7 @@ def test_embeddings_match_transformers_last_hidden_state():
     from model_fixtures import load_llm
     path = smollm2_path()
     llm = load_llm("smollm2", prefill_chunk=16)
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tok, hf = load_transformers(path)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     got = {}
     for ids in prompts:
@@ -115,15 +109,13 @@ def test_embeddings_match_transformers_last_hidden_state():
             ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1].float()
         rel = ((got[str(ids)] - ref).norm() / ref.norm()).item()
         assert rel < REL_ERR_BOUND, (ids, rel)
-    del hf
-    gc.collect()
 
 
 def test_yarn_rope_scaling_matches_transformers(tmp_path):
     """YaRN (Qwen3 / Qwen2.5 GGUFs past their 32k): a random qwen3 with rope.scaling yarn, factor 4 over a
     1024-token original context. transformers' GGUF mapping carries no rope scaling: it is passed as an
     override with the file's values, and without it the logits are far off (the scaling does act)."""
-    from cobatch.gguf_writer import YARN_ORIGINAL_CONTEXT, write_random_model
+    from cobatch.testing.gguf_writer import YARN_ORIGINAL_CONTEXT, write_random_model
     path = write_random_model(tmp_path / "qwen3-yarn.gguf", "qwen3-yarn-tiny", "q8_0",
                               tokenizer_from=smollm2_path(), seed=6)
     f = GGUFFile(path)

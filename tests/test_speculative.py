@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.speculative import NgramSpec, Prediction, TokenIndex, propose
+from cobatch.engine.drafts import NgramSpec, Prediction, TokenIndex, propose
 from cobatch.llm import LLM, EngineOptions
 from cobatch.model_files import smollm2_path
 from model_fixtures import load_llm
@@ -203,7 +203,7 @@ def test_right_or_wrong_drafts_leave_the_output_as_plain(spec_llm, shift):
 
 def test_a_sequence_whose_drafts_fail_pauses_drafting():
     """Mostly rejected drafts: drafting pauses, except a probe every PROBE_EVERY tokens; kept drafts resume it."""
-    from cobatch.engine.speculative import PROBE_EVERY, DraftRecord
+    from cobatch.engine.drafts import PROBE_EVERY, DraftRecord
     record = DraftRecord()
     assert record.worth_drafting(1)
     for _ in range(3):

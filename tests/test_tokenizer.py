@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 from cobatch import model_files
+from cobatch.loader.gguf import GGUFFile
 from cobatch.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 
 # --- real models, loaded once per test session (test_chat_template.py imports these) --------------
@@ -38,8 +38,7 @@ def load_real_model(name: str) -> RealModel:
         path = REAL_MODELS[name]()
     except model_files.ModelNotFound as exc:
         pytest.skip(str(exc))
-    reader = gguf.GGUFReader(path)
-    metadata = {k: f.contents() for k, f in reader.fields.items()}  # exactly as the loader builds it
+    metadata = GGUFFile(path).metadata                  # exactly as the loader builds it
     return RealModel(name, path, metadata, Tokenizer.from_metadata(metadata))
 
 

@@ -36,12 +36,6 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default=None, help="llama.cpp's: the same types; as -ctk")
 
 
-def kv_cache_dtype_arg(args) -> str:
-    """--kv-cache-dtype or llama.cpp's -ctk / -ctv (chat, generate and serve), as one --kv-cache-dtype name."""
-    from cobatch.llm import kv_cache_dtype_flag
-    return kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
-
-
 def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s, prompt-lookup speculative decoding: \'{"method": "ngram", "num_speculative_tokens": '
@@ -97,7 +91,7 @@ def _sampling(args):
 
 def _load(args, max_num_seqs: int = 1):
     from cobatch.engine.speculative import parse_speculative_config
-    from cobatch.llm import LLM, EngineOptions
+    from cobatch.llm import LLM, EngineOptions, kv_cache_dtype_arg
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
@@ -234,7 +228,7 @@ def _expert_decode(f, cfg) -> str:
 
 
 def cmd_make_model(args) -> int:
-    from cobatch import gguf_writer
+    from cobatch.testing import gguf_writer
     return gguf_writer.main(args.rest)
 
 

@@ -16,12 +16,13 @@ from cobatch.builtin_templates import template_source
 from cobatch.chat_template import ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
 from cobatch.engine.disk_cache import DiskPrefixCache
+from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec
 from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.kv_store import model_identity
 from cobatch.engine.runner import ModelRunner
-from cobatch.engine.speculative import PREDICTION_SPEC, NgramSpec, step_rows_with_drafts
+from cobatch.engine.speculative import step_rows_with_drafts
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
@@ -112,6 +113,11 @@ def kv_cache_dtype_flag(kv_cache_dtype: str | None, cache_type_k: str | None, ca
             _LLAMA_CPP_CACHE_TYPES[k], _LLAMA_CPP_CACHE_TYPES[k]):
         raise UserError(f"--kv-cache-dtype {kv_cache_dtype} contradicts -ctk/-ctv {k}")
     return _LLAMA_CPP_CACHE_TYPES[k]
+
+
+def kv_cache_dtype_arg(args) -> str:
+    """The parsed --kv-cache-dtype, -ctk and -ctv flags (chat, generate and serve) as one --kv-cache-dtype name."""
+    return kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
 
 
 def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.device) -> int:

@@ -20,14 +20,14 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec, Prediction, propose
 from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams, needs_penalties
 from cobatch.engine.scheduler import Scheduler, StepPlan
 from cobatch.engine.sequence import Sequence, SeqStatus
-from cobatch.engine.speculative import (PREDICTION_SPEC, NgramSpec, Prediction, can_speculate, propose,
-                                         step_rows_with_drafts)
+from cobatch.engine.speculative import can_speculate, step_rows_with_drafts
 from cobatch.errors import UserError
 
 

@@ -9,9 +9,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cobatch.engine.drafts import DraftRecord, Prediction, TokenIndex
 from cobatch.engine.grammar import TokenMatcher
 from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.speculative import DraftRecord, Prediction, TokenIndex
 
 
 class SeqStatus(enum.Enum):

@@ -2,7 +2,7 @@
 
 Why not plain Triton: there the compiler picks register layouts, so a weight tile travels
 global -> shared memory -> registers in the MMA operand layout (cp.async, LDS, byte shuffles), and the
-inner loop spent 6-8 instructions per weight (bench/NOTES-gemv.md): half the copy bandwidth at best.
+inner loop spent 6-8 instructions per weight (docs/kernels.md): half the copy bandwidth at best.
 Gluon lets the kernel say where every byte lives:
 
   - The weights are repacked once at load in "fragment order" (`quant_pack.fragment_order`): for each

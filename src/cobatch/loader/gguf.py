@@ -1,21 +1,50 @@
-"""Open a GGUF file with gguf-py: metadata as plain values, tensors memory-mapped (never copied)."""
+"""Open a GGUF file: metadata as plain values, tensors memory-mapped (never copied).
+
+The directory is read by loader/gguf_raw.py (milliseconds, where gguf-py's reader takes seconds on a large
+vocabulary); gguf-py supplies the format's constants.
+"""
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from cobatch.errors import UserError
+from cobatch.loader.gguf_raw import RawGGUF
 from cobatch.quant.formats import UnsupportedQuantType, format_of
 from cobatch.quant.weight import QuantWeight
 
 GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """A tensor of the file: its name, format, GGUF shape (fastest dimension first) and bytes, memory-mapped."""
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_bytes: int
+    data: np.ndarray        # uint8, read-only, a view of the file
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def _plain(value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None) -> Any:
+    """A metadata value as Python: strings decoded as UTF-8 (a field that is not valid UTF-8 raises)."""
+    if vtype == GGUFValueType.STRING:
+        return value.decode("utf-8")
+    if vtype == GGUFValueType.ARRAY and sub_type == GGUFValueType.STRING:
+        return [item.decode("utf-8") for item in value]
+    return value
 
 
 class GGUFFile:
@@ -28,21 +57,30 @@ class GGUFFile:
         with open(self.path, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
                 raise UserError(f"not a GGUF file (bad magic): {self.path}")
+        raw = RawGGUF(self.path)          # a truncated or corrupt file is a UserError naming it
         try:
-            self._reader = GGUFReader(self.path, "r")
-        except Exception as e:  # gguf-py raises assorted errors on damaged files
-            raise UserError(f"cannot read GGUF file {self.path} (truncated or corrupt?): {e}") from None
-        size = self.path.stat().st_size
-        self.tensors = {t.name: t for t in self._reader.tensors}
-        for t in self._reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise UserError(f"GGUF file is truncated: tensor {t.name} extends past the end of {self.path}")
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:
-                continue  # a field gguf-py can't render is one we don't use
+            # the header as gguf-py shows it, then the key-value fields
+            self.metadata: dict[str, Any] = {"GGUF.version": raw.version, "GGUF.tensor_count": len(raw.tensors),
+                                             "GGUF.kv_count": len(raw.fields)}
+            for key, field in raw.fields.items():
+                try:
+                    value = raw.value(field)
+                    self.metadata[key] = _plain(value.value, value.vtype, value.sub_type)
+                except (UnicodeDecodeError, UserError):
+                    continue  # a field we cannot render (nested arrays, bytes that are not UTF-8) is one we don't use
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                data = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self.tensors: dict[str, TensorRecord] = {}
+            for t in raw.tensors:
+                start = raw.data_start + t.offset
+                try:
+                    tensor_type = GGMLQuantizationType(t.ggml_type)
+                except ValueError:
+                    raise UserError(f"{self.path}: tensor {t.name} has unknown ggml type {t.ggml_type}") from None
+                self.tensors[t.name] = TensorRecord(t.name, tensor_type, t.dims, t.nbytes, data[start:start + t.nbytes])
+        finally:
+            raw.close()
 
     def check_tensor_types(self) -> None:
         """Fail early, with the tensor's name, on a format we cannot decode."""
@@ -77,7 +115,7 @@ class GGUFFile:
             fmt = format_of(t.tensor_type)
         except UnsupportedQuantType as e:
             raise UserError(f"tensor {name}: {e}") from None
-        cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
+        cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
         raw = self._raw(name).view(torch.uint8).reshape(rows, fmt.row_bytes(cols))
         return QuantWeight(fmt, rows, cols, raw)
 

@@ -26,8 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch import __version__
-from cobatch.cli import kv_cache_dtype_arg
-from cobatch.llm import LLM
+from cobatch.llm import LLM, kv_cache_dtype_arg
 from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, openapi, slot_files, tokens
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# One entry point for the GPU machine: bench/device.sh SUITE [ARGS]. Run from the repo root there, carrying
+# .whl (the pure-Python wheels the image lacks), .models (smollm2-6l.gguf) and, for `ab` against an old tree,
+# that tree (`git archive OLD src bench | tar -x -C .ab_old`). docs/development.md has the workflow.
+# Everything lands in $OUT (default /tmp/out).
+#
+#   tests [PYTEST ARGS]      the GPU tests against the CPU path (default: every test file with CUDA tests)
+#   kernels [ARGS]           GEMV probe, the GEMV tests, then bench/kernels.py ARGS (e.g. --sweep)
+#   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
+#   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
+#                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
+#   serve [ARGS]             bench/serve.py: streaming HTTP clients against `cobatch serve`, and the engine alone
+#   moe [ARGS]               bench/moe_decode.py on the Qwen3-30B-A3B shape cut to LAYERS (default 12) of 48
+#   speculative [ARGS]       bench/speculative.py ARGS on MODEL (default the random Llama-3-8B Q4_K_M)
+#   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
+#   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
+#   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches
+#   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
+#                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
+#                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment
+#                            setting (COBATCH_PDL=0), a flag of the benchmark (--no-async-scheduling), or `.`
+#                            (this tree as it is). ARGS after ROUNDS go to the benchmark.
+#
+# Environment: MODEL (a GGUF instead of the random Llama-3-8B), QUANT, LAYERS, TIMEOUT (seconds per benchmark
+# run, default 400), TEST_TIMEOUT (default 480), BUDGET_S (all runs end by then, default 3600).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
+SUITES=" tests kernels attention decode serve moe speculative size gemv-configs profile ab "
+SUITE=${1:-}
+if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
+if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
+shift
+
+source bench/device_env.sh
+TIMEOUT=${TIMEOUT:-400}
+QUANT=${QUANT:-q4_k_m}
+GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_matmul.py tests/test_kernels_small.py
+  tests/test_attention_kernels.py tests/test_moe_routing.py tests/test_moe.py tests/test_gpu_engine.py
+  tests/test_cuda_graph_inputs.py tests/test_gemma.py tests/test_phi3.py tests/test_sampler.py)
+
+llama8b() { echo "${MODEL:-$(random_model llama3-8b "${QUANT%%,*}")}"; }
+
+run_tests() {
+  local args=("$@"); [ ${#args[@]} -eq 0 ] && args=("${GPU_TEST_FILES[@]}")
+  timeout "$(left "${TEST_TIMEOUT:-480}")" python3 -m pytest -q -rs -p no:cacheprovider "${args[@]}" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -25
+}
+
+# bench_cmd BENCH TREE: the command line that runs benchmark BENCH with the code of TREE (a directory).
+bench_cmd() {
+  local script
+  case $1 in
+    decode) script=decode.py ;; attention) script=kernels_attention.py ;; moe) script=moe_decode.py ;;
+    serve) script=serve.py ;; speculative) script=speculative.py ;;
+    *) echo "bench/device.sh: unknown BENCH '$1'" >&2; return 2 ;;
+  esac
+  echo "env PYTHONPATH=/tmp/site:$2/src python3 $2/bench/$script"
+}
+
+# bench_model_args BENCH: the model arguments each benchmark takes.
+bench_model_args() {
+  case $1 in
+    decode) echo "--model $(llama8b) --max-batch ${MAX_BATCH:-64} --kv-cache-gb 40" ;;
+    moe) echo "--model ${MODEL:-$(random_model qwen3-30b-a3b q4_k_m "${LAYERS:-12}")} --max-batch ${MAX_BATCH:-256}" ;;
+    serve) echo "--model $(llama8b) --device cuda --parallel 64 --kv-cache-gb 40 --levels ${LEVELS:-1,8,32,64}
+                 --rounds 1 --prompt-tokens 128 --output-tokens 256 --engine-baseline --load-timeout 120
+                 --stall-streams 0" ;;
+    speculative) echo "--device cuda --model $(llama8b) --tokens 96 --batches 1,8 --drafts predicted,edited,oracle" ;;
+    attention) echo "" ;;
+  esac
+}
+
+case $SUITE in
+tests)
+  run_tests "$@" ;;
+kernels)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
+  if ! timeout 120 python3 bench/gemv_probe.py 2>&1 | tee "$OUT/probe.log"; then
+    [ -n "${FORCE:-}" ] || { echo "probe failed: skipping tests and benchmark"; exit 1; }
+  fi
+  [ -z "${SKIP_TESTS:-}" ] && run_tests -x tests/test_quant_gemv.py
+  timeout "$(left "$TIMEOUT")" python3 bench/kernels.py "$@" 2>&1 | tee "$OUT/kernels.log"
+  # Only a few files come back from the device: drop the crash-recovery copy once the full result exists.
+  if ls "$OUT"/kernels-*.json 2>/dev/null | grep -qv partial; then rm -f "$OUT/kernels-partial.json"; fi ;;
+attention)
+  timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
+decode)
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+  models=()
+  if [ -n "${MODEL:-}" ]; then models=(--model "$MODEL")
+  else for q in ${QUANT//,/ }; do models+=(--model "$(random_model llama3-8b "$q")"); done; fi
+  timeout "$(left "$TIMEOUT")" python3 bench/decode.py "${models[@]}" --kv-cache-gb 40 "$@" 2>&1 | quiet \
+    | tee "$OUT/decode.log" ;;
+serve)
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+  # 256 output tokens, 2 rounds: each round's steady window (all N streams decoding) spans ~250 steps.
+  # bench/serve.py rewrites its JSON after every stage, so a run cut short still leaves what it measured.
+  OUT=$OUT/serve timeout "$(left "$TIMEOUT")" python3 bench/serve.py --model "$(llama8b)" --device cuda \
+    --parallel 64 --kv-cache-gb 40 --levels "${LEVELS:-1,8,32,64}" --rounds 2 --prompt-tokens 128 \
+    --output-tokens 256 --engine-baseline --load-timeout 120 "$@" 2>&1 | tee "$OUT/serve.log"
+  [ -f "$OUT/serve/serve_server.log" ] && { echo "--- server log (tail)"; tail -c 3000 "$OUT/serve/serve_server.log"; } \
+    >> "$OUT/serve.log"
+  sed -n '/^stall:/p;/^server vs engine/,/^JSON/p' "$OUT/serve.log" ;;
+moe)
+  run_tests tests/test_moe_routing.py tests/test_moe.py tests/test_quant_gemv.py \
+    -k "not gemv_dequantize and (routed or route or combine or slots or moe or bitwise or engine or logits or layer)"
+  timeout "$(left "$TIMEOUT")" python3 bench/moe_decode.py $(bench_model_args moe) "$@" 2>&1 | quiet \
+    | tee "$OUT/moe_decode.log" ;;
+speculative)
+  timeout "$(left "$TIMEOUT")" python3 bench/speculative.py --device cuda --model "$(llama8b)" "$@" 2>&1 | quiet \
+    | tee "$OUT/speculative.log" ;;
+size)
+  timeout "$(left 100)" python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
+  cp bench/results/size-ceiling*.json "$OUT/" 2>/dev/null ;;
+gemv-configs)
+  timeout "$(left "$TIMEOUT")" python3 bench/gemv_configs.py "$@" 2>&1 | quiet | tee "$OUT/gemv_configs.log" ;;
+profile)
+  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
+    --section WarpStateStats --section SchedulerStats --section SourceCounters"
+  for case in "$@"; do     # each case profiles the first timed launch, after gemv_configs.py's two check launches
+    read -r fmt shape tok <<<"$case"
+    cfg=$(python3 -c "
+import sys; sys.path.insert(0, 'bench'); import kernels
+from cobatch.kernels import quant_matmul as qm
+r, c = kernels.SHAPES['$shape']; p = qm.plan_for('$fmt', r, c, c, gemv=True).narrow.for_tokens($tok)
+print(f'{p.W},{p.RT},{p.split_k},{p.U},{p.D}')")
+    echo "=== $fmt $shape n_tok=$tok config $cfg" | tee -a "$OUT/ncu.txt"
+    timeout "$(left 120)" ncu --clock-control none -k regex:_gemv_kernel --launch-skip 2 --launch-count 1 \
+      $sections python3 bench/gemv_configs.py --formats "$fmt" --shapes "$shape" --toks "$tok" --configs "$cfg" \
+      2>&1 | grep -v "^  $fmt\|^==PROF==" >> "$OUT/ncu.txt"
+  done ;;
+ab)
+  [ $# -ge 2 ] || { echo "bench/device.sh ab OLD NEW [ROUNDS] [ARGS]" >&2; exit 2; }
+  old=$1 new=$2; shift 2
+  rounds=2; if [[ ${1:-} =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
+  bench=${BENCH:-decode}
+  read -r -a model_args <<< "$(bench_model_args "$bench")"
+  for round in $(seq 1 "$rounds"); do
+    for side in old new; do
+      arg=$old; [ $side = new ] && arg=$new
+      env_set=(); flags=(); tree=.
+      if [ -d "$arg" ]; then tree=$arg                                     # a tree, with its own code and tables
+      elif [[ $arg == *.json ]]; then env_set=(COBATCH_QUANT_CONFIGS="$arg")  # a GEMV config table
+      elif [[ $arg == *=* ]]; then env_set=("$arg")                        # an environment setting
+      elif [[ $arg == -* ]]; then read -r -a flags <<< "$arg"              # the benchmark's flags
+      fi
+      read -r -a cmd <<< "$(bench_cmd "$bench" "$tree")"
+      dir=$OUT/$bench-$side-$round; mkdir -p "$dir"
+      echo "== round $round $side ($arg)" | tee -a "$OUT/ab.log"
+      OUT=$dir timeout "$(left "$TIMEOUT")" env "${env_set[@]}" "${cmd[@]}" "${model_args[@]}" "${flags[@]}" "$@" \
+        2>&1 | quiet | tee "$dir/run.log" >> "$OUT/ab.log"
+      tail -20 "$dir/run.log"
+    done
+  done ;;
+esac
