@@ -6,6 +6,8 @@
 #
 #   tests [PYTEST ARGS]      the GPU tests against the CPU path (default: every test file with CUDA tests)
 #   kernels [ARGS]           GEMV probe, the GEMV tests, then bench/kernels.py ARGS (e.g. --sweep)
+#   gemm [ARGS]              the quantized GEMM's tests, then bench/gemm.py ARGS (every config at 16-256 tokens;
+#                            writes the chosen configs merged into quant_configs.json, to $OUT and bench/results)
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
@@ -27,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels attention decode serve moe speculative size gemv-configs profile ab "
+SUITES=" tests kernels gemm attention decode serve moe speculative size gemv-configs profile ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -36,7 +38,7 @@ shift
 source bench/device_env.sh
 TIMEOUT=${TIMEOUT:-400}
 QUANT=${QUANT:-q4_k_m}
-GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_matmul.py tests/test_kernels_small.py
+GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_gemm.py tests/test_quant_matmul.py tests/test_kernels_small.py
   tests/test_attention_kernels.py tests/test_moe_routing.py tests/test_moe.py tests/test_gpu_engine.py
   tests/test_cuda_graph_inputs.py tests/test_gemma.py tests/test_phi3.py tests/test_sampler.py)
 
@@ -84,6 +86,10 @@ kernels)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels.py "$@" 2>&1 | tee "$OUT/kernels.log"
   # Only a few files come back from the device: drop the crash-recovery copy once the full result exists.
   if ls "$OUT"/kernels-*.json 2>/dev/null | grep -qv partial; then rm -f "$OUT/kernels-partial.json"; fi ;;
+gemm)
+  [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_quant_gemm.py
+  timeout "$(left "$TIMEOUT")" python3 bench/gemm.py "$@" 2>&1 | tee "$OUT/gemm.log" | grep -v "^  "
+  cp bench/results/gemm.json bench/results/gemm.md bench/results/quant_configs.json "$OUT/" ;;
 attention)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
 decode)

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     series = decode_series(decode)
     if args.serve and Path(args.serve).exists():
         series.update(serve_series(json.loads(Path(args.serve).read_text())))
-    title = f"{decode.get('device', 'GPU')}: random Llama-3-8B Q4_K_M, decode ({decode.get('date', '')})"
+    quants = ", ".join(Path(m["model"]).stem.rsplit("-", 1)[-1] for m in decode["models"])
+    title = f"{decode.get('device', 'GPU')}: random Llama-3-8B {quants}, decode ({decode.get('date', '')})"
     Path(args.output).write_text(svg(series, title))
     return 0
 
