@@ -15,3 +15,28 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 # One intra-op thread: the CPU-path ops are small, and with two threads on a busy 2-core machine
 # torch's thread pool spins and makes them 10-100x slower (measured: a KV gather 0.06 ms -> 15 ms).
 torch.set_num_threads(int(os.environ.get("COBATCH_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_py_reads_each_file_once():
+    """transformers, the independent reference, opens GGUF files through gguf-py: it parses a file's directory
+    (the vocabulary is most of it: 10-15 s for Qwen2.5-Coder) for the tokenizer, again for the config and again for
+    the weights, and builds gguf-py's tensor-name map once per tensor (36 ms each). Both are pure functions of their
+    arguments, so they are cached here, a file keyed by its path, size and modification time. Nothing read
+    changes: only how often it is read."""
+    gguf = pytest.importorskip("gguf")
+    import functools
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        stat = os.stat(path)
+        key = (os.fspath(path), mode, stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_name_map)
+    yield
+    gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
