@@ -151,17 +151,18 @@ for normalize in (False, True):
 
 
 
-def compile_gemv_for_h200(constants, R):
-    # The Gluon GEMV (quant_gemv.py): its own front end, and q6_K's f32 super-block scales.
+def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descriptors=None):
+    # A Gluon kernel over the packed planes (quant_gemv.py, quant_gemm.py): their own front end, q6_K's f32
+    # super-block scales, bf16 activations; `descriptors` names the arguments that are TMA tensor descriptors.
     from triton.experimental.gluon._runtime import GluonASTSource
-    from cobatch.kernels import quant_gemv
-    kernel = quant_gemv._gemv_kernel
     names = list(kernel.arg_names)
     signature = {}
     for name in names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("partial_ptr",) or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
+        elif descriptors and name in descriptors:
+            signature[name] = descriptors[name]
+        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
             signature[name] = "*fp32"
         elif name in ("d_ptr", "m_ptr"):
             signature[name] = "*fp16"
@@ -174,8 +175,14 @@ def compile_gemv_for_h200(constants, R):
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                  if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
     compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
-                              options={"num_warps": constants["W"], "maxnreg": R})
+                              options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     assert compiled.asm["cubin"]
+    return compiled
+
+
+def compile_gemv_for_h200(constants, R):
+    from cobatch.kernels import quant_gemv
+    compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"], R)
 
 
 from cobatch.kernels import quant_gemv, quant_pack
@@ -190,29 +197,8 @@ if quant_gemv.gluon is not None:
 def compile_gemm_for_h200(constants):
     # The Gluon mid-batch GEMM (quant_gemm.py): its wgmmas must stay pipelined (ptxas serializes them, and says
     # so in an info line, when a register operand is redefined while a wgmma reading it is in flight).
-    from triton.experimental.gluon._runtime import GluonASTSource
     from cobatch.kernels import quant_gemm
-    kernel = quant_gemm._gemm_kernel
-    names = list(kernel.arg_names)
-    signature = {}
-    for name in names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
-            signature[name] = "*fp32"
-        elif name == "d_ptr":
-            signature[name] = "*fp16"
-        elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
-            signature[name] = "*u8"
-        elif name in ("x_ptr", "out_ptr"):
-            signature[name] = "*bf16"
-        else:
-            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
-    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
-                              options={"num_warps": constants["NW"]})
-    assert compiled.asm["cubin"]
+    compiled = compile_gluon_for_h200(quant_gemm._gemm_kernel, constants, constants["NW"])
     import os, subprocess, tempfile
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -238,33 +224,12 @@ if quant_gemm.warpgroup_mma is not None:
 
 def compile_gemm_tma_for_h200(constants):
     # The GEMM's TMA variant: x arrives as a tensor descriptor
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon import language as gl
     from cobatch.kernels import quant_gemm
-    kernel = quant_gemm._gemm_tma_kernel
     kc = 32 if constants["FMT"] == quant_pack.Q8_0 else 64
     layout = gl.NVMMASharedLayout.get_default_for([constants["BN"], kc], gl.float16)
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name == "x_desc":
-            signature[name] = f"tensordesc<fp16[{constants['BN']}, {kc}],{layout!r}>"
-        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
-            signature[name] = "*fp32"
-        elif name == "d_ptr":
-            signature[name] = "*fp16"
-        elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
-            signature[name] = "*u8"
-        elif name == "out_ptr":
-            signature[name] = "*bf16"
-        else:
-            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
-    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-                 if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
-                              options={"num_warps": constants["NW"]})
-    assert compiled.asm["cubin"]
+    compile_gluon_for_h200(quant_gemm._gemm_tma_kernel, constants, constants["NW"],
+                           descriptors={"x_desc": f"tensordesc<fp16[{constants['BN']}, {kc}],{layout!r}>"})
 
 
 gemm_tma_variants = {}
