@@ -20,42 +20,15 @@ def load_llm(which: str, max_num_seqs: int = 8, ctx: int = 1024, prefill_chunk: 
 
 
 # transformers reading a GGUF is the slowest step of the reference tests (it parses and dequantizes the file with
-# gguf-py: tens of seconds for Qwen2.5-Coder-0.5B). Each process reads each file once, float32, for every test; and
-# the first process to read a file saves what transformers read (its float32 weights as safetensors, its config and
-# tokenizer), which the other test process, and later runs on this machine, load in seconds: the same tensors.
-# The saved copy is keyed by the GGUF file's identity and the transformers version.
+# gguf-py: tens of seconds for Qwen2.5-Coder-0.5B), so each process reads each file once, float32, for every test.
 @functools.lru_cache(maxsize=2)
 def load_transformers(path: str | Path):
     """transformers' tokenizer and float32 model (eval mode) for a GGUF file: the independent reference."""
-    import json
-    import os
-    import shutil
-    import tempfile
-
     import pytest
     import torch
-    from filelock import FileLock
-    from safetensors.torch import save_model
     transformers = pytest.importorskip("transformers")
     path = Path(path)
-    stat = path.stat()
-    saved = Path(tempfile.gettempdir()) / "cobatch-tests-transformers" / (
-        f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}")
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{saved}.lock"):
-        if not (saved / "config.json").exists():
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                      dtype=torch.float32)
-            partial = saved.with_name(saved.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-            save_model(model, str(partial / "model.safetensors"))     # (transformers won't save a GGUF-read model)
-            config = model.config.to_dict()
-            config.pop("quantization_config", None)
-            (partial / "config.json").write_text(json.dumps(config))
-            tokenizer.save_pretrained(str(partial))
-            os.replace(partial, saved)
-            return tokenizer, model.eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(saved))
-    return tokenizer, transformers.AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    return tokenizer, model.eval()
