@@ -1,4 +1,4 @@
-"""Mid-batch quantized GEMM (17 to 256 tokens, and prefill) in Gluon, on Hopper's warpgroup MMA.
+"""Mid-batch quantized GEMM (17 to 256 tokens) in Gluon, on Hopper's warpgroup MMA.
 
 Past 16 tokens the GEMV (quant_gemv.py) runs one CTA row per 16-token tile, so each weight byte is read once
 per tile; dequantizing to bf16 for cuBLAS moves ~5 bytes per weight. This kernel reads each weight byte once per
@@ -20,6 +20,8 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     compiler from hoisting loads above it).
   - Split-K for the small matrices (qkv, o) reduces in split order through the scratch buffer, as the GEMV does
     (quant_gemv._finish_rows), and the act*mul epilogue of a gate|up weight is the GEMV's too.
+  - A TMA variant (_gemm_tma_kernel, GemmConfig.TMA; in no plan yet): x converted once per call by x_operands and
+    streamed by TMA into a ring of mbarrier-tracked buffers, so the loop holds no x registers and stores no x.
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
@@ -37,7 +39,6 @@ import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q6_K, F_Q8_0, gl, gluon
-
 from cobatch.kernels.triton_support import jit, tl
 
 try:
