@@ -83,6 +83,45 @@ def _compile_one(task) -> str:
         return f"{task}: {type(e).__name__}: {str(e)[:300]}"
 
 
+def _as_dict(c: GemmConfig) -> dict:
+    return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA}
+
+
+def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:
+    """The plan entry of one weight from its timings: times[(config, n)] in us, mine[n] the row of n (its old
+    path's and dequantize + cuBLAS's times).
+
+    One split of K per weight (it fixes a row's bits: batch invariance), in at most two configs of it: `mid`,
+    and past `wide_from` tokens a `wide` one (the TMA variant wins at 128-256 tokens and loses below). The GEMV
+    runs up to the largest token count where it still beat that pair (among the GEMV's own), the GEMM up to the
+    largest one where it beat dequantize + cuBLAS; the pair with the least total time over DECODE wins."""
+    def t(c, n):
+        return times.get((c, n), 1e9)
+
+    def plan_of(c, w):
+        wide_from = max([0] + [n for n in toks if t(c, n) <= t(w, n)]) if w else max(toks)
+        gemm_us = {n: t(c, n) if n <= wide_from else t(w, n) for n in toks}
+        gemv_ns = [n for n in toks if mine[n]["old_path"] == "gemv"]
+        low = 16
+        for n in sorted(gemv_ns):
+            if n > 16 and mine[n]["old_us"] <= gemm_us[n] and low == max(m for m in gemv_ns if m < n):
+                low = n
+        wins = [n for n in toks if n > low and gemm_us[n] < mine[n]["dequant_cublas_us"]]
+        high = max(wins) if wins else low
+        total = sum(mine[n]["old_us"] if n <= low else gemm_us[n] if n <= high else mine[n]["dequant_cublas_us"]
+                    for n in DECODE if n in toks)
+        return total, low, high, wide_from
+
+    pairs = [(c, None) for c in cands] + [(c, w) for c in cands for w in cands
+                                           if w.TMA and not c.TMA and w.split_k == c.split_k]
+    mid, wide = min(pairs, key=lambda cw: plan_of(*cw)[0])
+    _, low, upto, wide_from = plan_of(mid, wide)
+    entry = {"quant_gemm": _as_dict(mid), "quant_gemm_crossover": low, "quant_gemm_upto": upto}
+    if wide is not None and wide_from < upto:
+        entry.update(quant_gemm_wide=_as_dict(wide), quant_gemm_wide_from=wide_from)
+    return entry
+
+
 def precompile(tasks, workers: int) -> None:
     t0 = time.time()
     uniq = sorted(set(tasks))
@@ -117,10 +156,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--choose-from", type=Path, help="a sweep's gemm.json: choose the configs again, no GPU")
     args = ap.parse_args()
-    formats, shapes, toks = args.formats.split(","), args.shapes.split(","), [int(t) for t in args.toks.split(",")]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     res_dir = ROOT / "bench" / "results"
+    if args.choose_from:
+        return choose_again(args.choose_from, [res_dir] + ([out_dir] if out_dir else []))
+    formats, shapes, toks = args.formats.split(","), args.shapes.split(","), [int(t) for t in args.toks.split(",")]
     torch.manual_seed(0)
     tasks = []
     for fmt_name in formats:
@@ -181,31 +223,10 @@ def main() -> None:
                 print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D},{best.P:d},{best.TMA}) "
                       f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
                       f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
-            # One config per weight (its split of K fixes a row's bits). The plan runs the GEMV up to the largest
-            # token count where the GEMV still beat this config (among the GEMV's own), the GEMM up to the largest
-            # one where it beat dequantize + cuBLAS; the config with the least total time that way wins.
-            mine = {n: r for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name for n in [r["n_tok"]]}
-
-            def plan_of(c):
-                gemv_ns = [n for n in toks if mine[n]["old_path"] == "gemv"]
-                low = 16
-                for n in sorted(gemv_ns):
-                    if n > 16 and mine[n]["old_us"] <= times.get((c, n), 1e9) and low == max(m for m in gemv_ns
-                                                                                           if m < n):
-                        low = n
-                wins = [n for n in toks if n > low and times.get((c, n), 1e9) < mine[n]["dequant_cublas_us"]]
-                high = max(wins) if wins else low
-                total = sum(mine[n]["old_us"] if n <= low else times.get((c, n), 1e9) if n <= high
-                            else mine[n]["dequant_cublas_us"] for n in DECODE if n in toks)
-                return total, low, high
-
-            one = min(cands, key=lambda c: plan_of(c)[0])
-            _, low, upto = plan_of(one)
-            chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = {
-                "quant_gemm": {"NW": one.NW, "split_k": one.split_k, "D": one.D, "P": one.P, "TMA": one.TMA},
-                "quant_gemm_crossover": low, "quant_gemm_upto": upto}   # nothing past the largest n measured
-            print(f"  {fmt_name} {name}: rel_err {err:.1e}; one config {one}, GEMV up to {low}, GEMM up to {upto} "
-                  "tokens", flush=True)
+            mine = {r["n_tok"]: r for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name}
+            entry = choose(cands, times, mine, toks)
+            chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = entry
+            print(f"  {fmt_name} {name}: rel_err {err:.1e}; {entry}", flush=True)
             del copies, pw, w
             torch.cuda.empty_cache()
     copy_end = copy_bandwidth()
@@ -214,19 +235,49 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "copy_gbps": copy_gbps, "copy_gbps_end": copy_end,
               "copy_detail": COPY_DETAIL, "rows": rows_out, "chosen": chosen}
+    write(result, [res_dir] + ([out_dir] if out_dir else []))
+
+
+def write(result: dict, dirs: list[Path]) -> None:
+    """gemm.json and gemm.md, the chosen entries alone, and the package's table with them merged in."""
+    chosen = result["chosen"]
     table = {"formats": {f: {"shapes": s} for f, s in chosen.items()}}
-    merged = json.loads(qm.CONFIG_PATH.read_text())        # the package's table with these entries merged in
+    merged = json.loads(qm.CONFIG_PATH.read_text())
     for f, shapes_of in chosen.items():
         for shape, entry in shapes_of.items():
-            merged.setdefault("formats", {}).setdefault(f, {}).setdefault("shapes", {}).setdefault(shape, {}).update(entry)
+            row = merged.setdefault("formats", {}).setdefault(f, {}).setdefault("shapes", {}).setdefault(shape, {})
+            for key in ("quant_gemm_wide", "quant_gemm_wide_from"):   # an older choice's wide config goes
+                row.pop(key, None)
+            row.update(entry)
     md = markdown(result)
-    for d in [res_dir] + ([out_dir] if out_dir else []):
+    for d in dirs:
         (d / "gemm.json").write_text(json.dumps(result, indent=1))
         (d / "gemm.md").write_text(md)
         (d / "quant_configs-gemm.json").write_text(json.dumps(table, indent=1))
         (d / "quant_configs.json").write_text(json.dumps(merged, indent=1) + "\n")
     print(md.split("\n## ")[1] if "\n## " in md else md, flush=True)
 
+
+def choose_again(path: Path, dirs: list[Path]) -> None:
+    """Choose each weight's configs again from a sweep's timings (its gemm.json), without a GPU: for a change
+    of the choice, not of the kernels."""
+    result = json.loads(path.read_text())
+    toks = sorted({r["n_tok"] for r in result["rows"]})
+    chosen = {}
+    for fmt, shape in dict.fromkeys((r["fmt"], r["shape"]) for r in result["rows"]):
+        mine = {r["n_tok"]: r for r in result["rows"] if (r["fmt"], r["shape"]) == (fmt, shape)}
+        times = {}
+        for n, r in mine.items():
+            for key, us in r["all_configs_us"].items():
+                nw, split, d, pf, tm = map(int, key.split(","))
+                if us is not None:
+                    times[(GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm), n)] = us
+        cands = list(dict.fromkeys(c for c, _ in times))
+        rows, cols = SHAPES[shape]
+        chosen.setdefault(fmt, {})[f"{rows}x{cols}"] = choose(cands, times, mine, toks)
+    result["chosen"] = chosen
+    result["command"] += "; configs chosen again by bench/gemm.py --choose-from"
+    write(result, dirs)
 
 def markdown(result: dict) -> str:
     lines = [f"# Mid-batch quantized GEMM ({result['device']}, {result['date']}, tree {result['tree']})", "",

@@ -196,3 +196,20 @@ def test_packed_weight_dispatches_by_batch(monkeypatch):
     assert calls == [17, qm.QUANT_GEMM_UPTO]
     monkeypatch.setenv("COBATCH_QUANT_GEMM", "0")
     assert PackedWeight.from_quant(w, "cuda").plan.mid is None
+
+
+@requires_cuda
+@requires_hopper
+def test_a_row_keeps_its_bits_where_the_plan_switches_to_the_wide_config():
+    """The committed plan of q8_0 6144x4096 (Llama-3-8B's qkv) runs its mid config up to wide_from tokens and
+    the TMA variant past it: the same row gives the same bits on both sides of the switch."""
+    w = make_weight("q8_0", 6144, 4096, seed=16, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    plan = pw.plan
+    assert plan.wide is not None and plan.wide.TMA and plan.wide_from < plan.mid_upto, plan
+    n = plan.wide_from
+    assert plan.config_for(n) is plan.mid and plan.config_for(n + 1) is plan.wide
+    x = torch.randn(n + 20, 4096, generator=torch.Generator().manual_seed(17)).to("cuda", torch.bfloat16)
+    assert torch.equal(run_poisoned(pw, x[:n], None)[:n], run_poisoned(pw, x, None)[:n])
+    ref_w = w.dequantize(torch.float32).double()
+    assert relative_error(run_poisoned(pw, x, None), x.double() @ ref_w.T) < 5e-3

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig, quant_matmul_ref
 from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
 from cobatch.quant.formats import dequantize, format_of, random_quantized
@@ -142,6 +143,18 @@ def test_leading_dims_and_empty_batch():
     x = torch.randn(2, 1, 96).to(DEVICE, torch.bfloat16)
     assert pw.matmul(x).shape == (2, 1, 40)
     assert pw.matmul(torch.empty(0, 96, dtype=torch.bfloat16, device=DEVICE)).shape == (0, 40)
+
+
+def test_plan_switches_to_the_wide_gemm_config_past_wide_from():
+    """The GEMV up to the crossover, the mid GEMM config, the wide one past wide_from up to mid_upto, then the
+    prefill path; a wide config with another split of K (other bits for the same row) is refused."""
+    mid, wide = GemmConfig(NW=8, split_k=4), GemmConfig(NW=4, split_k=4, P=True, TMA=3)
+    plan = MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 16, mid, 256, wide, 64)
+    assert [plan.config_for(n) for n in (16, 17, 64, 65, 256, 257)] == [
+        SMALL_PLAN.narrow, mid, mid, wide, wide, qm.DEQUANT_CUBLAS]
+    assert plan.gemm_configs() == [mid, wide]
+    with pytest.raises(ValueError, match="split of K"):
+        MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 16, mid, 256, GemmConfig(NW=4, split_k=2, TMA=3), 64)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q5_1, T.Q3_K, T.F16])

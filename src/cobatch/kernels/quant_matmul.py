@@ -435,13 +435,24 @@ class MatmulPlan:
     crossover: int           # n_tok <= crossover -> narrow
     mid: GemmConfig | None = None   # crossover < n_tok <= mid_upto -> the quantized GEMM (quant_gemm.py)
     mid_upto: int = 0
+    # wide_from < n_tok <= mid_upto -> the GEMM in config `wide` (the TMA variant: it wins at 128-256 tokens
+    # and loses below). Same split of K as `mid`, so a row's bits do not change where the plan switches.
+    wide: GemmConfig | None = None
+    wide_from: int = 0
+
+    def __post_init__(self):
+        if self.wide is not None and (self.mid is None or self.wide.split_k != self.mid.split_k):
+            raise ValueError(f"the wide GEMM config needs the mid config's split of K: {self.mid} / {self.wide}")
 
     def config_for(self, n_tok: int) -> "TileConfig | GemvPlan | GemmConfig | str":
         if n_tok <= self.crossover:
             return self.narrow
         if self.mid is not None and n_tok <= self.mid_upto:
-            return self.mid
+            return self.wide if self.wide is not None and n_tok > self.wide_from else self.mid
         return self.gemm
+
+    def gemm_configs(self) -> list[GemmConfig]:
+        return [c for c in (self.mid, self.wide) if c is not None]
 
 
 @lru_cache(maxsize=None)
@@ -499,7 +510,8 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
     default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
     "quant_gemm" config and "quant_gemm_upto", else quant_gemm.default_config and QUANT_GEMM_UPTO), from
-    the GEMV's last token tile ("quant_gemm_crossover", else GEMV_CROSSOVER) on."""
+    the GEMV's last token tile ("quant_gemm_crossover", else GEMV_CROSSOVER) on, and past "quant_gemm_wide_from"
+    the entry's "quant_gemm_wide" config when it has one."""
     if interpreting():
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
@@ -526,8 +538,10 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
             rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
             mid = (GemmConfig(**entry["quant_gemm"]) if "quant_gemm" in entry
                    else quant_gemm.default_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+            wide = GemmConfig(**entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
             return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", GEMV_CROSSOVER)), mid,
-                              int(entry.get("quant_gemm_upto", QUANT_GEMM_UPTO)))
+                              int(entry.get("quant_gemm_upto", QUANT_GEMM_UPTO)), wide,
+                              int(entry.get("quant_gemm_wide_from", 0)))
     return MatmulPlan(narrow, gemm, crossover)
 
 
@@ -599,9 +613,9 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     """Grow the shared split-K buffers, and with `dense` the dequantize-to-cuBLAS matrix, to what a weight of
     this plan and shape needs (at load: never inside a CUDA-graph capture)."""
     _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
-    if plan.mid is not None:
-        _SplitScratch.reserve(device, *_scratch_need(plan.mid, rows_pad, plan.mid_upto))
-        if plan.mid.TMA:
+    for cfg in plan.gemm_configs():
+        _SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, plan.mid_upto))
+        if cfg.TMA:
             quant_gemm.reserve_x_scratch(device, plan.mid_upto * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
