@@ -96,6 +96,14 @@ def _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32: tl.conste
             * (softcap * 1.4426950408889634)
     else:
         s = s * qk_scale
+    return _softmax_fold(s, v, m, l, acc, valid, DOT_F32=DOT_F32, EMPTY_ROWS=EMPTY_ROWS)
+
+
+@jit
+def _softmax_fold(s, v, m, l, acc, valid, DOT_F32: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
+    """Fold one tile's scores s (already times qk_scale, log2(e) included) over `valid`, and its values v, into
+    the running (m, l, acc) of flash attention. Shared with the MLA decode kernel (mla_attention.py), whose
+    scores are two dots."""
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     if EMPTY_ROWS:

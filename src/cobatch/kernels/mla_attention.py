@@ -1,0 +1,151 @@
+"""Decode attention of multi-head latent attention (MLA, DeepSeek-V2/V3) over a latent paged KV cache.
+
+The cache holds one "head" per token and layer: the normalized latent c_kv (kv_lora_rank wide, 512 in DeepSeek)
+followed by the rotated key part k_rope (qk_rope_head_dim, 64): 576 values where Llama-3-8B keeps 2,048. Decode
+works in the latent space, as FlashMLA does: the model folds W_UK into each head's query (q_lat = q_nope @ W_UK,
+kv_lora_rank wide) and W_UV into the output, so that
+
+    score(h, t) = q_lat[h] . c_kv[t] + q_rope[h] . k_rope[t]
+    out[h]      = sum_t softmax_t(score(h, t) * scale) c_kv[t]          (kv_lora_rank wide)
+
+and every cached latent is read once per step for a whole block of heads. It is GQA attention with one KV head,
+keys 576 wide and values the keys' first 512: the kernel splits the context as the GQA decode kernel does
+(attention.py: the same split plan, partials and reduce kernel, so a row's bits depend on its own length only),
+and computes each tile's scores as two dots so that nothing is padded to a power of two wider than 512.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cobatch.batch import AttentionMetadata
+from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _row_split_len,
+                                       _softmax_fold, _store_partial, _tile_pages, plan_decode_splits)
+from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
+                                             next_pow2, pdl_launch, tl, triton)
+
+
+def mla_decode_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int,
+                   scale: float) -> torch.Tensor:
+    """q [S, H, kv_lora_rank + rope] (the absorbed latent query, then the rotated rope part); cache
+    [num_blocks, block_size, kv_lora_rank + rope] (this step's latent already written) -> [S, H, kv_lora_rank]
+    in q's dtype: each sequence's one query row against its first seq_lens[s] tokens. Rows of an empty
+    context come out as zeros."""
+    n_rows, n_heads, width = q.shape
+    block_size = cache.shape[1]
+    out = torch.zeros(n_rows, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    for s, ctx in enumerate(meta.seq_lens.tolist()):
+        if ctx == 0:
+            continue
+        blocks = meta.block_tables[s, : (ctx + block_size - 1) // block_size].long()
+        kv = cache[blocks].reshape(-1, width)[:ctx].float()                        # [L, lat + rope]
+        scores = (q[s].float() @ kv.T) * scale                                      # [H, L]
+        out[s] = (scores.softmax(-1) @ kv[:, :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+@jit
+def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                             q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+                             out_row_stride, out_head_stride, qk_scale, num_splits,
+                             N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+                             BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                             MIN_SPLIT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
+                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
+    """Program (seq, head block, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
+    latent tile once for all of them. Each split's partial (max, sum, acc) is computed from scratch over its own
+    tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's."""
+    seq = tl.program_id(0).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
+    row_splits = tl.cdiv(seq_len, split_len)
+    splits_per_program = tl.cdiv(row_splits, tl.num_programs(2))
+    chunk_len = splits_per_program * split_len
+    start = tl.program_id(2) * chunk_len
+    end = tl.minimum(seq_len, start + chunk_len)
+    bt_row = bt_ptr + seq * bt_stride
+    page = _tile_pages(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
+    if PDL:
+        gdc_wait()                     # q and this step's latent come from the previous kernels
+
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < N_HEADS
+    c = tl.arange(0, LAT)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < ROPE
+    q_rows = q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride
+    q_lat = tl.load(q_rows + c[None, :], mask=h_mask[:, None], other=0.0).to(OPERAND)
+    q_rope = tl.load(q_rows + LAT + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(OPERAND)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, LAT], tl.float32)
+    part_row = (seq * N_HEADS + heads) * num_splits
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        rows = cache_ptr + page * cache_block_stride + (toks % PAGE) * cache_slot_stride
+        lat = tl.load(rows[:, None] + c[None, :], mask=tok_mask[:, None], other=0.0).to(OPERAND)
+        rope = tl.load(rows[:, None] + LAT + r[None, :], mask=tok_mask[:, None] & r_mask[None, :],
+                       other=0.0).to(OPERAND)
+        page = _tile_pages(bt_row, toks + BLOCK_N, end, PAGE)      # the next tile's, carried
+        if DOT_F32:
+            s = tl.dot(q_lat.to(tl.float32), tl.trans(lat.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(q_rope.to(tl.float32), tl.trans(rope.to(tl.float32)), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_rope, tl.trans(rope), tl.dot(q_lat, tl.trans(lat)))
+        m, l, acc = _softmax_fold(s * qk_scale, lat, m, l, acc, tok_mask[None, :], DOT_F32=DOT_F32)
+        if not SINGLE_SPLIT:
+            split_done = ((tok0 + BLOCK_N) % split_len == 0) | (tok0 + BLOCK_N >= end)
+            _store_partial(part_acc_ptr, part_ml_ptr, part_row + tok0 // split_len, m, l, acc, c,
+                           h_mask & split_done, h_mask[:, None] & split_done, LAT)
+            m = tl.where(split_done, float("-inf"), m)   # the next split starts from scratch
+    if PDL:
+        gdc_launch_dependents()
+    if SINGLE_SPLIT:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]      # an empty context (padded row) comes out as zeros
+        tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + c[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int,
+                         scale: float, out: torch.Tensor | None = None, cfg: DecodeConfig = DECODE_CONFIG,
+                         block_h: int = 16) -> torch.Tensor:
+    """mla_decode_ref for a decode step (one row per sequence), graph-safe as paged_decode_attention is: the grid
+    depends only on q's shape and meta.max_seq_len. cache may be [num_blocks, block_size, 1, width] (the KV
+    pool's one-head layout) or [num_blocks, block_size, width]. kv_lora_rank must be a power of two (512 in
+    every DeepSeek model); the rope part is padded to one."""
+    n_rows, n_heads, width = q.shape
+    cache = cache.flatten(2) if cache.dim() == 4 else cache
+    page, rope = cache.shape[1], width - kv_lora_rank
+    assert meta.max_query_len == 1 and n_rows == meta.num_seqs and cache.shape[2] == width
+    assert kv_lora_rank == next_pow2(kv_lora_rank) and 0 < rope, "kv_lora_rank a power of two, then the rope part"
+    assert q.stride(-1) == 1 and cache.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
+    out = torch.empty(n_rows, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device) if out is None else out
+    if n_rows == 0:
+        return out
+    block_h = min(block_h, max(16, next_pow2(n_heads)))
+    head_blocks = triton.cdiv(n_heads, block_h)
+    # one KV head per head block: the split plan the GQA kernel makes for n_kv_heads = head_blocks
+    num_splits, chunks = plan_decode_splits(n_rows, head_blocks, meta.max_seq_len, device_sms(q), cfg)
+    if num_splits > 1:
+        part_acc = torch.empty(n_rows, n_heads, num_splits, kv_lora_rank, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out   # unused
+    operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
+    launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
+    _mla_decode_split_kernel[(n_rows, head_blocks, chunks)](
+        q, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
+        q.stride(0), q.stride(1), meta.block_tables.stride(0), cache.stride(0), cache.stride(1),
+        out.stride(0), out.stride(1), scale * LOG2E, num_splits,
+        N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
+        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
+        OPERAND=operand, num_warps=cfg.num_warps if kv_lora_rank <= 256 else 8, num_stages=cfg.num_stages, **launch)
+    if num_splits > 1:
+        _decode_reduce_kernel[(n_rows, n_heads)](
+            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
+            HEAD_D=kv_lora_rank, BLOCK_D=kv_lora_rank, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
+            BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
+            GROUPS=False, num_warps=4, **launch)
+    return out

@@ -1,0 +1,100 @@
+"""MLA decode attention over the latent paged cache (kernels/mla_attention.py) against its torch reference, and the
+reference's absorbed form against attention over the decompressed keys and values (paged_attention_ref).
+
+Tiny shapes run in the Triton interpreter on the CPU, with small tiles so that several tiles, splits and pages are
+crossed; DeepSeek's shapes (latent 512, rope 64, 16 and 128 heads) run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cobatch.batch import AttentionMetadata  # noqa: E402
+from cobatch.kernels.attention import DecodeConfig, paged_attention_ref  # noqa: E402
+from cobatch.kernels.mla_attention import mla_decode_attention, mla_decode_ref  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
+from kernel_checks import DEVICE, poisoned, relative_error  # noqa: E402
+
+SINGLE = DecodeConfig(block_n=16, min_split=1024)
+SPLIT = DecodeConfig(block_n=16, min_split=16, max_splits=8, programs_per_sm=64)
+
+
+def latent_setup(seq_lens, n_heads, lat, rope, dtype, seed, block_size=16, capacity=None):
+    """Random absorbed queries, a random latent cache, and each sequence's blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    capacity = capacity or max(max(seq_lens), 1)
+    block_tables = torch.zeros(len(seq_lens), (capacity + block_size - 1) // block_size, dtype=torch.int32)
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    cache = torch.randn(num_blocks, block_size, 1, lat + rope, generator=g).to(DEVICE, dtype)
+    q = torch.randn(len(seq_lens), n_heads, lat + rope, generator=g).to(DEVICE, dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((len(seq_lens),), -1, dtype=torch.int64, device=DEVICE),
+        query_start=torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE), max_query_len=1, max_seq_len=capacity)
+    return q, cache, meta
+
+
+def test_absorbed_reference_is_attention_over_the_decompressed_keys_and_values():
+    """DeepSeek's MLA as its model code writes it (keys = [W_UK c ; k_rope], values = W_UV c, per head) equals the
+    absorbed form (q_lat = q_nope W_UK, out = out_lat W_UV^T) that the kernel computes (both references compute in
+    float32)."""
+    g = torch.Generator().manual_seed(1)
+    n_heads, lat, rope, nope, v_dim = 4, 32, 8, 12, 10
+    q, cache, meta = latent_setup([5, 23, 40], n_heads, lat, rope, torch.float64, seed=2)
+    w_uk = torch.randn(n_heads, nope, lat, generator=g, dtype=torch.float64)
+    w_uv = torch.randn(n_heads, v_dim, lat, generator=g, dtype=torch.float64)
+    q_nope = torch.randn(3, n_heads, nope, generator=g, dtype=torch.float64)
+    q_rope = q[..., lat:]
+    scale = (nope + rope) ** -0.5
+    c, k_rope = cache[..., :lat], cache[..., lat:]                 # [blocks, page, 1, .]
+    # decompressed: one KV head per query head (MHA), keys nope + rope wide, values padded to the keys' width
+    k_heads = torch.cat([torch.einsum("bpol,hnl->bphn", c, w_uk), k_rope.expand(-1, -1, n_heads, -1)], -1)
+    v_heads = torch.einsum("bpol,hvl->bphv", c, w_uv)
+    v_heads = torch.nn.functional.pad(v_heads, (0, nope + rope - v_dim))
+    want = paged_attention_ref(torch.cat([q_nope, q_rope], -1), k_heads, v_heads, meta, scale)[..., :v_dim]
+    q_lat = torch.einsum("shn,hnl->shl", q_nope, w_uk)
+    out_lat = mla_decode_ref(torch.cat([q_lat, q_rope], -1), cache.flatten(2), meta, lat, scale)
+    got = torch.einsum("shl,hvl->shv", out_lat, w_uv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg,dtype", [(SPLIT, torch.float32), (SINGLE, torch.bfloat16)], ids=["split", "single"])
+def test_decode_matches_reference(cfg, dtype):
+    """Rows of one token, of a page and a bit, of several splits, and an empty (padded) row; 20 heads in two
+    blocks of 16, the second one partly masked; the rope part padded from 8 to 16."""
+    q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, dtype, seed=3)
+    ref = mla_decode_ref(q, cache.flatten(2), meta, 16, 0.3)
+    got = mla_decode_attention(q, cache, meta, 16, 0.3, out=poisoned((4, 20, 16), dtype), cfg=cfg)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    assert relative_error(got, ref) < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+
+
+def test_a_row_has_the_same_bits_alone_and_batched():
+    """Up to DecodeConfig.invariant_rows rows split as one row does: a row's output does not depend on its
+    neighbours (speculative drafts, batched sessions)."""
+    q, cache, meta = latent_setup([50, 5], 16, 16, 8, torch.float32, seed=4)
+    batched = mla_decode_attention(q, cache, meta, 16, 0.3, cfg=SPLIT)
+    for r in range(2):
+        alone = AttentionMetadata(meta.slot_mapping[r:r + 1], meta.query_start[:2], meta.seq_lens[r:r + 1],
+                                  meta.block_tables[r:r + 1], 1, meta.max_seq_len)
+        assert torch.equal(mla_decode_attention(q[r:r + 1], cache, alone, 16, 0.3, cfg=SPLIT), batched[r:r + 1]), r
+
+
+@requires_cuda
+@pytest.mark.parametrize("n_heads", [16, 128])
+@pytest.mark.parametrize("seq_lens", [[1], [512] * 8, [4000, 17, 900, 8192]])
+def test_deepseek_shapes_on_the_gpu(n_heads, seq_lens):
+    """DeepSeek-V2-Lite (16 heads) and V3 (128) latent shapes, bf16, the default plan (PDL, splits)."""
+    q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=5, block_size=64)
+    ref = mla_decode_ref(q, cache.flatten(2), meta, 512, 192 ** -0.5)
+    got = mla_decode_attention(q, cache, meta, 512, 192 ** -0.5)
+    assert relative_error(got, ref) < 1e-2
