@@ -20,8 +20,9 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     compiler from hoisting loads above it).
   - Split-K for the small matrices (qkv, o) reduces in split order through the scratch buffer, as the GEMV does
     (quant_gemv._finish_rows), and the act*mul epilogue of a gate|up weight is the GEMV's too.
-  - A TMA variant (_gemm_tma_kernel, GemmConfig.TMA; in no plan yet): x converted once per call by x_operands and
-    streamed by TMA into a ring of mbarrier-tracked buffers, so the loop holds no x registers and stores no x.
+  - A TMA variant (_gemm_tma_kernel, GemmConfig.TMA): x converted once per call by x_operands and streamed by
+    TMA into a ring of mbarrier-tracked buffers, so the loop holds no x registers and stores no x. It wins at
+    128-256 tokens and loses below; a weight's plan runs it past its `wide_from` (quant_matmul.MatmulPlan).
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
