@@ -13,6 +13,7 @@ from cobatch.config import ModelConfig
 from cobatch.engine.kv_cache import KVPool
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.llama import LlamaModel
+from cobatch.models.registry import model_class
 
 
 def open_gguf(path) -> tuple[GGUFFile, ModelConfig]:
@@ -22,7 +23,7 @@ def open_gguf(path) -> tuple[GGUFFile, ModelConfig]:
 
 def load_model(path, device="cpu", dtype=torch.float32, max_positions: int = 128):
     f, cfg = open_gguf(path)
-    return f, cfg, LlamaModel(cfg, f, device, dtype, max_positions=max_positions)
+    return f, cfg, model_class(cfg)(cfg, f, device, dtype, max_positions=max_positions)
 
 
 def prompt_logits(model: LlamaModel, cfg: ModelConfig, ids: list[int], kv_dtype=None) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from datetime import datetime
 from typing import Any
 
@@ -288,3 +289,25 @@ def test_tool_call_ids_fit_a_template_that_wants_nine_characters() -> None:
     # A template without that check sees the ids as sent.
     plain = ChatTemplate("{% for m in messages %}{{ m.tool_call_id }}{% endfor %}")
     assert "call_5f1c2e9a8b7d4c3e2f1a0b9c" in plain.render(messages, add_generation_prompt=False)
+
+
+DEEPSEEK_R1_TEMPLATE = (Path(__file__).parent / "templates" / "deepseek_r1.jinja").read_text()
+
+
+@pytest.mark.parametrize("conversation", [CONVERSATION, TOOL_CONVERSATION[:3]], ids=["chat", "tool calls"])
+def test_deepseek_r1_template_matches_transformers(conversation: list[dict]) -> None:
+    """DeepSeek-R1's own template (tests/templates/deepseek_r1.jinja, from its tokenizer_config.json): rendered as
+    transformers renders it. The template concatenates a call's arguments as text, so it gets them as JSON text
+    where the server passes objects; transformers is given the text, as DeepSeek's template expects."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    ours = ChatTemplate(DEEPSEEK_R1_TEMPLATE, bos_token=bos, eos_token=eos).render(conversation)
+    as_text = json.loads(json.dumps(conversation))
+    for message in as_text:
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    [want], _ = render_jinja_template(conversations=[as_text], chat_template=DEEPSEEK_R1_TEMPLATE,
+                                      add_generation_prompt=True, bos_token=bos, eos_token=eos)
+    assert ours == want and ours.endswith("<｜Assistant｜><think>\n")
+    if conversation is not CONVERSATION:
+        assert '<｜tool▁sep｜>get_weather\n```json\n{"city": "Zürich"}\n```<｜tool▁call▁end｜>' in ours

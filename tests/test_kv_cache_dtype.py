@@ -28,7 +28,7 @@ TEXTS = {
 
 
 def test_an_fp8_pool_block_takes_half_the_bytes_of_bf16():
-    cfg = SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128)          # Llama-3-8B's KV shape
+    cfg = SimpleNamespace(n_layers=32, kv_cache_heads=(8, 128, 128))     # Llama-3-8B's KV shape (heads, K, V)
     assert KVPool.bytes_per_block(cfg, 16, FP8) * 2 == KVPool.bytes_per_block(cfg, 16, torch.bfloat16) == 2 << 20
     pool = KVPool(cfg, 3, 16, FP8, "cpu")
     assert pool.k[0].dtype == FP8 and pool.nbytes == 3 * KVPool.bytes_per_block(cfg, 16, FP8)

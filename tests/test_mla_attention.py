@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels.attention import DecodeConfig, paged_attention_ref  # noqa: E402
-from cobatch.kernels.mla_attention import mla_decode_attention, mla_decode_ref  # noqa: E402
+from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import DEVICE, poisoned, relative_error  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_absorbed_reference_is_attention_over_the_decompressed_keys_and_values()
     v_heads = torch.nn.functional.pad(v_heads, (0, nope + rope - v_dim))
     want = paged_attention_ref(torch.cat([q_nope, q_rope], -1), k_heads, v_heads, meta, scale)[..., :v_dim]
     q_lat = torch.einsum("shn,hnl->shl", q_nope, w_uk)
-    out_lat = mla_decode_ref(torch.cat([q_lat, q_rope], -1), cache.flatten(2), meta, lat, scale)
+    out_lat = mla_attention_ref(torch.cat([q_lat, q_rope], -1), cache, meta, scale, lat).double()
     got = torch.einsum("shl,hvl->shv", out_lat, w_uv)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -71,8 +71,8 @@ def test_decode_matches_reference(cfg, dtype):
     """Rows of one token, of a page and a bit, of several splits, and an empty (padded) row; 20 heads in two
     blocks of 16, the second one partly masked; the rope part padded from 8 to 16."""
     q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, dtype, seed=3)
-    ref = mla_decode_ref(q, cache.flatten(2), meta, 16, 0.3)
-    got = mla_decode_attention(q, cache, meta, 16, 0.3, out=poisoned((4, 20, 16), dtype), cfg=cfg)
+    ref = mla_attention_ref(q, cache, meta, 0.3, 16)
+    got = mla_decode_attention(q, cache, meta, 0.3, 16, out=poisoned((4, 20, 16), dtype), cfg=cfg)
     assert torch.isfinite(got).all()
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     assert relative_error(got, ref) < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
@@ -82,11 +82,11 @@ def test_a_row_has_the_same_bits_alone_and_batched():
     """Up to DecodeConfig.invariant_rows rows split as one row does: a row's output does not depend on its
     neighbours (speculative drafts, batched sessions)."""
     q, cache, meta = latent_setup([50, 5], 16, 16, 8, torch.float32, seed=4)
-    batched = mla_decode_attention(q, cache, meta, 16, 0.3, cfg=SPLIT)
+    batched = mla_decode_attention(q, cache, meta, 0.3, 16, cfg=SPLIT)
     for r in range(2):
         alone = AttentionMetadata(meta.slot_mapping[r:r + 1], meta.query_start[:2], meta.seq_lens[r:r + 1],
                                   meta.block_tables[r:r + 1], 1, meta.max_seq_len)
-        assert torch.equal(mla_decode_attention(q[r:r + 1], cache, alone, 16, 0.3, cfg=SPLIT), batched[r:r + 1]), r
+        assert torch.equal(mla_decode_attention(q[r:r + 1], cache, alone, 0.3, 16, cfg=SPLIT), batched[r:r + 1]), r
 
 
 @requires_cuda
@@ -95,6 +95,6 @@ def test_a_row_has_the_same_bits_alone_and_batched():
 def test_deepseek_shapes_on_the_gpu(n_heads, seq_lens):
     """DeepSeek-V2-Lite (16 heads) and V3 (128) latent shapes, bf16, the default plan (PDL, splits)."""
     q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=5, block_size=64)
-    ref = mla_decode_ref(q, cache.flatten(2), meta, 512, 192 ** -0.5)
-    got = mla_decode_attention(q, cache, meta, 512, 192 ** -0.5)
+    ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
+    got = mla_decode_attention(q, cache, meta, 192 ** -0.5, 512)
     assert relative_error(got, ref) < 1e-2

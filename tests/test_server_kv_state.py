@@ -203,7 +203,7 @@ def test_blocks_evicted_from_the_pool_come_back_from_disk(llm, tmp_path):
 
 
 def test_the_disk_cache_stays_under_its_budget_oldest_first(tmp_path):
-    cfg = SimpleNamespace(n_layers=2, n_kv_heads=1, head_dim=4)
+    cfg = SimpleNamespace(n_layers=2, kv_cache_heads=(1, 4, 4))
     pool = KVPool(cfg, 4, 2, torch.float32, "cpu")
     cache = DiskPrefixCache(tmp_path, 1 << 20, pool, "f" * 64)
     for i in range(3):

@@ -83,6 +83,8 @@ def _parse(pieces: list[str], **kwargs) -> tuple[str, str, list[tuple[str, str]]
 
 
 WEATHER = ["get_weather"]
+DS_BLOCK, DS_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 PARSE_CASES = [
     ("plain text", "Hello world", {}, ("Hello world", "", [])),
     ("leading space kept", " Paris.", {}, (" Paris.", "", [])),
@@ -131,6 +133,16 @@ PARSE_CASES = [
      ('[{"name": "get_weather", "arguments": {}}]', "", [])),
     ("list breaking off after a call", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, oops',
      {"tool_names": WEATHER}, (", oops", "", [("get_weather", '{"city": "Oslo"}')])),
+    # DeepSeek V3 / R1 (the type, then the name on its line, the arguments fenced) and V3.1 (name, arguments)
+    ("DeepSeek R1: think, text, a call",
+     '<think>hm</think>Ok.' + DS_BLOCK + DS_CALL + 'function' + DS_SEP + 'f\n```json\n{"x": "`"}\n```' + DS_END
+     + DS_BLOCK_END, {"tool_names": ["f"]}, ("Ok.", "hm", [("f", '{"x": "`"}')])),
+    ("DeepSeek V3.1: name, then arguments", DS_BLOCK + DS_CALL + 'a' + DS_SEP + '{"x": 1}' + DS_END + DS_BLOCK_END,
+     {"tool_names": ["a"]}, ("", "", [("a", '{"x": 1}')])),
+    ("DeepSeek: cut off mid-arguments", DS_BLOCK + DS_CALL + 'function' + DS_SEP + 'a\n```json\n{"x": 1',
+     {"tool_names": ["a"]}, ("", "", [("a", '{"x": 1')])),
+    ("DeepSeek markers without tools are text", DS_CALL + 'a' + DS_SEP + '{}' + DS_END, {},
+     (DS_CALL + 'a' + DS_SEP + '{}' + DS_END, "", [])),
 ]
 
 
@@ -147,6 +159,24 @@ def test_tool_arguments_stream_before_the_call_ends():
     assert events == [ToolCallStart(0, "get_weather"), ToolCallArgsDelta(0, '{"ci')]
     assert parser.push('ty": "Rome"}') == [ToolCallArgsDelta(0, 'ty": "Rome"}')]
     assert parser.push("}\n</tool_call>") + parser.finish() == []
+    assert parser.num_tool_calls == 1
+
+
+def test_deepseek_v3_two_calls_then_text_whatever_the_cut():
+    """Cut in two at every position (the three-piece cuts of PARSE_CASES take seconds on this length)."""
+    text = (DS_BLOCK + DS_CALL + 'function' + DS_SEP + 'a\n```json\n{}\n```' + DS_END + '\n' + DS_CALL + 'function'
+            + DS_SEP + 'b\n```json\n[1]\n```' + DS_END + DS_BLOCK_END + ' Done.')
+    for cut in range(len(text) + 1):
+        assert _parse([text[:cut], text[cut:]], tool_names=["a", "b"]) == ("Done.", "", [("a", "{}"), ("b", "[1]")])
+    assert _parse(list(text), tool_names=["a", "b"]) == ("Done.", "", [("a", "{}"), ("b", "[1]")])
+
+
+def test_deepseek_tool_arguments_stream_before_the_call_ends():
+    parser = OutputParser(tool_names=WEATHER)
+    assert parser.push(DS_BLOCK + DS_CALL + "function" + DS_SEP + "get_weather\n```json\n") == [
+        ToolCallStart(0, "get_weather")]
+    assert parser.push('{"city": "Rome"}\n``') == [ToolCallArgsDelta(0, '{"city": "Rome"}')]    # the fence held
+    assert parser.push("`" + DS_END + DS_BLOCK_END) + parser.finish() == []
     assert parser.num_tool_calls == 1
 
 

@@ -132,7 +132,9 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _normalize_messages(messages: list[Any]) -> list[dict]:
+def _normalize_messages(messages: list[Any], none_content: bool = False) -> list[dict]:
+    """Plain copies of the messages, null fields dropped; none_content: a null content stays None beside tool
+    calls (for a template that tests `content is none`, as DeepSeek's do)."""
     normalized = []
     for message in _plain(messages):
         if not isinstance(message, dict):
@@ -142,7 +144,8 @@ def _normalize_messages(messages: list[Any]) -> list[dict]:
         # (no tool calls, no reasoning) is an empty message: most templates read its content unguarded.
         if message.get("content", "") is None and not any(message.get(k) for k in ("tool_calls", *_REASONING_FIELDS)):
             message = {**message, "content": ""}
-        message = {k: v for k, v in message.items() if v is not None}
+        message = {k: v for k, v in message.items()
+                   if v is not None or (k == "content" and none_content and message.get("tool_calls"))}
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -155,6 +158,29 @@ def _normalize_messages(messages: list[Any]) -> list[dict]:
 # template: a call and its result map to the same short id, so the pairing the template checks survives.
 _NINE_CHAR_ID_CHECK = re.compile(r"length\s*[!=]=\s*9\b")
 _NINE_CHAR_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+# DeepSeek's templates (V3, R1) concatenate a tool call's arguments as text ('...' + tool['function']['arguments']),
+# where transformers' convention, and what the server passes, is the object: such a template gets the JSON text.
+# ... and test a tool-call message's content for none, which the null fields dropped would make undefined
+_TESTS_CONTENT_IS_NONE = re.compile(r"(?:\['content'\]|\.content)\s+is\s+none")
+_ARGUMENTS_AS_TEXT = re.compile(r"\+\s*\w+(?:\['function'\]|\.function)(?:\['arguments'\]|\.arguments)")
+
+
+def _with_text_arguments(chat: list[dict]) -> list[dict]:
+    out = []
+    for message in chat:
+        if isinstance(message.get("tool_calls"), list):
+            calls = []
+            for call in message["tool_calls"]:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and not isinstance(function.get("arguments", ""), str):
+                    call = {**call, "function": {**function,
+                                                 "arguments": json.dumps(function["arguments"], ensure_ascii=False)}}
+                calls.append(call)
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
 
 
 def _nine_char_id(tool_call_id: Any) -> Any:
@@ -184,6 +210,8 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._nine_char_ids = bool(_NINE_CHAR_ID_CHECK.search(source))
+        self._text_arguments = bool(_ARGUMENTS_AS_TEXT.search(source))
+        self._none_content = bool(_TESTS_CONTENT_IS_NONE.search(source))
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -220,9 +248,11 @@ class ChatTemplate:
         Extra keyword arguments reach the template as variables (e.g. enable_thinking)."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
-        chat = _normalize_messages(messages)
+        chat = _normalize_messages(messages, none_content=self._none_content)
         if self._nine_char_ids:
             chat = _with_nine_char_ids(chat)
+        if self._text_arguments:
+            chat = _with_text_arguments(chat)
         final_content = None
         if continue_final_message:
             final_content = chat[-1].get("content") if chat else None

@@ -181,11 +181,23 @@ def cmd_inspect(args) -> int:
     print(f"name:          {cfg.name}")
     print(f"architecture:  {cfg.arch}")
     print(f"layers:        {cfg.n_layers}   d_model: {cfg.d_model}   ffn: {cfg.ffn_dim}")
-    print(f"heads:         {cfg.n_heads} (kv {cfg.n_kv_heads}, head_dim {cfg.head_dim})")
+    if cfg.mla is not None:
+        mla = cfg.mla
+        print(f"heads:         {cfg.n_heads}, latent attention (MLA): kv rank {mla.kv_lora_rank}"
+              f"{f', q rank {mla.q_lora_rank}' if mla.q_lora_rank else ''}, q/k head {mla.qk_nope_dim} + rope "
+              f"{mla.qk_rope_dim}, v head {mla.v_head_dim}")
+    else:
+        print(f"heads:         {cfg.n_heads} (kv {cfg.n_kv_heads}, head_dim {cfg.head_dim})")
     if cfg.n_experts:
         shared = f", shared expert ffn {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
+        dense = f", the first {cfg.leading_dense_layers} layers dense" if cfg.leading_dense_layers else ""
         print(f"experts:       {cfg.n_experts_used} of {cfg.n_experts} per token, "
-              f"expert ffn {cfg.expert_ffn_dim}{shared}")
+              f"expert ffn {cfg.expert_ffn_dim}{shared}{dense}")
+        if cfg.mla is not None:
+            groups = (f", top {cfg.n_experts_used} within the best {cfg.expert_groups_used} of {cfg.expert_groups} "
+                      "groups" if cfg.expert_groups else "")
+            print(f"               routed by {cfg.expert_gating}{groups}, weights "
+                  f"{'renormalized, ' if cfg.expert_weights_norm else ''}times {cfg.expert_weights_scale:g}")
         print(f"               on CUDA: {_expert_decode(f, cfg)}")
     print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
     print(f"rope:          {'neox' if cfg.rope_neox else 'norm'} theta {cfg.rope_theta:g}"
@@ -215,13 +227,15 @@ def _expert_decode(f, cfg) -> str:
     stacked for the routed GEMV (kernels/packed_experts.py), else expert by expert (eager), and why."""
     from cobatch.kernels.packed_experts import stackable
     blocking = set()
-    for i in range(cfg.n_layers):
+    for i in range(cfg.leading_dense_layers, cfg.n_layers):
         kinds = {x: f.tensors[f"blk.{i}.ffn_{x}_exps.weight"].tensor_type.name.lower() for x in ("gate", "up", "down")}
         if kinds["gate"] != kinds["up"]:
             blocking.add(f"gate {kinds['gate']} and up {kinds['up']} differ")
         for x, rows in (("gate", 2 * cfg.expert_ffn_dim), ("down", cfg.d_model)):
             if not stackable(kinds[x], rows):
                 blocking.add(f"{x} experts in {kinds[x]} ({rows} rows)")
+    if not blocking and cfg.mla is not None:
+        return "routed on the device; decode eager (latent attention runs its torch reference on CUDA too)"
     if not blocking:
         return "routed on the device, decode in CUDA graphs"
     return "expert by expert, decode eager: " + "; ".join(sorted(blocking))

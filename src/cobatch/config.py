@@ -15,14 +15,38 @@ from cobatch.errors import UserError
 # gemma2 / gemma3 (text): tanh-GELU gating, embeddings scaled by sqrt(d_model), norms after each sublayer too,
 # and sliding-window layers: every other one in gemma2 (with soft-capped attention and logits), five of six in
 # gemma3 (with their own rope base).
+# deepseek2 (DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2, Moonlight): multi-head latent attention (MLA) and shared plus
+# routed experts after some dense layers; its rope dims rotate adjacent pairs (NORM), unpermuted.
 SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True, "phi3": True,
-                   "gemma2": True, "gemma3": True}
+                   "gemma2": True, "gemma3": True, "deepseek2": False}
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}   # every n-th layer is global (llama.cpp's and transformers')
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models scale q by d_model / n_heads, not head_dim
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # gemma3's sliding-window layers' rope base (not in the GGUF metadata)
 # Whether the top-k routing weights are renormalized to sum to 1, as llama.cpp's build_moe_ffn is told per
 # arch (Mixtral and Qwen3-MoE do; Qwen1.5/2-MoE do not). `{arch}.expert_weights_norm` overrides it.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "deepseek2": False}
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}   # {arch}.expert_gating_func, as gguf-py's ExpertGatingFuncType
+
+
+@dataclass(frozen=True, slots=True)
+class MlaShape:
+    """Multi-head latent attention (DeepSeek): q through an optional low-rank pair, k and v through one shared
+    latent of kv_lora_rank per token (plus a rope key of qk_rope_dim shared by all heads), which is what the KV
+    cache holds."""
+    q_lora_rank: int        # 0: q straight from the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_dim: int        # per-head query/key dims without position
+    qk_rope_dim: int        # per-head query dims that rotate; the key's are shared
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """One cached token: the normalized latent c_kv, then the rotated k_rope."""
+        return self.kv_lora_rank + self.qk_rope_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +84,13 @@ class ModelConfig:
     expert_ffn_dim: int = 0       # hidden width of one expert
     shared_expert_ffn_dim: int = 0  # qwen2moe: an always-on expert beside the routed ones (0: none)
     expert_weights_norm: bool = False  # renormalize the top-k routing weights to sum to 1
+    expert_weights_scale: float = 1.0  # deepseek2: the chosen weights times this (routed_scaling_factor)
+    expert_gating: str = "softmax"     # deepseek2: "softmax" (V2) or "sigmoid" with a correction bias (V3)
+    expert_groups: int = 0             # deepseek2: experts in this many groups, the top token's ...
+    expert_groups_used: int = 0        # ... this many groups only (0: no group limit)
+    leading_dense_layers: int = 0      # deepseek2: the first layers have a dense feed-forward
+    mla: MlaShape | None = None        # deepseek2: multi-head latent attention
+    yarn_log_multiplier: float = 0.0   # deepseek2: q.k scale times (1 + this * ln(yarn factor)) ** 2
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
@@ -79,7 +110,7 @@ class ModelConfig:
         n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
         head_dim = int(md.get(f"{arch}.attention.key_length", d_model // n_heads))
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
-        return cls(
+        fields = dict(
             arch=arch,
             name=str(md.get("general.name", arch)),
             n_layers=int(get("block_count")),
@@ -100,10 +131,33 @@ class ModelConfig:
             rope_attn_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            **_experts(md, arch, tensor_names),
-            **(_gemma(md, arch, n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads)
-               if arch in GEMMA_SWA_PATTERN else {}),
         )
+        fields.update(_experts(md, arch, tensor_names))
+        if arch in GEMMA_SWA_PATTERN:
+            fields.update(_gemma(md, arch, n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads))
+        if arch == "deepseek2":
+            fields.update(_deepseek(md, arch, tensor_names))
+        return cls(**fields)
+
+    @property
+    def kv_cache_heads(self) -> tuple[int, int, int]:
+        """(heads, k width, v width) of one token's KV cache entry per layer. MLA caches one "head" of
+        latent | rope key and no V (the latent is both, read through the absorbed projections)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, 0
+        return self.n_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def gqa_equivalent_kv_heads(self) -> tuple[int, int, int]:
+        """What the cache would hold per token and layer if the attention kept full K and V heads (MLA: one K
+        head of qk_head_dim and one V head of v_head_dim per query head, as the decompressed form has)."""
+        if self.mla is not None:
+            return self.n_heads, self.mla.qk_head_dim, self.mla.v_head_dim
+        return self.kv_cache_heads
+
+    def moe_layer(self, layer: int) -> bool:
+        """Does this layer route to experts (else a dense feed-forward)?"""
+        return self.n_experts > 0 and layer >= self.leading_dense_layers
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of a layer, 0 for a global one."""
@@ -137,19 +191,64 @@ def _experts(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[s
         if arch.endswith("moe"):
             raise UserError(f"GGUF metadata lacks {arch}.expert_count")
         return {}
-    if "blk.0.ffn_gate_exps.weight" not in tensor_names:
+    first = int(md.get(f"{arch}.leading_dense_block_count") or 0)     # the first layer with experts
+    if f"blk.{first}.ffn_gate_exps.weight" not in tensor_names:
         raise UserError("this mixture-of-experts GGUF stores its experts as separate tensors per expert "
                         "(an old layout); convert it again with a current llama.cpp")
     used = int(md.get(f"{arch}.expert_used_count") or 0)
     if not 1 <= used <= n_experts:
         raise UserError(f"{arch}.expert_used_count is {used}, expected 1..{n_experts}")
     ffn = md.get(f"{arch}.expert_feed_forward_length") or md.get(f"{arch}.feed_forward_length")
-    shared = md.get(f"{arch}.expert_shared_feed_forward_length") or 0
-    if "blk.0.ffn_gate_shexp.weight" in tensor_names and not shared:
+    # qwen2moe gives the shared expert's width; deepseek2 its count of expert widths
+    shared = (md.get(f"{arch}.expert_shared_feed_forward_length")
+              or int(md.get(f"{arch}.expert_shared_count") or 0) * int(ffn))
+    has_shared = f"blk.{first}.ffn_gate_shexp.weight" in tensor_names
+    if has_shared and not shared:
         raise UserError(f"GGUF metadata lacks {arch}.expert_shared_feed_forward_length")
     return {"n_experts": n_experts, "n_experts_used": used, "expert_ffn_dim": int(ffn),
-            "shared_expert_ffn_dim": int(shared) if "blk.0.ffn_gate_shexp.weight" in tensor_names else 0,
+            "shared_expert_ffn_dim": int(shared) if has_shared else 0,
             "expert_weights_norm": bool(md.get(f"{arch}.expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))}
+
+
+def _deepseek(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """MLA's shape and DeepSeek's routing. llama.cpp writes key_length / value_length as the latent's widths
+    (kv_lora_rank + rope, kv_lora_rank) and the per-head ones as key_length_mla / value_length_mla; files
+    converted before that hold the per-head ones in key_length / value_length."""
+    def need(key: str) -> Any:
+        value = md.get(f"{arch}.{key}")
+        if value is None:
+            raise UserError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    rope = int(need("rope.dimension_count"))
+    if f"{arch}.attention.key_length_mla" in md:
+        qk_head, v_head = int(need("attention.key_length_mla")), int(need("attention.value_length_mla"))
+    else:
+        qk_head, v_head = int(need("attention.key_length")), int(need("attention.value_length"))
+    q_lora = int(md.get(f"{arch}.attention.q_lora_rank") or 0)
+    if q_lora and "blk.0.attn_q_a.weight" not in tensor_names:
+        raise UserError(f"{arch}.attention.q_lora_rank is {q_lora}, but the file has no attn_q_a tensors")
+    if not 0 < rope < qk_head or rope % 2:
+        raise UserError(f"{arch}.rope.dimension_count is {rope}: expected an even number below the key's {qk_head}")
+    mla = MlaShape(q_lora_rank=q_lora, kv_lora_rank=int(need("attention.kv_lora_rank")),
+                   qk_nope_dim=qk_head - rope, qk_rope_dim=rope, v_head_dim=v_head)
+    traits: dict[str, Any] = {"mla": mla, "head_dim": qk_head, "rope_dim": rope,
+                              "leading_dense_layers": int(md.get(f"{arch}.leading_dense_block_count") or 0),
+                              "yarn_log_multiplier": float(md.get(f"{arch}.rope.scaling.yarn_log_multiplier") or 0)}
+    gating = int(md.get(f"{arch}.expert_gating_func") or 1)   # files from before the key: V2's softmax
+    if gating not in _GATING_FUNCS:
+        raise UserError(f"{arch}.expert_gating_func is {gating}: cobatch knows 1 (softmax) and 2 (sigmoid)")
+    groups = int(md.get(f"{arch}.expert_group_count") or 0)
+    groups_used = int(md.get(f"{arch}.expert_group_used_count") or 0)
+    n_experts = int(md.get(f"{arch}.expert_count") or 0)
+    if groups > 1 and (n_experts % groups or not 1 <= groups_used <= groups):
+        raise UserError(f"{arch}: {n_experts} experts in {groups} groups of which {groups_used} are used "
+                        "is not a grouping")
+    limited = groups > 1 and groups_used < groups     # all groups used: no limit
+    traits.update(expert_gating=_GATING_FUNCS[gating],
+                  expert_weights_scale=float(md.get(f"{arch}.expert_weights_scale") or 1.0),
+                  expert_groups=groups if limited else 0, expert_groups_used=groups_used if limited else 0)
+    return traits
 
 
 def _rope_scaling(md: Mapping[str, Any], arch: str) -> dict | None:

@@ -27,7 +27,7 @@ from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
 from cobatch.models.linear import resident_bytes
-from cobatch.models.llama import LlamaModel
+from cobatch.models.registry import Model, model_class
 from cobatch.tokenizer import Tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -132,7 +132,7 @@ def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.d
 
 class LLM:
     def __init__(self, path: Path, gguf: GGUFFile, cfg: ModelConfig, tokenizer: Tokenizer,
-                 template: ChatTemplate | None, model: LlamaModel, engine: Engine, options: EngineOptions):
+                 template: ChatTemplate | None, model: Model, engine: Engine, options: EngineOptions):
         self.path, self.gguf, self.config, self.tokenizer = path, gguf, cfg, tokenizer
         self.template, self.model, self.engine, self.options = template, model, engine, options
         self.kv_identity = ""      # what saved KV state must match (engine/kv_store.model_identity); set by load()
@@ -157,7 +157,7 @@ class LLM:
             raise UserError(f"--ctx must be at least 2 (got {ctx})")
         with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
                   disable=options.quiet, file=sys.stderr) as bar:
-            model = LlamaModel(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
+            model = model_class(cfg)(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
                                keep_dense=options.dense_large_batch)
         if not options.quiet:
             held = resident_bytes(model)
@@ -263,6 +263,15 @@ def kv_budget_bytes(options: EngineOptions, device: torch.device, all_slots_full
     return budget
 
 
+def kv_bytes_note(cfg: ModelConfig, dtype: torch.dtype) -> str:
+    """MLA's KV bytes per token against what full K and V heads would take (printed at load)."""
+    latent = KVPool.bytes_per_token(cfg, dtype)
+    full = KVPool.bytes_per_token(cfg, dtype, gqa_equivalent=True)
+    return (f"{latent} bytes (the latent: {cfg.mla.latent_dim} values a layer), against {full} with full K and V "
+            f"heads ({cfg.n_heads} x ({cfg.mla.qk_head_dim} + {cfg.mla.v_head_dim}) a layer): {full / latent:.1f}x "
+            "fewer")
+
+
 def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.dtype,
                device: torch.device) -> KVPool:
     per_block = KVPool.bytes_per_block(cfg, options.block_size, dtype)
@@ -277,4 +286,6 @@ def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.
     if not options.quiet:
         print(f"KV cache: {num_blocks} blocks x {options.block_size} tokens = {num_blocks * options.block_size} "
               f"tokens, {pool.nbytes / 2**20:.0f} MiB ({dtype}, {device})", file=sys.stderr)
+        if cfg.mla is not None:
+            print(f"KV per token: {kv_bytes_note(cfg, dtype)}", file=sys.stderr)
     return pool

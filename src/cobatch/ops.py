@@ -18,6 +18,7 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
+from cobatch.kernels.mla_attention import latent_write_ref, mla_attention_ref, mla_decode_attention
 from cobatch.kernels.moe_routing import ExpertSlots, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
@@ -85,6 +86,26 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     if _triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+def latent_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """MLA: this step's cache rows (c_kv | k_rope, [N, L]) into the latent cache at their slots."""
+    if _triton(latent):
+        # One KV "head" whose K and V rows are the same: the GQA write kernel, its second store repeating the first
+        row = latent[:, None, :]
+        kv_write_triton(row, row, cache, cache, slot_mapping)
+        return
+    latent_write_ref(latent, cache, slot_mapping)
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  kv_lora_rank: int) -> torch.Tensor:
+    """MLA in the absorbed form: q [N, H, L] (q_latent | q_rope) against the cached latents -> [N, H, kv_lora_rank]
+    (float32, or q's dtype from the kernel), W_UV still to apply (kernels/mla_attention.py). On CUDA a decode step
+    runs the MLA decode kernel; prefill runs the torch reference for now."""
+    if _triton(q) and meta.is_decode and kv_lora_rank & (kv_lora_rank - 1) == 0:
+        return mla_decode_attention(q.contiguous(), cache, meta, scale, kv_lora_rank)
+    return mla_attention_ref(q, cache, meta, scale, kv_lora_rank)
 
 
 def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:

@@ -23,19 +23,29 @@ from cobatch.config import ModelConfig
 
 
 class KVPool:
-    """K and V tensors per layer, [num_blocks, block_size, n_kv_heads, head_dim]."""
+    """K and V tensors per layer, [num_blocks, block_size, n_kv_heads, head_dim], as the model's config lays a
+    token's entry out (ModelConfig.kv_cache_heads). MLA (DeepSeek) keeps one tensor per layer of one "head"
+    of latent | rope key, and no V tensors (`v` is empty)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
-        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        heads, k_width, v_width = cfg.kv_cache_heads
+        self.k = [torch.zeros((num_blocks, block_size, heads, k_width), dtype=dtype, device=device)
+                  for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros((num_blocks, block_size, heads, v_width), dtype=dtype, device=device)
+                  for _ in range(cfg.n_layers)] if v_width else []
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, gqa_equivalent: bool = False) -> int:
+        """KV bytes one token takes over all layers; gqa_equivalent: were full K and V heads cached instead
+        (what MLA saves)."""
+        heads, k_width, v_width = cfg.gqa_equivalent_kv_heads if gqa_equivalent else cfg.kv_cache_heads
+        return cfg.n_layers * heads * (k_width + v_width) * torch.empty(0, dtype=dtype).element_size()
+
+    @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * itemsize
+        return block_size * KVPool.bytes_per_token(cfg, dtype)
 
     @property
     def dtype(self) -> torch.dtype:

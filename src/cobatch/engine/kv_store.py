@@ -54,23 +54,22 @@ def layout(pool: KVPool) -> dict:
 
 
 def block_nbytes(pool: KVPool) -> int:
-    return 2 * len(pool.k) * pool.k[0][0].numel() * pool.k[0].element_size()
+    return (len(pool.k) + len(pool.v)) * pool.k[0][0].numel() * pool.k[0].element_size()
 
 
 def block_bytes(pool: KVPool, block_id: int) -> bytes:
-    """One block's K and V rows of every layer, as raw bytes (copied to the host)."""
+    """One block's K and V rows of every layer (MLA: its latent rows only), as raw bytes (copied to the host)."""
     rows = torch.stack([k[block_id] for k in pool.k] + [v[block_id] for v in pool.v])
     return rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def load_block(pool: KVPool, block_id: int, data: bytes | memoryview) -> None:
     """Write bytes made by block_bytes into a block of the pool."""
-    n_layers = len(pool.k)
+    caches = pool.k + pool.v
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = raw.view(pool.dtype).reshape(2 * n_layers, *pool.k[0].shape[1:]).to(pool.k[0].device)
-    for layer in range(n_layers):
-        pool.k[layer][block_id].copy_(rows[layer])
-        pool.v[layer][block_id].copy_(rows[n_layers + layer])
+    rows = raw.view(pool.dtype).reshape(len(caches), *pool.k[0].shape[1:]).to(pool.k[0].device)
+    for cache, row in zip(caches, rows):
+        cache[block_id].copy_(row)
 
 
 def write_record(path: Path, header: dict, payload: bytes, *, durable: bool = False) -> int:

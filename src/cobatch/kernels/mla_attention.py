@@ -1,17 +1,18 @@
-"""Decode attention of multi-head latent attention (MLA, DeepSeek-V2/V3) over a latent paged KV cache.
+"""Multi-head latent attention (DeepSeek's MLA) over a paged cache of latents, in the absorbed form.
 
-The cache holds one "head" per token and layer: the normalized latent c_kv (kv_lora_rank wide, 512 in DeepSeek)
-followed by the rotated key part k_rope (qk_rope_head_dim, 64): 576 values where Llama-3-8B keeps 2,048. Decode
-works in the latent space, as FlashMLA does: the model folds W_UK into each head's query (q_lat = q_nope @ W_UK,
-kv_lora_rank wide) and W_UV into the output, so that
+Each cached token is one row of kv_lora_rank + rope values: the normalized latent c_kv, then the rotated rope
+key k_rope, shared by all heads (a cache of one "head": 576 values in DeepSeek, where Llama-3-8B keeps 2,048). A
+head's key is k_nope = W_UK c_kv beside k_rope, its value W_UV c_kv; with W_UK folded into the query
+(q_latent = W_UK^T q_nope, models/deepseek.py) a score is q_latent . c_kv + q_rope . k_rope, the dot of
+[q_latent | q_rope] with the cached row as it is, and the output before W_UV is the softmax-weighted sum of the
+rows' c_kv part. So attention reads each cached row once per step for all heads, as multi-query attention with
+one K head of the full row whose V is its first kv_lora_rank values; W_UV is applied to the [heads, kv_lora_rank]
+result by the caller.
 
-    score(h, t) = q_lat[h] . c_kv[t] + q_rope[h] . k_rope[t]
-    out[h]      = sum_t softmax_t(score(h, t) * scale) c_kv[t]          (kv_lora_rank wide)
-
-and every cached latent is read once per step for a whole block of heads. It is GQA attention with one KV head,
-keys 576 wide and values the keys' first 512: the kernel splits the context as the GQA decode kernel does
+The decode kernel (mla_decode_attention, as FlashMLA does) splits the context as the GQA decode kernel does
 (attention.py: the same split plan, partials and reduce kernel, so a row's bits depend on its own length only),
-and computes each tile's scores as two dots so that nothing is padded to a power of two wider than 512.
+reads each latent tile once for a block of heads, and computes a tile's scores as two dots (latent, rope) so that
+nothing is padded to a power of two past kv_lora_rank.
 """
 
 from __future__ import annotations
@@ -21,26 +22,40 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _row_split_len,
                                        _softmax_fold, _store_partial, _tile_pages, plan_decode_splits)
+from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
 
 
-def mla_decode_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int,
-                   scale: float) -> torch.Tensor:
-    """q [S, H, kv_lora_rank + rope] (the absorbed latent query, then the rotated rope part); cache
-    [num_blocks, block_size, kv_lora_rank + rope] (this step's latent already written) -> [S, H, kv_lora_rank]
-    in q's dtype: each sequence's one query row against its first seq_lens[s] tokens. Rows of an empty
-    context come out as zeros."""
+def latent_write_ref(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent: [N, L] rows (c_kv | k_rope) into cache [num_blocks, block_size, 1, L] at their slots (-1: skip)."""
+    keep = slot_mapping >= 0
+    cache.view(-1, cache.shape[-1])[slot_mapping[keep].long()] = to_cache_dtype(latent[keep], cache.dtype)
+
+
+def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      kv_lora_rank: int) -> torch.Tensor:
+    """q: [N, H, L] absorbed queries (q_latent | q_rope); cache [num_blocks, block_size, 1, L] with this step's
+    rows written -> [N, H, kv_lora_rank] float32 (the latent output, W_UV still to apply).
+
+    Row i of sequence s sits at position seq_len - q_len + i and sees the rows 0..that position (causal, as
+    paged_attention_ref). Rows past query_start[-1] (padding) come out as zeros."""
     n_rows, n_heads, width = q.shape
     block_size = cache.shape[1]
-    out = torch.zeros(n_rows, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    for s, ctx in enumerate(meta.seq_lens.tolist()):
-        if ctx == 0:
+    out = torch.zeros(n_rows, n_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+    starts, lens = meta.query_start.tolist(), meta.seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        a, b = starts[s], starts[s + 1]
+        q_len = b - a
+        if q_len == 0 or ctx == 0:
             continue
         blocks = meta.block_tables[s, : (ctx + block_size - 1) // block_size].long()
-        kv = cache[blocks].reshape(-1, width)[:ctx].float()                        # [L, lat + rope]
-        scores = (q[s].float() @ kv.T) * scale                                      # [H, L]
-        out[s] = (scores.softmax(-1) @ kv[:, :kv_lora_rank]).to(q.dtype)
+        rows = cache[blocks].reshape(-1, width)[:ctx].float()               # [L_ctx, width], read once
+        scores = torch.einsum("qhw,kw->hqk", q[a:b].float(), rows) * scale  # every head against the same rows
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        hidden = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]
+        scores.masked_fill_(hidden, float("-inf"))
+        out[a:b] = torch.einsum("hqk,kr->qhr", scores.softmax(-1), rows[:, :kv_lora_rank])
     return out
 
 
@@ -108,13 +123,13 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, pa
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
-def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int,
-                         scale: float, out: torch.Tensor | None = None, cfg: DecodeConfig = DECODE_CONFIG,
+def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = DECODE_CONFIG,
                          block_h: int = 16) -> torch.Tensor:
-    """mla_decode_ref for a decode step (one row per sequence), graph-safe as paged_decode_attention is: the grid
-    depends only on q's shape and meta.max_seq_len. cache may be [num_blocks, block_size, 1, width] (the KV
-    pool's one-head layout) or [num_blocks, block_size, width]. kv_lora_rank must be a power of two (512 in
-    every DeepSeek model); the rope part is padded to one."""
+    """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
+    paged_decode_attention is: the grid depends only on q's shape and meta.max_seq_len. cache may be
+    [num_blocks, block_size, 1, width] (the KV pool's one-head layout) or [num_blocks, block_size, width].
+    kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one."""
     n_rows, n_heads, width = q.shape
     cache = cache.flatten(2) if cache.dim() == 4 else cache
     page, rope = cache.shape[1], width - kv_lora_rank

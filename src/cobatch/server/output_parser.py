@@ -9,6 +9,10 @@ Recognized formats:
   that way despite the template asking for tags. `"parameters"` is accepted for `"arguments"` (Llama 3.x).
 - A bare JSON list of such objects, `[{...}, {...}]`: Mistral's `[TOOL_CALLS][...]` and Phi-4-mini's
   `<|tool_call|>[...]<|/tool_call|>`, whose markers are special tokens and so absent from the text.
+- DeepSeek's `<｜tool▁calls▁begin｜>` block of calls, when the request declared tools: each
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the arguments in a ```json fence (V3, R1), or
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS` (V3.1), up to `<｜tool▁call▁end｜>`; the block ends at
+  `<｜tool▁calls▁end｜>`.
 
 A tool call's name is sent as soon as it is known and its arguments' JSON text as it arrives, so clients
 see partial argument deltas. Text that may still turn into a marker is held back, like stop strings.
@@ -23,6 +27,10 @@ from dataclasses import dataclass
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```"
+# DeepSeek's markers (added tokens of its vocabulary that decode as this text: full-width bars, U+2581 spaces)
+DS_CALLS_OPEN, DS_CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_OPEN, DS_CALL_CLOSE, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+TOOL_OPENINGS = (TOOL_OPEN, DS_CALLS_OPEN, DS_CALL_OPEN)   # what starts tagged tool calls in content
 
 
 @dataclass(slots=True)
@@ -212,6 +220,78 @@ def _arguments_text(args) -> str:
     return json.dumps(args if args is not None else {}, ensure_ascii=False)
 
 
+class DeepSeekToolCall:
+    """One DeepSeek call after its `<｜tool▁call▁begin｜>`, as it streams in: the name once the separator (and
+    under V3, the line after it) has come, then the arguments up to `<｜tool▁call▁end｜>`, without V3's ```json
+    fence. Whitespace and backticks at the end of what has come are held back: they may be the closing fence."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = ""
+        self.name: str | None = None
+        self._args_start: int | None = None   # where the arguments begin in text
+        self.args = ""                         # argument text sent so far
+        self.closed_at: int | None = None      # index just past <｜tool▁call▁end｜>
+        self._fenced = False                    # V3: the arguments sit in a ```json fence
+
+    def feed(self, text: str, final: bool = False) -> list[Event]:
+        self.text += text
+        events: list[Event] = []
+        if self.name is None:
+            self._read_head(final)
+            if self.name is not None:
+                events.append(ToolCallStart(self.index, self.name))
+        if self._args_start is None:
+            return events
+        body = self.text[self._args_start:]
+        at = body.find(DS_CALL_CLOSE)
+        if at >= 0:
+            self.closed_at = self._args_start + at + len(DS_CALL_CLOSE)
+            args = body[:at].rstrip()
+            args = args.removesuffix(FENCE).rstrip() if self._fenced else args
+        else:
+            args = body if final else body[:len(body) - _partial_suffix(body, DS_CALL_CLOSE)]
+            if not final:
+                args = args.rstrip(" \t\r\n`")
+        if len(args) > len(self.args):
+            events.append(ToolCallArgsDelta(self.index, args[len(self.args):]))
+            self.args = args
+        return events
+
+    def _read_head(self, final: bool) -> None:
+        sep = self.text.find(DS_SEP)
+        if sep < 0:
+            return
+        head, rest = self.text[:sep].strip(), sep + len(DS_SEP)
+        if head != "function":                # V3.1: the name before the separator, the arguments after it
+            self.name, self._args_start = head, rest
+            return
+        line_end = self.text.find("\n", rest)  # V3: the type before it, the name on the rest of the line
+        close = self.text.find(DS_CALL_CLOSE, rest)
+        if close >= 0 and (line_end < 0 or close < line_end):    # a call without arguments
+            self.name, self._args_start = self.text[rest:close].strip(), close
+            return
+        if line_end < 0:
+            if final:
+                self.name, self._args_start = self.text[rest:].strip(), len(self.text)
+            return
+        after = line_end + 1
+        tail = self.text[after:]
+        if tail.startswith(FENCE):              # ```json, to its line's end
+            fence_end = self.text.find("\n", after)
+            if fence_end < 0 and not final:
+                return
+            self._fenced, after = True, (fence_end + 1 if fence_end >= 0 else len(self.text))
+        elif FENCE.startswith(tail) and not final:
+            return                              # it may still become the fence
+        self.name, self._args_start = self.text[rest:line_end].strip(), after
+
+    def finish(self) -> list[Event] | None:
+        """The output ended inside the call: what is left of it, or None if it never got a name (text)."""
+        events = self.feed("", final=True)
+        return events if self.name is not None else None
+
+
 # --- the whole output -------------------------------------------------------------------------------
 
 class OutputParser:
@@ -226,6 +306,7 @@ class OutputParser:
         self._strip_leading = False     # whitespace after </think> or a tool call is not content
         self._buf = ""
         self._scanner: ToolCallScanner | None = None
+        self._ds_call: DeepSeekToolCall | None = None
         self._fenced = False
         self._in_list = False           # inside a bare [call, call, ...] list
         self.num_tool_calls = 0
@@ -240,6 +321,8 @@ class OutputParser:
         self._run(final=True)
         if self._scanner is not None:
             self._end_tool(closing="")
+        if self._ds_call is not None:
+            self._end_ds_call()
         if self._buf:
             self._emit_text(self._buf)
             self._buf = ""
@@ -280,7 +363,7 @@ class OutputParser:
                 return self._probe_bare(body, fenced=False, final=final)
             elif body.startswith("["):
                 return self._probe_bare(body[1:], fenced=False, final=final, in_list=True)
-        waiting_for = ((THINK_OPEN,) if self._think_allowed else ()) + ((FENCE, TOOL_OPEN) if self._tools else ())
+        waiting_for = ((THINK_OPEN,) if self._think_allowed else ()) + ((FENCE, *TOOL_OPENINGS) if self._tools else ())
         if not final and any(m.startswith(body) for m in waiting_for):
             return False
         return self._to_content()
@@ -302,15 +385,19 @@ class OutputParser:
         return True
 
     def _on_content(self, final: bool) -> bool:
-        at = self._buf.find(TOOL_OPEN) if self._tools else -1
-        if at >= 0:
+        found = [(at, marker) for marker in TOOL_OPENINGS if self._tools and (at := self._buf.find(marker)) >= 0]
+        if found:
+            at, marker = min(found)
             self._emit_text(self._buf[:at].rstrip())     # the newline before a tool call is not content
-            self._start_tool(self._buf[at + len(TOOL_OPEN):], bare=False)
+            if marker == TOOL_OPEN:
+                self._start_tool(self._buf[at + len(TOOL_OPEN):], bare=False)
+            else:         # DeepSeek's block (a model may also leave out its opening: a call's own marker)
+                self._buf, self._state = self._buf[at + (len(marker) if marker == DS_CALLS_OPEN else 0):], "ds_calls"
             return True
         keep = 0
         if self._tools and not final:
-            # Hold back a possible start of <tool_call>, and the whitespace before it.
-            keep = _partial_suffix(self._buf, TOOL_OPEN)
+            # Hold back a possible start of a tool call's marker, and the whitespace before it.
+            keep = max(_partial_suffix(self._buf, marker) for marker in TOOL_OPENINGS)
             head = self._buf[:len(self._buf) - keep]
             keep += len(head) - len(head.rstrip())
         self._emit_text(self._buf[:len(self._buf) - keep])
@@ -369,6 +456,43 @@ class OutputParser:
         self._events += events
         self.num_tool_calls += 1
         self._state = "after_tool"
+
+    def _on_ds_calls(self, final: bool) -> bool:
+        """Inside DeepSeek's block of calls, between calls: the next call, or the block's end."""
+        body = self._buf.lstrip()
+        if body.startswith(DS_CALL_OPEN):
+            self._ds_call = DeepSeekToolCall(self.num_tool_calls)
+            self._buf, self._state = body[len(DS_CALL_OPEN):], "ds_call"
+            return True
+        if body.startswith(DS_CALLS_CLOSE):
+            body = body[len(DS_CALLS_CLOSE):]
+        elif not final and (not body or DS_CALL_OPEN.startswith(body) or DS_CALLS_CLOSE.startswith(body)):
+            self._buf = body
+            return False
+        # the block ended (or broke off): what follows is handled as after any tool call
+        self._buf, self._state = body, "after_tool"
+        return True
+
+    def _on_ds_call(self, final: bool) -> bool:
+        call = self._ds_call
+        self._events += call.feed(self._buf, final)
+        self._buf = ""
+        if call.closed_at is None:
+            return False
+        self._buf = call.text[call.closed_at:]      # fed, but after the call
+        self._end_ds_call()
+        return True
+
+    def _end_ds_call(self) -> None:
+        call, self._ds_call = self._ds_call, None
+        events = call.finish() if call.closed_at is None else []
+        if call.name is None:                       # never a call: it was text
+            self._state = "content"
+            self._emit_text(DS_CALL_OPEN + call.text)
+            return
+        self._events += events or []
+        self.num_tool_calls += 1
+        self._state = "ds_calls"
 
     def _on_after_tool(self, final: bool) -> bool:
         """Between tool calls: whitespace and a closing fence go; another call or text may follow."""

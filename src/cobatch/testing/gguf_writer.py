@@ -44,6 +44,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 
+from cobatch.config import MlaShape
 from cobatch.errors import UserError
 from cobatch.loader.gguf_raw import SCALAR_FORMATS, MetadataValue, RawField, RawGGUF
 from cobatch.loader.gguf_raw import aligned as _pad
@@ -85,10 +86,30 @@ class ModelShape:
     attn_softcap: float = 0.0    # gemma2: soft caps on the attention scores and the output logits
     final_softcap: float = 0.0
     rope_yarn_factor: float = 0.0  # rope.scaling yarn over YARN_ORIGINAL_CONTEXT (Qwen3 / Qwen2.5 past 32k)
+    yarn_original_context: int = 0  # ... or over this context (DeepSeek's 4096)
+    yarn_log_multiplier: float = 0.0  # deepseek2: 0.1 * HF's mscale_all_dim
+    # deepseek2: multi-head latent attention, the first layers dense, shared experts, and the routing
+    mla: MlaShape | None = None
+    split_kv_b: bool = True      # llama.cpp's current layout (attn_k_b, attn_v_b), else attn_kv_b (older files)
+    leading_dense: int = 0
+    n_shared_experts: int = 0    # deepseek2: always-on experts of expert_ffn_dim each
+    expert_gating: str = "softmax"   # or "sigmoid" (V3: with a correction bias, exp_probs_b)
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.d_model // self.n_heads
+
+
+def _deepseek(n_layers: int, d_model: int, n_heads: int, ffn_dim: int, vocab_size: int | None, mla: MlaShape,
+              n_experts: int, n_experts_used: int, expert_ffn_dim: int, **traits) -> ModelShape:
+    """A deepseek2 shape: MLA (one KV head in GGUF's terms), rope base 10000, eps 1e-6, 160k context."""
+    return ModelShape("deepseek2", n_layers, d_model, n_heads, 1, ffn_dim, vocab_size, 10000.0, 1e-6, 163840,
+                      mla=mla, rope_dim=mla.qk_rope_dim, n_experts=n_experts, n_experts_used=n_experts_used, expert_ffn_dim=expert_ffn_dim,
+                      **traits)
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -121,6 +142,24 @@ SHAPES: dict[str, ModelShape] = {
     # Gemma 3 (text): 6 layers so that one (the last) is global; a window of 12 keys on the others.
     "gemma3-tiny": ModelShape("gemma3", 6, 128, 4, 2, 256, None, 1e6, 1e-6, 4096, tied_embeddings=True,
                               qk_norm=True, head_size=64, sliding_window=12, rope_linear_factor=8.0),
+    # DeepSeek (deepseek2): V2-Lite's layout (no q LoRA, softmax routing, weights not renormalized) in the older
+    # attn_kv_b tensor layout, a scale on the routed weights so that it counts; and V3's (q LoRA, sigmoid routing
+    # with the correction bias, 4 groups of which 2 are used, weights renormalized, YaRN) in the current split one.
+    # The first layer is dense in both.
+    "deepseek2-tiny": _deepseek(3, 128, 4, 256, None, MlaShape(0, 64, 32, 16, 32), 8, 2, 64, split_kv_b=False,
+                                leading_dense=1, n_shared_experts=2, expert_weights_scale=1.5),
+    "deepseek-v3-tiny": _deepseek(3, 128, 4, 256, None, MlaShape(64, 64, 32, 16, 32), 16, 4, 64, leading_dense=1,
+                                  n_shared_experts=1, expert_gating="sigmoid", expert_groups=4, expert_groups_used=2,
+                                  expert_weights_norm=True, expert_weights_scale=2.5, rope_yarn_factor=4.0,
+                                  yarn_original_context=1024, yarn_log_multiplier=0.1),
+    # The full shapes, for benchmarks (cut with --layers): DeepSeek-V2-Lite (16B, 2.4B active) and DeepSeek-V3 (671B)
+    "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 102400, MlaShape(0, 512, 128, 64, 128), 64, 6, 1408,
+                                  leading_dense=1, n_shared_experts=2, rope_yarn_factor=40.0,
+                                  yarn_original_context=4096, yarn_log_multiplier=0.0707),
+    "deepseek-v3": _deepseek(61, 7168, 128, 18432, 129280, MlaShape(1536, 512, 128, 64, 128), 256, 8, 2048,
+                             leading_dense=3, n_shared_experts=1, expert_gating="sigmoid", expert_groups=8,
+                             expert_groups_used=4, expert_weights_norm=True, expert_weights_scale=2.5,
+                             rope_yarn_factor=40.0, yarn_original_context=4096, yarn_log_multiplier=0.1),
 }
 LONGROPE_ORIGINAL_CONTEXT = 4096   # the context a LongRoPE random model was "trained" at (a quarter of its own)
 YARN_ORIGINAL_CONTEXT = 1024       # likewise for the YaRN one: a quarter of its 4096
@@ -229,23 +268,26 @@ def tensor_plan(shape: ModelShape, recipe: QuantRecipe, vocab_size: int, n_layer
     for i in range(n_layers):
         blk = f"blk.{i}"
         plan.append(vector(f"{blk}.attn_norm.weight", d, "norm"))
-        if shape.fused:
+        if shape.mla is not None:
+            plan += _mla_tensors(shape, blk, i, matrix, vector)
+        elif shape.fused:
             plan.append(matrix(f"{blk}.attn_qkv.weight", q_dim + 2 * kv_dim, d, layer=i))
         else:
             plan.append(matrix(f"{blk}.attn_q.weight", q_dim, d, layer=i))
             plan.append(matrix(f"{blk}.attn_k.weight", kv_dim, d, layer=i))
             plan.append(matrix(f"{blk}.attn_v.weight", kv_dim, d, "attn_v", i))
-        if shape.qkv_bias:
+        if shape.qkv_bias and shape.mla is None:
             plan += [vector(f"{blk}.attn_q.bias", q_dim, "bias"), vector(f"{blk}.attn_k.bias", kv_dim, "bias"),
                      vector(f"{blk}.attn_v.bias", kv_dim, "bias")]
         if shape.qk_norm:
             plan += [vector(f"{blk}.attn_q_norm.weight", shape.head_dim, "norm"),
                      vector(f"{blk}.attn_k_norm.weight", shape.head_dim, "norm")]
-        plan.append(matrix(f"{blk}.attn_output.weight", d, q_dim, layer=i))
+        plan.append(matrix(f"{blk}.attn_output.weight", d, shape.n_heads * shape.mla.v_head_dim if shape.mla else q_dim,
+                           layer=i))
         if shape.sliding_window:
             plan.append(vector(f"{blk}.post_attention_norm.weight", d, "norm"))
         plan.append(vector(f"{blk}.ffn_norm.weight", d, "norm"))
-        if shape.n_experts:
+        if shape.n_experts and i >= shape.leading_dense:
             plan += _expert_tensors(shape, blk, i, matrix)
         elif shape.fused:
             plan.append(matrix(f"{blk}.ffn_up.weight", 2 * shape.ffn_dim, d, layer=i))     # gate | up
@@ -267,6 +309,8 @@ def _expert_tensors(shape: ModelShape, blk: str, layer: int, matrix) -> list[Ten
     as llama.cpp's quantizer keeps it), the experts stacked in 3-D tensors, and qwen2moe's shared expert."""
     d, n, ffn = shape.d_model, shape.n_experts, shape.expert_ffn_dim
     plan = [TensorSpec(f"{blk}.ffn_gate_inp.weight", n, d, T.F32, "router")]
+    if shape.expert_gating == "sigmoid":       # V3's correction bias on the scores that choose the experts
+        plan.append(TensorSpec(f"{blk}.exp_probs_b.bias", 1, n, T.F32, "expert_bias"))
     for name, rows, cols, role in (("ffn_gate_exps", ffn, d, "other"), ("ffn_up_exps", ffn, d, "other"),
                                    ("ffn_down_exps", d, ffn, "ffn_down")):
         spec = matrix(f"{blk}.{name}.weight", n * rows, cols, role, layer)
@@ -277,10 +321,41 @@ def _expert_tensors(shape: ModelShape, blk: str, layer: int, matrix) -> list[Ten
                  matrix(f"{blk}.ffn_gate_shexp.weight", shared, d, layer=layer),
                  matrix(f"{blk}.ffn_up_shexp.weight", shared, d, layer=layer),
                  matrix(f"{blk}.ffn_down_shexp.weight", d, shared, "ffn_down", layer)]
+    if shape.n_shared_experts:                 # deepseek2's: ungated, n_shared_experts expert widths
+        shared = shape.n_shared_experts * ffn
+        plan += [matrix(f"{blk}.ffn_gate_shexp.weight", shared, d, layer=layer),
+                 matrix(f"{blk}.ffn_up_shexp.weight", shared, d, layer=layer),
+                 matrix(f"{blk}.ffn_down_shexp.weight", d, shared, "ffn_down", layer)]
+    return plan
+
+
+def _mla_tensors(shape: ModelShape, blk: str, layer: int, matrix, vector) -> list[TensorSpec]:
+    """A deepseek2 layer's attention tensors, as llama.cpp's converter writes them: q straight or through its
+    LoRA pair, the latent's down-projection (latent | rope key) and norm, and its up-projection to each head's
+    k_nope and v, whole (attn_kv_b) or split (attn_k_b [heads, rank, nope], transposed; attn_v_b [heads, v, rank])."""
+    mla, d, heads = shape.mla, shape.d_model, shape.n_heads
+    plan = []
+    if mla.q_lora_rank:
+        plan += [matrix(f"{blk}.attn_q_a.weight", mla.q_lora_rank, d, layer=layer),
+                 vector(f"{blk}.attn_q_a_norm.weight", mla.q_lora_rank, "norm"),
+                 matrix(f"{blk}.attn_q_b.weight", heads * mla.qk_head_dim, mla.q_lora_rank, layer=layer)]
+    else:
+        plan.append(matrix(f"{blk}.attn_q.weight", heads * mla.qk_head_dim, d, layer=layer))
+    plan += [matrix(f"{blk}.attn_kv_a_mqa.weight", mla.latent_dim, d, layer=layer),
+             vector(f"{blk}.attn_kv_a_norm.weight", mla.kv_lora_rank, "norm")]
+    if shape.split_kv_b:
+        for name, rows, cols in (("attn_k_b", mla.kv_lora_rank, mla.qk_nope_dim),
+                                 ("attn_v_b", mla.v_head_dim, mla.kv_lora_rank)):
+            spec = matrix(f"{blk}.{name}.weight", heads * rows, cols, layer=layer)
+            plan.append(TensorSpec(spec.name, spec.rows, spec.cols, spec.ggml_type, "matrix", experts=heads))
+    else:
+        plan.append(matrix(f"{blk}.attn_kv_b.weight", heads * (mla.qk_nope_dim + mla.v_head_dim), mla.kv_lora_rank,
+                           layer=layer))
     return plan
 
 
 ROUTER_STD = 0.2           # router weights: logits of std ~3, so the top-k choice is clear of float rounding
+EXPERT_BIAS_STD = 0.1      # V3's correction bias: large enough beside sigmoid scores in (0, 1) to change choices
 
 
 class _RandomTensor:
@@ -302,6 +377,8 @@ class _RandomTensor:
         elif spec.kind == "rope_factors":    # frequency divisors >= 1, rising with the wavelength as LongRoPE's
             ramp = torch.linspace(1.0, 4.0, spec.cols)
             yield (ramp * (1.0 + 0.1 * torch.rand(spec.cols, generator=generator))).view(torch.uint8)
+        elif spec.kind == "expert_bias":
+            yield (EXPERT_BIAS_STD * torch.randn(spec.cols, generator=generator)).view(torch.uint8)
         elif spec.kind == "bias":
             yield (WEIGHT_STD * torch.randn(spec.cols, generator=generator)).view(torch.uint8)
         else:
@@ -409,7 +486,9 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
     if shape.rope_yarn_factor:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(shape.rope_yarn_factor)
-        writer.add_rope_scaling_orig_ctx_len(YARN_ORIGINAL_CONTEXT)
+        writer.add_rope_scaling_orig_ctx_len(shape.yarn_original_context or YARN_ORIGINAL_CONTEXT)
+        if shape.yarn_log_multiplier:
+            writer.add_rope_scaling_yarn_log_mul(shape.yarn_log_multiplier)
     if shape.rope_linear_factor:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_linear_factor)
@@ -419,6 +498,8 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
         writer.add_expert_feed_forward_length(shape.expert_ffn_dim)
         if shape.shared_expert_ffn_dim:
             writer.add_expert_shared_feed_forward_length(shape.shared_expert_ffn_dim)
+    if shape.mla is not None:
+        _add_deepseek_metadata(writer, shape)
     writer.add_vocab_size(vocab_size)
     writer.add_file_type(int(recipe.file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -437,6 +518,33 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
         else:
             writer.add_tensor_info(spec.name, (spec.cols,), np.dtype(np.float32), spec.nbytes)
     return writer, plan
+
+
+def _add_deepseek_metadata(writer: GGUFWriter, shape: ModelShape) -> None:
+    """deepseek2's keys as llama.cpp's converter writes them. The split layout's files say key_length /
+    value_length of the cached latent and the per-head widths in key_length_mla / value_length_mla; the older
+    attn_kv_b files have the per-head widths in key_length / value_length and no _mla keys."""
+    mla = shape.mla
+    writer.add_leading_dense_block_count(shape.leading_dense)
+    if mla.q_lora_rank:
+        writer.add_q_lora_rank(mla.q_lora_rank)
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    if shape.split_kv_b:
+        writer.add_key_length(mla.latent_dim)
+        writer.add_value_length(mla.kv_lora_rank)
+        writer.add_key_length_mla(mla.qk_head_dim)
+        writer.add_value_length_mla(mla.v_head_dim)
+    else:
+        writer.add_key_length(mla.qk_head_dim)
+        writer.add_value_length(mla.v_head_dim)
+    writer.add_expert_shared_count(shape.n_shared_experts)
+    writer.add_expert_weights_scale(shape.expert_weights_scale)
+    writer.add_expert_weights_norm(shape.expert_weights_norm)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if shape.expert_gating == "sigmoid"
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    if shape.expert_groups:
+        writer.add_expert_group_count(shape.expert_groups)
+        writer.add_expert_group_used_count(shape.expert_groups_used)
 
 
 def _write_header(writer: GGUFWriter, path: Path) -> int:
