@@ -18,8 +18,9 @@ import torch
 
 from cobatch.quant.formats import T, UnsupportedQuantType, _pack_k_scales_mins, format_of
 
-# Rows are quantized in chunks of about this many values: q4_K's search holds 21 candidates of each, in float32.
-_CHUNK_VALUES = 1 << 20
+# Rows are quantized in chunks of about this many values (float32 temporaries of a few times that): small on the
+# CPU, large on a GPU, where q4_K's 21 search steps are a few dozen launches per chunk.
+_CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 25}
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +150,7 @@ def quantize(values: torch.Tensor, ggml_type) -> torch.Tensor:
         data = np.ascontiguousarray(data).view(np.uint8)
         return torch.from_numpy(data.reshape(*values.shape[:-1], row_bytes))
     out = torch.empty(rows.shape[0], row_bytes, dtype=torch.uint8, device=values.device)
-    step = max(1, _CHUNK_VALUES // max(cols, 1))
+    step = max(1, _CHUNK_VALUES.get(values.device.type, 1 << 20) // max(cols, 1))
     for start in range(0, rows.shape[0], step):
         out[start:start + step] = quantizer(rows[start:start + step].float()).view(-1, row_bytes)
     return out.reshape(*values.shape[:-1], row_bytes)
