@@ -14,7 +14,8 @@ import torch
 
 from cobatch.model_files import ModelNotFound, qwen_coder_path, smollm2_path
 from cobatch.quant import formats
-from cobatch.quant.formats import FORMATS, UnsupportedQuantType, dequantize, format_of, quantize, random_quantized
+from cobatch.quant.formats import FORMATS, UnsupportedQuantType, dequantize, format_of, random_quantized
+from cobatch.quant.quantize import quantize
 
 T = gguf.GGMLQuantizationType
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -235,5 +236,5 @@ def test_quantize_round_trip(ggml_type):
 
 
 def test_quantize_reports_types_gguf_py_cannot_make():
-    with pytest.raises(UnsupportedQuantType, match="Q4_K"):
-        quantize(torch.zeros(1, 256), T.Q4_K)
+    with pytest.raises(UnsupportedQuantType, match="Q6_K"):
+        quantize(torch.zeros(1, 256), T.Q6_K)

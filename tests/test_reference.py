@@ -4,6 +4,7 @@ Both dequantize the same blocks to float32, so logits should agree to float32 ro
 """
 
 import gc
+import json
 
 import pytest
 import torch
@@ -139,3 +140,31 @@ def test_unknown_rope_scaling_is_a_user_error():
           "qwen3.rope.scaling.factor": 2.0}
     with pytest.raises(UserError, match="unsupported rope scaling type 'dynamic' .*yarn"):
         ModelConfig.from_metadata(md, set())
+
+
+def test_smollm2_gguf_and_its_safetensors_give_the_same_logits(tmp_path):
+    from safetensors.torch import save_file
+
+    from cobatch.llm import LLM, EngineOptions
+    from model_fixtures import load_llm
+    tokenizer, model = load_transformers(smollm2_path())      # the GGUF dequantized by transformers (gguf-py)
+    # saved by hand: save_pretrained refuses a model read from a GGUF; the tied head is the embedding
+    save_file({n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"},
+              tmp_path / "model.safetensors")
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(tmp_path)
+    gguf = load_llm("smollm2")
+    hf = LLM.load(tmp_path, EngineOptions(device="cpu", ctx=256, max_num_seqs=1, quantization="none", quiet=True))
+    text = "The capital of France is Paris. 12345 + 678 = ?"
+    ids = gguf.encode_prompt(text)
+    assert hf.encode_prompt(text) == ids
+    messages = [{"role": "user", "content": "Hi!"}]
+    assert hf.encode_chat(messages) == gguf.encode_chat(messages)
+    # llama's q/k: the GGUF stores them permuted for adjacent-pair rope, the checkpoint as trained (rotate_half)
+    ours = prompt_logits(hf.model, hf.config, ids)
+    ref = prompt_logits(gguf.model, gguf.config, ids)
+    assert (ours - ref).abs().max() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))

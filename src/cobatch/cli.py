@@ -17,15 +17,24 @@ EXIT_USAGE = 2
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="path to a GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "-m", help="a GGUF file or a Hugging Face checkpoint folder (default: "
+                                         "SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
+    _add_quantization_arg(p)
     _add_kv_cache_args(p)
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
     _add_speculative_arg(p)
+
+
+def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", "-q", default="auto",
+                   help="a checkpoint folder's float matrices, quantized once at load: q8_0 (the default for "
+                        "bf16/f16/f32 checkpoints), q4_k, q4_1, or none (as stored); FP8 / NVFP4 checkpoints keep "
+                        "their format unless one is named")
 
 
 def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
@@ -44,12 +53,13 @@ def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
+    # unset: a checkpoint's generation_config.json, else _SAMPLING_DEFAULTS
+    p.add_argument("--temperature", type=float, default=None, help="default 0.8")
+    p.add_argument("--top-k", type=int, default=None, help="default 40")
+    p.add_argument("--top-p", type=float, default=None, help="default 0.95")
+    p.add_argument("--min-p", type=float, default=None, help="default 0.05")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=None, help="default 1.0")
     # Constrained output, with llama-cli's flag names: at most one of these
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--grammar", help="a GBNF (or Lark) grammar the output must follow")
@@ -77,11 +87,15 @@ def _grammar(args) -> str | None:
     return None
 
 
-def _sampling(args):
+_SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+
+
+def _sampling(args, model_defaults: dict | None = None):
+    """The sampling flags; one left unset takes the model's default (generation_config.json), else cobatch's."""
     from cobatch.engine.sampler import SamplingParams
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens,
-                            grammar=_grammar(args))
+    chosen = {name: getattr(args, name) if getattr(args, name) is not None
+              else (model_defaults or {}).get(name, default) for name, default in _SAMPLING_DEFAULTS.items()}
+    params = SamplingParams(**chosen, seed=args.seed, max_tokens=args.max_tokens, grammar=_grammar(args))
     try:
         params.validate()
     except ValueError as e:
@@ -95,7 +109,7 @@ def _load(args, max_num_seqs: int = 1):
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
-                                              chat_template=args.chat_template,
+                                              chat_template=args.chat_template, quantization=args.quantization,
                                               speculative=parse_speculative_config(args.speculative_config),
                                               quiet=getattr(args, "quiet", False)))
 
@@ -128,8 +142,9 @@ def _stream(llm, prompt_ids: list[int], params) -> str:
 
 
 def cmd_generate(args) -> int:
-    params = _sampling(args)          # bad flags fail before the model loads
+    _sampling(args)                   # bad flags fail before the model loads
     llm = _load(args)
+    params = _sampling(args, llm.generation_defaults)
     if args.chat:
         ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -140,8 +155,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    params = _sampling(args)          # bad flags fail before the model loads
+    _sampling(args)                   # bad flags fail before the model loads
     llm = _load(args)
+    params = _sampling(args, llm.generation_defaults)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -170,14 +186,8 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def cmd_inspect(args) -> int:
-    from cobatch.config import ModelConfig
-    from cobatch.loader.gguf import GGUFFile
-    from cobatch.model_files import default_model_path
-    f = GGUFFile(args.path or default_model_path())
-    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
-    md = f.metadata
-    print(f"file:          {f.path}")
+def _describe(cfg) -> None:
+    """The lines of `cobatch inspect` that a GGUF file and a checkpoint folder share."""
     print(f"name:          {cfg.name}")
     print(f"architecture:  {cfg.arch}")
     print(f"layers:        {cfg.n_layers}   d_model: {cfg.d_model}   ffn: {cfg.ffn_dim}")
@@ -198,6 +208,49 @@ def cmd_inspect(args) -> int:
                       "groups" if cfg.expert_groups else "")
             print(f"               routed by {cfg.expert_gating}{groups}, weights "
                   f"{'renormalized, ' if cfg.expert_weights_norm else ''}times {cfg.expert_weights_scale:g}")
+
+
+def _inspect_folder(path: Path) -> int:
+    from cobatch.loader.hf import HFCheckpoint
+    from cobatch.loader.hf_tokenizer import chat_template_source
+    ckpt = HFCheckpoint(path)
+    cfg = ckpt.config
+    print(f"folder:        {ckpt.path} (Hugging Face checkpoint, {ckpt.model_type})")
+    _describe(cfg)
+    print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
+    print(f"rope:          theta {cfg.rope_theta:g}{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}")
+    if cfg.sliding_window:
+        print(f"attention:     sliding window {cfg.sliding_window}, one layer in {cfg.swa_pattern} global")
+    info = ckpt.hf_tensor_info()
+    print(f"parameters:    {sum(_prod(shape) for _, _, shape in info) / 1e6:.1f} M (as stored)")
+    print(f"weights:       {ckpt.scheme.kind + ' (' + ckpt.scheme.method + ')' if ckpt.scheme else 'float'}; "
+          f"float matrices load as {ckpt.quantization} (--quantization)")
+    print("tensor types:")
+    for dtype, n in Counter(dtype for _, dtype, _ in info).most_common():
+        print(f"  {dtype:<8} {n:>5} tensors")
+    print(f"chat template: {'yes' if chat_template_source(path) else 'no'}")
+    return 0
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def cmd_inspect(args) -> int:
+    from cobatch.config import ModelConfig
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.model_files import default_model_path
+    if args.path and Path(args.path).is_dir():
+        return _inspect_folder(Path(args.path))
+    f = GGUFFile(args.path or default_model_path())
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    md = f.metadata
+    print(f"file:          {f.path}")
+    _describe(cfg)
+    if cfg.n_experts:
         print(f"               on CUDA: {_expert_decode(f, cfg)}")
     print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
     print(f"rope:          {'neox' if cfg.rope_neox else 'norm'} theta {cfg.rope_theta:g}"
@@ -253,7 +306,8 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from cobatch import __version__
-    parser = argparse.ArgumentParser(prog="cobatch", description="Batched-decode LLM server for GGUF models")
+    parser = argparse.ArgumentParser(prog="cobatch", description="Batched-decode LLM server for GGUF models and "
+                                                                   "Hugging Face checkpoints")
     parser.add_argument("--version", action="version", version=f"cobatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -271,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p, max_tokens=128)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("inspect", help="describe a GGUF file")
+    p = sub.add_parser("inspect", help="describe a GGUF file or a Hugging Face checkpoint folder")
     p.add_argument("path", nargs="?")
     p.set_defaults(func=cmd_inspect)
 
@@ -280,8 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
-    p.add_argument("model_path", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", "-m", help="GGUF file (same as the positional argument)")
+    p.add_argument("model_path", nargs="?", help="a GGUF file or a Hugging Face checkpoint folder (default: "
+                                                 "SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "-m", help="the same as the positional argument")
     # The names vLLM (--served-model-name, --max-num-seqs, --max-model-len, --max-num-batched-tokens) and llama.cpp's
     # server (--alias, -np, -c/--ctx-size) give these options work too, for users switching over.
     p.add_argument("--model-name", "--alias", "-a", dest="model_name", action="append",
@@ -317,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as vLLM and llama.cpp's server); '' none")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
+    _add_quantization_arg(p)
     _add_kv_cache_args(p)
     p.add_argument("--slot-save-path", default=None,
                    help="llama.cpp's: the directory of POST /slots/{id}?action=save|restore files (default: refused)")
@@ -350,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's; cobatch runs a model on one GPU, so only 1")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="vLLM's; cobatch runs a model on one GPU, so only 1")
-    for flags, what in ((("--trust-remote-code",), "a GGUF file carries no code"),
+    for flags, what in ((("--trust-remote-code",), "cobatch runs no code from a model's files"),
                         (("--enable-prefix-caching",), "the prefix cache is always on"),
                         (("--enable-auto-tool-choice",), "tool calls are always parsed when a request declares tools"),
                         (("--disable-log-stats",), "cobatch logs no periodic stats")):

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from cobatch.builtin_templates import template_source
-from cobatch.chat_template import ChatTemplate, ChatTemplateError
+from cobatch.chat_template import CHAT_TEMPLATE_KEY, ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
 from cobatch.engine.disk_cache import DiskPrefixCache
 from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec
@@ -25,6 +25,8 @@ from cobatch.engine.runner import ModelRunner
 from cobatch.engine.speculative import step_rows_with_drafts
 from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
+from cobatch.loader.hf import HFCheckpoint, generation_defaults, is_checkpoint_folder
+from cobatch.loader.hf_tokenizer import chat_template_source, tokenizer_from_folder
 from cobatch.model_files import default_model_path
 from cobatch.models.linear import resident_bytes
 from cobatch.models.registry import Model, model_class
@@ -52,16 +54,33 @@ class EngineOptions:
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
     kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool (engine/disk_cache.py)
     kv_disk_gb: float = 16.0           # ... kept under this size
+    quantization: str = "auto"         # a checkpoint folder's float matrices: q8_0 (auto), q4_k, q4_1, none
     quiet: bool = False
 
 
-def _chat_template(override: str | None, metadata, tokenizer: Tokenizer) -> ChatTemplate | None:
+def _open_model(path: Path, quantization: str, device: torch.device
+                ) -> tuple[GGUFFile | HFCheckpoint, ModelConfig, Tokenizer, str | None]:
+    """(weights, config, tokenizer, the model's chat template) of a GGUF file or a checkpoint folder."""
+    if is_checkpoint_folder(path):
+        weights = HFCheckpoint(path, quantization, device)
+        return (weights, weights.config, tokenizer_from_folder(path, weights.config.vocab_size),
+                chat_template_source(path))
+    if quantization not in ("auto", None):
+        raise UserError(f"--quantization {quantization}: a GGUF file is already quantized (the flag is for "
+                        "checkpoint folders)")
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
+    gguf.check_tensor_types()
+    return gguf, cfg, Tokenizer.from_metadata(gguf.metadata), gguf.metadata.get(CHAT_TEMPLATE_KEY) or None
+
+
+def _chat_template(override: str | None, model_template: str | None, tokenizer: Tokenizer) -> ChatTemplate | None:
     """The --chat-template override (a file's path, or the template itself), else the model's own, else None."""
-    if override is None:
-        try:
-            return ChatTemplate.from_metadata(metadata, tokenizer)
-        except ChatTemplateError:
-            return None
+    try:
+        if override is None:
+            return ChatTemplate.with_tokenizer(model_template, tokenizer) if model_template else None
+    except ChatTemplateError:
+        return None
     try:
         return ChatTemplate.with_tokenizer(template_source(override), tokenizer)
     except ChatTemplateError as exc:
@@ -131,11 +150,13 @@ def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.d
 
 
 class LLM:
-    def __init__(self, path: Path, gguf: GGUFFile, cfg: ModelConfig, tokenizer: Tokenizer,
+    def __init__(self, path: Path, weights: GGUFFile | HFCheckpoint, cfg: ModelConfig, tokenizer: Tokenizer,
                  template: ChatTemplate | None, model: Model, engine: Engine, options: EngineOptions):
-        self.path, self.gguf, self.config, self.tokenizer = path, gguf, cfg, tokenizer
+        self.path, self.weights, self.config, self.tokenizer = path, weights, cfg, tokenizer
         self.template, self.model, self.engine, self.options = template, model, engine, options
         self.kv_identity = ""      # what saved KV state must match (engine/kv_store.model_identity); set by load()
+        # sampling defaults of requests that leave a field unset: a checkpoint's generation_config.json
+        self.generation_defaults = generation_defaults(path) if isinstance(weights, HFCheckpoint) else {}
 
     @classmethod
     def load(cls, path: str | Path | None = None, options: EngineOptions | None = None) -> "LLM":
@@ -146,18 +167,15 @@ class LLM:
             raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
         dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
-        gguf = GGUFFile(path)
-        cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
-        gguf.check_tensor_types()
-        tokenizer = Tokenizer.from_metadata(gguf.metadata)
-        template = _chat_template(options.chat_template, gguf.metadata, tokenizer)
+        weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device)
+        template = _chat_template(options.chat_template, model_template, tokenizer)
         # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
         ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
         if ctx < 2:
             raise UserError(f"--ctx must be at least 2 (got {ctx})")
         with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
                   disable=options.quiet, file=sys.stderr) as bar:
-            model = model_class(cfg)(cfg, gguf, device, dtype, max_positions=ctx, progress=bar.update,
+            model = model_class(cfg)(cfg, weights, device, dtype, max_positions=ctx, progress=bar.update,
                                keep_dense=options.dense_large_batch)
         if not options.quiet:
             held = resident_bytes(model)
@@ -168,7 +186,7 @@ class LLM:
                   file=sys.stderr)
         pool = _make_pool(cfg, options, ctx, kv_dtype, device)
         runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
-        identity = model_identity(path, pool)
+        identity = model_identity(path, pool, getattr(weights, "quantization", ""))
         spill = None
         if options.kv_disk_cache:
             if options.kv_disk_gb <= 0:
@@ -185,7 +203,7 @@ class LLM:
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file
-        llm = cls(path, gguf, cfg, tokenizer, template, model, engine, options)
+        llm = cls(path, weights, cfg, tokenizer, template, model, engine, options)
         llm.kv_identity = identity
         return llm
 

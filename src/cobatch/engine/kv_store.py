@@ -32,18 +32,24 @@ class KVFileError(Exception):
     """A KV record that cannot be used: corrupt, truncated, of another model, or of another KV layout."""
 
 
-def model_identity(model_path: str | Path, pool: KVPool) -> str:
+def model_identity(model_path: str | Path, pool: KVPool, quantization: str = "") -> str:
     """What a KV block depends on: the model file (its size and its first and last 4 MiB, which hold the GGUF
-    header, the metadata and tensor data; hashing all of a 16 GB file would take a minute) and the KV layout."""
+    header, the metadata and tensor data; hashing all of a 16 GB file would take a minute), or each file of a
+    checkpoint folder so, the quantization a checkpoint was loaded with, and the KV layout."""
     path = Path(model_path)
-    size = path.stat().st_size
     h = hashlib.sha256(b"cobatch-kv-identity-1")
-    h.update(struct.pack("<Q", size))
-    with open(path, "rb") as f:
-        h.update(f.read(_SAMPLE))
-        if size > _SAMPLE:
-            f.seek(max(_SAMPLE, size - _SAMPLE))
+    for file in sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]:
+        if path.is_dir():
+            h.update(file.name.encode() + b"\0")
+        size = file.stat().st_size
+        h.update(struct.pack("<Q", size))
+        with open(file, "rb") as f:
             h.update(f.read(_SAMPLE))
+            if size > _SAMPLE:
+                f.seek(max(_SAMPLE, size - _SAMPLE))
+                h.update(f.read(_SAMPLE))
+    if quantization:
+        h.update(quantization.encode())
     h.update(json.dumps(layout(pool)).encode())
     return h.hexdigest()
 

@@ -17,7 +17,7 @@ from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
-from cobatch.loader.gguf import GGUFFile
+from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.models.moe import MoeFeedForward
 
@@ -39,7 +39,7 @@ class Layer:
     window: int = 0              # sliding window of a local layer (0: global)
 
 
-def _gate_up(prefix: str, gguf: GGUFFile, device: torch.device, dtype: torch.dtype, keep_dense: bool) -> object:
+def _gate_up(prefix: str, gguf: WeightSource, device: torch.device, dtype: torch.dtype, keep_dense: bool) -> object:
     """The fused gate|up projection: phi3 stores it so (in ffn_up, gate first), the others as two tensors."""
     if prefix + "ffn_gate.weight" not in gguf.tensors:
         fused = gguf.quant_weight(prefix + "ffn_up.weight")
@@ -50,7 +50,7 @@ def _gate_up(prefix: str, gguf: GGUFFile, device: torch.device, dtype: torch.dty
     return load_gate_up(gate, up, device, dtype, keep_dense)
 
 
-def _rope_table(cfg: ModelConfig, gguf: GGUFFile, n_pos: int) -> torch.Tensor:
+def _rope_table(cfg: ModelConfig, gguf: WeightSource, n_pos: int) -> torch.Tensor:
     """cos|sin of the (global) layers' rotation, with the file's rope scaling applied."""
     factors, linear_factor, attn_factor = None, 1.0, cfg.rope_attn_factor
     scaling = cfg.rope_scaling or {}
@@ -74,7 +74,7 @@ def _rope_table(cfg: ModelConfig, gguf: GGUFFile, n_pos: int) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, gguf: GGUFFile, device: torch.device | str = "cpu",
+    def __init__(self, cfg: ModelConfig, gguf: WeightSource, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None,
                  keep_dense: bool = False):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype

@@ -23,7 +23,7 @@ from cobatch.config import ModelConfig
 from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import expert_slots
-from cobatch.loader.gguf import GGUFFile
+from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
 
@@ -35,7 +35,7 @@ def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
 
 
 class MoeFeedForward:
-    def __init__(self, cfg: ModelConfig, gguf: GGUFFile, prefix: str, device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, gguf: WeightSource, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
         n = self.n_experts = cfg.n_experts
         self.top_k, self.normalize = cfg.n_experts_used, cfg.expert_weights_norm

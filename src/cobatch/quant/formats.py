@@ -1,6 +1,13 @@
-"""GGUF tensor formats: one descriptor per ggml type, with a torch reference dequantization.
+"""Tensor formats: one descriptor per ggml type, and per pre-quantized checkpoint format (FP8, NVFP4), each with
+a torch reference dequantization.
 
-Block layouts follow ggml (mirrored by gguf-py's `gguf/quants.py`, which the tests compare against).
+GGUF block layouts follow ggml (mirrored by gguf-py's `gguf/quants.py`, which the tests compare against). The
+checkpoint formats are laid out as blocks too, so one QuantWeight holds either (loader/hf.py builds them):
+  fp8_e4m3  one OCP e4m3 byte per value (blocks of 1); the checkpoint's per-tensor or per-channel scale is the
+            weight's row scale (QuantWeight.row_scale).
+  nvfp4     blocks of 16 values: the e4m3 block scale (1 byte), then 8 bytes of e2m1 values, two a byte, the
+            even element in the low nibble (ModelOpt's `weight` byte order); the f32 per-tensor scale
+            (`weight_scale_2`) is the row scale.
 Every decoder takes uint8 blocks [n_blocks, type_size] and returns float32 [n_blocks, block_size],
 using whole-tensor torch ops so the same code runs on CPU or GPU. The float32 arithmetic is done in
 the same order as ggml/gguf-py, so results are bit-identical to the reference.
@@ -13,8 +20,6 @@ from functools import partial
 from typing import Callable
 
 import gguf
-import gguf.quants
-import numpy as np
 import torch
 
 T = gguf.GGMLQuantizationType
@@ -32,7 +37,7 @@ class UnsupportedQuantType(ValueError):
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
     name: str
-    ggml_type: gguf.GGMLQuantizationType
+    ggml_type: gguf.GGMLQuantizationType | None     # None: a checkpoint format GGUF has no type for
     block_size: int
     type_size: int
     dequant_blocks: Callable[[torch.Tensor], torch.Tensor]
@@ -187,15 +192,39 @@ _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q6_K: _q6_k,
 }
 
+# e2m1 (OCP MX FP4): sign, 2 exponent bits (bias 1), 1 mantissa bit; codes 0-7 are these magnitudes.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _fp8_e4m3(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.view(torch.float8_e4m3fn).float()
+
+
+def _nvfp4(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scale = blocks[:, :1].view(torch.float8_e4m3fn).float()
+    codes = _unpack(blocks[:, 1:], 4).transpose(-1, -2).reshape(n, 16)    # element 2i low nibble, 2i + 1 high
+    magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)[(codes & 7).long()]
+    return scale * torch.where(codes >= 8, -magnitude, magnitude)
+
+
 FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
     t: QuantFormat(t.name.lower(), t, *gguf.GGML_QUANT_SIZES[t], decode) for t, decode in _DECODERS.items()
 }
-_BY_NAME = {fmt.name: fmt for fmt in FORMATS.values()}
+# Formats of pre-quantized checkpoints (read by loader/hf.py), beside the GGUF ones
+CHECKPOINT_FORMATS: dict[str, QuantFormat] = {
+    "fp8_e4m3": QuantFormat("fp8_e4m3", None, 1, 1, _fp8_e4m3),
+    "nvfp4": QuantFormat("nvfp4", None, 16, 9, _nvfp4),
+}
+# The one table of every format, by name
+FORMAT_TABLE: dict[str, QuantFormat] = {**{fmt.name: fmt for fmt in FORMATS.values()}, **CHECKPOINT_FORMATS}
 
 
-def format_of(ggml_type: gguf.GGMLQuantizationType | int | str) -> QuantFormat:
+def format_of(ggml_type: QuantFormat | gguf.GGMLQuantizationType | int | str) -> QuantFormat:
+    if isinstance(ggml_type, QuantFormat):
+        return ggml_type
     if isinstance(ggml_type, str):
-        fmt, label = _BY_NAME.get(ggml_type.lower()), ggml_type.upper()
+        fmt, label = FORMAT_TABLE.get(ggml_type.lower()), ggml_type.upper()
     else:
         try:
             known = T(int(ggml_type))
@@ -203,12 +232,13 @@ def format_of(ggml_type: gguf.GGMLQuantizationType | int | str) -> QuantFormat:
         except ValueError:
             fmt, label = None, str(ggml_type)
     if fmt is None:
-        supported = ", ".join(t.name for t in FORMATS)
+        supported = ", ".join(name.upper() for name in FORMAT_TABLE)
         raise UnsupportedQuantType(f"unsupported tensor type {label} (supported: {supported})")
     return fmt
 
 
-def dequantize(raw: torch.Tensor, ggml_type: gguf.GGMLQuantizationType | int | str, n_cols: int) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, ggml_type: QuantFormat | gguf.GGMLQuantizationType | int | str,
+               n_cols: int) -> torch.Tensor:
     """uint8 [..., row_bytes] -> float32 [..., n_cols]. Never writes into `raw` (it may be a read-only mmap)."""
     fmt = format_of(ggml_type)
     row_bytes = fmt.row_bytes(n_cols)
@@ -271,15 +301,3 @@ def random_quantized(ggml_type, rows: int, cols: int, generator: torch.Generator
     jitter = torch.rand(n_blocks, 1, generator=generator) + 0.5  # blocks differ in scale, like real weights
     _write_scales(blocks, fields, jitter * (scale / max(unit_std, 1e-12)))
     return blocks.reshape(rows, row_bytes)
-
-
-def quantize(values: torch.Tensor, ggml_type) -> torch.Tensor:
-    """float32 [..., cols] -> uint8 [..., row_bytes] via gguf-py (which has no K-quant quantizers)."""
-    fmt = format_of(ggml_type)
-    array = values.detach().to("cpu", torch.float32).numpy()
-    try:
-        data = gguf.quants.quantize(array, fmt.ggml_type)
-    except NotImplementedError:
-        raise UnsupportedQuantType(f"gguf-py cannot quantize to {fmt.ggml_type.name}") from None
-    data = np.ascontiguousarray(data).view(np.uint8)
-    return torch.from_numpy(data.reshape(*values.shape[:-1], fmt.row_bytes(values.shape[-1])))

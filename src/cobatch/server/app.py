@@ -285,6 +285,7 @@ def engine_options(args):
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
+        quantization=getattr(args, "quantization", "auto"),
         overlap_steps=getattr(args, "async_scheduling", True),
         kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0))
 

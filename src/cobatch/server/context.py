@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +40,12 @@ class ServerOptions:
 
 class ServerContext:
     def __init__(self, llm: LLM, options: ServerOptions):
+        # a checkpoint's generation_config.json gives the defaults the flags did not (vLLM's --generation-config auto)
+        options = dataclasses.replace(options, sampling_defaults={**_valid_defaults(getattr(llm, "generation_defaults", {})),
+                                                                  **options.sampling_defaults})
         self.llm, self.options = llm, options
         self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)
-        self.model_name = options.model_name or llm.path.stem
+        self.model_name = options.model_name or (llm.path.name if llm.path.is_dir() else llm.path.stem)
         self.metrics = ServerMetrics(self.worker, vllm_names=options.metrics_compat == "vllm",
                                      model_name=self.model_name)
         self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
@@ -53,3 +58,17 @@ class ServerContext:
 
 def get_context(request: Request) -> ServerContext:
     return request.app.state.server
+
+
+def _valid_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """The model's sampling defaults that SamplingParams accepts (a bad value in generation_config.json is
+    dropped with a warning, not a failed start)."""
+    from cobatch.engine.sampler import SamplingParams
+    kept = {}
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value}).validate()
+            kept[name] = value
+        except (ValueError, TypeError) as exc:
+            print(f"cobatch: ignoring generation_config.json {name}={value!r}: {exc}", file=sys.stderr)
+    return kept

@@ -1,0 +1,278 @@
+"""Open a Hugging Face checkpoint folder: config.json, *.safetensors (sharded with an index, or one file), the
+tokenizer beside them. Nothing is downloaded.
+
+It answers the models as a GGUFFile does (`tensors`, `quant_weight`, `float_tensor`, GGUF tensor names), so
+models/ never asks where the weights come from. Each matrix is read from its memory-mapped shard once and turned
+into the format it runs in:
+  - float (bf16 / f16 / f32) matrices are quantized on load (quant/quantize.py, on the GPU when the model runs
+    there) to --quantization's GGUF format (q8_0 by default), which the GEMV and GEMM read like a GGUF's; with
+    `none` they stay as stored. No float copy of a quantized matrix is kept.
+  - pre-quantized matrices (FP8 e4m3 with a per-tensor or per-channel scale, as compressed-tensors, ModelOpt and
+    vLLM's fp8 write them; ModelOpt NVFP4) keep their values, re-laid as the fp8_e4m3 / nvfp4 formats
+    (quant/formats.py); an explicit GGUF --quantization requantizes them from their dequantized values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from cobatch.errors import UserError
+from cobatch.loader import hf_config
+from cobatch.quant.formats import format_of
+from cobatch.quant.quantize import TORCH_QUANTIZED, quantize
+from cobatch.quant.weight import QuantWeight
+
+INDEX_FILE = "model.safetensors.index.json"
+QUANTIZATIONS = ("auto", "none", *TORCH_QUANTIZED)    # --quantization's choices
+# vLLM's --quantization names for a checkpoint's own scheme: here, as auto (the checkpoint says what it holds)
+VLLM_METHODS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors")
+FLOAT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# 4-bit formats leave the output head (and a tied embedding) at 8 bits, as llama.cpp's 4-bit mixes keep it above 4
+_HEAD_FORMAT = {"q4_k": "q8_0", "q4_1": "q8_0"}
+# A row that is not whole blocks of the asked format takes the next that fits, else stays as stored
+_FALLBACK = {"q4_k": "q4_1"}
+_HEADS = ("output.weight", "token_embd.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class PreQuantized:
+    """What config.json's quantization_config says the checkpoint's linear layers hold."""
+    kind: str             # "fp8_e4m3" | "nvfp4"
+    method: str           # as the config names it: compressed-tensors, modelopt, fp8
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return value
+
+
+def is_checkpoint_folder(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir()
+
+
+def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
+    """The checkpoint's quantization scheme, None for a float checkpoint; a UserError for one we cannot run."""
+    qc = config.get("quantization_config")
+    if qc is None and (folder / "hf_quant_config.json").is_file():      # ModelOpt's own file
+        qc = {"quant_method": "modelopt", **_read_json(folder / "hf_quant_config.json").get("quantization", {})}
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "?")).lower()
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        if qc.get("format") in ("float-quantized", "naive-quantized") and weights and all(
+                w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("tensor", "channel")
+                for w in weights):
+            return PreQuantized("fp8_e4m3", method)
+        what = f"format {qc.get('format')!r}, weights {weights}"
+    elif method == "modelopt":
+        algo = str(qc.get("quant_algo", "")).upper()
+        if algo == "FP8":
+            return PreQuantized("fp8_e4m3", method)
+        if algo == "NVFP4" and int(qc.get("group_size", 16)) == 16:
+            return PreQuantized("nvfp4", method)
+        what = f"quant_algo {algo!r}, group_size {qc.get('group_size')}"
+    elif method == "fp8":
+        if not qc.get("weight_block_size"):
+            return PreQuantized("fp8_e4m3", method)
+        what = f"weight_block_size {qc['weight_block_size']} (block-wise scales)"
+    else:
+        what = "this method"
+    raise UserError(f"unsupported quantization_config: quant_method {method!r}, {what} (supported: FP8 e4m3 with "
+                    "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8; ModelOpt NVFP4)")
+
+
+def _shard_files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the shard holding it: from the index when there is one, else every *.safetensors."""
+    if (folder / INDEX_FILE).is_file():
+        weight_map = _read_json(folder / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{folder / INDEX_FILE}: no weight_map")
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise UserError(f"{folder}: shard {missing[0]} is missing (the index names {len(missing)} absent "
+                            f"file{'s' if len(missing) > 1 else ''}); the checkpoint is incomplete")
+        return {name: folder / f for name, f in weight_map.items()}
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise UserError(f"{folder}: no *.safetensors files (cobatch reads safetensors checkpoints and GGUF files)")
+    return {name: shard for shard in shards for name in _open(shard).keys()}
+
+
+def _open(shard: Path):
+    try:
+        return safe_open(shard, framework="pt")
+    except Exception as exc:        # safetensors raises its own error types for a bad header
+        raise UserError(f"cannot read {shard}: {exc}") from None
+
+
+class HFCheckpoint:
+    def __init__(self, folder: str | os.PathLike, quantization: str = "auto", device: torch.device | str = "cpu"):
+        self.path = folder = Path(folder)
+        if not folder.exists():
+            raise UserError(f"model not found: {folder}")
+        if not (folder / "config.json").is_file():
+            raise UserError(f"{folder}: no config.json; a model folder needs config.json and *.safetensors "
+                            "(a Hugging Face checkpoint)")
+        quantization = "auto" if quantization in VLLM_METHODS else quantization
+        if quantization not in QUANTIZATIONS:
+            raise UserError(f"unknown --quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
+        self.hf_config = config = _read_json(folder / "config.json")
+        self.model_type, arch = hf_config.architecture(config)
+        self.scheme = pre_quantized(folder, config)
+        # auto: q8_0 for a float checkpoint; a pre-quantized one keeps its format (and its float matrices)
+        self.quantization = ("none" if self.scheme else "q8_0") if quantization == "auto" else quantization
+        self.device = torch.device(device)
+        shards = _shard_files(folder)
+        handles = {path: _open(path) for path in set(shards.values())}
+        self._handle = {name: handles[path] for name, path in shards.items()}
+        n_layers = int(config.get("num_hidden_layers", 0))
+        sources = hf_config.tensor_sources(self.model_type, config, n_layers)
+        self.tensors = {name: src for name, src in sources.items() if all(n in self._handle for n in src.names)}
+        self._rope_factors = self._longrope_factors()
+        self.tensors.update({name: hf_config.TensorSource(()) for name in self._rope_factors})
+        self.metadata: dict[str, Any] = hf_config.metadata(config, self.model_type, arch, folder.name)
+        self.config = hf_config.model_config(config, self.metadata, set(self.tensors))
+        self._check_shapes()
+
+    # ------------------------------------------------------------------ what the models read
+
+    def quant_weight(self, name: str) -> QuantWeight:
+        """A 2-D weight, [rows = out features, cols = in features], in the format it runs in."""
+        parts = [self._matrix(name, hf_name) for hf_name in self._source(name).names]
+        return QuantWeight.stack_rows(parts) if len(parts) > 1 else parts[0]
+
+    def float_tensor(self, name: str) -> torch.Tensor:
+        """A small tensor (norm weight, bias, rope factors) as float32, flat."""
+        if name in self._rope_factors:
+            return self._rope_factors[name]
+        src = self._source(name)
+        values = self._read(src.names[0]).float().reshape(-1)
+        return values + 1.0 if src.plus_one else values
+
+    # ------------------------------------------------------------------ the rest
+
+    def hf_tensor_info(self) -> list[tuple[str, str, list[int]]]:
+        """(name, safetensors dtype, shape) of every tensor of the checkpoint (for `cobatch inspect`)."""
+        return [(n, h.get_slice(n).get_dtype(), list(h.get_slice(n).get_shape())) for n, h in self._handle.items()]
+
+    def _source(self, name: str) -> hf_config.TensorSource:
+        src = self.tensors.get(name)
+        if src is None:
+            wanted = hf_config.tensor_sources(self.model_type, self.hf_config, self.config.n_layers).get(name)
+            hf_name = wanted.names[0] if wanted else name
+            raise UserError(f"{self.path.name}: no tensor {hf_name}, which a {self.model_type} model needs "
+                            "(an incomplete or differently converted checkpoint?)")
+        return src
+
+    def _read(self, hf_name: str) -> torch.Tensor:
+        return self._handle[hf_name].get_tensor(hf_name)
+
+    def _shape(self, hf_name: str) -> list[int]:
+        shape = list(self._handle[hf_name].get_slice(hf_name).get_shape())
+        if self._is_nvfp4(hf_name):
+            shape[-1] *= 2               # two e2m1 values a byte
+        return shape
+
+    def _is_nvfp4(self, hf_name: str) -> bool:
+        return (self.scheme is not None and self.scheme.kind == "nvfp4" and hf_name.endswith(".weight")
+                and hf_name.removesuffix("weight") + "weight_scale_2" in self._handle)
+
+    def _is_fp8(self, hf_name: str) -> bool:
+        return self._handle[hf_name].get_slice(hf_name).get_dtype() == "F8_E4M3"
+
+    def _check_shapes(self) -> None:
+        expected = hf_config.expected_shapes(self.config)
+        for name, src in self.tensors.items():
+            want = expected.get(name)
+            for hf_name in src.names if want else ():
+                got = self._shape(hf_name)
+                if got != list(want):
+                    raise UserError(f"{self.path.name}: tensor {hf_name} has shape {got}, but config.json implies "
+                                    f"{list(want)}")
+
+    def _longrope_factors(self) -> dict[str, torch.Tensor]:
+        """phi3 LongRoPE's factor lists from config.json, as the rope_factors_* tensors a GGUF carries."""
+        rope = hf_config._rope(self.hf_config)
+        if (rope.get("rope_type") or rope.get("type")) not in ("longrope", "su"):
+            return {}
+        return {f"rope_factors_{kind}.weight": torch.tensor(rope[f"{kind}_factor"], dtype=torch.float32)
+                for kind in ("long", "short")}
+
+    def _target(self, name: str, cols: int) -> str:
+        """The format a float matrix runs in: --quantization's, the head at 8 bits under a 4-bit one, a fallback
+        where the row is not whole blocks, "none" (as stored) for the MoE router (models/moe.py keeps it f32)."""
+        if "ffn_gate_inp" in name or self.quantization == "none":
+            return "none"
+        fmt = _HEAD_FORMAT.get(self.quantization, self.quantization) if name in _HEADS else self.quantization
+        while fmt != "none" and cols % format_of(fmt).block_size:
+            fmt = _FALLBACK.get(fmt, "none")
+        return fmt
+
+    def _matrix(self, name: str, hf_name: str) -> QuantWeight:
+        if self._is_nvfp4(hf_name) or self._is_fp8(hf_name):
+            weight = self._pre_quantized(hf_name)
+            target = self._target(name, weight.cols)
+            if self.quantization == "none" or target == "none":
+                return weight
+            values = weight.dequantize().to(self.device)
+        else:
+            values = self._read(hf_name)
+            if values.dtype not in FLOAT_DTYPES:
+                raise UserError(f"{self.path.name}: tensor {hf_name} is {values.dtype}, not a float or a "
+                                "pre-quantized weight cobatch reads")
+            target = self._target(name, values.shape[1])
+            if target == "none":
+                fmt = format_of(FLOAT_DTYPES[values.dtype])
+                return QuantWeight(fmt, values.shape[0], values.shape[1], values.contiguous().view(torch.uint8))
+            values = values.to(self.device)
+        return QuantWeight(format_of(target), values.shape[0], values.shape[1], quantize(values, target))
+
+    def _pre_quantized(self, hf_name: str) -> QuantWeight:
+        """An FP8 or NVFP4 matrix re-laid as its cobatch format: values untouched, scales beside them."""
+        base = hf_name.removesuffix("weight")
+        scale_name = base + "weight_scale"
+        if scale_name not in self._handle:
+            raise UserError(f"{self.path.name}: {hf_name} is quantized but the checkpoint has no {scale_name}")
+        raw, scale = self._read(hf_name), self._read(scale_name)
+        rows = raw.shape[0]
+        if self._is_nvfp4(hf_name):
+            cols = raw.shape[1] * 2
+            if scale.shape != (rows, cols // 16) or scale.dtype != torch.float8_e4m3fn:
+                raise UserError(f"{self.path.name}: {scale_name} is {scale.dtype} {list(scale.shape)}; NVFP4 needs "
+                                f"float8_e4m3fn [{rows}, {cols // 16}] (one scale per 16 values)")
+            blocks = torch.cat([scale.view(torch.uint8).reshape(-1, 1), raw.view(torch.uint8).reshape(-1, 8)], 1)
+            global_scale = self._read(base + "weight_scale_2").float().reshape(-1)
+            return QuantWeight(format_of("nvfp4"), rows, cols, blocks.reshape(rows, -1),
+                               global_scale.expand(rows).contiguous())
+        scale = scale.float().reshape(-1)
+        if scale.numel() not in (1, rows):
+            raise UserError(f"{self.path.name}: {scale_name} has {scale.numel()} values; FP8 needs one per tensor "
+                            f"or one per output channel ({rows}); block-wise scales are not supported")
+        return QuantWeight(format_of("fp8_e4m3"), rows, raw.shape[1], raw.view(torch.uint8),
+                           scale.expand(rows).contiguous())
+
+
+def generation_defaults(folder: str | os.PathLike) -> dict[str, Any]:
+    """generation_config.json's sampling fields, as vLLM takes them for requests that leave them unset."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = _read_json(path)
+    names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    return {ours: config[theirs] for theirs, ours in names.items() if config.get(theirs) is not None}

@@ -1,0 +1,173 @@
+"""Hugging Face checkpoint folders for tests: tiny random models written by transformers itself
+(`save_pretrained`), and FP8 / NVFP4 checkpoints made from a float one in the layouts vLLM and ModelOpt read.
+
+A tiny model has random weights (norms and biases too, so a misplaced tensor shows in its logits), a byte-level BPE
+tokenizer trained on a few sentences (tokenizer.json, tokenizer_config.json with a ChatML template) and a
+generation_config.json; it is written in well under a second. transformers is a test dependency: this module
+imports it only when asked.
+
+FP8 (compressed-tensors, "float-quantized"): each linear layer's `weight` in float8_e4m3fn with `weight_scale`
+float32, [1] per tensor or [out, 1] per channel (amax / 448); config.json's quantization_config as llm-compressor
+writes it. NVFP4 (ModelOpt): `weight` uint8 [out, in / 2] of e2m1 pairs (the even element in the low nibble),
+`weight_scale` float8_e4m3fn [out, in / 16] (each 16-value block's amax / 6, over the global scale),
+`weight_scale_2` float32 scalar (the tensor's amax / (6 * 448)), `input_scale` float32 scalar;
+quantization_config {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16} and hf_quant_config.json.
+The lm_head, embeddings, norms and MoE routers stay as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from cobatch.quant.formats import E2M1_VALUES
+
+FP8_MAX, E2M1_MAX = 448.0, 6.0
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+           "def add(a, b):\n    return a + b\n", "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 1000.",
+           "A tiny model has a tiny vocabulary, trained on a few sentences like these ones."] * 4
+
+# 256 wide, so that every matrix is whole q4_K super-blocks
+_TINY = dict(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6)
+# family -> (transformers config class, its fields beyond _TINY)
+FAMILIES = {
+    "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"rope_theta": 1e6}),
+    "qwen3": ("Qwen3Config", {"rope_theta": 1e6}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                     "shared_expert_intermediate_size": 512}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                     "norm_topk_prob": True}),
+    "phi3": ("Phi3Config", {"num_key_value_heads": 4, "head_dim": None, "pad_token_id": 0}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 8, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0,
+                                "final_logit_softcapping": 30.0, "num_hidden_layers": 4}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 8, "query_pre_attn_scalar": 64,
+                                         "num_hidden_layers": 6, "rope_local_base_freq": 10000.0}),
+}
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on _CORPUS, saved through transformers (tokenizer.json, tokenizer_config.json)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                         show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+
+
+def write_tiny_model(folder: str | Path, family: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """A random `family` model saved by transformers (f32 safetensors; sharded with an index when
+    max_shard_size is given, e.g. "200KB"), with its tokenizer and generation_config.json."""
+    import transformers
+    folder = Path(folder)
+    class_name, extra = FAMILIES[family]
+    fields = {**_TINY, **extra}
+    if fields.get("head_dim") is None:
+        fields.pop("head_dim")
+    config = getattr(transformers, class_name)(**fields, bos_token_id=0, eos_token_id=2,
+                                               tie_word_embeddings=family.startswith("gemma"))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:        # norms around their identity (gemma stores w - 1), biases around 0
+                base = 0.0 if family.startswith("gemma") or name.endswith("bias") else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=gen))
+    model.generation_config = transformers.GenerationConfig(temperature=0.6, top_p=0.9, top_k=20, do_sample=True,
+                                                            eos_token_id=[2, 1], bos_token_id=0)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    write_tokenizer(folder, config.vocab_size - 16)      # the embedding has rows past the tokenizer's vocabulary
+    return folder
+
+
+# ---------------------------------------------------------------- pre-quantized checkpoints
+
+def _quantized_names(names: list[str]) -> list[str]:
+    """The linear layers a quantizer converts (vLLM's and ModelOpt's default: not lm_head, embeddings, routers)."""
+    keep = ("lm_head", "embed_tokens", "mlp.gate.weight", "shared_expert_gate", "block_sparse_moe.gate.weight")
+    return [n for n in names if n.endswith("proj.weight") or n.endswith((".w1.weight", ".w2.weight", ".w3.weight"))
+            if not any(k in n for k in keep)]
+
+
+def to_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale [out, 1] or [1]) with w ~ weight * scale."""
+    amax = w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    scale = (amax / FP8_MAX).clamp(min=1e-12).float()
+    q = (w.float() / (scale if per_channel else scale[0])).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 [out, in / 2] e2m1 pairs, e4m3 block scales [out, in / 16], float32 global scale [])."""
+    w = w.float()
+    rows, cols = w.shape
+    global_scale = (w.abs().amax() / (E2M1_MAX * FP8_MAX)).clamp(min=1e-12)
+    blocks = w.reshape(rows, cols // 16, 16)
+    block_scale = (blocks.abs().amax(-1) / E2M1_MAX / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    denom = block_scale.float()[..., None] * global_scale
+    scaled = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, 1), 0).clamp(-E2M1_MAX, E2M1_MAX)
+    grid = torch.tensor(E2M1_VALUES)
+    code = (scaled.abs()[..., None] - grid).abs().argmin(-1).to(torch.uint8) | ((scaled < 0).to(torch.uint8) << 3)
+    code = code.reshape(rows, cols // 2, 2)
+    return code[..., 0] | (code[..., 1] << 4), block_scale, global_scale.reshape(())
+
+
+def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
+    """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors) or "nvfp4" (ModelOpt)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            tensors.update({n: f.get_tensor(n) for n in f.keys()})
+    out = dict(tensors)
+    for name in _quantized_names(list(tensors)):
+        base = name.removesuffix("weight")
+        if kind == "nvfp4":
+            out[name], out[base + "weight_scale"], out[base + "weight_scale_2"] = to_nvfp4(tensors[name])
+            out[base + "input_scale"] = torch.tensor(1.0)
+        else:
+            out[name], scale = to_fp8(tensors[name], per_channel=kind == "fp8_channel")
+            out[base + "weight_scale"] = scale
+    save_file({n: t.contiguous() for n, t in out.items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if kind == "nvfp4":
+        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["lm_head"]}
+        config["quantization_config"] = {"quant_method": "modelopt", **quant}
+        (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                              "quantization": quant}, indent=2))
+    else:
+        strategy = "channel" if kind == "fp8_channel" else "tensor"
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

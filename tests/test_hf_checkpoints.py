@@ -1,0 +1,241 @@
+"""Hugging Face checkpoint folders (loader/hf.py): tiny random models written by transformers, loaded by cobatch and
+compared with transformers on the same folder (the real SmolLM2 through both loaders is in test_reference.py,
+beside the transformers reading of its GGUF that it shares); FP8 / NVFP4 checkpoints against a numpy reference of the formats
+(written from the OCP 8-bit and MX FP4 specifications and ModelOpt's NVFP4 description, not from our code); the
+CLI's answers to bad folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from cobatch import cli
+from cobatch.loader.hf import HFCheckpoint
+from cobatch.models.llama import LlamaModel
+from cobatch.quant.formats import dequantize
+from cobatch.testing import hf_checkpoints
+from model_checks import prompt_logits
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "gemma2"]
+IDS = [(i * 37 + 5) % 360 for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """family -> (folder, transformers' float32 logits of IDS). llama's is sharded, with an index."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        folder = hf_checkpoints.write_tiny_model(root / family, family, seed=i,
+                                                 max_shard_size="300KB" if family == "llama" else None)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            out[family] = folder, model(torch.tensor([IDS])).logits[0].float()
+    return out
+
+
+def cobatch_logits(folder, quantization="none", ids=IDS) -> torch.Tensor:
+    ckpt = HFCheckpoint(folder, quantization)
+    return prompt_logits(LlamaModel(ckpt.config, ckpt, max_positions=64), ckpt.config, ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float_checkpoint_matches_transformers(folders, family):
+    folder, ref = folders[family]
+    ours = cobatch_logits(folder)
+    # float32 both ways, the same weights: only summation order differs (measured: under 4e-6 of logits up to 7)
+    assert (ours - ref).abs().max() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def _relative_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).square().mean() / ref.square().mean()).sqrt().item()
+
+
+# Logit error of quantization on load against the float checkpoint, on the tiny random models (weights of std
+# 1 / sqrt(in), 2 layers, 24 positions; random weights have no redundancy, so these are worst cases next to real
+# models). Measured, relative RMS error of the logits / top-1 agreement with the float model:
+#   llama q8_0 0.026 / 1.0    q4_K 0.277 / 0.67    (q4_1 0.283 / 0.63)
+#   qwen3 q8_0 0.024 / 0.875  q4_K 0.241 / 0.75    (q4_1 0.269 / 0.71)
+# (qwen2, mixtral, gemma2: q8_0 0.019-0.022, q4_K 0.236-0.280, each q4_K below its q4_1.)
+QUANT_BOUNDS = {"q8_0": (0.04, 0.85), "q4_k": (0.35, 0.6)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_quantized_on_load_error_is_bounded(folders, family):
+    folder, ref = folders[family]
+    errors = {}
+    for quant, (bound, agreement) in QUANT_BOUNDS.items():
+        ours = cobatch_logits(folder, quant)
+        errors[quant] = _relative_rms(ours, ref)
+        assert errors[quant] < bound, (quant, errors[quant])
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= agreement
+    assert errors["q8_0"] < errors["q4_k"] / 5
+    assert errors["q4_k"] < _relative_rms(cobatch_logits(folder, "q4_1"), ref)      # the scale search pays
+
+
+def test_quantization_formats_and_head(folders):
+    ckpt = HFCheckpoint(folders["llama"][0], "q4_k")
+    assert ckpt.quant_weight("blk.0.attn_q.weight").fmt.name == "q4_k"
+    assert ckpt.quant_weight("output.weight").fmt.name == "q8_0"                       # the head at 8 bits
+    assert ckpt.quant_weight("blk.0.ffn_down.weight").raw.dtype == torch.uint8
+    assert HFCheckpoint(folders["llama"][0]).quantization == "q8_0"                      # auto on a float one
+    none = HFCheckpoint(folders["llama"][0], "none").quant_weight("blk.0.attn_q.weight")
+    assert none.fmt.name == "f32" and none.rows == 256 and none.cols == 256
+
+
+# ---------------------------------------------------------------- FP8 / NVFP4: numpy references from the specs
+
+def e4m3_reference(byte: int) -> float:
+    """OCP FP8 E4M3 (the "fn" variant): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+    subnormal (m / 8 * 2^-6); S.1111.111 is NaN, there are no infinities."""
+    sign, exp, man = byte >> 7, (byte >> 3) & 15, byte & 7
+    if exp == 15 and man == 7:
+        return float("nan")
+    value = man / 8 * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+    return -value if sign else value
+
+
+def e2m1_reference(code: int) -> float:
+    """OCP MX FP4 E2M1: 1 sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal (m * 0.5)."""
+    sign, exp, man = code >> 3, (code >> 1) & 3, code & 1
+    value = man * 0.5 if exp == 0 else (1 + man / 2) * 2.0 ** (exp - 1)
+    return -value if sign else value
+
+
+E4M3 = np.array([e4m3_reference(b) for b in range(256)])         # every code, decoded as the spec says
+E2M1 = np.array([e2m1_reference(c) for c in range(16)])
+
+
+def nvfp4_reference(packed: np.ndarray, scales: np.ndarray, global_scale: float) -> np.ndarray:
+    """ModelOpt NVFP4: value = e2m1 * e4m3 block scale (one per 16 values) * per-tensor f32 scale; two values a byte,
+    element 2i in the low nibble."""
+    rows, half = packed.shape
+    codes = np.stack([packed & 15, packed >> 4], -1).reshape(rows, half * 2)
+    return E2M1[codes] * np.repeat(E4M3[scales], 16, axis=1) * global_scale
+
+
+def test_fp8_values_match_the_spec():
+    raw = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
+    ours = dequantize(raw, "fp8_e4m3", 256)[0].numpy()
+    ref = E4M3
+    assert np.array_equal(np.isnan(ours), np.isnan(ref))
+    assert np.array_equal(ours[~np.isnan(ref)], ref[~np.isnan(ref)])
+
+
+def test_nvfp4_random_blocks_match_the_spec():
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (4, 32), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 0x7E, (4, 4), dtype=torch.uint8, generator=gen)          # finite, positive e4m3
+    blocks = torch.cat([scales.reshape(-1, 1), packed.reshape(-1, 8)], 1).reshape(4, -1)
+    ours = dequantize(blocks, "nvfp4", 64).double() * 0.125
+    ref = nvfp4_reference(packed.numpy(), scales.numpy(), 0.125)
+    assert np.array_equal(ours.numpy(), ref)
+
+
+def _reference_model(float_folder, quantized_folder, kind):
+    """transformers on the float checkpoint with each quantized layer's weight replaced by its dequantization
+    (numpy, from the specs): the dequantize-then-matmul reference."""
+    from safetensors import safe_open
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with safe_open(quantized_folder / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            if not name.endswith("weight_scale"):
+                continue
+            base = name.removesuffix("weight_scale")
+            weight = f.get_tensor(base + "weight")
+            if kind == "nvfp4":
+                values = nvfp4_reference(weight.numpy(), f.get_tensor(name).view(torch.uint8).numpy(),
+                                         float(f.get_tensor(base + "weight_scale_2")))
+            else:
+                codes = weight.view(torch.uint8).numpy()
+                values = E4M3[codes] * f.get_tensor(name).double().numpy().reshape(-1, 1)
+            with torch.no_grad():
+                params[base + "weight"].copy_(torch.from_numpy(values))
+    with torch.inference_mode():
+        return model(torch.tensor([IDS])).logits[0].float()
+
+
+@pytest.mark.parametrize("kind", ["fp8_tensor", "fp8_channel", "nvfp4"])
+def test_pre_quantized_checkpoint_matches_dequantize_then_matmul(folders, tmp_path, kind):
+    float_folder = folders["qwen2"][0]
+    folder = hf_checkpoints.write_pre_quantized(float_folder, tmp_path / kind, kind)
+    ckpt = HFCheckpoint(folder)
+    assert ckpt.quant_weight("blk.0.attn_q.weight").fmt.name == ("nvfp4" if kind == "nvfp4" else "fp8_e4m3")
+    ours = cobatch_logits(folder, "auto")
+    ref = _reference_model(float_folder, folder, kind)
+    assert (ours - ref).abs().max() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+# ---------------------------------------------------------------- bad folders: one line, exit code 2
+
+def _broken(folders, tmp_path, family="qwen2"):
+    folder = tmp_path / "broken"
+    shutil.copytree(folders[family][0], folder)
+    return folder
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _no_config(folder):
+    (folder / "config.json").unlink()
+
+
+def _unknown_architecture(folder):
+    _edit_config(folder, architectures=["FalconForCausalLM"])
+
+
+def _wrong_shape(folder):
+    _edit_config(folder, intermediate_size=384)
+
+
+def _unsupported_quantization(folder):
+    _edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4})
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (_no_config, "no config.json"), (_unknown_architecture, "unsupported architecture FalconForCausalLM"),
+    (_wrong_shape, "config.json implies [384, 256]"), (_unsupported_quantization, "quant_method 'gptq'")],
+    ids=["no-config", "architecture", "shape", "quantization"])
+def test_bad_folder_is_one_line_and_exit_code_2(folders, tmp_path, capsys, breakage, message):
+    folder = _broken(folders, tmp_path)
+    breakage(folder)
+    assert cli.main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_missing_shard_is_one_line_and_exit_code_2(folders, tmp_path, capsys):
+    folder = _broken(folders, tmp_path, "llama")
+    shard = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    (folder / shard).unlink()
+    assert cli.main(["generate", "-m", str(folder), "-p", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"shard {shard} is missing" in err
+
+
+def test_generate_from_a_folder_uses_its_tokenizer_template_and_generation_config(folders, tmp_path, capsys):
+    from cobatch.llm import LLM, EngineOptions
+    llm = LLM.load(folders["qwen2"][0], EngineOptions(device="cpu", ctx=64, max_num_seqs=1, quiet=True))
+    assert llm.generation_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.9}
+    assert {1, 2} <= llm.tokenizer.stop_ids                       # generation_config's eos_token_id list
+    ids = llm.encode_chat([{"role": "user", "content": "Hello"}])
+    assert llm.tokenizer.decode(ids) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    # tokenizer.json as transformers runs it (AutoTokenizer would rebuild Qwen2's own pre-tokenizer instead)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folders["qwen2"][0] / "tokenizer.json"))
+    text = "The quick brown fox, 42 times."
+    assert llm.encode_prompt(text) == reference(text)["input_ids"]
+    assert cli.main(["generate", "-m", str(folders["qwen2"][0]), "-p", "Hello", "-n", "3", "--device", "cpu",
+                     "--quantization", "q4_1", "--seed", "1"]) == 0
