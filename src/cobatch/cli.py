@@ -293,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
     p.add_argument("--no-docs", dest="openapi", action="store_false",
                    help="do not serve /openapi.json and /docs")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page (/) and the dashboard (/dashboard); llama.cpp's name")
     p.add_argument("--metrics-compat", choices=["vllm"], default=None,
                    help="vllm: /metrics also under vLLM's names (vllm:num_requests_running, ...) for its "
                         "dashboards")
@@ -326,7 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp's; attention is always flash attention here")
     for flags, what in ((("-cb", "--cont-batching"), "requests are always batched continuously"),
                         (("--metrics",), "/metrics is always served"), (("--slots",), "/slots is always served"),
-                        (("--no-webui",), "there is no web UI"),
                         (("--mlock", "--no-mmap"), "weights are read into memory and repacked at load")):
         p.add_argument(*flags, action="store_true", help=f"llama.cpp's; {what}")
     p.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="debug", default="info",
