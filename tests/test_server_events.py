@@ -51,7 +51,7 @@ def test_snapshot_counts_a_known_workload(server):
     the prompt's uncached tokens plus N - 1 decode rows; a second request meanwhile gets one 429."""
     stream = RawStream(server.url, "/v1/events", None, AUTH)
     before = stream.read_events(1)[0]
-    assert {"slots", "queue", "step", "last_minute", "totals", "kv_blocks", "prefix_cache"} <= before.keys()
+    assert {"slots", "queue", "recent", "last_minute", "totals", "kv_blocks", "prefix_cache"} <= before.keys()
     assert len(before["slots"]) == 1 and before["slots"][0]["state"] == "idle"
     kv = before["kv_blocks"]
     pool = server.context.llm.engine.pool
@@ -68,7 +68,7 @@ def test_snapshot_counts_a_known_workload(server):
                                       and e["slots"][0]["tok_s"] is not None), None), what="a decoding slot")
     slot = decoding["slots"][0]
     assert slot["generated_tokens"] >= 2 and slot["tok_s"] > 0 and slot["prefill_progress"] == 1.0
-    assert decoding["step"]["step_ms"] > 0 and decoding["kv_blocks"]["used"] >= 1
+    assert decoding["recent"]["step_ms"] > 0 and decoding["kv_blocks"]["used"] >= 1
     running.hard_close()
     wait_for(lambda: stream.read_events(1)[0]["slots"][0]["state"] == "idle", what="the slot freed")
 

@@ -286,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", "--max-model-len", "-c", "--ctx-size", dest="ctx", type=int, default=None,
                    help="context window per request, in tokens (0: the model's own; default: that, at most 8192)")
     p.add_argument("--api-key", action="append", default=None,
-                   help="require this key (Bearer or x-api-key) on every route but /health, /version, /docs and "
-                        "/openapi.json; repeat it for several keys (also: $COBATCH_API_KEY)")
+                   help="require this key (Bearer or x-api-key) on every route but /health, /version, /docs, "
+                        "/openapi.json and the web pages' files (the pages ask for it); repeat it for several keys "
+                        "(also: $COBATCH_API_KEY)")
     p.add_argument("--api-key-file", default=None, help="a file of accepted keys, one a line")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile, serve HTTPS")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")

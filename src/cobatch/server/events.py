@@ -2,7 +2,7 @@
 
 Each snapshot holds the slots (/slots' view, with each decoding request's tok/s), the queue and its 429s, the KV
 blocks and prefix-cache hits, and rates from the engine's counters: step time, aggregate tok/s and rows per step
-over the last interval, and the batched fraction with the lone-decode steps by cause (the ds4 batch diagnostics of
+over the last second, and the batched fraction with the lone-decode steps by cause (the ds4 batch diagnostics of
 /metrics) over the last minute. The counters are read on the engine thread between two steps (a consistent
 view); each stream keeps the samples of its last minute, and nothing else: a stream that ends leaves nothing
 behind.
@@ -25,6 +25,7 @@ from cobatch.server.responses import EventStreamResponse, sse_data
 router = APIRouter()
 
 INTERVAL_S = 0.25
+RECENT_S = 1.0           # the step time, tok/s and rows per step plotted: a second's worth, so slow steps still show
 WINDOW_S = 60.0
 LONE_CAUSES = ("peer_prefill", "peer_finish", "no_peer")
 
@@ -79,13 +80,13 @@ class Feed:
         worker = self.server.worker
         # no timeout: a long step only delays the snapshot, and a client that leaves cancels the wait
         view, now = await asyncio.wrap_future(worker.call(lambda: _engine_view(worker)))
-        previous = self.samples[-1] if self.samples else now
         self.samples.append(now)
         while now.at - self.samples[0].at > WINDOW_S:
             self.samples.popleft()
         oldest = self.samples[0]
-        steps = now.steps - previous.steps
-        elapsed = now.at - previous.at
+        recent = next(s for s in self.samples if now.at - s.at <= RECENT_S + INTERVAL_S / 2)
+        steps = now.steps - recent.steps
+        elapsed = now.at - recent.at
         decode_steps = now.decode_steps - oldest.decode_steps
         registry = self.server.metrics.registry
 
@@ -103,11 +104,12 @@ class Feed:
             "slots": [_slot(s) for s in view["slots"]],
             "queue": {"depth": view["queued"], "max": view["max_queue"],
                       "rejected_429": metric("cobatch_http_errors_total", status="429")},
-            "step": {   # over the last interval
+            "recent": {   # over the last second (what the charts plot)
+                "seconds": round(elapsed, 2),
                 "steps": steps,
-                "step_ms": _ratio(1000 * (now.step_seconds - previous.step_seconds), steps, 2),
-                "tok_s": _ratio(now.tokens - previous.tokens, elapsed, 1),
-                "rows_per_step": _ratio(now.rows - previous.rows, steps, 2),
+                "step_ms": _ratio(1000 * (now.step_seconds - recent.step_seconds), steps, 2),
+                "tok_s": _ratio(now.tokens - recent.tokens, elapsed, 1),
+                "rows_per_step": _ratio(now.rows - recent.rows, steps, 2),
             },
             "last_minute": {
                 "seconds": round(now.at - oldest.at, 2),

@@ -15,7 +15,7 @@ function load() {
   for (const [name, id] of Object.entries(SETTINGS)) {
     const input = document.getElementById(id);
     input.value = state.settings[name] ?? "";
-    input.addEventListener("change", () => { state.settings[name] = input.value; save(); });
+    input.addEventListener("input", () => { state.settings[name] = input.value; save(); });
   }
 }
 

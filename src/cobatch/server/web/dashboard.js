@@ -64,16 +64,20 @@ function drawChart(canvas, points, color, digits) {
   const y = (v) => bottom - (bottom - 6) * v / top;
   g.strokeStyle = color;
   g.lineWidth = 2;
+  g.fillStyle = color;
   g.beginPath();
   let drawing = false;
-  for (const [at, v] of points) {
-    if (v == null) { drawing = false; continue; }
+  points.forEach(([at, v], i) => {
+    if (v == null) { drawing = false; return; }
     if (drawing) g.lineTo(x(at), y(v)); else g.moveTo(x(at), y(v));
+    const next = points[i + 1];
+    if (!drawing && (!next || next[1] == null)) g.fillRect(x(at) - 1.5, y(v) - 1.5, 3, 3);   // a lone point
     drawing = true;
-  }
+  });
   g.stroke();
   const last = values.length ? values[values.length - 1] : null;
   canvas.dataset.last = last == null ? "" : String(last);
+  canvas.dataset.points = String(values.length);
   canvas.title = last == null ? "idle" : "latest: " + last.toFixed(digits);
 }
 
@@ -112,9 +116,10 @@ function show(snapshot) {
   text("prefix-fraction", percent(cache.hit_fraction));
 
   const at = performance.now();
-  push("step", at, snapshot.step.step_ms);
-  push("toks", at, snapshot.step.steps ? snapshot.step.tok_s : null);
-  push("rows", at, snapshot.step.rows_per_step);
+  const recent = snapshot.recent;
+  push("step", at, recent.step_ms);
+  push("toks", at, recent.steps ? recent.tok_s : null);
+  push("rows", at, recent.rows_per_step);
   drawCharts();
 }
 
