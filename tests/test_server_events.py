@@ -111,18 +111,23 @@ def test_streams_that_hang_up_leave_nothing_behind(server):
     assert _chat(server, max_tokens=2).status_code == 200
 
 
-def test_an_engine_call_given_up_on_is_skipped():
-    """worker.call whose caller stopped waiting (cancelled): the engine thread skips it and serves on. It once
-    tried to answer it, and the InvalidStateError ended the thread."""
+def test_an_engine_call_given_up_on_is_skipped(monkeypatch):
+    """A /slots view the engine thread cannot give in time (a long step) is a 503, and the engine thread skips the
+    call that the route gave up on and serves on. (It once answered it: the InvalidStateError ended the thread.)"""
+    from cobatch.server import app
+    monkeypatch.setattr(app, "SLOTS_VIEW_TIMEOUT_S", 0.2)
     with live_server(load_llm("smollm2")) as srv:
         worker = srv.context.worker
         release, ran = threading.Event(), []
-        blocker = worker.call(lambda: release.wait(30))        # holds the engine thread in its inbox
+        blocker = worker.call(lambda: release.wait(30))        # holds the engine thread, as a long step would
+        slow = httpx.get(srv.url + "/slots", timeout=30)
+        assert slow.status_code == 503 and "did not answer" in slow.json()["error"]["message"]
         given_up = worker.call(lambda: ran.append("given up"))
         assert given_up.cancel()                               # queued behind the blocker: not started yet
         release.set()
         assert blocker.result(30) is True
-        assert worker.call(lambda: "served").result(30) == "served" and worker.alive and ran == []
+        assert worker.call(lambda: "served").result(30) == "served" and ran == []
+        assert worker.alive and httpx.get(srv.url + "/slots", timeout=30).status_code == 200
 
 
 def test_no_webui_turns_the_pages_off():

@@ -125,7 +125,11 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/slots")
     async def slots(request: Request):
         worker = get_context(request).worker
-        view = await asyncio.wait_for(asyncio.wrap_future(worker.call(worker.slots_view)), SLOTS_VIEW_TIMEOUT_S)
+        try:
+            view = await asyncio.wait_for(asyncio.wrap_future(worker.call(worker.slots_view)), SLOTS_VIEW_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError(503, f"the engine thread did not answer within {SLOTS_VIEW_TIMEOUT_S:g} s (a long step); "
+                                "retry later", headers={"Retry-After": "1"}) from None
         return JSONResponse(view)
 
 
