@@ -60,28 +60,31 @@ def shots():
     return save
 
 
-def _context(browser, server, with_key: bool = True):
+@pytest.fixture(scope="module")
+def shared_page(browser, server):
+    """One page for every test (each new page starts a renderer process: about a second of CPU)."""
     context = browser.new_context(base_url=server.url, viewport={"width": 1280, "height": 800})
     context.set_default_timeout(WAIT_MS)
-    if with_key:     # as if entered before (test_api_key_is_asked_for_and_kept enters it through the form)
-        context.add_init_script(f"localStorage.setItem('cobatch.apiKey', {json.dumps(KEY)})")
-    return context
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+    yield page
+    context.close()
 
 
 @pytest.fixture
-def page(browser, server):
-    context = _context(browser, server)
-    errors: list[str] = []
-    page = context.new_page()
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    yield page
-    context.close()
-    assert errors == [], errors          # no uncaught script error on any page
+def page(shared_page):
+    """The shared page with a clean slate: no conversation, and the API key as if entered before
+    (test_api_key_is_asked_for_and_kept enters it through the form)."""
+    shared_page.goto("/webui/style.css")        # this origin, to reach its localStorage
+    shared_page.evaluate(f"localStorage.clear(); localStorage.setItem('cobatch.apiKey', {json.dumps(KEY)})")
+    yield shared_page
+    errors, shared_page.errors[:] = list(shared_page.errors), []
+    assert errors == [], errors                 # no uncaught script error on any page
 
 
-def test_api_key_is_asked_for_and_kept(browser, server, shots):
-    context = _context(browser, server, with_key=False)
-    page = context.new_page()
+def test_api_key_is_asked_for_and_kept(page, server, shots):
+    page.evaluate("localStorage.removeItem('cobatch.apiKey')")
     page.goto("/")
     form = page.locator("#key-form")
     expect(form).to_be_visible()
@@ -94,12 +97,12 @@ def test_api_key_is_asked_for_and_kept(browser, server, shots):
     form.locator("button").click()
     expect(form).to_be_hidden()
     expect(page.locator("#model")).to_have_text(server.context.model_name)
+    assert page.evaluate("localStorage.getItem('cobatch.apiKey')") == KEY
     page.reload()                                   # kept in the browser: not asked again
     expect(page.locator("#model")).to_have_text(server.context.model_name)
     expect(form).to_be_hidden()
     page.goto("/dashboard")                         # the same origin's pages share it
     expect(page.locator("#status")).to_have_text("live")
-    context.close()
 
 
 def _stats(page) -> str:
@@ -108,7 +111,11 @@ def _stats(page) -> str:
 
 def test_chat_streams_an_answer_then_regenerates_it(page, server, shots):
     requests: list[str] = []
-    page.on("request", lambda r: requests.append(r.url) if r.url.endswith("/v1/chat/completions") else None)
+
+    def count(request) -> None:
+        if request.url.endswith("/v1/chat/completions"):
+            requests.append(request.url)
+    page.on("request", count)
     page.goto("/")
     expect(page.locator("#model")).to_have_text(server.context.model_name)
     page.fill("#system", "You are a concise geography tutor.")
@@ -143,6 +150,7 @@ def test_chat_streams_an_answer_then_regenerates_it(page, server, shots):
     cached = int(re.search(r"(\d+) cached prompt tokens", _stats(page)).group(1))
     assert cached >= 16             # the same prompt again: its full blocks come from the prefix cache
 
+    page.remove_listener("request", count)
     page.reload()                   # the conversation and the settings live in localStorage
     expect(page.locator(".message")).to_have_count(2)
     expect(page.locator("#temperature")).to_have_value("0")
@@ -155,7 +163,7 @@ def test_stop_ends_the_request(page, server):
     page.fill("#input", "Write a very long story about a dragon.")
     page.locator("#send").click()
     answer = page.locator(".message.assistant.pending .content")
-    expect(answer).to_have_text(re.compile(r"\w+\W+\w+"))      # a few words streamed
+    expect(answer).not_to_be_empty()          # the answer has begun
     page.locator("#stop").click()
     expect(page.locator(".message.assistant.pending")).to_have_count(0)
     assert _stats(page).endswith("stopped")

@@ -5,6 +5,8 @@
 const KEY_STORAGE = "cobatch.apiKey";
 
 const cobatch = {
+  keyAsked: null,       // the key form's pending answer, while it is shown
+
   apiKey() {
     return localStorage.getItem(KEY_STORAGE) || "";
   },
@@ -48,24 +50,28 @@ const cobatch = {
     }
   },
 
-  // Shows the key form with `message`; resolves once a key is entered (and stored).
+  // Shows the key form with `message`; resolves once a key is entered (and stored). Callers that ask while the
+  // form is up share its answer.
   askForKey(message) {
     const form = document.getElementById("key-form");
-    const input = form.querySelector("input");
     form.querySelector(".key-message").textContent = message;
+    if (cobatch.keyAsked) return cobatch.keyAsked;
+    const input = form.querySelector("input");
     form.hidden = false;
     input.value = "";
     input.focus();
-    return new Promise((resolve) => {
+    cobatch.keyAsked = new Promise((resolve) => {
       form.onsubmit = (event) => {
         event.preventDefault();
         const key = input.value.trim();
         if (!key) return;
         localStorage.setItem(KEY_STORAGE, key);
         form.hidden = true;
+        cobatch.keyAsked = null;
         resolve(key);
       };
     });
+    return cobatch.keyAsked;
   },
 
   // fetch that asks for the key again on a 401, until the server takes it.
