@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install cobatch and its test models on a fresh machine.
 #   scripts/install.sh          runtime: torch, cobatch, the default model (SmolLM2-135M-Instruct)
-#   scripts/install.sh --test   also the test tools and the second test model (Qwen2.5-Coder-0.5B)
+#   scripts/install.sh --test   also the test tools (pytest, ..., playwright, which drives the system's chromium:
+#                               .ci/run installs it) and the second test model (Qwen2.5-Coder-0.5B)
 # On a machine without CUDA, torch comes from the CPU wheel (torch==2.13.0 is on disk on our machines).
 # What is already installed is not installed again: a package at the pinned version is kept, and the editable
 # install is redone only when pyproject.toml (or the tree it points at) changed since the last one. pip keeps the

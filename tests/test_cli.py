@@ -247,6 +247,7 @@ def test_serve_takes_more_llama_cpp_flags():
                                       "-b", "1024", "-ub", "256", "-v"])
     assert (args.max_step_tokens, args.prefill_chunk, args.log_level) == (1024, 256, "debug")
     assert build_parser().parse_args(["serve"]).log_level == "info"
+    assert (args.webui, build_parser().parse_args(["serve"]).webui) == (False, True)
 
 
 def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():

@@ -49,10 +49,12 @@ def all_slots_idle(url: str) -> bool:
     return view["queued"] == 0 and all(s["state"] == "idle" for s in view["slots"])
 
 
-def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+def metric(url: str, name: str, labels: dict[str, str] | None = None, headers: dict[str, str] | None = None) -> float:
     """One sample's value from /metrics (0 when the labelled series does not exist yet)."""
     want = "" if not labels else "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    response = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    response.raise_for_status()
+    for line in response.text.splitlines():
         if line.startswith("#"):
             continue
         key, _, value = line.rpartition(" ")
@@ -63,15 +65,17 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
 
 class RawStream:
     """A streaming request over a bare socket, so the test can hang up at any moment (RST, no FIN
-    handshake: the harshest disconnect a client can do)."""
+    handshake: the harshest disconnect a client can do). A POST of `body`, or a GET without one."""
 
-    def __init__(self, url: str, path: str, body: dict):
+    def __init__(self, url: str, path: str, body: dict | None, headers: dict[str, str] | None = None):
         host, port = url.removeprefix("http://").split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=60)
-        payload = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n\r\n").encode()
-        self.sock.sendall(head + payload)
+        payload = b"" if body is None else json.dumps(body).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"GET {path} HTTP/1.1\r\nHost: {host}\r\n" if body is None else
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n")
+        self.sock.sendall((head + extra + "Accept: text/event-stream\r\n\r\n").encode() + payload)
         self._buf = b""
 
     def read_events(self, n: int) -> list[dict]:

@@ -355,13 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", "--max-model-len", "-c", "--ctx-size", dest="ctx", type=int, default=None,
                    help="context window per request, in tokens (0: the model's own; default: that, at most 8192)")
     p.add_argument("--api-key", action="append", default=None,
-                   help="require this key (Bearer or x-api-key) on every route but /health, /version, /docs and "
-                        "/openapi.json; repeat it for several keys (also: $COBATCH_API_KEY)")
+                   help="require this key (Bearer or x-api-key) on every route but /health, /version, /docs, "
+                        "/openapi.json and the web pages' files (the pages ask for it); repeat it for several keys "
+                        "(also: $COBATCH_API_KEY)")
     p.add_argument("--api-key-file", default=None, help="a file of accepted keys, one a line")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile, serve HTTPS")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
     p.add_argument("--no-docs", dest="openapi", action="store_false",
                    help="do not serve /openapi.json and /docs")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page (/) and the dashboard (/dashboard); llama.cpp's name")
     p.add_argument("--metrics-compat", choices=["vllm"], default=None,
                    help="vllm: /metrics also under vLLM's names (vllm:num_requests_running, ...) for its "
                         "dashboards")
@@ -396,7 +399,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp's; attention is always flash attention here")
     for flags, what in ((("-cb", "--cont-batching"), "requests are always batched continuously"),
                         (("--metrics",), "/metrics is always served"), (("--slots",), "/slots is always served"),
-                        (("--no-webui",), "there is no web UI"),
                         (("--mlock", "--no-mmap"), "weights are read into memory and repacked at load")):
         p.add_argument(*flags, action="store_true", help=f"llama.cpp's; {what}")
     p.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="debug", default="info",

@@ -44,7 +44,9 @@ class StepPlan:
 
 @dataclass(slots=True)
 class DecodeStats:
-    """How often decode actually batched, and why it did not (the ds4 batch-diag counters)."""
+    """How often decode actually batched, and why it did not (the ds4 batch-diag counters); the rows steps ran."""
+    steps: int = 0               # planned steps with at least one row
+    rows: int = 0                # ... and their rows (decode rows, drafts and prefill chunks)
     decode_steps: int = 0
     batched_steps: int = 0
     lone_peer_prefill: int = 0   # the only decoder had a peer still prefilling
@@ -178,6 +180,9 @@ class Scheduler:
         return plan
 
     def _count(self, plan: StepPlan) -> None:
+        if plan.items:
+            self.stats.steps += 1
+            self.stats.rows += plan.num_rows
         # (A plan made ahead decodes every sequence, some of them before the host has seen their first token.)
         decoders = len(plan.items) if plan.ahead else sum(1 for seq, _ in plan.items if seq.is_decoding)
         if decoders == 0:

@@ -1,5 +1,5 @@
-"""The FastAPI app: routes of both protocols, /health, /version, /metrics, /slots, auth, CORS, errors; and
-`cobatch serve`.
+"""The FastAPI app: routes of both protocols, /health, /version, /metrics, /slots, /v1/events, the web pages, auth,
+CORS, errors; and `cobatch serve`.
 
 `create_app(llm, options)` builds an app around an already loaded model (tests and benchmarks run it
 in-process); its lifespan starts and stops the engine thread.
@@ -27,7 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch import __version__
 from cobatch.llm import LLM, kv_cache_dtype_arg
-from cobatch.server import anthropic, embeddings, llama_cpp, openai, openai_responses, openapi, slot_files, tokens
+from cobatch.server import (anthropic, embeddings, events, llama_cpp, openai, openai_responses, openapi, slot_files,
+                            tokens, webui)
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
@@ -55,9 +56,12 @@ def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecy
     app = FastAPI(title="cobatch", version=__version__, lifespan=lifespan, redoc_url=None,
                   docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = server
-    routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp, slot_files)]
+    routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp, slot_files,
+                                  events)]
     for router in routers:
         app.include_router(router)
+    if server.options.webui:
+        app.include_router(webui.router)
     openapi.install(app, routers)
     _add_error_handlers(app, server)
     _add_service_routes(app)
@@ -121,21 +125,26 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/slots")
     async def slots(request: Request):
         worker = get_context(request).worker
-        view = await asyncio.wait_for(asyncio.wrap_future(worker.call(worker.slots_view)), SLOTS_VIEW_TIMEOUT_S)
+        try:
+            view = await asyncio.wait_for(asyncio.wrap_future(worker.call(worker.slots_view)), SLOTS_VIEW_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError(503, f"the engine thread did not answer within {SLOTS_VIEW_TIMEOUT_S:g} s (a long step); "
+                                "retry later", headers={"Retry-After": "1"}) from None
         return JSONResponse(view)
 
 
 class ApiKeyMiddleware:
-    """When an API key is set, every route but /health and /version wants it, as `Authorization: Bearer KEY` (OpenAI
-    clients) or `x-api-key: KEY` (Anthropic clients)."""
+    """When an API key is set, every route but /health, /version, the API docs and the web pages' files wants it, as
+    `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients)."""
 
     def __init__(self, app: ASGIApp, server: ServerContext):
         self.app, self.server = app, server
+        self.public = PUBLIC_PATHS | (webui.PUBLIC_PATHS if server.options.webui else frozenset())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         options = self.server.options
         keys = [k.encode() for k in (options.api_key, *options.api_keys) if k]
-        if not keys or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if not keys or scope["type"] != "http" or scope["path"] in self.public:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key")
@@ -339,7 +348,7 @@ def server_options(args) -> ServerOptions:
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
                          sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
                          metrics_compat=getattr(args, "metrics_compat", None),
-                         slot_save_path=getattr(args, "slot_save_path", None))
+                         slot_save_path=getattr(args, "slot_save_path", None), webui=getattr(args, "webui", True))
 
 
 def api_keys(args) -> tuple[str, ...]:

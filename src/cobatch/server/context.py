@@ -36,6 +36,7 @@ class ServerOptions:
     metrics_compat: str | None = None    # "vllm": /metrics also under vLLM's names
     api_keys: tuple[str, ...] = ()       # keys accepted besides api_key (serve's repeated --api-key, --api-key-file)
     slot_save_path: str | None = None    # the directory of POST /slots/{id}?action=save|restore files; None: refused
+    webui: bool = True                   # serve the chat page at / and the dashboard at /dashboard (server/webui.py)
 
 
 class ServerContext:
@@ -51,6 +52,7 @@ class ServerContext:
         self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
+        self.event_streams = 0                  # open GET /v1/events streams (server/events.py)
 
     def generation(self, request: GenerationRequest) -> Generation:
         return Generation(self.worker, self.metrics, self.llm.tokenizer, request)

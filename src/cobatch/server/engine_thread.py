@@ -78,6 +78,7 @@ class Slot:
     last_generated_tokens: int = 0
     generated: int = 0
     cached_tokens: int = 0
+    first_token_at: float = 0.0    # time.monotonic() of its request's first token (its decode rate starts there)
     tokens: list[int] = field(default_factory=list)   # its last request's prompt and output (what a save keeps)
 
 
@@ -101,6 +102,8 @@ class EngineWorker:
         self.slots = [Slot(i) for i in range(self.num_slots)]
         self.accepting = True
         self.steps = 0
+        self.step_seconds = 0.0                              # wall time spent in engine.step
+        self.tokens_generated = 0                            # every request's tokens, as the steps produce them
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: deque[RequestHandle] = deque()        # engine thread only
         self._active: dict[str, RequestHandle] = {}          # engine thread only
@@ -207,6 +210,8 @@ class EngineWorker:
             self._abort(command[1])
         elif kind == "call":
             _, fn, future = command
+            if not future.set_running_or_notify_cancel():
+                return                        # its caller gave up waiting (a timeout, a client gone)
             try:
                 future.set_result(fn())
             except Exception as exc:          # noqa: BLE001 - handed to the caller
@@ -257,6 +262,7 @@ class EngineWorker:
         return max(free, key=lambda s: (common_prefix_len(s.last_prompt, prompt), -s.last_used))
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             outputs = self.engine.step(on_launched=self._flush)
         except Exception:                     # noqa: BLE001 - fail the requests, keep serving
@@ -268,6 +274,7 @@ class EngineWorker:
             self._send([(h, EngineFailure("internal error in the engine step")) for h in failed])
             return
         self.steps += 1
+        self.step_seconds += time.monotonic() - started
         self._flush()                         # in case this step launched nothing
         deliveries = []
         for out in outputs:
@@ -276,7 +283,10 @@ class EngineWorker:
                 continue
             slot = self.slots[handle.slot]
             if out.new_token is not None:
+                if slot.generated == 0:
+                    slot.first_token_at = time.monotonic()
                 slot.generated += 1
+                self.tokens_generated += 1
                 slot.tokens.append(out.new_token)
                 slot.cached_tokens = out.num_cached_tokens
             if out.finished:
@@ -336,6 +346,8 @@ class EngineWorker:
                     kv_blocks=len(seq.block_table),
                     running_for_s=round(time.monotonic() - handle.submitted, 3),
                 )
+                if slot.generated:
+                    view["decoding_for_s"] = round(time.monotonic() - slot.first_token_at, 3)
             else:
                 view.update(last_prompt_tokens=slot.last_prompt_tokens,
                             last_cached_prefix_tokens=slot.last_cached_tokens,

@@ -101,15 +101,14 @@ class Generation:
         self._done = False
 
     def start(self) -> None:
-        """Hand the request to the engine thread; refuses with 429 (queue full) or 503 (stopping)."""
+        """Hand the request to the engine thread; refuses with 429 (queue full) or 503 (stopping), which the app's
+        error handler counts in cobatch_http_errors."""
         try:
             self.handle = self.worker.submit(self.request.prompt_ids, self.request.params)
         except QueueFull as exc:
-            self.metrics.http_errors.labels("429").inc()
             raise ApiError(429, f"server busy: {exc}; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown as exc:
-            self.metrics.http_errors.labels("503").inc()
             raise ApiError(503, str(exc), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     def close(self) -> None:
