@@ -233,6 +233,9 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if getattr(args, "data_parallel_size", 1) != 1:
+        from cobatch.parallel import data_parallel
+        return data_parallel.serve(args)
     from cobatch.server.app import serve
     return serve(args)
 
@@ -402,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cobatch: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     args = parser.parse_args(argv)
+    args.argv = argv                  # (-dp: the replicas are started with the same flags)
     try:
         for name, low in (("ctx", 0), ("max_tokens", 1)):     # ctx 0: the model's own context
             value = getattr(args, name, None)
