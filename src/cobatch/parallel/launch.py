@@ -94,16 +94,15 @@ class Ranks:
         atexit.register(self.stop)
 
     def _watch(self) -> None:
-        multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.procs])
         if self.stopping:
             return
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.exitcode
-            if code is not None:
-                if code != RANK_REPORTED_EXIT:
-                    print(f"cobatch: error: tensor-parallel rank {rank} exited (code {code}); stopping",
-                          file=sys.stderr, flush=True)
-                os._exit(1)
+        rank, proc = next((r, p) for r, p in enumerate(self.procs, start=1) if p.sentinel in ended)
+        proc.join(timeout=5)            # (its sentinel closes a moment before it can be reaped)
+        if proc.exitcode != RANK_REPORTED_EXIT:
+            print(f"cobatch: error: tensor-parallel rank {rank} exited (code {proc.exitcode}); stopping",
+                  file=sys.stderr, flush=True)
+        os._exit(1)
 
     def stop(self) -> None:
         """Ask the ranks to stop and wait for them (rank 0 is leaving)."""
