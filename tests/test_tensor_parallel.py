@@ -99,3 +99,46 @@ def test_bad_flags_fail_before_loading(flags, message, capsys):
     assert main(["serve", str(smollm2_path()), "--device", "cpu", "--port", "0", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
+def test_shards_cut_from_the_blocks_equal_slices_of_the_dense_weights(quant, tmp_path):
+    """Each rank's part, cut from the raw blocks, dequantizes to the same values as that part of the whole matrix
+    dequantized. q4_k's 256-value blocks: the down projection's 512 input columns split in two, but o's 256 do not,
+    which check_tensor_parallel refuses."""
+    from cobatch.config import ModelConfig
+    from cobatch.errors import UserError
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.parallel.shard import ShardedGGUF, check_tensor_parallel
+    path = write_random_model(tmp_path / f"{quant}.gguf", "tiny", quant, tokenizer_from=smollm2_path(), seed=3,
+                              n_layers=1)
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
+    world, q, kv, ffn = 2, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim // 2, cfg.ffn_dim // 2
+    dense = {n: gguf.quant_weight(f"blk.0.{n}.weight").dequantize() for n in ("attn_k", "attn_output", "ffn_down")}
+    for rank in range(world):
+        part = ShardedGGUF(gguf, cfg, rank, world)
+        assert torch.equal(part.quant_weight("blk.0.attn_k.weight").dequantize(),
+                           dense["attn_k"][rank * kv:(rank + 1) * kv])
+        assert torch.equal(part.quant_weight("blk.0.ffn_down.weight").dequantize(),
+                           dense["ffn_down"][:, rank * ffn:(rank + 1) * ffn])
+        if quant == "q8_0":
+            assert torch.equal(part.quant_weight("blk.0.attn_output.weight").dequantize(),
+                               dense["attn_output"][:, rank * q // 2:(rank + 1) * q // 2])
+    if quant == "q4_k":
+        with pytest.raises(UserError, match="attn_output.weight .q4_k. would be split into 128 input columns"):
+            check_tensor_parallel(cfg, gguf, world)
+    else:
+        check_tensor_parallel(cfg, gguf, world)
+
+
+def test_banner_names_each_rank_and_the_collectives():
+    from cobatch.config import ModelConfig
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.parallel.shard import sharding_banner
+    gguf = GGUFFile(smollm2_path())
+    cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
+    text = sharding_banner(cfg, [(3 << 20, 2 << 20, 100, 1 << 20)] * 3, 16, torch.bfloat16)
+    assert "rank 2: weights 3.0 MiB (2.0 MiB quantized), KV 100 blocks x 16 = 1600 tokens (1.0 MiB)" in text
+    # 2 all-reduces per layer and one for the embedding, of d_model bf16 values per token row
+    assert f"{2 * 30 + 1} per step" in text and f"{61 * 576 * 2 / 1024:.1f} KiB per token row" in text
