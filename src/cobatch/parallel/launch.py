@@ -1,8 +1,8 @@
 """Start a tensor-parallel model: spawn ranks 1..N-1, join them as rank 0, and watch them.
 
 `load(path, options)` is LLM.load for any --tensor-parallel-size: with 1 it is exactly LLM.load. With N it
-checks the model splits (one error line before anything loads), spawns N - 1 processes (torch.multiprocessing's
-spawn: fresh interpreters, so CUDA starts clean in each), and they rendezvous with this one on a free port of
+checks the model splits (one error line before anything loads), starts N - 1 processes (forked from a clean
+forkserver process, so CUDA starts fresh in each), and they rendezvous with this one on a free port of
 127.0.0.1. Each loads its own shard and follows rank 0's steps (parallel.steps).
 
 A rank that fails brings the whole server down with one line: a rank that raises prints its error and exits;
@@ -127,7 +127,10 @@ def load(path: str | Path | None = None, options: EngineOptions | None = None) -
     if world == 1:
         return LLM.load(path, options)
     path = Path(path) if path else default_model_path()
-    port, spawn = _free_port(), multiprocessing.get_context("spawn")
+    # forkserver: one clean process (no CUDA, no threads) imports torch and cobatch once, and every rank is forked
+    # from it: safe as spawn, without paying the imports per rank (seconds each) or re-running the caller's __main__
+    port, spawn = _free_port(), multiprocessing.get_context("forkserver")
+    spawn.set_forkserver_preload(["cobatch.parallel.launch"])
     procs, conns = [], []
     for rank in range(1, world):
         parent, child = spawn.Pipe()
