@@ -14,6 +14,8 @@
 #   serve [ARGS]             bench/serve.py: streaming HTTP clients against `cobatch serve`, and the engine alone
 #   moe [ARGS]               bench/moe_decode.py on the Qwen3-30B-A3B shape cut to LAYERS (default 12) of 48
 #   speculative [ARGS]       bench/speculative.py ARGS on MODEL (default the random Llama-3-8B Q4_K_M)
+#   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
+#                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches
@@ -29,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels gemm attention decode serve moe speculative size gemv-configs profile ab "
+SUITES=" tests kernels gemm attention decode serve moe speculative parallel size gemv-configs profile ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -118,6 +120,11 @@ moe)
 speculative)
   timeout "$(left "$TIMEOUT")" python3 bench/speculative.py --device cuda --model "$(llama8b)" "$@" 2>&1 | quiet \
     | tee "$OUT/speculative.log" ;;
+parallel)
+  timeout "$(left "$TIMEOUT")" python3 bench/parallel.py step --model "$(llama8b)" "$@" 2>&1 | quiet \
+    | tee "$OUT/parallel-step.log"
+  timeout "$(left "$TIMEOUT")" python3 bench/parallel.py serve --model "$(llama8b)" 2>&1 | quiet \
+    | tee "$OUT/parallel-serve.log" ;;
 size)
   timeout "$(left 100)" python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
   cp bench/results/size-ceiling*.json "$OUT/" 2>/dev/null ;;

@@ -297,13 +297,13 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
 
 
 @pytest.mark.parametrize("flags, message", [(["-ngl", "0", "--device", "cuda"], "-ngl 0"),
-                                            (["--tensor-parallel-size", "2"], "one GPU"),
+                                            (["--tensor-parallel-size", "0"], "at least 1"),
                                             (["--temp", "-1"], "temperature"),
                                             (["--top-p", "0"], "top_p"),
                                             (["-n", "0"], "max_tokens"),
                                             (["--override-generation-config", '{"max_length": 9}'], "max_length"),
                                             (["--override-generation-config", "{bad"], "not JSON"),
-                                            (["-pp", "4"], "one GPU"),
+                                            (["-pp", "4"], "no pipeline parallelism"),
                                             (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
                                             (["--threads", "0"], "--threads"),
                                             (["--speculative-config", "{bad"], "--speculative-config"),

@@ -300,6 +300,9 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if getattr(args, "data_parallel_size", 1) != 1:
+        from cobatch.parallel import data_parallel
+        return data_parallel.serve(args)
     from cobatch.server.app import serve
     return serve(args)
 
@@ -405,9 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp's; the same as --log-level debug")
     # vLLM flags that copied commands carry: accepted, and what they mean here
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="vLLM's; cobatch runs a model on one GPU, so only 1")
+                   help="shard the model over this many GPUs (processes on the CPU), as vLLM's: whole KV heads, a "
+                        "slice of the feed-forward and vocabulary per rank; it must divide the KV heads (default 1)")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="run this many engine replicas (each on its own GPU, or --tensor-parallel-size GPUs) behind "
+                        "this one endpoint; a request goes to the replica caching the longest prefix of its prompt, "
+                        "else the least loaded (default 1)")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="vLLM's; cobatch runs a model on one GPU, so only 1")
+                   help="vLLM's; cobatch has no pipeline parallelism, so only 1")
     for flags, what in ((("--trust-remote-code",), "cobatch runs no code from a model's files"),
                         (("--enable-prefix-caching",), "the prefix cache is always on"),
                         (("--enable-auto-tool-choice",), "tool calls are always parsed when a request declares tools"),
@@ -469,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cobatch: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     args = parser.parse_args(argv)
+    args.argv = argv                  # (-dp: the replicas are started with the same flags)
     try:
         for name, low in (("ctx", 0), ("max_tokens", 1)):     # ctx 0: the model's own context
             value = getattr(args, name, None)

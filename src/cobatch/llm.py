@@ -30,6 +30,9 @@ from cobatch.loader.hf_tokenizer import chat_template_source, tokenizer_from_fol
 from cobatch.model_files import default_model_path
 from cobatch.models.linear import resident_bytes
 from cobatch.models.registry import Model, model_class
+from cobatch.parallel.group import TensorParallelGroup
+from cobatch.parallel.shard import ShardedGGUF, check_tensor_parallel, shard_config, sharding_banner
+from cobatch.parallel.steps import ParallelDecodeGraphs, ParallelModel, StepLink
 from cobatch.tokenizer import Tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -55,6 +58,7 @@ class EngineOptions:
     kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool (engine/disk_cache.py)
     kv_disk_gb: float = 16.0           # ... kept under this size
     quantization: str = "auto"         # a checkpoint folder's float matrices: q8_0 (auto), q4_k, q4_1, none
+    tensor_parallel_size: int = 1      # ranks the model is sharded over (cobatch.parallel; launch.load spawns them)
     quiet: bool = False
 
 
@@ -157,43 +161,32 @@ class LLM:
         self.kv_identity = ""      # what saved KV state must match (engine/kv_store.model_identity); set by load()
         # sampling defaults of requests that leave a field unset: a checkpoint's generation_config.json
         self.generation_defaults = generation_defaults(path) if isinstance(weights, HFCheckpoint) else {}
+        self.ranks = None          # tensor parallel: the other ranks' processes (parallel/launch.Ranks)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, options: EngineOptions | None = None) -> "LLM":
+    def load(cls, path: str | Path | None = None, options: EngineOptions | None = None,
+             tp: TensorParallelGroup | None = None, link: StepLink | None = None) -> "LLM":
+        """Load a model for serving. With tensor parallelism this process is rank 0 of the group `tp` (the other
+        ranks load theirs through load_rank and follow `link`): cobatch.parallel.launch.load sets that up."""
         options = options or EngineOptions()
+        if options.tensor_parallel_size != (tp.world if tp else 1):
+            raise ValueError("tensor_parallel_size > 1: load through cobatch.parallel.launch.load")
+        if tp is not None and options.kv_disk_cache:
+            raise UserError("--kv-disk-cache is not supported with --tensor-parallel-size > 1 (rank 0 alone would "
+                            "write and read its own KV shard)")
         path = Path(path) if path else default_model_path()
-        device = _resolve_device(options.device)
-        if options.dtype and options.dtype not in _DTYPES:
-            raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
-        dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
-        weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device)
-        template = _chat_template(options.chat_template, model_template, tokenizer)
-        # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
-        ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
-        if ctx < 2:
-            raise UserError(f"--ctx must be at least 2 (got {ctx})")
-        with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
-                  disable=options.quiet, file=sys.stderr) as bar:
-            model = model_class(cfg)(cfg, weights, device, dtype, max_positions=ctx, progress=bar.update,
-                               keep_dense=options.dense_large_batch)
-        if not options.quiet:
-            held = resident_bytes(model)
-            copies = (f"{held['bf16_copies'] / 2**30:.2f} GiB of dequantized copies (--dense-large-batch)"
-                      if held["bf16_copies"] else "no dequantized copies")
-            print(f"weights: {sum(held.values()) / 2**30:.2f} GiB resident on {device} "
-                  f"({held['quantized'] / 2**30:.2f} GiB quantized, {held['dense'] / 2**30:.2f} GiB dense, {copies})",
-                  file=sys.stderr)
-        pool = _make_pool(cfg, options, ctx, kv_dtype, device)
-        runner = ModelRunner(model, pool, device, tokenizer.stop_ids)
-        identity = model_identity(path, pool, getattr(weights, "quantization", ""))
+        w = _open(path, options, tp)
+        template = _chat_template(options.chat_template, w.model_template, w.tokenizer)
+        _load_weights(w, options, tp, rank0=True)
+        cfg, device, model, pool, ctx, tokenizer = w.cfg, w.device, w.model, w.pool, w.ctx, w.tokenizer
+        runner = ModelRunner(model if tp is None else ParallelModel(model, link), pool, device, tokenizer.stop_ids)
+        identity = model_identity(path, pool, getattr(w.weights, "quantization", ""))
         spill = None
         if options.kv_disk_cache:
             if options.kv_disk_gb <= 0:
                 raise UserError(f"--kv-disk-gb must be positive (got {options.kv_disk_gb})")
             spill = DiskPrefixCache(options.kv_disk_cache, int(options.kv_disk_gb * (1 << 30)), pool, identity)
-        if device.type == "cuda" and not options.eager and model.graph_safe:
-            runner.capture_graphs(_graph_rows(options, model.graph_max_rows, device), ctx, quiet=options.quiet)
+        runner.graphs = _capture_graphs(w, options, link)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative,
@@ -203,7 +196,7 @@ class LLM:
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file
-        llm = cls(path, weights, cfg, tokenizer, template, model, engine, options)
+        llm = cls(path, w.weights, cfg, tokenizer, template, model, engine, options)
         llm.kv_identity = identity
         return llm
 
@@ -249,6 +242,93 @@ class LLM:
         return ids
 
 
+@dataclass(slots=True)
+class _Weights:
+    """What every rank loads: the file or folder, its config and tokenizer, this rank's model (shard) and KV pool."""
+    path: Path
+    weights: GGUFFile | HFCheckpoint
+    cfg: ModelConfig             # the whole model's (the shard's is model.cfg)
+    tokenizer: Tokenizer
+    model_template: str | None   # the model's own chat template
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    ctx: int
+    model: Model | None = None
+    pool: KVPool | None = None
+
+
+def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) -> _Weights:
+    """The file and its config, the options checked against them: nothing loaded yet."""
+    device = _resolve_device(options.device) if tp is None else tp.device
+    if options.dtype and options.dtype not in _DTYPES:
+        raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
+    dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
+    weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device)
+    # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
+    ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
+    if ctx < 2:
+        raise UserError(f"--ctx must be at least 2 (got {ctx})")
+    if tp is not None:
+        if not isinstance(weights, GGUFFile) or cfg.mla is not None:
+            raise UserError("--tensor-parallel-size > 1 shards GGUF files of the llama and MoE families; "
+                            f"{path.name} is {'a checkpoint folder' if not isinstance(weights, GGUFFile) else cfg.arch}")
+        check_tensor_parallel(cfg, weights, tp.world)
+    return _Weights(path, weights, cfg, tokenizer, model_template, device, dtype, kv_dtype, ctx)
+
+
+def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup | None, rank0: bool) -> None:
+    """The model (this rank's shard under tensor parallelism) and its KV pool, into w. Every rank of a group runs
+    this in the same order: its collectives (the pool's size, the banner's figures) pair up."""
+    path, cfg, device, dtype, ctx = w.path, w.cfg, w.device, w.dtype, w.ctx
+    model_cfg, source = cfg, w.weights
+    if tp is not None:
+        model_cfg, source = shard_config(cfg, tp.world), ShardedGGUF(w.weights, cfg, tp.rank, tp.world)
+        tp.vocab_rows, tp.vocab_per_rank = source.vocab_rows, source.vocab_per_rank
+    with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
+              disable=options.quiet or not rank0, file=sys.stderr) as bar:
+        model = model_class(model_cfg)(model_cfg, source, device, dtype, max_positions=ctx, progress=bar.update,
+                                       keep_dense=options.dense_large_batch)
+    if tp is not None:
+        model.tp, model.vocab_rows = tp, tp.vocab_rows
+    held = resident_bytes(model)
+    if not options.quiet and tp is None:
+        copies = (f"{held['bf16_copies'] / 2**30:.2f} GiB of dequantized copies (--dense-large-batch)"
+                  if held["bf16_copies"] else "no dequantized copies")
+        print(f"weights: {sum(held.values()) / 2**30:.2f} GiB resident on {device} "
+              f"({held['quantized'] / 2**30:.2f} GiB quantized, {held['dense'] / 2**30:.2f} GiB dense, {copies})",
+              file=sys.stderr)
+    pool = _make_pool(model_cfg, options, ctx, w.kv_dtype, device, agree=tp.min_over_ranks if tp else None,
+                      quiet=options.quiet or tp is not None)
+    if tp is not None:
+        ranks = tp.gather_objects((sum(held.values()), held["quantized"], pool.num_blocks, pool.nbytes))
+        if rank0 and not options.quiet:
+            print(sharding_banner(cfg, ranks, options.block_size, dtype), file=sys.stderr)
+    w.model, w.pool = model, pool
+
+
+def _capture_graphs(w: _Weights, options: EngineOptions, link: StepLink | None):
+    """The decode graphs on CUDA (None elsewhere, with --eager, or for experts the device cannot route); under
+    tensor parallelism every rank captures the same ones over its raw model (rank 0's then broadcast each step)."""
+    model = w.model
+    if w.device.type != "cuda" or options.eager or not model.graph_safe:
+        return None
+    rows = _graph_rows(options, model.graph_max_rows, w.device)
+    quiet = options.quiet or (model.tp is not None and link is None)
+    if model.tp is None:
+        from cobatch.engine.cuda_graphs import DecodeGraphs
+        return DecodeGraphs(model, w.pool, rows, w.ctx, quiet)
+    return ParallelDecodeGraphs(model, w.pool, rows, w.ctx, quiet, link=link)
+
+
+def load_rank(path: str | Path, options: EngineOptions, tp: TensorParallelGroup):
+    """A tensor-parallel rank > 0: its shard, KV pool and decode graphs, for parallel.steps.follow_steps."""
+    w = _open(Path(path), options, tp)
+    _load_weights(w, options, tp, rank0=False)
+    return w.model, w.pool, _capture_graphs(w, options, None)
+
+
 def _warm_up(engine: Engine, vocab: int, chunk: int, ctx: int) -> None:
     """Run a multi-chunk prefill next to a decoding session once, at start.
 
@@ -291,17 +371,20 @@ def kv_bytes_note(cfg: ModelConfig, dtype: torch.dtype) -> str:
 
 
 def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.dtype,
-               device: torch.device) -> KVPool:
+               device: torch.device, agree=None, quiet: bool = False) -> KVPool:
+    """agree: under tensor parallelism, the smallest of every rank's block count (rank 0 plans for all)."""
     per_block = KVPool.bytes_per_block(cfg, options.block_size, dtype)
     budget = kv_budget_bytes(options, device, per_block * -(-ctx // options.block_size) * options.max_num_seqs)
     num_blocks = budget // per_block
     min_blocks = -(-ctx // options.block_size)
     if num_blocks < min_blocks:
         num_blocks = min_blocks if options.kv_cache_gb is None else num_blocks
+    if agree is not None:
+        num_blocks = agree(num_blocks)
     if num_blocks < 1:
         raise UserError(f"KV cache budget too small: one block needs {per_block} bytes")
     pool = KVPool(cfg, num_blocks, options.block_size, dtype, device)
-    if not options.quiet:
+    if not quiet:
         print(f"KV cache: {num_blocks} blocks x {options.block_size} tokens = {num_blocks * options.block_size} "
               f"tokens, {pool.nbytes / 2**20:.0f} MiB ({dtype}, {device})", file=sys.stderr)
         if cfg.mla is not None:

@@ -83,7 +83,7 @@ class Engine:
             raise ContextLengthExceeded(
                 f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
                 f"(prompt plus at least one generated token)")
-        vocab = self.runner.model.embed.shape[0]
+        vocab = self.runner.model.vocab_rows
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:     # on CUDA an out-of-range gather would kill the context for every session
             raise UserError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")

@@ -77,11 +77,7 @@ class ModelRunner:
         self.ends_of_turn = tuple(sorted(stop_ids))     # banned for a row that has not reached min_tokens
         self.sampler = Sampler()
         self.block_size = pool.block_size
-        self.graphs = None          # DecodeGraphs, once capture_graphs() ran (CUDA only)
-
-    def capture_graphs(self, max_batch: int, max_context: int, quiet: bool = False) -> None:
-        from cobatch.engine.cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, max_context, quiet)
+        self.graphs = None          # DecodeGraphs (CUDA only), set by LLM.load
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs, ahead = self.block_size, plan.ahead

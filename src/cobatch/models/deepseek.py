@@ -159,10 +159,13 @@ class DeepseekModel:
             ))
             if progress is not None:
                 progress(1)
-        # Decode attention is the torch reference for now (a host sync per sequence): no CUDA graphs.
+        # Eager on CUDA for now: the router is torch code (top-k, groups) and prefill attention the torch reference
+        # (a host sync per sequence); decode attention and the latent write are graph-safe kernels.
         self.graph_safe = False
         self.graph_max_rows: int | None = None
+        self.tp = None             # tensor parallelism does not shard MLA (llm._open refuses it)
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
+        self.vocab_rows = self.embed.shape[0]      # the token ids a prompt may hold
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         self.lm_head = self.embed if head == "token_embd.weight" and dev.type == "cpu" else lin(head)
         self.final_norm = vec("output_norm.weight")

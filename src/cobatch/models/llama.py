@@ -117,6 +117,10 @@ class LlamaModel:
         if moes and self.graph_safe:
             self.graph_max_rows = ROUTED_MAX_ROWS
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
+        self.vocab_rows = self.embed.shape[0]
+        # Tensor parallel (cobatch.parallel): the group this rank's shard belongs to; its collectives join the
+        # ranks' partial results. None on one device: the forward below is then exactly the unsharded one.
+        self.tp = None
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         # Tied head on the CPU path: the dense embedding already is the head's weight; don't hold it twice.
         self.lm_head = self.embed if head == "token_embd.weight" and dev.type == "cpu" else lin(head)
@@ -136,7 +140,7 @@ class LlamaModel:
         cfg = self.cfg
         n = token_ids.shape[0]
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        x = self.embed[token_ids]
+        x = self.embed[token_ids] if self.tp is None else self.tp.embed(self.embed, token_ids)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)    # rounded to the dtype first, as gemma does
         residual = None
@@ -154,6 +158,8 @@ class LlamaModel:
                                      meta.slot_mapping, qk_norm)
             attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap)
             x = ops.linear(attn.reshape(n, q_size), layer.o)
+            if self.tp is not None:
+                x = self.tp.all_reduce(x)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
             h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual)
@@ -161,13 +167,18 @@ class LlamaModel:
                 x = layer.moe(h)
             else:
                 x = ops.linear(ops.gated_linear(h, layer.gate_up, cfg.activation), layer.down)
+            if self.tp is not None:
+                x = self.tp.all_reduce(x)
             if layer.post_ffn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_ffn_norm, cfg.rms_eps)
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden, self.lm_head).float()
+        logits = ops.linear(hidden, self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        logits = logits.float()
         if self.cfg.final_softcap:      # gemma2
             logits = self.cfg.final_softcap * torch.tanh(logits / self.cfg.final_softcap)
         return logits

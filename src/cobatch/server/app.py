@@ -186,10 +186,9 @@ def _check_serve_args(args) -> None:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1] (got {utilization})")
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1 (got {args.threads})")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, name, 1) != 1:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: cobatch runs a model on one GPU "
-                            "(only 1 is accepted)")
+    if getattr(args, "pipeline_parallel_size", 1) != 1:
+        raise UserError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: cobatch has no pipeline "
+                        "parallelism (only 1 is accepted; --tensor-parallel-size shards a model over GPUs)")
     _speculative(args)
     sampling_defaults(args)
     kv_cache_dtype_arg(args)
@@ -214,6 +213,12 @@ def _check_serve_args(args) -> None:
         template_source(args.chat_template)
     api_keys(args)
     _tls(args)
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        if args.slot_save_path:
+            raise UserError("--slot-save-path is not supported with --tensor-parallel-size > 1 (each rank holds "
+                            "its own part of a slot's KV)")
+        from cobatch.parallel import launch
+        launch.check(args.model_path or args.model, engine_options(args))
 
 
 def sampling_defaults(args) -> dict:
@@ -296,7 +301,8 @@ def engine_options(args):
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
         quantization=getattr(args, "quantization", "auto"),
         overlap_steps=getattr(args, "async_scheduling", True),
-        kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0))
+        kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def serve(args) -> int:
@@ -325,7 +331,8 @@ def serve(args) -> int:
         return app
 
     uvicorn_server = None
-    loading = LoadingApp(lambda: LLM.load(args.model_path or args.model, engine_options(args)), build, lifecycle,
+    from cobatch.parallel import launch
+    loading = LoadingApp(lambda: launch.load(args.model_path or args.model, engine_options(args)), build, lifecycle,
                          on_failure=lambda: setattr(uvicorn_server, "should_exit", True))
     config.app = loading
     uvicorn_server = DrainingServer(config, lifecycle, grace_s=args.graceful_shutdown_s)
