@@ -21,11 +21,18 @@ from test_server_support import wait_for
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of a `cobatch` process: this tree's package, and torch on as many threads as this test
+    process (tests/conftest.py: more than one spins on a busy 2-core machine)."""
+    import torch
+    return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS=str(torch.get_num_threads()))
+
+
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The command in its own process (what a user runs)."""
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "cobatch.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+                          timeout=timeout, env=cli_env(), stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture
@@ -61,10 +68,9 @@ def test_chat_answers_paris():
 
 
 def test_interactive_chat_keeps_history_and_exits_on_eof():
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "cobatch.cli", "chat", "--temperature", "0", "-n", "24"],
                           input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=cli_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
     assert "Berlin" in proc.stdout      # the second turn only makes sense with the first in the history
@@ -190,9 +196,9 @@ def test_serve_port_in_use_fails_before_the_model_loads(tmp_path, cli):
 
 def test_serve_answers_on_the_port_it_prints():
     """`cobatch serve --port 0` end to end: the OS picks a port, the banner names it, the server answers there."""
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "cobatch.cli", "serve", "--port", "0", "--parallel", "2",
-                             "--ctx", "512"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+                             "--ctx", "512"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=cli_env())
     try:
         url = None
         for line in proc.stderr:             # blocks until the banner (or EOF if the server died)
