@@ -125,7 +125,8 @@ def test_inspect_says_how_experts_decode_on_cuda(tmp_path, cli):
 def test_qwen_coder_writes_a_function():
     llm = load_llm("qwen2.5-coder")
     ids = llm.encode_chat([{"role": "user", "content": "Write a Python function that squares a number."}])
-    out = llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=60))[0]
+    # greedy: "Here's a simple Python function to square a number:\n\n```python\ndef square(" is its first 20
+    out = llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=20))[0]
     assert "def " in llm.tokenizer.decode(out)
 
 
