@@ -1,4 +1,5 @@
-"""The `cobatch` command end to end, and every bad input ending in one clear line and exit code 2."""
+"""The `cobatch` command end to end, and every bad input ending in one clear line and exit code 2 (in the command's
+own process once; the other bad input through its main() in this process)."""
 
 import json
 import os
@@ -20,10 +21,35 @@ from test_server_support import wait_for
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of a `cobatch` process: this tree's package, and torch on as many threads as this test
+    process (tests/conftest.py: more than one spins on a busy 2-core machine)."""
+    import torch
+    return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS=str(torch.get_num_threads()))
+
+
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """The command in its own process (what a user runs)."""
     return subprocess.run([sys.executable, "-m", "cobatch.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+                          timeout=timeout, env=cli_env(), stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def cli(capsys):
+    """The command's main() in this process, its exit code and output as run_cli gives them: for tests of what
+    it prints and of its argument checks, without a process start (torch's import alone is most of 5 s)."""
+    from cobatch.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:         # argparse's own usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["cobatch", *args], code, out, err)
+    return run
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -42,10 +68,9 @@ def test_chat_answers_paris():
 
 
 def test_interactive_chat_keeps_history_and_exits_on_eof():
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "cobatch.cli", "chat", "--temperature", "0", "-n", "24"],
                           input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=cli_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
     assert "Berlin" in proc.stdout      # the second turn only makes sense with the first in the history
@@ -68,31 +93,31 @@ def test_generate_with_speculative_decoding_prints_the_same_text():
     assert spec.stdout == plain.stdout and "cherry" in plain.stdout
 
 
-def test_inspect_describes_the_file():
-    proc = run_cli("inspect", str(smollm2_path()))
+def test_inspect_describes_the_file(cli):
+    proc = cli("inspect", str(smollm2_path()))
     assert proc.returncode == 0, proc.stderr
     assert "llama" in proc.stdout and "Q4_1" in proc.stdout and "chat template: yes" in proc.stdout
 
 
-def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path):
+def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path, cli):
     from cobatch.testing.gguf_writer import write_random_model
     for shape, expected in (("qwen2moe-tiny", "experts:       2 of 8 per token, expert ffn 128, shared expert ffn 256"),
                             ("gemma2-tiny", "sliding window 12, one layer in 2 global, scores soft-capped at 0.05"),
                             ("phi4-mini-tiny", "longrope factors  (48 of 64 dims)")):
         path = write_random_model(tmp_path / f"{shape}.gguf", shape, "q8_0", tokenizer_from=smollm2_path())
-        proc = run_cli("inspect", str(path))
+        proc = cli("inspect", str(path))
         assert proc.returncode == 0, proc.stderr
         assert expected in proc.stdout, proc.stdout
 
 
-def test_inspect_says_how_experts_decode_on_cuda(tmp_path):
+def test_inspect_says_how_experts_decode_on_cuda(tmp_path, cli):
     """q8_0 experts stack for the routed GEMV; in the q4_k file the 128-wide down experts fall back to q5_0
     (K-quants need 256 columns), which it does not read."""
     from cobatch.testing.gguf_writer import write_random_model
     for quant, expected in (("q8_0", "on CUDA: routed on the device, decode in CUDA graphs"),
                             ("q4_k", "on CUDA: expert by expert, decode eager: down experts in q5_0 (256 rows)")):
         path = write_random_model(tmp_path / f"{quant}.gguf", "qwen2moe-tiny", quant, tokenizer_from=smollm2_path())
-        proc = run_cli("inspect", str(path))
+        proc = cli("inspect", str(path))
         assert proc.returncode == 0, proc.stderr
         assert expected in proc.stdout, proc.stdout
 
@@ -100,27 +125,30 @@ def test_inspect_says_how_experts_decode_on_cuda(tmp_path):
 def test_qwen_coder_writes_a_function():
     llm = load_llm("qwen2.5-coder")
     ids = llm.encode_chat([{"role": "user", "content": "Write a Python function that squares a number."}])
-    out = llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=60))[0]
+    # greedy: "Here's a simple Python function to square a number:\n\n```python\ndef square(" is its first 20
+    out = llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=20))[0]
     assert "def " in llm.tokenizer.decode(out)
 
 
 # --- bad input -----------------------------------------------------------------------------------
 
 def test_missing_model_path(tmp_path):
+    """In its own process: the exit code and the one line are what the user's shell sees (the other bad input
+    below runs main() in this process)."""
     assert_clean_error(run_cli("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi"), "not found")
 
 
-def test_not_a_gguf_file(tmp_path):
+def test_not_a_gguf_file(tmp_path, cli):
     bad = tmp_path / "model.gguf"
     bad.write_text("this is not a model\n" * 10)
-    assert_clean_error(run_cli("generate", "-m", str(bad), "-p", "hi"), "not a GGUF")
+    assert_clean_error(cli("generate", "-m", str(bad), "-p", "hi"), "not a GGUF")
 
 
-def test_truncated_gguf(tmp_path):
+def test_truncated_gguf(tmp_path, cli):
     cut = tmp_path / "cut.gguf"
     with open(smollm2_path(), "rb") as f:
         cut.write_bytes(f.read(8 << 20))
-    assert_clean_error(run_cli("generate", "-m", str(cut), "-p", "hi"), "truncated")
+    assert_clean_error(cli("generate", "-m", str(cut), "-p", "hi"), "truncated")
 
 
 def _write_gguf(path: Path, arch: str, tensor_type: gguf.GGMLQuantizationType) -> None:
@@ -139,39 +167,39 @@ def _write_gguf(path: Path, arch: str, tensor_type: gguf.GGMLQuantizationType) -
     w.close()
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, cli):
     path = tmp_path / "mamba.gguf"
     _write_gguf(path, "mamba", gguf.GGMLQuantizationType.Q8_0)
-    assert_clean_error(run_cli("generate", "-m", str(path), "-p", "hi"), "unsupported architecture", "mamba")
+    assert_clean_error(cli("generate", "-m", str(path), "-p", "hi"), "unsupported architecture", "mamba")
 
 
-def test_unsupported_quant_type(tmp_path):
+def test_unsupported_quant_type(tmp_path, cli):
     path = tmp_path / "iq.gguf"
     _write_gguf(path, "llama", gguf.GGMLQuantizationType.IQ2_XS)
-    assert_clean_error(run_cli("generate", "-m", str(path), "-p", "x"), "IQ2_XS")
+    assert_clean_error(cli("generate", "-m", str(path), "-p", "x"), "IQ2_XS")
 
 
-def test_prompt_longer_than_context():
-    assert_clean_error(run_cli("generate", "--ctx", "16", "-p", "word " * 40), "context")
+def test_prompt_longer_than_context(cli):
+    assert_clean_error(cli("generate", "--ctx", "16", "-p", "word " * 40), "context")
 
 
-def test_serve_port_out_of_range():
-    assert_clean_error(run_cli("serve", "--port", "99999"), "65535")
+def test_serve_port_out_of_range(cli):
+    assert_clean_error(cli("serve", "--port", "99999"), "65535")
 
 
-def test_serve_port_in_use_fails_before_the_model_loads(tmp_path):
+def test_serve_port_in_use_fails_before_the_model_loads(tmp_path, cli):
     # The model path does not exist: the port's error coming first shows the socket is bound before the load.
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        proc = run_cli("serve", "--port", str(port), "--model", str(tmp_path / "nope.gguf"))
+        proc = cli("serve", "--port", str(port), "--model", str(tmp_path / "nope.gguf"))
     assert_clean_error(proc, "cannot listen", str(port))
 
 
 def test_serve_answers_on_the_port_it_prints():
     """`cobatch serve --port 0` end to end: the OS picks a port, the banner names it, the server answers there."""
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "cobatch.cli", "serve", "--port", "0", "--parallel", "2",
-                             "--ctx", "512"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+                             "--ctx", "512"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=cli_env())
     try:
         url = None
         for line in proc.stderr:             # blocks until the banner (or EOF if the server died)
@@ -189,11 +217,11 @@ def test_serve_answers_on_the_port_it_prints():
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "1.5"), ("-n", "0")])
-def test_bad_sampling_flag(flag, value):
-    assert_clean_error(run_cli("generate", "-p", "hi", flag, value))
+def test_bad_sampling_flag(flag, value, cli):
+    assert_clean_error(cli("generate", "-p", "hi", flag, value))
 
 
-def test_chat_template_override(tmp_path):
+def test_chat_template_override(tmp_path, cli):
     """--chat-template replaces the model's template (given as a file or as text); one that does not compile
     is one clear error line."""
     from cobatch.llm import LLM, EngineOptions
@@ -205,7 +233,7 @@ def test_chat_template_override(tmp_path):
         llm = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=256, quiet=True, chat_template=given))
         ids = llm.encode_chat([{"role": "user", "content": "Hi"}])
         assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\nSure! The answer is")
-    proc = run_cli("chat", "hello", "-n", "2", "--chat-template", "{% for m in messages %}")
+    proc = cli("chat", "hello", "-n", "2", "--chat-template", "{% for m in messages %}")
     assert_clean_error(proc, "--chat-template")
 
 
@@ -263,8 +291,8 @@ def test_kv_cache_dtype_takes_vllm_and_llama_cpp_flags():
             assert kv_cache_dtype_arg(args) == want, (command, flags)
 
 
-def test_bad_kv_cache_dtype_fails_before_the_model_loads():
-    assert_clean_error(run_cli("chat", "hi", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "int4"),
+def test_bad_kv_cache_dtype_fails_before_the_model_loads(cli):
+    assert_clean_error(cli("chat", "hi", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "int4"),
                        "--kv-cache-dtype")
 
 
@@ -314,8 +342,8 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
                                             (["-ctk", "q8_0"], "one dtype"),
                                             (["-ctk", "q8_0", "-ctv", "q8_0", "--kv-cache-dtype", "f16"],
                                              "contradicts")])
-def test_contradicting_or_bad_serve_flags_fail_before_the_model_loads(flags, message):
-    proc = run_cli("serve", "--model", "/nonexistent.gguf", *flags)
+def test_contradicting_or_bad_serve_flags_fail_before_the_model_loads(flags, message, cli):
+    proc = cli("serve", "--model", "/nonexistent.gguf", *flags)
     assert_clean_error(proc, message)
 
 
@@ -359,8 +387,8 @@ def test_generate_and_chat_follow_a_grammar_or_json_schema(tmp_path):
     (["--grammar-file", "/nonexistent/g.gbnf"], "cannot read"),
     (["--json-schema", "{not json"], "not valid JSON"),
 ])
-def test_bad_grammar_flags_fail_before_the_model_loads(flags, message):
-    r = run_cli("chat", "hi", *flags)
+def test_bad_grammar_flags_fail_before_the_model_loads(flags, message, cli):
+    r = cli("chat", "hi", *flags)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cobatch: error:") and message in lines[0], r.stderr

@@ -86,7 +86,10 @@ def test_preemption_under_kv_pressure_keeps_tokens():
     base = load_llm("smollm2")
     prompts = [_ids(base, p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=20)
-    alone = [base.engine.generate([p], params)[0] for p in prompts]
+    # the same batch in a pool that holds it all (batched greedy is each alone: test_batched_greedy_equals_each_alone)
+    preempted = base.engine.stats.preemptions
+    alone = base.engine.generate(prompts, params)
+    assert base.engine.stats.preemptions == preempted
     # A pool of 8 blocks x 16 tokens cannot hold four sequences of ~35 tokens at once.
     tight = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=128, max_num_seqs=4, kv_cache_gb=8.5 * (2 * 30 * 16 * 3 * 64 * 4) / 2**30, quiet=True))
     assert tight.engine.pool.num_blocks == 8
@@ -94,8 +97,8 @@ def test_preemption_under_kv_pressure_keeps_tokens():
     assert tight.engine.stats.preemptions > 0
 
     # Prompt logprobs under the same pressure: each prompt token reported once, as when run alone.
-    def prompt_logprobs(llm, batch):
-        scoring = SamplingParams(temperature=0.0, max_tokens=20, prompt_logprobs=0)
+    def prompt_logprobs(llm, batch, max_tokens=20):
+        scoring = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=0)
         ids = {llm.engine.add_request(p, scoring): i for i, p in enumerate(batch)}
         got = {i: [] for i in ids.values()}
         while llm.engine.has_work():
@@ -105,7 +108,8 @@ def test_preemption_under_kv_pressure_keeps_tokens():
     before = tight.engine.stats.preemptions
     together = prompt_logprobs(tight, prompts)
     assert tight.engine.stats.preemptions > before
-    assert together == [prompt_logprobs(base, [p])[0] for p in prompts]
+    # alone, the prompt's logprobs need no decoding after it (the batch decodes, for the pressure)
+    assert together == [prompt_logprobs(base, [p], max_tokens=1)[0] for p in prompts]
     assert [[t for t, _ in lps] for lps in together] == [p[1:] for p in prompts]
 
 

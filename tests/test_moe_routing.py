@@ -161,7 +161,7 @@ def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normal
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
     if normalize:
         assert torch.allclose(w.sum(-1), torch.ones(9, device=w.device), atol=1e-6)
-    for r in range(9):       # a row alone gives the same bits as inside the batch
+    for r in (0, 4, 8):      # a row alone (first, middle, last) gives the same bits as inside the batch
         w1, ids1 = route_triton(h[r:r + 1], router, k, normalize)
         assert torch.equal(ids1[0], ids[r]) and torch.equal(w1[0], w[r])
 

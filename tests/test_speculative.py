@@ -72,6 +72,18 @@ def test_speculative_config_takes_vllms_ngram_keys():
     assert NgramSpec.from_config({"method": "[ngram]", "num_speculative_tokens": 2}) == NgramSpec(2, 3, 2, None)
 
 
+_plain_outputs: dict[tuple, list[int]] = {}
+
+
+def plain_output(prompt: list[int], params: SamplingParams) -> list[int]:
+    """What the engine without speculation generates for one prompt alone, computed once per module: the same
+    prompt and parameters come back in several tests (greedy decoding is deterministic)."""
+    key = (tuple(prompt), repr(params))
+    if key not in _plain_outputs:
+        _plain_outputs[key] = load_llm("smollm2").engine.generate([prompt], params)[0]
+    return list(_plain_outputs[key])
+
+
 @pytest.fixture(scope="module")
 def spec_llm():
     return LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=1024, quiet=True,
@@ -81,7 +93,7 @@ def spec_llm():
 def test_greedy_output_is_the_same_with_fewer_steps(spec_llm):
     plain = load_llm("smollm2")
     prompt = plain.encode_prompt(REPEAT)
-    want = plain.engine.generate([prompt], GREEDY)[0]
+    want = plain_output(prompt, GREEDY)
     eng = spec_llm.engine
     drafted, accepted = eng.stats.draft_tokens, eng.stats.accepted_tokens
     rid = eng.add_request(prompt, GREEDY)
@@ -116,7 +128,7 @@ def test_max_tokens_and_end_of_turn_cut_the_kept_drafts(spec_llm):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         assert spec_llm.engine.generate([prompt], params)[0] == plain.engine.generate([prompt], params)[0]
     # stop_token_ids: a token the repetition reaches ends the request there, drafts after it discarded
-    full = plain.engine.generate([prompt], GREEDY)[0]
+    full = plain_output(prompt, GREEDY)
     stop = full[6]
     params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop,))
     out = spec_llm.engine.generate([prompt], params)[0]
@@ -151,7 +163,7 @@ def test_served_with_speculation_streams_the_same_text(spec_llm):
 
     from test_server_support import live_server
     plain = load_llm("smollm2")
-    want = plain.tokenizer.decode(plain.engine.generate([plain.encode_prompt(REPEAT)], GREEDY)[0])
+    want = plain.tokenizer.decode(plain_output(plain.encode_prompt(REPEAT), GREEDY))
     with live_server(spec_llm) as server:
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         body = dict(model="any", prompt=REPEAT, max_tokens=GREEDY.max_tokens, temperature=0,
@@ -183,7 +195,7 @@ def test_right_or_wrong_drafts_leave_the_output_as_plain(spec_llm, shift):
     plain = load_llm("smollm2")
     prompt = plain.encode_prompt("The capital of France is")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = plain.engine.generate([prompt], params)[0]
+    want = plain_output(prompt, params)
     eng, vocab = spec_llm.engine, spec_llm.config.vocab_size
 
     def draft(seq, budget):
@@ -248,7 +260,10 @@ def test_drafts_under_kv_pressure_leave_every_output_as_plain():
     plain = load_llm("smollm2")
     prompts = [plain.encode_prompt(REPEAT + " cherry" * i) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    alone = [plain.engine.generate([p], params)[0] for p in prompts]
+    # plain decoding of the same batch in a pool that holds it all (batched greedy is each alone: test_engine)
+    preempted = plain.engine.stats.preemptions
+    alone = plain.engine.generate(prompts, params)
+    assert plain.engine.stats.preemptions == preempted
     # 8 blocks x 16 tokens; four sequences of ~75 tokens need 20.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
     tight = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=128, max_num_seqs=4, quiet=True,
