@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -22,8 +23,16 @@ from cobatch.server.context import ServerOptions
 from model_fixtures import load_llm
 from test_server_support import RawStream, live_server, wait_for
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium executable on PATH (apt-get install chromium)")
+
+
+def _chromium() -> str | None:
+    """Debian's chromium. .ci/run installs it while the tests run and names, in COBATCH_CHROMIUM_INSTALLED, the
+    file the install writes when it has ended (installed or not): these tests wait for that file first."""
+    flag = os.environ.get("COBATCH_CHROMIUM_INSTALLED")
+    deadline = time.monotonic() + 600
+    while flag and not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 KEY = "webui-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,8 +51,11 @@ def server():
 
 @pytest.fixture(scope="module")
 def browser():
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no chromium executable on PATH (apt-get install chromium)")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        browser = playwright.chromium.launch(executable_path=chromium)
         yield browser
         browser.close()
 
