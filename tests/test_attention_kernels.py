@@ -18,7 +18,7 @@ from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
     plan_decode_splits, plan_has_groups, row_split_len, whole_groups)
 from conftest import requires_cuda  # noqa: E402
-from kernel_checks import DEVICE, assert_matches, poisoned, relative_error  # noqa: E402
+from kernel_checks import DEVICE, assert_matches, paged_setup, poisoned, relative_error  # noqa: E402
 
 # Small tiles for the interpreter: several tiles per split and several splits per sequence.
 TINY_DECODE = DecodeConfig(block_n=16, min_split=32, max_splits=8, programs_per_sm=64)
@@ -32,31 +32,6 @@ DECODE_VARIANTS = {   # one split (direct write), splits + reduce kernel, severa
     "walk": WALKING_DECODE,          # in groups of 3 splits (other groupings: the bitwise tests below)
 }
 TINY_PREFILL = PrefillConfig(block_m=16, block_n=16)
-
-
-def paged_setup(seq_lens: list[int], q_lens: list[int], n_q: int, n_kv: int, head_dim: int, dtype,
-                seed: int, block_size: int = 16, capacity: int | None = None, kv_dtype=None):
-    """Random q, random caches (in kv_dtype, default dtype), and each sequence's blocks scattered over the pool
-    in random order. The chunk's own K/V count as already written (the caches are random everywhere)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    capacity = capacity or max(max(seq_lens), 1)
-    block_tables = torch.zeros(len(seq_lens), (capacity + block_size - 1) // block_size, dtype=torch.int32)
-    for s, nb in enumerate(blocks_per_seq):
-        block_tables[s, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
-    shape = (num_blocks, block_size, n_kv, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(DEVICE, kv_dtype or dtype)
-    v_cache = torch.randn(shape, generator=g).to(DEVICE, kv_dtype or dtype)
-    n_rows = sum(q_lens)
-    q = torch.randn(n_rows, n_q, head_dim, generator=g).to(DEVICE, dtype)
-    query_start = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((n_rows,), -1, dtype=torch.int64, device=DEVICE),
-        query_start=query_start.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables.to(DEVICE), max_query_len=max(q_lens), max_seq_len=capacity)
-    return q, k_cache, v_cache, meta
 
 
 def check_attention(seq_lens, q_lens, n_q, n_kv, head_dim, dtype, seed, decode_cfg=None, prefill_cfg=None,

@@ -16,29 +16,17 @@ from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels.attention import DecodeConfig, paged_attention_ref  # noqa: E402
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
-from kernel_checks import DEVICE, poisoned, relative_error  # noqa: E402
+from kernel_checks import paged_setup, poisoned, relative_error  # noqa: E402
 
 SINGLE = DecodeConfig(block_n=16, min_split=1024)
 SPLIT = DecodeConfig(block_n=16, min_split=16, max_splits=8, programs_per_sm=64)
 
 
 def latent_setup(seq_lens, n_heads, lat, rope, dtype, seed, block_size=16, capacity=None):
-    """Random absorbed queries, a random latent cache, and each sequence's blocks scattered over the pool."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    capacity = capacity or max(max(seq_lens), 1)
-    block_tables = torch.zeros(len(seq_lens), (capacity + block_size - 1) // block_size, dtype=torch.int32)
-    for s, nb in enumerate(blocks_per_seq):
-        block_tables[s, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
-    cache = torch.randn(num_blocks, block_size, 1, lat + rope, generator=g).to(DEVICE, dtype)
-    q = torch.randn(len(seq_lens), n_heads, lat + rope, generator=g).to(DEVICE, dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((len(seq_lens),), -1, dtype=torch.int64, device=DEVICE),
-        query_start=torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables.to(DEVICE), max_query_len=1, max_seq_len=capacity)
+    """Random absorbed queries [S, H, lat + rope], a random latent cache of one head, and each sequence's blocks
+    scattered over the pool (paged_setup's, with one KV head as wide as the query)."""
+    q, cache, _, meta = paged_setup(seq_lens, [1] * len(seq_lens), n_heads, 1, lat + rope, dtype, seed,
+                                    block_size=block_size, capacity=capacity)
     return q, cache, meta
 
 
