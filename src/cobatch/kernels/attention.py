@@ -11,6 +11,27 @@ from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_d
                                              next_pow2, pdl_launch, tl, triton)
 
 
+def reference_sequences(meta: AttentionMetadata, block_size: int):
+    """For the torch references: (first row, end row, context length, cache blocks) of each sequence that has
+    rows in this step and a context."""
+    starts, lens = meta.query_start.tolist(), meta.seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        a, b = starts[s], starts[s + 1]
+        if b > a and ctx > 0:
+            yield a, b, ctx, meta.block_tables[s, : (ctx + block_size - 1) // block_size].long()
+
+
+def hidden_keys(ctx: int, q_len: int, device, window: int = 0) -> torch.Tensor:
+    """[q_len, ctx] True where a key is hidden from a row: after its position (row i sits at ctx - q_len + i), or
+    with a sliding window (> 0) before its last `window` keys."""
+    q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+    key_pos = torch.arange(ctx, device=device)[None, :]
+    hidden = key_pos > q_pos
+    if window > 0:
+        hidden |= key_pos <= q_pos - window
+    return hidden
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [N, Hq, D]; caches [num_blocks, block_size, Hk, D] (this step's K/V already written).
@@ -23,25 +44,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = n_heads // n_kv
     out = torch.zeros_like(q)
-    starts, lens = meta.query_start.tolist(), meta.seq_lens.tolist()
-    for s, ctx in enumerate(lens):
-        a, b = starts[s], starts[s + 1]
+    for a, b, ctx, blocks in reference_sequences(meta, block_size):
         q_len = b - a
-        if q_len == 0 or ctx == 0:
-            continue
-        blocks = meta.block_tables[s, : (ctx + block_size - 1) // block_size].long()
         k = k_cache[blocks].reshape(-1, n_kv, head_dim)[:ctx].float().transpose(0, 1)  # [Hk, L, D]
         v = v_cache[blocks].reshape(-1, n_kv, head_dim)[:ctx].float().transpose(0, 1)
         qh = q[a:b].float().view(q_len, n_kv, group, head_dim).permute(1, 2, 0, 3)      # [Hk, G, q, D]
         scores = torch.einsum("hgqd,hkd->hgqk", qh, k) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-        key_pos = torch.arange(ctx, device=q.device)[None, :]
-        hidden = key_pos > q_pos[:, None]
-        if window > 0:
-            hidden |= key_pos <= q_pos[:, None] - window
-        scores.masked_fill_(hidden, float("-inf"))
+        scores.masked_fill_(hidden_keys(ctx, q_len, q.device, window), float("-inf"))
         o = torch.einsum("hgqk,hkd->hgqd", scores.softmax(-1), v)
         out[a:b] = o.permute(2, 0, 1, 3).reshape(q_len, n_heads, head_dim).to(q.dtype)
     return out

@@ -21,7 +21,8 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _row_split_len,
-                                       _softmax_fold, _store_partial, _tile_pages, plan_decode_splits)
+                                       _softmax_fold, _store_partial, _tile_pages, hidden_keys,
+                                       plan_decode_splits, reference_sequences)
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
@@ -43,18 +44,10 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     n_rows, n_heads, width = q.shape
     block_size = cache.shape[1]
     out = torch.zeros(n_rows, n_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
-    starts, lens = meta.query_start.tolist(), meta.seq_lens.tolist()
-    for s, ctx in enumerate(lens):
-        a, b = starts[s], starts[s + 1]
-        q_len = b - a
-        if q_len == 0 or ctx == 0:
-            continue
-        blocks = meta.block_tables[s, : (ctx + block_size - 1) // block_size].long()
+    for a, b, ctx, blocks in reference_sequences(meta, block_size):
         rows = cache[blocks].reshape(-1, width)[:ctx].float()               # [L_ctx, width], read once
         scores = torch.einsum("qhw,kw->hqk", q[a:b].float(), rows) * scale  # every head against the same rows
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-        hidden = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]
-        scores.masked_fill_(hidden, float("-inf"))
+        scores.masked_fill_(hidden_keys(ctx, b - a, q.device), float("-inf"))
         out[a:b] = torch.einsum("hqk,kr->qhr", scores.softmax(-1), rows[:, :kv_lora_rank])
     return out
 
