@@ -33,7 +33,7 @@ from cobatch.config import ModelConfig
 from cobatch.errors import UserError
 from cobatch.kernels.rope import rope_cos_sin, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
-from cobatch.models.linear import load_gate_up, load_linear
+from cobatch.models.linear import WeightLoader, load_gate_up
 from cobatch.models.moe import MoeFeedForward
 
 
@@ -131,12 +131,8 @@ class DeepseekModel:
                  keep_dense: bool = False):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         dev, mla = self.device, cfg.mla
-
-        def vec(name: str) -> torch.Tensor:
-            return gguf.float_tensor(name).to(dev, dtype)
-
-        def lin(*names: str) -> object:
-            return load_linear([gguf.quant_weight(n) for n in names], dev, dtype, keep_dense)
+        load = WeightLoader(gguf, dev, dtype, keep_dense)
+        vec, lin = load.vec, load.linear
 
         self.layers: list[MlaLayer] = []
         for i in range(cfg.n_layers):

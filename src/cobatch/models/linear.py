@@ -47,6 +47,22 @@ def load_linear(parts: list[QuantWeight], device: torch.device, dtype: torch.dty
     return RowStack([_one(p, device, dtype, keep_dense) for p in parts])
 
 
+class WeightLoader:
+    """A model's tensors from its weight source (a GGUF file, a checkpoint folder, a tensor-parallel shard), on one
+    device and in one dtype: what each model's constructor reads its layers through."""
+
+    def __init__(self, source, device: torch.device, dtype: torch.dtype, keep_dense: bool = False):
+        self.source, self.device, self.dtype, self.keep_dense = source, device, dtype, keep_dense
+
+    def vec(self, name: str) -> torch.Tensor:
+        """A small tensor (a norm's weight, a bias) in the model's dtype."""
+        return self.source.float_tensor(name).to(self.device, self.dtype)
+
+    def linear(self, *names: str) -> object:
+        """The named matrices' rows stacked into one projection (load_linear)."""
+        return load_linear([self.source.quant_weight(n) for n in names], self.device, self.dtype, self.keep_dense)
+
+
 def gate_up_interleavable(gate: QuantWeight, up: QuantWeight, device: torch.device) -> bool:
     """Will the GEMV read this gate|up pair (CUDA, a fragment format), so that it is worth interleaving?"""
     if torch.device(device).type != "cuda" or gate.fmt is not up.fmt or gate.rows % GATE_UP_GROUP:

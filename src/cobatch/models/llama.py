@@ -18,7 +18,7 @@ from cobatch.config import ModelConfig
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.weights import WeightSource
-from cobatch.models.linear import load_gate_up, load_linear
+from cobatch.models.linear import WeightLoader, load_gate_up
 from cobatch.models.moe import MoeFeedForward
 
 
@@ -79,12 +79,8 @@ class LlamaModel:
                  keep_dense: bool = False):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         dev = self.device
-
-        def vec(name: str) -> torch.Tensor:
-            return gguf.float_tensor(name).to(dev, dtype)
-
-        def lin(*names: str) -> object:
-            return load_linear([gguf.quant_weight(n) for n in names], dev, dtype, keep_dense)
+        load = WeightLoader(gguf, dev, dtype, keep_dense)
+        vec, lin = load.vec, load.linear
 
         self.layers: list[Layer] = []
         for i in range(cfg.n_layers):
