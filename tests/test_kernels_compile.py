@@ -205,7 +205,10 @@ def compile_gemm_for_h200(constants):
     # The Gluon mid-batch GEMM (quant_gemm.py): its wgmmas must stay pipelined (ptxas serializes them, and says
     # so in an info line, when a register operand is redefined while a wgmma reading it is in flight).
     from cobatch.kernels import quant_gemm
-    compiled = compile_gluon_for_h200(quant_gemm._gemm_kernel, constants, constants["NW"])
+    _require_pipelined_wgmma(compile_gluon_for_h200(quant_gemm._gemm_kernel, constants, constants["NW"]))
+
+
+def _require_pipelined_wgmma(compiled):
     import os, subprocess, tempfile
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -245,8 +248,39 @@ if quant_gemm.warpgroup_mma is not None:
         gemm_tma_variants[f"gemm tma fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, D=0, P=True, S=s, ACT=act)
 
+def compile_gemm_ring_for_h200(constants):
+    # The GEMM's ring variant: every plane and x arrive as TMA descriptors of one stage's blocks, unswizzled
+    # (quant_gemm.ring_descriptors); its consumer's wgmmas must stay pipelined too
+    from triton.experimental.gluon import language as gl
+    from cobatch.kernels import quant_gemm
+    fmt, nw, c, bn = constants["FMT"], constants["NW"], constants["C"], constants["BN"]
+    def desc(dtype, block, bits):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block))
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+    kc = 32 if fmt == quant_pack.Q8_0 else 64
+    qs = desc("u8", [nw, 2 * c, 256], 8)
+    if fmt == quant_pack.Q6_K:
+        d, sub, qh = desc("fp32", [nw, 16], 32), desc("i32", [nw, 16 * c], 32), desc("u8", [nw, c, 256], 8)
+    else:
+        d, sub, qh = desc("fp16", [nw, c * quant_gemm._SIDE_PER_CHUNK[fmt]], 16), qs, qs
+    x = f"tensordesc<fp16[{bn}, {kc}],{gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)!r}>"
+    cfg = quant_gemm.GemmConfig(NW=nw, RING=constants["S"], CHUNKS=c)
+    compiled = compile_gluon_for_h200(quant_gemm._gemm_ring_kernel, constants, nw, cfg.registers(bn),
+                                      descriptors={"qs_desc": qs, "d_desc": d, "sub_desc": sub, "qh_desc": qh,
+                                                   "x_desc": x})
+    _require_pipelined_wgmma(compiled)
+
+
+gemm_ring_variants = {}
+if quant_gemm.warpgroup_mma is not None:
+    for fmt, nw, bn, split, act, s, c in ((quant_pack.Q8_0, 8, 64, 1, 0, 4, 2), (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1),
+                                          (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2)):
+        gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act)
+
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
+jobs += [(name, compile_gemm_ring_for_h200, (constants,)) for name, constants in gemm_ring_variants.items()]
 jobs += [(name, compile_gemm_tma_for_h200, (constants,)) for name, constants in gemm_tma_variants.items()]
 jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm_variants.items()]
 jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in gemv_variants.items()]
@@ -281,6 +315,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 42 + 16 + 7 + 2
+    assert len(compiled) == 42 + 16 + 7 + 2 + 3
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -21,6 +21,8 @@ from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
 
+RING_SMEM = 227 * 1024      # an H200 SM's shared memory for one CTA
+
 requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                                      reason="needs a Hopper GPU (wgmma)")
 
@@ -46,6 +48,10 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(NW=2)
     with pytest.raises(ValueError):
         GemmConfig(TMA=1)        # a ring needs two buffers at least
+    with pytest.raises(ValueError):
+        GemmConfig(RING=4, CHUNKS=3)    # a stage's chunks divide an iteration's four
+    with pytest.raises(ValueError):
+        GemmConfig(RING=4, P=True)      # the ring holds no loads in registers
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -98,12 +104,17 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
         ref_w = w.dequantize(torch.float32).double()
         gen = torch.Generator(device="cuda").manual_seed(4)
         n_chunks = pw.planes.qs.shape[1] // 512
-        configs = [GemmConfig(NW=nw, split_k=s, D=d, P=pf, TMA=tm)
-                   for nw, s, d, pf, tm in [(4, 1, 2, True, 0), (8, 2, 0, False, 0), (8, 4, 0, True, 0),
-                                            (8, 1, 0, True, 3), (4, 2, 2, False, 4)]
+        configs = [GemmConfig(NW=nw, split_k=s, D=d, P=pf, TMA=tm, RING=ring, CHUNKS=c)
+                   for nw, s, d, pf, tm, ring, c in [(4, 1, 2, True, 0, 0, 1), (8, 2, 0, False, 0, 0, 1),
+                                                     (8, 4, 0, True, 0, 0, 1), (8, 1, 0, True, 3, 0, 1),
+                                                     (4, 2, 2, False, 4, 0, 1), (8, 1, 0, False, 0, 4, 1),
+                                                     (8, 2, 0, False, 0, 3, 2), (4, 1, 0, False, 0, 2, 4)]
                    if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
+                if cfg.RING and quant_gemm.ring_smem_bytes(cfg, pw.planes.fmt_id,
+                                                           quant_gemm.token_tile(n_tok)) > RING_SMEM:
+                    continue                  # a ring too big for an SM at this token tile: no plan runs it
                 for dtype in (torch.bfloat16,) if cfg is not pw.plan.mid or n_tok > 17 else (torch.float16,
                                                                                              torch.bfloat16):
                     x = torch.randn(n_tok, cols, device="cuda", generator=gen).to(dtype)
@@ -142,7 +153,7 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
     pw = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
     x = torch.randn(100, cols, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
     n_chunks = pw.planes.qs.shape[1] // 512
-    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True)]:
+    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True), GemmConfig(NW=8, RING=4, CHUNKS=2)]:
         if n_chunks % (cfg.split_k * quant_gemm.STEPS_PER_ITERATION):
             continue
         for n_tok in (17, 100):
@@ -153,17 +164,20 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
 
 @requires_cuda
 @requires_hopper
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q6_k"])
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
 def test_gemm_variants_give_the_same_bits(fmt_name):
-    """P (loads one step ahead), D (L2 prefetch) and TMA (x converted once and streamed by TMA) only move loads,
-    and NW only which rows a CTA owns: the results are bitwise the same."""
+    """P (loads one step ahead), D (L2 prefetch), TMA (x converted once and streamed by TMA) and RING (weights
+    and x through a shared-memory ring) only move loads, and NW only which rows a CTA owns: the results are
+    bitwise the same."""
     w = make_weight(fmt_name, 512, 2048, seed=14, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     x = torch.randn(70, 2048, generator=torch.Generator().manual_seed(15)).to("cuda", torch.bfloat16)
     plain = run_poisoned(pw, x, GemmConfig(NW=8, split_k=2))
     for cfg in (GemmConfig(NW=8, split_k=2, P=True), GemmConfig(NW=8, split_k=2, D=3, P=True),
                 GemmConfig(NW=4, split_k=2), GemmConfig(NW=8, split_k=2, P=True, TMA=3),
-                GemmConfig(NW=4, split_k=2, TMA=2)):
+                GemmConfig(NW=4, split_k=2, TMA=2), GemmConfig(NW=8, split_k=2, RING=4),
+                GemmConfig(NW=8, split_k=2, RING=3, CHUNKS=2), GemmConfig(NW=4, split_k=2, RING=6),
+                GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4)):
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
 
 
@@ -175,9 +189,10 @@ def test_gemm_cuda_graph_replay():
     assert pw.plan.mid.split_k > 1
     x = torch.randn(48, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replay_matches(pw.matmul, x, torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
-    tma = GemmConfig(NW=8, split_k=pw.plan.mid.split_k, P=True, TMA=3)     # its descriptor is captured too
-    assert_graph_replay_matches(lambda x, out=None: pw.matmul(x, config=tma, out=out), x,
-                                torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
+    for streamed in (GemmConfig(NW=8, split_k=pw.plan.mid.split_k, P=True, TMA=3),    # descriptors captured too
+                     GemmConfig(NW=8, split_k=pw.plan.mid.split_k, RING=4, CHUNKS=2)):
+        assert_graph_replay_matches(lambda x, out=None: pw.matmul(x, config=streamed, out=out), x,
+                                    torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @requires_cuda

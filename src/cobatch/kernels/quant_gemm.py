@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q6_K, F_Q8_0, gl, gluon
+from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q4_1, F_Q6_K, F_Q8_0, gl, gluon
 from cobatch.kernels.triton_support import jit, tl
 
 try:
@@ -55,6 +55,9 @@ TOKEN_TILES = (16, 32, 64, 128, 256)
 # only after every warpgroup retired the MMAs that read it). Every packed weight's chunk count divides by it.
 STEPS_PER_ITERATION = 4
 _STEPS = quant_gemv._c(STEPS_PER_ITERATION)    # the kernel's copy (Triton reads constexpr globals only)
+# The ring variant's producer warp only issues copies and counts stages: the fewest registers setmaxnreg allows.
+RING_PRODUCER_REGISTERS = 24
+_PRODUCER_REGS = quant_gemv._c(RING_PRODUCER_REGISTERS)
 
 
 def token_tile(n_tok: int) -> int:
@@ -143,37 +146,48 @@ if gluon is not None and warpgroup_mma is not None:
                        + (E * g)[None, :, None] + e[None, None, :])
 
     @gluon.jit
-    def _row_side(ptr, tile0, col, tile_stride, NW: gl.constexpr, SIDE: gl.constexpr):
-        """A per-row side entry (rows g, g + 8 of each lane group) as the [16 NW, 1] column of the A rows."""
-        return _as_rows(_side(ptr, tile0, col, tile_stride, NW, 2), NW, SIDE)
-
-    @gluon.jit
     def _as_rows(v, NW: gl.constexpr, SIDE: gl.constexpr):
         """[NW, g, r1] values of rows 16 w + 8 r1 + g -> [16 NW, 1] in the A operand's row layout."""
         v = gl.reshape(gl.permute(v, [0, 2, 1]), [16 * NW])
         return gl.convert_layout(v, SIDE, assert_trivial=True)[:, None]
 
     @gluon.jit
-    def _sides(d_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, NW: gl.constexpr,
-               SIDE: gl.constexpr):
-        """A chunk's scale data as four [16 NW, 1] tensors, in quant_gemv._dequant_operand's order."""
+    def _side_entry(src, tile0, col, tile_stride, NW: gl.constexpr, E: gl.constexpr, SMEM: gl.constexpr):
+        """_side from global memory (src a pointer), or with SMEM from a ring stage's copy of the plane's rows
+        (src a [NW, entries * 8, E] shared buffer: the same values in the same registers)."""
+        if SMEM:
+            V: gl.constexpr = gl.BlockedLayout([1, 1, E], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+            return src.slice(8 * col, 8, dim=1).load(V)
+        else:
+            return _side(src, tile0, col, tile_stride, NW, E)
+
+    @gluon.jit
+    def _sides(d_src, sub_src, tile0, chunk, d_col, side32, side256, FMT: gl.constexpr, NW: gl.constexpr,
+               SIDE: gl.constexpr, SMEM: gl.constexpr = False):
+        """A chunk's scale data as four [16 NW, 1] tensors, in quant_gemv._dequant_operand's order; d_col: q6_K's
+        super-block entry (chunk // 4 in the plane, 0 in a ring stage). With SMEM the sources are a ring stage's
+        buffers and `chunk` counts within the stage (_side_entry)."""
         if FMT == F_Q8_0:
-            a = _row_side(d_ptr, tile0, chunk, 16 * side32, NW, SIDE)
+            a = _as_rows(_side_entry(d_src, tile0, chunk, 16 * side32, NW, 2, SMEM), NW, SIDE)
             b = a
             c = a
             e = a
         elif FMT == F_Q6_K:   # four int8 scales as one word; the super-block's f32 d
-            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, chunk, 8 * side32, NW, SIDE)
-            b = _row_side(d_ptr, tile0, chunk // 4, 16 * side256, NW, SIDE)
+            if SMEM:
+                sub = sub_src
+            else:
+                sub = sub_src.to(gl.pointer_type(gl.int32))
+            a = _as_rows(_side_entry(sub, tile0, chunk, 8 * side32, NW, 2, SMEM), NW, SIDE)
+            b = _as_rows(_side_entry(d_src, tile0, d_col, 16 * side256, NW, 2, SMEM), NW, SIDE)
             c = a
             e = b
         elif FMT == F_Q4_0:
-            a = _row_side(d_ptr, tile0, 2 * chunk, 16 * side32, NW, SIDE)
-            b = _row_side(d_ptr, tile0, 2 * chunk + 1, 16 * side32, NW, SIDE)
+            a = _as_rows(_side_entry(d_src, tile0, 2 * chunk, 16 * side32, NW, 2, SMEM), NW, SIDE)
+            b = _as_rows(_side_entry(d_src, tile0, 2 * chunk + 1, 16 * side32, NW, 2, SMEM), NW, SIDE)
             c = a
             e = b
         else:                 # q4_1 and q4_K: (d, m) x (low, high block) x (row g, g + 8) in one plane
-            v = gl.reshape(_side(d_ptr, tile0, chunk, 32 * side32, NW, 8), [NW, 8, 2, 2, 2])
+            v = gl.reshape(_side_entry(d_src, tile0, chunk, 32 * side32, NW, 8, SMEM), [NW, 8, 2, 2, 2])
             lo, hi = gl.split(gl.permute(v, [0, 1, 4, 2, 3]))     # w, g, r1, kind | block
             d_lo, m_lo = gl.split(lo)
             d_hi, m_hi = gl.split(hi)
@@ -221,7 +235,7 @@ if gluon is not None and warpgroup_mma is not None:
         again: unused) and, with X, x, raw (else the quant bytes again)."""
         KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, NW, 16))
-        a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, NW, SIDE)
+        a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, chunk // 4, side32, side256, FMT, NW, SIDE)
         if FMT == F_Q6_K:
             h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, NW, 8))
         else:
@@ -409,6 +423,152 @@ if gluon is not None and warpgroup_mma is not None:
                                 tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
 
+    # --- the ring variant: weights and x streamed by TMA through shared memory --------------------------------
+
+    @gluon.constexpr_function
+    def _plain_layout(rank):
+        """Unswizzled row-major shared memory: a TMA copy of plane rows lands there byte for byte as in global
+        memory, so a ring stage is read back with the global loads' own register layouts."""
+        return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
+
+    @gluon.constexpr_function
+    def _side_shape(FMT, NW, C):
+        """(a ring stage's d plane [NW, entries], the element count E a lane group reads side by side): per chunk
+        q8_0 16 f16 (E 2), q4_0 32 (E 2), q4_1 / q4_K 64 (E 8); q6_K 16 f32 per super-block of 4 chunks (E 2)."""
+        fmt = int(FMT)
+        if fmt == quant_pack.Q6_K:
+            return [NW, 16], 2
+        return [NW, C * _SIDE_PER_CHUNK[fmt]], 8 if fmt == quant_pack.Q4_1 else 2
+
+    @gluon.jit
+    def _ring_loads(qs_buf, d_buf, sub_buf, qh_buf, c: gl.constexpr, FMT: gl.constexpr, NW: gl.constexpr,
+                    C: gl.constexpr, SIDE: gl.constexpr):
+        """Chunk c of a ring stage, from its shared buffers into registers: what _load_step loads from global
+        memory (quant bytes, the four scale tensors, q6_K's high bits or the quant bytes again)."""
+        q = qs_buf._reinterpret(gl.uint8, [NW, 32 * C, 16], _plain_layout(3)).slice(32 * c, 32, dim=1) \
+            .load(_bytes_layout(NW, 16))
+        shape: gl.constexpr = _side_shape(FMT, NW, C)[0]
+        E: gl.constexpr = _side_shape(FMT, NW, C)[1]
+        d = d_buf._reinterpret(d_buf.dtype, [NW, shape[1] // E, E], _plain_layout(3))
+        if FMT == F_Q6_K:
+            sub = sub_buf._reinterpret(gl.int32, [NW, 8 * C, 2], _plain_layout(3))
+            h = qh_buf._reinterpret(gl.uint8, [NW, 32 * C, 8], _plain_layout(3)).slice(32 * c, 32, dim=1) \
+                .load(_bytes_layout(NW, 8))
+        else:
+            sub = d
+            h = q
+        a, b, cc, e = _sides(d, sub, 0, c, 0, 0, 0, FMT, NW, SIDE, True)
+        return q, a, b, cc, e, h
+
+    @gluon.jit
+    def _ring_producer(descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT: gl.constexpr,
+                       C: gl.constexpr):
+        """One warp: for each stage of C chunks, wait until its buffers are free, then TMA-copy the weight rows'
+        planes and the C x blocks into them, the stage's `ready` barrier counting the bytes."""
+        qs_desc, d_desc, sub_desc, qh_desc, x_desc = descs
+        qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
+        S: gl.constexpr = ready.shape[0]
+        KC: gl.constexpr = x_desc.block_type.shape[1]
+        nbytes: gl.constexpr = qs_desc.block_type.nbytes + d_desc.block_type.nbytes + C * x_desc.block_type.nbytes
+        EXTRA: gl.constexpr = sub_desc.block_type.nbytes + qh_desc.block_type.nbytes if FMT == F_Q6_K else 0
+        SD: gl.constexpr = d_desc.block_type.shape[1]
+        for i in range(n_stages):
+            slot = i % S
+            mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)     # a new barrier's phase before 0 is complete
+            chunk0 = first + i * C
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes + EXTRA)
+            tma.async_copy_global_to_shared(qs_desc, [tile0, 2 * chunk0, 0], bar, qs_bufs.index(slot))
+            if FMT == F_Q6_K:
+                tma.async_copy_global_to_shared(d_desc, [tile0, (chunk0 // 4) * SD], bar, d_bufs.index(slot))
+                tma.async_copy_global_to_shared(sub_desc, [tile0, chunk0 * 16], bar, sub_bufs.index(slot))
+                tma.async_copy_global_to_shared(qh_desc, [tile0, chunk0, 0], bar, qh_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(d_desc, [tile0, chunk0 * (SD // C)], bar, d_bufs.index(slot))
+            for c in gl.static_range(C):
+                tma.async_copy_global_to_shared(x_desc, [tok0, (chunk0 + c) * KC], bar, x_bufs.index(slot * C + c))
+
+    @gluon.jit
+    def _ring_consumer(bufs, ready, empty, n_stages, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
+                       C: gl.constexpr):
+        """The CTA's NW warps: per stage, wait for its bytes, dequantize each chunk from shared memory and issue
+        its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the MMAs reading them
+        retired. Returns (the accumulator,)."""
+        qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        A: gl.constexpr = _layouts(NW, BN)[1]
+        SIDE: gl.constexpr = gl.SliceLayout(1, A)
+        NB: gl.constexpr = 1 if FMT == F_Q8_0 else (4 if FMT == F_Q6_K else 2)
+        S: gl.constexpr = ready.shape[0]
+        # STEPS_PER_ITERATION chunks per loop iteration, none in flight across its back edge (_gemm_kernel)
+        U: gl.constexpr = _STEPS // C
+        acc = gl.zeros([16 * NW, BN], gl.float32, MMA)
+        for i0 in range(0, n_stages, U):
+            for u in gl.static_range(U):
+                i = i0 + u
+                slot = i % S
+                mbarrier.wait(ready.index(slot), (i // S) & 1)
+                for c in gl.static_range(C):
+                    q, a, b, cc, e, h = _ring_loads(qs_bufs.index(slot), d_bufs.index(slot), sub_bufs.index(slot),
+                                                    qh_bufs.index(slot), c, FMT, NW, C, SIDE)
+                    acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, b, cc, e, h, q, FMT, NW, BN, A, False)
+                if u < U - 1:   # retire stage i - 1
+                    acc = warpgroup_mma_wait(num_outstanding=NB * C, deps=(acc,))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                # every warp's shared reads of the stage(s) done before the TMA writes the producer issues next
+                fence_async_shared()
+                gl.thread_barrier()
+                if u > 0:
+                    mbarrier.arrive(empty.index((i + S - 1) % S), count=1)
+                if u == U - 1:
+                    mbarrier.arrive(empty.index(slot), count=1)
+        return (acc,)     # warp_specialize passes the default partition's results on as a tuple
+
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages"])
+    def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr,
+                          n_tok, n_rows, out_stride, n_stages,
+                          FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
+                          C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr):
+        """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
+        warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
+        and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
+        shared memory and run the MMAs. S stages of weight bytes are in flight per CTA without a register."""
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        pid_t = gl.program_id(0)
+        pid_n = gl.program_id(1) // SPLIT_K
+        pid_k = gl.program_id(1) % SPLIT_K
+        tile0 = pid_n * NW
+        tok0 = pid_t * BN
+        qs_bufs = gl.allocate_shared_memory(gl.uint8, [S] + qs_desc.block_type.shape, qs_desc.layout)
+        d_bufs = gl.allocate_shared_memory(d_desc.dtype, [S] + d_desc.block_type.shape, d_desc.layout)
+        if FMT == F_Q6_K:
+            sub_bufs = gl.allocate_shared_memory(sub_desc.dtype, [S] + sub_desc.block_type.shape, sub_desc.layout)
+            qh_bufs = gl.allocate_shared_memory(gl.uint8, [S] + qh_desc.block_type.shape, qh_desc.layout)
+        else:
+            sub_bufs = d_bufs
+            qh_bufs = qs_bufs
+        x_bufs = gl.allocate_shared_memory(gl.float16, [S * C] + x_desc.block_type.shape, x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        descs = (qs_desc, d_desc, sub_desc, qh_desc, x_desc)
+        bufs = (qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs)
+        first = pid_k * n_stages * C
+        acc = gl.warp_specialize([
+            (_ring_consumer, (bufs, ready, empty, n_stages, FMT, NW, BN, C)),
+            (_ring_producer, (descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT, C)),
+        ], [1], [_PRODUCER_REGS])[0]
+        r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
+        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
+        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
+        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
+                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
+
+
 @jit
 def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, Q6: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = x[t] as f16 in the planes' column order (quant_pack.k_order), one program per (row, BLOCK columns):
@@ -457,13 +617,34 @@ class GemmConfig:
     P: bool = False
     R: int = 0
     TMA: int = 0     # > 0: x converted once per call (x_operands) and streamed by TMA through a ring of TMA buffers
+    # RING > 0: weights and x through a ring of RING shared-memory stages of CHUNKS K steps each, filled by a
+    # producer warp (_gemm_ring_kernel); P, D and TMA do not apply
+    RING: int = 0
+    CHUNKS: int = 1
 
     def __post_init__(self):
         if self.NW not in (4, 8) or self.TMA == 1:
             raise ValueError(f"GemmConfig needs NW 4 or 8 (one or two warpgroups) and TMA 0 or a ring of 2+: {self}")
+        if self.RING and (self.RING < 2 or self.CHUNKS not in (1, 2, 4) or self.TMA or self.P or self.D):
+            raise ValueError(f"a ring GemmConfig needs 2+ stages of 1, 2 or 4 chunks, without TMA, P or D: {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
+
+    def streams_x(self) -> bool:
+        """Does this config read x as f16 in the planes' column order (x_operands' scratch)?"""
+        return bool(self.TMA or self.RING)
+
+    def registers(self, bn: int) -> int | None:
+        """ptxas's register cap per thread: R, else for the ring variant (NW consumer warps and a warpgroup for
+        the producer) what fits one CTA of two warpgroups, or two CTAs of one, in an SM's 64k registers;
+        setmaxnreg then moves most of them to the consumers. One warpgroup's accumulator of 256 tokens alone
+        takes 128 a thread: one CTA an SM."""
+        if self.R:
+            return self.R
+        if not self.RING:
+            return None
+        return 168 if self.NW == 8 else (128 if bn <= 128 else 232)
 
 
 def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
@@ -504,21 +685,74 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     dummy = p.qs
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
-    if cfg.TMA:
-        kc = 32 if p.fmt_id == quant_pack.Q8_0 else 64
+    if cfg.RING:
         x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
-        layout = gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)
-        desc = TensorDescriptor.from_tensor(x16, [bn, kc], layout)
+        descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
+        _gemm_ring_kernel[grid](
+            *descs, out, partial, count, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS,
+            FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
+            num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+        return
+    if cfg.TMA:
+        x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
         _gemm_tma_kernel[grid](
-            desc, out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols, out.stride(0), n_chunks,
+            _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
+            out.stride(0), n_chunks,
             steps(p, cfg), FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, D=cfg.D, P=cfg.P, S=cfg.TMA,
-            ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.R or None)
+            ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
         return
     _gemm_kernel[grid](
         x, out, partial, count, p.qs, p.d, sub, qh,
         n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D, P=cfg.P,
-        ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.R or None)
+        ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+
+
+def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
+    """x16's TMA descriptor: one K step's [bn tokens, chunk columns] block, swizzled for the MMA."""
+    kc = 32 if fmt_id == quant_pack.Q8_0 else 64
+    return TensorDescriptor.from_tensor(x16, [bn, kc], gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16))
+
+
+# Entries per 16-row tile and chunk of each format's d plane (_side_shape's table, for the host)
+_SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64}
+_weight_descriptors: dict[tuple, object] = {}
+
+
+def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
+    """TMA descriptors of a weight's planes for the ring variant: (qs, d, sub, qh) blocks of one stage, NW row
+    tiles x CHUNKS chunks, copied unswizzled (q6_K only has sub and qh; the others pass qs again). A descriptor
+    is plain values (address, shape, strides, block), so it is made once per weight and config."""
+    key = (p.qs.data_ptr(), p.d.data_ptr(), tuple(p.qs.shape), tuple(p.d.shape), p.fmt_id, cfg.NW, cfg.CHUNKS)
+    if key in _weight_descriptors:
+        return _weight_descriptors[key]
+    nw, c = cfg.NW, cfg.CHUNKS
+    tiles, n_chunks = p.qs.shape[0], p.qs.shape[1] // 512
+
+    def descriptor(t: torch.Tensor, block: list[int]):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * t.element_size(), rank=len(block))
+        return TensorDescriptor.from_tensor(t, block, layout)
+
+    qs = descriptor(p.qs.view(tiles, 2 * n_chunks, 256), [nw, 2 * c, 256])
+    if p.fmt_id == quant_pack.Q6_K:
+        found = (qs, descriptor(p.d, [nw, 16]), descriptor(p.sub.view(torch.int32), [nw, 16 * c]),
+                 descriptor(p.qh.view(tiles, n_chunks, 256), [nw, c, 256]))
+    else:
+        found = (qs, descriptor(p.d, [nw, c * _SIDE_PER_CHUNK[p.fmt_id]]), qs, qs)
+    _weight_descriptors[key] = found
+    return found
+
+
+def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
+    """Shared memory of the ring variant's buffers (the plans skip configs past the SM's 227 KB)."""
+    kc = 32 if fmt_id == quant_pack.Q8_0 else 64
+    chunk = 512 * cfg.NW + 2 * bn * kc
+    if fmt_id == quant_pack.Q6_K:
+        chunk += 256 * cfg.NW + 64 * cfg.NW
+        side = 64 * cfg.NW
+    else:
+        side = 2 * _SIDE_PER_CHUNK[fmt_id] * cfg.NW * cfg.CHUNKS
+    return cfg.RING * (cfg.CHUNKS * chunk + side + 16)
 
 
 def reserve_x_scratch(device: torch.device, elems: int) -> None:

@@ -615,7 +615,7 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
     for cfg in plan.gemm_configs():
         _SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, plan.mid_upto))
-        if cfg.TMA:
+        if cfg.streams_x():
             quant_gemm.reserve_x_scratch(device, plan.mid_upto * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
