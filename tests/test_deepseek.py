@@ -207,11 +207,14 @@ def test_batched_greedy_equals_each_alone(models):
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_gpu_path_matches_the_cpu_path(models, name):
     """On CUDA in f16 (the latent write kernel, the MLA decode kernel for the decode steps, the quantized GEMV)
-    against the CPU path in float32 on the same file: a relative error within f16's, and the same top-1 at 95 % of
-    the positions or more (f16 may flip a near tie of a random model)."""
+    against the CPU path in float32 on the same file: a typical position's relative error within f16's, and the
+    same top-1 at 95 % of the positions or more. f16 may flip a near tie of a random model, of the sigmoid
+    router's choice too: the V3 file has a position whose error is 0.11 on the CPU path in f16 as well, where the
+    median is 1e-3 (measured)."""
     ids = [int(i) for i in torch.randint(0, 49000, (43,), generator=torch.Generator().manual_seed(2))]
     _, cfg, cpu = load_model(models[name], max_positions=64)
     _, _, gpu = load_model(models[name], "cuda", torch.float16, max_positions=64)
     want, got = _prefill_then_decode(cpu, cfg, ids, 40), _prefill_then_decode(gpu, cfg, ids, 40)
-    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    per_position = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert per_position.median().item() < 5e-3 and per_position.max().item() < 0.2, per_position
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95

@@ -37,9 +37,9 @@ def test_absorbed_reference_is_attention_over_the_decompressed_keys_and_values()
     g = torch.Generator().manual_seed(1)
     n_heads, lat, rope, nope, v_dim = 4, 32, 8, 12, 10
     q, cache, meta = latent_setup([5, 23, 40], n_heads, lat, rope, torch.float64, seed=2)
-    w_uk = torch.randn(n_heads, nope, lat, generator=g, dtype=torch.float64)
-    w_uv = torch.randn(n_heads, v_dim, lat, generator=g, dtype=torch.float64)
-    q_nope = torch.randn(3, n_heads, nope, generator=g, dtype=torch.float64)
+    w_uk = torch.randn(n_heads, nope, lat, generator=g, dtype=torch.float64).to(q.device)
+    w_uv = torch.randn(n_heads, v_dim, lat, generator=g, dtype=torch.float64).to(q.device)
+    q_nope = torch.randn(3, n_heads, nope, generator=g, dtype=torch.float64).to(q.device)
     q_rope = q[..., lat:]
     scale = (nope + rope) ** -0.5
     c, k_rope = cache[..., :lat], cache[..., lat:]                 # [blocks, page, 1, .]
