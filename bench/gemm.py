@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cobatch.kernels import quant_gemm  # noqa: E402
+from cobatch.kernels import quant_gemm, quant_pack  # noqa: E402
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.kernels.quant_gemm import GemmConfig  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
@@ -47,18 +47,23 @@ FORMATS = ["q8_0", "q4_k", "q4_1", "q6_k"]
 SHAPES = {**SHAPES, "kv": (1024, 4096)}
 TOKS = [16, 32, 64, 128, 256, 512, 2048]
 DECODE = [32, 64, 128, 256]          # the token counts a weight's one config is chosen by
+RING_SMEM = 227 * 1024 - 2048        # the ring variant's buffers in an SM's shared memory, with room to spare
+# the fragment planes' layout of each format (q4_K's are q4_1's)
+PLANES_FMT = {"q8_0": quant_pack.Q8_0, "q4_0": quant_pack.Q4_0, "q4_1": quant_pack.Q4_1, "q4_k": quant_pack.Q4_1,
+              "q6_k": quant_pack.Q6_K}
 
 
 def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
     rows_pad = -(-rows // 128) * 128
     base = quant_gemm.default_config(rows_pad, n_chunks)
     s = base.split_k
-    out = []
-    for split in (s, 2 * s):
-        for nw in (8, 4):
-            out += [GemmConfig(nw, split), GemmConfig(nw, split, P=True)]
+    # The register path's configs without P won 2 of 90 weights and token counts in the sweep of 5d74045 (by
+    # under 3 %), and the TMA variant of 8 warps with 3 buffers 1: not swept again.
+    out = [GemmConfig(nw, split, P=True) for split in (s, 2 * s) for nw in (8, 4)]
     out.append(GemmConfig(8, s, D=4, P=True))
-    out += [GemmConfig(8, s, P=True, TMA=3), GemmConfig(8, s, P=True, TMA=4), GemmConfig(4, s, P=True, TMA=3)]
+    out += [GemmConfig(8, s, P=True, TMA=4), GemmConfig(4, s, P=True, TMA=3)]
+    out += [GemmConfig(8, s, RING=4, CHUNKS=2), GemmConfig(8, s, RING=6), GemmConfig(4, s, RING=6),
+            GemmConfig(4, s, RING=4, CHUNKS=2), GemmConfig(4, 2 * s, RING=4, CHUNKS=2)]
     ok = []
     for c in out:
         if c.split_k <= 16 and n_chunks % (c.split_k * quant_gemm.STEPS_PER_ITERATION) == 0 and c not in ok:
@@ -66,11 +71,23 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
     return ok
 
 
+def config_key(c: GemmConfig) -> str:
+    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS."""
+    return f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}"
+
+
+def config_of(key: str) -> GemmConfig:
+    """config_key's inverse (older sweeps name the first five fields only)."""
+    nw, split, d, pf, tm, ring, chunks = (list(map(int, key.split(","))) + [0, 1])[:7]
+    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks)
+
+
 def _compile_one(task) -> str:
     """Run one (format, config, token tile) once on a small weight: fills Triton's disk cache."""
-    fmt_name, nw, split, d, p, tm, n_tok = task
+    fmt_name, key, n_tok = task
     try:
-        cfg = GemmConfig(nw, split, D=d, P=p, TMA=tm)
+        cfg = config_of(key)
+        split = cfg.split_k
         cols = 4096 if fmt_name != "q8_0" else 4096
         pw = PackedWeight.from_quant(random_weight(fmt_name, 256, cols), "cuda")
         n_chunks = pw.planes.qs.shape[1] // 512
@@ -84,7 +101,7 @@ def _compile_one(task) -> str:
 
 
 def _as_dict(c: GemmConfig) -> dict:
-    return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA}
+    return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS}
 
 
 def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:
@@ -92,7 +109,8 @@ def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) ->
     path's and dequantize + cuBLAS's times).
 
     One split of K per weight (it fixes a row's bits: batch invariance), in at most two configs of it: `mid`,
-    and past `wide_from` tokens a `wide` one (the TMA variant wins at 128-256 tokens and loses below). The GEMV
+    and past `wide_from` tokens a `wide` one that streams x (TMA or RING: the TMA variant wins at 128-256 tokens
+    and loses below). The GEMV
     runs up to the largest token count where it still beat that pair (among the GEMV's own), the GEMM up to the
     largest one where it beat dequantize + cuBLAS; the pair with the least total time over DECODE wins."""
     def t(c, n):
@@ -104,7 +122,7 @@ def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) ->
         gemv_ns = [n for n in toks if mine[n]["old_path"] == "gemv"]
         low = 16
         for n in sorted(gemv_ns):
-            if n > 16 and mine[n]["old_us"] <= gemm_us[n] and low == max(m for m in gemv_ns if m < n):
+            if n > 16 and mine[n]["old_us"] <= gemm_us[n] and low == max([16] + [m for m in gemv_ns if m < n]):
                 low = n
         wins = [n for n in toks if n > low and gemm_us[n] < mine[n]["dequant_cublas_us"]]
         high = max(wins) if wins else low
@@ -113,7 +131,7 @@ def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) ->
         return total, low, high, wide_from
 
     pairs = [(c, None) for c in cands] + [(c, w) for c in cands for w in cands
-                                           if w.TMA and not c.TMA and w.split_k == c.split_k]
+                                           if w.streams_x() and w != c and w.split_k == c.split_k]
     mid, wide = min(pairs, key=lambda cw: plan_of(*cw)[0])
     _, low, upto, wide_from = plan_of(mid, wide)
     entry = {"quant_gemm": _as_dict(mid), "quant_gemm_crossover": low, "quant_gemm_upto": upto}
@@ -155,22 +173,31 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
+    ap.add_argument("--cases", help="format:shape pairs instead of every format at every shape, e.g. "
+                                    "q8_0:o,q6_k:kv (the shapes a model's files hold in that format)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--choose-from", type=Path, help="a sweep's gemm.json: choose the configs again, no GPU")
     args = ap.parse_args()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     res_dir = ROOT / "bench" / "results"
+    dirs = [res_dir] + ([out_dir] if out_dir else [])
     if args.choose_from:
-        return choose_again(args.choose_from, [res_dir] + ([out_dir] if out_dir else []))
-    formats, shapes, toks = args.formats.split(","), args.shapes.split(","), [int(t) for t in args.toks.split(",")]
+        return choose_again(args.choose_from, dirs)
+    toks = [int(t) for t in args.toks.split(",")]
+    if args.cases:
+        cases = [tuple(c.split(":")) for c in args.cases.split(",")]
+    else:
+        cases = [(f, s) for f in args.formats.split(",") for s in args.shapes.split(",")]
+    shapes = list(dict.fromkeys(s for _, s in cases))
     torch.manual_seed(0)
     tasks = []
-    for fmt_name in formats:
-        for name in shapes:
-            rows, cols = SHAPES[name]
-            n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
-            for c in candidates(rows, n_chunks):
-                tasks += [(fmt_name, c.NW, c.split_k, c.D, c.P, c.TMA, n) for n in toks]
+    for fmt_name, name in cases:
+        rows, cols = SHAPES[name]
+        n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
+        for c in candidates(rows, n_chunks):
+            tasks += [(fmt_name, config_key(c), n) for n in toks
+                      if not c.RING or quant_gemm.ring_smem_bytes(c, PLANES_FMT[fmt_name],
+                                                                  quant_gemm.token_tile(n)) <= RING_SMEM]
     precompile(tasks, workers=min(14, os.cpu_count() or 4))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
@@ -182,63 +209,69 @@ def main() -> None:
     peak_tflops = {name: max(2 * n * SHAPES[name][0] * SHAPES[name][1] / cublas_us[(name, n)] / 1e6 for n in toks)
                    for name in shapes}
     rows_out, chosen = [], {}
-    for fmt_name in formats:
-        for name in shapes:
-            rows, cols = SHAPES[name]
-            w = random_weight(fmt_name, rows, cols)
-            pw = PackedWeight.from_quant(w, "cuda")
-            assert pw.plan.mid is not None, "no quantized GEMM on this device"
-            old = qm.plan_for(fmt_name, rows, cols, pw.planes.cols_pad, gemv=True)   # the plan before it
-            err = check(pw, w)
-            copies = rotating(pw)
-            n_chunks = pw.planes.qs.shape[1] // 512
-            cands = candidates(rows, n_chunks)
-            times = {}
-            for n in toks:
-                for c in cands:
-                    try:
-                        times[(c, n)] = time_config(copies, n, c) * 1e6
-                    except Exception as e:   # a config that fails to compile or run is reported and skipped
-                        print(f"  {fmt_name} {name} {c} n={n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                old_cfg = old.config_for(n)
-                t_old = time_config(copies, n, old_cfg) * 1e6
-                t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
-                best = min((c for c in cands if (c, n) in times), key=lambda c: times[(c, n)])
-                t = times[(best, n)]
-                flops = 2 * n * rows * cols
-                cublas_tflops = flops / cublas_us[(name, n)] / 1e6
-                bytes_us = pw.nbytes / copy_gbps / 1e3
-                roof_us = max(bytes_us, cublas_us[(name, n)])              # the issue's: cuBLAS at this n
-                strict_us = max(bytes_us, flops / peak_tflops[name] / 1e6)  # cuBLAS's best rate on this shape
-                rows_out.append({
-                    "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols, "n_tok": n, "gemm_us": t,
-                    "gemm_config": [best.NW, best.split_k, best.D, int(best.P), best.TMA], "old_us": t_old,
-                    "old_path": "gemv" if old_cfg is old.narrow else str(old_cfg), "dequant_cublas_us": t_dq,
-                    "cublas_bf16_us": cublas_us[(name, n)], "cublas_bf16_tflops": cublas_tflops,
-                    "gemm_tflops": flops / t / 1e6, "weight_bytes": pw.nbytes,
-                    "gemm_gbps": pw.nbytes / t / 1e3, "pct_copy": 100 * pw.nbytes / t / 1e3 / copy_gbps,
-                    "roofline_us": roof_us, "x_roofline": t / roof_us, "strict_roofline_us": strict_us,
-                    "x_strict": t / strict_us, "x_bytes": t / bytes_us, "rel_err": err,
-                    "all_configs_us": {f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA}": times.get((c, n)) for c in cands}})
-                print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({best.NW},{best.split_k},{best.D},{best.P:d},{best.TMA}) "
-                      f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
-                      f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
-            mine = {r["n_tok"]: r for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name}
-            entry = choose(cands, times, mine, toks)
-            chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = entry
-            print(f"  {fmt_name} {name}: rel_err {err:.1e}; {entry}", flush=True)
-            del copies, pw, w
-            torch.cuda.empty_cache()
-    copy_end = copy_bandwidth()
+    for fmt_name, name in cases:
+        rows, cols = SHAPES[name]
+        w = random_weight(fmt_name, rows, cols)
+        pw = PackedWeight.from_quant(w, "cuda")
+        assert pw.plan.mid is not None, "no quantized GEMM on this device"
+        old = qm.plan_for(fmt_name, rows, cols, pw.planes.cols_pad, gemv=True)   # the plan before it
+        err = check(pw, w)
+        copies = rotating(pw)
+        n_chunks = pw.planes.qs.shape[1] // 512
+        cands = candidates(rows, n_chunks)
+        times = {}
+        for n in toks:
+            for c in cands:
+                if c.RING and quant_gemm.ring_smem_bytes(c, pw.planes.fmt_id, quant_gemm.token_tile(n)) > RING_SMEM:
+                    continue
+                try:
+                    times[(c, n)] = time_config(copies, n, c) * 1e6
+                except Exception as e:   # a config that fails to compile or run is reported and skipped
+                    print(f"  {fmt_name} {name} {c} n={n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            old_cfg = old.config_for(n)
+            t_old = time_config(copies, n, old_cfg) * 1e6
+            t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
+            best = min((c for c in cands if (c, n) in times), key=lambda c: times[(c, n)])
+            t = times[(best, n)]
+            flops = 2 * n * rows * cols
+            cublas_tflops = flops / cublas_us[(name, n)] / 1e6
+            bytes_us = pw.nbytes / copy_gbps / 1e3
+            roof_us = max(bytes_us, cublas_us[(name, n)])              # the issue's: cuBLAS at this n
+            strict_us = max(bytes_us, flops / peak_tflops[name] / 1e6)  # cuBLAS's best rate on this shape
+            rows_out.append({
+                "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols, "n_tok": n, "gemm_us": t,
+                "gemm_config": config_key(best), "old_us": t_old,
+                "old_path": "gemv" if old_cfg is old.narrow else str(old_cfg), "dequant_cublas_us": t_dq,
+                "cublas_bf16_us": cublas_us[(name, n)], "cublas_bf16_tflops": cublas_tflops,
+                "gemm_tflops": flops / t / 1e6, "weight_bytes": pw.nbytes,
+                "gemm_gbps": pw.nbytes / t / 1e3, "pct_copy": 100 * pw.nbytes / t / 1e3 / copy_gbps,
+                "roofline_us": roof_us, "x_roofline": t / roof_us, "strict_roofline_us": strict_us,
+                "x_strict": t / strict_us, "x_bytes": t / bytes_us, "rel_err": err,
+                "all_configs_us": {config_key(c): times.get((c, n)) for c in cands}})
+            print(f"  {fmt_name:5s} {name:8s} n={n:5d}: gemm {t:8.1f} us ({config_key(best)}) "
+                  f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
+                  f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
+        mine = {r["n_tok"]: r for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name}
+        entry = choose(cands, times, mine, toks)
+        chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = entry
+        print(f"  {fmt_name} {name}: rel_err {err:.1e}; {entry}", flush=True)
+        del copies, pw, w
+        torch.cuda.empty_cache()
+        if (fmt_name, name) != cases[-1]:   # what is measured so far, in case the run is cut short
+            write(result_of(args, copy_gbps, None, rows_out, chosen), dirs, quiet=True)
+    write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen), dirs)
+
+
+def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict) -> dict:
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {"date": args.date, "tree": tree, "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "copy_gbps": copy_gbps, "copy_gbps_end": copy_end,
-              "copy_detail": COPY_DETAIL, "rows": rows_out, "chosen": chosen}
-    write(result, [res_dir] + ([out_dir] if out_dir else []))
+    return {"date": args.date, "tree": tree, "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "copy_gbps": copy_gbps,
+            "copy_gbps_end": copy_end if copy_end is not None else float("nan"),
+            "copy_detail": COPY_DETAIL, "rows": rows_out, "chosen": chosen}
 
 
-def write(result: dict, dirs: list[Path]) -> None:
+def write(result: dict, dirs: list[Path], quiet: bool = False) -> None:
     """gemm.json and gemm.md, the chosen entries alone, and the package's table with them merged in."""
     chosen = result["chosen"]
     table = {"formats": {f: {"shapes": s} for f, s in chosen.items()}}
@@ -255,7 +288,8 @@ def write(result: dict, dirs: list[Path]) -> None:
         (d / "gemm.md").write_text(md)
         (d / "quant_configs-gemm.json").write_text(json.dumps(table, indent=1))
         (d / "quant_configs.json").write_text(json.dumps(merged, indent=1) + "\n")
-    print(md.split("\n## ")[1] if "\n## " in md else md, flush=True)
+    if not quiet:
+        print(md.split("\n## ")[1] if "\n## " in md else md, flush=True)
 
 
 def choose_again(path: Path, dirs: list[Path]) -> None:
@@ -269,9 +303,8 @@ def choose_again(path: Path, dirs: list[Path]) -> None:
         times = {}
         for n, r in mine.items():
             for key, us in r["all_configs_us"].items():
-                nw, split, d, pf, tm = map(int, key.split(","))
                 if us is not None:
-                    times[(GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm), n)] = us
+                    times[(config_of(key), n)] = us
         cands = list(dict.fromkeys(c for c, _ in times))
         rows, cols = SHAPES[shape]
         chosen.setdefault(fmt, {})[f"{rows}x{cols}"] = choose(cands, times, mine, toks)
@@ -298,7 +331,7 @@ def markdown(result: dict) -> str:
             cells.append("" if r is None else
                          f"{r['x_roofline']:.2f} / {r['x_strict']:.2f} ({r['old_us'] / r['gemm_us']:.2f}x)")
         lines.append(f"| {fmt} | {shape} | " + " | ".join(cells) + " |")
-    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P, TMA) | % copy | TFLOP/s | "
+    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P, TMA, RING, CHUNKS) | % copy | TFLOP/s | "
               "cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
