@@ -315,7 +315,8 @@ def choose_again(path: Path, dirs: list[Path]) -> None:
 def markdown(result: dict) -> str:
     lines = [f"# Mid-batch quantized GEMM ({result['device']}, {result['date']}, tree {result['tree']})", "",
              f"`{result['command']}`; copy bandwidth {result['copy_gbps']:.0f} GB/s (read + write; "
-             f"{result['copy_gbps_end']:.0f} at the end). Roofline: max(weight bytes / copy, cuBLAS bf16 time at the "
+             + (f"{result['copy_gbps_end']:.0f} at the end" if result['copy_gbps_end'] == result['copy_gbps_end']
+                else "the run was cut short before its last case: no copy measured at the end") + "). Roofline: max(weight bytes / copy, cuBLAS bf16 time at the "
              "same shape and n: the issue's), and the strict one: max(weight bytes / copy, FLOPs / cuBLAS bf16's best "
              "TFLOP/s on the shape over all n). `old`: the path the GEMM replaces (GEMV up to the old crossover, else "
              "dequantize + cuBLAS).", "",
