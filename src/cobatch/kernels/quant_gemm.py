@@ -23,6 +23,10 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
   - A TMA variant (_gemm_tma_kernel, GemmConfig.TMA): x converted once per call by x_operands and streamed by
     TMA into a ring of mbarrier-tracked buffers, so the loop holds no x registers and stores no x. It wins at
     128-256 tokens and loses below; a weight's plan runs it past its `wide_from` (quant_matmul.MatmulPlan).
+  - A ring variant (_gemm_ring_kernel, GemmConfig.RING): a producer warp TMA-copies the weight rows' planes, as
+    they are, and x_operands' x into a ring of shared-memory stages; the consumer warps read each chunk back into
+    the registers the global loads would fill and go on as above. More weight bytes in flight per SM, without
+    registers: it wins on the big matrices from 32-64 tokens and on all of them at 128-256.
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
