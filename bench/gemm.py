@@ -64,8 +64,13 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
     out += [GemmConfig(8, s, P=True, TMA=4), GemmConfig(4, s, P=True, TMA=3)]
     out += [GemmConfig(8, s, RING=4, CHUNKS=2), GemmConfig(8, s, RING=6), GemmConfig(4, s, RING=6),
             GemmConfig(4, s, RING=4, CHUNKS=2), GemmConfig(4, 2 * s, RING=4, CHUNKS=2)]
+    # deeper rings, and fewer K splits where a ring's CTA streams a longer slice (its partial sums cost less)
+    out += [GemmConfig(nw, split, RING=ring, CHUNKS=chunks) for nw in (8, 4) for split in (s // 4, s // 2, s)
+            if split >= 1 for ring, chunks in ((4, 2), (8, 2), (6, 1))]
     ok = []
     for c in out:
+        if c.split_k < 1:
+            continue
         if c.split_k <= 16 and n_chunks % (c.split_k * quant_gemm.STEPS_PER_ITERATION) == 0 and c not in ok:
             ok.append(c)
     return ok
@@ -173,6 +178,8 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
+    ap.add_argument("--reuse", type=Path, help="an earlier sweep's gemm.json of the same kernels: its configs' "
+                    "times are taken from it, only the others are timed")
     ap.add_argument("--cases", help="format:shape pairs instead of every format at every shape, e.g. "
                                     "q8_0:o,q6_k:kv (the shapes a model's files hold in that format)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
@@ -189,6 +196,11 @@ def main() -> None:
     else:
         cases = [(f, s) for f in args.formats.split(",") for s in args.shapes.split(",")]
     shapes = list(dict.fromkeys(s for _, s in cases))
+    reused = {}      # (fmt, shape, n) -> {config key: us} of the earlier sweep
+    if args.reuse:
+        for r in json.loads(args.reuse.read_text())["rows"]:
+            reused[(r["fmt"], r["shape"], r["n_tok"])] = {config_key(config_of(k)): us
+                                                         for k, us in r["all_configs_us"].items() if us is not None}
     torch.manual_seed(0)
     tasks = []
     for fmt_name, name in cases:
@@ -196,8 +208,9 @@ def main() -> None:
         n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
         for c in candidates(rows, n_chunks):
             tasks += [(fmt_name, config_key(c), n) for n in toks
-                      if not c.RING or quant_gemm.ring_smem_bytes(c, PLANES_FMT[fmt_name],
-                                                                  quant_gemm.token_tile(n)) <= RING_SMEM]
+                      if config_key(c) not in reused.get((fmt_name, name, n), {})
+                      and (not c.RING or quant_gemm.ring_smem_bytes(c, PLANES_FMT[fmt_name],
+                                                                    quant_gemm.token_tile(n)) <= RING_SMEM)]
     precompile(tasks, workers=min(14, os.cpu_count() or 4))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
@@ -223,6 +236,9 @@ def main() -> None:
         for n in toks:
             for c in cands:
                 if c.RING and quant_gemm.ring_smem_bytes(c, pw.planes.fmt_id, quant_gemm.token_tile(n)) > RING_SMEM:
+                    continue
+                if config_key(c) in reused.get((fmt_name, name, n), {}):
+                    times[(c, n)] = reused[(fmt_name, name, n)][config_key(c)]
                     continue
                 try:
                     times[(c, n)] = time_config(copies, n, c) * 1e6
@@ -258,13 +274,20 @@ def main() -> None:
         del copies, pw, w
         torch.cuda.empty_cache()
         if (fmt_name, name) != cases[-1]:   # what is measured so far, in case the run is cut short
-            write(result_of(args, copy_gbps, None, rows_out, chosen), dirs, quiet=True)
-    write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen), dirs)
+            write(result_of(args, copy_gbps, None, rows_out, chosen, reused), dirs, quiet=True)
+    write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen, reused), dirs)
 
 
-def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict) -> dict:
+def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict, reused: dict) -> dict:
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return {"date": args.date, "tree": tree, "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
+    if args.reuse:
+        earlier = json.loads(args.reuse.read_text())
+        note = {"reused": f"the times of the configs in {args.reuse} (tree {earlier['tree']}, {earlier['date']}) "
+                          "are that sweep's; the others were timed in this run"}
+    else:
+        note = {}
+    return {**note, "date": args.date, "tree": tree,
+            "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "copy_gbps": copy_gbps,
             "copy_gbps_end": copy_end if copy_end is not None else float("nan"),
