@@ -221,7 +221,7 @@ def test_a_row_keeps_its_bits_where_the_plan_switches_to_the_wide_config():
     w = make_weight("q8_0", 6144, 4096, seed=16, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     plan = pw.plan
-    assert plan.wide is not None and plan.wide.TMA and plan.wide_from < plan.mid_upto, plan
+    assert plan.wide is not None and plan.wide.streams_x() and plan.wide_from < plan.mid_upto, plan
     n = plan.wide_from
     assert plan.config_for(n) is plan.mid and plan.config_for(n + 1) is plan.wide
     x = torch.randn(n + 20, 4096, generator=torch.Generator().manual_seed(17)).to("cuda", torch.bfloat16)
