@@ -217,7 +217,7 @@ def test_packed_weight_dispatches_by_batch(monkeypatch):
 @requires_hopper
 def test_a_row_keeps_its_bits_where_the_plan_switches_to_the_wide_config():
     """The committed plan of q8_0 6144x4096 (Llama-3-8B's qkv) runs its mid config up to wide_from tokens and
-    the TMA variant past it: the same row gives the same bits on both sides of the switch."""
+    a variant streaming x (TMA or ring) past it: the same row gives the same bits on both sides of the switch."""
     w = make_weight("q8_0", 6144, 4096, seed=16, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     plan = pw.plan
