@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--reuse", type=Path, help="an earlier sweep's gemm.json of the same kernels: its configs' "
                     "times are taken from it, only the others are timed")
+    ap.add_argument("--time-toks", help="with --reuse: the token counts at which the configs it lacks are timed "
+                    "(default: all); at the others its times of the old path and of dequantize + cuBLAS are taken too")
     ap.add_argument("--cases", help="format:shape pairs instead of every format at every shape, e.g. "
                                     "q8_0:o,q6_k:kv (the shapes a model's files hold in that format)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
@@ -197,18 +199,20 @@ def main() -> None:
     else:
         cases = [(f, s) for f in args.formats.split(",") for s in args.shapes.split(",")]
     shapes = list(dict.fromkeys(s for _, s in cases))
-    reused = {}      # (fmt, shape, n) -> {config key: us} of the earlier sweep
+    reused, reused_rows = {}, {}      # (fmt, shape, n) -> {config key: us}, and the row, of the earlier sweep
     if args.reuse:
         for r in json.loads(args.reuse.read_text())["rows"]:
             reused[(r["fmt"], r["shape"], r["n_tok"])] = {config_key(config_of(k)): us
                                                          for k, us in r["all_configs_us"].items() if us is not None}
+            reused_rows[(r["fmt"], r["shape"], r["n_tok"])] = r
+    time_toks = [int(t) for t in args.time_toks.split(",")] if args.time_toks else toks
     torch.manual_seed(0)
     tasks = []
     for fmt_name, name in cases:
         rows, cols = SHAPES[name]
         n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
         for c in candidates(rows, n_chunks):
-            tasks += [(fmt_name, config_key(c), n) for n in toks
+            tasks += [(fmt_name, config_key(c), n) for n in time_toks
                       if config_key(c) not in reused.get((fmt_name, name, n), {})
                       and (not c.RING or quant_gemm.ring_smem_bytes(c, PLANES_FMT[fmt_name],
                                                                     quant_gemm.token_tile(n)) <= RING_SMEM)]
@@ -241,13 +245,19 @@ def main() -> None:
                 if config_key(c) in reused.get((fmt_name, name, n), {}):
                     times[(c, n)] = reused[(fmt_name, name, n)][config_key(c)]
                     continue
+                if n not in time_toks:
+                    continue
                 try:
                     times[(c, n)] = time_config(copies, n, c) * 1e6
                 except Exception as e:   # a config that fails to compile or run is reported and skipped
                     print(f"  {fmt_name} {name} {c} n={n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             old_cfg = old.config_for(n)
-            t_old = time_config(copies, n, old_cfg) * 1e6
-            t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
+            earlier = reused_rows.get((fmt_name, name, n))
+            if earlier is not None and n not in time_toks:
+                t_old, t_dq = earlier["old_us"], earlier["dequant_cublas_us"]
+            else:
+                t_old = time_config(copies, n, old_cfg) * 1e6
+                t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
             best = min((c for c in cands if (c, n) in times), key=lambda c: times[(c, n)])
             t = times[(best, n)]
             flops = 2 * n * rows * cols
