@@ -62,7 +62,7 @@ def _gguf_py_reads_each_file_once():
 SLOW_FILES_FIRST = ["test_server_tools.py", "test_cli.py", "test_server.py", "test_speculative.py",
                     "test_reference.py", "test_kv_cache_dtype.py", "test_engine.py", "test_overlap.py",
                     "test_server_disconnect.py", "test_server_llama_cpp.py", "test_kernels_compile.py",
-                    "test_moe_routing.py", "test_server_lifecycle.py", "test_data_parallel.py"]
+                    "test_moe_routing.py", "test_server_lifecycle.py", "test_data_parallel.py", "test_ray_serve.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,11 +14,10 @@ from cobatch.parallel.data_parallel import _labelled, replica_argv
 from cobatch.parallel.prefix_router import PrefixRouter, prompt_block_hashes
 from cobatch.engine.kv_cache import chain_hash
 from cobatch.testing.gguf_writer import cut_layers
+import front_checks
 from test_server_support import wait_for
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
-STORY = ("{} is the name of a lighthouse keeper: write one sentence about how she counts ships at night, collects shells by day, "
-         "and keeps a logbook of every storm that passes the rocky northern cape.")
 
 
 @pytest.fixture(scope="module")
@@ -39,45 +38,16 @@ def front(tmp_path_factory):
         assert proc.wait(timeout=90) == 0
 
 
-def _chat(client, name: str, **kw):
-    return client.chat.completions.with_raw_response.create(
-        model="m", messages=[{"role": "user", "content": STORY.format(name)}], max_tokens=4, temperature=0, **kw)
-
-
 def test_repeated_prompt_goes_to_the_replica_caching_it(front):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=front + "/v1", api_key="none")
-    first, again = _chat(client, "Ada"), _chat(client, "Ada")
-    assert first.headers["x-cobatch-replica"] == again.headers["x-cobatch-replica"]
-    usage = again.parse().usage
-    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 16     # all but the last block
+    front_checks.repeated_prompt_goes_to_the_replica_caching_it(front)
 
 
 def test_concurrent_requests_spread_over_both_replicas(front):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=front + "/v1", api_key="none")
-    replicas = []
-    with client.chat.completions.with_streaming_response.create(
-            model="m", messages=[{"role": "user", "content": STORY.format("Bo")}], max_tokens=8, temperature=0,
-            stream=True) as a:
-        chunks = a.iter_lines()
-        next(chunks)            # a is in flight at its replica ...
-        replicas.append(a.headers["x-cobatch-replica"])
-        with client.chat.completions.with_streaming_response.create(
-                model="m", messages=[{"role": "user", "content": STORY.format("Cy")}], max_tokens=8,
-                temperature=0, stream=True) as b:      # ... so b goes to the other one
-            replicas.append(b.headers["x-cobatch-replica"])
-            assert any("[DONE]" in line for line in b.iter_lines())
-        assert any("[DONE]" in line for line in chunks)
-    assert sorted(replicas) == ["0", "1"]
+    front_checks.concurrent_requests_spread_over_both_replicas(front)
 
 
 def test_metrics_and_slots_are_labelled_by_replica(front):
-    text = httpx.get(front + "/metrics").text
-    assert 'replica="0"' in text and 'replica="1"' in text
-    assert 'cobatch_router_requests_total{replica="0",reason="prefix"}' in text
-    view = httpx.get(front + "/slots").json()
-    assert {s["replica"] for s in view["slots"]} == {0, 1} and len(view["replicas"]) == 2
+    front_checks.metrics_and_slots_are_labelled_by_replica(front)
 
 
 def test_router_prefers_the_longest_cached_prefix_then_the_least_loaded():

@@ -2,7 +2,8 @@
 
 Each replica is a `cobatch serve` of its own on 127.0.0.1 (one GPU each, or --tensor-parallel-size GPUs:
 CUDA_VISIBLE_DEVICES says which; on the CPU, N processes), started with this command's flags. The front is a small
-ASGI proxy on the public address: it tokenizes an OpenAI request's prompt as the replicas do (the model's tokenizer
+ASGI proxy on the public address (Front, over HttpReplica; cobatch.deploy.ray puts the same front over Ray Serve
+replicas): it tokenizes an OpenAI request's prompt as the replicas do (the model's tokenizer
 and chat template, nothing else loaded), asks the PrefixRouter which replica caches the longest prefix of it (else
 the least loaded), and streams the request to it and its answer back byte for byte, with an `x-cobatch-replica`
 header. /metrics and /slots gather every replica's, labelled by replica; /health is 200 once all replicas are.
@@ -19,7 +20,9 @@ import os
 import subprocess
 import sys
 import threading
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -104,48 +107,101 @@ def _labelled(text: str, replica: int, seen: set[str]) -> list[str]:
     return out
 
 
-class Front:
-    def __init__(self, urls: list[str], tokens: PromptTokens):
-        self.urls, self.tokens = urls, tokens
-        self.router = PrefixRouter(len(urls), BLOCK_SIZE)
-        self.ready = False
+class UpstreamError(Exception):
+    """A replica that did not answer (its process or actor gone, its connection refused)."""
+
+
+@dataclass
+class Answer:
+    """A replica's answer as it streams: status, headers, then the body's chunks (close() when done)."""
+    status: int
+    headers: dict[str, str]
+    chunks: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]
+
+    async def read(self) -> bytes:
+        try:
+            return b"".join([chunk async for chunk in self.chunks])
+        finally:
+            await self.close()
+
+
+class HttpReplica:
+    """A replica at its own HTTP address (`cobatch serve -dp`: a process on 127.0.0.1)."""
+
+    def __init__(self, url: str):
+        self.url = url
         self.client: httpx.AsyncClient | None = None
+
+    @asynccontextmanager
+    async def opened(self):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
+            self.client = client
+            yield
+
+    async def send(self, method: str, path: str, query: str, headers: dict, body: bytes) -> Answer:
+        request = self.client.build_request(method, self.url + path, params=query, headers=headers, content=body)
+        try:
+            answer = await self.client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise UpstreamError(str(exc)) from exc
+        return Answer(answer.status_code, dict(answer.headers), answer.aiter_raw(), answer.aclose)
+
+
+class Front:
+    """The routing front over replicas with `send` (HttpReplica here; deploy/ray.py's Ray Serve handles)."""
+
+    def __init__(self, replicas: list, tokens: PromptTokens):
+        self.replicas, self.tokens = replicas, tokens
+        self.router = PrefixRouter(len(replicas), BLOCK_SIZE)
+        self.ready = False
 
     @staticmethod
     def _auth(request: Request) -> dict:
         return {k: v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
 
+    async def _get(self, replica, path: str, headers: dict | None = None) -> tuple[int, str | None, bytes]:
+        answer = await replica.send("GET", path, "", headers or {}, b"")
+        return answer.status, answer.headers.get("content-type"), await answer.read()
+
     async def wait_ready(self) -> None:
         """Poll each replica's /health until it answers 200 (its model loaded), then size the router."""
-        for url in self.urls:
+        for replica in self.replicas:
             while True:
                 try:
-                    if (await self.client.get(url + "/health")).status_code == 200:
+                    if (await self._get(replica, "/health"))[0] == 200:
                         break
-                except httpx.TransportError:
+                except UpstreamError:
                     pass
                 await asyncio.sleep(0.2)
         try:
-            view = (await self.client.get(self.urls[0] + "/slots")).json()
-            for state in self.router.replicas:
-                state.capacity_blocks = view["kv_blocks"]["total"]
-        except (httpx.HTTPError, ValueError, KeyError):
+            status, _, body = await self._get(self.replicas[0], "/slots")
+            if status == 200:
+                for state in self.router.replicas:
+                    state.capacity_blocks = json.loads(body)["kv_blocks"]["total"]
+        except (UpstreamError, ValueError, KeyError):
             pass                        # (an API key guards /slots: keep the default capacity)
         self.ready = True
 
     async def health(self, request: Request) -> Response:
         if not self.ready:
-            return JSONResponse({"status": "loading", "replicas": len(self.urls)}, status_code=503)
-        return JSONResponse({"status": "ok", "replicas": len(self.urls)})
+            return JSONResponse({"status": "loading", "replicas": len(self.replicas)}, status_code=503)
+        return JSONResponse({"status": "ok", "replicas": len(self.replicas)})
+
+    async def _gather(self, request: Request, path: str) -> list[tuple[int, str | None, bytes]] | Response:
+        """Every replica's answer to GET path, or the first that is not a 200, as the client's answer."""
+        answers = await asyncio.gather(*(self._get(r, path, self._auth(request)) for r in self.replicas))
+        bad = next((a for a in answers if a[0] != 200), None)
+        if bad is not None:
+            return Response(bad[2], status_code=bad[0], media_type=bad[1])
+        return answers
 
     async def metrics(self, request: Request) -> Response:
-        texts = await asyncio.gather(*(self.client.get(u + "/metrics", headers=self._auth(request))
-                                       for u in self.urls))
-        if any(t.status_code != 200 for t in texts):
-            bad = next(t for t in texts if t.status_code != 200)
-            return Response(bad.content, status_code=bad.status_code, media_type=bad.headers.get("content-type"))
+        answers = await self._gather(request, "/metrics")
+        if isinstance(answers, Response):
+            return answers
         seen: set[str] = set()
-        lines = [line for i, t in enumerate(texts) for line in _labelled(t.text, i, seen)]
+        lines = [line for i, a in enumerate(answers) for line in _labelled(a[2].decode(), i, seen)]
         lines += ["# HELP cobatch_router_requests_total Requests the data-parallel front sent to each replica, by "
                   "why (prefix: it caches the longest prefix; load: the least loaded)",
                   "# TYPE cobatch_router_requests_total counter"]
@@ -158,12 +214,10 @@ class Front:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def slots(self, request: Request) -> Response:
-        answers = await asyncio.gather(*(self.client.get(u + "/slots", headers=self._auth(request))
-                                         for u in self.urls))
-        if any(a.status_code != 200 for a in answers):
-            bad = next(a for a in answers if a.status_code != 200)
-            return Response(bad.content, status_code=bad.status_code, media_type=bad.headers.get("content-type"))
-        views = [a.json() for a in answers]
+        answers = await self._gather(request, "/slots")
+        if isinstance(answers, Response):
+            return answers
+        views = [json.loads(a[2]) for a in answers]
         return JSONResponse({
             "slots": [{"replica": i, **slot} for i, view in enumerate(views) for slot in view["slots"]],
             "queued": sum(view["queued"] for view in views),
@@ -184,39 +238,45 @@ class Front:
         replica, hashes = self.router.choose(ids)
         self.router.start(replica, hashes)
         headers = {k: v for k, v in request.headers.items() if k not in _HOP_HEADERS}
-        upstream = self.client.build_request(request.method, self.urls[replica] + path, params=request.query_params,
-                                             headers=headers, content=body)
         try:
-            answer = await self.client.send(upstream, stream=True)
-        except httpx.TransportError as exc:
+            answer = await self.replicas[replica].send(request.method, path, request.url.query, headers, body)
+        except UpstreamError as exc:
             self.router.finish(replica)
             return error_response(ApiError(502, f"replica {replica} did not answer: {exc}", code="bad_gateway"), path)
 
         async def relay():
             try:
-                async for chunk in answer.aiter_raw():
+                async for chunk in answer.chunks:
                     yield chunk
             finally:
-                await answer.aclose()
+                await answer.close()
                 self.router.finish(replica)
 
         out_headers = {k: v for k, v in answer.headers.items() if k not in _HOP_HEADERS - {"content-length"}}
         out_headers["x-cobatch-replica"] = str(replica)
-        return StreamingResponse(relay(), status_code=answer.status_code, headers=out_headers)
+        return StreamingResponse(relay(), status_code=answer.status, headers=out_headers)
+
+    async def route(self, request: Request) -> Response:
+        """One request, by path: the front's own routes, else the replica the router picks."""
+        if request.method in ("GET", "HEAD"):
+            own = {"/health": self.health, "/metrics": self.metrics, "/slots": self.slots}.get(request.url.path)
+            if own is not None:
+                return await own(request)
+        return await self.proxy(request)
 
     def app(self) -> Starlette:
         @asynccontextmanager
         async def lifespan(app):
-            async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
-                self.client = client
+            async with AsyncExitStack() as stack:
+                for replica in self.replicas:
+                    if hasattr(replica, "opened"):
+                        await stack.enter_async_context(replica.opened())
                 task = asyncio.create_task(self.wait_ready())
                 yield
                 task.cancel()
 
         methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
-        return Starlette(routes=[Route("/health", self.health), Route("/metrics", self.metrics),
-                                 Route("/slots", self.slots, methods=["GET"]),
-                                 Route("/{path:path}", self.proxy, methods=methods)], lifespan=lifespan)
+        return Starlette(routes=[Route("/{path:path}", self.route, methods=methods)], lifespan=lifespan)
 
 
 def _visible_gpus() -> list[str]:
@@ -309,7 +369,7 @@ def serve(args) -> int:
 
     for i, proc in enumerate(procs):
         threading.Thread(target=watch, args=(i, proc), daemon=True, name=f"cobatch-dp-watch{i}").start()
-    front = Front([f"http://127.0.0.1:{p}" for p in ports], tokens)
+    front = Front([HttpReplica(f"http://127.0.0.1:{p}") for p in ports], tokens)
     config = uvicorn.Config(front.app(), log_level=args.log_level, access_log=args.access_log,
                             timeout_graceful_shutdown=args.graceful_shutdown_s, **_tls(args))
     try:

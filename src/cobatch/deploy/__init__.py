@@ -1,0 +1,1 @@
+"""Deployments of cobatch on other serving systems: ray (Ray Serve)."""
