@@ -217,15 +217,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
-    # The row's splits shared among the chunks: a short row in a long-capacity grid still spreads out
-    row_splits = tl.cdiv(seq_len, split_len)
-    splits_per_program = tl.cdiv(row_splits, tl.num_programs(2))
-    chunk_len = splits_per_program * split_len
+    split_len, row_splits, splits_per_program, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
     program_first = tl.program_id(2) * splits_per_program
     program_last = tl.minimum(program_first + splits_per_program, row_splits) - 1
-    start = tl.program_id(2) * chunk_len
-    end = tl.minimum(seq_len, start + chunk_len)
     if WINDOWED:                       # sliding window: only the last `window` keys (tiles before: no work)
         first_key = tl.maximum(seq_len - window, 0)
         start = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)
@@ -302,6 +296,18 @@ def _row_split_len(seq_len, num_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.con
     the capacity a graph was captured for, and a short row in a long-context graph still spreads out."""
     per = tl.maximum((seq_len + num_splits - 1) // num_splits, MIN_SPLIT)
     return (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+
+@jit
+def _program_chunk(seq_len, num_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(split_len, the row's splits, splits per program, this program's first and end token): the row's splits
+    shared among the grid's chunks (program_id 2), so a short row in a long-capacity grid still spreads out."""
+    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
+    row_splits = tl.cdiv(seq_len, split_len)
+    splits_per_program = tl.cdiv(row_splits, tl.num_programs(2))
+    start = tl.program_id(2) * (splits_per_program * split_len)
+    end = tl.minimum(seq_len, start + splits_per_program * split_len)
+    return split_len, row_splits, splits_per_program, start, end
 
 
 @jit

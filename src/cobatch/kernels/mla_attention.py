@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _row_split_len,
+from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _program_chunk,
                                        _softmax_fold, _store_partial, _tile_pages, hidden_keys,
                                        plan_decode_splits, reference_sequences)
 from cobatch.kernels.kv_write import to_cache_dtype
@@ -65,12 +65,7 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, pa
     tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's."""
     seq = tl.program_id(0).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
-    row_splits = tl.cdiv(seq_len, split_len)
-    splits_per_program = tl.cdiv(row_splits, tl.num_programs(2))
-    chunk_len = splits_per_program * split_len
-    start = tl.program_id(2) * chunk_len
-    end = tl.minimum(seq_len, start + chunk_len)
+    split_len, _, _, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
     bt_row = bt_ptr + seq * bt_stride
     page = _tile_pages(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
     if PDL:
