@@ -1,6 +1,10 @@
 """Mid-batch quantized GEMM benchmark on the GPU (quant_gemm.py): 16 to 256 tokens, and prefill sizes.
 
     PYTHONPATH=src python bench/gemm.py [--formats q8_0,q4_k,q4_1,q6_k] [--shapes qkv,o,...] [--toks 16,...]
+        [--cases q8_0:o,q6_k:kv,...]          the format:shape pairs a model holds, instead of every pair
+        [--reuse gemm.json [--time-toks 256]]  an earlier sweep's times of the same kernels: only the configs it
+                                               lacks are timed (with --time-toks, only at those token counts)
+        [--choose-from gemm.json]             choose the configs again from a sweep's times, no GPU
 
 For each format and Llama-3-8B shape (bench/kernels.py's SHAPES) and token count n:
   - the quantized GEMM, each candidate config (NW, split_k, D) timed, the best reported;
