@@ -4,7 +4,10 @@ a plain chat answer, and the builder's one-line errors for flags the engines can
 
 from __future__ import annotations
 
-import socket
+import os
+import queue
+import subprocess
+import sys
 import threading
 
 import openai
@@ -16,38 +19,55 @@ from cobatch.testing.gguf_writer import cut_layers
 
 import front_checks
 
-ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra (pip install 'cobatch[ray]')")
-from ray import serve  # noqa: E402
-
+pytest.importorskip("ray", reason="Ray Serve is an optional extra (pip install 'cobatch[ray]')")
 from cobatch.deploy.ray import app_builder  # noqa: E402
 
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+# The Ray instance runs in a child process of its own, not in the test worker: Ray's processes, threads and
+# signal handlers stay out of the other tests' way, and its end is the child's.
+CHILD = r"""
+import socket, sys
+import ray
+from ray import serve
+from cobatch.deploy.ray import app_builder
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+         object_store_memory=100 * 2**20)
+serve.start(http_options={"host": "127.0.0.1", "port": port})
+serve.run(app_builder({"replicas": 2, "flags": sys.argv[1]}), name="cobatch", route_prefix="/")
+print(f"ready http://127.0.0.1:{port}", flush=True)
+sys.stdin.read()                    # until the test closes it
+serve.shutdown()
+ray.shutdown()
+"""
 
 
 @pytest.fixture(scope="module")
 def ray_front(tmp_path_factory):
     path = cut_layers(smollm2_path(), tmp_path_factory.mktemp("ray") / "smollm2-2l.gguf", 2)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    flags = f"--model {path} --device cpu --parallel 2 --ctx 512 --threads 1 --served-model-name m"
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
     try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = app_builder({"replicas": 2, "flags": f"--model {path} --device cpu --parallel 2 --ctx 512 "
-                                                   "--threads 1 --served-model-name m"})
         # serve.run returns once every replica is up (its model loaded); one that Ray cannot place would wait
         # for ever, so the wait is bounded here
-        deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "cobatch", "route_prefix": "/"},
-                                     daemon=True)
-        deploying.start()
-        deploying.join(240)
-        assert not deploying.is_alive(), f"the replicas did not come up: {serve.status()}"
-        yield f"http://127.0.0.1:{port}"
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+        line = lines.get(timeout=240)
+        assert line.startswith("ready "), line
+        yield line.split()[1]
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def test_a_chat_through_the_front_is_answered(ray_front):
