@@ -289,11 +289,11 @@ def main() -> None:
         del copies, pw, w
         torch.cuda.empty_cache()
         if (fmt_name, name) != cases[-1]:   # what is measured so far, in case the run is cut short
-            write(result_of(args, copy_gbps, None, rows_out, chosen, reused), dirs, quiet=True)
-    write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen, reused), dirs)
+            write(result_of(args, copy_gbps, None, rows_out, chosen), dirs, quiet=True)
+    write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen), dirs)
 
 
-def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict, reused: dict) -> dict:
+def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict) -> dict:
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     if args.reuse:
         earlier = json.loads(args.reuse.read_text())

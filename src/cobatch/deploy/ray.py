@@ -27,10 +27,10 @@ import ray
 from ray import serve
 
 from cobatch.errors import UserError
-from cobatch.parallel.data_parallel import Answer, Front, PromptTokens, UpstreamError
+from cobatch.parallel.data_parallel import _FRONT_FLAGS, Answer, Front, PromptTokens, UpstreamError
 
-# `cobatch serve` flags the front or Ray own: an engine is always one replica at an address Ray gives it
-_NOT_FOR_ENGINES = ("--host", "--port", "-dp", "--data-parallel-size", "--ssl-keyfile", "--ssl-certfile")
+# `cobatch serve` flags the front owns (here Ray Serve's proxy): an engine is one replica at an address Ray gives it
+_NOT_FOR_ENGINES = _FRONT_FLAGS
 
 
 def serve_args(flags: list[str]) -> argparse.Namespace:
