@@ -7,7 +7,7 @@ For each model, KV cache dtype (each in its own load) and context (512, 4096) an
 time (planning, graph replay, sampling, the one host sync), overlapped (the default: step n + 1 launched
 while step n runs) and not, aggregate tok/s, its ratio to B=1, and the ratio of the step time to the roofline (weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
 Sessions are placed at the given context with random KV (the values don't change the bytes read), so
-no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens, and, with --hf-peer,
+no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens (the median of 3 runs), and, with --hf-peer,
 the same shape in bf16 through Hugging Face transformers (random init): its ms/step at B = 1, 4, 16, 64.
 Prints a short table last; JSON (+ PNG plot) to $OUT or bench/results/.
 """
@@ -41,6 +41,7 @@ from timing import replay_seconds  # noqa: E402
 BATCHES = [1, 2, 3, 4, 8, 16, 32, 64, 128]
 CONTEXTS = [512, 4096]
 PREFILL = (512, 2048)
+PREFILL_SAMPLES = 3
 
 
 def copy_bandwidth() -> float:
@@ -197,7 +198,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
             plain_s = time_steps(llm)                # each step's tokens read before the next is planned
             llm.engine.overlap = True
             graph_ms = graph_replay_ms(llm, b)
-            if context == CONTEXTS[0] and b in (1, 16):
+            if context == CONTEXTS[0] and b in (1, 16, 64):
                 breakdowns[b] = kernel_breakdown(llm, b)
                 breakdowns[f"graph {b}"] = graph_kernel_breakdown(llm, b)
             clear(llm)
@@ -216,12 +217,15 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
     for n in PREFILL:
         ids = torch.randint(0, llm.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))        # warm-up, compile
-        ids = [(i + 1) % llm.config.vocab_size for i in ids]                              # defeat the prefix cache
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
-        dt = time.perf_counter() - t
-        prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt))
+        samples = []
+        for _ in range(PREFILL_SAMPLES):   # one wall-clock sample can catch a stall: the median of a few
+            ids = [(i + 1) % llm.config.vocab_size for i in ids]                          # defeat the prefix cache
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
+            samples.append(time.perf_counter() - t)
+        dt = statistics.median(samples)
+        prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt, samples_s=samples))
         print(f"  prefill {n}: {n / dt:8.0f} tok/s", flush=True)
     label = os.path.basename(path) + (" +dense" if dense else "")
     label += f" kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
