@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -71,6 +72,8 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
     # deeper rings, and fewer K splits where a ring's CTA streams a longer slice (its partial sums cost less)
     out += [GemmConfig(nw, split, RING=ring, CHUNKS=chunks) for nw in (8, 4) for split in (s // 4, s // 2, s)
             if split >= 1 for ring, chunks in ((4, 2), (8, 2), (6, 1))]
+    # every ring of two warpgroups again with them apart (each its own partition)
+    out += [dataclasses.replace(c, APART=True) for c in out if c.RING and c.NW == 8 and c.split_k >= 1]
     ok = []
     for c in out:
         if c.split_k < 1:
@@ -81,14 +84,16 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
 
 
 def config_key(c: GemmConfig) -> str:
-    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS."""
-    return f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}"
+    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, and ",apart" with APART."""
+    return f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}" + (",apart" if c.APART else "")
 
 
 def config_of(key: str) -> GemmConfig:
-    """config_key's inverse (older sweeps name the first five fields only)."""
-    nw, split, d, pf, tm, ring, chunks = (list(map(int, key.split(","))) + [0, 1])[:7]
-    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks)
+    """config_key's inverse (older sweeps name the first five or seven fields only)."""
+    fields = key.split(",")
+    apart = fields[-1] == "apart"
+    nw, split, d, pf, tm, ring, chunks = (list(map(int, fields[:7 if not apart else -1])) + [0, 1])[:7]
+    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart)
 
 
 def _compile_one(task) -> str:
@@ -110,7 +115,8 @@ def _compile_one(task) -> str:
 
 
 def _as_dict(c: GemmConfig) -> dict:
-    return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS}
+    return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS,
+            **({"APART": True} if c.APART else {})}
 
 
 def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:
@@ -370,7 +376,7 @@ def markdown(result: dict) -> str:
             cells.append("" if r is None else
                          f"{r['x_roofline']:.2f} / {r['x_strict']:.2f} ({r['old_us'] / r['gemm_us']:.2f}x)")
         lines.append(f"| {fmt} | {shape} | " + " | ".join(cells) + " |")
-    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P, TMA, RING, CHUNKS) | % copy | TFLOP/s | "
+    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P, TMA, RING, CHUNKS[, apart]) | % copy | TFLOP/s | "
               "cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -253,7 +253,8 @@ def compile_gemm_ring_for_h200(constants):
     # (quant_gemm.ring_descriptors); its consumer's wgmmas must stay pipelined too
     from triton.experimental.gluon import language as gl
     from cobatch.kernels import quant_gemm
-    fmt, nw, c, bn = constants["FMT"], constants["NW"], constants["C"], constants["BN"]
+    fmt, c, bn = constants["FMT"], constants["C"], constants["BN"]
+    nw = constants["NW"] // 2 if constants["APART"] else constants["NW"]     # warps (row tiles) of one consumer
     def desc(dtype, block, bits):
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block))
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
@@ -264,7 +265,7 @@ def compile_gemm_ring_for_h200(constants):
     else:
         d, sub, qh = desc("fp16", [nw, c * quant_gemm._SIDE_PER_CHUNK[fmt]], 16), qs, qs
     x = f"tensordesc<fp16[{bn}, {kc}],{gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)!r}>"
-    cfg = quant_gemm.GemmConfig(NW=nw, RING=constants["S"], CHUNKS=c)
+    cfg = quant_gemm.GemmConfig(NW=constants["NW"], RING=constants["S"], CHUNKS=c, APART=constants["APART"])
     compiled = compile_gluon_for_h200(quant_gemm._gemm_ring_kernel, constants, nw, cfg.registers(bn),
                                       descriptors={"qs_desc": qs, "d_desc": d, "sub_desc": sub, "qh_desc": qh,
                                                    "x_desc": x})
@@ -273,10 +274,14 @@ def compile_gemm_ring_for_h200(constants):
 
 gemm_ring_variants = {}
 if quant_gemm.warpgroup_mma is not None:
-    for fmt, nw, bn, split, act, s, c in ((quant_pack.Q8_0, 8, 64, 1, 0, 4, 2), (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1),
-                                          (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2)):
-        gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"] = dict(
-            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act)
+    for fmt, nw, bn, split, act, s, c, apart in ((quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False),
+                                                 (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False),
+                                                 (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False),
+                                                 (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True),
+                                                 (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True)):
+        gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"
+                           f"{' apart' if apart else ''}"] = dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s,
+                                                                  ACT=act, APART=apart)
 
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
@@ -315,6 +320,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 42 + 16 + 7 + 2 + 3
+    assert len(compiled) == 42 + 16 + 7 + 2 + 5
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -52,6 +52,10 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(RING=4, CHUNKS=3)    # a stage's chunks divide an iteration's four
     with pytest.raises(ValueError):
         GemmConfig(RING=4, P=True)      # the ring holds no loads in registers
+    with pytest.raises(ValueError):
+        GemmConfig(NW=4, RING=4, APART=True)    # APART runs a CTA's two warpgroups apart
+    with pytest.raises(ValueError):
+        GemmConfig(NW=8, APART=True)            # ... of the ring variant
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -80,6 +84,9 @@ def test_scratch_covers_every_token_tile_of_a_split_config():
     elems, tiles = quant_gemm.scratch_need(cfg, 4096, 300)
     assert tiles == 32 * 2 and elems == tiles * 4 * 128 * 256
     assert quant_gemm.scratch_need(GemmConfig(split_k=1), 4096, 300) == (1, 1)
+    # with APART each warpgroup counts its 64 rows' K slices apart: twice the counters, the same partial sums
+    apart = quant_gemm.scratch_need(GemmConfig(NW=8, split_k=4, RING=4, APART=True), 4096, 300)
+    assert apart == (elems, 2 * tiles)
 
 
 # --- CUDA ---------------------------------------------------------------------------------------------------
@@ -110,6 +117,8 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
                                                      (4, 2, 2, False, 4, 0, 1), (8, 1, 0, False, 0, 4, 1),
                                                      (8, 2, 0, False, 0, 3, 2), (4, 1, 0, False, 0, 2, 4)]
                    if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
+        configs += [GemmConfig(NW=8, split_k=s, RING=4, CHUNKS=2, APART=True) for s in (1, 2)
+                    if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
                 if cfg.RING and quant_gemm.ring_smem_bytes(cfg, pw.planes.fmt_id,
@@ -130,14 +139,20 @@ def test_gemm_row_is_bitwise_identical_whatever_the_batch(fmt_name):
     must not change, under split-K (the cross-CTA reduction is part of the check)."""
     w = make_weight(fmt_name, 4096, 4096, seed=5, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    cfg = pw.plan.mid
-    assert cfg.split_k > 1
+    plan = pw.plan
+    assert plan.mid.split_k > 1
     x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
-    full = run_poisoned(pw, x, cfg)
-    for n_tok in (17, 32, 33, 64, 65, 200, 256, 257):
-        assert torch.equal(run_poisoned(pw, x[:n_tok], cfg), full[:n_tok]), n_tok
-    for t0 in (0, 100, 250):    # the same rows at other positions of a batch
-        assert torch.equal(run_poisoned(pw, x[t0:t0 + 40], cfg), full[t0:t0 + 40]), t0
+    apart = GemmConfig(NW=8, split_k=plan.mid.split_k, RING=4, APART=True)     # fits an SM at 256 tokens
+    # the plan's GEMM configs as it runs them (mid, then wide: one split of K), past its bound as well; and the
+    # ring with its warpgroups apart (each counts its own split-K tiles)
+    for config_for in (lambda n: plan.config_for(min(n, plan.mid_upto)), lambda n: apart):
+        full = run_poisoned(pw, x, config_for(300))
+        for n_tok in (17, 32, 33, 64, 65, 200, 256, 257):
+            cfg = config_for(n_tok)
+            assert torch.equal(run_poisoned(pw, x[:n_tok], cfg), full[:n_tok]), (cfg, n_tok)
+        for t0 in (0, 100, 250):    # the same rows at other positions of a batch
+            cfg = config_for(40)
+            assert torch.equal(run_poisoned(pw, x[t0:t0 + 40], cfg), full[t0:t0 + 40]), (cfg, t0)
 
 
 @requires_cuda
@@ -153,7 +168,8 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
     pw = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
     x = torch.randn(100, cols, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
     n_chunks = pw.planes.qs.shape[1] // 512
-    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True), GemmConfig(NW=8, RING=4, CHUNKS=2)]:
+    for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True), GemmConfig(NW=8, RING=4, CHUNKS=2),
+                GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True)]:
         if n_chunks % (cfg.split_k * quant_gemm.STEPS_PER_ITERATION):
             continue
         for n_tok in (17, 100):
@@ -177,7 +193,8 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
                 GemmConfig(NW=4, split_k=2), GemmConfig(NW=8, split_k=2, P=True, TMA=3),
                 GemmConfig(NW=4, split_k=2, TMA=2), GemmConfig(NW=8, split_k=2, RING=4),
                 GemmConfig(NW=8, split_k=2, RING=3, CHUNKS=2), GemmConfig(NW=4, split_k=2, RING=6),
-                GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4)):
+                GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4), GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True),
+                GemmConfig(NW=8, split_k=2, RING=6, APART=True)):
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
 
 
@@ -190,7 +207,8 @@ def test_gemm_cuda_graph_replay():
     x = torch.randn(48, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replay_matches(pw.matmul, x, torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
     for streamed in (GemmConfig(NW=8, split_k=pw.plan.mid.split_k, P=True, TMA=3),    # descriptors captured too
-                     GemmConfig(NW=8, split_k=pw.plan.mid.split_k, RING=4, CHUNKS=2)):
+                     GemmConfig(NW=8, split_k=pw.plan.mid.split_k, RING=4, CHUNKS=2),
+                     GemmConfig(NW=8, split_k=pw.plan.mid.split_k, RING=4, CHUNKS=2, APART=True)):
         assert_graph_replay_matches(lambda x, out=None: pw.matmul(x, config=streamed, out=out), x,
                                     torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
 

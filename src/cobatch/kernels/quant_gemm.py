@@ -26,7 +26,9 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
   - A ring variant (_gemm_ring_kernel, GemmConfig.RING): a producer warp TMA-copies the weight rows' planes, as
     they are, and x_operands' x into a ring of shared-memory stages; the consumer warps read each chunk back into
     the registers the global loads would fill and go on as above. More weight bytes in flight per SM, without
-    registers: it wins on the big matrices from 32-64 tokens and on all of them at 128-256.
+    registers: it wins on the big matrices from 32-64 tokens and on all of them at 128-256. With APART its two
+    consumer warpgroups are partitions of their own (each on its 64 rows of every stage, finishing on its own),
+    so one's MMAs overlap the other's dequantization instead of both meeting at every stage's barrier.
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
@@ -62,6 +64,10 @@ _STEPS = quant_gemv._c(STEPS_PER_ITERATION)    # the kernel's copy (Triton reads
 # The ring variant's producer warp only issues copies and counts stages: the fewest registers setmaxnreg allows.
 RING_PRODUCER_REGISTERS = 24
 _PRODUCER_REGS = quant_gemv._c(RING_PRODUCER_REGISTERS)
+# With APART, the second consumer warpgroup is a worker partition too: what setmaxnreg gives it, the same as the
+# default partition's share of a CTA launched at 168 registers (12 warps) once the producer's group gave back its own.
+RING_APART_CONSUMER_REGISTERS = 240
+_APART_CONSUMER_REGS = quant_gemv._c(RING_APART_CONSUMER_REGISTERS)
 
 
 def token_tile(n_tok: int) -> int:
@@ -466,38 +472,44 @@ if gluon is not None and warpgroup_mma is not None:
 
     @gluon.jit
     def _ring_producer(descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT: gl.constexpr,
-                       C: gl.constexpr):
+                       C: gl.constexpr, PARTS: gl.constexpr):
         """One warp: for each stage of C chunks, wait until its buffers are free, then TMA-copy the weight rows'
-        planes and the C x blocks into them, the stage's `ready` barrier counting the bytes."""
+        planes (one block per consumer part) and the C x blocks into them, the stage's `ready` barrier counting
+        the bytes."""
         qs_desc, d_desc, sub_desc, qh_desc, x_desc = descs
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         S: gl.constexpr = ready.shape[0]
         KC: gl.constexpr = x_desc.block_type.shape[1]
-        nbytes: gl.constexpr = qs_desc.block_type.nbytes + d_desc.block_type.nbytes + C * x_desc.block_type.nbytes
-        EXTRA: gl.constexpr = sub_desc.block_type.nbytes + qh_desc.block_type.nbytes if FMT == F_Q6_K else 0
+        TILES: gl.constexpr = qs_desc.block_type.shape[0]        # 16-row tiles of one part
+        WEIGHTS: gl.constexpr = qs_desc.block_type.nbytes + d_desc.block_type.nbytes + (
+            sub_desc.block_type.nbytes + qh_desc.block_type.nbytes if FMT == F_Q6_K else 0)
+        nbytes: gl.constexpr = PARTS * WEIGHTS + C * x_desc.block_type.nbytes
         SD: gl.constexpr = d_desc.block_type.shape[1]
         for i in range(n_stages):
             slot = i % S
             mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)     # a new barrier's phase before 0 is complete
             chunk0 = first + i * C
             bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes + EXTRA)
-            tma.async_copy_global_to_shared(qs_desc, [tile0, 2 * chunk0, 0], bar, qs_bufs.index(slot))
-            if FMT == F_Q6_K:
-                tma.async_copy_global_to_shared(d_desc, [tile0, (chunk0 // 4) * SD], bar, d_bufs.index(slot))
-                tma.async_copy_global_to_shared(sub_desc, [tile0, chunk0 * 16], bar, sub_bufs.index(slot))
-                tma.async_copy_global_to_shared(qh_desc, [tile0, chunk0, 0], bar, qh_bufs.index(slot))
-            else:
-                tma.async_copy_global_to_shared(d_desc, [tile0, chunk0 * (SD // C)], bar, d_bufs.index(slot))
+            mbarrier.expect(bar, nbytes)
+            for part in gl.static_range(PARTS):
+                b = slot * PARTS + part
+                t0 = tile0 + part * TILES
+                tma.async_copy_global_to_shared(qs_desc, [t0, 2 * chunk0, 0], bar, qs_bufs.index(b))
+                if FMT == F_Q6_K:
+                    tma.async_copy_global_to_shared(d_desc, [t0, (chunk0 // 4) * SD], bar, d_bufs.index(b))
+                    tma.async_copy_global_to_shared(sub_desc, [t0, chunk0 * 16], bar, sub_bufs.index(b))
+                    tma.async_copy_global_to_shared(qh_desc, [t0, chunk0, 0], bar, qh_bufs.index(b))
+                else:
+                    tma.async_copy_global_to_shared(d_desc, [t0, chunk0 * (SD // C)], bar, d_bufs.index(b))
             for c in gl.static_range(C):
                 tma.async_copy_global_to_shared(x_desc, [tok0, (chunk0 + c) * KC], bar, x_bufs.index(slot * C + c))
 
     @gluon.jit
-    def _ring_consumer(bufs, ready, empty, n_stages, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
-                       C: gl.constexpr):
-        """The CTA's NW warps: per stage, wait for its bytes, dequantize each chunk from shared memory and issue
-        its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the MMAs reading them
-        retired. Returns (the accumulator,)."""
+    def _ring_consumer(bufs, ready, empty, n_stages, part, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
+                       C: gl.constexpr, PARTS: gl.constexpr):
+        """NW consumer warps: per stage, wait for its bytes, dequantize each chunk of their part's rows from shared
+        memory and issue its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the
+        MMAs reading them retired (each part arrives once on `empty`). Returns the accumulator."""
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
@@ -511,11 +523,12 @@ if gluon is not None and warpgroup_mma is not None:
             for u in gl.static_range(U):
                 i = i0 + u
                 slot = i % S
+                b = slot * PARTS + part
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
                 for c in gl.static_range(C):
-                    q, a, b, cc, e, h = _ring_loads(qs_bufs.index(slot), d_bufs.index(slot), sub_bufs.index(slot),
-                                                    qh_bufs.index(slot), c, FMT, NW, C, SIDE)
-                    acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, b, cc, e, h, q, FMT, NW, BN, A, False)
+                    q, a, bb, cc, e, h = _ring_loads(qs_bufs.index(b), d_bufs.index(b), sub_bufs.index(b),
+                                                     qh_bufs.index(b), c, FMT, NW, C, SIDE)
+                    acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, bb, cc, e, h, q, FMT, NW, BN, A, False)
                 if u < U - 1:   # retire stage i - 1
                     acc = warpgroup_mma_wait(num_outstanding=NB * C, deps=(acc,))
                 else:
@@ -527,28 +540,52 @@ if gluon is not None and warpgroup_mma is not None:
                     mbarrier.arrive(empty.index((i + S - 1) % S), count=1)
                 if u == U - 1:
                     mbarrier.arrive(empty.index(slot), count=1)
-        return (acc,)     # warp_specialize passes the default partition's results on as a tuple
+        return acc
+
+    @gluon.jit
+    def _ring_part(bufs, ready, empty, n_stages, part, out_ptr, partial_ptr, count_ptr, n_tok, n_rows, out_stride,
+                   FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr,
+                   SPLIT_K: gl.constexpr, ACT: gl.constexpr):
+        """A consumer part from its first stage to its stored rows: the 16 NW rows `part` of the CTA's PARTS x 16
+        NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait on each other
+        but for the ring's stages."""
+        acc = _ring_consumer(bufs, ready, empty, n_stages, part, FMT, NW, BN, C, PARTS)
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        pid_t = gl.program_id(0)
+        pid_n = gl.program_id(1) // SPLIT_K
+        pid_k = gl.program_id(1) % SPLIT_K
+        row0 = (pid_n * PARTS + part) * (16 * NW)
+        tok0 = pid_t * BN
+        r = row0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
+        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
+        tile = (pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n) * PARTS + part
+        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
+                                n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages"])
     def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr,
                           n_tok, n_rows, out_stride, n_stages,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
-                          C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr):
+                          C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
-        shared memory and run the MMAs. S stages of weight bytes are in flight per CTA without a register."""
-        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        shared memory and run the MMAs. S stages of weight bytes are in flight per CTA without a register.
+        With APART (NW 8) the two warpgroups are two partitions, each on its own 64 rows of every stage: one's
+        MMAs run while the other dequantizes, where in lock step both wait at every stage's barrier."""
+        PARTS: gl.constexpr = 2 if APART else 1
+        WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
         pid_t = gl.program_id(0)
         pid_n = gl.program_id(1) // SPLIT_K
         pid_k = gl.program_id(1) % SPLIT_K
         tile0 = pid_n * NW
         tok0 = pid_t * BN
-        qs_bufs = gl.allocate_shared_memory(gl.uint8, [S] + qs_desc.block_type.shape, qs_desc.layout)
-        d_bufs = gl.allocate_shared_memory(d_desc.dtype, [S] + d_desc.block_type.shape, d_desc.layout)
+        WB: gl.constexpr = S * PARTS                          # weight buffers: a stage's blocks, one per part
+        qs_bufs = gl.allocate_shared_memory(gl.uint8, [WB] + qs_desc.block_type.shape, qs_desc.layout)
+        d_bufs = gl.allocate_shared_memory(d_desc.dtype, [WB] + d_desc.block_type.shape, d_desc.layout)
         if FMT == F_Q6_K:
-            sub_bufs = gl.allocate_shared_memory(sub_desc.dtype, [S] + sub_desc.block_type.shape, sub_desc.layout)
-            qh_bufs = gl.allocate_shared_memory(gl.uint8, [S] + qh_desc.block_type.shape, qh_desc.layout)
+            sub_bufs = gl.allocate_shared_memory(sub_desc.dtype, [WB] + sub_desc.block_type.shape, sub_desc.layout)
+            qh_bufs = gl.allocate_shared_memory(gl.uint8, [WB] + qh_desc.block_type.shape, qh_desc.layout)
         else:
             sub_bufs = d_bufs
             qh_bufs = qs_bufs
@@ -557,21 +594,25 @@ if gluon is not None and warpgroup_mma is not None:
         empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(S):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=PARTS)
         fence_async_shared()
         descs = (qs_desc, d_desc, sub_desc, qh_desc, x_desc)
         bufs = (qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs)
         first = pid_k * n_stages * C
-        acc = gl.warp_specialize([
-            (_ring_consumer, (bufs, ready, empty, n_stages, FMT, NW, BN, C)),
-            (_ring_producer, (descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT, C)),
-        ], [1], [_PRODUCER_REGS])[0]
-        r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
-        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
-        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
-        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
-                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
-
+        if APART:
+            gl.warp_specialize([
+                (_ring_part, (bufs, ready, empty, n_stages, 0, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
+                             out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT)),
+                (_ring_part, (bufs, ready, empty, n_stages, 1, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
+                             out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT)),
+                (_ring_producer, (descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT, C, PARTS)),
+            ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ring_part, (bufs, ready, empty, n_stages, 0, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
+                             out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT)),
+                (_ring_producer, (descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT, C, PARTS)),
+            ], [1], [_PRODUCER_REGS])
 
 @jit
 def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, Q6: tl.constexpr, BLOCK: tl.constexpr):
@@ -625,12 +666,17 @@ class GemmConfig:
     # producer warp (_gemm_ring_kernel); P, D and TMA do not apply
     RING: int = 0
     CHUNKS: int = 1
+    # APART (a ring of NW 8): the two consumer warpgroups run as partitions of their own, each on its 64 rows of
+    # every stage, instead of in lock step; a row's bits are the same
+    APART: bool = False
 
     def __post_init__(self):
         if self.NW not in (4, 8) or self.TMA == 1:
             raise ValueError(f"GemmConfig needs NW 4 or 8 (one or two warpgroups) and TMA 0 or a ring of 2+: {self}")
         if self.RING and (self.RING < 2 or self.CHUNKS not in (1, 2, 4) or self.TMA or self.P or self.D):
             raise ValueError(f"a ring GemmConfig needs 2+ stages of 1, 2 or 4 chunks, without TMA, P or D: {self}")
+        if self.APART and not (self.RING and self.NW == 8):
+            raise ValueError(f"APART needs a ring of two warpgroups (RING, NW 8): {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
@@ -668,12 +714,13 @@ def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
 
 
 def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
-    """(partial elements, tile counters) of the split-K reduction for calls of up to max_tok tokens."""
+    """(partial elements, tile counters) of the split-K reduction for calls of up to max_tok tokens (with APART
+    each warpgroup of a CTA counts its half of the rows apart)."""
     if cfg.split_k == 1:
         return 1, 1
     bn = token_tile(max_tok)
     tiles = (rows_pad // cfg.rows_per_cta()) * -(-max_tok // bn)
-    return tiles * cfg.split_k * cfg.rows_per_cta() * bn, tiles
+    return tiles * cfg.split_k * cfg.rows_per_cta() * bn, tiles * (2 if cfg.APART else 1)
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
@@ -695,7 +742,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
-            num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+            APART=cfg.APART, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
         x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
@@ -724,13 +771,13 @@ _weight_descriptors: dict[tuple, object] = {}
 
 
 def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
-    """TMA descriptors of a weight's planes for the ring variant: (qs, d, sub, qh) blocks of one stage, NW row
-    tiles x CHUNKS chunks, copied unswizzled (q6_K only has sub and qh; the others pass qs again). A descriptor
+    """TMA descriptors of a weight's planes for the ring variant: (qs, d, sub, qh) blocks of one stage and
+    consumer part, NW row tiles (NW / 2 with APART) x CHUNKS chunks, copied unswizzled (q6_K only has sub and qh; the others pass qs again). A descriptor
     is plain values (address, shape, strides, block), so it is made once per weight and config."""
-    key = (p.qs.data_ptr(), p.d.data_ptr(), tuple(p.qs.shape), tuple(p.d.shape), p.fmt_id, cfg.NW, cfg.CHUNKS)
+    nw, c = cfg.NW // 2 if cfg.APART else cfg.NW, cfg.CHUNKS       # the row tiles of one consumer part
+    key = (p.qs.data_ptr(), p.d.data_ptr(), tuple(p.qs.shape), tuple(p.d.shape), p.fmt_id, nw, c)
     if key in _weight_descriptors:
         return _weight_descriptors[key]
-    nw, c = cfg.NW, cfg.CHUNKS
     tiles, n_chunks = p.qs.shape[0], p.qs.shape[1] // 512
 
     def descriptor(t: torch.Tensor, block: list[int]):
