@@ -136,6 +136,13 @@ for single in (False, True):
         dict(N_HEADS=128, BLOCK_H=16, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64, BLOCK_N=dec.block_n,
              MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, OPERAND=BF16),
         8, dec.num_stages, {"cache_ptr": "*bf16"})
+# MLA prefill at DeepSeek's latent: the launcher's default config (32 query rows = 2 tokens x 16 heads, 8 warps)
+pre = mla_attention.MLA_PREFILL_CONFIG
+variants["mla prefill"] = (
+    mla_attention._mla_prefill_kernel,
+    dict(N_HEADS=128, BLOCK_H=pre.block_h, BLOCK_T=pre.rows // pre.block_h, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64,
+         BLOCK_N=pre.block_n, DOT_F32=False, OPERAND=BF16),
+    pre.num_warps, pre.num_stages, {"cache_ptr": "*bf16"})
 for gelu, interleaved in ((False, False), (True, False), (False, True)):
     variants[f"gated_mul gelu={gelu} interleaved={interleaved}"] = (
         activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, INTERLEAVED=interleaved, PDL=True), 4, 2)
@@ -320,6 +327,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 42 + 16 + 7 + 2 + 5
+    assert len(compiled) == 43 + 16 + 7 + 2 + 5
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

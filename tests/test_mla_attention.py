@@ -1,5 +1,6 @@
-"""MLA decode attention over the latent paged cache (kernels/mla_attention.py) against its torch reference, and the
-reference's absorbed form against attention over the decompressed keys and values (paged_attention_ref).
+"""MLA decode and prefill attention over the latent paged cache (kernels/mla_attention.py) against their torch
+reference, and the reference's absorbed form against attention over the decompressed keys and values
+(paged_attention_ref).
 
 Tiny shapes run in the Triton interpreter on the CPU, with small tiles so that several tiles, splits and pages are
 crossed; DeepSeek's shapes (latent 512, rope 64, 16 and 128 heads) run on CUDA only.
@@ -14,7 +15,8 @@ pytest.importorskip("triton")
 
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels.attention import DecodeConfig, paged_attention_ref  # noqa: E402
-from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention  # noqa: E402
+from cobatch.kernels.mla_attention import (MlaPrefillConfig, mla_attention_ref, mla_decode_attention,  # noqa: E402
+                                           mla_prefill_attention)
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import paged_setup, poisoned, relative_error  # noqa: E402
 
@@ -22,10 +24,11 @@ SINGLE = DecodeConfig(block_n=16, min_split=1024)
 SPLIT = DecodeConfig(block_n=16, min_split=16, max_splits=8, programs_per_sm=64)
 
 
-def latent_setup(seq_lens, n_heads, lat, rope, dtype, seed, block_size=16, capacity=None):
-    """Random absorbed queries [S, H, lat + rope], a random latent cache of one head, and each sequence's blocks
-    scattered over the pool (paged_setup's, with one KV head as wide as the query)."""
-    q, cache, _, meta = paged_setup(seq_lens, [1] * len(seq_lens), n_heads, 1, lat + rope, dtype, seed,
+def latent_setup(seq_lens, n_heads, lat, rope, dtype, seed, block_size=16, capacity=None, q_lens=None):
+    """Random absorbed queries [rows, H, lat + rope] (one row per sequence, or q_lens), a random latent cache of
+    one head, and each sequence's blocks scattered over the pool (paged_setup's, with one KV head as wide as the
+    query)."""
+    q, cache, _, meta = paged_setup(seq_lens, q_lens or [1] * len(seq_lens), n_heads, 1, lat + rope, dtype, seed,
                                     block_size=block_size, capacity=capacity)
     return q, cache, meta
 
@@ -77,6 +80,36 @@ def test_a_row_has_the_same_bits_alone_and_batched():
         assert torch.equal(mla_decode_attention(q[r:r + 1], cache, alone, 0.3, 16, cfg=SPLIT), batched[r:r + 1]), r
 
 
+# prefill: small query blocks so that a chunk spans several token tiles and head blocks
+PREFILL_SMALL = MlaPrefillConfig(rows=16, block_h=8, block_n=16, num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_matches_reference(dtype):
+    """Chunks of 1 to 37 rows over contexts that start before the chunk (a later chunk of a prompt), a whole
+    prompt, a decode row among them and a sequence without rows in the step; 12 heads in two blocks of 8, the
+    second partly masked; rope padded from 8 to 16."""
+    seq_lens, q_lens = [37, 60, 5, 23, 9], [37, 20, 1, 0, 9]
+    q, cache, meta = latent_setup(seq_lens, 12, 16, 8, dtype, seed=6, q_lens=q_lens)
+    ref = mla_attention_ref(q, cache, meta, 0.3, 16)
+    got = mla_prefill_attention(q, cache, meta, 0.3, 16, cfg=PREFILL_SMALL)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert relative_error(got, ref) < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    # a row does not depend on the other rows of its step: the whole prompt alone gives the same bits
+    alone = AttentionMetadata(meta.slot_mapping[:37], meta.query_start[:2], meta.seq_lens[:1],
+                              meta.block_tables[:1], 37, meta.max_seq_len)
+    assert torch.equal(mla_prefill_attention(q[:37], cache, alone, 0.3, 16, cfg=PREFILL_SMALL), got[:37])
+
+
+def test_prefill_of_padded_rows_stays_zero():
+    """Rows past query_start[-1] (a step padded to a bucket) come out as zeros, as the reference's do."""
+    q, cache, meta = latent_setup([10, 4], 4, 16, 8, torch.float32, seed=7, q_lens=[6, 4])
+    padded = torch.cat([q, q.new_ones(3, 4, 24)])
+    got = mla_prefill_attention(padded, cache, meta, 0.5, 16, cfg=PREFILL_SMALL)
+    assert torch.equal(got[10:], q.new_zeros(3, 4, 16))
+    assert relative_error(got[:10], mla_attention_ref(q, cache, meta, 0.5, 16)) < 1e-5
+
+
 @requires_cuda
 @pytest.mark.parametrize("n_heads", [16, 128])
 @pytest.mark.parametrize("seq_lens", [[1], [512] * 8, [4000, 17, 900, 8192]])
@@ -85,4 +118,16 @@ def test_deepseek_shapes_on_the_gpu(n_heads, seq_lens):
     q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=5, block_size=64)
     ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
     got = mla_decode_attention(q, cache, meta, 192 ** -0.5, 512)
+    assert relative_error(got, ref) < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("n_heads", [16, 128])
+def test_deepseek_prefill_shapes_on_the_gpu(n_heads):
+    """A 2048-row chunk after 2048 cached rows, a 300-row prompt and decode rows, at DeepSeek's latent shapes,
+    bf16, the default config."""
+    seq_lens, q_lens = [4096, 300, 700, 1], [2048, 300, 1, 1]
+    q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=8, block_size=64, q_lens=q_lens)
+    ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
+    got = mla_prefill_attention(q, cache, meta, 192 ** -0.5, 512)
     assert relative_error(got, ref) < 1e-2

@@ -18,7 +18,8 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
-from cobatch.kernels.mla_attention import latent_write_ref, mla_attention_ref, mla_decode_attention
+from cobatch.kernels.mla_attention import (latent_write_ref, mla_attention_ref, mla_decode_attention,
+                                           mla_prefill_attention)
 from cobatch.kernels.moe_routing import ExpertSlots, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
@@ -101,10 +102,12 @@ def latent_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                   kv_lora_rank: int) -> torch.Tensor:
     """MLA in the absorbed form: q [N, H, L] (q_latent | q_rope) against the cached latents -> [N, H, kv_lora_rank]
-    (float32, or q's dtype from the kernel), W_UV still to apply (kernels/mla_attention.py). On CUDA a decode step
-    runs the MLA decode kernel; prefill runs the torch reference for now."""
-    if _triton(q) and meta.is_decode and kv_lora_rank & (kv_lora_rank - 1) == 0:
-        return mla_decode_attention(q.contiguous(), cache, meta, scale, kv_lora_rank)
+    (float32, or q's dtype from the kernels), W_UV still to apply (kernels/mla_attention.py). On CUDA a decode step
+    runs the MLA decode kernel, any other step the MLA prefill kernel."""
+    if _triton(q) and kv_lora_rank & (kv_lora_rank - 1) == 0:
+        if meta.is_decode and q.shape[0] == meta.num_seqs:
+            return mla_decode_attention(q.contiguous(), cache, meta, scale, kv_lora_rank)
+        return mla_prefill_attention(q.contiguous(), cache, meta, scale, kv_lora_rank)
     return mla_attention_ref(q, cache, meta, scale, kv_lora_rank)
 
 

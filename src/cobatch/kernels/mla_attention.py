@@ -13,9 +13,16 @@ The decode kernel (mla_decode_attention, as FlashMLA does) splits the context as
 (attention.py: the same split plan, partials and reduce kernel, so a row's bits depend on its own length only),
 reads each latent tile once for a block of heads, and computes a tile's scores as two dots (latent, rope) so that
 nothing is padded to a power of two past kv_lora_rank.
+
+The prefill kernel (mla_prefill_attention: chunks of several rows, and steps that mix them with decode rows) runs
+the same absorbed form: a program takes a tile of a chunk's rows times a block of heads as one block of query
+rows, so each latent tile it reads serves all of them, and masks causally as the GQA prefill kernel does. No
+host sync, and nothing of [heads, rows, context] is ever materialized (the torch reference's scores are).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -151,4 +158,103 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
             HEAD_D=kv_lora_rank, BLOCK_D=kv_lora_rank, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
             BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
             GROUPS=False, num_warps=4, **launch)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class MlaPrefillConfig:
+    """rows: query rows of a program (a tile of a chunk's tokens times a block of heads, heads fastest), block_n:
+    cached rows per tile. 32 x 576 query values and a [32, 512] f32 accumulator keep 8 warps within their
+    registers at DeepSeek's latent width (not yet tuned on the GPU)."""
+    rows: int = 32
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+MLA_PREFILL_CONFIG = MlaPrefillConfig()
+
+
+@jit
+def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+                        q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+                        out_row_stride, out_head_stride, qk_scale,
+                        N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, LAT: tl.constexpr,
+                        ROPE: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
+    """Program (head block, seq, token tile): BLOCK_T rows of the sequence's chunk x BLOCK_H heads as one block of
+    query rows (token-major), against each cached row once. Row t of the chunk sits at position seq_len - q_len + t
+    and sees the rows 0..that position; tiles go last-first as in attention._prefill_kernel."""
+    seq = tl.program_id(1).to(tl.int64)
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    row0 = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - row0
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    i = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = tile * BLOCK_T + i // BLOCK_H
+    heads = tl.program_id(0) * BLOCK_H + i % BLOCK_H
+    q_mask = (t < q_len) & (heads < N_HEADS)
+    pos = seq_len - q_len + t
+    c = tl.arange(0, LAT)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < ROPE
+    q_rows = q_ptr + (row0 + t).to(tl.int64) * q_row_stride + heads * q_head_stride
+    q_lat = tl.load(q_rows[:, None] + c[None, :], mask=q_mask[:, None], other=0.0).to(OPERAND)
+    q_rope = tl.load(q_rows[:, None] + LAT + r[None, :], mask=q_mask[:, None] & r_mask[None, :],
+                     other=0.0).to(OPERAND)
+
+    # cached rows up to the tile's last token (every row sees row 0, so no row's max stays -inf)
+    last_t = tl.minimum(tile * BLOCK_T + BLOCK_T, q_len) - 1
+    kv_end = tl.maximum(tl.where(tile * BLOCK_T < q_len, seq_len - q_len + last_t + 1, 0), 0)
+    m = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, LAT], tl.float32)
+    bt_row = bt_ptr + seq * bt_stride
+    for n0 in range(0, kv_end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < kv_end
+        cached = cache_ptr + _tile_pages(bt_row, toks, kv_end, PAGE) * cache_block_stride \
+            + (toks % PAGE) * cache_slot_stride
+        lat = tl.load(cached[:, None] + c[None, :], mask=tok_mask[:, None], other=0.0).to(OPERAND)
+        rope = tl.load(cached[:, None] + LAT + r[None, :], mask=tok_mask[:, None] & r_mask[None, :],
+                       other=0.0).to(OPERAND)
+        if DOT_F32:
+            s = tl.dot(q_lat.to(tl.float32), tl.trans(lat.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(q_rope.to(tl.float32), tl.trans(rope.to(tl.float32)), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_rope, tl.trans(rope), tl.dot(q_lat, tl.trans(lat)))
+        valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
+        m, l, acc = _softmax_fold(s * qk_scale, lat, m, l, acc, valid, DOT_F32=DOT_F32)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out_rows = out_ptr + (row0 + t).to(tl.int64) * out_row_stride + heads * out_head_stride
+    tl.store(out_rows[:, None] + c[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask[:, None])
+
+
+def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                          kv_lora_rank: int, out: torch.Tensor | None = None,
+                          cfg: MlaPrefillConfig = MLA_PREFILL_CONFIG) -> torch.Tensor:
+    """mla_attention_ref for any step (chunks of several rows, decode rows among them), in q's dtype. Rows past
+    query_start[-1] stay zero when `out` is allocated here. kv_lora_rank a power of two, as for the decode kernel."""
+    n_rows, n_heads, width = q.shape
+    cache = cache.flatten(2) if cache.dim() == 4 else cache
+    page, rope = cache.shape[1], width - kv_lora_rank
+    assert cache.shape[2] == width and q.stride(-1) == 1 and cache.stride(-1) == 1
+    assert kv_lora_rank == next_pow2(kv_lora_rank) and 0 < rope, "kv_lora_rank a power of two, then the rope part"
+    assert meta.block_tables.stride(-1) == 1
+    out = torch.zeros(n_rows, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device) if out is None else out
+    if n_rows == 0 or meta.num_seqs == 0:
+        return out
+    block_h = min(cfg.block_h, next_pow2(n_heads), cfg.rows)
+    block_t = cfg.rows // block_h
+    grid = (triton.cdiv(n_heads, block_h), meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), block_t))
+    _mla_prefill_kernel[grid](
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q.stride(0), q.stride(1), meta.block_tables.stride(0), cache.stride(0), cache.stride(1),
+        out.stride(0), out.stride(1), scale * LOG2E,
+        N_HEADS=n_heads, BLOCK_H=block_h, BLOCK_T=block_t, LAT=kv_lora_rank, ROPE=rope,
+        BLOCK_R=max(16, next_pow2(rope)), PAGE=page, BLOCK_N=cfg.block_n, DOT_F32=dot_in_f32(cache.dtype),
+        OPERAND=getattr(tl, str(cache.dtype).removeprefix("torch.")),
+        num_warps=cfg.num_warps if kv_lora_rank > 256 else 4, num_stages=cfg.num_stages)
     return out

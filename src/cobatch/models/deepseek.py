@@ -155,8 +155,8 @@ class DeepseekModel:
             ))
             if progress is not None:
                 progress(1)
-        # Eager on CUDA for now: the router is torch code (top-k, groups) and prefill attention the torch reference
-        # (a host sync per sequence); decode attention and the latent write are graph-safe kernels.
+        # Eager on CUDA until a captured decode step is checked on the GPU: the router is torch code without a host
+        # sync, the experts route on the device, attention (decode and prefill) and the latent write are kernels.
         self.graph_safe = False
         self.graph_max_rows: int | None = None
         self.tp = None             # tensor parallelism does not shard MLA (llm._open refuses it)
