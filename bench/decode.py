@@ -66,8 +66,9 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def kv_bytes_per_token(llm: LLM) -> int:
-    c = llm.config
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * llm.engine.pool.k[0].element_size()
+    """KV bytes one token holds over all layers: each layer's K and V rows (one latent row under MLA)."""
+    pool = llm.engine.pool
+    return sum(t[0, 0].numel() * t.element_size() for t in list(pool.k) + list(pool.v))
 
 
 def randomize_kv(llm: LLM) -> None:

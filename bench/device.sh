@@ -12,7 +12,8 @@
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
 #   serve [ARGS]             bench/serve.py: streaming HTTP clients against `cobatch serve`, and the engine alone
-#   moe [ARGS]               bench/moe_decode.py on the Qwen3-30B-A3B shape cut to LAYERS (default 12) of 48
+#   moe [ARGS]               bench/moe_decode.py on MOE_SHAPE (default qwen3-30b-a3b; deepseek-v2-lite for DeepSeek's)
+#                            cut to LAYERS (default 12; 48 and 27 in full)
 #   speculative [ARGS]       bench/speculative.py ARGS on MODEL (default the random Llama-3-8B Q4_K_M)
 #   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
@@ -25,7 +26,7 @@
 #                            setting (COBATCH_PDL=0), a flag of the benchmark (--no-async-scheduling), or `.`
 #                            (this tree as it is). ARGS after ROUNDS go to the benchmark.
 #
-# Environment: MODEL (a GGUF instead of the random Llama-3-8B), QUANT, LAYERS, TIMEOUT (seconds per benchmark
+# Environment: MODEL (a GGUF instead of the random Llama-3-8B), QUANT, LAYERS, MOE_SHAPE, TIMEOUT (seconds per benchmark
 # run, default 400), TEST_TIMEOUT (default 480), BUDGET_S (all runs end by then, default 3600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +69,7 @@ bench_cmd() {
 bench_model_args() {
   case $1 in
     decode) echo "--model $(llama8b) --max-batch ${MAX_BATCH:-64} --kv-cache-gb 40" ;;
-    moe) echo "--model ${MODEL:-$(random_model qwen3-30b-a3b q4_k_m "${LAYERS:-12}")} --max-batch ${MAX_BATCH:-256}" ;;
+    moe) echo "--model ${MODEL:-$(random_model "${MOE_SHAPE:-qwen3-30b-a3b}" q4_k_m "${LAYERS:-12}")} --max-batch ${MAX_BATCH:-256}" ;;
     serve) echo "--model $(llama8b) --device cuda --parallel 64 --kv-cache-gb 40 --levels ${LEVELS:-1,8,32,64}
                  --rounds 1 --prompt-tokens 128 --output-tokens 256 --engine-baseline --load-timeout 120
                  --stall-streams 0" ;;

@@ -1,20 +1,25 @@
 """MoE decode on the GPU: device-routed experts in CUDA graphs against the expert-by-expert eager path.
 
-    PYTHONPATH=src python bench/moe_decode.py --model qwen3-30b-a3b-12l.gguf
+    PYTHONPATH=src python bench/moe_decode.py --model qwen3-30b-a3b-12l.gguf [--contexts 512,8192]
+    PYTHONPATH=src python bench/moe_decode.py --model deepseek-v2-lite.gguf --batches 1,8,64 --contexts 512,8192 \
+        --kv-cache-gb 24
 
-One load. For each batch B at context 512, three ways to run the same decode steps:
-  - graph: the captured decode graph (experts routed on the device, kernels/moe_routing.py);
+One load. For each context and batch B, up to three ways to run the same decode steps:
+  - graph: the captured decode graph (experts routed on the device, kernels/moe_routing.py), where the model
+    captures its steps;
   - eager routed: the same kernels launched one by one;
   - eager per expert: the path before device routing (one GEMV pair per chosen expert, a host sync per layer).
-Bytes per step: the dense weights, each layer's distinct chosen experts (counted from the routing of one
-eager step at that batch) and the KV read; GB/s and the ratio to a device-to-device copy measured in this run.
-Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a short table last; JSON to $OUT or
-bench/results/.
+Bytes per step: the weights every step reads (attention, routers, shared experts, dense leading layers, the head),
+each layer's distinct chosen experts (counted from the routing of one eager step at that batch) and the KV read
+(a latent row per token and layer under MLA); GB/s, the ratio to a device-to-device copy measured in this run,
+and the step time over that roofline. Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a
+short table last; JSON to $OUT or bench/results/.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -32,93 +37,119 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from cobatch.kernels import packed_experts  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
-from cobatch.models.moe import MoeFeedForward  # noqa: E402
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-CONTEXT = 512
+CONTEXTS = [512]
 
 
 def _nbytes(w) -> int:
-    return sum(p.nbytes for p in getattr(w, "parts", [w])) if w is not None else 0
+    """Bytes of a weight the kernels read: a packed matrix (its parts), a dense tensor, nothing."""
+    if w is None:
+        return 0
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(p.nbytes for p in getattr(w, "parts", [w]))
 
 
 def dense_bytes(llm: LLM) -> int:
-    """Weights every step reads whatever the routing: attention, routers, shared experts, the head."""
-    total = _nbytes(llm.model.lm_head)
+    """Weights every step reads whatever the routing: each layer's attention (and a dense leading layer's
+    feed-forward), the routers and shared experts, the final norm and the head; not the embedding table (one
+    row a token)."""
+    total = _nbytes(llm.model.lm_head) + _nbytes(llm.model.final_norm)
     for layer in llm.model.layers:
-        total += _nbytes(layer.qkv) + _nbytes(layer.o)
+        total += sum(_nbytes(getattr(layer, f.name)) for f in dataclasses.fields(layer)
+                     if f.name != "moe" and not isinstance(getattr(layer, f.name), (int, float, bool)))
         m = layer.moe
-        total += m.router.numel() * m.router.element_size() + _nbytes(m.shared_gate_up) + _nbytes(m.shared_down)
+        if m is not None:
+            total += _nbytes(m.router) + _nbytes(m.shared_gate_up) + _nbytes(m.shared_down) + _nbytes(m.shared_gate)
     return total
 
 
 def routed_expert_bytes(llm: LLM) -> float:
-    """Expert bytes of one eager step of the sessions in place: each layer's distinct chosen experts."""
-    chosen: list[int] = []
-    route = MoeFeedForward.route
+    """Expert bytes of one eager step of the sessions in place: each MoE layer's distinct chosen experts."""
+    moes = [layer.moe for layer in llm.model.layers if layer.moe is not None]
+    chosen: dict[int, int] = {}
+    originals = {cls: cls.route for cls in {type(m) for m in moes}}   # DeepSeek's router is a subclass's
 
-    def counting(self, h):
-        weights, ids = route(self, h)
-        chosen.append(ids.unique().numel())
-        return weights, ids
+    def counting(route):
+        def count(self, h):
+            weights, ids = route(self, h)
+            chosen[id(self)] = ids.unique().numel()
+            return weights, ids
+        return count
 
     runner = llm.engine.runner
     graphs, runner.graphs = runner.graphs, None
-    MoeFeedForward.route = counting
+    for cls, route in originals.items():
+        cls.route = counting(route)
     try:
         llm.engine.step()
     finally:
-        MoeFeedForward.route = route
+        for cls, route in originals.items():
+            cls.route = route
         runner.graphs = graphs
-    per_expert = [m.moe.gate_up[0].nbytes + m.moe.down[0].nbytes for m in llm.model.layers]
-    return sum(c * b for c, b in zip(chosen, per_expert))
+    return sum(chosen.get(id(m), 0) * (_nbytes(m.gate_up[0]) + _nbytes(m.down[0])) for m in moes)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--max-batch", type=int, default=64, help="up to 256 (the device-routed limit)")
+    ap.add_argument("--batches", help="comma-separated (default: 1, 2, 4, ... up to --max-batch)")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="room for the largest batch x context placed")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [b for b in BATCHES
+                                                                              if b <= args.max_batch]
+    contexts = [int(c) for c in args.contexts.split(",")]
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
-    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=CONTEXT + 256, max_num_seqs=args.max_batch,
-                                             kv_cache_gb=8.0))
-    assert llm.engine.runner.graphs is not None, "the experts of this file do not route on the device"
+    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(contexts) + 256, max_num_seqs=max(batches),
+                                             kv_cache_gb=args.kv_cache_gb))
     randomize_kv(llm)
     dense, kvtok = dense_bytes(llm), kv_bytes_per_token(llm)
     runner = llm.engine.runner
-    graphs = runner.graphs
+    graphs = runner.graphs                         # None where the model's steps run eagerly
+    print(f"dense weights read a step: {dense / 1e9:.2f} GB; KV {kvtok} bytes a token; decode steps "
+          f"{'captured' if graphs is not None else 'eager (no CUDA graphs for this model)'}", flush=True)
     rows, breakdowns = [], {}
-    for b in [b for b in BATCHES if b <= args.max_batch]:
-        place_sessions(llm, b, CONTEXT)
-        expert_b = routed_expert_bytes(llm)
-        if b in (1, 8):
-            breakdowns[b] = kernel_breakdown(llm, b)
-        step_bytes = dense + expert_b + b * (CONTEXT + 8) * kvtok
-        graph_s = time_steps(llm)
-        graph_ms = graph_replay_ms(llm, b)
-        runner.graphs = None
-        eager_s = time_steps(llm, steps=6, warmup=2)
-        limit = packed_experts.ROUTED_MAX_ROWS
-        packed_experts.ROUTED_MAX_ROWS = 0          # every step expert by expert: the path before routing
-        try:
-            per_expert_s = time_steps(llm, steps=6, warmup=2)
-        finally:
-            packed_experts.ROUTED_MAX_ROWS = limit
-            runner.graphs = graphs
-        clear(llm)
-        row = dict(batch=b, context=CONTEXT, step_ms=graph_s * 1e3, graph_ms=graph_ms, eager_routed_ms=eager_s * 1e3,
-                   eager_per_expert_ms=per_expert_s * 1e3, tok_s=b / graph_s, step_bytes=step_bytes,
-                   expert_bytes=expert_b, gbps=step_bytes / graph_s / 1e9,
-                   graph_gbps=step_bytes / (graph_ms * 1e-3) / 1e9)
-        rows.append(row)
-        print(f"  B {b:3d}: graph step {row['step_ms']:6.2f} ms (replay {graph_ms:6.2f}), eager routed "
-              f"{row['eager_routed_ms']:6.2f}, eager per expert {row['eager_per_expert_ms']:7.2f}", flush=True)
+    for context in contexts:
+        for b in batches:
+            place_sessions(llm, b, context)
+            expert_b = routed_expert_bytes(llm)
+            if b in (1, 8) and context == contexts[0]:
+                breakdowns[b] = kernel_breakdown(llm, b)
+            step_bytes = dense + expert_b + b * (context + 8) * kvtok
+            graph_s = time_steps(llm) if graphs is not None else None
+            graph_ms = graph_replay_ms(llm, b) if graphs is not None else None
+            runner.graphs = None
+            eager_s = time_steps(llm, steps=6, warmup=2)
+            limit = packed_experts.ROUTED_MAX_ROWS
+            packed_experts.ROUTED_MAX_ROWS = 0          # every step expert by expert: the path before routing
+            try:
+                per_expert_s = time_steps(llm, steps=6, warmup=2)
+            finally:
+                packed_experts.ROUTED_MAX_ROWS = limit
+                runner.graphs = graphs
+            clear(llm)
+            step_s = graph_s if graph_s is not None else eager_s     # what the engine runs
+            roofline_s = step_bytes / copy_bps
+            row = dict(batch=b, context=context, step_ms=step_s * 1e3, graph_ms=graph_ms,
+                       eager_routed_ms=eager_s * 1e3, eager_per_expert_ms=per_expert_s * 1e3, tok_s=b / step_s,
+                       step_bytes=step_bytes, expert_bytes=expert_b, kv_bytes=b * (context + 8) * kvtok,
+                       gbps=step_bytes / step_s / 1e9, roofline_ms=roofline_s * 1e3,
+                       step_over_roofline=step_s / roofline_s,
+                       graph_gbps=step_bytes / (graph_ms * 1e-3) / 1e9 if graph_ms else None)
+            rows.append(row)
+            print(f"  ctx {context:5d} B {b:3d}: step {row['step_ms']:6.2f} ms "
+                  f"({row['step_over_roofline']:.2f}x roofline), graph replay "
+                  f"{graph_ms if graph_ms is not None else float('nan'):6.2f}, eager routed "
+                  f"{row['eager_routed_ms']:6.2f}, eager per expert {row['eager_per_expert_ms']:7.2f}", flush=True)
     cfg = llm.config
     result = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
-                  torch=torch.__version__, copy_gbps=copy_bps / 1e9, model=args.model, layers=cfg.n_layers,
-                  experts=cfg.n_experts, experts_used=cfg.n_experts_used, dense_bytes=dense, rows=rows,
-                  kernel_breakdown=breakdowns)
+                  torch=torch.__version__, copy_gbps=copy_bps / 1e9, model=args.model, arch=cfg.arch,
+                  layers=cfg.n_layers, experts=cfg.n_experts, experts_used=cfg.n_experts_used, dense_bytes=dense,
+                  kv_bytes_per_token=kvtok, captured=graphs is not None, rows=rows, kernel_breakdown=breakdowns)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_decode.json").write_text(json.dumps(result, indent=1))
@@ -127,12 +158,13 @@ def main() -> None:
         for k in kernels[:10]:
             print(f"    {k['ms']:7.3f} ms  {k['calls']:4d}x  {k['kernel']}")
     print(f"\ncopy {copy_bps / 1e9:.0f} GB/s; {Path(args.model).name}: {cfg.n_layers} layers, {cfg.n_experts} experts, "
-          f"{cfg.n_experts_used} per token; context {CONTEXT}")
-    print("   B  step ms  replay ms   tok/s  GB read  GB/s (replay)  of copy  | eager routed  eager per expert  "
-          "graph speed-up over per expert")
+          f"{cfg.n_experts_used} per token; KV {kvtok} bytes a token")
+    print("    ctx    B  step ms  x roof  replay ms   tok/s  GB read  GB/s  of copy  | eager routed  eager per expert  "
+          "speed-up over per expert")
     for r in rows:
-        print(f"  {r['batch']:2d}  {r['step_ms']:7.2f}  {r['graph_ms']:9.2f}  {r['tok_s']:6.0f}  "
-              f"{r['step_bytes'] / 1e9:7.2f}  {r['graph_gbps']:13.0f}  {r['graph_gbps'] * 1e9 / copy_bps:7.0%}  | "
+        replay = f"{r['graph_ms']:9.2f}" if r["graph_ms"] is not None else "        -"
+        print(f"  {r['context']:5d}  {r['batch']:3d}  {r['step_ms']:7.2f}  {r['step_over_roofline']:6.2f}  {replay}  "
+              f"{r['tok_s']:6.0f}  {r['step_bytes'] / 1e9:7.2f}  {r['gbps']:4.0f}  {r['gbps'] * 1e9 / copy_bps:7.0%}  | "
               f"{r['eager_routed_ms']:12.2f}  {r['eager_per_expert_ms']:16.2f}  "
               f"{r['eager_per_expert_ms'] / r['step_ms']:6.1f}x")
 
