@@ -218,3 +218,23 @@ def test_gpu_path_matches_the_cpu_path(models, name):
     per_position = (got - want).norm(dim=-1) / want.norm(dim=-1)
     assert per_position.median().item() < 5e-3 and per_position.max().item() < 0.2, per_position
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name):
+    """DeepSeek's decode step captured in a CUDA graph (the router's torch code, the experts routed on the device,
+    the MLA decode kernel, the latent write) gives the eager step's greedy tokens, for 4 sessions at once. The
+    model runs eagerly until this holds on the GPU (models/deepseek.py: graph_safe), so the test captures the
+    graphs itself where the engine did not."""
+    from cobatch.engine.cuda_graphs import DecodeGraphs
+    llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True))
+    eng = llm.engine
+    assert all(layer.moe.routed for layer in llm.model.layers if layer.moe is not None), "experts not routed"
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,", "Hello")]
+    graphs = eng.runner.graphs or DecodeGraphs(llm.model, eng.pool, 4, 128, quiet=True)
+    eng.runner.graphs = None
+    eager = eng.generate(prompts, greedy)
+    eng.runner.graphs = graphs
+    assert eng.generate(prompts, greedy) == eager and all(len(t) == 8 for t in eager)
