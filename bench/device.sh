@@ -15,6 +15,8 @@
 #   moe [ARGS]               bench/moe_decode.py on MOE_SHAPE (default qwen3-30b-a3b; deepseek-v2-lite for DeepSeek's)
 #                            cut to LAYERS (default 12; 48 and 27 in full)
 #   speculative [ARGS]       bench/speculative.py ARGS on MODEL (default the random Llama-3-8B Q4_K_M)
+#   hf [ARGS]                bench/hf_load.py: a random Llama-3-8B bf16 checkpoint folder quantized on load (q8_0)
+#                            against the random Llama-3-8B q8_0 GGUF: load time and decode steps
 #   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
@@ -32,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels gemm attention decode serve moe speculative parallel size gemv-configs profile ab "
+SUITES=" tests kernels gemm attention decode serve moe speculative hf parallel size gemv-configs profile ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -118,6 +120,9 @@ moe)
     -k "not gemv_dequantize and (routed or route or combine or slots or moe or bitwise or engine or logits or layer)"
   timeout "$(left "$TIMEOUT")" python3 bench/moe_decode.py $(bench_model_args moe) "$@" 2>&1 | quiet \
     | tee "$OUT/moe_decode.log" ;;
+hf)
+  timeout "$(left "$TIMEOUT")" python3 bench/hf_load.py --folder /tmp/llama3-8b-hf --gguf "$(random_model llama3-8b q8_0)" \
+    "$@" 2>&1 | quiet | tee "$OUT/hf_load.log" ;;
 speculative)
   timeout "$(left "$TIMEOUT")" python3 bench/speculative.py --device cuda --model "$(llama8b)" "$@" 2>&1 | quiet \
     | tee "$OUT/speculative.log" ;;

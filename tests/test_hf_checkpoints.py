@@ -239,3 +239,17 @@ def test_generate_from_a_folder_uses_its_tokenizer_template_and_generation_confi
     assert llm.encode_prompt(text) == reference(text)["input_ids"]
     assert cli.main(["generate", "-m", str(folders["qwen2"][0]), "-p", "Hello", "-n", "3", "--device", "cpu",
                      "--quantization", "q4_1", "--seed", "1"]) == 0
+
+
+def test_random_benchmark_checkpoint_is_the_model_transformers_reads(tmp_path):
+    """The benchmarks' random bf16 writer (bench/hf_load.py: full-size shapes, shard by shard) on the tiny llama
+    shape, in several shards: transformers reads the same model from it as cobatch does."""
+    folder = hf_checkpoints.write_random_checkpoint(tmp_path / "random", "tiny", seed=3, shard_bytes=300_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and len(index) == 2 + 2 * 9 + 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = model(torch.tensor([IDS])).logits[0].float()
+    got = cobatch_logits(folder)
+    assert (got - want).norm() / want.norm() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -221,7 +221,7 @@ def longrope_attn_factor(context_length: int) -> float:
     return math.sqrt(1 + math.log(scale) / math.log(LONGROPE_ORIGINAL_CONTEXT)) if scale > 1 else 1.0
 
 
-def _lookup_shape(shape: str) -> ModelShape:
+def lookup_shape(shape: str) -> ModelShape:
     if shape not in SHAPES:
         raise UserError(f"unknown model shape {shape!r} (valid: {', '.join(SHAPES)})")
     return SHAPES[shape]
@@ -447,7 +447,7 @@ def tokenizer_metadata(source: str | os.PathLike, vocab_size: int | None) -> dic
 def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.PathLike | None, n_layers: int | None,
                          context_length: int | None, seed: int) -> tuple[GGUFWriter, list[TensorSpec]]:
     """A GGUFWriter holding all metadata and tensor infos (no data yet), and the tensor plan."""
-    shape, recipe = _lookup_shape(shape_name), _lookup_quant(quant)
+    shape, recipe = lookup_shape(shape_name), _lookup_quant(quant)
     n_layers = shape.n_layers if n_layers is None else n_layers
     if n_layers < 1:
         raise UserError(f"--layers must be at least 1, got {n_layers}")

@@ -171,3 +171,70 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
                                       "dynamic": True}}}}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+# ---------------------------------------------------------------- random full-size checkpoints (benchmarks)
+
+def write_random_checkpoint(folder: str | Path, shape: str, seed: int = 0, device: str = "cpu",
+                            shard_bytes: int = 4 << 30, layers: int | None = None) -> Path:
+    """A bf16 Hugging Face folder of random weights in one of gguf_writer's dense llama / qwen2 shapes (e.g.
+    llama3-8b), written shard by shard (a tensor drawn on `device` at a time, never the whole model in memory), with
+    the tiny byte-level tokenizer: benchmarks time loading and decoding, which the weights' values do not change."""
+    from safetensors.torch import save_file
+    from cobatch.testing.gguf_writer import lookup_shape
+    s = lookup_shape(shape)
+    if s.arch not in ("llama", "qwen2") or s.n_experts:
+        raise ValueError(f"write_random_checkpoint writes dense llama and qwen2 shapes, not {shape!r}")
+    n_layers = layers or s.n_layers
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    d, hd, ffn, vocab = s.d_model, s.head_dim, s.ffn_dim, s.vocab_size or 384
+    tensors = [("model.embed_tokens.weight", (vocab, d))]
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors += [(p + "input_layernorm.weight", (d,)), (p + "post_attention_layernorm.weight", (d,)),
+                    (p + "self_attn.q_proj.weight", (s.n_heads * hd, d)),
+                    (p + "self_attn.k_proj.weight", (s.n_kv_heads * hd, d)),
+                    (p + "self_attn.v_proj.weight", (s.n_kv_heads * hd, d)),
+                    (p + "self_attn.o_proj.weight", (d, s.n_heads * hd)),
+                    (p + "mlp.gate_proj.weight", (ffn, d)), (p + "mlp.up_proj.weight", (ffn, d)),
+                    (p + "mlp.down_proj.weight", (d, ffn))]
+        if s.qkv_bias:
+            tensors += [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in
+                        (("q", s.n_heads * hd), ("k", s.n_kv_heads * hd), ("v", s.n_kv_heads * hd))]
+    tensors.append(("model.norm.weight", (d,)))
+    if not s.tied_embeddings:
+        tensors.append(("lm_head.weight", (vocab, d)))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards: list[list[tuple[str, tuple]]] = [[]]
+    size = 0
+    for name, dims in tensors:
+        n = 2 * int(torch.Size(dims).numel())
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dims))
+        size += n
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        out = {}
+        for name, dims in shard:
+            if len(dims) == 1:
+                t = (0.0 if name.endswith("bias") else 1.0) + 0.1 * torch.randn(dims, generator=gen, device=device)
+            else:
+                t = dims[-1] ** -0.5 * torch.randn(dims, generator=gen, device=device)
+            out[name] = t.to(torch.bfloat16).cpu()
+            weight_map[name] = file
+        save_file(out, folder / file, metadata={"format": "pt"})
+        del out
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {"architectures": ["LlamaForCausalLM" if s.arch == "llama" else "Qwen2ForCausalLM"],
+              "model_type": s.arch, "hidden_size": d, "intermediate_size": ffn, "num_hidden_layers": n_layers,
+              "num_attention_heads": s.n_heads, "num_key_value_heads": s.n_kv_heads, "head_dim": hd,
+              "vocab_size": vocab, "max_position_embeddings": s.context_length, "rms_norm_eps": s.rms_eps,
+              "rope_theta": s.rope_theta, "tie_word_embeddings": s.tied_embeddings, "torch_dtype": "bfloat16",
+              "bos_token_id": 0, "eos_token_id": 2, "hidden_act": "silu"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(folder, 368)      # the embedding has rows past the tokenizer's vocabulary
+    return folder
