@@ -84,22 +84,33 @@ def _top_k_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, BLOCK_E: tl.const
     tl.store(ids_ptr + row * K + slot, chosen_id.to(tl.int64), mask=slot < K)
 
 
-def route_triton(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As route_ref, in two kernels (the logits, spread over the experts; then softmax and top-k per row),
-    and a row's result does not depend on the other rows of the call. cuBLAS does not promise that (it picks
-    its algorithm, hence its summation order, by the shape), and a routed row must not change experts with
-    its batch."""
+def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """float32 [N, n_experts] = h @ router.T, each row summed in the same order whatever N (routers that choose
+    their experts otherwise, as DeepSeek's, start from these too)."""
     n, d = h.shape
     n_experts = router.shape[0]
-    assert h.stride(-1) == 1 and router.is_contiguous() and k <= n_experts
+    assert h.stride(-1) == 1 and router.is_contiguous()
     logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
+    if n == 0:
+        return logits
     # One (row, expert) logit per program, its whole row of the router in one load where d <= 4096: the
     # latency of one load per program. (8 experts per program in 256-wide K steps took 14.7 us per layer on
     # the Qwen3-30B-A3B shape, B = 1: 16 programs, 8 dependent steps each; the layer's GEMV takes 10.)
     _router_logits_kernel[(n, n_experts)](h, router, logits, d, n_experts, h.stride(0), BLOCK_E=1,
                                           BLOCK_K=min(ROUTER_BLOCK_K, triton.next_power_of_2(d)), **pdl_launch(h),
                                           num_warps=4)
+    return logits
+
+
+def route_triton(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As route_ref, in two kernels (the logits, spread over the experts; then softmax and top-k per row),
+    and a row's result does not depend on the other rows of the call. cuBLAS does not promise that (it picks
+    its algorithm, hence its summation order, by the shape), and a routed row must not change experts with
+    its batch."""
+    n, n_experts = h.shape[0], router.shape[0]
+    assert k <= n_experts
+    logits = router_logits_triton(h, router)
     weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=h.device)
     # One warp per row where the experts fit 8 per lane: its 2 k reductions are then shuffles, with no

@@ -41,7 +41,7 @@ def deepseek_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | N
                    groups: int, groups_used: int, normalize: bool, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [N, k], expert ids int64 [N, k]) of DeepSeek's router (module doc) for rows h [N, d]."""
-    logits = h.float() @ router.T
+    logits = ops.router_logits(h, router)
     scores = logits.softmax(-1) if gating == "softmax" else logits.sigmoid()
     choice = scores if bias is None else scores + bias
     if groups:
