@@ -60,8 +60,8 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 # The format ids as compile-time constants (Triton reads only constexpr globals).
 _const = tl.constexpr if tl is not None else (lambda v: v)
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K = (_const(getattr(quant_pack, n)) for n in
-                                      ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"))
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8 = (_const(getattr(quant_pack, n)) for n in
+                                           ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "FP8_E4M3"))
 
 
 def _nibble_asm(dtype: str, affine: bool) -> str:
@@ -182,6 +182,20 @@ def _q8_block(q, d, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @jit
+def _e4m3_block(q, scale, DT: tl.constexpr):
+    """OCP e4m3 bytes q [BN, 32] (uint8) times the row scale [BN, 1] (f32) -> DT. The bits are widened to an f32
+    by hand (sign, exponent + 120, mantissa; subnormals m * 2^-9), which every backend, the interpreter too, runs
+    exactly; 0x7F / 0xFF (NaN) read as 480, and a checkpoint holds none."""
+    qi = q.to(tl.int32) & 0xFF
+    e = (qi >> 3) & 15
+    m = qi & 7
+    sign = tl.where(qi >= 128, -1.0, 1.0)
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    value = sign * tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return (value * scale).to(DT)
+
+
+@jit
 def _logical_col(j, FMT: tl.constexpr):
     """GGUF column j of a 32-column tile -> its logical column in a fragment-order plane (the inverse of
     quant_pack.k_order: j = 8 c + 4 h + 2 a + e, or 16 h + 4 c + 2 a + e for q6_K; k = 16 h + 8 a + 2 c + e)."""
@@ -226,6 +240,11 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
     32-weight blocks 2*chunk and 2*chunk+1. j = arange(32)[None, :]. qs_stride: bytes per row."""
     two = tl.arange(0, 2)[None, :]
     four = tl.arange(0, 4)[None, :]
+    if FMT == FP8:      # row-major: one f32 row scale (quant_pack)
+        scale = tl.load(d_ptr + row)
+        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, False)
+        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, False)
+        return _e4m3_block(q0, scale, DT), _e4m3_block(q1, scale, DT)
     if FMT == Q8_0:
         q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, FRAG)
         q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, FRAG)
@@ -318,7 +337,7 @@ def _quant_matmul_kernel(
     # sees their alignment (16-byte vector loads) without specializing on the shape.
     side256 = n_super
     side32 = 8 * n_super
-    qs_stride = (256 if FMT == Q8_0 else 128) * n_super
+    qs_stride = (256 if FMT == Q8_0 or FMT == FP8 else 128) * n_super
     # The interpreter's bf16 dot is wrong (numpy has no bf16) and runs no inline asm: f32 there.
     DT: tl.constexpr = tl.float32 if F32_DOT else x_ptr.dtype.element_ty
     ASM: tl.constexpr = not F32_DOT
@@ -371,7 +390,7 @@ def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, n_co
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row = rows.to(tl.int64)[:, None]
     j = tl.arange(0, 32)[None, :]
-    qs_stride = (256 if FMT == Q8_0 else 128) * n_super
+    qs_stride = (256 if FMT == Q8_0 or FMT == FP8 else 128) * n_super
     row_ok = row < n_rows
     for c in tl.static_range(CHUNKS):
         chunk = tl.program_id(1) * CHUNKS + c
@@ -641,11 +660,14 @@ class PackedWeight:
         prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there.
         gate_up_interleaved: w is a gate|up pair with its rows interleaved (QuantWeight.interleave_rows)."""
         device = torch.device(device)
+        # a row scale (FP8 checkpoints) travels in the planes of FP8 only
+        assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, quant_pack.FP8_E4M3), w.fmt.name
         if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
         # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
         gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))
-        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv)
+        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv,
+                             row_scale=w.row_scale if PACKED_FORMATS[w.fmt.name] == quant_pack.FP8_E4M3 else None)
         # A resident dense copy (--dense-large-batch) serves every batch past the GEMV itself
         plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv,
                                 quant_gemm_too=gemv and not keep_dense and uses_quant_gemm(device))

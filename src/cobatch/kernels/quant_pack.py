@@ -15,6 +15,8 @@ row-major [rows_pad, ...]:
   sub    q4_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
   qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
          16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
+FP8 (fp8_e4m3 checkpoints, loader/hf.py) has the planes of q8_0's byte layout: qs one e4m3 byte per weight, and
+d its f32 row scale [rows_pad, 1] (per channel, or the tensor's repeated); row-major only for now.
 
 Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
 (148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
@@ -47,8 +49,10 @@ import torch
 from cobatch.quant.formats import QuantFormat, _k_scales_mins, format_of
 
 # Format ids: the kernels' FMT constexpr.
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K = range(6)
-PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K}
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3 = range(7)
+PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K,
+                  "fp8_e4m3": FP8_E4M3}
+BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight, 256-byte super-block rows of qs
 FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)   # whose planes may be stored in fragment order
 
 ROW_PAD = 128    # largest BN any config uses
@@ -114,6 +118,8 @@ def pack_nibbles_64(values: torch.Tensor) -> torch.Tensor:
 def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
     """One chunk of rows: raw uint8 [r, row_bytes] with cols already a multiple of COL_PAD."""
     r = raw.shape[0]
+    if fmt_id == FP8_E4M3:         # the row scale is pack_planes'
+        return {"qs": raw[:, :cols]}
     if fmt_id == Q8_0:
         b = raw.view(r, cols // 32, 34)
         return {"qs": b[..., 2:].reshape(r, cols), "d": _f16_field(b, 0)}
@@ -300,10 +306,12 @@ def high_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
 
 
 def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
-                fragment: bool = False) -> PackedPlanes:
+                fragment: bool = False, row_scale: torch.Tensor | None = None) -> PackedPlanes:
     """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`.
-    fragment: qs and side planes in fragment order (only for FRAGMENT_FORMATS)."""
+    fragment: qs and side planes in fragment order (only for FRAGMENT_FORMATS). row_scale: FP8's [rows]."""
     fmt_id = PACKED_FORMATS[fmt.name]
+    assert not fragment or fmt_id in FRAGMENT_FORMATS, fmt.name
+    assert (row_scale is not None) == (fmt_id == FP8_E4M3), "an FP8 weight's planes carry its row scale"
     rows_pad, cols_pad = _round_up(rows, ROW_PAD), _round_up(cols, COL_PAD)
     padded_row_bytes = fmt.row_bytes(cols_pad)
     planes: dict[str, torch.Tensor] = {}
@@ -334,6 +342,9 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
             if name not in planes:
                 planes[name] = torch.empty(rows_pad, t.shape[1], dtype=t.dtype, device=device)
             planes[name][r0:r1] = t
+    if fmt_id == FP8_E4M3:
+        planes["d"] = torch.zeros(rows_pad, 1, dtype=torch.float32, device=device)
+        planes["d"][:rows, 0] = row_scale.to(device, torch.float32)
     layout = Q4_1 if fragment and fmt_id == Q4_K else fmt_id      # _q4k_as_affine
     return PackedPlanes(layout, rows, cols, rows_pad, cols_pad, **planes, fragment=fragment)
 
@@ -350,7 +361,9 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
                          None if p.sub is None else side_from_fragment_order(p.sub, _side_entry_bytes(p.fmt_id)),
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
     qs = p.qs
-    if p.fmt_id == Q8_0:
+    if p.fmt_id == FP8_E4M3:
+        w = qs.view(torch.float8_e4m3fn).float() * p.d.float()
+    elif p.fmt_id == Q8_0:
         q = qs.view(torch.int8).float().view(R, K // 32, 32)
         w = q * p.d.float()[..., None]
     else:
