@@ -136,7 +136,7 @@ for single in (False, True):
         dict(N_HEADS=128, BLOCK_H=16, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64, BLOCK_N=dec.block_n,
              MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, OPERAND=BF16),
         8, dec.num_stages, {"cache_ptr": "*bf16"})
-# The Triton quantized matmul and dequantize kernels over FP8 checkpoints' planes (e4m3 bytes, an f32 row scale)
+# The Triton quantized matmul and dequantize kernels over the checkpoint formats' planes (an f32 row scale)
 from cobatch.kernels import quant_matmul
 FP8_PLANES = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32", "qs_ptr": "*u8",
               "d_ptr": "*fp32", "m_ptr": "*u8", "sub_ptr": "*u8", "qh_ptr": "*u8"}
@@ -145,6 +145,11 @@ variants["quant_matmul fp8 narrow split_k=2"] = (
                                             F32_DOT=False), 4, 3, FP8_PLANES)
 variants["dequantize fp8"] = (quant_matmul._dequant_kernel, dict(FMT=quant_matmul.FP8, BN=64, CHUNKS=4, F32=False,
                                                                  FRAG=False), 4, 2, FP8_PLANES)
+variants["quant_matmul nvfp4 narrow split_k=2"] = (   # NVFP4: e2m1 codes, e4m3 block scales (sub), the row scale
+    quant_matmul._quant_matmul_kernel, dict(FMT=quant_matmul.NVFP4, BM=16, BN=64, BK=64, SPLIT_K=2, EVEN_K=True,
+                                            F32_DOT=False), 4, 3, FP8_PLANES)
+variants["dequantize nvfp4"] = (quant_matmul._dequant_kernel, dict(FMT=quant_matmul.NVFP4, BN=64, CHUNKS=4,
+                                                                   F32=False, FRAG=False), 4, 2, FP8_PLANES)
 # MLA prefill at DeepSeek's latent: the launcher's default config (32 query rows = 2 tokens x 16 heads, 8 warps)
 pre = mla_attention.MLA_PREFILL_CONFIG
 variants["mla prefill"] = (
@@ -336,6 +341,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 45 + 16 + 7 + 2 + 5
+    assert len(compiled) == 47 + 16 + 7 + 2 + 5
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -16,16 +16,16 @@ from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig, q
 from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
-from cobatch.testing.hf_checkpoints import to_fp8
+from cobatch.testing.hf_checkpoints import to_fp8, to_nvfp4
 
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches
 
 T = gguf.GGMLQuantizationType
-PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "fp8_e4m3"]
+PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
 # Tiny shapes: rows not a multiple of BN, K a multiple of the block but not of the tile (K-quants: 256).
 SMALL_SHAPES = {"q8_0": (40, 96), "q4_0": (72, 160), "q4_1": (33, 64), "q5_0": (40, 96),
-                "q4_k": (40, 512), "q6_k": (24, 512), "fp8_e4m3": (40, 96)}
+                "q4_k": (40, 512), "q6_k": (24, 512), "fp8_e4m3": (40, 96), "nvfp4": (40, 96)}
 TINY_SHAPES = {**SMALL_SHAPES, "q4_k": (24, 256), "q6_k": (24, 256)}   # the slower multi-run tests
 # The small-shape tests run the interpreter on the CPU and the compiled kernel on a GPU, with one explicit
 # plan: split-K 2 (the deterministic reduction is exercised) and a GEMM tier past 4 tokens.
@@ -35,10 +35,15 @@ SMALL_PLAN = MatmulPlan(TileConfig(16, 64, 64, 2, 4, 3), TileConfig(32, 64, 64, 
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device=DEVICE) -> QuantWeight:
     fmt = format_of(fmt_name)
-    if fmt_name == "fp8_e4m3":   # as an FP8 checkpoint holds it: e4m3 values of a normal matrix, a scale a channel
+    if fmt_name in ("fp8_e4m3", "nvfp4"):   # as a checkpoint holds a normal matrix (loader/hf.py's layout)
         values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02
-        q, scale = to_fp8(values, per_channel=True)
-        return QuantWeight(fmt, rows, cols, q.view(torch.uint8).to(device), scale[:, 0].to(device))
+        if fmt_name == "fp8_e4m3":          # a scale a channel
+            q, scale = to_fp8(values, per_channel=True)
+            return QuantWeight(fmt, rows, cols, q.view(torch.uint8).to(device), scale[:, 0].to(device))
+        codes, block_scale, global_scale = to_nvfp4(values)
+        blocks = torch.cat([block_scale.view(torch.uint8).reshape(-1, 1), codes.reshape(-1, 8)], 1)
+        return QuantWeight(fmt, rows, cols, blocks.reshape(rows, -1).to(device),
+                           global_scale.expand(rows).contiguous().to(device))
     raw = random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(seed))
     return QuantWeight(fmt, rows, cols, raw.to(device))
 
@@ -69,7 +74,7 @@ def test_planes_decode_to_the_gguf_values(fmt_name):
 
 def test_nbytes_counts_what_the_kernel_reads():
     for fmt_name, per_256 in [("q8_0", 272), ("q4_0", 144), ("q4_1", 160), ("q5_0", 176), ("q4_k", 148),
-                              ("q6_k", 212), ("fp8_e4m3", 258)]:     # fp8: 4 bytes of row scale per row
+                              ("q6_k", 212), ("fp8_e4m3", 258), ("nvfp4", 146)]:   # + 4 bytes of row scale
         w = make_weight(fmt_name, 128, 512, seed=2, device="cpu")
         assert PackedWeight.from_quant(w, "cpu").nbytes == 128 * 2 * per_256, fmt_name
 
@@ -89,7 +94,7 @@ def test_narrow_kernel_matches_reference(fmt_name):
         assert rel_err(y, quant_matmul_ref(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"])
 def test_gemm_config_matches_reference(fmt_name):
     rows, cols = TINY_SHAPES[fmt_name]
     w = make_weight(fmt_name, rows, cols, seed=5)
@@ -163,11 +168,12 @@ def test_plan_switches_to_the_wide_gemm_config_past_wide_from():
         MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 16, mid, 256, GemmConfig(NW=4, split_k=2, TMA=3), 64)
 
 
-def test_fp8_plans_hand_batches_past_the_narrow_kernel_to_cublas(monkeypatch):
-    """FP8 planes are read by the Triton kernel up to its crossover (no Gluon GEMV for them yet); past it they are
-    dequantized for cuBLAS (quant_configs.json's fp8 default), as every GEMV format's prefill is."""
+@pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "nvfp4"])
+def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkeypatch, fmt_name):
+    """FP8 and NVFP4 planes are read by the Triton kernel up to its crossover (no Gluon GEMV for them yet); past it
+    they are dequantized for cuBLAS (quant_configs.json's defaults for them), as every GEMV format's prefill is."""
     monkeypatch.setattr(qm, "interpreting", lambda: False)
-    plan = qm.plan_for("fp8_e4m3", 4096, 4096, 4096)
+    plan = qm.plan_for(fmt_name, 4096, 4096, 4096)
     assert isinstance(plan.narrow, TileConfig) and plan.gemm == qm.DEQUANT_CUBLAS and plan.mid is None
     assert plan.config_for(plan.crossover) is plan.narrow and plan.config_for(plan.crossover + 1) == qm.DEQUANT_CUBLAS
 
@@ -188,7 +194,7 @@ def test_unpacked_formats_fall_back_to_a_dense_matrix(ggml_type):
 
 def random_weight_cuda(fmt_name: str, rows: int, cols: int, seed: int) -> QuantWeight:
     """Valid random blocks, built in row slices (random_quantized is CPU-only) and moved to the GPU."""
-    if fmt_name == "fp8_e4m3":
+    if fmt_name in ("fp8_e4m3", "nvfp4"):
         return make_weight(fmt_name, rows, cols, seed, device="cuda")
     fmt = format_of(fmt_name)
     parts = [random_quantized(fmt.ggml_type, min(1024, rows - r0), cols, torch.Generator().manual_seed(seed + r0))

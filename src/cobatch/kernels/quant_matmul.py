@@ -60,8 +60,8 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 # The format ids as compile-time constants (Triton reads only constexpr globals).
 _const = tl.constexpr if tl is not None else (lambda v: v)
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8 = (_const(getattr(quant_pack, n)) for n in
-                                           ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "FP8_E4M3"))
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8, NVFP4 = (_const(getattr(quant_pack, n)) for n in
+                                                  ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "FP8_E4M3", "NVFP4"))
 
 
 def _nibble_asm(dtype: str, affine: bool) -> str:
@@ -182,17 +182,26 @@ def _q8_block(q, d, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @jit
-def _e4m3_block(q, scale, DT: tl.constexpr):
-    """OCP e4m3 bytes q [BN, 32] (uint8) times the row scale [BN, 1] (f32) -> DT. The bits are widened to an f32
-    by hand (sign, exponent + 120, mantissa; subnormals m * 2^-9), which every backend, the interpreter too, runs
-    exactly; 0x7F / 0xFF (NaN) read as 480, and a checkpoint holds none."""
+def _e4m3(q):
+    """OCP e4m3 bytes (any integer tensor) -> f32, widened by hand (sign, exponent + 120, mantissa; subnormals
+    m * 2^-9), which every backend, the interpreter too, runs exactly; 0x7F / 0xFF (NaN) read as 480, and a
+    checkpoint holds none."""
     qi = q.to(tl.int32) & 0xFF
     e = (qi >> 3) & 15
     m = qi & 7
     sign = tl.where(qi >= 128, -1.0, 1.0)
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    value = sign * tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return (value * scale).to(DT)
+    return sign * tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@jit
+def _e2m1(code):
+    """NVFP4's e2m1 codes (int32, 4 bits: sign, 2 exponent bits, 1 mantissa bit) -> f32: +-0, 0.5, 1, 1.5, 2, 3,
+    4, 6."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    magnitude = tl.where(e == 0, 0.5 * m, (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
+    return tl.where(code >= 8, -magnitude, magnitude)
 
 
 @jit
@@ -244,7 +253,16 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         scale = tl.load(d_ptr + row)
         q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, False)
         q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, False)
-        return _e4m3_block(q0, scale, DT), _e4m3_block(q1, scale, DT)
+        return (_e4m3(q0) * scale).to(DT), (_e4m3(q1) * scale).to(DT)
+    if FMT == NVFP4:    # row-major: codes paired as the 4-bit formats', an e4m3 scale per 16, an f32 row scale
+        q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, False)
+        s0, s1, s2, s3 = _quad(sub_ptr + row * (16 * side256) + 4 * chunk + four)
+        scale = tl.load(d_ptr + row)
+        first = j < 16
+        lo = tl.where(first, _e4m3(s0), _e4m3(s1)) * scale
+        hi = tl.where(first, _e4m3(s2), _e4m3(s3)) * scale
+        qi = q.to(tl.int32)
+        return (_e2m1(qi & 15) * lo).to(DT), (_e2m1(qi >> 4) * hi).to(DT)
     if FMT == Q8_0:
         q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, FRAG)
         q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, FRAG)
@@ -660,14 +678,14 @@ class PackedWeight:
         prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there.
         gate_up_interleaved: w is a gate|up pair with its rows interleaved (QuantWeight.interleave_rows)."""
         device = torch.device(device)
-        # a row scale (FP8 checkpoints) travels in the planes of FP8 only
-        assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, quant_pack.FP8_E4M3), w.fmt.name
+        # a row scale (FP8 and NVFP4 checkpoints) travels in their planes only
+        assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, *quant_pack.ROW_SCALED), w.fmt.name
         if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
         # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
         gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv,
-                             row_scale=w.row_scale if PACKED_FORMATS[w.fmt.name] == quant_pack.FP8_E4M3 else None)
+                             row_scale=w.row_scale if PACKED_FORMATS[w.fmt.name] in quant_pack.ROW_SCALED else None)
         # A resident dense copy (--dense-large-batch) serves every batch past the GEMV itself
         plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv,
                                 quant_gemm_too=gemv and not keep_dense and uses_quant_gemm(device))

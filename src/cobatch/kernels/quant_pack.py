@@ -15,8 +15,9 @@ row-major [rows_pad, ...]:
   sub    q4_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
   qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
          16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
-FP8 (fp8_e4m3 checkpoints, loader/hf.py) has the planes of q8_0's byte layout: qs one e4m3 byte per weight, and
-d its f32 row scale [rows_pad, 1] (per channel, or the tensor's repeated); row-major only for now.
+The checkpoint formats (loader/hf.py) carry their f32 row scale as d [rows_pad, 1] (per channel, or the tensor's
+repeated), row-major only for now: FP8 (fp8_e4m3) qs one e4m3 byte per weight (q8_0's byte layout); NVFP4 qs the
+e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3 block scale bytes, one per 16.
 
 Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
 (148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
@@ -46,13 +47,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cobatch.quant.formats import QuantFormat, _k_scales_mins, format_of
+from cobatch.quant.formats import E2M1_VALUES, QuantFormat, _k_scales_mins, format_of
 
 # Format ids: the kernels' FMT constexpr.
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3 = range(7)
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4 = range(8)
 PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K,
-                  "fp8_e4m3": FP8_E4M3}
-BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight, 256-byte super-block rows of qs
+                  "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
+ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside the blocks (QuantWeight.row_scale)
 FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)   # whose planes may be stored in fragment order
 
 ROW_PAD = 128    # largest BN any config uses
@@ -120,6 +121,10 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Te
     r = raw.shape[0]
     if fmt_id == FP8_E4M3:         # the row scale is pack_planes'
         return {"qs": raw[:, :cols]}
+    if fmt_id == NVFP4:            # 9-byte blocks of 16: the e4m3 scale, then codes 2 i (low nibble), 2 i + 1
+        b = raw.view(r, cols // 16, 9)
+        codes = torch.stack([b[..., 1:] & 15, b[..., 1:] >> 4], dim=-1).reshape(r, cols)
+        return {"qs": pack_nibbles_64(codes), "sub": b[..., 0].contiguous()}
     if fmt_id == Q8_0:
         b = raw.view(r, cols // 32, 34)
         return {"qs": b[..., 2:].reshape(r, cols), "d": _f16_field(b, 0)}
@@ -311,7 +316,7 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
     fragment: qs and side planes in fragment order (only for FRAGMENT_FORMATS). row_scale: FP8's [rows]."""
     fmt_id = PACKED_FORMATS[fmt.name]
     assert not fragment or fmt_id in FRAGMENT_FORMATS, fmt.name
-    assert (row_scale is not None) == (fmt_id == FP8_E4M3), "an FP8 weight's planes carry its row scale"
+    assert (row_scale is not None) == (fmt_id in ROW_SCALED), "a checkpoint format's planes carry its row scale"
     rows_pad, cols_pad = _round_up(rows, ROW_PAD), _round_up(cols, COL_PAD)
     padded_row_bytes = fmt.row_bytes(cols_pad)
     planes: dict[str, torch.Tensor] = {}
@@ -342,7 +347,7 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
             if name not in planes:
                 planes[name] = torch.empty(rows_pad, t.shape[1], dtype=t.dtype, device=device)
             planes[name][r0:r1] = t
-    if fmt_id == FP8_E4M3:
+    if fmt_id in ROW_SCALED:
         planes["d"] = torch.zeros(rows_pad, 1, dtype=torch.float32, device=device)
         planes["d"][:rows, 0] = row_scale.to(device, torch.float32)
     layout = Q4_1 if fragment and fmt_id == Q4_K else fmt_id      # _q4k_as_affine
@@ -363,6 +368,12 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     qs = p.qs
     if p.fmt_id == FP8_E4M3:
         w = qs.view(torch.float8_e4m3fn).float() * p.d.float()
+    elif p.fmt_id == NVFP4:
+        v = qs.view(R, K // 64, 1, 32)
+        codes = torch.cat([v & 15, v >> 4], dim=2).reshape(R, K).long()
+        grid = torch.tensor(E2M1_VALUES, device=qs.device)
+        values = torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7]).view(R, K // 16, 16)
+        w = values * p.sub.view(torch.float8_e4m3fn).float()[..., None] * p.d.float()[..., None]
     elif p.fmt_id == Q8_0:
         q = qs.view(torch.int8).float().view(R, K // 32, 32)
         w = q * p.d.float()[..., None]
