@@ -1,6 +1,6 @@
 """Kernel benchmark on the GPU: quantized GEMV / GEMM against the copy bandwidth and cuBLAS bf16.
 
-    PYTHONPATH=src python bench/kernels.py [--sweep] [--formats q8_0,q4_k,...] [--quick]
+    PYTHONPATH=src python bench/kernels.py [--sweep] [--formats q8_0,q4_k,fp8_e4m3,nvfp4,...] [--quick]
 
 1. Copy bandwidth (device-to-device, bytes read + written), measured in the same run: the ceiling.
 2. With --sweep: for each format and Llama-3-8B shape, times candidate narrow tile configs (n_tok 1 and 16;
@@ -72,8 +72,22 @@ CROSSOVER_TOKS = [16, 32, 64, 128]
 # --- weights ----------------------------------------------------------------------------------------------
 
 def random_weight(fmt_name: str, rows: int, cols: int, seed: int = 0) -> QuantWeight:
-    """Valid random blocks: a 256-row random_quantized slab, tiled over the rows on the GPU (fast)."""
+    """Valid random blocks: a 256-row random_quantized slab, tiled over the rows on the GPU (fast). The checkpoint
+    formats (fp8_e4m3, nvfp4) from a normal slab through their writers, with a row scale."""
     fmt = format_of(fmt_name)
+    if fmt.ggml_type is None:
+        from cobatch.testing.hf_checkpoints import to_fp8, to_nvfp4
+        values = torch.randn(256, cols, generator=torch.Generator().manual_seed(seed)) * 0.02
+        if fmt_name == "fp8_e4m3":
+            q, scale = to_fp8(values, per_channel=True)
+            slab, scale = q.view(torch.uint8), scale[:, 0]
+        else:
+            codes, block_scale, global_scale = to_nvfp4(values)
+            slab = torch.cat([block_scale.view(torch.uint8).reshape(-1, 1), codes.reshape(-1, 8)], 1).reshape(256, -1)
+            scale = global_scale.expand(256)
+        reps = -(-rows // 256)
+        return QuantWeight(fmt, rows, cols, slab.cuda().repeat(reps, 1)[:rows].contiguous(),
+                           scale.cuda().repeat(reps)[:rows].contiguous())
     slab = random_quantized(fmt.ggml_type, 256, cols, torch.Generator().manual_seed(seed)).cuda()
     raw = slab.repeat(-(-rows // 256), 1)[:rows].contiguous()
     return QuantWeight(fmt, rows, cols, raw)

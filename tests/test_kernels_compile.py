@@ -139,7 +139,8 @@ for single in (False, True):
 # The Triton quantized matmul and dequantize kernels over the checkpoint formats' planes (an f32 row scale)
 from cobatch.kernels import quant_matmul
 FP8_PLANES = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32", "qs_ptr": "*u8",
-              "d_ptr": "*fp32", "m_ptr": "*u8", "sub_ptr": "*u8", "qh_ptr": "*u8"}
+              "d_ptr": "*fp16", "m_ptr": "*u8", "sub_ptr": "*u8", "qh_ptr": "*u8"}     # q8_0's planes
+NVFP4_PLANES = {**FP8_PLANES, "d_ptr": "*fp32"}                                          # the f32 row scale
 variants["quant_matmul fp8 narrow split_k=2"] = (
     quant_matmul._quant_matmul_kernel, dict(FMT=quant_matmul.FP8, BM=16, BN=64, BK=64, SPLIT_K=2, EVEN_K=True,
                                             F32_DOT=False), 4, 3, FP8_PLANES)
@@ -147,9 +148,9 @@ variants["dequantize fp8"] = (quant_matmul._dequant_kernel, dict(FMT=quant_matmu
                                                                  FRAG=False), 4, 2, FP8_PLANES)
 variants["quant_matmul nvfp4 narrow split_k=2"] = (   # NVFP4: e2m1 codes, e4m3 block scales (sub), the row scale
     quant_matmul._quant_matmul_kernel, dict(FMT=quant_matmul.NVFP4, BM=16, BN=64, BK=64, SPLIT_K=2, EVEN_K=True,
-                                            F32_DOT=False), 4, 3, FP8_PLANES)
+                                            F32_DOT=False), 4, 3, NVFP4_PLANES)
 variants["dequantize nvfp4"] = (quant_matmul._dequant_kernel, dict(FMT=quant_matmul.NVFP4, BN=64, CHUNKS=4,
-                                                                   F32=False, FRAG=False), 4, 2, FP8_PLANES)
+                                                                   F32=False, FRAG=False), 4, 2, NVFP4_PLANES)
 # MLA prefill at DeepSeek's latent: the launcher's default config (32 query rows = 2 tokens x 16 heads, 8 warps)
 pre = mla_attention.MLA_PREFILL_CONFIG
 variants["mla prefill"] = (
@@ -217,7 +218,7 @@ from cobatch.kernels import quant_gemv, quant_pack
 gemv_variants = {}
 if quant_gemv.gluon is not None:
     # every format; the act*mul epilogue with and without split-K, at both token tiles; routed experts
-    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K):
+    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K, quant_pack.FP8_E4M3):
         for act, split, bt, routed in ((0, 2, 8, False), (1, 1, 16, False), (2, 2, 16, False), (1, 1, 8, True)):
             gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
                 FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act)
@@ -249,7 +250,7 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q8_0, 8, 256, 1, 0, True, 0, 1), (quant_pack.Q8_0, 4, 32, 4, 2, False, 2, 0),
             (quant_pack.Q4_0, 8, 64, 2, 1, True, 0, 1), (quant_pack.Q4_1, 8, 256, 1, 0, True, 0, 0),
             (quant_pack.Q4_1, 4, 32, 4, 2, False, 2, 1), (quant_pack.Q6_K, 8, 256, 1, 0, True, 0, 1),
-            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0, 0)):
+            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0, 0), (quant_pack.FP8_E4M3, 8, 256, 2, 1, True, 0, 1)):
         gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d} p={p}"] = \
             dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, P=bool(p), ACT=act)
 
@@ -257,7 +258,7 @@ def compile_gemm_tma_for_h200(constants):
     # The GEMM's TMA variant: x arrives as a tensor descriptor
     from triton.experimental.gluon import language as gl
     from cobatch.kernels import quant_gemm
-    kc = 32 if constants["FMT"] == quant_pack.Q8_0 else 64
+    kc = 32 if constants["FMT"] in quant_pack.BYTE_FORMATS else 64
     layout = gl.NVMMASharedLayout.get_default_for([constants["BN"], kc], gl.float16)
     compile_gluon_for_h200(quant_gemm._gemm_tma_kernel, constants, constants["NW"],
                            descriptors={"x_desc": f"tensordesc<fp16[{constants['BN']}, {kc}],{layout!r}>"})
@@ -279,7 +280,7 @@ def compile_gemm_ring_for_h200(constants):
     def desc(dtype, block, bits):
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block))
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
-    kc = 32 if fmt == quant_pack.Q8_0 else 64
+    kc = 32 if fmt in quant_pack.BYTE_FORMATS else 64
     qs = desc("u8", [nw, 2 * c, 256], 8)
     if fmt == quant_pack.Q6_K:
         d, sub, qh = desc("fp32", [nw, 16], 32), desc("i32", [nw, 16 * c], 32), desc("u8", [nw, c, 256], 8)
@@ -299,7 +300,8 @@ if quant_gemm.warpgroup_mma is not None:
                                                  (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False),
                                                  (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False),
                                                  (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True),
-                                                 (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True)):
+                                                 (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True),
+                                                 (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True)):
         gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"
                            f"{' apart' if apart else ''}"] = dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s,
                                                                   ACT=act, APART=apart)
@@ -341,6 +343,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 47 + 16 + 7 + 2 + 5
+    assert len(compiled) == 47 + 20 + 8 + 2 + 6
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -19,7 +19,7 @@ from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
-from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
+from test_quant_gemv import FRAGMENT, K_QUANTS, fp8_through_the_gluon_kernels, make_weight  # noqa: F401
 
 RING_SMEM = 227 * 1024      # an H200 SM's shared memory for one CTA
 

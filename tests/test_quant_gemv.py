@@ -21,19 +21,42 @@ from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pac
                                         unpack_planes)
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
+from cobatch.testing.hf_checkpoints import to_fp8
 
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
-FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
+FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "fp8_e4m3"]
 K_QUANTS = ("q4_k", "q6_k")    # rows of whole 256-weight super-blocks
+
+
+@pytest.fixture(autouse=True)
+def fp8_through_the_gluon_kernels(monkeypatch):
+    """FP8 planes take the Gluon GEMV and GEMM only where COBATCH_FP8_GEMV=1 (quant_matmul.uses_gemv): these
+    tests check them there."""
+    monkeypatch.setenv("COBATCH_FP8_GEMV", "1")
 
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
     fmt = format_of(fmt_name)
+    if fmt_name == "fp8_e4m3":   # as an FP8 checkpoint holds a normal matrix: e4m3 values, a scale a channel
+        q, scale = to_fp8(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02, True)
+        return QuantWeight(fmt, rows, cols, q.view(torch.uint8).to(device), scale[:, 0].to(device))
     parts = [random_quantized(fmt.ggml_type, min(1024, rows - r0), cols, torch.Generator().manual_seed(seed + r0))
              for r0 in range(0, rows, 1024)]
     return QuantWeight(fmt, rows, cols, torch.cat(parts).to(device))
+
+
+def planes_of(w: QuantWeight, device="cpu", fragment: bool = True):
+    return pack_planes(w.fmt, w.rows, w.cols, w.raw, torch.device(device), fragment=fragment, row_scale=w.row_scale)
+
+
+def planes_values(w: QuantWeight) -> torch.Tensor:
+    """The float32 values the planes must decode to: the format's own decode (FP8's row scale as the f16 d of
+    q8_0's planes)."""
+    if w.row_scale is not None:
+        return QuantWeight(w.fmt, w.rows, w.cols, w.raw, w.row_scale.half().float()).dequantize(torch.float32).cpu()
+    return dequantize(w.raw.cpu(), w.fmt.ggml_type, w.cols)
 
 
 # --- repack (CPU) -----------------------------------------------------------------------------------------
@@ -131,10 +154,10 @@ def test_affine_side_plane_gives_a_lane_group_its_eight_values_in_16_bytes():
 def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
     rows, cols = 40, 512
     w = make_weight(fmt_name, rows, cols, seed=1)
-    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"), fragment=True)
+    planes = planes_of(w)
     assert planes.fragment and planes.qs.shape[0] == planes.rows_pad // 16
-    row_major = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"))
-    ref = dequantize(w.raw, w.fmt.ggml_type, cols)
+    row_major = planes_of(w, fragment=False)
+    ref = planes_values(w)
     if fmt_name == "q4_k":   # repacked as q4_1: an f16 scale and offset per 32-block, each rounded once
         assert planes.fmt_id == quant_pack.Q4_1 and planes.m is None and planes.sub is None   # m inside d
         assert planes.nbytes == planes.rows_pad * planes.cols_pad * 5 // 8    # 4 bits + 2 x f16 per 32
@@ -150,10 +173,10 @@ def test_row_tiles_of_a_stack_are_each_part_packed_alone(fmt_name):
     expert e's row tiles gives the planes of expert e packed alone, byte for byte."""
     rows, cols = 128, 512
     w = make_weight(fmt_name, 3 * rows, cols, seed=4)
-    stack = pack_planes(w.fmt, 3 * rows, cols, w.raw, torch.device("cpu"), fragment=True)
+    stack = planes_of(w)
     for e in range(3):
         view = stack.row_tiles(e * rows // 16, (e + 1) * rows // 16)
-        alone = pack_planes(w.fmt, rows, cols, w.raw[e * rows:(e + 1) * rows], torch.device("cpu"), fragment=True)
+        alone = planes_of(w.row_slice(e * rows, (e + 1) * rows))
         assert (view.rows, view.rows_pad, view.fmt_id) == (alone.rows, alone.rows_pad, alone.fmt_id)
         assert len(view.tensors()) == len(alone.tensors())
         assert all(torch.equal(a, b) for a, b in zip(view.tensors(), alone.tensors()))
@@ -166,8 +189,8 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows, cols = 40, 768 if fmt_name not in K_QUANTS else 512
     w = make_weight(fmt_name, rows, cols, seed=2)
-    planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device(device), fragment=True)
-    ref = dequantize(w.raw, w.fmt.ggml_type, cols)
+    planes = planes_of(w, device)
+    ref = planes_values(w)
     if device == "cpu":       # the interpreter computes in f32; q4_K's block scales are f16 (_q4k_as_affine)
         dense = torch.full((rows, cols), float("nan"), dtype=torch.float32)
         qm.dequantize_planes(planes, dense)

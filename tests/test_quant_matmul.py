@@ -67,6 +67,8 @@ def test_planes_decode_to_the_gguf_values(fmt_name):
     rows, cols = SMALL_SHAPES[fmt_name]
     w = make_weight(fmt_name, rows, cols, seed=1, device="cpu")
     planes = pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"), row_scale=w.row_scale)
+    if fmt_name == "fp8_e4m3":     # q8_0's planes: the row scale as an f16 d
+        w = QuantWeight(w.fmt, rows, cols, w.raw, w.row_scale.half().float())
     want = dequantize(w.raw, w.fmt.ggml_type, cols) if w.row_scale is None else w.dequantize(torch.float32)
     torch.testing.assert_close(unpack_planes(planes), want, rtol=0, atol=0)
     assert planes.rows_pad % 128 == 0 and planes.cols_pad % 256 == 0
@@ -74,7 +76,7 @@ def test_planes_decode_to_the_gguf_values(fmt_name):
 
 def test_nbytes_counts_what_the_kernel_reads():
     for fmt_name, per_256 in [("q8_0", 272), ("q4_0", 144), ("q4_1", 160), ("q5_0", 176), ("q4_k", 148),
-                              ("q6_k", 212), ("fp8_e4m3", 258), ("nvfp4", 146)]:   # + 4 bytes of row scale
+                              ("q6_k", 212), ("fp8_e4m3", 272), ("nvfp4", 146)]:   # nvfp4: + a row scale
         w = make_weight(fmt_name, 128, 512, seed=2, device="cpu")
         assert PackedWeight.from_quant(w, "cpu").nbytes == 128 * 2 * per_256, fmt_name
 
@@ -176,6 +178,16 @@ def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkey
     plan = qm.plan_for(fmt_name, 4096, 4096, 4096)
     assert isinstance(plan.narrow, TileConfig) and plan.gemm == qm.DEQUANT_CUBLAS and plan.mid is None
     assert plan.config_for(plan.crossover) is plan.narrow and plan.config_for(plan.crossover + 1) == qm.DEQUANT_CUBLAS
+
+
+def test_fp8_scales_f16_cannot_hold_run_as_a_dense_matrix():
+    """FP8 planes are q8_0's, with the row scale as an f16 d: a scale below f16's normal range falls back to the
+    dequantized matrix (exact), a weight of representable scales is packed."""
+    w = make_weight("fp8_e4m3", 40, 96, seed=18, device="cpu")
+    assert PackedWeight.from_quant(w, "cpu").planes is not None
+    tiny = QuantWeight(w.fmt, w.rows, w.cols, w.raw, w.row_scale * 1e-4)
+    pw = PackedWeight.from_quant(tiny, "cpu")
+    assert pw.planes is None and torch.equal(pw.dense, tiny.dequantize(torch.float32).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q5_1, T.Q3_K, T.F16])

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from cobatch.kernels import quant_gemv
+from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.moe_routing import ExpertSlots
 from cobatch.kernels.quant_matmul import PackedWeight, plan_for, reserve_scratch, uses_gemv
 from cobatch.kernels.quant_pack import FRAGMENT_FORMATS, PACKED_FORMATS, ROW_PAD, PackedPlanes, pack_planes
@@ -57,7 +57,9 @@ class PackedExperts:
         rows = w.rows // n_experts
         if not uses_gemv(w.fmt.name, device) or not stackable(w.fmt.name, rows):
             return None
-        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True)
+        if w.row_scale is not None and not quant_pack.fp8_packable(w.row_scale):
+            return None
+        planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True, row_scale=w.row_scale)
         self = cls(w.fmt.name, n_experts, rows, w.cols, planes,
                    plan_for(w.fmt.name, rows, w.cols, planes.cols_pad, gemv=True), gate_up_interleaved)
         reserve_scratch(device, self.plan, rows, rows, w.cols)      # for the expert-by-expert path

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q4_1, F_Q6_K, F_Q8_0, gl, gluon
+from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q4_1, F_Q6_K, _byte_fmt, gl, gluon
 from cobatch.kernels.triton_support import jit, tl
 
 try:
@@ -177,7 +177,7 @@ if gluon is not None and warpgroup_mma is not None:
         """A chunk's scale data as four [16 NW, 1] tensors, in quant_gemv._dequant_operand's order; d_col: q6_K's
         super-block entry (chunk // 4 in the plane, 0 in a ring stage). With SMEM the sources are a ring stage's
         buffers and `chunk` counts within the stage (_side_entry)."""
-        if FMT == F_Q8_0:
+        if _byte_fmt(FMT):
             a = _as_rows(_side_entry(d_src, tile0, chunk, 16 * side32, NW, 2, SMEM), NW, SIDE)
             b = a
             c = a
@@ -243,7 +243,7 @@ if gluon is not None and warpgroup_mma is not None:
                    SIDE: gl.constexpr, X: gl.constexpr = True):
         """The loads of one K step (a chunk): quant bytes, scale data, q6_K's high bits (else the quant bytes
         again: unused) and, with X, x, raw (else the quant bytes again)."""
-        KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
+        KC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, NW, 16))
         a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, chunk // 4, side32, side256, FMT, NW, SIDE)
         if FMT == F_Q6_K:
@@ -262,7 +262,7 @@ if gluon is not None and warpgroup_mma is not None:
         """One K step from its loads: with STAGE, stage x in `buf` (else it is there: TMA), dequantize, and issue
         the step's MMAs on acc (asynchronously: the caller waits)."""
         Q6: gl.constexpr = FMT == F_Q6_K
-        KC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
+        KC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
         if STAGE:
             buf.store(_x_operand(x, BN, KC, Q6))
         if Q6:
@@ -286,7 +286,7 @@ if gluon is not None and warpgroup_mma is not None:
             if STAGE:
                 fence_async_shared()
                 gl.thread_barrier()
-            if FMT == F_Q8_0:
+            if _byte_fmt(FMT):
                 acc = warpgroup_mma(w0, buf.permute((1, 0)), acc, is_async=True)
             else:       # the low nibbles are the chunk's first 32 columns, the high nibbles the next 32
                 acc = warpgroup_mma(w0, buf.slice(0, 32, 1).permute((1, 0)), acc, is_async=True)
@@ -302,8 +302,8 @@ if gluon is not None and warpgroup_mma is not None:
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
         Q6: gl.constexpr = FMT == F_Q6_K
-        WPC: gl.constexpr = 32 if FMT == F_Q8_0 else 64      # weights per chunk (one K step)
-        NB: gl.constexpr = 1 if FMT == F_Q8_0 else (4 if Q6 else 2)   # MMAs (commit groups) per step
+        WPC: gl.constexpr = 32 if _byte_fmt(FMT) else 64      # weights per chunk (one K step)
+        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if Q6 else 2)   # MMAs (commit groups) per step
         KC: gl.constexpr = WPC                               # x columns per step
         n_chunks = gl.multiple_of(n_chunks, 4)
         side32 = n_chunks * WPC // 32
@@ -368,8 +368,8 @@ if gluon is not None and warpgroup_mma is not None:
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
-        WPC: gl.constexpr = 32 if FMT == F_Q8_0 else 64
-        NB: gl.constexpr = 1 if FMT == F_Q8_0 else (4 if FMT == F_Q6_K else 2)
+        WPC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
+        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if FMT == F_Q6_K else 2)
         n_chunks = gl.multiple_of(n_chunks, 4)
         side32 = n_chunks * WPC // 32
         side256 = n_chunks * WPC // 256
@@ -514,7 +514,7 @@ if gluon is not None and warpgroup_mma is not None:
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
-        NB: gl.constexpr = 1 if FMT == F_Q8_0 else (4 if FMT == F_Q6_K else 2)
+        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if FMT == F_Q6_K else 2)
         S: gl.constexpr = ready.shape[0]
         # STEPS_PER_ITERATION chunks per loop iteration, none in flight across its back edge (_gemm_kernel)
         U: gl.constexpr = _STEPS // C
@@ -761,12 +761,12 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
 
 def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
     """x16's TMA descriptor: one K step's [bn tokens, chunk columns] block, swizzled for the MMA."""
-    kc = 32 if fmt_id == quant_pack.Q8_0 else 64
+    kc = 32 if fmt_id in quant_pack.BYTE_FORMATS else 64
     return TensorDescriptor.from_tensor(x16, [bn, kc], gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16))
 
 
 # Entries per 16-row tile and chunk of each format's d plane (_side_shape's table, for the host)
-_SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64}
+_SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64}
 _weight_descriptors: dict[tuple, object] = {}
 
 
@@ -796,7 +796,7 @@ def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
 
 def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
     """Shared memory of the ring variant's buffers (the plans skip configs past the SM's 227 KB)."""
-    kc = 32 if fmt_id == quant_pack.Q8_0 else 64
+    kc = 32 if fmt_id in quant_pack.BYTE_FORMATS else 64
     chunk = 512 * cfg.NW + 2 * bn * kc
     if fmt_id == quant_pack.Q6_K:
         chunk += 256 * cfg.NW + 64 * cfg.NW

@@ -56,8 +56,18 @@ def _c(v):
     return gl.constexpr(v) if gl is not None else v
 
 
-# The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine).
-F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K = (_c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K))
+def _byte_fmt_of(fmt) -> bool:
+    return int(fmt) in quant_pack.BYTE_FORMATS
+
+
+# Inside the kernels: q8_0 and FP8 share their planes (one byte a weight, an f16 scale per 32 weights)
+_byte_fmt = gluon.constexpr_function(_byte_fmt_of) if gluon is not None else _byte_fmt_of
+
+
+# The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine), and
+# FP8's are q8_0's with e4m3 bytes (_byte_fmt: the one difference is the decode, _dequant_operand).
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_FP8 = (_c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1,
+                                                         quant_pack.Q6_K, quant_pack.FP8_E4M3))
 # The epilogue: store the rows as they are, or act(gate) * up of gate|up rows interleaved 8 by 8.
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 ACT_NONE, ACT_SILU, ACT_GELU_TANH = (_c(v) for v in ACTS.values())
@@ -119,6 +129,19 @@ ASM_Q8 = _c("""{
  prmt.b32 a1, u, 0x64646464, 0x4341;
  sub.rn.f16x2 a0, a0, z;
  sub.rn.f16x2 a1, a1, z;
+ mul.rn.f16x2 $0, a0, $3;
+ mul.rn.f16x2 $1, a1, $4;
+}""")
+
+# FP8 (e4m3): $2 = the word's four e4m3 bytes, paired (b0, b2) and (b1, b3) as ASM_Q8 pairs its int8 bytes, each pair
+# widened to f16x2 by the hardware's cvt (sm_89+), times the scales $3, $4 (the same side data as q8_0's).
+ASM_FP8 = _c("""{
+ .reg .b32 t, a0, a1;
+ .reg .b16 lo, hi;
+ prmt.b32 t, $2, 0, 0x3120;
+ mov.b32 {lo, hi}, t;
+ cvt.rn.f16x2.e4m3x2 a0, lo;
+ cvt.rn.f16x2.e4m3x2 a1, hi;
  mul.rn.f16x2 $0, a0, $3;
  mul.rn.f16x2 $1, a1, $4;
 }""")
@@ -298,7 +321,7 @@ if gluon is not None:
     def _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, W: gl.constexpr,
                     RT: gl.constexpr, SIDE: gl.constexpr):
         """The scale data of each warp's chunk, raw: four [W, 16 RT, 1] tensors (unused ones repeat)."""
-        if FMT == F_Q8_0:
+        if _byte_fmt(FMT):
             a = _row_side(d_ptr, tile0, side32, chunk, W, RT, SIDE)
             b = a
             c = a
@@ -323,7 +346,7 @@ if gluon is not None:
                      B: gl.constexpr, EVEN_K: gl.constexpr):
         """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
         a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
-        if FMT == F_Q8_0:
+        if _byte_fmt(FMT):
             x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, EVEN_K)
             x1 = x0
         else:
@@ -354,6 +377,10 @@ if gluon is not None:
         warpgroup-MMA one: both give a lane the same rows and columns), scale data broadcast along k."""
         if FMT == F_Q8_0:
             w = gl.inline_asm_elementwise(ASM_Q8, "=r,=r,r,r,r", [q, a], gl.float16, True, 4)
+            lo = w
+            hi = w
+        elif FMT == F_FP8:
+            w = gl.inline_asm_elementwise(ASM_FP8, "=r,=r,r,r,r", [q, a], gl.float16, True, 4)
             lo = w
             hi = w
         elif FMT == F_Q4_0:
@@ -463,7 +490,7 @@ if gluon is not None:
         B: gl.constexpr = _layouts(W, RT, BT)[2]
         LD: gl.constexpr = _layouts(W, RT, BT)[3]
         SIDE: gl.constexpr = gl.SliceLayout(2, A)
-        WPC: gl.constexpr = 32 if FMT == F_Q8_0 else 64      # weights per chunk (and per K step of a warp)
+        WPC: gl.constexpr = 32 if _byte_fmt(FMT) else 64      # weights per chunk (and per K step of a warp)
         n_chunks = gl.multiple_of(n_chunks, 4)
         side32 = n_chunks * WPC // 32
         side256 = n_chunks * WPC // 256
@@ -508,7 +535,7 @@ if gluon is not None:
                                                       B, EVEN_K)
                     lo, hi = _dequant(q, a, b, c, e, FMT, W, RT, A)
                     acc = mma_v2(lo, x0, acc)
-                    if FMT != F_Q8_0:
+                    if not _byte_fmt(FMT):
                         acc = mma_v2(hi, x1, acc)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)

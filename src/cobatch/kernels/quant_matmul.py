@@ -249,11 +249,13 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
     32-weight blocks 2*chunk and 2*chunk+1. j = arange(32)[None, :]. qs_stride: bytes per row."""
     two = tl.arange(0, 2)[None, :]
     four = tl.arange(0, 4)[None, :]
-    if FMT == FP8:      # row-major: one f32 row scale (quant_pack)
-        scale = tl.load(d_ptr + row)
-        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, False)
-        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, False)
-        return (_e4m3(q0) * scale).to(DT), (_e4m3(q1) * scale).to(DT)
+    if FMT == Q8_0 or FMT == FP8:      # the same planes (quant_pack.BYTE_FORMATS), int8 or e4m3 bytes
+        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, FRAG)
+        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, FRAG)
+        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
+        if FMT == FP8:
+            return (_e4m3(q0) * d0.to(tl.float32)).to(DT), (_e4m3(q1) * d1.to(tl.float32)).to(DT)
+        return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
     if FMT == NVFP4:    # row-major: codes paired as the 4-bit formats', an e4m3 scale per 16, an f32 row scale
         q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, False)
         s0, s1, s2, s3 = _quad(sub_ptr + row * (16 * side256) + 4 * chunk + four)
@@ -263,11 +265,6 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         hi = tl.where(first, _e4m3(s2), _e4m3(s3)) * scale
         qi = q.to(tl.int32)
         return (_e2m1(qi & 15) * lo).to(DT), (_e2m1(qi >> 4) * hi).to(DT)
-    if FMT == Q8_0:
-        q0 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk, j, FMT, FRAG)
-        q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, FRAG)
-        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
-        return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
     q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, FRAG)        # low nibbles: block 2c, high: 2c+1
     if FMT == Q4_0:
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
@@ -510,10 +507,12 @@ def default_split_k(n_rows: int, n_cols_pad: int, cfg: TileConfig, sms: int = 13
 
 def uses_gemv(fmt_name: str, device: torch.device) -> bool:
     """Does this weight go through the Gluon GEMV (fragment-order planes)? CUDA only: Gluon has no
-    interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons)."""
+    interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons). FP8 planes take the Gluon
+    kernels with COBATCH_FP8_GEMV=1 only (their GPU tests set it) until those tests have passed on the H200."""
+    fmt_id = PACKED_FORMATS.get(fmt_name)
     return (torch.device(device).type == "cuda" and not interpreting() and quant_gemv.gluon is not None
-            and PACKED_FORMATS.get(fmt_name) in quant_pack.FRAGMENT_FORMATS
-            and os.environ.get("COBATCH_TRITON_GEMV") != "1")
+            and fmt_id in quant_pack.FRAGMENT_FORMATS and os.environ.get("COBATCH_TRITON_GEMV") != "1"
+            and (fmt_id != quant_pack.FP8_E4M3 or os.environ.get("COBATCH_FP8_GEMV") == "1"))
 
 
 def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
@@ -538,7 +537,7 @@ def uses_quant_gemm(device: torch.device) -> bool:
 
 
 def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
-    return n_cols_pad // (32 if fmt_name == "q8_0" else 64)
+    return n_cols_pad // (32 if PACKED_FORMATS.get(fmt_name) in quant_pack.BYTE_FORMATS else 64)
 
 
 def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False,
@@ -680,7 +679,8 @@ class PackedWeight:
         device = torch.device(device)
         # a row scale (FP8 and NVFP4 checkpoints) travels in their planes only
         assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, *quant_pack.ROW_SCALED), w.fmt.name
-        if w.fmt.name not in PACKED_FORMATS:   # documented fallback: dense matrix + cuBLAS
+        unpackable = w.fmt.name == "fp8_e4m3" and not quant_pack.fp8_packable(w.row_scale)
+        if w.fmt.name not in PACKED_FORMATS or unpackable:   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
         # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
         gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))

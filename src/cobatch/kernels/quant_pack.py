@@ -15,9 +15,11 @@ row-major [rows_pad, ...]:
   sub    q4_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
   qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
          16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
-The checkpoint formats (loader/hf.py) carry their f32 row scale as d [rows_pad, 1] (per channel, or the tensor's
-repeated), row-major only for now: FP8 (fp8_e4m3) qs one e4m3 byte per weight (q8_0's byte layout); NVFP4 qs the
-e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3 block scale bytes, one per 16.
+The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: per channel, or the tensor's
+repeated). FP8 (fp8_e4m3) has exactly q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
+as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels' byte decode differs.
+NVFP4, row-major only for now: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3
+block scale bytes (one per 16), d the f32 row scale [rows_pad, 1].
 
 Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
 (148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
@@ -54,7 +56,8 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4 = range(8)
 PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K,
                   "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
 ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside the blocks (QuantWeight.row_scale)
-FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)   # whose planes may be stored in fragment order
+BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight and an f16 scale per 32: the same planes
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_E4M3)   # whose planes may be stored in fragment order
 
 ROW_PAD = 128    # largest BN any config uses
 COL_PAD = 256    # largest BK; also the K-quant super-block
@@ -116,15 +119,16 @@ def pack_nibbles_64(values: torch.Tensor) -> torch.Tensor:
     return (v[..., 0, :] | (v[..., 1, :] << 4)).flatten(-2)
 
 
-def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
-    """One chunk of rows: raw uint8 [r, row_bytes] with cols already a multiple of COL_PAD."""
+def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One chunk of rows: raw uint8 [r, row_bytes] with cols already a multiple of COL_PAD; scale: the rows'
+    row scale (the checkpoint formats)."""
     r = raw.shape[0]
-    if fmt_id == FP8_E4M3:         # the row scale is pack_planes'
-        return {"qs": raw[:, :cols]}
+    if fmt_id == FP8_E4M3:         # q8_0's planes: the row scale as each 32-block's f16 d
+        return {"qs": raw[:, :cols], "d": scale.half()[:, None].expand(r, cols // 32).contiguous()}
     if fmt_id == NVFP4:            # 9-byte blocks of 16: the e4m3 scale, then codes 2 i (low nibble), 2 i + 1
         b = raw.view(r, cols // 16, 9)
         codes = torch.stack([b[..., 1:] & 15, b[..., 1:] >> 4], dim=-1).reshape(r, cols)
-        return {"qs": pack_nibbles_64(codes), "sub": b[..., 0].contiguous()}
+        return {"qs": pack_nibbles_64(codes), "sub": b[..., 0].contiguous(), "d": scale.float()[:, None]}
     if fmt_id == Q8_0:
         b = raw.view(r, cols // 32, 34)
         return {"qs": b[..., 2:].reshape(r, cols), "d": _f16_field(b, 0)}
@@ -313,7 +317,8 @@ def high_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
 def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, device: torch.device,
                 fragment: bool = False, row_scale: torch.Tensor | None = None) -> PackedPlanes:
     """GGUF bytes uint8 [rows, row_bytes] (any device, may be a read-only mmap) -> planes on `device`.
-    fragment: qs and side planes in fragment order (only for FRAGMENT_FORMATS). row_scale: FP8's [rows]."""
+    fragment: qs and side planes in fragment order (only for FRAGMENT_FORMATS). row_scale: the checkpoint
+    formats' [rows] (FP8's must be fp8_packable)."""
     fmt_id = PACKED_FORMATS[fmt.name]
     assert not fragment or fmt_id in FRAGMENT_FORMATS, fmt.name
     assert (row_scale is not None) == (fmt_id in ROW_SCALED), "a checkpoint format's planes carry its row scale"
@@ -325,7 +330,11 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
         chunk = torch.zeros(r1 - r0, padded_row_bytes, dtype=torch.uint8, device=device)
         if r0 < rows:  # zero bytes decode to 0 in every format (the f16 scales are +0.0)
             chunk[:min(rows, r1) - r0, :raw.shape[1]] = raw[r0:min(rows, r1)].to(device)
-        chunk_planes = _pack_chunk(fmt_id, chunk, cols_pad)
+        scale = None
+        if row_scale is not None:   # padded rows get scale 0
+            scale = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
+            scale[:max(0, min(rows, r1) - r0)] = row_scale[r0:min(rows, r1)].to(device, torch.float32)
+        chunk_planes = _pack_chunk(fmt_id, chunk, cols_pad, scale)
         if fragment and fmt_id == Q4_K:
             chunk_planes = _q4k_as_affine(chunk_planes)
         if fragment and "m" in chunk_planes:      # q4_1's layout: scales and offsets in one plane
@@ -347,9 +356,6 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
             if name not in planes:
                 planes[name] = torch.empty(rows_pad, t.shape[1], dtype=t.dtype, device=device)
             planes[name][r0:r1] = t
-    if fmt_id in ROW_SCALED:
-        planes["d"] = torch.zeros(rows_pad, 1, dtype=torch.float32, device=device)
-        planes["d"][:rows, 0] = row_scale.to(device, torch.float32)
     layout = Q4_1 if fragment and fmt_id == Q4_K else fmt_id      # _q4k_as_affine
     return PackedPlanes(layout, rows, cols, rows_pad, cols_pad, **planes, fragment=fragment)
 
@@ -367,7 +373,7 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
     qs = p.qs
     if p.fmt_id == FP8_E4M3:
-        w = qs.view(torch.float8_e4m3fn).float() * p.d.float()
+        w = qs.view(torch.float8_e4m3fn).float().view(R, K // 32, 32) * p.d.float()[..., None]
     elif p.fmt_id == NVFP4:
         v = qs.view(R, K // 64, 1, 32)
         codes = torch.cat([v & 15, v >> 4], dim=2).reshape(R, K).long()
@@ -397,6 +403,13 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
             d = p.d.float()[..., None]
             w = d * q + p.m.float()[..., None] if p.fmt_id == Q4_1 else d * (q - (16 if p.fmt_id == Q5_0 else 8))
     return w.reshape(R, K)[:p.rows, :p.cols]
+
+
+def fp8_packable(row_scale: torch.Tensor) -> bool:
+    """Do an FP8 weight's row scales fit q8_0's f16 d as normal numbers (else it runs dequantized, as formats
+    without planes do)? Per-channel scales amax / 448 of real weights are 1e-5 .. 1e-1."""
+    a = row_scale.abs()
+    return bool(((a == 0) | ((a >= 2.0 ** -14) & (a <= 65504.0))).all())
 
 
 def packable(fmt_name: str) -> bool:
