@@ -86,19 +86,19 @@ PREFILL_SMALL = MlaPrefillConfig(rows=16, block_h=8, block_n=16, num_warps=4)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_matches_reference(dtype):
-    """Chunks of 1 to 37 rows over contexts that start before the chunk (a later chunk of a prompt), a whole
+    """Chunks of 1 to 21 rows over contexts that start before the chunk (a later chunk of a prompt), a whole
     prompt, a decode row among them and a sequence without rows in the step; 12 heads in two blocks of 8, the
     second partly masked; rope padded from 8 to 16."""
-    seq_lens, q_lens = [37, 60, 5, 23, 9], [37, 20, 1, 0, 9]
+    seq_lens, q_lens = [21, 40, 5, 23, 9], [21, 12, 1, 0, 9]
     q, cache, meta = latent_setup(seq_lens, 12, 16, 8, dtype, seed=6, q_lens=q_lens)
     ref = mla_attention_ref(q, cache, meta, 0.3, 16)
     got = mla_prefill_attention(q, cache, meta, 0.3, 16, cfg=PREFILL_SMALL)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert relative_error(got, ref) < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     # a row does not depend on the other rows of its step: the whole prompt alone gives the same bits
-    alone = AttentionMetadata(meta.slot_mapping[:37], meta.query_start[:2], meta.seq_lens[:1],
-                              meta.block_tables[:1], 37, meta.max_seq_len)
-    assert torch.equal(mla_prefill_attention(q[:37], cache, alone, 0.3, 16, cfg=PREFILL_SMALL), got[:37])
+    alone = AttentionMetadata(meta.slot_mapping[:21], meta.query_start[:2], meta.seq_lens[:1],
+                              meta.block_tables[:1], 21, meta.max_seq_len)
+    assert torch.equal(mla_prefill_attention(q[:21], cache, alone, 0.3, 16, cfg=PREFILL_SMALL), got[:21])
 
 
 def test_prefill_of_padded_rows_stays_zero():

@@ -168,17 +168,17 @@ def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normal
 
 def test_router_logits_ignore_the_batch():
     """The logits DeepSeek's router starts from (ops.router_logits on CUDA): h @ router.T, and a row's bits alone
-    equal its bits in a batch of 13 (an empty step too)."""
+    equal its bits in a batch of 7 (an empty step too)."""
     from cobatch.kernels.moe_routing import router_logits_triton
     g = torch.Generator().manual_seed(21)
-    router, h = torch.randn(64, 320, generator=g) * 0.2, torch.randn(13, 320, generator=g).to(torch.bfloat16)
+    router, h = torch.randn(16, 320, generator=g) * 0.2, torch.randn(7, 320, generator=g).to(torch.bfloat16)
     if torch.cuda.is_available():
         router, h = router.cuda(), h.cuda()
     logits = router_logits_triton(h, router)
     assert logits.dtype == torch.float32 and torch.allclose(logits, h.float() @ router.T, rtol=1e-5, atol=1e-5)
-    for r in (0, 6, 12):
+    for r in (0, 6):
         assert torch.equal(router_logits_triton(h[r:r + 1], router)[0], logits[r])
-    assert router_logits_triton(h[:0], router).shape == (0, 64)
+    assert router_logits_triton(h[:0], router).shape == (0, 16)
 
 
 @pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8),
