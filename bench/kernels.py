@@ -76,18 +76,11 @@ def random_weight(fmt_name: str, rows: int, cols: int, seed: int = 0) -> QuantWe
     formats (fp8_e4m3, nvfp4) from a normal slab through their writers, with a row scale."""
     fmt = format_of(fmt_name)
     if fmt.ggml_type is None:
-        from cobatch.testing.hf_checkpoints import to_fp8, to_nvfp4
-        values = torch.randn(256, cols, generator=torch.Generator().manual_seed(seed)) * 0.02
-        if fmt_name == "fp8_e4m3":
-            q, scale = to_fp8(values, per_channel=True)
-            slab, scale = q.view(torch.uint8), scale[:, 0]
-        else:
-            codes, block_scale, global_scale = to_nvfp4(values)
-            slab = torch.cat([block_scale.view(torch.uint8).reshape(-1, 1), codes.reshape(-1, 8)], 1).reshape(256, -1)
-            scale = global_scale.expand(256)
+        from cobatch.testing.hf_checkpoints import checkpoint_weight
+        slab = checkpoint_weight(torch.randn(256, cols, generator=torch.Generator().manual_seed(seed)) * 0.02, fmt_name)
         reps = -(-rows // 256)
-        return QuantWeight(fmt, rows, cols, slab.cuda().repeat(reps, 1)[:rows].contiguous(),
-                           scale.cuda().repeat(reps)[:rows].contiguous())
+        return QuantWeight(fmt, rows, cols, slab.raw.cuda().repeat(reps, 1)[:rows].contiguous(),
+                           slab.row_scale.cuda().repeat(reps)[:rows].contiguous())
     slab = random_quantized(fmt.ggml_type, 256, cols, torch.Generator().manual_seed(seed)).cuda()
     raw = slab.repeat(-(-rows // 256), 1)[:rows].contiguous()
     return QuantWeight(fmt, rows, cols, raw)

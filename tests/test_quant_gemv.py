@@ -21,7 +21,7 @@ from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pac
                                         unpack_planes)
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
-from cobatch.testing.hf_checkpoints import to_fp8
+from cobatch.testing.hf_checkpoints import checkpoint_weight
 
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
@@ -39,9 +39,9 @@ def fp8_through_the_gluon_kernels(monkeypatch):
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
     fmt = format_of(fmt_name)
-    if fmt_name == "fp8_e4m3":   # as an FP8 checkpoint holds a normal matrix: e4m3 values, a scale a channel
-        q, scale = to_fp8(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02, True)
-        return QuantWeight(fmt, rows, cols, q.view(torch.uint8).to(device), scale[:, 0].to(device))
+    if fmt.ggml_type is None:    # FP8: a normal matrix as its checkpoint holds it (e4m3 values, a scale a channel)
+        w = checkpoint_weight(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02, fmt_name)
+        return QuantWeight(fmt, rows, cols, w.raw.to(device), w.row_scale.to(device))
     parts = [random_quantized(fmt.ggml_type, min(1024, rows - r0), cols, torch.Generator().manual_seed(seed + r0))
              for r0 in range(0, rows, 1024)]
     return QuantWeight(fmt, rows, cols, torch.cat(parts).to(device))

@@ -16,7 +16,7 @@ from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig, q
 from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
-from cobatch.testing.hf_checkpoints import to_fp8, to_nvfp4
+from cobatch.testing.hf_checkpoints import checkpoint_weight
 
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches
@@ -35,15 +35,9 @@ SMALL_PLAN = MatmulPlan(TileConfig(16, 64, 64, 2, 4, 3), TileConfig(32, 64, 64, 
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device=DEVICE) -> QuantWeight:
     fmt = format_of(fmt_name)
-    if fmt_name in ("fp8_e4m3", "nvfp4"):   # as a checkpoint holds a normal matrix (loader/hf.py's layout)
-        values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02
-        if fmt_name == "fp8_e4m3":          # a scale a channel
-            q, scale = to_fp8(values, per_channel=True)
-            return QuantWeight(fmt, rows, cols, q.view(torch.uint8).to(device), scale[:, 0].to(device))
-        codes, block_scale, global_scale = to_nvfp4(values)
-        blocks = torch.cat([block_scale.view(torch.uint8).reshape(-1, 1), codes.reshape(-1, 8)], 1)
-        return QuantWeight(fmt, rows, cols, blocks.reshape(rows, -1).to(device),
-                           global_scale.expand(rows).contiguous().to(device))
+    if fmt.ggml_type is None:     # a checkpoint format: a normal matrix as such a checkpoint holds it
+        w = checkpoint_weight(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02, fmt_name)
+        return QuantWeight(fmt, rows, cols, w.raw.to(device), w.row_scale.to(device))
     raw = random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(seed))
     return QuantWeight(fmt, rows, cols, raw.to(device))
 

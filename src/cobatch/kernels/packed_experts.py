@@ -55,9 +55,8 @@ class PackedExperts:
         serve them: a format without fragment planes, or experts whose rows are not whole row pads.
         gate_up_interleaved: each expert is a gate|up pair, rows interleaved 8 by 8 (routed_matmul's act)."""
         rows = w.rows // n_experts
-        if not uses_gemv(w.fmt.name, device) or not stackable(w.fmt.name, rows):
-            return None
-        if w.row_scale is not None and not quant_pack.fp8_packable(w.row_scale):
+        if (not uses_gemv(w.fmt.name, device) or not stackable(w.fmt.name, rows)
+                or not quant_pack.weight_packable(w.fmt.name, w.row_scale)):
             return None
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=True, row_scale=w.row_scale)
         self = cls(w.fmt.name, n_experts, rows, w.cols, planes,

@@ -679,8 +679,7 @@ class PackedWeight:
         device = torch.device(device)
         # a row scale (FP8 and NVFP4 checkpoints) travels in their planes only
         assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, *quant_pack.ROW_SCALED), w.fmt.name
-        unpackable = w.fmt.name == "fp8_e4m3" and not quant_pack.fp8_packable(w.row_scale)
-        if w.fmt.name not in PACKED_FORMATS or unpackable:   # documented fallback: dense matrix + cuBLAS
+        if not quant_pack.weight_packable(w.fmt.name, w.row_scale):   # documented fallback: dense matrix + cuBLAS
             return cls(w.fmt.name, w.rows, w.cols, dense=w.dequantize(torch.float32).to(device, dtype))
         # An explicit Triton TileConfig plan keeps row-major planes (tests, benchmarks of that kernel).
         gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))

@@ -414,3 +414,10 @@ def fp8_packable(row_scale: torch.Tensor) -> bool:
 
 def packable(fmt_name: str) -> bool:
     return format_of(fmt_name).name in PACKED_FORMATS
+
+
+def weight_packable(fmt_name: str, row_scale: torch.Tensor | None) -> bool:
+    """Can a weight of this format (and row scale) go into planes? Its format has them, and an FP8 weight's scales
+    fit q8_0's f16 d (fp8_packable); else it runs as a dense matrix."""
+    fmt_id = PACKED_FORMATS.get(fmt_name)
+    return fmt_id is not None and (fmt_id != FP8_E4M3 or fp8_packable(row_scale))

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from cobatch.errors import UserError
 from cobatch.loader import hf_config
-from cobatch.quant.formats import format_of
+from cobatch.quant.formats import format_of, nvfp4_blocks
 from cobatch.quant.quantize import TORCH_QUANTIZED, quantize
 from cobatch.quant.weight import QuantWeight
 
@@ -255,9 +255,8 @@ class HFCheckpoint:
             if scale.shape != (rows, cols // 16) or scale.dtype != torch.float8_e4m3fn:
                 raise UserError(f"{self.path.name}: {scale_name} is {scale.dtype} {list(scale.shape)}; NVFP4 needs "
                                 f"float8_e4m3fn [{rows}, {cols // 16}] (one scale per 16 values)")
-            blocks = torch.cat([scale.view(torch.uint8).reshape(-1, 1), raw.view(torch.uint8).reshape(-1, 8)], 1)
             global_scale = self._read(base + "weight_scale_2").float().reshape(-1)
-            return QuantWeight(format_of("nvfp4"), rows, cols, blocks.reshape(rows, -1),
+            return QuantWeight(format_of("nvfp4"), rows, cols, nvfp4_blocks(raw, scale),
                                global_scale.expand(rows).contiguous())
         scale = scale.float().reshape(-1)
         if scale.numel() not in (1, rows):

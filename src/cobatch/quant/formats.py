@@ -200,6 +200,14 @@ def _fp8_e4m3(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.view(torch.float8_e4m3fn).float()
 
 
+def nvfp4_blocks(codes: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4 tensors (uint8 e2m1 pairs [rows, cols / 2], float8_e4m3fn scales [rows, cols / 16]) ->
+    the nvfp4 format's rows of 9-byte blocks [rows, cols / 16 * 9]: each block's scale, then its 8 code bytes."""
+    rows = codes.shape[0]
+    blocks = torch.cat([block_scale.view(torch.uint8).reshape(-1, 1), codes.view(torch.uint8).reshape(-1, 8)], 1)
+    return blocks.reshape(rows, -1)
+
+
 def _nvfp4(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     scale = blocks[:, :1].view(torch.float8_e4m3fn).float()

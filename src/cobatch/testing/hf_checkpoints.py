@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from cobatch.quant.formats import E2M1_VALUES
+from cobatch.quant.formats import E2M1_VALUES, format_of, nvfp4_blocks
+from cobatch.quant.weight import QuantWeight
 
 FP8_MAX, E2M1_MAX = 448.0, 6.0
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -129,6 +130,18 @@ def to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     code = (scaled.abs()[..., None] - grid).abs().argmin(-1).to(torch.uint8) | ((scaled < 0).to(torch.uint8) << 3)
     code = code.reshape(rows, cols // 2, 2)
     return code[..., 0] | (code[..., 1] << 4), block_scale, global_scale.reshape(())
+
+
+def checkpoint_weight(values: torch.Tensor, fmt_name: str) -> QuantWeight:
+    """Float values [rows, cols] as an FP8 (per channel) or NVFP4 checkpoint holds them, in the QuantWeight
+    loader/hf.py reads from it: the format's bytes and the row scale."""
+    rows, cols = values.shape
+    if fmt_name == "fp8_e4m3":
+        q, scale = to_fp8(values, per_channel=True)
+        return QuantWeight(format_of(fmt_name), rows, cols, q.view(torch.uint8), scale[:, 0])
+    codes, block_scale, global_scale = to_nvfp4(values)
+    return QuantWeight(format_of(fmt_name), rows, cols, nvfp4_blocks(codes, block_scale),
+                       global_scale.expand(rows).contiguous())
 
 
 def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
