@@ -45,6 +45,39 @@ def test_logits_match_transformers(which):
     gc.collect()
 
 
+FP8_TEXTS = {
+    "smollm2": "The history of the Roman Empire spans many centuries. It began when Augustus became the first emperor "
+               "in 27 BC and, in the West, ended in 476 AD. During this time, the empire grew to include",
+    "qwen2.5-coder": "def quicksort(items):\n    if len(items) <= 1:\n        return items\n    pivot = items[0]\n"
+                     "    left = [x for x in items[1:] if x < pivot]\n",
+}
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen2.5-coder"])
+def test_fp8_cache_logits_stay_close_to_transformers(which):
+    """--kv-cache-dtype fp8 rounds every cached K/V value to 3 mantissa bits. Against transformers' float32 logits
+    (with a float32 cache ours agree to ~1e-6, above), measured (2026-11-30): logits 3-5 % off in norm, 0.002-0.008
+    nats of KL, the top token the same at 96-100 % of positions. Bounds at about twice that."""
+    path = smollm2_path() if which == "smollm2" else qwen_coder_path()
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(f.metadata, set(f.tensors))
+    ours = LlamaModel(cfg, f, "cpu", torch.float32, max_positions=256)
+    tok, hf = load_transformers(path)
+    ids = tok(FP8_TEXTS[which])["input_ids"]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    got = prompt_logits(ours, cfg, ids, kv_dtype=torch.float8_e4m3fn)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert rel < 0.1 and kl < 0.02 and agree >= 0.9, (which, rel, kl, agree)
+    # and the cache really is fp8: a float32 cache is far closer
+    assert ((prompt_logits(ours, cfg, ids) - ref).norm() / ref.norm()).item() < rel / 100
+    del ours
+    gc.collect()
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
 def test_qwen3_qk_norm_matches_transformers(tmp_path, quant):
     """No small real qwen3 GGUF ships on PyPI: a random one of qwen3's layout (per-head q/k RMSNorm,
