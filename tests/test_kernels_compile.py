@@ -191,7 +191,7 @@ def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descripto
             signature[name] = "constexpr"
         elif descriptors and name in descriptors:
             signature[name] = descriptors[name]
-        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] == quant_pack.Q6_K):
+        elif name == "partial_ptr" or (name == "d_ptr" and constants["FMT"] in quant_pack.SCALED_BY_16):
             signature[name] = "*fp32"
         elif name in ("d_ptr", "m_ptr"):
             signature[name] = "*fp16"
@@ -218,10 +218,13 @@ from cobatch.kernels import quant_gemv, quant_pack
 gemv_variants = {}
 if quant_gemv.gluon is not None:
     # every format; the act*mul epilogue with and without split-K, at both token tiles; routed experts
-    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K, quant_pack.FP8_E4M3):
+    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K, quant_pack.FP8_E4M3,
+                quant_pack.NVFP4):
         for act, split, bt, routed in ((0, 2, 8, False), (1, 1, 16, False), (2, 2, 16, False), (1, 1, 8, True)):
             if fmt == quant_pack.FP8_E4M3 and not routed:
                 continue                  # FP8 is q8_0 but for its byte decode: one variant
+            if fmt == quant_pack.NVFP4 and (act, routed) not in ((0, False), (1, True)):
+                continue                  # NVFP4: its decode and its row-scale epilogue, plain and routed
             gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
                 FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act)
 
@@ -345,6 +348,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 47 + 17 + 8 + 2 + 6
+    assert len(compiled) == 47 + 19 + 8 + 2 + 6
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

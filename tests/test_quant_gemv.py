@@ -26,7 +26,7 @@ from cobatch.testing.hf_checkpoints import checkpoint_weight
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
-FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "fp8_e4m3"]
+FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
 K_QUANTS = ("q4_k", "q6_k")    # rows of whole 256-weight super-blocks
 
 
@@ -53,9 +53,10 @@ def planes_of(w: QuantWeight, device="cpu", fragment: bool = True):
 
 def planes_values(w: QuantWeight) -> torch.Tensor:
     """The float32 values the planes must decode to: the format's own decode (FP8's row scale as the f16 d of
-    q8_0's planes)."""
+    q8_0's planes; NVFP4's stays f32)."""
     if w.row_scale is not None:
-        return QuantWeight(w.fmt, w.rows, w.cols, w.raw, w.row_scale.half().float()).dequantize(torch.float32).cpu()
+        scale = w.row_scale.half().float() if w.fmt.name == "fp8_e4m3" else w.row_scale
+        return QuantWeight(w.fmt, w.rows, w.cols, w.raw, scale).dequantize(torch.float32).cpu()
     return dequantize(w.raw.cpu(), w.fmt.ggml_type, w.cols)
 
 
@@ -70,25 +71,26 @@ def test_fragment_order_is_a_permutation_and_inverts(fmt_id):
     assert torch.equal(from_fragment_order(frag, fmt_id), qs)
 
 
-@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q4_1, quant_pack.Q6_K])
+@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q4_1, quant_pack.Q6_K, quant_pack.NVFP4])
 def test_k_order_gives_each_lane_contiguous_activations(fmt_id):
     """PTX ISA, mma.m16n8k16 .f16 B fragment: lane = 4 g + c holds b0..b3 at row (k) = 2 c + (i % 2) +
     8 (i // 2), column (token) g; the second k16 half of a 32-column tile adds 16. Through k_order those
     8 logical columns must be 8 contiguous GGUF columns (one 16-byte load of x per lane and token), or for
-    q6_K 4 contiguous columns per k16 half that stay in their half (its scales change every 16 weights)."""
+    q6_K and NVFP4 4 contiguous columns per k16 half that stay in their half (their scales change every 16
+    weights)."""
     order = quant_pack.k_order(fmt_id)
     assert sorted(order) == list(range(32))
     for c in range(4):
         for half in range(2):
             cols = sorted(order[16 * half + 2 * c + (i % 2) + 8 * (i // 2)] for i in range(4))
-            if fmt_id == quant_pack.Q6_K:
+            if fmt_id in (quant_pack.Q6_K, quant_pack.NVFP4):
                 assert cols == list(range(16 * half + 4 * c, 16 * half + 4 * c + 4)), (c, half)
-        if fmt_id != quant_pack.Q6_K:
+        if fmt_id not in (quant_pack.Q6_K, quant_pack.NVFP4):
             cols = sorted(order[16 * half + 2 * c + (i % 2) + 8 * (i // 2)] for half in range(2) for i in range(4))
             assert cols == list(range(8 * c, 8 * c + 8)), c
 
 
-@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q6_K])
+@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q6_K, quant_pack.NVFP4])
 def test_fragment_order_matches_the_ptx_a_fragment(fmt_id):
     """PTX ISA, mma.m16n8k16 .f16 A fragment: lane = 4 g + c holds a0..a7 at
     row = g + 8 * ((i // 2) % 2), col = 2 c + (i % 2) + 8 * (i // 4); registers pair (a0, a1), (a2, a3), ...

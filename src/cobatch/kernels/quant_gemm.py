@@ -697,6 +697,11 @@ class GemmConfig:
         return 168 if self.NW == 8 else (128 if bn <= 128 else 232)
 
 
+# The formats whose fragment planes this kernel reads: NVFP4's GEMV dequant (quant_gemv._fp4_chunk) is not in it yet,
+# so its batches past the GEMV are dequantized for cuBLAS.
+FORMATS = tuple(f for f in quant_pack.FRAGMENT_FORMATS if f != quant_pack.NVFP4)
+
+
 def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
     """Two warpgroups (128 rows) per CTA; split K until the row blocks fill the GPU about once."""
     cfg = GemmConfig()

@@ -66,8 +66,8 @@ _byte_fmt = gluon.constexpr_function(_byte_fmt_of) if gluon is not None else _by
 
 # The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine), and
 # FP8's are q8_0's with e4m3 bytes (_byte_fmt: the one difference is the decode, _dequant_operand).
-F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_FP8 = (_c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1,
-                                                         quant_pack.Q6_K, quant_pack.FP8_E4M3))
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_FP8, F_NVFP4 = (_c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1,
+                                                                  quant_pack.Q6_K, quant_pack.FP8_E4M3, quant_pack.NVFP4))
 # The epilogue: store the rows as they are, or act(gate) * up of gate|up rows interleaved 8 by 8.
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 ACT_NONE, ACT_SILU, ACT_GELU_TANH = (_c(v) for v in ACTS.values())
@@ -178,6 +178,47 @@ ASM_Q6_SCALES = _c("""{
  mov.b32 {$0, $1}, lo;
  mov.b32 {$2, $3}, hi;
 }""")
+# NVFP4, one k16 half of a chunk: $4 = qs word (nibble pairs as the 4-bit formats'), each 4-bit e2m1 code (sign,
+# 2 exponent bits, 1 mantissa bit) moved to f16's sign bit and bits 11..9, which reads as the code's value times
+# 2^-14 for every code, 0 and the subnormal 0.5 included (f16's exponent field then equals e2m1's, with f16's
+# subnormals where e2m1 has its own). sm_90 has no e2m1 conversion. Times the block scales ($5,$6 low block,
+# $7,$8 high block; e4m3 values, exact in f16), every product exact; the 2^14 and the row scale are the
+# epilogue's (_fp4_row_scale). Shifts: low nibbles of bytes 0, 2 (row g) by 9, of bytes 1, 3 (g + 8) by 1, high
+# nibbles by 5 and -3; the sign bits by 3 more.
+ASM_FP4 = _c("""{
+ .reg .b32 m0, m1, m2, m3, s0, s1, s2, s3;
+ shl.b32 m0, $4, 9;
+ shl.b32 m1, $4, 1;
+ shl.b32 m2, $4, 5;
+ shr.b32 m3, $4, 3;
+ shl.b32 s0, $4, 12;
+ shl.b32 s1, $4, 4;
+ shl.b32 s2, $4, 8;
+ and.b32 s0, s0, 0x80008000;
+ and.b32 s1, s1, 0x80008000;
+ and.b32 s2, s2, 0x80008000;
+ and.b32 s3, $4, 0x80008000;
+ lop3.b32 m0, m0, 0x0E000E00, s0, 0xEA;
+ lop3.b32 m1, m1, 0x0E000E00, s1, 0xEA;
+ lop3.b32 m2, m2, 0x0E000E00, s2, 0xEA;
+ lop3.b32 m3, m3, 0x0E000E00, s3, 0xEA;
+ mul.rn.f16x2 $0, m0, $5;
+ mul.rn.f16x2 $1, m1, $6;
+ mul.rn.f16x2 $2, m2, $7;
+ mul.rn.f16x2 $3, m3, $8;
+}""")
+# NVFP4 scales of one row and chunk: $4 = the four e4m3 scales of its 16-weight groups (low block halves, high
+# block halves) -> four f16, exact.
+ASM_FP4_SCALES = _c("""{
+ .reg .b16 lo, hi;
+ .reg .b32 a, b;
+ mov.b32 {lo, hi}, $4;
+ cvt.rn.f16x2.e4m3x2 a, lo;
+ cvt.rn.f16x2.e4m3x2 b, hi;
+ mov.b32 {$0, $1}, a;
+ mov.b32 {$2, $3}, b;
+}""")
+FP4_UNIT = _c(16384.0)    # 2^14: ASM_FP4's codes read as value * 2^-14
 # An L2 prefetch of a lane's 16 bytes some K steps ahead: it holds no register or scoreboard entry.
 ASM_PREFETCH = _c("prefetch.global.L2 [$1];\n mov.u32 $0, 0;")
 
@@ -326,6 +367,11 @@ if gluon is not None:
             b = a
             c = a
             e = a
+        elif FMT == F_NVFP4:  # the four e4m3 scales of the chunk's 16-weight groups as one word (the row scale:
+            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)   # epilogue)
+            b = a
+            c = a
+            e = a
         elif FMT == F_Q6_K:   # the four int8 scales of the chunk's 16-weight groups as one word; f32 d
             a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
             b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
@@ -425,6 +471,40 @@ if gluon is not None:
                        chunk * 64, W, RT, BT, A, B, EVEN_K)
         return _q6_half(acc, q1, _twice(h1, W, RT, 4), s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols,
                         chunk * 64 + 16, W, RT, BT, A, B, EVEN_K)
+
+    @gluon.jit
+    def _fp4_scales(sc):
+        """NVFP4's four e4m3 scales of a row and chunk (one word) -> four f16 (ASM_FP4_SCALES)."""
+        return gl.inline_asm_elementwise(ASM_FP4_SCALES, "=h,=h,=h,=h,r", [sc],
+                                         (gl.float16, gl.float16, gl.float16, gl.float16), True, 1)
+
+    @gluon.jit
+    def _fp4_half(acc, q, s_lo, s_hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr, RT: gl.constexpr,
+                  BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+        """acc += one k16 half of an NVFP4 chunk (in units of 2^-14 times the row scale): low block columns
+        k0..k0+15, high block k0+32..k0+47."""
+        lo, hi = gl.inline_asm_elementwise(ASM_FP4, "=r,=r,=r,=r,r,r,r,r,r", [_as_half_operand(q, W, RT, A), s_lo, s_hi],
+                                           (gl.float16, gl.float16), True, 4)
+        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, EVEN_K, 16), acc)
+        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, EVEN_K, 16), acc)
+
+    @gluon.jit
+    def _fp4_chunk(acc, q, sc, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W: gl.constexpr, RT: gl.constexpr,
+                   BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+        """acc += an NVFP4 chunk (64 weights per row) as two k16 halves, q6_K's way: a scale every 16 weights."""
+        s0, s1, s2, s3 = _fp4_scales(sc)
+        q0, q1 = _halves(q, W, RT, 8)
+        acc = _fp4_half(acc, q0, s0, s2, x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, W, RT, BT, A, B, EVEN_K)
+        return _fp4_half(acc, q1, s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 16, W, RT, BT, A, B,
+                         EVEN_K)
+
+    @gluon.jit
+    def _fp4_row_scale(total, d_ptr, tile0, RT: gl.constexpr, OUT: gl.constexpr):
+        """NVFP4's [16 RT, BT] sums of row tiles tile0.. times each row's f32 scale and FP4_UNIT: the d plane holds
+        one 4-byte entry a row, in side order (row r of a tile at 2 (r % 8) + r // 8)."""
+        r = gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
+        pos = (tile0 + r // 16).to(gl.int64) * 16 + 2 * (r % 8) + (r % 16) // 8
+        return total * (gl.load(d_ptr + pos) * FP4_UNIT)
 
     @gluon.jit
     def _gate_up_halves(v, RT: gl.constexpr, BT: gl.constexpr):
@@ -529,6 +609,9 @@ if gluon is not None:
                     a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
                     acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B,
                                     EVEN_K)
+                elif FMT == F_NVFP4:
+                    a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+                    acc = _fp4_chunk(acc, q, a, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, EVEN_K)
                 else:
                     a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok,
                                                       n_cols, tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE,
@@ -539,6 +622,8 @@ if gluon is not None:
                         acc = mma_v2(hi, x1, acc)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+        if FMT == F_NVFP4:
+            total = _fp4_row_scale(total, d_ptr, tile0, RT, OUT)
         r = pid_n * (16 * RT) + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, OUT))[:, None]
         t = tok0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))[None, :]
         tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n

@@ -207,8 +207,8 @@ def _e2m1(code):
 @jit
 def _logical_col(j, FMT: tl.constexpr):
     """GGUF column j of a 32-column tile -> its logical column in a fragment-order plane (the inverse of
-    quant_pack.k_order: j = 8 c + 4 h + 2 a + e, or 16 h + 4 c + 2 a + e for q6_K; k = 16 h + 8 a + 2 c + e)."""
-    if FMT == Q6_K:
+    quant_pack.k_order: j = 8 c + 4 h + 2 a + e, or 16 h + 4 c + 2 a + e for q6_K and NVFP4; k = 16 h + 8 a + 2 c + e)."""
+    if FMT == Q6_K or FMT == NVFP4:
         c = (j // 4) % 4
         h = j // 16
     else:
@@ -256,10 +256,10 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         if FMT == FP8:
             return (_e4m3(q0) * d0.to(tl.float32)).to(DT), (_e4m3(q1) * d1.to(tl.float32)).to(DT)
         return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
-    if FMT == NVFP4:    # row-major: codes paired as the 4-bit formats', an e4m3 scale per 16, an f32 row scale
-        q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, False)
-        s0, s1, s2, s3 = _quad(sub_ptr + row * (16 * side256) + 4 * chunk + four)
-        scale = tl.load(d_ptr + row)
+    if FMT == NVFP4:    # codes paired as the 4-bit formats', an e4m3 scale per 16 (4 a chunk), an f32 row scale
+        q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, FRAG)
+        s0, s1, s2, s3 = _quad(sub_ptr + 4 * _side(row, side32 // 2, chunk, FRAG) + four)
+        scale = tl.load(d_ptr + _side(row, 1, 0, FRAG))
         first = j < 16
         lo = tl.where(first, _e4m3(s0), _e4m3(s1)) * scale
         hi = tl.where(first, _e4m3(s2), _e4m3(s3)) * scale
@@ -507,12 +507,12 @@ def default_split_k(n_rows: int, n_cols_pad: int, cfg: TileConfig, sms: int = 13
 
 def uses_gemv(fmt_name: str, device: torch.device) -> bool:
     """Does this weight go through the Gluon GEMV (fragment-order planes)? CUDA only: Gluon has no
-    interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons). FP8 planes take the Gluon
-    kernels with COBATCH_FP8_GEMV=1 only (their GPU tests set it) until those tests have passed on the H200."""
+    interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons). FP8 and NVFP4 planes take the
+    Gluon kernels with COBATCH_FP8_GEMV=1 only (their GPU tests set it) until those tests have passed on the H200."""
     fmt_id = PACKED_FORMATS.get(fmt_name)
     return (torch.device(device).type == "cuda" and not interpreting() and quant_gemv.gluon is not None
             and fmt_id in quant_pack.FRAGMENT_FORMATS and os.environ.get("COBATCH_TRITON_GEMV") != "1"
-            and (fmt_id != quant_pack.FP8_E4M3 or os.environ.get("COBATCH_FP8_GEMV") == "1"))
+            and (fmt_id not in quant_pack.ROW_SCALED or os.environ.get("COBATCH_FP8_GEMV") == "1"))
 
 
 def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
@@ -687,7 +687,8 @@ class PackedWeight:
                              row_scale=w.row_scale if PACKED_FORMATS[w.fmt.name] in quant_pack.ROW_SCALED else None)
         # A resident dense copy (--dense-large-batch) serves every batch past the GEMV itself
         plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv,
-                                quant_gemm_too=gemv and not keep_dense and uses_quant_gemm(device))
+                                quant_gemm_too=gemv and not keep_dense and uses_quant_gemm(device)
+                                and PACKED_FORMATS[w.fmt.name] in quant_gemm.FORMATS)
         if keep_dense and plan.gemm == DEQUANT_CUBLAS:
             # Past 16 tokens the narrow kernel's time grows per 16-token tile, while cuBLAS on the resident
             # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs

@@ -18,8 +18,8 @@ row-major [rows_pad, ...]:
 The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: per channel, or the tensor's
 repeated). FP8 (fp8_e4m3) has exactly q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
 as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels' byte decode differs.
-NVFP4, row-major only for now: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3
-block scale bytes (one per 16), d the f32 row scale [rows_pad, 1].
+NVFP4: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3 block scale bytes (one
+per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragment order a 4-byte entry a row).
 
 Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
 (148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
@@ -57,7 +57,8 @@ PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k"
                   "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
 ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside the blocks (QuantWeight.row_scale)
 BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight and an f16 scale per 32: the same planes
-FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_E4M3)   # whose planes may be stored in fragment order
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be stored in fragment order
+SCALED_BY_16 = (Q6_K, NVFP4)        # a scale every 16 weights: each k16 half of a tile keeps its own columns (k_order)
 
 ROW_PAD = 128    # largest BN any config uses
 COL_PAD = 256    # largest BK; also the K-quant super-block
@@ -168,12 +169,12 @@ def k_order(fmt_id: int) -> list[int]:
     half. In GGUF order those are four 4-byte pieces of the activation row, four loads per lane and token.
     Reordered, they are contiguous: lane c reads one 16-byte vector (GGUF columns 8 c .. 8 c + 7). The
     dot product does not care which order K is summed in, as long as weights and activations agree.
-    q6_K's scales change every 16 weights, so its order stays inside each k16 half (an 8-byte vector per
-    half: columns 16 h + 4 c .. 16 h + 4 c + 3)."""
+    q6_K's and NVFP4's scales change every 16 weights, so their order stays inside each k16 half (an 8-byte vector
+    per half: columns 16 h + 4 c .. 16 h + 4 c + 3)."""
     order = []
     for k in range(32):
         half, pair, c, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2     # k = 16 half + 8 pair + 2 c + e
-        if fmt_id == Q6_K:
+        if fmt_id in SCALED_BY_16:
             order.append(16 * half + 4 * c + 2 * pair + e)
         else:
             order.append(8 * c + 4 * half + 2 * pair + e)
@@ -217,8 +218,9 @@ _SIDE_ROWS = [p // 2 + 8 * (p % 2) for p in range(16)]   # the row at each posit
 
 
 def _side_entry_bytes(fmt_id: int) -> int:
-    # q6_K: 4 int8 scales per 64 weights and an f32 d; else f16 (q4_K's fragment planes are q4_1's)
-    return 4 if fmt_id == Q6_K else 2
+    # q6_K: 4 int8 scales per 64 weights and an f32 d; NVFP4: 4 e4m3 scales per 64 weights and the f32 row scale;
+    # else f16 (q4_K's fragment planes are q4_1's)
+    return 4 if fmt_id in SCALED_BY_16 else 2
 
 
 def side_to_fragment_order(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
