@@ -134,7 +134,7 @@ def test_config_reads_the_deepseek_layout(models):
                                                                                                      1.5, 0)
     assert (v3.expert_gating, v3.expert_weights_norm, v3.expert_weights_scale) == ("sigmoid", True, 2.5)
     assert (v3.expert_groups, v3.expert_groups_used, v3.leading_dense_layers) == (4, 2, 1)
-    assert v2.shared_expert_ffn_dim == 2 * 64 and v3.shared_expert_ffn_dim == 64
+    assert v2.shared_expert_ffn_dim == 2 * 128 and v3.shared_expert_ffn_dim == 128
     assert not v3.moe_layer(0) and v3.moe_layer(1) and not v3.rope_neox
     # The cache: one "head" of latent | rope key a layer and no V, 4x fewer values than 4 heads of K (48) and V (32)
     assert v3.kv_cache_heads == (1, 80, 0) and v3.gqa_equivalent_kv_heads == (4, 48, 32)

@@ -19,7 +19,7 @@ from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
-from test_quant_gemv import FRAGMENT, K_QUANTS, fp8_through_the_gluon_kernels, make_weight  # noqa: F401
+from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
 
 GEMM_FORMATS = [f for f in FRAGMENT if quant_pack.PACKED_FORMATS[f] in quant_gemm.FORMATS]   # NVFP4: GEMV only
 

@@ -30,13 +30,6 @@ FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
 K_QUANTS = ("q4_k", "q6_k")    # rows of whole 256-weight super-blocks
 
 
-@pytest.fixture(autouse=True)
-def fp8_through_the_gluon_kernels(monkeypatch):
-    """FP8 planes take the Gluon GEMV and GEMM only where COBATCH_FP8_GEMV=1 (quant_matmul.uses_gemv): these
-    tests check them there."""
-    monkeypatch.setenv("COBATCH_FP8_GEMV", "1")
-
-
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
     fmt = format_of(fmt_name)
     if fmt.ggml_type is None:    # FP8: a normal matrix as its checkpoint holds it (e4m3 values, a scale a channel)

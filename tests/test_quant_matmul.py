@@ -166,8 +166,8 @@ def test_plan_switches_to_the_wide_gemm_config_past_wide_from():
 
 @pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "nvfp4"])
 def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkeypatch, fmt_name):
-    """FP8 and NVFP4 planes are read by the Triton kernel up to its crossover (no Gluon GEMV for them yet); past it
-    they are dequantized for cuBLAS (quant_configs.json's defaults for them), as every GEMV format's prefill is."""
+    """Row-major FP8 and NVFP4 planes (no Hopper GPU, or COBATCH_TRITON_GEMV=1) are read by the Triton kernel up to
+    its crossover; past it they are dequantized for cuBLAS (quant_configs.json's defaults for them)."""
     monkeypatch.setattr(qm, "interpreting", lambda: False)
     plan = qm.plan_for(fmt_name, 4096, 4096, 4096)
     assert isinstance(plan.narrow, TileConfig) and plan.gemm == qm.DEQUANT_CUBLAS and plan.mid is None

@@ -145,10 +145,11 @@ SHAPES: dict[str, ModelShape] = {
     # DeepSeek (deepseek2): V2-Lite's layout (no q LoRA, softmax routing, weights not renormalized) in the older
     # attn_kv_b tensor layout, a scale on the routed weights so that it counts; and V3's (q LoRA, sigmoid routing
     # with the correction bias, 4 groups of which 2 are used, weights renormalized, YaRN) in the current split one.
-    # The first layer is dense in both.
-    "deepseek2-tiny": _deepseek(3, 128, 4, 256, None, MlaShape(0, 64, 32, 16, 32), 8, 2, 64, split_kv_b=False,
+    # The first layer is dense in both. Experts of 128 rows: whole row pads, so that CUDA stacks them for the routed
+    # GEMV (packed_experts.stackable).
+    "deepseek2-tiny": _deepseek(3, 128, 4, 256, None, MlaShape(0, 64, 32, 16, 32), 8, 2, 128, split_kv_b=False,
                                 leading_dense=1, n_shared_experts=2, expert_weights_scale=1.5),
-    "deepseek-v3-tiny": _deepseek(3, 128, 4, 256, None, MlaShape(64, 64, 32, 16, 32), 16, 4, 64, leading_dense=1,
+    "deepseek-v3-tiny": _deepseek(3, 128, 4, 256, None, MlaShape(64, 64, 32, 16, 32), 16, 4, 128, leading_dense=1,
                                   n_shared_experts=1, expert_gating="sigmoid", expert_groups=4, expert_groups_used=2,
                                   expert_weights_norm=True, expert_weights_scale=2.5, rope_yarn_factor=4.0,
                                   yarn_original_context=1024, yarn_log_multiplier=0.1),
