@@ -256,6 +256,25 @@ def test_plan_reads_the_token_tiers(tmp_path, monkeypatch):
     assert no_entry.narrow.upto == () and no_entry.narrow.default.split_k >= 1
 
 
+def test_checkpoint_formats_take_the_plans_of_the_format_whose_loop_they_share(tmp_path, monkeypatch):
+    """FP8 (q8_0's planes) and NVFP4 (q4_K's bytes a weight) without configs of their own for a shape run the GEMV
+    plan of q8_0 / q4_K there; one of their own wins."""
+    tier = {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0}
+    table = {"formats": {"q8_0": {"shapes": {"4096x4096": {"gemv": {"W": 4, "RT": 2, "split_k": 2, "U": 4, "D": 0},
+                                                           "gemv_upto": {"8": tier}}}},
+                         "q4_k": {"shapes": {"4096x4096": {"gemv": {"W": 8, "RT": 2, "split_k": 1, "U": 2, "D": 0}}}},
+                         "nvfp4": {"shapes": {"1024x4096": {"gemv": {"W": 2, "RT": 4, "split_k": 1, "U": 1, "D": 0}}}}}}
+    path = tmp_path / "configs.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    narrow = (lambda fmt, rows: qm.plan_for(fmt, rows, 4096, 4096, gemv=True).narrow)
+    assert narrow("fp8_e4m3", 4096) == narrow("q8_0", 4096) == GemvPlan(GemvConfig(4, 2, 2, 4, 0),
+                                                                        ((8, GemvConfig(**tier)),))
+    assert narrow("nvfp4", 4096) == narrow("q4_k", 4096) == GemvPlan(GemvConfig(8, 2, 1, 2, 0))
+    assert narrow("nvfp4", 1024) == GemvPlan(GemvConfig(2, 4, 1, 1, 0))
+
+
 # --- the kernel (CUDA) ------------------------------------------------------------------------------------
 
 def run_poisoned(pw: PackedWeight, x: torch.Tensor, config=None) -> torch.Tensor:
