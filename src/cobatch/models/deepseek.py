@@ -31,6 +31,7 @@ from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
 from cobatch.errors import UserError
+from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import rope_cos_sin, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import WeightLoader, load_gate_up
@@ -155,10 +156,11 @@ class DeepseekModel:
             ))
             if progress is not None:
                 progress(1)
-        # Eager on CUDA until a captured decode step is checked on the GPU: the router is torch code without a host
-        # sync, the experts route on the device, attention (decode and prefill) and the latent write are kernels.
-        self.graph_safe = False
-        self.graph_max_rows: int | None = None
+        # Captured in CUDA graphs as llama's MoE models are (steps of up to ROUTED_MAX_ROWS rows): the router is torch
+        # code without a host sync, the experts route on the device, attention and the latent write are kernels.
+        moes = [layer.moe for layer in self.layers if layer.moe is not None]
+        self.graph_safe = all(m.routed for m in moes)
+        self.graph_max_rows: int | None = ROUTED_MAX_ROWS if moes and self.graph_safe else None
         self.tp = None             # tensor parallelism does not shard MLA (llm._open refuses it)
         self.embed = gguf.quant_weight("token_embd.weight").dequantize(dtype).to(dev)
         self.vocab_rows = self.embed.shape[0]      # the token ids a prompt may hold
