@@ -456,6 +456,13 @@ if gluon is not None:
                  RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
         """acc += one k16 half of a q6_K chunk: low block columns k0..k0+15, high block k0+32..k0+47."""
         lo, hi = _q6_operands(_as_half_operand(q, W, RT, A), _as_half_operand(y, W, RT, A), s_lo, s_hi)
+        return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, EVEN_K)
+
+    @gluon.jit
+    def _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr, BT: gl.constexpr,
+                   B: gl.constexpr, EVEN_K: gl.constexpr):
+        """acc += one k16 half of a chunk whose scales change every 16 weights (q6_K, NVFP4), its operands
+        dequantized: the low block's half times x columns k0..k0+15, the high block's times k0+32..k0+47."""
         acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, EVEN_K, 16), acc)
         return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, EVEN_K, 16), acc)
 
@@ -483,10 +490,9 @@ if gluon is not None:
                   BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
         """acc += one k16 half of an NVFP4 chunk (in units of 2^-14 times the row scale): low block columns
         k0..k0+15, high block k0+32..k0+47."""
-        lo, hi = gl.inline_asm_elementwise(ASM_FP4, "=r,=r,=r,=r,r,r,r,r,r", [_as_half_operand(q, W, RT, A), s_lo, s_hi],
-                                           (gl.float16, gl.float16), True, 4)
-        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, EVEN_K, 16), acc)
-        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, EVEN_K, 16), acc)
+        lo, hi = gl.inline_asm_elementwise(ASM_FP4, "=r,=r,=r,=r,r,r,r,r,r", [_as_half_operand(q, W, RT, A), s_lo,
+                                                                              s_hi], (gl.float16, gl.float16), True, 4)
+        return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, EVEN_K)
 
     @gluon.jit
     def _fp4_chunk(acc, q, sc, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W: gl.constexpr, RT: gl.constexpr,
