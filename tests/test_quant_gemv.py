@@ -9,6 +9,7 @@ odd shapes, every config knob, batch invariance, and CUDA-graph replay.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from cobatch.kernels.quant_matmul import PackedWeight
 from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes,
                                         side_from_fragment_order, side_to_fragment_order, to_fragment_order,
                                         unpack_planes)
-from cobatch.quant.formats import dequantize, format_of, random_quantized
+from cobatch.quant.formats import E2M1_VALUES, dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
 from cobatch.testing.hf_checkpoints import checkpoint_weight
 
@@ -198,6 +199,52 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
         dense = torch.full((rows, cols), float("nan"), dtype=torch.float16, device=device)
         qm.dequantize_planes(planes, dense)
         assert relative_error(dense.cpu(), ref) < 2e-3
+
+
+def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Run the integer lines of an inline-PTX block (shl, shr, and, lop3 with 0xEA = (a & b) | c) on 32-bit words,
+    and mul.rn.f16x2 by a scale of 1.0 as the identity (the one scale these tests pass); registers by name."""
+    regs = dict(inputs)
+    value = (lambda t: regs[t] if t in regs else int(t, 0))
+    for line in asm.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [value(t) for t in src]
+        if op == "shl.b32":
+            regs[dst] = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[dst] = a[0] >> a[1]
+        elif op == "and.b32":
+            regs[dst] = a[0] & a[1]
+        elif op == "lop3.b32" and a[3] == 0xEA:
+            regs[dst] = (a[0] & a[1]) | a[2]
+        elif op == "mul.rn.f16x2" and a[1] == 0x3C003C00:
+            regs[dst] = a[0]
+        else:
+            raise AssertionError(f"not emulated: {line}")
+    return regs
+
+
+def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14():
+    """quant_gemv.ASM_FP4 (run on the CPU by the emulator above): for every e2m1 code in every nibble of a qs word,
+    the f16 it leaves is the code's value (sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^-14 exactly, at the lane
+    the A fragment gives it: $0 the low nibbles of bytes 0 and 2 (row g, low block), $1 those of bytes 1 and 3
+    (row g + 8), $2 and $3 the high nibbles."""
+    asm = quant_gemv.ASM_FP4.value if hasattr(quant_gemv.ASM_FP4, "value") else quant_gemv.ASM_FP4
+    want = {c: (-1 if c >= 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -14 for c in range(16)}
+    gen = torch.Generator().manual_seed(21)
+    words = [sum(c << (4 * i) for i in range(8)) for c in range(16)]   # each code in every nibble
+    words += torch.randint(0, 2 ** 32, (64,), generator=gen, dtype=torch.int64).tolist()
+    one = 0x3C003C00
+    for w in words:
+        out = run_ptx_bit_ops(asm, {"$4": w, "$5": one, "$6": one, "$7": one, "$8": one})
+        nib = [(w >> (4 * i)) & 15 for i in range(8)]     # byte b's low nibble is nib[2 b], its high nib[2 b + 1]
+        for reg, (lane0, lane1) in {"$0": (0, 4), "$1": (2, 6), "$2": (1, 5), "$3": (3, 7)}.items():
+            halves = np.array([out[reg] & 0xFFFF, out[reg] >> 16], dtype=np.uint16).view(np.float16)
+            assert halves.tolist() == [want[nib[lane0]], want[nib[lane1]]], (hex(w), reg)
 
 
 def test_default_config_divides_k_and_fills_the_gpu():
