@@ -367,14 +367,14 @@ if gluon is not None:
             b = a
             c = a
             e = a
-        elif FMT == F_NVFP4:  # the four e4m3 scales of the chunk's 16-weight groups as one word (the row scale:
-            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)   # epilogue)
-            b = a
-            c = a
-            e = a
-        elif FMT == F_Q6_K:   # the four int8 scales of the chunk's 16-weight groups as one word; f32 d
+        elif FMT == F_Q6_K or FMT == F_NVFP4:
+            # the four scales of the chunk's 16-weight groups as one word (q6_K's int8, NVFP4's e4m3); q6_K's f32 d
+            # (NVFP4's row scale is the epilogue's)
             a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
-            b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
+            if FMT == F_Q6_K:
+                b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
+            else:
+                b = a
             c = a
             e = b
         elif FMT == F_Q4_1:   # f16 scales and offsets of the two blocks, from one plane

@@ -508,9 +508,9 @@ def default_split_k(n_rows: int, n_cols_pad: int, cfg: TileConfig, sms: int = 13
 def uses_gemv(fmt_name: str, device: torch.device) -> bool:
     """Does this weight go through the Gluon GEMV (fragment-order planes)? CUDA only: Gluon has no
     interpreter. COBATCH_TRITON_GEMV=1 keeps the Triton kernel (for comparisons)."""
-    fmt_id = PACKED_FORMATS.get(fmt_name)
     return (torch.device(device).type == "cuda" and not interpreting() and quant_gemv.gluon is not None
-            and fmt_id in quant_pack.FRAGMENT_FORMATS and os.environ.get("COBATCH_TRITON_GEMV") != "1")
+            and PACKED_FORMATS.get(fmt_name) in quant_pack.FRAGMENT_FORMATS
+            and os.environ.get("COBATCH_TRITON_GEMV") != "1")
 
 
 def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
