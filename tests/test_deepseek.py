@@ -221,17 +221,18 @@ def test_gpu_path_matches_the_cpu_path(models, name):
 
 
 @requires_cuda
-def test_a_captured_decode_step_computes_what_the_eager_one_does(models):
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name):
     """DeepSeek's decode step captured in a CUDA graph (the router's torch code, the experts routed on the device,
     the MLA decode kernel, the latent write) gives the eager step's greedy tokens, for 4 sessions at once; the
-    engine captures them (models/deepseek.py: graph_safe, as the experts are routed). The V2 file's experts
-    (128 columns: q4_K falls back to q5_0, which has no routed kernel) need a host sync a layer: it stays eager."""
-    v2 = LLM.load(models["v2"], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True))
-    assert not v2.model.graph_safe and v2.engine.runner.graphs is None
-    del v2
-    llm = LLM.load(models["v3"], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True))
+    engine captures them (models/deepseek.py: graph_safe, as the experts are routed). The V2 file's down experts
+    (128 columns: q4_K falls back to q5_0) are routed as q8_0 (packed_experts.routable)."""
+    llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True))
     eng = llm.engine
-    assert all(layer.moe.routed for layer in llm.model.layers if layer.moe is not None), "experts not routed"
+    moes = [layer.moe for layer in llm.model.layers if layer.moe is not None]
+    assert moes and all(m.routed for m in moes), "experts not routed"
+    if name == "v2":
+        assert {m.routed_down.fmt_name for m in moes} == {"q8_0"}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,", "Hello")]
     graphs = eng.runner.graphs

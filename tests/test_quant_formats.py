@@ -80,6 +80,18 @@ def test_arbitrary_bit_patterns_match_gguf_py(ggml_type):
         assert torch.isfinite(ours).all()
 
 
+def test_q5_0_rows_as_q8_0_hold_the_same_values():
+    """The routed expert GEMV reads Q8_0, not Q5_0: a Q5_0 stack converted (formats.q5_0_as_q8_0) decodes, by
+    gguf-py, to exactly what gguf-py decodes from the Q5_0 bytes; every code and high bit random."""
+    rows, cols = 6, 1408                 # DeepSeek-V2-Lite's expert width: not whole 256-blocks
+    raw = torch.randint(0, 256, (rows, format_of(T.Q5_0).row_bytes(cols)), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(11))
+    raw.view(-1, 22)[:, 1] &= 0xBF       # finite f16 scales
+    as_q8 = formats.q5_0_as_q8_0(raw)
+    assert as_q8.shape == (rows, format_of(T.Q8_0).row_bytes(cols))
+    assert_bit_identical(reference(as_q8, T.Q8_0).reshape(rows, cols), reference(raw, T.Q5_0).reshape(rows, cols))
+
+
 def test_chunked_decode_and_leading_dims(monkeypatch):
     raw = random_quantized(T.Q4_K, 10, 512, torch.Generator().manual_seed(3))
     whole = dequantize(raw, T.Q4_K, 512)

@@ -42,6 +42,8 @@ class MoeFeedForward:
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
+        if device.type == "cuda":
+            gate, up, down = (packed_experts.routable(w, device) for w in (gate, up, down))
         if device.type == "cuda" and gate.fmt is up.fmt and packed_experts.stackable(gate.fmt.name, gate.rows // n):
             # Interleaving the whole stacks 8 rows by 8 interleaves each expert's gate and up rows (an expert
             # owns whole groups of 8): expert e's fused gate|up is rows 2 e ffn.. of the result, laid out for

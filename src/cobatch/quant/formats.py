@@ -115,14 +115,20 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * blocks[:, 2:].view(torch.int8).float()
 
 
-def _legacy_32(blocks: torch.Tensor, *, has_min: bool, has_high_bit: bool) -> torch.Tensor:
-    """Q4_0, Q4_1, Q5_0, Q5_1: f16 d, [f16 m], [32 high bits as a little-endian u32], 16 nibble bytes."""
+def _legacy_32_codes(blocks: torch.Tensor, *, has_min: bool, has_high_bit: bool) -> torch.Tensor:
+    """The unsigned codes [n, 32] of Q4_0, Q4_1, Q5_0, Q5_1 blocks: f16 d, [f16 m], [32 high bits as a
+    little-endian u32], 16 nibble bytes."""
     n = blocks.shape[0]
     offset = 4 if has_min else 2
     q = _unpack(blocks[:, -16:], 4).reshape(n, 32)
     if has_high_bit:  # bit i of the u32 belongs to value i: byte-major, so swap _unpack's order
         high = _unpack(blocks[:, offset:offset + 4], 1).transpose(-1, -2).reshape(n, 32)
         q = _merge_high(q, high, 4)
+    return q
+
+
+def _legacy_32(blocks: torch.Tensor, *, has_min: bool, has_high_bit: bool) -> torch.Tensor:
+    q = _legacy_32_codes(blocks, has_min=has_min, has_high_bit=has_high_bit)
     if has_min:
         return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
     zero_point = 16 if has_high_bit else 8
@@ -191,6 +197,16 @@ _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
 }
+
+def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows (uint8 [rows, blocks * 22]) as Q8_0 rows holding the same values exactly: each block's f16 d,
+    then its 32 codes minus 16 (-16..15) as int8. 1.0625 bytes a weight instead of 0.6875, for the kernels
+    that read Q8_0 but not Q5_0 (the routed expert GEMV)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 22)
+    codes = _legacy_32_codes(blocks, has_min=False, has_high_bit=True).to(torch.int16) - 16
+    return torch.cat([blocks[:, :2], codes.to(torch.int8).view(torch.uint8)], 1).reshape(rows, -1)
+
 
 # e2m1 (OCP MX FP4): sign, 2 exponent bits (bias 1), 1 mantissa bit; codes 0-7 are these magnitudes.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cobatch.quant.formats import QuantFormat, dequantize
+from cobatch.quant.formats import QuantFormat, dequantize, format_of, q5_0_as_q8_0
 
 
 @dataclass(slots=True)
@@ -34,6 +34,11 @@ class QuantWeight:
         if self.row_scale is not None:
             values *= self.row_scale.to(values.device, torch.float32)[:, None]
         return values.to(dtype)
+
+    def as_q8_0(self) -> "QuantWeight":
+        """This Q5_0 weight as Q8_0, the same values (formats.q5_0_as_q8_0): a copy."""
+        assert self.fmt.name == "q5_0" and self.row_scale is None
+        return QuantWeight(format_of("q8_0"), self.rows, self.cols, q5_0_as_q8_0(self.raw))
 
     @staticmethod
     def _joined_scales(parts: list["QuantWeight"]) -> torch.Tensor | None:
