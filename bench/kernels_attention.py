@@ -8,6 +8,9 @@ Bytes counted: K + V of every sequence's context in the cache's dtype (q, the ou
 are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
+--mla [--sweep]: the MLA decode kernel instead (with --sweep, each of MLA_SWEEP's configs) (kernels/mla_attention.py), DeepSeek-V2-Lite's heads (16 q heads, one latent
+row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
+sequence's latent rows (576 bf16 values a token).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
 
@@ -25,6 +28,7 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
+from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth, graph_time, graph_times  # noqa: E402  (replays queued behind a GPU sleep)
@@ -35,6 +39,8 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 RUN_KV_DTYPES = tuple(os.environ.get("ATTN_KV_DTYPES", "bf16").split(","))
 CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = 2048
+MLA_HEADS, MLA_LORA, MLA_ROPE = 16, 512, 64          # DeepSeek-V2-Lite (V3: 128 heads, the same latent row)
+MLA_CONTEXTS = tuple(int(c) for c in os.environ.get("MLA_CONTEXTS", "512,8192").split(","))
 L2_FLUSH_BYTES = 256 << 20
 MIN_CALLS = 4
 
@@ -94,6 +100,67 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
             "kv_dtype": str(kv_dtype).removeprefix("torch."), "us": ms * 1e3,
             "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg),
             "us_idle_stream": timed.idle * 1e6, "gbps_idle_stream": kv_bytes / timed.idle / 1e9}
+
+
+def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig = MLA_DECODE_CONFIG,
+                     block_h: int = 16) -> dict:
+    """The MLA decode kernel on `batch` sequences of `context` latent rows in 16-token pages scattered over the
+    pool, R copies of the inputs as bench_decode."""
+    width = MLA_LORA + MLA_ROPE
+    pages_per_seq = -(-context // PAGE)
+    set_bytes = batch * pages_per_seq * PAGE * width * 2
+    copies = max(1, min(max(MIN_CALLS, min(64, -(-L2_FLUSH_BYTES // set_bytes))), (16 << 30) // set_bytes))
+    num_pages = pages_per_seq * batch * copies
+    cache = _random_cache((num_pages, PAGE, 1, width), gen, torch.bfloat16)
+    perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
+    calls = []
+    for c in range(copies):
+        tables = perm[c * batch * pages_per_seq: (c + 1) * batch * pages_per_seq].view(batch, pages_per_seq)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
+            query_start=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+            block_tables=tables.contiguous(), max_query_len=1, max_seq_len=context)
+        q = torch.randn(batch, MLA_HEADS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.empty(batch, MLA_HEADS, MLA_LORA, device="cuda", dtype=torch.bfloat16)
+        calls.append(lambda q=q, m=meta, o=out: mla_decode_attention(q, cache, m, width ** -0.5, MLA_LORA, out=o,
+                                                                     cfg=cfg, block_h=block_h))
+    ms = graph_times(calls, reps=20).queued * 1e3
+    kv_bytes = batch * context * width * 2
+    del cache, calls
+    return {"kernel": "mla_decode_attention", "batch": batch, "context": context, "filled": context,
+            "kv_dtype": "bfloat16", "heads": MLA_HEADS, "latent_width": width, "us": ms * 1e3,
+            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg), "block_h": block_h}
+
+
+# (config, block_h) candidates of --mla --sweep: tile length, warps, stages, programs aimed at per SM
+MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
+    (replace(MLA_DECODE_CONFIG, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps), 16)
+    for bn, w, st, pps in [(32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4), (16, 4, 4, 8),
+                           (64, 8, 3, 2), (32, 8, 3, 8), (64, 4, 2, 4)]]
+
+
+def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
+    """The committed MLA config on every shape, or (sweep) each MLA_SWEEP candidate; a failing candidate is
+    reported in its rows' place."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for variant, (cfg, block_h) in enumerate(MLA_SWEEP if sweep else MLA_SWEEP[:1]):
+        for batch in BATCHES:
+            for context in MLA_CONTEXTS:
+                try:
+                    r = bench_mla_decode(batch, context, gen, cfg, block_h)
+                    r["ratio_to_copy"] = r["gbps"] / copy_gbps
+                except Exception as e:
+                    r = {"kernel": "mla_decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
+                r["variant"] = variant
+                rows.append(r)
+        print(f"mla variant {variant} {asdict(cfg)} block_h {block_h}: " + " ".join(
+            f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
+            if r["variant"] == variant), flush=True)
+    print("mla decode (B x context: us, of copy) as above, shapes in order: "
+          + ", ".join(f"{b}x{c}" for b in BATCHES for c in MLA_CONTEXTS))
+    return rows
 
 
 def bench_prefill(cfg: PrefillConfig, gen: torch.Generator, tokens: int = PREFILL_TOKENS,
@@ -240,6 +307,10 @@ def main() -> None:
             with open(os.path.join(os.environ["OUT"], name), "w") as f:
                 json.dump(payload, f, indent=1)
 
+    if "--mla" in sys.argv:
+        result["rows"] = run_mla(copy_gbps, sweep="--sweep" in sys.argv)
+        dump("kernels_mla_attention.json", result)
+        return
     if "--sweep" in sys.argv:
         result["sweep"] = sweep(copy_gbps, budget_s=float(os.environ.get("SWEEP_BUDGET_S", 150)), dump=lambda rows: dump("kernels_attention_sweep.json", {**result, "sweep": rows}))
         dump("kernels_attention_sweep.json", result)

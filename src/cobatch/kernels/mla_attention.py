@@ -22,7 +22,7 @@ host sync, and nothing of [heads, rows, context] is ever materialized (the torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -118,8 +118,12 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, pa
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
+# The GQA decode kernel's split plan and tiles, with 8 warps: a [16 heads, 512] float32 accumulator per program.
+MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8)
+
+
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = DECODE_CONFIG,
+                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = MLA_DECODE_CONFIG,
                          block_h: int = 16) -> torch.Tensor:
     """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
     paged_decode_attention is: the grid depends only on q's shape and meta.max_seq_len. cache may be
@@ -151,7 +155,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand, num_warps=cfg.num_warps if kv_lora_rank <= 256 else 8, num_stages=cfg.num_stages, **launch)
+        OPERAND=operand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
