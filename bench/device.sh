@@ -21,7 +21,8 @@
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
-#   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches
+#   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
+#                            the quantized GEMM's, bench/gemm_once.py)
 #   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
 #                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
 #                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment
@@ -140,6 +141,13 @@ profile)
   sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
     --section WarpStateStats --section SchedulerStats --section SourceCounters"
   for case in "$@"; do     # each case profiles the first timed launch, after gemv_configs.py's two check launches
+    if [[ $case == gemm\ * ]]; then   # "gemm FMT SHAPE N": the committed plan's GEMM launch (bench/gemm_once.py)
+      read -r _ fmt shape tok <<<"$case"
+      echo "=== gemm $fmt $shape n_tok=$tok" | tee -a "$OUT/ncu.txt"
+      timeout "$(left 180)" ncu --clock-control none -k regex:_gemm --launch-skip 1 --launch-count 1 \
+        $sections python3 bench/gemm_once.py "$fmt" "$shape" "$tok" 2 2>&1 | grep -v "^==PROF==" >> "$OUT/ncu.txt"
+      continue
+    fi
     read -r fmt shape tok <<<"$case"
     cfg=$(python3 -c "
 import sys; sys.path.insert(0, 'bench'); import kernels
