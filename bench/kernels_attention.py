@@ -136,8 +136,8 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
 # (config, block_h) candidates of --mla --sweep: tile length, warps, stages, programs aimed at per SM
 MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
     (replace(MLA_DECODE_CONFIG, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps), 16)
-    for bn, w, st, pps in [(32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4), (16, 4, 4, 8),
-                           (64, 8, 3, 2), (32, 8, 3, 8), (64, 4, 2, 4)]]
+    for bn, w, st, pps in [(64, 8, 2, 4), (32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4),
+                           (16, 4, 4, 8), (32, 8, 3, 8), (64, 4, 2, 4), (64, 8, 4, 1), (64, 8, 3, 1)]]
 
 
 def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
@@ -308,8 +308,9 @@ def main() -> None:
                 json.dump(payload, f, indent=1)
 
     if "--mla" in sys.argv:
-        result["rows"] = run_mla(copy_gbps, sweep="--sweep" in sys.argv)
-        dump("kernels_mla_attention.json", result)
+        sweeping = "--sweep" in sys.argv
+        result["rows"] = run_mla(copy_gbps, sweep=sweeping)
+        dump("kernels_mla_attention_sweep.json" if sweeping else "kernels_mla_attention.json", result)
         return
     if "--sweep" in sys.argv:
         result["sweep"] = sweep(copy_gbps, budget_s=float(os.environ.get("SWEEP_BUDGET_S", 150)), dump=lambda rows: dump("kernels_attention_sweep.json", {**result, "sweep": rows}))

@@ -118,8 +118,12 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, pa
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
-# The GQA decode kernel's split plan and tiles, with 8 warps: a [16 heads, 512] float32 accumulator per program.
-MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8)
+# The GQA decode kernel's split plan, with 8 warps (a [16 heads, 512] float32 accumulator per program), 3 stages
+# (two 64-row latent tiles, 72 KB each, in flight) and half the programs per SM. H200, DeepSeek-V2-Lite's heads,
+# of copy against the GQA config with 8 warps: 64 x 8192 0.45 -> 0.57, 64 x 512 0.24 -> 0.30, 8 x 8192 0.31 ->
+# 0.36, B = 1 the same; 4 warps or 32-row tiles lost (bench/kernels_attention.py --mla --sweep,
+# bench/results/kernels_mla_attention_sweep.json).
+MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
