@@ -112,10 +112,12 @@ def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path, cli):
 
 def test_inspect_says_how_experts_decode_on_cuda(tmp_path, cli):
     """q8_0 experts stack for the routed GEMV; in the q4_k file the 128-wide down experts fall back to q5_0
-    (K-quants need 256 columns), which it does not read."""
+    (K-quants need 256 columns), which is routed as q8_0; q5_1 experts it does not read."""
     from cobatch.testing.gguf_writer import write_random_model
-    for quant, expected in (("q8_0", "on CUDA: routed on the device, decode in CUDA graphs"),
-                            ("q4_k", "on CUDA: expert by expert, decode eager: down experts in q5_0 (256 rows)")):
+    for quant, expected in (("q8_0", "on CUDA: routed on the device, decode in CUDA graphs\n"),
+                            ("q4_k", "on CUDA: routed on the device, decode in CUDA graphs (down experts q5_0 as q8_0)"),
+                            ("q5_1", "on CUDA: expert by expert, decode eager: down experts in q5_1 (256 rows); "
+                                     "gate experts in q5_1 (256 rows)")):
         path = write_random_model(tmp_path / f"{quant}.gguf", "qwen2moe-tiny", quant, tokenizer_from=smollm2_path())
         proc = cli("inspect", str(path))
         assert proc.returncode == 0, proc.stderr

@@ -278,19 +278,19 @@ def cmd_inspect(args) -> int:
 def _expert_decode(f, cfg) -> str:
     """How the experts decode on CUDA: routed on the device (CUDA graphs) if every layer's expert tensors can be
     stacked for the routed GEMV (kernels/packed_experts.py), else expert by expert (eager), and why."""
-    from cobatch.kernels.packed_experts import stackable
-    blocking = set()
+    from cobatch.kernels.packed_experts import ROUTED_AS, stackable
+    blocking, converted = set(), set()
     for i in range(cfg.leading_dense_layers, cfg.n_layers):
         kinds = {x: f.tensors[f"blk.{i}.ffn_{x}_exps.weight"].tensor_type.name.lower() for x in ("gate", "up", "down")}
         if kinds["gate"] != kinds["up"]:
             blocking.add(f"gate {kinds['gate']} and up {kinds['up']} differ")
         for x, rows in (("gate", 2 * cfg.expert_ffn_dim), ("down", cfg.d_model)):
-            if not stackable(kinds[x], rows):
+            if kinds[x] in ROUTED_AS:
+                converted.add(f"{x} experts {kinds[x]} as {ROUTED_AS[kinds[x]]}")
+            if not stackable(ROUTED_AS.get(kinds[x], kinds[x]), rows):
                 blocking.add(f"{x} experts in {kinds[x]} ({rows} rows)")
-    if not blocking and cfg.mla is not None:
-        return "routed on the device; decode eager (latent attention runs its torch reference on CUDA too)"
     if not blocking:
-        return "routed on the device, decode in CUDA graphs"
+        return "routed on the device, decode in CUDA graphs" + (f" ({'; '.join(sorted(converted))})" if converted else "")
     return "expert by expert, decode eager: " + "; ".join(sorted(blocking))
 
 
