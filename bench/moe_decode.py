@@ -14,6 +14,8 @@ each layer's distinct chosen experts (counted from the routing of one eager step
 (a latent row per token and layer under MLA); GB/s, the ratio to a device-to-device copy measured in this run,
 and the step time over that roofline. Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a
 short table last; JSON to $OUT or bench/results/.
+--prefill N,T: also the time to prefill N prompts of T tokens and sample their first tokens (steps of up to
+--max-step-tokens rows), with the experts routed slice by slice (COBATCH_MOE_PREFILL=routed) and expert by expert.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,8 +38,10 @@ from decode import (clear, copy_bandwidth, graph_replay_ms, kernel_breakdown, kv
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.kernels import packed_experts  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
+from cobatch.models import moe  # noqa: E402
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXTS = [512]
@@ -91,6 +96,41 @@ def routed_expert_bytes(llm: LLM) -> float:
     return sum(chosen.get(id(m), 0) * (_nbytes(m.gate_up[0]) + _nbytes(m.down[0])) for m in moes)
 
 
+def time_prefill(llm: LLM, n_prompts: int, prompt_tokens: int, reps: int = 3) -> float:
+    """Best seconds of `reps` runs prefilling n_prompts prompts of prompt_tokens tokens and sampling one token
+    each (eager, as prefill runs); new prompts every run, so that no prefix is cached."""
+    vocab = llm.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    best = float("inf")
+    for rep in range(reps + 1):                        # the first run warms up
+        prompts = [[(i * 7919 + (rep * n_prompts + p) * 104729 + 11) % vocab for i in range(prompt_tokens)]
+                   for p in range(n_prompts)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def prefill_rows(llm: LLM, spec: str) -> list[dict]:
+    """--prefill N,T: the routed slices against expert by expert."""
+    n_prompts, prompt_tokens = (int(v) for v in spec.split(","))
+    rows = []
+    for routed in (True, False):
+        moe.ROUTED_PREFILL = routed
+        try:
+            s = time_prefill(llm, n_prompts, prompt_tokens)
+        finally:
+            moe.ROUTED_PREFILL = True
+        rows.append(dict(prompts=n_prompts, prompt_tokens=prompt_tokens, experts="routed slices" if routed
+                         else "expert by expert", seconds=s, prefill_tok_s=n_prompts * prompt_tokens / s))
+        print(f"  prefill {n_prompts} x {prompt_tokens} tokens, experts {rows[-1]['experts']}: {s * 1e3:.0f} ms, "
+              f"{rows[-1]['prefill_tok_s']:.0f} tok/s", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -98,6 +138,7 @@ def main() -> None:
     ap.add_argument("--batches", help="comma-separated (default: 1, 2, 4, ... up to --max-batch)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="room for the largest batch x context placed")
+    ap.add_argument("--prefill", help="N,T: also time prefilling N prompts of T tokens, both ways")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [b for b in BATCHES
                                                                               if b <= args.max_batch]
@@ -125,11 +166,11 @@ def main() -> None:
             runner.graphs = None
             eager_s = time_steps(llm, steps=6, warmup=2)
             limit = packed_experts.ROUTED_MAX_ROWS
-            packed_experts.ROUTED_MAX_ROWS = 0          # every step expert by expert: the path before routing
-            try:
+            packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = 0, False   # every step expert by expert: the
+            try:                                                            # path before routing
                 per_expert_s = time_steps(llm, steps=6, warmup=2)
             finally:
-                packed_experts.ROUTED_MAX_ROWS = limit
+                packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = limit, True
                 runner.graphs = graphs
             clear(llm)
             step_s = graph_s if graph_s is not None else eager_s     # what the engine runs
@@ -145,11 +186,13 @@ def main() -> None:
                   f"({row['step_over_roofline']:.2f}x roofline), graph replay "
                   f"{graph_ms if graph_ms is not None else float('nan'):6.2f}, eager routed "
                   f"{row['eager_routed_ms']:6.2f}, eager per expert {row['eager_per_expert_ms']:7.2f}", flush=True)
+    prefill = prefill_rows(llm, args.prefill) if args.prefill else []
     cfg = llm.config
     result = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, copy_gbps=copy_bps / 1e9, model=args.model, arch=cfg.arch,
                   layers=cfg.n_layers, experts=cfg.n_experts, experts_used=cfg.n_experts_used, dense_bytes=dense,
-                  kv_bytes_per_token=kvtok, captured=graphs is not None, rows=rows, kernel_breakdown=breakdowns)
+                  kv_bytes_per_token=kvtok, captured=graphs is not None, rows=rows, kernel_breakdown=breakdowns,
+                  prefill=prefill)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_decode.json").write_text(json.dumps(result, indent=1))
@@ -167,6 +210,9 @@ def main() -> None:
               f"{r['tok_s']:6.0f}  {r['step_bytes'] / 1e9:7.2f}  {r['gbps']:4.0f}  {r['gbps'] * 1e9 / copy_bps:7.0%}  | "
               f"{r['eager_routed_ms']:12.2f}  {r['eager_per_expert_ms']:16.2f}  "
               f"{r['eager_per_expert_ms'] / r['step_ms']:6.1f}x")
+    for r in prefill:
+        print(f"  prefill {r['prompts']} x {r['prompt_tokens']} tokens, experts {r['experts']}: "
+              f"{r['seconds'] * 1e3:.0f} ms ({r['prefill_tok_s']:.0f} tok/s)")
 
 
 if __name__ == "__main__":

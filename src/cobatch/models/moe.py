@@ -7,14 +7,17 @@ once, whatever the batch (ds4's "routed experts run per sequence", grouped by ex
     grouped by expert on the device (kernels/moe_routing.py) and each projection is one launch of the
     routed GEMV over all experts stacked (kernels/packed_experts.py). No host sync, so decode steps are
     captured in CUDA graphs like a dense model's.
-  - expert by expert (the CPU, prefill chunks, and formats the routed GEMV does not read): each expert
-    that got rows runs on them through ops.linear; counting those rows is a host sync.
+    Bigger steps (prefill chunks) run it slice by slice.
+  - expert by expert (the CPU, and formats the routed GEMV does not read): each expert that got rows runs on
+    them through ops.linear; counting those rows is a host sync.
 
 A token's output sums its experts' contributions in float32 in expert-id order, both ways, so a row's
 result does not depend on which other rows share the step.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,6 +29,11 @@ from cobatch.kernels.moe_routing import expert_slots
 from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
+
+
+# Steps of more than ROUTED_MAX_ROWS rows (prefill chunks) run the routed path slice by slice
+# (COBATCH_MOE_PREFILL=routed) or expert by expert (=experts).
+ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "routed") == "routed"
 
 
 def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
@@ -80,9 +88,15 @@ class MoeFeedForward:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(h)
+        # summed in float32 either way; stored as h's dtype unless the shared expert is still to be added
+        out_dtype = torch.float32 if self.shared_gate_up is not None else h.dtype
         if self.routed and h.shape[0] <= packed_experts.ROUTED_MAX_ROWS:
-            # summed in float32 either way; stored as h's dtype unless the shared expert is still to be added
-            out = self._routed(h, weights, ids, torch.float32 if self.shared_gate_up is not None else h.dtype)
+            out = self._routed(h, weights, ids, out_dtype)
+        elif self.routed and ROUTED_PREFILL:
+            # a prefill chunk in slices of the routed path's rows: no host sync and no loop over experts in Python
+            step = packed_experts.ROUTED_MAX_ROWS
+            out = torch.cat([self._routed(h[a:a + step], weights[a:a + step], ids[a:a + step], out_dtype)
+                             for a in range(0, h.shape[0], step)])
         else:
             out = self._expert_by_expert(h, weights, ids)
         if self.shared_gate_up is not None:
