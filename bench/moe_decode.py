@@ -15,7 +15,7 @@ each layer's distinct chosen experts (counted from the routing of one eager step
 and the step time over that roofline. Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a
 short table last; JSON to $OUT or bench/results/.
 --prefill N,T: also the time to prefill N prompts of T tokens and sample their first tokens (steps of up to
---max-step-tokens rows), with the experts routed slice by slice (COBATCH_MOE_PREFILL=routed) and expert by expert.
+--max-step-tokens rows), with the experts expert by expert and routed slice by slice (COBATCH_MOE_PREFILL=routed).
 """
 
 from __future__ import annotations
@@ -119,11 +119,11 @@ def prefill_rows(llm: LLM, spec: str) -> list[dict]:
     n_prompts, prompt_tokens = (int(v) for v in spec.split(","))
     rows = []
     for routed in (True, False):
-        moe.ROUTED_PREFILL = routed
+        default, moe.ROUTED_PREFILL = moe.ROUTED_PREFILL, routed
         try:
             s = time_prefill(llm, n_prompts, prompt_tokens)
         finally:
-            moe.ROUTED_PREFILL = True
+            moe.ROUTED_PREFILL = default
         rows.append(dict(prompts=n_prompts, prompt_tokens=prompt_tokens, experts="routed slices" if routed
                          else "expert by expert", seconds=s, prefill_tok_s=n_prompts * prompt_tokens / s))
         print(f"  prefill {n_prompts} x {prompt_tokens} tokens, experts {rows[-1]['experts']}: {s * 1e3:.0f} ms, "
@@ -166,11 +166,12 @@ def main() -> None:
             runner.graphs = None
             eager_s = time_steps(llm, steps=6, warmup=2)
             limit = packed_experts.ROUTED_MAX_ROWS
+            routed_prefill = moe.ROUTED_PREFILL
             packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = 0, False   # every step expert by expert: the
             try:                                                            # path before routing
                 per_expert_s = time_steps(llm, steps=6, warmup=2)
             finally:
-                packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = limit, True
+                packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = limit, routed_prefill
                 runner.graphs = graphs
             clear(llm)
             step_s = graph_s if graph_s is not None else eager_s     # what the engine runs

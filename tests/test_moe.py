@@ -143,15 +143,16 @@ def test_gpu_routed_layer_matches_expert_by_expert(moe_models, arch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
 def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, monkeypatch):
-    """A step of more rows than the routed path takes (a prefill chunk; 8 rows here) runs it slice by slice: each
-    slice's rows bitwise what the routed path gives them alone, and the whole close to expert by expert (qwen2moe:
-    its shared expert on top, and its Q5_0 down experts routed as Q8_0)."""
+    """With COBATCH_MOE_PREFILL=routed, a step of more rows than the routed path takes (a prefill chunk; 8 rows
+    here) runs it slice by slice: each slice's rows bitwise what the routed path gives them alone, and the whole
+    close to expert by expert (qwen2moe: its shared expert on top, and its Q5_0 down experts routed as Q8_0)."""
     from cobatch.kernels import packed_experts
     from cobatch.models import moe as moe_module
     _, cfg, model = load_model(moe_models[arch], "cuda", torch.bfloat16)
     layer = model.layers[0].moe
     h = torch.randn(21, cfg.d_model, generator=torch.Generator().manual_seed(8)).bfloat16().cuda()
     monkeypatch.setattr(packed_experts, "ROUTED_MAX_ROWS", 8)
+    monkeypatch.setattr(moe_module, "ROUTED_PREFILL", True)
     got = layer(h)
     weights, ids = layer.route(h)
     if layer.shared_gate_up is None:
