@@ -74,6 +74,11 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
             if split >= 1 for ring, chunks in ((4, 2), (8, 2), (6, 1))]
     # every ring of two warpgroups again with them apart (each its own partition)
     out += [dataclasses.replace(c, APART=True) for c in out if c.RING and c.NW == 8 and c.split_k >= 1]
+    # every ring again on the persistent grid (one CTA an SM walking work items), and the finest K splits of one
+    # warpgroup's rings at two CTAs an SM
+    out += [dataclasses.replace(c, PERSIST=1) for c in out if c.RING and c.split_k >= 1]
+    out += [dataclasses.replace(c, split_k=2 * c.split_k, PERSIST=2) for c in out
+            if c.RING and c.NW == 4 and c.PERSIST == 1]
     ok = []
     for c in out:
         if c.split_k < 1:
@@ -84,16 +89,21 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
 
 
 def config_key(c: GemmConfig) -> str:
-    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, and ",apart" with APART."""
-    return f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}" + (",apart" if c.APART else "")
+    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, then ",apart" with APART and
+    ",persistN" with PERSIST N."""
+    return (f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}" + (",apart" if c.APART else "")
+            + (f",persist{c.PERSIST}" if c.PERSIST else ""))
 
 
 def config_of(key: str) -> GemmConfig:
     """config_key's inverse (older sweeps name the first five or seven fields only)."""
     fields = key.split(",")
+    persist = int(fields.pop()[len("persist"):]) if fields[-1].startswith("persist") else 0
     apart = fields[-1] == "apart"
-    nw, split, d, pf, tm, ring, chunks = (list(map(int, fields[:7 if not apart else -1])) + [0, 1])[:7]
-    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart)
+    if apart:
+        fields.pop()
+    nw, split, d, pf, tm, ring, chunks = (list(map(int, fields[:7])) + [0, 1])[:7]
+    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart, PERSIST=persist)
 
 
 def _compile_one(task) -> str:
@@ -116,7 +126,7 @@ def _compile_one(task) -> str:
 
 def _as_dict(c: GemmConfig) -> dict:
     return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS,
-            **({"APART": True} if c.APART else {})}
+            **({"APART": True} if c.APART else {}), **({"PERSIST": c.PERSIST} if c.PERSIST else {})}
 
 
 def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:

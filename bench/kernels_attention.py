@@ -8,9 +8,9 @@ Bytes counted: K + V of every sequence's context in the cache's dtype (q, the ou
 are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
---mla [--sweep]: the MLA decode kernel instead (with --sweep, each of MLA_SWEEP's configs) (kernels/mla_attention.py), DeepSeek-V2-Lite's heads (16 q heads, one latent
-row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
-sequence's latent rows (576 bf16 values a token).
+--mla: the MLA decode kernel instead (kernels/mla_attention.py; --mla --sweep: each of MLA_SWEEP's configs),
+DeepSeek-V2-Lite's heads (16 q heads, one latent row of 512 + 64 values per token) at B = 1, 8, 64 x context
+512, 8192 (MLA_CONTEXTS): bytes counted, each sequence's latent rows (576 bf16 values a token).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
 

@@ -8,6 +8,8 @@ CPU CI compiles every variant for sm_90 (tests/test_kernels_compile.py) and chec
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,6 +60,10 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(NW=4, RING=4, APART=True)    # APART runs a CTA's two warpgroups apart
     with pytest.raises(ValueError):
         GemmConfig(NW=8, APART=True)            # ... of the ring variant
+    with pytest.raises(ValueError):
+        GemmConfig(NW=8, PERSIST=1)             # the persistent grid walks the ring's work items
+    with pytest.raises(ValueError):
+        GemmConfig(NW=8, RING=4, PERSIST=3)     # one or two CTAs an SM
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -198,6 +204,25 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
                 GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4), GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True),
                 GemmConfig(NW=8, split_k=2, RING=6, APART=True)):
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
+def test_gemm_persistent_grid_gives_the_same_bits(fmt_name):
+    """PERSIST launches at most one or two CTAs an SM, each walking several (token tile, row block, K split) items
+    with the ring running from one into the next: 128 row blocks x 4 splits x 2 token tiles (1024 items) give
+    every CTA several, split-K counters and two token tiles included; each item's work is the one-CTA ring's,
+    so the bits are too."""
+    w = make_weight(fmt_name, 8192, 2048, seed=16, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(17)).to("cuda", torch.bfloat16)
+    for cfg in (GemmConfig(NW=4, split_k=4, RING=3), GemmConfig(NW=8, split_k=4, RING=4, APART=True),
+                GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=2)):     # each within 227 KB at 256 tokens
+        plain = run_poisoned(pw, x, cfg)
+        for persist in (1, 2):
+            assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, PERSIST=persist)), plain), (cfg, persist)
+        assert torch.equal(run_poisoned(pw, x[:40], dataclasses.replace(cfg, PERSIST=1)), plain[:40]), cfg
 
 
 @requires_cuda

@@ -290,7 +290,8 @@ def _expert_decode(f, cfg) -> str:
             if not stackable(ROUTED_AS.get(kinds[x], kinds[x]), rows):
                 blocking.add(f"{x} experts in {kinds[x]} ({rows} rows)")
     if not blocking:
-        return "routed on the device, decode in CUDA graphs" + (f" ({'; '.join(sorted(converted))})" if converted else "")
+        note = f" ({'; '.join(sorted(converted))})" if converted else ""
+        return "routed on the device, decode in CUDA graphs" + note
     return "expert by expert, decode eager: " + "; ".join(sorted(blocking))
 
 

@@ -28,7 +28,10 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     the registers the global loads would fill and go on as above. More weight bytes in flight per SM, without
     registers: it wins on the big matrices from 32-64 tokens and on all of them at 128-256. With APART its two
     consumer warpgroups are partitions of their own (each on its 64 rows of every stage, finishing on its own),
-    so one's MMAs overlap the other's dequantization instead of both meeting at every stage's barrier.
+    so one's MMAs overlap the other's dequantization instead of both meeting at every stage's barrier. With
+    PERSIST one or two CTAs an SM walk the (token tile, row block, K split) work items, the ring running from one
+    item's stages into the next's, where a CTA per item fills its ring and drains it once (and 224 row blocks on
+    132 SMs run as 1.7 waves).
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
@@ -46,7 +49,7 @@ import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q4_1, F_Q6_K, _byte_fmt, gl, gluon
-from cobatch.kernels.triton_support import jit, tl
+from cobatch.kernels.triton_support import device_sms, jit, tl
 
 try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -471,11 +474,35 @@ if gluon is not None and warpgroup_mma is not None:
         return q, a, b, cc, e, h
 
     @gluon.jit
-    def _ring_producer(descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT: gl.constexpr,
-                       C: gl.constexpr, PARTS: gl.constexpr):
-        """One warp: for each stage of C chunks, wait until its buffers are free, then TMA-copy the weight rows'
-        planes (one block per consumer part) and the C x blocks into them, the stage's `ready` barrier counting
-        the bytes."""
+    def _item_of(item, n_nk, SPLIT_K: gl.constexpr):
+        """(token tile, row block, K split) of work item `item`: the 2-D grid's (program_id(0), program_id(1))
+        linearized, program_id(1) being row block x SPLIT_K + split."""
+        return item // n_nk, (item % n_nk) // SPLIT_K, (item % n_nk) % SPLIT_K
+
+    @gluon.jit
+    def _ring_producer(descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT: gl.constexpr, NW: gl.constexpr,
+                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
+                       PERSIST: gl.constexpr):
+        """The producer of the CTA's work items: its program's one (the 2-D grid), or with PERSIST items pid,
+        pid + G, ... of the 1-D grid of G CTAs, their stages streamed through the ring back to back."""
+        if PERSIST:
+            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+                done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages    # stages of earlier items
+                _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K)
+        else:
+            item = gl.program_id(0) * n_nk + gl.program_id(1)
+            _ring_produce(descs, bufs, ready, empty, item, 0, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K)
+
+    @gluon.jit
+    def _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT: gl.constexpr, NW: gl.constexpr,
+                      BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr):
+        """One warp, one work item: for each stage of C chunks, wait until its buffers are free, then TMA-copy the
+        weight rows' planes (one block per consumer part) and the C x blocks into them, the stage's `ready`
+        barrier counting the bytes. `done`: the stages the ring carried before this item (slots and phases)."""
+        pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
+        tile0 = pid_n * NW
+        tok0 = pid_t * BN
+        first = pid_k * n_stages * C
         qs_desc, d_desc, sub_desc, qh_desc, x_desc = descs
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         S: gl.constexpr = ready.shape[0]
@@ -486,8 +513,9 @@ if gluon is not None and warpgroup_mma is not None:
         nbytes: gl.constexpr = PARTS * WEIGHTS + C * x_desc.block_type.nbytes
         SD: gl.constexpr = d_desc.block_type.shape[1]
         for i in range(n_stages):
-            slot = i % S
-            mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)     # a new barrier's phase before 0 is complete
+            g = done + i
+            slot = g % S
+            mbarrier.wait(empty.index(slot), ((g // S) & 1) ^ 1)     # a new barrier's phase before 0 is complete
             chunk0 = first + i * C
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)
@@ -505,8 +533,8 @@ if gluon is not None and warpgroup_mma is not None:
                 tma.async_copy_global_to_shared(x_desc, [tok0, (chunk0 + c) * KC], bar, x_bufs.index(slot * C + c))
 
     @gluon.jit
-    def _ring_consumer(bufs, ready, empty, n_stages, part, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
-                       C: gl.constexpr, PARTS: gl.constexpr):
+    def _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT: gl.constexpr, NW: gl.constexpr,
+                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr):
         """NW consumer warps: per stage, wait for its bytes, dequantize each chunk of their part's rows from shared
         memory and issue its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the
         MMAs reading them retired (each part arrives once on `empty`). Returns the accumulator."""
@@ -521,7 +549,7 @@ if gluon is not None and warpgroup_mma is not None:
         acc = gl.zeros([16 * NW, BN], gl.float32, MMA)
         for i0 in range(0, n_stages, U):
             for u in gl.static_range(U):
-                i = i0 + u
+                i = done + i0 + u                     # the ring's stage count, this item's stages after `done`
                 slot = i % S
                 b = slot * PARTS + part
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
@@ -543,43 +571,56 @@ if gluon is not None and warpgroup_mma is not None:
         return acc
 
     @gluon.jit
-    def _ring_part(bufs, ready, empty, n_stages, part, out_ptr, partial_ptr, count_ptr, n_tok, n_rows, out_stride,
-                   FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr,
-                   SPLIT_K: gl.constexpr, ACT: gl.constexpr):
-        """A consumer part from its first stage to its stored rows: the 16 NW rows `part` of the CTA's PARTS x 16
-        NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait on each other
-        but for the ring's stages."""
-        acc = _ring_consumer(bufs, ready, empty, n_stages, part, FMT, NW, BN, C, PARTS)
+    def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
+                   out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
+                   PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr):
+        """A consumer part over the CTA's work items, as _ring_producer walks them."""
+        if PERSIST:
+            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+                done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
+                _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
+                                count_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT)
+        else:
+            _ring_part_item(bufs, ready, empty, n_stages, gl.program_id(0) * n_nk + gl.program_id(1), 0, n_nk, part,
+                            out_ptr, partial_ptr, count_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS,
+                            SPLIT_K, ACT)
+
+    @gluon.jit
+    def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, n_tok,
+                        n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
+                        PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
+        """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
+        CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
+        on each other but for the ring's stages."""
+        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS)
         MMA: gl.constexpr = _layouts(NW, BN)[0]
-        pid_t = gl.program_id(0)
-        pid_n = gl.program_id(1) // SPLIT_K
-        pid_k = gl.program_id(1) % SPLIT_K
+        pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
         row0 = (pid_n * PARTS + part) * (16 * NW)
         tok0 = pid_t * BN
         r = row0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
-        tile = (pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n) * PARTS + part
+        tile = (pid_t * (n_nk // SPLIT_K) + pid_n) * PARTS + part
         quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
                                 n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
-    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages"])
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages", "n_nk"])
     def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr,
-                          n_tok, n_rows, out_stride, n_stages,
+                          n_tok, n_rows, out_stride, n_stages, n_nk,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
-                          C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr):
+                          C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
+                          PERSIST: gl.constexpr):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
         shared memory and run the MMAs. S stages of weight bytes are in flight per CTA without a register.
         With APART (NW 8) the two warpgroups are two partitions, each on its own 64 rows of every stage: one's
-        MMAs run while the other dequantizes, where in lock step both wait at every stage's barrier."""
+        MMAs run while the other dequantizes, where in lock step both wait at every stage's barrier.
+        Work items are (token tile, row block, K split), n_nk row blocks x splits a token tile: one per program of
+        a 2-D grid, or with PERSIST a 1-D grid of G CTAs each walking items pid, pid + G, ..., the ring running
+        from one item's stages into the next's (the same work per item, so the same bits)."""
         PARTS: gl.constexpr = 2 if APART else 1
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
-        pid_t = gl.program_id(0)
-        pid_n = gl.program_id(1) // SPLIT_K
-        pid_k = gl.program_id(1) % SPLIT_K
-        tile0 = pid_n * NW
-        tok0 = pid_t * BN
+        n_items = (n_tok + BN - 1) // BN * n_nk
         WB: gl.constexpr = S * PARTS                          # weight buffers: a stage's blocks, one per part
         qs_bufs = gl.allocate_shared_memory(gl.uint8, [WB] + qs_desc.block_type.shape, qs_desc.layout)
         d_bufs = gl.allocate_shared_memory(d_desc.dtype, [WB] + d_desc.block_type.shape, d_desc.layout)
@@ -598,20 +639,21 @@ if gluon is not None and warpgroup_mma is not None:
         fence_async_shared()
         descs = (qs_desc, d_desc, sub_desc, qh_desc, x_desc)
         bufs = (qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs)
-        first = pid_k * n_stages * C
         if APART:
             gl.warp_specialize([
-                (_ring_part, (bufs, ready, empty, n_stages, 0, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
-                             out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT)),
-                (_ring_part, (bufs, ready, empty, n_stages, 1, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
-                             out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT)),
-                (_ring_producer, (descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT, C, PARTS)),
+                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, n_tok,
+                              n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, n_tok,
+                              n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
+                                  SPLIT_K, PERSIST)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_ring_part, (bufs, ready, empty, n_stages, 0, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
-                             out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT)),
-                (_ring_producer, (descs, bufs, ready, empty, tile0, tok0, first, n_stages, FMT, C, PARTS)),
+                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, n_tok,
+                              n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
+                                  SPLIT_K, PERSIST)),
             ], [1], [_PRODUCER_REGS])
 
 @jit
@@ -669,6 +711,9 @@ class GemmConfig:
     # APART (a ring of NW 8): the two consumer warpgroups run as partitions of their own, each on its 64 rows of
     # every stage, instead of in lock step; a row's bits are the same
     APART: bool = False
+    # PERSIST > 0 (a ring): that many CTAs an SM at most, each walking several (token tile, row block, K split)
+    # items with the ring running from one into the next, instead of a CTA per item; a row's bits are the same
+    PERSIST: int = 0
 
     def __post_init__(self):
         if self.NW not in (4, 8) or self.TMA == 1:
@@ -677,6 +722,8 @@ class GemmConfig:
             raise ValueError(f"a ring GemmConfig needs 2+ stages of 1, 2 or 4 chunks, without TMA, P or D: {self}")
         if self.APART and not (self.RING and self.NW == 8):
             raise ValueError(f"APART needs a ring of two warpgroups (RING, NW 8): {self}")
+        if self.PERSIST and not (self.RING and self.PERSIST in (1, 2)):
+            raise ValueError(f"PERSIST needs a ring, and 1 or 2 CTAs an SM: {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
@@ -737,17 +784,21 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     n_tok = x.shape[0]
     bn = token_tile(n_tok)
     assert out.shape[-1] == (p.rows // 2 if act else p.rows), (out.shape, p.rows, act)
-    grid = (-(-n_tok // bn), (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k)
+    n_nk = (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k       # row blocks x K splits of a token tile
+    grid = (-(-n_tok // bn), n_nk)
     dummy = p.qs
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
     if cfg.RING:
         x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
+        if cfg.PERSIST:
+            grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
         _gemm_ring_kernel[grid](
-            *descs, out, partial, count, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS,
+            *descs, out, partial, count, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
-            APART=cfg.APART, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
+            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
+            maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
         x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))

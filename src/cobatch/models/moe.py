@@ -32,9 +32,9 @@ from cobatch.quant.weight import QuantWeight
 
 
 # Steps of more than ROUTED_MAX_ROWS rows (prefill chunks) run expert by expert, or with
-# COBATCH_MOE_PREFILL=routed the routed path slice by slice. H200, DeepSeek-V2-Lite cut to 8 layers, 64 prompts
-# of 128 tokens: 1309 ms expert by expert, 1375 ms in routed slices (bench/results/moe_prefill_deepseek_v2_lite.json): a
-# slice of 256 rows reads each chosen expert once a 16-row tile, where one by one each reads it once.
+# COBATCH_MOE_PREFILL=routed the routed path slice by slice (each slice reads the experts it chose again). H200,
+# DeepSeek-V2-Lite cut to 8 layers, 64 prompts of 128 tokens: 1309 ms expert by expert, 1375 ms in routed slices
+# (bench/results/moe_prefill_deepseek_v2_lite.json).
 ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "experts") == "routed"
 
 
@@ -52,8 +52,7 @@ class MoeFeedForward:
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
-        if device.type == "cuda":
-            gate, up, down = (packed_experts.routable(w, device) for w in (gate, up, down))
+        gate, up, down = (packed_experts.routable(w, device) for w in (gate, up, down))
         if device.type == "cuda" and gate.fmt is up.fmt and packed_experts.stackable(gate.fmt.name, gate.rows // n):
             # Interleaving the whole stacks 8 rows by 8 interleaves each expert's gate and up rows (an expert
             # owns whole groups of 8): expert e's fused gate|up is rows 2 e ffn.. of the result, laid out for

@@ -198,6 +198,7 @@ _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q6_K: _q6_k,
 }
 
+
 def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
     """Q5_0 rows (uint8 [rows, blocks * 22]) as Q8_0 rows holding the same values exactly: each block's f16 d,
     then its 32 codes minus 16 (-16..15) as int8. 1.0625 bytes a weight instead of 0.6875, for the kernels
