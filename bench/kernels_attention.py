@@ -65,18 +65,28 @@ def _decode_inputs(batch: int, context: int, copies: int, gen: torch.Generator, 
     shape = (num_pages, PAGE, N_KV, HEAD_DIM)
     k_cache = _random_cache(shape, gen, kv_dtype)
     v_cache = _random_cache(shape, gen, kv_dtype)
-    perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
     sets = []
-    for c in range(copies):
-        tables = perm[c * batch * pages_per_seq: (c + 1) * batch * pages_per_seq].view(batch, pages_per_seq)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
-            query_start=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-            seq_lens=torch.full((batch,), context if filled is None else filled, dtype=torch.int32, device="cuda"),
-            block_tables=tables.contiguous(), max_query_len=1, max_seq_len=context)
+    for meta in _scattered_decode_metas(batch, context, copies, gen, filled):
         q = torch.randn(batch, N_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         sets.append((q, meta))
     return k_cache, v_cache, sets
+
+
+def _scattered_decode_metas(batch: int, context: int, copies: int, gen: torch.Generator,
+                            filled: int | None = None) -> list[AttentionMetadata]:
+    """`copies` decode steps of `batch` sequences over one pool of pages_per_seq * batch * copies pages, each
+    sequence's pages drawn at random (no two the same); sequences hold `filled` tokens (default `context`)."""
+    pages_per_seq = -(-context // PAGE)
+    perm = torch.randperm(pages_per_seq * batch * copies, device="cuda", generator=gen).to(torch.int32)
+    metas = []
+    for c in range(copies):
+        tables = perm[c * batch * pages_per_seq: (c + 1) * batch * pages_per_seq].view(batch, pages_per_seq)
+        metas.append(AttentionMetadata(
+            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
+            query_start=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            seq_lens=torch.full((batch,), context if filled is None else filled, dtype=torch.int32, device="cuda"),
+            block_tables=tables.contiguous(), max_query_len=1, max_seq_len=context))
+    return metas
 
 
 def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generator,
@@ -112,15 +122,8 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
     copies = max(1, min(max(MIN_CALLS, min(64, -(-L2_FLUSH_BYTES // set_bytes))), (16 << 30) // set_bytes))
     num_pages = pages_per_seq * batch * copies
     cache = _random_cache((num_pages, PAGE, 1, width), gen, torch.bfloat16)
-    perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
     calls = []
-    for c in range(copies):
-        tables = perm[c * batch * pages_per_seq: (c + 1) * batch * pages_per_seq].view(batch, pages_per_seq)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
-            query_start=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-            seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-            block_tables=tables.contiguous(), max_query_len=1, max_seq_len=context)
+    for meta in _scattered_decode_metas(batch, context, copies, gen):
         q = torch.randn(batch, MLA_HEADS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(batch, MLA_HEADS, MLA_LORA, device="cuda", dtype=torch.bfloat16)
         calls.append(lambda q=q, m=meta, o=out: mla_decode_attention(q, cache, m, width ** -0.5, MLA_LORA, out=o,
