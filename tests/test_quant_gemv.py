@@ -247,6 +247,23 @@ def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14(
             assert halves.tolist() == [want[nib[lane0]], want[nib[lane1]]], (hex(w), reg)
 
 
+def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_8():
+    """quant_gemv.ASM_FP8 (run on the CPU by the emulator above): each of the 254 e4m3 bytes that are numbers, in each
+    byte of the word, leaves an f16 that is torch's e4m3 value times 2^-8 exactly (subnormals and -0 included) at
+    the lane its pairing gives it ($0: bytes 0 and 2, $1: bytes 1 and 3, low byte in the low half), and 0 in the
+    other lane; the 2^8 is in FP8's d (quant_pack.FP8_D_SCALE)."""
+    asm = quant_gemv.ASM_FP8.value if hasattr(quant_gemv.ASM_FP8, "value") else quant_gemv.ASM_FP8
+    assert quant_pack.FP8_D_SCALE == 2.0 ** 8
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    want = (codes.view(torch.float8_e4m3fn).float() * 2.0 ** -8).half().view(torch.int16).tolist()
+    one = 0x3C003C00
+    for code, bits in zip(codes.tolist(), want):
+        for byte, (reg, half) in enumerate((("$0", 0), ("$1", 0), ("$0", 1), ("$1", 1))):
+            out = run_ptx_bit_ops(asm, {"$2": code << (8 * byte), "$3": one, "$4": one})
+            got = out[reg] >> (16 * half) & 0xFFFF
+            assert got == bits & 0xFFFF and out[reg] >> (16 * (1 - half)) & 0xFFFF == 0, (hex(code), byte)
+
+
 def test_default_config_divides_k_and_fills_the_gpu():
     for rows_pad, n_chunks in [(4096, 64), (4096, 128), (6144, 64), (28672, 64), (4096, 224), (128256, 128),
                                (1024, 16), (896, 20), (4864, 16)]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels import quant_pack
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig, quant_matmul_ref
 from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
@@ -66,6 +67,14 @@ def test_planes_decode_to_the_gguf_values(fmt_name):
     want = dequantize(w.raw, w.fmt.ggml_type, cols) if w.row_scale is None else w.dequantize(torch.float32)
     torch.testing.assert_close(unpack_planes(planes), want, rtol=0, atol=0)
     assert planes.rows_pad % 128 == 0 and planes.cols_pad % 256 == 0
+
+
+def test_fp8_row_scales_pack_where_f16_holds_them_times_256():
+    """FP8's d is the row scale times 256 (the GEMV's e4m3 decode reads values times 2^-8) in an f16, as a normal
+    number: scales from 2^-14 to 65504 / 256 pack (zero rows too), smaller or larger ones run dense."""
+    assert quant_pack.fp8_packable(torch.tensor([2.0 ** -14, 1e-3, 0.0, -0.5, 255.875]))
+    for bad in (2.0 ** -15, 256.0, -300.0):
+        assert not quant_pack.fp8_packable(torch.tensor([1e-3, bad])), bad
 
 
 def test_nbytes_counts_what_the_kernel_reads():

@@ -133,17 +133,22 @@ ASM_Q8 = _c("""{
  mul.rn.f16x2 $1, a1, $4;
 }""")
 
-# FP8 (e4m3): $2 = the word's four e4m3 bytes, paired (b0, b2) and (b1, b3) as ASM_Q8 pairs its int8 bytes, each pair
-# widened to f16x2 by the hardware's cvt (sm_89+), times the scales $3, $4 (the same side data as q8_0's).
+# FP8 (e4m3): $2 = the word's four e4m3 bytes, paired (b0, b2) and (b1, b3) as ASM_Q8 pairs its int8 bytes. Each byte
+# s eeee mmm is moved into an f16 half as s at bit 15 and eeee mmm at bits 13-7: an f16 whose exponent bias (15) is
+# 8 more than e4m3's (7), so it reads as the value times 2^-8, subnormals included (0x7F / 0xFF, NaN, read as
+# finite: a checkpoint holds none). Integer bit moves, where Hopper's cvt to f16 issues at a fraction of their
+# rate; the 2^8 is in the scales $3, $4 (quant_pack.FP8_D_SCALE: q8_0's side data, times 256).
 ASM_FP8 = _c("""{
- .reg .b32 t, a0, a1;
- .reg .b16 lo, hi;
- prmt.b32 t, $2, 0, 0x3120;
- mov.b32 {lo, hi}, t;
- cvt.rn.f16x2.e4m3x2 a0, lo;
- cvt.rn.f16x2.e4m3x2 a1, hi;
- mul.rn.f16x2 $0, a0, $3;
- mul.rn.f16x2 $1, a1, $4;
+ .reg .b32 s0, m0, m1, t;
+ shl.b32 s0, $2, 8;
+ shl.b32 t, $2, 7;
+ and.b32 m0, t, 0x3F803F80;
+ lop3.b32 s0, s0, 0x80008000, m0, 0xEA;
+ shr.b32 t, $2, 1;
+ and.b32 m1, t, 0x3F803F80;
+ lop3.b32 m1, $2, 0x80008000, m1, 0xEA;
+ mul.rn.f16x2 $0, s0, $3;
+ mul.rn.f16x2 $1, m1, $4;
 }""")
 
 # q6_K, one k16 half of a chunk: $4 = qs word (as for the 4-bit formats), $5 = its high-bit word, each

@@ -62,6 +62,7 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 _const = tl.constexpr if tl is not None else (lambda v: v)
 Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8, NVFP4 = (_const(getattr(quant_pack, n)) for n in
                                                   ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "FP8_E4M3", "NVFP4"))
+FP8_D = _const(1.0 / quant_pack.FP8_D_SCALE)    # FP8's d holds the row scale times FP8_D_SCALE
 
 
 def _nibble_asm(dtype: str, affine: bool) -> str:
@@ -254,7 +255,7 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         q1 = _qs_tile(qs_ptr, row, qs_stride, 64 * chunk + 32, j, FMT, FRAG)
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         if FMT == FP8:
-            return (_e4m3(q0) * d0.to(tl.float32)).to(DT), (_e4m3(q1) * d1.to(tl.float32)).to(DT)
+            return (_e4m3(q0) * (d0.to(tl.float32) * FP8_D)).to(DT), (_e4m3(q1) * (d1.to(tl.float32) * FP8_D)).to(DT)
         return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
     if FMT == NVFP4:    # codes paired as the 4-bit formats', an e4m3 scale per 16 (4 a chunk), an f32 row scale
         q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, FRAG)

@@ -17,7 +17,8 @@ row-major [rows_pad, ...]:
          16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
 The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: per channel, or the tensor's
 repeated). FP8 (fp8_e4m3) has exactly q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
-as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels' byte decode differs.
+times FP8_D_SCALE as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels'
+byte decode differs: the GEMV moves an e4m3 byte's bits into an f16 that reads as its value / FP8_D_SCALE.
 NVFP4: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3 block scale bytes (one
 per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragment order a 4-byte entry a row).
 
@@ -59,6 +60,10 @@ ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside
 BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight and an f16 scale per 32: the same planes
 FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be stored in fragment order
 SCALED_BY_16 = (Q6_K, NVFP4)        # a scale every 16 weights: each k16 half of a tile keeps its own columns (k_order)
+
+# FP8's d is its row scale times this: the GEMV's e4m3 decode (quant_gemv.ASM_FP8) moves a byte's bits into an f16
+# whose exponent bias is 8 more than e4m3's, so it reads as the value times 2^-8, exactly.
+FP8_D_SCALE = 256.0
 
 ROW_PAD = 128    # largest BN any config uses
 COL_PAD = 256    # largest BK; also the K-quant super-block
@@ -124,8 +129,9 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int, scale: torch.Tensor |
     """One chunk of rows: raw uint8 [r, row_bytes] with cols already a multiple of COL_PAD; scale: the rows'
     row scale (the checkpoint formats)."""
     r = raw.shape[0]
-    if fmt_id == FP8_E4M3:         # q8_0's planes: the row scale as each 32-block's f16 d
-        return {"qs": raw[:, :cols], "d": scale.half()[:, None].expand(r, cols // 32).contiguous()}
+    if fmt_id == FP8_E4M3:         # q8_0's planes: the row scale (times FP8_D_SCALE) as each 32-block's f16 d
+        d = (scale.float() * FP8_D_SCALE).half()
+        return {"qs": raw[:, :cols], "d": d[:, None].expand(r, cols // 32).contiguous()}
     if fmt_id == NVFP4:            # 9-byte blocks of 16: the e4m3 scale, then codes 2 i (low nibble), 2 i + 1
         b = raw.view(r, cols // 16, 9)
         codes = torch.stack([b[..., 1:] & 15, b[..., 1:] >> 4], dim=-1).reshape(r, cols)
@@ -375,7 +381,7 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
     qs = p.qs
     if p.fmt_id == FP8_E4M3:
-        w = qs.view(torch.float8_e4m3fn).float().view(R, K // 32, 32) * p.d.float()[..., None]
+        w = qs.view(torch.float8_e4m3fn).float().view(R, K // 32, 32) * (p.d.float()[..., None] / FP8_D_SCALE)
     elif p.fmt_id == NVFP4:
         v = qs.view(R, K // 64, 1, 32)
         codes = torch.cat([v & 15, v >> 4], dim=2).reshape(R, K).long()
@@ -408,10 +414,11 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
 
 
 def fp8_packable(row_scale: torch.Tensor) -> bool:
-    """Do an FP8 weight's row scales fit q8_0's f16 d as normal numbers (else it runs dequantized, as formats
-    without planes do)? Scales amax / 448 of real weights, per channel or per tensor, are about 1e-4 .. 1e-2."""
+    """Do an FP8 weight's row scales, and those times FP8_D_SCALE, fit q8_0's f16 d as normal numbers (else it runs
+    dequantized, as formats without planes do)? Scales amax / 448 of real weights, per channel or per tensor, are
+    about 1e-4 .. 1e-2."""
     a = row_scale.abs()
-    return bool(((a == 0) | ((a >= 2.0 ** -14) & (a <= 65504.0))).all())
+    return bool(((a == 0) | ((a >= 2.0 ** -14) & (a <= 65504.0 / FP8_D_SCALE))).all())
 
 
 def packable(fmt_name: str) -> bool:
