@@ -278,16 +278,17 @@ def cmd_inspect(args) -> int:
 def _expert_decode(f, cfg) -> str:
     """How the experts decode on CUDA: routed on the device (CUDA graphs) if every layer's expert tensors can be
     stacked for the routed GEMV (kernels/packed_experts.py), else expert by expert (eager), and why."""
-    from cobatch.kernels.packed_experts import ROUTED_AS, stackable
+    from cobatch.kernels.packed_experts import ROUTED_AS_Q8_0, stackable
     blocking, converted = set(), set()
     for i in range(cfg.leading_dense_layers, cfg.n_layers):
         kinds = {x: f.tensors[f"blk.{i}.ffn_{x}_exps.weight"].tensor_type.name.lower() for x in ("gate", "up", "down")}
         if kinds["gate"] != kinds["up"]:
             blocking.add(f"gate {kinds['gate']} and up {kinds['up']} differ")
         for x, rows in (("gate", 2 * cfg.expert_ffn_dim), ("down", cfg.d_model)):
-            if kinds[x] in ROUTED_AS:
-                converted.add(f"{x} experts {kinds[x]} as {ROUTED_AS[kinds[x]]}")
-            if not stackable(ROUTED_AS.get(kinds[x], kinds[x]), rows):
+            routed_as = "q8_0" if kinds[x] in ROUTED_AS_Q8_0 else kinds[x]
+            if routed_as != kinds[x]:
+                converted.add(f"{x} experts {kinds[x]} as {routed_as}")
+            if not stackable(routed_as, rows):
                 blocking.add(f"{x} experts in {kinds[x]} ({rows} rows)")
     if not blocking:
         note = f" ({'; '.join(sorted(converted))})" if converted else ""

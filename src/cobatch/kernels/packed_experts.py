@@ -31,15 +31,15 @@ def stackable(fmt_name: str, rows: int) -> bool:
     return PACKED_FORMATS.get(fmt_name) in FRAGMENT_FORMATS and rows % ROW_PAD == 0
 
 
-# Formats the routed GEMV does not read, converted at load to one it reads that holds their values exactly: Q5_0
-# (what llama.cpp writes for a K-quant file's experts whose width is not whole 256-blocks, DeepSeek-V2-Lite's down
-# experts) as Q8_0, 55 % more bytes for those experts, for steps without a host sync (CUDA graphs).
-ROUTED_AS = {"q5_0": "q8_0"}
+# Formats the routed GEMV does not read, converted at load to Q8_0, which holds their values exactly: Q5_0 (what
+# llama.cpp writes for a K-quant file's experts whose width is not whole 256-blocks, DeepSeek-V2-Lite's down
+# experts), 55 % more bytes for those experts, for steps without a host sync (CUDA graphs).
+ROUTED_AS_Q8_0 = ("q5_0",)
 
 
 def routable(w: QuantWeight, device: torch.device) -> QuantWeight:
-    """w, or on CUDA w converted as ROUTED_AS says (on the device)."""
-    if w.fmt.name not in ROUTED_AS or device.type != "cuda":
+    """w, or on CUDA w as Q8_0 (converted on the device) where its format is one of ROUTED_AS_Q8_0."""
+    if w.fmt.name not in ROUTED_AS_Q8_0 or device.type != "cuda":
         return w
     return QuantWeight(w.fmt, w.rows, w.cols, w.raw.to(device)).as_q8_0()
 
