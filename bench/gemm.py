@@ -338,6 +338,7 @@ def write(result: dict, dirs: list[Path], quiet: bool = False) -> None:
             row.update(entry)
     md = markdown(result)
     for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
         (d / "gemm.json").write_text(json.dumps(result, indent=1))
         (d / "gemm.md").write_text(md)
         (d / "quant_configs-gemm.json").write_text(json.dumps(table, indent=1))

@@ -375,7 +375,7 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
             # sanity: the timed kernel computes the right thing on these weights
             x = torch.randn(16, cols, device="cuda").to(torch.bfloat16)
             sub = slice(0, 512)
-            ref = x.double() @ QuantWeight(w.fmt, 512, cols, w.raw[sub]).dequantize().double().T
+            ref = x.double() @ w.row_slice(0, 512).dequantize().double().T   # with FP8 / NVFP4's row scale
             err = ((pw.matmul(x)[:, sub].double() - ref).norm() / ref.norm()).item()
             copies = rotating(pw)
             plan = pw.plan
