@@ -55,7 +55,7 @@ DECODE = [32, 64, 128, 256]          # the token counts a weight's one config is
 RING_SMEM = 227 * 1024 - 2048        # the ring variant's buffers in an SM's shared memory, with room to spare
 # the fragment planes' layout of each format (q4_K's are q4_1's)
 PLANES_FMT = {"q8_0": quant_pack.Q8_0, "q4_0": quant_pack.Q4_0, "q4_1": quant_pack.Q4_1, "q4_k": quant_pack.Q4_1,
-              "q6_k": quant_pack.Q6_K}
+              "q6_k": quant_pack.Q6_K, "fp8_e4m3": quant_pack.FP8_E4M3, "nvfp4": quant_pack.NVFP4}
 
 
 def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
@@ -178,7 +178,7 @@ def precompile(tasks, workers: int) -> None:
 def check(pw: PackedWeight, w: QuantWeight) -> float:
     """Worst relative error against the float64 reference (first 512 rows) at 17, 100 and 256 tokens, each run as
     the weight's plan runs it (a ring config may be planned for small token tiles only: its buffers grow with it)."""
-    ref_w = QuantWeight(w.fmt, 512, w.cols, w.raw[:512]).dequantize().double()
+    ref_w = w.row_slice(0, 512).dequantize().double()     # with FP8 / NVFP4's row scale
     worst = 0.0
     for n in (17, 100, 256):
         x = torch.randn(n, w.cols, device="cuda").to(torch.bfloat16)

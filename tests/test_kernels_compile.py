@@ -255,7 +255,8 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q8_0, 8, 256, 1, 0, True, 0, 1), (quant_pack.Q8_0, 4, 32, 4, 2, False, 2, 0),
             (quant_pack.Q4_0, 8, 64, 2, 1, True, 0, 1), (quant_pack.Q4_1, 8, 256, 1, 0, True, 0, 0),
             (quant_pack.Q4_1, 4, 32, 4, 2, False, 2, 1), (quant_pack.Q6_K, 8, 256, 1, 0, True, 0, 1),
-            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0, 0), (quant_pack.FP8_E4M3, 8, 256, 2, 1, True, 0, 1)):
+            (quant_pack.Q6_K, 8, 64, 2, 1, True, 0, 0), (quant_pack.FP8_E4M3, 8, 256, 2, 1, True, 0, 1),
+            (quant_pack.NVFP4, 8, 64, 2, 1, True, 0, 1), (quant_pack.NVFP4, 4, 256, 1, 0, False, 2, 0)):
         gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d} p={p}"] = \
             dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, P=bool(p), ACT=act)
 
@@ -271,7 +272,8 @@ def compile_gemm_tma_for_h200(constants):
 
 gemm_tma_variants = {}
 if quant_gemm.warpgroup_mma is not None:
-    for fmt, nw, bn, split, act, s in ((quant_pack.Q4_1, 8, 256, 1, 0, 3), (quant_pack.Q6_K, 4, 64, 2, 1, 4)):
+    for fmt, nw, bn, split, act, s in ((quant_pack.Q4_1, 8, 256, 1, 0, 3), (quant_pack.Q6_K, 4, 64, 2, 1, 4),
+                                       (quant_pack.NVFP4, 8, 128, 1, 0, 3)):
         gemm_tma_variants[f"gemm tma fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, D=0, P=True, S=s, ACT=act)
 
@@ -289,6 +291,8 @@ def compile_gemm_ring_for_h200(constants):
     qs = desc("u8", [nw, 2 * c, 256], 8)
     if fmt == quant_pack.Q6_K:
         d, sub, qh = desc("fp32", [nw, 16], 32), desc("i32", [nw, 16 * c], 32), desc("u8", [nw, c, 256], 8)
+    elif fmt == quant_pack.NVFP4:     # a stage carries its sub plane's words where the others carry d
+        d, sub, qh = desc("i32", [nw, 16 * c], 32), qs, qs
     else:
         d, sub, qh = desc("fp16", [nw, c * quant_gemm._SIDE_PER_CHUNK[fmt]], 16), qs, qs
     x = f"tensordesc<fp16[{bn}, {kc}],{gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)!r}>"
@@ -306,7 +310,8 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False, False), (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False, False),
             (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False, False), (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True, False),
             (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True, False), (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True, False),
-            (quant_pack.Q8_0, 8, 64, 1, 0, 8, 2, True, True), (quant_pack.Q4_1, 4, 64, 2, 0, 8, 2, False, True)):
+            (quant_pack.Q8_0, 8, 64, 1, 0, 8, 2, True, True), (quant_pack.Q4_1, 4, 64, 2, 0, 8, 2, False, True),
+            (quant_pack.NVFP4, 8, 64, 1, 1, 8, 2, True, False), (quant_pack.NVFP4, 4, 128, 2, 0, 6, 1, False, True)):
         gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"
                            f"{' apart' if apart else ''}{' persist' if persist else ''}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist)
@@ -348,6 +353,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 47 + 19 + 8 + 2 + 8
+    assert len(compiled) == 47 + 19 + 10 + 3 + 10
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

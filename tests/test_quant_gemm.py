@@ -23,7 +23,7 @@ from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
 
-GEMM_FORMATS = [f for f in FRAGMENT if quant_pack.PACKED_FORMATS[f] in quant_gemm.FORMATS]   # NVFP4: GEMV only
+GEMM_FORMATS = [f for f in FRAGMENT if quant_pack.PACKED_FORMATS[f] in quant_gemm.FORMATS]
 
 RING_SMEM = 227 * 1024      # an H200 SM's shared memory for one CTA
 
@@ -75,15 +75,15 @@ def test_plan_hands_mid_batches_to_the_gemm():
     assert qm.MatmulPlan(gemv, qm.DEQUANT_CUBLAS, 32).config_for(33) == qm.DEQUANT_CUBLAS
 
 
-@pytest.mark.parametrize("q6", [False, True])
-def test_x_operands_permute_and_convert_like_the_reference(q6):
+@pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q6_K, quant_pack.NVFP4])
+def test_x_operands_permute_and_convert_like_the_reference(fmt_id):
     """The TMA variant's one pass over x (Triton; the interpreter on the CPU) against the gather through
     quant_pack.k_order, and the permutation is the one whose activations each lane's fragment columns need."""
     from kernel_checks import DEVICE
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(16)).to(DEVICE, torch.bfloat16)
-    got = quant_gemm.x_operands(x, q6)
-    assert got.dtype == torch.float16 and torch.equal(got, quant_gemm.x_operands_ref(x, q6))
-    order = quant_pack.k_order(quant_pack.Q6_K if q6 else quant_pack.Q8_0)
+    got = quant_gemm.x_operands(x, fmt_id)
+    assert got.dtype == torch.float16 and torch.equal(got, quant_gemm.x_operands_ref(x, fmt_id))
+    order = quant_pack.k_order(fmt_id)
     assert torch.equal(got[:, 32 + 5], x[:, 32 + order[5]].to(torch.float16))
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_Q4_0, F_Q4_1, F_Q6_K, _byte_fmt, gl, gluon
+from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q6_K, _byte_fmt, gl, gluon
 from cobatch.kernels.triton_support import device_sms, jit, tl
 
 try:
@@ -93,10 +93,16 @@ if gluon is not None and warpgroup_mma is not None:
         return gl.BlockedLayout([1, 1, BYTES], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
 
     @gluon.constexpr_function
-    def _x_layout(NW, Q6):
-        """A step's x as loaded, [BN, tile, c, v]: GGUF column T tile + V c + v of the step, T = 32 (q6_K: 16)
+    def _by16(FMT):
+        """Is FMT scaled every 16 weights (q6_K, NVFP4: quant_pack.SCALED_BY_16)? Then a chunk is four k16 MMAs,
+        each k16 half of a tile keeps its own columns (k_order), and x is permuted per 16 columns."""
+        return int(FMT) in quant_pack.SCALED_BY_16
+
+    @gluon.constexpr_function
+    def _x_layout(NW, BY16):
+        """A step's x as loaded, [BN, tile, c, v]: GGUF column T tile + V c + v of the step, T = 32 (BY16: 16)
         columns per permuted tile, V = T / 4 contiguous columns per thread and token (one vector load)."""
-        return gl.BlockedLayout([1, 1, 1, 4 if Q6 else 8], [8, 1, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        return gl.BlockedLayout([1, 1, 1, 4 if BY16 else 8], [8, 1, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
 
     @gluon.constexpr_function
     def _x_smem_layout(BN, KB):
@@ -194,6 +200,15 @@ if gluon is not None and warpgroup_mma is not None:
             b = _as_rows(_side_entry(d_src, tile0, d_col, 16 * side256, NW, 2, SMEM), NW, SIDE)
             c = a
             e = b
+        elif FMT == F_NVFP4:  # four e4m3 scales as one word, where q6_K's are; the row scale is the epilogue's
+            if SMEM:
+                sub = sub_src
+            else:
+                sub = sub_src.to(gl.pointer_type(gl.int32))
+            a = _as_rows(_side_entry(sub, tile0, chunk, 8 * side32, NW, 2, SMEM), NW, SIDE)
+            b = a
+            c = a
+            e = a
         elif FMT == F_Q4_0:
             a = _as_rows(_side_entry(d_src, tile0, 2 * chunk, 16 * side32, NW, 2, SMEM), NW, SIDE)
             b = _as_rows(_side_entry(d_src, tile0, 2 * chunk + 1, 16 * side32, NW, 2, SMEM), NW, SIDE)
@@ -212,11 +227,11 @@ if gluon is not None and warpgroup_mma is not None:
 
     @gluon.jit
     def _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BN: gl.constexpr, KC: gl.constexpr, NW: gl.constexpr,
-                Q6: gl.constexpr, EVEN_K: gl.constexpr):
+                BY16: gl.constexpr, EVEN_K: gl.constexpr):
         """x[tok0 : tok0 + BN, k0 : k0 + KC] as loaded, [BN, tile, c, v] in its own dtype: GGUF column
-        T tile + V c + v of the step, T = 32 (q6_K: 16) columns per permuted tile (_x_operand)."""
-        L: gl.constexpr = _x_layout(NW, Q6)
-        N1: gl.constexpr = 2 if Q6 else 4                  # j (p) values: the tile is 8 N1 columns
+        T tile + V c + v of the step, T = 32 (BY16: 16) columns per permuted tile (_x_operand)."""
+        L: gl.constexpr = _x_layout(NW, BY16)
+        N1: gl.constexpr = 2 if BY16 else 4                  # j (p) values: the tile is 8 N1 columns
         NT: gl.constexpr = KC // (8 * N1)
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
         tile = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
@@ -231,11 +246,12 @@ if gluon is not None and warpgroup_mma is not None:
         return gl.load(x_ptr + tt.to(gl.int64) * x_stride + col, mask=mask, other=0.0)
 
     @gluon.jit
-    def _x_operand(x, BN: gl.constexpr, KC: gl.constexpr, Q6: gl.constexpr):
+    def _x_operand(x, BN: gl.constexpr, KC: gl.constexpr, BY16: gl.constexpr):
         """A loaded x step -> f16 [BN, KC] in the planes' logical column order (quant_pack.k_order), per 32-column
         tile: logical k = 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (q6_K, per 16-column half:
-        8 p + 2 c + e holds 4 c + 2 p + e). Each thread owns the columns it moves: only registers are renamed."""
-        N1: gl.constexpr = 2 if Q6 else 4
+        8 p + 2 c + e holds 4 c + 2 p + e; NVFP4 too). Each thread owns the columns it moves: only registers are
+        renamed."""
+        N1: gl.constexpr = 2 if BY16 else 4
         NT: gl.constexpr = KC // (8 * N1)
         x = gl.permute(gl.reshape(x.to(gl.float16), [BN, NT, 4, N1, 2]), [0, 1, 3, 2, 4])     # t, tile, j, c, e
         return gl.reshape(x, [BN, KC])
@@ -254,7 +270,7 @@ if gluon is not None and warpgroup_mma is not None:
         else:
             h = q
         if X:
-            x = _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, FMT == F_Q6_K, EVEN_K)
+            x = _x_load(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * KC, BN, KC, NW, _by16(FMT), EVEN_K)
         else:
             x = q
         return q, a, b, c, e, h, x
@@ -264,19 +280,23 @@ if gluon is not None and warpgroup_mma is not None:
                   A: gl.constexpr, STAGE: gl.constexpr = True):
         """One K step from its loads: with STAGE, stage x in `buf` (else it is there: TMA), dequantize, and issue
         the step's MMAs on acc (asynchronously: the caller waits)."""
-        Q6: gl.constexpr = FMT == F_Q6_K
         KC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
         if STAGE:
-            buf.store(_x_operand(x, BN, KC, Q6))
-        if Q6:
-            s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
+            buf.store(_x_operand(x, BN, KC, _by16(FMT)))
+        if _by16(FMT):
             q0, q1 = _halves(q, NW, 8)
-            h0, h1 = _halves(h, NW, 4)
             # w0 / w1: the low block's k16 halves (columns +0, +16); w2 / w3: the high block's (+32, +48)
-            w0, w2 = quant_gemv._q6_operands(_as_half_operand(q0, NW, A),
-                                             _as_half_operand(_twice(h0, NW, 4), NW, A), s0, s2)
-            w1, w3 = quant_gemv._q6_operands(_as_half_operand(q1, NW, A),
-                                             _as_half_operand(_twice(h1, NW, 4), NW, A), s1, s3)
+            if FMT == F_Q6_K:
+                s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
+                h0, h1 = _halves(h, NW, 4)
+                w0, w2 = quant_gemv._q6_operands(_as_half_operand(q0, NW, A),
+                                                 _as_half_operand(_twice(h0, NW, 4), NW, A), s0, s2)
+                w1, w3 = quant_gemv._q6_operands(_as_half_operand(q1, NW, A),
+                                                 _as_half_operand(_twice(h1, NW, 4), NW, A), s1, s3)
+            else:       # NVFP4, in units of 2^-14 times the row scale (_row_scaled)
+                s0, s1, s2, s3 = quant_gemv._fp4_scales(a)
+                w0, w2 = quant_gemv._fp4_operands(_as_half_operand(q0, NW, A), s0, s2)
+                w1, w3 = quant_gemv._fp4_operands(_as_half_operand(q1, NW, A), s1, s3)
             if STAGE:
                 fence_async_shared()
                 gl.thread_barrier()
@@ -296,6 +316,14 @@ if gluon is not None and warpgroup_mma is not None:
                 acc = warpgroup_mma(w1, buf.slice(32, 32, 1).permute((1, 0)), acc, is_async=True)
         return acc
 
+    @gluon.jit
+    def _row_scaled(acc, d_ptr, tile0, FMT: gl.constexpr, NW: gl.constexpr, MMA: gl.constexpr):
+        """NVFP4's sums [16 NW, BN] of row tiles tile0.. times each row's scale (quant_gemv._fp4_row_scale);
+        the other formats' as they are."""
+        if FMT == F_NVFP4:
+            acc = quant_gemv._fp4_row_scale(acc, d_ptr, tile0, NW, MMA)
+        return acc
+
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
     def _gemm_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, sub_ptr, qh_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
@@ -304,9 +332,8 @@ if gluon is not None and warpgroup_mma is not None:
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
-        Q6: gl.constexpr = FMT == F_Q6_K
         WPC: gl.constexpr = 32 if _byte_fmt(FMT) else 64      # weights per chunk (one K step)
-        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if Q6 else 2)   # MMAs (commit groups) per step
+        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if _by16(FMT) else 2)   # MMAs (commit groups) per step
         KC: gl.constexpr = WPC                               # x columns per step
         n_chunks = gl.multiple_of(n_chunks, 4)
         side32 = n_chunks * WPC // 32
@@ -353,6 +380,7 @@ if gluon is not None and warpgroup_mma is not None:
                 if u < U - 1:   # retire the step before this one
                     acc = warpgroup_mma_wait(num_outstanding=NB, deps=(acc,))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = _row_scaled(acc, d_ptr, tile0, FMT, NW, MMA)
         r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
         tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
@@ -372,7 +400,7 @@ if gluon is not None and warpgroup_mma is not None:
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
         WPC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
-        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if FMT == F_Q6_K else 2)
+        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if _by16(FMT) else 2)
         n_chunks = gl.multiple_of(n_chunks, 4)
         side32 = n_chunks * WPC // 32
         side256 = n_chunks * WPC // 256
@@ -429,6 +457,7 @@ if gluon is not None and warpgroup_mma is not None:
                                                 xs.index(free), pred=nxt < steps_per_split)
         for i in gl.static_range(S):
             mbarrier.invalidate(ready.index(i))
+        acc = _row_scaled(acc, d_ptr, tile0, FMT, NW, MMA)
         r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
         tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
@@ -447,11 +476,12 @@ if gluon is not None and warpgroup_mma is not None:
     @gluon.constexpr_function
     def _side_shape(FMT, NW, C):
         """(a ring stage's d plane [NW, entries], the element count E a lane group reads side by side): per chunk
-        q8_0 16 f16 (E 2), q4_0 32 (E 2), q4_1 / q4_K 64 (E 8); q6_K 16 f32 per super-block of 4 chunks (E 2)."""
+        q8_0 16 f16 (E 2), q4_0 32 (E 2), q4_1 / q4_K 64 (E 8); q6_K 16 f32 per super-block of 4 chunks (E 2);
+        NVFP4 its sub plane, 16 int32 words of four e4m3 scales (E 2), as q6_K's sub."""
         fmt = int(FMT)
         if fmt == quant_pack.Q6_K:
             return [NW, 16], 2
-        return [NW, C * _SIDE_PER_CHUNK[fmt]], 8 if fmt == quant_pack.Q4_1 else 2
+        return [NW, C * _SIDE_PER_CHUNK[fmt]], 8 if fmt == quant_pack.Q4_1 else 2   # NVFP4: its sub plane's words
 
     @gluon.jit
     def _ring_loads(qs_buf, d_buf, sub_buf, qh_buf, c: gl.constexpr, FMT: gl.constexpr, NW: gl.constexpr,
@@ -542,7 +572,7 @@ if gluon is not None and warpgroup_mma is not None:
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
-        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if FMT == F_Q6_K else 2)
+        NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if _by16(FMT) else 2)
         S: gl.constexpr = ready.shape[0]
         # STEPS_PER_ITERATION chunks per loop iteration, none in flight across its back edge (_gemm_kernel)
         U: gl.constexpr = _STEPS // C
@@ -571,23 +601,23 @@ if gluon is not None and warpgroup_mma is not None:
         return acc
 
     @gluon.jit
-    def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, n_tok, n_rows,
-                   out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
+    def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
+                   n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
                    PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr):
         """A consumer part over the CTA's work items, as _ring_producer walks them."""
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
                 _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
-                                count_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT)
+                                count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT)
         else:
             _ring_part_item(bufs, ready, empty, n_stages, gl.program_id(0) * n_nk + gl.program_id(1), 0, n_nk, part,
-                            out_ptr, partial_ptr, count_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS,
+                            out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS,
                             SPLIT_K, ACT)
 
     @gluon.jit
-    def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, n_tok,
-                        n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
+    def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, d_ptr,
+                        n_tok, n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
                         PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
         """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
         CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
@@ -597,6 +627,7 @@ if gluon is not None and warpgroup_mma is not None:
         pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
         row0 = (pid_n * PARTS + part) * (16 * NW)
         tok0 = pid_t * BN
+        acc = _row_scaled(acc, d_ptr, row0 // 16, FMT, NW, MMA)
         r = row0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
         tile = (pid_t * (n_nk // SPLIT_K) + pid_n) * PARTS + part
@@ -604,7 +635,7 @@ if gluon is not None and warpgroup_mma is not None:
                                 n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages", "n_nk"])
-    def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr,
+    def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr, d_ptr,
                           n_tok, n_rows, out_stride, n_stages, n_nk,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
@@ -617,7 +648,8 @@ if gluon is not None and warpgroup_mma is not None:
         MMAs run while the other dequantizes, where in lock step both wait at every stage's barrier.
         Work items are (token tile, row block, K split), n_nk row blocks x splits a token tile: one per program of
         a 2-D grid, or with PERSIST a 1-D grid of G CTAs each walking items pid, pid + G, ..., the ring running
-        from one item's stages into the next's (the same work per item, so the same bits)."""
+        from one item's stages into the next's (the same work per item, so the same bits). d_ptr: NVFP4's row
+        scales (its stages carry the sub plane in d_desc's place), else unused."""
         PARTS: gl.constexpr = 2 if APART else 1
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
         n_items = (n_tok + BN - 1) // BN * n_nk
@@ -641,30 +673,30 @@ if gluon is not None and warpgroup_mma is not None:
         bufs = (qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs)
         if APART:
             gl.warp_specialize([
-                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, n_tok,
-                              n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
-                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, n_tok,
-                              n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, n_tok,
-                              n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
+                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [1], [_PRODUCER_REGS])
 
 @jit
-def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, Q6: tl.constexpr, BLOCK: tl.constexpr):
+def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, BY16: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = x[t] as f16 in the planes' column order (quant_pack.k_order), one program per (row, BLOCK columns):
-    within each 32-column tile logical column 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (q6_K, per 16-column
-    half: 8 p + 2 c + e holds 4 c + 2 p + e)."""
+    within each 32-column tile logical column 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (BY16, q6_K and
+    NVFP4: per 16-column half, 8 p + 2 c + e holds 4 c + 2 p + e)."""
     t = tl.program_id(0)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     within = k % 32
-    if Q6:
+    if BY16:
         half, p, c, e = within // 16, (within // 8) % 2, (within // 2) % 4, within % 2
         src = k - within + 16 * half + 4 * c + 2 * p + e
     else:
@@ -675,20 +707,21 @@ def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, Q6: tl.constexpr, BLOCK
     tl.store(out_ptr + t.to(tl.int64) * n_cols + k, v.to(tl.float16), mask=ok)
 
 
-def x_operands(x: torch.Tensor, q6: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n_tok, cols] (cols % 32 == 0) -> f16 [n_tok, cols] in the planes' column order: what the TMA variant
-    streams. One launch."""
+def x_operands(x: torch.Tensor, fmt_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n_tok, cols] (cols % 32 == 0) -> f16 [n_tok, cols] in the column order of fmt_id's planes: what the TMA
+    and ring variants stream. One launch."""
     n_tok, cols = x.shape
     assert cols % 32 == 0 and x.stride(-1) == 1
     out = torch.empty(n_tok, cols, dtype=torch.float16, device=x.device) if out is None else out
     block = 1024
-    _x_operands_kernel[(n_tok, -(-cols // block))](x, out, cols, x.stride(0), Q6=q6, BLOCK=block)
+    _x_operands_kernel[(n_tok, -(-cols // block))](x, out, cols, x.stride(0), BY16=fmt_id in quant_pack.SCALED_BY_16,
+                                                   BLOCK=block)
     return out
 
 
-def x_operands_ref(x: torch.Tensor, q6: bool) -> torch.Tensor:
+def x_operands_ref(x: torch.Tensor, fmt_id: int) -> torch.Tensor:
     """The torch reference of x_operands: a gather through quant_pack.k_order."""
-    order = torch.tensor(quant_pack.k_order(quant_pack.Q6_K if q6 else quant_pack.Q8_0), device=x.device)
+    order = torch.tensor(quant_pack.k_order(fmt_id), device=x.device)
     n_tok, cols = x.shape
     return x.reshape(n_tok, cols // 32, 32)[:, :, order].reshape(n_tok, cols).to(torch.float16)
 
@@ -744,9 +777,8 @@ class GemmConfig:
         return 168 if self.NW == 8 else (128 if bn <= 128 else 232)
 
 
-# The formats whose fragment planes this kernel reads: NVFP4's GEMV dequant (quant_gemv._fp4_chunk) is not in it yet,
-# so its batches past the GEMV are dequantized for cuBLAS.
-FORMATS = tuple(f for f in quant_pack.FRAGMENT_FORMATS if f != quant_pack.NVFP4)
+# The formats whose fragment planes this kernel reads: all that have them.
+FORMATS = quant_pack.FRAGMENT_FORMATS
 
 
 def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
@@ -790,18 +822,18 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
     if cfg.RING:
-        x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
+        x16 = x_operands(x, p.fmt_id, _XScratch.get(x.device, n_tok, p.cols))
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
         _gemm_ring_kernel[grid](
-            *descs, out, partial, count, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
+            *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
             APART=cfg.APART, PERSIST=bool(cfg.PERSIST), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
             maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
-        x16 = x_operands(x, p.fmt_id == quant_pack.Q6_K, _XScratch.get(x.device, n_tok, p.cols))
+        x16 = x_operands(x, p.fmt_id, _XScratch.get(x.device, n_tok, p.cols))
         _gemm_tma_kernel[grid](
             _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
             out.stride(0), n_chunks,
@@ -821,8 +853,10 @@ def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
     return TensorDescriptor.from_tensor(x16, [bn, kc], gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16))
 
 
-# Entries per 16-row tile and chunk of each format's d plane (_side_shape's table, for the host)
-_SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64}
+# Entries per 16-row tile and chunk of the plane a ring stage carries as its d (_side_shape's table, for the host):
+# f16 d (and q4_1's m), or NVFP4's sub plane as int32 words (four e4m3 scales a row); q6_K carries more planes
+_SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64,
+                   quant_pack.NVFP4: 16}
 _weight_descriptors: dict[tuple, object] = {}
 
 
@@ -845,7 +879,8 @@ def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
         found = (qs, descriptor(p.d, [nw, 16]), descriptor(p.sub.view(torch.int32), [nw, 16 * c]),
                  descriptor(p.qh.view(tiles, n_chunks, 256), [nw, c, 256]))
     else:
-        found = (qs, descriptor(p.d, [nw, c * _SIDE_PER_CHUNK[p.fmt_id]]), qs, qs)
+        side = p.sub.view(torch.int32) if p.fmt_id == quant_pack.NVFP4 else p.d    # NVFP4's row scale: the epilogue's
+        found = (qs, descriptor(side, [nw, c * _SIDE_PER_CHUNK[p.fmt_id]]), qs, qs)
     _weight_descriptors[key] = found
     return found
 
@@ -858,7 +893,7 @@ def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
         chunk += 256 * cfg.NW + 64 * cfg.NW
         side = 64 * cfg.NW
     else:
-        side = 2 * _SIDE_PER_CHUNK[fmt_id] * cfg.NW * cfg.CHUNKS
+        side = (4 if fmt_id == quant_pack.NVFP4 else 2) * _SIDE_PER_CHUNK[fmt_id] * cfg.NW * cfg.CHUNKS
     return cfg.RING * (cfg.CHUNKS * chunk + side + 16)
 
 

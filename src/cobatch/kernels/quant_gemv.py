@@ -491,12 +491,17 @@ if gluon is not None:
                                          (gl.float16, gl.float16, gl.float16, gl.float16), True, 1)
 
     @gluon.jit
+    def _fp4_operands(q, s_lo, s_hi):
+        """One k16 half of an NVFP4 chunk, its codes renamed into an A-operand layout, and its blocks' f16 scales
+        -> the f16 operands of the low and the high block, in units of 2^-14 times the row scale (ASM_FP4)."""
+        return gl.inline_asm_elementwise(ASM_FP4, "=r,=r,=r,=r,r,r,r,r,r", [q, s_lo, s_hi],
+                                         (gl.float16, gl.float16), True, 4)
+
+    @gluon.jit
     def _fp4_half(acc, q, s_lo, s_hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr, RT: gl.constexpr,
                   BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
-        """acc += one k16 half of an NVFP4 chunk (in units of 2^-14 times the row scale): low block columns
-        k0..k0+15, high block k0+32..k0+47."""
-        lo, hi = gl.inline_asm_elementwise(ASM_FP4, "=r,=r,=r,=r,r,r,r,r,r", [_as_half_operand(q, W, RT, A), s_lo,
-                                                                              s_hi], (gl.float16, gl.float16), True, 4)
+        """acc += one k16 half of an NVFP4 chunk: low block columns k0..k0+15, high block k0+32..k0+47."""
+        lo, hi = _fp4_operands(_as_half_operand(q, W, RT, A), s_lo, s_hi)
         return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, EVEN_K)
 
     @gluon.jit
