@@ -8,6 +8,7 @@ GGUF loader for deepseek2, so its DeepseekV2 / DeepseekV3 model is built from a 
 metadata, and given the tensors as gguf-py dequantizes them, renamed to transformers' names.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -17,10 +18,10 @@ import torch
 from cobatch.config import ModelConfig
 from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.sampler import SamplingParams
+from cobatch.kernels.moe_routing import RouterRule, route_ref
 from cobatch.llm import LLM, EngineOptions
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
-from cobatch.models.deepseek import deepseek_route
 from cobatch.testing.gguf_writer import write_random_model
 from cobatch.batch import AttentionMetadata
 from conftest import requires_cuda
@@ -164,6 +165,21 @@ def _prefill_then_decode(model, cfg, ids: list[int], n_prefill: int) -> torch.Te
     return torch.cat(out)
 
 
+def test_config_refuses_groups_that_cannot_route(models):
+    """A grouping the router cannot run is the file's error, said in one line: groups that do not divide the
+    experts, and more experts a token than its groups hold."""
+    from cobatch.errors import UserError
+    gguf = GGUFFile(models["v3"])
+    md, names = dict(gguf.metadata), set(gguf.tensors)
+    a = md["general.architecture"] + "."
+    assert ModelConfig.from_metadata(md, names).expert_groups == 4
+    for bad, said in (({a + "expert_group_count": 3}, "is not a grouping"),
+                      ({a + "expert_group_used_count": 1, a + "expert_used_count": md[a + "expert_count"] // 4 + 1},
+                       "the groups hold fewer")):
+        with pytest.raises(UserError, match=said):
+            ModelConfig.from_metadata({**md, **bad}, names)
+
+
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_logits_match_transformers(models, transformers_models, name):
     """Prefill of 40 tokens (every position) and then 3 decode steps on the same cache, against transformers on
@@ -185,9 +201,9 @@ def test_routing_choices_depend_on_groups_and_bias(models):
     h = torch.randn(64, cfg.d_model, generator=torch.Generator().manual_seed(3))
     weights, ids = moe.route(h)
     assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5))
-    args = (moe.router, moe.bias, moe.top_k, "sigmoid")
-    _, ungrouped = deepseek_route(h, *args, 0, 0, True, 2.5)
-    _, unbiased = deepseek_route(h, moe.router, None, moe.top_k, "sigmoid", 4, 2, True, 2.5)
+    assert moe.rule == RouterRule(moe.top_k, True, "sigmoid", 4, 2, 2.5, 1e-20)
+    _, ungrouped = route_ref(h, moe.router, dataclasses.replace(moe.rule, groups=0, groups_used=0), moe.bias)
+    _, unbiased = route_ref(h, moe.router, moe.rule)
     differs = [(a.sort().values != b.sort().values).any(-1).sum().item() for a, b in ((ids, ungrouped), (ids, unbiased))]
     assert all(d > 0 for d in differs), differs
     groups = ids // 4      # every row's experts lie in at most 2 of the 4 groups

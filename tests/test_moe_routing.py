@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cobatch.kernels.moe_routing import combine_ref, combine_triton, expert_slots, slot_bound
+from cobatch.kernels.moe_routing import RouterRule, combine_ref, combine_triton, expert_slots, slot_bound
 from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
@@ -145,25 +145,57 @@ def test_routed_gemv_replays_in_a_cuda_graph_with_new_routes():
         assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("n_experts, k, normalize, d", [(8, 2, True, 300), (60, 4, False, 300), (128, 8, True, 300),
-                                                       (8, 2, False, 4096 + 300)])   # d > one load: the K loop
-def test_route_kernels_match_reference_and_ignore_the_batch(n_experts, k, normalize, d):
+ROUTES = {   # Qwen-MoE / Mixtral rules, and DeepSeek's (V2: softmax, groups of 20; V3: sigmoid, a bias, 8 groups)
+    "softmax-normalized": (8, RouterRule(2, True), 300), "softmax": (60, RouterRule(4, False), 300),
+    "softmax-128": (128, RouterRule(8, True), 300),
+    "long-rows": (8, RouterRule(2, False), 4096 + 300),      # d > one load: the K loop
+    "v2-groups": (160, RouterRule(6, True, "softmax", 8, 3, 16.0, 1e-20), 320),
+    "v3-biased": (256, RouterRule(8, True, "sigmoid", 8, 4, 2.5, 1e-20), 320),
+    "sigmoid-groups-of-one": (8, RouterRule(3, False, "sigmoid", 8, 5, 1.5), 64),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_route_kernels_match_reference_and_ignore_the_batch(name):
     from cobatch.kernels.moe_routing import ROUTER_BLOCK_K, route_ref, route_triton
+    n_experts, rule, d = ROUTES[name]
     assert d < ROUTER_BLOCK_K or d % ROUTER_BLOCK_K      # a partial block is masked
-    g = torch.Generator().manual_seed(n_experts)
+    g = torch.Generator().manual_seed(n_experts + d)
     router = torch.randn(n_experts, d, generator=g) * 0.2
     h = torch.randn(9, d, generator=g)
+    # V3's bias is large next to its scores' spread, as trained ones are: it changes choices, not weights
+    bias = torch.randn(n_experts, generator=g) * 0.5 if name == "v3-biased" else None
     if torch.cuda.is_available():
         router, h = router.cuda(), h.cuda()
-    w, ids = route_triton(h, router, k, normalize)
-    w_ref, ids_ref = route_ref(h, router, k, normalize)
+        bias = None if bias is None else bias.cuda()
+    w, ids = route_triton(h, router, rule, bias)
+    w_ref, ids_ref = route_ref(h, router, rule, bias)
     assert torch.equal(ids, ids_ref)
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
-    if normalize:
-        assert torch.allclose(w.sum(-1), torch.ones(9, device=w.device), atol=1e-6)
+    if rule.normalize:
+        assert torch.allclose(w.sum(-1), torch.full((9,), rule.scale, device=w.device), rtol=1e-5)
+    if rule.groups:          # each row's experts lie in its groups_used groups
+        groups = (ids // (n_experts // rule.groups)).tolist()
+        assert all(len(set(row)) <= rule.groups_used for row in groups)
     for r in (0, 4, 8):      # a row alone (first, middle, last) gives the same bits as inside the batch
-        w1, ids1 = route_triton(h[r:r + 1], router, k, normalize)
+        w1, ids1 = route_triton(h[r:r + 1], router, rule, bias)
         assert torch.equal(ids1[0], ids[r]) and torch.equal(w1[0], w[r])
+
+
+def test_route_reference_limits_groups_and_corrects_the_choice_only():
+    """choose_ref on hand-made logits: the groups' worths pick the groups (sigmoid: the two best of each), the
+    bias moves the choice but the weights stay the scores."""
+    from cobatch.kernels.moe_routing import choose_ref
+    logits = torch.tensor([[4.0, -4.0, 3.0, 2.9, 0.0, 0.1, -1.0, 3.5]])     # 4 groups of 2
+    rule = RouterRule(2, False, "sigmoid", 4, 2)
+    # worths: 4 - 4 -> s(4) + s(-4) = 1.0; s(3) + s(2.9) = 1.90; s(0) + s(0.1) = 1.02; s(-1) + s(3.5) = 1.24
+    w, ids = choose_ref(logits, rule)
+    assert sorted(ids[0].tolist()) == [2, 7]          # groups 1 and 3; 0 (the best expert's) is out
+    assert torch.allclose(w[0], torch.sigmoid(logits[0, ids[0]]))
+    bias = torch.zeros(8)
+    bias[3] = 1.0                                      # expert 3 now beats 2 within group 1
+    w, ids = choose_ref(logits, rule, bias)
+    assert sorted(ids[0].tolist()) == [3, 7] and torch.allclose(w[0], torch.sigmoid(logits[0, ids[0]]))
 
 
 def test_router_logits_ignore_the_batch():

@@ -245,6 +245,10 @@ def _deepseek(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[
         raise UserError(f"{arch}: {n_experts} experts in {groups} groups of which {groups_used} are used "
                         "is not a grouping")
     limited = groups > 1 and groups_used < groups     # all groups used: no limit
+    n_used = int(md.get(f"{arch}.expert_used_count") or 0)
+    if limited and n_used > groups_used * (n_experts // groups):
+        raise UserError(f"{arch}: {n_used} experts a token from {groups_used} of {groups} groups of "
+                        f"{n_experts // groups}: the groups hold fewer")
     traits.update(expert_gating=_GATING_FUNCS[gating],
                   expert_weights_scale=float(md.get(f"{arch}.expert_weights_scale") or 1.0),
                   expert_groups=groups if limited else 0, expert_groups_used=groups_used if limited else 0)

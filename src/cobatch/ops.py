@@ -20,8 +20,8 @@ from cobatch.kernels.attention import paged_attention_ref, paged_attention_trito
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import (latent_write_ref, mla_attention_ref, mla_decode_attention,
                                            mla_prefill_attention)
-from cobatch.kernels.moe_routing import (ExpertSlots, combine_ref, combine_triton, route_ref, route_triton,
-                                         router_logits_triton)
+from cobatch.kernels.moe_routing import (ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref,
+                                         route_triton, router_logits_triton)
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
@@ -135,11 +135,13 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     return h.float() @ router.T
 
 
-def moe_route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [N, k], expert ids [N, k]) of an MoE router; a row's do not depend on the other rows."""
+def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [N, k], expert ids [N, k]) of an MoE router by its rule (bias: DeepSeek-V3's correction
+    of the choice); a row's do not depend on the other rows."""
     if _triton(h):
-        return route_triton(h, router, k, normalize)
-    return route_ref(h, router, k, normalize)
+        return route_triton(h.contiguous(), router, rule, bias)
+    return route_ref(h, router, rule, bias)
 
 
 def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Routing an MoE step's rows to its experts on the device, with no host sync (so a decode step that runs
 experts can be captured in a CUDA graph).
 
-Routing itself (`route_triton`: logits, softmax, top-k) has its own kernels: a row's experts and weights must
-not depend on the other rows of the step, which cuBLAS does not promise for the logits.
+Routing itself (`route_triton`: the logits, then one kernel that chooses and weighs a row's experts by the
+router's `RouterRule`) has its own kernels: a row's experts and weights must not depend on the other rows of
+the step, which cuBLAS does not promise for the logits.
 
 A step of N rows, each routed to k experts, makes P = N k (row, expert) pairs. `expert_slots` sorts them by
 expert (stable: rows ascending within an expert) and cuts each expert's run into "slots" of at most one
@@ -26,14 +27,47 @@ from cobatch.kernels.quant_gemv import token_tile
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 
-def route_ref(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [N, k], expert ids int64 [N, k]): softmax of h @ router.T over all experts, the top k,
-    renormalized to sum 1 if `normalize` (router: float32 [n_experts, d])."""
-    probs = torch.softmax(h.float() @ router.T, dim=-1)
-    weights, ids = probs.topk(k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids
+@dataclass(frozen=True, slots=True)
+class RouterRule:
+    """How a router's logits choose a row's k experts and weigh them. Qwen-MoE, Mixtral, OLMoE: the top k of the
+    softmax, renormalized or not. DeepSeek (models/deepseek.py): softmax (V2) or sigmoid (V3) scores, chosen by
+    score + a correction bias where the file has one but weighed by the score; with groups only the experts of
+    the `groups_used` best groups compete (a group's worth: its best choice value under softmax, the sum of its
+    two best under sigmoid); renormalized with `eps` added to the sum, then times `scale`."""
+    k: int
+    normalize: bool
+    gating: str = "softmax"     # or "sigmoid"
+    groups: int = 0             # 0: no group limit
+    groups_used: int = 0
+    scale: float = 1.0
+    eps: float = 0.0
+
+
+def choose_ref(logits: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [N, k], expert ids int64 [N, k]) of a router's float32 logits [N, n_experts] by `rule`."""
+    scores = logits.softmax(-1) if rule.gating == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if rule.groups:
+        grouped = choice.view(choice.shape[0], rule.groups, -1)
+        if rule.gating == "softmax":
+            group_score = grouped.max(-1).values
+        else:
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        best = group_score.topk(rule.groups_used, -1).indices
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+    ids = choice.topk(rule.k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if rule.normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + rule.eps)
+    return weights * rule.scale, ids
+
+
+def route_ref(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """choose_ref on the logits h @ router.T (router: float32 [n_experts, d])."""
+    return choose_ref(h.float() @ router.T, rule, bias)
 
 
 ROUTER_BLOCK_K = 4096     # the most router columns one program loads at once
@@ -57,29 +91,61 @@ def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E
 
 
 @jit
-def _top_k_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, BLOCK_E: tl.constexpr, K: tl.constexpr,
-                  BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale, eps, BLOCK_E: tl.constexpr,
+                   K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                   BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """One row of choose_ref: scores, the group limit, the top k (ties go to the lower id, groups too) and their
+    weights, in one program."""
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf"))
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
+    valid = e < n_experts
+    x = tl.load(logits_ptr + row * n_experts + e, mask=valid, other=float("-inf"))
+    if SIGMOID:
+        score = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        score = p / tl.sum(p, axis=0)
+    choice = score
+    if BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0)
+    choice = tl.where(valid, choice, float("-inf"))
+    if GROUPS > 0:
+        group = e // GROUP_SIZE
+        g = tl.arange(0, BLOCK_G)
+        worth = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for j in tl.static_range(GROUPS):      # each group's worth: its best choice (sigmoid: its two best)
+            mine = tl.where(group == j, choice, float("-inf"))
+            top = tl.max(mine, axis=0)
+            if SIGMOID and GROUP_SIZE > 1:
+                first = tl.min(tl.where(mine == top, e, BLOCK_E), axis=0)
+                top += tl.max(tl.where(e == first, float("-inf"), mine), axis=0)
+            worth = tl.where(g == j, top, worth)
+        kept = e < 0
+        for j in tl.static_range(GROUPS_USED):
+            best = tl.max(worth, axis=0)
+            best_g = tl.min(tl.where(worth == best, g, BLOCK_G), axis=0)
+            kept = kept | (group == best_g)
+            worth = tl.where(g == best_g, float("-inf"), worth)
+        choice = tl.where(kept, choice, float("-inf"))
     slot = tl.arange(0, BLOCK_KK)
     chosen_w = tl.zeros([BLOCK_KK], dtype=tl.float32)
     chosen_id = tl.zeros([BLOCK_KK], dtype=tl.int32)
     total = 0.0
-    for j in tl.static_range(K):        # the j-th largest; ties go to the lower id
-        best = tl.max(p, axis=0)
-        best_id = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
-        chosen_w = tl.where(slot == j, best, chosen_w)
+    for j in tl.static_range(K):        # the j-th largest choice; its weight is its score
+        best = tl.max(choice, axis=0)
+        best_id = tl.min(tl.where(choice == best, e, BLOCK_E), axis=0)
+        w = tl.sum(tl.where(e == best_id, score, 0.0), axis=0)
+        chosen_w = tl.where(slot == j, w, chosen_w)
         chosen_id = tl.where(slot == j, best_id, chosen_id)
-        total += best
-        p = tl.where(e == best_id, -1.0, p)
+        total += w
+        choice = tl.where(e == best_id, float("-inf"), choice)
     if NORMALIZE:
-        chosen_w = chosen_w / total
+        chosen_w = chosen_w / (total + eps)
+    chosen_w = chosen_w * scale
     tl.store(weights_ptr + row * K + slot, chosen_w, mask=slot < K)
     tl.store(ids_ptr + row * K + slot, chosen_id.to(tl.int64), mask=slot < K)
 
@@ -102,22 +168,27 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def route_triton(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool
+def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As route_ref, in two kernels (the logits, spread over the experts; then softmax and top-k per row),
+    """As route_ref, in two kernels (the logits, spread over the experts; then each row's choice, _choose_kernel),
     and a row's result does not depend on the other rows of the call. cuBLAS does not promise that (it picks
     its algorithm, hence its summation order, by the shape), and a routed row must not change experts with
     its batch."""
     n, n_experts = h.shape[0], router.shape[0]
-    assert k <= n_experts
+    assert rule.k <= n_experts and (not rule.groups or (n_experts % rule.groups == 0
+                                                        and rule.k <= rule.groups_used * n_experts // rule.groups))
     logits = router_logits_triton(h, router)
-    weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
-    ids = torch.empty(n, k, dtype=torch.int64, device=h.device)
-    # One warp per row where the experts fit 8 per lane: its 2 k reductions are then shuffles, with no
-    # shared-memory round trip and barrier each.
+    weights = torch.empty(n, rule.k, dtype=torch.float32, device=h.device)
+    ids = torch.empty(n, rule.k, dtype=torch.int64, device=h.device)
+    # One warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a group) are
+    # then shuffles, with no shared-memory round trip and barrier each.
     block_e = triton.next_power_of_2(n_experts)
-    _top_k_kernel[(n,)](logits, weights, ids, n_experts, BLOCK_E=block_e, K=k, BLOCK_KK=triton.next_power_of_2(k),
-                        NORMALIZE=normalize, **pdl_launch(h), num_warps=1 if block_e <= 256 else 4)
+    _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
+                         BLOCK_E=block_e, K=rule.k, BLOCK_KK=triton.next_power_of_2(rule.k), NORMALIZE=rule.normalize,
+                         SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
+                         GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
+                         BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h),
+                         num_warps=1 if block_e <= 256 else 4)
     return weights, ids
 
 

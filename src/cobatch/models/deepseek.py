@@ -31,34 +31,12 @@ from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
 from cobatch.errors import UserError
+from cobatch.kernels.moe_routing import RouterRule
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import rope_cos_sin, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import WeightLoader, load_gate_up
 from cobatch.models.moe import MoeFeedForward
-
-
-def deepseek_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k: int, gating: str,
-                   groups: int, groups_used: int, normalize: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [N, k], expert ids int64 [N, k]) of DeepSeek's router (module doc) for rows h [N, d]."""
-    logits = ops.router_logits(h, router)
-    scores = logits.softmax(-1) if gating == "softmax" else logits.sigmoid()
-    choice = scores if bias is None else scores + bias
-    if groups:
-        grouped = choice.view(choice.shape[0], groups, -1)
-        if gating == "softmax":
-            group_score = grouped.max(-1).values
-        else:
-            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, group_score.topk(groups_used, -1).indices,
-                                                                        True)
-        choice = choice.masked_fill(~kept.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
-    ids = choice.topk(k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if normalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
 
 
 class DeepseekMoe(MoeFeedForward):
@@ -67,14 +45,15 @@ class DeepseekMoe(MoeFeedForward):
     def __init__(self, cfg: ModelConfig, gguf: GGUFFile, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
         super().__init__(cfg, gguf, prefix, device, dtype, keep_dense)
-        self.gating, self.scale = cfg.expert_gating, cfg.expert_weights_scale
-        self.groups, self.groups_used = cfg.expert_groups, cfg.expert_groups_used
+        self.rule = deepseek_rule(cfg)
         bias = prefix + "exp_probs_b.bias"
         self.bias = gguf.float_tensor(bias).to(device) if bias in gguf.tensors else None
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return deepseek_route(h, self.router, self.bias, self.top_k, self.gating, self.groups, self.groups_used,
-                              self.normalize, self.scale)
+
+def deepseek_rule(cfg: ModelConfig) -> RouterRule:
+    """DeepSeek's router (module doc) as kernels/moe_routing.py runs it: HF's, with its 1e-20 in the sum."""
+    return RouterRule(cfg.n_experts_used, cfg.expert_weights_norm, cfg.expert_gating, cfg.expert_groups,
+                      cfg.expert_groups_used, cfg.expert_weights_scale, eps=1e-20)
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from cobatch import ops
 from cobatch.config import ModelConfig
 from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
-from cobatch.kernels.moe_routing import expert_slots
+from cobatch.kernels.moe_routing import RouterRule, expert_slots
 from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
@@ -48,7 +48,9 @@ class MoeFeedForward:
     def __init__(self, cfg: ModelConfig, gguf: WeightSource, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
         n = self.n_experts = cfg.n_experts
-        self.top_k, self.normalize = cfg.n_experts_used, cfg.expert_weights_norm
+        self.top_k = cfg.n_experts_used
+        self.rule = RouterRule(cfg.n_experts_used, cfg.expert_weights_norm)
+        self.bias = None     # DeepSeek-V3's correction of the choice (models/deepseek.py)
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
@@ -80,7 +82,7 @@ class MoeFeedForward:
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, expert ids [N, k]) for rows h [N, d]."""
-        return ops.moe_route(h, self.router, self.top_k, self.normalize)
+        return ops.moe_route(h, self.router, self.rule, self.bias)
 
     @property
     def routed(self) -> bool:
