@@ -33,8 +33,8 @@ INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_ex
                 "slot_count_ptr"}
 LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr", "pair_rows_ptr", "row_pairs_ptr"}
 FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr", "weights_ptr",
-                  "row_weights_ptr"}
-FLOAT_SCALARS = {"qk_scale", "softcap", "eps"}
+                  "row_weights_ptr", "bias_ptr"}
+FLOAT_SCALARS = {"qk_scale", "softcap", "eps", "scale"}
 
 
 def compile_for_h200(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
@@ -174,9 +174,15 @@ variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PD
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
 variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, BLOCK_E=128, BLOCK_S=256, SIZE=16,
                                                            MAX_PER_EXPERT=4, PDL=True), 4, 2)
+# Qwen's softmax top-k, with and without renormalizing; DeepSeek-V3's sigmoid, bias and group limit (256 experts
+# in 8 groups: 4 warps)
 for normalize in (False, True):
-    variants[f"moe top-k normalize={normalize}"] = (
-        moe_routing._top_k_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, PDL=True), 1, 2)
+    variants[f"moe route softmax normalize={normalize}"] = (
+        moe_routing._choose_kernel, dict(BLOCK_E=128, K=8, BLOCK_KK=8, NORMALIZE=normalize, SIGMOID=False, BIAS=False,
+                                         GROUPS=0, GROUPS_USED=0, GROUP_SIZE=128, BLOCK_G=1, PDL=True), 1, 2)
+variants["moe route sigmoid bias groups"] = (
+    moe_routing._choose_kernel, dict(BLOCK_E=256, K=8, BLOCK_KK=8, NORMALIZE=True, SIGMOID=True, BIAS=True, GROUPS=8,
+                                     GROUPS_USED=4, GROUP_SIZE=32, BLOCK_G=8, PDL=True), 4, 2)
 
 
 
@@ -353,6 +359,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 47 + 19 + 10 + 3 + 10
+    assert len(compiled) == 48 + 19 + 10 + 3 + 10
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed
