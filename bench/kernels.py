@@ -550,7 +550,8 @@ def main() -> None:
     formats = args.formats.split(",")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     res_dir = ROOT / "bench" / "results"
-    res_dir.mkdir(parents=True, exist_ok=True)
+    for d in [res_dir] + ([out_dir] if out_dir else []):
+        d.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
