@@ -192,24 +192,18 @@ if gluon is not None and warpgroup_mma is not None:
             b = a
             c = a
             e = a
-        elif FMT == F_Q6_K:   # four int8 scales as one word; the super-block's f32 d
+        elif _by16(FMT):      # four scales as one word (q6_K's int8, NVFP4's e4m3); q6_K's super-block f32 d
             if SMEM:
                 sub = sub_src
             else:
                 sub = sub_src.to(gl.pointer_type(gl.int32))
             a = _as_rows(_side_entry(sub, tile0, chunk, 8 * side32, NW, 2, SMEM), NW, SIDE)
-            b = _as_rows(_side_entry(d_src, tile0, d_col, 16 * side256, NW, 2, SMEM), NW, SIDE)
+            if FMT == F_Q6_K:
+                b = _as_rows(_side_entry(d_src, tile0, d_col, 16 * side256, NW, 2, SMEM), NW, SIDE)
+            else:             # NVFP4's row scale is the epilogue's (_row_scaled)
+                b = a
             c = a
             e = b
-        elif FMT == F_NVFP4:  # four e4m3 scales as one word, where q6_K's are; the row scale is the epilogue's
-            if SMEM:
-                sub = sub_src
-            else:
-                sub = sub_src.to(gl.pointer_type(gl.int32))
-            a = _as_rows(_side_entry(sub, tile0, chunk, 8 * side32, NW, 2, SMEM), NW, SIDE)
-            b = a
-            c = a
-            e = a
         elif FMT == F_Q4_0:
             a = _as_rows(_side_entry(d_src, tile0, 2 * chunk, 16 * side32, NW, 2, SMEM), NW, SIDE)
             b = _as_rows(_side_entry(d_src, tile0, 2 * chunk + 1, 16 * side32, NW, 2, SMEM), NW, SIDE)
