@@ -204,7 +204,8 @@ def test_routing_choices_depend_on_groups_and_bias(models):
     assert moe.rule == RouterRule(moe.top_k, True, "sigmoid", 4, 2, 2.5, 1e-20)
     _, ungrouped = route_ref(h, moe.router, dataclasses.replace(moe.rule, groups=0, groups_used=0), moe.bias)
     _, unbiased = route_ref(h, moe.router, moe.rule)
-    differs = [(a.sort().values != b.sort().values).any(-1).sum().item() for a, b in ((ids, ungrouped), (ids, unbiased))]
+    differs = [(a.sort().values != b.sort().values).any(-1).sum().item()
+               for a, b in ((ids, ungrouped), (ids, unbiased))]
     assert all(d > 0 for d in differs), differs
     groups = ids // 4      # every row's experts lie in at most 2 of the 4 groups
     assert all(len(set(row)) <= 2 for row in groups.tolist())

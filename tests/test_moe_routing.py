@@ -199,7 +199,7 @@ def test_route_reference_limits_groups_and_corrects_the_choice_only():
 
 
 def test_router_logits_ignore_the_batch():
-    """The logits DeepSeek's router starts from (ops.router_logits on CUDA): h @ router.T, and a row's bits alone
+    """The logits every router starts from (route_triton on CUDA): h @ router.T, and a row's bits alone
     equal its bits in a batch of 7 (an empty step too)."""
     from cobatch.kernels.moe_routing import router_logits_triton
     g = torch.Generator().manual_seed(21)

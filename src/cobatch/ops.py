@@ -20,8 +20,7 @@ from cobatch.kernels.attention import paged_attention_ref, paged_attention_trito
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import (latent_write_ref, mla_attention_ref, mla_decode_attention,
                                            mla_prefill_attention)
-from cobatch.kernels.moe_routing import (ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref,
-                                         route_triton, router_logits_triton)
+from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
@@ -125,14 +124,6 @@ def gated_linear(x: torch.Tensor, gate_up, act: str = "silu") -> torch.Tensor:
     if getattr(gate_up, "gate_up_interleaved", False):
         return gate_up.matmul(x, act=act)
     return gated_mul(linear(x, gate_up), act)
-
-
-def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """float32 [N, n_experts] = h @ router.T (router float32 [n_experts, d]); a row's do not depend on the other
-    rows (on CUDA a kernel of fixed summation order: cuBLAS picks its order by the shape)."""
-    if _triton(h):
-        return router_logits_triton(h.contiguous(), router)
-    return h.float() @ router.T
 
 
 def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None

@@ -9,7 +9,8 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     So weight bytes go global -> registers with one 16-byte load per lane and tile, are dequantized there by
     the GEMV's own packed-f16 code (quant_gemv._dequant_operand, _q6_operands, _fp4_operands) and feed wgmma as
     its register A operand. Every fragment-order format runs it: q8_0 / FP8 (a byte a weight), q4_0, q4_1 / q4_K,
-    and the two scaled every 16 weights, q6_K and NVFP4 (four k16 MMAs a chunk; NVFP4's row scale in the epilogue). The renames from loaded bytes to the operand are checked at compile time (assert_trivial).
+    and the two scaled every 16 weights, q6_K and NVFP4 (four k16 MMAs a chunk; NVFP4's row scale in the
+    epilogue). The renames from loaded bytes to the operand are checked at compile time (assert_trivial).
   - Activations are wgmma's B operand, from shared memory: each K step's x block is loaded by the CTA's
     threads, converted to f16 and stored in the planes' column order (quant_pack.k_order: a per-32-column
     permutation, in registers) into the swizzled buffer of its step of the loop iteration (4 steps, 4 buffers).
@@ -612,8 +613,8 @@ if gluon is not None and warpgroup_mma is not None:
 
     @gluon.jit
     def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, d_ptr,
-                        n_tok, n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
-                        PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
+                        n_tok, n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
+                        C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
         """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
         CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
         on each other but for the ring's stages."""
@@ -857,7 +858,8 @@ _weight_descriptors: dict[tuple, object] = {}
 
 def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
     """TMA descriptors of a weight's planes for the ring variant: (qs, d, sub, qh) blocks of one stage and
-    consumer part, NW row tiles (NW / 2 with APART) x CHUNKS chunks, copied unswizzled (q6_K only has sub and qh; the others pass qs again). A descriptor
+    consumer part, NW row tiles (NW / 2 with APART) x CHUNKS chunks, copied unswizzled (q6_K only has sub and qh;
+    the others pass qs again; NVFP4's stage carries its sub plane as d). A descriptor
     is plain values (address, shape, strides, block), so it is made once per weight and config."""
     nw, c = cfg.NW // 2 if cfg.APART else cfg.NW, cfg.CHUNKS       # the row tiles of one consumer part
     key = (p.qs.data_ptr(), p.d.data_ptr(), tuple(p.qs.shape), tuple(p.d.shape), p.fmt_id, nw, c)
