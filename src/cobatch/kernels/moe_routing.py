@@ -151,8 +151,8 @@ def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale,
 
 
 def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """float32 [N, n_experts] = h @ router.T, each row summed in the same order whatever N (routers that choose
-    their experts otherwise, as DeepSeek's, start from these too)."""
+    """float32 [N, n_experts] = h @ router.T, each row summed in the same order whatever N (what _choose_kernel
+    reads, for every RouterRule)."""
     n, d = h.shape
     n_experts = router.shape[0]
     assert h.stride(-1) == 1 and router.is_contiguous()
