@@ -208,7 +208,7 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
 
 @requires_cuda
 @requires_hopper
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "nvfp4"])
 def test_gemm_persistent_grid_gives_the_same_bits(fmt_name):
     """PERSIST launches at most one or two CTAs an SM, each walking several (token tile, row block, K split) items
     with the ring running from one into the next: 128 row blocks x 4 splits x 2 token tiles (1024 items) give
