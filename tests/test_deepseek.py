@@ -201,7 +201,7 @@ def test_routing_choices_depend_on_groups_and_bias(models):
     h = torch.randn(64, cfg.d_model, generator=torch.Generator().manual_seed(3))
     weights, ids = moe.route(h)
     assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5))
-    assert moe.rule == RouterRule(moe.top_k, True, "sigmoid", 4, 2, 2.5, 1e-20)
+    assert moe.rule == RouterRule(cfg.n_experts_used, True, "sigmoid", 4, 2, 2.5, 1e-20)
     _, ungrouped = route_ref(h, moe.router, dataclasses.replace(moe.rule, groups=0, groups_used=0), moe.bias)
     _, unbiased = route_ref(h, moe.router, moe.rule)
     differs = [(a.sort().values != b.sort().values).any(-1).sum().item()

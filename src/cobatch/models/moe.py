@@ -48,8 +48,7 @@ class MoeFeedForward:
     def __init__(self, cfg: ModelConfig, gguf: WeightSource, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
         n = self.n_experts = cfg.n_experts
-        self.top_k = cfg.n_experts_used
-        self.rule = RouterRule(cfg.n_experts_used, cfg.expert_weights_norm)
+        self.rule = RouterRule(cfg.n_experts_used, cfg.expert_weights_norm)   # k experts a row, by the router
         self.bias = None     # DeepSeek-V3's correction of the choice (models/deepseek.py)
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
@@ -123,7 +122,7 @@ class MoeFeedForward:
         # per-expert counts are the layer's one host sync.
         order = ids.flatten().argsort(stable=True)
         counts = torch.bincount(ids.flatten(), minlength=len(self.gate_up)).tolist()
-        pair_rows, pair_slots = order // self.top_k, order % self.top_k
+        pair_rows, pair_slots = order // self.rule.k, order % self.rule.k
         start = 0
         for e, count in enumerate(counts):  # expert-id order: each row adds its experts in that order
             if count == 0:

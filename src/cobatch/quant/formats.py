@@ -128,6 +128,7 @@ def _legacy_32_codes(blocks: torch.Tensor, *, has_min: bool, has_high_bit: bool)
 
 
 def _legacy_32(blocks: torch.Tensor, *, has_min: bool, has_high_bit: bool) -> torch.Tensor:
+    """Q4_0, Q4_1, Q5_0, Q5_1 values: d times the code, plus m (with a min) or less the zero point."""
     q = _legacy_32_codes(blocks, has_min=has_min, has_high_bit=has_high_bit)
     if has_min:
         return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
