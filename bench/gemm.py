@@ -79,31 +79,58 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
     out += [dataclasses.replace(c, PERSIST=1) for c in out if c.RING and c.split_k >= 1]
     out += [dataclasses.replace(c, split_k=2 * c.split_k, PERSIST=2) for c in out
             if c.RING and c.NW == 4 and c.PERSIST == 1]
+    # every ring again with each stage's MMAs in flight while the next is dequantized (LAG)
+    out += [dataclasses.replace(c, LAG=True) for c in out if c.RING]
     ok = []
     for c in out:
         if c.split_k < 1:
             continue
-        if c.split_k <= 16 and n_chunks % (c.split_k * quant_gemm.STEPS_PER_ITERATION) == 0 and c not in ok:
+        if c.split_k <= 16 and n_chunks % (c.split_k * c.steps_per_iteration()) == 0 and c not in ok:
             ok.append(c)
     return ok
 
 
+def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
+    """--around-plans' candidates: the committed plan's GEMM configs of one weight and, for each ring among
+    them, the same split of K with LAG, as rings of 4-chunk stages (as many and half as many stages), and
+    with its warpgroups in lock step (APART off)."""
+    cols_pad = -(-cols // 256) * 256
+    plan = qm.plan_for(fmt_name, rows, cols, cols_pad, gemv=True, quant_gemm_too=True)
+    out = []
+    for c in plan.gemm_configs():
+        out.append(c)
+        if not c.RING:
+            continue
+        lagged = dataclasses.replace(c, LAG=True)
+        out += [lagged, dataclasses.replace(lagged, RING=max(2, c.RING // 2) if c.CHUNKS == 2 else c.RING, CHUNKS=4),
+                dataclasses.replace(lagged, CHUNKS=4)]
+        if c.APART:
+            out += [dataclasses.replace(v, APART=False) for v in out[-3:]]
+    n_chunks = qm.gemv_chunks(fmt_name, cols_pad)
+    return [c for i, c in enumerate(out) if c not in out[:i] and c.RING >= (2 if c.RING else 0)
+            and n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
+
+
 def config_key(c: GemmConfig) -> str:
-    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, then ",apart" with APART and
-    ",persistN" with PERSIST N."""
+    """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, then ",apart" with APART,
+    ",persistN" with PERSIST N and ",lag" with LAG."""
     return (f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}" + (",apart" if c.APART else "")
-            + (f",persist{c.PERSIST}" if c.PERSIST else ""))
+            + (f",persist{c.PERSIST}" if c.PERSIST else "") + (",lag" if c.LAG else ""))
 
 
 def config_of(key: str) -> GemmConfig:
     """config_key's inverse (older sweeps name the first five or seven fields only)."""
     fields = key.split(",")
+    lag = fields[-1] == "lag"
+    if lag:
+        fields.pop()
     persist = int(fields.pop()[len("persist"):]) if fields[-1].startswith("persist") else 0
     apart = fields[-1] == "apart"
     if apart:
         fields.pop()
     nw, split, d, pf, tm, ring, chunks = (list(map(int, fields[:7])) + [0, 1])[:7]
-    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart, PERSIST=persist)
+    return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart, PERSIST=persist,
+                      LAG=lag)
 
 
 def _compile_one(task) -> str:
@@ -115,7 +142,7 @@ def _compile_one(task) -> str:
         cols = 4096 if fmt_name != "q8_0" else 4096
         pw = PackedWeight.from_quant(random_weight(fmt_name, 256, cols), "cuda")
         n_chunks = pw.planes.qs.shape[1] // 512
-        if n_chunks % (split * quant_gemm.STEPS_PER_ITERATION):
+        if n_chunks % (split * cfg.steps_per_iteration()):
             return ""
         pw.matmul(torch.randn(n_tok, cols, device="cuda").to(torch.bfloat16), config=cfg)
         torch.cuda.synchronize()
@@ -126,7 +153,8 @@ def _compile_one(task) -> str:
 
 def _as_dict(c: GemmConfig) -> dict:
     return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS,
-            **({"APART": True} if c.APART else {}), **({"PERSIST": c.PERSIST} if c.PERSIST else {})}
+            **({"APART": True} if c.APART else {}), **({"PERSIST": c.PERSIST} if c.PERSIST else {}),
+            **({"LAG": True} if c.LAG else {})}
 
 
 def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:
@@ -206,6 +234,8 @@ def main() -> None:
     ap.add_argument("--cases", help="format:shape pairs instead of every format at every shape, e.g. "
                                     "q8_0:o,q6_k:kv (the shapes a model's files hold in that format)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--around-plans", action="store_true",
+                    help="time only the committed plans' configs and their variants (around_plan), not every one")
     ap.add_argument("--choose-from", type=Path, help="a sweep's gemm.json: choose the configs again, no GPU")
     args = ap.parse_args()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -231,7 +261,7 @@ def main() -> None:
     for fmt_name, name in cases:
         rows, cols = SHAPES[name]
         n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
-        for c in candidates(rows, n_chunks):
+        for c in (around_plan(fmt_name, rows, cols) if args.around_plans else candidates(rows, n_chunks)):
             tasks += [(fmt_name, config_key(c), n) for n in time_toks
                       if config_key(c) not in reused.get((fmt_name, name, n), {})
                       and (not c.RING or quant_gemm.ring_smem_bytes(c, PLANES_FMT[fmt_name],
@@ -256,9 +286,11 @@ def main() -> None:
         err = check(pw, w)
         copies = rotating(pw)
         n_chunks = pw.planes.qs.shape[1] // 512
-        cands = candidates(rows, n_chunks)
+        cands = around_plan(fmt_name, rows, cols) if args.around_plans else candidates(rows, n_chunks)
         times = {}
-        for n in toks:
+        # the token counts timed here, and with --reuse those the earlier sweep has a row of for this weight
+        case_toks = [n for n in toks if n in time_toks or (fmt_name, name, n) in reused_rows]
+        for n in list(case_toks):
             for c in cands:
                 if c.RING and quant_gemm.ring_smem_bytes(c, pw.planes.fmt_id, quant_gemm.token_tile(n)) > RING_SMEM:
                     continue
@@ -278,6 +310,9 @@ def main() -> None:
             else:
                 t_old = time_config(copies, n, old_cfg) * 1e6
                 t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
+            if not any((c, n) in times for c in cands):     # --reuse: the earlier sweep timed none of these here
+                case_toks.remove(n)
+                continue
             best = min((c for c in cands if (c, n) in times), key=lambda c: times[(c, n)])
             t = times[(best, n)]
             flops = 2 * n * rows * cols
@@ -299,7 +334,7 @@ def main() -> None:
                   f"{t / roof_us:4.2f}x roof {t / strict_us:4.2f}x strict | old {t_old:8.1f} | dq+cublas {t_dq:8.1f} | "
                   f"bf16 {cublas_us[(name, n)]:8.1f} us", flush=True)
         mine = {r["n_tok"]: r for r in rows_out if r["fmt"] == fmt_name and r["shape"] == name}
-        entry = choose(cands, times, mine, toks)
+        entry = choose(cands, times, mine, case_toks)
         chosen.setdefault(fmt_name, {})[f"{rows}x{cols}"] = entry
         print(f"  {fmt_name} {name}: rel_err {err:.1e}; {entry}", flush=True)
         del copies, pw, w

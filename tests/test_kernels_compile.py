@@ -311,16 +311,23 @@ def compile_gemm_ring_for_h200(constants):
 
 gemm_ring_variants = {}
 if quant_gemm.warpgroup_mma is not None:
-    # the persistent grid (PERSIST: work items walked by each CTA) with and without APART and split-K
-    for fmt, nw, bn, split, act, s, c, apart, persist in (
-            (quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False, False), (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False, False),
-            (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False, False), (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True, False),
-            (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True, False), (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True, False),
-            (quant_pack.Q8_0, 8, 64, 1, 0, 8, 2, True, True), (quant_pack.Q4_1, 4, 64, 2, 0, 8, 2, False, True),
-            (quant_pack.NVFP4, 8, 64, 1, 1, 8, 2, True, False), (quant_pack.NVFP4, 4, 128, 2, 0, 6, 1, False, True)):
+    # the persistent grid (PERSIST: work items walked by each CTA) with and without APART and split-K; LAG (MMAs in
+    # flight across the consumer's loop) alone, with APART, PERSIST and split-K, and where q6_K and NVFP4 ignore it
+    for fmt, nw, bn, split, act, s, c, apart, persist, lag in (
+            (quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False, False, False),
+            (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False, False, False),
+            (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False, False, True),
+            (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True, False, False),
+            (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True, False, False),
+            (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True, False, True),
+            (quant_pack.Q8_0, 8, 64, 1, 0, 8, 2, True, True, True),
+            (quant_pack.Q4_1, 4, 64, 2, 0, 8, 2, False, True, True),
+            (quant_pack.Q8_0, 8, 128, 4, 2, 4, 4, False, False, True),
+            (quant_pack.NVFP4, 8, 64, 1, 1, 8, 2, True, False, True),
+            (quant_pack.NVFP4, 4, 128, 2, 0, 6, 1, False, True, False)):
         gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"
-                           f"{' apart' if apart else ''}{' persist' if persist else ''}"] = dict(
-            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist)
+                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag)
 
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
@@ -359,6 +366,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 48 + 19 + 10 + 3 + 10
+    assert len(compiled) == 48 + 19 + 11 + 3 + 10
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -64,6 +64,8 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(NW=8, PERSIST=1)             # the persistent grid walks the ring's work items
     with pytest.raises(ValueError):
         GemmConfig(NW=8, RING=4, PERSIST=3)     # one or two CTAs an SM
+    with pytest.raises(ValueError):
+        GemmConfig(NW=8, LAG=True)              # LAG keeps the ring consumer's MMAs in flight
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -123,10 +125,10 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
                    for nw, s, d, pf, tm, ring, c in [(4, 1, 2, True, 0, 0, 1), (8, 2, 0, False, 0, 0, 1),
                                                      (8, 4, 0, True, 0, 0, 1), (8, 1, 0, True, 3, 0, 1),
                                                      (4, 2, 2, False, 4, 0, 1), (8, 1, 0, False, 0, 4, 1),
-                                                     (8, 2, 0, False, 0, 3, 2), (4, 1, 0, False, 0, 2, 4)]
-                   if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
-        configs += [GemmConfig(NW=8, split_k=s, RING=4, CHUNKS=2, APART=True) for s in (1, 2)
-                    if n_chunks % (s * quant_gemm.STEPS_PER_ITERATION) == 0]
+                                                     (8, 2, 0, False, 0, 3, 2), (4, 1, 0, False, 0, 2, 4)]]
+        configs += [GemmConfig(NW=8, split_k=s, RING=4, CHUNKS=2, APART=True) for s in (1, 2)]
+        configs += [GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=4, LAG=True)]
+        configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
                 if cfg.RING and quant_gemm.ring_smem_bytes(cfg, pw.planes.fmt_id,
@@ -178,7 +180,7 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
     n_chunks = pw.planes.qs.shape[1] // 512
     for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True), GemmConfig(NW=8, RING=4, CHUNKS=2),
                 GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True)]:
-        if n_chunks % (cfg.split_k * quant_gemm.STEPS_PER_ITERATION):
+        if n_chunks % (cfg.split_k * cfg.steps_per_iteration()):
             continue
         for n_tok in (17, 100):
             want = gated_mul_triton(pw.matmul(x[:n_tok], config=cfg), act, interleaved=True)
@@ -191,8 +193,8 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
 def test_gemm_variants_give_the_same_bits(fmt_name):
     """P (loads one step ahead), D (L2 prefetch), TMA (x converted once and streamed by TMA) and RING (weights
-    and x through a shared-memory ring) only move loads, and NW only which rows a CTA owns: the results are
-    bitwise the same."""
+    and x through a shared-memory ring) only move loads, LAG only when MMAs retire, and NW only which rows a CTA
+    owns: the results are bitwise the same."""
     w = make_weight(fmt_name, 512, 2048, seed=14, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     x = torch.randn(70, 2048, generator=torch.Generator().manual_seed(15)).to("cuda", torch.bfloat16)
@@ -202,8 +204,10 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
                 GemmConfig(NW=4, split_k=2, TMA=2), GemmConfig(NW=8, split_k=2, RING=4),
                 GemmConfig(NW=8, split_k=2, RING=3, CHUNKS=2), GemmConfig(NW=4, split_k=2, RING=6),
                 GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4), GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True),
-                GemmConfig(NW=8, split_k=2, RING=6, APART=True)):
+                GemmConfig(NW=8, split_k=2, RING=6, APART=True), GemmConfig(NW=8, split_k=2, RING=2, CHUNKS=4)):
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
+        if cfg.RING:
+            assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, LAG=True)), plain), (cfg, "LAG")
 
 
 @requires_cuda
@@ -223,6 +227,8 @@ def test_gemm_persistent_grid_gives_the_same_bits(fmt_name):
         for persist in (1, 2):
             assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, PERSIST=persist)), plain), (cfg, persist)
         assert torch.equal(run_poisoned(pw, x[:40], dataclasses.replace(cfg, PERSIST=1)), plain[:40]), cfg
+        # LAG's last stage of one item retires before the next item's first: the ring's count runs on
+        assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, PERSIST=1, LAG=True)), plain), (cfg, "LAG")
 
 
 @requires_cuda

@@ -559,19 +559,30 @@ if gluon is not None and warpgroup_mma is not None:
                 tma.async_copy_global_to_shared(x_desc, [tok0, (chunk0 + c) * KC], bar, x_bufs.index(slot * C + c))
 
     @gluon.jit
+    def _release(empty, slot):
+        """Hand ring stage `slot` back to the producer: every consumer warp's shared reads of it done (the barrier)
+        before the TMA writes the producer issues next (the arrive is one thread's)."""
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)
+
+    @gluon.jit
     def _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT: gl.constexpr, NW: gl.constexpr,
-                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr):
+                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, LAG: gl.constexpr):
         """NW consumer warps: per stage, wait for its bytes, dequantize each chunk of their part's rows from shared
         memory and issue its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the
-        MMAs reading them retired (each part arrives once on `empty`). Returns the accumulator."""
+        MMAs reading them retired (each part arrives once on `empty`). With LAG a stage's MMAs stay in flight
+        until the next stage's are issued, across the loop's back edge too; without it every loop iteration
+        ends with none in flight. An iteration is two stages at least (GemmConfig.steps_per_iteration): the
+        stage in flight across the back edge then reads other registers than the ones the next iteration's
+        first stage dequantizes into. Returns the accumulator."""
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
         NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if _by16(FMT) else 2)
         S: gl.constexpr = ready.shape[0]
-        # STEPS_PER_ITERATION chunks per loop iteration, none in flight across its back edge (_gemm_kernel)
-        U: gl.constexpr = _STEPS // C
+        U: gl.constexpr = max(2, _STEPS // C)
         acc = gl.zeros([16 * NW, BN], gl.float32, MMA)
         for i0 in range(0, n_stages, U):
             for u in gl.static_range(U):
@@ -583,42 +594,49 @@ if gluon is not None and warpgroup_mma is not None:
                     q, a, bb, cc, e, h = _ring_loads(qs_bufs.index(b), d_bufs.index(b), sub_bufs.index(b),
                                                      qh_bufs.index(b), c, FMT, NW, C, SIDE)
                     acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, bb, cc, e, h, q, FMT, NW, BN, A, False)
-                if u < U - 1:   # retire stage i - 1
+                if LAG:     # retire stage i - 1, whose MMAs ran while this stage was dequantized
                     acc = warpgroup_mma_wait(num_outstanding=NB * C, deps=(acc,))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                # every warp's shared reads of the stage(s) done before the TMA writes the producer issues next
-                fence_async_shared()
-                gl.thread_barrier()
-                if u > 0:
-                    mbarrier.arrive(empty.index((i + S - 1) % S), count=1)
-                if u == U - 1:
-                    mbarrier.arrive(empty.index(slot), count=1)
+                    if u > 0:
+                        _release(empty, (i + S - 1) % S)
+                    elif i0 > 0:
+                        _release(empty, (i + S - 1) % S)
+                else:       # retire stage i - 1, and at the iteration's end stage i too
+                    acc = warpgroup_mma_wait(num_outstanding=NB * C if u < U - 1 else 0, deps=(acc,))
+                    if u > 0:
+                        _release(empty, (i + S - 1) % S)
+                    if u == U - 1:
+                        _release(empty, slot)
+        if LAG:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _release(empty, (done + n_stages - 1) % S)
         return acc
 
     @gluon.jit
     def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
                    n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
-                   PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr):
+                   PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr,
+                   LAG: gl.constexpr):
         """A consumer part over the CTA's work items, as _ring_producer walks them."""
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
                 _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
-                                count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT)
+                                count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT,
+                                LAG)
         else:
             _ring_part_item(bufs, ready, empty, n_stages, gl.program_id(0) * n_nk + gl.program_id(1), 0, n_nk, part,
                             out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS,
-                            SPLIT_K, ACT)
+                            SPLIT_K, ACT, LAG)
 
     @gluon.jit
     def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, d_ptr,
                         n_tok, n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
-                        C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
+                        C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
+                        LAG: gl.constexpr):
         """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
         CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
         on each other but for the ring's stages."""
-        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS)
+        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS, LAG)
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
         row0 = (pid_n * PARTS + part) * (16 * NW)
@@ -635,7 +653,7 @@ if gluon is not None and warpgroup_mma is not None:
                           n_tok, n_rows, out_stride, n_stages, n_nk,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
-                          PERSIST: gl.constexpr):
+                          PERSIST: gl.constexpr, LAG: gl.constexpr):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
@@ -645,8 +663,11 @@ if gluon is not None and warpgroup_mma is not None:
         Work items are (token tile, row block, K split), n_nk row blocks x splits a token tile: one per program of
         a 2-D grid, or with PERSIST a 1-D grid of G CTAs each walking items pid, pid + G, ..., the ring running
         from one item's stages into the next's (the same work per item, so the same bits). d_ptr: NVFP4's row
-        scales (its stages carry the sub plane in d_desc's place), else unused."""
+        scales (its stages carry the sub plane in d_desc's place), else unused. LAG: _ring_consumer's, for the
+        default partition's consumer (with APART the first warpgroup's: ptxas serializes the MMAs of a worker
+        partition's consumer that keeps them in flight across its loop, info line C7512)."""
         PARTS: gl.constexpr = 2 if APART else 1
+        LAGS: gl.constexpr = LAG and not _by16(FMT)   # q6_K's and NVFP4's MMAs serialize in flight (C7513)
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
         n_items = (n_tok + BN - 1) // BN * n_nk
         WB: gl.constexpr = S * PARTS                          # weight buffers: a stage's blocks, one per part
@@ -670,16 +691,16 @@ if gluon is not None and warpgroup_mma is not None:
         if APART:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAGS)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST)),
+                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAGS)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [1], [_PRODUCER_REGS])
@@ -743,6 +764,10 @@ class GemmConfig:
     # PERSIST > 0 (a ring): that many CTAs an SM at most, each walking several (token tile, row block, K split)
     # items with the ring running from one into the next, instead of a CTA per item; a row's bits are the same
     PERSIST: int = 0
+    # LAG (a ring of a format scaled per 32 weights or more): each stage's MMAs stay in flight while the next
+    # stage is dequantized, across loop iterations too, instead of none in flight at each iteration's end (with
+    # APART the first warpgroup's only); a row's bits are the same
+    LAG: bool = False
 
     def __post_init__(self):
         if self.NW not in (4, 8) or self.TMA == 1:
@@ -753,9 +778,16 @@ class GemmConfig:
             raise ValueError(f"APART needs a ring of two warpgroups (RING, NW 8): {self}")
         if self.PERSIST and not (self.RING and self.PERSIST in (1, 2)):
             raise ValueError(f"PERSIST needs a ring, and 1 or 2 CTAs an SM: {self}")
+        if self.LAG and not self.RING:
+            raise ValueError(f"LAG needs a ring: {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
+
+    def steps_per_iteration(self) -> int:
+        """K steps (chunks) per loop iteration of the kernel: a split's steps are a multiple of it. A ring's
+        iteration is two stages at least (_ring_consumer)."""
+        return max(STEPS_PER_ITERATION, 2 * self.CHUNKS) if self.RING else STEPS_PER_ITERATION
 
     def streams_x(self) -> bool:
         """Does this config read x as f16 in the planes' column order (x_operands' scratch)?"""
@@ -789,7 +821,7 @@ def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
 
 def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
     n_chunks = p.qs.shape[1] // 512
-    assert n_chunks % (cfg.split_k * STEPS_PER_ITERATION) == 0, (n_chunks, cfg)
+    assert n_chunks % (cfg.split_k * cfg.steps_per_iteration()) == 0, (n_chunks, cfg)
     return n_chunks // cfg.split_k
 
 
@@ -825,7 +857,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
-            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
+            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
             maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
