@@ -4,6 +4,7 @@
         [--cases q8_0:o,q6_k:kv,...]          the format:shape pairs a model holds, instead of every pair
         [--reuse gemm.json [--time-toks 256]]  an earlier sweep's times of the same kernels: only the configs it
                                                lacks are timed (with --time-toks, only at those token counts)
+        [--around-plans]                      only the committed plans' configs and their variants (around_plan)
         [--choose-from gemm.json]             choose the configs again from a sweep's times, no GPU
 
 For each format and Llama-3-8B shape (bench/kernels.py's SHAPES) and token count n:
@@ -107,8 +108,7 @@ def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
         if c.APART:
             out += [dataclasses.replace(v, APART=False) for v in out[-3:]]
     n_chunks = qm.gemv_chunks(fmt_name, cols_pad)
-    return [c for i, c in enumerate(out) if c not in out[:i] and c.RING >= (2 if c.RING else 0)
-            and n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
+    return [c for i, c in enumerate(out) if c not in out[:i] and n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
 
 
 def config_key(c: GemmConfig) -> str:
