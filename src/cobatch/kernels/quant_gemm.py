@@ -667,7 +667,8 @@ if gluon is not None and warpgroup_mma is not None:
         default partition's consumer (with APART the first warpgroup's: ptxas serializes the MMAs of a worker
         partition's consumer that keeps them in flight across its loop, info line C7512)."""
         PARTS: gl.constexpr = 2 if APART else 1
-        LAGS: gl.constexpr = LAG and not _by16(FMT)   # q6_K's and NVFP4's MMAs serialize in flight (C7513)
+        # LAG where ptxas keeps the MMAs pipelined: q6_K's and NVFP4's four a chunk serialize in flight (C7513)
+        LAG_KEPT: gl.constexpr = LAG and not _by16(FMT)
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
         n_items = (n_tok + BN - 1) // BN * n_nk
         WB: gl.constexpr = S * PARTS                          # weight buffers: a stage's blocks, one per part
@@ -691,7 +692,7 @@ if gluon is not None and warpgroup_mma is not None:
         if APART:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAGS)),
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
                               n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
@@ -700,7 +701,7 @@ if gluon is not None and warpgroup_mma is not None:
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAGS)),
+                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [1], [_PRODUCER_REGS])
