@@ -22,7 +22,8 @@
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
-#                            the quantized GEMM's, bench/gemm_once.py)
+#                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
+#                            samples per SASS instruction, bench/ncu_source.py)
 #   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
 #                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
 #                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment
@@ -141,6 +142,17 @@ profile)
   sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
     --section WarpStateStats --section SchedulerStats --section SourceCounters"
   for case in "$@"; do     # each case profiles the first timed launch, after gemv_configs.py's two check launches
+    if [[ $case == gemm-source\ * ]]; then   # "gemm-source FMT SHAPE N": its stall samples per SASS instruction
+      read -r _ fmt shape tok <<<"$case"
+      name=gemm-source-$fmt-$shape-$tok
+      echo "=== $name" | tee -a "$OUT/ncu_source.txt"
+      timeout "$(left 240)" ncu --clock-control none -k regex:_gemm --launch-skip 1 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" python3 bench/gemm_once.py "$fmt" \
+        "$shape" "$tok" 2 > "/tmp/$name.log" 2>&1
+      ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/$name.csv" 2>&1
+      python3 bench/ncu_source.py "/tmp/$name.csv" 60 >> "$OUT/ncu_source.txt" 2>&1 || tail -5 "/tmp/$name.log" "/tmp/$name.csv" >> "$OUT/ncu_source.txt"
+      continue
+    fi
     if [[ $case == gemm\ * ]]; then   # "gemm FMT SHAPE N": the committed plan's GEMM launch (bench/gemm_once.py)
       read -r _ fmt shape tok <<<"$case"
       echo "=== gemm $fmt $shape n_tok=$tok" | tee -a "$OUT/ncu.txt"

@@ -93,8 +93,9 @@ def candidates(rows: int, n_chunks: int) -> list[GemmConfig]:
 
 def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
     """--around-plans' candidates: the committed plan's GEMM configs of one weight and, for each ring among
-    them, the same split of K with LAG, as rings of 4-chunk stages (as many and half as many stages), and
-    with its warpgroups in lock step (APART off)."""
+    them, the same split of K with LAG, as rings of 4-chunk stages (as many, half as many, and 6 or 8 stages
+    where the shared memory holds them), with its warpgroups in lock step (APART off), and each of these with
+    a stage's bytes loaded at once (AHEAD)."""
     cols_pad = -(-cols // 256) * 256
     plan = qm.plan_for(fmt_name, rows, cols, cols_pad, gemv=True, quant_gemm_too=True)
     out = []
@@ -103,24 +104,31 @@ def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
         if not c.RING:
             continue
         lagged = dataclasses.replace(c, LAG=True)
-        out += [lagged, dataclasses.replace(lagged, RING=max(2, c.RING // 2) if c.CHUNKS == 2 else c.RING, CHUNKS=4),
-                dataclasses.replace(lagged, CHUNKS=4)]
+        variants = [lagged, dataclasses.replace(lagged, RING=max(2, c.RING // 2) if c.CHUNKS == 2 else c.RING,
+                                                CHUNKS=4),
+                    dataclasses.replace(lagged, CHUNKS=4), dataclasses.replace(lagged, RING=6, CHUNKS=4),
+                    dataclasses.replace(lagged, RING=8, CHUNKS=4)]
         if c.APART:
-            out += [dataclasses.replace(v, APART=False) for v in out[-3:]]
+            variants += [dataclasses.replace(v, APART=False) for v in variants]
+        out += variants + [dataclasses.replace(v, AHEAD=True) for v in [c] + variants]
     n_chunks = qm.gemv_chunks(fmt_name, cols_pad)
     return [c for i, c in enumerate(out) if c not in out[:i] and n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
 
 
 def config_key(c: GemmConfig) -> str:
     """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, then ",apart" with APART,
-    ",persistN" with PERSIST N and ",lag" with LAG."""
+    ",persistN" with PERSIST N, ",lag" with LAG and ",ahead" with AHEAD."""
     return (f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}" + (",apart" if c.APART else "")
-            + (f",persist{c.PERSIST}" if c.PERSIST else "") + (",lag" if c.LAG else ""))
+            + (f",persist{c.PERSIST}" if c.PERSIST else "") + (",lag" if c.LAG else "")
+            + (",ahead" if c.AHEAD else ""))
 
 
 def config_of(key: str) -> GemmConfig:
     """config_key's inverse (older sweeps name the first five or seven fields only)."""
     fields = key.split(",")
+    ahead = fields[-1] == "ahead"
+    if ahead:
+        fields.pop()
     lag = fields[-1] == "lag"
     if lag:
         fields.pop()
@@ -130,7 +138,7 @@ def config_of(key: str) -> GemmConfig:
         fields.pop()
     nw, split, d, pf, tm, ring, chunks = (list(map(int, fields[:7])) + [0, 1])[:7]
     return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart, PERSIST=persist,
-                      LAG=lag)
+                      LAG=lag, AHEAD=ahead)
 
 
 def _compile_one(task) -> str:
@@ -154,7 +162,7 @@ def _compile_one(task) -> str:
 def _as_dict(c: GemmConfig) -> dict:
     return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS,
             **({"APART": True} if c.APART else {}), **({"PERSIST": c.PERSIST} if c.PERSIST else {}),
-            **({"LAG": True} if c.LAG else {})}
+            **({"LAG": True} if c.LAG else {}), **({"AHEAD": True} if c.AHEAD else {})}
 
 
 def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:

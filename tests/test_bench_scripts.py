@@ -25,7 +25,7 @@ def load(name: str):
 
 
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
-                                  "gemv_configs", "moe_decode", "speculative", "parallel"])
+                                  "gemv_configs", "moe_decode", "speculative", "parallel", "ncu_source", "gemm"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name
@@ -117,3 +117,32 @@ def test_plot_draws_every_point_of_the_results(tmp_path):
     text = out.read_text()
     assert text.count("<polyline") == 3 and text.count("<circle") == 8
     assert "engine, ctx 512" in text and "engine, ctx 4096" in text and "HTTP streaming clients" in text
+
+
+def test_gemm_config_keys_round_trip():
+    """bench/gemm.py names each config in its JSON (config_key) and reads the names back (config_of): every
+    sweep candidate, and rings with LAG and AHEAD, come back as themselves."""
+    gemm = load("gemm")
+    rows, cols = gemm.SHAPES["gate_up"]
+    ring = gemm.GemmConfig(8, 1, RING=4, CHUNKS=4, APART=True, PERSIST=1, LAG=True, AHEAD=True)
+    for c in gemm.candidates(rows, cols // 32) + [ring, gemm.GemmConfig(4, 2, RING=6, CHUNKS=4, AHEAD=True)]:
+        assert gemm.config_of(gemm.config_key(c)) == c, c
+    assert gemm.config_of("8,1,0,0,0,4,4,apart,persist1,lag,ahead") == ring
+    assert gemm.config_of("8,2,0,1,0,0,1") == gemm.GemmConfig(8, 2, P=True)      # an older sweep's name
+
+
+def test_ncu_source_sums_stalls_by_reason_without_the_idle_warps(tmp_path):
+    """A hand-made source page: the NOP where idle warps wait counts in the opcode shares, not in the reasons."""
+    csv = tmp_path / "source.csv"
+    csv.write_text('==PROF== a note\n"Kernel Name","_k",\n'
+                   '"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_long_sb",'
+                   '"stall_barrier (Not Issued)"\n'
+                   '"0x10","      NOP","100","100","0","90"\n'
+                   '"0x20","  @!P0  BRA 0x10","30","0","30","0"\n'
+                   '"0x30","      BAR.SYNC 0x0","10","10","0","0"\n')
+    out = subprocess.run(["python3", str(ROOT / "bench" / "ncu_source.py"), str(csv), "2"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0] == "3 instructions, 140 stall samples"
+    assert out[1].startswith("by opcode: NOP 71.4%, BRA 21.4%, BAR 7.1%")
+    assert out[2] == "stall reasons but at NOPs: long_sb 75.0%, barrier 25.0%"
+    assert [line.split()[0] for line in out[3:]] == ["0x10", "0x20"]     # the top 2, in address order

@@ -312,22 +312,26 @@ def compile_gemm_ring_for_h200(constants):
 gemm_ring_variants = {}
 if quant_gemm.warpgroup_mma is not None:
     # the persistent grid (PERSIST: work items walked by each CTA) with and without APART and split-K; LAG (MMAs in
-    # flight across the consumer's loop) alone, with APART, PERSIST and split-K, and where q6_K and NVFP4 ignore it
-    for fmt, nw, bn, split, act, s, c, apart, persist, lag in (
-            (quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False, False, False),
-            (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False, False, False),
-            (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False, False, True),
-            (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True, False, False),
-            (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True, False, False),
-            (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True, False, True),
-            (quant_pack.Q8_0, 8, 64, 1, 0, 8, 2, True, True, True),
-            (quant_pack.Q4_1, 4, 64, 2, 0, 8, 2, False, True, True),
-            (quant_pack.Q8_0, 8, 128, 4, 2, 4, 4, False, False, True),
-            (quant_pack.NVFP4, 8, 64, 1, 1, 8, 2, True, False, True),
-            (quant_pack.NVFP4, 4, 128, 2, 0, 6, 1, False, True, False)):
+    # flight across the consumer's loop) alone, with APART, PERSIST and split-K, and where q6_K and NVFP4 ignore it;
+    # AHEAD (a stage's bytes loaded at once) on stages of 2 and 4 chunks (q4_1's 4 with LAG: serialized, C7513)
+    for fmt, nw, bn, split, act, s, c, apart, persist, lag, ahead in (
+            (quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False, False, False, False),
+            (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False, False, False, False),
+            (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False, False, True, True),
+            (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True, False, False, False),
+            (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True, False, False, False),
+            (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True, False, True, False),
+            (quant_pack.Q8_0, 8, 64, 1, 0, 8, 2, True, True, True, False),
+            (quant_pack.Q4_1, 4, 64, 2, 0, 8, 2, False, True, True, False),
+            (quant_pack.Q8_0, 8, 128, 4, 2, 4, 4, False, False, True, True),
+            (quant_pack.Q4_1, 8, 64, 1, 1, 8, 2, True, True, True, True),
+            (quant_pack.NVFP4, 8, 64, 1, 1, 8, 2, True, False, True, False),
+            (quant_pack.NVFP4, 4, 128, 2, 0, 6, 1, False, True, False, False)):
         gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"
-                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"] = dict(
-            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag)
+                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
+                           f"{' ahead' if ahead else ''}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
+            AHEAD=ahead)
 
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
@@ -366,6 +370,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 48 + 19 + 11 + 3 + 10
+    assert len(compiled) == 48 + 19 + 12 + 3 + 10
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

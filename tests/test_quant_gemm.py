@@ -66,6 +66,8 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(NW=8, RING=4, PERSIST=3)     # one or two CTAs an SM
     with pytest.raises(ValueError):
         GemmConfig(NW=8, LAG=True)              # LAG keeps the ring consumer's MMAs in flight
+    with pytest.raises(ValueError):
+        GemmConfig(NW=8, AHEAD=True)            # AHEAD loads a ring stage's bytes at once
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -127,7 +129,8 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
                                                      (4, 2, 2, False, 4, 0, 1), (8, 1, 0, False, 0, 4, 1),
                                                      (8, 2, 0, False, 0, 3, 2), (4, 1, 0, False, 0, 2, 4)]]
         configs += [GemmConfig(NW=8, split_k=s, RING=4, CHUNKS=2, APART=True) for s in (1, 2)]
-        configs += [GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=4, LAG=True)]
+        configs += [GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=4, LAG=True),
+                    GemmConfig(NW=4, split_k=1, RING=3, CHUNKS=4, LAG=True, AHEAD=True)]
         configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
@@ -193,8 +196,8 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
 def test_gemm_variants_give_the_same_bits(fmt_name):
     """P (loads one step ahead), D (L2 prefetch), TMA (x converted once and streamed by TMA) and RING (weights
-    and x through a shared-memory ring) only move loads, LAG only when MMAs retire, and NW only which rows a CTA
-    owns: the results are bitwise the same."""
+    and x through a shared-memory ring) only move loads (AHEAD: a ring stage's at once), LAG only when MMAs
+    retire, and NW only which rows a CTA owns: the results are bitwise the same."""
     w = make_weight(fmt_name, 512, 2048, seed=14, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     x = torch.randn(70, 2048, generator=torch.Generator().manual_seed(15)).to("cuda", torch.bfloat16)
@@ -208,6 +211,8 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
         if cfg.RING:
             assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, LAG=True)), plain), (cfg, "LAG")
+            assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, LAG=True, AHEAD=True)), plain), \
+                (cfg, "LAG, AHEAD")
 
 
 @requires_cuda

@@ -500,6 +500,23 @@ if gluon is not None and warpgroup_mma is not None:
         return q, a, b, cc, e, h
 
     @gluon.jit
+    def _stage_bytes(qs_buf, NW: gl.constexpr, C: gl.constexpr):
+        """A ring stage's quant bytes, all C chunks in one load (C 16-byte loads a lane into registers of their
+        own), as C tensors [NW, lane, 16]: chunk c is what _ring_loads(c) reads."""
+        q = qs_buf._reinterpret(gl.uint8, [NW, 32 * C, 16], _plain_layout(3)).load(_bytes_layout(NW, 16))
+        if C == 1:
+            chunks = (q,)
+        elif C == 2:
+            chunks = gl.split(gl.permute(gl.reshape(q, [NW, 2, 32, 16]), [0, 2, 3, 1]))   # w, lane, byte, chunk
+        else:
+            q = gl.permute(gl.reshape(q, [NW, 2, 2, 32, 16]), [0, 3, 4, 1, 2])      # chunk = 2 c1 + c0
+            lo, hi = gl.split(q)                                                   # c0 = 0, 1
+            q0, q2 = gl.split(lo)
+            q1, q3 = gl.split(hi)
+            chunks = (q0, q1, q2, q3)
+        return chunks
+
+    @gluon.jit
     def _item_of(item, n_nk, SPLIT_K: gl.constexpr):
         """(token tile, row block, K split) of work item `item`: the 2-D grid's (program_id(0), program_id(1))
         linearized, program_id(1) being row block x SPLIT_K + split."""
@@ -568,14 +585,16 @@ if gluon is not None and warpgroup_mma is not None:
 
     @gluon.jit
     def _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT: gl.constexpr, NW: gl.constexpr,
-                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, LAG: gl.constexpr):
+                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, LAG: gl.constexpr,
+                       AHEAD: gl.constexpr):
         """NW consumer warps: per stage, wait for its bytes, dequantize each chunk of their part's rows from shared
         memory and issue its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the
         MMAs reading them retired (each part arrives once on `empty`). With LAG a stage's MMAs stay in flight
         until the next stage's are issued, across the loop's back edge too; without it every loop iteration
         ends with none in flight. An iteration is two stages at least (GemmConfig.steps_per_iteration): the
         stage in flight across the back edge then reads other registers than the ones the next iteration's
-        first stage dequantizes into. Returns the accumulator."""
+        first stage dequantizes into. With AHEAD each chunk's shared loads are issued before the chunk before it
+        is dequantized, so their latency hides behind that work. Returns the accumulator."""
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
@@ -590,9 +609,15 @@ if gluon is not None and warpgroup_mma is not None:
                 slot = i % S
                 b = slot * PARTS + part
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
+                if AHEAD:
+                    stage_q = _stage_bytes(qs_bufs.index(b), NW, C)
                 for c in gl.static_range(C):
                     q, a, bb, cc, e, h = _ring_loads(qs_bufs.index(b), d_bufs.index(b), sub_bufs.index(b),
                                                      qh_bufs.index(b), c, FMT, NW, C, SIDE)
+                    if AHEAD:
+                        q = stage_q[c]
+                        if FMT != F_Q6_K:
+                            h = q
                     acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, bb, cc, e, h, q, FMT, NW, BN, A, False)
                 if LAG:     # retire stage i - 1, whose MMAs ran while this stage was dequantized
                     acc = warpgroup_mma_wait(num_outstanding=NB * C, deps=(acc,))
@@ -615,28 +640,28 @@ if gluon is not None and warpgroup_mma is not None:
     def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
                    n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
                    PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr,
-                   LAG: gl.constexpr):
+                   LAG: gl.constexpr, AHEAD: gl.constexpr):
         """A consumer part over the CTA's work items, as _ring_producer walks them."""
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
                 _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
                                 count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT,
-                                LAG)
+                                LAG, AHEAD)
         else:
             _ring_part_item(bufs, ready, empty, n_stages, gl.program_id(0) * n_nk + gl.program_id(1), 0, n_nk, part,
                             out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS,
-                            SPLIT_K, ACT, LAG)
+                            SPLIT_K, ACT, LAG, AHEAD)
 
     @gluon.jit
     def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, d_ptr,
                         n_tok, n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
                         C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
-                        LAG: gl.constexpr):
+                        LAG: gl.constexpr, AHEAD: gl.constexpr):
         """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
         CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
         on each other but for the ring's stages."""
-        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS, LAG)
+        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS, LAG, AHEAD)
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
         row0 = (pid_n * PARTS + part) * (16 * NW)
@@ -653,7 +678,7 @@ if gluon is not None and warpgroup_mma is not None:
                           n_tok, n_rows, out_stride, n_stages, n_nk,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
-                          PERSIST: gl.constexpr, LAG: gl.constexpr):
+                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
@@ -665,7 +690,7 @@ if gluon is not None and warpgroup_mma is not None:
         from one item's stages into the next's (the same work per item, so the same bits). d_ptr: NVFP4's row
         scales (its stages carry the sub plane in d_desc's place), else unused. LAG: _ring_consumer's, for the
         default partition's consumer (with APART the first warpgroup's: ptxas serializes the MMAs of a worker
-        partition's consumer that keeps them in flight across its loop, info line C7512)."""
+        partition's consumer that keeps them in flight across its loop, info line C7512). AHEAD: _ring_consumer's."""
         PARTS: gl.constexpr = 2 if APART else 1
         # LAG where ptxas keeps the MMAs pipelined: q6_K's and NVFP4's four a chunk serialize in flight (C7513)
         LAG_KEPT: gl.constexpr = LAG and not _by16(FMT)
@@ -692,16 +717,19 @@ if gluon is not None and warpgroup_mma is not None:
         if APART:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT)),
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
+                              AHEAD)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False)),
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False,
+                              AHEAD)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT)),
+                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
+                              AHEAD)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
                                   SPLIT_K, PERSIST)),
             ], [1], [_PRODUCER_REGS])
@@ -769,6 +797,9 @@ class GemmConfig:
     # stage is dequantized, across loop iterations too, instead of none in flight at each iteration's end (with
     # APART the first warpgroup's only); a row's bits are the same
     LAG: bool = False
+    # AHEAD (a ring): each chunk's shared-memory loads issued before the chunk before it is dequantized, instead
+    # of after its MMAs are issued; a row's bits are the same
+    AHEAD: bool = False
 
     def __post_init__(self):
         if self.NW not in (4, 8) or self.TMA == 1:
@@ -779,8 +810,8 @@ class GemmConfig:
             raise ValueError(f"APART needs a ring of two warpgroups (RING, NW 8): {self}")
         if self.PERSIST and not (self.RING and self.PERSIST in (1, 2)):
             raise ValueError(f"PERSIST needs a ring, and 1 or 2 CTAs an SM: {self}")
-        if self.LAG and not self.RING:
-            raise ValueError(f"LAG needs a ring: {self}")
+        if (self.LAG or self.AHEAD) and not self.RING:
+            raise ValueError(f"LAG and AHEAD need a ring: {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
@@ -858,7 +889,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
-            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
+            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
             maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
