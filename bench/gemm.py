@@ -53,7 +53,6 @@ FORMATS = ["q8_0", "q4_k", "q4_1", "q6_k"]
 SHAPES = {**SHAPES, "kv": (1024, 4096)}
 TOKS = [16, 32, 64, 128, 256, 512, 2048]
 DECODE = [32, 64, 128, 256]          # the token counts a weight's one config is chosen by
-RING_SMEM = 227 * 1024 - 2048        # the ring variant's buffers in an SM's shared memory, with room to spare
 # the fragment planes' layout of each format (q4_K's are q4_1's)
 PLANES_FMT = {"q8_0": quant_pack.Q8_0, "q4_0": quant_pack.Q4_0, "q4_1": quant_pack.Q4_1, "q4_k": quant_pack.Q4_1,
               "q6_k": quant_pack.Q6_K, "fp8_e4m3": quant_pack.FP8_E4M3, "nvfp4": quant_pack.NVFP4}
@@ -113,6 +112,15 @@ def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
         out += variants + [dataclasses.replace(v, AHEAD=True) for v in [c] + variants]
     n_chunks = qm.gemv_chunks(fmt_name, cols_pad)
     return [c for i, c in enumerate(out) if c not in out[:i] and n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
+
+
+def runs_as(c: GemmConfig, fmt_id: int, n: int) -> GemmConfig | None:
+    """The config a launch of c at n tokens runs: a ring with as many stages as fit at its token tile
+    (quant_gemm.ring_stages), None if not even two fit; others as they are."""
+    if not c.RING:
+        return c
+    stages = quant_gemm.ring_stages(c, fmt_id, quant_gemm.token_tile(n))
+    return dataclasses.replace(c, RING=stages) if stages >= 2 else None
 
 
 def config_key(c: GemmConfig) -> str:
@@ -272,8 +280,7 @@ def main() -> None:
         for c in (around_plan(fmt_name, rows, cols) if args.around_plans else candidates(rows, n_chunks)):
             tasks += [(fmt_name, config_key(c), n) for n in time_toks
                       if config_key(c) not in reused.get((fmt_name, name, n), {})
-                      and (not c.RING or quant_gemm.ring_smem_bytes(c, PLANES_FMT[fmt_name],
-                                                                    quant_gemm.token_tile(n)) <= RING_SMEM)]
+                      and runs_as(c, PLANES_FMT[fmt_name], n) == c]
     precompile(tasks, workers=min(14, os.cpu_count() or 4))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
@@ -299,8 +306,13 @@ def main() -> None:
         # the token counts timed here, and with --reuse those the earlier sweep has a row of for this weight
         case_toks = [n for n in toks if n in time_toks or (fmt_name, name, n) in reused_rows]
         for n in list(case_toks):
+            trimmed = []
             for c in cands:
-                if c.RING and quant_gemm.ring_smem_bytes(c, pw.planes.fmt_id, quant_gemm.token_tile(n)) > RING_SMEM:
+                ran = runs_as(c, pw.planes.fmt_id, n)
+                if ran is None:
+                    continue
+                if ran != c:                # a ring trimmed to fewer stages at this tile: the same kernel as `ran`
+                    trimmed.append((c, ran))
                     continue
                 if config_key(c) in reused.get((fmt_name, name, n), {}):
                     times[(c, n)] = reused[(fmt_name, name, n)][config_key(c)]
@@ -311,6 +323,9 @@ def main() -> None:
                     times[(c, n)] = time_config(copies, n, c) * 1e6
                 except Exception as e:   # a config that fails to compile or run is reported and skipped
                     print(f"  {fmt_name} {name} {c} n={n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            for c, ran in trimmed:
+                if (ran, n) in times:
+                    times[(c, n)] = times[(ran, n)]
             old_cfg = old.config_for(n)
             earlier = reused_rows.get((fmt_name, name, n))
             if earlier is not None and n not in time_toks:
@@ -404,6 +419,11 @@ def choose_again(path: Path, dirs: list[Path]) -> None:
                 if us is not None:
                     times[(config_of(key), n)] = us
         cands = list(dict.fromkeys(c for c, _ in times))
+        for n in mine:      # a ring trimmed at this tile runs the kernel of fewer stages: that one's time
+            for c in cands:
+                ran = runs_as(c, PLANES_FMT[fmt], n)
+                if (c, n) not in times and ran is not None and (ran, n) in times:
+                    times[(c, n)] = times[(ran, n)]
         rows, cols = SHAPES[shape]
         chosen.setdefault(fmt, {})[f"{rows}x{cols}"] = choose(cands, times, mine, toks)
     result["chosen"] = chosen
@@ -411,7 +431,10 @@ def choose_again(path: Path, dirs: list[Path]) -> None:
     write(result, dirs)
 
 def markdown(result: dict) -> str:
-    lines = [f"# Mid-batch quantized GEMM ({result['device']}, {result['date']}, tree {result['tree']})", "",
+    lines = [f"# Mid-batch quantized GEMM ({result['device']}, {result['date']}, tree {result['tree']})", ""]
+    if result.get("tree_note"):
+        lines += [f"> {result['tree_note']}", ""]
+    lines += [
              f"`{result['command']}`; copy bandwidth {result['copy_gbps']:.0f} GB/s (read + write; "
              + (f"{result['copy_gbps_end']:.0f} at the end" if result['copy_gbps_end'] == result['copy_gbps_end']
                 else "the run was cut short before its last case: no copy measured at the end") + "). Roofline: max(weight bytes / copy, cuBLAS bf16 time at the "

@@ -25,7 +25,6 @@ from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
 
 GEMM_FORMATS = [f for f in FRAGMENT if quant_pack.PACKED_FORMATS[f] in quant_gemm.FORMATS]
 
-RING_SMEM = 227 * 1024      # an H200 SM's shared memory for one CTA
 
 requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                                      reason="needs a Hopper GPU (wgmma)")
@@ -68,6 +67,20 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(NW=8, LAG=True)              # LAG keeps the ring consumer's MMAs in flight
     with pytest.raises(ValueError):
         GemmConfig(NW=8, AHEAD=True)            # AHEAD loads a ring stage's bytes at once
+
+
+def test_ring_runs_as_many_stages_as_fit_the_token_tile():
+    """A q8_0 stage of two warpgroups and 4 chunks holds 16 KB of weights and 4 chunks of x (4 KB at 16 tokens,
+    64 KB at 256); the SM holds 225 KB: 8 asked-for stages run as 8, 8, 6, 4 and 2 of them, and a ring that
+    cannot have 2 does not run."""
+    q8 = quant_pack.Q8_0
+    ring = GemmConfig(NW=8, RING=8, CHUNKS=4)
+    assert [quant_gemm.ring_stages(ring, q8, bn) for bn in quant_gemm.TOKEN_TILES] == [8, 8, 6, 4, 2]
+    for bn in quant_gemm.TOKEN_TILES:
+        assert quant_gemm.ring_smem_bytes(ring, q8, bn) <= quant_gemm.RING_SMEM_BYTES
+    assert quant_gemm.ring_stages(GemmConfig(NW=8, RING=3, CHUNKS=4), q8, 16) == 3   # never more than asked for
+    # q4_K's x is 64 columns a chunk: 4-chunk stages of 256 tokens take 148 KB each, so one fits, not two
+    assert quant_gemm.ring_stages(ring, quant_pack.Q4_1, 256) == 1
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
@@ -130,13 +143,13 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
                                                      (8, 2, 0, False, 0, 3, 2), (4, 1, 0, False, 0, 2, 4)]]
         configs += [GemmConfig(NW=8, split_k=s, RING=4, CHUNKS=2, APART=True) for s in (1, 2)]
         configs += [GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=4, LAG=True),
-                    GemmConfig(NW=4, split_k=1, RING=3, CHUNKS=4, LAG=True, AHEAD=True)]
+                    GemmConfig(NW=4, split_k=1, RING=3, CHUNKS=4, LAG=True, AHEAD=True),
+                    GemmConfig(NW=8, split_k=1, RING=8, CHUNKS=4, LAG=True)]    # 8, 6, 4, 2 stages by tile
         configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
-                if cfg.RING and quant_gemm.ring_smem_bytes(cfg, pw.planes.fmt_id,
-                                                           quant_gemm.token_tile(n_tok)) > RING_SMEM:
-                    continue                  # a ring too big for an SM at this token tile: no plan runs it
+                if cfg.RING and quant_gemm.ring_stages(cfg, pw.planes.fmt_id, quant_gemm.token_tile(n_tok)) < 2:
+                    continue                  # not even two stages fit an SM at this token tile: no plan runs it
                 for dtype in (torch.bfloat16,) if cfg is not pw.plan.mid or n_tok > 17 else (torch.float16,
                                                                                              torch.bfloat16):
                     x = torch.randn(n_tok, cols, device="cuda", generator=gen).to(dtype)
@@ -207,7 +220,8 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
                 GemmConfig(NW=4, split_k=2, TMA=2), GemmConfig(NW=8, split_k=2, RING=4),
                 GemmConfig(NW=8, split_k=2, RING=3, CHUNKS=2), GemmConfig(NW=4, split_k=2, RING=6),
                 GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4), GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True),
-                GemmConfig(NW=8, split_k=2, RING=6, APART=True), GemmConfig(NW=8, split_k=2, RING=2, CHUNKS=4)):
+                GemmConfig(NW=8, split_k=2, RING=6, APART=True), GemmConfig(NW=8, split_k=2, RING=2, CHUNKS=4),
+                GemmConfig(NW=8, split_k=2, RING=8, CHUNKS=4)):     # trimmed to the stages that fit 128 tokens
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg
         if cfg.RING:
             assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, LAG=True)), plain), (cfg, "LAG")

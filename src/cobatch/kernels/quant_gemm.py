@@ -783,8 +783,9 @@ class GemmConfig:
     P: bool = False
     R: int = 0
     TMA: int = 0     # > 0: x converted once per call (x_operands) and streamed by TMA through a ring of TMA buffers
-    # RING > 0: weights and x through a ring of RING shared-memory stages of CHUNKS K steps each, filled by a
-    # producer warp (_gemm_ring_kernel); P, D and TMA do not apply
+    # RING > 0: weights and x through a ring of RING shared-memory stages of CHUNKS K steps each (fewer at token
+    # tiles whose x leaves room for fewer: ring_stages), filled by a producer warp (_gemm_ring_kernel); P, D and
+    # TMA do not apply
     RING: int = 0
     CHUNKS: int = 1
     # APART (a ring of NW 8): the two consumer warpgroups run as partitions of their own, each on its 64 rows of
@@ -882,13 +883,16 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
     if cfg.RING:
+        stages = ring_stages(cfg, p.fmt_id, bn)
+        if stages < 2:
+            raise ValueError(f"{cfg} does not fit an SM's shared memory at {bn}-token tiles")
         x16 = x_operands(x, p.fmt_id, _XScratch.get(x.device, n_tok, p.cols))
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
-            FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=cfg.RING, ACT=ACTS[act],
+            FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages, ACT=ACTS[act],
             APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
             maxnreg=cfg.registers(bn))
         return
@@ -946,8 +950,11 @@ def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
     return found
 
 
-def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
-    """Shared memory of the ring variant's buffers (the plans skip configs past the SM's 227 KB)."""
+# The shared memory one ring CTA may take: Hopper's 227 KB a block, with room for the barriers.
+RING_SMEM_BYTES = 227 * 1024 - 2048
+
+
+def _ring_stage_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
     kc = 32 if fmt_id in quant_pack.BYTE_FORMATS else 64
     chunk = 512 * cfg.NW + 2 * bn * kc
     if fmt_id == quant_pack.Q6_K:
@@ -955,7 +962,19 @@ def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
         side = 64 * cfg.NW
     else:
         side = (4 if fmt_id == quant_pack.NVFP4 else 2) * _SIDE_PER_CHUNK[fmt_id] * cfg.NW * cfg.CHUNKS
-    return cfg.RING * (cfg.CHUNKS * chunk + side + 16)
+    return cfg.CHUNKS * chunk + side + 16
+
+
+def ring_stages(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
+    """The stages the ring variant runs at token tile bn: cfg.RING, or as many as fit RING_SMEM_BYTES where the
+    x blocks, which grow with the tile, leave room for fewer. The depth only moves loads (a row's bits are the
+    same), so one config serves every token tile. Below 2 the config cannot run at this tile."""
+    return min(cfg.RING, RING_SMEM_BYTES // _ring_stage_bytes(cfg, fmt_id, bn))
+
+
+def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
+    """Shared memory of the ring variant's buffers at token tile bn (ring_stages of them)."""
+    return ring_stages(cfg, fmt_id, bn) * _ring_stage_bytes(cfg, fmt_id, bn)
 
 
 def reserve_x_scratch(device: torch.device, elems: int) -> None:
