@@ -274,7 +274,7 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                     crossover = n
                 else:
                     break
-            entry = fmt_entry["shapes"].setdefault(f"{rows}x{cols}", {})   # the other kernel's entry stays
+            entry = fmt_entry.setdefault("shapes", {}).setdefault(f"{rows}x{cols}", {})   # the other kernel's entry stays
             if isinstance(narrow, GemvPlan):
                 entry.update({"gemv": _cfg_dict(narrow.default), "gemv_crossover": crossover})
                 entry.pop("gemv_upto", None)
@@ -474,7 +474,7 @@ def table_from_result(result: dict, table: dict) -> dict:
     for r in result["rows"]:
         if r["kind"] != "gemv" or not isinstance(r.get("narrow"), dict) or "default" not in r["narrow"]:
             continue
-        entry = table["formats"].setdefault(r["fmt"], {"shapes": {}})["shapes"].setdefault(
+        entry = table["formats"].setdefault(r["fmt"], {}).setdefault("shapes", {}).setdefault(
             f"{r['rows']}x{r['cols']}", {})
         entry.update({"gemv": r["narrow"]["default"], "gemv_crossover": r["crossover"]})
         entry.pop("gemv_upto", None)
