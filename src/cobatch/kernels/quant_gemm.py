@@ -33,7 +33,8 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     so one's MMAs overlap the other's dequantization instead of both meeting at every stage's barrier. With
     PERSIST one or two CTAs an SM walk the (token tile, row block, K split) work items, the ring running from one
     item's stages into the next's, where a CTA per item fills its ring and drains it once (and 224 row blocks on
-    132 SMs run as 1.7 waves).
+    132 SMs run as 1.7 waves). With AHEAD a stage's quant bytes are loaded at once. A ring runs as many of its
+    stages as fit an SM at the call's token tile (ring_stages: x's share of a stage grows with the tile).
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
@@ -593,8 +594,9 @@ if gluon is not None and warpgroup_mma is not None:
         until the next stage's are issued, across the loop's back edge too; without it every loop iteration
         ends with none in flight. An iteration is two stages at least (GemmConfig.steps_per_iteration): the
         stage in flight across the back edge then reads other registers than the ones the next iteration's
-        first stage dequantizes into. With AHEAD each chunk's shared loads are issued before the chunk before it
-        is dequantized, so their latency hides behind that work. Returns the accumulator."""
+        first stage dequantizes into. With AHEAD a stage's quant bytes come in one load (_stage_bytes: registers of
+        their own for each chunk, so chunk c + 1's load need not wait for chunk c's conversion); the per-chunk
+        load of them in _ring_loads is then dead code the compiler drops. Returns the accumulator."""
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
