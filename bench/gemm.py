@@ -278,9 +278,9 @@ def main() -> None:
         rows, cols = SHAPES[name]
         n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
         for c in (around_plan(fmt_name, rows, cols) if args.around_plans else candidates(rows, n_chunks)):
-            tasks += [(fmt_name, config_key(c), n) for n in time_toks
+            tasks += [(fmt_name, config_key(runs_as(c, PLANES_FMT[fmt_name], n)), n) for n in time_toks
                       if config_key(c) not in reused.get((fmt_name, name, n), {})
-                      and runs_as(c, PLANES_FMT[fmt_name], n) == c]
+                      and runs_as(c, PLANES_FMT[fmt_name], n) is not None]
     precompile(tasks, workers=min(14, os.cpu_count() or 4))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
@@ -311,7 +311,7 @@ def main() -> None:
                 ran = runs_as(c, pw.planes.fmt_id, n)
                 if ran is None:
                     continue
-                if ran != c:                # a ring trimmed to fewer stages at this tile: the same kernel as `ran`
+                if ran != c and ran in cands:   # a ring trimmed at this tile to another candidate: its time
                     trimmed.append((c, ran))
                     continue
                 if config_key(c) in reused.get((fmt_name, name, n), {}):
@@ -320,7 +320,7 @@ def main() -> None:
                 if n not in time_toks:
                     continue
                 try:
-                    times[(c, n)] = time_config(copies, n, c) * 1e6
+                    times[(c, n)] = time_config(copies, n, ran) * 1e6
                 except Exception as e:   # a config that fails to compile or run is reported and skipped
                     print(f"  {fmt_name} {name} {c} n={n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             for c, ran in trimmed:
