@@ -150,7 +150,8 @@ profile)
         --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" python3 bench/gemm_once.py "$fmt" \
         "$shape" "$tok" 2 > "/tmp/$name.log" 2>&1
       ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/$name.csv" 2>&1
-      python3 bench/ncu_source.py "/tmp/$name.csv" 60 >> "$OUT/ncu_source.txt" 2>&1 || tail -5 "/tmp/$name.log" "/tmp/$name.csv" >> "$OUT/ncu_source.txt"
+      python3 bench/ncu_source.py "/tmp/$name.csv" 60 >> "$OUT/ncu_source.txt" 2>&1 ||
+        tail -n 5 "/tmp/$name.log" "/tmp/$name.csv" >> "$OUT/ncu_source.txt"
       continue
     fi
     if [[ $case == gemm\ * ]]; then   # "gemm FMT SHAPE N": the committed plan's GEMM launch (bench/gemm_once.py)

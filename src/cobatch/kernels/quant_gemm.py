@@ -800,8 +800,8 @@ class GemmConfig:
     # stage is dequantized, across loop iterations too, instead of none in flight at each iteration's end (with
     # APART the first warpgroup's only); a row's bits are the same
     LAG: bool = False
-    # AHEAD (a ring): each chunk's shared-memory loads issued before the chunk before it is dequantized, instead
-    # of after its MMAs are issued; a row's bits are the same
+    # AHEAD (a ring): a stage's quant bytes read from shared memory in one load, each chunk into registers of its
+    # own, instead of chunk by chunk into the same ones; a row's bits are the same
     AHEAD: bool = False
 
     def __post_init__(self):
@@ -895,8 +895,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages, ACT=ACTS[act],
-            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
-            maxnreg=cfg.registers(bn))
+            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD,
+            num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
         x16 = x_operands(x, p.fmt_id, _XScratch.get(x.device, n_tok, p.cols))
