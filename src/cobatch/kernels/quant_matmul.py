@@ -539,15 +539,16 @@ def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
     return n_cols_pad // (32 if PACKED_FORMATS.get(fmt_name) in quant_pack.BYTE_FORMATS else 64)
 
 
-# A checkpoint format without configs of its own for a shape takes those of the GGUF format whose kernel loops it
-# shares: FP8's planes are q8_0's (only the byte decode differs), NVFP4's hold q4_K's bytes a weight.
+# A checkpoint format takes, shape by shape, the configs of the GGUF format whose kernel loops it shares, under the
+# ones of its own (a sweep of its GEMV alone keeps the other's GEMM configs): FP8's planes are q8_0's (only the
+# byte decode differs), NVFP4's hold q4_K's bytes a weight.
 PLANS_LIKE = {"fp8_e4m3": "q8_0", "nvfp4": "q4_k"}
 
 
 def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False,
              quant_gemm_too: bool = False) -> MatmulPlan:
-    """Look up (format, "NxK") in quant_configs.json (for FP8 and NVFP4 without an entry: PLANS_LIKE's format's),
-    else the format's default, else the built-in default.
+    """Look up (format, "NxK") in quant_configs.json (for FP8 and NVFP4 over PLANS_LIKE's format's entry), else
+    the format's default, else the built-in default.
     gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
     default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
     "quant_gemm" config and "quant_gemm_upto", else quant_gemm.default_config and QUANT_GEMM_UPTO), from
@@ -558,10 +559,9 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
     formats = table.get("formats", {})
     fmt_table, shape = formats.get(fmt_name, {}), f"{n_rows}x{n_cols}"
-    shapes = fmt_table.get("shapes", {})
-    if shape not in shapes and fmt_name in PLANS_LIKE:
-        shapes = formats.get(PLANS_LIKE[fmt_name], {}).get("shapes", {})
-    entry = {**table.get("default", {}), **fmt_table.get("default", {}), **shapes.get(shape, {})}
+    like = formats.get(PLANS_LIKE.get(fmt_name), {}).get("shapes", {}).get(shape, {})
+    entry = {**table.get("default", {}), **fmt_table.get("default", {}), **like,
+             **fmt_table.get("shapes", {}).get(shape, {})}
     narrow = TileConfig.parse(entry["narrow"]) if "narrow" in entry else DEFAULT_NARROW
     if "narrow" not in entry or entry["narrow"].get("split_k") is None:
         narrow = TileConfig(narrow.BM, narrow.BN, narrow.BK, default_split_k(n_rows, n_cols_pad, narrow),
