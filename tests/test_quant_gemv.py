@@ -229,9 +229,10 @@ def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
 
 
 def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14():
-    """quant_gemv.ASM_FP4 (run on the CPU by the emulator above): for every e2m1 code in every nibble of a qs word,
-    the f16 it leaves is the code's value (sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^-14 exactly, at the lane
-    the A fragment gives it: $0 the low nibbles of bytes 0 and 2 (row g, low block), $1 those of bytes 1 and 3
+    """quant_gemv.ASM_FP4 (run on the CPU by the emulator above) on a fragment-order qs word put in decode order
+    (quant_pack.fp4_to_decode_order, as pack_planes stores NVFP4): for every e2m1 code in every nibble, the f16 it
+    leaves is the code's value (sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^-14 exactly, at the lane the A
+    fragment gives it: $0 the low nibbles of bytes 0 and 2 (row g, low block), $1 those of bytes 1 and 3
     (row g + 8), $2 and $3 the high nibbles."""
     asm = quant_gemv.ASM_FP4.value if hasattr(quant_gemv.ASM_FP4, "value") else quant_gemv.ASM_FP4
     want = {c: (-1 if c >= 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -14 for c in range(16)}
@@ -240,7 +241,11 @@ def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14(
     words += torch.randint(0, 2 ** 32, (64,), generator=gen, dtype=torch.int64).tolist()
     one = 0x3C003C00
     for w in words:
-        out = run_ptx_bit_ops(asm, {"$4": w, "$5": one, "$6": one, "$7": one, "$8": one})
+        frag = torch.tensor([(w >> s) & 255 for s in (0, 8, 16, 24)], dtype=torch.uint8)
+        stored = quant_pack.fp4_to_decode_order(frag)
+        assert torch.equal(quant_pack.fp4_from_decode_order(stored), frag)
+        out = run_ptx_bit_ops(asm, {"$4": sum(int(b) << (8 * i) for i, b in enumerate(stored)), "$5": one, "$6": one,
+                                    "$7": one, "$8": one})
         nib = [(w >> (4 * i)) & 15 for i in range(8)]     # byte b's low nibble is nib[2 b], its high nib[2 b + 1]
         for reg, (lane0, lane1) in {"$0": (0, 4), "$1": (2, 6), "$2": (1, 5), "$3": (3, 7)}.items():
             halves = np.array([out[reg] & 0xFFFF, out[reg] >> 16], dtype=np.uint16).view(np.float16)

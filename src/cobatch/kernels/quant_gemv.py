@@ -183,30 +183,25 @@ ASM_Q6_SCALES = _c("""{
  mov.b32 {$0, $1}, lo;
  mov.b32 {$2, $3}, hi;
 }""")
-# NVFP4, one k16 half of a chunk: $4 = qs word (nibble pairs as the 4-bit formats'), each 4-bit e2m1 code (sign,
-# 2 exponent bits, 1 mantissa bit) moved to f16's sign bit and bits 11..9, which reads as the code's value times
-# 2^-14 for every code, 0 and the subnormal 0.5 included (f16's exponent field then equals e2m1's, with f16's
-# subnormals where e2m1 has its own). sm_90 has no e2m1 conversion. Times the block scales ($5,$6 low block,
-# $7,$8 high block; e4m3 values, exact in f16), every product exact; the 2^14 and the row scale are the
-# epilogue's (_fp4_row_scale). Shifts: low nibbles of bytes 0, 2 (row g) by 9, of bytes 1, 3 (g + 8) by 1, high
-# nibbles by 5 and -3; the sign bits by 3 more.
+# NVFP4, one k16 half of a chunk: $4 = a qs word in decode order (quant_pack.FP4_SLOTS): each 4-bit e2m1 code (sign,
+# 2 exponent bits, 1 mantissa bit) at f16's sign bit and bits 11..9 of its operand, or where one shift or two put
+# it there, which reads as the code's value times 2^-14 for every code, 0 and the subnormal 0.5 included (f16's
+# exponent field then equals e2m1's, with f16's subnormals where e2m1 has its own). sm_90 has no e2m1 conversion.
+# Times the block scales ($5,$6 low block rows g, g + 8; $7,$8 high block; e4m3 values, exact in f16), every
+# product exact; the 2^14 and the row scale are the epilogue's (_fp4_row_scale).
 ASM_FP4 = _c("""{
- .reg .b32 m0, m1, m2, m3, s0, s1, s2, s3;
- shl.b32 m0, $4, 9;
- shl.b32 m1, $4, 1;
- shl.b32 m2, $4, 5;
- shr.b32 m3, $4, 3;
- shl.b32 s0, $4, 12;
- shl.b32 s1, $4, 4;
- shl.b32 s2, $4, 8;
- and.b32 s0, s0, 0x80008000;
- and.b32 s1, s1, 0x80008000;
- and.b32 s2, s2, 0x80008000;
- and.b32 s3, $4, 0x80008000;
- lop3.b32 m0, m0, 0x0E000E00, s0, 0xEA;
- lop3.b32 m1, m1, 0x0E000E00, s1, 0xEA;
- lop3.b32 m2, m2, 0x0E000E00, s2, 0xEA;
- lop3.b32 m3, m3, 0x0E000E00, s3, 0xEA;
+ .reg .b32 m0, m1, m2, m3, s2, s3;
+ and.b32 m0, $4, 0x8E008E00;
+ shl.b32 m1, $4, 3;
+ and.b32 m1, m1, 0x8E008E00;
+ shl.b32 m2, $4, 9;
+ shl.b32 s2, $4, 2;
+ and.b32 m2, m2, 0x0E000E00;
+ lop3.b32 m2, s2, 0x80008000, m2, 0xEA;
+ shl.b32 m3, $4, 6;
+ shl.b32 s3, $4, 1;
+ and.b32 m3, m3, 0x0E000E00;
+ lop3.b32 m3, s3, 0x80008000, m3, 0xEA;
  mul.rn.f16x2 $0, m0, $5;
  mul.rn.f16x2 $1, m1, $6;
  mul.rn.f16x2 $2, m2, $7;

@@ -19,8 +19,10 @@ The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: p
 repeated). FP8 (fp8_e4m3) has exactly q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
 times FP8_D_SCALE as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels'
 byte decode differs: the GEMV moves an e4m3 byte's bits into an f16 that reads as its value / FP8_D_SCALE.
-NVFP4: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3 block scale bytes (one
-per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragment order a 4-byte entry a row).
+NVFP4: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats' (in fragment order with each word's
+bits then moved where the GEMV decodes them in fewest instructions: fp4_to_decode_order), sub its e4m3 block scale
+bytes (one per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragment order a 4-byte entry
+a row).
 
 Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
 (148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
@@ -218,6 +220,42 @@ def from_fragment_order(frag: torch.Tensor, fmt_id: int) -> torch.Tensor:
     return tiles.reshape(r, n, 16, 32).permute(0, 2, 1, 3).reshape(r * 16, n * 32)
 
 
+# NVFP4's decode order: inside each 4-byte word of a fragment-order qs plane, the bits of its eight e2m1 codes are
+# moved to where quant_gemv.ASM_FP4 takes them. The word's f16x2 operand r (r = (byte & 1) + 2 nibble: 0 low block
+# rows g, 1 low block g + 8, 2 high block g, 3 high block g + 8) holds the codes of bytes r & 1 (half 0) and
+# (r & 1) + 2 (half 1); code (s, e1, e0, m) belongs at f16 bits 15 (s) and 11..9 (e1 e0 m) of its half. Operand 0's
+# codes are stored there already, operand 1's three bits lower (one shift), 2's and 3's magnitudes and signs
+# apart in the 16 bits left: 11 integer instructions a word where codes in place took 15.
+# FP4_SLOTS[r] = (bit of m, bit of s) of operand r's half-0 code; half 1's are 16 higher; e0, e1 follow m.
+FP4_SLOTS = ((9, 15), (6, 12), (0, 13), (3, 14))
+
+
+def _fp4_code_slots(device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m bit, s bit) in the decode-order word of each of a word's 8 codes, as [4 bytes, 2 nibbles] int64."""
+    byte = torch.arange(4, device=device)[:, None]
+    nibble = torch.arange(2, device=device)[None, :]
+    slots = torch.tensor(FP4_SLOTS, device=device)[(byte & 1) + 2 * nibble]       # [4, 2, 2]
+    half = 16 * (byte >> 1)
+    return slots[..., 0] + half, slots[..., 1] + half
+
+
+def fp4_to_decode_order(frag: torch.Tensor) -> torch.Tensor:
+    """NVFP4 fragment-order qs bytes (any shape, last dim % 4 == 0) -> the same words in decode order."""
+    codes = frag.reshape(*frag.shape[:-1], -1, 4, 1).long() >> torch.tensor([0, 4], device=frag.device) & 15
+    m_bit, s_bit = _fp4_code_slots(frag.device)
+    word = (((codes & 7) << m_bit) | ((codes >> 3) << s_bit)).sum((-2, -1))       # the bits are disjoint
+    return (word[..., None] >> torch.arange(0, 32, 8, device=frag.device) & 255).to(torch.uint8).reshape(frag.shape)
+
+
+def fp4_from_decode_order(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of fp4_to_decode_order."""
+    b = words.reshape(*words.shape[:-1], -1, 4).long()
+    word = (b << torch.arange(0, 32, 8, device=words.device)).sum(-1)[..., None, None]
+    m_bit, s_bit = _fp4_code_slots(words.device)
+    codes = (word >> m_bit & 7) | ((word >> s_bit & 1) << 3)                       # [..., 4 bytes, 2 nibbles]
+    return (codes[..., 0] | codes[..., 1] << 4).to(torch.uint8).reshape(words.shape)
+
+
 # Row r of a 16-row tile sits at position 2 (r % 8) + r // 8 of its side entry: lane group g of an
 # mma.sync fragment holds rows g and g + 8, which thus lie side by side.
 _SIDE_ROWS = [p // 2 + 8 * (p % 2) for p in range(16)]   # the row at each position
@@ -353,6 +391,8 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
                     pass                                # already in fragment order
                 elif name == "qs":
                     t = to_fragment_order(t, fmt_id)
+                    if fmt_id == NVFP4:
+                        t = fp4_to_decode_order(t)
                 elif name == "qh":
                     t = high_bits_to_fragment_order(t)
                 else:
@@ -376,7 +416,8 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
             d, m = affine_sides_from_fragment_order(p.d)
         else:
             d, m = (None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id)) for t in (p.d, p.m))
-        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(p.qs, p.fmt_id), d, m,
+        qs = fp4_from_decode_order(p.qs) if p.fmt_id == NVFP4 else p.qs
+        p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(qs, p.fmt_id), d, m,
                          None if p.sub is None else side_from_fragment_order(p.sub, _side_entry_bytes(p.fmt_id)),
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
     qs = p.qs
