@@ -180,8 +180,9 @@ def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) ->
     One split of K per weight (it fixes a row's bits: batch invariance), in at most two configs of it: `mid`,
     and past `wide_from` tokens a `wide` one that streams x (TMA or RING: the TMA variant wins at 128-256 tokens
     and loses below). The GEMV
-    runs up to the largest token count where it still beat that pair (among the GEMV's own), the GEMM up to the
-    largest one where it beat dequantize + cuBLAS; the pair with the least total time over DECODE wins."""
+    runs up to the largest token count where it still beat that pair (among the GEMV's own; 8 where the GEMM
+    beat it at 16), the GEMM up to the largest one where it beat dequantize + cuBLAS; the pair with the least
+    total time over DECODE wins."""
     def t(c, n):
         return times.get((c, n), 1e9)
 
@@ -189,7 +190,9 @@ def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) ->
         wide_from = max([0] + [n for n in toks if t(c, n) <= t(w, n)]) if w else max(toks)
         gemm_us = {n: t(c, n) if n <= wide_from else t(w, n) for n in toks}
         gemv_ns = [n for n in toks if mine[n]["old_path"] == "gemv"]
-        low = 16
+        # The GEMM's 16-token tile beating the GEMV's 16-token tier takes 9-16 tokens too: the GEMV keeps up to
+        # its 8-token tier, where it reads its weight about as fast as for one token.
+        low = 8 if 16 in gemv_ns and gemm_us[16] < mine[16]["old_us"] else 16
         for n in sorted(gemv_ns):
             if n > 16 and mine[n]["old_us"] <= gemm_us[n] and low == max([16] + [m for m in gemv_ns if m < n]):
                 low = n

@@ -131,6 +131,23 @@ def test_gemm_config_keys_round_trip():
     assert gemm.config_of("8,2,0,1,0,0,1") == gemm.GemmConfig(8, 2, P=True)      # an older sweep's name
 
 
+def test_gemm_choice_hands_9_to_16_tokens_to_the_gemm_where_it_beat_the_gemv_at_16():
+    """bench/gemm.py's choose: the GEMM's 16-token tile faster than the GEMV at 16 tokens takes the crossover down
+    to the GEMV's 8-token tier; slower, the GEMV keeps 16 (and more, while it still wins)."""
+    gemm = load("gemm")
+    c = gemm.GemmConfig(8, 4, RING=4, CHUNKS=4, LAG=True)
+    toks = [16, 32, 64, 128, 256]
+
+    def rows(gemv_us):
+        return {n: {"old_path": "gemv" if n <= 64 else "dequant+cublas", "old_us": gemv_us[n],
+                    "dequant_cublas_us": 500.0} for n in toks}
+    times = {(c, n): us for n, us in zip(toks, (23.6, 25.0, 29.5, 39.8, 67.8))}
+    faster = gemm.choose([c], times, rows({16: 31.6, 32: 50.3, 64: 90.3, 128: 128.1, 256: 137.8}), toks)
+    assert faster["quant_gemm_crossover"] == 8 and faster["quant_gemm_upto"] == 256
+    slower = gemm.choose([c], times, rows({16: 22.0, 32: 24.0, 64: 90.3, 128: 128.1, 256: 137.8}), toks)
+    assert slower["quant_gemm_crossover"] == 32
+
+
 def test_ncu_source_sums_stalls_by_reason_without_the_idle_warps(tmp_path):
     """A hand-made source page: the NOP where idle warps wait counts in the opcode shares, not in the reasons."""
     csv = tmp_path / "source.csv"
