@@ -530,6 +530,7 @@ def main() -> None:
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--sweep-seconds", type=float, default=150.0, help="time budget of the sweep")
     ap.add_argument("--sweep-shapes", default=None, help="sweep only these shapes (e.g. qkv,o,down)")
+    ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep (its quant_configs.json written)")
     ap.add_argument("--gemv-bases", default=None,
                     help="GEMV (W,RT,U) bases to sweep, e.g. '8,1,4;4,1,8' (default: GEMV_BASES)")
     ap.add_argument("--gemv-prefetch", default=None, help="GEMV prefetch distances D to sweep, e.g. '0,2'")
@@ -571,6 +572,8 @@ def main() -> None:
         table = sweep(formats, log, time.time() + args.sweep_seconds, save,
                       args.sweep_shapes.split(",") if args.sweep_shapes else None)
         save(table)
+        if args.sweep_only:
+            return
         config_path = str(res_dir / "quant_configs.json")
     rows: list = []
 
