@@ -144,14 +144,13 @@ NVFP4_PLANES = {**FP8_PLANES, "d_ptr": "*fp32"}                                 
 variants["quant_matmul fp8 narrow split_k=2"] = (
     quant_matmul._quant_matmul_kernel, dict(FMT=quant_matmul.FP8, BM=16, BN=64, BK=64, SPLIT_K=2, EVEN_K=True,
                                             F32_DOT=False), 4, 3, FP8_PLANES)
-variants["dequantize fp8"] = (quant_matmul._dequant_kernel, dict(FMT=quant_matmul.FP8, BN=64, CHUNKS=4, F32=False,
-                                                                 FRAG=False), 4, 2, FP8_PLANES)
 variants["quant_matmul nvfp4 narrow split_k=2"] = (   # NVFP4: e2m1 codes, e4m3 block scales (sub), the row scale
     quant_matmul._quant_matmul_kernel, dict(FMT=quant_matmul.NVFP4, BM=16, BN=64, BK=64, SPLIT_K=2, EVEN_K=True,
                                             F32_DOT=False), 4, 3, NVFP4_PLANES)
-for frag in (False, True):    # fragment order: each word's codes in decode order (quant_matmul._fp4_codes)
-    variants[f"dequantize nvfp4 frag={frag}"] = (quant_matmul._dequant_kernel, dict(
-        FMT=quant_matmul.NVFP4, BN=64, CHUNKS=4, F32=False, FRAG=frag), 4, 2, NVFP4_PLANES)
+for name, fmt, planes in (("fp8", quant_matmul.FP8, FP8_PLANES), ("nvfp4", quant_matmul.NVFP4, NVFP4_PLANES)):
+    for frag in (False, True):    # fragment order: words in decode order (quant_matmul._byte_of_decode_order)
+        variants[f"dequantize {name} frag={frag}"] = (quant_matmul._dequant_kernel, dict(
+            FMT=fmt, BN=64, CHUNKS=4, F32=False, FRAG=frag), 4, 2, planes)
 # MLA prefill at DeepSeek's latent: the launcher's default config (32 query rows = 2 tokens x 16 heads, 8 warps)
 pre = mla_attention.MLA_PREFILL_CONFIG
 variants["mla prefill"] = (
@@ -371,6 +370,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 49 + 19 + 12 + 3 + 10
+    assert len(compiled) == 50 + 19 + 12 + 3 + 10
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -228,9 +228,26 @@ def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+def decode_order_word(word: int, fmt_id: int) -> int:
+    """A fragment-order qs word (bytes 0..3 low to high) as pack_planes stores it for FP8 and NVFP4."""
+    frag = torch.tensor([(word >> s) & 255 for s in (0, 8, 16, 24)], dtype=torch.uint8)
+    stored = quant_pack.to_decode_order(frag, fmt_id)
+    return sum(int(b) << (8 * i) for i, b in enumerate(stored))
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "nvfp4"])
+def test_decode_order_moves_every_bit_of_a_word_once_and_inverts(fmt_name):
+    fmt_id = quant_pack.PACKED_FORMATS[fmt_name]
+    moved = [decode_order_word(1 << bit, fmt_id) for bit in range(32)]
+    assert all(m and m & (m - 1) == 0 for m in moved) and sorted(moved) == [1 << b for b in range(32)]
+    frag = torch.randint(0, 256, (3, 1024), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    frag = frag.to(torch.uint8)
+    assert torch.equal(quant_pack.from_decode_order(quant_pack.to_decode_order(frag, fmt_id), fmt_id), frag)
+
+
 def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14():
     """quant_gemv.ASM_FP4 (run on the CPU by the emulator above) on a fragment-order qs word put in decode order
-    (quant_pack.fp4_to_decode_order, as pack_planes stores NVFP4): for every e2m1 code in every nibble, the f16 it
+    (quant_pack.to_decode_order, as pack_planes stores NVFP4): for every e2m1 code in every nibble, the f16 it
     leaves is the code's value (sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^-14 exactly, at the lane the A
     fragment gives it: $0 the low nibbles of bytes 0 and 2 (row g, low block), $1 those of bytes 1 and 3
     (row g + 8), $2 and $3 the high nibbles."""
@@ -241,11 +258,8 @@ def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14(
     words += torch.randint(0, 2 ** 32, (64,), generator=gen, dtype=torch.int64).tolist()
     one = 0x3C003C00
     for w in words:
-        frag = torch.tensor([(w >> s) & 255 for s in (0, 8, 16, 24)], dtype=torch.uint8)
-        stored = quant_pack.fp4_to_decode_order(frag)
-        assert torch.equal(quant_pack.fp4_from_decode_order(stored), frag)
-        out = run_ptx_bit_ops(asm, {"$4": sum(int(b) << (8 * i) for i, b in enumerate(stored)), "$5": one, "$6": one,
-                                    "$7": one, "$8": one})
+        out = run_ptx_bit_ops(asm, {"$4": decode_order_word(w, quant_pack.NVFP4), "$5": one, "$6": one, "$7": one,
+                                    "$8": one})
         nib = [(w >> (4 * i)) & 15 for i in range(8)]     # byte b's low nibble is nib[2 b], its high nib[2 b + 1]
         for reg, (lane0, lane1) in {"$0": (0, 4), "$1": (2, 6), "$2": (1, 5), "$3": (3, 7)}.items():
             halves = np.array([out[reg] & 0xFFFF, out[reg] >> 16], dtype=np.uint16).view(np.float16)
@@ -253,7 +267,8 @@ def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14(
 
 
 def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_8():
-    """quant_gemv.ASM_FP8 (run on the CPU by the emulator above): each of the 254 e4m3 bytes that are numbers, in each
+    """quant_gemv.ASM_FP8 (run on the CPU by the emulator above) on a fragment-order word put in decode order
+    (quant_pack.to_decode_order, as pack_planes stores FP8): each of the 254 e4m3 bytes that are numbers, in each
     byte of the word, leaves an f16 that is torch's e4m3 value times 2^-8 exactly (subnormals and -0 included) at
     the lane its pairing gives it ($0: bytes 0 and 2, $1: bytes 1 and 3, low byte in the low half), and 0 in the
     other lane; the 2^8 is in FP8's d (quant_pack.FP8_D_SCALE)."""
@@ -264,7 +279,8 @@ def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_
     one = 0x3C003C00
     for code, bits in zip(codes.tolist(), want):
         for byte, (reg, half) in enumerate((("$0", 0), ("$1", 0), ("$0", 1), ("$1", 1))):
-            out = run_ptx_bit_ops(asm, {"$2": code << (8 * byte), "$3": one, "$4": one})
+            out = run_ptx_bit_ops(asm, {"$2": decode_order_word(code << (8 * byte), quant_pack.FP8_E4M3), "$3": one,
+                                        "$4": one})
             got = out[reg] >> (16 * half) & 0xFFFF
             assert got == bits & 0xFFFF and out[reg] >> (16 * (1 - half)) & 0xFFFF == 0, (hex(code), byte)
 

@@ -133,21 +133,20 @@ ASM_Q8 = _c("""{
  mul.rn.f16x2 $1, a1, $4;
 }""")
 
-# FP8 (e4m3): $2 = the word's four e4m3 bytes, paired (b0, b2) and (b1, b3) as ASM_Q8 pairs its int8 bytes. Each byte
-# s eeee mmm is moved into an f16 half as s at bit 15 and eeee mmm at bits 13-7: an f16 whose exponent bias (15) is
-# 8 more than e4m3's (7), so it reads as the value times 2^-8, subnormals included (0x7F / 0xFF, NaN, read as
+# FP8 (e4m3): $2 = a qs word in decode order (quant_pack.DECODE_SLOTS), its e4m3 bytes paired (b0, b2) and (b1, b3)
+# as ASM_Q8 pairs its int8 bytes. Each byte s eeee mmm goes into an f16 half as s at bit 15 and eeee mmm at bits
+# 13-7 (the first pair's bits are stored there, the second's one shift and seven below): an f16 whose exponent bias
+# (15) is 8 more than e4m3's (7), so it reads as the value times 2^-8, subnormals included (0x7F / 0xFF, NaN, read as
 # finite: a checkpoint holds none). Integer bit moves, where Hopper's cvt to f16 issues at a fraction of their
 # rate; the 2^8 is in the scales $3, $4 (quant_pack.FP8_D_SCALE: q8_0's side data, times 256).
 ASM_FP8 = _c("""{
- .reg .b32 s0, m0, m1, t;
- shl.b32 s0, $2, 8;
- shl.b32 t, $2, 7;
- and.b32 m0, t, 0x3F803F80;
- lop3.b32 s0, s0, 0x80008000, m0, 0xEA;
- shr.b32 t, $2, 1;
- and.b32 m1, t, 0x3F803F80;
- lop3.b32 m1, $2, 0x80008000, m1, 0xEA;
- mul.rn.f16x2 $0, s0, $3;
+ .reg .b32 m0, m1, s1;
+ and.b32 m0, $2, 0xBF80BF80;
+ shl.b32 m1, $2, 7;
+ shl.b32 s1, $2, 1;
+ and.b32 m1, m1, 0x3F803F80;
+ lop3.b32 m1, s1, 0x80008000, m1, 0xEA;
+ mul.rn.f16x2 $0, m0, $3;
  mul.rn.f16x2 $1, m1, $4;
 }""")
 
@@ -183,7 +182,7 @@ ASM_Q6_SCALES = _c("""{
  mov.b32 {$0, $1}, lo;
  mov.b32 {$2, $3}, hi;
 }""")
-# NVFP4, one k16 half of a chunk: $4 = a qs word in decode order (quant_pack.FP4_SLOTS): each 4-bit e2m1 code (sign,
+# NVFP4, one k16 half of a chunk: $4 = a qs word in decode order (quant_pack.DECODE_SLOTS): each 4-bit e2m1 code (sign,
 # 2 exponent bits, 1 mantissa bit) at f16's sign bit and bits 11..9 of its operand, or where one shift or two put
 # it there, which reads as the code's value times 2^-14 for every code, 0 and the subnormal 0.5 included (f16's
 # exponent field then equals e2m1's, with f16's subnormals where e2m1 has its own). sm_90 has no e2m1 conversion.

@@ -63,9 +63,10 @@ _const = tl.constexpr if tl is not None else (lambda v: v)
 Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8, NVFP4 = (_const(getattr(quant_pack, n)) for n in
                                                   ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "FP8_E4M3", "NVFP4"))
 FP8_D = _const(1.0 / quant_pack.FP8_D_SCALE)    # FP8's d holds the row scale times FP8_D_SCALE
-# quant_pack.FP4_SLOTS: where NVFP4's fragment-order words keep operand r's m bit and s bit (half 0)
-(FP4_M0, FP4_S0), (FP4_M1, FP4_S1), (FP4_M2, FP4_S2), (FP4_M3, FP4_S3) = (
-    (_const(m), _const(s)) for m, s in quant_pack.FP4_SLOTS)
+# quant_pack.DECODE_SLOTS: where FP8's and NVFP4's fragment-order words keep operand r's value and sign (half 0)
+(FP8_V0, FP8_S0), (FP8_V1, FP8_S1) = ((_const(v), _const(s)) for v, s in quant_pack.DECODE_SLOTS[quant_pack.FP8_E4M3])
+(FP4_V0, FP4_S0), (FP4_V1, FP4_S1), (FP4_V2, FP4_S2), (FP4_V3, FP4_S3) = (
+    (_const(v), _const(s)) for v, s in quant_pack.DECODE_SLOTS[quant_pack.NVFP4])
 
 
 def _nibble_asm(dtype: str, affine: bool) -> str:
@@ -226,35 +227,38 @@ def _qs_tile(qs_ptr, row, qs_stride, col, j, FMT: tl.constexpr, FRAG: tl.constex
     """The [BN, 32] bytes at columns col + j (col % 32 == 0) of the qs plane. FRAG: the plane is in
     fragment order (quant_pack.fragment_order, the Gluon GEMV's layout), read by a gather: byte (r, k)
     of a 16 x 32 tile (k: the logical column) sits at lane 4 (r % 8) + (k % 8) // 2, byte
-    4 (k // 8) + r // 8 + 2 (k % 2)."""
+    4 (k // 8) + r // 8 + 2 (k % 2); FP8's and NVFP4's words are in decode order, so their bytes are put back
+    together from the whole word."""
     if FRAG:
         r = row % 16
         k = _logical_col(j, FMT)
         lane = 4 * (r % 8) + (k % 8) // 2
-        byte = 4 * (k // 8) + r // 8 + 2 * (k % 2)
-        return tl.load(qs_ptr + (row // 16) * (16 * qs_stride) + (col // 32) * 512 + 16 * lane + byte)
+        at = qs_ptr + (row // 16) * (16 * qs_stride) + (col // 32) * 512 + 16 * lane + 4 * (k // 8)
+        b = (r // 8 + 2 * (k % 2)).to(tl.int32)
+        if FMT == FP8 or FMT == NVFP4:
+            return _byte_of_decode_order(tl.load(at.to(tl.pointer_type(tl.int32))), b, FMT)
+        return tl.load(at + b)
     return tl.load(qs_ptr + row * qs_stride + col + j)
 
 
 @jit
-def _fp4_codes(qs_ptr, row, qs_stride, col, j, FRAG: tl.constexpr):
-    """NVFP4's e2m1 codes (int32 [BN, 32]) of the low and the high block at columns col + j (col % 32 == 0). In
-    fragment order a word's codes sit in decode order (quant_pack.fp4_to_decode_order): byte b of word k // 8 holds
-    those of operands b % 2 (low nibble) and b % 2 + 2 (high), in half b // 2, so the word is read whole."""
-    if FRAG:
-        r = row % 16
-        k = _logical_col(j, NVFP4)
-        lane = 4 * (r % 8) + (k % 8) // 2
-        b = (r // 8 + 2 * (k % 2)).to(tl.int32)
-        at = qs_ptr + (row // 16) * (16 * qs_stride) + (col // 32) * 512 + 16 * lane + 4 * (k // 8)
-        w = tl.load(at.to(tl.pointer_type(tl.int32)))
-        half = 16 * (b // 2)
-        odd = b % 2 == 1
-        lo_m, lo_s = tl.where(odd, FP4_M1, FP4_M0) + half, tl.where(odd, FP4_S1, FP4_S0) + half
-        hi_m, hi_s = tl.where(odd, FP4_M3, FP4_M2) + half, tl.where(odd, FP4_S3, FP4_S2) + half
-        return (w >> lo_m & 7) | ((w >> lo_s & 1) << 3), (w >> hi_m & 7) | ((w >> hi_s & 1) << 3)
-    q = tl.load(qs_ptr + row * qs_stride + col + j).to(tl.int32)
-    return q & 15, q >> 4
+def _bits(w, at, width: tl.constexpr):
+    return (w >> at) & ((1 << width) - 1)
+
+
+@jit
+def _byte_of_decode_order(w, b, FMT: tl.constexpr):
+    """Fragment byte b (0..3) of a word in quant_pack's decode order: byte b holds the values of operands b % 2
+    (FP8's byte; NVFP4's low nibble) and b % 2 + 2 (NVFP4's high nibble), in half b // 2."""
+    half = 16 * (b // 2)
+    odd = b % 2 == 1
+    if FMT == FP8:
+        v, sign = tl.where(odd, FP8_V1, FP8_V0) + half, tl.where(odd, FP8_S1, FP8_S0) + half
+        return (_bits(w, v, 7) | (_bits(w, sign, 1) << 7)).to(tl.uint8)
+    lo_v, lo_s = tl.where(odd, FP4_V1, FP4_V0) + half, tl.where(odd, FP4_S1, FP4_S0) + half
+    hi_v, hi_s = tl.where(odd, FP4_V3, FP4_V2) + half, tl.where(odd, FP4_S3, FP4_S2) + half
+    lo = _bits(w, lo_v, 3) | (_bits(w, lo_s, 1) << 3)
+    return (lo | (_bits(w, hi_v, 3) << 4) | (_bits(w, hi_s, 1) << 7)).to(tl.uint8)
 
 
 @jit
@@ -282,13 +286,14 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
             return (_e4m3(q0) * (d0.to(tl.float32) * FP8_D)).to(DT), (_e4m3(q1) * (d1.to(tl.float32) * FP8_D)).to(DT)
         return _q8_block(q0, d0, DT, ASM), _q8_block(q1, d1, DT, ASM)
     if FMT == NVFP4:    # codes paired as the 4-bit formats', an e4m3 scale per 16 (4 a chunk), an f32 row scale
-        lo_code, hi_code = _fp4_codes(qs_ptr, row, qs_stride, 32 * chunk, j, FRAG)
+        q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, FRAG)
         s0, s1, s2, s3 = _quad(sub_ptr + 4 * _side(row, side32 // 2, chunk, FRAG) + four)
         scale = tl.load(d_ptr + _side(row, 1, 0, FRAG))
         first = j < 16
         lo = tl.where(first, _e4m3(s0), _e4m3(s1)) * scale
         hi = tl.where(first, _e4m3(s2), _e4m3(s3)) * scale
-        return (_e2m1(lo_code) * lo).to(DT), (_e2m1(hi_code) * hi).to(DT)
+        qi = q.to(tl.int32)
+        return (_e2m1(qi & 15) * lo).to(DT), (_e2m1(qi >> 4) * hi).to(DT)
     q = _qs_tile(qs_ptr, row, qs_stride, 32 * chunk, j, FMT, FRAG)        # low nibbles: block 2c, high: 2c+1
     if FMT == Q4_0:
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))

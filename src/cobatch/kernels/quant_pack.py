@@ -16,13 +16,13 @@ row-major [rows_pad, ...]:
   qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
          16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
 The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: per channel, or the tensor's
-repeated). FP8 (fp8_e4m3) has exactly q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
+repeated). FP8 (fp8_e4m3) has q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
 times FP8_D_SCALE as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels'
 byte decode differs: the GEMV moves an e4m3 byte's bits into an f16 that reads as its value / FP8_D_SCALE.
-NVFP4: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats' (in fragment order with each word's
-bits then moved where the GEMV decodes them in fewest instructions: fp4_to_decode_order), sub its e4m3 block scale
-bytes (one per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragment order a 4-byte entry
-a row).
+NVFP4: qs the e2m1 codes paired within 64-weight chunks as the 4-bit formats', sub its e4m3 block scale bytes (one
+per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragment order a 4-byte entry a row).
+In fragment order, FP8's and NVFP4's qs words then have their bits moved where the kernels decode them in the
+fewest instructions (to_decode_order).
 
 Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
 (148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
@@ -220,40 +220,45 @@ def from_fragment_order(frag: torch.Tensor, fmt_id: int) -> torch.Tensor:
     return tiles.reshape(r, n, 16, 32).permute(0, 2, 1, 3).reshape(r * 16, n * 32)
 
 
-# NVFP4's decode order: inside each 4-byte word of a fragment-order qs plane, the bits of its eight e2m1 codes are
-# moved to where quant_gemv.ASM_FP4 takes them. The word's f16x2 operand r (r = (byte & 1) + 2 nibble: 0 low block
-# rows g, 1 low block g + 8, 2 high block g, 3 high block g + 8) holds the codes of bytes r & 1 (half 0) and
-# (r & 1) + 2 (half 1); code (s, e1, e0, m) belongs at f16 bits 15 (s) and 11..9 (e1 e0 m) of its half. Operand 0's
-# codes are stored there already, operand 1's three bits lower (one shift), 2's and 3's magnitudes and signs
-# apart in the 16 bits left: 11 integer instructions a word where codes in place took 15.
-# FP4_SLOTS[r] = (bit of m, bit of s) of operand r's half-0 code; half 1's are 16 higher; e0, e1 follow m.
-FP4_SLOTS = ((9, 15), (6, 12), (0, 13), (3, 14))
+# Decode order (the checkpoint formats, whose kernels decode by integer bit moves): inside each 4-byte word of a
+# fragment-order qs plane, the bits of each weight are moved to where the kernel's decode (quant_gemv.ASM_FP8,
+# ASM_FP4) takes them in the fewest instructions. A word holds f16x2 operands whose half 0 comes from fragment
+# byte b and half 1 from byte b + 2; each value belongs at f16's sign bit 15 and the bits below its exponent's
+# top (bits 13..7 for an e4m3 byte, 11..9 for an e2m1 code). Operand 0's values are stored there already, the
+# others where one shift, or two and a mask, put them.
+# DECODE_SLOTS[fmt][operand] = (bit of the value's low field, bit of its sign) for half 0 (half 1: 16 higher).
+# FP8: operand b & 1 is byte b (bits 0..6 the field, 7 the sign): 5 instructions a word where bytes in place took 7.
+# NVFP4: operand (b & 1) + 2 nibble is a code (bits 0..2 e1 e0 m, 3 the sign): 11 where codes in place took 15.
+DECODE_SLOTS = {FP8_E4M3: ((7, 15), (0, 14)), NVFP4: ((9, 15), (6, 12), (0, 13), (3, 14))}
 
 
-def _fp4_code_slots(device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m bit, s bit) in the decode-order word of each of a word's 8 codes, as [4 bytes, 2 nibbles] int64."""
-    byte = torch.arange(4, device=device)[:, None]
-    nibble = torch.arange(2, device=device)[None, :]
-    slots = torch.tensor(FP4_SLOTS, device=device)[(byte & 1) + 2 * nibble]       # [4, 2, 2]
-    half = 16 * (byte >> 1)
-    return slots[..., 0] + half, slots[..., 1] + half
+def _decode_fields(fmt_id: int) -> list[tuple[int, int, int, int]]:
+    """(byte, bit in the byte, width, bit in the decode-order word) of each field of a word's values."""
+    fields = []
+    for byte in range(4):
+        half = 16 * (byte >> 1)
+        values = [(0, 7)] if fmt_id == FP8_E4M3 else [(0, 3), (4, 3)]          # (first bit, width) of each value
+        for v, (bit, width) in enumerate(values):
+            low, sign = DECODE_SLOTS[fmt_id][(byte & 1) + 2 * v]
+            fields += [(byte, bit, width, low + half), (byte, bit + width, 1, sign + half)]
+    return fields
 
 
-def fp4_to_decode_order(frag: torch.Tensor) -> torch.Tensor:
-    """NVFP4 fragment-order qs bytes (any shape, last dim % 4 == 0) -> the same words in decode order."""
-    codes = frag.reshape(*frag.shape[:-1], -1, 4, 1).long() >> torch.tensor([0, 4], device=frag.device) & 15
-    m_bit, s_bit = _fp4_code_slots(frag.device)
-    word = (((codes & 7) << m_bit) | ((codes >> 3) << s_bit)).sum((-2, -1))       # the bits are disjoint
+def to_decode_order(frag: torch.Tensor, fmt_id: int) -> torch.Tensor:
+    """Fragment-order qs bytes of a DECODE_SLOTS format (last dim % 4 == 0) -> the same words in decode order."""
+    b = frag.reshape(*frag.shape[:-1], -1, 4).long()
+    word = sum(((b[..., byte] >> bit) & ((1 << width) - 1)) << to for byte, bit, width, to in _decode_fields(fmt_id))
     return (word[..., None] >> torch.arange(0, 32, 8, device=frag.device) & 255).to(torch.uint8).reshape(frag.shape)
 
 
-def fp4_from_decode_order(words: torch.Tensor) -> torch.Tensor:
-    """The inverse of fp4_to_decode_order."""
+def from_decode_order(words: torch.Tensor, fmt_id: int) -> torch.Tensor:
+    """The inverse of to_decode_order."""
     b = words.reshape(*words.shape[:-1], -1, 4).long()
-    word = (b << torch.arange(0, 32, 8, device=words.device)).sum(-1)[..., None, None]
-    m_bit, s_bit = _fp4_code_slots(words.device)
-    codes = (word >> m_bit & 7) | ((word >> s_bit & 1) << 3)                       # [..., 4 bytes, 2 nibbles]
-    return (codes[..., 0] | codes[..., 1] << 4).to(torch.uint8).reshape(words.shape)
+    word = (b << torch.arange(0, 32, 8, device=words.device)).sum(-1)
+    out = torch.zeros_like(b)
+    for byte, bit, width, at in _decode_fields(fmt_id):
+        out[..., byte] |= ((word >> at) & ((1 << width) - 1)) << bit
+    return out.to(torch.uint8).reshape(words.shape)
 
 
 # Row r of a 16-row tile sits at position 2 (r % 8) + r // 8 of its side entry: lane group g of an
@@ -391,8 +396,8 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
                     pass                                # already in fragment order
                 elif name == "qs":
                     t = to_fragment_order(t, fmt_id)
-                    if fmt_id == NVFP4:
-                        t = fp4_to_decode_order(t)
+                    if fmt_id in DECODE_SLOTS:
+                        t = to_decode_order(t, fmt_id)
                 elif name == "qh":
                     t = high_bits_to_fragment_order(t)
                 else:
@@ -416,7 +421,7 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
             d, m = affine_sides_from_fragment_order(p.d)
         else:
             d, m = (None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id)) for t in (p.d, p.m))
-        qs = fp4_from_decode_order(p.qs) if p.fmt_id == NVFP4 else p.qs
+        qs = from_decode_order(p.qs, p.fmt_id) if p.fmt_id in DECODE_SLOTS else p.qs
         p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(qs, p.fmt_id), d, m,
                          None if p.sub is None else side_from_fragment_order(p.sub, _side_entry_bytes(p.fmt_id)),
                          qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
