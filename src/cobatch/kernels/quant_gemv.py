@@ -135,10 +135,10 @@ ASM_Q8 = _c("""{
 
 # FP8 (e4m3): $2 = a qs word in decode order (quant_pack.DECODE_SLOTS), its e4m3 bytes paired (b0, b2) and (b1, b3)
 # as ASM_Q8 pairs its int8 bytes. Each byte s eeee mmm goes into an f16 half as s at bit 15 and eeee mmm at bits
-# 13-7 (the first pair's bits are stored there, the second's one shift and seven below): an f16 whose exponent bias
-# (15) is 8 more than e4m3's (7), so it reads as the value times 2^-8, subnormals included (0x7F / 0xFF, NaN, read as
-# finite: a checkpoint holds none). Integer bit moves, where Hopper's cvt to f16 issues at a fraction of their
-# rate; the 2^8 is in the scales $3, $4 (quant_pack.FP8_D_SCALE: q8_0's side data, times 256).
+# 13-7 (the first pair is stored there, the second pair's signs a bit lower and the rest seven): an f16 whose
+# exponent bias (15) is 8 more than e4m3's (7), so it reads as the value times 2^-8, subnormals included (0x7F /
+# 0xFF, NaN, read as finite: a checkpoint holds none). Integer bit moves, where Hopper's cvt to f16 issues at a
+# fraction of their rate; the 2^8 is in the scales $3, $4 (quant_pack.FP8_D_SCALE: q8_0's side data, times 256).
 ASM_FP8 = _c("""{
  .reg .b32 m0, m1, s1;
  and.b32 m0, $2, 0xBF80BF80;
