@@ -4,7 +4,8 @@
 
 1. Copy bandwidth (device-to-device, bytes read + written), measured in the same run: the ceiling.
 2. With --sweep: for each format and Llama-3-8B shape, times candidate narrow tile configs (n_tok 1 and 16;
-   1, 4, 8 and 16 for the Gluon GEMV, which gets one config per token tier: best_gemv_plan)
+   for the Gluon GEMV, which gets one config per token tier (best_gemv_plan), the survivors of that screen at
+   4 and 8 too: gemv_survivors)
    and GEMM configs (n_tok 2048), picks the best, and finds the crossover T (largest measured n_tok where
    the narrow kernel still beats the GEMM config). Writes the choice as quant_configs.json (to $OUT and
    bench/results/); copy it to src/cobatch/kernels/ to make it the default.
@@ -250,12 +251,14 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
             pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
             copies = rotating(pw)
             timed = []
-            for cfg in narrow_candidates_for(fmt_name, rows, cols):
-                if (fmt_name, cfg) in bad:
-                    continue
-                toks = (1, 16) if not isinstance(cfg, GemvConfig) else GEMV_TIERS + (GEMV_DEFAULT_TOK,)
-                times = {n: time_packed(copies, n, cfg) for n in toks}
-                timed.append((times, cfg))
+            cands = [c for c in narrow_candidates_for(fmt_name, rows, cols) if (fmt_name, c) not in bad]
+            screen = {c: {n: time_packed(copies, n, c) for n in GEMV_SCREEN_TOKS} for c in cands}
+            survivors = set(gemv_survivors(screen) if cands and isinstance(cands[0], GemvConfig) else cands)
+            for cfg in cands:
+                toks = GEMV_TIERS + (GEMV_DEFAULT_TOK,) if cfg in survivors and isinstance(cfg, GemvConfig) else ()
+                times = {**screen[cfg], **{n: time_packed(copies, n, cfg) for n in toks if n not in screen[cfg]}}
+                if cfg in survivors:
+                    timed.append((times, cfg))
                 log.append({"kind": "sweep_narrow", "fmt": fmt_name, "shape": name, "config": _cfg_dict(cfg),
                             **{f"us_{n}": t * 1e6 for n, t in times.items()}, "gbps_1": pw.nbytes / times[1] / 1e9})
             if timed and isinstance(timed[0][1], GemvConfig):
@@ -292,6 +295,23 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
 # each chosen by its time at the tier's largest n_tok (16 for the default: the narrow path's usual top).
 GEMV_TIERS = (1, 4, 8)
 GEMV_DEFAULT_TOK = 16
+# Every candidate is first timed at the smallest and the largest tier (the Triton kernel's two token counts too);
+# the survivors (gemv_survivors) are then timed at the others.
+GEMV_SCREEN_TOKS = (1, 16)
+GEMV_SCREEN_KEEP = 0.3
+
+
+def gemv_survivors(screen: dict) -> list:
+    """The candidates worth timing at every tier, from their times at GEMV_SCREEN_TOKS: the fastest
+    GEMV_SCREEN_KEEP of them by the sum of their times over the fastest at each screened n_tok, and the fastest of
+    each (W, split_k) group, so best_gemv_plan still weighs every way of splitting K."""
+    fastest = {n: min(t[n] for t in screen.values()) for n in GEMV_SCREEN_TOKS}
+    score = {c: sum(t[n] / fastest[n] for n in GEMV_SCREEN_TOKS) for c, t in screen.items()}
+    ranked = sorted(score, key=score.get)
+    keep = set(ranked[:max(1, round(GEMV_SCREEN_KEEP * len(ranked)))])
+    for group in {(c.W, c.split_k) for c in ranked}:
+        keep.add(min((c for c in ranked if (c.W, c.split_k) == group), key=score.get))
+    return [c for c in ranked if c in keep]
 
 
 def best_gemv_plan(timed: list[tuple[dict, GemvConfig]]) -> GemvPlan:

@@ -119,6 +119,17 @@ def test_plot_draws_every_point_of_the_results(tmp_path):
     assert "engine, ctx 512" in text and "engine, ctx 4096" in text and "HTTP streaming clients" in text
 
 
+def test_gemv_sweep_screen_keeps_the_fastest_and_every_k_split():
+    """bench/kernels.py's screen: the fastest 30 % by their 1- and 16-token times, and the fastest config of each
+    (W, split_k) group however slow, so the plan choice still sees every way of splitting K."""
+    kernels = load("kernels")
+    cands = [GemvConfig(W=4, RT=rt, split_k=1, U=u) for rt in (1, 2, 4) for u in (1, 2, 4)]
+    cands += [GemvConfig(W=8, RT=1, split_k=2, U=1), GemvConfig(W=8, RT=2, split_k=2, U=1)]
+    screen = {c: {1: 10.0 + i, 16: 20.0 + 2 * i} for i, c in enumerate(cands)}      # slower down the list
+    kept = kernels.gemv_survivors(screen)
+    assert kept == cands[:3] + [cands[9]]
+
+
 def test_gemm_config_keys_round_trip():
     """bench/gemm.py names each config in its JSON (config_key) and reads the names back (config_of): every
     sweep candidate, and rings with LAG and AHEAD, come back as themselves."""
