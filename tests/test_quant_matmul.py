@@ -184,12 +184,12 @@ def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkey
 
 
 def test_a_checkpoint_format_s_own_configs_sit_over_those_of_the_format_it_runs_like(monkeypatch, tmp_path):
-    """FP8 with a GEMV config of its own for a shape keeps q8_0's GEMM configs for it (quant_matmul.PLANS_LIKE),
-    and takes all of q8_0's for a shape it has nothing for."""
+    """FP8 with a GEMV config of its own for a shape keeps q8_0's GEMM configs for it (quant_matmul.PLANS_LIKE), but
+    not q8_0's GEMV tiers, and takes all of q8_0's for a shape it has nothing for."""
     gemv = {"W": 4, "RT": 1, "split_k": 1, "U": 16}
     fp8_gemv = {"W": 8, "RT": 2, "split_k": 2, "U": 2}
     mid = {"NW": 8, "split_k": 2, "RING": 4, "CHUNKS": 2}
-    shapes = {"4096x4096": {"gemv": gemv, "quant_gemm": mid, "quant_gemm_upto": 128},
+    shapes = {"4096x4096": {"gemv": gemv, "gemv_upto": {"8": gemv}, "quant_gemm": mid, "quant_gemm_upto": 128},
               "1024x4096": {"gemv": gemv, "quant_gemm": mid, "quant_gemm_upto": 64}}
     table = {"formats": {"q8_0": {"shapes": shapes},
                          "fp8_e4m3": {"shapes": {"4096x4096": {"gemv": fp8_gemv}}}}}
@@ -199,6 +199,7 @@ def test_a_checkpoint_format_s_own_configs_sit_over_those_of_the_format_it_runs_
     monkeypatch.setattr(qm, "interpreting", lambda: False)
     own = qm.plan_for("fp8_e4m3", 4096, 4096, 4096, gemv=True, quant_gemm_too=True)
     assert own.narrow.default == qm.GemvConfig(**fp8_gemv)
+    assert own.narrow.upto == ()           # q8_0's tiers split K otherwise: FP8's own GEMV plan replaces them whole
     assert own.mid == GemmConfig(**mid) and own.mid_upto == 128
     borrowed = qm.plan_for("fp8_e4m3", 1024, 4096, 4096, gemv=True, quant_gemm_too=True)
     assert borrowed.narrow.default == qm.GemvConfig(**gemv) and borrowed.mid_upto == 64

@@ -587,9 +587,11 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
     formats = table.get("formats", {})
     fmt_table, shape = formats.get(fmt_name, {}), f"{n_rows}x{n_cols}"
+    own = fmt_table.get("shapes", {}).get(shape, {})
     like = formats.get(PLANS_LIKE.get(fmt_name), {}).get("shapes", {}).get(shape, {})
-    entry = {**table.get("default", {}), **fmt_table.get("default", {}), **like,
-             **fmt_table.get("shapes", {}).get(shape, {})}
+    if "gemv" in own:    # a GEMV plan of its own replaces the borrowed one whole: its tiers share its K split
+        like = {k: v for k, v in like.items() if k != "gemv_upto"}
+    entry = {**table.get("default", {}), **fmt_table.get("default", {}), **like, **own}
     narrow = TileConfig.parse(entry["narrow"]) if "narrow" in entry else DEFAULT_NARROW
     if "narrow" not in entry or entry["narrow"].get("split_k") is None:
         narrow = TileConfig(narrow.BM, narrow.BN, narrow.BK, default_split_k(n_rows, n_cols_pad, narrow),
