@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,23 @@ from cobatch.kernels.quant_gemv import GemvConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The bench scripts import each other by plain name (from kernels import ..., from timing import ...), as
+# `python bench/X.py` resolves them. In a test process another module of such a name may be loaded already:
+# transformers imports Hugging Face's `kernels` package.
+BENCH_SIBLINGS = [p.stem for p in (ROOT / "bench").glob("*.py")]
+
+
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """bench/NAME.py as a module, its sibling imports resolved to bench/ whatever this process loaded before."""
+    saved = {n: sys.modules.pop(n) for n in BENCH_SIBLINGS if n in sys.modules}
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for n in BENCH_SIBLINGS:     # what this process had under those names comes back
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
     return module
 
 
