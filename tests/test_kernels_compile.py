@@ -26,7 +26,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cobatch.kernels import activation, attention, kv_write, mla_attention, moe_routing, norm, rope
+from cobatch.kernels import activation, attention, kv_write, mla_attention, moe_routing, norm, quant_gemm, rope
 
 H200 = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_expert_ptr", "slot_start_ptr",
@@ -170,6 +170,8 @@ for neox, half, qk_norm in ((False, 64, False), (True, 64, False), (True, 24, Fa
         rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, QK_NORM=qk_norm, BLOCK_HQ=16, BLOCK_HK=8,
                                 BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
+variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(BY16=False, BLOCK=1024, PDL=True), 4, 2,
+                               {"out_ptr": "*fp16"})
 variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
 variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, BLOCK_E=128, BLOCK_S=256, SIZE=16,
@@ -331,7 +333,7 @@ if quant_gemm.warpgroup_mma is not None:
                            f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
                            f"{' ahead' if ahead else ''}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
-            AHEAD=ahead)
+            AHEAD=ahead, PDL=True)
 
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
@@ -370,6 +372,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 50 + 19 + 12 + 3 + 10
+    assert len(compiled) == 51 + 19 + 12 + 3 + 10
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

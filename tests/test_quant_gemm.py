@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from cobatch.kernels import quant_gemm, quant_pack
+from cobatch.kernels import norm, quant_gemm, quant_pack
 from cobatch.kernels import quant_matmul as qm
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_matmul import PackedWeight
@@ -248,6 +248,43 @@ def test_gemm_persistent_grid_gives_the_same_bits(fmt_name):
         assert torch.equal(run_poisoned(pw, x[:40], dataclasses.replace(cfg, PERSIST=1)), plain[:40]), cfg
         # LAG's last stage of one item retires before the next item's first: the ring's count runs on
         assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, PERSIST=1, LAG=True)), plain), (cfg, "LAG")
+
+
+@requires_cuda
+@requires_hopper
+def test_a_chain_of_programmatic_dependents_gives_the_bits_of_plain_launches(monkeypatch):
+    """With GEMM_PDL, x_operands and the ring variant launch as programmatic dependents: a ring's first weight
+    stages load while the kernel before still runs, while its x, its stores and the next x_operands' writes into
+    the shared x scratch wait for that kernel. A chain RMSNorm -> GEMM -> RMSNorm -> ... (each step reading the
+    one before; split-K counters, the persistent grid and the x scratch shared), eager and replayed in a CUDA
+    graph, gives the bits of the same chain launched plainly."""
+    assert quant_gemm._chained(torch.empty(1, device="cuda"))["PDL"]
+    gen = torch.Generator().manual_seed(31)
+    weights = [PackedWeight.from_quant(make_weight(f, 2048, 2048, seed=40 + i, device="cuda"), "cuda")
+               for i, f in enumerate(["q8_0", "q4_k", "q6_k", "q8_0"])]
+    configs = [GemmConfig(NW=4, split_k=4, RING=3, PERSIST=1), GemmConfig(NW=8, split_k=4, RING=4, APART=True),
+               GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=2), GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, LAG=True)]
+    norm_w = (torch.rand(2048, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(96, 2048, generator=gen).to("cuda", torch.bfloat16)
+
+    def chain(x):
+        for pw, cfg in zip(weights, configs):
+            h, _ = norm.rms_norm_triton(x, norm_w, 1e-6)
+            x = pw.matmul(h, config=cfg)
+        return x
+
+    monkeypatch.setattr(quant_gemm, "GEMM_PDL", False)
+    want = chain(x)
+    assert torch.isfinite(want).all()
+    monkeypatch.setattr(quant_gemm, "GEMM_PDL", True)
+    assert torch.equal(chain(x), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(x)
+    for _ in range(3):
+        got.zero_()
+        graph.replay()
+        assert torch.equal(got, want)
 
 
 @requires_cuda

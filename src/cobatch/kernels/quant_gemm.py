@@ -46,13 +46,14 @@ kernels run on CUDA only (tests/test_quant_gemm.py); the CPU CI compiles them fo
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q6_K, _byte_fmt, gl, gluon
-from cobatch.kernels.triton_support import device_sms, jit, tl
+from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -464,6 +465,17 @@ if gluon is not None and warpgroup_mma is not None:
 
     # --- the ring variant: weights and x streamed by TMA through shared memory --------------------------------
 
+    @gluon.jit
+    def _gdc_wait():
+        """griddepcontrol.wait: return once the kernel before (launched ahead of it: PDL) has completed and its
+        writes are visible to this thread."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        """griddepcontrol.launch_dependents: the next kernel may launch once every CTA of this one got here."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
+
     @gluon.constexpr_function
     def _plain_layout(rank):
         """Unswizzled row-major shared memory: a TMA copy of plane rows lands there byte for byte as in global
@@ -526,55 +538,87 @@ if gluon is not None and warpgroup_mma is not None:
     @gluon.jit
     def _ring_producer(descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT: gl.constexpr, NW: gl.constexpr,
                        BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
-                       PERSIST: gl.constexpr):
+                       PERSIST: gl.constexpr, PDL: gl.constexpr):
         """The producer of the CTA's work items: its program's one (the 2-D grid), or with PERSIST items pid,
-        pid + G, ... of the 1-D grid of G CTAs, their stages streamed through the ring back to back."""
+        pid + G, ... of the 1-D grid of G CTAs, their stages streamed through the ring back to back. With PDL the
+        first item's first stages of weights are copied before the wait for the kernel before (weights are
+        never written), x only after it."""
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages    # stages of earlier items
-                _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K)
+                _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K,
+                              PDL)
         else:
             item = gl.program_id(0) * n_nk + gl.program_id(1)
-            _ring_produce(descs, bufs, ready, empty, item, 0, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K)
+            _ring_produce(descs, bufs, ready, empty, item, 0, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K, PDL)
 
     @gluon.jit
     def _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT: gl.constexpr, NW: gl.constexpr,
-                      BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr):
+                      BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
+                      PDL: gl.constexpr):
         """One warp, one work item: for each stage of C chunks, wait until its buffers are free, then TMA-copy the
         weight rows' planes (one block per consumer part) and the C x blocks into them, the stage's `ready`
-        barrier counting the bytes. `done`: the stages the ring carried before this item (slots and phases)."""
+        barrier counting the bytes. `done`: the stages the ring carried before this item (slots and phases).
+        With PDL, on the CTA's first item (done == 0: every slot free), the first S stages' weights are issued,
+        then the wait for the kernel before, then their x."""
         pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
-        tile0 = pid_n * NW
-        tok0 = pid_t * BN
         first = pid_k * n_stages * C
-        qs_desc, d_desc, sub_desc, qh_desc, x_desc = descs
-        qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         S: gl.constexpr = ready.shape[0]
-        KC: gl.constexpr = x_desc.block_type.shape[1]
-        TILES: gl.constexpr = qs_desc.block_type.shape[0]        # 16-row tiles of one part
-        WEIGHTS: gl.constexpr = qs_desc.block_type.nbytes + d_desc.block_type.nbytes + (
-            sub_desc.block_type.nbytes + qh_desc.block_type.nbytes if FMT == F_Q6_K else 0)
-        nbytes: gl.constexpr = PARTS * WEIGHTS + C * x_desc.block_type.nbytes
-        SD: gl.constexpr = d_desc.block_type.shape[1]
-        for i in range(n_stages):
+        ahead = 0
+        if PDL:
+            if done == 0:
+                ahead = gl.minimum(n_stages, S)
+            for i in range(ahead):
+                mbarrier.expect(ready.index(i), _stage_nbytes(descs, FMT, C, PARTS))
+                _copy_stage_weights(descs, bufs, ready.index(i), i, pid_n * NW, first + i * C, FMT, C, PARTS)
+            _gdc_wait()
+            for i in range(ahead):
+                _copy_stage_x(descs, bufs, ready.index(i), i, pid_t * BN, first + i * C, C)
+        for i in range(ahead, n_stages):
             g = done + i
             slot = g % S
             mbarrier.wait(empty.index(slot), ((g // S) & 1) ^ 1)     # a new barrier's phase before 0 is complete
-            chunk0 = first + i * C
             bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
-            for part in gl.static_range(PARTS):
-                b = slot * PARTS + part
-                t0 = tile0 + part * TILES
-                tma.async_copy_global_to_shared(qs_desc, [t0, 2 * chunk0, 0], bar, qs_bufs.index(b))
-                if FMT == F_Q6_K:
-                    tma.async_copy_global_to_shared(d_desc, [t0, (chunk0 // 4) * SD], bar, d_bufs.index(b))
-                    tma.async_copy_global_to_shared(sub_desc, [t0, chunk0 * 16], bar, sub_bufs.index(b))
-                    tma.async_copy_global_to_shared(qh_desc, [t0, chunk0, 0], bar, qh_bufs.index(b))
-                else:
-                    tma.async_copy_global_to_shared(d_desc, [t0, chunk0 * (SD // C)], bar, d_bufs.index(b))
-            for c in gl.static_range(C):
-                tma.async_copy_global_to_shared(x_desc, [tok0, (chunk0 + c) * KC], bar, x_bufs.index(slot * C + c))
+            mbarrier.expect(bar, _stage_nbytes(descs, FMT, C, PARTS))
+            _copy_stage_weights(descs, bufs, bar, slot, pid_n * NW, first + i * C, FMT, C, PARTS)
+            _copy_stage_x(descs, bufs, bar, slot, pid_t * BN, first + i * C, C)
+
+    @gluon.constexpr_function
+    def _stage_nbytes(descs, FMT, C, PARTS):
+        """The bytes one ring stage carries: each consumer part's weight blocks and the C x blocks."""
+        qs_desc, d_desc, sub_desc, qh_desc, x_desc = descs
+        weights = qs_desc.block_type.nbytes + d_desc.block_type.nbytes
+        if int(FMT) == quant_pack.Q6_K:
+            weights += sub_desc.block_type.nbytes + qh_desc.block_type.nbytes
+        return PARTS * weights + C * x_desc.block_type.nbytes
+
+    @gluon.jit
+    def _copy_stage_weights(descs, bufs, bar, slot, tile0, chunk0, FMT: gl.constexpr, C: gl.constexpr,
+                            PARTS: gl.constexpr):
+        """TMA-copy one stage's weight blocks (row tiles from tile0, C chunks from chunk0) into ring slot `slot`."""
+        qs_desc, d_desc, sub_desc, qh_desc, x_desc = descs
+        qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
+        TILES: gl.constexpr = qs_desc.block_type.shape[0]        # 16-row tiles of one part
+        SD: gl.constexpr = d_desc.block_type.shape[1]
+        for part in gl.static_range(PARTS):
+            b = slot * PARTS + part
+            t0 = tile0 + part * TILES
+            tma.async_copy_global_to_shared(qs_desc, [t0, 2 * chunk0, 0], bar, qs_bufs.index(b))
+            if FMT == F_Q6_K:
+                tma.async_copy_global_to_shared(d_desc, [t0, (chunk0 // 4) * SD], bar, d_bufs.index(b))
+                tma.async_copy_global_to_shared(sub_desc, [t0, chunk0 * 16], bar, sub_bufs.index(b))
+                tma.async_copy_global_to_shared(qh_desc, [t0, chunk0, 0], bar, qh_bufs.index(b))
+            else:
+                tma.async_copy_global_to_shared(d_desc, [t0, chunk0 * (SD // C)], bar, d_bufs.index(b))
+
+    @gluon.jit
+    def _copy_stage_x(descs, bufs, bar, slot, tok0, chunk0, C: gl.constexpr):
+        """TMA-copy one stage's C x blocks (tokens from tok0) into ring slot `slot`."""
+        x_desc = descs[4]
+        x_bufs = bufs[4]
+        KC: gl.constexpr = x_desc.block_type.shape[1]
+        for c in gl.static_range(C):
+            tma.async_copy_global_to_shared(x_desc, [tok0, (chunk0 + c) * KC], bar, x_bufs.index(slot * C + c))
 
     @gluon.jit
     def _release(empty, slot):
@@ -642,8 +686,11 @@ if gluon is not None and warpgroup_mma is not None:
     def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
                    n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
                    PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr,
-                   LAG: gl.constexpr, AHEAD: gl.constexpr):
-        """A consumer part over the CTA's work items, as _ring_producer walks them."""
+                   LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
+        """A consumer part over the CTA's work items, as _ring_producer walks them. With PDL it waits for the kernel
+        before, as the producer does before any x: its stores then follow that kernel's reads and writes."""
+        if PDL:
+            _gdc_wait()
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
@@ -680,7 +727,7 @@ if gluon is not None and warpgroup_mma is not None:
                           n_tok, n_rows, out_stride, n_stages, n_nk,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
-                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr):
+                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
@@ -692,7 +739,11 @@ if gluon is not None and warpgroup_mma is not None:
         from one item's stages into the next's (the same work per item, so the same bits). d_ptr: NVFP4's row
         scales (its stages carry the sub plane in d_desc's place), else unused. LAG: _ring_consumer's, for the
         default partition's consumer (with APART the first warpgroup's: ptxas serializes the MMAs of a worker
-        partition's consumer that keeps them in flight across its loop, info line C7512). AHEAD: _ring_consumer's."""
+        partition's consumer that keeps them in flight across its loop, info line C7512). AHEAD: _ring_consumer's.
+        PDL: launched as a programmatic dependent (pdl_launch): the next kernel may launch at once (its CTAs find
+        room as this one's leave), and this one's first weight stages load while the kernel before finishes."""
+        if PDL:
+            _gdc_launch_dependents()
         PARTS: gl.constexpr = 2 if APART else 1
         # LAG where ptxas keeps the MMAs pipelined: q6_K's and NVFP4's four a chunk serialize in flight (C7513)
         LAG_KEPT: gl.constexpr = LAG and not _by16(FMT)
@@ -720,27 +771,30 @@ if gluon is not None and warpgroup_mma is not None:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
                               n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
-                              AHEAD)),
+                              AHEAD, PDL)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
                               n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False,
-                              AHEAD)),
+                              AHEAD, PDL)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
-                                  SPLIT_K, PERSIST)),
+                                  SPLIT_K, PERSIST, PDL)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
                               n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
-                              AHEAD)),
+                              AHEAD, PDL)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
-                                  SPLIT_K, PERSIST)),
+                                  SPLIT_K, PERSIST, PDL)),
             ], [1], [_PRODUCER_REGS])
 
 @jit
-def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, BY16: tl.constexpr, BLOCK: tl.constexpr):
+def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, BY16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = x[t] as f16 in the planes' column order (quant_pack.k_order), one program per (row, BLOCK columns):
     within each 32-column tile logical column 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (BY16, q6_K and
     NVFP4: per 16-column half, 8 p + 2 c + e holds 4 c + 2 p + e)."""
+    if PDL:  # launched as a programmatic dependent: let the next kernel (the ring GEMM) launch, wait for the one before
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     within = k % 32
@@ -755,6 +809,16 @@ def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, BY16: tl.constexpr, BLO
     tl.store(out_ptr + t.to(tl.int64) * n_cols + k, v.to(tl.float16), mask=ok)
 
 
+# COBATCH_GEMM_PDL=0 launches x_operands and the ring variant plainly: each then starts only once the kernel before
+# has ended, where as programmatic dependents the ring's first weight stages load during that kernel's tail.
+GEMM_PDL = os.environ.get("COBATCH_GEMM_PDL", "1") != "0"
+
+
+def _chained(x: torch.Tensor) -> dict:
+    """Launch arguments of x_operands and the ring variant: programmatic dependents where GEMM_PDL allows."""
+    return pdl_launch(x) if GEMM_PDL else {"PDL": False}
+
+
 def x_operands(x: torch.Tensor, fmt_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [n_tok, cols] (cols % 32 == 0) -> f16 [n_tok, cols] in the column order of fmt_id's planes: what the TMA
     and ring variants stream. One launch."""
@@ -763,7 +827,7 @@ def x_operands(x: torch.Tensor, fmt_id: int, out: torch.Tensor | None = None) ->
     out = torch.empty(n_tok, cols, dtype=torch.float16, device=x.device) if out is None else out
     block = 1024
     _x_operands_kernel[(n_tok, -(-cols // block))](x, out, cols, x.stride(0), BY16=fmt_id in quant_pack.SCALED_BY_16,
-                                                   BLOCK=block)
+                                                   BLOCK=block, **_chained(x))
     return out
 
 
@@ -895,7 +959,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages, ACT=ACTS[act],
-            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD,
+            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, **_chained(x),
             num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
