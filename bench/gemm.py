@@ -269,6 +269,7 @@ def main() -> None:
         cases = [(f, s) for f in args.formats.split(",") for s in args.shapes.split(",")]
     shapes = list(dict.fromkeys(s for _, s in cases))
     reused, reused_rows = {}, {}      # (fmt, shape, n) -> {config key: us}, and the row, of the earlier sweep
+    args.reuse_note = reuse_note(args)
     if args.reuse:
         for r in json.loads(args.reuse.read_text())["rows"]:
             reused[(r["fmt"], r["shape"], r["n_tok"])] = {config_key(config_of(k)): us
@@ -370,15 +371,19 @@ def main() -> None:
     write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen), dirs)
 
 
+def reuse_note(args) -> dict:
+    """Where the reused times come from: read before the run, since the run writes its own gemm.json over
+    bench/results/gemm.json, the usual --reuse file."""
+    if not args.reuse:
+        return {}
+    earlier = json.loads(args.reuse.read_text())
+    return {"reused": f"the times of the configs in {args.reuse} (tree {earlier['tree']}, {earlier['date']}) "
+                      "are that sweep's; the others were timed in this run"}
+
+
 def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict) -> dict:
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    if args.reuse:
-        earlier = json.loads(args.reuse.read_text())
-        note = {"reused": f"the times of the configs in {args.reuse} (tree {earlier['tree']}, {earlier['date']}) "
-                          "are that sweep's; the others were timed in this run"}
-    else:
-        note = {}
-    return {**note, "date": args.date, "tree": tree,
+    return {**args.reuse_note, "date": args.date, "tree": tree,
             "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "copy_gbps": copy_gbps,
