@@ -1,4 +1,4 @@
-"""Mid-batch quantized GEMM (17 to 256 tokens) in Gluon, on Hopper's warpgroup MMA.
+"""Mid-batch quantized GEMM (9 or 17 to 256 tokens) in Gluon, on Hopper's warpgroup MMA.
 
 Past 16 tokens the GEMV (quant_gemv.py) runs one CTA row per 16-token tile, so each weight byte is read once
 per tile; dequantizing to bf16 for cuBLAS moves ~5 bytes per weight. This kernel reads each weight byte once per
