@@ -269,7 +269,7 @@ def main() -> None:
         cases = [(f, s) for f in args.formats.split(",") for s in args.shapes.split(",")]
     shapes = list(dict.fromkeys(s for _, s in cases))
     reused, reused_rows = {}, {}      # (fmt, shape, n) -> {config key: us}, and the row, of the earlier sweep
-    args.reuse_note = reuse_note(args)
+    reused_from = reuse_note(args)
     if args.reuse:
         for r in json.loads(args.reuse.read_text())["rows"]:
             reused[(r["fmt"], r["shape"], r["n_tok"])] = {config_key(config_of(k)): us
@@ -367,8 +367,8 @@ def main() -> None:
         del copies, pw, w
         torch.cuda.empty_cache()
         if (fmt_name, name) != cases[-1]:   # what is measured so far, in case the run is cut short
-            write(result_of(args, copy_gbps, None, rows_out, chosen), dirs, quiet=True)
-    write(result_of(args, copy_gbps, copy_bandwidth(), rows_out, chosen), dirs)
+            write(result_of(args, reused_from, copy_gbps, None, rows_out, chosen), dirs, quiet=True)
+    write(result_of(args, reused_from, copy_gbps, copy_bandwidth(), rows_out, chosen), dirs)
 
 
 def reuse_note(args) -> dict:
@@ -381,9 +381,10 @@ def reuse_note(args) -> dict:
                       "are that sweep's; the others were timed in this run"}
 
 
-def result_of(args, copy_gbps: float, copy_end: float | None, rows_out: list, chosen: dict) -> dict:
+def result_of(args, reused_from: dict, copy_gbps: float, copy_end: float | None, rows_out: list,
+              chosen: dict) -> dict:
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return {**args.reuse_note, "date": args.date, "tree": tree,
+    return {**reused_from, "date": args.date, "tree": tree,
             "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "copy_gbps": copy_gbps,

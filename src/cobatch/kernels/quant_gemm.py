@@ -792,7 +792,7 @@ def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, BY16: tl.constexpr, BLO
     """out[t] = x[t] as f16 in the planes' column order (quant_pack.k_order), one program per (row, BLOCK columns):
     within each 32-column tile logical column 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (BY16, q6_K and
     NVFP4: per 16-column half, 8 p + 2 c + e holds 4 c + 2 p + e)."""
-    if PDL:  # launched as a programmatic dependent: let the next kernel (the ring GEMM) launch, wait for the one before
+    if PDL:  # a programmatic dependent: let the GEMM after it launch, and wait for the kernel before
         gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0)
