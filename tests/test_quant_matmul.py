@@ -173,6 +173,55 @@ def test_plan_switches_to_the_wide_gemm_config_past_wide_from():
         MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 16, mid, 256, GemmConfig(NW=4, split_k=2, TMA=3), 64)
 
 
+
+def test_a_shape_without_plans_runs_those_of_the_nearest_row_count_of_its_k(tmp_path, monkeypatch):
+    """A stacked q|k (5120 x 4096) runs the q|k|v plans (6144 x 4096): the nearest row count of the same K by
+    ratio, the larger on a tie; a K no entry has keeps the built-in default."""
+    assert qm.nearest_shape(5120, 4096, ["6144x4096", "4096x4096", "1024x4096"]) == "6144x4096"
+    assert qm.nearest_shape(2048, 4096, ["1024x4096", "4096x4096"]) == "4096x4096"
+    assert qm.nearest_shape(1024, 4096, ["1024x4096", "4096x4096"]) == "1024x4096"
+    assert qm.nearest_shape(4096, 12288, ["4096x14336", "4096x4096"]) is None
+    gemv = {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0}
+    table = {"formats": {"q4_k": {"shapes": {"6144x4096": {"gemv": gemv, "gemv_crossover": 32},
+                                             "1024x4096": {"gemv": {**gemv, "RT": 4}}}}}}
+    path = tmp_path / "configs.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    stacked = qm.plan_for("q4_k", 5120, 4096, 4096, gemv=True)
+    assert stacked.narrow.default == qm.GemvConfig(**gemv) and stacked.crossover == 32
+    other_k = qm.plan_for("q4_k", 4096, 12288, 12288, gemv=True)
+    assert other_k.narrow.default != qm.GemvConfig(**gemv)
+
+
+def test_projections_stack_by_runs_of_one_format():
+    """q|k|v of a *_K_M layer (Q4_K q and k, Q6_K v) is two matrices: q|k stacked, then v; formats that alternate
+    stay apart, so the outputs keep their order."""
+    from cobatch.models.linear import format_runs
+    q4 = make_weight("q4_k", 48, 256, seed=4, device="cpu")
+    k4 = make_weight("q4_k", 16, 256, seed=5, device="cpu")
+    v6 = make_weight("q6_k", 16, 256, seed=6, device="cpu")
+    assert [[p.rows for p in run] for run in format_runs([q4, k4, v6])] == [[48, 16], [16]]
+    assert [len(run) for run in format_runs([q4, v6, k4])] == [1, 1, 1]
+
+
+def test_row_stack_writes_each_part_s_columns_of_one_output():
+    """A RowStack of a packed Q4_K and a packed Q6_K matrix (the interpreter's kernels) and a dense one: each part's
+    product lands in its own columns, the same values as each part alone."""
+    from cobatch.models.linear import RowStack
+    a, b = make_weight("q4_k", 40, 256, seed=7, device="cpu"), make_weight("q6_k", 24, 256, seed=8, device="cpu")
+    dense = torch.randn(8, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    stack = RowStack([PackedWeight.from_quant(a, DEVICE, plan=SMALL_PLAN),
+                      PackedWeight.from_quant(b, DEVICE, plan=SMALL_PLAN), dense.to(DEVICE)])
+    gen = torch.Generator().manual_seed(10)
+    for lead in ((2,), (3, 2)):
+        x = torch.randn(*lead, 256, generator=gen).to(DEVICE, torch.bfloat16)
+        y = stack.matmul(x)
+        assert y.shape == (*lead, 72)
+        parts = [stack.parts[0].matmul(x), stack.parts[1].matmul(x), torch.nn.functional.linear(x, dense.to(DEVICE))]
+        assert torch.equal(y, torch.cat(parts, dim=-1))
+
+
 @pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "nvfp4"])
 def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkeypatch, fmt_name):
     """Row-major FP8 and NVFP4 planes (no Hopper GPU, or COBATCH_TRITON_GEMV=1) are read by the Triton kernel up to
@@ -253,6 +302,28 @@ def test_gpu_matches_reference_at_llama_shapes(fmt_name, dtype):
             y = run_poisoned(pw, x)
             ref = x.double() @ ref_w.double().T
             assert rel_err(y, ref) < 1e-2, (rows, cols, n_tok)
+
+
+
+@requires_cuda
+def test_gpu_mixed_format_qkv_is_two_matrices_written_in_place():
+    """A Q4_K_M layer's q|k|v (Q4_K q and k, Q6_K v): q|k stacked on the q|k|v plans, v on its own, each writing its
+    columns of one output, on every path from the GEMV through the GEMM to dequantize + cuBLAS."""
+    from cobatch.models.linear import RowStack, load_linear
+    q, k, v = (random_weight_cuda(fmt, rows, 4096, seed=20 + i)
+               for i, (fmt, rows) in enumerate((("q4_k", 4096), ("q4_k", 1024), ("q6_k", 1024))))
+    stack = load_linear([q, k, v], torch.device("cuda"), torch.bfloat16)
+    assert isinstance(stack, RowStack) and [p.rows for p in stack.parts] == [5120, 1024]
+    assert stack.parts[0].plan == qm.plan_for("q4_k", 6144, 4096, 4096, gemv=True,
+                                              quant_gemm_too=qm.uses_quant_gemm(torch.device("cuda")))
+    ref_w = torch.cat([w.dequantize(torch.float32) for w in (q, k, v)])
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    for n_tok in (1, 8, 16, 40, 300, 600):
+        x = torch.randn(n_tok, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        y = stack.matmul(x)
+        assert y.shape == (n_tok, 6144) and torch.isfinite(y).all()
+        assert rel_err(y, x.double() @ ref_w.double().T) < 1e-2, n_tok
+        assert torch.equal(y[:, 5120:], stack.parts[1].matmul(x)), n_tok
 
 
 @requires_cuda

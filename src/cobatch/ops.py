@@ -143,8 +143,10 @@ def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = to
     return combine_ref(y, slots, out_dtype)
 
 
-def linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """weight: a dense tensor [N, K] (CPU path, float weights) or a packed quantized weight (GPU)."""
+def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight: a dense tensor [N, K] (CPU path, float weights) or a packed quantized weight (GPU). out: where to
+    write the [n, N] result (x 2-D; it may be a column slice of a wider matrix), else a new tensor."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)
-    return weight.matmul(x)
+        y = F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)
+        return y if out is None else out.copy_(y)
+    return weight.matmul(x) if out is None else weight.matmul(x, out=out)

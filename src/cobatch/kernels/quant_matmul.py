@@ -25,6 +25,7 @@ to a dense matrix and go through F.linear: correct, but they read 2 bytes per we
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -573,10 +574,25 @@ def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
 PLANS_LIKE = {"fp8_e4m3": "q8_0", "nvfp4": "q4_k"}
 
 
+def nearest_shape(n_rows: int, n_cols: int, shapes: list[str]) -> str | None:
+    """Of the "NxK" keys in `shapes`: "n_rows x n_cols" itself, else the one of K = n_cols whose N is nearest to
+    n_rows by ratio (the larger on a tie), else None. Every config's rows per CTA divides the planes' row padding,
+    so any entry's configs run any row count."""
+    exact = f"{n_rows}x{n_cols}"
+    if exact in shapes:
+        return exact
+    same_k = [int(key.split("x")[0]) for key in shapes if key.split("x")[1] == str(n_cols)]
+    if not same_k:
+        return None
+    rows = min(same_k, key=lambda r: (abs(math.log(r / n_rows)), -r))
+    return f"{rows}x{n_cols}"
+
+
 def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False,
              quant_gemm_too: bool = False) -> MatmulPlan:
     """Look up (format, "NxK") in quant_configs.json (for FP8 and NVFP4 over PLANS_LIKE's format's entry), else
-    the format's default, else the built-in default.
+    the entry of the same K whose row count is nearest (nearest_shape: a stacked q|k, say, runs the plans of the
+    q|k|v it is a part of), else the format's default, else the built-in default.
     gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
     default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
     "quant_gemm" config and "quant_gemm_upto", else quant_gemm.default_config and QUANT_GEMM_UPTO), from
@@ -586,9 +602,11 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
     formats = table.get("formats", {})
-    fmt_table, shape = formats.get(fmt_name, {}), f"{n_rows}x{n_cols}"
+    fmt_table = formats.get(fmt_name, {})
+    like_shapes = formats.get(PLANS_LIKE.get(fmt_name), {}).get("shapes", {})
+    shape = nearest_shape(n_rows, n_cols, [*fmt_table.get("shapes", {}), *like_shapes])
     own = fmt_table.get("shapes", {}).get(shape, {})
-    like = formats.get(PLANS_LIKE.get(fmt_name), {}).get("shapes", {}).get(shape, {})
+    like = like_shapes.get(shape, {})
     if "gemv" in own:    # a GEMV plan of its own replaces the borrowed one whole: its tiers share its K split
         like = {k: v for k, v in like.items() if k != "gemv_upto"}
     entry = {**table.get("default", {}), **fmt_table.get("default", {}), **like, **own}
@@ -757,8 +775,8 @@ class PackedWeight:
             y = self.matmul(x2, config)
             return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
         if self.dense is not None:
-            return F.linear(x2, self.dense if self.dense.dtype == x.dtype else self.dense.to(x.dtype)
-                            ).reshape(*lead, self.rows)
+            y = F.linear(x2, self.dense if self.dense.dtype == x.dtype else self.dense.to(x.dtype))
+            return (y if out is None else out.copy_(y)).reshape(*lead, self.rows)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty(n_tok, out_cols, dtype=x.dtype, device=x.device) if out is None else out

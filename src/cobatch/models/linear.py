@@ -2,7 +2,9 @@
 
 CPU: dequantized once at load to a dense tensor (the reference path). CUDA: repacked quantized blocks
 (`PackedWeight`), read by the narrow GEMV / dequant GEMM kernels. Projections that share an input
-(q|k|v, gate|up) are stacked into one matrix when their formats agree, so they cost one launch. A gate|up
+(q|k|v, gate|up) are stacked into one matrix when their formats agree, so they cost one launch; where they do
+not (a *_K_M file's Q6_K attn_v beside Q4_K q and k), each run of one format is one matrix and writes its
+columns of the output in place (`RowStack`). A gate|up
 projection the GEMV reads has its rows interleaved 8 by 8, so the GEMV applies act(gate) * up itself
 (`ops.gated_linear`; kernels/activation.py has the layout).
 """
@@ -20,13 +22,37 @@ from cobatch.quant.weight import QuantWeight
 
 
 class RowStack:
-    """Several matrices of different formats that act as one: outputs concatenated."""
+    """Several matrices of different formats that act as one, their outputs side by side: each part writes its
+    own columns of one output (no concatenation pass after them)."""
 
     def __init__(self, parts: list[object]):
         self.parts = parts
+        self.part_rows = [_rows(p) for p in parts]
+        self.rows = sum(self.part_rows)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([ops.linear(x, p) for p in self.parts], dim=-1)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.empty(x2.shape[0], self.rows, dtype=x.dtype, device=x.device)
+        start = 0
+        for part, rows in zip(self.parts, self.part_rows):
+            ops.linear(x2, part, out=out[:, start:start + rows])
+            start += rows
+        return out.reshape(*x.shape[:-1], self.rows)
+
+
+def _rows(weight: object) -> int:
+    return weight.shape[0] if isinstance(weight, torch.Tensor) else weight.rows
+
+
+def format_runs(parts: list[QuantWeight]) -> list[list[QuantWeight]]:
+    """parts grouped into runs of consecutive matrices of one format, in order: each run stacks into one matrix."""
+    runs: list[list[QuantWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt is p.fmt and runs[-1][0].cols == p.cols:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def _one(w: QuantWeight, device: torch.device, dtype: torch.dtype, keep_dense: bool,
@@ -42,9 +68,9 @@ def load_linear(parts: list[QuantWeight], device: torch.device, dtype: torch.dty
                 keep_dense: bool = False) -> object:
     if device.type != "cuda":
         return torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
-    if all(p.fmt is parts[0].fmt for p in parts):
-        return _one(QuantWeight.stack_rows(parts) if len(parts) > 1 else parts[0], device, dtype, keep_dense)
-    return RowStack([_one(p, device, dtype, keep_dense) for p in parts])
+    runs = [_one(QuantWeight.stack_rows(run) if len(run) > 1 else run[0], device, dtype, keep_dense)
+            for run in format_runs(parts)]
+    return runs[0] if len(runs) == 1 else RowStack(runs)
 
 
 class WeightLoader:
