@@ -415,13 +415,21 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
                                  "narrow": _cfg_dict(plan.narrow), "rel_err": err, "us_bf16_input": t_bf16 * 1e6,
                                  "us_idle_stream": timed.idle * 1e6,
                                  "pct_copy_idle_stream": 100 * pw.nbytes / timed.idle / 1e9 / copy_gbps})
+            # the prefill path's dense pass alone: quantized planes read, a bf16 matrix written
+            dense = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
+            t_dq = graph_time([lambda w=w: qm.dequantize_planes(w.planes, dense) for w in copies]) \
+                if pw.planes is not None else None
+            dq_bytes = pw.nbytes + dense.numel() * dense.element_size()
+            del dense
             for n in PREFILL_TOKS:
                 t = time_packed([pw] * 3, n, None)
                 tflops = 2 * n * rows * cols / t / 1e12
                 ttf = 2 * n * rows * cols / torch_us[(name, n)] / 1e12
                 rows_out.append({"kind": "gemm", "fmt": fmt_name, "shape": name, "rows": rows, "cols": cols,
                                  "n_tok": n, "us": t * 1e6, "tflops": tflops, "torch_bf16_tflops": ttf,
-                                 "ratio": tflops / ttf, "gemm": _cfg_dict(plan.gemm)})
+                                 "ratio": tflops / ttf, "gemm": _cfg_dict(plan.gemm),
+                                 **({"dequant_us": t_dq * 1e6, "dequant_gbps": dq_bytes / t_dq / 1e9,
+                                     "dequant_pct_copy": 100 * dq_bytes / t_dq / 1e9 / copy_gbps} if t_dq else {})})
             print(f"  {fmt_name} {name}: rel_err {err:.1e}, crossover {plan.crossover}, narrow {plan.narrow}",
                   flush=True)
             del copies, pw, w
@@ -473,11 +481,16 @@ def markdown(result: dict) -> str:
                         f"{cells[n]['pct_copy_idle_stream']:.0f}%" for n in DECODE_TOKS if n in cells) + " |")
         lines.append("")
     lines += ["## Dequant GEMM (prefill): TFLOP/s vs torch bf16 matmul", "",
-              "| format | shape | n_tok | TFLOP/s | torch bf16 | ratio |", "|---|---|---|---|---|---|"]
+              "The dense pass: the plan's dequantization of the whole weight to bf16 alone, GB/s of quantized bytes "
+              "read plus bf16 bytes written (% of copy).", "",
+              "| format | shape | n_tok | TFLOP/s | torch bf16 | ratio | dense pass us | GB/s (% of copy) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "gemm":
+            dq = (f"{r['dequant_us']:.1f} | {r['dequant_gbps']:.0f} ({r['dequant_pct_copy']:.0f}%)"
+                  if r.get("dequant_us") else " | ")
             lines.append(f"| {r['fmt']} | {r['shape']} | {r['n_tok']} | {r['tflops']:.0f} | "
-                         f"{r['torch_bf16_tflops']:.0f} | {r['ratio']:.2f} |")
+                         f"{r['torch_bf16_tflops']:.0f} | {r['ratio']:.2f} | {dq} |")
     att = [r for r in rows if r["kind"] == "attention"]
     if att:
         keys = list(dict.fromkeys(k for r in att for k in r if k != "kind"))
@@ -515,6 +528,9 @@ def short_table(result: dict) -> str:
     out.append("gemm TFLOP/s (ratio to bf16): " + ", ".join(
         f"{r['fmt']}/{r['shape']}/{r['n_tok']}: {r['tflops']:.0f} ({r['ratio']:.2f})"
         for r in result["rows"] if r["kind"] == "gemm" and r["shape"] in ("gate_up", "o")))
+    out.append("dense pass % of copy: " + ", ".join(
+        f"{r['fmt']}/{r['shape']}: {r['dequant_pct_copy']:.0f}%"
+        for r in result["rows"] if r["kind"] == "gemm" and r["n_tok"] == PREFILL_TOKS[0] and r.get("dequant_us")))
     for r in result["rows"]:
         if r["kind"] == "attention":
             out.append("attn " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"

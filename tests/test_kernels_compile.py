@@ -341,6 +341,22 @@ jobs += [(name, compile_gemm_ring_for_h200, (constants,)) for name, constants in
 jobs += [(name, compile_gemm_tma_for_h200, (constants,)) for name, constants in gemm_tma_variants.items()]
 jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm_variants.items()]
 jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in gemv_variants.items()]
+
+
+def compile_fragment_dequant_for_h200(fmt):
+    # the prefill path's dense matrix from fragment-order planes: its stores must be 16 bytes a lane
+    from cobatch.kernels import fragment_dequant
+    compiled = compile_gluon_for_h200(fragment_dequant._dequant_kernel, dict(
+        FMT=fmt, W=fragment_dequant.WARPS, RT=fragment_dequant.ROW_TILES, U=fragment_dequant.CHUNKS_PER_WARP),
+        fragment_dequant.WARPS)
+    ptx = compiled.asm["ptx"]
+    if ptx.count("st.global") != ptx.count("st.global.v4"):
+        raise RuntimeError("stores not vectorized")
+
+
+from cobatch.kernels import fragment_dequant
+jobs += [(f"fragment dequant fmt={fmt}", compile_fragment_dequant_for_h200, (fmt,))
+         for fmt in (fragment_dequant.FORMATS if fragment_dequant.gluon is not None else ())]
 for name, fn, args in jobs:
     try:
         out = fn(*args)
@@ -372,6 +388,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 51 + 19 + 12 + 3 + 10
+    assert len(compiled) == 51 + 19 + 12 + 3 + 10 + 4
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import quant_gemm, quant_gemv, quant_pack
+from cobatch.kernels import fragment_dequant, quant_gemm, quant_gemv, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
@@ -447,9 +447,16 @@ def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, n_co
                  mask=row_ok & (k + 32 < n_cols))
 
 
+FRAGMENT_DEQUANT = os.environ.get("COBATCH_FRAGMENT_DEQUANT", "1") != "0"
+
+
 def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
-    """out [rows, cols] bf16/f16 <- the planes' values (one launch, no sync)."""
+    """out [rows, cols] bf16/f16 <- the planes' values (one launch, no sync): on CUDA the fragment-order planes of
+    the 32-column-order formats through the Gluon kernel that reads them as the GEMV does (fragment_dequant;
+    COBATCH_FRAGMENT_DEQUANT=0 turns it off), else this module's Triton kernel."""
     assert out.shape == (p.rows, p.cols) and out.stride(1) == 1
+    if out.is_cuda and not interpreting() and FRAGMENT_DEQUANT and fragment_dequant.supports(p):
+        return fragment_dequant.dequantize(p, out)
     bn, chunks = 64, 4
     dummy = p.qs
     _dequant_kernel[(p.rows_pad // bn, p.cols_pad // (64 * chunks))](
