@@ -19,7 +19,7 @@ import torch
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import gl, gluon
 
-FORMATS = (quant_pack.Q8_0, quant_pack.FP8_E4M3, quant_pack.Q4_0, quant_pack.Q4_1)
+FORMATS = (quant_pack.Q8_0, quant_pack.FP8_E4M3, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q6_K)
 WARPS = 4             # each warp dequantizes its own chunks of the CTA's rows
 ROW_TILES = 4         # 16-row tiles a CTA covers
 CHUNKS_PER_WARP = 4   # chunks a warp covers, one after another in K
@@ -27,45 +27,74 @@ CHUNKS_PER_WARP = 4   # chunks a warp covers, one after another in K
 if gluon is not None:
 
     @gluon.constexpr_function
-    def _out_layout(W):
-        """[W, rows, 32 columns]: a lane holds 8 contiguous GGUF columns of rows g, g + 8, ... (one 16-byte store
+    def _out_layout(W, V):
+        """[W, rows, 4 V columns]: a lane holds V contiguous GGUF columns of rows g, g + 8, ... (one store of 2 V bytes
         per row): the A layout's distribution, its columns renamed (_in_gguf_order)."""
-        return gl.BlockedLayout([1, 1, 8], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+        return gl.BlockedLayout([1, 1, V], [1, 8, 4], [W, 1, 1], [2, 1, 0])
 
     @gluon.jit
     def _in_gguf_order(v, W: gl.constexpr, RT: gl.constexpr):
         """An A operand [W, 16 RT, 32] (logical column k = 16 h + 8 a + 2 c + e) -> the same values with GGUF
         column 8 c + 4 h + 2 a + e at index 8 c + 4 h + 2 a + e (quant_pack.k_order): only registers renamed."""
         v = gl.permute(gl.reshape(v, [W, 16 * RT, 2, 2, 4, 2]), [0, 1, 4, 2, 3, 5])     # w, row, c, h, a, e
-        return gl.convert_layout(gl.reshape(v, [W, 16 * RT, 32]), _out_layout(W), assert_trivial=True)
+        return gl.convert_layout(gl.reshape(v, [W, 16 * RT, 32]), _out_layout(W, 8), assert_trivial=True)
 
     @gluon.jit
-    def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, n_rows, out_stride, n_chunks,
+    def _in_gguf_half_order(v, W: gl.constexpr, RT: gl.constexpr):
+        """q6_K's A operand of one k16 half [W, 16 RT, 16] (k = 8 a + 2 c + e) -> GGUF column 4 c + 2 a + e of the
+        half at that index (quant_pack.k_order, HALF_ORDERED)."""
+        v = gl.permute(gl.reshape(v, [W, 16 * RT, 2, 4, 2]), [0, 1, 3, 2, 4])           # w, row, c, a, e
+        return gl.convert_layout(gl.reshape(v, [W, 16 * RT, 16]), _out_layout(W, 4), assert_trivial=True)
+
+    @gluon.jit
+    def _store(out_ptr, out_stride, v, tile0, k0, n_rows, W: gl.constexpr, RT: gl.constexpr):
+        """Store v [W, 16 RT, N] (GGUF column order, _out_layout) at rows tile0 * 16.., columns k0 + 0..N-1 of each
+        warp's k0 ([W])."""
+        L: gl.constexpr = v.type.layout
+        N: gl.constexpr = v.shape[2]
+        row = tile0 * 16 + gl.arange(0, 16 * RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))[None, :, None]
+        col = gl.arange(0, N, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))[None, None, :]
+        k = gl.convert_layout(k0, gl.SliceLayout(1, gl.SliceLayout(2, L)))[:, None, None] + col
+        gl.store(out_ptr + row.to(gl.int64) * out_stride + k, v.to(out_ptr.dtype.element_ty), mask=row < n_rows)
+
+    @gluon.jit
+    def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, out_stride, n_chunks,
                         FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, U: gl.constexpr):
         """Program (row block of 16 RT rows, group of W U chunks): warp w decodes chunks g W U + u W + w. K has no
-        padding (supports), so only rows are masked: each lane's 8 columns go out as one 16-byte store."""
+        padding (supports), so only rows are masked: each lane's columns of a row go out in one store."""
         A: gl.constexpr = quant_gemv._layouts(W, RT, 8)[1]
         LD: gl.constexpr = quant_gemv._layouts(W, RT, 8)[3]
         SIDE: gl.constexpr = gl.SliceLayout(2, A)
-        OUT: gl.constexpr = _out_layout(W)
         WPC: gl.constexpr = 32 if quant_gemv._byte_fmt(FMT) else 64      # weights per chunk
         side32 = n_chunks * WPC // 32
         tile_stride = n_chunks * 512
         tile0 = gl.program_id(0) * RT
-        warp = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, OUT)))
-        row = tile0 * 16 + gl.arange(0, 16 * RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, OUT)))[None, :, None]
-        col = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, OUT)))[None, None, :]
-        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        warp = gl.arange(0, W, layout=gl.SliceLayout(1, SIDE))
         for u in gl.static_range(U):
             chunk = gl.program_id(1) * (W * U) + u * W + warp
+            k0 = chunk * WPC
             q = gl.load(qs_ptr + quant_gemv._tile_offsets(tile0, chunk, tile_stride, RT, LD))
-            a, b, c, e = quant_gemv._load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, 0, FMT, W, RT, SIDE)
-            lo, hi = quant_gemv._dequant(q, a, b, c, e, FMT, W, RT, A)
-            k = (chunk * WPC)[:, None, None] + col
-            at = out_ptr + row.to(gl.int64) * out_stride + k
-            gl.store(at, _in_gguf_order(lo, W, RT).to(dtype), mask=row < n_rows)
-            if not quant_gemv._byte_fmt(FMT):     # the high nibbles: the chunk's second 32-column block
-                gl.store(at + 32, _in_gguf_order(hi, W, RT).to(dtype), mask=row < n_rows)
+            a, b, c, e = quant_gemv._load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side32 // 8, FMT, W, RT,
+                                                SIDE)
+            if FMT == quant_gemv.F_Q6_K:   # two k16 halves, a scale each (quant_gemv._q6_chunk's decode)
+                h = gl.load(qh_ptr + quant_gemv._tile_offsets(tile0, chunk, tile_stride // 2, RT,
+                                                              quant_gemv._byte_layout(W, 8), 8))
+                s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
+                q0, q1 = quant_gemv._halves(q, W, RT, 8)
+                h0, h1 = quant_gemv._halves(h, W, RT, 4)
+                lo, hi = quant_gemv._q6_operands(quant_gemv._as_half_operand(q0, W, RT, A), quant_gemv._as_half_operand(
+                    quant_gemv._twice(h0, W, RT, 4), W, RT, A), s0, s2)
+                _store(out_ptr, out_stride, _in_gguf_half_order(lo, W, RT), tile0, k0, n_rows, W, RT)
+                _store(out_ptr, out_stride, _in_gguf_half_order(hi, W, RT), tile0, k0 + 32, n_rows, W, RT)
+                lo, hi = quant_gemv._q6_operands(quant_gemv._as_half_operand(q1, W, RT, A), quant_gemv._as_half_operand(
+                    quant_gemv._twice(h1, W, RT, 4), W, RT, A), s1, s3)
+                _store(out_ptr, out_stride, _in_gguf_half_order(lo, W, RT), tile0, k0 + 16, n_rows, W, RT)
+                _store(out_ptr, out_stride, _in_gguf_half_order(hi, W, RT), tile0, k0 + 48, n_rows, W, RT)
+            else:
+                lo, hi = quant_gemv._dequant(q, a, b, c, e, FMT, W, RT, A)
+                _store(out_ptr, out_stride, _in_gguf_order(lo, W, RT), tile0, k0, n_rows, W, RT)
+                if not quant_gemv._byte_fmt(FMT):     # the high nibbles: the chunk's second 32-column block
+                    _store(out_ptr, out_stride, _in_gguf_order(hi, W, RT), tile0, k0 + 32, n_rows, W, RT)
 
 
 def supports(p: "quant_pack.PackedPlanes") -> bool:
@@ -82,6 +111,6 @@ def dequantize(p: "quant_pack.PackedPlanes", out: torch.Tensor) -> torch.Tensor:
     grid = (p.rows_pad // (16 * ROW_TILES), n_chunks // (WARPS * CHUNKS_PER_WARP))
     dummy = p.qs
     _dequant_kernel[grid](out, p.qs, p.d, p.m if p.m is not None else dummy, p.sub if p.sub is not None else dummy,
-                          p.rows, out.stride(0), n_chunks, FMT=p.fmt_id, W=WARPS, RT=ROW_TILES,
+                          p.qh if p.qh is not None else dummy, p.rows, out.stride(0), n_chunks, FMT=p.fmt_id, W=WARPS, RT=ROW_TILES,
                           U=CHUNKS_PER_WARP, num_warps=WARPS)
     return out
