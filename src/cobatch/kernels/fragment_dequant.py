@@ -7,9 +7,10 @@ GEMV does, one 16-byte vector per lane and row tile, decodes them with the GEMV'
 f16 operands of the mma.sync A layout) and stores each lane's values where they go: lane c of a 32-column block holds
 its GGUF columns 8 c .. 8 c + 7 (quant_pack.k_order), so a lane writes its rows' 8 contiguous columns.
 
-The formats whose planes use the 32-column order: q8_0 / FP8, q4_0, q4_1 / q4_K (FORMATS). The values are the GEMV's
-f16 operands (q8_0: q times d rounded to f16) in the output's dtype. The torch reference is
-quant_pack.unpack_planes; Gluon has no interpreter, so the tests run on CUDA (tests/test_quant_matmul.py).
+FORMATS: q8_0 / FP8, q4_0 and q4_1 / q4_K, whose planes use the 32-column order, and q6_K, whose k16 halves keep
+their columns (a lane's 4 columns of each half, 8-byte stores). The values are the GEMV's f16 operands (q8_0: q times
+d rounded to f16) in the output's dtype. The torch reference is quant_pack.unpack_planes; Gluon has no interpreter,
+so the tests run on CUDA (tests/test_quant_matmul.py), and tests/test_kernels_compile.py checks the stores' width.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ if gluon is not None:
         gl.store(out_ptr + row.to(gl.int64) * out_stride + k, v.to(out_ptr.dtype.element_ty), mask=row < n_rows)
 
     @gluon.jit
+    def _q6_half(out_ptr, out_stride, q, h, s_lo, s_hi, tile0, k0, n_rows, W: gl.constexpr, RT: gl.constexpr,
+                 A: gl.constexpr):
+        """One k16 half of a q6_K chunk (quant_gemv._q6_half's decode): its low block's 16 columns from k0, its high
+        block's from k0 + 32."""
+        lo, hi = quant_gemv._q6_operands(quant_gemv._as_half_operand(q, W, RT, A), quant_gemv._as_half_operand(
+            quant_gemv._twice(h, W, RT, 4), W, RT, A), s_lo, s_hi)
+        _store(out_ptr, out_stride, _in_gguf_half_order(lo, W, RT), tile0, k0, n_rows, W, RT)
+        _store(out_ptr, out_stride, _in_gguf_half_order(hi, W, RT), tile0, k0 + 32, n_rows, W, RT)
+
+    @gluon.jit
     def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, out_stride, n_chunks,
                         FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, U: gl.constexpr):
         """Program (row block of 16 RT rows, group of W U chunks): warp w decodes chunks g W U + u W + w. K has no
@@ -82,14 +93,8 @@ if gluon is not None:
                 s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
                 q0, q1 = quant_gemv._halves(q, W, RT, 8)
                 h0, h1 = quant_gemv._halves(h, W, RT, 4)
-                lo, hi = quant_gemv._q6_operands(quant_gemv._as_half_operand(q0, W, RT, A), quant_gemv._as_half_operand(
-                    quant_gemv._twice(h0, W, RT, 4), W, RT, A), s0, s2)
-                _store(out_ptr, out_stride, _in_gguf_half_order(lo, W, RT), tile0, k0, n_rows, W, RT)
-                _store(out_ptr, out_stride, _in_gguf_half_order(hi, W, RT), tile0, k0 + 32, n_rows, W, RT)
-                lo, hi = quant_gemv._q6_operands(quant_gemv._as_half_operand(q1, W, RT, A), quant_gemv._as_half_operand(
-                    quant_gemv._twice(h1, W, RT, 4), W, RT, A), s1, s3)
-                _store(out_ptr, out_stride, _in_gguf_half_order(lo, W, RT), tile0, k0 + 16, n_rows, W, RT)
-                _store(out_ptr, out_stride, _in_gguf_half_order(hi, W, RT), tile0, k0 + 48, n_rows, W, RT)
+                _q6_half(out_ptr, out_stride, q0, h0, s0, s2, tile0, k0, n_rows, W, RT, A)
+                _q6_half(out_ptr, out_stride, q1, h1, s1, s3, tile0, k0 + 16, n_rows, W, RT, A)
             else:
                 lo, hi = quant_gemv._dequant(q, a, b, c, e, FMT, W, RT, A)
                 _store(out_ptr, out_stride, _in_gguf_order(lo, W, RT), tile0, k0, n_rows, W, RT)
@@ -111,6 +116,6 @@ def dequantize(p: "quant_pack.PackedPlanes", out: torch.Tensor) -> torch.Tensor:
     grid = (p.rows_pad // (16 * ROW_TILES), n_chunks // (WARPS * CHUNKS_PER_WARP))
     dummy = p.qs
     _dequant_kernel[grid](out, p.qs, p.d, p.m if p.m is not None else dummy, p.sub if p.sub is not None else dummy,
-                          p.qh if p.qh is not None else dummy, p.rows, out.stride(0), n_chunks, FMT=p.fmt_id, W=WARPS, RT=ROW_TILES,
-                          U=CHUNKS_PER_WARP, num_warps=WARPS)
+                          p.qh if p.qh is not None else dummy, p.rows, out.stride(0), n_chunks, FMT=p.fmt_id,
+                          W=WARPS, RT=ROW_TILES, U=CHUNKS_PER_WARP, num_warps=WARPS)
     return out
