@@ -452,7 +452,7 @@ FRAGMENT_DEQUANT = os.environ.get("COBATCH_FRAGMENT_DEQUANT", "1") != "0"
 
 def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
     """out [rows, cols] bf16/f16 <- the planes' values (one launch, no sync): on CUDA the fragment-order planes of
-    the 32-column-order formats through the Gluon kernel that reads them as the GEMV does (fragment_dequant;
+    fragment_dequant.FORMATS through the Gluon kernel that reads them as the GEMV does (fragment_dequant.supports;
     COBATCH_FRAGMENT_DEQUANT=0 turns it off), else this module's Triton kernel."""
     assert out.shape == (p.rows, p.cols) and out.stride(1) == 1
     if out.is_cuda and not interpreting() and FRAGMENT_DEQUANT and fragment_dequant.supports(p):
