@@ -465,17 +465,6 @@ if gluon is not None and warpgroup_mma is not None:
 
     # --- the ring variant: weights and x streamed by TMA through shared memory --------------------------------
 
-    @gluon.jit
-    def _gdc_wait():
-        """griddepcontrol.wait: return once the kernel before (launched ahead of it: PDL) has completed and its
-        writes are visible to this thread."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
-
-    @gluon.jit
-    def _gdc_launch_dependents():
-        """griddepcontrol.launch_dependents: the next kernel may launch once every CTA of this one got here."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
-
     @gluon.constexpr_function
     def _plain_layout(rank):
         """Unswizzled row-major shared memory: a TMA copy of plane rows lands there byte for byte as in global
@@ -571,7 +560,7 @@ if gluon is not None and warpgroup_mma is not None:
             for i in range(ahead):
                 mbarrier.expect(ready.index(i), _stage_nbytes(descs, FMT, C, PARTS))
                 _copy_stage_weights(descs, bufs, ready.index(i), i, pid_n * NW, first + i * C, FMT, C, PARTS)
-            _gdc_wait()
+            gdc_wait()
             for i in range(ahead):
                 _copy_stage_x(descs, bufs, ready.index(i), i, pid_t * BN, first + i * C, C)
         for i in range(ahead, n_stages):
@@ -690,7 +679,7 @@ if gluon is not None and warpgroup_mma is not None:
         """A consumer part over the CTA's work items, as _ring_producer walks them. With PDL it waits for the kernel
         before, as the producer does before any x: its stores then follow that kernel's reads and writes."""
         if PDL:
-            _gdc_wait()
+            gdc_wait()
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
@@ -743,7 +732,7 @@ if gluon is not None and warpgroup_mma is not None:
         PDL: launched as a programmatic dependent (pdl_launch): the next kernel may launch at once (its CTAs find
         room as this one's leave), and this one's first weight stages load while the kernel before finishes."""
         if PDL:
-            _gdc_launch_dependents()
+            gdc_launch_dependents()
         PARTS: gl.constexpr = 2 if APART else 1
         # LAG where ptxas keeps the MMAs pipelined: q6_K's and NVFP4's four a chunk serialize in flight (C7513)
         LAG_KEPT: gl.constexpr = LAG and not _by16(FMT)
