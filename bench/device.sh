@@ -24,6 +24,9 @@
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
 #                            samples per SASS instruction, bench/ncu_source.py)
+#   plan-ab TABLES [ARGS]    bench/plan_ab.py on the random Llama-3-8B (QUANT): whole decode steps under each plan
+#                            table (comma-separated quant_configs.json paths, `.` the package's), the model loaded
+#                            once, the tables alternating (ARGS: --batches, --rounds, --context)
 #   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
 #                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
 #                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment
@@ -36,7 +39,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels gemm attention decode serve moe speculative hf parallel size gemv-configs profile ab "
+SUITES=" tests kernels gemm attention decode serve moe speculative hf parallel size gemv-configs profile plan-ab ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -172,6 +175,11 @@ print(f'{p.W},{p.RT},{p.split_k},{p.U},{p.D}')")
       $sections python3 bench/gemv_configs.py --formats "$fmt" --shapes "$shape" --toks "$tok" --configs "$cfg" \
       2>&1 | grep -v "^  $fmt\|^==PROF==" >> "$OUT/ncu.txt"
   done ;;
+plan-ab)
+  [ $# -ge 1 ] || { echo "bench/device.sh plan-ab TABLES [ARGS]" >&2; exit 2; }
+  tables=$1; shift
+  timeout "$(left "$TIMEOUT")" python3 bench/plan_ab.py --model "$(llama8b)" --tables "$tables" "$@" 2>&1 | quiet \
+    | tee "$OUT/plan_ab.log" ;;
 ab)
   [ $# -ge 2 ] || { echo "bench/device.sh ab OLD NEW [ROUNDS] [ARGS]" >&2; exit 2; }
   old=$1 new=$2; shift 2

@@ -6,6 +6,8 @@ the GPU tests run the compiled kernel (inline-asm dequant, tensor cores) at Llam
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import pytest
 import torch
@@ -384,3 +386,21 @@ def test_dequantize_kernel_and_cublas_gemm_path(fmt_name):
     assert rel_err(dense, w.dequantize().to(DEVICE)) < 1e-3
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(17)).to(DEVICE, torch.bfloat16)
     assert rel_err(run_poisoned(pw, x), quant_matmul_ref(x, w)) < 1e-2
+
+
+def test_load_plan_reads_the_table_in_force(tmp_path, monkeypatch):
+    """bench/plan_ab.py plans loaded weights again by pointing COBATCH_QUANT_CONFIGS at another table: load_plan
+    takes that table's entry for the weight's format and shape, and the package's without the variable."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(qm, "interpreting", lambda: False)     # the interpreter's plans ignore the tables
+    planes = SimpleNamespace(cols_pad=4096, fragment=True)
+    mine = {"W": 2, "RT": 1, "split_k": 4, "U": 8, "D": 0, "R": 128}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"formats": {"q8_0": {"shapes": {"4096x4096": {"gemv": mine, "gemv_crossover": 12}}}}}))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    plan = qm.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
+    assert plan.narrow.default == qm.GemvConfig(**mine) and plan.crossover == 12 and plan.mid is None
+    monkeypatch.delenv("COBATCH_QUANT_CONFIGS")
+    package = json.loads(qm.CONFIG_PATH.read_text())["formats"]["q8_0"]["shapes"]["4096x4096"]
+    plan = qm.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
+    assert plan.narrow.default == qm.GemvConfig(**package["gemv"]) != qm.GemvConfig(**mine)

@@ -720,6 +720,15 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
         _DenseScratch.reserve(device, rows * cols * 2)
 
 
+def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device: torch.device,
+              keep_dense: bool = False) -> MatmulPlan:
+    """The plan a weight packed into `planes` gets at load, from the table in force (plan_for). A resident dense
+    copy (keep_dense: --dense-large-batch) serves every batch past the GEMV itself."""
+    return plan_for(fmt_name, rows, cols, planes.cols_pad, gemv=planes.fragment,
+                    quant_gemm_too=planes.fragment and not keep_dense and uses_quant_gemm(device)
+                    and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS)
+
+
 class PackedWeight:
     """What the GPU model holds for one linear layer: repacked once at load, then `matmul` per step."""
 
@@ -748,10 +757,7 @@ class PackedWeight:
         gemv = uses_gemv(w.fmt.name, device) and (plan is None or isinstance(plan.narrow, (GemvConfig, GemvPlan)))
         planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, device, fragment=gemv,
                              row_scale=w.row_scale if PACKED_FORMATS[w.fmt.name] in quant_pack.ROW_SCALED else None)
-        # A resident dense copy (--dense-large-batch) serves every batch past the GEMV itself
-        plan = plan or plan_for(w.fmt.name, w.rows, w.cols, planes.cols_pad, gemv=gemv,
-                                quant_gemm_too=gemv and not keep_dense and uses_quant_gemm(device)
-                                and PACKED_FORMATS[w.fmt.name] in quant_gemm.FORMATS)
+        plan = plan or load_plan(w.fmt.name, w.rows, w.cols, planes, device, keep_dense)
         if keep_dense and plan.gemm == DEQUANT_CUBLAS:
             # Past 16 tokens the narrow kernel's time grows per 16-token tile, while cuBLAS on the resident
             # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs

@@ -1,0 +1,119 @@
+"""Whole decode steps under several plan tables, in one process: the model loads once, then for each round and
+each table in turn every packed weight takes that table's plan, the decode graphs are captured again, and the
+steps at each batch are timed.
+
+    python bench/plan_ab.py --model M.gguf --tables .,variant.json [--batches 32,64,128] [--rounds 2]
+        [--context 512] [--out plan_ab.json]
+
+A table is a quant_configs.json (`.`: the package's). Why a benchmark of its own: a plan can pay in whole steps and
+not in its kernel alone (a deeper GEMM ring copies more weights before its griddepcontrol.wait, under the kernel
+before: docs/kernels.md), and `bench/device.sh ab` with two tables loads the model once a side and round (30-50 s
+each on Llama-3-8B), where a table here costs a graph capture (10-20 s). Prints each table's step time per batch
+and round, and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, randomize_kv  # noqa: E402
+from decode import time_steps, weight_bytes  # noqa: E402
+
+from cobatch.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.llm import LLM, EngineOptions  # noqa: E402
+
+PACKAGE_TABLE = str(qm.CONFIG_PATH)
+
+
+def packed_weights(model) -> list[qm.PackedWeight]:
+    """Every packed matrix of a dense model's decode step (a stacked weight's parts one by one)."""
+    found = []
+    for w in [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + [
+            model.lm_head]:
+        found += [p for p in getattr(w, "parts", [w]) if isinstance(p, qm.PackedWeight) and p.planes is not None]
+    return found
+
+
+def use_table(llm: LLM, weights: list[qm.PackedWeight], table: str) -> None:
+    """Every weight's plan from `table` (as LLM.load would choose it with COBATCH_QUANT_CONFIGS=table), its
+    scratch reserved, and the decode graphs captured again with them (same rows and context as before)."""
+    os.environ["COBATCH_QUANT_CONFIGS"] = table
+    device = torch.device("cuda")
+    for pw in weights:
+        pw.plan = qm.load_plan(pw.fmt_name, pw.rows, pw.cols, pw.planes, device)
+        qm.reserve_scratch(device, pw.plan, pw.planes.rows_pad, pw.rows, pw.cols)
+    runner = llm.engine.runner
+    rows, ctx = runner.graphs.max_batch, runner.graphs.max_context
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.graphs = DecodeGraphs(llm.model, llm.engine.pool, rows, ctx, quiet=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tables", required=True, help="comma-separated quant_configs.json paths ('.': the package's)")
+    ap.add_argument("--batches", default="32,64,128")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--kv-cache-gb", type=float, default=40.0)
+    ap.add_argument("--out", default=None, help="where the JSON goes (default $OUT/plan_ab.json if OUT is set)")
+    args = ap.parse_args()
+    tables = [PACKAGE_TABLE if t == "." else str(Path(t).resolve()) for t in args.tables.split(",")]
+    missing = [t for t in tables if not Path(t).is_file()]
+    if missing:
+        raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    max_batch, ctx = max(batches), args.context + 128
+    copy_bps = copy_bandwidth()
+    t0 = time.perf_counter()
+    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=ctx, max_num_seqs=max_batch,
+                                             kv_cache_gb=args.kv_cache_gb, quiet=True))
+    print(f"loaded {Path(args.model).name} in {time.perf_counter() - t0:.0f} s; copy {copy_bps / 1e9:.0f} GB/s",
+          flush=True)
+    weights = packed_weights(llm.model)
+    wbytes, kvtok = weight_bytes(llm), kv_bytes_per_token(llm)
+    randomize_kv(llm)
+    times: dict[str, dict[int, list[float]]] = {t: {b: [] for b in batches} for t in tables}
+    for rnd in range(args.rounds):
+        for table in tables:
+            t1 = time.perf_counter()
+            use_table(llm, weights, table)
+            for b in batches:
+                place_sessions(llm, b, args.context)
+                times[table][b].append(time_steps(llm) * 1e3)
+                clear(llm)
+            print(f"round {rnd + 1} {Path(table).name} (plans and graphs {time.perf_counter() - t1:.0f} s): "
+                  + "  ".join(f"B={b} {times[table][b][-1]:.2f} ms" for b in batches), flush=True)
+    rows = []
+    for table in tables:
+        for b in batches:
+            ms = statistics.median(times[table][b])
+            roofline_ms = (wbytes + b * (args.context + 8) * kvtok) / copy_bps * 1e3
+            rows.append(dict(table=table, batch=b, step_ms=ms, rounds_ms=times[table][b], tok_s=b / ms * 1e3,
+                             step_over_roofline=ms / roofline_ms))
+    print(f"\n{'table':40} " + "".join(f"{'B=' + str(b):>22}" for b in batches))
+    for table in tables:
+        cells = [next(r for r in rows if r["table"] == table and r["batch"] == b) for b in batches]
+        print(f"{Path(table).name[:40]:40} " + "".join(
+            f"{' / '.join(f'{v:.2f}' for v in c['rounds_ms']):>14} {c['step_over_roofline']:5.2f}x " for c in cells))
+    out = args.out or (str(Path(os.environ["OUT"]) / "plan_ab.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps({"model": args.model, "context": args.context, "copy_gbps": copy_bps / 1e9,
+                                         "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
