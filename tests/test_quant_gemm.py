@@ -144,7 +144,10 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
         configs += [GemmConfig(NW=8, split_k=s, RING=4, CHUNKS=2, APART=True) for s in (1, 2)]
         configs += [GemmConfig(NW=8, split_k=1, RING=2, CHUNKS=4, LAG=True),
                     GemmConfig(NW=4, split_k=1, RING=3, CHUNKS=4, LAG=True, AHEAD=True),
-                    GemmConfig(NW=8, split_k=1, RING=8, CHUNKS=4, LAG=True)]    # 8, 6, 4, 2 stages by tile
+                    GemmConfig(NW=8, split_k=1, RING=8, CHUNKS=4, LAG=True),    # 8, 6, 4, 2 stages by tile
+                    # the committed plans' deep rings: q8_0 qkv's and o's, and q4_K's and q6_K's
+                    GemmConfig(NW=4, split_k=1, RING=6, CHUNKS=4, LAG=True, AHEAD=True),
+                    GemmConfig(NW=4, split_k=2, RING=8, CHUNKS=2, LAG=True, AHEAD=True)]
         configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
