@@ -4,8 +4,10 @@ steps at each batch are timed.
 
     python bench/plan_ab.py --model M.gguf --tables .,variant.json [--batches 32,64,128] [--rounds 2]
         [--context 512] [--out plan_ab.json]
+    python bench/plan_ab.py --model M.gguf --ring-depths q4_k=4,6,8 ...
 
-A table is a quant_configs.json (`.`: the package's). Why a benchmark of its own: a plan can pay in whole steps and
+A table is a quant_configs.json (`.`: the package's); --ring-depths FMT=D,... adds, for each depth D, the package's
+table with every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep. Why a benchmark of its own: a plan can pay in whole steps and
 not in its kernel alone (a deeper GEMM ring copies more weights before its griddepcontrol.wait, under the kernel
 before: docs/kernels.md), and `bench/device.sh ab` with two tables loads the model once a side and round (30-50 s
 each on Llama-3-8B), where a table here costs a graph capture (10-20 s). Prints each table's step time per batch
@@ -20,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +48,28 @@ def packed_weights(model) -> list[qm.PackedWeight]:
     return found
 
 
+def ring_depth_table(table: dict, fmt_name: str, depth: int) -> dict:
+    """`table` (quant_configs.json's contents) with every ring GEMM config of fmt_name's shapes `depth` stages deep."""
+    out = json.loads(json.dumps(table))
+    for entry in out["formats"].get(fmt_name, {}).get("shapes", {}).values():
+        for key in ("quant_gemm", "quant_gemm_wide"):
+            if entry.get(key, {}).get("RING"):
+                entry[key]["RING"] = depth
+    return out
+
+
+def depth_tables(spec: str, into: Path) -> list[str]:
+    """--ring-depths FMT=D,D,...: one table file per depth, written into `into`, from the package's table."""
+    fmt_name, depths = spec.split("=")
+    package = json.loads(Path(PACKAGE_TABLE).read_text())
+    paths = []
+    for depth in (int(d) for d in depths.split(",")):
+        path = into / f"{fmt_name}-ring{depth}.json"
+        path.write_text(json.dumps(ring_depth_table(package, fmt_name, depth), indent=1))
+        paths.append(str(path))
+    return paths
+
+
 def use_table(llm: LLM, weights: list[qm.PackedWeight], table: str) -> None:
     """Every weight's plan from `table` (as LLM.load would choose it with COBATCH_QUANT_CONFIGS=table), its
     scratch reserved, and the decode graphs captured again with them (same rows and context as before)."""
@@ -64,14 +89,21 @@ def use_table(llm: LLM, weights: list[qm.PackedWeight], table: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--tables", required=True, help="comma-separated quant_configs.json paths ('.': the package's)")
+    ap.add_argument("--tables", default="", help="comma-separated quant_configs.json paths ('.': the package's)")
+    ap.add_argument("--ring-depths", action="append", default=[],
+                    help="FMT=D,D,...: the package's table with FMT's ring configs D stages deep, one table per D")
     ap.add_argument("--batches", default="32,64,128")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-cache-gb", type=float, default=40.0)
     ap.add_argument("--out", default=None, help="where the JSON goes (default $OUT/plan_ab.json if OUT is set)")
     args = ap.parse_args()
-    tables = [PACKAGE_TABLE if t == "." else str(Path(t).resolve()) for t in args.tables.split(",")]
+    tables = [PACKAGE_TABLE if t == "." else str(Path(t).resolve()) for t in args.tables.split(",") if t]
+    variants_dir = Path(tempfile.mkdtemp(prefix="plan_ab-"))
+    for spec in args.ring_depths:
+        tables += depth_tables(spec, variants_dir)
+    if not tables:
+        raise SystemExit("plan_ab.py: give --tables or --ring-depths")
     missing = [t for t in tables if not Path(t).is_file()]
     if missing:
         raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")

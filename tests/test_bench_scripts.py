@@ -189,3 +189,24 @@ def test_ncu_source_sums_stalls_by_reason_without_the_idle_warps(tmp_path):
     assert out[1].startswith("by opcode: NOP 71.4%, BRA 21.4%, BAR 7.1%")
     assert out[2] == "stall reasons but at NOPs: long_sb 75.0%, barrier 25.0%"
     assert [line.split()[0] for line in out[3:]] == ["0x10", "0x20"]     # the top 2, in address order
+
+
+def test_plan_ab_ring_depth_tables_change_only_the_ring_depths(tmp_path):
+    plan_ab = load("plan_ab")
+    ring = {"NW": 4, "split_k": 2, "RING": 4, "CHUNKS": 2, "LAG": True}
+    table = {"formats": {
+        "q4_k": {"shapes": {"4096x4096": {"gemv": {"W": 4}, "quant_gemm": dict(ring), "quant_gemm_wide": dict(ring)},
+                            "128256x4096": {"quant_gemm": {"NW": 4, "split_k": 1, "P": True, "TMA": 0}}}},
+        "q8_0": {"shapes": {"4096x4096": {"quant_gemm": dict(ring)}}}}}
+    out = plan_ab.ring_depth_table(table, "q4_k", 8)
+    o = out["formats"]["q4_k"]["shapes"]["4096x4096"]
+    assert o["quant_gemm"] == {**ring, "RING": 8} and o["quant_gemm_wide"] == {**ring, "RING": 8}
+    assert o["gemv"] == {"W": 4}
+    assert out["formats"]["q4_k"]["shapes"]["128256x4096"] == table["formats"]["q4_k"]["shapes"]["128256x4096"]
+    assert out["formats"]["q8_0"] == table["formats"]["q8_0"] and table["formats"]["q4_k"]["shapes"][
+        "4096x4096"]["quant_gemm"]["RING"] == 4          # the input is left as it was
+    paths = plan_ab.depth_tables("q6_k=4,6", tmp_path)
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["q6_k-ring4.json", "q6_k-ring6.json"]
+    six = json.loads(open(paths[1]).read())["formats"]["q6_k"]["shapes"]
+    assert any(e.get("quant_gemm", {}).get("RING") == 6 for e in six.values())
+    assert all(e["quant_gemm"]["RING"] == 6 for e in six.values() if e.get("quant_gemm", {}).get("RING"))
