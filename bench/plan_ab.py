@@ -99,9 +99,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="where the JSON goes (default $OUT/plan_ab.json if OUT is set)")
     args = ap.parse_args()
     tables = [PACKAGE_TABLE if t == "." else str(Path(t).resolve()) for t in args.tables.split(",") if t]
-    variants_dir = Path(tempfile.mkdtemp(prefix="plan_ab-"))
-    for spec in args.ring_depths:
-        tables += depth_tables(spec, variants_dir)
+    if args.ring_depths:
+        variants_dir = Path(tempfile.mkdtemp(prefix="plan_ab-"))
+        for spec in args.ring_depths:
+            tables += depth_tables(spec, variants_dir)
     if not tables:
         raise SystemExit("plan_ab.py: give --tables or --ring-depths")
     missing = [t for t in tables if not Path(t).is_file()]
