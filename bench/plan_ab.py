@@ -5,9 +5,12 @@ steps at each batch are timed.
     python bench/plan_ab.py --model M.gguf --tables .,variant.json [--batches 32,64,128] [--rounds 2]
         [--context 512] [--out plan_ab.json]
     python bench/plan_ab.py --model M.gguf --ring-depths q4_k=4,6,8 ...
+    python bench/plan_ab.py --model M.gguf --tables . --gemm-from q8_0=0 --batches 1,4,8,16
 
 A table is a quant_configs.json (`.`: the package's); --ring-depths FMT=D,... adds, for each depth D, the package's
-table with every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep. Why a benchmark of its own: a plan can pay in whole steps and
+table with every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep;
+--gemm-from FMT=N,... for each N the package's table with every weight of that format that has a GEMM plan handing
+the GEMM calls of more than N tokens (`quant_gemm_crossover`; 0: every call, the GEMV's range given to the GEMM). Why a benchmark of its own: a plan can pay in whole steps and
 not in its kernel alone (a deeper GEMM ring copies more weights before its griddepcontrol.wait, under the kernel
 before: docs/kernels.md), and `bench/device.sh ab` with two tables loads the model once a side and round (30-50 s
 each on Llama-3-8B), where a table here costs a graph capture (10-20 s). Prints each table's step time per batch
@@ -58,14 +61,27 @@ def ring_depth_table(table: dict, fmt_name: str, depth: int) -> dict:
     return out
 
 
-def depth_tables(spec: str, into: Path) -> list[str]:
-    """--ring-depths FMT=D,D,...: one table file per depth, written into `into`, from the package's table."""
-    fmt_name, depths = spec.split("=")
+def gemm_from_table(table: dict, fmt_name: str, crossover: int) -> dict:
+    """`table` with every fmt_name weight that has a GEMM plan handing it the calls of more than `crossover` tokens."""
+    out = json.loads(json.dumps(table))
+    for entry in out["formats"].get(fmt_name, {}).get("shapes", {}).values():
+        if "quant_gemm" in entry:
+            entry["quant_gemm_crossover"] = crossover
+    return out
+
+
+VARIANTS = {"ring": ring_depth_table, "gemm-from": gemm_from_table}
+
+
+def variant_tables(spec: str, into: Path, kind: str = "ring") -> list[str]:
+    """FMT=V,V,...: one table file per value V of variant `kind` (VARIANTS), written into `into`, from the
+    package's table."""
+    fmt_name, values = spec.split("=")
     package = json.loads(Path(PACKAGE_TABLE).read_text())
     paths = []
-    for depth in (int(d) for d in depths.split(",")):
-        path = into / f"{fmt_name}-ring{depth}.json"
-        path.write_text(json.dumps(ring_depth_table(package, fmt_name, depth), indent=1))
+    for value in (int(v) for v in values.split(",")):
+        path = into / f"{fmt_name}-{kind}{value}.json"
+        path.write_text(json.dumps(VARIANTS[kind](package, fmt_name, value), indent=1))
         paths.append(str(path))
     return paths
 
@@ -92,6 +108,8 @@ def main() -> None:
     ap.add_argument("--tables", default="", help="comma-separated quant_configs.json paths ('.': the package's)")
     ap.add_argument("--ring-depths", action="append", default=[],
                     help="FMT=D,D,...: the package's table with FMT's ring configs D stages deep, one table per D")
+    ap.add_argument("--gemm-from", action="append", default=[],
+                    help="FMT=N,N,...: the package's table with FMT's GEMM plans taking calls of more than N tokens")
     ap.add_argument("--batches", default="32,64,128")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
@@ -99,12 +117,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="where the JSON goes (default $OUT/plan_ab.json if OUT is set)")
     args = ap.parse_args()
     tables = [PACKAGE_TABLE if t == "." else str(Path(t).resolve()) for t in args.tables.split(",") if t]
-    if args.ring_depths:
+    if args.ring_depths or args.gemm_from:
         variants_dir = Path(tempfile.mkdtemp(prefix="plan_ab-"))
-        for spec in args.ring_depths:
-            tables += depth_tables(spec, variants_dir)
+        for kind, specs in (("ring", args.ring_depths), ("gemm-from", args.gemm_from)):
+            for spec in specs:
+                tables += variant_tables(spec, variants_dir, kind)
     if not tables:
-        raise SystemExit("plan_ab.py: give --tables or --ring-depths")
+        raise SystemExit("plan_ab.py: give --tables, --ring-depths or --gemm-from")
     missing = [t for t in tables if not Path(t).is_file()]
     if missing:
         raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")

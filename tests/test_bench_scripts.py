@@ -205,8 +205,21 @@ def test_plan_ab_ring_depth_tables_change_only_the_ring_depths(tmp_path):
     assert out["formats"]["q4_k"]["shapes"]["128256x4096"] == table["formats"]["q4_k"]["shapes"]["128256x4096"]
     assert out["formats"]["q8_0"] == table["formats"]["q8_0"] and table["formats"]["q4_k"]["shapes"][
         "4096x4096"]["quant_gemm"]["RING"] == 4          # the input is left as it was
-    paths = plan_ab.depth_tables("q6_k=4,6", tmp_path)
+    paths = plan_ab.variant_tables("q6_k=4,6", tmp_path, "ring")
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["q6_k-ring4.json", "q6_k-ring6.json"]
     six = json.loads(open(paths[1]).read())["formats"]["q6_k"]["shapes"]
     assert any(e.get("quant_gemm", {}).get("RING") == 6 for e in six.values())
     assert all(e["quant_gemm"]["RING"] == 6 for e in six.values() if e.get("quant_gemm", {}).get("RING"))
+
+
+def test_plan_ab_gemm_from_tables_move_only_the_gemm_crossover(tmp_path):
+    plan_ab = load("plan_ab")
+    table = {"formats": {"q8_0": {"shapes": {
+        "4096x4096": {"gemv": {"W": 4}, "quant_gemm": {"NW": 4}, "quant_gemm_crossover": 8},
+        "1024x4096": {"gemv": {"W": 2}}}}}}
+    out = plan_ab.gemm_from_table(table, "q8_0", 0)["formats"]["q8_0"]["shapes"]
+    assert out["4096x4096"] == {"gemv": {"W": 4}, "quant_gemm": {"NW": 4}, "quant_gemm_crossover": 0}
+    assert out["1024x4096"] == {"gemv": {"W": 2}}          # no GEMM plan: the GEMV keeps every call
+    assert table["formats"]["q8_0"]["shapes"]["4096x4096"]["quant_gemm_crossover"] == 8
+    paths = plan_ab.variant_tables("q8_0=0,4", tmp_path, "gemm-from")
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["q8_0-gemm-from0.json", "q8_0-gemm-from4.json"]
