@@ -941,7 +941,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         stages = ring_stages(cfg, p.fmt_id, bn)
         if stages < 2:
             raise ValueError(f"{cfg} does not fit an SM's shared memory at {bn}-token tiles")
-        x16 = x_operands(x, p.fmt_id, _XScratch.get(x.device, n_tok, p.cols))
+        x16 = _XScratch.get(x.device, _padded(n_tok, bn), p.cols)
+        x_operands(x, p.fmt_id, x16[:n_tok])
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
@@ -952,7 +953,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
-        x16 = x_operands(x, p.fmt_id, _XScratch.get(x.device, n_tok, p.cols))
+        x16 = _XScratch.get(x.device, _padded(n_tok, bn), p.cols)
+        x_operands(x, p.fmt_id, x16[:n_tok])
         _gemm_tma_kernel[grid](
             _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
             out.stride(0), n_chunks,
@@ -964,6 +966,16 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D, P=cfg.P,
         ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+
+
+# The TMA variants' x as whole token tiles: a tile's box past the last token then reads scratch rows (whatever they
+# hold: a token's column of the MMA never meets another's, and the epilogue stores only the call's tokens) instead
+# of the copy engine's out-of-bounds fill
+PAD_X_TO_TILE = os.environ.get("COBATCH_GEMM_PAD_X", "1") != "0"
+
+
+def _padded(n_tok: int, bn: int) -> int:
+    return -(-n_tok // bn) * bn if PAD_X_TO_TILE else n_tok
 
 
 def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
