@@ -114,6 +114,12 @@ def test_scratch_covers_every_token_tile_of_a_split_config():
     assert apart == (elems, 2 * tiles)
 
 
+def test_x_scratch_holds_whole_token_tiles():
+    """The TMA variants read x in whole token tiles, so the scratch reserved at load for calls of up to max_tok
+    tokens holds the largest tile-rounded call: 100 tokens run a 128-token tile, 300 two of 256."""
+    assert [quant_gemm.x_scratch_rows(n) for n in (1, 16, 17, 100, 256, 300)] == [16, 16, 32, 128, 256, 512]
+
+
 # --- CUDA ---------------------------------------------------------------------------------------------------
 
 def run_poisoned(pw: PackedWeight, x: torch.Tensor, config, act=None) -> torch.Tensor:

@@ -978,6 +978,11 @@ def _padded(n_tok: int, bn: int) -> int:
     return -(-n_tok // bn) * bn if PAD_X_TO_TILE else n_tok
 
 
+def x_scratch_rows(max_tok: int) -> int:
+    """The x scratch rows a call of up to max_tok tokens takes (whole token tiles)."""
+    return max(_padded(n, token_tile(n)) for n in range(1, max_tok + 1))
+
+
 def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
     """x16's TMA descriptor: one K step's [bn tokens, chunk columns] block, swizzled for the MMA."""
     kc = 32 if fmt_id in quant_pack.BYTE_FORMATS else 64

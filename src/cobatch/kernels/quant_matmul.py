@@ -715,7 +715,7 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     for cfg in plan.gemm_configs():
         _SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, plan.mid_upto))
         if cfg.streams_x():
-            quant_gemm.reserve_x_scratch(device, plan.mid_upto * cols)
+            quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(plan.mid_upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
 
