@@ -26,7 +26,8 @@
 #                            samples per SASS instruction, bench/ncu_source.py)
 #   plan-ab TABLES [ARGS]    bench/plan_ab.py on the random Llama-3-8B (QUANT): whole decode steps under each plan
 #                            table (comma-separated quant_configs.json paths, `.` the package's), the model loaded
-#                            once, the tables alternating (ARGS: --batches, --rounds, --context)
+#                            once, the tables alternating (ARGS: --batches, --rounds, --context; --ring-depths,
+#                            --gemm-from and --switch add generated variants: bench/plan_ab.py)
 #   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
 #                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
 #                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment

@@ -1,26 +1,30 @@
-"""Whole decode steps under several plan tables, in one process: the model loads once, then for each round and
-each table in turn every packed weight takes that table's plan, the decode graphs are captured again, and the
-steps at each batch are timed.
+"""Whole decode steps under several plan tables or switches, in one process: the model loads once, then for each
+round and each variant in turn every packed weight takes that variant's plan, the decode graphs are captured again,
+and the steps at each batch are timed.
 
     python bench/plan_ab.py --model M.gguf --tables .,variant.json [--batches 32,64,128] [--rounds 2]
         [--context 512] [--out plan_ab.json]
     python bench/plan_ab.py --model M.gguf --ring-depths q4_k=4,6,8 ...
-    python bench/plan_ab.py --model M.gguf --tables . --gemm-from q8_0=0 --batches 1,4,8,16
+    python bench/plan_ab.py --model M.gguf --gemm-from q8_0=0 --tables . --batches 1,4,8,16
+    python bench/plan_ab.py --model M.gguf --switch quant_gemm.PAD_X_TO_TILE=0,1 --batches 40,64,96,128
 
-A table is a quant_configs.json (`.`: the package's); --ring-depths FMT=D,... adds, for each depth D, the package's
-table with every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep;
---gemm-from FMT=N,... for each N the package's table with every weight of that format that has a GEMM plan handing
-the GEMM calls of more than N tokens (`quant_gemm_crossover`; 0: every call, the GEMV's range given to the GEMM). Why a benchmark of its own: a plan can pay in whole steps and
-not in its kernel alone (a deeper GEMM ring copies more weights before its griddepcontrol.wait, under the kernel
-before: docs/kernels.md), and `bench/device.sh ab` with two tables loads the model once a side and round (30-50 s
-each on Llama-3-8B), where a table here costs a graph capture (10-20 s). Prints each table's step time per batch
-and round, and writes them as JSON.
+A table is a quant_configs.json (`.`: the package's). Generated variants of the package's table:
+--ring-depths FMT=D,... every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep;
+--gemm-from FMT=N,... every weight of that format with a GEMM plan handing the GEMM the calls of more than N tokens
+(`quant_gemm_crossover`; 0: the GEMV's range too). --switch MODULE.ATTR=V,... runs the package's table once per
+value of a module-level switch of cobatch.kernels (set before the graphs are captured again, put back after).
+Why a benchmark of its own: a plan can pay in whole steps and not in its kernel alone (a deeper GEMM ring copies
+more weights before its griddepcontrol.wait, under the kernel before: docs/kernels.md), and `bench/device.sh ab`
+loads the model once a side and round (30-50 s each on Llama-3-8B), where a variant here costs a graph capture
+(10-20 s). Prints each variant's step time per batch and round, and writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -86,6 +90,39 @@ def variant_tables(spec: str, into: Path, kind: str = "ring") -> list[str]:
     return paths
 
 
+def parse_switch(spec: str) -> list[tuple[str, str, object]]:
+    """--switch MODULE.ATTR=V,V,...: (module, attr, value) per value, MODULE a module of cobatch.kernels and each
+    value a JSON literal (0, 1, true, "x") or else the text itself."""
+    target, values = spec.split("=", 1)
+    module, attr = target.rsplit(".", 1)
+
+    def literal(text: str):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    return [(module, attr, literal(v)) for v in values.split(",")]
+
+
+@contextlib.contextmanager
+def switched(switch: tuple[str, str, object] | None):
+    """cobatch.kernels.MODULE.ATTR set to the value while the block runs (a module-level switch such as
+    quant_gemm.PAD_X_TO_TILE, read at launch), then put back."""
+    if switch is None:
+        yield
+        return
+    module, attr, value = switch
+    mod = importlib.import_module(f"cobatch.kernels.{module}")
+    if not hasattr(mod, attr):
+        raise SystemExit(f"plan_ab.py: cobatch.kernels.{module} has no {attr}")
+    before = getattr(mod, attr)
+    setattr(mod, attr, type(before)(value) if isinstance(before, (bool, int, float)) else value)
+    try:
+        yield
+    finally:
+        setattr(mod, attr, before)
+
+
 def use_table(llm: LLM, weights: list[qm.PackedWeight], table: str) -> None:
     """Every weight's plan from `table` (as LLM.load would choose it with COBATCH_QUANT_CONFIGS=table), its
     scratch reserved, and the decode graphs captured again with them (same rows and context as before)."""
@@ -110,6 +147,9 @@ def main() -> None:
                     help="FMT=D,D,...: the package's table with FMT's ring configs D stages deep, one table per D")
     ap.add_argument("--gemm-from", action="append", default=[],
                     help="FMT=N,N,...: the package's table with FMT's GEMM plans taking calls of more than N tokens")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="MODULE.ATTR=V,V,...: the package's table with cobatch.kernels.MODULE.ATTR set to each V "
+                         "(a module-level switch read at launch, e.g. quant_gemm.PAD_X_TO_TILE=0,1)")
     ap.add_argument("--batches", default="32,64,128")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
@@ -122,11 +162,15 @@ def main() -> None:
         for kind, specs in (("ring", args.ring_depths), ("gemm-from", args.gemm_from)):
             for spec in specs:
                 tables += variant_tables(spec, variants_dir, kind)
-    if not tables:
-        raise SystemExit("plan_ab.py: give --tables, --ring-depths or --gemm-from")
     missing = [t for t in tables if not Path(t).is_file()]
     if missing:
         raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")
+    variants = [(Path(t).name, t, None) for t in tables]
+    for spec in args.switch:
+        variants += [(f"{module}.{attr}={value}", PACKAGE_TABLE, (module, attr, value))
+                     for module, attr, value in parse_switch(spec)]
+    if not variants:
+        raise SystemExit("plan_ab.py: give --tables, --ring-depths, --gemm-from or --switch")
     batches = [int(b) for b in args.batches.split(",")]
     max_batch, ctx = max(batches), args.context + 128
     copy_bps = copy_bandwidth()
@@ -138,34 +182,34 @@ def main() -> None:
     weights = packed_weights(llm.model)
     wbytes, kvtok = weight_bytes(llm), kv_bytes_per_token(llm)
     randomize_kv(llm)
-    times: dict[str, dict[int, list[float]]] = {t: {b: [] for b in batches} for t in tables}
+    times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name, _, _ in variants}
     for rnd in range(args.rounds):
-        for table in tables:
+        for name, table, switch in variants:
             t1 = time.perf_counter()
-            use_table(llm, weights, table)
-            for b in batches:
-                place_sessions(llm, b, args.context)
-                times[table][b].append(time_steps(llm) * 1e3)
-                clear(llm)
-            print(f"round {rnd + 1} {Path(table).name} (plans and graphs {time.perf_counter() - t1:.0f} s): "
-                  + "  ".join(f"B={b} {times[table][b][-1]:.2f} ms" for b in batches), flush=True)
+            with switched(switch):
+                use_table(llm, weights, table)
+                for b in batches:
+                    place_sessions(llm, b, args.context)
+                    times[name][b].append(time_steps(llm) * 1e3)
+                    clear(llm)
+            print(f"round {rnd + 1} {name} (plans and graphs {time.perf_counter() - t1:.0f} s): "
+                  + "  ".join(f"B={b} {times[name][b][-1]:.2f} ms" for b in batches), flush=True)
     rows = []
-    for table in tables:
+    for name, table, switch in variants:
         for b in batches:
-            ms = statistics.median(times[table][b])
+            ms = statistics.median(times[name][b])
             roofline_ms = (wbytes + b * (args.context + 8) * kvtok) / copy_bps * 1e3
-            rows.append(dict(table=table, batch=b, step_ms=ms, rounds_ms=times[table][b], tok_s=b / ms * 1e3,
-                             step_over_roofline=ms / roofline_ms))
-    print(f"\n{'table':40} " + "".join(f"{'B=' + str(b):>22}" for b in batches))
-    for table in tables:
-        cells = [next(r for r in rows if r["table"] == table and r["batch"] == b) for b in batches]
-        print(f"{Path(table).name[:40]:40} " + "".join(
+            rows.append(dict(variant=name, table=table, batch=b, step_ms=ms, rounds_ms=times[name][b],
+                             tok_s=b / ms * 1e3, step_over_roofline=ms / roofline_ms))
+    print(f"\n{'variant':40} " + "".join(f"{'B=' + str(b):>22}" for b in batches))
+    for name, _, _ in variants:
+        cells = [next(r for r in rows if r["variant"] == name and r["batch"] == b) for b in batches]
+        print(f"{name[:40]:40} " + "".join(
             f"{' / '.join(f'{v:.2f}' for v in c['rounds_ms']):>14} {c['step_over_roofline']:5.2f}x " for c in cells))
     out = args.out or (str(Path(os.environ["OUT"]) / "plan_ab.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps({"model": args.model, "context": args.context, "copy_gbps": copy_bps / 1e9,
                                          "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -223,3 +223,17 @@ def test_plan_ab_gemm_from_tables_move_only_the_gemm_crossover(tmp_path):
     assert table["formats"]["q8_0"]["shapes"]["4096x4096"]["quant_gemm_crossover"] == 8
     paths = plan_ab.variant_tables("q8_0=0,4", tmp_path, "gemm-from")
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["q8_0-gemm-from0.json", "q8_0-gemm-from4.json"]
+
+
+def test_plan_ab_switch_sets_a_kernel_module_attribute_and_puts_it_back():
+    plan_ab = load("plan_ab")
+    from cobatch.kernels import quant_gemm
+    assert plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0,1") == [("quant_gemm", "PAD_X_TO_TILE", 0),
+                                                                    ("quant_gemm", "PAD_X_TO_TILE", 1)]
+    before = quant_gemm.PAD_X_TO_TILE
+    with plan_ab.switched(("quant_gemm", "PAD_X_TO_TILE", 0)):
+        assert quant_gemm.PAD_X_TO_TILE is False            # cast to the switch's own type
+    assert quant_gemm.PAD_X_TO_TILE is before
+    with pytest.raises(SystemExit):
+        with plan_ab.switched(("quant_gemm", "NO_SUCH_SWITCH", 1)):
+            pass
