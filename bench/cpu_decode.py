@@ -2,8 +2,8 @@
 
     python bench/cpu_decode.py [--threads N] [--tokens 64]
 
-Batch B sessions decode greedily together; prints aggregate tok/s per B and writes JSON to $OUT or
-bench/results/cpu_decode-<date>.json.
+Batch B sessions decode greedily together; prints aggregate tok/s per B and writes cpu_decode.json to $OUT or
+bench/results/.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,12 +53,16 @@ def main() -> None:
         dt = time.perf_counter() - t
         rows.append(dict(batch=b, steps=steps, seconds=dt, step_ms=dt / steps * 1e3, tok_s=b * steps / dt))
         print(f"B={b}: {dt / steps * 1e3:.1f} ms/step, {b * steps / dt:.1f} tok/s aggregate", flush=True)
-    result = dict(date=str(datetime.date.today()), command=" ".join([sys.executable.split('/')[-1]] + sys.argv),
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = dict(measures="decode steps on the CPU path (SmolLM2)",
+                  reproduce=f"python3 bench/cpu_decode.py --threads {args.threads} --tokens {args.tokens}",
+                  recorded=str(datetime.date.today()), tree=tree or None,
+                  date=str(datetime.date.today()), command=" ".join([sys.executable.split('/')[-1]] + sys.argv),
                   machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   threads=args.threads, torch=torch.__version__, model=llm.path.name, rows=rows)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"cpu_decode-{result['date']}-{args.threads}t.json").write_text(json.dumps(result, indent=1))
+    (out / "cpu_decode.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

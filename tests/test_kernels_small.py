@@ -354,3 +354,22 @@ def test_ops_small_ops_match_references():
     ops.kv_write(got_k, v, kc2, vc2, slots)
     assert_same_cache(kc2, k_cache)
     assert_same_cache(vc2, v_cache)
+
+
+# --- the CPU path's linear ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 17])
+def test_cpu_linear_equals_the_float64_product_for_every_batch_shape(rows):
+    """Decode steps of up to 16 rows run as weight @ x.T (one row padded to two), longer ones as F.linear: both
+    are f32 products of the same values, within f32 rounding of the float64 product, and `out` may be a column
+    slice of a wider matrix."""
+    from cobatch import ops
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 160, generator=g), torch.randn(rows, 160, generator=g)
+    want = x.double() @ w.double().T
+    got = ops.linear(x, w)
+    assert got.shape == (rows, 96) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    wide = torch.full((rows, 200), float("nan"))
+    ops.linear(x, w, out=wide[:, 50:146])
+    assert torch.equal(wide[:, 50:146], got) and wide[:, :50].isnan().all() and wide[:, 146:].isnan().all()

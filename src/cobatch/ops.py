@@ -143,10 +143,26 @@ def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = to
     return combine_ref(y, slots, out_dtype)
 
 
+# Decode on the CPU: a step of a few rows runs as weight @ x.T, the weights on the GEMM's long side, where x @ weight.T
+# went to the BLAS's GEMV (one row) or its small-M GEMM, which read the weights a third to a half as fast on 2 cores
+# (MKL; bench/results/cpu_decode.json). One row is padded to two: the GEMV is the slow kernel.
+CPU_COLUMNS_UPTO = 16
+
+
+def _as_columns(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_COLUMNS_UPTO and x.dtype == torch.float32
+
+
+def _weight_times_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    cols = torch.cat([x, x]) if x.shape[0] == 1 else x
+    return torch.mm(w, cols.T).T[:x.shape[0]].contiguous()
+
+
 def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight: a dense tensor [N, K] (CPU path, float weights) or a packed quantized weight (GPU). out: where to
     write the [n, N] result (x 2-D; it may be a column slice of a wider matrix), else a new tensor."""
     if isinstance(weight, torch.Tensor):
-        y = F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)
+        w = weight.to(x.dtype) if weight.dtype != x.dtype else weight
+        y = _weight_times_columns(x, w) if _as_columns(x, w) else F.linear(x, w)
         return y if out is None else out.copy_(y)
     return weight.matmul(x) if out is None else weight.matmul(x, out=out)
