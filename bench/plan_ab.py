@@ -165,7 +165,8 @@ def main() -> None:
     missing = [t for t in tables if not Path(t).is_file()]
     if missing:
         raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")
-    variants = [(Path(t).name, t, None) for t in tables]
+    names = [Path(t).name for t in tables]
+    variants = [(name if names.count(name) == 1 else t, t, None) for name, t in zip(names, tables)]
     for spec in args.switch:
         variants += [(f"{module}.{attr}={value}", PACKAGE_TABLE, (module, attr, value))
                      for module, attr, value in parse_switch(spec)]
@@ -210,6 +211,7 @@ def main() -> None:
     if out:
         Path(out).write_text(json.dumps({"model": args.model, "context": args.context, "copy_gbps": copy_bps / 1e9,
                                          "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
 
 if __name__ == "__main__":
     main()
