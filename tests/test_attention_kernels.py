@@ -199,6 +199,33 @@ def test_decode_padded_rows_are_zero():
         assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 4.0)])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_decode_step_ref_at_once_equals_each_sequence_alone(window, softcap, kv_dtype):
+    """The reference runs a decode step (one row a sequence) for every sequence at once, each context padded to
+    the longest: it must give each row what the reference gives that sequence alone (the loop), and the padding
+    must not leak, whatever the cache's unused slots hold (NaN here)."""
+    seq_lens, n_q, n_kv, d = [37, 1, 100, 16, 17], 8, 2, 32
+    q, k_cache, v_cache, meta = paged_setup(seq_lens, [1] * 5, n_q, n_kv, d, torch.float32, seed=13, capacity=130,
+                                            kv_dtype=kv_dtype)
+    used = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    for s, n in enumerate(seq_lens):
+        for pos in range(n):
+            used[meta.block_tables[s, pos // 16].long(), pos % 16] = True
+    for cache in (k_cache, v_cache):
+        if cache.dtype == torch.float8_e4m3fn:
+            cache.view(torch.uint8)[~used] = 0x7F          # e4m3fn's NaN
+        else:
+            cache[~used] = float("nan")
+    together = paged_attention_ref(q, k_cache, v_cache, meta, 0.2, window, softcap)
+    for s in range(len(seq_lens)):
+        one = AttentionMetadata(meta.slot_mapping[s:s + 1], meta.query_start[:2], meta.seq_lens[s:s + 1],
+                                meta.block_tables[s:s + 1], 1, meta.max_seq_len)
+        alone = paged_attention_ref(q[s:s + 1], k_cache, v_cache, one, 0.2, window, softcap)
+        torch.testing.assert_close(together[s:s + 1], alone, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(together).all()
+
+
 # --- prefill -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2), (7, 1)])
