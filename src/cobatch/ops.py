@@ -149,13 +149,14 @@ def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = to
 CPU_COLUMNS_UPTO = 16
 
 
-def _as_columns(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _as_columns(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_COLUMNS_UPTO and x.dtype == torch.float32
 
 
 def _weight_times_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T as (w @ x.T).T: a transposed view, for the caller to lay out once."""
     cols = torch.cat([x, x]) if x.shape[0] == 1 else x
-    return torch.mm(w, cols.T).T[:x.shape[0]].contiguous()
+    return torch.mm(w, cols.T).T[:x.shape[0]]
 
 
 def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,6 +164,9 @@ def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None) -> torch.Te
     write the [n, N] result (x 2-D; it may be a column slice of a wider matrix), else a new tensor."""
     if isinstance(weight, torch.Tensor):
         w = weight.to(x.dtype) if weight.dtype != x.dtype else weight
-        y = _weight_times_columns(x, w) if _as_columns(x, w) else F.linear(x, w)
+        if _as_columns(x):
+            y = _weight_times_columns(x, w)
+            return y.contiguous() if out is None else out.copy_(y)
+        y = F.linear(x, w)
         return y if out is None else out.copy_(y)
     return weight.matmul(x) if out is None else weight.matmul(x, out=out)

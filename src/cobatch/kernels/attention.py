@@ -61,11 +61,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _one_row_each(meta: AttentionMetadata, n_rows: int) -> bool:
-    """A decode step: every sequence has exactly one row, and a context, and there are no padding rows."""
+    """A decode step: every sequence has exactly one row (at most one each, and as many rows as sequences, none of
+    them padding), and a context."""
     s = meta.num_seqs
-    return (meta.max_query_len == 1 and n_rows == s and s > 1
-            and torch.equal(meta.query_start, torch.arange(s + 1, dtype=meta.query_start.dtype,
-                                                           device=meta.query_start.device))
+    return (meta.max_query_len == 1 and n_rows == s and s > 1 and int(meta.query_start[-1]) == s
             and bool((meta.seq_lens > 0).all()))
 
 

@@ -979,8 +979,9 @@ def _padded(n_tok: int, bn: int) -> int:
 
 
 def x_scratch_rows(max_tok: int) -> int:
-    """The x scratch rows a call of up to max_tok tokens takes (whole token tiles)."""
-    return max(_padded(n, token_tile(n)) for n in range(1, max_tok + 1))
+    """The x scratch rows a call of up to max_tok tokens takes (whole token tiles; the most at max_tok itself, as
+    the rounded-up count only grows with the tokens)."""
+    return _padded(max_tok, token_tile(max_tok))
 
 
 def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
