@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import fragment_dequant, quant_gemm, quant_gemv, quant_pack
+from cobatch.kernels import fragment_dequant, quant_gemm, quant_gemm_cuda, quant_gemv, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.quant_gemm import GemmConfig
+from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
 from cobatch.kernels.triton_support import interpreting, jit, tl, triton
@@ -699,6 +700,8 @@ def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan | GemmConfig, n_rows_p
         return quant_gemv.scratch_need(cfg, n_rows_pad, max_tok)
     if isinstance(cfg, GemmConfig):
         return quant_gemm.scratch_need(cfg, n_rows_pad, max_tok)
+    if isinstance(cfg, CudaGemmConfig):
+        return quant_gemm_cuda.scratch_need(cfg, n_rows_pad, max_tok)
     if cfg.split_k == 1:
         return 1, 1
     tiles = (n_rows_pad // cfg.BN) * -(-max_tok // cfg.BM)
@@ -784,7 +787,7 @@ class PackedWeight:
         out_cols = self.rows // 2 if act else self.rows
         if config is None and self.dense is None:
             config = self.plan.config_for(n_tok)
-        if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig)):
+        if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)):
             y = self.matmul(x2, config)
             return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
         if self.dense is not None:
@@ -807,13 +810,14 @@ class PackedWeight:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = _SplitScratch.get(x.device)
             quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
-        elif isinstance(config, GemmConfig):
+        elif isinstance(config, (GemmConfig, CudaGemmConfig)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
             partial, count = out, out
             if config.split_k > 1:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = _SplitScratch.get(x.device)
-            quant_gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
+            gemm = quant_gemm if isinstance(config, GemmConfig) else quant_gemm_cuda
+            gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         else:
             launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)

@@ -1,0 +1,195 @@
+"""The CUDA C++ quantized GEMM (quant_gemm_cuda.py) against the Gluon one's plans, kernel alone, on the H200.
+
+    PYTHONPATH=src python bench/gemm_cuda.py [--shapes qkv,o,gate_up,down] [--toks 16,32,64,128]
+
+q8_0 on the Llama-3-8B shapes (bench/kernels.py's SHAPES). For each shape and token count: the committed plan's
+config (the Gluon GEMM, or the GEMV where the plan keeps it) and every CUDA candidate (candidates()), each timed
+as CUDA-graph replays over copies of the weight rotating past L2 (bench/timing.py). Every candidate is first
+checked against the float64 reference. Reports us, GB/s of weight bytes and their share of a device-to-device
+copy measured in the same run. Prints a short table last; JSON and markdown to $OUT and bench/results/gemm_cuda.*.
+With --probe, also where the best config's time goes (its MMAs, its dequantization, the ring alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cobatch.kernels import quant_gemm_cuda  # noqa: E402
+from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig  # noqa: E402
+from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
+from kernels import SHAPES, random_weight, rotating  # noqa: E402
+from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
+
+TOKS = [16, 32, 64, 128]
+SMS = 132
+
+
+def candidates(rows: int, n_chunks: int) -> list[CudaGemmConfig]:
+    """Every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4 chunks, LAG or
+    not (one row block: two need too many registers for it), split K until the CTAs fill the GPU one to two
+    times over."""
+    out = []
+    for wg in (1, 2):
+        for rb in (1, 2):
+            for minb in (1, 2):
+                for lag in ((False, True) if rb == 1 else (False,)):
+                    blocks = rows // (64 * wg * rb)
+                    for split in (1, 2, 4, 8):
+                        if n_chunks % (split * 4) or blocks * split > 2 * SMS * minb:
+                            continue
+                        if split > 1 and blocks * split // 2 >= SMS * minb:
+                            continue      # the GPU was full with half the splits
+                        out.append(CudaGemmConfig(WG=wg, RB=rb, CH=4, S=8, split_k=split, MINB=minb, LAG=lag))
+    return out
+
+
+def check(pw: PackedWeight, w, cfg) -> float:
+    ref_w = w.row_slice(0, 512).dequantize().double()
+    x = torch.randn(100, w.cols, device="cuda").to(torch.bfloat16)
+    y = pw.matmul(x, config=cfg)[:, :512].double()
+    ref = x.double() @ ref_w.T
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def time_config(copies: list[PackedWeight], n: int, cfg) -> float:
+    x = torch.randn(n, copies[0].cols, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n, copies[0].rows, device="cuda", dtype=torch.bfloat16)
+    return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
+
+
+def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
+    """The kernel alone: x staged once before, every launch reading the same image."""
+    x = torch.randn(n, copies[0].cols, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n, copies[0].rows, device="cuda", dtype=torch.bfloat16)
+    bn = quant_gemm_cuda.token_tile(n)
+    img = torch.empty(-(-n // bn), copies[0].cols // 32, bn * 32, device="cuda", dtype=torch.float16)
+    quant_gemm_cuda.x_image(x, bn, img, pdl=False)
+    partial, count = qm._SplitScratch.get(x.device)
+    return graph_time([lambda w=w: quant_gemm_cuda.launch_staged(w.planes, img, n, out, cfg, partial, count)
+                       for w in copies])
+
+
+def key(cfg) -> str:
+    if isinstance(cfg, CudaGemmConfig):
+        return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
+            (" lag" if cfg.LAG else "")
+    return f"plan {cfg}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--toks", default=",".join(map(str, TOKS)))
+    ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
+                    "(PROBE 1), without its dequantization (2) and without both (3): where its time goes")
+    ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
+    args = ap.parse_args()
+    if args.markdown_from:
+        return write(json.loads(args.markdown_from.read_text()))
+    toks = [int(t) for t in args.toks.split(",")]
+    shapes = args.shapes.split(",")
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    # compile every candidate at every token tile first, in threads (NVRTC runs outside the GIL)
+    jobs = {(c, quant_gemm_cuda.token_tile(n)) for s in shapes for c in candidates(SHAPES[s][0], SHAPES[s][1] // 32)
+            for n in toks if c.stages(quant_gemm_cuda.token_tile(n)) >= 2}
+    with cf.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda j: quant_gemm_cuda.cubin(j[0], j[1], 0, 2, quant_gemm_cuda.PDL), jobs))
+    copy_gbps = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s ({len(jobs)} kernels compiled)", flush=True)
+    rows_out = []
+    for name in shapes:
+        rows, cols = SHAPES[name]
+        w = random_weight("q8_0", rows, cols)
+        pw = PackedWeight.from_quant(w, "cuda")
+        copies = rotating(pw)
+        cands = candidates(rows, cols // 32)
+        errors = {key(c): check(pw, w, c) for c in cands}
+        bad = {k: e for k, e in errors.items() if not e < 5e-3}
+        assert not bad, f"{name}: wrong results {bad}"
+        for n in toks:
+            bn = quant_gemm_cuda.token_tile(n)
+            plan_cfg = pw.plan.config_for(n)
+            times = {key(plan_cfg): time_config(copies, n, plan_cfg) * 1e6}
+            for c in cands:
+                if c.stages(bn) >= 2:
+                    times[key(c)] = time_config(copies, n, c) * 1e6
+            best = min((k for k in times if k.startswith("cuda")), key=times.get)
+            best_cfg = next(c for c in cands if key(c) == best)
+            quant_gemm_cuda.PDL = False
+            no_pdl = time_config(copies, n, best_cfg) * 1e6
+            quant_gemm_cuda.PDL = True
+            row = dict(shape=name, rows=rows, cols=cols, n_tok=n, weight_bytes=pw.nbytes,
+                       plan=key(plan_cfg), plan_us=times[key(plan_cfg)], best=best, best_us=times[best],
+                       best_kernel_alone_us=time_staged(copies, n, best_cfg) * 1e6, best_without_pdl_us=no_pdl,
+                       all_us=times, max_rel_err=max(errors.values()))
+            if args.probe:
+                row["probe_us"] = {p: time_staged(copies, n, dataclasses.replace(best_cfg, PROBE=p)) * 1e6
+                                   for p in (1, 2, 3)}
+            for side in ("plan", "best"):
+                row[f"{side}_gbps"] = pw.nbytes / row[f"{side}_us"] / 1e3
+                row[f"{side}_copy"] = row[f"{side}_gbps"] / copy_gbps
+            rows_out.append(row)
+            print(f"{name} n={n}: plan {row['plan_us']:.1f} us ({row['plan_copy']:.0%} of copy), "
+                  f"cuda {row['best_us']:.1f} us ({row['best_copy']:.0%}) {best}", flush=True)
+        del copies, pw
+        torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    result = dict(benchmark="gemm_cuda", date=datetime.date.today().isoformat(), tree=commit or None,
+                  device=torch.cuda.get_device_name(), command="PYTHONPATH=src python bench/gemm_cuda.py "
+                  + " ".join(sys.argv[1:]), copy_gbps=copy_gbps, copy_detail=COPY_DETAIL, rows=rows_out)
+    write(result)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# The CUDA C++ quantized GEMM against the Gluon plans ({result['device']}, {result['date']}, "
+             f"tree {result['tree']})", "",
+             f"`{result['command']}`; q8_0, Llama-3-8B shapes; copy bandwidth {result['copy_gbps']:.0f} GB/s "
+             "(read + write). `plan`: the committed plan's config (the Gluon GEMM with its x_operands launch, or the "
+             "GEMV), `CUDA`: the best CUDA config with its x_image launch, both as CUDA-graph replays over copies "
+             "rotating past L2; `kernel alone`: that config with x staged once before; `without PDL`: launched "
+             "plainly.", "",
+             "| shape | n | plan us | % copy | CUDA us | % copy | speed-up | kernel alone us | without PDL us | "
+             "CUDA config |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {r['n_tok']} | {r['plan_us']:.1f} | {r['plan_copy']:.0%} | {r['best_us']:.1f} | "
+                     f"{r['best_copy']:.0%} | {r['plan_us'] / r['best_us']:.2f}x | {r['best_kernel_alone_us']:.1f} | "
+                     f"{r['best_without_pdl_us']:.1f} | {r['best'][5:]} |")
+    if all("probe_us" in r for r in result["rows"]):
+        lines += ["", "Where the kernel's time goes: the best config alone, and the same kernel without its MMAs, "
+                  "without its dequantization, and without both (the ring's copies, shared loads and barriers "
+                  "only; wrong sums).", "",
+                  "| shape | n | kernel alone us | without MMAs | without dequantization | without both | "
+                  "% copy without both |", "|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            pr = {int(k): v for k, v in r["probe_us"].items()}
+            floor = r["weight_bytes"] / pr[3] / 1e3 / result["copy_gbps"]
+            lines.append(f"| {r['shape']} | {r['n_tok']} | {r['best_kernel_alone_us']:.1f} | {pr[1]:.1f} | "
+                         f"{pr[2]:.1f} | {pr[3]:.1f} | {floor:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict) -> None:
+    for d in [ROOT / "bench" / "results"] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+        (d / "gemm_cuda.json").write_text(json.dumps(result, indent=1))
+        (d / "gemm_cuda.md").write_text(markdown(result))
+    print("\n" + markdown(result))
+
+if __name__ == "__main__":
+    main()

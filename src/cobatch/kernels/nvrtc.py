@@ -1,0 +1,155 @@
+"""CUDA C++ kernels compiled at run time by NVRTC and launched on torch's current stream, through ctypes.
+
+For the kernels Gluon cannot express (an mbarrier arrive per warp, cp.async.bulk without a tensor map, wgmma with
+no CTA barrier of the compiler's own around it). No compiler is installed: NVRTC ships with torch's CUDA wheels
+(nvidia-cuda-nvrtc), and the driver loads the cubin. Nothing here runs on a machine without CUDA; importing this
+module does not load any library.
+
+A `Kernel` launches like cuLaunchKernelEx: grid, block, dynamic shared memory, the argument values as ctypes
+scalars, and optionally as a programmatic dependent (PDL) of the kernel before it on the stream. Launches are
+captured by CUDA graphs like any other on the stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import sys
+
+import torch
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+def _first_library(names: list[str], patterns: list[str]) -> ctypes.CDLL:
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    for pattern in patterns:
+        for path in sorted(p for p in glob.glob(pattern) if ".alt." not in p):
+            try:
+                # NVRTC dlopens its builtins by name: load the copy beside it first, where the loader looks not
+                for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*")):
+                    if ".alt." not in builtins:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    raise NvrtcError(f"none of {names} could be loaded (searched {patterns})")
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    major = (torch.version.cuda or "13").split(".")[0]
+    # the nvidia-cuda-nvrtc wheel (torch's CUDA wheels depend on it): site-packages/nvidia/cu13/lib or
+    # nvidia/cuda_nvrtc/lib, which the loader does not search
+    patterns = [f"{p}/nvidia/*/lib/libnvrtc.so*" for p in sys.path if p]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    patterns.append(f"{home}/lib64/libnvrtc.so*")
+    lib = _first_library([f"libnvrtc.so.{major}", "libnvrtc.so"], patterns)
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+@functools.cache
+def _cuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    return lib
+
+
+def _check_cu(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _cuda().cuGetErrorName(result, ctypes.byref(name))
+        raise NvrtcError(f"{what}: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """NVRTC: CUDA C++ source -> (cubin for sm_`arch`, e.g. "90a", the compiler's log). Raises NvrtcError
+    with the log when it does not compile."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise NvrtcError(f"{what}: {lib.nvrtcGetErrorString(result).decode()}")
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None),
+          "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-diag-suppress=177", *options]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    result = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log_buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log_buf)
+    log = log_buf.value.decode(errors="replace")
+    if result != 0:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        raise NvrtcError(f"{name} does not compile:\n{log}")
+    check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+    cubin = ctypes.create_string_buffer(size.value)
+    check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return cubin.raw, log
+
+
+# cuLaunchKernelEx's structs (cuda.h): a launch attribute is an id, padding to 8 bytes and a 64-byte value union.
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
+_FUNC_ATTR_NUM_REGS = 4
+_FUNC_ATTR_LOCAL_SIZE = 3
+
+
+class Kernel:
+    """One __global__ function of a loaded cubin, on one device."""
+
+    def __init__(self, cubin: bytes, name: str, smem_bytes: int):
+        cu = _cuda()
+        self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
+        _check_cu(cu.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
+        _check_cu(cu.cuModuleGetFunction(ctypes.byref(self.func), self.module, name.encode()), "cuModuleGetFunction")
+        if smem_bytes > 48 * 1024:
+            _check_cu(cu.cuFuncSetAttribute(self.func, _FUNC_ATTR_MAX_DYNAMIC_SHARED, smem_bytes),
+                      "cuFuncSetAttribute")
+        self.smem_bytes = smem_bytes
+        self.registers = self._attribute(_FUNC_ATTR_NUM_REGS)
+        self.spill_bytes = self._attribute(_FUNC_ATTR_LOCAL_SIZE)
+        pdl = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        ctypes.memmove(pdl.value, (ctypes.c_int * 1)(1), 4)
+        self._pdl_attrs = (_LaunchAttribute * 1)(pdl)
+
+    def _attribute(self, which: int) -> int:
+        v = ctypes.c_int()
+        _check_cu(_cuda().cuFuncGetAttribute(ctypes.byref(v), which, self.func), "cuFuncGetAttribute")
+        return v.value
+
+    def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False) -> None:
+        """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order."""
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, ctypes.c_void_p(stream),
+                            self._pdl_attrs if pdl else None, 1 if pdl else 0)
+        _check_cu(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None), "cuLaunchKernelEx")
+
+
+def arch_of(device: torch.device) -> str:
+    """The NVRTC architecture of a device: "90a" on Hopper (wgmma and setmaxnreg need the a)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}" + ("a" if major == 9 else "")

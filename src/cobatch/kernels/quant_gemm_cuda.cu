@@ -1,0 +1,334 @@
+// The mid-batch quantized GEMM in CUDA C++ (quant_gemm_cuda.py compiles it with NVRTC): out = x @ W.T for a
+// q8_0 weight in fragment-order planes (quant_pack.py), 16-128 tokens a token tile, on Hopper's wgmma.
+//
+// A CTA is WG consumer warpgroups and one producer warp. The producer streams each stage's weight rows (qs and d
+// planes, as they are) and x (the token tile's image, laid out as wgmma reads it: quant_gemm_cuda.x_image) into a
+// ring of S shared-memory stages with cp.async.bulk, counted by the stage's `full` mbarrier. Consumer warp w of
+// warpgroup g reads its 16-row tiles' bytes of each chunk back with one 16-byte shared load a lane (the fragment
+// order is the wgmma A fragment), dequantizes them in registers (quant_gemv.ASM_Q8's instructions) and issues
+// the chunk's wgmmas; once they retired, each warp arrives on the stage's `empty` mbarrier on its own (count:
+// every consumer warp). No CTA barrier runs in the main loop.
+//
+// Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), CH (32-column
+// chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile), ACT (0: store
+// the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
+// PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
+// PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an SM for the register budget), and wgmma_bn(), the
+// wgmma of BN tokens, written by the host.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+#define CONSUMERS (WG * 128)
+#define THREADS (CONSUMERS + 32)
+#define TILES (WG * RB * 4)                 // 16-row tiles of a CTA
+#define ROWS (TILES * 16)
+#define QS_BYTES (TILES * CH * 512)          // a stage's quant bytes: [tile][chunk][512]
+#define D_BYTES (TILES * CH * 32)            // its scales: [tile][chunk][16 rows' f16]
+#define X_CHUNK_BYTES (BN * 64)              // one chunk of the x image: BN tokens x 32 f16
+#define X_BYTES (CH * X_CHUNK_BYTES)
+#define STAGE_BYTES (QS_BYTES + D_BYTES + X_BYTES)
+#define NACC (BN / 2)                        // accumulators a thread holds per 64-row block
+
+static __device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count));
+}
+
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred done;\n WAIT_%=:\n"
+                 " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 " @!done bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+static __device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+// One q8_0 word (rows g, g + 8 x logical columns 2c, 2c + 1: quant_pack.fragment_order) -> the f16x2 operand of
+// row g and of row g + 8: the sign flipped (q + 128), each byte under 0x64 (1024 + q + 128 as f16), minus 1152
+// exactly, times the row's scale. The GEMV's and the Gluon GEMM's instructions (quant_gemv.ASM_Q8).
+static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 scale_g8, u32& row_g, u32& row_g8) {
+    asm("{\n .reg .b32 u, a0, a1, z;\n"
+        " xor.b32 u, %2, 0x80808080;\n"
+        " mov.b32 z, 0x64806480;\n"
+        " prmt.b32 a0, u, 0x64646464, 0x4240;\n"
+        " prmt.b32 a1, u, 0x64646464, 0x4341;\n"
+        " sub.rn.f16x2 a0, a0, z;\n"
+        " sub.rn.f16x2 a1, a1, z;\n"
+        " mul.rn.f16x2 %0, a0, %3;\n"
+        " mul.rn.f16x2 %1, a1, %4;\n}"
+        : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
+}
+
+// A wgmma B descriptor (no swizzle): start address, LBO (the next 8 columns of K) and SBO (the next 8 tokens),
+// each in 16-byte units.
+static __device__ __forceinline__ u64 b_descriptor(u32 addr) {
+    const u64 lbo = (BN * 16) >> 4, sbo = 128 >> 4;
+    return (u64)((addr & 0x3FFFF) >> 4) | (lbo << 16) | (sbo << 32);
+}
+
+static __device__ __forceinline__ float ld_cg(const float* p) {      // from L2: another CTA's partial sums
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+#if OUT == 0
+typedef float out_t;
+static __device__ __forceinline__ out_t to_out(float v) { return v; }
+static __device__ __forceinline__ float rounded(float v) { return v; }
+#elif OUT == 1
+typedef u16 out_t;
+static __device__ __forceinline__ out_t to_out(float v) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+static __device__ __forceinline__ float rounded(float v) { return f16_to_f32(to_out(v)); }
+#else
+typedef u16 out_t;
+static __device__ __forceinline__ out_t to_out(float v) { u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+static __device__ __forceinline__ float rounded(float v) { return __uint_as_float(((u32)to_out(v)) << 16); }
+#endif
+
+// act(gate) * up, each rounded to the output type first, as activation._gated_mul_kernel computes it
+static __device__ __forceinline__ float gated(float gate, float up) {
+    float g = rounded(gate), u = rounded(up), z;
+#if ACT == 2
+    z = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+#else
+    z = g;
+#endif
+    return g * (1.0f / (1.0f + __expf(-z))) * u;
+}
+
+// Store a thread's sums: row (of the CTA's) r0 + 8 e for e = 0, 1 and tokens t0 + 8 j + {0, 1}, as the wgmma
+// accumulator holds them (acc[4 j + 2 e + i]: row r0 + 8 e, token t0 + 8 j + i).
+static __device__ __forceinline__ void store_rows(const float* acc, out_t* out, int out_stride, int row,
+                                                  int tok0, int n_rows, int n_tok) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int t = tok0 + 8 * j + i;
+            if (t >= n_tok) continue;
+#if ACT == 0
+            if (row < n_rows) out[(u64)t * out_stride + row] = to_out(acc[4 * j + i]);
+            if (row + 8 < n_rows) out[(u64)t * out_stride + row + 8] = to_out(acc[4 * j + 2 + i]);
+#else
+            const int col = (row / 16) * 8 + row % 16;      // row: the tile's gate row g, row + 8 its up row
+            if (col < n_rows / 2) out[(u64)t * out_stride + col] = to_out(gated(acc[4 * j + i], acc[4 * j + 2 + i]));
+#endif
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restrict__ d,
+              const unsigned char* __restrict__ x_image, out_t* __restrict__ out, float* __restrict__ partial,
+              int* __restrict__ count, int n_tok, int n_rows, int out_stride, int n_chunks, int row_blocks) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 base = smem_u32(smem);
+    const u32 bars = base + S * STAGE_BYTES;               // full[S], empty[S], then the split-K flag
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int tok_tile = blockIdx.x, row_block = blockIdx.y / SPLIT, split = blockIdx.y % SPLIT;
+    const int n_stages = n_chunks / SPLIT / CH;
+    const int chunk_first = split * n_stages * CH;
+    const int tile0 = row_block * TILES;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (S + s), WG * 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+
+    if (warp == WG * 4) {                                  // the producer warp
+        const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
+        const unsigned char* x_tile = x_image + (u64)tok_tile * n_chunks * X_CHUNK_BYTES;
+        int ahead = 0;
+#if PDL
+        // weights are never written: the first stages' copies start while the kernel before finishes
+        ahead = n_stages < S ? n_stages : S;
+        for (int s = 0; s < ahead; ++s) {
+            const u32 stage = base + s * STAGE_BYTES, bar = bars + 8 * s;
+            const int chunk0 = chunk_first + s * CH;
+            if (lane == 0) mbar_expect(bar, STAGE_BYTES);
+            __syncwarp();
+            if (lane < TILES) {
+                bulk_copy(stage + lane * CH * 512, qs + (tile0 + lane) * tile_bytes + chunk0 * 512, CH * 512, bar);
+                bulk_copy(stage + QS_BYTES + lane * CH * 32, d + (tile0 + lane) * side_bytes + chunk0 * 32, CH * 32,
+                          bar);
+            }
+        }
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        if (lane == 0)
+            for (int s = 0; s < ahead; ++s)
+                bulk_copy(base + s * STAGE_BYTES + QS_BYTES + D_BYTES,
+                          x_tile + (u64)(chunk_first + s * CH) * X_CHUNK_BYTES, X_BYTES, bars + 8 * s);
+#endif
+        for (int s = ahead; s < n_stages; ++s) {
+            const int slot = s % S;
+            const u32 stage = base + slot * STAGE_BYTES, bar = bars + 8 * slot;
+            const int chunk0 = chunk_first + s * CH;
+            mbar_wait(bars + 8 * (S + slot), ((s / S) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
+            if (lane == 0) mbar_expect(bar, STAGE_BYTES);
+            __syncwarp();
+            if (lane < TILES) {
+                bulk_copy(stage + lane * CH * 512, qs + (tile0 + lane) * tile_bytes + chunk0 * 512, CH * 512, bar);
+                bulk_copy(stage + QS_BYTES + lane * CH * 32, d + (tile0 + lane) * side_bytes + chunk0 * 32, CH * 32,
+                          bar);
+            }
+            if (lane == 0) bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * X_CHUNK_BYTES, X_BYTES, bar);
+        }
+        return;
+    }
+
+    // the consumers: warp wi of warpgroup wg owns 16-row tile (wg RB + rb) 4 + wi of each of its RB blocks
+    const int wg = warp / 4, wi = warp % 4, g = lane / 4;
+    float acc[RB][NACC];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) acc[rb][i] = 0.0f;
+
+#if LAG
+#pragma unroll 2
+#endif
+    for (int s = 0; s < n_stages; ++s) {
+        const int slot = s % S;
+        const u32 stage = base + slot * STAGE_BYTES;
+        mbar_wait(bars + 8 * slot, (s / S) & 1);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+            u32 a[RB][8];
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb) {
+                const int tile = (wg * RB + rb) * 4 + wi;
+                const uint4 q = lds128(stage + (tile * CH + c) * 512 + lane * 16);
+                const u32 sc = lds32(stage + QS_BYTES + (tile * CH + c) * 32 + g * 4);
+                u32 s_g, s_g8;
+                asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(s_g) : "r"(sc));
+                asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(s_g8) : "r"(sc));
+#if PROBE & 2      // the raw bytes as the operand: no dequantization (wrong sums)
+                a[rb][0] = q.x; a[rb][1] = q.y; a[rb][2] = q.z; a[rb][3] = q.w;
+                a[rb][4] = q.x ^ s_g; a[rb][5] = q.y ^ s_g8; a[rb][6] = q.z; a[rb][7] = q.w;
+#else
+                dequant_q8(q.x, s_g, s_g8, a[rb][0], a[rb][1]);
+                dequant_q8(q.y, s_g, s_g8, a[rb][2], a[rb][3]);
+                dequant_q8(q.z, s_g, s_g8, a[rb][4], a[rb][5]);
+                dequant_q8(q.w, s_g, s_g8, a[rb][6], a[rb][7]);
+#endif
+            }
+            const u32 xs = stage + QS_BYTES + D_BYTES + c * X_CHUNK_BYTES;
+#if PROBE & 1      // no MMA: the operands folded into one accumulator, so that nothing before is dead code
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb)
+                acc[rb][0] += __uint_as_float((a[rb][0] ^ a[rb][1] ^ a[rb][2] ^ a[rb][3] ^ a[rb][4] ^ a[rb][5] ^ a[rb][6]
+                                               ^ a[rb][7] ^ xs) & 0x3FFFFFFF);
+#else
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb) {
+                // k16 half h: the chunk's words 2 h (columns 2c, 2c + 1) and 2 h + 1 (+ 8), rows g and g + 8
+                wgmma_bn(acc[rb], a[rb][0], a[rb][1], a[rb][2], a[rb][3], b_descriptor(xs));
+                wgmma_bn(acc[rb], a[rb][4], a[rb][5], a[rb][6], a[rb][7], b_descriptor(xs + 2 * BN * 16));
+            }
+#endif
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        }
+#if LAG
+        // retire the stage before, whose MMAs ran while this one was dequantized; this one's stay in flight
+        asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(CH) : "memory");
+        __syncwarp();
+        if (lane == 0 && s > 0) mbar_arrive(bars + 8 * (S + (s + S - 1) % S));
+#else
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+#endif
+    }
+#if LAG
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");      // stores after the kernel before's reads and writes
+#endif
+    const int tok0 = tok_tile * BN + 2 * (lane % 4);
+    if (SPLIT == 1) {
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+            const int row = row_block * ROWS + ((wg * RB + rb) * 4 + wi) * 16 + g;
+            store_rows(acc[rb], out, out_stride, row, tok0, n_rows, n_tok);
+        }
+        return;
+    }
+    // split K: each CTA stores its partial sums (thread-major: every CTA of the tile lays them out alike), and the
+    // last of the tile's SPLIT CTAs adds them in split order, so a row's bits do not depend on which came last
+    const int tile = tok_tile * row_blocks + row_block;
+    float* mine = partial + ((u64)tile * SPLIT + split) * (ROWS * BN);
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) mine[(rb * NACC + i) * CONSUMERS + threadIdx.x] = acc[rb][i];
+    __threadfence();
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
+    volatile int* flag = (volatile int*)(smem + S * STAGE_BYTES + 16 * S);
+    if (threadIdx.x == 0) {
+        const int arrived = atomicAdd(count + tile, 1);
+        *flag = arrived == SPLIT - 1;
+    }
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
+    if (!*flag) return;
+    __threadfence();
+    const float* all = partial + (u64)tile * SPLIT * (ROWS * BN);
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) {
+            float v = 0.0f;
+            for (int k = 0; k < SPLIT; ++k)
+                v += ld_cg(all + (u64)k * (ROWS * BN) + (rb * NACC + i) * CONSUMERS + threadIdx.x);
+            acc[rb][i] = v;
+        }
+        const int row = row_block * ROWS + ((wg * RB + rb) * 4 + wi) * 16 + g;
+        store_rows(acc[rb], out, out_stride, row, tok0, n_rows, n_tok);
+    }
+    if (threadIdx.x == 0) count[tile] = 0;
+}

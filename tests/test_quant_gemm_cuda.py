@@ -1,0 +1,150 @@
+"""The mid-batch quantized GEMM in CUDA C++ (quant_gemm_cuda.py, compiled by NVRTC).
+
+CPU: x's staging kernel (through the Triton interpreter) against its torch reference, and, where NVRTC is
+installed (the test extras install it), every config the benchmarks run compiles for sm_90a without spills or
+serialized wgmmas. Hopper: products against the float64 reference over token tiles, configs, split-K, the act
+epilogue and output types; a row's bits the same whatever the batch within a token tile's range and across
+tiles; CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.kernels import nvrtc, quant_gemm_cuda, quant_pack
+from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
+from cobatch.kernels.quant_matmul import PackedWeight, quant_matmul_ref
+from conftest import requires_cuda
+from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
+from test_quant_gemv import make_weight
+
+requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                     reason="needs a Hopper GPU (wgmma)")
+
+# the configs bench/gemm_cuda.py sweeps around, at the token tiles they serve
+COMPILED = [(CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=4, S=4), 64),
+            (CudaGemmConfig(WG=1, RB=1, CH=4, S=6, split_k=2, MINB=2), 32),
+            (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1), 128), (CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 16),
+            (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, LAG=True), 64)]
+
+
+def _nvrtc_available() -> bool:
+    try:
+        nvrtc._nvrtc()
+        return True
+    except (nvrtc.NvrtcError, OSError):
+        return False
+
+
+# --- CPU ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bn,n_tok", [(16, 16), (16, 5), (64, 40), (32, 70)])
+def test_x_image_is_the_reference_layout(bn, n_tok):
+    """Tokens padded with zeros to whole tiles; each chunk's 32 columns in the planes' order (k_order) as four
+    groups of 8 columns, each group's tokens in 8 x 8 core matrices of 128 bytes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(n_tok, 256, generator=torch.Generator().manual_seed(n_tok)).to(device, torch.bfloat16)
+    tiles = -(-n_tok // bn)
+    out = torch.full((tiles, 8, bn * 32), float("nan"), dtype=torch.float16, device=device)
+    quant_gemm_cuda.x_image(x, bn, out, pdl=False)
+    ref = quant_gemm_cuda.x_image_ref(x, bn)
+    assert torch.equal(out, ref)
+    # the reference itself: token t, logical column k of chunk c sits at [t // bn, c, kc, t % bn // 8, t % 8, k % 8]
+    order = quant_pack.k_order(quant_pack.Q8_0)
+    t, c, k = min(n_tok - 1, 11), 3, 13
+    img = ref.view(tiles, 8, 4, bn // 8, 8, 8)
+    assert img[t // bn, c, k // 8, t % bn // 8, t % 8, k % 8] == x[t, 32 * c + order[k]].half()
+    assert not ref.isnan().any()
+
+
+def test_config_stages_fit_an_sm():
+    """A stage of 16 row tiles and 4 chunks carries 34 KB of weights and scales (16 x 4 x 544 bytes) and
+    4 x 64 bn bytes of x: 38 KB at 16 tokens, 66 KB at 128, of the SM's 226 KB."""
+    cfg = CudaGemmConfig(WG=2, RB=2, CH=4, S=8)
+    assert [cfg.stages(bn) for bn in quant_gemm_cuda.TOKEN_TILES] == [5, 5, 4, 3]
+    for bn in quant_gemm_cuda.TOKEN_TILES:
+        assert cfg.smem_bytes(bn) <= quant_gemm_cuda.SMEM_LIMIT
+    with pytest.raises(ValueError):
+        CudaGemmConfig(RB=3)
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("cfg,bn", COMPILED)
+@pytest.mark.parametrize("act", [0, 1])
+def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, bn, act):
+    _, log = nvrtc.compile_cubin(quant_gemm_cuda.source(cfg, bn, act, 2, True), "quant_gemm_q8", "90a",
+                                 ("--ptxas-options=-v",))
+    assert "0 bytes spill stores" in log, log
+    assert "C751" not in log, log          # ptxas's "wgmma ... serialized" performance warnings
+
+
+# --- Hopper -------------------------------------------------------------------------------------------------
+
+CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=2, S=3),
+           CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True)]
+
+
+def _weight(rows=1024, cols=2048, seed=3):
+    w = make_weight("q8_0", rows, cols, seed=seed, device="cuda")
+    return w, PackedWeight.from_quant(w, "cuda")
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("n_tok", [1, 16, 17, 40, 64, 100, 128, 200])
+def test_product_matches_the_reference(cfg, n_tok):
+    w, pw = _weight()
+    x = torch.randn(n_tok, w.cols, generator=torch.Generator().manual_seed(n_tok)).to("cuda", torch.bfloat16)
+    out = pw.matmul(x, config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))
+    ref = quant_matmul_ref(x, w)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < 4e-3, (cfg, n_tok)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_epilogue_and_output_types(out_dtype, act):
+    """gate|up rows interleaved 8 by 8 (QuantWeight.interleave_rows): act(gate) * up, each half rounded to the
+    output type first; and plain products in f32 and f16."""
+    from cobatch.kernels.activation import gated_mul_ref
+    w, _ = _weight(rows=1024, cols=1024, seed=7)
+    pw = PackedWeight.from_quant(w, "cuda", gate_up_interleaved=True)
+    x = torch.randn(48, w.cols, generator=torch.Generator().manual_seed(2)).to("cuda", out_dtype)
+    cfg = CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2)
+    plain = pw.matmul(x, config=cfg, out=poisoned((48, w.rows), out_dtype))
+    assert relative_error(plain, quant_matmul_ref(x, w)) < 4e-3
+    gated = pw.matmul(x, config=cfg, act=act, out=poisoned((48, w.rows // 2), out_dtype))
+    ref = gated_mul_ref(plain, act, interleaved=True)
+    assert relative_error(gated, ref) < 4e-3
+
+
+@requires_cuda
+@requires_hopper
+def test_row_is_bitwise_identical_whatever_the_batch():
+    """A row's result does not depend on the other tokens of the call, within a token tile's range and across
+    tiles and token offsets, under split-K (the cross-CTA reduction in split order is part of the check)."""
+    w, pw = _weight(rows=2048, cols=4096, seed=5)
+    x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    for cfg in (CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=4), CudaGemmConfig(WG=2, RB=2, CH=2, S=3)):
+        full = pw.matmul(x[:256], config=cfg, out=poisoned((256, w.rows), torch.bfloat16))
+        for n_tok in (1, 17, 32, 33, 64, 65, 128, 200, 256):
+            got = pw.matmul(x[:n_tok], config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))
+            assert torch.equal(got, full[:n_tok]), (cfg, n_tok)
+        for t0 in (3, 100):
+            got = pw.matmul(x[t0:t0 + 40], config=cfg, out=poisoned((40, w.rows), torch.bfloat16))
+            assert torch.equal(got, full[t0:t0 + 40]), (cfg, t0)
+
+
+@requires_cuda
+@requires_hopper
+def test_graph_replay():
+    w, pw = _weight()
+    x = torch.randn(64, w.cols, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+    cfg = CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2)
+    assert_graph_replay_matches(lambda x, out=None: pw.matmul(x, config=cfg, out=out), x,
+                                poisoned((64, w.rows), torch.bfloat16))
