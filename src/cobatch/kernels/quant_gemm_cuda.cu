@@ -13,8 +13,8 @@
 // chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile), ACT (0: store
 // the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
 // PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
-// PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an SM for the register budget), and wgmma_bn(), the
-// wgmma of BN tokens, written by the host.
+// PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
+// SM for the register budget), and wgmma_bn(), the wgmma of BN tokens, written by the host.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -181,13 +181,9 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
     if (warp == WG * 4) {                                  // the producer warp
         const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
         const unsigned char* x_tile = x_image + (u64)tok_tile * n_chunks * X_CHUNK_BYTES;
-        int ahead = 0;
-#if PDL
-        // weights are never written: the first stages' copies start while the kernel before finishes
-        ahead = n_stages < S ? n_stages : S;
-        for (int s = 0; s < ahead; ++s) {
-            const u32 stage = base + s * STAGE_BYTES, bar = bars + 8 * s;
-            const int chunk0 = chunk_first + s * CH;
+        // a stage's weights: lane t < TILES copies 16-row tile t's CH chunks of qs and of d; the bytes of the whole
+        // stage, x's included, are expected on its barrier first
+        auto copy_stage_weights = [&](u32 stage, u32 bar, int chunk0) {
             if (lane == 0) mbar_expect(bar, STAGE_BYTES);
             __syncwarp();
             if (lane < TILES) {
@@ -195,6 +191,15 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
                 bulk_copy(stage + QS_BYTES + lane * CH * 32, d + (tile0 + lane) * side_bytes + chunk0 * 32, CH * 32,
                           bar);
             }
+        };
+        int ahead = 0;
+#if PDL
+        // weights are never written: the first stages' copies start while the kernel before finishes
+        ahead = n_stages < S ? n_stages : S;
+        for (int s = 0; s < ahead; ++s) {
+            const u32 stage = base + s * STAGE_BYTES, bar = bars + 8 * s;
+            const int chunk0 = chunk_first + s * CH;
+            copy_stage_weights(stage, bar, chunk0);
         }
         asm volatile("griddepcontrol.wait;" ::: "memory");
         if (lane == 0)
@@ -207,13 +212,7 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
             const u32 stage = base + slot * STAGE_BYTES, bar = bars + 8 * slot;
             const int chunk0 = chunk_first + s * CH;
             mbar_wait(bars + 8 * (S + slot), ((s / S) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
-            if (lane == 0) mbar_expect(bar, STAGE_BYTES);
-            __syncwarp();
-            if (lane < TILES) {
-                bulk_copy(stage + lane * CH * 512, qs + (tile0 + lane) * tile_bytes + chunk0 * 512, CH * 512, bar);
-                bulk_copy(stage + QS_BYTES + lane * CH * 32, d + (tile0 + lane) * side_bytes + chunk0 * 32, CH * 32,
-                          bar);
-            }
+            copy_stage_weights(stage, bar, chunk0);
             if (lane == 0) bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * X_CHUNK_BYTES, X_BYTES, bar);
         }
         return;
