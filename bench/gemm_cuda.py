@@ -32,6 +32,7 @@ from cobatch.kernels import quant_gemm_cuda  # noqa: E402
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig  # noqa: E402
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
+from gemm import time_config  # noqa: E402
 from kernels import SHAPES, random_weight, rotating  # noqa: E402
 from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
@@ -64,12 +65,6 @@ def check(pw: PackedWeight, w, cfg) -> float:
     y = pw.matmul(x, config=cfg)[:, :512].double()
     ref = x.double() @ ref_w.T
     return ((y - ref).norm() / ref.norm()).item()
-
-
-def time_config(copies: list[PackedWeight], n: int, cfg) -> float:
-    x = torch.randn(n, copies[0].cols, device="cuda").to(torch.bfloat16)
-    out = torch.empty(n, copies[0].rows, device="cuda", dtype=torch.bfloat16)
-    return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out) for w in copies])
 
 
 def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
