@@ -118,11 +118,26 @@ _FUNC_ATTR_NUM_REGS = 4
 _FUNC_ATTR_LOCAL_SIZE = 3
 
 
+def _ensure_context() -> None:
+    """Make the current device's primary context (torch's) current on this thread: torch creates it lazily, at
+    its first allocation or launch there, and a module cannot load without it."""
+    torch.cuda.init()
+    cu = _cuda()
+    ctx = ctypes.c_void_p()
+    _check_cu(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:
+        dev = ctypes.c_int()
+        _check_cu(cu.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
+        _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        _check_cu(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
 class Kernel:
-    """One __global__ function of a loaded cubin, on one device."""
+    """One __global__ function of a loaded cubin, on the current device."""
 
     def __init__(self, cubin: bytes, name: str, smem_bytes: int):
         cu = _cuda()
+        _ensure_context()
         self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
         _check_cu(cu.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
         _check_cu(cu.cuModuleGetFunction(ctypes.byref(self.func), self.module, name.encode()), "cuModuleGetFunction")
