@@ -8,6 +8,8 @@
 #   kernels [ARGS]           GEMV probe, the GEMV tests, then bench/kernels.py ARGS (e.g. --sweep)
 #   gemm [ARGS]              the quantized GEMM's tests, then bench/gemm.py ARGS (every config at 16-256 tokens;
 #                            writes the chosen configs merged into quant_configs.json, to $OUT and bench/results)
+#   gemm-cuda [ARGS]         the CUDA C++ GEMM's tests, then bench/gemm_cuda.py ARGS (its candidates against the plans;
+#                            --probe: where its time goes), to $OUT and bench/results
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
@@ -102,6 +104,9 @@ gemm)
   [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_quant_gemm.py
   timeout "$(left "$TIMEOUT")" python3 bench/gemm.py "$@" 2>&1 | tee "$OUT/gemm.log" | grep -v "^  "
   cp bench/results/gemm.json bench/results/gemm.md bench/results/quant_configs.json "$OUT/" ;;
+gemm-cuda)
+  [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_quant_gemm_cuda.py
+  timeout "$(left "$TIMEOUT")" python3 bench/gemm_cuda.py "$@" 2>&1 | grep -v Warning | tee "$OUT/gemm_cuda.log" | tail -45 ;;
 attention)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
 decode)
