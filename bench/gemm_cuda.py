@@ -7,7 +7,9 @@ config (the Gluon GEMM, or the GEMV where the plan keeps it) and every CUDA cand
 as CUDA-graph replays over copies of the weight rotating past L2 (bench/timing.py). Every candidate is first
 checked against the float64 reference. Reports us, GB/s of weight bytes and their share of a device-to-device
 copy measured in the same run. Prints a short table last; JSON and markdown to $OUT and bench/results/gemm_cuda.*.
-With --probe, also where the best config's time goes (its MMAs, its dequantization, the ring alone).
+With --probe, also where the best config's time goes (its MMAs, its dequantization, the ring alone). With $OUT set,
+$OUT/quant_configs-cuda.json is the package's plan table with each weight the CUDA kernel won on planned through it
+(plan_table): bench/device.sh plan-ab weighs it in whole decode steps.
 """
 
 from __future__ import annotations
@@ -150,6 +152,41 @@ def main() -> None:
                   device=torch.cuda.get_device_name(), command="PYTHONPATH=src python bench/gemm_cuda.py "
                   + " ".join(sys.argv[1:]), copy_gbps=copy_gbps, copy_detail=COPY_DETAIL, rows=rows_out)
     write(result)
+    if os.environ.get("OUT"):
+        table = plan_table(rows_out, json.loads(qm.CONFIG_PATH.read_text()))
+        (Path(os.environ["OUT"]) / "quant_configs-cuda.json").write_text(json.dumps(table, indent=1))
+
+
+def plan_table(rows_out: list[dict], table: dict) -> dict:
+    """The package's plan table with each measured weight's GEMM config the CUDA one with the least time summed over
+    the measured token counts, where that sum beats the plan's (the Gluon pair of mid and wide configs is replaced
+    whole: one config then serves the weight's GEMM range). For bench/device.sh plan-ab: whole decode steps."""
+    out = json.loads(json.dumps(table))
+    by_weight: dict[tuple, list[dict]] = {}
+    for r in rows_out:
+        by_weight.setdefault((r.get("fmt", "q8_0"), r["rows"], r["cols"]), []).append(r)
+    for (fmt, rows, cols), rs in by_weight.items():
+        common = set.intersection(*(set(r["all_us"]) for r in rs)) - {rs[0]["plan"]}
+        total = {k: sum(r["all_us"][k] for r in rs) for k in common if k.startswith("cuda")}
+        if not total:
+            continue
+        best = min(total, key=total.get)
+        if total[best] >= sum(r["plan_us"] for r in rs):
+            continue
+        entry = out.setdefault("formats", {}).setdefault(fmt, {}).setdefault("shapes", {}).setdefault(
+            f"{rows}x{cols}", {})
+        entry.pop("quant_gemm_wide", None)
+        entry.pop("quant_gemm_wide_from", None)
+        entry["quant_gemm"] = quant_gemm_cuda.plan_entry(config_of_key(best))
+    return out
+
+
+def config_of_key(k: str) -> CudaGemmConfig:
+    """key()'s inverse for a CUDA config."""
+    fields = k.split()[1:]
+    values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
+    return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
+                          split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values)
 
 
 def markdown(result: dict) -> str:

@@ -69,6 +69,34 @@ def test_config_stages_fit_an_sm():
         CudaGemmConfig(RB=3)
 
 
+def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
+    """quant_configs.json's "quant_gemm" with "kernel": "cuda" plans the CUDA C++ GEMM for the mid-size batches (and
+    without it the Gluon one's GemmConfig); a config round-trips through its entry; a weight whose planes it cannot
+    run is refused at load with a clear error."""
+    from cobatch.kernels import quant_matmul as qm
+    from cobatch.kernels.quant_gemm import GemmConfig
+    from cobatch.kernels.quant_pack import pack_planes
+    cfg = CudaGemmConfig(WG=1, RB=2, CH=4, S=6, split_k=2, MINB=2)
+    assert quant_gemm_cuda.from_plan_entry(quant_gemm_cuda.plan_entry(cfg)) == cfg
+    gemv = {"W": 4, "RT": 1, "split_k": 2, "U": 8}
+    shapes = {"4096x4096": {"gemv": gemv, "quant_gemm": quant_gemm_cuda.plan_entry(cfg), "quant_gemm_upto": 128},
+              "1024x4096": {"gemv": gemv, "quant_gemm": {"NW": 8, "split_k": 2, "RING": 4}}}
+    table = {"formats": {"q8_0": {"shapes": shapes}, "q6_k": {"shapes": {"128x256": shapes["4096x4096"]}}}}
+    path = tmp_path / "configs.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    plan = qm.plan_for("q8_0", 4096, 4096, 4096, gemv=True, quant_gemm_too=True)
+    assert plan.mid == cfg and plan.config_for(64) is plan.mid and plan.config_for(129) == qm.DEQUANT_CUBLAS
+    assert qm.plan_for("q8_0", 1024, 4096, 4096, gemv=True, quant_gemm_too=True).mid == GemmConfig(NW=8, split_k=2,
+                                                                                                    RING=4)
+    monkeypatch.setattr(qm, "uses_quant_gemm", lambda device: True)
+    w = make_weight("q6_k", 128, 256, seed=1)
+    planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, torch.device("cpu"), fragment=True)
+    with pytest.raises(ValueError, match="CUDA C"):
+        qm.load_plan("q6_k", 128, 256, planes, torch.device("cpu"))
+
+
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("cfg,bn", COMPILED)
 @pytest.mark.parametrize("act", [0, 1])

@@ -119,6 +119,20 @@ def kernel(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, dev
     return k
 
 
+# A plan entry's GEMM config (quant_configs.json's "quant_gemm") runs this kernel when it says so: {"kernel": "cuda",
+# ...the CudaGemmConfig's fields}; without the key it is the Gluon kernel's GemmConfig.
+PLAN_KERNEL = "cuda"
+
+
+def plan_entry(cfg: CudaGemmConfig) -> dict:
+    fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if getattr(cfg, f) != getattr(CudaGemmConfig(), f)}
+    return {"kernel": PLAN_KERNEL, **fields}
+
+
+def from_plan_entry(entry: dict) -> CudaGemmConfig:
+    return CudaGemmConfig(**{k: v for k, v in entry.items() if k != "kernel"})
+
+
 def supports(p: "quant_pack.PackedPlanes", cfg: CudaGemmConfig) -> bool:
     n_chunks = p.qs.shape[1] // 512
     return (p.fragment and p.fmt_id in FORMATS and p.cols == p.cols_pad and p.rows_pad % cfg.rows_per_cta() == 0
@@ -192,9 +206,18 @@ class _ImageScratch:
         return have[:elems]
 
 
+def reserve_scratch(device: torch.device, max_tok: int, cols: int) -> None:
+    """Grow the x image buffer to what calls of up to max_tok tokens need (at load: never inside a CUDA-graph
+    capture)."""
+    bn = token_tile(max_tok)
+    _ImageScratch.get(_device(device), -(-max_tok // bn) * bn * cols)
+
+
 def _device(device: torch.device) -> torch.device:
     device = torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 PDL = os.environ.get("COBATCH_GEMM_PDL", "1") != "0"

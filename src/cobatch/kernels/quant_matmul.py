@@ -505,11 +505,12 @@ class MatmulPlan:
     narrow: TileConfig | GemvPlan   # GemvPlan: the Gluon kernel on fragment-order planes
     gemm: TileConfig | str   # a TileConfig, or DEQUANT_CUBLAS
     crossover: int           # n_tok <= crossover -> narrow
-    mid: GemmConfig | None = None   # crossover < n_tok <= mid_upto -> the quantized GEMM (quant_gemm.py)
+    # crossover < n_tok <= mid_upto -> the quantized GEMM (quant_gemm.py, or quant_gemm_cuda.py's CudaGemmConfig)
+    mid: GemmConfig | CudaGemmConfig | None = None
     mid_upto: int = 0
     # wide_from < n_tok <= mid_upto -> the GEMM in config `wide` (the TMA variant: it wins at 128-256 tokens
     # and loses below). Same split of K as `mid`, so a row's bits do not change where the plan switches.
-    wide: GemmConfig | None = None
+    wide: GemmConfig | CudaGemmConfig | None = None
     wide_from: int = 0
 
     def __post_init__(self):
@@ -523,7 +524,7 @@ class MatmulPlan:
             return self.wide if self.wide is not None and n_tok > self.wide_from else self.mid
         return self.gemm
 
-    def gemm_configs(self) -> list[GemmConfig]:
+    def gemm_configs(self) -> list[GemmConfig | CudaGemmConfig]:
         return [c for c in (self.mid, self.wide) if c is not None]
 
 
@@ -596,6 +597,14 @@ def nearest_shape(n_rows: int, n_cols: int, shapes: list[str]) -> str | None:
     return f"{rows}x{n_cols}"
 
 
+def gemm_config(entry: dict) -> GemmConfig | CudaGemmConfig:
+    """A plan entry's GEMM config: the CUDA C++ kernel's where the entry names it (quant_gemm_cuda.PLAN_KERNEL), else
+    the Gluon kernel's."""
+    if entry.get("kernel") == quant_gemm_cuda.PLAN_KERNEL:
+        return quant_gemm_cuda.from_plan_entry(entry)
+    return GemmConfig(**entry)
+
+
 def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False,
              quant_gemm_too: bool = False) -> MatmulPlan:
     """Look up (format, "NxK") in quant_configs.json (for FP8 and NVFP4 over PLANS_LIKE's format's entry), else
@@ -636,9 +645,9 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
         if quant_gemm_too:
             rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
-            mid = (GemmConfig(**entry["quant_gemm"]) if "quant_gemm" in entry
+            mid = (gemm_config(entry["quant_gemm"]) if "quant_gemm" in entry
                    else quant_gemm.default_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
-            wide = GemmConfig(**entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
+            wide = gemm_config(entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
             return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", GEMV_CROSSOVER)), mid,
                               int(entry.get("quant_gemm_upto", QUANT_GEMM_UPTO)), wide,
                               int(entry.get("quant_gemm_wide_from", 0)))
@@ -717,7 +726,9 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
     for cfg in plan.gemm_configs():
         _SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, plan.mid_upto))
-        if cfg.streams_x():
+        if isinstance(cfg, CudaGemmConfig):
+            quant_gemm_cuda.reserve_scratch(device, plan.mid_upto, cols)
+        elif cfg.streams_x():
             quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(plan.mid_upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
@@ -727,9 +738,14 @@ def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device:
               keep_dense: bool = False) -> MatmulPlan:
     """The plan a weight packed into `planes` gets at load, from the table in force (plan_for). A resident dense
     copy (keep_dense: --dense-large-batch) serves every batch past the GEMV itself."""
-    return plan_for(fmt_name, rows, cols, planes.cols_pad, gemv=planes.fragment,
+    plan = plan_for(fmt_name, rows, cols, planes.cols_pad, gemv=planes.fragment,
                     quant_gemm_too=planes.fragment and not keep_dense and uses_quant_gemm(device)
                     and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS)
+    for cfg in plan.gemm_configs():
+        if isinstance(cfg, CudaGemmConfig) and not quant_gemm_cuda.supports(planes, cfg):
+            raise ValueError(f"the plan table gives the {fmt_name} {rows}x{cols} weight a CUDA C++ GEMM config it "
+                             f"cannot run: {cfg}")
+    return plan
 
 
 class PackedWeight:
