@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))
 
-from cobatch.kernels import nvrtc  # noqa: E402
+from cobatch.kernels import nvrtc, quant_gemm_cuda  # noqa: E402
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -61,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(128 * WG, 1) rate(float* out, int i
 #if SS
             mma_ss(acc, da, db);
 #else
-            mma_rs(acc, a0, a1, a2, a3, db);
+            wgmma_bn(acc, a0, a1, a2, a3, db);
 #endif
         }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -77,16 +77,12 @@ extern "C" __global__ void __launch_bounds__(128 * WG, 1) rate(float* out, int i
 
 
 def _functions(bn: int) -> str:
+    """The kernel's two MMAs: A from registers (the quantized GEMM's own, quant_gemm_cuda.wgmma_source) and A from
+    shared memory."""
     n = bn // 2
     regs = ", ".join(f"%{i}" for i in range(n))
     outs = ", ".join(f'"+f"(acc[{i}])' for i in range(n))
-    return (
-        "static __device__ __forceinline__ void mma_rs(float* acc, u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {\n"
-        '    asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, 1, 0;\\n"\n'
-        f'        " wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16 {{{regs}}}, '
-        f'{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, 0;\\n}}"\n'
-        f'        : {outs} : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));\n'
-        "}\n"
+    return quant_gemm_cuda.wgmma_source(bn) + (
         "static __device__ __forceinline__ void mma_ss(float* acc, u64 da, u64 db) {\n"
         '    asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, 1, 0;\\n"\n'
         f'        " wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16 {{{regs}}}, %{n}, %{n + 1}, p, 1, 1, 0, 0;\\n}}"\n'

@@ -74,7 +74,7 @@ class CudaGemmConfig:
         return self.stages(bn) * self.stage_bytes(bn) + 16 * self.stages(bn) + 16
 
 
-def _wgmma_source(bn: int) -> str:
+def wgmma_source(bn: int) -> str:
     """wgmma_bn(acc, a0..a3, desc): acc[bn / 2] += A (registers, f16) x B (the descriptor's x), m64 n`bn` k16."""
     n = bn // 2
     regs = ", ".join(f"%{i}" for i in range(n))
@@ -96,7 +96,7 @@ def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool) -> 
     body = SOURCE.read_text()
     marker = "extern \"C\" __global__"
     at = body.index(marker)
-    return head + body[:at] + _wgmma_source(bn) + "\n" + body[at:]
+    return head + body[:at] + wgmma_source(bn) + "\n" + body[at:]
 
 
 @functools.cache
