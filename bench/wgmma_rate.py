@@ -85,7 +85,8 @@ def _functions(bn: int) -> str:
     return quant_gemm_cuda.wgmma_source(bn) + (
         "static __device__ __forceinline__ void mma_ss(float* acc, u64 da, u64 db) {\n"
         '    asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, 1, 0;\\n"\n'
-        f'        " wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16 {{{regs}}}, %{n}, %{n + 1}, p, 1, 1, 0, 0;\\n}}"\n'
+        f'        " wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16 {{{regs}}}, %{n}, %{n + 1}, "\n'
+        '        "p, 1, 1, 0, 0;\\n}"\n'
         f'        : {outs} : "l"(da), "l"(db));\n'
         "}\n")
 
