@@ -133,10 +133,11 @@ def from_plan_entry(entry: dict) -> CudaGemmConfig:
     return CudaGemmConfig(**{k: v for k, v in entry.items() if k != "kernel"})
 
 
-def supports(p: "quant_pack.PackedPlanes", cfg: CudaGemmConfig) -> bool:
+def supports(p: "quant_pack.PackedPlanes", cfg: CudaGemmConfig, max_tok: int = 1) -> bool:
+    """Can cfg run these planes, at every token count up to max_tok (its stages must fit an SM at the tile)?"""
     n_chunks = p.qs.shape[1] // 512
     return (p.fragment and p.fmt_id in FORMATS and p.cols == p.cols_pad and p.rows_pad % cfg.rows_per_cta() == 0
-            and n_chunks % (cfg.split_k * cfg.CH) == 0)
+            and n_chunks % (cfg.split_k * cfg.CH) == 0 and cfg.stages(token_tile(max_tok)) >= 2)
 
 
 def scratch_need(cfg: CudaGemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
@@ -226,8 +227,9 @@ PDL = os.environ.get("COBATCH_GEMM_PDL", "1") != "0"
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: CudaGemmConfig,
            partial: torch.Tensor, count: torch.Tensor, act: str | None = None) -> None:
     """out[n_tok, rows] = x @ W.T (quant_gemm.launch's contract): x_image, then the CUDA kernel."""
-    assert supports(p, cfg), (p.fmt_id, p.rows_pad, p.cols, p.cols_pad, cfg)
     n_tok = x.shape[0]
+    if not supports(p, cfg, n_tok):
+        raise ValueError(f"{cfg} cannot run these planes ({p.fmt_id}, {p.rows_pad}x{p.cols}) at {n_tok} tokens")
     bn = token_tile(n_tok)
     tiles = -(-n_tok // bn)
     img = _ImageScratch.get(_device(x.device), tiles * bn * p.cols).view(tiles, p.cols // 32, bn * 32)

@@ -742,7 +742,7 @@ def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device:
                     quant_gemm_too=planes.fragment and not keep_dense and uses_quant_gemm(device)
                     and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS)
     for cfg in plan.gemm_configs():
-        if isinstance(cfg, CudaGemmConfig) and not quant_gemm_cuda.supports(planes, cfg):
+        if isinstance(cfg, CudaGemmConfig) and not quant_gemm_cuda.supports(planes, cfg, plan.mid_upto):
             raise ValueError(f"the plan table gives the {fmt_name} {rows}x{cols} weight a CUDA C++ GEMM config it "
                              f"cannot run: {cfg}")
     return plan
