@@ -98,6 +98,14 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("probe", [1, 2, 3])
+def test_the_probes_compile(probe):
+    """bench/gemm_cuda.py --probe's kernels (without MMAs, dequantization or both)."""
+    cfg = CudaGemmConfig(WG=1, RB=1, CH=2, S=6, MINB=2, PROBE=probe)
+    assert quant_gemm_cuda.cubin(cfg, 64, 0, 2, True)[0]
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("cfg,bn", COMPILED)
 @pytest.mark.parametrize("act", [0, 1])
 def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, bn, act):
