@@ -15,10 +15,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import os
 import sys
 
 import torch
+
+from cobatch.model_files import cache_dir
 
 
 class NvrtcError(RuntimeError):
@@ -70,9 +73,34 @@ def _check_cu(result: int, what: str) -> None:
         raise NvrtcError(f"{what}: CUDA driver error {result} ({(name.value or b'?').decode()})")
 
 
+def _version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
 def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
     """NVRTC: CUDA C++ source -> (cubin for sm_`arch`, e.g. "90a", the compiler's log). Raises NvrtcError
-    with the log when it does not compile."""
+    with the log when it does not compile. Compiled once per machine: the cubin and its log are kept under the
+    cache folder (COBATCH_CACHE, else ~/.cache/cobatch), keyed by the source, options and NVRTC's version."""
+    key = hashlib.sha256(repr((source, name, arch, options, _version())).encode()).hexdigest()[:32]
+    folder = cache_dir() / "nvrtc"
+    cubin_path, log_path = folder / f"{key}.cubin", folder / f"{key}.log"
+    if cubin_path.is_file() and log_path.is_file():
+        return cubin_path.read_bytes(), log_path.read_text()
+    cubin, log = _compile(source, name, arch, options)
+    try:      # another process may write the same files: each is replaced whole
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, data in ((log_path, log.encode()), (cubin_path, cubin)):
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+    except OSError:
+        pass      # a read-only cache: compile again next time
+    return cubin, log
+
+
+def _compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> tuple[bytes, str]:
     lib = _nvrtc()
     prog = ctypes.c_void_p()
 

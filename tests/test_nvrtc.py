@@ -1,0 +1,43 @@
+"""kernels/nvrtc.py: CUDA C++ compiled by NVRTC, once per machine (the cubin cache). CPU: NVRTC compiles without a
+GPU (the test extras install it); launching needs one (tests/test_quant_gemm_cuda.py on the device)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cobatch.kernels import nvrtc
+
+SOURCE = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+
+
+def _available() -> bool:
+    try:
+        nvrtc._nvrtc()
+        return True
+    except (nvrtc.NvrtcError, OSError):
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+
+
+def test_a_compile_is_kept_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("COBATCH_CACHE", str(tmp_path))
+    cubin, log = nvrtc.compile_cubin(SOURCE, "twice", "90a", ("--ptxas-options=-v",))
+    assert cubin[:4] == b"\x7fELF" and "Used" in log
+    assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == 1
+
+    def no_compiler(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(nvrtc, "_compile", no_compiler)
+    assert nvrtc.compile_cubin(SOURCE, "twice", "90a", ("--ptxas-options=-v",)) == (cubin, log)
+    with pytest.raises(AssertionError, match="compiled again"):      # another option is another program
+        nvrtc.compile_cubin(SOURCE, "twice", "90a")
+
+
+def test_a_program_that_does_not_compile_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("COBATCH_CACHE", str(tmp_path))
+    with pytest.raises(nvrtc.NvrtcError, match="does not compile"):
+        nvrtc.compile_cubin(SOURCE.replace("2.0f", "undefined_name"), "broken", "90a")
+    assert not list(tmp_path.glob("nvrtc/*.cubin"))      # nothing kept
