@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                     reason="needs a Hopper GPU (wgmma)")
 
 # One intra-op thread: the CPU-path ops are small, and with two threads on a busy 2-core machine
 # torch's thread pool spins and makes them 10-100x slower (measured: a KV gather 0.06 ms -> 15 ms).

@@ -10,15 +10,7 @@ from cobatch.kernels import nvrtc
 SOURCE = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
 
 
-def _available() -> bool:
-    try:
-        nvrtc._nvrtc()
-        return True
-    except (nvrtc.NvrtcError, OSError):
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 
 
 def test_a_compile_is_kept_and_reused(monkeypatch, tmp_path):

@@ -19,15 +19,13 @@ from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_matmul import PackedWeight
 from cobatch.quant.weight import QuantWeight
 
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_hopper
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 from test_quant_gemv import FRAGMENT, K_QUANTS, make_weight
 
 GEMM_FORMATS = [f for f in FRAGMENT if quant_pack.PACKED_FORMATS[f] in quant_gemm.FORMATS]
 
 
-requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                                     reason="needs a Hopper GPU (wgmma)")
 
 
 # --- CPU: the plan ------------------------------------------------------------------------------------------

@@ -15,26 +15,16 @@ import torch
 from cobatch.kernels import nvrtc, quant_gemm_cuda, quant_pack
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
 from cobatch.kernels.quant_matmul import PackedWeight, quant_matmul_ref
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_hopper
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 from test_quant_gemv import make_weight
 
-requires_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                                     reason="needs a Hopper GPU (wgmma)")
 
 # the configs bench/gemm_cuda.py sweeps around, at the token tiles they serve
 COMPILED = [(CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=4, S=4), 64),
             (CudaGemmConfig(WG=1, RB=1, CH=4, S=6, split_k=2, MINB=2), 32),
             (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1), 128), (CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 16),
             (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, LAG=True), 64)]
-
-
-def _nvrtc_available() -> bool:
-    try:
-        nvrtc._nvrtc()
-        return True
-    except (nvrtc.NvrtcError, OSError):
-        return False
 
 
 # --- CPU ----------------------------------------------------------------------------------------------------
@@ -97,7 +87,7 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
         qm.load_plan("q6_k", 128, 256, planes, torch.device("cpu"))
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("probe", [1, 2, 3])
 def test_the_probes_compile(probe):
     """bench/gemm_cuda.py --probe's kernels (without MMAs, dequantization or both)."""
@@ -105,7 +95,7 @@ def test_the_probes_compile(probe):
     assert quant_gemm_cuda.cubin(cfg, 64, 0, 2, True)[0]
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("cfg,bn", COMPILED)
 @pytest.mark.parametrize("act", [0, 1])
 def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, bn, act):

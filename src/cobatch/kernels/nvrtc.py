@@ -60,6 +60,15 @@ def _nvrtc() -> ctypes.CDLL:
     return lib
 
 
+def available() -> bool:
+    """Can NVRTC be loaded here? (torch's CUDA wheels bring it; on a CPU machine, the test extras)"""
+    try:
+        _nvrtc()
+        return True
+    except (NvrtcError, OSError):
+        return False
+
+
 @functools.cache
 def _cuda() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
