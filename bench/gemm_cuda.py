@@ -42,23 +42,34 @@ TOKS = [16, 32, 64, 128]
 SMS = 132
 
 
-def candidates(rows: int, n_chunks: int) -> list[CudaGemmConfig]:
-    """Every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4 chunks, LAG or
-    not (one row block: two need too many registers for it), split K until the CTAs fill the GPU one to two
-    times over."""
+def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[CudaGemmConfig]:
+    """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
+    chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
+    (WREG): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages of 4 or 8 chunks.
+    K split until the CTAs fill the GPU one to two times over."""
+    shapes = []
+    if "ring" in variants:
+        shapes += [dict(WG=wg, RB=rb, MINB=minb, LAG=lag, CH=4) for wg in (1, 2) for rb in (1, 2) for minb in (1, 2)
+                   for lag in ((False, True) if rb == 1 else (False,))]
+    if "wreg" in variants:
+        shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=True) for wg in (1, 2) for ch in (4, 8)]
     out = []
-    for wg in (1, 2):
-        for rb in (1, 2):
-            for minb in (1, 2):
-                for lag in ((False, True) if rb == 1 else (False,)):
-                    blocks = rows // (64 * wg * rb)
-                    for split in (1, 2, 4, 8):
-                        if n_chunks % (split * 4) or blocks * split > 2 * SMS * minb:
-                            continue
-                        if split > 1 and blocks * split // 2 >= SMS * minb:
-                            continue      # the GPU was full with half the splits
-                        out.append(CudaGemmConfig(WG=wg, RB=rb, CH=4, S=8, split_k=split, MINB=minb, LAG=lag))
+    for shape in shapes:
+        blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))
+        for split in (1, 2, 4, 8):
+            if n_chunks % (split * shape["CH"]) or blocks * split > 2 * SMS * shape["MINB"]:
+                continue
+            if split > 1 and blocks * split // 2 >= SMS * shape["MINB"]:
+                continue      # the GPU was full with half the splits
+            out.append(CudaGemmConfig(S=8, split_k=split, **shape))
     return out
+
+
+def spills(cfg: CudaGemmConfig, toks: list[int]) -> bool:
+    """Does ptxas spill registers in this config at any of the token tiles it would run? (not timed then)"""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return any(quant_gemm_cuda.kernel(cfg, quant_gemm_cuda.token_tile(n), 0, 2, quant_gemm_cuda.PDL, device).spill_bytes
+               for n in toks if cfg.stages(quant_gemm_cuda.token_tile(n)) >= 2)
 
 
 def check(pw: PackedWeight, w, cfg) -> float:
@@ -84,7 +95,7 @@ def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
 def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
-            (" lag" if cfg.LAG else "")
+            (" lag" if cfg.LAG else "") + (" wreg" if cfg.WREG else "")
     return f"plan {cfg}"
 
 
@@ -94,6 +105,8 @@ def main() -> None:
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
                     "(PROBE 1), without its dequantization (2) and without both (3): where its time goes")
+    ap.add_argument("--variants", default="ring,wreg", help="the CUDA kernel's variants to time: ring (weights "
+                    "through the shared-memory ring), wreg (weights straight into registers)")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
@@ -103,7 +116,9 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda", torch.cuda.current_device())
     # compile every candidate at every token tile first, in threads (NVRTC runs outside the GIL)
-    jobs = {(c, quant_gemm_cuda.token_tile(n)) for s in shapes for c in candidates(SHAPES[s][0], SHAPES[s][1] // 32)
+    variants = args.variants.split(",")
+    jobs = {(c, quant_gemm_cuda.token_tile(n)) for s in shapes
+            for c in candidates(SHAPES[s][0], SHAPES[s][1] // 32, variants)
             for n in toks if c.stages(quant_gemm_cuda.token_tile(n)) >= 2}
     with cf.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda j: quant_gemm_cuda.cubin(j[0], j[1], 0, 2, quant_gemm_cuda.PDL), jobs))
@@ -115,7 +130,7 @@ def main() -> None:
         w = random_weight("q8_0", rows, cols)
         pw = PackedWeight.from_quant(w, "cuda")
         copies = rotating(pw)
-        cands = candidates(rows, cols // 32)
+        cands = [c for c in candidates(rows, cols // 32, variants) if not spills(c, toks)]
         errors = {key(c): check(pw, w, c) for c in cands}
         bad = {k: e for k, e in errors.items() if not e < 5e-3}
         assert not bad, f"{name}: wrong results {bad}"

@@ -14,7 +14,8 @@
 // the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
 // PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
-// SM for the register budget), and wgmma_bn(), the wgmma of BN tokens, written by the host.
+// SM for the register budget), WREG (the weights loaded from global memory straight into registers, a stage ahead:
+// the ring carries x only), and wgmma_bn(), the wgmma of BN tokens, written by the host.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -24,8 +25,13 @@ typedef unsigned short u16;
 #define THREADS (CONSUMERS + 32)
 #define TILES (WG * RB * 4)                 // 16-row tiles of a CTA
 #define ROWS (TILES * 16)
+#if WREG                                     // the weights go from global memory straight into registers
+#define QS_BYTES 0
+#define D_BYTES 0
+#else
 #define QS_BYTES (TILES * CH * 512)          // a stage's quant bytes: [tile][chunk][512]
 #define D_BYTES (TILES * CH * 32)            // its scales: [tile][chunk][16 rows' f16]
+#endif
 #define X_CHUNK_BYTES (BN * 64)              // one chunk of the x image: BN tokens x 32 f16
 #define X_BYTES (CH * X_CHUNK_BYTES)
 #define STAGE_BYTES (QS_BYTES + D_BYTES + X_BYTES)
@@ -63,6 +69,20 @@ static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 b
 static __device__ __forceinline__ uint4 lds128(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// a streamed weight load: read once, so kept out of L1
+static __device__ __forceinline__ uint4 ldg128(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ u32 ldg32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 
@@ -186,7 +206,7 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
         auto copy_stage_weights = [&](u32 stage, u32 bar, int chunk0) {
             if (lane == 0) mbar_expect(bar, STAGE_BYTES);
             __syncwarp();
-            if (lane < TILES) {
+            if (!WREG && lane < TILES) {
                 bulk_copy(stage + lane * CH * 512, qs + (tile0 + lane) * tile_bytes + chunk0 * 512, CH * 512, bar);
                 bulk_copy(stage + QS_BYTES + lane * CH * 32, d + (tile0 + lane) * side_bytes + chunk0 * 32, CH * 32,
                           bar);
@@ -229,18 +249,51 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
 #if LAG
 #pragma unroll 2
 #endif
+#if WREG
+    // each lane's 16 quant bytes and its rows' scales of every chunk, loaded one stage ahead into registers
+    const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
+    uint4 next_q[RB][CH];
+    u32 next_d[RB][CH];
+    auto load_stage = [&](int s) {
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+            const int tile = tile0 + (wg * RB + rb) * 4 + wi;
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                const int chunk = chunk_first + s * CH + c;
+                next_q[rb][c] = ldg128(qs + tile * tile_bytes + chunk * 512 + lane * 16);
+                next_d[rb][c] = ldg32(d + tile * side_bytes + chunk * 32 + g * 4);
+            }
+        }
+    };
+    load_stage(0);
+#endif
     for (int s = 0; s < n_stages; ++s) {
         const int slot = s % S;
         const u32 stage = base + slot * STAGE_BYTES;
+#if WREG
+        uint4 cur_q[RB][CH];
+        u32 cur_d[RB][CH];
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+            for (int c = 0; c < CH; ++c) cur_q[rb][c] = next_q[rb][c], cur_d[rb][c] = next_d[rb][c];
+        if (s + 1 < n_stages) load_stage(s + 1);
+#endif
         mbar_wait(bars + 8 * slot, (s / S) & 1);
 #pragma unroll
         for (int c = 0; c < CH; ++c) {
             u32 a[RB][8];
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb) {
+#if WREG
+                const uint4 q = cur_q[rb][c];
+                const u32 sc = cur_d[rb][c];
+#else
                 const int tile = (wg * RB + rb) * 4 + wi;
                 const uint4 q = lds128(stage + (tile * CH + c) * 512 + lane * 16);
                 const u32 sc = lds32(stage + QS_BYTES + (tile * CH + c) * 32 + g * 4);
+#endif
                 u32 s_g, s_g8;
                 asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(s_g) : "r"(sc));
                 asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(s_g8) : "r"(sc));

@@ -53,6 +53,9 @@ class CudaGemmConfig:
     MINB: int = 1
     LAG: bool = False     # a stage's MMAs stay in flight while the next stage is dequantized
     PROBE: int = 0        # a diagnostic, never planned: 1 skips the MMAs, 2 the dequantization, 3 both (wrong sums)
+    # WREG: the weights go from global memory straight into registers, a stage ahead, and the ring carries x only
+    # (shared memory's traffic per weight byte: x's alone)
+    WREG: bool = False
 
     def __post_init__(self):
         if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2:
@@ -62,7 +65,7 @@ class CudaGemmConfig:
         return 64 * self.WG * self.RB
 
     def stage_bytes(self, bn: int) -> int:
-        tiles = 4 * self.WG * self.RB
+        tiles = 0 if self.WREG else 4 * self.WG * self.RB
         return tiles * self.CH * (512 + 32) + self.CH * bn * 64
 
     def stages(self, bn: int) -> int:
@@ -91,7 +94,7 @@ def wgmma_source(bn: int) -> str:
 
 def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool) -> str:
     defines = dict(BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH, S=cfg.stages(bn), SPLIT=cfg.split_k, ACT=act,
-                   OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE)
+                   OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=int(cfg.WREG))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     body = SOURCE.read_text()
     marker = "extern \"C\" __global__"
