@@ -45,14 +45,16 @@ SMS = 132
 def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[CudaGemmConfig]:
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
-    (WREG): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages of 4 or 8 chunks.
+    (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
+    of 4 or 8 chunks.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
         shapes += [dict(WG=wg, RB=rb, MINB=minb, LAG=lag, CH=4) for wg in (1, 2) for rb in (1, 2) for minb in (1, 2)
                    for lag in ((False, True) if rb == 1 else (False,))]
     if "wreg" in variants:
-        shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=True) for wg in (1, 2) for ch in (4, 8)]
+        shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead) for wg in (1, 2) for ch in (4, 8)
+                   for ahead in (1, 2) if ch * ahead <= 8]      # 16 chunks ahead spill
     out = []
     for shape in shapes:
         blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))
@@ -95,7 +97,7 @@ def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
 def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
-            (" lag" if cfg.LAG else "") + (" wreg" if cfg.WREG else "")
+            (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "")
     return f"plan {cfg}"
 
 

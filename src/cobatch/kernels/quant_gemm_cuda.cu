@@ -14,8 +14,8 @@
 // the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
 // PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
-// SM for the register budget), WREG (the weights loaded from global memory straight into registers, a stage ahead:
-// the ring carries x only), and wgmma_bn(), the wgmma of BN tokens, written by the host.
+// SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
+// ahead: the ring carries x only), and wgmma_bn(), the wgmma of BN tokens, written by the host.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -246,27 +246,28 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
 #pragma unroll
         for (int i = 0; i < NACC; ++i) acc[rb][i] = 0.0f;
 
-#if LAG
-#pragma unroll 2
-#endif
 #if WREG
-    // each lane's 16 quant bytes and its rows' scales of every chunk, loaded one stage ahead into registers
+    // each lane's 16 quant bytes and its rows' scales of every chunk, loaded WREG stages ahead into registers
     const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
-    uint4 next_q[RB][CH];
-    u32 next_d[RB][CH];
-    auto load_stage = [&](int s) {
+    auto load_stage = [&](int s, uint4 (&q)[RB][CH], u32 (&sc)[RB][CH]) {
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
             const int tile = tile0 + (wg * RB + rb) * 4 + wi;
 #pragma unroll
             for (int c = 0; c < CH; ++c) {
                 const int chunk = chunk_first + s * CH + c;
-                next_q[rb][c] = ldg128(qs + tile * tile_bytes + chunk * 512 + lane * 16);
-                next_d[rb][c] = ldg32(d + tile * side_bytes + chunk * 32 + g * 4);
+                q[rb][c] = ldg128(qs + tile * tile_bytes + chunk * 512 + lane * 16);
+                sc[rb][c] = ldg32(d + tile * side_bytes + chunk * 32 + g * 4);
             }
         }
     };
-    load_stage(0);
+    uint4 next_q[RB][CH], later_q[RB][CH];      // stages s + 1 and (WREG 2) s + 2
+    u32 next_d[RB][CH], later_d[RB][CH];
+    load_stage(0, next_q, next_d);
+    if (WREG == 2 && n_stages > 1) load_stage(1, later_q, later_d);
+#endif
+#if LAG
+#pragma unroll 2
 #endif
     for (int s = 0; s < n_stages; ++s) {
         const int slot = s % S;
@@ -277,8 +278,15 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
-            for (int c = 0; c < CH; ++c) cur_q[rb][c] = next_q[rb][c], cur_d[rb][c] = next_d[rb][c];
-        if (s + 1 < n_stages) load_stage(s + 1);
+            for (int c = 0; c < CH; ++c) {
+                cur_q[rb][c] = next_q[rb][c], cur_d[rb][c] = next_d[rb][c];
+                if (WREG == 2) next_q[rb][c] = later_q[rb][c], next_d[rb][c] = later_d[rb][c];
+            }
+        if (WREG == 2) {
+            if (s + 2 < n_stages) load_stage(s + 2, later_q, later_d);
+        } else if (s + 1 < n_stages) {
+            load_stage(s + 1, next_q, next_d);
+        }
 #endif
         mbar_wait(bars + 8 * slot, (s / S) & 1);
 #pragma unroll

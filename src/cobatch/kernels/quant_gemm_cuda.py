@@ -53,13 +53,14 @@ class CudaGemmConfig:
     MINB: int = 1
     LAG: bool = False     # a stage's MMAs stay in flight while the next stage is dequantized
     PROBE: int = 0        # a diagnostic, never planned: 1 skips the MMAs, 2 the dequantization, 3 both (wrong sums)
-    # WREG: the weights go from global memory straight into registers, a stage ahead, and the ring carries x only
-    # (shared memory's traffic per weight byte: x's alone)
-    WREG: bool = False
+    # WREG 1 or 2: the weights go from global memory straight into registers, that many stages ahead, and the ring
+    # carries x only (shared memory's traffic per weight byte: x's alone)
+    WREG: int = 0
 
     def __post_init__(self):
-        if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2:
-            raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8 and 2+ stages: {self}")
+        if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2 \
+                or self.WREG not in (0, 1, 2):
+            raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8, 2+ stages, WREG 0-2: {self}")
 
     def rows_per_cta(self) -> int:
         return 64 * self.WG * self.RB
