@@ -54,7 +54,7 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
                    for lag in ((False, True) if rb == 1 else (False,))]
     if "wreg" in variants:
         shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead) for wg in (1, 2) for ch in (4, 8)
-                   for ahead in (1, 2) if ch * ahead <= 8]      # 16 chunks ahead spill
+                   for ahead in (1, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
     out = []
     for shape in shapes:
         blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))

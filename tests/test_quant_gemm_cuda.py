@@ -26,9 +26,8 @@ COMPILED = [(CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 64), (CudaGemmConfig(WG=2, R
             (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1), 128), (CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 16),
             (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, LAG=True), 64),
             (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
-            (CudaGemmConfig(WG=2, RB=1, CH=8, S=8, MINB=1, WREG=1), 64),
-            (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
-            (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=2), 128)]
+            (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
+            (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64)]
 
 
 # --- CPU ----------------------------------------------------------------------------------------------------

@@ -246,48 +246,13 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
 #pragma unroll
         for (int i = 0; i < NACC; ++i) acc[rb][i] = 0.0f;
 
-#if WREG
-    // each lane's 16 quant bytes and its rows' scales of every chunk, loaded WREG stages ahead into registers
-    const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
-    auto load_stage = [&](int s, uint4 (&q)[RB][CH], u32 (&sc)[RB][CH]) {
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb) {
-            const int tile = tile0 + (wg * RB + rb) * 4 + wi;
-#pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                const int chunk = chunk_first + s * CH + c;
-                q[rb][c] = ldg128(qs + tile * tile_bytes + chunk * 512 + lane * 16);
-                sc[rb][c] = ldg32(d + tile * side_bytes + chunk * 32 + g * 4);
-            }
-        }
-    };
-    uint4 next_q[RB][CH], later_q[RB][CH];      // stages s + 1 and (WREG 2) s + 2
-    u32 next_d[RB][CH], later_d[RB][CH];
-    load_stage(0, next_q, next_d);
-    if (WREG == 2 && n_stages > 1) load_stage(1, later_q, later_d);
-#endif
-#if LAG
-#pragma unroll 2
-#endif
-    for (int s = 0; s < n_stages; ++s) {
+    // one stage: wait for its x, dequantize each chunk's rows (from the weights' registers cur_q / cur_d with WREG,
+    // else from the stage's shared memory) and issue its MMAs; hand the stage back once they retired
+    typedef uint4 quant_regs[RB][CH];
+    typedef u32 scale_regs[RB][CH];
+    auto consume = [&](int s, const quant_regs& cur_q, const scale_regs& cur_d) {
         const int slot = s % S;
         const u32 stage = base + slot * STAGE_BYTES;
-#if WREG
-        uint4 cur_q[RB][CH];
-        u32 cur_d[RB][CH];
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                cur_q[rb][c] = next_q[rb][c], cur_d[rb][c] = next_d[rb][c];
-                if (WREG == 2) next_q[rb][c] = later_q[rb][c], next_d[rb][c] = later_d[rb][c];
-            }
-        if (WREG == 2) {
-            if (s + 2 < n_stages) load_stage(s + 2, later_q, later_d);
-        } else if (s + 1 < n_stages) {
-            load_stage(s + 1, next_q, next_d);
-        }
-#endif
         mbar_wait(bars + 8 * slot, (s / S) & 1);
 #pragma unroll
         for (int c = 0; c < CH; ++c) {
@@ -342,7 +307,46 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
         __syncwarp();
         if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
 #endif
+    };
+#if WREG
+    // the weights: each lane's 16 quant bytes and its rows' scales of every chunk, loaded into registers WREG stages
+    // before they are used, in WREG + 1 sets of registers that the stages take in turn (a stage's loads land in the
+    // set it will read, so no move waits for them)
+    const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
+    auto load_stage = [&](int s, quant_regs& q, scale_regs& sc) {
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+            const int tile = tile0 + (wg * RB + rb) * 4 + wi;
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                const int chunk = chunk_first + s * CH + c;
+                q[rb][c] = ldg128(qs + tile * tile_bytes + chunk * 512 + lane * 16);
+                sc[rb][c] = ldg32(d + tile * side_bytes + chunk * 32 + g * 4);
+            }
+        }
+    };
+    quant_regs buf_q[WREG + 1];
+    scale_regs buf_d[WREG + 1];
+#pragma unroll
+    for (int i = 0; i < WREG; ++i)
+        if (i < n_stages) load_stage(i, buf_q[i], buf_d[i]);
+    for (int s0 = 0; s0 < n_stages; s0 += WREG + 1) {
+#pragma unroll
+        for (int u = 0; u <= WREG; ++u) {
+            const int s = s0 + u;
+            if (s >= n_stages) break;
+            if (s + WREG < n_stages) load_stage(s + WREG, buf_q[(u + WREG) % (WREG + 1)], buf_d[(u + WREG) % (WREG + 1)]);
+            consume(s, buf_q[u], buf_d[u]);
+        }
     }
+#else
+    quant_regs no_q;
+    scale_regs no_d;
+#if LAG
+#pragma unroll 2
+#endif
+    for (int s = 0; s < n_stages; ++s) consume(s, no_q, no_d);
+#endif
 #if LAG
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
