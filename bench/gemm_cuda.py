@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python bench/gemm_cuda.py [--shapes qkv,o,gate_up,down] [--toks 16,32,64,128]
 
-q8_0 on the Llama-3-8B shapes (bench/kernels.py's SHAPES). For each shape and token count: the committed plan's
+q8_0 (--formats: q4_k, q4_1 too) on the Llama-3-8B shapes (bench/kernels.py's SHAPES). For each shape and token
+count: the committed plan's
 config (the Gluon GEMM, or the GEMV where the plan keeps it) and every CUDA candidate (candidates()), each timed
 as CUDA-graph replays over copies of the weight rotating past L2 (bench/timing.py). Every candidate is first
 checked against the float64 reference. Reports us, GB/s of weight bytes and their share of a device-to-device
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cobatch.kernels import quant_gemm_cuda  # noqa: E402
+from cobatch.kernels import quant_gemm_cuda, quant_pack  # noqa: E402
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig  # noqa: E402
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
@@ -40,6 +41,12 @@ from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
 TOKS = [16, 32, 64, 128]
 SMS = 132
+PLANES = {"q8_0": quant_pack.Q8_0, "q4_k": quant_pack.Q4_1, "q4_1": quant_pack.Q4_1}   # the planes' layout
+
+
+def chunks(fmt: str, shape: str) -> int:
+    """The weight's chunks (32 columns in q8_0, 64 in the 4-bit formats)."""
+    return SHAPES[shape][1] // (32 if fmt == "q8_0" else 64)
 
 
 def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[CudaGemmConfig]:
@@ -67,11 +74,15 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
     return out
 
 
-def spills(cfg: CudaGemmConfig, toks: list[int]) -> bool:
+def spills(cfg: CudaGemmConfig, toks: list[int], fmt_id: int) -> bool:
     """Does ptxas spill registers in this config at any of the token tiles it would run? (not timed then)"""
     device = torch.device("cuda", torch.cuda.current_device())
-    return any(quant_gemm_cuda.kernel(cfg, quant_gemm_cuda.token_tile(n), 0, 2, quant_gemm_cuda.PDL, device).spill_bytes
-               for n in toks if cfg.stages(quant_gemm_cuda.token_tile(n)) >= 2)
+    return any(quant_gemm_cuda.kernel(cfg, tile(n), 0, 2, quant_gemm_cuda.PDL, device, fmt_id).spill_bytes
+               for n in toks if cfg.stages(tile(n), fmt_id) >= 2)
+
+
+def tile(n: int) -> int:
+    return quant_gemm_cuda.token_tile(n)
 
 
 def check(pw: PackedWeight, w, cfg) -> float:
@@ -103,6 +114,7 @@ def key(cfg) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="q8_0", help="q8_0, q4_k, q4_1 (the latter two: q4_1's planes)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
@@ -119,36 +131,36 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     # compile every candidate at every token tile first, in threads (NVRTC runs outside the GIL)
     variants = args.variants.split(",")
-    jobs = {(c, quant_gemm_cuda.token_tile(n)) for s in shapes
-            for c in candidates(SHAPES[s][0], SHAPES[s][1] // 32, variants)
-            for n in toks if c.stages(quant_gemm_cuda.token_tile(n)) >= 2}
+    cases = [(f, s) for f in args.formats.split(",") for s in shapes]
+    jobs = {(c, tile(n), PLANES[f]) for f, s in cases for c in candidates(SHAPES[s][0], chunks(f, s), variants)
+            for n in toks if c.stages(tile(n), PLANES[f]) >= 2}
     with cf.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda j: quant_gemm_cuda.cubin(j[0], j[1], 0, 2, quant_gemm_cuda.PDL), jobs))
+        list(pool.map(lambda j: quant_gemm_cuda.cubin(j[0], j[1], 0, 2, quant_gemm_cuda.PDL, j[2]), jobs))
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s ({len(jobs)} kernels compiled)", flush=True)
     rows_out = []
-    for name in shapes:
+    for fmt, name in cases:
         rows, cols = SHAPES[name]
-        w = random_weight("q8_0", rows, cols)
+        w = random_weight(fmt, rows, cols)
         pw = PackedWeight.from_quant(w, "cuda")
         copies = rotating(pw)
-        cands = [c for c in candidates(rows, cols // 32, variants) if not spills(c, toks)]
+        cands = [c for c in candidates(rows, chunks(fmt, name), variants) if not spills(c, toks, PLANES[fmt])]
         errors = {key(c): check(pw, w, c) for c in cands}
         bad = {k: e for k, e in errors.items() if not e < 5e-3}
         assert not bad, f"{name}: wrong results {bad}"
         for n in toks:
-            bn = quant_gemm_cuda.token_tile(n)
+            bn = tile(n)
             plan_cfg = pw.plan.config_for(n)
             times = {key(plan_cfg): time_config(copies, n, plan_cfg) * 1e6}
             for c in cands:
-                if c.stages(bn) >= 2:
+                if c.stages(bn, PLANES[fmt]) >= 2:
                     times[key(c)] = time_config(copies, n, c) * 1e6
             best = min((k for k in times if k.startswith("cuda")), key=times.get)
             best_cfg = next(c for c in cands if key(c) == best)
             quant_gemm_cuda.PDL = False
             no_pdl = time_config(copies, n, best_cfg) * 1e6
             quant_gemm_cuda.PDL = True
-            row = dict(shape=name, rows=rows, cols=cols, n_tok=n, weight_bytes=pw.nbytes,
+            row = dict(fmt=fmt, shape=name, rows=rows, cols=cols, n_tok=n, weight_bytes=pw.nbytes,
                        plan=key(plan_cfg), plan_us=times[key(plan_cfg)], best=best, best_us=times[best],
                        best_kernel_alone_us=time_staged(copies, n, best_cfg) * 1e6, best_without_pdl_us=no_pdl,
                        all_us=times, max_rel_err=max(errors.values()))
@@ -159,7 +171,7 @@ def main() -> None:
                 row[f"{side}_gbps"] = pw.nbytes / row[f"{side}_us"] / 1e3
                 row[f"{side}_copy"] = row[f"{side}_gbps"] / copy_gbps
             rows_out.append(row)
-            print(f"{name} n={n}: plan {row['plan_us']:.1f} us ({row['plan_copy']:.0%} of copy), "
+            print(f"{fmt} {name} n={n}: plan {row['plan_us']:.1f} us ({row['plan_copy']:.0%} of copy), "
                   f"cuda {row['best_us']:.1f} us ({row['best_copy']:.0%}) {best}", flush=True)
         del copies, pw
         torch.cuda.empty_cache()
@@ -209,28 +221,30 @@ def config_of_key(k: str) -> CudaGemmConfig:
 def markdown(result: dict) -> str:
     lines = [f"# The CUDA C++ quantized GEMM against the Gluon plans ({result['device']}, {result['date']}, "
              f"tree {result['tree']})", "",
-             f"`{result['command']}`; q8_0, Llama-3-8B shapes; copy bandwidth {result['copy_gbps']:.0f} GB/s "
+             f"`{result['command']}`; Llama-3-8B shapes; copy bandwidth {result['copy_gbps']:.0f} GB/s "
              "(read + write). `plan`: the committed plan's config (the Gluon GEMM with its x_operands launch, or the "
              "GEMV), `CUDA`: the best CUDA config with its x_image launch, both as CUDA-graph replays over copies "
              "rotating past L2; `kernel alone`: that config with x staged once before; `without PDL`: launched "
              "plainly.", "",
-             "| shape | n | plan us | % copy | CUDA us | % copy | speed-up | kernel alone us | without PDL us | "
-             "CUDA config |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | shape | n | plan us | % copy | CUDA us | % copy | speed-up | kernel alone us | "
+             "without PDL us | "
+             "CUDA config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['shape']} | {r['n_tok']} | {r['plan_us']:.1f} | {r['plan_copy']:.0%} | {r['best_us']:.1f} | "
-                     f"{r['best_copy']:.0%} | {r['plan_us'] / r['best_us']:.2f}x | {r['best_kernel_alone_us']:.1f} | "
+        lines.append(f"| {r.get('fmt', 'q8_0')} | {r['shape']} | {r['n_tok']} | {r['plan_us']:.1f} | "
+                     f"{r['plan_copy']:.0%} | {r['best_us']:.1f} | {r['best_copy']:.0%} | "
+                     f"{r['plan_us'] / r['best_us']:.2f}x | {r['best_kernel_alone_us']:.1f} | "
                      f"{r['best_without_pdl_us']:.1f} | {r['best'][5:]} |")
     if all("probe_us" in r for r in result["rows"]):
         lines += ["", "Where the kernel's time goes: the best config alone, and the same kernel without its MMAs, "
                   "without its dequantization, and without both (the ring's copies, shared loads and barriers "
                   "only; wrong sums).", "",
-                  "| shape | n | kernel alone us | without MMAs | without dequantization | without both | "
-                  "% copy without both |", "|---|---|---|---|---|---|---|"]
+                  "| format | shape | n | kernel alone us | without MMAs | without dequantization | without both | "
+                  "% copy without both |", "|---|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
             pr = {int(k): v for k, v in r["probe_us"].items()}
             floor = r["weight_bytes"] / pr[3] / 1e3 / result["copy_gbps"]
-            lines.append(f"| {r['shape']} | {r['n_tok']} | {r['best_kernel_alone_us']:.1f} | {pr[1]:.1f} | "
-                         f"{pr[2]:.1f} | {pr[3]:.1f} | {floor:.0%} |")
+            lines.append(f"| {r.get('fmt', 'q8_0')} | {r['shape']} | {r['n_tok']} | {r['best_kernel_alone_us']:.1f} | "
+                         f"{pr[1]:.1f} | {pr[2]:.1f} | {pr[3]:.1f} | {floor:.0%} |")
     return "\n".join(lines) + "\n"
 
 

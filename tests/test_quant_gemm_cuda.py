@@ -20,15 +20,24 @@ from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 from test_quant_gemv import make_weight
 
 
-# the configs bench/gemm_cuda.py sweeps around, at the token tiles they serve
-COMPILED = [(CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=4, S=4), 64),
-            (CudaGemmConfig(WG=1, RB=1, CH=4, S=6, split_k=2, MINB=2), 32),
-            (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1), 128), (CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 16),
-            (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, LAG=True), 64),
-            (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
-            (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
-            (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64)]
-
+# the configs bench/gemm_cuda.py sweeps around, at the token tiles they serve, per kernel format (a 4-bit chunk is 64
+# columns: twice a q8_0 chunk's operand registers)
+COMPILED = {
+    quant_pack.Q8_0: [
+        (CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=4, S=4), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=6, split_k=2, MINB=2), 32),
+        (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1), 128), (CudaGemmConfig(WG=2, RB=1, CH=4, S=6), 16),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, LAG=True), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
+        (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64)],
+    quant_pack.Q4_1: [
+        (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
+        (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, MINB=1), 128),
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, LAG=True), 64),
+        (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1, WREG=1), 128),
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64)]}
 
 # --- CPU ----------------------------------------------------------------------------------------------------
 
@@ -56,8 +65,11 @@ def test_config_stages_fit_an_sm():
     4 x 64 bn bytes of x: 38 KB at 16 tokens, 66 KB at 128, of the SM's 226 KB."""
     cfg = CudaGemmConfig(WG=2, RB=2, CH=4, S=8)
     assert [cfg.stages(bn) for bn in quant_gemm_cuda.TOKEN_TILES] == [5, 5, 4, 3]
+    # 4-bit chunks: 64 columns, 128 bytes of sides a tile: 16 x 4 x 640 bytes and 4 x 128 bn bytes of x a stage
+    assert [cfg.stages(bn, quant_pack.Q4_1) for bn in quant_gemm_cuda.TOKEN_TILES] == [4, 4, 3, 2]
     for bn in quant_gemm_cuda.TOKEN_TILES:
         assert cfg.smem_bytes(bn) <= quant_gemm_cuda.SMEM_LIMIT
+        assert cfg.smem_bytes(bn, quant_pack.Q4_1) <= quant_gemm_cuda.SMEM_LIMIT
     with pytest.raises(ValueError):
         CudaGemmConfig(RB=3)
 
@@ -91,18 +103,20 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("fmt_id", quant_gemm_cuda.FORMATS)
 @pytest.mark.parametrize("probe", [1, 2, 3])
-def test_the_probes_compile(probe):
-    """bench/gemm_cuda.py --probe's kernels (without MMAs, dequantization or both)."""
+def test_the_probes_compile(fmt_id, probe):
+    """bench/gemm_cuda.py --probe's kernels (without MMAs, dequantization or both), for each format."""
     cfg = CudaGemmConfig(WG=1, RB=1, CH=2, S=6, MINB=2, PROBE=probe)
-    assert quant_gemm_cuda.cubin(cfg, 64, 0, 2, True)[0]
+    assert quant_gemm_cuda.cubin(cfg, 64, 0, 2, True, fmt_id)[0]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
-@pytest.mark.parametrize("cfg,bn", COMPILED)
+@pytest.mark.parametrize("fmt_id,cfg,bn", [(f, c, bn) for f, cases in COMPILED.items() for c, bn in cases])
 @pytest.mark.parametrize("act", [0, 1])
-def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, bn, act):
-    _, log = nvrtc.compile_cubin(quant_gemm_cuda.source(cfg, bn, act, 2, True), "quant_gemm_q8", "90a",
+def test_kernel_compiles_without_spills_or_serialized_wgmma(fmt_id, cfg, bn, act):
+    assert cfg.stages(bn, fmt_id) >= 2
+    _, log = nvrtc.compile_cubin(quant_gemm_cuda.source(cfg, bn, act, 2, True, fmt_id), "quant_gemm", "90a",
                                  ("--ptxas-options=-v",))
     assert "0 bytes spill stores" in log, log
     assert "C751" not in log, log          # ptxas's "wgmma ... serialized" performance warnings
@@ -111,23 +125,30 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, bn, act):
 # --- Hopper -------------------------------------------------------------------------------------------------
 
 CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=2, S=3),
+           CudaGemmConfig(WG=2, RB=1, CH=2, S=4),
            CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True),
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2)]
 
 
-def _weight(rows=1024, cols=2048, seed=3):
-    w = make_weight("q8_0", rows, cols, seed=seed, device="cuda")
+FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both
+
+
+def _weight(rows=1024, cols=2048, seed=3, fmt="q8_0"):
+    w = make_weight(fmt, rows, cols, seed=seed, device="cuda")
     return w, PackedWeight.from_quant(w, "cuda")
 
 
 @requires_cuda
 @requires_hopper
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("n_tok", [1, 16, 17, 40, 64, 100, 128, 200])
-def test_product_matches_the_reference(cfg, n_tok):
-    w, pw = _weight()
+def test_product_matches_the_reference(fmt, cfg, n_tok):
+    w, pw = _weight(fmt=fmt)
+    if not quant_gemm_cuda.supports(pw.planes, cfg):
+        pytest.skip("the config does not divide this format's chunks")
     x = torch.randn(n_tok, w.cols, generator=torch.Generator().manual_seed(n_tok)).to("cuda", torch.bfloat16)
     out = pw.matmul(x, config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))
     ref = quant_matmul_ref(x, w)
@@ -156,10 +177,11 @@ def test_act_epilogue_and_output_types(out_dtype, act):
 
 @requires_cuda
 @requires_hopper
-def test_row_is_bitwise_identical_whatever_the_batch():
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_row_is_bitwise_identical_whatever_the_batch(fmt):
     """A row's result does not depend on the other tokens of the call, within a token tile's range and across
     tiles and token offsets, under split-K (the cross-CTA reduction in split order is part of the check)."""
-    w, pw = _weight(rows=2048, cols=4096, seed=5)
+    w, pw = _weight(rows=2048, cols=4096, seed=5, fmt=fmt)
     x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
     for cfg in (CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=4), CudaGemmConfig(WG=2, RB=2, CH=2, S=3),
                 CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1)):

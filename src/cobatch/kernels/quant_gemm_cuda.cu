@@ -1,5 +1,6 @@
 // The mid-batch quantized GEMM in CUDA C++ (quant_gemm_cuda.py compiles it with NVRTC): out = x @ W.T for a
-// q8_0 weight in fragment-order planes (quant_pack.py), 16-128 tokens a token tile, on Hopper's wgmma.
+// q8_0 (FMT 0) or q4_1 / q4_K (FMT 1: q4_1's planes) weight in fragment-order planes (quant_pack.py), 16-128 tokens
+// a token tile, on Hopper's wgmma.
 //
 // A CTA is WG consumer warpgroups and one producer warp. The producer streams each stage's weight rows (qs and d
 // planes, as they are) and x (the token tile's image, laid out as wgmma reads it: quant_gemm_cuda.x_image) into a
@@ -21,6 +22,15 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned short u16;
 
+#if FMT                                      // q4_1 and q4_K (q4_1's planes): 64 columns a chunk, two 32-blocks
+#define BLOCKS 2
+#define SIDE 128                             // a tile's chunk of sides: 8 groups x (d, m) x 2 blocks x 2 rows
+typedef uint4 side_t;
+#else                                        // q8_0: 32 columns a chunk, an f16 scale a row
+#define BLOCKS 1
+#define SIDE 32
+typedef u32 side_t;
+#endif
 #define CONSUMERS (WG * 128)
 #define THREADS (CONSUMERS + 32)
 #define TILES (WG * RB * 4)                 // 16-row tiles of a CTA
@@ -30,10 +40,10 @@ typedef unsigned short u16;
 #define D_BYTES 0
 #else
 #define QS_BYTES (TILES * CH * 512)          // a stage's quant bytes: [tile][chunk][512]
-#define D_BYTES (TILES * CH * 32)            // its scales: [tile][chunk][16 rows' f16]
+#define D_BYTES (TILES * CH * SIDE)          // its scales: [tile][chunk][SIDE]
 #endif
 #define X_CHUNK_BYTES (BN * 64)              // one chunk of the x image: BN tokens x 32 f16
-#define X_BYTES (CH * X_CHUNK_BYTES)
+#define X_BYTES (CH * BLOCKS * X_CHUNK_BYTES)
 #define STAGE_BYTES (QS_BYTES + D_BYTES + X_BYTES)
 #define NACC (BN / 2)                        // accumulators a thread holds per 64-row block
 
@@ -108,6 +118,73 @@ static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 sca
         : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
 }
 
+// One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
+// its high block (the high nibbles, used in place as 16 q: their scales come in divided by 16), rows g and g + 8:
+// each nibble under 0x64 (1024 + q as f16), minus 1024 exactly, times d plus m. quant_gemv.ASM_NIB_AFFINE's
+// instructions.
+static __device__ __forceinline__ void dequant_q4(u32 word, const u32 (&sc)[8], u32& lo_g, u32& lo_g8, u32& hi_g,
+                                                  u32& hi_g8) {
+    asm("{\n .reg .b32 v, a0, a1, b0, b1, z;\n"
+        " shr.b32 v, %4, 8;\n"
+        " lop3.b32 a0, %4, 0x000F000F, 0x64006400, 0xEA;\n"
+        " lop3.b32 a1, v, 0x000F000F, 0x64006400, 0xEA;\n"
+        " lop3.b32 b0, %4, 0x00F000F0, 0x64006400, 0xEA;\n"
+        " lop3.b32 b1, v, 0x00F000F0, 0x64006400, 0xEA;\n"
+        " mov.b32 z, 0x64006400;\n"
+        " sub.rn.f16x2 a0, a0, z;\n"
+        " sub.rn.f16x2 a1, a1, z;\n"
+        " sub.rn.f16x2 b0, b0, z;\n"
+        " sub.rn.f16x2 b1, b1, z;\n"
+        " fma.rn.f16x2 %0, a0, %5, %9;\n"
+        " fma.rn.f16x2 %1, a1, %6, %10;\n"
+        " fma.rn.f16x2 %2, b0, %7, %11;\n"
+        " fma.rn.f16x2 %3, b1, %8, %12;\n}"
+        : "=r"(lo_g), "=r"(lo_g8), "=r"(hi_g), "=r"(hi_g8)
+        : "r"(word), "r"(sc[0]), "r"(sc[1]), "r"(sc[2]), "r"(sc[3]), "r"(sc[4]), "r"(sc[5]), "r"(sc[6]), "r"(sc[7]));
+}
+
+static __device__ __forceinline__ u32 broadcast_lo(u32 pair) {     // (a, b) -> (a, a)
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> (b, b)
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+// A chunk of one 16-row tile -> the wgmma A operands of its BLOCKS 32-column blocks (per block: k16 half h in
+// registers 4 h .. 4 h + 3: rows g, g + 8 of the words 2 h and 2 h + 1)
+static __device__ __forceinline__ void dequant_chunk(const uint4 q, const side_t sc, u32 (&a)[BLOCKS][8]) {
+#if FMT
+    // the lane group's (d, m) x (low, high block) x (row g, g + 8): the high block's d divided by 16 (exact)
+    u32 d_hi16;
+    asm("{\n .reg .b32 k;\n mov.b32 k, 0x2C002C00;\n mul.rn.f16x2 %0, %1, k;\n}" : "=r"(d_hi16) : "r"(sc.y));
+    const u32 f[8] = {broadcast_lo(sc.x), broadcast_hi(sc.x), broadcast_lo(d_hi16), broadcast_hi(d_hi16),
+                      broadcast_lo(sc.z), broadcast_hi(sc.z), broadcast_lo(sc.w), broadcast_hi(sc.w)};
+    dequant_q4(q.x, f, a[0][0], a[0][1], a[1][0], a[1][1]);
+    dequant_q4(q.y, f, a[0][2], a[0][3], a[1][2], a[1][3]);
+    dequant_q4(q.z, f, a[0][4], a[0][5], a[1][4], a[1][5]);
+    dequant_q4(q.w, f, a[0][6], a[0][7], a[1][6], a[1][7]);
+#else
+    const u32 s_g = broadcast_lo(sc), s_g8 = broadcast_hi(sc);
+    dequant_q8(q.x, s_g, s_g8, a[0][0], a[0][1]);
+    dequant_q8(q.y, s_g, s_g8, a[0][2], a[0][3]);
+    dequant_q8(q.z, s_g, s_g8, a[0][4], a[0][5]);
+    dequant_q8(q.w, s_g, s_g8, a[0][6], a[0][7]);
+#endif
+}
+
+static __device__ __forceinline__ side_t lds_side(u32 addr) {
+#if FMT
+    return lds128(addr);
+#else
+    return lds32(addr);
+#endif
+}
+
 // A wgmma B descriptor (no swizzle): start address, LBO (the next 8 columns of K) and SBO (the next 8 tokens),
 // each in 16-byte units.
 static __device__ __forceinline__ u64 b_descriptor(u32 addr) {
@@ -133,11 +210,19 @@ static __device__ __forceinline__ out_t to_out(float v) { return v; }
 static __device__ __forceinline__ float rounded(float v) { return v; }
 #elif OUT == 1
 typedef u16 out_t;
-static __device__ __forceinline__ out_t to_out(float v) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+static __device__ __forceinline__ out_t to_out(float v) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
 static __device__ __forceinline__ float rounded(float v) { return f16_to_f32(to_out(v)); }
 #else
 typedef u16 out_t;
-static __device__ __forceinline__ out_t to_out(float v) { u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+static __device__ __forceinline__ out_t to_out(float v) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
 static __device__ __forceinline__ float rounded(float v) { return __uint_as_float(((u32)to_out(v)) << 16); }
 #endif
 
@@ -174,7 +259,7 @@ static __device__ __forceinline__ void store_rows(const float* acc, out_t* out, 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restrict__ d,
+quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict__ d,
               const unsigned char* __restrict__ x_image, out_t* __restrict__ out, float* __restrict__ partial,
               int* __restrict__ count, int n_tok, int n_rows, int out_stride, int n_chunks, int row_blocks) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -199,8 +284,8 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
 #endif
 
     if (warp == WG * 4) {                                  // the producer warp
-        const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
-        const unsigned char* x_tile = x_image + (u64)tok_tile * n_chunks * X_CHUNK_BYTES;
+        const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * SIDE;
+        const unsigned char* x_tile = x_image + (u64)tok_tile * n_chunks * BLOCKS * X_CHUNK_BYTES;
         // a stage's weights: lane t < TILES copies 16-row tile t's CH chunks of qs and of d; the bytes of the whole
         // stage, x's included, are expected on its barrier first
         auto copy_stage_weights = [&](u32 stage, u32 bar, int chunk0) {
@@ -208,8 +293,8 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
             __syncwarp();
             if (!WREG && lane < TILES) {
                 bulk_copy(stage + lane * CH * 512, qs + (tile0 + lane) * tile_bytes + chunk0 * 512, CH * 512, bar);
-                bulk_copy(stage + QS_BYTES + lane * CH * 32, d + (tile0 + lane) * side_bytes + chunk0 * 32, CH * 32,
-                          bar);
+                bulk_copy(stage + QS_BYTES + lane * CH * SIDE, d + (tile0 + lane) * side_bytes + chunk0 * SIDE,
+                          CH * SIDE, bar);
             }
         };
         int ahead = 0;
@@ -225,7 +310,7 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
         if (lane == 0)
             for (int s = 0; s < ahead; ++s)
                 bulk_copy(base + s * STAGE_BYTES + QS_BYTES + D_BYTES,
-                          x_tile + (u64)(chunk_first + s * CH) * X_CHUNK_BYTES, X_BYTES, bars + 8 * s);
+                          x_tile + (u64)(chunk_first + s * CH) * BLOCKS * X_CHUNK_BYTES, X_BYTES, bars + 8 * s);
 #endif
         for (int s = ahead; s < n_stages; ++s) {
             const int slot = s % S;
@@ -233,7 +318,8 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
             const int chunk0 = chunk_first + s * CH;
             mbar_wait(bars + 8 * (S + slot), ((s / S) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
             copy_stage_weights(stage, bar, chunk0);
-            if (lane == 0) bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * X_CHUNK_BYTES, X_BYTES, bar);
+            if (lane == 0)
+                bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * BLOCKS * X_CHUNK_BYTES, X_BYTES, bar);
         }
         return;
     }
@@ -249,50 +335,54 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
     // one stage: wait for its x, dequantize each chunk's rows (from the weights' registers cur_q / cur_d with WREG,
     // else from the stage's shared memory) and issue its MMAs; hand the stage back once they retired
     typedef uint4 quant_regs[RB][CH];
-    typedef u32 scale_regs[RB][CH];
+    typedef side_t scale_regs[RB][CH];
     auto consume = [&](int s, const quant_regs& cur_q, const scale_regs& cur_d) {
         const int slot = s % S;
         const u32 stage = base + slot * STAGE_BYTES;
         mbar_wait(bars + 8 * slot, (s / S) & 1);
 #pragma unroll
         for (int c = 0; c < CH; ++c) {
-            u32 a[RB][8];
+            u32 a[RB][BLOCKS][8];
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb) {
 #if WREG
                 const uint4 q = cur_q[rb][c];
-                const u32 sc = cur_d[rb][c];
+                const side_t sc = cur_d[rb][c];
 #else
                 const int tile = (wg * RB + rb) * 4 + wi;
                 const uint4 q = lds128(stage + (tile * CH + c) * 512 + lane * 16);
-                const u32 sc = lds32(stage + QS_BYTES + (tile * CH + c) * 32 + g * 4);
+                const side_t sc = lds_side(stage + QS_BYTES + (tile * CH + c) * SIDE + g * (SIDE / 8));
 #endif
-                u32 s_g, s_g8;
-                asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(s_g) : "r"(sc));
-                asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(s_g8) : "r"(sc));
 #if PROBE & 2      // the raw bytes as the operand: no dequantization (wrong sums)
-                a[rb][0] = q.x; a[rb][1] = q.y; a[rb][2] = q.z; a[rb][3] = q.w;
-                a[rb][4] = q.x ^ s_g; a[rb][5] = q.y ^ s_g8; a[rb][6] = q.z; a[rb][7] = q.w;
+#pragma unroll
+                for (int b = 0; b < BLOCKS; ++b) {
+                    a[rb][b][0] = q.x; a[rb][b][1] = q.y; a[rb][b][2] = q.z; a[rb][b][3] = q.w;
+                    a[rb][b][4] = q.x ^ b; a[rb][b][5] = q.y; a[rb][b][6] = q.z; a[rb][b][7] = q.w ^ (u32)sc.x;
+                }
 #else
-                dequant_q8(q.x, s_g, s_g8, a[rb][0], a[rb][1]);
-                dequant_q8(q.y, s_g, s_g8, a[rb][2], a[rb][3]);
-                dequant_q8(q.z, s_g, s_g8, a[rb][4], a[rb][5]);
-                dequant_q8(q.w, s_g, s_g8, a[rb][6], a[rb][7]);
+                dequant_chunk(q, sc, a[rb]);
 #endif
             }
-            const u32 xs = stage + QS_BYTES + D_BYTES + c * X_CHUNK_BYTES;
+            const u32 xs = stage + QS_BYTES + D_BYTES + c * BLOCKS * X_CHUNK_BYTES;
 #if PROBE & 1      // no MMA: the operands folded into one accumulator, so that nothing before is dead code
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb)
-                acc[rb][0] += __uint_as_float((a[rb][0] ^ a[rb][1] ^ a[rb][2] ^ a[rb][3] ^ a[rb][4] ^ a[rb][5] ^ a[rb][6]
-                                               ^ a[rb][7] ^ xs) & 0x3FFFFFFF);
+#pragma unroll
+                for (int b = 0; b < BLOCKS; ++b)
+                    acc[rb][0] += __uint_as_float((a[rb][b][0] ^ a[rb][b][1] ^ a[rb][b][2] ^ a[rb][b][3] ^ a[rb][b][4]
+                                                   ^ a[rb][b][5] ^ a[rb][b][6] ^ a[rb][b][7] ^ xs) & 0x3FFFFFFF);
 #else
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb) {
-                // k16 half h: the chunk's words 2 h (columns 2c, 2c + 1) and 2 h + 1 (+ 8), rows g and g + 8
-                wgmma_bn(acc[rb], a[rb][0], a[rb][1], a[rb][2], a[rb][3], b_descriptor(xs));
-                wgmma_bn(acc[rb], a[rb][4], a[rb][5], a[rb][6], a[rb][7], b_descriptor(xs + 2 * BN * 16));
+#pragma unroll
+                for (int b = 0; b < BLOCKS; ++b) {
+                    // k16 half h: the block's words 2 h (columns 2c, 2c + 1) and 2 h + 1 (+ 8), rows g and g + 8
+                    const u32 xb = xs + b * X_CHUNK_BYTES;
+                    wgmma_bn(acc[rb], a[rb][b][0], a[rb][b][1], a[rb][b][2], a[rb][b][3], b_descriptor(xb));
+                    wgmma_bn(acc[rb], a[rb][b][4], a[rb][b][5], a[rb][b][6], a[rb][b][7],
+                             b_descriptor(xb + 2 * BN * 16));
+                }
             }
 #endif
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -312,7 +402,7 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
     // the weights: each lane's 16 quant bytes and its rows' scales of every chunk, loaded into registers WREG stages
     // before they are used, in WREG + 1 sets of registers that the stages take in turn (a stage's loads land in the
     // set it will read, so no move waits for them)
-    const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * 32;
+    const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * SIDE;
     auto load_stage = [&](int s, quant_regs& q, scale_regs& sc) {
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
@@ -321,7 +411,11 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
             for (int c = 0; c < CH; ++c) {
                 const int chunk = chunk_first + s * CH + c;
                 q[rb][c] = ldg128(qs + tile * tile_bytes + chunk * 512 + lane * 16);
-                sc[rb][c] = ldg32(d + tile * side_bytes + chunk * 32 + g * 4);
+#if FMT
+                sc[rb][c] = ldg128(d + tile * side_bytes + chunk * SIDE + g * 16);
+#else
+                sc[rb][c] = ldg32(d + tile * side_bytes + chunk * SIDE + g * 4);
+#endif
             }
         }
     };
@@ -335,7 +429,8 @@ quant_gemm_q8(const unsigned char* __restrict__ qs, const unsigned char* __restr
         for (int u = 0; u <= WREG; ++u) {
             const int s = s0 + u;
             if (s >= n_stages) break;
-            if (s + WREG < n_stages) load_stage(s + WREG, buf_q[(u + WREG) % (WREG + 1)], buf_d[(u + WREG) % (WREG + 1)]);
+            const int ahead = (u + WREG) % (WREG + 1);      // the set stage s + WREG reads
+            if (s + WREG < n_stages) load_stage(s + WREG, buf_q[ahead], buf_d[ahead]);
             consume(s, buf_q[u], buf_d[u]);
         }
     }

@@ -7,7 +7,8 @@ on a stage's mbarrier and arrives on its `empty` barrier on its own, a CTA carri
 warpgroup (x read once for up to 256 rows), and the producer copies the planes with cp.async.bulk, without
 tensor maps. It reads the same fragment-order planes, so no second copy of the weights exists.
 
-q8_0 only, and no plan runs it yet (bench/gemm_cuda.py weighs it against the Gluon plans; docs/kernels.md has
+q8_0 and q4_1's planes (q4_1, q4_K), and no plan runs it yet (bench/gemm_cuda.py weighs it against the Gluon plans;
+docs/kernels.md has
 what it showed). x is staged once per call by `x_image` (one small Triton launch, like quant_gemm.x_operands):
 per token tile and 32-column chunk, the tile's BN tokens x 32 columns as f16 in the planes' column order
 (quant_pack.k_order), laid out as wgmma's no-swizzle K-major B operand reads them: 8 x 8 core matrices of 128
@@ -30,7 +31,7 @@ from cobatch.kernels import nvrtc, quant_gemv, quant_pack
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 TOKEN_TILES = (16, 32, 64, 128)
-FORMATS = (quant_pack.Q8_0,)
+FORMATS = (quant_pack.Q8_0, quant_pack.Q4_1)     # q4_K's fragment planes are q4_1's
 SOURCE = Path(__file__).with_suffix(".cu")
 SMEM_LIMIT = 227 * 1024
 OUT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -65,17 +66,22 @@ class CudaGemmConfig:
     def rows_per_cta(self) -> int:
         return 64 * self.WG * self.RB
 
-    def stage_bytes(self, bn: int) -> int:
+    def stage_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
         tiles = 0 if self.WREG else 4 * self.WG * self.RB
-        return tiles * self.CH * (512 + 32) + self.CH * bn * 64
+        blocks, side = _BLOCKS_SIDE[fmt_id]
+        return tiles * self.CH * (512 + side) + self.CH * blocks * bn * 64
 
-    def stages(self, bn: int) -> int:
+    def stages(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
         """The ring's depth at token tile bn: S, or as many as fit an SM's share of MINB CTAs (x's share of a
         stage grows with bn). Below 2 the config cannot run at this tile."""
-        return min(self.S, (SMEM_LIMIT // self.MINB - 1024) // self.stage_bytes(bn))
+        return min(self.S, (SMEM_LIMIT // self.MINB - 1024) // self.stage_bytes(bn, fmt_id))
 
-    def smem_bytes(self, bn: int) -> int:
-        return self.stages(bn) * self.stage_bytes(bn) + 16 * self.stages(bn) + 16
+    def smem_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
+        return self.stages(bn, fmt_id) * self.stage_bytes(bn, fmt_id) + 16 * self.stages(bn, fmt_id) + 16
+
+
+# per format: (32-column blocks a chunk, bytes of a 16-row tile's chunk of scale data)
+_BLOCKS_SIDE = {quant_pack.Q8_0: (1, 32), quant_pack.Q4_1: (2, 128)}
 
 
 def wgmma_source(bn: int) -> str:
@@ -93,8 +99,9 @@ def wgmma_source(bn: int) -> str:
         "}\n")
 
 
-def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool) -> str:
-    defines = dict(BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH, S=cfg.stages(bn), SPLIT=cfg.split_k, ACT=act,
+def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
+    defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH, S=cfg.stages(bn, fmt_id),
+                   SPLIT=cfg.split_k, ACT=act,
                    OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=int(cfg.WREG))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     body = SOURCE.read_text()
@@ -104,21 +111,23 @@ def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool) -> 
 
 
 @functools.cache
-def cubin(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, arch: str = "90a") -> tuple[bytes, str]:
-    """The compiled kernel (cubin, NVRTC's log) of one config, token tile, epilogue and output type."""
-    return nvrtc.compile_cubin(source(cfg, bn, act, out_type, pdl), "quant_gemm_q8", arch)
+def cubin(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt_id: int = quant_pack.Q8_0,
+          arch: str = "90a") -> tuple[bytes, str]:
+    """The compiled kernel (cubin, NVRTC's log) of one config, token tile, epilogue, output type and format."""
+    return nvrtc.compile_cubin(source(cfg, bn, act, out_type, pdl, fmt_id), "quant_gemm", arch)
 
 
 _kernels: dict[tuple, nvrtc.Kernel] = {}
 
 
-def kernel(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, device: torch.device) -> nvrtc.Kernel:
-    key = (cfg, bn, act, out_type, pdl, device.index)
+def kernel(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, device: torch.device,
+           fmt_id: int = quant_pack.Q8_0) -> nvrtc.Kernel:
+    key = (cfg, bn, act, out_type, pdl, device.index, fmt_id)
     k = _kernels.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = nvrtc.Kernel(cubin(cfg, bn, act, out_type, pdl, nvrtc.arch_of(device))[0], "quant_gemm_q8",
-                             cfg.smem_bytes(bn))
+            k = nvrtc.Kernel(cubin(cfg, bn, act, out_type, pdl, fmt_id, nvrtc.arch_of(device))[0], "quant_gemm",
+                             cfg.smem_bytes(bn, fmt_id))
         _kernels[key] = k
     return k
 
@@ -141,7 +150,7 @@ def supports(p: "quant_pack.PackedPlanes", cfg: CudaGemmConfig, max_tok: int = 1
     """Can cfg run these planes, at every token count up to max_tok (its stages must fit an SM at the tile)?"""
     n_chunks = p.qs.shape[1] // 512
     return (p.fragment and p.fmt_id in FORMATS and p.cols == p.cols_pad and p.rows_pad % cfg.rows_per_cta() == 0
-            and n_chunks % (cfg.split_k * cfg.CH) == 0 and cfg.stages(token_tile(max_tok)) >= 2)
+            and n_chunks % (cfg.split_k * cfg.CH) == 0 and cfg.stages(token_tile(max_tok), p.fmt_id) >= 2)
 
 
 def scratch_need(cfg: CudaGemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
@@ -246,7 +255,7 @@ def launch_staged(p: "quant_pack.PackedPlanes", img: torch.Tensor, n_tok: int, o
     """The kernel alone, on x already staged by x_image into `img`."""
     bn = token_tile(n_tok)
     device = _device(out.device)
-    k = kernel(cfg, bn, quant_gemv.ACTS[act], OUT_TYPES[out.dtype], PDL, device)
+    k = kernel(cfg, bn, quant_gemv.ACTS[act], OUT_TYPES[out.dtype], PDL, device, p.fmt_id)
     row_blocks = p.rows_pad // cfg.rows_per_cta()
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731
     args = [ptr(p.qs), ptr(p.d), ptr(img), ptr(out), ptr(partial), ptr(count), ctypes.c_int(n_tok),
