@@ -215,7 +215,8 @@ def config_of_key(k: str) -> CudaGemmConfig:
     fields = k.split()[1:]
     values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
-                          split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values)
+                          split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
+                          WREG=int(values.get("wreg") or 0))
 
 
 def markdown(result: dict) -> str:
