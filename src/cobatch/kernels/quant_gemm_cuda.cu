@@ -177,6 +177,14 @@ static __device__ __forceinline__ void dequant_chunk(const uint4 q, const side_t
 #endif
 }
 
+static __device__ __forceinline__ u32 first_word(const side_t sc) {
+#if FMT
+    return sc.x;
+#else
+    return sc;
+#endif
+}
+
 static __device__ __forceinline__ side_t lds_side(u32 addr) {
 #if FMT
     return lds128(addr);
@@ -357,7 +365,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
 #pragma unroll
                 for (int b = 0; b < BLOCKS; ++b) {
                     a[rb][b][0] = q.x; a[rb][b][1] = q.y; a[rb][b][2] = q.z; a[rb][b][3] = q.w;
-                    a[rb][b][4] = q.x ^ b; a[rb][b][5] = q.y; a[rb][b][6] = q.z; a[rb][b][7] = q.w ^ (u32)sc.x;
+                    a[rb][b][4] = q.x ^ b; a[rb][b][5] = q.y; a[rb][b][6] = q.z; a[rb][b][7] = q.w ^ first_word(sc);
                 }
 #else
                 dequant_chunk(q, sc, a[rb]);
