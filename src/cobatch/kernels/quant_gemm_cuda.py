@@ -166,29 +166,27 @@ def scratch_need(cfg: CudaGemmConfig, rows_pad: int, max_tok: int) -> tuple[int,
 
 @jit
 def _x_image_kernel(x_ptr, out_ptr, n_tok, n_cols, x_stride, BN: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr):
-    """Program (token tile, CB chunks): out[tile][chunk] = the chunk's image (x_image_ref)."""
+    """Program (token tile, CB chunks): out[tile][chunk] = the chunk's image (x_image_ref). The tile's rows are read
+    whole (contiguous columns, vector loads) and permuted in registers: GGUF column 8 c + 2 j + e of a chunk is logical
+    column 8 j + 2 c + e, and the image is [chunk][j][token // 8][token % 8][c][e]."""
     if PDL:  # a programmatic dependent: let the GEMM after it launch, and wait for the kernel before
         gdc_launch_dependents()
         gdc_wait()
     tile = tl.program_id(0)
-    i = tl.arange(0, CB * BN * 32)
-    chunk = tl.program_id(1) * CB + i // (BN * 32)
-    within = i % (BN * 32)
-    kc = within // (BN * 8)                     # 8-column group of the chunk's logical columns
-    n = (within // 64) % (BN // 8) * 8 + (within // 8) % 8
-    k = kc * 8 + within % 8                     # logical column 8 j + 2 c + e: GGUF column 8 c + 2 j + e
-    src = chunk * 32 + 8 * ((k // 2) % 4) + 2 * (k // 8) + k % 2
-    tok = tile * BN + n
-    v = tl.load(x_ptr + tok.to(tl.int64) * x_stride + src, mask=tok < n_tok, other=0.0)
+    tok = tile * BN + tl.arange(0, BN)
+    col = tl.program_id(1) * (CB * 32) + tl.arange(0, CB * 32)
+    v = tl.load(x_ptr + tok.to(tl.int64)[:, None] * x_stride + col[None, :], mask=(tok < n_tok)[:, None], other=0.0)
+    v = tl.reshape(v.to(tl.float16), [BN // 8, 8, CB, 4, 4, 2])          # token // 8, token % 8, chunk, c, j, e
+    v = tl.reshape(tl.permute(v, [2, 4, 0, 1, 3, 5]), [CB * BN * 32])     # chunk, j, token // 8, token % 8, c, e
     base = (tile.to(tl.int64) * (n_cols // 32) + tl.program_id(1) * CB) * (BN * 32)
-    tl.store(out_ptr + base + i, v.to(tl.float16))
+    tl.store(out_ptr + base + tl.arange(0, CB * BN * 32), v)
 
 
 def x_image(x: torch.Tensor, bn: int, out: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x [n_tok, cols] -> f16 [token tiles, cols / 32, bn * 32]: each chunk's wgmma B image (x_image_ref)."""
     n_tok, cols = x.shape
     tiles = -(-n_tok // bn)
-    cb = max(1, 2048 // (bn * 32))
+    cb = max(1, 4096 // (bn * 32))
     while (cols // 32) % cb:
         cb //= 2
     _x_image_kernel[(tiles, cols // 32 // cb)](x, out, n_tok, cols, x.stride(0), BN=bn, CB=cb,
