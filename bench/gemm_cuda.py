@@ -60,8 +60,8 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
         shapes += [dict(WG=wg, RB=rb, MINB=minb, LAG=lag, CH=4) for wg in (1, 2) for rb in (1, 2) for minb in (1, 2)
                    for lag in ((False, True) if rb == 1 else (False,))]
     if "wreg" in variants:
-        shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead) for wg in (1, 2) for ch in (4, 8)
-                   for ahead in (1, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
+        shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead, L2PF=l2) for wg in (1, 2) for ch in (4, 8)
+                   for ahead in (1, 2) for l2 in (0, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
     out = []
     for shape in shapes:
         blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))
@@ -108,7 +108,8 @@ def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
 def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
-            (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "")
+            (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "") + \
+            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "")
     return f"plan {cfg}"
 
 
@@ -216,7 +217,7 @@ def config_of_key(k: str) -> CudaGemmConfig:
     values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
                           split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
-                          WREG=int(values.get("wreg") or 0))
+                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0))
 
 
 def markdown(result: dict) -> str:

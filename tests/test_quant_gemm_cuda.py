@@ -30,7 +30,8 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, LAG=True), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64)],
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64)],
     quant_pack.Q4_1: [
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
@@ -129,7 +130,7 @@ CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=
            CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True),
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2)]
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2)]
 
 
 FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both

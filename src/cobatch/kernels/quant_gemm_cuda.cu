@@ -16,7 +16,8 @@
 // PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
-// ahead: the ring carries x only), and wgmma_bn(), the wgmma of BN tokens, written by the host.
+// ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into
+// L2), and wgmma_bn(), the wgmma of BN tokens, written by the host.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -427,8 +428,23 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
             }
         }
     };
+    // with L2PF, stage s + WREG + L2PF's quant bytes are asked of L2 too: bytes in flight that hold no register
+    auto prefetch_stage = [&](int s) {
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+            const int tile = tile0 + (wg * RB + rb) * 4 + wi;
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                const unsigned char* p = qs + tile * tile_bytes + (chunk_first + s * CH + c) * 512 + lane * 16;
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+            }
+        }
+    };
     quant_regs buf_q[WREG + 1];
     scale_regs buf_d[WREG + 1];
+#pragma unroll
+    for (int i = WREG; i < WREG + L2PF; ++i)
+        if (i < n_stages) prefetch_stage(i);
 #pragma unroll
     for (int i = 0; i < WREG; ++i)
         if (i < n_stages) load_stage(i, buf_q[i], buf_d[i]);
@@ -438,6 +454,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
             const int s = s0 + u;
             if (s >= n_stages) break;
             const int ahead = (u + WREG) % (WREG + 1);      // the set stage s + WREG reads
+            if (L2PF && s + WREG + L2PF < n_stages) prefetch_stage(s + WREG + L2PF);
             if (s + WREG < n_stages) load_stage(s + WREG, buf_q[ahead], buf_d[ahead]);
             consume(s, buf_q[u], buf_d[u]);
         }

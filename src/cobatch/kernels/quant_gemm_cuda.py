@@ -57,6 +57,7 @@ class CudaGemmConfig:
     # WREG 1 or 2: the weights go from global memory straight into registers, that many stages ahead, and the ring
     # carries x only (shared memory's traffic per weight byte: x's alone)
     WREG: int = 0
+    L2PF: int = 0         # with WREG: the quant bytes that many stages further ahead prefetched into L2
 
     def __post_init__(self):
         if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2 \
@@ -102,7 +103,8 @@ def wgmma_source(bn: int) -> str:
 def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
     defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH, S=cfg.stages(bn, fmt_id),
                    SPLIT=cfg.split_k, ACT=act,
-                   OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=int(cfg.WREG))
+                   OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=int(cfg.WREG),
+                   L2PF=cfg.L2PF)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     body = SOURCE.read_text()
     marker = "extern \"C\" __global__"
