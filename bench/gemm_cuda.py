@@ -49,11 +49,11 @@ def chunks(fmt: str, shape: str) -> int:
     return SHAPES[shape][1] // (32 if fmt == "q8_0" else 64)
 
 
-def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[CudaGemmConfig]:
+def candidates(rows: int, n_chunks: int, variants=("ring", "wreg", "cluster")) -> list[CudaGemmConfig]:
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
     (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
-    of 4 or 8 chunks.
+    of 4 or 8 chunks. The cluster variant: the ring's CTA shapes (without LAG) in clusters of 2 or 4 sharing x.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
@@ -62,6 +62,9 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
     if "wreg" in variants:
         shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead, L2PF=l2) for wg in (1, 2) for ch in (4, 8)
                    for ahead in (1, 2) for l2 in (0, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
+    if "cluster" in variants:
+        shapes += [dict(WG=wg, RB=rb, MINB=minb, CH=4, CL=cl) for wg in (1, 2) for rb in (1, 2) for minb in (1, 2)
+                   for cl in (2, 4) if (rows // (64 * wg * rb)) % cl == 0]
     out = []
     for shape in shapes:
         blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))
@@ -74,11 +77,13 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
     return out
 
 
-def spills(cfg: CudaGemmConfig, toks: list[int], fmt_id: int) -> bool:
-    """Does ptxas spill registers in this config at any of the token tiles it would run? (not timed then)"""
+def unfit(cfg: CudaGemmConfig, toks: list[int], fmt_id: int) -> bool:
+    """Does ptxas spill registers, or serialize the wgmmas (its C7511 warning), in this config at any of the token
+    tiles it would run? (not timed then)"""
     device = torch.device("cuda", torch.cuda.current_device())
-    return any(quant_gemm_cuda.kernel(cfg, tile(n), 0, 2, quant_gemm_cuda.PDL, device, fmt_id).spill_bytes
-               for n in toks if cfg.stages(tile(n), fmt_id) >= 2)
+    runs = [tile(n) for n in toks if cfg.stages(tile(n), fmt_id) >= 2]
+    return any(quant_gemm_cuda.kernel(cfg, bn, 0, 2, quant_gemm_cuda.PDL, device, fmt_id).spill_bytes
+               or "C7511" in quant_gemm_cuda.cubin(cfg, bn, 0, 2, quant_gemm_cuda.PDL, fmt_id)[1] for bn in runs)
 
 
 def tile(n: int) -> int:
@@ -110,7 +115,7 @@ def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
             (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "") + \
-            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "")
+            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "") + (f" cl{cfg.CL}" if cfg.CL > 1 else "")
     return f"plan {cfg}"
 
 
@@ -121,8 +126,9 @@ def main() -> None:
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
                     "(PROBE 1), without its dequantization (2) and without both (3): where its time goes")
-    ap.add_argument("--variants", default="ring,wreg", help="the CUDA kernel's variants to time: ring (weights "
-                    "through the shared-memory ring), wreg (weights straight into registers)")
+    ap.add_argument("--variants", default="ring,wreg,cluster", help="the CUDA kernel's variants to time: ring "
+                    "(weights through the shared-memory ring), wreg (weights straight into registers), cluster (the "
+                    "ring's CTAs in clusters sharing x)")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
@@ -146,7 +152,7 @@ def main() -> None:
         w = random_weight(fmt, rows, cols)
         pw = PackedWeight.from_quant(w, "cuda")
         copies = rotating(pw)
-        cands = [c for c in candidates(rows, chunks(fmt, name), variants) if not spills(c, toks, PLANES[fmt])
+        cands = [c for c in candidates(rows, chunks(fmt, name), variants) if not unfit(c, toks, PLANES[fmt])
                  and any(c.stages(tile(n), PLANES[fmt]) >= 2 for n in toks)]
         # each at its widest measured tile, three tokens short of it (a partial tile)
         errors = {key(c): check(pw, w, c, max(n for n in toks if c.stages(tile(n), PLANES[fmt]) >= 2) - 3)
@@ -221,7 +227,8 @@ def config_of_key(k: str) -> CudaGemmConfig:
     values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
                           split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
-                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0))
+                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0),
+                          CL=int(values.get("cl") or 1))
 
 
 def markdown(result: dict) -> str:

@@ -31,14 +31,17 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64)],
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64),
+        (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=2, CL=2), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=2, MINB=2, CL=4, LAG=True), 32)],
     quant_pack.Q4_1: [
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
         (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, MINB=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, LAG=True), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1, WREG=1), 128),
-        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64)]}
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, CL=2), 64)]}
 
 # --- CPU ----------------------------------------------------------------------------------------------------
 
@@ -130,7 +133,9 @@ CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=
            CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True),
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2)]
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2),
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=4, CL=2),
+           CudaGemmConfig(WG=1, RB=1, CH=4, S=4, split_k=2, MINB=2, CL=4, LAG=True)]
 
 
 FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both
@@ -188,7 +193,8 @@ def test_row_is_bitwise_identical_whatever_the_batch(fmt):
     w, pw = _weight(rows=2048, cols=4096, seed=5, fmt=fmt)
     x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
     for cfg in (CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=4), CudaGemmConfig(WG=2, RB=2, CH=2, S=3),
-                CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1)):
+                CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1),
+                CudaGemmConfig(WG=1, RB=1, CH=4, S=4, split_k=2, MINB=2, CL=4)):
         full = pw.matmul(x[:256], config=cfg, out=poisoned((256, w.rows), torch.bfloat16))
         for n_tok in (1, 17, 32, 33, 64, 65, 128, 200, 256):
             got = pw.matmul(x[:n_tok], config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))

@@ -149,6 +149,7 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+_ATTR_CLUSTER_DIMENSION = 4
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
 _FUNC_ATTR_NUM_REGS = 4
@@ -184,20 +185,27 @@ class Kernel:
         self.smem_bytes = smem_bytes
         self.registers = self._attribute(_FUNC_ATTR_NUM_REGS)
         self.spill_bytes = self._attribute(_FUNC_ATTR_LOCAL_SIZE)
-        pdl = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-        ctypes.memmove(pdl.value, (ctypes.c_int * 1)(1), 4)
-        self._pdl_attrs = (_LaunchAttribute * 1)(pdl)
 
     def _attribute(self, which: int) -> int:
         v = ctypes.c_int()
         _check_cu(_cuda().cuFuncGetAttribute(ctypes.byref(v), which, self.func), "cuFuncGetAttribute")
         return v.value
 
-    def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False) -> None:
-        """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order."""
+    def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False,
+               cluster: tuple[int, int, int] | None = None) -> None:
+        """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order. pdl: launched
+        as a programmatic dependent of the kernel before; cluster: the CTAs of a thread-block cluster along x, y, z."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        attrs = []
+        if pdl:
+            attrs.append(_LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION))
+            ctypes.memmove(attrs[-1].value, (ctypes.c_int * 1)(1), 4)
+        if cluster is not None:
+            attrs.append(_LaunchAttribute(id=_ATTR_CLUSTER_DIMENSION))
+            ctypes.memmove(attrs[-1].value, (ctypes.c_uint * 3)(*cluster), 12)
+        attr_array = (_LaunchAttribute * len(attrs))(*attrs) if attrs else None
         cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, ctypes.c_void_p(stream),
-                            self._pdl_attrs if pdl else None, 1 if pdl else 0)
+                            attr_array, len(attrs))
         _check_cu(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None), "cuLaunchKernelEx")
 
 
