@@ -3,6 +3,8 @@ GPU (the test extras install it); launching needs one (tests/test_quant_gemm_cud
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from cobatch.kernels import nvrtc
@@ -33,3 +35,14 @@ def test_a_program_that_does_not_compile_says_why(monkeypatch, tmp_path):
     with pytest.raises(nvrtc.NvrtcError, match="does not compile"):
         nvrtc.compile_cubin(SOURCE.replace("2.0f", "undefined_name"), "broken", "90a")
     assert not list(tmp_path.glob("nvrtc/*.cubin"))      # nothing kept
+
+
+def test_launch_attributes_hold_their_values():
+    """The bytes cuLaunchKernelEx reads: each CUlaunchAttribute is an id, padding to 8 bytes, then its value."""
+    attrs = nvrtc.launch_attributes(pdl=True, cluster=(1, 4, 1))
+    raw = bytes(memoryview(attrs).cast("B"))
+    size = len(raw) // 2
+    words = lambda at, n: list(struct.unpack_from(f"<{n}I", raw, at))  # noqa: E731
+    assert words(0, 1) == [6] and words(8, 1) == [1]                    # programmatic stream serialization: on
+    assert words(size, 1) == [4] and words(size + 8, 3) == [1, 4, 1]    # the cluster's dimensions
+    assert nvrtc.launch_attributes(pdl=False, cluster=None) is None

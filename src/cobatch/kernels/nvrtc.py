@@ -142,6 +142,22 @@ class _LaunchAttribute(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
 
 
+def launch_attributes(pdl: bool, cluster: tuple[int, int, int] | None):
+    """cuLaunchKernelEx's attribute array (None where there is none): programmatic stream serialization (PDL) and
+    the cluster's shape. Each value (a union of 32-bit fields) is written in place through its address: reading a
+    c_char array field of a Structure gives a copy, so writing into that would set nothing."""
+    attrs = ([(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, (1,))] if pdl else []) + \
+        ([(_ATTR_CLUSTER_DIMENSION, tuple(cluster))] if cluster is not None else [])
+    if not attrs:
+        return None
+    array = (_LaunchAttribute * len(attrs))()
+    for attr, (which, words) in zip(array, attrs):
+        attr.id = which
+        ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, (ctypes.c_uint * len(words))(*words),
+                       4 * len(words))
+    return array
+
+
 class _LaunchConfig(ctypes.Structure):
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
                 ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
@@ -196,16 +212,9 @@ class Kernel:
         """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order. pdl: launched
         as a programmatic dependent of the kernel before; cluster: the CTAs of a thread-block cluster along x, y, z."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        attrs = []
-        if pdl:
-            attrs.append(_LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION))
-            ctypes.memmove(attrs[-1].value, (ctypes.c_int * 1)(1), 4)
-        if cluster is not None:
-            attrs.append(_LaunchAttribute(id=_ATTR_CLUSTER_DIMENSION))
-            ctypes.memmove(attrs[-1].value, (ctypes.c_uint * 3)(*cluster), 12)
-        attr_array = (_LaunchAttribute * len(attrs))(*attrs) if attrs else None
+        attrs = launch_attributes(pdl, cluster)
         cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, ctypes.c_void_p(stream),
-                            attr_array, len(attrs))
+                            attrs, len(attrs) if attrs else 0)
         _check_cu(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None), "cuLaunchKernelEx")
 
 
