@@ -9,8 +9,8 @@ as CUDA-graph replays over copies of the weight rotating past L2 (bench/timing.p
 checked against the float64 reference. Reports us, GB/s of weight bytes and their share of a device-to-device
 copy measured in the same run. Prints a short table last; JSON and markdown to $OUT and bench/results/gemm_cuda.*.
 With --probe, also where the best config's time goes (its MMAs, its dequantization, the ring alone). With $OUT set,
-$OUT/quant_configs-cuda.json is the package's plan table with each weight the CUDA kernel won on planned through it
-(plan_table): bench/device.sh plan-ab weighs it in whole decode steps.
+$OUT/quant_configs-cuda.json is the package's plan table with the fewest-token GEMM calls of each weight the CUDA
+kernel won on planned through it (plan_table): bench/device.sh plan-ab weighs it in whole decode steps.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def chunks(fmt: str, shape: str) -> int:
     return SHAPES[shape][1] // (32 if fmt == "q8_0" else 64)
 
 
-def candidates(rows: int, n_chunks: int, variants=("ring", "wreg", "cluster")) -> list[CudaGemmConfig]:
+def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[CudaGemmConfig]:
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
     (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
-    of 4 or 8 chunks. The cluster variant: the ring's CTA shapes (without LAG) in clusters of 2 or 4 sharing x.
+    of 4 or 8 chunks.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
@@ -62,9 +62,6 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg", "cluster")) -
     if "wreg" in variants:
         shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead, L2PF=l2) for wg in (1, 2) for ch in (4, 8)
                    for ahead in (1, 2) for l2 in (0, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
-    if "cluster" in variants:
-        shapes += [dict(WG=wg, RB=rb, MINB=minb, CH=4, CL=cl) for wg in (1, 2) for rb in (1, 2) for minb in (1, 2)
-                   for cl in (2, 4) if (rows // (64 * wg * rb)) % cl == 0]
     out = []
     for shape in shapes:
         blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))
@@ -115,7 +112,7 @@ def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
             (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "") + \
-            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "") + (f" cl{cfg.CL}" if cfg.CL > 1 else "")
+            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "")
     return f"plan {cfg}"
 
 
@@ -126,9 +123,8 @@ def main() -> None:
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
                     "(PROBE 1), without its dequantization (2) and without both (3): where its time goes")
-    ap.add_argument("--variants", default="ring,wreg,cluster", help="the CUDA kernel's variants to time: ring "
-                    "(weights through the shared-memory ring), wreg (weights straight into registers), cluster (the "
-                    "ring's CTAs in clusters sharing x)")
+    ap.add_argument("--variants", default="ring,wreg", help="the CUDA kernel's variants to time: ring (weights "
+                    "through the shared-memory ring), wreg (weights straight into registers)")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
@@ -197,27 +193,33 @@ def main() -> None:
         (Path(os.environ["OUT"]) / "quant_configs-cuda.json").write_text(json.dumps(table, indent=1))
 
 
-def plan_table(rows_out: list[dict], table: dict) -> dict:
-    """The package's plan table with each measured weight's GEMM config the CUDA one with the least time summed over
-    the measured token counts, where that sum beats the plan's (the Gluon pair of mid and wide configs is replaced
-    whole: one config then serves the weight's GEMM range). For bench/device.sh plan-ab: whole decode steps."""
+def plan_table(rows_out: list[dict], table: dict, min_gain: float = 0.02) -> dict:
+    """The package's plan table with each measured weight's fewest-token GEMM calls handed to the CUDA kernel where it
+    wins: the CUDA config and the run of measured token counts from the GEMM's first (the GEMV's stay) with the most
+    time saved over the plan, summed, become the entry's "quant_gemm_first" and "quant_gemm_first_upto", where they
+    save at least min_gain of that run's time. For bench/device.sh plan-ab: whole decode steps."""
     out = json.loads(json.dumps(table))
     by_weight: dict[tuple, list[dict]] = {}
     for r in rows_out:
-        by_weight.setdefault((r.get("fmt", "q8_0"), r["rows"], r["cols"]), []).append(r)
+        if not r["plan"].startswith("plan GemvPlan"):
+            by_weight.setdefault((r.get("fmt", "q8_0"), r["rows"], r["cols"]), []).append(r)
     for (fmt, rows, cols), rs in by_weight.items():
-        common = set.intersection(*(set(r["all_us"]) for r in rs)) - {rs[0]["plan"]}
-        total = {k: sum(r["all_us"][k] for r in rs) for k in common if k.startswith("cuda")}
-        if not total:
-            continue
-        best = min(total, key=total.get)
-        if total[best] >= sum(r["plan_us"] for r in rs):
+        rs = sorted(rs, key=lambda r: r["n_tok"])
+        best = None      # (time saved, config key, last token count)
+        for last in range(len(rs)):
+            run = rs[:last + 1]
+            plan_us = sum(r["plan_us"] for r in run)
+            common = set.intersection(*(set(r["all_us"]) for r in run))
+            for k in (k for k in common if k.startswith("cuda")):
+                saved = plan_us - sum(r["all_us"][k] for r in run)
+                if saved >= min_gain * plan_us and (best is None or saved > best[0]):
+                    best = (saved, k, run[-1]["n_tok"])
+        if best is None:
             continue
         entry = out.setdefault("formats", {}).setdefault(fmt, {}).setdefault("shapes", {}).setdefault(
             f"{rows}x{cols}", {})
-        entry.pop("quant_gemm_wide", None)
-        entry.pop("quant_gemm_wide_from", None)
-        entry["quant_gemm"] = quant_gemm_cuda.plan_entry(config_of_key(best))
+        entry["quant_gemm_first"] = quant_gemm_cuda.plan_entry(config_of_key(best[1]))
+        entry["quant_gemm_first_upto"] = best[2]
     return out
 
 
@@ -227,8 +229,7 @@ def config_of_key(k: str) -> CudaGemmConfig:
     values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
                           split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
-                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0),
-                          CL=int(values.get("cl") or 1))
+                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0))
 
 
 def markdown(result: dict) -> str:

@@ -31,17 +31,14 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=2, CL=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=2, MINB=2, CL=4, LAG=True), 32)],
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64)],
     quant_pack.Q4_1: [
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
         (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, MINB=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, LAG=True), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1, WREG=1), 128),
-        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, CL=2), 64)]}
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64)]}
 
 # --- CPU ----------------------------------------------------------------------------------------------------
 
@@ -106,6 +103,33 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
         qm.load_plan("q6_k", 128, 256, planes, torch.device("cpu"))
 
 
+def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
+    """"quant_gemm_first" (up to "quant_gemm_first_upto" tokens) runs ahead of the mid and wide configs; load checks a
+    CUDA config only at the tokens it serves (this one's stages fit a 32-token tile, not a 128-token one)."""
+    from cobatch.kernels import quant_matmul as qm
+    from cobatch.kernels.quant_gemm import GemmConfig
+    first = CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2)
+    assert first.stages(32) >= 2 and first.stages(128) < 2
+    entry = {"gemv": {"W": 4, "RT": 1, "split_k": 2, "U": 8}, "quant_gemm_crossover": 8, "quant_gemm_upto": 256,
+             "quant_gemm": {"NW": 4, "split_k": 2, "RING": 6}, "quant_gemm_wide": {"NW": 4, "split_k": 2, "RING": 4},
+             "quant_gemm_wide_from": 128, "quant_gemm_first": quant_gemm_cuda.plan_entry(first),
+             "quant_gemm_first_upto": 32}
+    path = tmp_path / "configs.json"
+    path.write_text(__import__("json").dumps({"formats": {"q8_0": {"shapes": {"1024x2048": entry}}}}))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    monkeypatch.setattr(qm, "uses_quant_gemm", lambda device: True)
+    w = make_weight("q8_0", 1024, 2048, seed=1)
+    planes = quant_pack.pack_planes(w.fmt, w.rows, w.cols, w.raw, torch.device("cpu"), fragment=True)
+    plan = qm.load_plan("q8_0", 1024, 2048, planes, torch.device("cpu"))
+    picked = {n: plan.config_for(n) for n in (8, 9, 32, 33, 128, 129, 256)}
+    assert isinstance(picked[8], qm.GemvPlan)
+    assert picked[9] == picked[32] == first
+    assert picked[33] == picked[128] == GemmConfig(NW=4, split_k=2, RING=6)
+    assert picked[129] == picked[256] == GemmConfig(NW=4, split_k=2, RING=4)
+    assert plan.gemm_ranges()[0] == (first, 32)
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("fmt_id", quant_gemm_cuda.FORMATS)
 @pytest.mark.parametrize("probe", [1, 2, 3])
@@ -133,9 +157,7 @@ CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=
            CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True),
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=4, CL=2),
-           CudaGemmConfig(WG=1, RB=1, CH=4, S=4, split_k=2, MINB=2, CL=4, LAG=True)]
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2)]
 
 
 FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both
@@ -193,8 +215,7 @@ def test_row_is_bitwise_identical_whatever_the_batch(fmt):
     w, pw = _weight(rows=2048, cols=4096, seed=5, fmt=fmt)
     x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
     for cfg in (CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=4), CudaGemmConfig(WG=2, RB=2, CH=2, S=3),
-                CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1),
-                CudaGemmConfig(WG=1, RB=1, CH=4, S=4, split_k=2, MINB=2, CL=4)):
+                CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1)):
         full = pw.matmul(x[:256], config=cfg, out=poisoned((256, w.rows), torch.bfloat16))
         for n_tok in (1, 17, 32, 33, 64, 65, 128, 200, 256):
             got = pw.matmul(x[:n_tok], config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))

@@ -17,9 +17,7 @@
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
 // ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into
-// L2), CL (a cluster of CL CTAs, consecutive row blocks of one token tile and split, shares each stage's x: each
-// CTA copies 1 / CL of it to every CTA of the cluster at once, so L2 sends x once a cluster where it sent it once a
-// CTA), and wgmma_bn(), the wgmma of BN tokens, written by the host.
+// L2), and wgmma_bn(), the wgmma of BN tokens, written by the host.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -77,24 +75,6 @@ static __device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
 static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// the same bytes to the same shared offset (and barrier) of every CTA in the cluster's mask
-static __device__ __forceinline__ void bulk_copy_multicast(u32 dst, const void* src, u32 bytes, u32 bar, u16 mask) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1], %2, [%3], %4;" :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
-}
-
-// arrive on the barrier at this shared offset in CTA `rank` of the cluster
-static __device__ __forceinline__ void mbar_arrive_remote(u32 bar, u32 rank) {
-    asm volatile("{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-                 " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" :: "r"(bar), "r"(rank) : "memory");
-}
-
-static __device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
 }
 
 static __device__ __forceinline__ uint4 lds128(u32 addr) {
@@ -295,11 +275,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     const u32 base = smem_u32(smem);
     const u32 bars = base + S * STAGE_BYTES;               // full[S], empty[S], then the split-K flag
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#if CL > 1   // split-major, so that a cluster (CL consecutive y) is row blocks of one split
-    const int tok_tile = blockIdx.x, row_block = blockIdx.y % row_blocks, split = blockIdx.y / row_blocks;
-#else
     const int tok_tile = blockIdx.x, row_block = blockIdx.y / SPLIT, split = blockIdx.y % SPLIT;
-#endif
     const int n_stages = n_chunks / SPLIT / CH;
     const int chunk_first = split * n_stages * CH;
     const int tile0 = row_block * TILES;
@@ -307,15 +283,11 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (S + s), WG * 4 * CL);      // every consumer warp of the cluster releases a slot
+            mbar_init(bars + 8 * (S + s), WG * 4);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-#if CL > 1   // no CTA's copies reach a peer before the peer's barriers exist
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
     __syncthreads();
-#endif
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -334,18 +306,6 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
                           CH * SIDE, bar);
             }
         };
-        // a stage's x: the whole of it, or with CL this CTA's 1 / CL of it, to every CTA of the cluster
-        auto copy_stage_x = [&](u32 stage, u32 bar, int chunk0) {
-            if (lane != 0) return;
-            const unsigned char* src = x_tile + (u64)chunk0 * BLOCKS * X_CHUNK_BYTES;
-#if CL > 1
-            const u32 part = X_BYTES / CL, rank = cluster_rank();
-            bulk_copy_multicast(stage + QS_BYTES + D_BYTES + rank * part, src + rank * part, part, bar,
-                                (u16)((1 << CL) - 1));
-#else
-            bulk_copy(stage + QS_BYTES + D_BYTES, src, X_BYTES, bar);
-#endif
-        };
         int ahead = 0;
 #if PDL
         // weights are never written: the first stages' copies start while the kernel before finishes
@@ -356,7 +316,10 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
             copy_stage_weights(stage, bar, chunk0);
         }
         asm volatile("griddepcontrol.wait;" ::: "memory");
-        for (int s = 0; s < ahead; ++s) copy_stage_x(base + s * STAGE_BYTES, bars + 8 * s, chunk_first + s * CH);
+        if (lane == 0)
+            for (int s = 0; s < ahead; ++s)
+                bulk_copy(base + s * STAGE_BYTES + QS_BYTES + D_BYTES,
+                          x_tile + (u64)(chunk_first + s * CH) * BLOCKS * X_CHUNK_BYTES, X_BYTES, bars + 8 * s);
 #endif
         for (int s = ahead; s < n_stages; ++s) {
             const int slot = s % S;
@@ -364,12 +327,9 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
             const int chunk0 = chunk_first + s * CH;
             mbar_wait(bars + 8 * (S + slot), ((s / S) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
             copy_stage_weights(stage, bar, chunk0);
-            copy_stage_x(stage, bar, chunk0);
+            if (lane == 0)
+                bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * BLOCKS * X_CHUNK_BYTES, X_BYTES, bar);
         }
-#if CL > 1
-        // peers' consumers arrive on this CTA's barriers: it stays until they released its last stages
-        for (int s = n_stages > S ? n_stages - S : 0; s < n_stages; ++s) mbar_wait(bars + 8 * (S + s % S), (s / S) & 1);
-#endif
         return;
     }
 
@@ -383,15 +343,6 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
 
     // one stage: wait for its x, dequantize each chunk's rows (from the weights' registers cur_q / cur_d with WREG,
     // else from the stage's shared memory) and issue its MMAs; hand the stage back once they retired
-    // a consumed slot handed back: to this CTA's producer, or with CL to every producer of the cluster (each copies
-    // into it)
-    auto release = [&](u32 empty_bar) {
-#if CL > 1
-        if (lane < CL) mbar_arrive_remote(empty_bar, lane);
-#else
-        if (lane == 0) mbar_arrive(empty_bar);
-#endif
-    };
     typedef uint4 quant_regs[RB][CH];
     typedef side_t scale_regs[RB][CH];
     auto consume = [&](int s, const quant_regs& cur_q, const scale_regs& cur_d) {
@@ -449,11 +400,11 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
         // retire the stage before, whose MMAs ran while this one was dequantized; this one's stay in flight
         asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(CH) : "memory");
         __syncwarp();
-        if (s > 0) release(bars + 8 * (S + (s + S - 1) % S));
+        if (lane == 0 && s > 0) mbar_arrive(bars + 8 * (S + (s + S - 1) % S));
 #else
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         __syncwarp();
-        release(bars + 8 * (S + slot));
+        if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
 #endif
     };
 #if WREG
@@ -518,8 +469,6 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
 #endif
 #if LAG
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    __syncwarp();
-    release(bars + 8 * (S + (n_stages - 1) % S));          // the last stage (the producer's wait at exit counts it)
 #endif
 
 #if PDL

@@ -58,15 +58,11 @@ class CudaGemmConfig:
     # carries x only (shared memory's traffic per weight byte: x's alone)
     WREG: int = 0
     L2PF: int = 0         # with WREG: the quant bytes that many stages further ahead prefetched into L2
-    # CL 2 or 4: a cluster of CL CTAs (row blocks of one token tile and split) shares each stage's x by multicast, so
-    # L2 sends x once a cluster: at 64+ tokens x's bytes from L2 rival the weights' (docs/kernels.md)
-    CL: int = 1
 
     def __post_init__(self):
         if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2 \
-                or self.WREG not in (0, 1, 2) or self.CL not in (1, 2, 4):
-            raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8, 2+ stages, WREG 0-2, CL 1, 2 "
-                             f"or 4: {self}")
+                or self.WREG not in (0, 1, 2):
+            raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8, 2+ stages, WREG 0-2: {self}")
 
     def rows_per_cta(self) -> int:
         return 64 * self.WG * self.RB
@@ -108,7 +104,7 @@ def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt
     defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH, S=cfg.stages(bn, fmt_id),
                    SPLIT=cfg.split_k, ACT=act,
                    OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=int(cfg.WREG),
-                   L2PF=cfg.L2PF, CL=cfg.CL)
+                   L2PF=cfg.L2PF)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     body = SOURCE.read_text()
     marker = "extern \"C\" __global__"
@@ -156,7 +152,6 @@ def supports(p: "quant_pack.PackedPlanes", cfg: CudaGemmConfig, max_tok: int = 1
     """Can cfg run these planes, at every token count up to max_tok (its stages must fit an SM at the tile)?"""
     n_chunks = p.qs.shape[1] // 512
     return (p.fragment and p.fmt_id in FORMATS and p.cols == p.cols_pad and p.rows_pad % cfg.rows_per_cta() == 0
-            and (p.rows_pad // cfg.rows_per_cta()) % cfg.CL == 0
             and n_chunks % (cfg.split_k * cfg.CH) == 0 and cfg.stages(token_tile(max_tok), p.fmt_id) >= 2)
 
 
@@ -267,5 +262,5 @@ def launch_staged(p: "quant_pack.PackedPlanes", img: torch.Tensor, n_tok: int, o
             ctypes.c_int(p.rows), ctypes.c_int(out.stride(0)), ctypes.c_int(p.qs.shape[1] // 512),
             ctypes.c_int(row_blocks)]
     k.launch((-(-n_tok // bn), row_blocks * cfg.split_k, 1), 128 * cfg.WG + 32, args,
-             torch.cuda.current_stream(device).cuda_stream, pdl=PDL, cluster=(1, cfg.CL, 1) if cfg.CL > 1 else None)
+             torch.cuda.current_stream(device).cuda_stream, pdl=PDL)
 

@@ -9,7 +9,9 @@ changes with n_tok:
     Split-K partials are summed in a fixed order by the last program of each tile (no float atomics),
     so row t's result is bitwise the same whatever n_tok is.
   - mid (T < n_tok <= mid_upto, busy decode steps; Hopper): the Gluon quantized GEMM of quant_gemm.py, which
-    reads every weight byte once per call on warpgroup MMAs, from the GEMV's fragment-order planes.
+    reads every weight byte once per call on warpgroup MMAs, from the GEMV's fragment-order planes; or, where the
+    plan table names it (for all of mid, or a `first` range of the fewest tokens), the CUDA C++ GEMM of
+    quant_gemm_cuda.py on the same planes.
   - gemm (n_tok > T, prefill): either the same kernel with big token tiles (BM 64..128) on tensor cores,
     or DEQUANT_CUBLAS: dequantize into a shared bf16/f16 scratch matrix (one pass, `_dequant_kernel`)
     and let cuBLAS multiply. On the H200 the second won for every format (0.74-0.88 of cuBLAS bf16 at
@@ -512,6 +514,10 @@ class MatmulPlan:
     # and loses below). Same split of K as `mid`, so a row's bits do not change where the plan switches.
     wide: GemmConfig | CudaGemmConfig | None = None
     wide_from: int = 0
+    # crossover < n_tok <= first_upto -> the GEMM in config `first`, ahead of mid: a kernel that wins on the fewest
+    # tokens only (the CUDA C++ GEMM on small matrices at 16-32 tokens). Batch invariance holds within each range.
+    first: GemmConfig | CudaGemmConfig | None = None
+    first_upto: int = 0
 
     def __post_init__(self):
         if self.wide is not None and (self.mid is None or self.wide.split_k != self.mid.split_k):
@@ -520,12 +526,19 @@ class MatmulPlan:
     def config_for(self, n_tok: int) -> "TileConfig | GemvPlan | GemmConfig | str":
         if n_tok <= self.crossover:
             return self.narrow
+        if self.first is not None and n_tok <= self.first_upto:
+            return self.first
         if self.mid is not None and n_tok <= self.mid_upto:
             return self.wide if self.wide is not None and n_tok > self.wide_from else self.mid
         return self.gemm
 
+    def gemm_ranges(self) -> list[tuple[GemmConfig | CudaGemmConfig, int]]:
+        """Each GEMM config of the plan, with the most tokens a call it serves has."""
+        return [(c, upto) for c, upto in ((self.first, self.first_upto), (self.mid, self.mid_upto),
+                                          (self.wide, self.mid_upto)) if c is not None]
+
     def gemm_configs(self) -> list[GemmConfig | CudaGemmConfig]:
-        return [c for c in (self.mid, self.wide) if c is not None]
+        return [c for c, _ in self.gemm_ranges()]
 
 
 @lru_cache(maxsize=None)
@@ -614,7 +627,8 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
     "quant_gemm" config and "quant_gemm_upto", else quant_gemm.default_config and QUANT_GEMM_UPTO), from
     the GEMV's last token tile ("quant_gemm_crossover", else GEMV_CROSSOVER) on, and past "quant_gemm_wide_from"
-    the entry's "quant_gemm_wide" config when it has one."""
+    the entry's "quant_gemm_wide" config when it has one; up to "quant_gemm_first_upto" tokens, the entry's
+    "quant_gemm_first" config when it has one."""
     if interpreting():
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
@@ -648,9 +662,11 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
             mid = (gemm_config(entry["quant_gemm"]) if "quant_gemm" in entry
                    else quant_gemm.default_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
             wide = gemm_config(entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
+            first = gemm_config(entry["quant_gemm_first"]) if "quant_gemm_first" in entry else None
             return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", GEMV_CROSSOVER)), mid,
                               int(entry.get("quant_gemm_upto", QUANT_GEMM_UPTO)), wide,
-                              int(entry.get("quant_gemm_wide_from", 0)))
+                              int(entry.get("quant_gemm_wide_from", 0)), first,
+                              int(entry.get("quant_gemm_first_upto", 0)))
     return MatmulPlan(narrow, gemm, crossover)
 
 
@@ -724,12 +740,12 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     """Grow the shared split-K buffers, and with `dense` the dequantize-to-cuBLAS matrix, to what a weight of
     this plan and shape needs (at load: never inside a CUDA-graph capture)."""
     _SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
-    for cfg in plan.gemm_configs():
-        _SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, plan.mid_upto))
+    for cfg, upto in plan.gemm_ranges():
+        _SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, upto))
         if isinstance(cfg, CudaGemmConfig):
-            quant_gemm_cuda.reserve_scratch(device, plan.mid_upto, cols)
+            quant_gemm_cuda.reserve_scratch(device, upto, cols)
         elif cfg.streams_x():
-            quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(plan.mid_upto) * cols)
+            quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
 
@@ -741,8 +757,8 @@ def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device:
     plan = plan_for(fmt_name, rows, cols, planes.cols_pad, gemv=planes.fragment,
                     quant_gemm_too=planes.fragment and not keep_dense and uses_quant_gemm(device)
                     and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS)
-    for cfg in plan.gemm_configs():
-        if isinstance(cfg, CudaGemmConfig) and not quant_gemm_cuda.supports(planes, cfg, plan.mid_upto):
+    for cfg, upto in plan.gemm_ranges():
+        if isinstance(cfg, CudaGemmConfig) and not quant_gemm_cuda.supports(planes, cfg, upto):
             raise ValueError(f"the plan table gives the {fmt_name} {rows}x{cols} weight a CUDA C++ GEMM config it "
                              f"cannot run: {cfg}")
     return plan
