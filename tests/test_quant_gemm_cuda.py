@@ -128,6 +128,18 @@ def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
     assert picked[33] == picked[128] == GemmConfig(NW=4, split_k=2, RING=6)
     assert picked[129] == picked[256] == GemmConfig(NW=4, split_k=2, RING=4)
     assert plan.gemm_ranges()[0] == (first, 32)
+    # NVFP4 borrows q4_K's plans (PLANS_LIKE), but not a CUDA C++ config: that kernel does not read its planes
+    nvfp4 = {"formats": {"q4_k": {"shapes": {"1024x2048": entry}}}}
+    path.write_text(__import__("json").dumps(nvfp4))
+    qm._config_table.cache_clear()
+    borrowed = qm.plan_for("nvfp4", 1024, 2048, 2048, gemv=True, quant_gemm_too=True)
+    assert borrowed.first is None and borrowed.mid == GemmConfig(NW=4, split_k=2, RING=6)
+    assert qm.plan_for("q4_k", 1024, 2048, 2048, gemv=True, quant_gemm_too=True).first == first
+    monkeypatch.setattr(quant_gemm_cuda.nvrtc, "available", lambda: False)     # no NVRTC: the mid config's calls
+    w4 = make_weight("q4_k", 1024, 2048, seed=1)
+    planes4 = quant_pack.pack_planes(w4.fmt, w4.rows, w4.cols, w4.raw, torch.device("cpu"), fragment=True)
+    assert qm.load_plan("q4_k", 1024, 2048, planes4, torch.device("cpu")).config_for(9) == GemmConfig(
+        NW=4, split_k=2, RING=6)
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -640,6 +640,9 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     like = like_shapes.get(shape, {})
     if "gemv" in own:    # a GEMV plan of its own replaces the borrowed one whole: its tiers share its K split
         like = {k: v for k, v in like.items() if k != "gemv_upto"}
+    if PACKED_FORMATS.get(fmt_name) not in quant_gemm_cuda.FORMATS:   # borrowed CUDA C++ GEMM configs: not its planes
+        like = {k: v for k, v in like.items()
+                if not (isinstance(v, dict) and v.get("kernel") == quant_gemm_cuda.PLAN_KERNEL)}
     entry = {**table.get("default", {}), **fmt_table.get("default", {}), **like, **own}
     narrow = TileConfig.parse(entry["narrow"]) if "narrow" in entry else DEFAULT_NARROW
     if "narrow" not in entry or entry["narrow"].get("split_k") is None:
@@ -757,6 +760,8 @@ def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device:
     plan = plan_for(fmt_name, rows, cols, planes.cols_pad, gemv=planes.fragment,
                     quant_gemm_too=planes.fragment and not keep_dense and uses_quant_gemm(device)
                     and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS)
+    if isinstance(plan.first, CudaGemmConfig) and not quant_gemm_cuda.nvrtc.available():
+        plan = replace(plan, first=None, first_upto=0)      # without NVRTC the mid config takes those calls too
     for cfg, upto in plan.gemm_ranges():
         if isinstance(cfg, CudaGemmConfig) and not quant_gemm_cuda.supports(planes, cfg, upto):
             raise ValueError(f"the plan table gives the {fmt_name} {rows}x{cols} weight a CUDA C++ GEMM config it "
