@@ -239,7 +239,7 @@ def markdown(result: dict) -> str:
              "(read + write). `plan`: the committed plan's config (the Gluon GEMM with its x_operands launch, or the "
              "GEMV), `CUDA`: the best CUDA config with its x_image launch, both as CUDA-graph replays over copies "
              "rotating past L2; `kernel alone`: that config with x staged once before; `without PDL`: launched "
-             "plainly.", "",
+             "plainly." + (f" Tree: {result['tree_note']}." if result.get("tree_note") else ""), "",
              "| format | shape | n | plan us | % copy | CUDA us | % copy | speed-up | kernel alone us | "
              "without PDL us | "
              "CUDA config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
