@@ -142,9 +142,10 @@ class _LaunchAttribute(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
 
 
+@functools.cache
 def launch_attributes(pdl: bool, cluster: tuple[int, int, int] | None):
     """cuLaunchKernelEx's attribute array (None where there is none): programmatic stream serialization (PDL) and
-    the cluster's shape. Each value (a union of 32-bit fields) is written in place through its address: reading a
+    the cluster's shape; built once per pair (the driver only reads it). Each value (a union of 32-bit fields) is written in place through its address: reading a
     c_char array field of a Structure gives a copy, so writing into that would set nothing."""
     attrs = ([(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, (1,))] if pdl else []) + \
         ([(_ATTR_CLUSTER_DIMENSION, tuple(cluster))] if cluster is not None else [])
