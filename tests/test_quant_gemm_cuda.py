@@ -142,6 +142,38 @@ def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
         NW=4, split_k=2, RING=6)
 
 
+def _planned_cuda_configs() -> list[tuple[str, str, CudaGemmConfig, int, int]]:
+    """(format, shape, config, first token count, last) of every CUDA config the package's plan table names."""
+    import json
+    from cobatch.kernels import quant_matmul as qm
+    out = []
+    for fmt, ft in json.loads(qm.CONFIG_PATH.read_text()).get("formats", {}).items():
+        for shape, entry in ft.get("shapes", {}).items():
+            first_tok = int(entry.get("quant_gemm_crossover", qm.GEMV_CROSSOVER)) + 1
+            for key, upto in (("quant_gemm_first", entry.get("quant_gemm_first_upto", 0)),
+                              ("quant_gemm", entry.get("quant_gemm_upto", qm.QUANT_GEMM_UPTO))):
+                if entry.get(key, {}).get("kernel") == quant_gemm_cuda.PLAN_KERNEL:
+                    out.append((fmt, shape, quant_gemm_cuda.from_plan_entry(entry[key]), first_tok, int(upto)))
+    return out
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+def test_the_planned_configs_compile_without_spills_or_serialized_wgmma():
+    """Every CUDA config of the package's plans, at every token tile it serves: a kernel change that makes one spill
+    or serialize its wgmmas fails here, on the CPU, before it costs a decode step."""
+    planned = _planned_cuda_configs()
+    assert planned      # q4_K's qkv, o and down take it at their fewest tokens (decode_cuda_gemm_first_ab.md)
+    for fmt, shape, cfg, lo, hi in planned:
+        fmt_id = quant_pack.Q8_0 if fmt == "q8_0" else quant_pack.Q4_1
+        tiles = sorted({quant_gemm_cuda.token_tile(n) for n in (lo, hi)} |
+                       {b for b in quant_gemm_cuda.TOKEN_TILES if lo <= b <= hi})
+        for bn in tiles:
+            assert cfg.stages(bn, fmt_id) >= 2, (fmt, shape, cfg, bn)
+            _, log = nvrtc.compile_cubin(quant_gemm_cuda.source(cfg, bn, 0, 2, True, fmt_id), "quant_gemm", "90a",
+                                         ("--ptxas-options=-v",))
+            assert "0 bytes spill stores" in log and "C751" not in log, (fmt, shape, cfg, bn, log)
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("fmt_id", quant_gemm_cuda.FORMATS)
 @pytest.mark.parametrize("probe", [1, 2, 3])
