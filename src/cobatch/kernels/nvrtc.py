@@ -143,19 +143,15 @@ class _LaunchAttribute(ctypes.Structure):
 
 
 @functools.cache
-def launch_attributes(pdl: bool, cluster: tuple[int, int, int] | None):
-    """cuLaunchKernelEx's attribute array (None where there is none): programmatic stream serialization (PDL) and
-    the cluster's shape; built once per pair (the driver only reads it). Each value (a union of 32-bit fields) is written in place through its address: reading a
-    c_char array field of a Structure gives a copy, so writing into that would set nothing."""
-    attrs = ([(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, (1,))] if pdl else []) + \
-        ([(_ATTR_CLUSTER_DIMENSION, tuple(cluster))] if cluster is not None else [])
-    if not attrs:
+def launch_attributes(pdl: bool):
+    """cuLaunchKernelEx's attribute array (None where there is none): with pdl, programmatic stream serialization.
+    Built once (the driver only reads it). The value is written in place through its address: reading a c_char
+    array field of a Structure gives a copy, so writing into that would set nothing."""
+    if not pdl:
         return None
-    array = (_LaunchAttribute * len(attrs))()
-    for attr, (which, words) in zip(array, attrs):
-        attr.id = which
-        ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, (ctypes.c_uint * len(words))(*words),
-                       4 * len(words))
+    array = (_LaunchAttribute * 1)()
+    array[0].id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.memmove(ctypes.addressof(array[0]) + _LaunchAttribute.value.offset, (ctypes.c_uint * 1)(1), 4)
     return array
 
 
@@ -166,7 +162,6 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-_ATTR_CLUSTER_DIMENSION = 4
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
 _FUNC_ATTR_NUM_REGS = 4
@@ -208,12 +203,11 @@ class Kernel:
         _check_cu(_cuda().cuFuncGetAttribute(ctypes.byref(v), which, self.func), "cuFuncGetAttribute")
         return v.value
 
-    def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False,
-               cluster: tuple[int, int, int] | None = None) -> None:
+    def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False) -> None:
         """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order. pdl: launched
-        as a programmatic dependent of the kernel before; cluster: the CTAs of a thread-block cluster along x, y, z."""
+        as a programmatic dependent of the kernel before."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        attrs = launch_attributes(pdl, cluster)
+        attrs = launch_attributes(pdl)
         cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, ctypes.c_void_p(stream),
                             attrs, len(attrs) if attrs else 0)
         _check_cu(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None), "cuLaunchKernelEx")

@@ -7,9 +7,9 @@ on a stage's mbarrier and arrives on its `empty` barrier on its own, a CTA carri
 warpgroup (x read once for up to 256 rows), and the producer copies the planes with cp.async.bulk, without
 tensor maps. It reads the same fragment-order planes, so no second copy of the weights exists.
 
-q8_0 and q4_1's planes (q4_1, q4_K), and no plan runs it yet (bench/gemm_cuda.py weighs it against the Gluon plans;
-docs/kernels.md has
-what it showed). x is staged once per call by `x_image` (one small Triton launch, like quant_gemm.x_operands):
+q8_0 and q4_1's planes (q4_1, q4_K). Plans name it where it beat the Gluon GEMM in whole decode steps: q4_K's qkv, o
+and down at their fewest GEMM tokens (quant_matmul's `first` range; bench/gemm_cuda.py weighs it per matrix,
+docs/kernels.md has what it showed). x is staged once per call by `x_image` (one small Triton launch, like quant_gemm.x_operands):
 per token tile and 32-column chunk, the tile's BN tokens x 32 columns as f16 in the planes' column order
 (quant_pack.k_order), laid out as wgmma's no-swizzle K-major B operand reads them: 8 x 8 core matrices of 128
 contiguous bytes, the four 8-column groups of K outermost, then the token groups. One bulk copy a stage moves it.
@@ -101,10 +101,9 @@ def wgmma_source(bn: int) -> str:
 
 
 def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
-    defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH, S=cfg.stages(bn, fmt_id),
-                   SPLIT=cfg.split_k, ACT=act,
-                   OUT=out_type, PDL=int(pdl), MINB=cfg.MINB, LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=int(cfg.WREG),
-                   L2PF=cfg.L2PF)
+    defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH,
+                   S=cfg.stages(bn, fmt_id), SPLIT=cfg.split_k, ACT=act, OUT=out_type, PDL=int(pdl), MINB=cfg.MINB,
+                   LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     body = SOURCE.read_text()
     marker = "extern \"C\" __global__"
