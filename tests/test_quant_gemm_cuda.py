@@ -103,6 +103,18 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
         qm.load_plan("q6_k", 128, 256, planes, torch.device("cpu"))
 
 
+def test_the_kernel_dequantizes_with_the_gemvs_instructions():
+    """The CUDA source carries quant_gemv's dequantization PTX itself (operands renumbered for asm()), so the CUDA
+    and Gluon kernels cannot drift apart on the operand values they feed the MMAs."""
+    from cobatch.kernels import quant_gemv
+    src = quant_gemm_cuda.source(CudaGemmConfig(), 64, 0, 2, True)
+    for ptx, name in ((quant_gemv.ASM_Q8, "ASM_DEQUANT_Q8"), (quant_gemv.ASM_NIB_AFFINE, "ASM_DEQUANT_Q4")):
+        literal = quant_gemm_cuda.asm_literal(ptx)
+        assert f"#define {name} {literal}\n" in src
+        assert "$" not in literal and "%0" in literal
+    assert "xor.b32 u, %2, 0x80808080" in quant_gemm_cuda.asm_literal(quant_gemv.ASM_Q8)
+
+
 def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
     """"quant_gemm_first" (up to "quant_gemm_first_upto" tokens) runs ahead of the mid and wide configs; load checks a
     CUDA config only at the tokens it serves (this one's stages fit a 32-token tile, not a 128-token one)."""

@@ -17,7 +17,8 @@
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
 // ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into
-// L2), and wgmma_bn(), the wgmma of BN tokens, written by the host.
+// L2), and the host's pieces: wgmma_bn() (the wgmma of BN tokens) and the GEMV's dequantization PTX
+// (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -105,41 +106,20 @@ static __device__ __forceinline__ u32 lds32(u32 addr) {
 
 // One q8_0 word (rows g, g + 8 x logical columns 2c, 2c + 1: quant_pack.fragment_order) -> the f16x2 operand of
 // row g and of row g + 8: the sign flipped (q + 128), each byte under 0x64 (1024 + q + 128 as f16), minus 1152
-// exactly, times the row's scale. The GEMV's and the Gluon GEMM's instructions (quant_gemv.ASM_Q8).
+// exactly, times the row's scale. The GEMV's and the Gluon GEMM's instructions: quant_gemv.ASM_Q8, which the
+// host defines as ASM_DEQUANT_Q8.
 static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 scale_g8, u32& row_g, u32& row_g8) {
-    asm("{\n .reg .b32 u, a0, a1, z;\n"
-        " xor.b32 u, %2, 0x80808080;\n"
-        " mov.b32 z, 0x64806480;\n"
-        " prmt.b32 a0, u, 0x64646464, 0x4240;\n"
-        " prmt.b32 a1, u, 0x64646464, 0x4341;\n"
-        " sub.rn.f16x2 a0, a0, z;\n"
-        " sub.rn.f16x2 a1, a1, z;\n"
-        " mul.rn.f16x2 %0, a0, %3;\n"
-        " mul.rn.f16x2 %1, a1, %4;\n}"
+    asm(ASM_DEQUANT_Q8
         : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
 }
 
 // One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
 // its high block (the high nibbles, used in place as 16 q: their scales come in divided by 16), rows g and g + 8:
-// each nibble under 0x64 (1024 + q as f16), minus 1024 exactly, times d plus m. quant_gemv.ASM_NIB_AFFINE's
-// instructions.
+// each nibble under 0x64 (1024 + q as f16), minus 1024 exactly, times d plus m: quant_gemv.ASM_NIB_AFFINE, which
+// the host defines as ASM_DEQUANT_Q4.
 static __device__ __forceinline__ void dequant_q4(u32 word, const u32 (&sc)[8], u32& lo_g, u32& lo_g8, u32& hi_g,
                                                   u32& hi_g8) {
-    asm("{\n .reg .b32 v, a0, a1, b0, b1, z;\n"
-        " shr.b32 v, %4, 8;\n"
-        " lop3.b32 a0, %4, 0x000F000F, 0x64006400, 0xEA;\n"
-        " lop3.b32 a1, v, 0x000F000F, 0x64006400, 0xEA;\n"
-        " lop3.b32 b0, %4, 0x00F000F0, 0x64006400, 0xEA;\n"
-        " lop3.b32 b1, v, 0x00F000F0, 0x64006400, 0xEA;\n"
-        " mov.b32 z, 0x64006400;\n"
-        " sub.rn.f16x2 a0, a0, z;\n"
-        " sub.rn.f16x2 a1, a1, z;\n"
-        " sub.rn.f16x2 b0, b0, z;\n"
-        " sub.rn.f16x2 b1, b1, z;\n"
-        " fma.rn.f16x2 %0, a0, %5, %9;\n"
-        " fma.rn.f16x2 %1, a1, %6, %10;\n"
-        " fma.rn.f16x2 %2, b0, %7, %11;\n"
-        " fma.rn.f16x2 %3, b1, %8, %12;\n}"
+    asm(ASM_DEQUANT_Q4
         : "=r"(lo_g), "=r"(lo_g8), "=r"(hi_g), "=r"(hi_g8)
         : "r"(word), "r"(sc[0]), "r"(sc[1]), "r"(sc[2]), "r"(sc[3]), "r"(sc[4]), "r"(sc[5]), "r"(sc[6]), "r"(sc[7]));
 }

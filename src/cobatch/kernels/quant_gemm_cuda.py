@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,10 +107,19 @@ def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt
                    S=cfg.stages(bn, fmt_id), SPLIT=cfg.split_k, ACT=act, OUT=out_type, PDL=int(pdl), MINB=cfg.MINB,
                    LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
+    head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
     body = SOURCE.read_text()
     marker = "extern \"C\" __global__"
     at = body.index(marker)
     return head + body[:at] + wgmma_source(bn) + "\n" + body[at:]
+
+
+def asm_literal(ptx) -> str:
+    """Inline PTX of the Gluon kernels (quant_gemv's ASM_* strings, operands $N) as one line of C string literals
+    for asm() (operands %N): the CUDA kernel dequantizes with the very instructions the GEMV and the Gluon GEMM use."""
+    text = re.sub(r"\$(\d+)", r"%\1", str(getattr(ptx, "value", ptx)))
+    return " ".join(json.dumps(line + "\n") for line in text.strip().splitlines())
 
 
 @functools.cache
