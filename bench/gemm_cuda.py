@@ -41,7 +41,7 @@ from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
 TOKS = [16, 32, 64, 128]
 SMS = 132
-PLANES = {"q8_0": quant_pack.Q8_0, "q4_k": quant_pack.Q4_1, "q4_1": quant_pack.Q4_1}   # the planes' layout
+PLANES = {f: quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[f]) for f in ("q8_0", "q4_k", "q4_1")}
 
 
 def chunks(fmt: str, shape: str) -> int:

@@ -176,7 +176,7 @@ def test_the_planned_configs_compile_without_spills_or_serialized_wgmma():
     planned = _planned_cuda_configs()
     assert planned      # q4_K's qkv, o and down take it at their fewest tokens (decode_cuda_gemm_first_ab.md)
     for fmt, shape, cfg, lo, hi in planned:
-        fmt_id = quant_pack.Q8_0 if fmt == "q8_0" else quant_pack.Q4_1
+        fmt_id = quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[fmt])
         tiles = sorted({quant_gemm_cuda.token_tile(n) for n in (lo, hi)} |
                        {b for b in quant_gemm_cuda.TOKEN_TILES if lo <= b <= hi})
         for bn in tiles:

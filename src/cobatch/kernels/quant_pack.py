@@ -321,6 +321,11 @@ def _q6_high_values(qh: torch.Tensor) -> torch.Tensor:
     return ((qh[..., None] >> shifts) & 3).reshape(qh.shape[0], -1).to(torch.uint8)
 
 
+def fragment_layout(fmt_id: int) -> int:
+    """The layout of a format's fragment-order planes (PackedPlanes.fmt_id): q4_K's are q4_1's (_q4k_as_affine)."""
+    return Q4_1 if fmt_id == Q4_K else fmt_id
+
+
 def _q4k_as_affine(planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """q4_K planes (qs, d = (d, dmin) per super-block, sub = (scale, min) bytes per 32-block) -> q4_1's:
     an f16 scale d * scale and an f16 offset -dmin * min per 32-block, so w = scale' * q + offset'.
@@ -409,7 +414,7 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
             if name not in planes:
                 planes[name] = torch.empty(rows_pad, t.shape[1], dtype=t.dtype, device=device)
             planes[name][r0:r1] = t
-    layout = Q4_1 if fragment and fmt_id == Q4_K else fmt_id      # _q4k_as_affine
+    layout = fragment_layout(fmt_id) if fragment else fmt_id
     return PackedPlanes(layout, rows, cols, rows_pad, cols_pad, **planes, fragment=fragment)
 
 
