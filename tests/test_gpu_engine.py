@@ -194,28 +194,6 @@ def test_graph_and_eager_agree(models):
     assert with_graphs == eager
 
 
-def test_l2_prefetch_changes_no_token(models, monkeypatch):
-    """Decode steps that prefetch o's weights into L2 (through freshly captured graphs) give the tokens of steps
-    that do not: a prefetch only moves bytes into the cache."""
-    from cobatch.engine.cuda_graphs import DecodeGraphs
-    from cobatch.kernels import l2_prefetch
-    _, gpu = models["cut"]
-    assert gpu.model.layers[0].o.l2_chunks is not None
-    prompts = [gpu.encode_prompt(p) for p in PROMPTS[:4]]
-    runner = gpu.engine.runner
-    want = gpu.engine.generate(prompts, GREEDY)
-    monkeypatch.setattr(l2_prefetch, "UPTO_ROWS", 64)
-    graphs = runner.graphs
-    runner.graphs = DecodeGraphs(gpu.model, gpu.engine.pool, graphs.max_batch, graphs.max_context, quiet=True)
-    try:
-        got = gpu.engine.generate(prompts, GREEDY)
-        runner.graphs = None
-        eager = gpu.engine.generate(prompts, GREEDY)
-    finally:
-        runner.graphs = graphs
-    assert got == want and eager == want
-
-
 def test_overlapped_steps_on_cuda(models):
     """Overlapped steps (the default on CUDA) against steps that read their tokens first, on CUDA, through the decode
     graphs and eagerly: 4 sessions (under every kernel's batch-invariant row count, so the row that a stopped

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
-from cobatch.kernels import l2_prefetch
 from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import (latent_write_ref, mla_attention_ref, mla_decode_attention,
@@ -158,18 +157,6 @@ def _weight_times_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T as (w @ x.T).T: a transposed view, for the caller to lay out once."""
     cols = torch.cat([x, x]) if x.shape[0] == 1 else x
     return torch.mm(w, cols.T).T[:x.shape[0]]
-
-
-def prefetch(weight, x: torch.Tensor) -> None:
-    """A hint that `weight`'s matmul of x's rows comes after kernels that leave memory idle (RoPE and decode
-    attention at a few rows): on CUDA, at steps of up to l2_prefetch.UPTO_ROWS rows, its bytes are asked into
-    L2 now. Nothing on the CPU; it never changes a result."""
-    if not _triton(x) or not l2_prefetch.wanted(x.shape[0]):
-        return
-    for part in getattr(weight, "parts", [weight]):
-        table = getattr(part, "l2_chunks", None)
-        if table is not None:
-            l2_prefetch.prefetch(table)
 
 
 def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None) -> torch.Tensor:

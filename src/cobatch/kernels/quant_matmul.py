@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import fragment_dequant, l2_prefetch, quant_gemm, quant_gemm_cuda, quant_gemv, quant_pack
+from cobatch.kernels import fragment_dequant, quant_gemm, quant_gemm_cuda, quant_gemv, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
@@ -780,11 +780,6 @@ class PackedWeight:
         self.gate_up_interleaved = gate_up_interleaved
         self.resident_dense: torch.Tensor | None = None   # see from_quant(keep_dense=True)
         self.nbytes = planes.nbytes if planes is not None else dense.numel() * dense.element_size()
-        # the (address, bytes) chunks of its planes for an L2 prefetch (ops.prefetch), where they would fit L2;
-        # built here, since a table cannot be copied to the device while a CUDA graph is being captured
-        self.l2_chunks: torch.Tensor | None = None
-        if planes is not None and planes.qs.is_cuda and planes.nbytes <= l2_prefetch.FITS_BYTES:
-            self.l2_chunks = l2_prefetch.chunk_table(planes.tensors()).to(planes.qs.device)
 
     @classmethod
     def from_quant(cls, w: QuantWeight, device, dtype: torch.dtype = torch.bfloat16,

@@ -143,7 +143,6 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual)
             qkv = ops.linear(h, layer.qkv)
-            ops.prefetch(layer.o, qkv)      # o's bytes into L2 while RoPE and attention leave memory idle
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q = qkv[:, :q_size].reshape(n, cfg.n_heads, cfg.head_dim)
