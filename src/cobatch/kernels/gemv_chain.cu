@@ -1,0 +1,343 @@
+// A chain of q8_0 GEMVs of up to 8 tokens in one persistent launch (gemv_chain.py compiles it with NVRTC): stage s
+// computes out_s = x_s @ W_s.T, where x_s may be the output of stage s - 1. Why one launch: at few tokens a GEMV of a
+// small matrix spends as long in its launch, ramp and tail as in its bytes (docs/kernels.md); here a CTA that runs
+// out of one stage's work asks L2 for its first item of the next stage and waits for the stage before only then, so
+// the next weights stream in while the last items of the stage before finish.
+//
+// Work: a stage's items are its row blocks of RT 16-row tiles, times `split` K ranges, handed out in order by an
+// atomic counter to whichever CTA asks (the next index is asked for while the current item runs). The W warps of a
+// CTA split the item's K range; a warp walks its chunks as the GEMV does: each lane loads its 16 fragment-order bytes
+// of a chunk per tile (the mma.sync m16n8k16 A fragment of rows g, g + 8: quant_pack.fragment_order) and its rows'
+// scales, dequantizes them with the GEMV's own instructions (quant_gemv.ASM_Q8, defined by the host as
+// ASM_DEQUANT_Q8) and issues two k16 MMAs per tile against x's 8 tokens, one 16-byte load of 8 columns a lane (the
+// planes' column order, quant_pack.k_order, makes them contiguous) for all RT tiles. Loads run one group of U chunks
+// ahead, and with PF each item's weights are asked of L2 at once when it starts.
+//
+// Reduction: the warps' sums of a tile are added in warp order through shared memory; with split K each item then
+// stores its partial sums, and the last item of a row block to arrive adds them in split order, so a row's bits do
+// not depend on the batch or on which CTA came last. That item stores the rows (act: the gated epilogue of rows
+// interleaved 8 by 8, as quant_gemm_cuda.cu's) and counts the row block done. A CTA reads a stage's x only once the
+// stage before has counted all its row blocks done. The last CTA out sets the counters back to zero.
+//
+// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, DT (x and out: 0 f16, 1 bf16),
+// MAX_STAGES, PDL.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+struct Stage {
+    const unsigned char* qs;     // fragment-order q8_0 planes: [tiles][n_chunks * 512]
+    const unsigned char* d;      // [tiles][n_chunks * 32]: a tile's f16 scales per chunk, row r at 2 (r % 8) + r / 8
+    const u16* x;                // [n_tok][x_stride]
+    u16* out;                    // [n_tok][out_stride]
+    float* partial;              // [row blocks * split][RT * 128], split > 1
+    int* arrivals;               // [row blocks], split > 1; zero between launches
+    int blocks, n_chunks, split, act, x_stride, out_stride, rows, pad;
+};
+
+struct Chain {
+    Stage stage[MAX_STAGES];
+    int* counters;               // [2 MAX_STAGES + 1]: items handed out, row blocks done (per stage); CTAs out
+    int n_stages, n_tok;
+};
+
+static __device__ __forceinline__ uint4 ldg_nc(const void* p) {       // weights: read once, never written
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ u32 ldg_nc32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ uint4 ldg_cg(const void* p) {       // x: written in this launch, so from L2
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ float ldg_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+
+// One q8_0 word (rows g, g + 8 x logical columns 2c, 2c + 1) -> the f16x2 operands of row g and of row g + 8
+static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 scale_g8, u32& row_g, u32& row_g8) {
+    asm(ASM_DEQUANT_Q8 : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
+}
+
+static __device__ __forceinline__ u32 broadcast_lo(u32 pair) {     // (a, b) -> (a, a)
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> (b, b)
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+// Two x values as f16x2: as they are (DT 0), or from bf16 through f32, rounded to nearest (the GEMV's conversion)
+static __device__ __forceinline__ u32 x_pair(u32 v) {
+#if DT
+    u32 r;
+    const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xFFFF0000u);
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return v;
+#endif
+}
+
+static __device__ __forceinline__ void mma(float (&acc)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ u16 to_out(float v) {
+    u16 h;
+#if DT
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+    return h;
+}
+
+static __device__ __forceinline__ float rounded(float v) {
+    const u16 h = to_out(v);
+#if DT
+    return __uint_as_float(((u32)h) << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+// act(gate) * up, each rounded to the output type first (activation._gated_mul_kernel's numerics)
+static __device__ __forceinline__ float gated(float gate, float up, int act) {
+    const float gr = rounded(gate), ur = rounded(up);
+    const float z = act == 2 ? 1.5957691216057308f * (gr + 0.044715f * gr * gr * gr) : gr;
+    return gr * (1.0f / (1.0f + __expf(-z))) * ur;
+}
+
+// A group of U chunks' loads: each lane's 16 quant bytes and its rows' scale pair per tile, and its 8 columns of
+// token g
+struct Group {
+    uint4 q[RT][U];
+    u32 sc[RT][U];
+    uint4 xv[U];
+};
+
+static __device__ __forceinline__ void load_group(Group& grp, const unsigned char* qs, const unsigned char* d,
+                                                  u64 tile_qs, u64 tile_d, const u16* x, bool token_live) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            grp.q[r][u] = ldg_nc(qs + r * tile_qs + u * 512);
+            grp.sc[r][u] = ldg_nc32(d + r * tile_d + u * 32);
+        }
+        grp.xv[u] = token_live ? ldg_cg(x + u * 32) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+static __device__ __forceinline__ void mma_group(float (&acc)[RT][4], const Group& grp) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const u32 b0 = x_pair(grp.xv[u].x), b1 = x_pair(grp.xv[u].y), b2 = x_pair(grp.xv[u].z),
+                  b3 = x_pair(grp.xv[u].w);
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            const u32 s_g = broadcast_lo(grp.sc[r][u]), s_g8 = broadcast_hi(grp.sc[r][u]);
+            u32 a[8];
+            dequant_q8(grp.q[r][u].x, s_g, s_g8, a[0], a[1]);
+            dequant_q8(grp.q[r][u].y, s_g, s_g8, a[2], a[3]);
+            dequant_q8(grp.q[r][u].z, s_g, s_g8, a[4], a[5]);
+            dequant_q8(grp.q[r][u].w, s_g, s_g8, a[6], a[7]);
+            // k16 half h: words 2 h, 2 h + 1 of the weights; x elements 4 h .. 4 h + 3 (GGUF columns 8 c + 4 h ..)
+            mma(acc[r], a[0], a[1], a[2], a[3], b0, b1);
+            mma(acc[r], a[4], a[5], a[6], a[7], b2, b3);
+        }
+    }
+}
+
+// Store a tile's sums: acc[i] row g, acc[2 + i] row g + 8, token 2 c + i
+static __device__ __forceinline__ void store_tile(const Stage& st, int tile, int n_tok, const float* acc, int lane) {
+    const int g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int t = 2 * c + i;
+        if (t >= n_tok) continue;
+        u16* row = st.out + (u64)t * st.out_stride;
+        if (st.act) {
+            const int col = tile * 8 + g;                  // the tile's gate row g, up row g + 8
+            if (col < st.rows / 2) row[col] = to_out(gated(acc[i], acc[2 + i], st.act));
+        } else {
+            const int r = tile * 16 + g;
+            if (r < st.rows) row[r] = to_out(acc[i]);
+            if (r + 8 < st.rows) row[r + 8] = to_out(acc[2 + i]);
+        }
+    }
+}
+
+// The next item of stage s for this CTA (thread 0 asks; the others read it after a barrier)
+static __device__ __forceinline__ int grab(int* handed, int s) {
+    return atomicAdd(handed + s, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chain) {
+    __shared__ float red[W][RT * 128];                  // the warps' sums of the item, for the reduction
+    __shared__ int shared_item, shared_last;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    int* handed = chain.counters;
+    int* done = chain.counters + MAX_STAGES;
+    int* ctas_out = chain.counters + 2 * MAX_STAGES;
+    const bool token_live = g < chain.n_tok;
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");     // the first stage's x, and the counters
+#endif
+    for (int s = 0; s < chain.n_stages; ++s) {
+        const Stage& st = chain.stage[s];
+        const int items = st.blocks * st.split, per_item = st.n_chunks / st.split, per_warp = per_item / W;
+        const u64 tile_qs = (u64)st.n_chunks * 512, tile_d = (u64)st.n_chunks * 32;
+        if (threadIdx.x == 0) shared_item = grab(handed, s);
+        __syncthreads();
+        int item = shared_item;
+        bool ready = s == 0;
+        while (item < items) {
+            __syncthreads();                                // every thread has read shared_item
+            int next = 0;
+            if (threadIdx.x == 0) next = grab(handed, s);   // asked now, read at the item's end
+            const int block = item / st.split, k = item % st.split, chunk0 = k * per_item;
+            const unsigned char* qs = st.qs + block * RT * tile_qs + (u64)chunk0 * 512;
+            const unsigned char* d = st.d + block * RT * tile_d + (u64)chunk0 * 32;
+            if (threadIdx.x == 0 && (PF || !ready)) {
+                // the weights depend on nothing: ask L2 for the item's at once, before any wait for the stage before
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    prefetch_l2(qs + r * tile_qs, per_item * 512);
+                    prefetch_l2(d + r * tile_d, per_item * 32);
+                }
+            }
+            if (!ready) {
+                if (threadIdx.x == 0) {
+                    const int want = chain.stage[s - 1].blocks;
+                    while (ld_acquire(done + s - 1) < want) {
+                    }
+                }
+                __syncthreads();
+                ready = true;
+            }
+            const int wchunk = warp * per_warp;
+            const unsigned char* wq = qs + (u64)wchunk * 512 + lane * 16;
+            const unsigned char* wd = d + (u64)wchunk * 32 + g * 4;
+            const u16* x = st.x + (u64)g * st.x_stride + (chunk0 + wchunk) * 32 + c * 8;
+            float acc[RT][4];
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
+            Group a, b;
+            load_group(a, wq, wd, tile_qs, tile_d, x, token_live);
+            for (int c0 = 0; c0 < per_warp; c0 += 2 * U) {
+                if (c0 + U < per_warp)
+                    load_group(b, wq + (c0 + U) * 512, wd + (c0 + U) * 32, tile_qs, tile_d, x + (c0 + U) * 32,
+                               token_live);
+                mma_group(acc, a);
+                if (c0 + 2 * U < per_warp)
+                    load_group(a, wq + (c0 + 2 * U) * 512, wd + (c0 + 2 * U) * 32, tile_qs, tile_d,
+                               x + (c0 + 2 * U) * 32, token_live);
+                if (c0 + U < per_warp) mma_group(acc, b);
+            }
+            // the warps' sums, added in warp order: warp r (and r + W ...) reduces tile r
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
+            __syncthreads();
+            float sum[RT][4];
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float v = 0.0f;
+                    if (r % W == warp)
+#pragma unroll
+                        for (int w = 0; w < W; ++w) v += red[w][r * 128 + lane * 4 + i];
+                    sum[r][i] = v;
+                }
+            }
+            bool store = true;
+            if (st.split > 1) {
+                // the item's partial sums, then the last item of the row block adds all of them in split order
+                float* mine = st.partial + (u64)item * (RT * 128);
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+                    if (r % W == warp)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) mine[r * 128 + lane * 4 + i] = sum[r][i];
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) shared_last = atomicAdd(st.arrivals + block, 1) == st.split - 1;
+                __syncthreads();
+                store = shared_last;
+                if (store) {
+                    __threadfence();
+                    const float* all = st.partial + (u64)block * st.split * (RT * 128);
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        if (r % W != warp) continue;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            float v = 0.0f;
+                            for (int j = 0; j < st.split; ++j) v += ldg_cg_f32(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
+                            sum[r][i] = v;
+                        }
+                    }
+                    if (threadIdx.x == 0) st.arrivals[block] = 0;
+                }
+            }
+            if (store) {
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+                    if (r % W == warp) store_tile(st, block * RT + r, chain.n_tok, sum[r], lane);
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) atomicAdd(done + s, 1);
+            }
+            if (threadIdx.x == 0) shared_item = next;
+            __syncthreads();
+            item = shared_item;
+        }
+    }
+    // the last CTA out re-arms the counters: every other CTA is past its last read of them
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(ctas_out, 1) == gridDim.x - 1) {
+            for (int i = 0; i < 2 * MAX_STAGES; ++i) chain.counters[i] = 0;
+            __threadfence();
+            *ctas_out = 0;
+        }
+    }
+}

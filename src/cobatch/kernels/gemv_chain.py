@@ -1,0 +1,175 @@
+"""A chain of q8_0 GEMVs of up to 8 tokens in one persistent launch (gemv_chain.cu, compiled at run time by NVRTC).
+
+Why: at a few tokens a step is a chain of small kernels, and each GEMV of a 10-60 MB matrix spends about as long in
+its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV still takes 6.7 us against 9.2 from
+HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
+next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
+stage s. This is a first step towards a persistent decode step (docs/kernels.md, issue "no bubbles"): products
+only, q8_0, one stream, and not yet used by the models: bench/gemv_chain.py measures it against the package's
+plans, which it does not beat yet (bench/results/gemv_chain.md).
+
+Each stage reads the planes the GEMV reads (fragment order), so no second copy of the weights exists. The torch
+reference is `chain_ref`; quant_matmul.quant_matmul_ref is the product's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cobatch.kernels import nvrtc, quant_gemv, quant_pack
+from cobatch.kernels.quant_gemm_cuda import asm_literal
+
+SOURCE = Path(__file__).with_suffix(".cu")
+MAX_STAGES = 8
+MAX_TOK = 8                    # mma.sync m16n8k16: the tokens are its N = 8
+DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ChainConfig:
+    """W warps a CTA (they split an item's K range), RT 16-row tiles a row block, CTAS CTAs an SM (the grid), U
+    chunks a load group (loads run one group ahead), PF: each item's weights asked of L2 when it starts; a stage's
+    K split across CTAs until it has ITEMS items a CTA of the grid (smaller items balance the CTAs' tails; each costs
+    RT x 512 bytes of partial sums). A grid larger than fits the GPU still runs (a CTA only waits for items that
+    running CTAs took), only slower."""
+    W: int = 8
+    RT: int = 1
+    CTAS: int = 2
+    U: int = 4
+    ITEMS: int = 1
+    PF: bool = False
+
+    def __post_init__(self):
+        if self.W not in (1, 2, 4, 8) or self.RT not in (1, 2, 4) or self.CTAS < 1 or self.U not in (1, 2, 4, 8) \
+                or self.ITEMS < 1:
+            raise ValueError(f"ChainConfig needs W of 1-8, RT of 1, 2 or 4, U of 1-8 (powers of 2), CTAS and ITEMS "
+                             f">= 1: {self}")
+
+
+@dataclass(frozen=True)
+class ChainStage:
+    """out[:n_tok] = x[:n_tok] @ W.T (act: act(gate) * up of rows interleaved 8 by 8, out half as wide)."""
+    planes: quant_pack.PackedPlanes
+    x: torch.Tensor
+    out: torch.Tensor
+    act: str | None = None
+
+
+def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
+    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
+    return head + SOURCE.read_text()
+
+
+@functools.cache
+def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a") -> tuple[bytes, str]:
+    return nvrtc.compile_cubin(source(cfg, dtype, pdl), "gemv_chain", arch)
+
+
+_kernels: dict[tuple, nvrtc.Kernel] = {}
+
+
+def kernel(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, device: torch.device) -> nvrtc.Kernel:
+    key = (cfg, dtype, pdl, device.index)
+    k = _kernels.get(key)
+    if k is None:
+        with torch.cuda.device(device):
+            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device))[0], "gemv_chain", 0)
+    return k
+
+
+def split_of(planes: quant_pack.PackedPlanes, cfg: ChainConfig, ctas: int) -> int:
+    """K ranges a row block is split into across CTAs: the fewest that give ITEMS items a CTA of the grid, each warp's
+    share of a range a whole number of U-chunk groups (at most down to one group a warp)."""
+    blocks, n_chunks = planes.rows_pad // (16 * cfg.RT), planes.qs.shape[1] // 512
+    splits = [s for s in range(1, n_chunks + 1) if n_chunks % s == 0 and (n_chunks // s) % (cfg.W * cfg.U) == 0]
+    if not splits or planes.rows_pad % (16 * cfg.RT):
+        raise ValueError(f"{planes.rows_pad} rows x {n_chunks} chunks do not divide into row blocks of {cfg.RT} tiles "
+                         f"and {cfg.W} warps' groups of {cfg.U} chunks: {cfg}")
+    return next((s for s in splits if blocks * s >= cfg.ITEMS * ctas), splits[-1])
+
+
+class _Stage(ctypes.Structure):
+    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("x", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("partial", ctypes.c_void_p), ("arrivals", ctypes.c_void_p),
+                ("blocks", ctypes.c_int), ("n_chunks", ctypes.c_int), ("split", ctypes.c_int), ("act", ctypes.c_int),
+                ("x_stride", ctypes.c_int), ("out_stride", ctypes.c_int), ("rows", ctypes.c_int),
+                ("pad", ctypes.c_int)]
+
+
+class _Chain(ctypes.Structure):
+    _fields_ = [("stage", _Stage * MAX_STAGES), ("counters", ctypes.c_void_p), ("n_stages", ctypes.c_int),
+                ("n_tok", ctypes.c_int)]
+
+
+class ChainScratch:
+    """The counters (zero between launches: each launch re-arms them) and each stage's split-K partial sums and
+    row-block arrivals, for one stream's chains on one device; grown outside CUDA-graph captures (reserve)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.counters = torch.zeros(2 * MAX_STAGES + 1, dtype=torch.int32, device=device)
+        self.partial = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(MAX_STAGES)]
+        self.arrivals = [torch.zeros(0, dtype=torch.int32, device=device) for _ in range(MAX_STAGES)]
+
+    def reserve(self, s: int, items: int, blocks: int, rt: int) -> None:
+        if self.partial[s].numel() < items * rt * 128:
+            self.partial[s] = torch.empty(items * rt * 128, dtype=torch.float32, device=self.device)
+        if self.arrivals[s].numel() < blocks:
+            self.arrivals[s] = torch.zeros(blocks, dtype=torch.int32, device=self.device)
+
+
+def check(stage: ChainStage, n_tok: int) -> None:
+    p, x, out = stage.planes, stage.x, stage.out
+    problems = []
+    if p.fmt_id != quant_pack.Q8_0 or not p.fragment or p.cols != p.cols_pad:
+        problems.append("q8_0 fragment-order planes without padded columns")
+    if x.dtype not in DTYPES or out.dtype != x.dtype:
+        problems.append("x and out of one dtype, f16 or bf16")
+    if x.shape[-1] != p.cols or x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        problems.append("x [n_tok, cols], rows 16-byte aligned")
+    if out.stride(-1) != 1 or out.shape[-1] != (p.rows // 2 if stage.act else p.rows):
+        problems.append("out [n_tok, rows] (rows / 2 with act)")
+    if not 1 <= n_tok <= MAX_TOK or x.shape[0] < n_tok or out.shape[0] < n_tok:
+        problems.append(f"1 to {MAX_TOK} tokens")
+    if problems:
+        raise ValueError("gemv_chain needs " + "; ".join(problems))
+
+
+def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: ChainScratch,
+           pdl: bool = False) -> None:
+    """Run the stages in order in one launch on the current stream. A stage may read what an earlier one wrote."""
+    if not 1 <= len(stages) <= MAX_STAGES:
+        raise ValueError(f"gemv_chain runs 1 to {MAX_STAGES} stages, not {len(stages)}")
+    device = scratch.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ctas = sms * cfg.CTAS
+    chain = _Chain()
+    for s, st in enumerate(stages):
+        check(st, n_tok)
+        p = st.planes
+        split, blocks, n_chunks = split_of(p, cfg, ctas), p.rows_pad // (16 * cfg.RT), p.qs.shape[1] // 512
+        scratch.reserve(s, blocks * split, blocks, cfg.RT)
+        chain.stage[s] = _Stage(p.qs.data_ptr(), p.d.data_ptr(), st.x.data_ptr(), st.out.data_ptr(),
+                                scratch.partial[s].data_ptr(), scratch.arrivals[s].data_ptr(), blocks, n_chunks, split,
+                                quant_gemv.ACTS[st.act], st.x.stride(0), st.out.stride(0), p.rows, 0)
+    chain.counters, chain.n_stages, chain.n_tok = scratch.counters.data_ptr(), len(stages), n_tok
+    k = kernel(cfg, stages[0].x.dtype, pdl, device)
+    k.launch((ctas, 1, 1), 32 * cfg.W, [chain], torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
+
+
+def chain_ref(stages: list[tuple[object, str | None]], x: torch.Tensor) -> torch.Tensor:
+    """The torch reference: each stage's product (quant_matmul_ref on its QuantWeight) of the stage before's output,
+    rounded to x's dtype between stages, and act(gate) * up where a stage has an act."""
+    from cobatch.kernels.activation import gated_mul_ref
+    from cobatch.kernels.quant_matmul import quant_matmul_ref
+    for weight, act in stages:
+        y = quant_matmul_ref(x, weight).to(x.dtype)
+        x = gated_mul_ref(y, act, interleaved=True) if act else y
+    return x

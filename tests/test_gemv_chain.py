@@ -1,0 +1,153 @@
+"""A chain of q8_0 GEMVs in one persistent launch (kernels/gemv_chain.py, compiled by NVRTC).
+
+CPU: the configs compile for sm_90a without spills (where NVRTC is installed), the K split gives each warp its items,
+and unsupported inputs are refused with a clear error. Hopper: chains of one to three stages against the torch
+reference (chain_ref) at 1-8 tokens, with the act epilogue and split K; a row's bits the same whatever the batch;
+the counters re-armed by each launch (a second launch and a CUDA-graph replay give the same result).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.kernels import gemv_chain, nvrtc, quant_pack
+from cobatch.kernels.gemv_chain import ChainConfig, ChainStage
+from cobatch.kernels.quant_matmul import PackedWeight
+from conftest import requires_cuda, requires_hopper
+from kernel_checks import poisoned, relative_error
+from test_quant_gemv import make_weight
+
+CONFIGS = [ChainConfig(), ChainConfig(W=4, RT=2, CTAS=2, U=4, ITEMS=2, PF=True), ChainConfig(W=4, RT=4, U=2),
+           ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1)]
+
+
+# --- CPU ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_compiles_without_spills(cfg, dtype):
+    _, log = nvrtc.compile_cubin(gemv_chain.source(cfg, dtype, True), "gemv_chain", "90a", ("--ptxas-options=-v",))
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+
+
+def _cpu_planes(rows, cols, seed=1):
+    w = make_weight("q8_0", rows, cols, seed=seed)
+    return quant_pack.pack_planes(w.fmt, rows, cols, w.raw, torch.device("cpu"), fragment=True)
+
+
+def test_k_splits_give_each_cta_its_items():
+    planes = _cpu_planes(1024, 4096)                              # 64 tiles of 128 chunks: 32 row blocks of 2
+    cfg = ChainConfig(W=4, RT=2, U=4, ITEMS=2)
+    assert gemv_chain.split_of(planes, cfg, ctas=16) == 1            # 32 items >= 2 x 16 CTAs
+    assert gemv_chain.split_of(planes, cfg, ctas=32) == 2            # 64 >= 64
+    assert gemv_chain.split_of(planes, cfg, ctas=10_000) == 8        # at most down to one 4-chunk group a warp
+    small = _cpu_planes(16, 256)
+    assert small.qs.shape[1] // 512 == 8
+    with pytest.raises(ValueError, match="do not divide"):
+        gemv_chain.split_of(small, ChainConfig(W=4, RT=1, U=8), ctas=1)   # 8 chunks: no 8-chunk group for 4 warps
+
+
+def test_unsupported_inputs_are_refused():
+    planes = _cpu_planes(64, 256, seed=3)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    ok = ChainStage(planes, x, torch.zeros(4, 64, dtype=torch.bfloat16))
+    gemv_chain.check(ok, 4)
+    for stage, n_tok in ((ok, 9), (ChainStage(planes, x.float(), torch.zeros(4, 64)), 4),
+                         (ChainStage(planes, x, torch.zeros(4, 64, dtype=torch.bfloat16), act="silu"), 4),
+                         (ChainStage(planes, x[:, :128], torch.zeros(4, 64, dtype=torch.bfloat16)), 4)):
+        with pytest.raises(ValueError, match="gemv_chain needs"):
+            gemv_chain.check(stage, n_tok)
+
+
+# --- Hopper -------------------------------------------------------------------------------------------------
+
+def _weights(shapes, seed=5):
+    """QuantWeights and their packed weights (a stage with an act reads its rows as gate|up interleaved 8 by 8)."""
+    out = []
+    for i, (rows, cols) in enumerate(shapes):
+        w = make_weight("q8_0", rows, cols, seed=seed + i, device="cuda")
+        out.append((w, PackedWeight.from_quant(w, "cuda")))
+    return out
+
+
+def _run(stages_spec, x, n_tok, cfg, scratch, dtype):
+    """stages_spec: [(PackedWeight, act)]: chained, each reading the one before's output. -> the last output."""
+    stages, inp = [], x
+    for pw, act in stages_spec:
+        out = poisoned((n_tok, pw.rows // 2 if act else pw.rows), dtype)
+        stages.append(ChainStage(pw.planes, inp, out, act))
+        inp = out
+    gemv_chain.launch(stages, n_tok, cfg, scratch)
+    return inp
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chain_matches_the_reference(cfg, n_tok, dtype):
+    """gate_up (act) -> down -> a third matrix: MLP-like shapes, split K where the items ask for it."""
+    (wg, pg), (wd, pd), (w3, p3) = _weights([(2048, 1024), (1024, 1024), (384, 1024)])
+    x = torch.randn(n_tok, 1024, generator=torch.Generator().manual_seed(n_tok)).to("cuda", dtype)
+    scratch = gemv_chain.ChainScratch(torch.device("cuda"))
+    got = _run([(pg, "silu"), (pd, None), (p3, None)], x, n_tok, cfg, scratch, dtype)
+    ref = gemv_chain.chain_ref([(wg, "silu"), (wd, None), (w3, None)], x)
+    assert not got.isnan().any()
+    assert relative_error(got, ref) < 1e-2, (cfg, n_tok)
+    again = _run([(pg, "silu"), (pd, None), (p3, None)], x, n_tok, cfg, scratch, dtype)
+    assert torch.equal(again, got)                       # the counters were re-armed
+    assert int(scratch.counters.abs().sum()) == 0
+
+
+@requires_cuda
+@requires_hopper
+def test_one_stage_products_and_act():
+    (w, pw), = _weights([(2048, 4096)])
+    (wa, pa), = _weights([(1024, 4096)], seed=9)
+    from cobatch.kernels.activation import gated_mul_ref
+    from cobatch.kernels.quant_matmul import quant_matmul_ref
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    scratch = gemv_chain.ChainScratch(torch.device("cuda"))
+    got = _run([(pw, None)], x, 8, ChainConfig(), scratch, torch.bfloat16)
+    assert relative_error(got, quant_matmul_ref(x, w)) < 4e-3
+    gated = _run([(pa, "silu")], x, 8, ChainConfig(), scratch, torch.bfloat16)
+    ref = gated_mul_ref(quant_matmul_ref(x, wa).to(torch.bfloat16), "silu", interleaved=True)
+    assert relative_error(gated, ref) < 4e-3
+
+
+@requires_cuda
+@requires_hopper
+def test_row_is_bitwise_identical_whatever_the_batch():
+    (wg, pg), (wd, pd) = _weights([(2048, 1024), (512, 1024)])
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    scratch = gemv_chain.ChainScratch(torch.device("cuda"))
+    for cfg in (ChainConfig(), ChainConfig(W=2, RT=1, CTAS=1, U=2, ITEMS=8, PF=True)):
+        full = _run([(pg, "silu"), (pd, None)], x, 8, cfg, scratch, torch.bfloat16)
+        for n_tok in (1, 2, 5, 7):
+            got = _run([(pg, "silu"), (pd, None)], x[:n_tok], n_tok, cfg, scratch, torch.bfloat16)
+            assert torch.equal(got, full[:n_tok]), (cfg, n_tok)
+
+
+@requires_cuda
+@requires_hopper
+def test_graph_replay():
+    (wg, pg), (wd, pd) = _weights([(2048, 1024), (512, 1024)])
+    dtype = torch.bfloat16
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(8)).to("cuda", dtype)
+    mid, out = poisoned((4, 1024), dtype), poisoned((4, 512), dtype)
+    scratch = gemv_chain.ChainScratch(torch.device("cuda"))
+    stages = [ChainStage(pg.planes, x, mid, "silu"), ChainStage(pd.planes, mid, out)]
+    gemv_chain.launch(stages, 4, ChainConfig(), scratch)            # compile, and the scratch grown, outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_chain.launch(stages, 4, ChainConfig(), scratch)
+    for seed in range(3):
+        x.copy_(torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = gemv_chain.chain_ref([(wg, "silu"), (wd, None)], x)
+        assert not out.isnan().any() and relative_error(out, ref) < 1e-2
