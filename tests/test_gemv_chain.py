@@ -19,8 +19,7 @@ from kernel_checks import poisoned, relative_error
 from test_quant_gemv import make_weight
 
 CONFIGS = [ChainConfig(), ChainConfig(W=4, RT=2, CTAS=2, U=4, ITEMS=2, PF=True), ChainConfig(W=4, RT=4, U=2),
-           ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1), ChainConfig(SMEM=True),
-           ChainConfig(W=4, RT=2, U=2, ITEMS=2, SMEM=True, BUF=16 << 10)]
+           ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1)]
 
 
 # --- CPU ----------------------------------------------------------------------------------------------------
@@ -44,18 +43,10 @@ def test_k_splits_give_each_cta_its_items():
     assert gemv_chain.split_of(planes, cfg, ctas=16) == 1            # 32 items >= 2 x 16 CTAs
     assert gemv_chain.split_of(planes, cfg, ctas=32) == 2            # 64 >= 64
     assert gemv_chain.split_of(planes, cfg, ctas=10_000) == 8        # at most down to one 4-chunk group a warp
-    # with SMEM an item's weights fit a buffer: 2 tiles x 128 chunks x 544 bytes is 139 KB, so 8 ranges of 17 KB
-    assert gemv_chain.split_of(planes, ChainConfig(W=4, RT=2, U=4, SMEM=True, BUF=24 << 10), ctas=1) == 8
     small = _cpu_planes(16, 256)
     assert small.qs.shape[1] // 512 == 8
     with pytest.raises(ValueError, match="do not divide"):
         gemv_chain.split_of(small, ChainConfig(W=4, RT=1, U=8), ctas=1)   # 8 chunks: no 8-chunk group for 4 warps
-
-
-def test_item_buffers_must_fit_an_sm():
-    with pytest.raises(ValueError, match="must fit"):
-        ChainConfig(CTAS=3, SMEM=True, BUF=48 << 10)
-    assert ChainConfig(CTAS=2, SMEM=True, BUF=48 << 10).smem_bytes() == 96 << 10
 
 
 def test_unsupported_inputs_are_refused():
@@ -133,8 +124,7 @@ def test_row_is_bitwise_identical_whatever_the_batch():
     (wg, pg), (wd, pd) = _weights([(2048, 1024), (512, 1024)])
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     scratch = gemv_chain.ChainScratch(torch.device("cuda"))
-    for cfg in (ChainConfig(), ChainConfig(W=2, RT=1, CTAS=1, U=2, ITEMS=8, PF=True),
-                ChainConfig(W=4, RT=2, U=2, SMEM=True, BUF=16 << 10)):
+    for cfg in (ChainConfig(), ChainConfig(W=2, RT=1, CTAS=1, U=2, ITEMS=8, PF=True)):
         full = _run([(pg, "silu"), (pd, None)], x, 8, cfg, scratch, torch.bfloat16)
         for n_tok in (1, 2, 5, 7):
             got = _run([(pg, "silu"), (pd, None)], x[:n_tok], n_tok, cfg, scratch, torch.bfloat16)

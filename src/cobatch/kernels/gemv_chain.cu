@@ -19,12 +19,8 @@
 // interleaved 8 by 8, as quant_gemm_cuda.cu's) and counts the row block done. A CTA reads a stage's x only once the
 // stage before has counted all its row blocks done. The last CTA out sets the counters back to zero.
 //
-// SMEM: instead of loading each lane's weights from global memory, thread 0 copies a whole item's weights into one
-// of two shared-memory buffers of BUF bytes (cp.async.bulk, counted by the buffer's mbarrier) when the item before
-// starts, so an item's bytes are all in flight at once and the next stage's first item streams in before its wait.
-//
-// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, SMEM, BUF, DT (x and out: 0 f16,
-// 1 bf16), MAX_STAGES, PDL.
+// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, DT (x and out: 0 f16, 1 bf16),
+// MAX_STAGES, PDL.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -153,43 +149,16 @@ struct Group {
     uint4 xv[U];
 };
 
-static __device__ __forceinline__ uint4 lds128(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-
-static __device__ __forceinline__ u32 lds32(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-
-// Where a warp's weights come from: global memory (SMEM 0: each lane's bytes of tile r at qs + r tile_qs, chunk u at
-// + 512 u), or the item's copy in shared memory (SMEM 1: tile r's chunks at qs_s + r per_item 512, scales after all
-// tiles' quant bytes)
-struct Source {
-    const unsigned char* qs;
-    const unsigned char* d;
-    u64 tile_qs, tile_d;
-    u32 qs_s, d_s, tile_qs_s, tile_d_s;
-};
-
-static __device__ __forceinline__ void load_group(Group& grp, const Source& src, int chunk, const u16* x,
-                                                  bool token_live) {
+static __device__ __forceinline__ void load_group(Group& grp, const unsigned char* qs, const unsigned char* d,
+                                                  u64 tile_qs, u64 tile_d, const u16* x, bool token_live) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-#if SMEM
-            grp.q[r][u] = lds128(src.qs_s + r * src.tile_qs_s + (chunk + u) * 512);
-            grp.sc[r][u] = lds32(src.d_s + r * src.tile_d_s + (chunk + u) * 32);
-#else
-            grp.q[r][u] = ldg_nc(src.qs + r * src.tile_qs + (u64)(chunk + u) * 512);
-            grp.sc[r][u] = ldg_nc32(src.d + r * src.tile_d + (u64)(chunk + u) * 32);
-#endif
+            grp.q[r][u] = ldg_nc(qs + r * tile_qs + u * 512);
+            grp.sc[r][u] = ldg_nc32(d + r * tile_d + u * 32);
         }
-        grp.xv[u] = token_live ? ldg_cg(x + (chunk + u) * 32) : make_uint4(0, 0, 0, 0);
+        grp.xv[u] = token_live ? ldg_cg(x + u * 32) : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -213,19 +182,6 @@ static __device__ __forceinline__ void mma_group(float (&acc)[RT][4], const Grou
     }
 }
 
-// acc += a warp's chunks [chunk0, chunk0 + count) of the item, loads one group of U chunks ahead
-static __device__ __forceinline__ void walk(float (&acc)[RT][4], const Source& src, int chunk0, int count,
-                                            const u16* x, bool token_live) {
-    Group a, b;
-    load_group(a, src, chunk0, x, token_live);
-    for (int c0 = 0; c0 < count; c0 += 2 * U) {
-        if (c0 + U < count) load_group(b, src, chunk0 + c0 + U, x, token_live);
-        mma_group(acc, a);
-        if (c0 + 2 * U < count) load_group(a, src, chunk0 + c0 + 2 * U, x, token_live);
-        if (c0 + U < count) mma_group(acc, b);
-    }
-}
-
 // Store a tile's sums: acc[i] row g, acc[2 + i] row g + 8, token 2 c + i
 static __device__ __forceinline__ void store_tile(const Stage& st, int tile, int n_tok, const float* acc, int lane) {
     const int g = lane / 4, c = lane % 4;
@@ -245,199 +201,135 @@ static __device__ __forceinline__ void store_tile(const Stage& st, int tile, int
     }
 }
 
-// The item's end: the warps' sums added in warp order (warp r reduces tile r), then with split K the partials, and
-// the rows stored and counted done by the row block's last item
-static __device__ __forceinline__ void finish_item(const Stage& st, int item, int block, const float (&acc)[RT][4],
-                                                   float (*red)[RT * 128], int* shared_last, int* done_s, int n_tok) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
-    __syncthreads();
-    float sum[RT][4];
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float v = 0.0f;
-            if (r % W == warp)
-#pragma unroll
-                for (int w = 0; w < W; ++w) v += red[w][r * 128 + lane * 4 + i];
-            sum[r][i] = v;
-        }
-    }
-    if (st.split > 1) {
-        float* mine = st.partial + (u64)item * (RT * 128);
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-            if (r % W == warp)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) mine[r * 128 + lane * 4 + i] = sum[r][i];
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) *shared_last = atomicAdd(st.arrivals + block, 1) == st.split - 1;
-        __syncthreads();
-        if (!*shared_last) return;
-        __threadfence();
-        const float* all = st.partial + (u64)block * st.split * (RT * 128);
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-            if (r % W != warp) continue;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float v = 0.0f;
-                for (int j = 0; j < st.split; ++j) v += ldg_cg_f32(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
-                sum[r][i] = v;
-            }
-        }
-        if (threadIdx.x == 0) st.arrivals[block] = 0;
-    }
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-        if (r % W == warp) store_tile(st, block * RT + r, n_tok, sum[r], lane);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(done_s, 1);
+// The next item of stage s for this CTA (thread 0 asks; the others read it after a barrier)
+static __device__ __forceinline__ int grab(int* handed, int s) {
+    return atomicAdd(handed + s, 1);
 }
-
-// The next (stage, item) from stage s on: each stage's counter is asked until it runs out (thread 0 only)
-static __device__ __forceinline__ int2 grab(const Chain& chain, int s) {
-    for (; s < chain.n_stages; ++s) {
-        const int item = atomicAdd(chain.counters + s, 1);
-        if (item < chain.stage[s].blocks * chain.stage[s].split) return make_int2(s, item);
-    }
-    return make_int2(chain.n_stages, 0);
-}
-
-static __device__ __forceinline__ void wait_stage_before(const Chain& chain, int s) {
-    if (threadIdx.x == 0) {
-        const int want = chain.stage[s - 1].blocks;
-        while (ld_acquire(chain.counters + MAX_STAGES + s - 1) < want) {
-        }
-    }
-    __syncthreads();
-}
-
-#if SMEM
-static __device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count));
-}
-
-static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n .reg .pred done;\n WAIT_%=:\n"
-                 " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 " @!done bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// Copy (stage s, item)'s weights into buffer `buf` (thread 0): per tile its quant bytes, then all tiles' scales
-static __device__ __forceinline__ void stage_item(const Chain& chain, int2 si, u32 buf, u32 bar) {
-    const Stage& st = chain.stage[si.x];
-    const int per_item = st.n_chunks / st.split, block = si.y / st.split, chunk0 = si.y % st.split * per_item;
-    mbar_expect(bar, RT * per_item * (512 + 32));
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        const u64 tile = (u64)block * RT + r;
-        bulk_copy(buf + r * per_item * 512, st.qs + (tile * st.n_chunks + chunk0) * 512, per_item * 512, bar);
-        bulk_copy(buf + RT * per_item * 512 + r * per_item * 32, st.d + (tile * st.n_chunks + chunk0) * 32,
-                  per_item * 32, bar);
-    }
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chain) {
     __shared__ float red[W][RT * 128];                  // the warps' sums of the item, for the reduction
-    __shared__ int shared_last;
-    __shared__ int2 shared_next;
+    __shared__ int shared_item, shared_last;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    int* handed = chain.counters;
     int* done = chain.counters + MAX_STAGES;
     int* ctas_out = chain.counters + 2 * MAX_STAGES;
     const bool token_live = g < chain.n_tok;
-#if SMEM
-    // two buffers of an item's weights: the next item streams into one while the current one is read from the other
-    extern __shared__ __align__(128) unsigned char items_smem[];
-    __shared__ __align__(8) unsigned long long bars[2];
-    const u32 buf0 = smem_u32(items_smem), bar0 = smem_u32(&bars[0]);
-    if (threadIdx.x == 0) {
-        mbar_init(bar0, 1);
-        mbar_init(bar0 + 8, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");     // the first stage's x, and the counters
 #endif
-    if (threadIdx.x == 0) {
-        shared_next = grab(chain, 0);
-#if SMEM
-        if (shared_next.x < chain.n_stages) stage_item(chain, shared_next, buf0, bar0);
-#endif
-    }
-    __syncthreads();
-    int2 cur = shared_next;
-    int ready = 0;                                       // stages whose x may be read
-    for (int n = 0; cur.x < chain.n_stages; ++n) {
-        const int s = cur.x, item = cur.y;
+    for (int s = 0; s < chain.n_stages; ++s) {
         const Stage& st = chain.stage[s];
-        const int per_item = st.n_chunks / st.split, per_warp = per_item / W;
-        const int block = item / st.split, chunk0 = item % st.split * per_item;
-        __syncthreads();                                 // every thread has read shared_next; the buffers are free
-        if (threadIdx.x == 0) {
-            shared_next = grab(chain, s);                // the item after this one, asked while this one runs
-#if SMEM
-            if (shared_next.x < chain.n_stages) stage_item(chain, shared_next, buf0 + ((n + 1) & 1) * BUF,
-                                                           bar0 + 8 * ((n + 1) & 1));
-#endif
-        }
-        Source src;
-#if SMEM
-        src.qs_s = buf0 + (n & 1) * BUF + lane * 16;
-        src.d_s = buf0 + (n & 1) * BUF + RT * per_item * 512 + g * 4;
-        src.tile_qs_s = per_item * 512;
-        src.tile_d_s = per_item * 32;
-#else
-        src.tile_qs = (u64)st.n_chunks * 512;
-        src.tile_d = (u64)st.n_chunks * 32;
-        src.qs = st.qs + (u64)block * RT * src.tile_qs + (u64)chunk0 * 512 + lane * 16;
-        src.d = st.d + (u64)block * RT * src.tile_d + (u64)chunk0 * 32 + g * 4;
-        if (threadIdx.x == 0 && (PF || ready < s)) {
-            // the weights depend on nothing: ask L2 for the item's at once, before any wait for the stage before
+        const int items = st.blocks * st.split, per_item = st.n_chunks / st.split, per_warp = per_item / W;
+        const u64 tile_qs = (u64)st.n_chunks * 512, tile_d = (u64)st.n_chunks * 32;
+        if (threadIdx.x == 0) shared_item = grab(handed, s);
+        __syncthreads();
+        int item = shared_item;
+        bool ready = s == 0;
+        while (item < items) {
+            __syncthreads();                                // every thread has read shared_item
+            int next = 0;
+            if (threadIdx.x == 0) next = grab(handed, s);   // asked now, read at the item's end
+            const int block = item / st.split, k = item % st.split, chunk0 = k * per_item;
+            const unsigned char* qs = st.qs + block * RT * tile_qs + (u64)chunk0 * 512;
+            const unsigned char* d = st.d + block * RT * tile_d + (u64)chunk0 * 32;
+            if (threadIdx.x == 0 && (PF || !ready)) {
+                // the weights depend on nothing: ask L2 for the item's at once, before any wait for the stage before
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    prefetch_l2(qs + r * tile_qs, per_item * 512);
+                    prefetch_l2(d + r * tile_d, per_item * 32);
+                }
+            }
+            if (!ready) {
+                if (threadIdx.x == 0) {
+                    const int want = chain.stage[s - 1].blocks;
+                    while (ld_acquire(done + s - 1) < want) {
+                    }
+                }
+                __syncthreads();
+                ready = true;
+            }
+            const int wchunk = warp * per_warp;
+            const unsigned char* wq = qs + (u64)wchunk * 512 + lane * 16;
+            const unsigned char* wd = d + (u64)wchunk * 32 + g * 4;
+            const u16* x = st.x + (u64)g * st.x_stride + (chunk0 + wchunk) * 32 + c * 8;
+            float acc[RT][4];
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
+            Group a, b;
+            load_group(a, wq, wd, tile_qs, tile_d, x, token_live);
+            for (int c0 = 0; c0 < per_warp; c0 += 2 * U) {
+                if (c0 + U < per_warp)
+                    load_group(b, wq + (c0 + U) * 512, wd + (c0 + U) * 32, tile_qs, tile_d, x + (c0 + U) * 32,
+                               token_live);
+                mma_group(acc, a);
+                if (c0 + 2 * U < per_warp)
+                    load_group(a, wq + (c0 + 2 * U) * 512, wd + (c0 + 2 * U) * 32, tile_qs, tile_d,
+                               x + (c0 + 2 * U) * 32, token_live);
+                if (c0 + U < per_warp) mma_group(acc, b);
+            }
+            // the warps' sums, added in warp order: warp r (and r + W ...) reduces tile r
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
+            __syncthreads();
+            float sum[RT][4];
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-                prefetch_l2(st.qs + ((u64)block * RT + r) * src.tile_qs + (u64)chunk0 * 512, per_item * 512);
-                prefetch_l2(st.d + ((u64)block * RT + r) * src.tile_d + (u64)chunk0 * 32, per_item * 32);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float v = 0.0f;
+                    if (r % W == warp)
+#pragma unroll
+                        for (int w = 0; w < W; ++w) v += red[w][r * 128 + lane * 4 + i];
+                    sum[r][i] = v;
+                }
             }
-        }
-#endif
-        if (ready < s) {
-            wait_stage_before(chain, s);
-            ready = s;
-        }
-#if SMEM
-        mbar_wait(bar0 + 8 * (n & 1), (n >> 1) & 1);
-#endif
-        float acc[RT][4];
+            bool store = true;
+            if (st.split > 1) {
+                // the item's partial sums, then the last item of the row block adds all of them in split order
+                float* mine = st.partial + (u64)item * (RT * 128);
 #pragma unroll
-        for (int r = 0; r < RT; ++r)
+                for (int r = 0; r < RT; ++r)
+                    if (r % W == warp)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
-        const u16* x = st.x + (u64)g * st.x_stride + chunk0 * 32 + c * 8;
-        walk(acc, src, warp * per_warp, per_warp, x, token_live);
-        finish_item(st, item, block, acc, red, &shared_last, done + s, chain.n_tok);
-        cur = shared_next;
+                        for (int i = 0; i < 4; ++i) mine[r * 128 + lane * 4 + i] = sum[r][i];
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) shared_last = atomicAdd(st.arrivals + block, 1) == st.split - 1;
+                __syncthreads();
+                store = shared_last;
+                if (store) {
+                    __threadfence();
+                    const float* all = st.partial + (u64)block * st.split * (RT * 128);
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        if (r % W != warp) continue;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            float v = 0.0f;
+                            for (int j = 0; j < st.split; ++j) v += ldg_cg_f32(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
+                            sum[r][i] = v;
+                        }
+                    }
+                    if (threadIdx.x == 0) st.arrivals[block] = 0;
+                }
+            }
+            if (store) {
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+                    if (r % W == warp) store_tile(st, block * RT + r, chain.n_tok, sum[r], lane);
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) atomicAdd(done + s, 1);
+            }
+            if (threadIdx.x == 0) shared_item = next;
+            __syncthreads();
+            item = shared_item;
+        }
     }
     // the last CTA out re-arms the counters: every other CTA is past its last read of them
     if (threadIdx.x == 0) {

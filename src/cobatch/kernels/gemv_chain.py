@@ -27,7 +27,6 @@ from cobatch.kernels.quant_gemm_cuda import asm_literal
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_STAGES = 8
 MAX_TOK = 8                    # mma.sync m16n8k16: the tokens are its N = 8
-SMEM_LIMIT = 227 * 1024
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -44,19 +43,12 @@ class ChainConfig:
     U: int = 4
     ITEMS: int = 1
     PF: bool = False
-    SMEM: bool = False   # each item's weights copied whole into one of two shared-memory buffers of BUF bytes
-    BUF: int = 48 << 10
 
     def __post_init__(self):
         if self.W not in (1, 2, 4, 8) or self.RT not in (1, 2, 4) or self.CTAS < 1 or self.U not in (1, 2, 4, 8) \
                 or self.ITEMS < 1:
             raise ValueError(f"ChainConfig needs W of 1-8, RT of 1, 2 or 4, U of 1-8 (powers of 2), CTAS and ITEMS "
                              f">= 1: {self}")
-        if self.SMEM and (self.BUF % 1024 or self.CTAS * (2 * self.BUF + 1024) > SMEM_LIMIT):
-            raise ValueError(f"ChainConfig's two item buffers a CTA must fit an SM's shared memory: {self}")
-
-    def smem_bytes(self) -> int:
-        return 2 * self.BUF if self.SMEM else 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +61,7 @@ class ChainStage:
 
 
 def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
-    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), SMEM=int(cfg.SMEM), BUF=cfg.BUF, DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     return head + SOURCE.read_text()
@@ -88,22 +80,18 @@ def kernel(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, device: torch.device
     k = _kernels.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device))[0], "gemv_chain",
-                                             cfg.smem_bytes())
+            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device))[0], "gemv_chain", 0)
     return k
 
 
 def split_of(planes: quant_pack.PackedPlanes, cfg: ChainConfig, ctas: int) -> int:
-    """K ranges a row block is split into across CTAs: the fewest that give ITEMS items a CTA of the grid (with SMEM,
-    of at most BUF bytes of weights), each warp's share of a range a whole number of U-chunk groups (at most down to
-    one group a warp)."""
+    """K ranges a row block is split into across CTAs: the fewest that give ITEMS items a CTA of the grid, each warp's
+    share of a range a whole number of U-chunk groups (at most down to one group a warp)."""
     blocks, n_chunks = planes.rows_pad // (16 * cfg.RT), planes.qs.shape[1] // 512
     splits = [s for s in range(1, n_chunks + 1) if n_chunks % s == 0 and (n_chunks // s) % (cfg.W * cfg.U) == 0]
     if not splits or planes.rows_pad % (16 * cfg.RT):
         raise ValueError(f"{planes.rows_pad} rows x {n_chunks} chunks do not divide into row blocks of {cfg.RT} tiles "
                          f"and {cfg.W} warps' groups of {cfg.U} chunks: {cfg}")
-    if cfg.SMEM:      # an item's weights fit a buffer
-        splits = [s for s in splits if cfg.RT * (n_chunks // s) * 544 <= cfg.BUF] or [splits[-1]]
     return next((s for s in splits if blocks * s >= cfg.ITEMS * ctas), splits[-1])
 
 
