@@ -4,7 +4,7 @@ Why: at a few tokens a step is a chain of small kernels, and each GEMV of a 10-6
 its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV still takes 6.7 us against 9.2 from
 HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
-stage s. This is a first step towards a persistent decode step (docs/kernels.md, issue "no bubbles"): products
+stage s. This is a first step towards a persistent decode step (docs/kernels.md): products
 only, q8_0, one stream, and not yet used by the models: bench/gemv_chain.py measures it against the package's
 plans, which it does not beat yet (bench/results/gemv_chain.md).
 
