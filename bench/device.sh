@@ -10,6 +10,8 @@
 #                            writes the chosen configs merged into quant_configs.json, to $OUT and bench/results)
 #   gemm-cuda [ARGS]         the CUDA C++ GEMM's tests, then bench/gemm_cuda.py ARGS (its candidates against the plans;
 #                            --probe: where its time goes), to $OUT and bench/results
+#   gemv-chain [ARGS]        the GEMV chain's tests, then bench/gemv_chain.py ARGS (q8_0 GEMVs chained in one persistent
+#                            launch against the plans), to $OUT
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
@@ -42,7 +44,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels gemm attention decode serve moe speculative hf parallel size gemv-configs profile plan-ab ab "
+SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe speculative hf parallel size gemv-configs "
+SUITES+="profile plan-ab ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -107,6 +110,9 @@ gemm)
 gemm-cuda)
   [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_quant_gemm_cuda.py
   timeout "$(left "$TIMEOUT")" python3 bench/gemm_cuda.py "$@" 2>&1 | grep -v Warning | tee "$OUT/gemm_cuda.log" | tail -45 ;;
+gemv-chain)
+  [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_gemv_chain.py
+  timeout "$(left "$TIMEOUT")" python3 bench/gemv_chain.py "$@" 2>&1 | quiet | tee "$OUT/gemv_chain.log" | tail -16 ;;
 attention)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
 decode)
