@@ -136,19 +136,25 @@ class RayReplica:
         return Answer(head["status"], head["headers"], chunks(), close)
 
 
+READY_WAIT_S = 30.0     # how long a request waits for the front to see every engine answer /health, before a 503
+
+
 class Ingress:
     """The front as Ray Serve's HTTP ingress: every request goes through Front.route."""
 
-    def __init__(self, flags: list[str], *engines):
+    async def __init__(self, flags: list[str], *engines):
+        # async: Ray Serve runs the constructor on the replica's event loop, so the front starts polling the engines'
+        # /health now, not at the first request (which would then find it unprepared: a 503 right after serve.run)
         args = serve_args(flags)
         from cobatch.model_files import default_model_path
         path = args.model_path or args.model or default_model_path()
         self.front = Front([RayReplica(h) for h in engines], PromptTokens(path, getattr(args, "chat_template", None)))
-        self._ready: asyncio.Task | None = None
+        self._ready = asyncio.ensure_future(self.front.wait_ready())
 
     async def __call__(self, request):
-        if self._ready is None:
-            self._ready = asyncio.ensure_future(self.front.wait_ready())
+        if not self.front.ready and request.url.path != "/health":
+            # serve.run has returned, so the engines are up: the front's poll sees them within moments
+            await asyncio.wait({self._ready}, timeout=READY_WAIT_S)
         return await self.front.route(request)
 
 
