@@ -388,44 +388,6 @@ def test_dequantize_kernel_and_cublas_gemm_path(fmt_name):
     assert rel_err(run_poisoned(pw, x), quant_matmul_ref(x, w)) < 1e-2
 
 
-def test_dense_pass_chunks_cover_the_rows_in_whole_row_blocks(monkeypatch):
-    """The prefill path's pass runs in row chunks under the matmuls: at most DENSE_CHUNKS of at least
-    DENSE_CHUNK_ROWS rows, each a whole number of the fragment pass's 64-row blocks but the last."""
-    from types import SimpleNamespace
-    from cobatch.kernels import fragment_dequant
-    unit = 16 * fragment_dequant.ROW_TILES
-    monkeypatch.setattr(qm, "DENSE_CHUNKS", 4)
-    for rows_pad, want in ((128256, 4), (14336, 4), (6144, 3), (4096, 2), (2048, 1), (1024, 1)):
-        planes = SimpleNamespace(rows_pad=rows_pad, fragment=True)
-        bounds = qm.dense_chunks(planes)
-        assert len(bounds) == want, rows_pad
-        assert bounds[0][0] == 0 and bounds[-1][1] == rows_pad // 16
-        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-        assert all((16 * t0) % unit == 0 and t1 > t0 for t0, t1 in bounds)
-    assert len(qm.dense_chunks(SimpleNamespace(rows_pad=128256, fragment=False))) == 1
-    assert len(qm.dense_chunks(SimpleNamespace(rows_pad=128256, fragment=True), chunks=1)) == 1
-
-
-@requires_cuda
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
-def test_gpu_dense_pass_in_chunks_under_the_matmuls(fmt_name, monkeypatch):
-    """Dequantize + cuBLAS with the pass in row chunks on a side stream (rows not a multiple of 64: the last
-    chunk clipped) against the reference and against the pass whole, eagerly and replayed from a CUDA graph."""
-    w = random_weight_cuda(fmt_name, 8200, 1024, seed=40)
-    plan = MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 4)
-    pw = PackedWeight.from_quant(w, "cuda", plan=plan)
-    assert len(qm.dense_chunks(pw.planes)) == 4
-    x = torch.randn(300, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(41))
-    x = x.to(torch.bfloat16)
-    chunked = run_poisoned(pw, x)
-    assert rel_err(chunked, x.double() @ w.dequantize(torch.float32).double().T) < 1e-2
-    monkeypatch.setattr(qm, "DENSE_CHUNKS", 1)
-    whole = run_poisoned(pw, x)
-    assert rel_err(chunked, whole) < 1e-3
-    monkeypatch.setattr(qm, "DENSE_CHUNKS", 4)
-    assert_graph_replay_matches(pw.matmul, x, torch.empty(300, 8200, device="cuda", dtype=torch.bfloat16))
-
-
 def test_load_plan_reads_the_table_in_force(tmp_path, monkeypatch):
     """bench/plan_ab.py plans loaded weights again by pointing COBATCH_QUANT_CONFIGS at another table: load_plan
     takes that table's entry for the weight's format and shape, and the package's without the variable."""

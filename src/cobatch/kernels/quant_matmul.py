@@ -469,61 +469,6 @@ def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The dense pass in row chunks: chunk c + 1 is dequantized on a side stream while cuBLAS multiplies chunk c, so the
-# pass (memory-bound) runs under the matmul (compute-bound at prefill sizes) instead of before it. At most
-# DENSE_CHUNKS chunks of at least DENSE_CHUNK_ROWS rows; COBATCH_DENSE_CHUNKS=1 runs the pass whole, then cuBLAS.
-DENSE_CHUNKS = int(os.environ.get("COBATCH_DENSE_CHUNKS", "4"))
-DENSE_CHUNK_ROWS = 2048
-
-
-def dense_chunks(p: PackedPlanes, chunks: int | None = None) -> list[tuple[int, int]]:
-    """The (first, stop) 16-row tiles of each chunk of the pass over p: whole multiples of the fragment pass's
-    row block, as even as they come; one chunk where p is too small or not in fragment order."""
-    chunks = DENSE_CHUNKS if chunks is None else chunks
-    tiles = p.rows_pad // 16
-    unit = fragment_dequant.ROW_TILES
-    n = max(1, min(chunks, p.rows_pad // DENSE_CHUNK_ROWS, tiles // unit)) if p.fragment else 1
-    units = tiles // unit
-    cuts = [round(units * i / n) * unit for i in range(n + 1)]
-    cuts[-1] = tiles
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-class _SideStream:
-    """One side stream per device, and events that order its dense-pass chunks before their matmuls."""
-    _by_device: dict[torch.device, tuple[torch.cuda.Stream, list[torch.cuda.Event]]] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, n_events: int) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:
-        device = _SplitScratch._key(device)
-        have = cls._by_device.get(device)
-        if have is None or len(have[1]) < n_events:
-            have = cls._by_device[device] = (torch.cuda.Stream(device),
-                                              [torch.cuda.Event() for _ in range(max(n_events, DENSE_CHUNKS))])
-        return have
-
-
-def dense_matmul(p: PackedPlanes, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
-    """out [n_tok, rows] = x @ W.T through W dequantized into `scratch` [rows, cols] (bf16/f16) and cuBLAS, the pass
-    chunked under the matmuls (dense_chunks) on CUDA."""
-    bounds = dense_chunks(p) if out.is_cuda and not interpreting() else [(0, p.rows_pad // 16)]
-    if len(bounds) == 1:
-        torch.mm(x, dequantize_planes(p, scratch).t(), out=out)
-        return
-    main = torch.cuda.current_stream(out.device)
-    side, events = _SideStream.get(out.device, len(bounds))
-    side.wait_stream(main)          # x written, and the scratch no longer read by the matmul before
-    rows = [(16 * t0, min(16 * t1, p.rows)) for t0, t1 in bounds]
-    with torch.cuda.stream(side):
-        for (t0, t1), (r0, r1), event in zip(bounds, rows, events):
-            part = replace(p.row_tiles(t0, t1), rows=r1 - r0)
-            dequantize_planes(part, scratch[r0:r1])
-            event.record(side)
-    for (r0, r1), event in zip(rows, events):
-        main.wait_event(event)
-        torch.mm(x, scratch[r0:r1].t(), out=out[:, r0:r1])
-
-
 # --- configs ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -806,8 +751,6 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
             quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DenseScratch.reserve(device, rows * cols * 2)
-        if torch.device(device).type == "cuda":
-            _SideStream.get(device, DENSE_CHUNKS)
 
 
 def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device: torch.device,
@@ -895,8 +838,8 @@ class PackedWeight:
         if config == DEQUANT_CUBLAS and self.resident_dense is not None and self.resident_dense.dtype == x.dtype:
             torch.mm(x2, self.resident_dense.t(), out=out.view(n_tok, self.rows))
         elif config == DEQUANT_CUBLAS:
-            dense_matmul(self.planes, x2, out.view(n_tok, self.rows),
-                         _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
+            w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
+            torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
         elif isinstance(config, (GemvConfig, GemvPlan)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)   # f32 x
             partial, count = out, out
