@@ -19,7 +19,8 @@ from kernel_checks import poisoned, relative_error
 from test_quant_gemv import make_weight
 
 CONFIGS = [ChainConfig(), ChainConfig(W=4, RT=2, CTAS=2, U=4, ITEMS=2, PF=True), ChainConfig(W=4, RT=4, U=2),
-           ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1)]
+           ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1), ChainConfig(PIPE=True),
+           ChainConfig(W=2, RT=2, CTAS=1, U=1, ITEMS=1, PIPE=True)]
 
 
 # --- CPU ----------------------------------------------------------------------------------------------------
@@ -124,7 +125,8 @@ def test_row_is_bitwise_identical_whatever_the_batch():
     (wg, pg), (wd, pd) = _weights([(2048, 1024), (512, 1024)])
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     scratch = gemv_chain.ChainScratch(torch.device("cuda"))
-    for cfg in (ChainConfig(), ChainConfig(W=2, RT=1, CTAS=1, U=2, ITEMS=8, PF=True)):
+    for cfg in (ChainConfig(), ChainConfig(W=2, RT=1, CTAS=1, U=2, ITEMS=8, PF=True),
+                ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1, PIPE=True)):
         full = _run([(pg, "silu"), (pd, None)], x, 8, cfg, scratch, torch.bfloat16)
         for n_tok in (1, 2, 5, 7):
             got = _run([(pg, "silu"), (pd, None)], x[:n_tok], n_tok, cfg, scratch, torch.bfloat16)

@@ -19,8 +19,10 @@
 // interleaved 8 by 8, as quant_gemm_cuda.cu's) and counts the row block done. A CTA reads a stage's x only once the
 // stage before has counted all its row blocks done. The last CTA out sets the counters back to zero.
 //
-// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, DT (x and out: 0 f16, 1 bf16),
-// MAX_STAGES, PDL.
+// PIPE: the next item's first load group is issued before the current item's reduction and stores (same stage).
+//
+// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x and out: 0 f16,
+// 1 bf16), MAX_STAGES, PDL.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -225,6 +227,9 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
         __syncthreads();
         int item = shared_item;
         bool ready = s == 0;
+        // with PIPE, the next item's first load group is issued before this item's reduction, into `a`
+        Group a, b;
+        bool preloaded = false;
         while (item < items) {
             __syncthreads();                                // every thread has read shared_item
             int next = 0;
@@ -258,8 +263,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
-            Group a, b;
-            load_group(a, wq, wd, tile_qs, tile_d, x, token_live);
+            if (!preloaded) load_group(a, wq, wd, tile_qs, tile_d, x, token_live);
             for (int c0 = 0; c0 < per_warp; c0 += 2 * U) {
                 if (c0 + U < per_warp)
                     load_group(b, wq + (c0 + U) * 512, wd + (c0 + U) * 32, tile_qs, tile_d, x + (c0 + U) * 32,
@@ -275,7 +279,21 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
+            if (PIPE && threadIdx.x == 0) shared_item = next;
             __syncthreads();
+            preloaded = false;
+            if (PIPE) {
+                // the next item's weights and x need no wait (same stage): its first group streams in while this
+                // item is reduced and stored
+                const int nitem = shared_item;
+                if (nitem < items) {
+                    const int nblock = nitem / st.split, nchunk0 = nitem % st.split * per_item + wchunk;
+                    load_group(a, st.qs + nblock * RT * tile_qs + (u64)nchunk0 * 512 + lane * 16,
+                               st.d + nblock * RT * tile_d + (u64)nchunk0 * 32 + g * 4, tile_qs, tile_d,
+                               st.x + (u64)g * st.x_stride + nchunk0 * 32 + c * 8, token_live);
+                    preloaded = true;
+                }
+            }
             float sum[RT][4];
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
@@ -326,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
                 __syncthreads();
                 if (threadIdx.x == 0) atomicAdd(done + s, 1);
             }
-            if (threadIdx.x == 0) shared_item = next;
+            if (!PIPE && threadIdx.x == 0) shared_item = next;
             __syncthreads();
             item = shared_item;
         }
