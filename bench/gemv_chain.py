@@ -2,6 +2,7 @@
 plans, one launch a matrix (GPU only).
 
     python bench/gemv_chain.py [--out gemv_chain.json]
+    ncu -k regex:gemv --launch-skip 1 --launch-count 3 ... python bench/gemv_chain.py --once   # o, for a profiler
 
 At n_tok 1 and 8, each as a CUDA graph of calls over copies of the weights rotating past L2 (bench/timing.py):
 - each matrix alone (qkv, o, gate_up with its act, down);
@@ -47,10 +48,27 @@ def tree() -> str:
         return "unknown"
 
 
+def once() -> None:
+    pw = PackedWeight.from_quant(random_weight("q8_0", *SHAPES["o"]), "cuda")
+    x = torch.randn(1, SHAPES["o"][1], device="cuda").to(torch.bfloat16)
+    out = torch.empty(1, SHAPES["o"][0], device="cuda", dtype=torch.bfloat16)
+    scratch = gemv_chain.ChainScratch(torch.device("cuda"))
+    for _ in range(2):
+        pw.matmul(x, out=out)
+    for _ in range(2):
+        gemv_chain.launch([ChainStage(pw.planes, x, out)], 1, ChainConfig(), scratch)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--once", action="store_true",
+                    help="only o at one token: the plan's GEMV twice, then the chain twice (for Nsight Compute)")
     args = ap.parse_args()
+    if args.once:
+        once()
+        return
     copy_gbps = copy_bandwidth()
     dev = torch.device("cuda")
     dtype = torch.bfloat16
