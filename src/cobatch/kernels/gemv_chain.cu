@@ -22,11 +22,8 @@
 // PIPE: the next item's first load group is issued before the current item's reduction and stores (same stage).
 //
 // Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x and out: 0 f16,
-// 1 bf16), MAX_STAGES, PDL.
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned short u16;
+// 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
+// shared with quant_gemm_cuda.cu (cuda_common.cuh).
 
 struct Stage {
     const unsigned char* qs;     // fragment-order q8_0 planes: [tiles][n_chunks * 512]
@@ -44,28 +41,9 @@ struct Chain {
     int n_stages, n_tok;
 };
 
-static __device__ __forceinline__ uint4 ldg_nc(const void* p) {       // weights: read once, never written
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-static __device__ __forceinline__ u32 ldg_nc32(const void* p) {
-    u32 v;
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
 static __device__ __forceinline__ uint4 ldg_cg(const void* p) {       // x: written in this launch, so from L2
     uint4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-static __device__ __forceinline__ float ldg_cg_f32(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
@@ -77,23 +55,6 @@ static __device__ __forceinline__ int ld_acquire(const int* p) {
 
 static __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
-
-// One q8_0 word (rows g, g + 8 x logical columns 2c, 2c + 1) -> the f16x2 operands of row g and of row g + 8
-static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 scale_g8, u32& row_g, u32& row_g8) {
-    asm(ASM_DEQUANT_Q8 : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
-}
-
-static __device__ __forceinline__ u32 broadcast_lo(u32 pair) {     // (a, b) -> (a, a)
-    u32 r;
-    asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(r) : "r"(pair));
-    return r;
-}
-
-static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> (b, b)
-    u32 r;
-    asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(r) : "r"(pair));
-    return r;
 }
 
 // Two x values as f16x2: as they are (DT 0), or from bf16 through f32, rounded to nearest (the GEMV's conversion)
@@ -157,8 +118,8 @@ static __device__ __forceinline__ void load_group(Group& grp, const unsigned cha
     for (int u = 0; u < U; ++u) {
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-            grp.q[r][u] = ldg_nc(qs + r * tile_qs + u * 512);
-            grp.sc[r][u] = ldg_nc32(d + r * tile_d + u * 32);
+            grp.q[r][u] = ldg128(qs + r * tile_qs + u * 512);
+            grp.sc[r][u] = ldg32(d + r * tile_d + u * 32);
         }
         grp.xv[u] = token_live ? ldg_cg(x + u * 32) : make_uint4(0, 0, 0, 0);
     }
@@ -329,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             float v = 0.0f;
-                            for (int j = 0; j < st.split; ++j) v += ldg_cg_f32(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
+                            for (int j = 0; j < st.split; ++j) v += ld_cg(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
                             sum[r][i] = v;
                         }
                     }

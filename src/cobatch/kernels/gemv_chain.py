@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cobatch.kernels import nvrtc, quant_gemv, quant_pack
-from cobatch.kernels.quant_gemm_cuda import asm_literal
+from cobatch.kernels.quant_gemm_cuda import COMMON, asm_literal
 
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_STAGES = 8
@@ -65,7 +65,7 @@ def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
     defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
-    return head + SOURCE.read_text()
+    return head + COMMON.read_text() + SOURCE.read_text()
 
 
 @functools.cache

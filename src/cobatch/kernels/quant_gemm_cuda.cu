@@ -17,12 +17,8 @@
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
 // ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into
-// L2), and the host's pieces: wgmma_bn() (the wgmma of BN tokens) and the GEMV's dequantization PTX
-// (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4).
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned short u16;
+// L2), and the host's pieces: wgmma_bn() (the wgmma of BN tokens), the GEMV's dequantization PTX
+// (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4) and the helpers shared with gemv_chain.cu (cuda_common.cuh).
 
 #if FMT                                      // q4_1 and q4_K (q4_1's planes): 64 columns a chunk, two 32-blocks
 #define BLOCKS 2
@@ -84,33 +80,10 @@ static __device__ __forceinline__ uint4 lds128(u32 addr) {
     return v;
 }
 
-// a streamed weight load: read once, so kept out of L1
-static __device__ __forceinline__ uint4 ldg128(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-static __device__ __forceinline__ u32 ldg32(const void* p) {
-    u32 v;
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
 static __device__ __forceinline__ u32 lds32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
-}
-
-// One q8_0 word (rows g, g + 8 x logical columns 2c, 2c + 1: quant_pack.fragment_order) -> the f16x2 operand of
-// row g and of row g + 8: the sign flipped (q + 128), each byte under 0x64 (1024 + q + 128 as f16), minus 1152
-// exactly, times the row's scale. The GEMV's and the Gluon GEMM's instructions: quant_gemv.ASM_Q8, which the
-// host defines as ASM_DEQUANT_Q8.
-static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 scale_g8, u32& row_g, u32& row_g8) {
-    asm(ASM_DEQUANT_Q8
-        : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
 }
 
 // One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
@@ -122,18 +95,6 @@ static __device__ __forceinline__ void dequant_q4(u32 word, const u32 (&sc)[8], 
     asm(ASM_DEQUANT_Q4
         : "=r"(lo_g), "=r"(lo_g8), "=r"(hi_g), "=r"(hi_g8)
         : "r"(word), "r"(sc[0]), "r"(sc[1]), "r"(sc[2]), "r"(sc[3]), "r"(sc[4]), "r"(sc[5]), "r"(sc[6]), "r"(sc[7]));
-}
-
-static __device__ __forceinline__ u32 broadcast_lo(u32 pair) {     // (a, b) -> (a, a)
-    u32 r;
-    asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(r) : "r"(pair));
-    return r;
-}
-
-static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> (b, b)
-    u32 r;
-    asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(r) : "r"(pair));
-    return r;
 }
 
 // A chunk of one 16-row tile -> the wgmma A operands of its BLOCKS 32-column blocks (per block: k16 half h in
@@ -179,12 +140,6 @@ static __device__ __forceinline__ side_t lds_side(u32 addr) {
 static __device__ __forceinline__ u64 b_descriptor(u32 addr) {
     const u64 lbo = (BN * 16) >> 4, sbo = 128 >> 4;
     return (u64)((addr & 0x3FFFF) >> 4) | (lbo << 16) | (sbo << 32);
-}
-
-static __device__ __forceinline__ float ld_cg(const float* p) {      // from L2: another CTA's partial sums
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
 }
 
 static __device__ __forceinline__ float f16_to_f32(u16 h) {

@@ -35,6 +35,7 @@ from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit,
 TOKEN_TILES = (16, 32, 64, 128)
 FORMATS = (quant_pack.Q8_0, quant_pack.Q4_1)     # q4_K's fragment planes are q4_1's
 SOURCE = Path(__file__).with_suffix(".cu")
+COMMON = Path(__file__).with_name("cuda_common.cuh")   # device helpers shared with gemv_chain.cu
 SMEM_LIMIT = 227 * 1024
 OUT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -109,7 +110,7 @@ def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
-    body = SOURCE.read_text()
+    body = COMMON.read_text() + SOURCE.read_text()
     marker = "extern \"C\" __global__"
     at = body.index(marker)
     return head + body[:at] + wgmma_source(bn) + "\n" + body[at:]

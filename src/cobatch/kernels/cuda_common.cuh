@@ -1,0 +1,47 @@
+// Device helpers the package's CUDA C++ kernels share (quant_gemm_cuda.cu, gemv_chain.cu): their hosts put this text
+// after their #defines (ASM_DEQUANT_Q8 among them) and before the kernel's own source.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+// a streamed weight load: read once, so kept out of L1
+static __device__ __forceinline__ uint4 ldg128(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ u32 ldg32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ float ld_cg(const float* p) {      // from L2: another CTA's partial sums
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// One q8_0 word (rows g, g + 8 x logical columns 2c, 2c + 1: quant_pack.fragment_order) -> the f16x2 operand of
+// row g and of row g + 8: the sign flipped (q + 128), each byte under 0x64 (1024 + q + 128 as f16), minus 1152
+// exactly, times the row's scale. The GEMV's and the Gluon GEMM's instructions: quant_gemv.ASM_Q8, which the
+// host defines as ASM_DEQUANT_Q8.
+static __device__ __forceinline__ void dequant_q8(u32 word, u32 scale_g, u32 scale_g8, u32& row_g, u32& row_g8) {
+    asm(ASM_DEQUANT_Q8
+        : "=r"(row_g), "=r"(row_g8) : "r"(word), "r"(scale_g), "r"(scale_g8));
+}
+
+static __device__ __forceinline__ u32 broadcast_lo(u32 pair) {     // (a, b) -> (a, a)
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, 0x1010;" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> (b, b)
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(r) : "r"(pair));
+    return r;
+}
