@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
+import provenance  # noqa: E402  (bench/, the script's own folder)
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
         dt = time.perf_counter() - t
         rows.append(dict(batch=b, steps=steps, seconds=dt, step_ms=dt / steps * 1e3, tok_s=b * steps / dt))
         print(f"B={b}: {dt / steps * 1e3:.1f} ms/step, {b * steps / dt:.1f} tok/s aggregate", flush=True)
-    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    tree = provenance.tree()
     result = dict(measures="decode steps on the CPU path (SmolLM2)",
                   reproduce=f"python3 bench/cpu_decode.py --threads {args.threads} --tokens {args.tokens}",
                   recorded=str(datetime.date.today()), tree=tree or None,

@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from cobatch.engine.sequence import Sequence, SeqStatus  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
+import provenance  # noqa: E402
 import timing  # noqa: E402
 from timing import replay_seconds  # noqa: E402
 
@@ -317,7 +317,7 @@ def main() -> None:
         BATCHES = [int(b) for b in args.batches.split(",")]
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
-    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    tree = provenance.tree()
     results = dict(date=str(datetime.date.today()), tree=tree, command=" ".join(sys.argv),
                    quant_gemm=os.environ.get("COBATCH_QUANT_GEMM") != "0", device=torch.cuda.get_device_name(),
                    torch=torch.__version__, copy_gbps=copy_bps / 1e9, models=[])

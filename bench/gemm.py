@@ -29,7 +29,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.kernels.quant_gemm import GemmConfig  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
+import provenance  # noqa: E402
 from kernels import SHAPES, random_weight, rotating, time_torch_linear  # noqa: E402
 from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
@@ -383,7 +383,7 @@ def reuse_note(args) -> dict:
 
 def result_of(args, reused_from: dict, copy_gbps: float, copy_end: float | None, rows_out: list,
               chosen: dict) -> dict:
-    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    tree = provenance.tree()
     return {**reused_from, "date": args.date, "tree": tree,
             "command": "PYTHONPATH=src python bench/gemm.py " + " ".join(sys.argv[1:]),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,

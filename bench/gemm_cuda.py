@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from cobatch.kernels import quant_gemm_cuda, quant_pack  # noqa: E402
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig  # noqa: E402
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
+import provenance  # noqa: E402
 from gemm import time_config  # noqa: E402
 from kernels import SHAPES, random_weight, rotating  # noqa: E402
 from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
@@ -182,8 +182,7 @@ def main() -> None:
                   f"cuda {row['best_us']:.1f} us ({row['best_copy']:.0%}) {best}", flush=True)
         del copies, pw
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = provenance.tree()
     result = dict(benchmark="gemm_cuda", date=datetime.date.today().isoformat(), tree=commit or None,
                   device=torch.cuda.get_device_name(), command="PYTHONPATH=src python bench/gemm_cuda.py "
                   + " ".join(sys.argv[1:]), copy_gbps=copy_gbps, copy_detail=COPY_DETAIL, rows=rows_out)

@@ -18,13 +18,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 from kernels import random_weight  # noqa: E402
 from timing import copy_bandwidth, graph_time  # noqa: E402
 
@@ -37,15 +37,9 @@ CASES = {"qkv": ["qkv"], "o": ["o"], "gate_up": ["gate_up"], "down": ["down"], "
          "layer": ["qkv", "o", "gate_up", "down"]}
 CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1), ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1, PIPE=True),
            ChainConfig(W=4, RT=2, CTAS=4, U=2, ITEMS=1), ChainConfig(W=4, RT=2, CTAS=4, U=2, ITEMS=1, PIPE=True),
-           ChainConfig(W=4, RT=1, CTAS=4, U=4, ITEMS=2, PIPE=True), ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=2, PIPE=True)]
+           ChainConfig(W=4, RT=1, CTAS=4, U=4, ITEMS=2, PIPE=True),
+           ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=2, PIPE=True)]
 SETS = 4          # weight sets rotating: 4 x 232 MB, well past the 50 MB L2
-
-
-def tree() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def once() -> None:
@@ -85,8 +79,8 @@ def main() -> None:
     # correctness first: the MLP pair at 8 tokens against the torch reference
     x = torch.randn(8, 4096, device=dev).to(dtype)
     mid, y = torch.empty(8, 14336, device=dev, dtype=dtype), torch.empty(8, 4096, device=dev, dtype=dtype)
-    gemv_chain.launch([ChainStage(sets[0]["gate_up"].planes, x, mid, "silu"), ChainStage(sets[0]["down"].planes, mid, y)],
-                      8, ChainConfig(), scratch)
+    pair = [ChainStage(sets[0]["gate_up"].planes, x, mid, "silu"), ChainStage(sets[0]["down"].planes, mid, y)]
+    gemv_chain.launch(pair, 8, ChainConfig(), scratch)
     ref = gemv_chain.chain_ref([(first["gate_up"], "silu"), (first["down"], None)], x)
     err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
     print(f"MLP pair, 8 tokens: relative error {err:.2e} against the torch reference", flush=True)
@@ -140,7 +134,7 @@ def main() -> None:
                                 chain_config=best and best["variant"]))
             print(f"{case_name:8s} {n_tok:2d} {plan['us']:8.2f} {plan['pct_copy']:5.0f}% "
                   + (f"{best['us']:8.2f} {best['pct_copy']:5.0f}%  {best['variant'][6:]}" if best else "-"))
-    result = dict(date=datetime.date.today().isoformat(), tree=tree(), command="bench/gemv_chain.py",
+    result = dict(date=datetime.date.today().isoformat(), tree=provenance.tree(), command="bench/gemv_chain.py",
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy_gbps,
                   rows=rows_out, summary=summary, mlp_relative_error=err)
     out = args.out or (os.path.join(os.environ["OUT"], "gemv_chain.json") if os.environ.get("OUT") else None)

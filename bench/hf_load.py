@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # `decode` by name
 from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, randomize_kv, time_steps  # noqa: E402
 from decode import weight_bytes  # noqa: E402
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -81,7 +82,7 @@ def main() -> None:
     runs = {"folder": measure(str(folder), args.quantization, batches, copy_bps)}
     if args.gguf:
         runs["gguf"] = measure(args.gguf, "auto", batches, copy_bps)
-    tree = os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip()
+    tree = provenance.tree()
     result = dict(date=str(datetime.date.today()), tree=tree, command=" ".join(sys.argv),
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy_bps / 1e9,
                   shape=args.shape, quantization=args.quantization, context=CONTEXT, runs=runs)

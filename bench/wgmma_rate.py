@@ -15,7 +15,6 @@ import ctypes
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))
 
+import provenance  # noqa: E402  (bench/, the script's own folder)
 from cobatch.kernels import nvrtc, quant_gemm_cuda  # noqa: E402
 
 SOURCE = r"""
@@ -124,8 +124,7 @@ def main() -> None:
                                  tflops=tflops, registers=k.registers))
                 print(f"N={bn:3d} warpgroups={wg} A from {'shared   ' if ss else 'registers'}: {tflops:6.0f} TFLOP/s",
                       flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = provenance.tree()
     result = dict(benchmark="wgmma_rate", date=datetime.date.today().isoformat(), tree=commit or None,
                   device=torch.cuda.get_device_name(), command="PYTHONPATH=src python bench/wgmma_rate.py",
                   iterations=iters * 4, rows=rows)
