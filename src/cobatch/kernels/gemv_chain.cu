@@ -290,7 +290,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             float v = 0.0f;
-                            for (int j = 0; j < st.split; ++j) v += ld_cg(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
+                            for (int j = 0; j < st.split; ++j)
+                                v += ld_cg(all + (u64)j * (RT * 128) + r * 128 + lane * 4 + i);
                             sum[r][i] = v;
                         }
                     }

@@ -4,9 +4,9 @@ Why: at a few tokens a step is a chain of small kernels, and each GEMV of a 10-6
 its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV still takes 6.7 us against 9.2 from
 HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
-stage s. This is a first step towards a persistent decode step (docs/kernels.md): products
-only, q8_0, one stream, and not yet used by the models: bench/gemv_chain.py measures it against the package's
-plans, which it does not beat yet (bench/results/gemv_chain.md).
+stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only, q8_0, one stream,
+and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
+yet (bench/results/gemv_chain.md).
 
 Each stage reads the planes the GEMV reads (fragment order), so no second copy of the weights exists. The torch
 reference is `chain_ref`; quant_matmul.quant_matmul_ref is the product's.
@@ -62,7 +62,8 @@ class ChainStage:
 
 
 def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
-    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype],
+                   MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     return head + COMMON.read_text() + SOURCE.read_text()
