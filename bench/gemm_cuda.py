@@ -53,8 +53,7 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
     (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
-    of 4 or 8 chunks. The ping-pong variant (PING): two warpgroups on 1-2 row blocks taking the stages in turn,
-    stages of 1, 2 or 4 chunks, 1-2 CTAs an SM, LAG or not.
+    of 4 or 8 chunks.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
@@ -63,12 +62,9 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
     if "wreg" in variants:
         shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead, L2PF=l2) for wg in (1, 2) for ch in (4, 8)
                    for ahead in (1, 2) for l2 in (0, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
-    if "ping" in variants:
-        shapes += [dict(WG=2, RB=rb, MINB=minb, LAG=lag, CH=ch, PING=True) for rb in (1, 2) for ch in (1, 2, 4)
-                   for minb in (1, 2) for lag in (False, True)]
     out = []
     for shape in shapes:
-        blocks = rows // (64 * (1 if shape.get("PING") else shape["WG"]) * shape.get("RB", 1))
+        blocks = rows // (64 * shape["WG"] * shape.get("RB", 1))
         for split in (1, 2, 4, 8):
             if n_chunks % (split * shape["CH"]) or blocks * split > 2 * SMS * shape["MINB"]:
                 continue
@@ -116,7 +112,7 @@ def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
             (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "") + \
-            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "") + (" ping" if cfg.PING else "")
+            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "")
     return f"plan {cfg}"
 
 
@@ -128,8 +124,7 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
                     "(PROBE 1), without its dequantization (2) and without both (3): where its time goes")
     ap.add_argument("--variants", default="ring,wreg", help="the CUDA kernel's variants to time: ring (weights "
-                    "through the shared-memory ring), wreg (weights straight into registers), ping (two warpgroups "
-                    "taking the ring's stages in turn)")
+                    "through the shared-memory ring), wreg (weights straight into registers)")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
@@ -233,8 +228,7 @@ def config_of_key(k: str) -> CudaGemmConfig:
     values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
                           split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
-                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0),
-                          PING="ping" in values)
+                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0))
 
 
 def markdown(result: dict) -> str:

@@ -31,18 +31,14 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, PING=True), 64), (CudaGemmConfig(WG=2, RB=2, CH=1, S=8, PING=True), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, LAG=True, PING=True), 128)],
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64)],
     quant_pack.Q4_1: [
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
         (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, MINB=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, LAG=True), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1, WREG=1), 128),
-        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=2, PING=True), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, LAG=True, PING=True), 128)]}
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64)]}
 
 # --- CPU ----------------------------------------------------------------------------------------------------
 
@@ -77,18 +73,6 @@ def test_config_stages_fit_an_sm():
         assert cfg.smem_bytes(bn, quant_pack.Q4_1) <= quant_gemm_cuda.SMEM_LIMIT
     with pytest.raises(ValueError):
         CudaGemmConfig(RB=3)
-    # ping-pong: the two warpgroups share one set of rows, and a ring of 3 stages at least (each warpgroup hands a
-    # stage back only after its next one)
-    ping = CudaGemmConfig(WG=2, RB=2, CH=4, S=8, PING=True)
-    assert ping.rows_per_cta() == 128 and cfg.rows_per_cta() == 256
-    assert [ping.stages(bn) for bn in quant_gemm_cuda.TOKEN_TILES] == [8, 8, 6, 4]
-    assert CudaGemmConfig(WG=2, RB=2, CH=4, S=8, PING=True, MINB=2).stages(128) == 0     # 2 would fit: too few
-    # warpgroup 1's sums leave through the ring's memory: where they take more, the barriers move past them
-    few = CudaGemmConfig(WG=2, RB=2, CH=1, S=5, split_k=2, PING=True)
-    assert few.stages(128) * few.stage_bytes(128) < 2 * 64 * 128 * 4 <= few.smem_bytes(128) - 16 * 5 - 16
-    for bad in (dict(WG=1), dict(WG=2, WREG=1), dict(WG=2, S=2)):
-        with pytest.raises(ValueError, match="PING"):
-            CudaGemmConfig(PING=True, **bad)
 
 
 def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
@@ -229,9 +213,7 @@ CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=
            CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True),
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=4, LAG=True, PING=True),
-           CudaGemmConfig(WG=2, RB=2, CH=1, S=5, split_k=2, PING=True)]
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2)]
 
 
 FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both
@@ -289,8 +271,7 @@ def test_row_is_bitwise_identical_whatever_the_batch(fmt):
     w, pw = _weight(rows=2048, cols=4096, seed=5, fmt=fmt)
     x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
     for cfg in (CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=4), CudaGemmConfig(WG=2, RB=2, CH=2, S=3),
-                CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1),
-                CudaGemmConfig(WG=2, RB=1, CH=2, S=4, split_k=2, LAG=True, PING=True)):
+                CudaGemmConfig(WG=2, RB=1, CH=4, S=4, split_k=2, WREG=1)):
         full = pw.matmul(x[:256], config=cfg, out=poisoned((256, w.rows), torch.bfloat16))
         for n_tok in (1, 17, 32, 33, 64, 65, 128, 200, 256):
             got = pw.matmul(x[:n_tok], config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))

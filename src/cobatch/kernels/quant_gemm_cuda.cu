@@ -10,11 +10,6 @@
 // the chunk's wgmmas; once they retired, each warp arrives on the stage's `empty` mbarrier on its own (count:
 // every consumer warp). No CTA barrier runs in the main loop.
 //
-// PING (with WG 2): ping-pong. The two warpgroups own the same rows and take the stages in turn (warpgroup g the
-// stages s with s % 2 == g), so one dequantizes while the other's MMAs run, where warpgroups of their own rows work
-// through each stage in phase; their sums are added at the end in warpgroup order (a row's bits do not depend on
-// the tokens).
-//
 // Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), CH (32-column
 // chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile), ACT (0: store
 // the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
@@ -36,14 +31,7 @@ typedef u32 side_t;
 #endif
 #define CONSUMERS (WG * 128)
 #define THREADS (CONSUMERS + 32)
-#if PING                                     // the warpgroups share the rows: warpgroup 0 stores them
-#define ROW_WG 1
-#define STORERS 128
-#else
-#define ROW_WG WG
-#define STORERS CONSUMERS
-#endif
-#define TILES (ROW_WG * RB * 4)              // 16-row tiles of a CTA
+#define TILES (WG * RB * 4)                 // 16-row tiles of a CTA
 #define ROWS (TILES * 16)
 #if WREG                                     // the weights go from global memory straight into registers
 #define QS_BYTES 0
@@ -56,11 +44,6 @@ typedef u32 side_t;
 #define X_BYTES (CH * BLOCKS * X_CHUNK_BYTES)
 #define STAGE_BYTES (QS_BYTES + D_BYTES + X_BYTES)
 #define NACC (BN / 2)                        // accumulators a thread holds per 64-row block
-// the ring, or with PING warpgroup 1's sums where they take more (they go through the ring's memory at the end);
-// the barriers and the split-K flag follow
-#define RING_BYTES (S * STAGE_BYTES)
-#define SUMS_BYTES (PING * RB * NACC * 128 * 4)
-#define BARS_AT (RING_BYTES > SUMS_BYTES ? RING_BYTES : SUMS_BYTES)
 
 static __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
@@ -225,7 +208,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
               int* __restrict__ count, int n_tok, int n_rows, int out_stride, int n_chunks, int row_blocks) {
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 base = smem_u32(smem);
-    const u32 bars = base + BARS_AT;                      // full[S], empty[S], then the split-K flag
+    const u32 bars = base + S * STAGE_BYTES;               // full[S], empty[S], then the split-K flag
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int tok_tile = blockIdx.x, row_block = blockIdx.y / SPLIT, split = blockIdx.y % SPLIT;
     const int n_stages = n_chunks / SPLIT / CH;
@@ -235,7 +218,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (S + s), (WG / (PING + 1)) * 4);   // the warps that consume a stage
+            mbar_init(bars + 8 * (S + s), WG * 4);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -285,11 +268,8 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
         return;
     }
 
-    // the consumers: warp wi of warpgroup wg owns 16-row tile (wg RB + rb) 4 + wi of each of its RB blocks (with
-    // PING, tile rb 4 + wi: both warpgroups' rows are the CTA's)
+    // the consumers: warp wi of warpgroup wg owns 16-row tile (wg RB + rb) 4 + wi of each of its RB blocks
     const int wg = warp / 4, wi = warp % 4, g = lane / 4;
-    const int row_wg = PING ? 0 : wg;
-    const int first_stage = PING ? wg : 0, stage_step = PING ? WG : 1;
     float acc[RB][NACC];
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb)
@@ -313,7 +293,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
                 const uint4 q = cur_q[rb][c];
                 const side_t sc = cur_d[rb][c];
 #else
-                const int tile = (row_wg * RB + rb) * 4 + wi;
+                const int tile = (wg * RB + rb) * 4 + wi;
                 const uint4 q = lds128(stage + (tile * CH + c) * 512 + lane * 16);
                 const side_t sc = lds_side(stage + QS_BYTES + (tile * CH + c) * SIDE + g * (SIDE / 8));
 #endif
@@ -352,11 +332,10 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         }
 #if LAG
-        // retire this warpgroup's stage before, whose MMAs ran while this one was dequantized; this one's stay in
-        // flight
+        // retire the stage before, whose MMAs ran while this one was dequantized; this one's stay in flight
         asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(CH) : "memory");
         __syncwarp();
-        if (lane == 0 && s >= stage_step) mbar_arrive(bars + 8 * (S + (s - stage_step) % S));
+        if (lane == 0 && s > 0) mbar_arrive(bars + 8 * (S + (s + S - 1) % S));
 #else
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         __syncwarp();
@@ -371,7 +350,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     auto load_stage = [&](int s, quant_regs& q, scale_regs& sc) {
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
-            const int tile = tile0 + (row_wg * RB + rb) * 4 + wi;
+            const int tile = tile0 + (wg * RB + rb) * 4 + wi;
 #pragma unroll
             for (int c = 0; c < CH; ++c) {
                 const int chunk = chunk_first + s * CH + c;
@@ -388,7 +367,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     auto prefetch_stage = [&](int s) {
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
-            const int tile = tile0 + (row_wg * RB + rb) * 4 + wi;
+            const int tile = tile0 + (wg * RB + rb) * 4 + wi;
 #pragma unroll
             for (int c = 0; c < CH; ++c) {
                 const unsigned char* p = qs + tile * tile_bytes + (chunk_first + s * CH + c) * 512 + lane * 16;
@@ -421,28 +400,10 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
 #if LAG
 #pragma unroll 2
 #endif
-    for (int s = first_stage; s < n_stages; s += stage_step) consume(s, no_q, no_d);
+    for (int s = 0; s < n_stages; ++s) consume(s, no_q, no_d);
 #endif
 #if LAG
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#endif
-#if PING
-    // warpgroup 0's sums plus warpgroup 1's, through the ring's memory once both are done with it (no copy is
-    // in flight: the producer copied only stages that were consumed)
-    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
-    float* other = (float*)smem;
-    const int t128 = threadIdx.x % 128;
-    if (wg == 1)
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) other[(rb * NACC + i) * 128 + t128] = acc[rb][i];
-    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
-    if (wg == 1) return;
-#pragma unroll
-    for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) acc[rb][i] += other[(rb * NACC + i) * 128 + t128];
 #endif
 
 #if PDL
@@ -452,7 +413,7 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     if (SPLIT == 1) {
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
-            const int row = row_block * ROWS + ((row_wg * RB + rb) * 4 + wi) * 16 + g;
+            const int row = row_block * ROWS + ((wg * RB + rb) * 4 + wi) * 16 + g;
             store_rows(acc[rb], out, out_stride, row, tok0, n_rows, n_tok);
         }
         return;
@@ -464,15 +425,15 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) mine[(rb * NACC + i) * STORERS + threadIdx.x] = acc[rb][i];
+        for (int i = 0; i < NACC; ++i) mine[(rb * NACC + i) * CONSUMERS + threadIdx.x] = acc[rb][i];
     __threadfence();
-    asm volatile("bar.sync 1, %0;" :: "n"(STORERS) : "memory");
-    volatile int* flag = (volatile int*)(smem + BARS_AT + 16 * S);
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
+    volatile int* flag = (volatile int*)(smem + S * STAGE_BYTES + 16 * S);
     if (threadIdx.x == 0) {
         const int arrived = atomicAdd(count + tile, 1);
         *flag = arrived == SPLIT - 1;
     }
-    asm volatile("bar.sync 1, %0;" :: "n"(STORERS) : "memory");
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
     if (!*flag) return;
     __threadfence();
     const float* all = partial + (u64)tile * SPLIT * (ROWS * BN);
@@ -482,10 +443,10 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
         for (int i = 0; i < NACC; ++i) {
             float v = 0.0f;
             for (int k = 0; k < SPLIT; ++k)
-                v += ld_cg(all + (u64)k * (ROWS * BN) + (rb * NACC + i) * STORERS + threadIdx.x);
+                v += ld_cg(all + (u64)k * (ROWS * BN) + (rb * NACC + i) * CONSUMERS + threadIdx.x);
             acc[rb][i] = v;
         }
-        const int row = row_block * ROWS + ((row_wg * RB + rb) * 4 + wi) * 16 + g;
+        const int row = row_block * ROWS + ((wg * RB + rb) * 4 + wi) * 16 + g;
         store_rows(acc[rb], out, out_stride, row, tok0, n_rows, n_tok);
     }
     if (threadIdx.x == 0) count[tile] = 0;

@@ -47,10 +47,9 @@ def token_tile(n_tok: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CudaGemmConfig:
-    """WG consumer warpgroups of RB 64-row blocks each (a CTA: 64 WG RB rows; with PING 64 RB, the two warpgroups
-    taking the stages in turn), stages of CH 32-column chunks, a ring of S stages (fewer where they do not fit:
-    stages()), split_k CTAs per row block, MINB CTAs an SM for ptxas's register budget. Only split_k and PING change
-    a row's bits."""
+    """WG consumer warpgroups of RB 64-row blocks each (a CTA: 64 WG RB rows), stages of CH 32-column chunks, a
+    ring of S stages (fewer where they do not fit: stages()), split_k CTAs per row block, MINB CTAs an SM for
+    ptxas's register budget. Only split_k changes a row's bits."""
     WG: int = 2
     RB: int = 1
     CH: int = 4
@@ -63,39 +62,27 @@ class CudaGemmConfig:
     # carries x only (shared memory's traffic per weight byte: x's alone)
     WREG: int = 0
     L2PF: int = 0         # with WREG: the quant bytes that many stages further ahead prefetched into L2
-    # PING (WG 2): the warpgroups own the same rows and take the ring's stages in turn, one dequantizing while the
-    # other's MMAs run; their sums are added in warpgroup order at the end
-    PING: bool = False
 
     def __post_init__(self):
         if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2 \
                 or self.WREG not in (0, 1, 2):
             raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8, 2+ stages, WREG 0-2: {self}")
-        if self.PING and (self.WG != 2 or self.WREG or self.S < 3):
-            raise ValueError(f"CudaGemmConfig's PING needs two warpgroups, the ring (no WREG) and 3+ stages: {self}")
-
-    def row_warpgroups(self) -> int:
-        """The warpgroups with rows of their own (with PING both share one set)."""
-        return 1 if self.PING else self.WG
 
     def rows_per_cta(self) -> int:
-        return 64 * self.row_warpgroups() * self.RB
+        return 64 * self.WG * self.RB
 
     def stage_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
-        tiles = 0 if self.WREG else 4 * self.row_warpgroups() * self.RB
+        tiles = 0 if self.WREG else 4 * self.WG * self.RB
         blocks, side = _BLOCKS_SIDE[fmt_id]
         return tiles * self.CH * (512 + side) + self.CH * blocks * bn * 64
 
     def stages(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
         """The ring's depth at token tile bn: S, or as many as fit an SM's share of MINB CTAs (x's share of a
-        stage grows with bn). Below 2 (3 with PING) the config cannot run at this tile."""
-        fit = min(self.S, (SMEM_LIMIT // self.MINB - 1024) // self.stage_bytes(bn, fmt_id))
-        return fit if fit >= 2 + self.PING else 0
+        stage grows with bn). Below 2 the config cannot run at this tile."""
+        return min(self.S, (SMEM_LIMIT // self.MINB - 1024) // self.stage_bytes(bn, fmt_id))
 
     def smem_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
-        """The ring (with PING: or warpgroup 1's f32 sums, if they take more), its barriers and the split-K flag."""
-        sums = self.PING * self.RB * (bn // 2) * 128 * 4
-        return max(self.stages(bn, fmt_id) * self.stage_bytes(bn, fmt_id), sums) + 16 * self.stages(bn, fmt_id) + 16
+        return self.stages(bn, fmt_id) * self.stage_bytes(bn, fmt_id) + 16 * self.stages(bn, fmt_id) + 16
 
 
 # per format: (32-column blocks a chunk, bytes of a 16-row tile's chunk of scale data)
@@ -120,7 +107,7 @@ def wgmma_source(bn: int) -> str:
 def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
     defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH,
                    S=cfg.stages(bn, fmt_id), SPLIT=cfg.split_k, ACT=act, OUT=out_type, PDL=int(pdl), MINB=cfg.MINB,
-                   LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF, PING=int(cfg.PING))
+                   LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
