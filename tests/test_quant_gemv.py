@@ -468,3 +468,57 @@ def test_gluon_is_used_for_the_fragment_formats_only():
         assert pw.planes.fragment == (fmt_name in FRAGMENT)
         assert isinstance(pw.plan.narrow, GemvPlan) == (fmt_name in FRAGMENT)
     assert quant_gemv.gluon is not None
+
+
+def test_operand_dtype_is_f16_where_the_gemv_or_gemm_reads_x():
+    """PackedWeight.operand_dtype: f16 for bf16 rows that the GEMV or the mid-batch GEMM take (they read f16 as it
+    is), the caller's dtype where the dequantize + cuBLAS path takes them (its matrix is in x's dtype) or where
+    x is not bf16; the model's dtype throughout with the switch off."""
+    from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
+    w = make_weight("q8_0", 64, 256, seed=1)
+    planes = planes_of(w)
+    plan = qm.MatmulPlan(GemvPlan(GemvConfig()), qm.DEQUANT_CUBLAS, crossover=8, mid=CudaGemmConfig(), mid_upto=64)
+    pw = PackedWeight("q8_0", 64, 256, planes=planes, plan=plan)
+    assert [pw.operand_dtype(n, torch.bfloat16) for n in (1, 8, 9, 64, 65)] == [torch.float16] * 4 + [torch.bfloat16]
+    assert pw.operand_dtype(1, torch.float32) == torch.float32
+    assert pw.operand_dtype(1, torch.float16) == torch.float16
+    dense = PackedWeight("q8_0", 64, 256, dense=torch.zeros(64, 256, dtype=torch.bfloat16))
+    assert dense.operand_dtype(1, torch.bfloat16) == torch.bfloat16
+    original = qm.F16_OPERANDS
+    try:
+        qm.F16_OPERANDS = False
+        assert pw.operand_dtype(1, torch.bfloat16) == torch.bfloat16
+    finally:
+        qm.F16_OPERANDS = original
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k"])
+def test_feed_forward_hands_down_its_input_in_f16(fmt_name):
+    """ops.feed_forward: the gate|up GEMV's act*mul output in f16 where down's GEMV or GEMM reads it, down's output
+    in the model's dtype; against float64 it is at least as close as with a bf16 intermediate (one rounding, from
+    float32, instead of two), and a row's bits do not depend on the rows beside it."""
+    from cobatch import ops
+    from cobatch.kernels.activation import gated_mul_ref
+    inter, cols = 512, 1024
+    gate, up = make_weight(fmt_name, inter, cols, seed=21), make_weight(fmt_name, inter, cols, seed=22)
+    down = make_weight(fmt_name, cols, inter, seed=23)
+    gate_up = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
+    down_pw = PackedWeight.from_quant(down, "cuda")
+    h = torch.randn(40, cols, generator=torch.Generator().manual_seed(24)).to("cuda", torch.bfloat16)
+    g, u = (w.dequantize(torch.float64).to("cuda") for w in (gate, up))
+    want = gated_mul_ref(torch.cat([h.double() @ g.T, h.double() @ u.T], dim=1), "silu") \
+        @ down.dequantize(torch.float64).to("cuda").T
+    original = qm.F16_OPERANDS
+    assert [down_pw.operand_dtype(n, torch.bfloat16) for n in (1, 5)] == [torch.float16] * 2     # the GEMV's rows
+    for n in (1, 5, 40):
+        got = ops.feed_forward(h[:n], gate_up, down_pw)
+        try:
+            qm.F16_OPERANDS = False
+            old = ops.feed_forward(h[:n], gate_up, down_pw)
+        finally:
+            qm.F16_OPERANDS = original
+        assert got.dtype == torch.bfloat16 and got.shape == (n, cols)
+        assert relative_error(got, want[:n]) <= 1.01 * relative_error(old, want[:n]) < 1e-2, n
+    alone = torch.cat([ops.feed_forward(h[t:t + 1], gate_up, down_pw) for t in range(8)])
+    assert torch.equal(ops.feed_forward(h[:8], gate_up, down_pw), alone)

@@ -126,6 +126,19 @@ def gated_linear(x: torch.Tensor, gate_up, act: str = "silu") -> torch.Tensor:
     return gated_mul(linear(x, gate_up), act)
 
 
+def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu") -> torch.Tensor:
+    """(act(h @ gate.T) * (h @ up.T)) @ down.T in h's dtype. Where the gate|up GEMV or GEMM applies act itself,
+    its output is written in the dtype down's kernels read (PackedWeight.operand_dtype: f16 for the GEMV and the
+    GEMM), so down does not convert it: rounded once, from float32, instead of to bf16 and then to f16."""
+    rows = h.reshape(-1, h.shape[-1]).shape[0]
+    mid_dtype = down.operand_dtype(rows, h.dtype) if hasattr(down, "operand_dtype") else h.dtype
+    if mid_dtype == h.dtype or not getattr(gate_up, "gate_up_interleaved", False):
+        return linear(gated_linear(h, gate_up, act), down)
+    mid = gate_up.matmul(h, act=act, out=torch.empty(rows, gate_up.rows // 2, dtype=mid_dtype, device=h.device))
+    out = torch.empty(rows, down.rows, dtype=h.dtype, device=h.device)
+    return down.matmul(mid.reshape(rows, -1), out=out).reshape(*h.shape[:-1], down.rows)
+
+
 def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [N, k], expert ids [N, k]) of an MoE router by its rule (bias: DeepSeek-V3's correction

@@ -451,6 +451,9 @@ def _dequant_kernel(out_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, n_rows, n_co
 
 
 FRAGMENT_DEQUANT = os.environ.get("COBATCH_FRAGMENT_DEQUANT", "1") != "0"
+# PackedWeight.operand_dtype: f16 where the GEMV and the GEMM read it natively (COBATCH_F16_OPERANDS=0: the model's
+# dtype throughout)
+F16_OPERANDS = os.environ.get("COBATCH_F16_OPERANDS", "1") != "0"
 
 
 def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
@@ -811,6 +814,16 @@ class PackedWeight:
                                                                             device=device))
             reserve_scratch(device, plan, planes.rows_pad, w.rows, w.cols, dense=not resident)
         return self
+
+    def operand_dtype(self, n_tok: int, dtype: torch.dtype) -> torch.dtype:
+        """The dtype in which this weight's kernels read an x of n_tok rows: f16 where they are the GEMV or the
+        mid-batch GEMM, which read f16 x as it is and convert bf16 x as they load it (on the H200 that costs a
+        q8_0 down GEMV 4-9 % and q4_K's o, gate_up and down 5-8 % at 1-8 tokens, bench/results/kernels.json's
+        us_bf16_input); else `dtype`. A kernel writing this weight's input in it spares them the conversion."""
+        if not F16_OPERANDS or dtype != torch.bfloat16 or self.dense is not None:
+            return dtype
+        config = self.plan.config_for(n_tok)
+        return torch.float16 if isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)) else dtype
 
     def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None,
                act: str | None = None) -> torch.Tensor:

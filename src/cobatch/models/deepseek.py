@@ -183,7 +183,7 @@ class DeepseekModel:
             if layer.moe is not None:
                 x = layer.moe(h)
             else:
-                x = ops.linear(ops.gated_linear(h, layer.gate_up, cfg.activation), layer.down)
+                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation)
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
         return out
 

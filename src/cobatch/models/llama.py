@@ -162,7 +162,7 @@ class LlamaModel:
             if layer.moe is not None:
                 x = layer.moe(h)
             else:
-                x = ops.linear(ops.gated_linear(h, layer.gate_up, cfg.activation), layer.down)
+                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
             if layer.post_ffn_norm is not None:

@@ -102,7 +102,7 @@ class MoeFeedForward:
         else:
             out = self._expert_by_expert(h, weights, ids)
         if self.shared_gate_up is not None:
-            y = ops.linear(ops.gated_linear(h, self.shared_gate_up), self.shared_down).float()
+            y = ops.feed_forward(h, self.shared_gate_up, self.shared_down).float()
             if self.shared_gate is not None:
                 y = y * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
             out += y
@@ -129,6 +129,6 @@ class MoeFeedForward:
                 continue
             rows, slot = pair_rows[start:start + count], pair_slots[start:start + count]
             start += count
-            y = ops.linear(ops.gated_linear(h[rows], self.gate_up[e]), self.down[e])
+            y = ops.feed_forward(h[rows], self.gate_up[e], self.down[e])
             out.index_add_(0, rows, y.float() * weights[rows, slot, None])
         return out
