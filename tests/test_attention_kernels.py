@@ -192,6 +192,20 @@ def test_prefill_small_fp8_cache(window):
                     prefill_cfg=TINY_PREFILL, kv_dtype=FP8, window=window)
 
 
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 5]], ids=["decode", "prefill"])
+def test_output_in_the_next_weights_operand_dtype(q_lens):
+    """paged_attention_triton(out_dtype=f16) on bf16 q and caches: the same attention, stored in f16 (ops.attention
+    hands o's GEMV its operand dtype), from the decode kernel and from the prefill kernel."""
+    from cobatch.kernels.attention import paged_attention_triton
+    q, k_cache, v_cache, meta = paged_setup([40, 7, 70], q_lens, 8, 2, 32, torch.bfloat16, seed=14)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.2)
+    got = paged_attention_triton(q, k_cache, v_cache, meta, 0.2, out_dtype=torch.float16)
+    assert got.dtype == torch.float16 and got.shape == q.shape
+    assert relative_error(got, ref) < 1e-2
+    same = paged_attention_triton(q, k_cache, v_cache, meta, 0.2)
+    assert same.dtype == torch.bfloat16 and relative_error(got, same) < 1e-2
+
+
 def test_decode_padded_rows_are_zero():
     q, k_cache, v_cache, meta = paged_setup([0, 0], [1, 1], 4, 2, 32, torch.bfloat16, seed=12, capacity=64)
     for cfg in DECODE_VARIANTS.values():

@@ -48,6 +48,21 @@ def test_rms_norm_small(dtype, with_residual, in_place):
     check_rms_norm(5, 48, dtype, with_residual, in_place, seed=1)     # 48: not a power of two
 
 
+def test_rms_norm_writes_the_normed_rows_in_the_next_weights_operand_dtype():
+    """ops.rms_norm(out_dtype=f16) on bf16 rows: the normed rows in f16, rounded once from float32 (the reference's
+    float32 result rounded to f16), the residual stream in bf16 as before."""
+    from cobatch import ops
+    g = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(5, 48, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE)
+    normed, stream = ops.rms_norm(x, weight, 1e-5, residual, out_dtype=torch.float16)
+    assert normed.dtype == torch.float16 and stream.dtype == torch.bfloat16
+    h = (x.float() + residual.float()).to(torch.bfloat16).float()
+    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+    assert_matches(normed, want.to(torch.float16))
+    assert_matches(stream, h.to(torch.bfloat16))
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 7, 2048])
 def test_rms_norm_llama8b(rows):

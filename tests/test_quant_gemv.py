@@ -492,6 +492,31 @@ def test_operand_dtype_is_f16_where_the_gemv_or_gemm_reads_x():
         qm.F16_OPERANDS = original
 
 
+def test_ops_operand_dtype_of_dense_packed_and_stacked_weights():
+    """ops.operand_dtype: a packed weight's own choice, a stack's common one (the model's dtype where its parts
+    differ), the model's dtype for a dense matrix or none; ops.linear then returns the model's dtype from an x in
+    another."""
+    from cobatch import ops
+    from cobatch.models.linear import RowStack
+
+    class Reads:
+        def __init__(self, dtype):
+            self.dtype, self.rows = dtype, 4
+
+        def operand_dtype(self, rows, dtype):
+            return self.dtype
+
+    f16, bf16 = torch.float16, torch.bfloat16
+    assert ops.operand_dtype(Reads(f16), 3, bf16) == f16
+    assert ops.operand_dtype(RowStack([Reads(f16), Reads(f16)]), 3, bf16) == f16
+    assert ops.operand_dtype(RowStack([Reads(f16), torch.zeros(4, 8)]), 3, bf16) == bf16
+    assert ops.operand_dtype(torch.zeros(4, 8), 3, bf16) == bf16
+    assert ops.operand_dtype(None, 3, bf16) == bf16
+    x, w = torch.randn(3, 8, generator=torch.Generator().manual_seed(4)), torch.randn(4, 8)
+    y = ops.linear(x.to(f16), w.to(f16), dtype=bf16)
+    assert y.dtype == bf16 and torch.equal(y, torch.nn.functional.linear(x.to(f16), w.to(f16)).to(bf16))
+
+
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k"])
 def test_feed_forward_hands_down_its_input_in_f16(fmt_name):

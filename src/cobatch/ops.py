@@ -32,13 +32,15 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             inplace_residual: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             inplace_residual: bool = False, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, residual_stream). inplace_residual=True writes x + residual into `residual` and returns it
-    as the residual stream (saves an allocation; the caller must not need the old residual)."""
+    as the residual stream (saves an allocation; the caller must not need the old residual). out_dtype: the
+    normed rows' dtype (default x's; operand_dtype of the weight they go to), the residual stream stays x's."""
     if _triton(x):
-        return rms_norm_triton(x, weight, eps, residual,
+        out = None if out_dtype in (None, x.dtype) else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        return rms_norm_triton(x, weight, eps, residual, out=out,
                                residual_out=residual if inplace_residual and residual is not None else None)
-    normed, h = rms_norm_ref(x, weight, eps, residual)
+    normed, h = rms_norm_ref(x, weight, eps, residual, out_dtype)
     if inplace_residual and residual is not None:
         h = residual.copy_(h)
     return normed, h
@@ -80,13 +82,16 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-              scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+              scale: float, window: int = 0, softcap: float = 0.0, out_dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
     """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise.
     window > 0: each row sees only its last `window` keys (sliding-window layers); softcap > 0: scores are
-    soft-capped (Gemma 2)."""
+    soft-capped (Gemma 2). out_dtype: the output's dtype (default q's; operand_dtype of the weight it goes to)."""
     if _triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+                                      out_dtype=out_dtype)
+    out = paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def latent_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -126,17 +131,31 @@ def gated_linear(x: torch.Tensor, gate_up, act: str = "silu") -> torch.Tensor:
     return gated_mul(linear(x, gate_up), act)
 
 
-def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu") -> torch.Tensor:
-    """(act(h @ gate.T) * (h @ up.T)) @ down.T in h's dtype. Where the gate|up GEMV or GEMM applies act itself,
-    its output is written in the dtype down's kernels read (PackedWeight.operand_dtype: f16 for the GEMV and the
+def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu", dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+    """(act(h @ gate.T) * (h @ up.T)) @ down.T in `dtype` (default h's). Where the gate|up GEMV or GEMM applies
+    act itself, its output is written in the dtype down's kernels read (operand_dtype: f16 for the GEMV and the
     GEMM), so down does not convert it: rounded once, from float32, instead of to bf16 and then to f16."""
+    dtype = dtype or h.dtype
     rows = h.reshape(-1, h.shape[-1]).shape[0]
-    mid_dtype = down.operand_dtype(rows, h.dtype) if hasattr(down, "operand_dtype") else h.dtype
-    if mid_dtype == h.dtype or not getattr(gate_up, "gate_up_interleaved", False):
-        return linear(gated_linear(h, gate_up, act), down)
-    mid = gate_up.matmul(h, act=act, out=torch.empty(rows, gate_up.rows // 2, dtype=mid_dtype, device=h.device))
-    out = torch.empty(rows, down.rows, dtype=h.dtype, device=h.device)
-    return down.matmul(mid.reshape(rows, -1), out=out).reshape(*h.shape[:-1], down.rows)
+    if getattr(gate_up, "gate_up_interleaved", False):
+        mid = gate_up.matmul(h, act=act, out=torch.empty(rows, gate_up.rows // 2,
+                                                         dtype=operand_dtype(down, rows, dtype), device=h.device))
+    else:
+        mid = gated_linear(h, gate_up, act)
+    return linear(mid.reshape(rows, -1), down, dtype=dtype).reshape(*h.shape[:-1], -1)
+
+
+def operand_dtype(weight, rows: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which weight's kernels read x of `rows` rows (PackedWeight.operand_dtype: f16 for the GEMV and
+    the GEMM), else `dtype`: what the kernel producing that x should write. A stack of weights: their common one."""
+    if hasattr(weight, "operand_dtype"):
+        return weight.operand_dtype(rows, dtype)
+    parts = getattr(weight, "parts", None)
+    if parts:
+        kinds = {operand_dtype(p, rows, dtype) for p in parts}
+        return kinds.pop() if len(kinds) == 1 else dtype
+    return dtype
 
 
 def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
@@ -172,14 +191,18 @@ def _weight_times_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, cols.T).T[:x.shape[0]]
 
 
-def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
     """weight: a dense tensor [N, K] (CPU path, float weights) or a packed quantized weight (GPU). out: where to
-    write the [n, N] result (x 2-D; it may be a column slice of a wider matrix), else a new tensor."""
+    write the [n, N] result (x 2-D; it may be a column slice of a wider matrix), else a new tensor of `dtype`
+    (default x's: x may come in its operand_dtype, the result in the model's)."""
     if isinstance(weight, torch.Tensor):
         w = weight.to(x.dtype) if weight.dtype != x.dtype else weight
         if _as_columns(x):
             y = _weight_times_columns(x, w)
             return y.contiguous() if out is None else out.copy_(y)
         y = F.linear(x, w)
-        return y if out is None else out.copy_(y)
+        return (y if dtype in (None, y.dtype) else y.to(dtype)) if out is None else out.copy_(y)
+    if out is None and dtype not in (None, x.dtype):
+        out = torch.empty(*x.shape[:-1], weight.rows, dtype=dtype, device=x.device)
     return weight.matmul(x) if out is None else weight.matmul(x, out=out)

@@ -653,7 +653,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0) -> torch.Tensor:
-    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
+                           softcap: float = 0.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out_dtype: the output's dtype where `out` is not given (default q's)."""
+    decode = meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+    if out is None and out_dtype not in (None, q.dtype):     # prefill leaves rows past the chunks zero
+        out = (torch.empty if decode else torch.zeros)(q.shape, dtype=out_dtype, device=q.device)
+    if decode:
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)

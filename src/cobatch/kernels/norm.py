@@ -7,13 +7,14 @@ import torch
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (normed, residual_stream): residual_stream = x + residual (or x), normed = rmsnorm(residual_stream)."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normed, residual_stream): residual_stream = x + residual (or x), normed = rmsnorm(residual_stream)
+    in out_dtype (default x's), rounded once from float32."""
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
     out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return out.to(x.dtype), h
+    return out.to(out_dtype or x.dtype), h
 
 
 # --- Triton -------------------------------------------------------------------------------------------

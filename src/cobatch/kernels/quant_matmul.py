@@ -848,6 +848,8 @@ class PackedWeight:
         out = torch.empty(n_tok, out_cols, dtype=x.dtype, device=x.device) if out is None else out
         if n_tok == 0:
             return out.reshape(*lead, out_cols)
+        if config == DEQUANT_CUBLAS and x2.dtype != out.dtype:
+            x2 = x2.to(out.dtype)        # cuBLAS multiplies in one dtype (an x in another op's operand_dtype)
         if config == DEQUANT_CUBLAS and self.resident_dense is not None and self.resident_dense.dtype == x.dtype:
             torch.mm(x2, self.resident_dense.t(), out=out.view(n_tok, self.rows))
         elif config == DEQUANT_CUBLAS:

@@ -30,12 +30,13 @@ class RowStack:
         self.part_rows = [_rows(p) for p in parts]
         self.rows = sum(self.part_rows)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        out = torch.empty(x2.shape[0], self.rows, dtype=x.dtype, device=x.device)
+        out = torch.empty(x2.shape[0], self.rows, dtype=x.dtype, device=x.device) if out is None else out
+        out2 = out.view(x2.shape[0], self.rows)
         start = 0
         for part, rows in zip(self.parts, self.part_rows):
-            ops.linear(x2, part, out=out[:, start:start + rows])
+            ops.linear(x2, part, out=out2[:, start:start + rows])
             start += rows
         return out.reshape(*x.shape[:-1], self.rows)
 

@@ -140,9 +140,13 @@ class LlamaModel:
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)    # rounded to the dtype first, as gemma does
         residual = None
+        dtype = x.dtype
         for i, layer in enumerate(self.layers):
-            h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual)
-            qkv = ops.linear(h, layer.qkv)
+            # each normed or attended x in the dtype its weight's kernels read (ops.operand_dtype), so they need
+            # not convert it; their outputs and the residual stream in the model's dtype
+            h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual,
+                                       out_dtype=ops.operand_dtype(layer.qkv, n, dtype))
+            qkv = ops.linear(h, layer.qkv, dtype=dtype)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q = qkv[:, :q_size].reshape(n, cfg.n_heads, cfg.head_dim)
@@ -152,17 +156,19 @@ class LlamaModel:
             qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_eps) if layer.q_norm is not None else None
             q, k = ops.rope_kv_write(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
                                      meta.slot_mapping, qk_norm)
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap)
-            x = ops.linear(attn.reshape(n, q_size), layer.o)
+            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap,
+                                 out_dtype=ops.operand_dtype(layer.o, n, dtype))
+            x = ops.linear(attn.reshape(n, q_size), layer.o, dtype=dtype)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
-            h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual)
+            h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual,
+                                       out_dtype=ops.operand_dtype(layer.gate_up, n, dtype))   # MoE: no gate_up
             if layer.moe is not None:
                 x = layer.moe(h)
             else:
-                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation)
+                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation, dtype=dtype)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
             if layer.post_ffn_norm is not None:
