@@ -287,11 +287,27 @@ def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_
 
 def test_default_config_divides_k_and_fills_the_gpu():
     for rows_pad, n_chunks in [(4096, 64), (4096, 128), (6144, 64), (28672, 64), (4096, 224), (128256, 128),
-                               (1024, 16), (896, 20), (4864, 16)]:
+                               (1024, 16), (896, 20), (4864, 16), (2048, 44), (2048, 48), (2048, 88)]:
         cfg = qm.default_gemv_config("q4_k", rows_pad, n_chunks)
         assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (rows_pad, n_chunks, cfg)
-        if rows_pad >= 4096 and n_chunks >= 64:
+        if (rows_pad >= 4096 and n_chunks >= 64) or rows_pad == 2048:
             assert (rows_pad // cfg.rows_per_cta()) * cfg.split_k >= 2 * 132, (rows_pad, n_chunks, cfg)
+    # K splits by any divisor of the warps' chunks, not only powers of two (DeepSeek-V2-Lite's shared down: 44
+    # chunks, which doubling left at one split: 32 CTAs)
+    assert qm.default_gemv_config("q4_k", 2048, 44).split_k == 11
+    # a warp's loads run ahead up to 4 K steps where its steps divide
+    assert [qm.loads_ahead(s) for s in (1, 2, 3, 6, 8, 12)] == [1, 2, 1, 2, 4, 4]
+
+
+def test_routed_experts_walk_k_with_loads_ahead():
+    """A routed launch drops split-K; its warps then walk every chunk, 4 K steps' loads in flight where they
+    divide, and never fewer than the plan's."""
+    from cobatch.kernels.packed_experts import _without_split_k
+    plan = GemvPlan(GemvConfig(W=4, RT=4, split_k=12, U=1), ((1, GemvConfig(W=4, RT=1, split_k=12, U=1)),))
+    routed = _without_split_k(plan, 48)
+    assert [(c.split_k, c.U) for c in routed.configs()] == [(1, 4), (1, 4)]
+    assert _without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=8)), 64).default.U == 8
+    assert _without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=11, U=1)), 44).default.U == 1   # 11 a warp
 
 
 def test_gemv_plan_tiers_must_split_k_the_same_way():

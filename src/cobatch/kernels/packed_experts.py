@@ -15,7 +15,7 @@ import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.moe_routing import ExpertSlots
-from cobatch.kernels.quant_matmul import PackedWeight, plan_for, reserve_scratch, uses_gemv
+from cobatch.kernels.quant_matmul import PackedWeight, loads_ahead, plan_for, reserve_scratch, uses_gemv
 from cobatch.kernels.quant_pack import FRAGMENT_FORMATS, PACKED_FORMATS, ROW_PAD, PackedPlanes, pack_planes
 from cobatch.quant.weight import QuantWeight
 
@@ -44,11 +44,14 @@ def routable(w: QuantWeight, device: torch.device) -> QuantWeight:
     return QuantWeight(w.fmt, w.rows, w.cols, w.raw.to(device)).as_q8_0()
 
 
-def _without_split_k(plan: quant_gemv.GemvPlan) -> quant_gemv.GemvPlan:
+def _without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.GemvPlan:
     """A routed launch has a group of CTAs per slot, enough to fill the GPU; split-K's partial buffers and
-    extra CTAs (mostly idle ones, for slots that got few rows) would only cost."""
-    return quant_gemv.GemvPlan(replace(plan.default, split_k=1),
-                               tuple((bound, replace(c, split_k=1)) for bound, c in plan.upto))
+    extra CTAs (mostly idle ones, for slots that got few rows) would only cost. Each warp then walks all of K:
+    its loads go up to 4 steps ahead (loads_ahead), as many as the plan's or more."""
+    def routed(c: quant_gemv.GemvConfig) -> quant_gemv.GemvConfig:
+        u = max(c.U, loads_ahead(n_chunks // c.W))
+        return replace(c, split_k=1, U=u if n_chunks % (c.W * u) == 0 else c.U)
+    return quant_gemv.GemvPlan(routed(plan.default), tuple((bound, routed(c)) for bound, c in plan.upto))
 
 
 class PackedExperts:
@@ -56,7 +59,7 @@ class PackedExperts:
                  gate_up_interleaved: bool = False):
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
-        self._routed_plan = _without_split_k(plan.narrow)
+        self._routed_plan = _without_split_k(plan.narrow, planes.qs.shape[1] // 512)
         tiles = rows // 16
         self.experts = [PackedWeight(fmt_name, rows, cols, planes=planes.row_tiles(e * tiles, (e + 1) * tiles),
                                      plan=plan, gate_up_interleaved=gate_up_interleaved) for e in range(n_experts)]

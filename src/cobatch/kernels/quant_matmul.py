@@ -570,15 +570,24 @@ def uses_gemv(fmt_name: str, device: torch.device) -> bool:
 
 def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
     """4 warps x 4 row tiles per CTA (64 rows); split K across CTAs until there are about 2 CTAs per SM
-    (what the H200 sweep preferred for shapes without an entry in quant_configs.json). The 4-bit formats
-    get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
+    (what the H200 sweep preferred for shapes without an entry in quant_configs.json), by the fewest of the warps'
+    chunks' divisors up to 16 that get there (11 splits for 44 chunks a warp group, where doubling from 1 stopped
+    at 1: DeepSeek-V2-Lite's shared down, 32 CTAs); each warp's loads up to 4 K steps ahead (loads_ahead). The
+    4-bit formats get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
     about half (bench/results/gemv-ab-2026-11-29-xvec-regs.json)."""
     w, rt = 4, 4
     ctas = n_rows_pad // (16 * rt)
-    split = 1
-    while ctas * split < 2 * sms and split < 8 and n_chunks % (w * split * 2) == 0:
-        split *= 2
-    return GemvConfig(W=w, RT=rt, split_k=split, U=1, D=0, R=128 if fmt_name in ("q4_0", "q4_1", "q4_k") else 0)
+    splits = [d for d in range(1, 17) if (n_chunks // w) % d == 0]
+    split = next((d for d in splits if ctas * d >= 2 * sms), splits[-1])
+    return GemvConfig(W=w, RT=rt, split_k=split, U=loads_ahead(n_chunks // (w * split)), D=0,
+                      R=128 if fmt_name in ("q4_0", "q4_1", "q4_k") else 0)
+
+
+def loads_ahead(steps: int) -> int:
+    """The GEMV's U for a warp of `steps` K steps: 4, 2 or 1, whichever divides them first. A warp whose steps
+    run one at a time waits a load round trip each (DeepSeek-V2-Lite's routed down at one token: 12 steps, 21 us
+    for 18 MB)."""
+    return next(u for u in (4, 2, 1) if steps % u == 0)
 
 
 def uses_quant_gemm(device: torch.device) -> bool:
