@@ -243,7 +243,7 @@ def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name):
     """DeepSeek's decode step captured in a CUDA graph (the router's torch code, the experts routed on the device,
     the MLA decode kernel, the latent write) gives the eager step's greedy tokens, for 4 sessions at once; the
     engine captures them (models/deepseek.py: graph_safe, as the experts are routed). The V2 file's down experts
-    (128 columns: q4_K falls back to q5_0) are routed as q8_0 (packed_experts.routable)."""
+    (128 columns: q4_K falls back to q5_0) are routed as q8_0 (quant_matmul.as_q8_0_on)."""
     llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True, kv_cache_gb=1))
     eng = llm.engine
     moes = [layer.moe for layer in llm.model.layers if layer.moe is not None]

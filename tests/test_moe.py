@@ -167,7 +167,7 @@ def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, mo
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "qwen2moe"])
 def test_gpu_engine_batched_equals_alone(moe_models, arch):
     """Serving an MoE model on CUDA: decode steps in CUDA graphs where the experts route on the device
-    (qwen2moe-tiny's down experts are q5_0, routed as q8_0: packed_experts.routable), batched rows equal to
+    (qwen2moe-tiny's down experts are q5_0, routed as q8_0: quant_matmul.as_q8_0_on), batched rows equal to
     each alone, and the graphs give the tokens eager steps give."""
     def load(eager):
         # Steps of at most 16 rows: all of them stay under the GEMV crossover, whose kernels are bitwise

@@ -563,3 +563,26 @@ def test_feed_forward_hands_down_its_input_in_f16(fmt_name):
         assert relative_error(got, want[:n]) <= 1.01 * relative_error(old, want[:n]) < 1e-2, n
     alone = torch.cat([ops.feed_forward(h[t:t + 1], gate_up, down_pw) for t in range(8)])
     assert torch.equal(ops.feed_forward(h[:8], gate_up, down_pw), alone)
+
+
+def test_q5_0_weights_take_q8_0_on_cuda_only_and_dense_ones_only_when_asked(monkeypatch):
+    """as_q8_0_on: a Q5_0 weight as Q8_0 (the same values) on CUDA, unchanged elsewhere and for the GEMV's own
+    formats; PackedWeight.from_quant converts a dense weight only with COBATCH_Q5_0_AS_Q8_0=1 (DENSE_AS_Q8_0)."""
+    w = make_weight("q5_0", 32, 256, seed=31)
+    assert qm.as_q8_0_on(w, torch.device("cpu")) is w
+    assert qm.as_q8_0_on(make_weight("q4_k", 32, 256, seed=32), torch.device("cuda")).fmt.name == "q4_k"
+    seen = []
+    monkeypatch.setattr(qm, "as_q8_0_on", lambda w, device: seen.append(w.fmt.name) or w)
+    assert not qm.DENSE_AS_Q8_0
+    PackedWeight.from_quant(w, "cpu")
+    assert seen == []
+    monkeypatch.setattr(qm, "DENSE_AS_Q8_0", True)
+    PackedWeight.from_quant(w, "cpu")
+    assert seen == ["q5_0"]
+
+
+@requires_cuda
+def test_q5_0_as_q8_0_on_cuda_keeps_the_values():
+    w = make_weight("q5_0", 64, 512, seed=33, device="cuda")
+    q8 = qm.as_q8_0_on(w, torch.device("cuda"))
+    assert q8.fmt.name == "q8_0" and torch.equal(q8.dequantize(torch.float32), w.dequantize(torch.float32))

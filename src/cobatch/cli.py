@@ -278,14 +278,15 @@ def cmd_inspect(args) -> int:
 def _expert_decode(f, cfg) -> str:
     """How the experts decode on CUDA: routed on the device (CUDA graphs) if every layer's expert tensors can be
     stacked for the routed GEMV (kernels/packed_experts.py), else expert by expert (eager), and why."""
-    from cobatch.kernels.packed_experts import ROUTED_AS_Q8_0, stackable
+    from cobatch.kernels.packed_experts import stackable
+    from cobatch.kernels.quant_matmul import AS_Q8_0
     blocking, converted = set(), set()
     for i in range(cfg.leading_dense_layers, cfg.n_layers):
         kinds = {x: f.tensors[f"blk.{i}.ffn_{x}_exps.weight"].tensor_type.name.lower() for x in ("gate", "up", "down")}
         if kinds["gate"] != kinds["up"]:
             blocking.add(f"gate {kinds['gate']} and up {kinds['up']} differ")
         for x, rows in (("gate", 2 * cfg.expert_ffn_dim), ("down", cfg.d_model)):
-            routed_as = "q8_0" if kinds[x] in ROUTED_AS_Q8_0 else kinds[x]
+            routed_as = "q8_0" if kinds[x] in AS_Q8_0 else kinds[x]
             if routed_as != kinds[x]:
                 converted.add(f"{x} experts {kinds[x]} as {routed_as}")
             if not stackable(routed_as, rows):

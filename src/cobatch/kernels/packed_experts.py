@@ -31,19 +31,6 @@ def stackable(fmt_name: str, rows: int) -> bool:
     return PACKED_FORMATS.get(fmt_name) in FRAGMENT_FORMATS and rows % ROW_PAD == 0
 
 
-# Formats the routed GEMV does not read, converted at load to Q8_0, which holds their values exactly: Q5_0 (what
-# llama.cpp writes for a K-quant file's experts whose width is not whole 256-blocks, DeepSeek-V2-Lite's down
-# experts), 55 % more bytes for those experts, for steps without a host sync (CUDA graphs).
-ROUTED_AS_Q8_0 = ("q5_0",)
-
-
-def routable(w: QuantWeight, device: torch.device) -> QuantWeight:
-    """w, or on CUDA w as Q8_0 (converted on the device) where its format is one of ROUTED_AS_Q8_0."""
-    if w.fmt.name not in ROUTED_AS_Q8_0 or device.type != "cuda":
-        return w
-    return QuantWeight(w.fmt, w.rows, w.cols, w.raw.to(device)).as_q8_0()
-
-
 def _without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.GemvPlan:
     """A routed launch has a group of CTAs per slot, enough to fill the GPU; split-K's partial buffers and
     extra CTAs (mostly idle ones, for slots that got few rows) would only cost. Each warp then walks all of K:

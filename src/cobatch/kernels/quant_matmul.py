@@ -455,6 +455,22 @@ FRAGMENT_DEQUANT = os.environ.get("COBATCH_FRAGMENT_DEQUANT", "1") != "0"
 # dtype throughout)
 F16_OPERANDS = os.environ.get("COBATCH_F16_OPERANDS", "1") != "0"
 
+# Formats the GEMV does not read whose values Q8_0 holds exactly: Q5_0, what llama.cpp writes where a width is not
+# whole 256-blocks (DeepSeek-V2-Lite's down experts and dense down, 133 of the 170 quantized tensors of
+# Qwen2.5-Coder-0.5B's Q4_K_M), for 55 % more bytes. The routed experts always convert (CUDA graphs need the routed
+# GEMV: packed_experts); other weights with COBATCH_Q5_0_AS_Q8_0=1, the GEMV then taking them from the Triton
+# matmul (V2-Lite's dense down there: 152 us for 15 MB, bench/results/moe_gemv_defaults.md; not yet weighed in
+# whole steps, so off).
+AS_Q8_0 = ("q5_0",)
+DENSE_AS_Q8_0 = os.environ.get("COBATCH_Q5_0_AS_Q8_0") == "1"
+
+
+def as_q8_0_on(w: QuantWeight, device: torch.device) -> QuantWeight:
+    """w, or on CUDA w as Q8_0 (converted on the device) where its format is one of AS_Q8_0."""
+    if w.fmt.name not in AS_Q8_0 or torch.device(device).type != "cuda":
+        return w
+    return QuantWeight(w.fmt, w.rows, w.cols, w.raw.to(device)).as_q8_0()
+
 
 def dequantize_planes(p: PackedPlanes, out: torch.Tensor) -> torch.Tensor:
     """out [rows, cols] bf16/f16 <- the planes' values (one launch, no sync): on CUDA the fragment-order planes of
@@ -801,6 +817,8 @@ class PackedWeight:
         prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there.
         gate_up_interleaved: w is a gate|up pair with its rows interleaved (QuantWeight.interleave_rows)."""
         device = torch.device(device)
+        if DENSE_AS_Q8_0 and plan is None:
+            w = as_q8_0_on(w, device)
         # a row scale (FP8 and NVFP4 checkpoints) travels in their planes only
         assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, *quant_pack.ROW_SCALED), w.fmt.name
         if not quant_pack.weight_packable(w.fmt.name, w.row_scale):   # documented fallback: dense matrix + cuBLAS
