@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
+import provenance  # noqa: E402  (bench/, the script's own folder)
+
+provenance.use_tree_source()
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
-import provenance  # noqa: E402  (bench/, the script's own folder)
 
 
 def main() -> None:

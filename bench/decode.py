@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+import provenance  # noqa: E402
 
+provenance.use_tree_source()
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.engine.sequence import Sequence, SeqStatus  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "bench"))
-import provenance  # noqa: E402
 import timing  # noqa: E402
 from timing import replay_seconds  # noqa: E402
 

@@ -28,8 +28,7 @@ from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, ra
 from decode import weight_bytes  # noqa: E402
 import provenance  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+ROOT = Path(__file__).resolve().parents[1]   # the tree's src is on sys.path: decode (provenance.use_tree_source)
 
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 from cobatch.models.linear import resident_bytes  # noqa: E402

@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # `decode` by name
 from decode import (clear, copy_bandwidth, graph_replay_ms, kernel_breakdown, kv_bytes_per_token,  # noqa: E402
                     place_sessions, randomize_kv, time_steps)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+ROOT = Path(__file__).resolve().parents[1]   # the tree's src is on sys.path: decode (provenance.use_tree_source)
 
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.kernels import packed_experts  # noqa: E402

@@ -40,8 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # `decode` by name
 from decode import copy_bandwidth, weight_bytes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+ROOT = Path(__file__).resolve().parents[1]   # the tree's src is on sys.path: decode (provenance.use_tree_source)
 
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
 from cobatch.engine.drafts import NgramSpec  # noqa: E402
