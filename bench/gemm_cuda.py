@@ -132,7 +132,6 @@ def main() -> None:
     toks = [int(t) for t in args.toks.split(",")]
     shapes = args.shapes.split(",")
     torch.manual_seed(0)
-    device = torch.device("cuda", torch.cuda.current_device())
     # compile every candidate at every token tile first, in threads (NVRTC runs outside the GIL)
     variants = args.variants.split(",")
     cases = [(f, s) for f in args.formats.split(",") for s in shapes]
