@@ -243,13 +243,13 @@ def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name):
     """DeepSeek's decode step captured in a CUDA graph (the router's torch code, the experts routed on the device,
     the MLA decode kernel, the latent write) gives the eager step's greedy tokens, for 4 sessions at once; the
     engine captures them (models/deepseek.py: graph_safe, as the experts are routed). The V2 file's down experts
-    (128 columns: q4_K falls back to q5_0) are routed as q8_0 (quant_matmul.as_q8_0_on)."""
+    (128 columns: q4_K falls back to q5_0) are routed as they are."""
     llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True, kv_cache_gb=1))
     eng = llm.engine
     moes = [layer.moe for layer in llm.model.layers if layer.moe is not None]
     assert moes and all(m.routed for m in moes), "experts not routed"
     if name == "v2":
-        assert {m.routed_down.fmt_name for m in moes} == {"q8_0"}
+        assert {m.routed_down.fmt_name for m in moes} == {"q5_0"}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,", "Hello")]
     graphs = eng.runner.graphs

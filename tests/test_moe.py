@@ -145,7 +145,7 @@ def test_gpu_routed_layer_matches_expert_by_expert(moe_models, arch):
 def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, monkeypatch):
     """With COBATCH_MOE_PREFILL=routed, a step of more rows than the routed path takes (a prefill chunk; 8 rows
     here) runs it slice by slice: each slice's rows bitwise what the routed path gives them alone, and the whole
-    close to expert by expert (qwen2moe: its shared expert on top, and its Q5_0 down experts routed as Q8_0)."""
+    close to expert by expert (qwen2moe: its shared expert on top, and its Q5_0 down experts routed)."""
     from cobatch.kernels import packed_experts
     from cobatch.models import moe as moe_module
     _, cfg, model = load_model(moe_models[arch], "cuda", torch.bfloat16)
@@ -167,7 +167,7 @@ def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, mo
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "qwen2moe"])
 def test_gpu_engine_batched_equals_alone(moe_models, arch):
     """Serving an MoE model on CUDA: decode steps in CUDA graphs where the experts route on the device
-    (qwen2moe-tiny's down experts are q5_0, routed as q8_0: quant_matmul.as_q8_0_on), batched rows equal to
+    (qwen2moe-tiny's down experts are q5_0, the GEMV reading their fifth bits), batched rows equal to
     each alone, and the graphs give the tokens eager steps give."""
     def load(eager):
         # Steps of at most 16 rows: all of them stay under the GEMV crossover, whose kernels are bitwise

@@ -27,7 +27,7 @@ from cobatch.testing.hf_checkpoints import checkpoint_weight
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
-FRAGMENT = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
+FRAGMENT = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
 K_QUANTS = ("q4_k", "q6_k")    # rows of whole 256-weight super-blocks
 
 
@@ -201,9 +201,19 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
         assert relative_error(dense.cpu(), ref) < 2e-3
 
 
+def _f16x2(word: int) -> np.ndarray:
+    return np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
+
+
+def _word(halves: np.ndarray) -> int:
+    lo, hi = halves.astype(np.float16).view(np.uint16).tolist()
+    return lo | (hi << 16)
+
+
 def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Run the integer lines of an inline-PTX block (shl, shr, and, lop3 with 0xEA = (a & b) | c) on 32-bit words,
-    and mul.rn.f16x2 by a scale of 1.0 as the identity (the one scale these tests pass); registers by name."""
+    """Run the lines of an inline-PTX block on 32-bit words, registers by name: the integer ones (shl, shr, and,
+    mov, prmt without sign modes, lop3 with 0xEA = (a & b) | c) exactly, sub.rn.f16x2 and mul.rn.f16x2 in numpy's
+    float16 (each half rounded once, as the instruction does)."""
     regs = dict(inputs)
     value = (lambda t: regs[t] if t in regs else int(t, 0))
     for line in asm.strip().strip("{}").splitlines():
@@ -221,8 +231,15 @@ def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[dst] = a[0] & a[1]
         elif op == "lop3.b32" and a[3] == 0xEA:
             regs[dst] = (a[0] & a[1]) | a[2]
-        elif op == "mul.rn.f16x2" and a[1] == 0x3C003C00:
+        elif op == "mov.b32":
             regs[dst] = a[0]
+        elif op == "prmt.b32":     # byte i of the result: byte (selector nibble i) of {a[1], a[0]}
+            both = a[0] | (a[1] << 32)
+            regs[dst] = sum(((both >> (8 * ((a[2] >> (4 * i)) & 7))) & 255) << (8 * i) for i in range(4))
+        elif op == "sub.rn.f16x2":
+            regs[dst] = _word(_f16x2(a[0]) - _f16x2(a[1]))
+        elif op == "mul.rn.f16x2":
+            regs[dst] = _word(_f16x2(a[0]) * _f16x2(a[1]))
         else:
             raise AssertionError(f"not emulated: {line}")
     return regs
@@ -283,6 +300,39 @@ def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_
                                         "$4": one})
             got = out[reg] >> (16 * half) & 0xFFFF
             assert got == bits & 0xFFFF and out[reg] >> (16 * (1 - half)) & 0xFFFF == 0, (hex(code), byte)
+
+
+def test_the_q5_0_decode_reads_each_packed_weight_as_its_gguf_value():
+    """quant_gemv.ASM_NIB5_ZP (run on the CPU by the emulator above) on the words pack_planes stores for a random
+    q5_0 weight: for every tile, lane and qs word, given its fifth-bit byte in all four bytes (quant_gemv._fifth_bits)
+    and scales 1 and 1/16, it leaves q - 16 of each weight that the format's own decode gives (formats.dequantize
+    divided by the block's d), at the lane the A fragment gives it: $0 (row g) and $1 (g + 8) the low block,
+    $2 and $3 the high block, half e of each register column k + e."""
+    asm = quant_gemv.ASM_NIB5_ZP.value if hasattr(quant_gemv.ASM_NIB5_ZP, "value") else quant_gemv.ASM_NIB5_ZP
+    rows, cols = 32, 128
+    w = make_weight("q5_0", rows, cols, seed=23)
+    blocks = w.raw.view(rows, cols // 32, 22)
+    d = blocks[..., :2].contiguous().view(torch.float16).float().squeeze(-1)              # [rows, blocks]
+    q = torch.round(dequantize(w.raw, w.fmt.ggml_type, cols).view(rows, -1, 32) / d[..., None]).reshape(rows, cols)
+    assert q.min() >= -16 and q.max() <= 15 and (q < -8).any() and (q > 7).any()       # the fifth bit in use
+    p = planes_of(w)
+    order = quant_pack.k_order(quant_pack.Q5_0)
+    one, sixteenth = 0x3C003C00, 0x2C002C00
+    for tile in range(rows // 16):
+        for chunk in range(cols // 64):
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                for j in range(4):
+                    at = chunk * 512 + 16 * lane + 4 * j
+                    word = sum(int(p.qs[tile, at + i]) << (8 * i) for i in range(4))
+                    h = int(p.qh[tile, chunk * 128 + 4 * lane + j]) * 0x01010101
+                    out = run_ptx_bit_ops(asm, {"$4": word, "$5": h, "$6": one, "$7": one, "$8": sixteenth,
+                                                "$9": sixteenth})
+                    for reg, (r1, block) in {"$0": (0, 0), "$1": (1, 0), "$2": (0, 1), "$3": (1, 1)}.items():
+                        row = 16 * tile + 8 * r1 + g
+                        cols_e = [64 * chunk + 32 * block + order[8 * j + 2 * c + e] for e in range(2)]
+                        want = [float(q[row, col]) for col in cols_e]
+                        assert _f16x2(out[reg]).tolist() == want, (tile, chunk, lane, j, reg)
 
 
 def test_default_config_divides_k_and_fills_the_gpu():
@@ -565,24 +615,24 @@ def test_feed_forward_hands_down_its_input_in_f16(fmt_name):
     assert torch.equal(ops.feed_forward(h[:8], gate_up, down_pw), alone)
 
 
-def test_q5_0_weights_take_q8_0_on_cuda_only_and_dense_ones_only_when_asked(monkeypatch):
-    """as_q8_0_on: a Q5_0 weight as Q8_0 (the same values) on CUDA, unchanged elsewhere and for the GEMV's own
-    formats; PackedWeight.from_quant converts a dense weight only with COBATCH_Q5_0_AS_Q8_0=1 (DENSE_AS_Q8_0)."""
+def test_q5_0_weights_take_q8_0_only_when_asked_and_on_cuda_only(monkeypatch):
+    """as_q8_0_on: Q5_0 weights keep their format (the GEMV reads its planes) unless COBATCH_Q5_0_AS_Q8_0=1 put it in
+    AS_Q8_0; then a Q5_0 weight as Q8_0 (the same values) on CUDA, unchanged elsewhere and for other formats.
+    PackedWeight.from_quant asks as_q8_0_on for every weight it packs by its own plan."""
     w = make_weight("q5_0", 32, 256, seed=31)
+    assert qm.AS_Q8_0 == () and qm.as_q8_0_on(w, torch.device("cuda")) is w
+    monkeypatch.setattr(qm, "AS_Q8_0", ("q5_0",))
     assert qm.as_q8_0_on(w, torch.device("cpu")) is w
     assert qm.as_q8_0_on(make_weight("q4_k", 32, 256, seed=32), torch.device("cuda")).fmt.name == "q4_k"
     seen = []
     monkeypatch.setattr(qm, "as_q8_0_on", lambda w, device: seen.append(w.fmt.name) or w)
-    assert not qm.DENSE_AS_Q8_0
-    PackedWeight.from_quant(w, "cpu")
-    assert seen == []
-    monkeypatch.setattr(qm, "DENSE_AS_Q8_0", True)
     PackedWeight.from_quant(w, "cpu")
     assert seen == ["q5_0"]
 
 
 @requires_cuda
-def test_q5_0_as_q8_0_on_cuda_keeps_the_values():
+def test_q5_0_as_q8_0_on_cuda_keeps_the_values(monkeypatch):
+    monkeypatch.setattr(qm, "AS_Q8_0", ("q5_0",))
     w = make_weight("q5_0", 64, 512, seed=33, device="cuda")
     q8 = qm.as_q8_0_on(w, torch.device("cuda"))
     assert q8.fmt.name == "q8_0" and torch.equal(q8.dequantize(torch.float32), w.dequantize(torch.float32))

@@ -330,7 +330,7 @@ def test_gpu_mixed_format_qkv_is_two_matrices_written_in_place():
 
 
 @requires_cuda
-@pytest.mark.parametrize("fmt_name", ["q8_0", "fp8_e4m3", "q4_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt_name", ["q8_0", "fp8_e4m3", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"])
 def test_gpu_fragment_dequantize_writes_the_gemv_s_f16_values(fmt_name):
     """The prefill path's dense matrix from fragment-order planes (kernels/fragment_dequant.py): in f16 each value
     is the planes' value rounded to f16 once, as the GEMV's decode makes it (q8_0 and FP8 bit for bit), or for the

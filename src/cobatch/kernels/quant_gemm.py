@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q6_K, _byte_fmt, gl, gluon
+from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q5_0, F_Q6_K, _byte_fmt, gl, gluon
 from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 try:
@@ -207,7 +207,7 @@ if gluon is not None and warpgroup_mma is not None:
                 b = a
             c = a
             e = b
-        elif FMT == F_Q4_0:
+        elif FMT == F_Q4_0 or FMT == F_Q5_0:
             a = _as_rows(_side_entry(d_src, tile0, 2 * chunk, 16 * side32, NW, 2, SMEM), NW, SIDE)
             b = _as_rows(_side_entry(d_src, tile0, 2 * chunk + 1, 16 * side32, NW, 2, SMEM), NW, SIDE)
             c = a
@@ -258,13 +258,17 @@ if gluon is not None and warpgroup_mma is not None:
     def _load_step(chunk, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok, n_cols, tile0, tile_stride,
                    side32, side256, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
                    SIDE: gl.constexpr, X: gl.constexpr = True):
-        """The loads of one K step (a chunk): quant bytes, scale data, q6_K's high bits (else the quant bytes
-        again: unused) and, with X, x, raw (else the quant bytes again)."""
+        """The loads of one K step (a chunk): quant bytes, scale data, q6_K's high bits or q5_0's fifth bits (each
+        byte repeated over its qs word, quant_gemv._fifth_bits; else the quant bytes again: unused) and, with X, x,
+        raw (else the quant bytes again)."""
         KC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, NW, 16))
         a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, chunk // 4, side32, side256, FMT, NW, SIDE)
         if FMT == F_Q6_K:
             h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, NW, 8))
+        elif FMT == F_Q5_0:
+            h4 = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 4, NW, 4))
+            h = _twice(_twice(h4, NW, 4), NW, 8)
         else:
             h = q
         if X:
@@ -303,7 +307,7 @@ if gluon is not None and warpgroup_mma is not None:
             acc = warpgroup_mma(w2, buf.slice(32, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w3, buf.slice(48, 16, 1).permute((1, 0)), acc, is_async=True)
         else:
-            w0, w1 = quant_gemv._dequant_operand(_as_operand(q, NW, A), a, b, c, e, FMT)
+            w0, w1 = quant_gemv._dequant_operand(_as_operand(q, NW, A), a, b, c, e, _as_operand(h, NW, A), FMT)
             if STAGE:
                 fence_async_shared()
                 gl.thread_barrier()
@@ -938,6 +942,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
     if cfg.RING:
+        if p.fmt_id not in RING_FORMATS:
+            raise ValueError(f"the ring variant does not read the planes of format {p.fmt_id}: {cfg}")
         stages = ring_stages(cfg, p.fmt_id, bn)
         if stages < 2:
             raise ValueError(f"{cfg} does not fit an SM's shared memory at {bn}-token tiles")
@@ -994,6 +1000,9 @@ def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
 # f16 d (and q4_1's m), or NVFP4's sub plane as int32 words (four e4m3 scales a row); q6_K carries more planes
 _SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64,
                    quant_pack.NVFP4: 16}
+# The formats the ring variant copies the planes of: all but q5_0, whose fifth bits no stage carries yet (its
+# default config, the register path, reads them)
+RING_FORMATS = (*_SIDE_PER_CHUNK, quant_pack.Q6_K)
 _weight_descriptors: dict[tuple, object] = {}
 
 

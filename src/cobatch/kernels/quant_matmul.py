@@ -322,11 +322,22 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         return _nibbles(q, d * sc0.to(tl.float32), d * sc1.to(tl.float32),
                         -(dmin * mn0.to(tl.float32)), -(dmin * mn1.to(tl.float32)), True, 0.0, DT, ASM)
     elif FMT == Q5_0:   # the fifth bit comes from a 32-bit word per block: plain Triton ops
-        d0, d1 = _pair(d_ptr + row * side32 + 2 * chunk + two)
-        h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + two)
+        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         qi = q.to(tl.int32)
-        lo = _exact_f32((qi & 0xF) | (((h0 >> j) & 1) << 4), 16.0) * d0.to(tl.float32)
-        hi = _exact_f32(((qi >> 4) & 0xF) | (((h1 >> j) & 1) << 4), 16.0) * d1.to(tl.float32)
+        if FRAG:       # quant_pack.fifth_bits_to_fragment_order: a byte per (lane, qs word) of the tile
+            r = row % 16
+            k = _logical_col(j, FMT)
+            lane = 4 * (r % 8) + (k % 8) // 2
+            b = tl.load(qh_ptr + (row // 16) * (4 * qs_stride) + 128 * chunk + 4 * lane + k // 8).to(tl.int32)
+            at = 2 * (k % 2) + (r // 8).to(tl.int32)     # column k + 1: two bits higher; rows g + 8: one
+            lo_bit = (b >> (at + 4)) & 1                  # the low block's at bits 4-7, the high block's at 0-3
+            hi_bit = (b >> at) & 1
+        else:
+            h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + two)
+            lo_bit = (h0 >> j) & 1
+            hi_bit = (h1 >> j) & 1
+        lo = _exact_f32((qi & 0xF) | (lo_bit << 4), 16.0) * d0.to(tl.float32)
+        hi = _exact_f32(((qi >> 4) & 0xF) | (hi_bit << 4), 16.0) * d1.to(tl.float32)
         return lo.to(DT), hi.to(DT)
     else:               # Q6_K: low nibble | 2 high bits << 4, minus 32; an int8 scale per 16 weights
         s0, s1, s2, s3 = _quad(sub_ptr + 4 * _side(row, side32 // 2, chunk, FRAG) + four)
@@ -455,14 +466,11 @@ FRAGMENT_DEQUANT = os.environ.get("COBATCH_FRAGMENT_DEQUANT", "1") != "0"
 # dtype throughout)
 F16_OPERANDS = os.environ.get("COBATCH_F16_OPERANDS", "1") != "0"
 
-# Formats the GEMV does not read whose values Q8_0 holds exactly: Q5_0, what llama.cpp writes where a width is not
-# whole 256-blocks (DeepSeek-V2-Lite's down experts and dense down, 133 of the 170 quantized tensors of
-# Qwen2.5-Coder-0.5B's Q4_K_M), for 55 % more bytes. The routed experts always convert (CUDA graphs need the routed
-# GEMV: packed_experts); other weights with COBATCH_Q5_0_AS_Q8_0=1, the GEMV then taking them from the Triton
-# matmul (V2-Lite's dense down there: 152 us for 15 MB, bench/results/moe_gemv_defaults.md; not yet weighed in
-# whole steps, so off).
-AS_Q8_0 = ("q5_0",)
-DENSE_AS_Q8_0 = os.environ.get("COBATCH_Q5_0_AS_Q8_0") == "1"
+# Q5_0 (what llama.cpp writes where a width is not whole 256-blocks: DeepSeek-V2-Lite's down experts and dense down,
+# 133 of the 170 quantized tensors of Qwen2.5-Coder-0.5B's Q4_K_M) has fragment planes of its own, the GEMV and the
+# GEMM reading its fifth bits beside the nibbles. COBATCH_Q5_0_AS_Q8_0=1 converts such weights to Q8_0 at load
+# instead (the same values in 55 % more bytes), dense and routed, as every Q5_0 weight was before: for comparisons.
+AS_Q8_0 = ("q5_0",) if os.environ.get("COBATCH_Q5_0_AS_Q8_0") == "1" else ()
 
 
 def as_q8_0_on(w: QuantWeight, device: torch.device) -> QuantWeight:
@@ -589,14 +597,14 @@ def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int 
     (what the H200 sweep preferred for shapes without an entry in quant_configs.json), by the fewest of the warps'
     chunks' divisors up to 16 that get there (11 splits for 44 chunks a warp group, where doubling from 1 stopped
     at 1: DeepSeek-V2-Lite's shared down, 32 CTAs); each warp's loads up to 4 K steps ahead (loads_ahead). The
-    4-bit formats get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
+    4-bit formats (q5_0 with them) get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
     about half (bench/results/gemv-ab-2026-11-29-xvec-regs.json)."""
     w, rt = 4, 4
     ctas = n_rows_pad // (16 * rt)
     splits = [d for d in range(1, 17) if (n_chunks // w) % d == 0]
     split = next((d for d in splits if ctas * d >= 2 * sms), splits[-1])
     return GemvConfig(W=w, RT=rt, split_k=split, U=loads_ahead(n_chunks // (w * split)), D=0,
-                      R=128 if fmt_name in ("q4_0", "q4_1", "q4_k") else 0)
+                      R=128 if fmt_name in ("q4_0", "q4_1", "q5_0", "q4_k") else 0)
 
 
 def loads_ahead(steps: int) -> int:
@@ -817,7 +825,7 @@ class PackedWeight:
         prefill), trading memory (2 bytes/weight) for skipping the per-call dequantize pass there.
         gate_up_interleaved: w is a gate|up pair with its rows interleaved (QuantWeight.interleave_rows)."""
         device = torch.device(device)
-        if DENSE_AS_Q8_0 and plan is None:
+        if plan is None:
             w = as_q8_0_on(w, device)
         # a row scale (FP8 and NVFP4 checkpoints) travels in their planes only
         assert w.row_scale is None or PACKED_FORMATS.get(w.fmt.name) in (None, *quant_pack.ROW_SCALED), w.fmt.name

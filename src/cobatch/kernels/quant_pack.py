@@ -14,7 +14,8 @@ row-major [rows_pad, ...]:
   m      q4_1: f16 min per 32-block.
   sub    q4_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
   qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
-         16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j).
+         16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j). In fragment order, bytes beside the qs tiles
+         (q5_0: fifth_bits_to_fragment_order, 4 a lane; q6_K: high_bits_to_fragment_order, 8 a lane).
 The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: per channel, or the tensor's
 repeated). FP8 (fp8_e4m3) has q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
 times FP8_D_SCALE as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels'
@@ -30,7 +31,7 @@ Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins bec
 Rows are padded to a multiple of 128 and columns to a multiple of 256 with zero blocks, so the kernels
 load whole tiles without masks; the padding reads as 0.
 
-Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q4_K/q6_K for quant_gemv.py): the qs
+Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q5_0/q4_K/q6_K for quant_gemv.py): the qs
 plane is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of the others), stored
 [row tile, chunk, 512 bytes], and inside a tile lane L of a warp owns bytes 16 L .. 16 L + 15: exactly the
 bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order; inside each tile the
@@ -41,7 +42,8 @@ the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece
 row-major plane spread them over 16 pieces (one per row, each a separate memory transaction).
 An "entry" is what a row needs per K position: an f16 scale or min per 32-block; q4_K's 4 bytes of
 (scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block; q6_K's 4 int8 scales per chunk
-and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`).
+and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`), q5_0's
+fifth bits one of 4 (`fifth_bits_to_fragment_order`).
 q4_1's scale and offset planes (and q4_K's, repacked as q4_1's) become one plane, `d`, with the 8 values a lane
 group needs per tile and chunk side by side (`affine_sides_to_fragment_order`); `m` is then None.
 """
@@ -60,7 +62,7 @@ PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k"
                   "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
 ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside the blocks (QuantWeight.row_scale)
 BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight and an f16 scale per 32: the same planes
-FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be stored in fragment order
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be stored in fragment order
 SCALED_BY_16 = (Q6_K, NVFP4)        # a scale every 16 weights: each k16 half of a tile keeps its own columns (k_order)
 
 # FP8's d is its row scale times this: the GEMV's e4m3 decode (quant_gemv.ASM_FP8) moves a byte's bits into an f16
@@ -340,6 +342,55 @@ def _q4k_as_affine(planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"qs": planes["qs"], "d": (d * sc).reshape(r, -1).half(), "m": (-(dmin * mn)).reshape(r, -1).half()}
 
 
+def _fifth_bit_values(qh: torch.Tensor) -> torch.Tensor:
+    """q5_0 high-bit words [rows, cols / 32] (bit j: weight j of the 32-block) -> bits [rows, cols] uint8."""
+    shifts = torch.arange(32, device=qh.device, dtype=torch.int32)
+    return ((qh[..., None] >> shifts) & 1).reshape(qh.shape[0], -1).to(torch.uint8)
+
+
+def _fifth_bit_words(bits: torch.Tensor) -> torch.Tensor:
+    """The inverse of _fifth_bit_values: bits [rows, cols] -> int32 words [rows, cols / 32]."""
+    words = (bits.reshape(bits.shape[0], -1, 32).to(torch.int64) << torch.arange(32, device=bits.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# Where the fifth bits of a q5_0 chunk's low block (its low nibbles) and high block start in their fragment-order byte
+FIFTH_BIT = (4, 0)
+
+
+def fifth_bits_to_fragment_order(qh: torch.Tensor) -> torch.Tensor:
+    """q5_0's fifth bit of each weight (words [rows, cols / 32], rows % 16 == 0, cols % 64 == 0) -> the plane the
+    kernels read beside the fragment-order nibbles: [rows / 16, chunks * 128] bytes, 4 per lane and tile, one
+    bit a weight as in the file.
+
+    Lane L = 4 g + c owns qs words j = 0..3 (logical columns k = 8 j + 2 c and k + 1 of rows g and g + 8, low
+    nibble the chunk's low block, high nibble its high block). Its byte j holds their fifth bits, the bit of row
+    g + 8 r1, column k + e at FIFTH_BIT[block] + 2 e + r1: the low block's at bits 4-7, the high block's at 0-3.
+    With the byte in all four bytes of a word, the high half of the word shifted right by 2, the kernel
+    (quant_gemv.ASM_NIB5_ZP) finds each f16 half's bits just above the nibbles they belong to (as q6_K's)."""
+    bits = _fifth_bit_values(qh)                                   # [R, K], GGUF column order
+    r, k = bits.shape
+    bits = bits.view(r, k // 32, 32)[..., k_order(Q5_0)]           # logical column order within each block
+    b = bits.view(r // 16, 2, 8, k // 64, 2, 4, 4, 2).to(torch.int32)   # tile, r1, g, chunk, block, j, c, e
+    byte = sum(b[:, r1, :, :, block, ..., e] << (FIFTH_BIT[block] + 2 * e + r1)
+               for r1 in range(2) for block in range(2) for e in range(2))   # [tile, g, chunk, j, c]
+    # -> [tile, chunk, g, c, j]: lane 4 g + c, byte j
+    return byte.permute(0, 2, 1, 4, 3).reshape(r // 16, -1).to(torch.uint8)
+
+
+def fifth_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
+    """The inverse of fifth_bits_to_fragment_order: the q5_0 high-bit words [rows, cols / 32]."""
+    tiles = frag.shape[0]
+    byte = frag.view(tiles, -1, 8, 4, 4).permute(0, 2, 1, 4, 3).to(torch.int32)   # tile, g, chunk, j, c
+    b = torch.stack([torch.stack([torch.stack([(byte >> (FIFTH_BIT[block] + 2 * e + r1)) & 1 for e in range(2)], -1)
+                                  for block in range(2)], dim=3)
+                     for r1 in range(2)], dim=1)                                   # tile, r1, g, chunk, block, j, c, e
+    logical = b.reshape(tiles * 16, -1, 32)
+    gguf = torch.empty_like(logical)
+    gguf[..., k_order(Q5_0)] = logical
+    return _fifth_bit_words(gguf.reshape(tiles * 16, -1))
+
+
 def high_bits_to_fragment_order(qh: torch.Tensor) -> torch.Tensor:
     """q6_K's 2 high bits per weight (words [rows, cols / 16], rows % 16 == 0) -> the plane the Gluon GEMV
     reads beside the fragment-order low nibbles: [rows / 16, chunks * 256] bytes, 8 per lane and tile.
@@ -404,7 +455,7 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
                     if fmt_id in DECODE_SLOTS:
                         t = to_decode_order(t, fmt_id)
                 elif name == "qh":
-                    t = high_bits_to_fragment_order(t)
+                    t = fifth_bits_to_fragment_order(t) if fmt_id == Q5_0 else high_bits_to_fragment_order(t)
                 else:
                     t = side_to_fragment_order(t, _side_entry_bytes(fmt_id))
                 if name not in planes:
@@ -429,7 +480,8 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
         qs = from_decode_order(p.qs, p.fmt_id) if p.fmt_id in DECODE_SLOTS else p.qs
         p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(qs, p.fmt_id), d, m,
                          None if p.sub is None else side_from_fragment_order(p.sub, _side_entry_bytes(p.fmt_id)),
-                         qh=None if p.qh is None else high_bits_from_fragment_order(p.qh))
+                         qh=None if p.qh is None else (fifth_bits_from_fragment_order(p.qh) if p.fmt_id == Q5_0
+                                                       else high_bits_from_fragment_order(p.qh)))
     qs = p.qs
     if p.fmt_id == FP8_E4M3:
         w = qs.view(torch.float8_e4m3fn).float().view(R, K // 32, 32) * (p.d.float()[..., None] / FP8_D_SCALE)

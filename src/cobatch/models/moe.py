@@ -54,7 +54,7 @@ class MoeFeedForward:
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
-        # formats the routed GEMV does not read, as Q8_0: steps without a host sync (CUDA graphs)
+        # Q5_0 as Q8_0 where COBATCH_Q5_0_AS_Q8_0=1 asks for it (quant_matmul.AS_Q8_0: for comparisons)
         gate, up, down = (as_q8_0_on(w, device) for w in (gate, up, down))
         if device.type == "cuda" and gate.fmt is up.fmt and packed_experts.stackable(gate.fmt.name, gate.rows // n):
             # Interleaving the whole stacks 8 rows by 8 interleaves each expert's gate and up rows (an expert
