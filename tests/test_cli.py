@@ -111,13 +111,14 @@ def test_inspect_describes_experts_windows_and_partial_rotary(tmp_path, cli):
 
 
 def test_inspect_says_how_experts_decode_on_cuda(tmp_path, cli):
-    """q8_0 experts stack for the routed GEMV; in the q4_k file the 128-wide down experts fall back to q5_0
-    (K-quants need 256 columns), which is routed as q8_0; q5_1 experts it does not read."""
+    """q8_0 and q5_1 experts stack for the routed GEMV; in the q4_k file the 128-wide down experts fall back to q5_0
+    (K-quants need 256 columns), which it reads too; q2_K experts it does not read (its 128-wide down experts fall
+    back to q4_0, which it does)."""
     from cobatch.testing.gguf_writer import write_random_model
     for quant, expected in (("q8_0", "on CUDA: routed on the device, decode in CUDA graphs\n"),
-                            ("q4_k", "on CUDA: routed on the device, decode in CUDA graphs (down experts q5_0 as q8_0)"),
-                            ("q5_1", "on CUDA: expert by expert, decode eager: down experts in q5_1 (256 rows); "
-                                     "gate experts in q5_1 (256 rows)")):
+                            ("q4_k", "on CUDA: routed on the device, decode in CUDA graphs\n"),
+                            ("q5_1", "on CUDA: routed on the device, decode in CUDA graphs\n"),
+                            ("q2_k", "on CUDA: expert by expert, decode eager: gate experts in q2_k (256 rows)\n")):
         path = write_random_model(tmp_path / f"{quant}.gguf", "qwen2moe-tiny", quant, tokenizer_from=smollm2_path())
         proc = cli("inspect", str(path))
         assert proc.returncode == 0, proc.stderr

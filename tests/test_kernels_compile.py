@@ -226,7 +226,7 @@ from cobatch.kernels import quant_gemv, quant_pack
 gemv_variants = {}
 if quant_gemv.gluon is not None:
     # every format; the act*mul epilogue with and without split-K, at both token tiles; routed experts
-    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q6_K,
+    for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q5_1, quant_pack.Q6_K,
                 quant_pack.FP8_E4M3, quant_pack.NVFP4):
         for act, split, bt, routed in ((0, 2, 8, False), (1, 1, 16, False), (2, 2, 16, False), (1, 1, 8, True)):
             if fmt == quant_pack.FP8_E4M3 and not routed:
@@ -265,7 +265,8 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q4_1, 4, 32, 4, 2, False, 2, 1), (quant_pack.Q6_K, 8, 256, 1, 0, True, 0, 1),
             (quant_pack.Q6_K, 8, 64, 2, 1, True, 0, 0), (quant_pack.FP8_E4M3, 8, 256, 2, 1, True, 0, 1),
             (quant_pack.NVFP4, 8, 64, 2, 1, True, 0, 1), (quant_pack.NVFP4, 4, 256, 1, 0, False, 2, 0),
-            (quant_pack.Q5_0, 8, 64, 2, 1, True, 0, 1), (quant_pack.Q5_0, 4, 256, 1, 0, False, 2, 0)):
+            (quant_pack.Q5_0, 8, 64, 2, 1, True, 0, 1), (quant_pack.Q5_0, 4, 256, 1, 0, False, 2, 0),
+            (quant_pack.Q5_1, 8, 256, 1, 0, True, 0, 1), (quant_pack.Q5_1, 4, 32, 4, 2, False, 2, 0)):
         gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d} p={p}"] = \
             dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, P=bool(p), ACT=act)
 
@@ -390,6 +391,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 51 + 23 + 12 + 4 + 12 + 6
+    assert len(compiled) == 51 + 27 + 12 + 4 + 14 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -27,8 +27,8 @@ from cobatch.testing.hf_checkpoints import checkpoint_weight
 from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
-FRAGMENT = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
-K_QUANTS = ("q4_k", "q6_k")    # rows of whole 256-weight super-blocks
+FRAGMENT = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp8_e4m3", "nvfp4"]
+K_QUANTS = ("q4_k", "q5_k", "q6_k")    # rows of whole 256-weight super-blocks
 
 
 def make_weight(fmt_name: str, rows: int, cols: int, seed: int, device="cpu") -> QuantWeight:
@@ -154,9 +154,11 @@ def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
     assert planes.fragment and planes.qs.shape[0] == planes.rows_pad // 16
     row_major = planes_of(w, fragment=False)
     ref = planes_values(w)
-    if fmt_name == "q4_k":   # repacked as q4_1: an f16 scale and offset per 32-block, each rounded once
-        assert planes.fmt_id == quant_pack.Q4_1 and planes.m is None and planes.sub is None   # m inside d
-        assert planes.nbytes == planes.rows_pad * planes.cols_pad * 5 // 8    # 4 bits + 2 x f16 per 32
+    if fmt_name in ("q4_k", "q5_k"):   # repacked as q4_1 / q5_1: an f16 scale and offset per 32-block, each rounded once
+        fifth = fmt_name == "q5_k"
+        assert planes.fmt_id == (quant_pack.Q5_1 if fifth else quant_pack.Q4_1)
+        assert planes.m is None and planes.sub is None   # m inside d
+        assert planes.nbytes == planes.rows_pad * planes.cols_pad * (5 + fifth) // 8    # 4 (5) bits + 2 x f16 per 32
         assert relative_error(unpack_planes(planes), ref) < 1e-3
         return
     assert planes.nbytes == row_major.nbytes
@@ -190,7 +192,7 @@ def test_dequantize_kernel_reads_fragment_order(fmt_name):
     if device == "cpu":       # the interpreter computes in f32; q4_K's block scales are f16 (_q4k_as_affine)
         dense = torch.full((rows, cols), float("nan"), dtype=torch.float32)
         qm.dequantize_planes(planes, dense)
-        if fmt_name == "q4_k":
+        if fmt_name in ("q4_k", "q5_k"):
             torch.testing.assert_close(dense, unpack_planes(planes), rtol=1e-6, atol=1e-7)
             assert relative_error(dense, ref) < 1e-3
         else:
@@ -240,6 +242,9 @@ def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[dst] = _word(_f16x2(a[0]) - _f16x2(a[1]))
         elif op == "mul.rn.f16x2":
             regs[dst] = _word(_f16x2(a[0]) * _f16x2(a[1]))
+        elif op == "fma.rn.f16x2":    # one rounding: the float32 product of two f16 is exact
+            regs[dst] = _word(_f16x2(a[0]).astype(np.float32) * _f16x2(a[1]).astype(np.float32)
+                              + _f16x2(a[2]).astype(np.float32))
         else:
             raise AssertionError(f"not emulated: {line}")
     return regs
@@ -302,22 +307,27 @@ def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_
             assert got == bits & 0xFFFF and out[reg] >> (16 * (1 - half)) & 0xFFFF == 0, (hex(code), byte)
 
 
-def test_the_q5_0_decode_reads_each_packed_weight_as_its_gguf_value():
-    """quant_gemv.ASM_NIB5_ZP (run on the CPU by the emulator above) on the words pack_planes stores for a random
-    q5_0 weight: for every tile, lane and qs word, given its fifth-bit byte in all four bytes (quant_gemv._fifth_bits)
-    and scales 1 and 1/16, it leaves q - 16 of each weight that the format's own decode gives (formats.dequantize
-    divided by the block's d), at the lane the A fragment gives it: $0 (row g) and $1 (g + 8) the low block,
-    $2 and $3 the high block, half e of each register column k + e."""
-    asm = quant_gemv.ASM_NIB5_ZP.value if hasattr(quant_gemv.ASM_NIB5_ZP, "value") else quant_gemv.ASM_NIB5_ZP
+@pytest.mark.parametrize("fmt_name", ["q5_0", "q5_1"])
+def test_the_fifth_bit_decode_reads_each_packed_weight_as_its_gguf_value(fmt_name):
+    """quant_gemv.ASM_NIB5_ZP (q5_0) and ASM_NIB5_AFFINE (q5_1), run on the CPU by the emulator above, on the words
+    pack_planes stores for a random weight: for every tile, lane and qs word, given its fifth-bit byte in all four
+    bytes (quant_gemv._fifth_bits), scales 1 and 1/16 (and offsets 0), each weight's q (minus q5_0's offset 16) as
+    the GGUF bytes hold it (nibble, fifth bit), at the lane the A fragment gives it: $0 (row g) and $1 (g + 8) the
+    low block, $2 and $3 the high block, half e of each register column k + e."""
+    asm = quant_gemv.ASM_NIB5_ZP if fmt_name == "q5_0" else quant_gemv.ASM_NIB5_AFFINE
+    asm = asm.value if hasattr(asm, "value") else asm
     rows, cols = 32, 128
-    w = make_weight("q5_0", rows, cols, seed=23)
-    blocks = w.raw.view(rows, cols // 32, 22)
-    d = blocks[..., :2].contiguous().view(torch.float16).float().squeeze(-1)              # [rows, blocks]
-    q = torch.round(dequantize(w.raw, w.fmt.ggml_type, cols).view(rows, -1, 32) / d[..., None]).reshape(rows, cols)
-    assert q.min() >= -16 and q.max() <= 15 and (q < -8).any() and (q > 7).any()       # the fifth bit in use
+    w = make_weight(fmt_name, rows, cols, seed=23)
+    size = 22 if fmt_name == "q5_0" else 24
+    blocks = w.raw.view(rows, cols // 32, size)
+    qh = blocks[..., size - 20:size - 16].contiguous().view(torch.int32)                   # [rows, blocks, 1]
+    nib = torch.cat([blocks[..., size - 16:] & 15, blocks[..., size - 16:] >> 4], dim=-1)  # GGUF: byte j = j, j + 16
+    q = (nib.int() + 16 * ((qh >> torch.arange(32)) & 1)).reshape(rows, cols) - (16 if fmt_name == "q5_0" else 0)
+    assert ((q < 0) if fmt_name == "q5_0" else (q >= 16)).any()                        # the fifth bit in use
     p = planes_of(w)
     order = quant_pack.k_order(quant_pack.Q5_0)
     one, sixteenth = 0x3C003C00, 0x2C002C00
+    regs = {"$6": one, "$7": one, "$8": sixteenth, "$9": sixteenth, "$10": 0, "$11": 0, "$12": 0, "$13": 0}
     for tile in range(rows // 16):
         for chunk in range(cols // 64):
             for lane in range(32):
@@ -326,8 +336,7 @@ def test_the_q5_0_decode_reads_each_packed_weight_as_its_gguf_value():
                     at = chunk * 512 + 16 * lane + 4 * j
                     word = sum(int(p.qs[tile, at + i]) << (8 * i) for i in range(4))
                     h = int(p.qh[tile, chunk * 128 + 4 * lane + j]) * 0x01010101
-                    out = run_ptx_bit_ops(asm, {"$4": word, "$5": h, "$6": one, "$7": one, "$8": sixteenth,
-                                                "$9": sixteenth})
+                    out = run_ptx_bit_ops(asm, {"$4": word, "$5": h, **regs})
                     for reg, (r1, block) in {"$0": (0, 0), "$1": (1, 0), "$2": (0, 1), "$3": (1, 1)}.items():
                         row = 16 * tile + 8 * r1 + g
                         cols_e = [64 * chunk + 32 * block + order[8 * j + 2 * c + e] for e in range(2)]
@@ -529,7 +538,7 @@ def test_gemv_cuda_graph_replay():
 
 @requires_cuda
 def test_gluon_is_used_for_the_fragment_formats_only():
-    for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_0", "q6_k"]:
+    for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_0", "q5_k", "q6_k"]:
         pw = PackedWeight.from_quant(make_weight(fmt_name, 128, 256, seed=9, device="cuda"), "cuda")
         assert pw.planes.fragment == (fmt_name in FRAGMENT)
         assert isinstance(pw.plan.narrow, GemvPlan) == (fmt_name in FRAGMENT)

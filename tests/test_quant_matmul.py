@@ -25,11 +25,11 @@ from conftest import requires_cuda
 from kernel_checks import assert_graph_replay_matches
 
 T = gguf.GGMLQuantizationType
-PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "fp8_e4m3", "nvfp4"]
+PACKED = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp8_e4m3", "nvfp4"]
 # Tiny shapes: rows not a multiple of BN, K a multiple of the block but not of the tile (K-quants: 256).
-SMALL_SHAPES = {"q8_0": (40, 96), "q4_0": (72, 160), "q4_1": (33, 64), "q5_0": (40, 96),
-                "q4_k": (40, 512), "q6_k": (24, 512), "fp8_e4m3": (40, 96), "nvfp4": (40, 96)}
-TINY_SHAPES = {**SMALL_SHAPES, "q4_k": (24, 256), "q6_k": (24, 256)}   # the slower multi-run tests
+SMALL_SHAPES = {"q8_0": (40, 96), "q4_0": (72, 160), "q4_1": (33, 64), "q5_0": (40, 96), "q5_1": (24, 96),
+                "q4_k": (40, 512), "q5_k": (24, 512), "q6_k": (24, 512), "fp8_e4m3": (40, 96), "nvfp4": (40, 96)}
+TINY_SHAPES = {**SMALL_SHAPES, "q4_k": (24, 256), "q5_k": (24, 256), "q6_k": (24, 256)}   # the slower multi-run tests
 # The small-shape tests run the interpreter on the CPU and the compiled kernel on a GPU, with one explicit
 # plan: split-K 2 (the deterministic reduction is exercised) and a GEMM tier past 4 tokens.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,8 +80,8 @@ def test_fp8_row_scales_pack_where_f16_holds_them_times_256():
 
 
 def test_nbytes_counts_what_the_kernel_reads():
-    for fmt_name, per_256 in [("q8_0", 272), ("q4_0", 144), ("q4_1", 160), ("q5_0", 176), ("q4_k", 148),
-                              ("q6_k", 212), ("fp8_e4m3", 272), ("nvfp4", 146)]:   # nvfp4: + a row scale
+    for fmt_name, per_256 in [("q8_0", 272), ("q4_0", 144), ("q4_1", 160), ("q5_0", 176), ("q5_1", 192), ("q4_k", 148),
+                              ("q5_k", 180), ("q6_k", 212), ("fp8_e4m3", 272), ("nvfp4", 146)]:   # nvfp4: + a row scale
         w = make_weight(fmt_name, 128, 512, seed=2, device="cpu")
         assert PackedWeight.from_quant(w, "cpu").nbytes == 128 * 2 * per_256, fmt_name
 
@@ -266,7 +266,7 @@ def test_fp8_scales_f16_cannot_hold_run_as_a_dense_matrix():
     assert pw.planes is None and torch.equal(pw.dense, tiny.dequantize(torch.float32).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q5_1, T.Q3_K, T.F16])
+@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.F16])
 def test_unpacked_formats_fall_back_to_a_dense_matrix(ggml_type):
     fmt = format_of(ggml_type)
     assert fmt.name not in PACKED_FORMATS
@@ -330,7 +330,7 @@ def test_gpu_mixed_format_qkv_is_two_matrices_written_in_place():
 
 
 @requires_cuda
-@pytest.mark.parametrize("fmt_name", ["q8_0", "fp8_e4m3", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt_name", ["q8_0", "fp8_e4m3", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 def test_gpu_fragment_dequantize_writes_the_gemv_s_f16_values(fmt_name):
     """The prefill path's dense matrix from fragment-order planes (kernels/fragment_dequant.py): in f16 each value
     is the planes' value rounded to f16 once, as the GEMV's decode makes it (q8_0 and FP8 bit for bit), or for the

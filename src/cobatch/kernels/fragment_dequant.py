@@ -7,7 +7,7 @@ GEMV does, one 16-byte vector per lane and row tile, decodes them with the GEMV'
 f16 operands of the mma.sync A layout) and stores each lane's values where they go: lane c of a 32-column block holds
 its GGUF columns 8 c .. 8 c + 7 (quant_pack.k_order), so a lane writes its rows' 8 contiguous columns.
 
-FORMATS: q8_0 / FP8, q4_0, q5_0 and q4_1 / q4_K, whose planes use the 32-column order, and q6_K, whose k16 halves keep
+FORMATS: q8_0 / FP8, q4_0, q5_0, q4_1 / q4_K and q5_1 / q5_K, whose planes use the 32-column order, and q6_K, whose k16 halves keep
 their columns (a lane's 4 columns of each half, 8-byte stores). The values are the GEMV's f16 operands (q8_0: q times
 d rounded to f16) in the output's dtype. The torch reference is quant_pack.unpack_planes; Gluon has no interpreter,
 so the tests run on CUDA (tests/test_quant_matmul.py), and tests/test_kernels_compile.py checks the stores' width.
@@ -20,7 +20,8 @@ import torch
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import gl, gluon
 
-FORMATS = (quant_pack.Q8_0, quant_pack.FP8_E4M3, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q6_K)
+FORMATS = (quant_pack.Q8_0, quant_pack.FP8_E4M3, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q5_1,
+           quant_pack.Q6_K)
 WARPS = 4             # each warp dequantizes its own chunks of the CTA's rows
 ROW_TILES = 4         # 16-row tiles a CTA covers
 CHUNKS_PER_WARP = 4   # chunks a warp covers, one after another in K
@@ -96,7 +97,7 @@ if gluon is not None:
                 _q6_half(out_ptr, out_stride, q0, h0, s0, s2, tile0, k0, n_rows, W, RT, A)
                 _q6_half(out_ptr, out_stride, q1, h1, s1, s3, tile0, k0 + 16, n_rows, W, RT, A)
             else:
-                if FMT == quant_gemv.F_Q5_0:
+                if quant_gemv._fifth_bit(FMT):
                     h = quant_gemv._fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
                 else:
                     h = q

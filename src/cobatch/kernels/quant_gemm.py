@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q5_0, F_Q6_K, _byte_fmt, gl, gluon
+from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, gl, gluon
 from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 try:
@@ -212,7 +212,7 @@ if gluon is not None and warpgroup_mma is not None:
             b = _as_rows(_side_entry(d_src, tile0, 2 * chunk + 1, 16 * side32, NW, 2, SMEM), NW, SIDE)
             c = a
             e = b
-        else:                 # q4_1 and q4_K: (d, m) x (low, high block) x (row g, g + 8) in one plane
+        else:                 # q4_1 and q5_1 (q4_K, q5_K): (d, m) x (low, high block) x (row g, g + 8) in one plane
             v = gl.reshape(_side_entry(d_src, tile0, chunk, 32 * side32, NW, 8, SMEM), [NW, 8, 2, 2, 2])
             lo, hi = gl.split(gl.permute(v, [0, 1, 4, 2, 3]))     # w, g, r1, kind | block
             d_lo, m_lo = gl.split(lo)
@@ -266,7 +266,7 @@ if gluon is not None and warpgroup_mma is not None:
         a, b, c, e = _sides(d_ptr, sub_ptr, tile0, chunk, chunk // 4, side32, side256, FMT, NW, SIDE)
         if FMT == F_Q6_K:
             h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, NW, 8))
-        elif FMT == F_Q5_0:
+        elif _fifth_bit(FMT):
             h4 = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 4, NW, 4))
             h = _twice(_twice(h4, NW, 4), NW, 8)
         else:
@@ -1000,8 +1000,8 @@ def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
 # f16 d (and q4_1's m), or NVFP4's sub plane as int32 words (four e4m3 scales a row); q6_K carries more planes
 _SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64,
                    quant_pack.NVFP4: 16}
-# The formats the ring variant copies the planes of: all but q5_0, whose fifth bits no stage carries yet (its
-# default config, the register path, reads them)
+# The formats the ring variant copies the planes of: all but q5_0's and q5_1's, whose fifth bits no stage carries
+# yet (their default config, the register path, reads them)
 RING_FORMATS = (*_SIDE_PER_CHUNK, quant_pack.Q6_K)
 _weight_descriptors: dict[tuple, object] = {}
 

@@ -60,15 +60,30 @@ def _byte_fmt_of(fmt) -> bool:
     return int(fmt) in quant_pack.BYTE_FORMATS
 
 
-# Inside the kernels: q8_0 and FP8 share their planes (one byte a weight, an f16 scale per 32 weights)
-_byte_fmt = gluon.constexpr_function(_byte_fmt_of) if gluon is not None else _byte_fmt_of
+def _fifth_bit_of(fmt) -> bool:
+    return int(fmt) in quant_pack.FIFTH_BIT_FORMATS
+
+
+def _affine_of(fmt) -> bool:
+    return int(fmt) in quant_pack.AFFINE_FORMATS
+
+
+def _constexpr_function(f):
+    return gluon.constexpr_function(f) if gluon is not None else f
+
+
+# Inside the kernels: q8_0 and FP8 share their planes (one byte a weight, an f16 scale per 32 weights); q5_0's and
+# q5_1's (q5_K's) planes are q4_0's and q4_1's with a fifth bit a weight; q4_1's and q5_1's hold a scale and an offset
+_byte_fmt = _constexpr_function(_byte_fmt_of)
+_fifth_bit = _constexpr_function(_fifth_bit_of)
+_affine = _constexpr_function(_affine_of)
 
 
 # The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine), and
 # FP8's are q8_0's with e4m3 bytes (_byte_fmt: the one difference is the decode, _dequant_operand).
-F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q6_K, F_FP8, F_NVFP4 = (
-    _c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q6_K,
-                    quant_pack.FP8_E4M3, quant_pack.NVFP4))
+F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q6_K, F_FP8, F_NVFP4 = (
+    _c(v) for v in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q5_1,
+                    quant_pack.Q6_K, quant_pack.FP8_E4M3, quant_pack.NVFP4))
 # The epilogue: store the rows as they are, or act(gate) * up of gate|up rows interleaved 8 by 8.
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 ACT_NONE, ACT_SILU, ACT_GELU_TANH = (_c(v) for v in ACTS.values())
@@ -109,24 +124,34 @@ def _minus_offset_times_scale(lo_offset: str, hi_offset: str, scale: int) -> str
 
 # q4_0: offset 8 (the high nibble, used in place, 16 x 8)
 ASM_NIB_ZP = _c("{" + _NIB_EXTRACT + _minus_offset_times_scale("0x64086408", "0x64806480", 5))
-ASM_NIB_AFFINE = _c("{" + _NIB_EXTRACT + """
+
+
+def _times_scale_plus_offset(scale: int) -> str:
+    """Tail of an affine dequant: subtract the magic exactly, then scale $scale .. $scale+3 times the nibbles plus
+    the offsets $scale+4 .. $scale+7 (low block g, g + 8; high block g, g + 8) into $0 .. $3."""
+    regs = [f"${scale + i}" for i in range(8)]
+    return f"""
  mov.b32 z0, 0x64006400;
  sub.rn.f16x2 a0, a0, z0;
  sub.rn.f16x2 a1, a1, z0;
  sub.rn.f16x2 b0, b0, z0;
  sub.rn.f16x2 b1, b1, z0;
- fma.rn.f16x2 $0, a0, $5, $9;
- fma.rn.f16x2 $1, a1, $6, $10;
- fma.rn.f16x2 $2, b0, $7, $11;
- fma.rn.f16x2 $3, b1, $8, $12;
-}""")
-# q5_0: q4_0's nibbles with a fifth bit each, offset 16. $5 = the lane's fifth-bit byte of this qs word
+ fma.rn.f16x2 $0, a0, {regs[0]}, {regs[4]};
+ fma.rn.f16x2 $1, a1, {regs[1]}, {regs[5]};
+ fma.rn.f16x2 $2, b0, {regs[2]}, {regs[6]};
+ fma.rn.f16x2 $3, b1, {regs[3]}, {regs[7]};
+}}"""
+
+
+# q4_1 (and q4_K as its planes hold it): $5,$6 low scale; $7,$8 high scale / 16; $9,$10 low min; $11,$12 high min
+ASM_NIB_AFFINE = _c("{" + _NIB_EXTRACT + _times_scale_plus_offset(5))
+# The fifth bits of q5_0 and q5_1 (q5_K): $5 = the lane's fifth-bit byte of this qs word
 # (quant_pack.fifth_bits_to_fragment_order) in all four bytes. Bits 4-5 of the byte are those of the low block's
 # rows g, g + 8 at column k, bits 0-1 the high block's; at column k + 1 two bits higher each, so the word's upper
 # f16 half takes the byte shifted right by 2 (prmt: bytes 0-1 of $5, bytes 2-3 of $5 >> 2). Then each half holds
 # row g's bits just above the nibbles they belong to (bit 4: the low block's, bit 8: the high block's, used in
-# place), and row g + 8's one higher, as ASM_Q6's. $6,$7 low scale; $8,$9 high scale / 16.
-ASM_NIB5_ZP = _c("{" + _NIB_EXTRACT + """
+# place), and row g + 8's one higher, as ASM_Q6's: 7 instructions a word.
+_FIFTH_BITS = """
  .reg .b32 hs, hw, hv;
  shr.b32 hs, $5, 2;
  prmt.b32 hw, $5, hs, 0x7610;
@@ -134,7 +159,11 @@ ASM_NIB5_ZP = _c("{" + _NIB_EXTRACT + """
  lop3.b32 a0, hw, 0x00100010, a0, 0xEA;
  lop3.b32 a1, hv, 0x00100010, a1, 0xEA;
  lop3.b32 b0, hw, 0x01000100, b0, 0xEA;
- lop3.b32 b1, hv, 0x01000100, b1, 0xEA;""" + _minus_offset_times_scale("0x64106410", "0x65006500", 6))
+ lop3.b32 b1, hv, 0x01000100, b1, 0xEA;"""
+# q5_0: offset 16. $6,$7 low scale; $8,$9 high scale / 16.
+ASM_NIB5_ZP = _c("{" + _NIB_EXTRACT + _FIFTH_BITS + _minus_offset_times_scale("0x64106410", "0x65006500", 6))
+# q5_1 (and q5_K as its planes hold it): $6..$9 scales (the high block's / 16), $10..$13 offsets
+ASM_NIB5_AFFINE = _c("{" + _NIB_EXTRACT + _FIFTH_BITS + _times_scale_plus_offset(6))
 # q8_0: flip the sign bit (q + 128 as an unsigned byte), put each byte under the magic, subtract
 # 1024 + 128 exactly, scale. $0,$1 out; $2 word; $3,$4 scale.
 ASM_Q8 = _c("""{
@@ -392,7 +421,7 @@ if gluon is not None:
                 b = a
             c = a
             e = b
-        elif FMT == F_Q4_1:   # f16 scales and offsets of the two blocks, from one plane
+        elif _affine(FMT):    # q4_1 and q5_1: f16 scales and offsets of the two blocks, from one plane
             a, b, c, e = _affine_sides(d_ptr, tile0, chunk, side32, W, RT, SIDE)
         else:                 # q4_0 and q5_0: f16 scales of the two blocks
             a = _row_side(d_ptr, tile0, side32, 2 * chunk, W, RT, SIDE)
@@ -428,7 +457,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W: gl.constexpr, RT: gl.constexpr):
-        """q5_0's fifth bits of each warp's chunk, a lane's 4 bytes (quant_pack.fifth_bits_to_fragment_order), each
+        """q5_0's and q5_1's fifth bits of each warp's chunk, a lane's 4 bytes (quant_pack.fifth_bits_to_fragment_order), each
         repeated over the 4 bytes of the qs word it belongs to: [W, RT, lane, 16], renamed as the quant bytes are
         (_as_operand), so that ASM_NIB5_ZP gets a word's bits beside the word."""
         h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 4, RT, _byte_layout(W, 4), 4))
@@ -437,13 +466,13 @@ if gluon is not None:
     @gluon.jit
     def _dequant(q, a, b, c, e, h, FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, A: gl.constexpr):
         """Loaded bytes and scale data -> f16 A operands: the (lo, hi) 32-weight blocks of a 4-bit chunk;
-        (w, w) for q8_0 (one block per chunk). h: q5_0's fifth bits (_fifth_bits; other formats: unused)."""
+        (w, w) for q8_0 (one block per chunk). h: q5_0's and q5_1's fifth bits (_fifth_bits; else unused)."""
         return _dequant_operand(_as_operand(q, W, RT, A), a, b, c, e, _as_operand(h, W, RT, A), FMT)
 
     @gluon.jit
     def _dequant_operand(q, a, b, c, e, h, FMT: gl.constexpr):
         """_dequant on bytes already renamed into an A-operand layout (the GEMV's mma.sync one, or the GEMM's
-        warpgroup-MMA one: both give a lane the same rows and columns), scale data broadcast along k; h: q5_0's
+        warpgroup-MMA one: both give a lane the same rows and columns), scale data broadcast along k; h: the
         fifth bits renamed the same way."""
         if FMT == F_Q8_0:
             w = gl.inline_asm_elementwise(ASM_Q8, "=r,=r,r,r,r", [q, a], gl.float16, True, 4)
@@ -459,6 +488,9 @@ if gluon is not None:
         elif FMT == F_Q5_0:
             lo, hi = gl.inline_asm_elementwise(ASM_NIB5_ZP, "=r,=r,=r,=r,r,r,r,r,r,r", [q, h, a, b * 0.0625],
                                                (gl.float16, gl.float16), True, 4)
+        elif FMT == F_Q5_1:   # and q5_K as its planes hold it
+            lo, hi = gl.inline_asm_elementwise(ASM_NIB5_AFFINE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+                                               [q, h, a, b * 0.0625, c, e], (gl.float16, gl.float16), True, 4)
         else:  # Q4_1, and q4_K as its planes hold it
             lo, hi = gl.inline_asm_elementwise(ASM_NIB_AFFINE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                                [q, a, b * 0.0625, c, e], (gl.float16, gl.float16), True, 4)
@@ -654,7 +686,7 @@ if gluon is not None:
                     a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok,
                                                       n_cols, tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE,
                                                       B, EVEN_K)
-                    if FMT == F_Q5_0:
+                    if _fifth_bit(FMT):
                         h = _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
                     else:
                         h = q

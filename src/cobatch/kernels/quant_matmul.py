@@ -64,8 +64,9 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 # The format ids as compile-time constants (Triton reads only constexpr globals).
 _const = tl.constexpr if tl is not None else (lambda v: v)
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8, NVFP4 = (_const(getattr(quant_pack, n)) for n in
-                                                  ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "FP8_E4M3", "NVFP4"))
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FP8, NVFP4 = (
+    _const(getattr(quant_pack, n)) for n in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "FP8_E4M3",
+                                             "NVFP4"))
 FP8_D = _const(1.0 / quant_pack.FP8_D_SCALE)    # FP8's d holds the row scale times FP8_D_SCALE
 # quant_pack.DECODE_SLOTS: where FP8's and NVFP4's fragment-order words keep operand r's value and sign (half 0)
 (FP8_V0, FP8_S0), (FP8_V1, FP8_S1) = ((_const(v), _const(s)) for v, s in quant_pack.DECODE_SLOTS[quant_pack.FP8_E4M3])
@@ -276,6 +277,22 @@ def _side(row, entries_per_row, entry, FRAG: tl.constexpr):
 
 
 @jit
+def _fifth_bits(qh_ptr, row, qs_stride, side32, chunk, j, FMT: tl.constexpr, FRAG: tl.constexpr):
+    """The fifth bits (q5_0, q5_1, q5_K) of weights j of the chunk's low and high 32-blocks, rows `row`: from the
+    qh words a block (row-major), or from fragment order (quant_pack.fifth_bits_to_fragment_order: a byte per lane
+    and qs word of the tile)."""
+    if FRAG:
+        r = row % 16
+        k = _logical_col(j, FMT)
+        lane = 4 * (r % 8) + (k % 8) // 2
+        b = tl.load(qh_ptr + (row // 16) * (4 * qs_stride) + 128 * chunk + 4 * lane + k // 8).to(tl.int32)
+        at = 2 * (k % 2) + (r // 8).to(tl.int32)     # column k + 1: two bits higher; rows g + 8: one
+        return (b >> (at + 4)) & 1, (b >> at) & 1     # the low block's at bits 4-7, the high block's at 0-3
+    h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + tl.arange(0, 2)[None, :])
+    return (h0 >> j) & 1, (h1 >> j) & 1
+
+
+@jit
 def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32, side256, chunk, j,
                    FMT: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, FRAG: tl.constexpr = False):
     """Weights [64*chunk, 64*chunk + 64) of rows `row` ([BN, 1] int64) as two [BN, 32] tiles in DT: the
@@ -302,8 +319,17 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
     if FMT == Q4_0:
         d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
         return _nibbles(q, d0, d1, d0, d1, False, 8.0, DT, ASM)
-    elif FMT == Q4_1:
-        if FRAG:       # one plane (quant_pack.affine_sides_to_fragment_order): d at +0, +2; m at +4, +6
+    elif FMT == Q4_1 or FMT == Q5_1 or FMT == Q4_K or FMT == Q5_K:
+        if FMT == Q4_K or FMT == Q5_K:
+            # Row-major only: fragment-order q4_K (q5_K) planes are q4_1's (q5_1's: quant_pack._q4k_as_affine).
+            # 4-byte entries: (scale, min) x 2 blocks per chunk; (d, dmin) per super-block
+            sc0, mn0, sc1, mn1 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)
+            d, dmin = _pair(d_ptr + row * (2 * side256) + 2 * (chunk // 4) + two)
+            d = d.to(tl.float32)
+            dmin = dmin.to(tl.float32)
+            d0, d1 = d * sc0.to(tl.float32), d * sc1.to(tl.float32)
+            m0, m1 = -(dmin * mn0.to(tl.float32)), -(dmin * mn1.to(tl.float32))
+        elif FRAG:     # one plane (quant_pack.affine_sides_to_fragment_order): d at +0, +2; m at +4, +6
             r = row % 16
             side = (row // 16) * (32 * side32) + 64 * chunk + 8 * (r % 8) + r // 8 + 2 * two
             d0, d1 = _pair(d_ptr + side)
@@ -311,31 +337,17 @@ def _dequant_chunk(qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr, row, qs_stride, side32
         else:
             d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, False))
             m0, m1 = _pair(m_ptr + _side(row, side32, 2 * chunk + two, False))
-        return _nibbles(q, d0, d1, m0, m1, True, 0.0, DT, ASM)
-    elif FMT == Q4_K:
-        # Row-major only: fragment-order q4_K planes are q4_1's (quant_pack._q4k_as_affine) and take that branch.
-        # 4-byte entries: (scale, min) x 2 blocks per chunk; (d, dmin) per super-block
-        sc0, mn0, sc1, mn1 = _quad(sub_ptr + row * (2 * side32) + 4 * chunk + four)
-        d, dmin = _pair(d_ptr + row * (2 * side256) + 2 * (chunk // 4) + two)
-        d = d.to(tl.float32)
-        dmin = dmin.to(tl.float32)
-        return _nibbles(q, d * sc0.to(tl.float32), d * sc1.to(tl.float32),
-                        -(dmin * mn0.to(tl.float32)), -(dmin * mn1.to(tl.float32)), True, 0.0, DT, ASM)
-    elif FMT == Q5_0:   # the fifth bit comes from a 32-bit word per block: plain Triton ops
-        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
+        if FMT == Q4_1 or FMT == Q4_K:
+            return _nibbles(q, d0, d1, m0, m1, True, 0.0, DT, ASM)
+        lo_bit, hi_bit = _fifth_bits(qh_ptr, row, qs_stride, side32, chunk, j, FMT, FRAG)
         qi = q.to(tl.int32)
-        if FRAG:       # quant_pack.fifth_bits_to_fragment_order: a byte per (lane, qs word) of the tile
-            r = row % 16
-            k = _logical_col(j, FMT)
-            lane = 4 * (r % 8) + (k % 8) // 2
-            b = tl.load(qh_ptr + (row // 16) * (4 * qs_stride) + 128 * chunk + 4 * lane + k // 8).to(tl.int32)
-            at = 2 * (k % 2) + (r // 8).to(tl.int32)     # column k + 1: two bits higher; rows g + 8: one
-            lo_bit = (b >> (at + 4)) & 1                  # the low block's at bits 4-7, the high block's at 0-3
-            hi_bit = (b >> at) & 1
-        else:
-            h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + two)
-            lo_bit = (h0 >> j) & 1
-            hi_bit = (h1 >> j) & 1
+        lo = _exact_f32((qi & 0xF) | (lo_bit << 4), 0.0) * d0.to(tl.float32) + m0.to(tl.float32)
+        hi = _exact_f32(((qi >> 4) & 0xF) | (hi_bit << 4), 0.0) * d1.to(tl.float32) + m1.to(tl.float32)
+        return lo.to(DT), hi.to(DT)
+    elif FMT == Q5_0:   # the fifth bit: plain Triton ops
+        d0, d1 = _pair(d_ptr + _side(row, side32, 2 * chunk + two, FRAG))
+        lo_bit, hi_bit = _fifth_bits(qh_ptr, row, qs_stride, side32, chunk, j, FMT, FRAG)
+        qi = q.to(tl.int32)
         lo = _exact_f32((qi & 0xF) | (lo_bit << 4), 16.0) * d0.to(tl.float32)
         hi = _exact_f32(((qi >> 4) & 0xF) | (hi_bit << 4), 16.0) * d1.to(tl.float32)
         return lo.to(DT), hi.to(DT)
@@ -597,14 +609,14 @@ def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int 
     (what the H200 sweep preferred for shapes without an entry in quant_configs.json), by the fewest of the warps'
     chunks' divisors up to 16 that get there (11 splits for 44 chunks a warp group, where doubling from 1 stopped
     at 1: DeepSeek-V2-Lite's shared down, 32 CTAs); each warp's loads up to 4 K steps ahead (loads_ahead). The
-    4-bit formats (q5_0 with them) get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
+    4-bit formats (the 5-bit ones with them) get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B shapes, q8_0 and q6_K
     about half (bench/results/gemv-ab-2026-11-29-xvec-regs.json)."""
     w, rt = 4, 4
     ctas = n_rows_pad // (16 * rt)
     splits = [d for d in range(1, 17) if (n_chunks // w) % d == 0]
     split = next((d for d in splits if ctas * d >= 2 * sms), splits[-1])
     return GemvConfig(W=w, RT=rt, split_k=split, U=loads_ahead(n_chunks // (w * split)), D=0,
-                      R=128 if fmt_name in ("q4_0", "q4_1", "q5_0", "q4_k") else 0)
+                      R=128 if fmt_name in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k") else 0)
 
 
 def loads_ahead(steps: int) -> int:

@@ -57,12 +57,14 @@ import torch
 from cobatch.quant.formats import E2M1_VALUES, QuantFormat, _k_scales_mins, format_of
 
 # Format ids: the kernels' FMT constexpr.
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4 = range(8)
-PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q4_k": Q4_K, "q6_k": Q6_K,
-                  "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4, Q5_1, Q5_K = range(10)
+PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K,
+                  "q6_k": Q6_K, "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
 ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside the blocks (QuantWeight.row_scale)
 BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight and an f16 scale per 32: the same planes
-FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be stored in fragment order
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be in fragment order
+FIFTH_BIT_FORMATS = (Q5_0, Q5_1, Q5_K)   # 4-bit nibbles and a fifth bit a weight (a qh word per 32-block)
+AFFINE_FORMATS = (Q4_1, Q5_1, Q4_K, Q5_K)   # w = scale q + offset: in fragment order q4_1's or q5_1's planes
 SCALED_BY_16 = (Q6_K, NVFP4)        # a scale every 16 weights: each k16 half of a tile keeps its own columns (k_order)
 
 # FP8's d is its row scale times this: the GEMV's e4m3 decode (quant_gemv.ASM_FP8) moves a byte's bits into an f16
@@ -143,20 +145,27 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int, scale: torch.Tensor |
     if fmt_id == Q8_0:
         b = raw.view(r, cols // 32, 34)
         return {"qs": b[..., 2:].reshape(r, cols), "d": _f16_field(b, 0)}
-    if fmt_id in (Q4_0, Q4_1, Q5_0):
-        size = {Q4_0: 18, Q4_1: 20, Q5_0: 22}[fmt_id]
+    if fmt_id in (Q4_0, Q4_1, Q5_0, Q5_1):     # [d][m][qh][16 bytes of nibbles] per 32-block
+        affine, fifth = fmt_id in AFFINE_FORMATS, fmt_id in FIFTH_BIT_FORMATS
+        size = 18 + 2 * affine + 4 * fifth
         b = raw.view(r, cols // 32, size)
         out = {"qs": pack_nibbles_64(_gguf_nibbles_32(b[..., size - 16:])), "d": _f16_field(b, 0)}
-        if fmt_id == Q4_1:
+        if affine:
             out["m"] = _f16_field(b, 2)
-        if fmt_id == Q5_0:
-            out["qh"] = _u32_field(b, 2)
+        if fifth:
+            out["qh"] = _u32_field(b, 2 + 2 * affine)
         return out
-    if fmt_id == Q4_K:
-        b = raw.view(r, cols // 256, 144)
+    if fmt_id in (Q4_K, Q5_K):     # [d, dmin][12 bytes of 6-bit scales, mins][q5_K: 32 bytes of fifth bits][nibbles]
+        size = 176 if fmt_id == Q5_K else 144
+        b = raw.view(r, cols // 256, size)
         scales, mins = _k_scales_mins(b[..., 4:16].reshape(-1, 12))
-        return {"qs": b[..., 16:].reshape(r, cols // 2), "d": b[..., 0:4].reshape(r, -1).view(torch.float16),
-                "sub": torch.stack([scales, mins], dim=-1).reshape(r, cols // 16)}
+        out = {"qs": b[..., size - 128:].reshape(r, cols // 2), "d": b[..., 0:4].reshape(r, -1).view(torch.float16),
+               "sub": torch.stack([scales, mins], dim=-1).reshape(r, cols // 16)}
+        if fmt_id == Q5_K:       # bit i of byte l: weight l of the super-block's 32-block i -> a word per block
+            qh = b[..., 16:48].to(torch.int64)                                        # [r, super, 32 bytes]
+            bits = (qh[..., None, :] >> torch.arange(8, device=raw.device)[:, None]) & 1   # [r, super, block, l]
+            out["qh"] = _fifth_bit_words(bits.reshape(r, cols).to(torch.uint8))
+        return out
     if fmt_id == Q6_K:
         b = raw.view(r, cols // 256, 210)
         ql = b[..., :128].reshape(r, -1, 2, 64)           # per 128-half: 64 bytes of low nibbles
@@ -324,12 +333,14 @@ def _q6_high_values(qh: torch.Tensor) -> torch.Tensor:
 
 
 def fragment_layout(fmt_id: int) -> int:
-    """The layout of a format's fragment-order planes (PackedPlanes.fmt_id): q4_K's are q4_1's (_q4k_as_affine)."""
-    return Q4_1 if fmt_id == Q4_K else fmt_id
+    """The layout of a format's fragment-order planes (PackedPlanes.fmt_id): q4_K's are q4_1's, q5_K's q5_1's
+    (_q4k_as_affine)."""
+    return {Q4_K: Q4_1, Q5_K: Q5_1}.get(fmt_id, fmt_id)
 
 
 def _q4k_as_affine(planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """q4_K planes (qs, d = (d, dmin) per super-block, sub = (scale, min) bytes per 32-block) -> q4_1's:
+    """q4_K planes (qs, d = (d, dmin) per super-block, sub = (scale, min) bytes per 32-block) -> q4_1's (q5_K's ->
+    q5_1's, their fifth bits as they are):
     an f16 scale d * scale and an f16 offset -dmin * min per 32-block, so w = scale' * q + offset'.
 
     Why: the GEMV then reads one scale and one offset per block, like q4_1, instead of unpacking 6-bit pairs
@@ -339,7 +350,8 @@ def _q4k_as_affine(planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     r = planes["qs"].shape[0]
     d, dmin = planes["d"].float().view(r, -1, 1, 2).unbind(-1)                 # [r, super, 1]
     sc, mn = planes["sub"].view(r, -1, 8, 2).float().unbind(-1)                # [r, super, 8]
-    return {"qs": planes["qs"], "d": (d * sc).reshape(r, -1).half(), "m": (-(dmin * mn)).reshape(r, -1).half()}
+    kept = {name: t for name, t in planes.items() if name == "qs" or name == "qh"}     # q5_K's fifth bits stay
+    return {**kept, "d": (d * sc).reshape(r, -1).half(), "m": (-(dmin * mn)).reshape(r, -1).half()}
 
 
 def _fifth_bit_values(qh: torch.Tensor) -> torch.Tensor:
@@ -442,20 +454,21 @@ def pack_planes(fmt: QuantFormat, rows: int, cols: int, raw: torch.Tensor, devic
             scale = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
             scale[:max(0, min(rows, r1) - r0)] = row_scale[r0:min(rows, r1)].to(device, torch.float32)
         chunk_planes = _pack_chunk(fmt_id, chunk, cols_pad, scale)
-        if fragment and fmt_id == Q4_K:
+        if fragment and fmt_id in (Q4_K, Q5_K):
             chunk_planes = _q4k_as_affine(chunk_planes)
         if fragment and "m" in chunk_planes:      # q4_1's layout: scales and offsets in one plane
             chunk_planes["d"] = affine_sides_to_fragment_order(chunk_planes["d"], chunk_planes.pop("m"))
         for name, t in chunk_planes.items():
             if fragment:
-                if name == "d" and fmt_id in (Q4_1, Q4_K):
+                if name == "d" and fmt_id in AFFINE_FORMATS:
                     pass                                # already in fragment order
                 elif name == "qs":
                     t = to_fragment_order(t, fmt_id)
                     if fmt_id in DECODE_SLOTS:
                         t = to_decode_order(t, fmt_id)
                 elif name == "qh":
-                    t = fifth_bits_to_fragment_order(t) if fmt_id == Q5_0 else high_bits_to_fragment_order(t)
+                    t = (fifth_bits_to_fragment_order(t) if fmt_id in FIFTH_BIT_FORMATS
+                         else high_bits_to_fragment_order(t))
                 else:
                     t = side_to_fragment_order(t, _side_entry_bytes(fmt_id))
                 if name not in planes:
@@ -473,14 +486,15 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
     """Torch decode of the planes -> float32 [rows, cols]: checks the repack against formats.dequantize."""
     R, K = p.rows_pad, p.cols_pad
     if p.fragment:
-        if p.fmt_id == Q4_1:
+        if p.fmt_id in AFFINE_FORMATS:
             d, m = affine_sides_from_fragment_order(p.d)
         else:
             d, m = (None if t is None else side_from_fragment_order(t, _side_entry_bytes(p.fmt_id)) for t in (p.d, p.m))
         qs = from_decode_order(p.qs, p.fmt_id) if p.fmt_id in DECODE_SLOTS else p.qs
         p = PackedPlanes(p.fmt_id, p.rows, p.cols, R, K, from_fragment_order(qs, p.fmt_id), d, m,
                          None if p.sub is None else side_from_fragment_order(p.sub, _side_entry_bytes(p.fmt_id)),
-                         qh=None if p.qh is None else (fifth_bits_from_fragment_order(p.qh) if p.fmt_id == Q5_0
+                         qh=None if p.qh is None else (fifth_bits_from_fragment_order(p.qh)
+                                                       if p.fmt_id in FIFTH_BIT_FORMATS
                                                        else high_bits_from_fragment_order(p.qh)))
     qs = p.qs
     if p.fmt_id == FP8_E4M3:
@@ -501,18 +515,18 @@ def unpack_planes(p: PackedPlanes) -> torch.Tensor:
             high = _q6_high_values(p.qh).float()
             q = (nib + 16 * high - 32).view(R, K // 16, 16)
             w = (p.d.repeat_interleave(16, dim=1) * p.sub.float())[..., None] * q
-        elif p.fmt_id == Q4_K:
-            q = nib.view(R, K // 32, 32)
-            d, dmin = p.d.float().view(R, K // 256, 2).repeat_interleave(8, dim=1).unbind(-1)
-            sc, mn = p.sub.float().view(R, K // 32, 2).unbind(-1)
-            w = (d * sc)[..., None] * q - (dmin * mn)[..., None]
         else:
             q = nib.view(R, K // 32, 32)
-            if p.fmt_id == Q5_0:
-                bits = (p.qh[..., None] >> torch.arange(32, device=v.device, dtype=torch.int32)) & 1
-                q = q + 16 * bits.float()
-            d = p.d.float()[..., None]
-            w = d * q + p.m.float()[..., None] if p.fmt_id == Q4_1 else d * (q - (16 if p.fmt_id == Q5_0 else 8))
+            if p.fmt_id in FIFTH_BIT_FORMATS:
+                q = q + 16 * _fifth_bit_values(p.qh).float().view(R, K // 32, 32)
+            if p.fmt_id in (Q4_K, Q5_K):
+                d, dmin = p.d.float().view(R, K // 256, 2).repeat_interleave(8, dim=1).unbind(-1)
+                sc, mn = p.sub.float().view(R, K // 32, 2).unbind(-1)
+                w = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+            elif p.fmt_id in AFFINE_FORMATS:
+                w = p.d.float()[..., None] * q + p.m.float()[..., None]
+            else:
+                w = p.d.float()[..., None] * (q - (16 if p.fmt_id == Q5_0 else 8))
     return w.reshape(R, K)[:p.rows, :p.cols]
 
 
