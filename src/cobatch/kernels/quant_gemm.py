@@ -478,18 +478,18 @@ if gluon is not None and warpgroup_mma is not None:
     @gluon.constexpr_function
     def _side_shape(FMT, NW, C):
         """(a ring stage's d plane [NW, entries], the element count E a lane group reads side by side): per chunk
-        q8_0 16 f16 (E 2), q4_0 32 (E 2), q4_1 / q4_K 64 (E 8); q6_K 16 f32 per super-block of 4 chunks (E 2);
-        NVFP4 its sub plane, 16 int32 words of four e4m3 scales (E 2), as q6_K's sub."""
+        q8_0 16 f16 (E 2), q4_0 / q5_0 32 (E 2), q4_1 / q5_1 (q4_K, q5_K) 64 (E 8); q6_K 16 f32 per super-block of
+        4 chunks (E 2); NVFP4 its sub plane, 16 int32 words of four e4m3 scales (E 2), as q6_K's sub."""
         fmt = int(FMT)
         if fmt == quant_pack.Q6_K:
             return [NW, 16], 2
-        return [NW, C * _SIDE_PER_CHUNK[fmt]], 8 if fmt == quant_pack.Q4_1 else 2   # NVFP4: its sub plane's words
+        return [NW, C * _SIDE_PER_CHUNK[fmt]], 8 if fmt in quant_pack.AFFINE_FORMATS else 2   # NVFP4: its sub words
 
     @gluon.jit
     def _ring_loads(qs_buf, d_buf, sub_buf, qh_buf, c: gl.constexpr, FMT: gl.constexpr, NW: gl.constexpr,
                     C: gl.constexpr, SIDE: gl.constexpr):
         """Chunk c of a ring stage, from its shared buffers into registers: what _load_step loads from global
-        memory (quant bytes, the four scale tensors, q6_K's high bits or the quant bytes again)."""
+        memory (quant bytes, the four scale tensors, q6_K's high bits, the fifth bits or the quant bytes again)."""
         q = qs_buf._reinterpret(gl.uint8, [NW, 32 * C, 16], _plain_layout(3)).slice(32 * c, 32, dim=1) \
             .load(_bytes_layout(NW, 16))
         shape: gl.constexpr = _side_shape(FMT, NW, C)[0]
@@ -499,6 +499,11 @@ if gluon is not None and warpgroup_mma is not None:
             sub = sub_buf._reinterpret(gl.int32, [NW, 8 * C, 2], _plain_layout(3))
             h = qh_buf._reinterpret(gl.uint8, [NW, 32 * C, 8], _plain_layout(3)).slice(32 * c, 32, dim=1) \
                 .load(_bytes_layout(NW, 8))
+        elif _fifth_bit(FMT):
+            sub = d
+            h4 = qh_buf._reinterpret(gl.uint8, [NW, 32 * C, 4], _plain_layout(3)).slice(32 * c, 32, dim=1) \
+                .load(_bytes_layout(NW, 4))
+            h = _twice(_twice(h4, NW, 4), NW, 8)
         else:
             sub = d
             h = q
@@ -583,6 +588,8 @@ if gluon is not None and warpgroup_mma is not None:
         weights = qs_desc.block_type.nbytes + d_desc.block_type.nbytes
         if int(FMT) == quant_pack.Q6_K:
             weights += sub_desc.block_type.nbytes + qh_desc.block_type.nbytes
+        elif int(FMT) in quant_pack.FIFTH_BIT_FORMATS:
+            weights += qh_desc.block_type.nbytes
         return PARTS * weights + C * x_desc.block_type.nbytes
 
     @gluon.jit
@@ -603,6 +610,8 @@ if gluon is not None and warpgroup_mma is not None:
                 tma.async_copy_global_to_shared(qh_desc, [t0, chunk0, 0], bar, qh_bufs.index(b))
             else:
                 tma.async_copy_global_to_shared(d_desc, [t0, chunk0 * (SD // C)], bar, d_bufs.index(b))
+                if _fifth_bit(FMT):
+                    tma.async_copy_global_to_shared(qh_desc, [t0, chunk0, 0], bar, qh_bufs.index(b))
 
     @gluon.jit
     def _copy_stage_x(descs, bufs, bar, slot, tok0, chunk0, C: gl.constexpr):
@@ -655,7 +664,7 @@ if gluon is not None and warpgroup_mma is not None:
                                                      qh_bufs.index(b), c, FMT, NW, C, SIDE)
                     if AHEAD:
                         q = stage_q[c]
-                        if FMT != F_Q6_K:
+                        if FMT != F_Q6_K and not _fifth_bit(FMT):
                             h = q
                     acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, bb, cc, e, h, q, FMT, NW, BN, A, False)
                 if LAG:     # retire stage i - 1, whose MMAs ran while this stage was dequantized
@@ -738,8 +747,9 @@ if gluon is not None and warpgroup_mma is not None:
         if PDL:
             gdc_launch_dependents()
         PARTS: gl.constexpr = 2 if APART else 1
-        # LAG where ptxas keeps the MMAs pipelined: q6_K's and NVFP4's four a chunk serialize in flight (C7513)
-        LAG_KEPT: gl.constexpr = LAG and not _by16(FMT)
+        # LAG where ptxas keeps the MMAs pipelined: q6_K's and NVFP4's four a chunk serialize in flight (C7513), and
+        # with the fifth bits' registers most configs' do (C7515)
+        LAG_KEPT: gl.constexpr = LAG and not _by16(FMT) and not _fifth_bit(FMT)
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
         n_items = (n_tok + BN - 1) // BN * n_nk
         WB: gl.constexpr = S * PARTS                          # weight buffers: a stage's blocks, one per part
@@ -747,6 +757,9 @@ if gluon is not None and warpgroup_mma is not None:
         d_bufs = gl.allocate_shared_memory(d_desc.dtype, [WB] + d_desc.block_type.shape, d_desc.layout)
         if FMT == F_Q6_K:
             sub_bufs = gl.allocate_shared_memory(sub_desc.dtype, [WB] + sub_desc.block_type.shape, sub_desc.layout)
+            qh_bufs = gl.allocate_shared_memory(gl.uint8, [WB] + qh_desc.block_type.shape, qh_desc.layout)
+        elif _fifth_bit(FMT):
+            sub_bufs = d_bufs
             qh_bufs = gl.allocate_shared_memory(gl.uint8, [WB] + qh_desc.block_type.shape, qh_desc.layout)
         else:
             sub_bufs = d_bufs
@@ -853,9 +866,9 @@ class GemmConfig:
     # PERSIST > 0 (a ring): that many CTAs an SM at most, each walking several (token tile, row block, K split)
     # items with the ring running from one into the next, instead of a CTA per item; a row's bits are the same
     PERSIST: int = 0
-    # LAG (a ring of a format scaled per 32 weights or more): each stage's MMAs stay in flight while the next
-    # stage is dequantized, across loop iterations too, instead of none in flight at each iteration's end (with
-    # APART the first warpgroup's only); a row's bits are the same
+    # LAG (a ring of a format scaled per 32 weights or more, not a 5-bit one): each stage's MMAs stay in flight
+    # while the next stage is dequantized, across loop iterations too, instead of none in flight at each
+    # iteration's end (with APART the first warpgroup's only); a row's bits are the same
     LAG: bool = False
     # AHEAD (a ring): a stage's quant bytes read from shared memory in one load, each chunk into registers of its
     # own, instead of chunk by chunk into the same ones; a row's bits are the same
@@ -999,17 +1012,16 @@ def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
 # Entries per 16-row tile and chunk of the plane a ring stage carries as its d (_side_shape's table, for the host):
 # f16 d (and q4_1's m), or NVFP4's sub plane as int32 words (four e4m3 scales a row); q6_K carries more planes
 _SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64,
-                   quant_pack.NVFP4: 16}
-# The formats the ring variant copies the planes of: all but q5_0's and q5_1's, whose fifth bits no stage carries
-# yet (their default config, the register path, reads them)
+                   quant_pack.Q5_0: 32, quant_pack.Q5_1: 64, quant_pack.NVFP4: 16}
+# The formats the ring variant copies the planes of (the fifth bits too: a [NW, CHUNKS, 128]-byte block a stage)
 RING_FORMATS = (*_SIDE_PER_CHUNK, quant_pack.Q6_K)
 _weight_descriptors: dict[tuple, object] = {}
 
 
 def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
     """TMA descriptors of a weight's planes for the ring variant: (qs, d, sub, qh) blocks of one stage and
-    consumer part, NW row tiles (NW / 2 with APART) x CHUNKS chunks, copied unswizzled (q6_K only has sub and qh;
-    the others pass qs again; NVFP4's stage carries its sub plane as d). A descriptor
+    consumer part, NW row tiles (NW / 2 with APART) x CHUNKS chunks, copied unswizzled (q6_K only has sub, and qh
+    with the fifth-bit formats; the others pass qs again; NVFP4's stage carries its sub plane as d). A descriptor
     is plain values (address, shape, strides, block), so it is made once per weight and config."""
     nw, c = cfg.NW // 2 if cfg.APART else cfg.NW, cfg.CHUNKS       # the row tiles of one consumer part
     key = (p.qs.data_ptr(), p.d.data_ptr(), tuple(p.qs.shape), tuple(p.d.shape), p.fmt_id, nw, c)
@@ -1027,7 +1039,9 @@ def ring_descriptors(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> tuple:
                  descriptor(p.qh.view(tiles, n_chunks, 256), [nw, c, 256]))
     else:
         side = p.sub.view(torch.int32) if p.fmt_id == quant_pack.NVFP4 else p.d    # NVFP4's row scale: the epilogue's
-        found = (qs, descriptor(side, [nw, c * _SIDE_PER_CHUNK[p.fmt_id]]), qs, qs)
+        fifth = (descriptor(p.qh.view(tiles, n_chunks, 128), [nw, c, 128])
+                 if p.fmt_id in quant_pack.FIFTH_BIT_FORMATS else qs)
+        found = (qs, descriptor(side, [nw, c * _SIDE_PER_CHUNK[p.fmt_id]]), qs, fifth)
     _weight_descriptors[key] = found
     return found
 
@@ -1043,6 +1057,7 @@ def _ring_stage_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
         chunk += 256 * cfg.NW + 64 * cfg.NW
         side = 64 * cfg.NW
     else:
+        chunk += 128 * cfg.NW if fmt_id in quant_pack.FIFTH_BIT_FORMATS else 0
         side = (4 if fmt_id == quant_pack.NVFP4 else 2) * _SIDE_PER_CHUNK[fmt_id] * cfg.NW * cfg.CHUNKS
     return cfg.CHUNKS * chunk + side + 16
 

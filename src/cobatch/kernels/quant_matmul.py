@@ -20,7 +20,7 @@ changes with n_tok:
 The crossover T and the tile configs come from quant_configs.json (measured on the H200 by
 bench/kernels.py --sweep); nothing is autotuned at run time.
 
-Formats without a packed layout (q5_1, q2_K, q3_K, q5_K, f16/bf16/f32 matrices) are dequantized once at load
+Formats without a packed layout (q2_K, q3_K, f16/bf16/f32 matrices) are dequantized once at load
 to a dense matrix and go through F.linear: correct, but they read 2 bytes per weight.
 """
 
@@ -642,6 +642,10 @@ def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
 # ones of its own (a sweep of its GEMV alone keeps the other's GEMM configs): FP8's planes are q8_0's (only the
 # byte decode differs), NVFP4's hold q4_K's bytes a weight.
 PLANS_LIKE = {"fp8_e4m3": "q8_0", "nvfp4": "q4_k"}
+# The 5-bit formats take the plans of the 4-bit format whose planes theirs extend (the kernels' loops are the same
+# but for the fifth bits); COBATCH_Q5_PLANS_LIKE_Q4=0 leaves them the defaults (for comparisons).
+if os.environ.get("COBATCH_Q5_PLANS_LIKE_Q4", "1") != "0":
+    PLANS_LIKE.update({"q5_0": "q4_0", "q5_1": "q4_1", "q5_k": "q4_k"})
 
 
 def nearest_shape(n_rows: int, n_cols: int, shapes: list[str]) -> str | None:
