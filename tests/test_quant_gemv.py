@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from cobatch.kernels import quant_gemv, quant_pack
+from cobatch.kernels import quant_gemm, quant_gemv, quant_pack
 from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_matmul import PackedWeight
 from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes,
@@ -433,6 +434,25 @@ def test_checkpoint_formats_take_the_plans_of_the_format_whose_loop_they_share(t
                                                                         ((8, GemvConfig(**tier)),))
     assert narrow("nvfp4", 4096) == narrow("q4_k", 4096) == GemvPlan(GemvConfig(8, 2, 1, 2, 0))
     assert narrow("nvfp4", 1024) == GemvPlan(GemvConfig(2, 4, 1, 1, 0))
+
+
+def test_the_5_bit_formats_take_the_plans_of_the_4_bit_format_they_extend(tmp_path, monkeypatch):
+    """q5_K's planes are q4_K's (as q4_1's) with a fifth bit a weight, and the kernels' loops the same: without plans
+    of its own it runs q4_K's, the mid-batch GEMM's ring configs included (the ring copies the fifth bits:
+    quant_gemm.RING_FORMATS), but not q4_K's CUDA C++ configs (that kernel does not read its planes)."""
+    ring = {"NW": 4, "split_k": 1, "RING": 8, "CHUNKS": 2, "LAG": True, "AHEAD": True}
+    table = {"formats": {"q4_k": {"shapes": {"4096x4096": {
+        "gemv": {"W": 8, "RT": 2, "split_k": 1, "U": 2, "D": 0}, "quant_gemm": ring, "quant_gemm_crossover": 16,
+        "quant_gemm_first": {"kernel": "cuda", "WG": 1, "S": 8, "split_k": 2}, "quant_gemm_first_upto": 32}}}}}
+    path = tmp_path / "configs.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    q4, q5 = (qm.plan_for(fmt, 4096, 4096, 4096, gemv=True, quant_gemm_too=True) for fmt in ("q4_k", "q5_k"))
+    assert q5.narrow == q4.narrow == GemvPlan(GemvConfig(8, 2, 1, 2, 0))
+    assert q5.mid == q4.mid == GemmConfig(**ring) and q5.crossover == 16
+    assert q4.first is not None and q5.first is None
+    assert quant_pack.Q5_1 in quant_gemm.RING_FORMATS and quant_pack.Q5_0 in quant_gemm.RING_FORMATS
 
 
 # --- the kernel (CUDA) ------------------------------------------------------------------------------------
