@@ -155,7 +155,7 @@ def test_fragment_planes_decode_to_the_gguf_values(fmt_name):
     assert planes.fragment and planes.qs.shape[0] == planes.rows_pad // 16
     row_major = planes_of(w, fragment=False)
     ref = planes_values(w)
-    if fmt_name in ("q4_k", "q5_k"):   # repacked as q4_1 / q5_1: an f16 scale and offset per 32-block, each rounded once
+    if fmt_name in ("q4_k", "q5_k"):   # as q4_1 / q5_1: an f16 scale and offset per 32-block, each rounded once
         fifth = fmt_name == "q5_k"
         assert planes.fmt_id == (quant_pack.Q5_1 if fifth else quant_pack.Q4_1)
         assert planes.m is None and planes.sub is None   # m inside d

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q4_1, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, gl, gluon
+from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, gl, gluon
 from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 try:

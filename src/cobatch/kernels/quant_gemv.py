@@ -457,9 +457,9 @@ if gluon is not None:
 
     @gluon.jit
     def _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W: gl.constexpr, RT: gl.constexpr):
-        """q5_0's and q5_1's fifth bits of each warp's chunk, a lane's 4 bytes (quant_pack.fifth_bits_to_fragment_order), each
-        repeated over the 4 bytes of the qs word it belongs to: [W, RT, lane, 16], renamed as the quant bytes are
-        (_as_operand), so that ASM_NIB5_ZP gets a word's bits beside the word."""
+        """q5_0's and q5_1's fifth bits of each warp's chunk, a lane's 4 bytes (quant_pack.fifth_bits_to_fragment_order),
+        each repeated over the 4 bytes of the qs word it belongs to: [W, RT, lane, 16], renamed as the quant bytes are
+        (_as_operand), so that ASM_NIB5_ZP / ASM_NIB5_AFFINE get a word's bits beside the word."""
         h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 4, RT, _byte_layout(W, 4), 4))
         return _twice(_twice(h, W, RT, 4), W, RT, 8)
 

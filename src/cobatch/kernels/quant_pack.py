@@ -62,7 +62,8 @@ PACKED_FORMATS = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1"
                   "q6_k": Q6_K, "fp8_e4m3": FP8_E4M3, "nvfp4": NVFP4}
 ROW_SCALED = (FP8_E4M3, NVFP4)      # the checkpoint formats: a row scale beside the blocks (QuantWeight.row_scale)
 BYTE_FORMATS = (Q8_0, FP8_E4M3)     # one byte a weight and an f16 scale per 32: the same planes
-FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FP8_E4M3, NVFP4)   # whose planes may be in fragment order
+# whose planes may be in fragment order
+FRAGMENT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FP8_E4M3, NVFP4)
 FIFTH_BIT_FORMATS = (Q5_0, Q5_1, Q5_K)   # 4-bit nibbles and a fifth bit a weight (a qh word per 32-block)
 AFFINE_FORMATS = (Q4_1, Q5_1, Q4_K, Q5_K)   # w = scale q + offset: in fragment order q4_1's or q5_1's planes
 SCALED_BY_16 = (Q6_K, NVFP4)        # a scale every 16 weights: each k16 half of a tile keeps its own columns (k_order)
