@@ -1,6 +1,6 @@
 """Quantization on load (quant/quantize.py) against independent references: gguf-py's quantizers (bit-exact ports
-of ggml's) for q8_0 / q4_1, and for q4_K a scalar numpy transcription of llama.cpp's quantize_row_q4_K_ref /
-make_qkx2_quants (ggml-quants.c), without an importance matrix."""
+of ggml's) for q8_0 / q4_1 / q5_1, and for q4_K and q5_K a scalar numpy transcription of llama.cpp's
+quantize_row_q4_K_ref / _q5_K_ref and make_qkx2_quants (ggml-quants.c), without an importance matrix."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _values(rows: int, cols: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_1, T.Q5_1], ids=lambda t: t.name)
 def test_legacy_quantizers_match_gguf_py_bit_for_bit(ggml_type):
     x = _values(8, 512, 3)
     ours = quantize(x, ggml_type)
@@ -60,14 +60,15 @@ def _make_qkx2_quants(x, w, nmax=15, rmin=-1.0, rdelta=0.1, nstep=20):
     return scale, -lo
 
 
-def _q4_k_reference(block: np.ndarray) -> np.ndarray:
-    """quantize_row_q4_K_ref for one 256-value super-block, dequantized (d * sc * q - dmin * m)."""
+def _k_quant_reference(block: np.ndarray, nmax: int = 15, rmin: float = -1.0, nstep: int = 20) -> np.ndarray:
+    """quantize_row_q4_K_ref (nmax 15, rmin -1, nstep 20) or quantize_row_q5_K_ref (31, -0.5, 15) for one 256-value
+    super-block, dequantized (d * sc * q - dmin * m)."""
     f = np.float32
     sub = block.reshape(8, 32).astype(f)
     scales, mins = np.zeros(8, f), np.zeros(8, f)
     for j in range(8):
         av_x = np.sqrt(f((sub[j] ** 2).sum()) / 32)
-        scales[j], mins[j] = _make_qkx2_quants(sub[j], av_x + np.abs(sub[j]))
+        scales[j], mins[j] = _make_qkx2_quants(sub[j], av_x + np.abs(sub[j]), nmax, rmin, 0.1, nstep)
     max_scale, max_min = scales.max(), mins.max()
     inv_scale = f(63) / max_scale if max_scale > 0 else f(0)
     inv_min = f(63) / max_min if max_min > 0 else f(0)
@@ -80,21 +81,26 @@ def _q4_k_reference(block: np.ndarray) -> np.ndarray:
         if dj == 0:
             out[j] = -mj
             continue
-        q = np.array([max(0, min(15, _nearest_int((v + mj) / dj))) for v in sub[j]], dtype=f)
+        q = np.array([max(0, min(nmax, _nearest_int((v + mj) / dj))) for v in sub[j]], dtype=f)
         out[j] = dj * q - mj
     return out.reshape(256)
 
 
-def test_q4_k_matches_llama_cpps_search():
+@pytest.mark.parametrize("ggml_type, search", [(T.Q4_K, (15, -1.0, 20)), (T.Q5_K, (31, -0.5, 15))],
+                         ids=["Q4_K", "Q5_K"])
+def test_k_quants_match_llama_cpps_search(ggml_type, search):
     x = _values(4, 512, 5)                   # 8 super-blocks
-    ours = dequantize(quantize(x, T.Q4_K), T.Q4_K, 512).reshape(-1, 256).numpy()
-    ref = np.stack([_q4_k_reference(b) for b in x.reshape(-1, 256).numpy()])
+    ours = dequantize(quantize(x, ggml_type), ggml_type, 512).reshape(-1, 256).numpy()
+    ref = np.stack([_k_quant_reference(b, *search) for b in x.reshape(-1, 256).numpy()])
     # float32 sums in another order could flip a near-tie between two candidates; on these blocks none does
     assert (ours == ref).all()
 
 
-def test_q4_k_search_beats_min_max_scales():
+@pytest.mark.parametrize("k_type, legacy", [(T.Q4_K, T.Q4_1), (T.Q5_K, T.Q5_1)], ids=["Q4_K", "Q5_K"])
+def test_k_quant_search_beats_min_max_scales(k_type, legacy):
     x = _values(16, 256, 7)
-    err_k = (dequantize(quantize(x, T.Q4_K), T.Q4_K, 256) - x).square().mean()
-    err_1 = (dequantize(quantize(x, T.Q4_1), T.Q4_1, 256) - x).square().mean()   # min-max per 32 values, f16
+    err_k = (dequantize(quantize(x, k_type), k_type, 256) - x).square().mean()
+    err_1 = (dequantize(quantize(x, legacy), legacy, 256) - x).square().mean()   # min-max per 32 values, f16
     assert err_k < 0.95 * err_1
+    if k_type == T.Q5_K:                     # a fifth bit: about a quarter of q4_K's squared error
+        assert err_k < 0.4 * (dequantize(quantize(x, T.Q4_K), T.Q4_K, 256) - x).square().mean()

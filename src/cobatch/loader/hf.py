@@ -34,10 +34,10 @@ QUANTIZATIONS = ("auto", "none", *TORCH_QUANTIZED)    # --quantization's choices
 # vLLM's --quantization names for a checkpoint's own scheme: here, as auto (the checkpoint says what it holds)
 VLLM_METHODS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors")
 FLOAT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-# 4-bit formats leave the output head (and a tied embedding) at 8 bits, as llama.cpp's 4-bit mixes keep it above 4
-_HEAD_FORMAT = {"q4_k": "q8_0", "q4_1": "q8_0"}
+# 4- and 5-bit formats leave the output head (and a tied embedding) at 8 bits, as llama.cpp's mixes keep it higher
+_HEAD_FORMAT = {"q4_k": "q8_0", "q4_1": "q8_0", "q5_k": "q8_0", "q5_1": "q8_0"}
 # A row that is not whole blocks of the asked format takes the next that fits, else stays as stored
-_FALLBACK = {"q4_k": "q4_1"}
+_FALLBACK = {"q4_k": "q4_1", "q5_k": "q5_1"}
 _HEADS = ("output.weight", "token_embd.weight")
 
 
@@ -214,7 +214,7 @@ class HFCheckpoint:
                 for kind in ("long", "short")}
 
     def _target(self, name: str, cols: int) -> str:
-        """The format a float matrix runs in: --quantization's, the head at 8 bits under a 4-bit one, a fallback
+        """The format a float matrix runs in: --quantization's, the head at 8 bits under a 4- or 5-bit one, a fallback
         where the row is not whole blocks, "none" (as stored) for the MoE router (models/moe.py keeps it f32)."""
         if "ffn_gate_inp" in name or self.quantization == "none":
             return "none"

@@ -1,10 +1,11 @@
 """float -> GGUF blocks, in torch: how a float checkpoint is quantized once at load (on the GPU when there is one).
 
-q8_0 and q4_1 follow ggml's reference quantizers (quantize_row_q8_0_ref / _q4_1_ref, mirrored bit for bit by
-gguf-py, which the tests compare against). q4_K follows quantize_row_q4_K_ref without an importance matrix: each
-32-value sub-block gets the (scale, min) of make_qkx2_quants' search (21 candidate scales around the min-max one,
-each refined by a weighted least-squares fit, the one of least weighted squared error kept, weights |x| + rms),
-then the eight scales and mins are themselves quantized to 6 bits against the super-block's f16 d and dmin.
+q8_0, q4_1 and q5_1 follow ggml's reference quantizers (quantize_row_q8_0_ref / _q4_1_ref / _q5_1_ref, mirrored
+bit for bit by gguf-py, which the tests compare against). q4_K and q5_K follow quantize_row_q4_K_ref / _q5_K_ref
+without an importance matrix: each 32-value sub-block gets the (scale, min) of make_qkx2_quants' search (candidate
+scales around the min-max one, each refined by a weighted least-squares fit, the one of least weighted squared error
+kept, weights |x| + rms), then the eight scales and mins are themselves quantized to 6 bits against the super-block's
+f16 d and dmin.
 Everything is whole-tensor torch ops over chunks of rows, so a 4096 x 14336 matrix is a few launches on a GPU.
 Other ggml types go through gguf-py (numpy, on the CPU).
 """
@@ -55,12 +56,29 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_f16_bytes(d), q], 1)
 
 
-def _q4_1(x: torch.Tensor) -> torch.Tensor:
+def _min_max_levels(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d, min, q) of each 32-block: q in 0..nmax from the block's min and max (quantize_row_q4_1_ref / _q5_1_ref)."""
     blocks = x.reshape(-1, 32)
     lo, hi = blocks.amin(1, keepdim=True), blocks.amax(1, keepdim=True)
-    d = (hi - lo) / 15
-    q = torch.trunc((blocks - lo) * _inverse(d) + 0.5).clamp(0, 15)
+    d = (hi - lo) / nmax
+    return d, lo, torch.trunc((blocks - lo) * _inverse(d) + 0.5).clamp(0, nmax)
+
+
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """Levels [n, k] in 0..31 -> the bytes of their fifth bits, bit j of the little-endian words = value j's."""
+    bits = (q.to(torch.int64) >> 4) & 1
+    words = (bits.reshape(q.shape[0], -1, 32) << torch.arange(32, device=q.device)).sum(-1)
+    return torch.stack([(words >> s) & 255 for s in (0, 8, 16, 24)], -1).to(torch.uint8).reshape(q.shape[0], -1)
+
+
+def _q4_1(x: torch.Tensor) -> torch.Tensor:
+    d, lo, q = _min_max_levels(x, 15)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _nibbles(q.reshape(-1, 2, 16))], 1)
+
+
+def _q5_1(x: torch.Tensor) -> torch.Tensor:
+    d, lo, q = _min_max_levels(x, 31)
+    return torch.cat([_f16_bytes(d), _f16_bytes(lo), _fifth_bits(q), _nibbles((q % 16).reshape(-1, 2, 16))], 1)
 
 
 def make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1,
@@ -108,12 +126,14 @@ def make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: fl
     return torch.where(flat, zero, scale), -lo
 
 
-def _q4_k(x: torch.Tensor) -> torch.Tensor:
+def _k_levels(x: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tuple[torch.Tensor, ...]:
+    """A K-quant's super-blocks: (d, dmin as f16 [n, 1], 6-bit scales and mins [n, 8], levels q [n, 8, 32] in
+    0..nmax), as quantize_row_q4_K_ref / _q5_K_ref compute them."""
     sub = x.reshape(-1, 8, 32)
     n = sub.shape[0]
     flat = sub.reshape(-1, 32)
     rms = (flat * flat).mean(1, keepdim=True).sqrt()
-    scales, mins = make_qkx2_quants(flat, rms + flat.abs(), nmax=15)
+    scales, mins = make_qkx2_quants(flat, rms + flat.abs(), nmax=nmax, rmin=rmin, nstep=nstep)
     scales, mins = scales.view(n, 8), mins.view(n, 8)
     max_scale, max_min = scales.amax(1, keepdim=True), mins.amax(1, keepdim=True)
     ls = _round_away(torch.where(max_scale > 0, _over(63.0, max_scale), 0) * scales).clamp(max=63).to(torch.uint8)
@@ -122,14 +142,37 @@ def _q4_k(x: torch.Tensor) -> torch.Tensor:
     # the quants against the scales as stored (6-bit, against f16 d / dmin), as ggml recomputes them
     sub_d = (d.float() * ls.float()).unsqueeze(-1)
     sub_m = (dmin.float() * lm.float()).unsqueeze(-1)
-    q = _round_away((sub + sub_m) / torch.where(sub_d == 0, torch.ones_like(sub_d), sub_d)).clamp(0, 15)
-    q = torch.where(sub_d == 0, torch.zeros_like(q), q)
-    packed = _nibbles(q.reshape(n, 4, 2, 32).reshape(n * 4, 2, 32)).reshape(n, 128)
+    q = _round_away((sub + sub_m) / torch.where(sub_d == 0, torch.ones_like(sub_d), sub_d)).clamp(0, nmax)
+    return d, dmin, ls, lm, torch.where(sub_d == 0, torch.zeros_like(q), q)
+
+
+def _k_head(d: torch.Tensor, dmin: torch.Tensor, ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """A K-quant super-block's first 16 bytes: its f16 d and dmin, then the eight 6-bit scales and mins."""
+    n = d.shape[0]
     return torch.cat([d.view(torch.uint8).view(n, 2), dmin.view(torch.uint8).view(n, 2),
-                      _pack_k_scales_mins(ls, lm), packed], 1)
+                      _pack_k_scales_mins(ls, lm)], 1)
 
 
-_TORCH_QUANTIZERS = {T.Q8_0: _q8_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}
+def _k_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Levels [n, 8, 32] -> [n, 128] bytes: 64-value chunk c's byte l holds sub-block 2c's value l in its low
+    nibble, 2c + 1's in its high nibble (the low 4 bits of each)."""
+    n = q.shape[0]
+    return _nibbles((q % 16).reshape(n * 4, 2, 32)).reshape(n, 128)
+
+
+def _q4_k(x: torch.Tensor) -> torch.Tensor:
+    d, dmin, ls, lm, q = _k_levels(x, nmax=15, rmin=-1.0, nstep=20)
+    return torch.cat([_k_head(d, dmin, ls, lm), _k_nibbles(q)], 1)
+
+
+def _q5_k(x: torch.Tensor) -> torch.Tensor:
+    d, dmin, ls, lm, q = _k_levels(x, nmax=31, rmin=-0.5, nstep=15)
+    # byte l of qh: bit i the fifth bit of sub-block i's value l
+    qh = (((q.to(torch.int64) >> 4) & 1) << torch.arange(8, device=q.device)[:, None]).sum(1).to(torch.uint8)
+    return torch.cat([_k_head(d, dmin, ls, lm), qh, _k_nibbles(q)], 1)
+
+
+_TORCH_QUANTIZERS = {T.Q8_0: _q8_0, T.Q4_1: _q4_1, T.Q5_1: _q5_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k}
 TORCH_QUANTIZED = tuple(t.name.lower() for t in _TORCH_QUANTIZERS)      # what --quantization can ask for
 
 
