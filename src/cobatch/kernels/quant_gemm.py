@@ -9,8 +9,9 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     So weight bytes go global -> registers with one 16-byte load per lane and tile, are dequantized there by
     the GEMV's own packed-f16 code (quant_gemv._dequant_operand, _q6_operands, _fp4_operands) and feed wgmma as
     its register A operand. Every fragment-order format runs it: q8_0 / FP8 (a byte a weight), q4_0, q4_1 / q4_K,
-    and the two scaled every 16 weights, q6_K and NVFP4 (four k16 MMAs a chunk; NVFP4's row scale in the
-    epilogue). The renames from loaded bytes to the operand are checked at compile time (assert_trivial).
+    q5_0, q5_1 / q5_K (a fifth bit a weight, quant_gemv._fifth_bits), and the two scaled every 16 weights, q6_K
+    and NVFP4 (four k16 MMAs a chunk; NVFP4's row scale in the epilogue). The renames from loaded bytes to the
+    operand are checked at compile time (assert_trivial).
   - Activations are wgmma's B operand, from shared memory: each K step's x block is loaded by the CTA's
     threads, converted to f16 and stored in the planes' column order (quant_pack.k_order: a per-32-column
     permutation, in registers) into the swizzled buffer of its step of the loop iteration (4 steps, 4 buffers).

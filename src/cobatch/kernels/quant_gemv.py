@@ -11,9 +11,10 @@ Gluon lets the kernel say where every byte lives:
     only renames registers, which `convert_layout(..., assert_trivial=True)` checks at compile time.
     Scales and mins are stored per tile too, with the two rows a lane owns side by side (one vector load per
     lane, one contiguous piece per warp), and so are q6_K's high bits, 8 bytes per lane and tile.
-  - Formats: q8_0, q4_0, q4_1, q4_K, q6_K. q4_K is repacked as q4_1 (a precomputed f16 scale and offset
-    per 32-block). q6_K's scales change every 16 weights, so its chunks run as two k16 halves (one mma each
-    per block) with per-half scales.
+  - Formats: q8_0, q4_0, q4_1, q4_K, q6_K, and the 5-bit q5_0, q5_1, q5_K (q4_0's and q4_1's planes with a fifth
+    bit a weight, 4 bytes a lane and tile). q4_K is repacked as q4_1 (a precomputed f16 scale and offset
+    per 32-block), q5_K as q5_1. q6_K's scales change every 16 weights, so its chunks run as two k16 halves (one
+    mma each per block) with per-half scales.
   - Dequantization is a few packed-f16 instructions per 4 bytes (inline PTX): nibbles or bytes are
     OR-ed under the f16 magic exponent 1024 (ulp 1), a packed subtract removes the magic exactly, a
     packed multiply (or fma with the min) applies the scale. The bytes of a 32-bit word are ordered so
@@ -457,9 +458,9 @@ if gluon is not None:
 
     @gluon.jit
     def _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W: gl.constexpr, RT: gl.constexpr):
-        """q5_0's and q5_1's fifth bits of each warp's chunk, a lane's 4 bytes (quant_pack.fifth_bits_to_fragment_order),
-        each repeated over the 4 bytes of the qs word it belongs to: [W, RT, lane, 16], renamed as the quant bytes are
-        (_as_operand), so that ASM_NIB5_ZP / ASM_NIB5_AFFINE get a word's bits beside the word."""
+        """The fifth bits of each warp's chunk (q5_0, q5_1), a lane's 4 bytes (quant_pack.fifth_bits_to_fragment_order),
+        each repeated over the 4 bytes of the qs word it belongs to: [W, RT, lane, 16], renamed as the quant bytes
+        are (_as_operand), so that ASM_NIB5_ZP / ASM_NIB5_AFFINE get a word's bits beside the word."""
         h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 4, RT, _byte_layout(W, 4), 4))
         return _twice(_twice(h, W, RT, 4), W, RT, 8)
 

@@ -6,16 +6,18 @@ row-major [rows_pad, ...]:
 
   qs     quants. q8_0: one byte per weight (the int8 bits, stored as uint8). 4-bit formats and q6_K's low
          nibbles: one byte per two weights, paired within each 64-weight chunk: byte l of chunk c holds
-         weight 64c+l in its low nibble and weight 64c+32+l in its high nibble (q4_K's own GGUF order;
-         q4_0/q4_1/q5_0 pair within 32-blocks in GGUF and are re-paired here). So "the low nibbles of a
-         chunk" and "the high nibbles" are each one whole 32-weight block.
-  d      scale. f16 per 32-block (q8_0, q4_0, q4_1, q5_0); q4_K: f16 pairs (d, dmin) per 256-super-block;
-         q6_K: f32 per super-block (4 bytes, so the load can be an async copy; cp.async moves >= 4 bytes).
-  m      q4_1: f16 min per 32-block.
-  sub    q4_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
-  qh     int32 high bits: q5_0 one word per 32-block (bit j is bit 4 of weight j); q6_K one word per
-         16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j). In fragment order, bytes beside the qs tiles
-         (q5_0: fifth_bits_to_fragment_order, 4 a lane; q6_K: high_bits_to_fragment_order, 8 a lane).
+         weight 64c+l in its low nibble and weight 64c+32+l in its high nibble (q4_K's and q5_K's own GGUF
+         order; q4_0/q4_1/q5_0/q5_1 pair within 32-blocks in GGUF and are re-paired here). So "the low
+         nibbles of a chunk" and "the high nibbles" are each one whole 32-weight block.
+  d      scale. f16 per 32-block (q8_0, q4_0, q4_1, q5_0, q5_1); q4_K, q5_K: f16 pairs (d, dmin) per
+         256-super-block; q6_K: f32 per super-block (4 bytes, so the load can be an async copy; cp.async
+         moves >= 4 bytes).
+  m      q4_1, q5_1: f16 min per 32-block.
+  sub    q4_K, q5_K: uint8 pairs (6-bit scale, 6-bit min) per 32-block; q6_K: int8 scale per 16 weights.
+  qh     int32 high bits: the 5-bit formats (q5_0, q5_1, q5_K) one word per 32-block (bit j is bit 4 of
+         weight j); q6_K one word per 16 weights (bits 2j, 2j+1 are bits 4, 5 of weight j). In fragment
+         order, bytes beside the qs tiles (fifth_bits_to_fragment_order, 4 a lane; q6_K's
+         high_bits_to_fragment_order, 8 a lane).
 The checkpoint formats (loader/hf.py) hold a row scale (QuantWeight.row_scale: per channel, or the tensor's
 repeated). FP8 (fp8_e4m3) has q8_0's planes, in either order: qs one e4m3 byte per weight, d the row scale
 times FP8_D_SCALE as an f16 per 32-block (fp8_packable: scales f16 holds as normal numbers), so only the kernels'
@@ -25,13 +27,14 @@ per 16: q6_K's int8 scales' place), d the f32 row scale [rows_pad, 1] (in fragme
 In fragment order, FP8's and NVFP4's qs words then have their bits moved where the kernels decode them in the
 fewest instructions (to_decode_order).
 
-Bytes are the GGUF bytes except: q4_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
-(148 bytes per 256 weights instead of 144, +2.8 %), q6_K's f16 d becomes f32 (212 instead of 210, +1 %).
+Bytes are the GGUF bytes except: q4_K's and q5_K's 12 packed bytes of 6-bit scales/mins become 16 plain bytes
+(148 bytes per 256 weights instead of 144, +2.8 %; q5_K 180 instead of 176), q6_K's f16 d becomes f32 (212
+instead of 210, +1 %).
 `nbytes` counts what the kernels really read.
 Rows are padded to a multiple of 128 and columns to a multiple of 256 with zero blocks, so the kernels
 load whole tiles without masks; the padding reads as 0.
 
-Fragment order (`fragment=True`, the CUDA layout of q8_0/q4_0/q4_1/q5_0/q4_K/q6_K for quant_gemv.py): the qs
+Fragment order (`fragment=True`, the CUDA layout of the packed formats for quant_gemv.py): the qs
 plane is cut into 16-row x 32-byte tiles (a "chunk": 32 weights of q8_0, 64 of the others), stored
 [row tile, chunk, 512 bytes], and inside a tile lane L of a warp owns bytes 16 L .. 16 L + 15: exactly the
 bytes of its mma.sync A fragments (`fragment_order`). Same bytes, another order; inside each tile the
@@ -42,10 +45,11 @@ the lanes of one warp load the 16 rows of an entry from one 32- or 64-byte piece
 row-major plane spread them over 16 pieces (one per row, each a separate memory transaction).
 An "entry" is what a row needs per K position: an f16 scale or min per 32-block; q4_K's 4 bytes of
 (scale, min) per 64-weight chunk and its f16 (d, dmin) pair per super-block; q6_K's 4 int8 scales per chunk
-and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`), q5_0's
-fifth bits one of 4 (`fifth_bits_to_fragment_order`).
-q4_1's scale and offset planes (and q4_K's, repacked as q4_1's) become one plane, `d`, with the 8 values a lane
-group needs per tile and chunk side by side (`affine_sides_to_fragment_order`); `m` is then None.
+and its f32 d. q6_K's high bits become a plane of 8 bytes per lane and tile (`high_bits_to_fragment_order`), the
+5-bit formats' fifth bits one of 4 (`fifth_bits_to_fragment_order`).
+q4_1's scale and offset planes (and q4_K's, repacked as q4_1's; q5_1's and q5_K's alike) become one plane, `d`,
+with the 8 values a lane group needs per tile and chunk side by side (`affine_sides_to_fragment_order`); `m` is
+then None.
 """
 
 from __future__ import annotations
@@ -356,7 +360,7 @@ def _q4k_as_affine(planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _fifth_bit_values(qh: torch.Tensor) -> torch.Tensor:
-    """q5_0 high-bit words [rows, cols / 32] (bit j: weight j of the 32-block) -> bits [rows, cols] uint8."""
+    """Fifth-bit words [rows, cols / 32] (bit j: weight j of the 32-block) -> bits [rows, cols] uint8."""
     shifts = torch.arange(32, device=qh.device, dtype=torch.int32)
     return ((qh[..., None] >> shifts) & 1).reshape(qh.shape[0], -1).to(torch.uint8)
 
@@ -367,12 +371,12 @@ def _fifth_bit_words(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-# Where the fifth bits of a q5_0 chunk's low block (its low nibbles) and high block start in their fragment-order byte
+# Where the fifth bits of a chunk's low block (its low nibbles) and high block start in their fragment-order byte
 FIFTH_BIT = (4, 0)
 
 
 def fifth_bits_to_fragment_order(qh: torch.Tensor) -> torch.Tensor:
-    """q5_0's fifth bit of each weight (words [rows, cols / 32], rows % 16 == 0, cols % 64 == 0) -> the plane the
+    """The fifth bit of each weight (words [rows, cols / 32], rows % 16 == 0, cols % 64 == 0) -> the plane the
     kernels read beside the fragment-order nibbles: [rows / 16, chunks * 128] bytes, 4 per lane and tile, one
     bit a weight as in the file.
 
@@ -392,7 +396,7 @@ def fifth_bits_to_fragment_order(qh: torch.Tensor) -> torch.Tensor:
 
 
 def fifth_bits_from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
-    """The inverse of fifth_bits_to_fragment_order: the q5_0 high-bit words [rows, cols / 32]."""
+    """The inverse of fifth_bits_to_fragment_order: the fifth-bit words [rows, cols / 32]."""
     tiles = frag.shape[0]
     byte = frag.view(tiles, -1, 8, 4, 4).permute(0, 2, 1, 4, 3).to(torch.int32)   # tile, g, chunk, j, c
     b = torch.stack([torch.stack([torch.stack([(byte >> (FIFTH_BIT[block] + 2 * e + r1)) & 1 for e in range(2)], -1)
