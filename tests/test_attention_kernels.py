@@ -18,7 +18,7 @@ from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
     plan_decode_splits, plan_has_groups, row_split_len, whole_groups)
 from conftest import requires_cuda  # noqa: E402
-from kernel_checks import DEVICE, assert_matches, paged_setup, poisoned, relative_error  # noqa: E402
+from kernel_checks import assert_matches, paged_setup, poisoned, relative_error  # noqa: E402
 
 # Small tiles for the interpreter: several tiles per split and several splits per sequence.
 TINY_DECODE = DecodeConfig(block_n=16, min_split=32, max_splits=8, programs_per_sm=64)

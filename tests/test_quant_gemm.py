@@ -127,12 +127,6 @@ def run_poisoned(pw: PackedWeight, x: torch.Tensor, config, act=None) -> torch.T
     return y
 
 
-def runs_on(cfg: GemmConfig, planes) -> bool:
-    """Does this config read these planes? The ring variant copies every format's but q5_0's
-    (quant_gemm.RING_FORMATS)."""
-    return not cfg.RING or planes.fmt_id in quant_gemm.RING_FORMATS
-
-
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("fmt_name", GEMM_FORMATS)
@@ -158,8 +152,7 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
                     # the committed plans' deep rings: q8_0 qkv's and o's, and q4_K's and q6_K's
                     GemmConfig(NW=4, split_k=1, RING=6, CHUNKS=4, LAG=True, AHEAD=True),
                     GemmConfig(NW=4, split_k=2, RING=8, CHUNKS=2, LAG=True, AHEAD=True)]
-        configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0
-                   and runs_on(c, pw.planes)]
+        configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
         for cfg in [pw.plan.mid] + configs:
             for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
                 if cfg.RING and quant_gemm.ring_stages(cfg, pw.planes.fmt_id, quant_gemm.token_tile(n_tok)) < 2:
@@ -186,8 +179,6 @@ def test_gemm_row_is_bitwise_identical_whatever_the_batch(fmt_name):
     # the plan's GEMM configs as it runs them (mid, then wide: one split of K), past its bound as well; and the
     # ring with its warpgroups apart (each counts its own split-K tiles)
     for config_for in (lambda n: plan.config_for(min(n, plan.mid_upto)), lambda n: apart):
-        if not runs_on(config_for(300), pw.planes):
-            continue
         full = run_poisoned(pw, x, config_for(300))
         for n_tok in (17, 32, 33, 64, 65, 200, 256, 257):
             cfg = config_for(n_tok)
@@ -212,7 +203,7 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
     n_chunks = pw.planes.qs.shape[1] // 512
     for cfg in [GemmConfig(NW=8), GemmConfig(NW=4, split_k=2, P=True), GemmConfig(NW=8, RING=4, CHUNKS=2),
                 GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True)]:
-        if n_chunks % (cfg.split_k * cfg.steps_per_iteration()) or not runs_on(cfg, pw.planes):
+        if n_chunks % (cfg.split_k * cfg.steps_per_iteration()):
             continue
         for n_tok in (17, 100):
             want = gated_mul_triton(pw.matmul(x[:n_tok], config=cfg), act, interleaved=True)

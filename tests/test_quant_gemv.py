@@ -439,7 +439,7 @@ def test_checkpoint_formats_take_the_plans_of_the_format_whose_loop_they_share(t
 def test_the_5_bit_formats_take_the_plans_of_the_4_bit_format_they_extend(tmp_path, monkeypatch):
     """q5_K's planes are q4_K's (as q4_1's) with a fifth bit a weight, and the kernels' loops the same: without plans
     of its own it runs q4_K's, the mid-batch GEMM's ring configs included (the ring copies the fifth bits:
-    quant_gemm.RING_FORMATS), but not q4_K's CUDA C++ configs (that kernel does not read its planes)."""
+    its side tables name their layouts), but not q4_K's CUDA C++ configs (that kernel does not read its planes)."""
     ring = {"NW": 4, "split_k": 1, "RING": 8, "CHUNKS": 2, "LAG": True, "AHEAD": True}
     table = {"formats": {"q4_k": {"shapes": {"4096x4096": {
         "gemv": {"W": 8, "RT": 2, "split_k": 1, "U": 2, "D": 0}, "quant_gemm": ring, "quant_gemm_crossover": 16,
@@ -452,7 +452,7 @@ def test_the_5_bit_formats_take_the_plans_of_the_4_bit_format_they_extend(tmp_pa
     assert q5.narrow == q4.narrow == GemvPlan(GemvConfig(8, 2, 1, 2, 0))
     assert q5.mid == q4.mid == GemmConfig(**ring) and q5.crossover == 16
     assert q4.first is not None and q5.first is None
-    assert quant_pack.Q5_1 in quant_gemm.RING_FORMATS and quant_pack.Q5_0 in quant_gemm.RING_FORMATS
+    assert quant_pack.Q5_1 in quant_gemm._SIDE_PER_CHUNK and quant_pack.Q5_0 in quant_gemm._SIDE_PER_CHUNK
 
 
 # --- the kernel (CUDA) ------------------------------------------------------------------------------------

@@ -956,8 +956,6 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
     if cfg.RING:
-        if p.fmt_id not in RING_FORMATS:
-            raise ValueError(f"the ring variant does not read the planes of format {p.fmt_id}: {cfg}")
         stages = ring_stages(cfg, p.fmt_id, bn)
         if stages < 2:
             raise ValueError(f"{cfg} does not fit an SM's shared memory at {bn}-token tiles")
@@ -1014,8 +1012,6 @@ def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
 # f16 d (and q4_1's m), or NVFP4's sub plane as int32 words (four e4m3 scales a row); q6_K carries more planes
 _SIDE_PER_CHUNK = {quant_pack.Q8_0: 16, quant_pack.FP8_E4M3: 16, quant_pack.Q4_0: 32, quant_pack.Q4_1: 64,
                    quant_pack.Q5_0: 32, quant_pack.Q5_1: 64, quant_pack.NVFP4: 16}
-# The formats the ring variant copies the planes of (the fifth bits too: a [NW, CHUNKS, 128]-byte block a stage)
-RING_FORMATS = (*_SIDE_PER_CHUNK, quant_pack.Q6_K)
 _weight_descriptors: dict[tuple, object] = {}
 
 

@@ -288,7 +288,7 @@ def _fifth_bits(qh_ptr, row, qs_stride, side32, chunk, j, FMT: tl.constexpr, FRA
         b = tl.load(qh_ptr + (row // 16) * (4 * qs_stride) + 128 * chunk + 4 * lane + k // 8).to(tl.int32)
         at = 2 * (k % 2) + (r // 8).to(tl.int32)     # column k + 1: two bits higher; rows g + 8: one
         return (b >> (at + 4)) & 1, (b >> at) & 1     # the low block's at bits 4-7, the high block's at 0-3
-    h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + tl.arange(0, 2)[None, :])
+    h0, h1 = _pair(qh_ptr + row * side32 + 2 * chunk + tl.arange(0, 2)[None, :])   # the two blocks' words
     return (h0 >> j) & 1, (h1 >> j) & 1
 
 
