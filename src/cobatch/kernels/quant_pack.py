@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cobatch.quant.formats import E2M1_VALUES, QuantFormat, _k_scales_mins, format_of
+from cobatch.quant.formats import E2M1_VALUES, QuantFormat, _k_scales_mins, _pack_bits_32, _unpack, format_of
 
 # Format ids: the kernels' FMT constexpr.
 Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, FP8_E4M3, NVFP4, Q5_1, Q5_K = range(10)
@@ -167,9 +167,7 @@ def _pack_chunk(fmt_id: int, raw: torch.Tensor, cols: int, scale: torch.Tensor |
         out = {"qs": b[..., size - 128:].reshape(r, cols // 2), "d": b[..., 0:4].reshape(r, -1).view(torch.float16),
                "sub": torch.stack([scales, mins], dim=-1).reshape(r, cols // 16)}
         if fmt_id == Q5_K:       # bit i of byte l: weight l of the super-block's 32-block i -> a word per block
-            qh = b[..., 16:48].to(torch.int64)                                        # [r, super, 32 bytes]
-            bits = (qh[..., None, :] >> torch.arange(8, device=raw.device)[:, None]) & 1   # [r, super, block, l]
-            out["qh"] = _fifth_bit_words(bits.reshape(r, cols).to(torch.uint8))
+            out["qh"] = _fifth_bit_words(_unpack(b[..., 16:48], 1).reshape(r, cols))      # [r, super, block, l]
         return out
     if fmt_id == Q6_K:
         b = raw.view(r, cols // 256, 210)
@@ -367,8 +365,7 @@ def _fifth_bit_values(qh: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bit_words(bits: torch.Tensor) -> torch.Tensor:
     """The inverse of _fifth_bit_values: bits [rows, cols] -> int32 words [rows, cols / 32]."""
-    words = (bits.reshape(bits.shape[0], -1, 32).to(torch.int64) << torch.arange(32, device=bits.device)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return _pack_bits_32(bits).view(torch.int32)
 
 
 # Where the fifth bits of a chunk's low block (its low nibbles) and high block start in their fragment-order byte

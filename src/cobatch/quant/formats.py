@@ -73,6 +73,13 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return (packed.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)
 
 
+def _pack_bits_32(bits: torch.Tensor) -> torch.Tensor:
+    """Bits [..., 32 k] (0 or 1) -> bytes [..., 4 k]: each 32 as a little-endian u32 whose bit i is bit i (Q5_0's and
+    Q5_1's high-bit word)."""
+    b = bits.reshape(*bits.shape[:-1], -1, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32, device=bits.device)
+    return b.sum(-1).to(torch.uint8)
+
+
 def _merge_high(low: torch.Tensor, high: torch.Tensor, low_bits: int) -> torch.Tensor:
     """Join separately stored high bits onto the low bits of each value."""
     return low | (high << low_bits)

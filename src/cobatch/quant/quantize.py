@@ -17,7 +17,7 @@ import gguf.quants
 import numpy as np
 import torch
 
-from cobatch.quant.formats import T, UnsupportedQuantType, _pack_k_scales_mins, format_of
+from cobatch.quant.formats import T, UnsupportedQuantType, _pack_bits_32, _pack_k_scales_mins, format_of
 
 # Rows are quantized in chunks of about this many values (float32 temporaries of a few times that): small on the
 # CPU, large on a GPU, where q4_K's 21 search steps are a few dozen launches per chunk.
@@ -64,13 +64,6 @@ def _min_max_levels(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
     return d, lo, torch.trunc((blocks - lo) * _inverse(d) + 0.5).clamp(0, nmax)
 
 
-def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
-    """Levels [n, k] in 0..31 -> the bytes of their fifth bits, bit j of the little-endian words = value j's."""
-    bits = (q.to(torch.int64) >> 4) & 1
-    words = (bits.reshape(q.shape[0], -1, 32) << torch.arange(32, device=q.device)).sum(-1)
-    return torch.stack([(words >> s) & 255 for s in (0, 8, 16, 24)], -1).to(torch.uint8).reshape(q.shape[0], -1)
-
-
 def _q4_1(x: torch.Tensor) -> torch.Tensor:
     d, lo, q = _min_max_levels(x, 15)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _nibbles(q.reshape(-1, 2, 16))], 1)
@@ -78,7 +71,8 @@ def _q4_1(x: torch.Tensor) -> torch.Tensor:
 
 def _q5_1(x: torch.Tensor) -> torch.Tensor:
     d, lo, q = _min_max_levels(x, 31)
-    return torch.cat([_f16_bytes(d), _f16_bytes(lo), _fifth_bits(q), _nibbles((q % 16).reshape(-1, 2, 16))], 1)
+    fifth = _pack_bits_32((q.to(torch.int32) >> 4) & 1)          # bit j of the little-endian word: value j's
+    return torch.cat([_f16_bytes(d), _f16_bytes(lo), fifth, _nibbles((q % 16).reshape(-1, 2, 16))], 1)
 
 
 def make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1,
