@@ -234,7 +234,11 @@ if quant_gemv.gluon is not None:
             if fmt == quant_pack.NVFP4 and (act, routed) not in ((0, False), (1, True)):
                 continue                  # NVFP4: its decode and its row-scale epilogue, plain and routed
             gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
-                FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act)
+                FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act, PDL=False)
+    # as a programmatic dependent (quant_gemv.GEMV_PDL): L1 prefetches and the wait before the loop, the trigger after
+    for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True)):
+        gemv_variants[f"gemv pdl fmt={fmt} routed={routed}"] = dict(
+            FMT=fmt, W=4, RT=4, BT=8, SPLIT_K=2, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=0, PDL=True)
 
 def compile_gemm_for_h200(constants):
     # The Gluon mid-batch GEMM (quant_gemm.py): its wgmmas must stay pipelined (ptxas serializes them, and says
@@ -395,6 +399,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 51 + 27 + 14 + 4 + 14 + 7
+    assert len(compiled) == 51 + 29 + 14 + 4 + 14 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -25,7 +25,7 @@ from cobatch.quant.formats import E2M1_VALUES, dequantize, format_of, random_qua
 from cobatch.quant.weight import QuantWeight
 from cobatch.testing.hf_checkpoints import checkpoint_weight
 
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_hopper
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 
 FRAGMENT = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp8_e4m3", "nvfp4"]
@@ -554,6 +554,47 @@ def test_gemv_cuda_graph_replay():
     assert isinstance(pw.plan.narrow, GemvPlan) and pw.plan.narrow.split_k > 1
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
     assert_graph_replay_matches(pw.matmul, x, torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16))
+
+
+@requires_hopper
+def test_a_chain_of_gemvs_as_programmatic_dependents_gives_the_bits_of_plain_launches(monkeypatch):
+    """With GEMV_PDL, each GEMV starts while the kernel before finishes: its first weight bytes asked into L1, then
+    the wait before x, the split-K scratch and its stores. A chain RMSNorm -> GEMV -> GEMV (act) -> GEMV -> ...
+    (each reading the one before, split-K counters shared), eager and replayed in a CUDA graph, gives the bits of
+    the same chain launched plainly."""
+    from cobatch.kernels import norm
+    assert quant_gemv.pdl_launch(torch.empty(1, device="cuda"))["PDL"]
+    gen = torch.Generator().manual_seed(37)
+    cols = 2048
+    weights = [PackedWeight.from_quant(make_weight(f, cols, cols, seed=50 + i, device="cuda"), "cuda")
+               for i, f in enumerate(["q8_0", "q4_k", "q6_k", "q5_0", "nvfp4"])]
+    gate, up = make_weight("q4_k", cols // 2, cols, seed=60), make_weight("q4_k", cols // 2, cols, seed=61)
+    gate_up = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
+    configs = [GemvConfig(W=4, RT=1, split_k=4, U=4, R=128), GemvConfig(W=4, RT=4, split_k=2, U=2),
+               None, GemvConfig(W=2, RT=2, split_k=1, U=4), GemvConfig(W=4, RT=1, split_k=2, U=1)]
+    norm_w = (torch.rand(cols, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(8, cols, generator=gen).to("cuda", torch.bfloat16)
+
+    def chain(x):
+        for pw, cfg in zip(weights, configs):
+            h, _ = norm.rms_norm_triton(x, norm_w, 1e-6)
+            x = pw.matmul(h, config=cfg)
+            x = torch.cat([gate_up.matmul(x, act="silu")] * 2, dim=1)      # a GEMV straight after a GEMV
+        return x
+
+    for n_tok in (1, 8):
+        monkeypatch.setattr(quant_gemv, "GEMV_PDL", False)
+        want = chain(x[:n_tok])
+        assert torch.isfinite(want).all() and want.abs().max() > 0
+        monkeypatch.setattr(quant_gemv, "GEMV_PDL", True)
+        assert torch.equal(chain(x[:n_tok]), want), n_tok
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(x[:n_tok])
+        for _ in range(3):
+            got.zero_()
+            graph.replay()
+            assert torch.equal(got, want), n_tok
 
 
 @requires_cuda

@@ -40,11 +40,13 @@ checked on the CPU by `quant_pack.unpack_planes`. Gluon has no interpreter: thes
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from cobatch.kernels import quant_pack
+from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
     from triton.experimental import gluon
@@ -266,6 +268,8 @@ ASM_FP4_SCALES = _c("""{
 FP4_UNIT = _c(16384.0)    # 2^14: ASM_FP4's codes read as value * 2^-14
 # An L2 prefetch of a lane's 16 bytes some K steps ahead: it holds no register or scoreboard entry.
 ASM_PREFETCH = _c("prefetch.global.L2 [$1];\n mov.u32 $0, 0;")
+# The same into the SM's L1, where the load that follows finds them without a trip to L2.
+ASM_PREFETCH_L1 = _c("prefetch.global.L1 [$1];\n mov.u32 $0, 0;")
 
 
 if gluon is not None:
@@ -446,15 +450,17 @@ if gluon is not None:
         return a, b, c, e, x0, x1
 
     @gluon.jit
-    def _prefetch_tile(qs_ptr, tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr):
-        """Prefetch into L2 the bytes a later step will load (one prefetch per lane and row tile)."""
+    def _prefetch_tile(qs_ptr, tile0, chunk, tile_stride, RT: gl.constexpr, LD: gl.constexpr,
+                       ASM: gl.constexpr = ASM_PREFETCH):
+        """Prefetch into L2 (ASM_PREFETCH_L1: into L1) the bytes a later step will load (one prefetch per lane and
+        row tile)."""
         P: gl.constexpr = gl.SliceLayout(3, LD)
         ch = gl.convert_layout(chunk, gl.SliceLayout(1, gl.SliceLayout(2, P)))
         rt = gl.arange(0, RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, P)))
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, P)))
         off = (ch.to(gl.int64) * 512)[:, None, None] + ((tile0 + rt).to(gl.int64) * tile_stride)[None, :, None] \
             + (lane * 16)[None, None, :]
-        gl.inline_asm_elementwise(ASM_PREFETCH, "=r,l", [qs_ptr + off], gl.int32, False, 1)
+        gl.inline_asm_elementwise(ASM, "=r,l", [qs_ptr + off], gl.int32, False, 1)
 
     @gluon.jit
     def _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W: gl.constexpr, RT: gl.constexpr):
@@ -635,7 +641,7 @@ if gluon is not None:
                      tiles_per_expert,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
-                     D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr):
+                     D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -655,6 +661,15 @@ if gluon is not None:
         acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
         first = pid_k * steps_per_split
         last = first + steps_per_split - 1
+        if PDL:
+            # A programmatic dependent (GEMV_PDL): the first loop iteration's weight bytes are asked into this SM's
+            # L1 while the kernel before finishes (weights are never written), then the wait for that kernel
+            # before anything it writes (x, the routing slots, the split-K scratch) is touched.
+            if not ROUTED:
+                for u in gl.static_range(U):
+                    _prefetch_tile(qs_ptr, tile0, gl.minimum(first + u, last) * W + warp, tile_stride, RT, LD,
+                                   ASM_PREFETCH_L1)
+            gdc_wait()
         if ROUTED:
             # Stacked experts (moe_routing.py): token tile pid_t is slot pid_t, at most BT pairs (rows of x and
             # out), with the slot's expert's row tiles. An empty slot runs no K step and stores nothing.
@@ -695,6 +710,8 @@ if gluon is not None:
                     acc = mma_v2(lo, x0, acc)
                     if not _byte_fmt(FMT):
                         acc = mma_v2(hi, x1, acc)
+        if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
+            gdc_launch_dependents()      # resident at once would starve the GEMV still running)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         if FMT == F_NVFP4:
@@ -718,9 +735,9 @@ class GemvConfig:
     More bytes in flight per warp, fewer warps per SM: which wins depends on the shape
     (bench/results/gemv-ab-2026-11-29-xvec-regs.json), so the plans choose.
 
-    Not launched as a programmatic dependent: on the H200 that cost 1-6 points of copy on the small
-    shapes and gained nothing on the big ones, with or without prefetching weights before the wait
-    (bench/results/pdl-2026-11-29.json, measured at commit d3003e0)."""
+    A call of one 8-token tile is launched as a programmatic dependent (GEMV_PDL), its first weight bytes asked
+    into L1 before it waits. (Prefetching into L2 instead, in a chain of GEMVs alone, cost 2-15 points of copy:
+    bench/results/pdl.md.)"""
     W: int = 4
     RT: int = 4
     split_k: int = 1
@@ -801,6 +818,14 @@ class Routing:
     rows_per_expert: int
 
 
+# A call of one 8-token tile launches as a programmatic dependent (COBATCH_GEMV_PDL=0: plainly, for comparisons):
+# its CTAs start while the kernel before finishes (an RMSNorm, attention's reduce, the GEMV before), ask L1 for
+# their first weight bytes and wait; and it lets the kernel after it launch once its loops are done. Not at
+# 16-token tiles: there the kernel before may be the mid-batch GEMM, which lets its dependents launch at its
+# start, and a GEMV resident that early slowed whole steps by 3-5 % (bench/results/decode_gemv_pdl_ab.md).
+GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
+
+
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
            partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None
            ) -> None:
@@ -831,4 +856,5 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=ACTS[act], num_warps=cfg.W, maxnreg=cfg.R or None)
+        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=ACTS[act], num_warps=cfg.W, maxnreg=cfg.R or None,
+        **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}))
