@@ -125,10 +125,10 @@ def runs_as(c: GemmConfig, fmt_id: int, n: int) -> GemmConfig | None:
 
 def config_key(c: GemmConfig) -> str:
     """A config as the sweep's JSON names it: NW,split_k,D,P,TMA,RING,CHUNKS, then ",apart" with APART,
-    ",persistN" with PERSIST N, ",stream" with STREAM, ",lag" with LAG and ",ahead" with AHEAD."""
+    ",persistN" with PERSIST N, ",lag" with LAG and ",ahead" with AHEAD."""
     return (f"{c.NW},{c.split_k},{c.D},{int(c.P)},{c.TMA},{c.RING},{c.CHUNKS}" + (",apart" if c.APART else "")
-            + (f",persist{c.PERSIST}" if c.PERSIST else "") + (",stream" if c.STREAM else "")
-            + (",lag" if c.LAG else "") + (",ahead" if c.AHEAD else ""))
+            + (f",persist{c.PERSIST}" if c.PERSIST else "") + (",lag" if c.LAG else "")
+            + (",ahead" if c.AHEAD else ""))
 
 
 def config_of(key: str) -> GemmConfig:
@@ -140,16 +140,13 @@ def config_of(key: str) -> GemmConfig:
     lag = fields[-1] == "lag"
     if lag:
         fields.pop()
-    stream = fields[-1] == "stream"
-    if stream:
-        fields.pop()
     persist = int(fields.pop()[len("persist"):]) if fields[-1].startswith("persist") else 0
     apart = fields[-1] == "apart"
     if apart:
         fields.pop()
     nw, split, d, pf, tm, ring, chunks = (list(map(int, fields[:7])) + [0, 1])[:7]
     return GemmConfig(nw, split, D=d, P=bool(pf), TMA=tm, RING=ring, CHUNKS=chunks, APART=apart, PERSIST=persist,
-                      LAG=lag, AHEAD=ahead, STREAM=stream)
+                      LAG=lag, AHEAD=ahead)
 
 
 def _compile_one(task) -> str:
@@ -173,8 +170,7 @@ def _compile_one(task) -> str:
 def _as_dict(c: GemmConfig) -> dict:
     return {"NW": c.NW, "split_k": c.split_k, "D": c.D, "P": c.P, "TMA": c.TMA, "RING": c.RING, "CHUNKS": c.CHUNKS,
             **({"APART": True} if c.APART else {}), **({"PERSIST": c.PERSIST} if c.PERSIST else {}),
-            **({"LAG": True} if c.LAG else {}), **({"AHEAD": True} if c.AHEAD else {}),
-            **({"STREAM": True} if c.STREAM else {})}
+            **({"LAG": True} if c.LAG else {}), **({"AHEAD": True} if c.AHEAD else {})}
 
 
 def choose(cands: list[GemmConfig], times: dict, mine: dict, toks: list[int]) -> dict:

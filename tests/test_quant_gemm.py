@@ -65,10 +65,6 @@ def test_config_rejects_what_the_kernel_cannot_run():
         GemmConfig(NW=8, LAG=True)              # LAG keeps the ring consumer's MMAs in flight
     with pytest.raises(ValueError):
         GemmConfig(NW=8, AHEAD=True)            # AHEAD loads a ring stage's bytes at once
-    with pytest.raises(ValueError):
-        GemmConfig(NW=8, RING=4, STREAM=True)   # STREAM shares the persistent grid's work out evenly
-    with pytest.raises(ValueError):
-        GemmConfig(NW=8, split_k=2, RING=4, PERSIST=1, STREAM=True)    # its shares split K themselves
 
 
 def test_ring_runs_as_many_stages_as_fit_the_token_tile():
@@ -114,13 +110,6 @@ def test_scratch_covers_every_token_tile_of_a_split_config():
     # with APART each warpgroup counts its 64 rows' K slices apart: twice the counters, the same partial sums
     apart = quant_gemm.scratch_need(GemmConfig(NW=8, split_k=4, RING=4, APART=True), 4096, 300)
     assert apart == (elems, 2 * tiles)
-
-
-def test_stream_scratch_holds_two_partials_a_cta_and_token_tile():
-    cfg = GemmConfig(NW=8, RING=4, PERSIST=1, STREAM=True)
-    assert cfg.reduces_partials() and not GemmConfig(NW=8, RING=4, PERSIST=1).reduces_partials()
-    elems, tiles = quant_gemm.scratch_need(cfg, 4096, 300, sms=132)
-    assert elems == 2 * 2 * 132 * 128 * 256 and tiles == 32 * 2
 
 
 def test_x_scratch_holds_whole_token_tiles():
@@ -266,31 +255,6 @@ def test_gemm_persistent_grid_gives_the_same_bits(fmt_name):
         assert torch.equal(run_poisoned(pw, x[:40], dataclasses.replace(cfg, PERSIST=1)), plain[:40]), cfg
         # LAG's last stage of one item retires before the next item's first: the ring's count runs on
         assert torch.equal(run_poisoned(pw, x, dataclasses.replace(cfg, PERSIST=1, LAG=True)), plain), (cfg, "LAG")
-
-
-@requires_cuda
-@requires_hopper
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "nvfp4"])
-def test_stream_shares_match_the_reference_and_keep_a_rows_bits(fmt_name):
-    """STREAM deals each SM a contiguous even share of the row blocks' K steps: 32 row blocks x 4-8 units on up to
-    132 SMs split every block between several CTAs, whose partial sums the last one adds in K order. Against the
-    float64 reference; and a row's bits are the same whatever the batch (1-2 token tiles), whatever the stage size or
-    depth of a STREAM config of the same NW (mid and wide), with the warpgroups apart or not, and in a graph."""
-    w = make_weight(fmt_name, 4096, 2048, seed=18, device="cuda")
-    pw = PackedWeight.from_quant(w, "cuda")
-    x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(19)).to("cuda", torch.bfloat16)
-    ref = (x[:64].double() @ w.row_slice(0, 4096).dequantize().double().T)
-    configs = [GemmConfig(NW=8, RING=4, CHUNKS=2, PERSIST=1, STREAM=True, LAG=True),
-               GemmConfig(NW=8, RING=3, CHUNKS=2, PERSIST=1, STREAM=True, AHEAD=True),
-               GemmConfig(NW=8, RING=4, CHUNKS=1, PERSIST=1, STREAM=True, APART=True)]
-    full = run_poisoned(pw, x, configs[0])
-    got = full[:64].double()
-    assert ((got - ref).norm() / ref.norm()).item() < 5e-3
-    for cfg in configs:
-        for n_tok in (9, 64, 300):
-            assert torch.equal(run_poisoned(pw, x[:n_tok], cfg), full[:n_tok]), (cfg, n_tok)
-    assert_graph_replay_matches(lambda x, out=None: pw.matmul(x, config=configs[0], out=out), x[:48],
-                                torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @requires_cuda

@@ -69,10 +69,6 @@ TOKEN_TILES = (16, 32, 64, 128, 256)
 # only after every warpgroup retired the MMAs that read it). Every packed weight's chunk count divides by it.
 STEPS_PER_ITERATION = 4
 _STEPS = quant_gemv._c(STEPS_PER_ITERATION)    # the kernel's copy (Triton reads constexpr globals only)
-# STREAM's unit of work: a row block's K steps in units of this many chunks, shared out evenly over the grid. Fixed
-# (not the config's stage size), so every STREAM config of a weight splits its rows' K alike: the same bits.
-STREAM_UNIT_CHUNKS = 8
-STREAM_UNIT = quant_gemv._c(STREAM_UNIT_CHUNKS)
 # The ring variant's producer warp only issues copies and counts stages: the fewest registers setmaxnreg allows.
 RING_PRODUCER_REGISTERS = 24
 _PRODUCER_REGS = quant_gemv._c(RING_PRODUCER_REGISTERS)
@@ -539,59 +535,33 @@ if gluon is not None and warpgroup_mma is not None:
         return item // n_nk, (item % n_nk) // SPLIT_K, (item % n_nk) % SPLIT_K
 
     @gluon.jit
-    def _stream_share(n_blocks, ipb):
-        """STREAM: this CTA's contiguous share [u0, u1) of a token tile's n_blocks x ipb units (row block b's K
-        steps are units b ipb .. b ipb + ipb - 1, STREAM_UNIT chunks each), the first row block it touches and how
-        many it touches. The G CTAs' shares are as even as whole units allow, whatever the token count, and none is
-        empty (G is at most the units: launch)."""
-        g = gl.num_programs(0)
-        total = n_blocks * ipb
-        u0 = gl.program_id(0) * total // g
-        u1 = (gl.program_id(0) + 1) * total // g
-        b0 = u0 // ipb
-        return u0, u1, b0, ((u1 + ipb - 1) // ipb - b0) * (u1 > u0).to(gl.int32)
-
-    @gluon.jit
     def _ring_producer(descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT: gl.constexpr, NW: gl.constexpr,
                        BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
-                       PERSIST: gl.constexpr, STREAM: gl.constexpr, PDL: gl.constexpr):
+                       PERSIST: gl.constexpr, PDL: gl.constexpr):
         """The producer of the CTA's work items: its program's one (the 2-D grid), or with PERSIST items pid,
-        pid + G, ... of the 1-D grid of G CTAs, their stages streamed through the ring back to back; with STREAM
-        the segments of row blocks in its share of each token tile (_stream_share). With PDL the first item's
-        first stages of weights are copied before the wait for the kernel before (weights are never written), x
-        only after it."""
-        if STREAM:
-            ipb = n_stages * C // STREAM_UNIT
-            u0, u1, b0, n_seg = _stream_share(n_nk, ipb)
-            done = 0
-            for pid_t in range(n_items // n_nk):
-                for seg in range(n_seg):
-                    b = b0 + seg
-                    su0 = gl.maximum(u0, b * ipb)
-                    seg_stages = (gl.minimum(u1, b * ipb + ipb) - su0) * (STREAM_UNIT // C)
-                    _ring_produce(descs, bufs, ready, empty, pid_t, b, (su0 - b * ipb) * STREAM_UNIT, done,
-                                  seg_stages, FMT, NW, BN, C, PARTS, PDL)
-                    done += seg_stages
-        elif PERSIST:
+        pid + G, ... of the 1-D grid of G CTAs, their stages streamed through the ring back to back. With PDL the
+        first item's first stages of weights are copied before the wait for the kernel before (weights are
+        never written), x only after it."""
+        if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages    # stages of earlier items
-                pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
-                _ring_produce(descs, bufs, ready, empty, pid_t, pid_n, pid_k * n_stages * C, done, n_stages, FMT,
-                              NW, BN, C, PARTS, PDL)
+                _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K,
+                              PDL)
         else:
-            pid_t, pid_n, pid_k = _item_of(gl.program_id(0) * n_nk + gl.program_id(1), n_nk, SPLIT_K)
-            _ring_produce(descs, bufs, ready, empty, pid_t, pid_n, pid_k * n_stages * C, 0, n_stages, FMT, NW, BN,
-                          C, PARTS, PDL)
+            item = gl.program_id(0) * n_nk + gl.program_id(1)
+            _ring_produce(descs, bufs, ready, empty, item, 0, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K, PDL)
 
     @gluon.jit
-    def _ring_produce(descs, bufs, ready, empty, pid_t, pid_n, first, done, n_stages, FMT: gl.constexpr,
-                      NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr):
-        """One warp, one work item (token tile pid_t, row block pid_n, n_stages stages from chunk `first`): for
-        each stage of C chunks, wait until its buffers are free, then TMA-copy the weight rows' planes (one block
-        per consumer part) and the C x blocks into them, the stage's `ready` barrier counting the bytes. `done`:
-        the stages the ring carried before this item (slots and phases). With PDL, on the CTA's first item
-        (done == 0: every slot free), the first S stages' weights are issued, then the wait for the kernel
-        before, then their x."""
+    def _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT: gl.constexpr, NW: gl.constexpr,
+                      BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
+                      PDL: gl.constexpr):
+        """One warp, one work item: for each stage of C chunks, wait until its buffers are free, then TMA-copy the
+        weight rows' planes (one block per consumer part) and the C x blocks into them, the stage's `ready`
+        barrier counting the bytes. `done`: the stages the ring carried before this item (slots and phases).
+        With PDL, on the CTA's first item (done == 0: every slot free), the first S stages' weights are issued,
+        then the wait for the kernel before, then their x."""
+        pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
+        first = pid_k * n_stages * C
         S: gl.constexpr = ready.shape[0]
         ahead = 0
         if PDL:
@@ -719,27 +689,12 @@ if gluon is not None and warpgroup_mma is not None:
     def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
                    n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
                    PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr,
-                   STREAM: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
+                   LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
         """A consumer part over the CTA's work items, as _ring_producer walks them. With PDL it waits for the kernel
         before, as the producer does before any x: its stores then follow that kernel's reads and writes."""
         if PDL:
             gdc_wait()
-        if STREAM:
-            ipb = n_stages * C // STREAM_UNIT
-            u0, u1, b0, n_seg = _stream_share(n_nk, ipb)
-            done = 0
-            for pid_t in range(n_items // n_nk):
-                for seg in range(n_seg):
-                    b = b0 + seg
-                    su0 = gl.maximum(u0, b * ipb)
-                    su1 = gl.minimum(u1, b * ipb + ipb)
-                    seg_stages = (su1 - su0) * (STREAM_UNIT // C)
-                    acc = _ring_consumer(bufs, ready, empty, seg_stages, done, part, FMT, NW, BN, C, PARTS, LAG,
-                                         AHEAD)
-                    done += seg_stages
-                    _finish_segment(acc, out_ptr, out_stride, partial_ptr, count_ptr, d_ptr, pid_t, b, part, su0,
-                                    su1, ipb, n_nk, n_rows, n_tok, FMT, NW, BN, PARTS, ACT)
-        elif PERSIST:
+        if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
                 _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
@@ -770,59 +725,12 @@ if gluon is not None and warpgroup_mma is not None:
         quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
                                 n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
-    @gluon.jit
-    def _stream_slot(c, block_first, total, g):
-        """STREAM: the partial-sum slot of CTA c's segment of the row block whose first unit is block_first: 2 c
-        if the CTA's share starts inside or at the block (its first segment), else 2 c + 1 (its last)."""
-        return 2 * c + (c * total // g < block_first).to(gl.int32)
-
-    @gluon.jit
-    def _finish_segment(acc, out_ptr, out_stride, partial_ptr, count_ptr, d_ptr, pid_t, b, part, su0, su1, ipb,
-                        n_blocks, n_rows, n_tok, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
-                        PARTS: gl.constexpr, ACT: gl.constexpr):
-        """STREAM: store a consumer part's sums of row block b over units [su0, su1). A block wholly in this CTA's
-        share is stored; otherwise its segment's partial sums go to the CTA's slot, and the last of the block's
-        CTAs to count in adds all of them in K order (the CTAs c_lo .. c_hi whose shares cover the block, in order)
-        and stores: deterministic, and since the shares depend on the row blocks, K and the grid only, a row's
-        bits do not depend on the token count."""
-        MMA: gl.constexpr = _layouts(NW, BN)[0]
-        PER: gl.constexpr = 16 * NW * BN
-        row0 = (b * PARTS + part) * (16 * NW)
-        tok0 = pid_t * BN
-        acc = _row_scaled(acc, d_ptr, row0 // 16, FMT, NW, MMA)
-        r = row0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
-        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
-        block_first = b * ipb
-        if (su0 == block_first) & (su1 == block_first + ipb):
-            quant_gemv._store_rows(acc, out_ptr, out_stride, r, t, n_rows, n_tok, NW, BN, ACT)
-        else:
-            g = gl.num_programs(0)
-            total = n_blocks * ipb
-            c_lo = ((block_first + 1) * g - 1) // total        # the CTA whose share holds the block's first unit
-            c_hi = ((block_first + ipb) * g - 1) // total      # ... and its last
-            offs = (r - row0) * BN + (t - tok0)
-            slot0 = pid_t * 2 * g
-            slot = slot0 + _stream_slot(gl.program_id(0), block_first, total, g)
-            gl.store(partial_ptr + (slot * PARTS + part).to(gl.int64) * PER + offs, acc)
-            gl.thread_barrier()
-            tile = (pid_t * n_blocks + b) * PARTS + part
-            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == c_hi - c_lo:
-                total_acc = gl.zeros_like(acc)
-                for c in range(c_lo, c_hi + 1):
-                    slot = slot0 + _stream_slot(c, block_first, total, g)
-                    total_acc += gl.load(partial_ptr + (slot * PARTS + part).to(gl.int64) * PER + offs,
-                                         cache_modifier=".cg")
-                quant_gemv._store_rows(total_acc, out_ptr, out_stride, r, t, n_rows, n_tok, NW, BN, ACT)
-                gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages", "n_nk"])
     def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr, d_ptr,
                           n_tok, n_rows, out_stride, n_stages, n_nk,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
-                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr,
-                          STREAM: gl.constexpr = False):
+                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
@@ -831,9 +739,7 @@ if gluon is not None and warpgroup_mma is not None:
         MMAs run while the other dequantizes, where in lock step both wait at every stage's barrier.
         Work items are (token tile, row block, K split), n_nk row blocks x splits a token tile: one per program of
         a 2-D grid, or with PERSIST a 1-D grid of G CTAs each walking items pid, pid + G, ..., the ring running
-        from one item's stages into the next's (the same work per item, so the same bits); with STREAM (and
-        PERSIST, one K split) each CTA takes a contiguous even share of each token tile's row blocks x K steps
-        instead, a block split between CTAs adding their partial sums in K order (_finish_segment). d_ptr: NVFP4's row
+        from one item's stages into the next's (the same work per item, so the same bits). d_ptr: NVFP4's row
         scales (its stages carry the sub plane in d_desc's place), else unused. LAG: _ring_consumer's, for the
         default partition's consumer (with APART the first warpgroup's: ptxas serializes the MMAs of a worker
         partition's consumer that keeps them in flight across its loop, info line C7512). AHEAD: _ring_consumer's.
@@ -871,21 +777,21 @@ if gluon is not None and warpgroup_mma is not None:
         if APART:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, STREAM,
-                              LAG_KEPT, AHEAD, PDL)),
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
+                              AHEAD, PDL)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, STREAM, False,
+                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False,
                               AHEAD, PDL)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
-                                  SPLIT_K, PERSIST, STREAM, PDL)),
+                                  SPLIT_K, PERSIST, PDL)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, STREAM,
-                              LAG_KEPT, AHEAD, PDL)),
+                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
+                              AHEAD, PDL)),
                 (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
-                                  SPLIT_K, PERSIST, STREAM, PDL)),
+                                  SPLIT_K, PERSIST, PDL)),
             ], [1], [_PRODUCER_REGS])
 
 @jit
@@ -968,12 +874,6 @@ class GemmConfig:
     # AHEAD (a ring): a stage's quant bytes read from shared memory in one load, each chunk into registers of its
     # own, instead of chunk by chunk into the same ones; a row's bits are the same
     AHEAD: bool = False
-    # STREAM (a persistent ring of one K split): one CTA an SM, each taking a contiguous even share of a token tile's
-    # row blocks x K (in STREAM_UNIT_CHUNKS steps), where PERSIST alone deals out whole row blocks (224 of gate_up's
-    # on 132 SMs: 2 on most, 1 on the rest). A row block split between CTAs adds their partial sums in K order. A
-    # row's bits then depend on the grid (the SMs) but not on the token count, and are the same for every STREAM
-    # config of the same NW: a weight's GEMM configs are all STREAM or none.
-    STREAM: bool = False
 
     def __post_init__(self):
         if self.NW not in (4, 8) or self.TMA == 1:
@@ -986,8 +886,6 @@ class GemmConfig:
             raise ValueError(f"PERSIST needs a ring, and 1 or 2 CTAs an SM: {self}")
         if (self.LAG or self.AHEAD) and not self.RING:
             raise ValueError(f"LAG and AHEAD need a ring: {self}")
-        if self.STREAM and not (self.PERSIST == 1 and self.split_k == 1):
-            raise ValueError(f"STREAM needs a persistent ring (PERSIST 1) of one K split: {self}")
 
     def rows_per_cta(self) -> int:
         return 16 * self.NW
@@ -996,10 +894,6 @@ class GemmConfig:
         """K steps (chunks) per loop iteration of the kernel: a split's steps are a multiple of it. A ring's
         iteration is two stages at least (_ring_consumer)."""
         return max(STEPS_PER_ITERATION, 2 * self.CHUNKS) if self.RING else STEPS_PER_ITERATION
-
-    def reduces_partials(self) -> bool:
-        """Does a call go through the split-K scratch (partial sums and tile counters)?"""
-        return self.split_k > 1 or self.STREAM
 
     def streams_x(self) -> bool:
         """Does this config read x as f16 in the planes' column order (x_operands' scratch)?"""
@@ -1037,21 +931,14 @@ def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
     return n_chunks // cfg.split_k
 
 
-def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int, sms: int | None = None) -> tuple[int, int]:
+def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
     """(partial elements, tile counters) of the split-K reduction for calls of up to max_tok tokens (with APART
-    each warpgroup of a CTA counts its half of the rows apart); with STREAM two partial slots a CTA and token tile
-    (its first and last segment) on a grid of `sms` CTAs (default: the current device's)."""
-    if not cfg.reduces_partials():
+    each warpgroup of a CTA counts its half of the rows apart)."""
+    if cfg.split_k == 1:
         return 1, 1
     bn = token_tile(max_tok)
-    token_tiles = -(-max_tok // bn)
-    tiles = (rows_pad // cfg.rows_per_cta()) * token_tiles
-    counters = tiles * (2 if cfg.APART else 1)
-    if cfg.STREAM:
-        sms = sms if sms is not None else device_sms(torch.empty(0, device="cuda" if torch.cuda.is_available()
-                                                                  else "cpu"))
-        return token_tiles * 2 * sms * cfg.rows_per_cta() * bn, counters
-    return tiles * cfg.split_k * cfg.rows_per_cta() * bn, counters
+    tiles = (rows_pad // cfg.rows_per_cta()) * -(-max_tok // bn)
+    return tiles * cfg.split_k * cfg.rows_per_cta() * bn, tiles * (2 if cfg.APART else 1)
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
@@ -1075,15 +962,12 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         x16 = _XScratch.get(x.device, _padded(n_tok, bn), p.cols)
         x_operands(x, p.fmt_id, x16[:n_tok])
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
-        if cfg.STREAM:     # every SM (a CTA for each unit at most), whatever the token count: the shares, hence the
-            assert n_chunks % STREAM_UNIT_CHUNKS == 0, (n_chunks, cfg)          # bits, follow the grid
-            grid = (min(device_sms(x), n_nk * n_chunks // STREAM_UNIT_CHUNKS),)
-        elif cfg.PERSIST:
+        if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages, ACT=ACTS[act],
-            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, STREAM=cfg.STREAM, **_chained(x),
+            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, **_chained(x),
             num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:

@@ -916,7 +916,7 @@ class PackedWeight:
         elif isinstance(config, (GemmConfig, CudaGemmConfig)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
             partial, count = out, out
-            if config.split_k > 1 or (isinstance(config, GemmConfig) and config.STREAM):
+            if config.split_k > 1:
                 _SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = _SplitScratch.get(x.device)
             gemm = quant_gemm if isinstance(config, GemmConfig) else quant_gemm_cuda
