@@ -31,6 +31,8 @@ Gluon lets the kernel say where every byte lives:
     act(gate) * up applied in the epilogue (ACT): the accumulator gives a lane rows g and g + 8 of each
     16-row tile, a gate row and its up row, so the pairing moves no data, and the act*mul launch and
     the round trip of the 2 x wider output through memory go away.
+  - A call of one 8-token tile is a programmatic dependent (GEMV_PDL): its CTAs start while the kernel before
+    finishes and ask their SM's L1 for the first loop iteration's weight bytes, then wait for that kernel.
 
 MMA operands are f16 (bf16 has too few mantissa bits for the exact byte-to-float trick of q8_0): bf16 x
 is converted as it is loaded. The torch reference is `quant_matmul.quant_matmul_ref`; the repack is
