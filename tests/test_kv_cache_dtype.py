@@ -9,7 +9,6 @@ tested in test_attention_kernels.py / test_kernels_small.py.
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from cobatch.engine.kv_cache import KVPool

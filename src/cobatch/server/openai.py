@@ -19,7 +19,6 @@ from starlette.concurrency import run_in_threadpool
 
 from cobatch.engine.grammar import STRUCTURED_KINDS
 from cobatch.engine.sampler import MAX_TOP_LOGPROBS
-from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
