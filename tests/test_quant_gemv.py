@@ -400,6 +400,29 @@ def test_gemv_plan_scratch_covers_every_tier():
             assert elems <= need[0] and tiles <= need[1], (max_tok, n_tok)
 
 
+def test_only_calls_of_one_8_token_tile_launch_as_programmatic_dependents(monkeypatch):
+    """GEMV_PDL makes a call a programmatic dependent only at the 8-token tile: a 16-token call may follow the
+    mid-batch GEMM, which lets its dependents launch at its start (decode_gemv_pdl_ab.md). The launch itself is
+    recorded here, not run (Gluon needs CUDA)."""
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    monkeypatch.setattr(quant_gemv, "_gemv_kernel", Recorder(), raising=False)
+    monkeypatch.setattr(quant_gemv, "pdl_launch", lambda t: {"PDL": True, "launch_pdl": True})
+    planes = planes_of(make_weight("q8_0", 64, 256, seed=3))
+    cfg = GemvConfig(W=4, RT=1, split_k=1, U=1)
+    for gemv_pdl in (True, False):
+        monkeypatch.setattr(quant_gemv, "GEMV_PDL", gemv_pdl)
+        for n_tok in (1, 8, 9, 16):
+            x = torch.zeros(n_tok, 256, dtype=torch.float16)
+            quant_gemv.launch(planes, x, torch.empty(n_tok, 64), cfg, x, x)
+    assert [k.get("launch_pdl", False) for k in launched] == [True, True, False, False] + [False] * 4
+    assert [k.get("PDL", False) for k in launched] == [True, True, False, False] + [False] * 4
+
+
 def test_plan_reads_the_token_tiers(tmp_path, monkeypatch):
     table = {"formats": {"q8_0": {"shapes": {"4096x4096": {
         "gemv": {"W": 4, "RT": 4, "split_k": 2, "U": 1, "D": 2},
