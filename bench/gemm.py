@@ -45,7 +45,7 @@ from cobatch.kernels.quant_gemm import GemmConfig  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
 import provenance  # noqa: E402
-from kernels import SHAPES, random_weight, rotating, time_torch_linear  # noqa: E402
+from kernels import SHAPES, model_shapes, random_weight, rotating, time_torch_linear  # noqa: E402
 from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
 FORMATS = ["q8_0", "q4_k", "q4_1", "q6_k"]
@@ -244,7 +244,10 @@ def time_config(copies: list[PackedWeight], n: int, cfg) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=None,
+                    help="default: every shape of the model (Llama-3-8B's, or --model-shape's)")
+    ap.add_argument("--model-shape", default=None,
+                    help="the matrices of this `cobatch make-model --shape` instead of Llama-3-8B's")
     ap.add_argument("--toks", default=",".join(map(str, TOKS)))
     ap.add_argument("--reuse", type=Path, help="an earlier sweep's gemm.json of the same kernels: its configs' "
                     "times are taken from it, only the others are timed")
@@ -262,11 +265,14 @@ def main() -> None:
     dirs = [res_dir] + ([out_dir] if out_dir else [])
     if args.choose_from:
         return choose_again(args.choose_from, dirs)
+    if args.model_shape:
+        SHAPES.clear()
+        SHAPES.update(model_shapes(args.model_shape))
     toks = [int(t) for t in args.toks.split(",")]
     if args.cases:
         cases = [tuple(c.split(":")) for c in args.cases.split(",")]
     else:
-        cases = [(f, s) for f in args.formats.split(",") for s in args.shapes.split(",")]
+        cases = [(f, s) for f in args.formats.split(",") for s in (args.shapes or ",".join(SHAPES)).split(",")]
     shapes = list(dict.fromkeys(s for _, s in cases))
     reused, reused_rows = {}, {}      # (fmt, shape, n) -> {config key: us}, and the row, of the earlier sweep
     reused_from = reuse_note(args)

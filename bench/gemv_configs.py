@@ -47,10 +47,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="q4_1,q8_0")
     ap.add_argument("--shapes", default="gate_up,lm_head")
+    ap.add_argument("--model-shape", default=None,
+                    help="the matrices of this `cobatch make-model --shape` instead of Llama-3-8B's (adds kv)")
     ap.add_argument("--toks", default="8,16")
     ap.add_argument("--configs", required=True, help="W,RT,split_k,U,D[,R];...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.model_shape:
+        kernels.SHAPES.clear()
+        kernels.SHAPES.update(kernels.model_shapes(args.model_shape))
     formats, shapes = args.formats.split(","), args.shapes.split(",")
     toks, configs = [int(t) for t in args.toks.split(",")], parse_configs(args.configs)
     kernels.precompile([(f, c) for f in formats for c in configs], workers=min(14, os.cpu_count() or 4))

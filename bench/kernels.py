@@ -51,6 +51,24 @@ from timing import COPY_DETAIL, copy_bandwidth, graph_time, graph_times  # noqa:
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 FORMATS = ["q4_k", "q8_0", "q4_1", "q6_k"]
+
+
+def model_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """SHAPES for another `cobatch make-model --shape` (gguf_writer.SHAPES): its q|k|v, o, gate|up, down and
+    output matrices as (rows, cols), and k or v alone ("kv": Q4_K_M files hold v in another format than q and k),
+    for plans of the widths Llama-3-8B's do not cover (Qwen2.5-0.5B's 896, say). Shapes of grouped-query
+    attention only (not MLA's)."""
+    from cobatch.testing.gguf_writer import SHAPES as MODEL_SHAPES
+    if name not in MODEL_SHAPES or MODEL_SHAPES[name].mla is not None:
+        raise SystemExit(f"--model-shape: one of {', '.join(k for k, v in MODEL_SHAPES.items() if v.mla is None)}")
+    s = MODEL_SHAPES[name]
+    head = s.head_size or s.d_model // s.n_heads
+    shapes = {"qkv": ((s.n_heads + 2 * s.n_kv_heads) * head, s.d_model), "o": (s.d_model, s.n_heads * head),
+              "gate_up": (2 * s.ffn_dim, s.d_model), "down": (s.d_model, s.ffn_dim),
+              "kv": (s.n_kv_heads * head, s.d_model)}
+    if s.vocab_size:
+        shapes["lm_head"] = (s.vocab_size, s.d_model)
+    return shapes
 DECODE_TOKS = [1, 2, 3, 4, 8, 16, 32, 64]
 PREFILL_TOKS = [512, 2048]
 ROTATE_BYTES = 256 << 20
@@ -562,6 +580,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="choose tile configs and crossovers first")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--model-shape", default=None,
+                    help="the matrices of this `cobatch make-model --shape` instead of Llama-3-8B's")
     ap.add_argument("--configs", default=None, help="quant_configs.json to use (default: the package's)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--sweep-seconds", type=float, default=150.0, help="time budget of the sweep")
@@ -585,6 +605,9 @@ def main() -> None:
         qm.CONFIG_PATH.write_text(json.dumps(table, indent=1))
         return
     formats = args.formats.split(",")
+    if args.model_shape:
+        SHAPES.clear()
+        SHAPES.update({k: v for k, v in model_shapes(args.model_shape).items() if k != "kv"})
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     res_dir = ROOT / "bench" / "results"
     for d in [res_dir] + ([out_dir] if out_dir else []):

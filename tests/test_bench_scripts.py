@@ -157,6 +157,19 @@ def test_gemm_config_keys_round_trip():
     assert gemm.config_of("8,2,0,1,0,0,1") == gemm.GemmConfig(8, 2, P=True)      # an older sweep's name
 
 
+def test_model_shapes_give_a_models_matrices():
+    """--model-shape times another make-model shape's matrices: for llama3-8b they are the benchmarks' own (and
+    bench/gemm.py's k or v alone); Qwen2.5-0.5B's are written from its config (14 heads of 64, 2 KV heads)."""
+    kernels, gemm = load("kernels"), load("gemm")
+    llama = kernels.model_shapes("llama3-8b")
+    assert {k: v for k, v in llama.items() if k != "kv"} == kernels.SHAPES and llama["kv"] == gemm.SHAPES["kv"]
+    assert kernels.model_shapes("qwen2.5-0.5b") == {
+        "qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864), "kv": (128, 896),
+        "lm_head": (151936, 896)}
+    with pytest.raises(SystemExit):
+        kernels.model_shapes("deepseek-v2-lite")       # MLA: not these matrices
+
+
 def test_gemm_choice_hands_9_to_16_tokens_to_the_gemm_where_it_beat_the_gemv_at_16():
     """bench/gemm.py's choose: the GEMM's 16-token tile faster than the GEMV at 16 tokens takes the crossover down
     to the GEMV's 8-token tier; slower, the GEMV keeps 16 (and more, while it still wins)."""
