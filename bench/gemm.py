@@ -45,7 +45,7 @@ from cobatch.kernels.quant_gemm import GemmConfig  # noqa: E402
 from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
 import provenance  # noqa: E402
-from kernels import SHAPES, model_shapes, random_weight, rotating, time_torch_linear  # noqa: E402
+from kernels import SHAPES, random_weight, rotating, time_torch_linear, use_model_shapes  # noqa: E402
 from timing import COPY_DETAIL, copy_bandwidth, graph_time  # noqa: E402
 
 FORMATS = ["q8_0", "q4_k", "q4_1", "q6_k"]
@@ -265,9 +265,7 @@ def main() -> None:
     dirs = [res_dir] + ([out_dir] if out_dir else [])
     if args.choose_from:
         return choose_again(args.choose_from, dirs)
-    if args.model_shape:
-        SHAPES.clear()
-        SHAPES.update(model_shapes(args.model_shape))
+    use_model_shapes(SHAPES, args.model_shape, with_kv=True)
     toks = [int(t) for t in args.toks.split(",")]
     if args.cases:
         cases = [tuple(c.split(":")) for c in args.cases.split(",")]

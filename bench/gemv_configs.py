@@ -53,9 +53,7 @@ def main() -> None:
     ap.add_argument("--configs", required=True, help="W,RT,split_k,U,D[,R];...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.model_shape:
-        kernels.SHAPES.clear()
-        kernels.SHAPES.update(kernels.model_shapes(args.model_shape))
+    kernels.use_model_shapes(kernels.SHAPES, args.model_shape, with_kv=True)
     formats, shapes = args.formats.split(","), args.shapes.split(",")
     toks, configs = [int(t) for t in args.toks.split(",")], parse_configs(args.configs)
     kernels.precompile([(f, c) for f in formats for c in configs], workers=min(14, os.cpu_count() or 4))

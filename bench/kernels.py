@@ -69,6 +69,15 @@ def model_shapes(name: str) -> dict[str, tuple[int, int]]:
     if s.vocab_size:
         shapes["lm_head"] = (s.vocab_size, s.d_model)
     return shapes
+
+
+def use_model_shapes(shapes: dict, name: str | None, with_kv: bool) -> None:
+    """A script's --model-shape: its shape table `shapes` becomes model_shapes(name) (with the lone k or v matrix
+    where the script times it), in place, so modules holding the table see it. None: left as it is."""
+    if name:
+        new = model_shapes(name)
+        shapes.clear()
+        shapes.update({k: v for k, v in new.items() if with_kv or k != "kv"})
 DECODE_TOKS = [1, 2, 3, 4, 8, 16, 32, 64]
 PREFILL_TOKS = [512, 2048]
 ROTATE_BYTES = 256 << 20
@@ -605,9 +614,7 @@ def main() -> None:
         qm.CONFIG_PATH.write_text(json.dumps(table, indent=1))
         return
     formats = args.formats.split(",")
-    if args.model_shape:
-        SHAPES.clear()
-        SHAPES.update({k: v for k, v in model_shapes(args.model_shape).items() if k != "kv"})
+    use_model_shapes(SHAPES, args.model_shape, with_kv=False)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     res_dir = ROOT / "bench" / "results"
     for d in [res_dir] + ([out_dir] if out_dir else []):

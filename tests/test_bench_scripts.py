@@ -168,6 +168,9 @@ def test_model_shapes_give_a_models_matrices():
         "lm_head": (151936, 896)}
     with pytest.raises(SystemExit):
         kernels.model_shapes("deepseek-v2-lite")       # MLA: not these matrices
+    table = dict(gemm.SHAPES)
+    kernels.use_model_shapes(table, "qwen2.5-0.5b", with_kv=False)
+    assert table["o"] == (896, 896) and "kv" not in table
 
 
 def test_gemm_choice_hands_9_to_16_tokens_to_the_gemm_where_it_beat_the_gemv_at_16():
