@@ -54,6 +54,7 @@ import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, gl, gluon
+from cobatch.kernels.scratch import DeviceScratch
 from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 try:
@@ -959,7 +960,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         stages = ring_stages(cfg, p.fmt_id, bn)
         if stages < 2:
             raise ValueError(f"{cfg} does not fit an SM's shared memory at {bn}-token tiles")
-        x16 = _XScratch.get(x.device, _padded(n_tok, bn), p.cols)
+        x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
         x_operands(x, p.fmt_id, x16[:n_tok])
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
@@ -971,7 +972,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
-        x16 = _XScratch.get(x.device, _padded(n_tok, bn), p.cols)
+        x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
         x_operands(x, p.fmt_id, x16[:n_tok])
         _gemm_tma_kernel[grid](
             _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
@@ -1071,27 +1072,15 @@ def ring_smem_bytes(cfg: GemmConfig, fmt_id: int, bn: int) -> int:
     return ring_stages(cfg, fmt_id, bn) * _ring_stage_bytes(cfg, fmt_id, bn)
 
 
+# The TMA variant's f16 activations (calls on one stream run one after another); grown when a call needs more,
+# so reserve it before a CUDA-graph capture (reserve_x_scratch).
+_X_SCRATCH = DeviceScratch(torch.float16)
+
+
 def reserve_x_scratch(device: torch.device, elems: int) -> None:
     """Grow the TMA variant's f16 activation buffer to `elems` (at load: never inside a CUDA-graph capture)."""
-    _XScratch.reserve(torch.device(device), elems)
+    _X_SCRATCH.reserve(device, elems)
 
 
-class _XScratch:
-    """One f16 activation buffer per device for the TMA variant (calls on one stream run one after another).
-    Grown when a call needs more; reserve it before a CUDA-graph capture (reserve_x_scratch)."""
-    _by_device: dict[torch.device, torch.Tensor] = {}
-
-    @classmethod
-    def reserve(cls, device: torch.device, elems: int) -> None:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        have = cls._by_device.get(device)
-        if have is None or have.numel() < elems:
-            cls._by_device[device] = torch.empty(elems, dtype=torch.float16, device=device)
-
-    @classmethod
-    def get(cls, device: torch.device, n_tok: int, cols: int) -> torch.Tensor:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        cls.reserve(device, n_tok * cols)
-        return cls._by_device[device][:n_tok * cols].view(n_tok, cols)
+def _x_scratch(device: torch.device, n_tok: int, cols: int) -> torch.Tensor:
+    return _X_SCRATCH.get(device, n_tok * cols).view(n_tok, cols)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from cobatch.kernels import nvrtc, quant_gemv, quant_pack
+from cobatch.kernels.scratch import DeviceScratch, device_key
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
 TOKEN_TILES = (16, 32, 64, 128)
@@ -220,30 +221,15 @@ def x_image_ref(x: torch.Tensor, bn: int) -> torch.Tensor:
     return img.reshape(tiles, cols // 32, bn * 32).contiguous()
 
 
-class _ImageScratch:
-    """One f16 x-image buffer per device, grown before a CUDA-graph capture (reserve)."""
-    _by_device: dict[torch.device, torch.Tensor] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, elems: int) -> torch.Tensor:
-        have = cls._by_device.get(device)
-        if have is None or have.numel() < elems:
-            have = cls._by_device[device] = torch.empty(elems, dtype=torch.float16, device=device)
-        return have[:elems]
+# The f16 x image, grown before a CUDA-graph capture (reserve_scratch).
+_IMAGE_SCRATCH = DeviceScratch(torch.float16)
 
 
 def reserve_scratch(device: torch.device, max_tok: int, cols: int) -> None:
     """Grow the x image buffer to what calls of up to max_tok tokens need (at load: never inside a CUDA-graph
     capture)."""
     bn = token_tile(max_tok)
-    _ImageScratch.get(_device(device), -(-max_tok // bn) * bn * cols)
-
-
-def _device(device: torch.device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    _IMAGE_SCRATCH.reserve(device, -(-max_tok // bn) * bn * cols)
 
 
 PDL = os.environ.get("COBATCH_GEMM_PDL", "1") != "0"
@@ -257,7 +243,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         raise ValueError(f"{cfg} cannot run these planes ({p.fmt_id}, {p.rows_pad}x{p.cols}) at {n_tok} tokens")
     bn = token_tile(n_tok)
     tiles = -(-n_tok // bn)
-    img = _ImageScratch.get(_device(x.device), tiles * bn * p.cols).view(tiles, p.cols // 32, bn * 32)
+    img = _IMAGE_SCRATCH.get(x.device, tiles * bn * p.cols).view(tiles, p.cols // 32, bn * 32)
     x_image(x, bn, img, pdl=PDL)
     launch_staged(p, img, n_tok, out, cfg, partial, count, act)
 
@@ -266,7 +252,7 @@ def launch_staged(p: "quant_pack.PackedPlanes", img: torch.Tensor, n_tok: int, o
                   cfg: CudaGemmConfig, partial: torch.Tensor, count: torch.Tensor, act: str | None = None) -> None:
     """The kernel alone, on x already staged by x_image into `img`."""
     bn = token_tile(n_tok)
-    device = _device(out.device)
+    device = device_key(out.device)
     k = kernel(cfg, bn, quant_gemv.ACTS[act], OUT_TYPES[out.dtype], PDL, device, p.fmt_id)
     row_blocks = p.rows_pad // cfg.rows_per_cta()
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731

@@ -42,6 +42,7 @@ from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
+from cobatch.kernels.scratch import DeviceScratch
 from cobatch.kernels.triton_support import interpreting, jit, tl, triton
 from cobatch.quant.weight import QuantWeight
 
@@ -732,46 +733,26 @@ class _SplitScratch:
 
     Kernels on one stream run one after another, so they can share it; every counter is back at 0 when a
     kernel ends. Grown at load time (from_quant), never inside a CUDA-graph capture."""
-    _by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @staticmethod
-    def _key(device: torch.device) -> torch.device:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
+    partial = DeviceScratch(torch.float32)
+    count = DeviceScratch(torch.int32, zeroed=True)
 
     @classmethod
     def reserve(cls, device: torch.device, partial_elems: int, tiles: int) -> None:
-        device = cls._key(device)
-        have = cls._by_device.get(device)
-        if have is None or have[0].numel() < partial_elems or have[1].numel() < tiles:
-            p = max(partial_elems, have[0].numel() if have else 1)
-            c = max(tiles, have[1].numel() if have else 1)
-            cls._by_device[device] = (torch.empty(p, dtype=torch.float32, device=device),
-                                      torch.zeros(c, dtype=torch.int32, device=device))
+        cls.partial.reserve(device, partial_elems)
+        cls.count.reserve(device, tiles)
 
     @classmethod
     def get(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return cls._by_device[cls._key(device)]
+        return cls.partial.get(device), cls.count.get(device)
 
 
-class _DenseScratch:
-    """One byte buffer per device for the DEQUANT_CUBLAS path, grown at load to the largest matrix."""
-    _by_device: dict[torch.device, torch.Tensor] = {}
+# The DEQUANT_CUBLAS path's dense matrix, as bytes: grown at load to the largest matrix.
+_DENSE_SCRATCH = DeviceScratch(torch.uint8)
 
-    @classmethod
-    def reserve(cls, device: torch.device, nbytes: int) -> None:
-        device = _SplitScratch._key(device)
-        have = cls._by_device.get(device)
-        if have is None or have.numel() < nbytes:
-            cls._by_device[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    @classmethod
-    def matrix(cls, device: torch.device, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        cls.reserve(device, rows * cols * 2)   # no-op once reserved at load
-        buf = cls._by_device[_SplitScratch._key(device)]
-        return buf[:rows * cols * 2].view(dtype).view(rows, cols)
+def _dense_scratch(device: torch.device, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [rows, cols] matrix of dtype (2 bytes) in the dense scratch."""
+    return _DENSE_SCRATCH.get(device, rows * cols * 2).view(dtype).view(rows, cols)
 
 
 def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan | GemmConfig, n_rows_pad: int,
@@ -802,7 +783,7 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
         elif cfg.streams_x():
             quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
-        _DenseScratch.reserve(device, rows * cols * 2)
+        _DENSE_SCRATCH.reserve(device, rows * cols * 2)
 
 
 def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device: torch.device,
@@ -904,7 +885,7 @@ class PackedWeight:
         if config == DEQUANT_CUBLAS and self.resident_dense is not None and self.resident_dense.dtype == x.dtype:
             torch.mm(x2, self.resident_dense.t(), out=out.view(n_tok, self.rows))
         elif config == DEQUANT_CUBLAS:
-            w = dequantize_planes(self.planes, _DenseScratch.matrix(x.device, self.rows, self.cols, x.dtype))
+            w = dequantize_planes(self.planes, _dense_scratch(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
         elif isinstance(config, (GemvConfig, GemvPlan)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)   # f32 x
