@@ -215,6 +215,58 @@ def test_decode_padded_rows_are_zero():
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 4.0)])
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def check_rope_decode(lens: list[int], drafts: range, n_q: int, n_kv: int, head_dim: int, kv_dtype, neox: bool,
+                      cfg: DecodeConfig, seed: int, capacity: int, dtype=torch.bfloat16) -> None:
+    """A decode step whose rows still need rope and their cache write, rows `drafts` being a speculating
+    sequence as the decode graph runs it (its last token and drafts: rows on the same pages at consecutive
+    lengths, each writing its own position). The decode kernel rotating q and the step's k and writing k, v
+    itself (DecodeRope) against the rope kernel, then the decode kernel: the same output and caches, bitwise;
+    and against the torch references (rope_ref, kv_write_ref, paged_attention_ref; k's rotation may differ
+    by a bf16 ulp: one fma)."""
+    from cobatch.kernels.attention import DecodeRope
+    from cobatch.kernels.kv_write import kv_write_ref
+    from cobatch.kernels.rope import rope_cos_sin, rope_ref, rope_triton
+    q, k_cache, v_cache, meta = paged_setup(lens, [1] * len(lens), n_q, n_kv, head_dim, dtype, seed,
+                                            capacity=capacity, kv_dtype=kv_dtype)
+    tables = meta.block_tables.clone()
+    if drafts:
+        tables[drafts.start:drafts.stop] = tables[drafts.start]
+    bs = k_cache.shape[1]
+    slots = [int(t[(n - 1) // bs]) * bs + (n - 1) % bs if n else -1 for t, n in zip(tables.tolist(), lens)]
+    meta = replace(meta, block_tables=tables, slot_mapping=torch.tensor(slots, device=q.device))
+    g = torch.Generator().manual_seed(seed + 1)
+    k = torch.randn(len(lens), n_kv, head_dim, generator=g).to(q.device, dtype)
+    v = torch.randn(len(lens), n_kv, head_dim, generator=g).to(q.device, dtype)
+    positions = torch.tensor([max(n - 1, 0) for n in lens], device=q.device)
+    cos_sin = rope_cos_sin(head_dim, capacity, 10000.0).to(q.device)
+
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    fused = paged_decode_attention(q.clone(), *caches[0], meta, 0.2, cfg=cfg,
+                                   rope=DecodeRope(k, v, positions, cos_sin, neox))
+    q_rot, _ = rope_triton(q.clone(), k.clone(), positions, cos_sin, neox, kv_write=(v, *caches[1], meta.slot_mapping))
+    apart = paged_decode_attention(q_rot, *caches[1], meta, 0.2, cfg=cfg)
+    assert torch.equal(fused, apart)
+    assert torch.equal(caches[0][0].view(torch.uint8), caches[1][0].view(torch.uint8))
+    assert torch.equal(caches[0][1].view(torch.uint8), caches[1][1].view(torch.uint8))
+    assert not torch.equal(caches[0][0].view(torch.uint8), k_cache.view(torch.uint8))    # it did write
+    q_ref, k_ref = rope_ref(q, k, positions, cos_sin, neox)
+    assert_matches(fused, paged_attention_ref(q_ref, *caches[0], meta, 0.2))      # over the caches it wrote
+    if kv_dtype is None:     # (how values round into fp8: test_kernels_small's kv_write tests, on CUDA)
+        kv_write_ref(k_ref, v, *caches[2], meta.slot_mapping)
+        assert_matches(caches[0][0], caches[2][0])
+        assert torch.equal(caches[0][1], caches[2][1])
+
+
+@pytest.mark.parametrize("variant,neox,kv_dtype", [("single", False, None), ("split", True, None),
+                                                   ("walk", False, None), ("split", False, FP8)],
+                         ids=["single-pairs", "split-halves", "walk-pairs", "split-pairs-fp8"])
+def test_decode_with_rope_equals_the_rope_kernel_then_decode(variant, neox, kv_dtype):
+    """Rows of 37 and 5 tokens, a padded row (0, slot -1), and a sequence of 100 tokens with two drafts, whose
+    rows read the positions the rows before them write in the same launch."""
+    check_rope_decode([37, 100, 101, 102, 0, 5], range(1, 4), 8, 2, 32, kv_dtype, neox, DECODE_VARIANTS[variant],
+                      seed=31, capacity=130)
+
+
 def test_decode_step_ref_at_once_equals_each_sequence_alone(window, softcap, kv_dtype):
     """The reference runs a decode step (one row a sequence) for every sequence at once, each context padded to
     the longest: it must give each row what the reference gives that sequence alone (the loop), and the padding
@@ -331,6 +383,24 @@ def test_decode_llama8b(seq_lens, pdl):
 def test_decode_llama8b_fp8_cache(seq_lens):
     check_attention(seq_lens, [1] * len(seq_lens), **LLAMA8B, dtype=torch.bfloat16, seed=50 + len(seq_lens),
                     capacity=32768, kv_dtype=torch.float8_e4m3fn)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("neox", [False, True], ids=["pairs", "halves"])
+@pytest.mark.parametrize("lens,drafts", [([511], range(0)), ([1, 4096, 4097, 4098, 0, 511, 77, 32768], range(1, 4)),
+                                         ([513] * 60 + [300, 301, 302, 303], range(60, 64))],
+                         ids=["one", "eight", "sixty-four"])
+def test_decode_with_rope_llama8b(lens, drafts, neox, kv_dtype):
+    check_rope_decode(lens, drafts, **LLAMA8B, kv_dtype=kv_dtype, neox=neox, cfg=DecodeConfig(), seed=len(lens),
+                      capacity=32768)
+
+
+@requires_cuda
+def test_decode_with_rope_smollm2_f16():
+    """SmolLM2's heads (9 q heads, 3 KV heads of 64 dims) in f16, as the GPU engine's tests run them."""
+    check_rope_decode([5, 40, 41, 0, 200], range(1, 3), 9, 3, 64, None, False, DecodeConfig(), seed=7, capacity=256,
+                      dtype=torch.float16)
 
 
 @requires_cuda

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
-from cobatch.kernels.attention import paged_attention_ref, paged_attention_triton
+from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import (latent_write_ref, mla_attention_ref, mla_decode_attention,
                                            mla_prefill_attention)
@@ -92,6 +92,22 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
                                       out_dtype=out_dtype)
     out = paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin: torch.Tensor, neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                   out_dtype: torch.dtype | None = None,
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """rope_kv_write, then attention over the caches it wrote. On the Triton path a decode step whose heads
+    rotate whole, without q/k norms, runs both in the decode attention kernel (one launch less a layer;
+    COBATCH_FUSED_ROPE=0 keeps them apart). q, k are not rotated in place then: only the caches and the
+    output are this op's results."""
+    if _triton(q) and qk_norm is None and fuses_rope(q, meta, cos_sin):
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+                                      out_dtype=out_dtype, rope=DecodeRope(k, v, positions, cos_sin, neox))
+    q, _ = rope_kv_write(q, k, v, positions, cos_sin, neox, k_cache, v_cache, meta.slot_mapping, qk_norm)
+    return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype)
 
 
 def latent_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

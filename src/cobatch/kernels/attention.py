@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from cobatch.batch import AttentionMetadata
+from cobatch.kernels.rope import rotary_dims, rotated
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
 
@@ -235,14 +237,53 @@ DECODE_CONFIG = DecodeConfig()
 
 
 @jit
+def _step_rows_of_sequence(slot_ptr, bt_row, row, seq_len, PAGE: tl.constexpr):
+    """How many of this step's rows, ending at `row`, write the last positions of row's sequence: the row itself
+    (none for a padded row, slot -1) and, for a draft row of a speculating sequence in the decode graph, the rows
+    just before it (its last token and earlier drafts, positions seq_len - 2, seq_len - 3, ...). A row before it
+    is one of them when the slot it writes is that position's slot on this row's pages: no other row of a step
+    writes a slot of another sequence."""
+    n = (tl.load(slot_ptr + row) >= 0).to(tl.int32)
+    same = n > 0
+    while same:
+        pos = seq_len - 1 - n
+        ok = (n <= row) & (pos >= 0)
+        theirs = tl.load(slot_ptr + row - n, mask=ok, other=-1)
+        mine = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64) * PAGE + pos % PAGE
+        same = ok & (theirs == mine)
+        n += same.to(tl.int32)
+    return n
+
+
+@jit
+def _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, row, kv_head, k_row_stride, k_head_stride,
+                  v_row_stride, v_head_stride, cos, signed_sin, d, partner, mask, cache_block_stride,
+                  cache_slot_stride, cache_head_stride, PAGE: tl.constexpr):
+    """Row `row`'s K of one KV head rotated (as the rope kernel rotates it, rounded to its dtype) and its V,
+    into the cache at the row's slot: ops.rope_kv_write's work for one head."""
+    src = k_new_ptr + row * k_row_stride + kv_head * k_head_stride
+    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+    k = rotated(x, xp, cos, signed_sin).to(k_new_ptr.dtype.element_ty)
+    v = tl.load(v_new_ptr + row * v_row_stride + kv_head * v_head_stride + d, mask=mask)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    dst = (slot // PAGE) * cache_block_stride + (slot % PAGE) * cache_slot_stride + kv_head * cache_head_stride + d
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                         k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
-                         cache_head_stride, out_row_stride, out_head_stride, qk_scale,
+                         cache_head_stride, out_row_stride, out_head_stride, k_row_stride, k_head_stride,
+                         v_row_stride, v_head_stride, cs_stride, qk_scale,
                          num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          MIN_SPLIT: tl.constexpr, SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
-                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr):
+                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
+                         ROPE: tl.constexpr, NEOX: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -250,12 +291,16 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     (_row_split_len), not the batch's or the graph's capacity. GROUPS: a group of SPLIT_GROUP splits (0..G-1,
     G..2G-1, ...) that lies wholly in one program is merged there as the reduce kernel would (_merge_partial),
     and stored as one partial under its first split (_whole_group). Tiles are aligned to BLOCK_N (split_len is
-    a multiple); a sliding window masks the keys before it. Chunks past seq_len run no iterations."""
+    a multiple); a sliding window masks the keys before it. Chunks past seq_len run no iterations.
+    ROPE: q and this step's k arrive unrotated (every dim rotates; NEOX: halves, else adjacent pairs). The
+    program rotates its q heads, and writes the rotated k and the v of the step's rows whose positions fall
+    in its chunk into the cache before reading it (the rope kernel's work, same bits, one launch less)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len, row_splits, splits_per_program, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
+    chunk_start = start
     program_first = tl.program_id(2) * splits_per_program
     program_last = tl.minimum(program_first + splits_per_program, row_splits) - 1
     if WINDOWED:                       # sliding window: only the last `window` keys (tiles before: no work)
@@ -265,17 +310,41 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     # after it).
     bt_row = bt_ptr + seq * bt_stride
     page = _tile_pages(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
-    if PDL:
-        gdc_wait()                     # q and this step's K/V come from the previous kernel
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_mask = g < GROUP
     d_mask = d < HEAD_D
     gd_mask = g_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride + d[None, :],
-                mask=gd_mask, other=0.0).to(OPERAND)
+    if ROPE:        # positions, slots and the rotation table are step metadata too
+        cs_index, partner, sign = rotary_dims(d, HEAD_D, NEOX)
+        cs_row = cs_ptr + tl.load(pos_ptr + seq) * cs_stride
+        cos = tl.load(cs_row + cs_index, mask=d_mask, other=0.0)
+        signed_sin = tl.load(cs_row + HEAD_D // 2 + cs_index, mask=d_mask, other=0.0) * sign
+        # the step's rows of this sequence whose positions seq_len - 1 - i lie in this chunk: i in [i_lo, i_hi)
+        i_lo = tl.maximum(seq_len - end, 0)
+        i_hi = tl.minimum(_step_rows_of_sequence(slot_ptr, bt_row, seq, seq_len, PAGE), seq_len - chunk_start)
+    if PDL:
+        gdc_wait()                     # q and this step's K/V come from the previous kernel
+
+    q_row = q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride
+    if ROPE:
+        x = tl.load(q_row + d[None, :], mask=gd_mask, other=0.0).to(tl.float32)
+        xp = tl.load(q_row + partner[None, :], mask=gd_mask, other=0.0).to(tl.float32)
+        q = rotated(x, xp, cos[None, :], signed_sin[None, :]).to(q_ptr.dtype.element_ty).to(OPERAND)
+        # this row's own k and v with the rotation already loaded, then any earlier rows of a speculating one
+        _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kv_head, k_row_stride, k_head_stride,
+                      v_row_stride, v_head_stride, cos, signed_sin, d, partner, d_mask & (i_lo == 0) & (i_hi > 0),
+                      cache_block_stride, cache_slot_stride, cache_head_stride, PAGE)
+        for i in range(tl.maximum(i_lo, 1), i_hi):
+            cs_i = cs_ptr + tl.load(pos_ptr + seq - i) * cs_stride
+            _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, seq - i, kv_head, k_row_stride,
+                          k_head_stride, v_row_stride, v_head_stride, tl.load(cs_i + cs_index, mask=d_mask),
+                          tl.load(cs_i + HEAD_D // 2 + cs_index, mask=d_mask) * sign, d, partner, d_mask,
+                          cache_block_stride, cache_slot_stride, cache_head_stride, PAGE)
+        tl.debug_barrier()             # the CTA's writes before its reads of the cache
+    else:
+        q = tl.load(q_row + d[None, :], mask=gd_mask, other=0.0).to(OPERAND)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -499,17 +568,48 @@ def row_split_len(seq_len: int, num_splits: int, cfg: DecodeConfig = DECODE_CONF
     return triton.cdiv(per, cfg.block_n) * cfg.block_n
 
 
+# A decode step's rope and cache write run in the decode attention kernel (ops.rope_attention):
+# COBATCH_FUSED_ROPE=0 launches the rope kernel before it instead, for comparisons.
+FUSED_ROPE = os.environ.get("COBATCH_FUSED_ROPE", "1") != "0"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRope:
+    """What a decode step's attention needs to do the rope kernel's work itself (ops.rope_kv_write): q arrives
+    unrotated, and k, v are this step's rows, still to be rotated (k) and written at meta.slot_mapping."""
+    k: torch.Tensor              # [N, Hk, D], a strided view is fine (head dims contiguous)
+    v: torch.Tensor              # [N, Hk, D]
+    positions: torch.Tensor      # [N]
+    cos_sin: torch.Tensor        # float32 [max_pos, D]: cos | sin, every dim rotating
+    neox: bool
+
+    @staticmethod
+    def fits(q: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+        """Only heads whose dims all rotate (the kernel rotates whole heads)."""
+        return cos_sin.shape[1] == q.shape[-1] and cos_sin.dtype == torch.float32 and cos_sin.stride(-1) == 1
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
-                           cfg: DecodeConfig = DECODE_CONFIG, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           cfg: DecodeConfig = DECODE_CONFIG, window: int = 0, softcap: float = 0.0,
+                           rope: DecodeRope | None = None) -> torch.Tensor:
     """paged_attention_ref for a decode step (one row per sequence). Graph-safe: the grid depends only on
     q's shape, the heads and meta.max_seq_len; no host syncs. With cfg.pdl the kernels are launched as
     programmatic dependents and read meta.seq_lens and meta.block_tables before waiting for the previous
-    kernel, so that kernel must not be the one writing them (q and the caches may come from it)."""
+    kernel, so that kernel must not be the one writing them (q and the caches may come from it).
+    rope: q unrotated, and this step's k and v still to rotate and write (ops.rope_kv_write then this, in one
+    launch less)."""
     n_rows, n_heads, head_dim = q.shape
     n_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert meta.max_query_len == 1 and n_rows == meta.num_seqs and n_heads % n_kv_heads == 0
     assert q.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
+    if rope is not None:
+        assert DecodeRope.fits(q, rope.cos_sin) and rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1
+        assert rope.k.shape == rope.v.shape == (n_rows, n_kv_heads, head_dim)
+        new_rows = (rope.k, rope.v, rope.positions, rope.cos_sin, meta.slot_mapping)
+        new_strides = (rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), rope.cos_sin.stride(0))
+    else:
+        new_rows, new_strides = (q, q, meta.seq_lens, q, meta.seq_lens), (0, 0, 0, 0, 0)     # unused
     out = torch.empty_like(q) if out is None else out
     if n_rows == 0:
         return out
@@ -524,14 +624,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml, *new_rows,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), scale * LOG2E, num_splits, window, softcap,
+        out.stride(0), out.stride(1), *new_strides, scale * LOG2E, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SPLIT_GROUP=cfg.split_group, GROUPS=groups,
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROPE=rope is not None, NEOX=rope is not None and rope.neox, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
@@ -651,13 +751,28 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def is_decode_step(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """One row per sequence: the decode kernel's step (any other runs the prefill kernel)."""
+    return meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+
+
+def fuses_rope(q: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor) -> bool:
+    """Whether a step's rope and cache write run in the decode kernel (DecodeRope): a decode step whose heads
+    rotate whole, unless COBATCH_FUSED_ROPE=0 (FUSED_ROPE, read at each call)."""
+    return FUSED_ROPE and is_decode_step(q, meta) and DecodeRope.fits(q, cos_sin)
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """out_dtype: the output's dtype where `out` is not given (default q's)."""
-    decode = meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+                           softcap: float = 0.0, out_dtype: torch.dtype | None = None,
+                           rope: DecodeRope | None = None) -> torch.Tensor:
+    """out_dtype: the output's dtype where `out` is not given (default q's). rope: a decode step's rotation and
+    cache write, done by the decode kernel (paged_decode_attention)."""
+    decode = is_decode_step(q, meta)
+    assert rope is None or decode
     if out is None and out_dtype not in (None, q.dtype):     # prefill leaves rows past the chunks zero
         out = (torch.empty if decode else torch.zeros)(q.shape, dtype=out_dtype, device=q.device)
     if decode:
-        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap,
+                                      rope=rope)
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)

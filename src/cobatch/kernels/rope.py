@@ -86,6 +86,25 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
 # --- Triton -------------------------------------------------------------------------------------------
 
 @jit
+def rotated(x, partner, cos, signed_sin):
+    """One rotated value in f32: x cos + partner (-sin for a pair's first dim, +sin for its second), as one
+    fma, so the rope kernel and the decode attention that rotates its own q and new k
+    (attention._decode_split_kernel) give the same bits."""
+    return tl.fma(x, cos, partner * signed_sin)
+
+
+@jit
+def rotary_dims(d, HEAD_D: tl.constexpr, NEOX: tl.constexpr):
+    """For each dim d of a head whose dims all rotate: (its cos/sin index, its pair partner, -1.0 for a pair's
+    first dim and 1.0 for its second)."""
+    half: tl.constexpr = HEAD_D // 2
+    if NEOX:
+        first = d < half
+        return tl.where(first, d, d - half), tl.where(first, d + half, d - half), tl.where(first, -1.0, 1.0)
+    return d // 2, d ^ 1, tl.where(d % 2 == 0, -1.0, 1.0)
+
+
+@jit
 def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, half_mask, norm_ptr, eps,
                   BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, N_DIMS: tl.constexpr):
     """Rotate the first rot dims of every head of one row in place; returns the rotated halves (in x.dtype).
@@ -102,8 +121,8 @@ def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, ha
         w2 = tl.load(norm_ptr + off2, mask=half_mask, other=0.0).to(tl.float32)[None, :]
         x1 = (x1 * rstd * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
         x2 = (x2 * rstd * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    o1 = rotated(x1, x2, cos[None, :], -sin[None, :])
+    o2 = rotated(x2, x1, cos[None, :], sin[None, :])
     # Round once to the tensor's dtype, as the reference does; the cache then gets the same values.
     o1 = o1.to(x_ptr.dtype.element_ty)
     o2 = o2.to(x_ptr.dtype.element_ty)

@@ -154,10 +154,9 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].reshape(n, cfg.n_kv_heads, cfg.head_dim)
             cos_sin = self.cos_sin_local if layer.window else self.cos_sin
             qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_eps) if layer.q_norm is not None else None
-            q, k = ops.rope_kv_write(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i],
-                                     meta.slot_mapping, qk_norm)
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, cfg.attn_softcap,
-                                 out_dtype=ops.operand_dtype(layer.o, n, dtype))
+            attn = ops.rope_attention(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i], meta,
+                                      self.scale, layer.window, cfg.attn_softcap,
+                                      out_dtype=ops.operand_dtype(layer.o, n, dtype), qk_norm=qk_norm)
             x = ops.linear(attn.reshape(n, q_size), layer.o, dtype=dtype)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
