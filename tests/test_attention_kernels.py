@@ -213,8 +213,6 @@ def test_decode_padded_rows_are_zero():
         assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 4.0)])
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def check_rope_decode(lens: list[int], drafts: range, n_q: int, n_kv: int, head_dim: int, kv_dtype, neox: bool,
                       cfg: DecodeConfig, seed: int, capacity: int, dtype=torch.bfloat16) -> None:
     """A decode step whose rows still need rope and their cache write, rows `drafts` being a speculating
@@ -267,6 +265,8 @@ def test_decode_with_rope_equals_the_rope_kernel_then_decode(variant, neox, kv_d
                       seed=31, capacity=130)
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 4.0)])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_decode_step_ref_at_once_equals_each_sequence_alone(window, softcap, kv_dtype):
     """The reference runs a decode step (one row a sequence) for every sequence at once, each context padded to
     the longest: it must give each row what the reference gives that sequence alone (the loop), and the padding
