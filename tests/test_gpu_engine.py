@@ -319,3 +319,19 @@ def test_qwen3_gpu_logits_close_to_cpu(tmp_path, quant):
     ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(0))]
     got, want = gpu_and_cpu_logits(path, ids)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_qwen3_gpu_decode_matches_cpu(tmp_path):
+    """qwen3's decode steps on CUDA run its per-head q / k norms, rope and the cache write inside decode attention
+    (attention.DecodeRope, QK_NORM): greedy tokens as the CPU path's, up to ties."""
+    from cobatch.testing.gguf_writer import write_random_model
+    from model_checks import prompt_logits
+    path = write_random_model(tmp_path / "qwen3-q8_0.gguf", "qwen3-tiny", "q8_0", tokenizer_from=_cut_model(), seed=6)
+    cpu = LLM.load(path, EngineOptions(device="cpu", ctx=256, max_num_seqs=2, quiet=True))
+    gpu = LLM.load(path, EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=2, quiet=True, kv_cache_gb=1))
+    prompts = [cpu.encode_prompt(p) for p in PROMPTS[:2]]
+    want = [cpu.engine.generate([p], GREEDY)[0] for p in prompts]
+    got = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
+    ties = [assert_same_or_tie(lambda ids: prompt_logits(cpu.model, cpu.config, ids), p, w, g, TIE_TOL["tiny"])
+            for p, w, g in zip(prompts, want, got)]
+    assert sum(t is None for t in ties) >= 1

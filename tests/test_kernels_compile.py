@@ -93,7 +93,7 @@ for softcap in (False, True):
                 attention._decode_split_kernel,
                 dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
                      GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=softcap,
-                     WINDOWED=windowed, OPERAND=BF16, ROPE=False, NEOX=False),
+                     WINDOWED=windowed, OPERAND=BF16, ROPE=False, NEOX=False, QK_NORM=False),
                 dec.num_warps, dec.num_stages, None,
                 attention.decode_register_cap(1 if single else 2, torch.bfloat16, 128, dec))
     for windowed in (False, True):
@@ -107,16 +107,17 @@ for single, groups in ((False, False), (True, False)):      # no groups with fp8
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single,
-             PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16, ROPE=False, NEOX=False),
+             PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16, ROPE=False, NEOX=False, QK_NORM=False),
         dec.num_warps, dec.num_stages, FP8_CACHE, attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
 # Rope and the cache write in the decode kernel (ops.rope_attention): within the same 128 registers
-for single, groups, neox, fp8 in ((False, False, False, False), (False, True, False, False),
-                                  (True, False, False, False), (False, True, True, False), (False, False, False, True)):
-    variants[f"decode rope single_split={single} groups={groups} neox={neox} fp8={fp8}"] = (
+for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), (False, True, False, False, False),
+                                           (True, False, False, False, False), (False, True, True, False, False),
+                                           (False, False, False, True, False), (False, True, True, False, True)):
+    variants[f"decode rope single_split={single} groups={groups} neox={neox} fp8={fp8} qk_norm={qk_norm}"] = (
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False,
-             OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox),
+             OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm),
         dec.num_warps, dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(1 if single else 2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills
@@ -125,7 +126,7 @@ for fp8 in (False, True):
         attention._decode_split_kernel,
         dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=dec.block_n, **SPLITS, GROUPS=not fp8,
              SINGLE_SPLIT=False, PDL=True, DOT_F32=False, SOFTCAP=True, WINDOWED=True, OPERAND=F16 if fp8 else BF16,
-             ROPE=False, NEOX=False),
+             ROPE=False, NEOX=False, QK_NORM=False),
         dec.num_warps, dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 256, dec))
 variants["prefill fp8 cache"] = (
@@ -410,6 +411,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 56 + 29 + 14 + 4 + 14 + 7
+    assert len(compiled) == 57 + 29 + 14 + 4 + 14 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

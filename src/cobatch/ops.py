@@ -100,12 +100,12 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                    out_dtype: torch.dtype | None = None,
                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """rope_kv_write, then attention over the caches it wrote. On the Triton path a decode step whose heads
-    rotate whole, without q/k norms, runs both in the decode attention kernel (one launch less a layer;
-    COBATCH_FUSED_ROPE=0 keeps them apart). q, k are not rotated in place then: only the caches and the
+    rotate whole (with qwen3's q/k norms or without) runs both in the decode attention kernel (one launch less a
+    layer; COBATCH_FUSED_ROPE=0 keeps them apart). q, k are not rotated in place then: only the caches and the
     output are this op's results."""
-    if _triton(q) and qk_norm is None and fuses_rope(q, meta, cos_sin):
+    if _triton(q) and fuses_rope(q, meta, cos_sin):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                                      out_dtype=out_dtype, rope=DecodeRope(k, v, positions, cos_sin, neox))
+                                      out_dtype=out_dtype, rope=DecodeRope(k, v, positions, cos_sin, neox, qk_norm))
     q, _ = rope_kv_write(q, k, v, positions, cos_sin, neox, k_cache, v_cache, meta.slot_mapping, qk_norm)
     return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype)
 

@@ -256,15 +256,30 @@ def _step_rows_of_sequence(slot_ptr, bt_row, row, seq_len, PAGE: tl.constexpr):
 
 
 @jit
+def _rotated_head(x_ptr, d, partner, mask, cos, signed_sin, norm_ptr, eps, HEAD_D: tl.constexpr,
+                  QK_NORM: tl.constexpr):
+    """One head's (or a block of heads', [G, D]) dims rotated and rounded to x's dtype. QK_NORM (qwen3): each head
+    RMS-normed with the weights at norm_ptr first and rounded to x's dtype, as the rope kernel does."""
+    x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_D + eps)
+        x = (x * rstd * tl.load(norm_ptr + d, mask=mask, other=0.0).to(tl.float32))
+        xp = (xp * rstd * tl.load(norm_ptr + partner, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+        xp = xp.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return rotated(x, xp, cos, signed_sin).to(x_ptr.dtype.element_ty)
+
+
+@jit
 def _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, row, kv_head, k_row_stride, k_head_stride,
                   v_row_stride, v_head_stride, cos, signed_sin, d, partner, mask, cache_block_stride,
-                  cache_slot_stride, cache_head_stride, PAGE: tl.constexpr):
+                  cache_slot_stride, cache_head_stride, kn_ptr, eps, PAGE: tl.constexpr, HEAD_D: tl.constexpr,
+                  QK_NORM: tl.constexpr):
     """Row `row`'s K of one KV head rotated (as the rope kernel rotates it, rounded to its dtype) and its V,
     into the cache at the row's slot: ops.rope_kv_write's work for one head."""
-    src = k_new_ptr + row * k_row_stride + kv_head * k_head_stride
-    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-    k = rotated(x, xp, cos, signed_sin).to(k_new_ptr.dtype.element_ty)
+    k = _rotated_head(k_new_ptr + row * k_row_stride + kv_head * k_head_stride, d, partner, mask, cos, signed_sin,
+                      kn_ptr, eps, HEAD_D, QK_NORM)
     v = tl.load(v_new_ptr + row * v_row_stride + kv_head * v_head_stride + d, mask=mask)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     dst = (slot // PAGE) * cache_block_stride + (slot % PAGE) * cache_slot_stride + kv_head * cache_head_stride + d
@@ -274,16 +289,16 @@ def _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, row, kv_head, 
 
 @jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                         k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr,
+                         k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, qn_ptr, kn_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, k_row_stride, k_head_stride,
-                         v_row_stride, v_head_stride, cs_stride, qk_scale,
+                         v_row_stride, v_head_stride, cs_stride, qk_scale, eps,
                          num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          MIN_SPLIT: tl.constexpr, SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
-                         ROPE: tl.constexpr, NEOX: tl.constexpr):
+                         ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -294,7 +309,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     a multiple); a sliding window masks the keys before it. Chunks past seq_len run no iterations.
     ROPE: q and this step's k arrive unrotated (every dim rotates; NEOX: halves, else adjacent pairs). The
     program rotates its q heads, and writes the rotated k and the v of the step's rows whose positions fall
-    in its chunk into the cache before reading it (the rope kernel's work, same bits, one launch less)."""
+    in its chunk into the cache before reading it (the rope kernel's work, same bits, one launch less). QK_NORM:
+    each q and k head RMS-normed first (qwen3), as the rope kernel does."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
@@ -329,19 +345,19 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
 
     q_row = q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride
     if ROPE:
-        x = tl.load(q_row + d[None, :], mask=gd_mask, other=0.0).to(tl.float32)
-        xp = tl.load(q_row + partner[None, :], mask=gd_mask, other=0.0).to(tl.float32)
-        q = rotated(x, xp, cos[None, :], signed_sin[None, :]).to(q_ptr.dtype.element_ty).to(OPERAND)
+        q = _rotated_head(q_row, d[None, :], partner[None, :], gd_mask, cos[None, :], signed_sin[None, :], qn_ptr, eps,
+                          HEAD_D, QK_NORM).to(OPERAND)
         # this row's own k and v with the rotation already loaded, then any earlier rows of a speculating one
         _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kv_head, k_row_stride, k_head_stride,
                       v_row_stride, v_head_stride, cos, signed_sin, d, partner, d_mask & (i_lo == 0) & (i_hi > 0),
-                      cache_block_stride, cache_slot_stride, cache_head_stride, PAGE)
+                      cache_block_stride, cache_slot_stride, cache_head_stride, kn_ptr, eps, PAGE, HEAD_D, QK_NORM)
         for i in range(tl.maximum(i_lo, 1), i_hi):
             cs_i = cs_ptr + tl.load(pos_ptr + seq - i) * cs_stride
             _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, seq - i, kv_head, k_row_stride,
                           k_head_stride, v_row_stride, v_head_stride, tl.load(cs_i + cs_index, mask=d_mask),
                           tl.load(cs_i + HEAD_D // 2 + cs_index, mask=d_mask) * sign, d, partner, d_mask,
-                          cache_block_stride, cache_slot_stride, cache_head_stride, PAGE)
+                          cache_block_stride, cache_slot_stride, cache_head_stride, kn_ptr, eps, PAGE, HEAD_D,
+                          QK_NORM)
         tl.debug_barrier()             # the CTA's writes before its reads of the cache
     else:
         q = tl.load(q_row + d[None, :], mask=gd_mask, other=0.0).to(OPERAND)
@@ -582,6 +598,7 @@ class DecodeRope:
     positions: torch.Tensor      # [N]
     cos_sin: torch.Tensor        # float32 [max_pos, D]: cos | sin, every dim rotating
     neox: bool
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None     # (q weight, k weight, eps): qwen3's
 
     @staticmethod
     def fits(q: torch.Tensor, cos_sin: torch.Tensor) -> bool:
@@ -606,10 +623,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rope is not None:
         assert DecodeRope.fits(q, rope.cos_sin) and rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1
         assert rope.k.shape == rope.v.shape == (n_rows, n_kv_heads, head_dim)
-        new_rows = (rope.k, rope.v, rope.positions, rope.cos_sin, meta.slot_mapping)
+        q_weight, k_weight, eps = rope.qk_norm or (q, q, 0.0)       # (unused without q/k norms)
+        assert rope.qk_norm is None or (q_weight.is_contiguous() and k_weight.is_contiguous())
+        new_rows = (rope.k, rope.v, rope.positions, rope.cos_sin, meta.slot_mapping, q_weight, k_weight)
         new_strides = (rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), rope.cos_sin.stride(0))
     else:
-        new_rows, new_strides = (q, q, meta.seq_lens, q, meta.seq_lens), (0, 0, 0, 0, 0)     # unused
+        new_rows, new_strides, eps = (q, q, meta.seq_lens, q, meta.seq_lens, q, q), (0, 0, 0, 0, 0), 0.0  # unused
     out = torch.empty_like(q) if out is None else out
     if n_rows == 0:
         return out
@@ -626,12 +645,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml, *new_rows,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        out.stride(0), out.stride(1), *new_strides, scale * LOG2E, num_splits, window, softcap,
+        out.stride(0), out.stride(1), *new_strides, scale * LOG2E, eps, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SPLIT_GROUP=cfg.split_group, GROUPS=groups,
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
-        ROPE=rope is not None, NEOX=rope is not None and rope.neox, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROPE=rope is not None, NEOX=rope is not None and rope.neox,
+        QK_NORM=rope is not None and rope.qk_norm is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
