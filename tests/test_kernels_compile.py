@@ -26,7 +26,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cobatch.kernels import activation, attention, kv_write, mla_attention, moe_routing, norm, quant_gemm, rope
+from cobatch.kernels import (activation, attention, kv_write, mla_attention, mla_latent, moe_routing, norm,
+                             quant_gemm, rope)
 
 H200 = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_expert_ptr", "slot_start_ptr",
@@ -136,6 +137,10 @@ variants["prefill fp8 cache"] = (
 variants["rope+kv_write fp8 cache"] = (
     rope._rope_kernel, dict(HALF=64, NEOX=False, WRITE_KV=True, QK_NORM=False, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64,
                             BLOCK_D=128, PDL=True), 4, 2, FP8_CACHE)
+for fp8 in (False, True):    # MLA's step prologue (DeepSeek-V2's 512 + 64 latent, 16 heads a program)
+    variants[f"mla latent fp8={fp8}"] = (
+        mla_latent._mla_latent_kernel, dict(RANK=512, HALF=32, BLOCK_R=512, BLOCK_H=16, NEOX=False, PDL=True), 4, 2,
+        {"w_ptr": "*bf16", **({"cache_ptr": "*fp8e4nv"} if fp8 else {})})
 variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2, FP8_CACHE)
 for groups in (False, True):
     variants[f"decode reduce groups={groups}"] = (
@@ -411,6 +416,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 57 + 29 + 14 + 4 + 14 + 7
+    assert len(compiled) == 59 + 29 + 14 + 4 + 14 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -18,8 +18,8 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
-from cobatch.kernels.mla_attention import (latent_write_ref, mla_attention_ref, mla_decode_attention,
-                                           mla_prefill_attention)
+from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
+from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
@@ -110,14 +110,14 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype)
 
 
-def latent_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """MLA: this step's cache rows (c_kv | k_rope, [N, L]) into the latent cache at their slots."""
-    if _triton(latent):
-        # One KV "head" whose K and V rows are the same: the GQA write kernel, its second store repeating the first
-        row = latent[:, None, :]
-        kv_write_triton(row, row, cache, cache, slot_mapping)
-        return
-    latent_write_ref(latent, cache, slot_mapping)
+def mla_latent(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool, cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> torch.Tensor:
+    """MLA's step prologue: [rms_norm(c_kv) | rotated k_rope] of kv_a's rows into the latent cache, and the queries'
+    rope dims q_rope rotated (returned, [N, H, R]). kernels/mla_latent.py."""
+    if _triton(kv_a):
+        return mla_latent_triton(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache, slot_mapping)
+    return mla_latent_ref(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache, slot_mapping)
 
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -159,10 +159,9 @@ class DeepseekModel:
         if layer.q_b is not None:
             q = ops.linear(ops.rms_norm(q.contiguous(), layer.q_a_norm, cfg.rms_eps)[0], layer.q_b)
         q = q.reshape(n, heads, mla.qk_head_dim)
-        c_kv, _ = ops.rms_norm(kv_a[:, :mla.kv_lora_rank].contiguous(), layer.kv_a_norm, cfg.rms_eps)
-        q_rope, k_rope = ops.rope(q[..., mla.qk_nope_dim:].contiguous(),
-                                  kv_a[:, None, mla.kv_lora_rank:].contiguous(), positions, self.cos_sin, neox=False)
-        ops.latent_write(torch.cat([c_kv, k_rope[:, 0]], dim=-1), cache, meta.slot_mapping)
+        # the latent row [rms_norm(c_kv) | rotated k_rope] into the cache, and the queries' rope dims rotated
+        q_rope = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions, self.cos_sin,
+                                False, cache, meta.slot_mapping)
         q_latent = torch.einsum("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)      # W_UK absorbed
         latent_out = ops.mla_attention(torch.cat([q_latent, q_rope], dim=-1), cache, meta, self.scale,
                                        mla.kv_lora_rank)
