@@ -12,7 +12,7 @@ import torch
 
 from cobatch.kernels.mla_attention import latent_write_ref
 from cobatch.kernels.norm import rms_norm_ref
-from cobatch.kernels.rope import rope_ref, rotated
+from cobatch.kernels.rope import rope_ref, rotary_halves, rotated
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl, triton
 
 
@@ -32,14 +32,6 @@ def mla_latent_ref(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.
 # --- Triton -------------------------------------------------------------------------------------------
 
 @jit
-def _rope_halves(i, HALF: tl.constexpr, NEOX: tl.constexpr):
-    """The dims of rope pairs i: halves (NEOX) or adjacent pairs."""
-    if NEOX:
-        return i, i + HALF
-    return 2 * i, 2 * i + 1
-
-
-@jit
 def _mla_latent_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, q_out_ptr,
                        q_row_stride, q_head_stride, kv_row_stride, cs_stride, cache_slot_stride, q_out_row_stride,
                        q_out_head_stride, n_heads, eps, RANK: tl.constexpr, HALF: tl.constexpr,
@@ -51,7 +43,7 @@ def _mla_latent_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, cache_ptr, slot_pt
         gdc_launch_dependents()
         gdc_wait()
     i = tl.arange(0, HALF)
-    off1, off2 = _rope_halves(i, HALF, NEOX)
+    off1, off2 = rotary_halves(i, HALF, NEOX)
     cs_row = cs_ptr + tl.load(pos_ptr + row) * cs_stride
     cos = tl.load(cs_row + i)
     sin = tl.load(cs_row + HALF + i)

@@ -105,6 +105,14 @@ def rotary_dims(d, HEAD_D: tl.constexpr, NEOX: tl.constexpr):
 
 
 @jit
+def rotary_halves(i, HALF: tl.constexpr, NEOX: tl.constexpr):
+    """The two dims of rope pairs i (< HALF): halves (NEOX) or adjacent pairs."""
+    if NEOX:
+        return i, i + HALF
+    return 2 * i, 2 * i + 1
+
+
+@jit
 def _rotate_heads(x_ptr, row_off, head_stride, n_heads, cos, sin, off1, off2, half_mask, norm_ptr, eps,
                   BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, N_DIMS: tl.constexpr):
     """Rotate the first rot dims of every head of one row in place; returns the rotated halves (in x.dtype).
@@ -147,12 +155,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
     half_mask = i < HALF
     cos = tl.load(cs_ptr + pos * cs_stride + i, mask=half_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * cs_stride + HALF + i, mask=half_mask, other=0.0)
-    if NEOX:
-        off1 = i
-        off2 = i + HALF
-    else:
-        off1 = 2 * i
-        off2 = 2 * i + 1
+    off1, off2 = rotary_halves(i, HALF, NEOX)
     # Program (row, part): parts 0..P-2 rotate BLOCK_HQ query heads each, the last part the KV heads (and
     # writes the cache). One program per row ran its heads one dependent memory trip after another.
     part = tl.program_id(1)
