@@ -84,6 +84,17 @@ def test_a_row_has_the_same_bits_alone_and_batched():
 PREFILL_SMALL = MlaPrefillConfig(rows=16, block_h=8, block_n=16, num_warps=4)
 
 
+def test_query_parts_apart_give_the_bits_of_the_whole_query():
+    """The model hands the kernels q_latent and q_rope as two tensors (no concatenation): the same bits as the
+    concatenated query, from the decode and the prefill kernel."""
+    q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, torch.bfloat16, seed=3)
+    q_latent, q_rope = q[..., :16].contiguous(), q[..., 16:].contiguous()
+    assert torch.equal(mla_decode_attention(q_latent, cache, meta, 0.3, 16, cfg=SPLIT, q_rope=q_rope),
+                       mla_decode_attention(q, cache, meta, 0.3, 16, cfg=SPLIT))
+    assert torch.equal(mla_prefill_attention(q_latent, cache, meta, 0.3, 16, cfg=PREFILL_SMALL, q_rope=q_rope),
+                       mla_prefill_attention(q, cache, meta, 0.3, 16, cfg=PREFILL_SMALL))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_matches_reference(dtype):
     """Chunks of 1 to 21 rows over contexts that start before the chunk (a later chunk of a prompt), a whole

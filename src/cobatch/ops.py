@@ -120,16 +120,19 @@ def mla_latent(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tens
     return mla_latent_ref(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache, slot_mapping)
 
 
-def mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                  kv_lora_rank: int) -> torch.Tensor:
-    """MLA in the absorbed form: q [N, H, L] (q_latent | q_rope) against the cached latents -> [N, H, kv_lora_rank]
-    (float32, or q's dtype from the kernels), W_UV still to apply (kernels/mla_attention.py). On CUDA a decode step
-    runs the MLA decode kernel, any other step the MLA prefill kernel."""
-    if _triton(q) and kv_lora_rank & (kv_lora_rank - 1) == 0:
-        if meta.is_decode and q.shape[0] == meta.num_seqs:
-            return mla_decode_attention(q.contiguous(), cache, meta, scale, kv_lora_rank)
-        return mla_prefill_attention(q.contiguous(), cache, meta, scale, kv_lora_rank)
-    return mla_attention_ref(q, cache, meta, scale, kv_lora_rank)
+def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+    """MLA in the absorbed form: queries q_latent [N, H, kv_lora_rank] and q_rope [N, H, R] against the cached
+    latents -> [N, H, kv_lora_rank] (float32, or q's dtype from the kernels), W_UV still to apply
+    (kernels/mla_attention.py). On CUDA a decode step runs the MLA decode kernel, any other step the MLA prefill
+    kernel; both read the two query parts apart."""
+    kv_lora_rank = q_latent.shape[-1]
+    if _triton(q_latent) and kv_lora_rank & (kv_lora_rank - 1) == 0:
+        q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()     # (no copy where they already are)
+        if meta.is_decode and q_latent.shape[0] == meta.num_seqs:
+            return mla_decode_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
+        return mla_prefill_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
+    return mla_attention_ref(torch.cat([q_latent, q_rope], dim=-1), cache, meta, scale, kv_lora_rank)
 
 
 def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:

@@ -60,8 +60,9 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
 
 
 @jit
-def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                             q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                             q_row_stride, q_head_stride, q_rope_row_stride, q_rope_head_stride, bt_stride,
+                             cache_block_stride, cache_slot_stride,
                              out_row_stride, out_head_stride, qk_scale, num_splits,
                              N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                              BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -85,7 +86,8 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, pa
     r_mask = r < ROPE
     q_rows = q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride
     q_lat = tl.load(q_rows + c[None, :], mask=h_mask[:, None], other=0.0).to(OPERAND)
-    q_rope = tl.load(q_rows + LAT + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(OPERAND)
+    q_rope_rows = q_rope_ptr + seq * q_rope_row_stride + heads[:, None] * q_rope_head_stride
+    q_rope = tl.load(q_rope_rows + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(OPERAND)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -126,19 +128,28 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, pa
 MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
 
 
+def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent, rope) parts of the absorbed queries: q [N, H, L] whole, or q [N, H, kv_lora_rank] with q_rope
+    [N, H, R] beside it (the kernels read the two apart, so the caller need not concatenate them)."""
+    return (q[..., :kv_lora_rank], q[..., kv_lora_rank:]) if q_rope is None else (q, q_rope)
+
+
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = MLA_DECODE_CONFIG,
-                         block_h: int = 16) -> torch.Tensor:
+                         block_h: int = 16, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
     paged_decode_attention is: the grid depends only on q's shape and meta.max_seq_len. cache may be
     [num_blocks, block_size, 1, width] (the KV pool's one-head layout) or [num_blocks, block_size, width].
-    kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one."""
-    n_rows, n_heads, width = q.shape
+    kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one. q_rope:
+    the queries' rope part apart (query_parts)."""
+    q, q_rope = query_parts(q, q_rope, kv_lora_rank)
+    n_rows, n_heads, _ = q.shape
     cache = cache.flatten(2) if cache.dim() == 4 else cache
-    page, rope = cache.shape[1], width - kv_lora_rank
-    assert meta.max_query_len == 1 and n_rows == meta.num_seqs and cache.shape[2] == width
+    page, rope = cache.shape[1], q_rope.shape[2]
+    assert meta.max_query_len == 1 and n_rows == meta.num_seqs and cache.shape[2] == kv_lora_rank + rope
     assert kv_lora_rank == next_pow2(kv_lora_rank) and 0 < rope, "kv_lora_rank a power of two, then the rope part"
-    assert q.stride(-1) == 1 and cache.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
+    assert q.shape[2] == kv_lora_rank and q.stride(-1) == 1 and q_rope.stride(-1) == 1
+    assert cache.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
     out = torch.empty(n_rows, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device) if out is None else out
     if n_rows == 0:
         return out
@@ -154,8 +165,9 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
     _mla_decode_split_kernel[(n_rows, head_blocks, chunks)](
-        q, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
-        q.stride(0), q.stride(1), meta.block_tables.stride(0), cache.stride(0), cache.stride(1),
+        q, q_rope, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
+        cache.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
@@ -185,8 +197,9 @@ MLA_PREFILL_CONFIG = MlaPrefillConfig()
 
 
 @jit
-def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-                        q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+def _mla_prefill_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+                        q_row_stride, q_head_stride, q_rope_row_stride, q_rope_head_stride, bt_stride,
+                        cache_block_stride, cache_slot_stride,
                         out_row_stride, out_head_stride, qk_scale,
                         N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, LAT: tl.constexpr,
                         ROPE: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -210,7 +223,8 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr,
     r_mask = r < ROPE
     q_rows = q_ptr + (row0 + t).to(tl.int64) * q_row_stride + heads * q_head_stride
     q_lat = tl.load(q_rows[:, None] + c[None, :], mask=q_mask[:, None], other=0.0).to(OPERAND)
-    q_rope = tl.load(q_rows[:, None] + LAT + r[None, :], mask=q_mask[:, None] & r_mask[None, :],
+    q_rope_rows = q_rope_ptr + (row0 + t).to(tl.int64) * q_rope_row_stride + heads * q_rope_head_stride
+    q_rope = tl.load(q_rope_rows[:, None] + r[None, :], mask=q_mask[:, None] & r_mask[None, :],
                      other=0.0).to(OPERAND)
 
     # cached rows up to the tile's last token (every row sees row 0, so no row's max stays -inf)
@@ -242,13 +256,17 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr,
 
 def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                           kv_lora_rank: int, out: torch.Tensor | None = None,
-                          cfg: MlaPrefillConfig = MLA_PREFILL_CONFIG) -> torch.Tensor:
+                          cfg: MlaPrefillConfig = MLA_PREFILL_CONFIG, q_rope: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """mla_attention_ref for any step (chunks of several rows, decode rows among them), in q's dtype. Rows past
-    query_start[-1] stay zero when `out` is allocated here. kv_lora_rank a power of two, as for the decode kernel."""
-    n_rows, n_heads, width = q.shape
+    query_start[-1] stay zero when `out` is allocated here. kv_lora_rank a power of two, as for the decode kernel.
+    q_rope: the queries' rope part apart (query_parts)."""
+    q, q_rope = query_parts(q, q_rope, kv_lora_rank)
+    n_rows, n_heads, _ = q.shape
     cache = cache.flatten(2) if cache.dim() == 4 else cache
-    page, rope = cache.shape[1], width - kv_lora_rank
-    assert cache.shape[2] == width and q.stride(-1) == 1 and cache.stride(-1) == 1
+    page, rope = cache.shape[1], q_rope.shape[2]
+    assert cache.shape[2] == kv_lora_rank + rope and q.shape[2] == kv_lora_rank
+    assert q.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     assert kv_lora_rank == next_pow2(kv_lora_rank) and 0 < rope, "kv_lora_rank a power of two, then the rope part"
     assert meta.block_tables.stride(-1) == 1
     out = torch.zeros(n_rows, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device) if out is None else out
@@ -258,8 +276,9 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionM
     block_t = cfg.rows // block_h
     grid = (triton.cdiv(n_heads, block_h), meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), block_t))
     _mla_prefill_kernel[grid](
-        q, cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
-        q.stride(0), q.stride(1), meta.block_tables.stride(0), cache.stride(0), cache.stride(1),
+        q, q_rope, cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
+        cache.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
         N_HEADS=n_heads, BLOCK_H=block_h, BLOCK_T=block_t, LAT=kv_lora_rank, ROPE=rope,
         BLOCK_R=max(16, next_pow2(rope)), PAGE=page, BLOCK_N=cfg.block_n, DOT_F32=dot_in_f32(cache.dtype),

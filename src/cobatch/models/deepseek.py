@@ -163,8 +163,7 @@ class DeepseekModel:
         q_rope = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions, self.cos_sin,
                                 False, cache, meta.slot_mapping)
         q_latent = torch.einsum("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)      # W_UK absorbed
-        latent_out = ops.mla_attention(torch.cat([q_latent, q_rope], dim=-1), cache, meta, self.scale,
-                                       mla.kv_lora_rank)
+        latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale)
         out = torch.einsum("nhr,hvr->nhv", latent_out.to(h.dtype), layer.v_up)              # W_UV
         return ops.linear(out.reshape(n, heads * mla.v_head_dim), layer.o)
 
