@@ -85,10 +85,11 @@ PREFILL_SMALL = MlaPrefillConfig(rows=16, block_h=8, block_n=16, num_warps=4)
 
 
 def test_query_parts_apart_give_the_bits_of_the_whole_query():
-    """The model hands the kernels q_latent and q_rope as two tensors (no concatenation): the same bits as the
-    concatenated query, from the decode and the prefill kernel."""
+    """The model hands the kernels q_latent and q_rope as two tensors (no concatenation), q_latent as a transposed
+    view of a [heads, rows, rank] product: the same bits as the concatenated query, from both kernels."""
     q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, torch.bfloat16, seed=3)
-    q_latent, q_rope = q[..., :16].contiguous(), q[..., 16:].contiguous()
+    q_latent, q_rope = q[..., :16].transpose(0, 1).contiguous().transpose(0, 1), q[..., 16:]
+    assert not q_latent.is_contiguous() and not q_rope.is_contiguous()
     assert torch.equal(mla_decode_attention(q_latent, cache, meta, 0.3, 16, cfg=SPLIT, q_rope=q_rope),
                        mla_decode_attention(q, cache, meta, 0.3, 16, cfg=SPLIT))
     assert torch.equal(mla_prefill_attention(q_latent, cache, meta, 0.3, 16, cfg=PREFILL_SMALL, q_rope=q_rope),

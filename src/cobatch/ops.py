@@ -128,7 +128,8 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     kernel; both read the two query parts apart."""
     kv_lora_rank = q_latent.shape[-1]
     if _triton(q_latent) and kv_lora_rank & (kv_lora_rank - 1) == 0:
-        q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()     # (no copy where they already are)
+        # any row and head strides (W_UK's einsum hands q_latent over as a [H, N, R] product's transposed view)
+        q_latent, q_rope = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_rope))
         if meta.is_decode and q_latent.shape[0] == meta.num_seqs:
             return mla_decode_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
         return mla_prefill_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
