@@ -25,8 +25,11 @@ BENCH_SIBLINGS = [p.stem for p in (ROOT / "bench").glob("*.py")]
 
 
 def load(name: str):
-    """bench/NAME.py as a module, its sibling imports resolved to bench/ whatever this process loaded before."""
+    """bench/NAME.py as a module, its sibling imports resolved to bench/ whatever this process loaded before.
+    The scripts put bench/ on sys.path; it is taken off again, or a later `import kernels` (transformers looks
+    for Hugging Face's package of that name) would find bench/kernels.py in every test after this one."""
     saved = {n: sys.modules.pop(n) for n in BENCH_SIBLINGS if n in sys.modules}
+    saved_path = list(sys.path)
     try:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
@@ -35,6 +38,7 @@ def load(name: str):
         for n in BENCH_SIBLINGS:     # what this process had under those names comes back
             sys.modules.pop(n, None)
         sys.modules.update(saved)
+        sys.path[:] = saved_path
     return module
 
 
