@@ -28,8 +28,7 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
-from cobatch.kernels.mla_attention import (MLA_HEAD_ROWS_CONFIG, MLA_TOKEN_ROWS, MLA_TOKEN_ROWS_CONFIG,
-                                          mla_decode_attention)
+from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth, graph_time, graph_times  # noqa: E402  (replays queued behind a GPU sleep)
@@ -113,8 +112,8 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
             "us_idle_stream": timed.idle * 1e6, "gbps_idle_stream": kv_bytes / timed.idle / 1e9}
 
 
-def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig | None = None,
-                     block_h: int = 16, token_rows: bool = MLA_TOKEN_ROWS) -> dict:
+def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig = MLA_DECODE_CONFIG,
+                     block_h: int = 16) -> dict:
     """The MLA decode kernel on `batch` sequences of `context` latent rows in 16-token pages scattered over the
     pool, R copies of the inputs as bench_decode."""
     width = MLA_LORA + MLA_ROPE
@@ -128,24 +127,20 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
         q = torch.randn(batch, MLA_HEADS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(batch, MLA_HEADS, MLA_LORA, device="cuda", dtype=torch.bfloat16)
         calls.append(lambda q=q, m=meta, o=out: mla_decode_attention(q, cache, m, width ** -0.5, MLA_LORA, out=o,
-                                                                     cfg=cfg, block_h=block_h,
-                                                                     token_rows=token_rows))
+                                                                     cfg=cfg, block_h=block_h))
     ms = graph_times(calls, reps=20).queued * 1e3
     kv_bytes = batch * context * width * 2
     del cache, calls
     return {"kernel": "mla_decode_attention", "batch": batch, "context": context, "filled": context,
             "kv_dtype": "bfloat16", "heads": MLA_HEADS, "latent_width": width, "us": ms * 1e3,
-            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9,
-            "config": asdict(cfg or (MLA_TOKEN_ROWS_CONFIG if token_rows else MLA_HEAD_ROWS_CONFIG)),
-            "block_h": block_h, "token_rows": token_rows}
+            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg), "block_h": block_h}
 
 
-# (config, block_h, token_rows) candidates of --mla --sweep: tile length, warps, stages, programs aimed at per SM,
-# with the heads as the dots' M side (the earlier form) and with the tokens as M
-MLA_SWEEP = [(None, 16, MLA_TOKEN_ROWS), (MLA_HEAD_ROWS_CONFIG, 16, False)] + [
-    (replace(MLA_TOKEN_ROWS_CONFIG, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps), 16, True)
-    for bn, w, st, pps in [(64, 8, 3, 2), (64, 8, 3, 1), (64, 4, 3, 1), (64, 8, 2, 2), (32, 8, 4, 2), (32, 4, 4, 2),
-                           (32, 8, 5, 1), (32, 8, 4, 4), (64, 8, 4, 1)]]
+# (config, block_h) candidates of --mla --sweep: tile length, warps, stages, programs aimed at per SM
+MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
+    (replace(MLA_DECODE_CONFIG, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps), 16)
+    for bn, w, st, pps in [(64, 8, 2, 4), (32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4),
+                           (16, 4, 4, 8), (32, 8, 3, 8), (64, 4, 2, 4), (64, 8, 4, 1), (64, 8, 3, 1)]]
 
 
 def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
@@ -153,20 +148,19 @@ def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
     reported in its rows' place."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for variant, (cfg, block_h, token_rows) in enumerate(MLA_SWEEP if sweep else MLA_SWEEP[:1]):
+    for variant, (cfg, block_h) in enumerate(MLA_SWEEP if sweep else MLA_SWEEP[:1]):
         for batch in BATCHES:
             for context in MLA_CONTEXTS:
                 try:
-                    r = bench_mla_decode(batch, context, gen, cfg, block_h, token_rows)
+                    r = bench_mla_decode(batch, context, gen, cfg, block_h)
                     r["ratio_to_copy"] = r["gbps"] / copy_gbps
                 except Exception as e:
                     r = {"kernel": "mla_decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
                 r["variant"] = variant
                 rows.append(r)
-        timings = " ".join(f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
-                           if r["variant"] == variant)
-        described = asdict(cfg) if cfg else "the default"
-        print(f"mla variant {variant} {described} block_h {block_h} token_rows {token_rows}: {timings}", flush=True)
+        print(f"mla variant {variant} {asdict(cfg)} block_h {block_h}: " + " ".join(
+            f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
+            if r["variant"] == variant), flush=True)
     print("mla decode (B x context: us, of copy) as above, shapes in order: "
           + ", ".join(f"{b}x{c}" for b in BATCHES for c in MLA_CONTEXTS))
     return rows

@@ -57,32 +57,27 @@ def test_absorbed_reference_is_attention_over_the_decompressed_keys_and_values()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("token_rows", [True, False], ids=["token_rows", "head_rows"])
 @pytest.mark.parametrize("cfg,dtype", [(SPLIT, torch.float32), (SINGLE, torch.bfloat16)], ids=["split", "single"])
-def test_decode_matches_reference(cfg, dtype, token_rows):
+def test_decode_matches_reference(cfg, dtype):
     """Rows of one token, of a page and a bit, of several splits, and an empty (padded) row; 20 heads in two
-    blocks of 16, the second one partly masked; the rope part padded from 8 to 16. Both forms of the dots: the
-    tokens as their M side, and the heads."""
+    blocks of 16, the second one partly masked; the rope part padded from 8 to 16."""
     q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, dtype, seed=3)
     ref = mla_attention_ref(q, cache, meta, 0.3, 16)
-    got = mla_decode_attention(q, cache, meta, 0.3, 16, out=poisoned((4, 20, 16), dtype), cfg=cfg,
-                               token_rows=token_rows)
+    got = mla_decode_attention(q, cache, meta, 0.3, 16, out=poisoned((4, 20, 16), dtype), cfg=cfg)
     assert torch.isfinite(got).all()
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     assert relative_error(got, ref) < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
 
 
-@pytest.mark.parametrize("token_rows", [True, False], ids=["token_rows", "head_rows"])
-def test_a_row_has_the_same_bits_alone_and_batched(token_rows):
+def test_a_row_has_the_same_bits_alone_and_batched():
     """Up to DecodeConfig.invariant_rows rows split as one row does: a row's output does not depend on its
     neighbours (speculative drafts, batched sessions)."""
     q, cache, meta = latent_setup([50, 5], 16, 16, 8, torch.float32, seed=4)
-    batched = mla_decode_attention(q, cache, meta, 0.3, 16, cfg=SPLIT, token_rows=token_rows)
+    batched = mla_decode_attention(q, cache, meta, 0.3, 16, cfg=SPLIT)
     for r in range(2):
         alone = AttentionMetadata(meta.slot_mapping[r:r + 1], meta.query_start[:2], meta.seq_lens[r:r + 1],
                                   meta.block_tables[r:r + 1], 1, meta.max_seq_len)
-        got = mla_decode_attention(q[r:r + 1], cache, alone, 0.3, 16, cfg=SPLIT, token_rows=token_rows)
-        assert torch.equal(got, batched[r:r + 1]), r
+        assert torch.equal(mla_decode_attention(q[r:r + 1], cache, alone, 0.3, 16, cfg=SPLIT), batched[r:r + 1]), r
 
 
 # prefill: small query blocks so that a chunk spans several token tiles and head blocks
@@ -131,13 +126,11 @@ def test_prefill_of_padded_rows_stays_zero():
 @pytest.mark.parametrize("n_heads", [16, 128])
 @pytest.mark.parametrize("seq_lens", [[1], [512] * 8, [4000, 17, 900, 8192]])
 def test_deepseek_shapes_on_the_gpu(n_heads, seq_lens):
-    """DeepSeek-V2-Lite (16 heads) and V3 (128) latent shapes, bf16, the default plan (PDL, splits), in both
-    forms of the dots."""
+    """DeepSeek-V2-Lite (16 heads) and V3 (128) latent shapes, bf16, the default plan (PDL, splits)."""
     q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=5, block_size=64)
     ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
-    for token_rows in (True, False):
-        got = mla_decode_attention(q, cache, meta, 192 ** -0.5, 512, token_rows=token_rows)
-        assert relative_error(got, ref) < 1e-2, token_rows
+    got = mla_decode_attention(q, cache, meta, 192 ** -0.5, 512)
+    assert relative_error(got, ref) < 1e-2
 
 
 @requires_cuda

@@ -22,7 +22,6 @@ host sync, and nothing of [heads, rows, context] is ever materialized (the torch
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,23 +60,6 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
 
 
 @jit
-def _softmax_fold_latent_rows(s, v, m, l, acc, valid, DOT_F32: tl.constexpr):
-    """attention._softmax_fold into an accumulator laid out [width, queries]: the tile's values v [keys, width]
-    are the output dot's M side (its A operand, read where the pipeline left it in shared memory), the
-    softmax weights its N."""
-    s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    if DOT_F32:
-        pv = tl.dot(tl.trans(v.to(tl.float32)), tl.trans(p), input_precision="ieee")
-    else:
-        pv = tl.dot(tl.trans(v), tl.trans(p.to(v.dtype)))
-    return m_new, l, acc * alpha[None, :] + pv
-
-
-@jit
 def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                              q_row_stride, q_head_stride, q_rope_row_stride, q_rope_head_stride, bt_stride,
                              cache_block_stride, cache_slot_stride,
@@ -85,14 +67,10 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                              N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                              BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              MIN_SPLIT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
-                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr, TOKEN_ROWS: tl.constexpr):
+                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
     """Program (seq, head block, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
     latent tile once for all of them. Each split's partial (max, sum, acc) is computed from scratch over its own
-    tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's.
-
-    TOKEN_ROWS: the tile's tokens are the dots' M side and the heads their N (scores [tokens, heads], the
-    accumulator [latent, heads]), so that on Hopper both dots are wgmmas of 64 rows reading the latent tile
-    where the pipeline left it in shared memory, where 16 heads as M make them mma.syncs fed through registers."""
+    tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's."""
     seq = tl.program_id(0).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len, _, _, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
@@ -113,10 +91,7 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    if TOKEN_ROWS:
-        acc = tl.zeros([LAT, BLOCK_H], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, LAT], tl.float32)
+    acc = tl.zeros([BLOCK_H, LAT], tl.float32)
     part_row = (seq * N_HEADS + heads) * num_splits
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + tl.arange(0, BLOCK_N)
@@ -131,33 +106,18 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
             s = tl.dot(q_rope.to(tl.float32), tl.trans(rope.to(tl.float32)), s, input_precision="ieee")
         else:
             s = tl.dot(q_rope, tl.trans(rope), tl.dot(q_lat, tl.trans(lat)))
-        if TOKEN_ROWS:
-            m, l, acc = _softmax_fold_latent_rows(s * qk_scale, lat, m, l, acc, tok_mask[None, :], DOT_F32)
-        else:
-            m, l, acc = _softmax_fold(s * qk_scale, lat, m, l, acc, tok_mask[None, :], DOT_F32=DOT_F32)
+        m, l, acc = _softmax_fold(s * qk_scale, lat, m, l, acc, tok_mask[None, :], DOT_F32=DOT_F32)
         if not SINGLE_SPLIT:
             split_done = ((tok0 + BLOCK_N) % split_len == 0) | (tok0 + BLOCK_N >= end)
-            part = part_row + tok0 // split_len
-            if TOKEN_ROWS:   # only at a split's end: the store takes acc through a shuffle of its layout
-                if split_done:
-                    tl.store(part_acc_ptr + part[None, :] * LAT + c[:, None], acc, mask=h_mask[None, :])
-                    tl.store(part_ml_ptr + part * 2, m, mask=h_mask)
-                    tl.store(part_ml_ptr + part * 2 + 1, l, mask=h_mask)
-            else:
-                _store_partial(part_acc_ptr, part_ml_ptr, part, m, l, acc, c, h_mask & split_done,
-                               h_mask[:, None] & split_done, LAT)
+            _store_partial(part_acc_ptr, part_ml_ptr, part_row + tok0 // split_len, m, l, acc, c,
+                           h_mask & split_done, h_mask[:, None] & split_done, LAT)
             m = tl.where(split_done, float("-inf"), m)   # the next split starts from scratch
     if PDL:
         gdc_launch_dependents()
     if SINGLE_SPLIT:
-        l = tl.where(l > 0, l, 1.0)                        # an empty context (padded row) comes out as zeros
-        out_rows = out_ptr + seq * out_row_stride
-        if TOKEN_ROWS:
-            tl.store(out_rows + heads[None, :] * out_head_stride + c[:, None],
-                     (acc / l[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
-        else:
-            tl.store(out_rows + heads[:, None] * out_head_stride + c[None, :],
-                     (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]      # an empty context (padded row) comes out as zeros
+        tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + c[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
 # The GQA decode kernel's split plan, with 8 warps (a [16 heads, 512] float32 accumulator per program), 3 stages
@@ -165,11 +125,7 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
 # of copy against the GQA config with 8 warps: 64 x 8192 0.45 -> 0.57, 64 x 512 0.24 -> 0.30, 8 x 8192 0.31 ->
 # 0.36, B = 1 the same; 4 warps or 32-row tiles lost (bench/kernels_attention.py --mla --sweep,
 # bench/results/kernels_mla_attention_sweep.json).
-MLA_HEAD_ROWS_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
-# Tokens as the dots' M side (TOKEN_ROWS): not yet tuned on the GPU.
-MLA_TOKEN_ROWS_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
-# COBATCH_MLA_TOKEN_ROWS=0 runs the dots with the heads as M, for comparisons.
-MLA_TOKEN_ROWS = os.environ.get("COBATCH_MLA_TOKEN_ROWS", "1") != "0"
+MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
 
 
 def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,17 +135,13 @@ def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig | None = None,
-                         block_h: int = 16, q_rope: torch.Tensor | None = None,
-                         token_rows: bool | None = None) -> torch.Tensor:
+                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = MLA_DECODE_CONFIG,
+                         block_h: int = 16, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
     paged_decode_attention is: the grid depends only on q's shape and meta.max_seq_len. cache may be
     [num_blocks, block_size, 1, width] (the KV pool's one-head layout) or [num_blocks, block_size, width].
     kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one. q_rope:
-    the queries' rope part apart (query_parts). token_rows: the kernel's TOKEN_ROWS (default MLA_TOKEN_ROWS), cfg
-    by default its config."""
-    token_rows = MLA_TOKEN_ROWS if token_rows is None else token_rows
-    cfg = cfg or (MLA_TOKEN_ROWS_CONFIG if token_rows else MLA_HEAD_ROWS_CONFIG)
+    the queries' rope part apart (query_parts)."""
     q, q_rope = query_parts(q, q_rope, kv_lora_rank)
     n_rows, n_heads, _ = q.shape
     cache = cache.flatten(2) if cache.dim() == 4 else cache
@@ -219,7 +171,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand, TOKEN_ROWS=token_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        OPERAND=operand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
