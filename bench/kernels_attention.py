@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
+from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, WIDE_BATCH_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
 from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_decode_attention
 
@@ -139,8 +139,8 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
 # (config, block_h) candidates of --mla --sweep: tile length, warps, stages, programs aimed at per SM
 MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
     (replace(MLA_DECODE_CONFIG, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps), 16)
-    for bn, w, st, pps in [(64, 8, 2, 4), (32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4),
-                           (16, 4, 4, 8), (32, 8, 3, 8), (64, 4, 2, 4), (64, 8, 4, 1), (64, 8, 3, 1)]]
+    for bn, w, st, pps in [(64, 8, 3, 1), (64, 8, 2, 4), (32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4),
+                           (16, 4, 4, 8), (32, 8, 3, 8), (64, 4, 2, 4), (64, 8, 4, 1)]]
 
 
 def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
@@ -226,8 +226,9 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 DECODE_SWEEP = [
     DECODE_CONFIG,
     # Pages a tile ahead (2026-11-30): K/V get num_stages - 1 shared buffers. 64-token tiles x 2 stages: one
-    # buffer in 45 KB (4 programs per SM); 32-token tiles x 3 stages: two buffers in 45 KB.
-    replace(DECODE_CONFIG, block_n=32, num_stages=3),
+    # buffer in 45 KB (4 programs per SM); 32-token tiles x 3 stages (WIDE_BATCH_CONFIG): two buffers in 45 KB.
+    WIDE_BATCH_CONFIG,
+    replace(DECODE_CONFIG, block_n=32, num_stages=4),
 ]
 PREFILL_SWEEP = [
     PREFILL_CONFIG,
@@ -316,7 +317,8 @@ def main() -> None:
         dump("kernels_mla_attention_sweep.json" if sweeping else "kernels_mla_attention.json", result)
         return
     if "--sweep" in sys.argv:
-        result["sweep"] = sweep(copy_gbps, budget_s=float(os.environ.get("SWEEP_BUDGET_S", 150)), dump=lambda rows: dump("kernels_attention_sweep.json", {**result, "sweep": rows}))
+        result["sweep"] = sweep(copy_gbps, budget_s=float(os.environ.get("SWEEP_BUDGET_S", 150)),
+                                dump=lambda rows: dump("kernels_attention_sweep.json", {**result, "sweep": rows}))
         dump("kernels_attention_sweep.json", result)
     rows = run(copy_gbps)
     result["rows"] = rows
