@@ -206,6 +206,21 @@ def test_output_in_the_next_weights_operand_dtype(q_lens):
     assert same.dtype == torch.bfloat16 and relative_error(got, same) < 1e-2
 
 
+def test_steps_of_many_rows_take_the_wide_tiles_under_the_switch(monkeypatch):
+    """attention.decode_config: under WIDE_BATCH_TILES a step of more than invariant_rows rows runs
+    WIDE_BATCH_CONFIG (32-token tiles in 3 stages), which matches the reference across whole and partial tiles;
+    fewer rows, or the switch off, keep DECODE_CONFIG."""
+    from cobatch.kernels import attention
+    monkeypatch.setattr(attention, "WIDE_BATCH_TILES", True)
+    rows = attention.DECODE_CONFIG.invariant_rows
+    assert attention.decode_config(rows) is attention.DECODE_CONFIG
+    assert attention.decode_config(rows + 1) is attention.WIDE_BATCH_CONFIG
+    monkeypatch.setattr(attention, "WIDE_BATCH_TILES", False)
+    assert attention.decode_config(64) is attention.DECODE_CONFIG
+    lens = [70, 33, 5, 64, 1, 40, 100, 17, 32]
+    check_attention(lens, [1] * len(lens), 4, 2, 16, torch.bfloat16, seed=40, decode_cfg=attention.WIDE_BATCH_CONFIG)
+
+
 def test_decode_padded_rows_are_zero():
     q, k_cache, v_cache, meta = paged_setup([0, 0], [1, 1], 4, 2, 32, torch.bfloat16, seed=12, capacity=64)
     for cfg in DECODE_VARIANTS.values():
