@@ -5,10 +5,11 @@
 
 For each model, KV cache dtype (each in its own load) and context (512, 4096) and batch B: the engine step
 time (planning, graph replay, sampling, the one host sync), overlapped (the default: step n + 1 launched
-while step n runs) and not, aggregate tok/s, its ratio to B=1, and the ratio of the step time to the roofline (weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
+while step n runs) and not, aggregate tok/s, its ratio to B=1, and the ratio of the step time to the roofline
+(weight bytes the kernels read + KV bytes attention reads) / copy bandwidth measured in this run.
 Sessions are placed at the given context with random KV (the values don't change the bytes read), so
-no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens (the median of 3 runs), and, with --hf-peer,
-the same shape in bf16 through Hugging Face transformers (random init): its ms/step at B = 1, 4, 16, 64.
+no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens (the median of 3 runs), and, with
+--hf-peer, the same shape in bf16 through Hugging Face transformers (random init): its ms/step at B = 1, 4, 16, 64.
 Prints a short table last; JSON (+ PNG plot) to $OUT or bench/results/.
 """
 

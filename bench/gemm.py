@@ -450,8 +450,9 @@ def markdown(result: dict) -> str:
     lines += [
              f"`{result['command']}`; copy bandwidth {result['copy_gbps']:.0f} GB/s (read + write; "
              + (f"{result['copy_gbps_end']:.0f} at the end" if result['copy_gbps_end'] == result['copy_gbps_end']
-                else "the run was cut short before its last case: no copy measured at the end") + "). Roofline: max(weight bytes / copy, cuBLAS bf16 time at the "
-             "same shape and n: the issue's), and the strict one: max(weight bytes / copy, FLOPs / cuBLAS bf16's best "
+                else "the run was cut short before its last case: no copy measured at the end")
+             + "). Roofline: max(weight bytes / copy, cuBLAS bf16 time at the same shape and n: the issue's), "
+             "and the strict one: max(weight bytes / copy, FLOPs / cuBLAS bf16's best "
              "TFLOP/s on the shape over all n). `old`: the path the GEMM replaces (GEMV up to the old crossover, else "
              "dequantize + cuBLAS).", "",
              "## GEMM time over the roofline: the issue's / the strict one (speed-up over the old path)", ""]
@@ -466,8 +467,9 @@ def markdown(result: dict) -> str:
             cells.append("" if r is None else
                          f"{r['x_roofline']:.2f} / {r['x_strict']:.2f} ({r['old_us'] / r['gemm_us']:.2f}x)")
         lines.append(f"| {fmt} | {shape} | " + " | ".join(cells) + " |")
-    lines += ["", "## Detail", "", "| format | shape | n | GEMM us | config (NW, split, D, P, TMA, RING, CHUNKS[, apart]) | % copy | TFLOP/s | "
-              "cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
+    lines += ["", "## Detail", "",
+              "| format | shape | n | GEMM us | config (NW, split, D, P, TMA, RING, CHUNKS[, apart]) | % copy | "
+              "TFLOP/s | cuBLAS bf16 us / TFLOP/s | old us (path) | dequant+cuBLAS us | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['fmt']} | {r['shape']} | {r['n_tok']} | {r['gemm_us']:.1f} | {r['gemm_config']} | "

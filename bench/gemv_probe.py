@@ -18,7 +18,8 @@ ok = True
 for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]:
     rows, cols = 48, 512
     fmt = format_of(fmt_name)
-    w = QuantWeight(fmt, rows, cols, random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(0)).cuda())
+    packed = random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(0))
+    w = QuantWeight(fmt, rows, cols, packed.cuda())
     pw = qm.PackedWeight.from_quant(w, "cuda")
     ref_w = w.dequantize(torch.float32)
     try:

@@ -215,7 +215,8 @@ def narrow_candidates(rows: int, cols: int) -> list[TileConfig]:
 
 # W, RT, U. RT = 1 with many K steps per iteration tends to win 8-token tiles, RT = 2-4 the 16-token ones.
 # (2, 4, 1) was q8_0 lm_head's config at 91-92 % of copy for 1..8 tokens: keep it a candidate.
-# (4, 4, 2) and (2, 4, 2) with R = 128 won q8_0 gate_up / lm_head by 7-16 points (results/gemv-configs-2026-11-29-u2.md).
+# (4, 4, 2) and (2, 4, 2) with R = 128 won q8_0 gate_up / lm_head by 7-16 points
+# (results/gemv-configs-2026-11-29-u2.md).
 GEMV_BASES = [(4, 4, 1), (2, 4, 1), (4, 1, 8), (4, 1, 16), (8, 1, 4), (8, 1, 8), (4, 2, 4), (2, 1, 16), (8, 2, 2),
               (2, 2, 8), (4, 4, 2), (2, 4, 2)]
 GEMV_PREFETCH = [0, 2]                                                                   # D
@@ -304,7 +305,8 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                     crossover = n
                 else:
                     break
-            entry = fmt_entry.setdefault("shapes", {}).setdefault(f"{rows}x{cols}", {})   # the other kernel's entry stays
+            # the other kernel's entry stays
+            entry = fmt_entry.setdefault("shapes", {}).setdefault(f"{rows}x{cols}", {})
             if isinstance(narrow, GemvPlan):
                 entry.update({"gemv": _cfg_dict(narrow.default), "gemv_crossover": crossover})
                 entry.pop("gemv_upto", None)
@@ -574,7 +576,8 @@ def render(path: Path, ceiling: float | None) -> None:
         result["copy_gbps"] = ceiling
         result["note"] = (f"Re-rendered on the CPU with `python bench/kernels.py --render {path.name} "
                           f"--ceiling-gbps {ceiling:.0f}`: percentages against that ceiling (ARCHITECTURE.md's "
-                          f"copy figure). This run's own copy measurement, {result['copy_detail']['measured_in_run']:.0f}"
+                          f"copy figure). This run's own copy measurement, "
+                          f"{result['copy_detail']['measured_in_run']:.0f}"
                           f" GB/s, timed copy_ inside a CUDA graph (a memcpy node), not an SM copy; cuBLAS bf16 "
                           f"GEMV read up to 4.35 TB/s in the same run. Attention rows keep their own ratio_to_copy.")
         for r in result["rows"]:

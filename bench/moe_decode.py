@@ -207,7 +207,8 @@ def main() -> None:
     for r in rows:
         replay = f"{r['graph_ms']:9.2f}" if r["graph_ms"] is not None else "        -"
         print(f"  {r['context']:5d}  {r['batch']:3d}  {r['step_ms']:7.2f}  {r['step_over_roofline']:6.2f}  {replay}  "
-              f"{r['tok_s']:6.0f}  {r['step_bytes'] / 1e9:7.2f}  {r['gbps']:4.0f}  {r['gbps'] * 1e9 / copy_bps:7.0%}  | "
+              f"{r['tok_s']:6.0f}  {r['step_bytes'] / 1e9:7.2f}  {r['gbps']:4.0f}  "
+              f"{r['gbps'] * 1e9 / copy_bps:7.0%}  | "
               f"{r['eager_routed_ms']:12.2f}  {r['eager_per_expert_ms']:16.2f}  "
               f"{r['eager_per_expert_ms'] / r['step_ms']:6.1f}x")
     for r in prefill:

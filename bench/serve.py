@@ -547,7 +547,8 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true", help="server in a thread of this process")
     ap.add_argument("--dense-large-batch", action="store_true", help="pass --dense-large-batch to the server")
     ap.add_argument("--no-async-scheduling", action="store_true",
-                    help="pass --no-async-scheduling to the server (each step's tokens read before the next is planned)")
+                    help="pass --no-async-scheduling to the server "
+                         "(each step's tokens read before the next is planned)")
     ap.add_argument("--engine-baseline", action="store_true",
                     help="also time the engine alone (same configuration, decode steps only) at B = each level")
     ap.add_argument("--stub-step-ms", type=float, help="stub engine: measure the HTTP side alone")
