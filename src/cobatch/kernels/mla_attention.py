@@ -68,10 +68,12 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                              BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              MIN_SPLIT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
                              DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
-    """Program (seq, head block, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
+    """Program (head block, seq, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
     latent tile once for all of them. Each split's partial (max, sum, acc) is computed from scratch over its own
-    tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's."""
-    seq = tl.program_id(0).to(tl.int64)
+    tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's. The head blocks
+    of a row's chunk are neighbours in the grid (axis 0), so where there are several (DeepSeek-V2/V3's 128
+    heads: 8) they run together and all but the first find the row's latent tiles in L2."""
+    seq = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len, _, _, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
     bt_row = bt_ptr + seq * bt_stride
@@ -79,7 +81,7 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
     if PDL:
         gdc_wait()                     # q and this step's latent come from the previous kernels
 
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < N_HEADS
     c = tl.arange(0, LAT)
     r = tl.arange(0, BLOCK_R)
@@ -164,7 +166,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         part_acc = part_ml = out   # unused
     operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
-    _mla_decode_split_kernel[(n_rows, head_blocks, chunks)](
+    _mla_decode_split_kernel[(head_blocks, n_rows, chunks)](
         q, q_rope, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
         cache.stride(1),
