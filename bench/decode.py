@@ -144,14 +144,35 @@ def graph_kernel_breakdown(llm: LLM, batch: int, replays: int = 5) -> list[dict]
     return _top_kernels(prof, replays)
 
 
-def _top_kernels(prof, per: int = 1) -> list[dict]:
+def _kernel_rows(prof, per: int = 1) -> list[dict]:
+    """Every kernel (and copy) the profile saw on the GPU, by GPU time, per `per` repetitions."""
     rows = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if t > 0:
             rows.append(dict(kernel=ev.key[:90], calls=ev.count // per, ms=t / 1e3 / per))
     rows.sort(key=lambda r: -r["ms"])
-    return rows[:14]
+    return rows
+
+
+def _top_kernels(prof, per: int = 1) -> list[dict]:
+    return _kernel_rows(prof, per)[:14]
+
+
+def prefill_profile(run) -> dict:
+    """run() (an eager prefill) once under the torch profiler: the GPU's busy time (its kernels' times summed),
+    its launches and its top kernels, against the wall time. Busy time well under the wall time: the host's
+    launches, not the GPU, bound the prefill (the profiler's own overhead inflates the wall time somewhat)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    rows = _kernel_rows(prof)
+    return dict(wall_ms=wall * 1e3, gpu_busy_ms=sum(r["ms"] for r in rows), launches=sum(r["calls"] for r in rows),
+                top=rows[:10])
 
 
 def kernel_breakdown(llm: LLM, batch: int) -> list[dict]:
@@ -227,8 +248,12 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
             llm.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
             samples.append(time.perf_counter() - t)
         dt = statistics.median(samples)
-        prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt, samples_s=samples))
-        print(f"  prefill {n}: {n / dt:8.0f} tok/s", flush=True)
+        ids = [(i + 1) % llm.config.vocab_size for i in ids]
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        profiled = prefill_profile(lambda engine=llm.engine, ids=ids: engine.generate([ids], params))
+        prefill.append(dict(prompt_tokens=n, seconds=dt, tok_s=n / dt, samples_s=samples, profile=profiled))
+        print(f"  prefill {n}: {n / dt:8.0f} tok/s; profiled: GPU busy {profiled['gpu_busy_ms']:.1f} ms of "
+              f"{profiled['wall_ms']:.1f} ms wall, {profiled['launches']} launches", flush=True)
     label = os.path.basename(path) + (" +dense" if dense else "")
     label += f" kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     out = dict(model=label, kv_cache_dtype=str(llm.engine.pool.dtype).removeprefix("torch."), load_s=load_s,

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # `decode` by name
 from decode import (clear, copy_bandwidth, graph_replay_ms, kernel_breakdown, kv_bytes_per_token,  # noqa: E402
-                    place_sessions, randomize_kv, time_steps)
+                    place_sessions, prefill_profile, randomize_kv, time_steps)
 
 ROOT = Path(__file__).resolve().parents[1]   # the tree's src is on sys.path: decode (provenance.use_tree_source)
 
@@ -114,19 +114,30 @@ def time_prefill(llm: LLM, n_prompts: int, prompt_tokens: int, reps: int = 3) ->
 
 
 def prefill_rows(llm: LLM, spec: str) -> list[dict]:
-    """--prefill N,T: the routed slices against expert by expert."""
+    """--prefill N,T: the routed slices against expert by expert, each timed, then run once more under the
+    profiler (decode.prefill_profile: the GPU's busy time against the wall time, and its top kernels)."""
     n_prompts, prompt_tokens = (int(v) for v in spec.split(","))
+    vocab = llm.config.vocab_size
     rows = []
     for routed in (True, False):
         default, moe.ROUTED_PREFILL = moe.ROUTED_PREFILL, routed
         try:
             s = time_prefill(llm, n_prompts, prompt_tokens)
+            # prompts of their own (none cached by the timed runs or the other way's)
+            prompts = [[(i * 7907 + (p + routed * n_prompts) * 104723 + 13) % vocab for i in range(prompt_tokens)]
+                       for p in range(n_prompts)]
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            profiled = prefill_profile(lambda: llm.engine.generate(prompts, params))
         finally:
             moe.ROUTED_PREFILL = default
         rows.append(dict(prompts=n_prompts, prompt_tokens=prompt_tokens, experts="routed slices" if routed
-                         else "expert by expert", seconds=s, prefill_tok_s=n_prompts * prompt_tokens / s))
+                         else "expert by expert", seconds=s, prefill_tok_s=n_prompts * prompt_tokens / s,
+                         profile=profiled))
         print(f"  prefill {n_prompts} x {prompt_tokens} tokens, experts {rows[-1]['experts']}: {s * 1e3:.0f} ms, "
-              f"{rows[-1]['prefill_tok_s']:.0f} tok/s", flush=True)
+              f"{rows[-1]['prefill_tok_s']:.0f} tok/s; profiled: GPU busy {profiled['gpu_busy_ms']:.0f} ms of "
+              f"{profiled['wall_ms']:.0f} ms wall, {profiled['launches']} launches", flush=True)
+        for k in profiled["top"][:6]:
+            print(f"    {k['ms']:8.2f} ms  {k['calls']:5d}x  {k['kernel']}", flush=True)
     return rows
 
 
