@@ -430,6 +430,18 @@ def test_decode_with_rope_llama8b(lens, drafts, neox, kv_dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["bf16", "fp8"])
+def test_decode_wide_tiles_llama8b(kv_dtype):
+    """attention.WIDE_BATCH_CONFIG (decode_config's choice past invariant_rows, under COBATCH_ATTN_WIDE_TILES) on
+    64 rows: with the rope and cache write and a speculating sequence's drafts, and on rows already rotated."""
+    from cobatch.kernels.attention import WIDE_BATCH_CONFIG
+    check_rope_decode([513] * 60 + [300, 301, 302, 303], range(60, 64), **LLAMA8B, kv_dtype=kv_dtype, neox=False,
+                      cfg=WIDE_BATCH_CONFIG, seed=64, capacity=32768)
+    check_attention([513] * 60 + [1, 4097, 77, 32768], [1] * 64, **LLAMA8B, dtype=torch.bfloat16, seed=65,
+                    capacity=32768, decode_cfg=WIDE_BATCH_CONFIG, kv_dtype=kv_dtype)
+
+
+@requires_cuda
 def test_decode_with_rope_and_qk_norms_qwen3():
     """Qwen3-8B's heads (32 q heads, 8 KV heads of 128 dims, halves rotating) with its per-head q/k norms."""
     check_rope_decode([1, 4096, 4097, 0, 511, 77], range(1, 3), **LLAMA8B, kv_dtype=None, neox=True,
