@@ -218,7 +218,8 @@ def _inspect_folder(path: Path) -> int:
     print(f"folder:        {ckpt.path} (Hugging Face checkpoint, {ckpt.model_type})")
     _describe(cfg)
     print(f"vocab:         {cfg.vocab_size}   context: {cfg.context_length}")
-    print(f"rope:          theta {cfg.rope_theta:g}{'  scaling ' + cfg.rope_scaling['type'] if cfg.rope_scaling else ''}")
+    scaling = "  scaling " + cfg.rope_scaling["type"] if cfg.rope_scaling else ""
+    print(f"rope:          theta {cfg.rope_theta:g}{scaling}")
     if cfg.sliding_window:
         print(f"attention:     sliding window {cfg.sliding_window}, one layer in {cfg.swa_pattern} global")
     info = ckpt.hf_tensor_info()
@@ -433,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),
                               (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
-                              (("--seed", "-s"), "seed", int), (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
+                              (("--seed", "-s"), "seed", int),
+                              (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
         p.add_argument(*flags, dest=f"default_{name}", type=kind, default=None,
                        help=f"default {name} of requests that do not set it")
     p.add_argument("--override-generation-config", default=None,

@@ -43,7 +43,8 @@ class EngineOptions:
     device: str = "auto"               # "auto" | "cpu" | "cuda"
     dtype: str | None = None           # activations (and KV): f32 on CPU, bf16 on CUDA by default
     kv_cache_dtype: str = "auto"       # vLLM's names: auto (= dtype), fp8 / fp8_e4m3 (1 byte a value), bf16, ...
-    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192; 0: the model's)
+    ctx: int | None = None             # context window per sequence (default: the model's, at most 8192;
+                                       # 0: the model's)
     max_num_seqs: int = 8              # sessions decoded together (--parallel)
     kv_cache_gb: float | None = None   # KV pool size; default: from free memory (CUDA) or 1 GiB (CPU)
     gpu_memory_utilization: float | None = None   # CUDA, vLLM's knob: weights + KV up to this share of the GPU
@@ -55,7 +56,8 @@ class EngineOptions:
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
     speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
-    kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool (engine/disk_cache.py)
+    kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool
+                                       # (engine/disk_cache.py)
     kv_disk_gb: float = 16.0           # ... kept under this size
     quantization: str = "auto"         # a checkpoint folder's float matrices: q8_0 (auto), q4_k, q4_1, none
     tensor_parallel_size: int = 1      # ranks the model is sharded over (cobatch.parallel; launch.load spawns them)
@@ -272,8 +274,9 @@ def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) ->
         raise UserError(f"--ctx must be at least 2 (got {ctx})")
     if tp is not None:
         if not isinstance(weights, GGUFFile) or cfg.mla is not None:
+            what = "a checkpoint folder" if not isinstance(weights, GGUFFile) else cfg.arch
             raise UserError("--tensor-parallel-size > 1 shards GGUF files of the llama and MoE families; "
-                            f"{path.name} is {'a checkpoint folder' if not isinstance(weights, GGUFFile) else cfg.arch}")
+                            f"{path.name} is {what}")
         check_tensor_parallel(cfg, weights, tp.world)
     return _Weights(path, weights, cfg, tokenizer, model_template, device, dtype, kv_dtype, ctx)
 

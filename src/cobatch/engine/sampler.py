@@ -11,9 +11,9 @@ device. The hash is exact integer arithmetic (identical bits on CPU and CUDA); t
 is float32 `log`, whose last-ulp rounding may differ between devices, so identical logits give the same
 token on CPU and CUDA except at float32-level near-ties.
 
-Pipeline per row: raw logits -> penalties -> logit bias -> allowed tokens, grammar mask and bans -> (greedy: argmax) | (temperature -> top-k -> top-p over the
-top-k-renormalized distribution -> min-p relative to the most likely token -> Gumbel-max). logprobs are
-always of the raw logits (no penalties, no temperature).
+Pipeline per row: raw logits -> penalties -> logit bias -> allowed tokens, grammar mask and bans -> (greedy: argmax)
+| (temperature -> top-k -> top-p over the top-k-renormalized distribution -> min-p relative to the most likely
+token -> Gumbel-max). logprobs are always of the raw logits (no penalties, no temperature).
 """
 
 from __future__ import annotations

@@ -166,8 +166,8 @@ class Scheduler:
 
     def plan_ahead(self, seqs: list[Sequence], follows: object) -> StepPlan | None:
         """The next decode step of `seqs` (each of which samples its next token in the launched step `follows`:
-        a decoder, or a prompt's last chunk), planned before that token reaches the host. None where it would need a preemption: the
-        caller then collects the step in flight and plans as usual."""
+        a decoder, or a prompt's last chunk), planned before that token reaches the host. None where it would need
+        a preemption: the caller then collects the step in flight and plans as usual."""
         plan = StepPlan(follows=follows)
         rows = {id(seq): n for seq, n in follows.plan.items}
         for seq in seqs:

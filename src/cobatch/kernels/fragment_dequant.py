@@ -9,8 +9,9 @@ its GGUF columns 8 c .. 8 c + 7 (quant_pack.k_order), so a lane writes its rows'
 
 FORMATS: q8_0 / FP8, q4_0, q5_0, q4_1 / q4_K and q5_1 / q5_K, whose planes use the 32-column order, and q6_K,
 whose k16 halves keep their columns (a lane's 4 columns of each half, 8-byte stores). The values are the GEMV's f16
-operands (q8_0: q times d rounded to f16) in the output's dtype. The torch reference is quant_pack.unpack_planes; Gluon has no interpreter,
-so the tests run on CUDA (tests/test_quant_matmul.py), and tests/test_kernels_compile.py checks the stores' width.
+operands (q8_0: q times d rounded to f16) in the output's dtype. The torch reference is quant_pack.unpack_planes;
+Gluon has no interpreter, so the tests run on CUDA (tests/test_quant_matmul.py), and tests/test_kernels_compile.py
+checks the stores' width.
 """
 
 from __future__ import annotations

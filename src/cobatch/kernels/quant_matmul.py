@@ -218,7 +218,8 @@ def _e2m1(code):
 @jit
 def _logical_col(j, FMT: tl.constexpr):
     """GGUF column j of a 32-column tile -> its logical column in a fragment-order plane (the inverse of
-    quant_pack.k_order: j = 8 c + 4 h + 2 a + e, or 16 h + 4 c + 2 a + e for q6_K and NVFP4; k = 16 h + 8 a + 2 c + e)."""
+    quant_pack.k_order: j = 8 c + 4 h + 2 a + e, or 16 h + 4 c + 2 a + e for q6_K and NVFP4;
+    k = 16 h + 8 a + 2 c + e)."""
     if FMT == Q6_K or FMT == NVFP4:
         c = (j // 4) % 4
         h = j // 16
@@ -535,7 +536,8 @@ INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
 
 RESIDENT_DENSE_CROSSOVER = 16   # with a resident dense copy (keep_dense), see from_quant
 GEMV_CROSSOVER = 16             # the Gluon GEMV's token tiles are 8 and 16 wide
-QUANT_GEMM_UPTO = 128           # measured: the quantized GEMM beats dequantize + cuBLAS up to here (bench/results/gemm.md)
+# measured: the quantized GEMM beats dequantize + cuBLAS up to here (bench/results/gemm.md)
+QUANT_GEMM_UPTO = 128
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"

@@ -189,8 +189,8 @@ def tensor_sources(model_type: str, config: Mapping[str, Any], n_layers: int) ->
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape config.json implies for each GGUF-named tensor, as HF stores it ([out, in]; experts one by one)."""
     d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, d), "output.weight": (cfg.vocab_size, d),
-                                          "output_norm.weight": (d,)}
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, d),
+                                          "output.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     expert_ffn = cfg.expert_ffn_dim
     for i in range(cfg.n_layers):
         b = f"blk.{i}."

@@ -210,7 +210,8 @@ class Front:
                       for why, n in state.routed.items()]
         lines += ["# HELP cobatch_router_in_flight Requests in flight at each replica, as the front counts them",
                   "# TYPE cobatch_router_in_flight gauge"]
-        lines += [f'cobatch_router_in_flight{{replica="{i}"}} {s.in_flight}' for i, s in enumerate(self.router.replicas)]
+        lines += [f'cobatch_router_in_flight{{replica="{i}"}} {s.in_flight}'
+                  for i, s in enumerate(self.router.replicas)]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def slots(self, request: Request) -> Response:

@@ -122,7 +122,8 @@ def follow_steps(model, pool, conn, graphs: ParallelDecodeGraphs | None = None) 
         if op == FORWARD:
             n, seqs, width, max_query_len, max_seq_len = header[1:]
             inputs = [torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev),
-                      torch.empty(n, dtype=torch.int64, device=dev), torch.empty(seqs + 1, dtype=torch.int32, device=dev),
+                      torch.empty(n, dtype=torch.int64, device=dev),
+                      torch.empty(seqs + 1, dtype=torch.int32, device=dev),
                       torch.empty(seqs, dtype=torch.int32, device=dev),
                       torch.empty(seqs, width, dtype=torch.int32, device=dev)]
             broadcast(inputs, tp)

@@ -42,8 +42,8 @@ class ServerOptions:
 class ServerContext:
     def __init__(self, llm: LLM, options: ServerOptions):
         # a checkpoint's generation_config.json gives the defaults the flags did not (vLLM's --generation-config auto)
-        options = dataclasses.replace(options, sampling_defaults={**_valid_defaults(getattr(llm, "generation_defaults", {})),
-                                                                  **options.sampling_defaults})
+        checkpoint_defaults = _valid_defaults(getattr(llm, "generation_defaults", {}))
+        options = dataclasses.replace(options, sampling_defaults={**checkpoint_defaults, **options.sampling_defaults})
         self.llm, self.options = llm, options
         self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)
         self.model_name = options.model_name or (llm.path.name if llm.path.is_dir() else llm.path.stem)

@@ -35,7 +35,8 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
-    include_stop: bool = False                # the matched stop string ends the text (vLLM's include_stop_str_in_output)
+    include_stop: bool = False                # the matched stop string ends the text
+                                              # (vLLM's include_stop_str_in_output)
     skip_special: bool = True                 # special tokens give no text (vLLM's skip_special_tokens)
     tool_names: list[str] | None = None       # None: tool calls are not parsed
     parse_reasoning: bool = False

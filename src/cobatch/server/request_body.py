@@ -1,4 +1,5 @@
-"""Reading a request body: size limit (413), JSON (400 on malformed), pydantic model (400 naming the field), then\nthe model name (404) and fields this server does not implement (400)."""
+"""Reading a request body: size limit (413), JSON (400 on malformed), pydantic model (400 naming the field), then
+the model name (404) and fields this server does not implement (400)."""
 
 from __future__ import annotations
 

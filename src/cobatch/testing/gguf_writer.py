@@ -108,8 +108,8 @@ def _deepseek(n_layers: int, d_model: int, n_heads: int, ffn_dim: int, vocab_siz
               n_experts: int, n_experts_used: int, expert_ffn_dim: int, **traits) -> ModelShape:
     """A deepseek2 shape: MLA (one KV head in GGUF's terms), rope base 10000, eps 1e-6, 160k context."""
     return ModelShape("deepseek2", n_layers, d_model, n_heads, 1, ffn_dim, vocab_size, 10000.0, 1e-6, 163840,
-                      mla=mla, rope_dim=mla.qk_rope_dim, n_experts=n_experts, n_experts_used=n_experts_used, expert_ffn_dim=expert_ffn_dim,
-                      **traits)
+                      mla=mla, rope_dim=mla.qk_rope_dim, n_experts=n_experts, n_experts_used=n_experts_used,
+                      expert_ffn_dim=expert_ffn_dim, **traits)
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -618,7 +618,8 @@ def _cut_field(source: RawGGUF, field: RawField, arch: str, old_layers: int, n_l
                     and field.sub_type in SCALAR_FORMATS and field.count == old_layers)
     if is_per_layer:  # value: item type (4 bytes), count (8), items
         item_size = struct.calcsize("<" + SCALAR_FORMATS[field.sub_type])
-        return raw[:value_at + 4] + struct.pack("<Q", n_layers) + raw[value_at + 12:value_at + 12 + n_layers * item_size]
+        items = raw[value_at + 12:value_at + 12 + n_layers * item_size]
+        return raw[:value_at + 4] + struct.pack("<Q", n_layers) + items
     return raw
 
 
