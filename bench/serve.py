@@ -579,7 +579,8 @@ def main() -> None:
     results = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), model=str(model_path),
                    mode="url" if args.url else ("in-process" if args.in_process else "subprocess") +
                    (" stub" if args.stub_step_ms is not None else ""),
-                   config={k: v for k, v in vars(args).items() if k not in ("url", "stub_serve_port", "baseline_worker")},
+                   config={k: v for k, v in vars(args).items()
+                           if k not in ("url", "stub_serve_port", "baseline_worker")},
                    levels=[], stall=None)
 
     def save() -> None:
@@ -645,7 +646,8 @@ def main() -> None:
         print("\nserver vs engine alone (same engine configuration; engine: decode steps only, B = clients)")
         if "error" in base:
             print(f"engine baseline: {base['error']}")
-        print(" clients  steady tok/s  whole-run tok/s  engine tok/s   ms/step server engine   steady/engine  whole/engine")
+        print(" clients  steady tok/s  whole-run tok/s  engine tok/s   ms/step server engine   steady/engine  "
+              "whole/engine")
         for c in results["comparison"]:
             print(f" {c['clients']:7d} {_f(c['server_steady_tok_s']):>13} {_f(c['server_whole_run_tok_s']):>16} "
                   f"{_f(c['engine_tok_s']):>13}   {_f(c['server_steady_step_ms']):>14} {_f(c['engine_step_ms']):>6}"
@@ -690,7 +692,8 @@ LEVEL_HEADER = (" clients  reqs  err  whole-run tok/s  steady tok/s (ms/step)  T
 def _level_line(r: dict) -> str:
     return (f" {r['clients']:7d} {r['requests']:5d} {r['errors']:4d} {r['whole_run_tok_s']:16.1f}  "
             f"{_f(r['steady_tok_s']):>12} ({_f(r['steady_step_ms']):>6})  "
-            f"{_f(r['ttft_p50_ms']):>7} / {_f(r['ttft_p99_ms']):<7}  {_f(r['itl_p50_ms']):>6} / {_f(r['itl_p99_ms']):<7} "
+            f"{_f(r['ttft_p50_ms']):>7} / {_f(r['ttft_p99_ms']):<7}  "
+            f"{_f(r['itl_p50_ms']):>6} / {_f(r['itl_p99_ms']):<7} "
             f"{_f(r['itl_max_ms']):>9}  {_f(r['stream_tok_s_p50']):>12}  {_f(r.get('server_cpu_ms_per_step')):>18}")
 
 

@@ -181,9 +181,9 @@ async def fetch_metrics(url: str) -> dict[str, float]:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-c", "import sys; from cobatch.cli import main; sys.exit(main())", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--parallel", str(args.parallel), "--max-queue", str(args.max_queue), "--device", args.device,
-           "--accept-any-model", *args.serve_arg]
+    cmd = [sys.executable, "-c", "import sys; from cobatch.cli import main; sys.exit(main())", "serve",
+           "--host", "127.0.0.1", "--port", str(port), "--parallel", str(args.parallel),
+           "--max-queue", str(args.max_queue), "--device", args.device, "--accept-any-model", *args.serve_arg]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(args.server_log, "w"))
