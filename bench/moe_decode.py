@@ -14,8 +14,10 @@ each layer's distinct chosen experts (counted from the routing of one eager step
 (a latent row per token and layer under MLA); GB/s, the ratio to a device-to-device copy measured in this run,
 and the step time over that roofline. Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a
 short table last; JSON to $OUT or bench/results/.
---prefill N,T: also the time to prefill N prompts of T tokens and sample their first tokens (steps of up to
---max-step-tokens rows), with the experts expert by expert and routed slice by slice (COBATCH_MOE_PREFILL=routed).
+--prefill N,T: also the time to prefill N prompts of T tokens and sample their first tokens, with the experts
+expert by expert and routed slice by slice (COBATCH_MOE_PREFILL=routed). The engine then holds at least N sequences,
+so a step packs prompts up to the engine's 2048 rows (with fewer slots than prompts they would prefill one by one,
+in steps of T rows, which both ways run on the routed kernels alike: up to packed_experts.ROUTED_MAX_ROWS rows).
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
-    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(contexts) + 256, max_num_seqs=max(batches),
-                                             kv_cache_gb=args.kv_cache_gb))
+    prompts = int(args.prefill.split(",")[0]) if args.prefill else 0
+    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(contexts) + 256,
+                                             max_num_seqs=max(*batches, prompts), kv_cache_gb=args.kv_cache_gb))
     randomize_kv(llm)
     dense, kvtok = dense_bytes(llm), kv_bytes_per_token(llm)
     runner = llm.engine.runner

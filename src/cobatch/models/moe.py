@@ -33,9 +33,9 @@ from cobatch.quant.weight import QuantWeight
 
 
 # Steps of more than ROUTED_MAX_ROWS rows (prefill chunks) run expert by expert, or with
-# COBATCH_MOE_PREFILL=routed the routed path slice by slice (each slice reads the experts it chose again). H200,
-# DeepSeek-V2-Lite cut to 8 layers, 64 prompts of 128 tokens: 1309 ms expert by expert, 1375 ms in routed slices
-# (bench/results/moe_prefill_deepseek_v2_lite.json).
+# COBATCH_MOE_PREFILL=routed the routed path slice by slice (each slice reads the experts it chose again). Which is
+# faster is not measured yet: bench/results/moe_prefill_deepseek_v2_lite.json prefilled its prompts one at a time
+# (128-row steps, routed either way); bench/moe_decode.py --prefill now packs them (docs/kernels.md, MoE prefill).
 ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "experts") == "routed"
 
 
