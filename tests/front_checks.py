@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import openai
 
-STORY = ("{} is the name of a lighthouse keeper: write one sentence about how she counts ships at night, collects shells by day, "
-         "and keeps a logbook of every storm that passes the rocky northern cape.")
+STORY = ("{} is the name of a lighthouse keeper: write one sentence about how she counts ships at night, "
+         "collects shells by day, and keeps a logbook of every storm that passes the rocky northern cape.")
 
 
 def _chat(client, name: str, **kw):

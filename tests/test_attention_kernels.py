@@ -525,7 +525,8 @@ def test_decode_cuda_graph_replay(pdl):
 
 
 @requires_cuda
-@pytest.mark.parametrize("seq_lens,q_lens", [([2048], [2048]), ([4096 + 512], [512]), ([700, 3000, 64], [700, 1000, 1])])
+@pytest.mark.parametrize("seq_lens,q_lens", [([2048], [2048]), ([4096 + 512], [512]),
+                                             ([700, 3000, 64], [700, 1000, 1])])
 def test_prefill_llama8b(seq_lens, q_lens):
     check_attention(seq_lens, q_lens, **LLAMA8B, dtype=torch.bfloat16, seed=sum(q_lens))
 

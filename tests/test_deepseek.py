@@ -93,8 +93,8 @@ def _hf_state_dict(path, cfg) -> dict[str, torch.Tensor]:
         values = gguf.quants.dequantize(np.asarray(t.data).reshape(-1, t.n_bytes // (t.n_elements // t.shape[0])),
                                         t.tensor_type)
         raw[t.name] = torch.from_numpy(np.array(values, dtype=np.float32).reshape(tuple(reversed(t.shape))))
-    out = {"model.embed_tokens.weight": raw.pop("token_embd.weight"), "model.norm.weight": raw.pop("output_norm.weight"),
-           "lm_head.weight": raw.pop("output.weight")}
+    out = {"model.embed_tokens.weight": raw.pop("token_embd.weight"),
+           "model.norm.weight": raw.pop("output_norm.weight"), "lm_head.weight": raw.pop("output.weight")}
     for i in range(cfg.n_layers):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         if p + "ffn_gate_exps.weight" in raw:

@@ -91,7 +91,9 @@ def test_preemption_under_kv_pressure_keeps_tokens():
     alone = base.engine.generate(prompts, params)
     assert base.engine.stats.preemptions == preempted
     # A pool of 8 blocks x 16 tokens cannot hold four sequences of ~35 tokens at once.
-    tight = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=128, max_num_seqs=4, kv_cache_gb=8.5 * (2 * 30 * 16 * 3 * 64 * 4) / 2**30, quiet=True))
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4      # K and V, 30 layers, 16 tokens, 3 KV heads of 64 float32 values
+    tight = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=128, max_num_seqs=4,
+                                                   kv_cache_gb=8.5 * block_bytes / 2**30, quiet=True))
     assert tight.engine.pool.num_blocks == 8
     assert tight.engine.generate(prompts, params) == alone
     assert tight.engine.stats.preemptions > 0

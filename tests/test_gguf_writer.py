@@ -120,7 +120,8 @@ def test_real_tokenizer_is_copied_exactly_and_size_is_planned(smollm2, tmp_path)
 
 def test_seed_makes_files_reproducible(small_tokenizer, tmp_path):
     def write(name: str, seed: int) -> bytes:
-        return write_random_model(tmp_path / name, "tiny", "q4_k", tokenizer_from=small_tokenizer, seed=seed).read_bytes()
+        path = write_random_model(tmp_path / name, "tiny", "q4_k", tokenizer_from=small_tokenizer, seed=seed)
+        return path.read_bytes()
     first, again, other = write("a.gguf", 0), write("b.gguf", 0), write("c.gguf", 1)
     assert first == again
     assert first != other and len(first) == len(other)
@@ -245,7 +246,8 @@ def test_unreadable_files_are_user_errors(tmp_path):
 
 def test_cli_rejects_unknown_shape_with_one_line_and_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cobatch.testing.gguf_writer", "random", "--shape", "llama9-1t", "-o", str(tmp_path / "x.gguf")],
+        [sys.executable, "-m", "cobatch.testing.gguf_writer", "random", "--shape", "llama9-1t",
+         "-o", str(tmp_path / "x.gguf")],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -1,8 +1,8 @@
 """Hugging Face checkpoint folders (loader/hf.py): tiny random models written by transformers, loaded by cobatch and
 compared with transformers on the same folder (the real SmolLM2 through both loaders is in test_reference.py,
-beside the transformers reading of its GGUF that it shares); FP8 / NVFP4 checkpoints against a numpy reference of the formats
-(written from the OCP 8-bit and MX FP4 specifications and ModelOpt's NVFP4 description, not from our code); the
-CLI's answers to bad folders."""
+beside the transformers reading of its GGUF that it shares); FP8 / NVFP4 checkpoints against a numpy reference of
+the formats (written from the OCP 8-bit and MX FP4 specifications and ModelOpt's NVFP4 description, not from our
+code); the CLI's answers to bad folders."""
 
 from __future__ import annotations
 

@@ -107,8 +107,8 @@ for single, groups in ((False, False), (True, False)):      # no groups with fp8
     variants[f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache"] = (
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
-             GROUPS=groups, SINGLE_SPLIT=single,
-             PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16, ROPE=False, NEOX=False, QK_NORM=False),
+             GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16,
+             ROPE=False, NEOX=False, QK_NORM=False),
         dec.num_warps, dec.num_stages, FP8_CACHE, attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
 # Rope and the cache write in the decode kernel (ops.rope_attention): within the same 128 registers
 for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), (False, True, False, False, False),

@@ -226,7 +226,8 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
                 GemmConfig(NW=4, split_k=2), GemmConfig(NW=8, split_k=2, P=True, TMA=3),
                 GemmConfig(NW=4, split_k=2, TMA=2), GemmConfig(NW=8, split_k=2, RING=4),
                 GemmConfig(NW=8, split_k=2, RING=3, CHUNKS=2), GemmConfig(NW=4, split_k=2, RING=6),
-                GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4), GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True),
+                GemmConfig(NW=4, split_k=2, RING=2, CHUNKS=4),
+                GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True),
                 GemmConfig(NW=8, split_k=2, RING=6, APART=True), GemmConfig(NW=8, split_k=2, RING=2, CHUNKS=4),
                 GemmConfig(NW=8, split_k=2, RING=8, CHUNKS=4)):     # trimmed to the stages that fit 128 tokens
         assert torch.equal(run_poisoned(pw, x, cfg), plain), cfg

@@ -315,7 +315,8 @@ def test_metrics_counters_move(server, oai):
         == out.usage.prompt_tokens_details.cached_tokens
     text = httpx.get(url + "/metrics").text
     for name in ("cobatch_kv_usage_ratio", "cobatch_queue_depth", "cobatch_batched_decode_fraction",
-                 'cobatch_lone_decode_steps_total{cause="no_peer"}', 'cobatch_lone_decode_steps_total{cause="peer_prefill"}',
+                 'cobatch_lone_decode_steps_total{cause="no_peer"}',
+                 'cobatch_lone_decode_steps_total{cause="peer_prefill"}',
                  'cobatch_lone_decode_steps_total{cause="peer_finish"}', "cobatch_inter_token_latency_seconds_bucket"):
         assert name in text
     pool = server.context.llm.engine.pool       # the CPU test server's cache: float32, the activations' dtype

@@ -96,8 +96,8 @@ def test_drain_turns_new_requests_away_and_finishes_those_in_flight():
 def test_serve_exits_0_after_a_signal_with_a_stream_in_flight(sig):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "cobatch.cli", "serve", "--port", "0", "--parallel", "2",
-                             "--ctx", "512", "--threads", "1", "--graceful-shutdown-s", "60", "--served-model-name", "m"], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, env=env)
+                             "--ctx", "512", "--threads", "1", "--graceful-shutdown-s", "60", "--served-model-name", "m"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         url = next(line.split()[1] for line in proc.stderr if line.strip().startswith("url:")).removesuffix("/v1")
         threading.Thread(target=proc.stderr.read, daemon=True).start()     # keep the pipe from filling up
