@@ -97,18 +97,24 @@ def routed_expert_bytes(llm: LLM) -> float:
     return sum(chosen.get(id(m), 0) * (_nbytes(m.gate_up[0]) + _nbytes(m.down[0])) for m in moes)
 
 
-def time_prefill(llm: LLM, n_prompts: int, prompt_tokens: int, reps: int = 3) -> float:
+PREFILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def fresh_prompts(vocab: int, n_prompts: int, prompt_tokens: int, batch: int) -> list[list[int]]:
+    """The n_prompts prompts of prefill batch `batch`: no two batches share a prefix, so none is cached."""
+    return [[(i * 7919 + (batch * n_prompts + p) * 104729 + 11) % vocab for i in range(prompt_tokens)]
+            for p in range(n_prompts)]
+
+
+def time_prefill(llm: LLM, n_prompts: int, prompt_tokens: int, first_batch: int, reps: int = 3) -> float:
     """Best seconds of `reps` runs prefilling n_prompts prompts of prompt_tokens tokens and sampling one token
-    each (eager, as prefill runs); new prompts every run, so that no prefix is cached."""
-    vocab = llm.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    each (eager, as prefill runs); new prompts every run (batches first_batch, first_batch + 1, ...)."""
     best = float("inf")
     for rep in range(reps + 1):                        # the first run warms up
-        prompts = [[(i * 7919 + (rep * n_prompts + p) * 104729 + 11) % vocab for i in range(prompt_tokens)]
-                   for p in range(n_prompts)]
+        prompts = fresh_prompts(llm.config.vocab_size, n_prompts, prompt_tokens, first_batch + rep)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        llm.engine.generate(prompts, params)
+        llm.engine.generate(prompts, PREFILL_PARAMS)
         torch.cuda.synchronize()
         if rep:
             best = min(best, time.perf_counter() - t0)
@@ -119,17 +125,14 @@ def prefill_rows(llm: LLM, spec: str) -> list[dict]:
     """--prefill N,T: the routed slices against expert by expert, each timed, then run once more under the
     profiler (decode.prefill_profile: the GPU's busy time against the wall time, and its top kernels)."""
     n_prompts, prompt_tokens = (int(v) for v in spec.split(","))
-    vocab = llm.config.vocab_size
     rows = []
-    for routed in (True, False):
+    for way, routed in enumerate((True, False)):
         default, moe.ROUTED_PREFILL = moe.ROUTED_PREFILL, routed
         try:
-            s = time_prefill(llm, n_prompts, prompt_tokens)
-            # prompts of their own (none cached by the timed runs or the other way's)
-            prompts = [[(i * 7907 + (p + routed * n_prompts) * 104723 + 13) % vocab for i in range(prompt_tokens)]
-                       for p in range(n_prompts)]
-            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            profiled = prefill_profile(lambda: llm.engine.generate(prompts, params))
+            first = way * 8                              # batches of prompts no other run has prefilled
+            s = time_prefill(llm, n_prompts, prompt_tokens, first)
+            prompts = fresh_prompts(llm.config.vocab_size, n_prompts, prompt_tokens, first + 7)
+            profiled = prefill_profile(lambda: llm.engine.generate(prompts, PREFILL_PARAMS))
         finally:
             moe.ROUTED_PREFILL = default
         rows.append(dict(prompts=n_prompts, prompt_tokens=prompt_tokens, experts="routed slices" if routed
@@ -157,9 +160,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     copy_bps = copy_bandwidth()
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
-    prompts = int(args.prefill.split(",")[0]) if args.prefill else 0
+    prefill_prompts = int(args.prefill.split(",")[0]) if args.prefill else 0
     llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(contexts) + 256,
-                                             max_num_seqs=max(*batches, prompts), kv_cache_gb=args.kv_cache_gb))
+                                             max_num_seqs=max(*batches, prefill_prompts), kv_cache_gb=args.kv_cache_gb))
     randomize_kv(llm)
     dense, kvtok = dense_bytes(llm), kv_bytes_per_token(llm)
     runner = llm.engine.runner
