@@ -201,8 +201,11 @@ variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(BY16=False, B
                                {"out_ptr": "*fp16"})
 variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
-variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, BLOCK_E=128, BLOCK_S=256, SIZE=16,
-                                                           MAX_PER_EXPERT=4, PDL=True), 4, 2)
+variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, Q=256, QE=64, BLOCK_E=128, BLOCK_S=256,
+                                                           SIZE=16, MAX_PER_EXPERT=4, PDL=True), 4, 2)
+# a prefill chunk's slots for the routed GEMM: 2048 rows of DeepSeek-V2-Lite's 6 of 64 experts, 64 pairs a slot
+variants["moe slots gemm"] = (moe_routing._slots_kernel, dict(K=6, CHUNK=32, Q=256, QE=128, BLOCK_E=64, BLOCK_S=256,
+                                                              SIZE=64, MAX_PER_EXPERT=32, PDL=True), 4, 2)
 # Qwen's softmax top-k, with and without renormalizing; DeepSeek-V3's sigmoid, bias and group limit (256 experts
 # in 8 groups: 4 warps)
 for normalize in (False, True):
@@ -300,6 +303,13 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q5_1, 8, 256, 1, 0, True, 0, 1), (quant_pack.Q5_1, 4, 32, 4, 2, False, 2, 0)):
         gemm_variants[f"gemm fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} even_k={even_k} d={d} p={p}"] = \
             dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, EVEN_K=even_k, D=d, P=bool(p), ACT=act)
+    # routed over stacked experts (an MoE step's slots of 32 or 64 pairs): the byte, nibble, 16-weight-scaled and
+    # fifth-bit loops, with the act*mul epilogue of gate|up experts and without
+    for fmt, nw, bn, act, p in ((quant_pack.Q8_0, 8, 64, 1, 0), (quant_pack.Q4_1, 8, 32, 0, 1),
+                                (quant_pack.Q6_K, 4, 64, 1, 0), (quant_pack.NVFP4, 8, 64, 0, 0),
+                                (quant_pack.Q5_0, 4, 32, 0, 1)):
+        gemm_variants[f"gemm routed fmt={fmt} nw={nw} bn={bn} act={act} p={p}"] = \
+            dict(FMT=fmt, NW=nw, BN=bn, SPLIT_K=1, EVEN_K=True, D=0, P=bool(p), ACT=act, ROUTED=True)
 
 def compile_gemm_tma_for_h200(constants):
     # The GEMM's TMA variant: x arrives as a tensor descriptor
@@ -426,6 +436,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 62 + 29 + 14 + 4 + 14 + 7
+    assert len(compiled) == 63 + 29 + 14 + 4 + 19 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -165,6 +165,41 @@ def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, mo
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "qwen2moe"])
+def test_gpu_routed_gemm_runs_a_prefill_chunk_whole(moe_models, arch, monkeypatch):
+    """With COBATCH_MOE_GEMM=1 a step of 300 rows (past ROUTED_MAX_ROWS; 75 pairs an expert or more) runs the
+    routed GEMM in one piece: a row's result bitwise the same whatever the step's other rows, and the whole close
+    to expert by expert (qwen2moe: its shared expert on top, and its Q5_0 down experts through the GEMM too)."""
+    from cobatch.kernels import packed_experts
+    _, cfg, model = load_model(moe_models[arch], "cuda", torch.bfloat16)
+    layer = model.layers[0].moe
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(300, cfg.d_model, generator=g).bfloat16().cuda()
+    other = h.clone()
+    other[150:] = torch.randn(150, cfg.d_model, generator=g).bfloat16().cuda()
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", True)
+    assert layer.routed_gemm and layer._gemm_slots(300) and h.shape[0] > packed_experts.ROUTED_MAX_ROWS
+    got = layer(h)
+    assert torch.equal(layer(other)[:150], got[:150])
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", False)
+    assert not layer._gemm_slots(300)
+    want = layer(h)         # expert by expert
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+def test_gpu_logits_close_to_cpu_through_the_routed_gemm(moe_models, monkeypatch):
+    """A 100-token prompt (25 pairs an expert: 32-pair slots of the routed GEMM) against the CPU path."""
+    from cobatch.kernels import packed_experts
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", True)
+    assert packed_experts.routed_slot_size(100, 2, 8, True) == 32
+    ids = [int(i) for i in torch.randint(0, 49000, (100,), generator=torch.Generator().manual_seed(4))]
+    got, want = gpu_and_cpu_logits(moe_models["qwen3moe"], ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "qwen2moe"])
 def test_gpu_engine_batched_equals_alone(moe_models, arch):
     """Serving an MoE model on CUDA: decode steps in CUDA graphs where the experts route on the device
     (qwen2moe-tiny's down experts are q5_0, the GEMV reading their fifth bits), batched rows equal to

@@ -1,8 +1,9 @@
-"""Routing MoE rows on the device (kernels/moe_routing.py) and the routed GEMV over stacked experts
-(kernels/packed_experts.py, quant_gemv ROUTED).
+"""Routing MoE rows on the device (kernels/moe_routing.py) and the routed GEMV and GEMM over stacked experts
+(kernels/packed_experts.py, quant_gemv and quant_gemm ROUTED).
 
 The slots are checked against a plain-Python grouping of the pairs; the combine kernel against its torch
-reference (CPU, interpreter); the routed GEMV, on CUDA, bitwise against each expert's own GEMV on its rows.
+reference (CPU, interpreter); the routed GEMV and GEMM, on CUDA, bitwise against each expert's own GEMV or
+GEMM on its rows.
 """
 
 from __future__ import annotations
@@ -23,18 +24,19 @@ def random_routing(n_rows: int, n_experts: int, k: int, seed: int) -> tuple[torc
     return ids, torch.rand(n_rows, k, generator=g)
 
 
-@pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8),
-                                                 (64, 8, 2)])
-def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k):
+@pytest.mark.parametrize("n_rows, n_experts, k, size", [(1, 8, 2, None), (5, 8, 3, None), (6, 4, 2, None),
+                                                       (40, 16, 4, None), (3, 64, 8, None), (64, 8, 2, None),
+                                                       (64, 8, 2, 32), (300, 16, 3, 64)])
+def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k, size):
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows * 100 + n_experts)
-    s = expert_slots(ids, weights, n_experts)
+    s = expert_slots(ids, weights, n_experts, size)
     # The grouping, written plainly: for each expert that got rows, ascending, its rows ascending, cut into
-    # slots of the GEMV's token tile.
-    size = 8 if n_rows <= 8 else 16
+    # slots of the size asked for, else of the GEMV's token tile.
+    size = size or (8 if n_rows <= 8 else 16)
     used = sorted({int(e) for e in ids.flatten()})
     runs = {e: [r for r in range(n_rows) if e in ids[r].tolist()] for e in used}
     pieces = [(e, runs[e][i:i + size]) for e in used for i in range(0, len(runs[e]), size)]
-    assert s.slot_size == size and len(pieces) <= s.n_slots == slot_bound(n_rows, k, n_experts)
+    assert s.slot_size == size and len(pieces) <= s.n_slots == slot_bound(n_rows, k, n_experts, size)
     assert s.slot_expert[:len(pieces)].tolist() == [e for e, _ in pieces]
     assert s.slot_count.tolist() == [len(rows) for _, rows in pieces] + [0] * (s.n_slots - len(pieces))
     pair_rows = s.pair_rows.tolist()
@@ -52,12 +54,29 @@ def test_slots_group_the_pairs_by_expert(n_rows, n_experts, k):
 
 def test_slot_bound_covers_the_worst_routing():
     """Every row choosing the same k experts puts N pairs on each: the most slots a step can need."""
-    for n_rows, k, n_experts in [(1, 8, 128), (8, 8, 128), (9, 2, 4), (64, 8, 128), (256, 8, 128), (33, 4, 8)]:
-        size = 8 if n_rows <= 8 else 16
-        worst_same = k * -(-n_rows // size)
-        assert slot_bound(n_rows, k, n_experts) >= worst_same
+    for n_rows, k, n_experts, size in [(1, 8, 128, None), (8, 8, 128, None), (9, 2, 4, None), (64, 8, 128, None),
+                                       (256, 8, 128, None), (33, 4, 8, None), (2048, 6, 64, 64), (100, 2, 8, 32)]:
+        size_used = size or (8 if n_rows <= 8 else 16)
+        worst_same = k * -(-n_rows // size_used)
+        assert slot_bound(n_rows, k, n_experts, size) >= worst_same
         ids = torch.stack([torch.arange(k)] * n_rows)
-        assert expert_slots(ids, torch.ones(n_rows, k), n_experts).slot_count.gt(0).sum() == worst_same
+        assert expert_slots(ids, torch.ones(n_rows, k), n_experts, size).slot_count.gt(0).sum() == worst_same
+
+
+def test_routed_gemm_slots_only_where_asked_and_experts_average_over_16_pairs(monkeypatch):
+    """The routed GEMM takes a step (slots of 32 or 64 pairs) only with COBATCH_MOE_GEMM and stacks it can run,
+    and only where the step's experts average more pairs than the GEMV's 16-token tile; the size is a function
+    of the step's shape, never of its routes."""
+    from cobatch.kernels import packed_experts
+    from cobatch.kernels.packed_experts import routed_slot_size
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", False)
+    assert [routed_slot_size(n, 6, 64, True) for n in (1, 9, 256, 2048)] == [8, 16, 16, 16]
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", True)
+    assert [routed_slot_size(n, 6, 64, False) for n in (1, 2048)] == [8, 16]     # stacks the GEMM cannot run
+    # DeepSeek-V2-Lite (6 of 64): 16 pairs an expert up to 170 rows, then the GEMM's tiles; Mixtral (2 of 8)
+    assert [routed_slot_size(n, 6, 64, True) for n in (1, 64, 170, 171, 256, 341, 342, 2048)] == \
+        [8, 16, 16, 32, 32, 32, 64, 64]
+    assert [routed_slot_size(n, 2, 8, True) for n in (8, 64, 65, 128, 129, 4096)] == [8, 16, 32, 32, 64, 64]
 
 
 def _slot_of(s, pair: int) -> int:
@@ -118,17 +137,53 @@ def test_routed_gemv_equals_each_experts_own_gemv(fmt_name, n_rows):
 
 
 @requires_cuda
-def test_routed_gemv_replays_in_a_cuda_graph_with_new_routes():
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "q5_0", "nvfp4"])
+@pytest.mark.parametrize("n_rows, size", [(40, 32), (100, 64), (300, 64)])
+def test_routed_gemm_equals_each_experts_own_gemm(fmt_name, n_rows, size):
+    """The routed GEMM (slots of 32 or 64 pairs, quant_gemm ROUTED): each pair's row bitwise what its expert's
+    own GEMM gives it with the same config (a row's bits do not depend on the token tile), with the act*mul
+    epilogue and without; empty slots store nothing; one expert against the float reference on its GGUF bytes."""
+    from cobatch.kernels.packed_experts import PackedExperts
+    n_experts, k, rows, cols = 12, 3, 256, 512
+    stacked = make_weight(fmt_name, n_experts * rows, cols, seed=7)
+    experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"), gate_up_interleaved=True)
+    assert experts is not None and experts.routed_gemm is not None
+    ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
+    s = expert_slots(ids.cuda(), weights.cuda(), n_experts, size)
+    assert s.slot_size == size and int(s.slot_count.eq(0).sum()) > 0      # some empty slots, past the used ones
+    x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    xp = x[s.pair_rows]
+    for act in ("silu", None):
+        got = experts.routed_matmul(xp, s, act=act)
+        want = torch.full_like(got, float("nan"))
+        for slot in range(s.n_slots):
+            start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
+            if count:
+                want[start:start + count] = experts.experts[e].matmul(xp[start:start + count],
+                                                                      config=experts.routed_gemm, act=act)
+        assert not want.isnan().any()
+        assert torch.equal(got, want), act
+    e, count = int(s.slot_expert[0]), int(s.slot_count[0])
+    ref = xp[:count].float() @ QuantWeight(stacked.fmt, rows, cols, stacked.raw[e * rows:(e + 1) * rows],
+                                           None if stacked.row_scale is None
+                                           else stacked.row_scale[e * rows:(e + 1) * rows]).dequantize().cuda().T
+    assert ((got[:count].float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("n_rows, size", [(4, None), (40, 32)])
+def test_routed_kernels_replay_in_a_cuda_graph_with_new_routes(n_rows, size):
+    """The routed GEMV (slots of the GEMV's token tile) and the routed GEMM (32-pair slots)."""
     from cobatch.kernels.packed_experts import PackedExperts
     n_experts, k, rows, cols = 8, 2, 128, 256
     experts = PackedExperts.from_quant(make_weight("q8_0", n_experts * rows, cols, seed=3), n_experts,
                                        torch.device("cuda"))
-    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
-    ids = torch.zeros(4, k, dtype=torch.int64, device="cuda")
-    weights = torch.ones(4, k, device="cuda")
+    x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    ids = torch.zeros(n_rows, k, dtype=torch.int64, device="cuda")
+    weights = torch.ones(n_rows, k, device="cuda")
 
     def step():
-        s = expert_slots(ids, weights, n_experts)
+        s = expert_slots(ids, weights, n_experts, size)
         return experts.routed_matmul(x[s.pair_rows], s), s
 
     step()
@@ -137,7 +192,7 @@ def test_routed_gemv_replays_in_a_cuda_graph_with_new_routes():
     with torch.cuda.graph(graph):
         out, slots = step()
     for seed in range(3):       # new routes each replay: the graph reads them from the device
-        new_ids, _ = random_routing(4, n_experts, k, seed=seed)
+        new_ids, _ = random_routing(n_rows, n_experts, k, seed=seed)
         ids.copy_(new_ids)
         graph.replay()
         want, want_slots = step()
@@ -213,15 +268,18 @@ def test_router_logits_ignore_the_batch():
     assert router_logits_triton(h[:0], router).shape == (0, 16)
 
 
-@pytest.mark.parametrize("n_rows, n_experts, k", [(1, 8, 2), (5, 8, 3), (6, 4, 2), (40, 16, 4), (3, 64, 8),
-                                                 (64, 128, 8), (64, 8, 2), (200, 16, 4)])
-def test_slots_kernel_matches_reference(n_rows, n_experts, k):
+@pytest.mark.parametrize("n_rows, n_experts, k, size", [(1, 8, 2, None), (5, 8, 3, None), (6, 4, 2, None),
+                                                       (40, 16, 4, None), (3, 64, 8, None), (64, 128, 8, None),
+                                                       (64, 8, 2, None), (200, 16, 4, None), (130, 8, 2, 32),
+                                                       (300, 64, 6, 64)])
+def test_slots_kernel_matches_reference(n_rows, n_experts, k, size):
+    """Also a prefill chunk's slots for the routed GEMM: 1,800 pairs, compared 256 at a time."""
     from cobatch.kernels.moe_routing import expert_slots_ref, expert_slots_triton
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows + n_experts)
     if torch.cuda.is_available():
         ids, weights = ids.cuda(), weights.cuda()
-    want = expert_slots_ref(ids, weights, n_experts)
-    got = expert_slots_triton(ids, weights, n_experts)
+    want = expert_slots_ref(ids, weights, n_experts, size)
+    got = expert_slots_triton(ids, weights, n_experts, size)
     for field in ("pair_rows", "slot_expert", "slot_start", "slot_count", "row_pairs", "row_weights"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert got.slot_size == want.slot_size

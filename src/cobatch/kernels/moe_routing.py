@@ -7,11 +7,12 @@ the step, which cuBLAS does not promise for the logits.
 
 A step of N rows, each routed to k experts, makes P = N k (row, expert) pairs. `expert_slots` sorts them by
 expert (stable: rows ascending within an expert) and cuts each expert's run into "slots" of at most one
-token tile of the GEMV (8 pairs, 16 above 8 rows): the experts of the step, ascending, then empty slots up to
-a bound known without looking at the ids (`slot_bound`). The routed GEMV (quant_gemv, ROUTED) runs one group
-of CTAs per slot, over that slot's pairs, with that expert's weights: up to 8 rows, each chosen expert's
-weights are read once per step; above, once per 16 of its rows (as a dense GEMV reads its weights once per
-16-token tile).
+token tile of the kernel that runs them: the GEMV's (8 pairs, 16 above 8 rows) by default, or the mid-batch
+GEMM's (32 or 64 pairs: packed_experts.routed_slot_size). The experts of the step come first, ascending, then
+empty slots up to a bound known without looking at the ids (`slot_bound`). The routed GEMV (quant_gemv,
+ROUTED) or GEMM (quant_gemm, ROUTED) runs one group of CTAs per slot, over that slot's pairs, with that
+expert's weights: up to 8 rows, each chosen expert's weights are read once per step; above, once per slot of
+its rows (as a dense GEMV reads its weights once per 16-token tile).
 
 `combine` sums each row's k expert outputs weighted by the router, in ascending expert id, in float32: the
 order the eager path (models/moe.py) adds them in, so a row's result does not depend on its batch.
@@ -200,7 +201,7 @@ class ExpertSlots:
     slot_count: torch.Tensor   # [S] int32: its number of pairs, at most slot_size (0: empty)
     row_pairs: torch.Tensor    # [N, k] int64: each row's pairs, in ascending expert id
     row_weights: torch.Tensor  # [N, k] float32: the router weights in the same order
-    slot_size: int             # the routed GEMV's token tile (8, or 16 above 8 rows)
+    slot_size: int             # the routed kernel's token tile (the GEMV's 8 or 16, or the GEMM's 32 or 64)
 
     @property
     def n_slots(self) -> int:
@@ -213,19 +214,20 @@ def slot_size(n_rows: int) -> int:
     return token_tile(n_rows)
 
 
-def slot_bound(n_rows: int, k: int, n_experts: int) -> int:
+def slot_bound(n_rows: int, k: int, n_experts: int, size: int | None = None) -> int:
     """Slots a step can need, known without looking at the ids: each used expert (at most min(n_experts, P))
-    takes ceil(count / size) slots, and the counts sum to P = n_rows k."""
-    n_pairs, size = n_rows * k, slot_size(n_rows)
+    takes ceil(count / size) slots, and the counts sum to P = n_rows k. size: slot_size(n_rows) if not given."""
+    n_pairs, size = n_rows * k, size or slot_size(n_rows)
     used = min(n_experts, n_pairs)
     return min(used * -(-n_rows // size), -(-n_pairs // size) + used)
 
 
-def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
-    """ids, weights: [N, k] (a row's k ids distinct) -> the slots, written plainly (host loops: the test
-    oracle of the kernel; the CPU path never routes)."""
+def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
+                     ) -> ExpertSlots:
+    """ids, weights: [N, k] (a row's k ids distinct) -> the slots of `size` pairs at most (slot_size(N) if not
+    given), written plainly (host loops: the test oracle of the kernel; the CPU path never routes)."""
     n, k = ids.shape
-    size = slot_size(n)
+    size = size or slot_size(n)
     flat = ids.reshape(-1).cpu()
     order = torch.sort(flat, stable=True).indices
     sorted_ids = flat[order].tolist()
@@ -238,7 +240,7 @@ def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -
         for s0 in range(p, run_end, size):
             expert.append(sorted_ids[p]), start.append(s0), count.append(min(size, run_end - s0))
         p = run_end
-    n_slots = slot_bound(n, k, n_experts)
+    n_slots = slot_bound(n, k, n_experts, size)
     pad = n_slots - len(expert)
     expert, start, count = expert + [0] * pad, start + [n * k] * pad, count + [0] * pad
     position = torch.empty_like(order)
@@ -253,11 +255,12 @@ def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -
 @jit
 def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, row_pairs_ptr,
                   row_weights_ptr, n_pairs, n_experts, n_slots, K: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr,
-                  PDL: tl.constexpr):
+                  Q: tl.constexpr, QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                  SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr, PDL: tl.constexpr):
     """Program i: the sorted position ("rank") of pairs i*CHUNK.. (a stable counting sort: the pairs before a
-    pair have a lower expert id, or the same id and a lower index) and their place in their row's expert-id
-    order. Program 0 also lays out the slots: each used expert's run cut into slots of SIZE pairs."""
+    pair have a lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and
+    their place in their row's expert-id order. Program 0 also lays out the slots: each used expert's run (its
+    pairs counted QE at a time) cut into slots of SIZE pairs."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -266,8 +269,8 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
     p_ok = p < n_pairs
     id_p = tl.load(ids_ptr + p, mask=p_ok, other=big).to(tl.int32)
     rank = tl.zeros([CHUNK], dtype=tl.int32)
-    for q0 in range(0, n_pairs, CHUNK):
-        q = q0 + tl.arange(0, CHUNK)
+    for q0 in range(0, n_pairs, Q):
+        q = q0 + tl.arange(0, Q)
         id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=big).to(tl.int32)
         before = (id_q[None, :] < id_p[:, None]) | ((id_q[None, :] == id_p[:, None]) & (q[None, :] < p[:, None]))
         rank += tl.sum(before.to(tl.int32), axis=1)
@@ -282,8 +285,8 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
     if tl.program_id(0) == 0:
         e = tl.arange(0, BLOCK_E)
         count = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for q0 in range(0, n_pairs, CHUNK):
-            q = q0 + tl.arange(0, CHUNK)
+        for q0 in range(0, n_pairs, QE):
+            q = q0 + tl.arange(0, QE)
             id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
             count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
         n_own = (count + SIZE - 1) // SIZE           # the slots of each expert (0 if unused)
@@ -301,30 +304,38 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
         tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
 
 
-def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
+def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
+                        ) -> ExpertSlots:
     """As expert_slots_ref, in one launch and without a host sync."""
     n, k = ids.shape
-    n_pairs, size = n * k, slot_size(n)
-    n_slots = slot_bound(n, k, n_experts)
+    n_pairs, size = n * k, size or slot_size(n)
+    n_slots = slot_bound(n, k, n_experts, size)
     dev = ids.device
     pair_rows = torch.empty(n_pairs, dtype=torch.int64, device=dev)
     slot_expert, slot_start, slot_count = (torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3))
     row_pairs = torch.empty(n, k, dtype=torch.int64, device=dev)
     row_weights = torch.empty(n, k, dtype=torch.float32, device=dev)
-    chunk = 32
+    chunk, block_e = 32, triton.next_power_of_2(n_experts)
+    # A prefill chunk's thousands of pairs are compared 256 at a time (a decode step's few in one block), and
+    # program 0 counts them in blocks of up to 8192 (expert, pair) tests; the bounds are powers of two, so
+    # steps of any size share a few compiled variants.
+    q = min(256, max(chunk, triton.next_power_of_2(n_pairs)))
+    qe = max(chunk, min(q, 8192 // block_e))
     _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
         ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
-        row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(n_experts),
-        BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size, MAX_PER_EXPERT=-(-n // size), **pdl_launch(ids),
-        num_warps=4)
+        row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, Q=q, QE=qe, BLOCK_E=block_e,
+        BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size, MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)),
+        **pdl_launch(ids), num_warps=4)
     return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, size)
 
 
-def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> ExpertSlots:
-    """The slots of a step's routing: one kernel on CUDA, the reference elsewhere."""
+def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
+                 ) -> ExpertSlots:
+    """The slots of a step's routing, of `size` pairs at most (the GEMV's token tile for the step if not given):
+    one kernel on CUDA, the reference elsewhere."""
     if ids.is_cuda:
-        return expert_slots_triton(ids, weights, n_experts)
-    return expert_slots_ref(ids, weights, n_experts)
+        return expert_slots_triton(ids, weights, n_experts, size)
+    return expert_slots_ref(ids, weights, n_experts, size)
 
 
 def combine_ref(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:

@@ -5,17 +5,24 @@ are packed as one matrix of n * rows rows, expert e owning row tiles e * rows / 
 (quant_gemv, ROUTED) then runs every expert a step chose, each over its run of (row, expert) pairs
 (moe_routing.py): a fixed grid and no host sync, so it can be captured in a CUDA graph. `experts[e]` is a
 PackedWeight view of one expert (no copy), for steps of many rows (prefill), which run expert by expert.
+
+With COBATCH_MOE_GEMM=1 (off until measured on the GPU), a step whose experts average more pairs than the
+GEMV's 16-token tile runs the routed mid-batch GEMM instead (quant_gemm, ROUTED): slots of 32 or 64 pairs
+(routed_slot_size), so an expert's weights are read once per 64 of its rows rather than per 16, and a prefill
+chunk of any size is one launch a projection, with no host sync and no loop over experts in Python.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
 
-from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.moe_routing import ExpertSlots
-from cobatch.kernels.quant_matmul import PackedWeight, loads_ahead, plan_for, reserve_scratch, uses_gemv
+from cobatch.kernels import quant_gemm, quant_gemv, quant_pack
+from cobatch.kernels.moe_routing import ExpertSlots, slot_size
+from cobatch.kernels.quant_matmul import (PackedWeight, loads_ahead, plan_for, reserve_scratch, uses_gemv,
+                                         uses_quant_gemm)
 from cobatch.kernels.quant_pack import FRAGMENT_FORMATS, PACKED_FORMATS, ROW_PAD, PackedPlanes, pack_planes
 from cobatch.quant.weight import QuantWeight
 
@@ -23,6 +30,25 @@ from cobatch.quant.weight import QuantWeight
 # a CUDA graph; bigger steps (prefill chunks) run expert by expert, through the dequant GEMM where an expert
 # gets many rows. (Measured on the H200 up to 64: bench/results/moe-decode-2026-11-29-*.)
 ROUTED_MAX_ROWS = 256
+
+
+# Steps whose experts average more than a GEMV token tile of pairs run the routed GEMM (module docstring)
+ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM") == "1"
+# A routed GEMM slot holds at most this many pairs: an expert's last slot is part empty, so bigger slots waste
+# more MMA work on the expert runs of a prefill chunk (about 190 pairs an expert at 2048 rows of 6 of 64).
+ROUTED_GEMM_MAX_SLOT = 64
+
+
+def routed_slot_size(n_rows: int, k: int, n_experts: int, gemm: bool) -> int:
+    """The slot size of a routed step of n_rows rows, each to k of n_experts experts: the GEMV's token tile
+    (moe_routing.slot_size), or, where `gemm` (the step's stacks can run the routed GEMM) and ROUTED_GEMM and the
+    experts average more pairs than 16, the GEMM's token tile for that average, at most ROUTED_GEMM_MAX_SLOT.
+    A function of the step's shape only: a row's kernel, and so its bits, does not depend on the other rows'
+    routes."""
+    average = -(-n_rows * k // n_experts)
+    if not (gemm and ROUTED_GEMM) or average <= quant_gemv.token_tile(n_rows):
+        return slot_size(n_rows)
+    return quant_gemm.token_tile(min(average, ROUTED_GEMM_MAX_SLOT))
 
 
 def stackable(fmt_name: str, rows: int) -> bool:
@@ -47,6 +73,12 @@ class PackedExperts:
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
         self._routed_plan = _without_split_k(plan.narrow, planes.qs.shape[1] // 512)
+        # the routed GEMM's config (None where it cannot run): one CTA a slot and 128 (or 64) of its expert's rows
+        self.routed_gemm = None
+        if (uses_quant_gemm(planes.qs.device) and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS
+                and rows % quant_gemm.GemmConfig(NW=4).rows_per_cta() == 0):
+            self.routed_gemm = quant_gemm.GemmConfig(NW=8 if rows % quant_gemm.GemmConfig(NW=8).rows_per_cta() == 0
+                                                     else 4)
         tiles = rows // 16
         self.experts = [PackedWeight(fmt_name, rows, cols, planes=planes.row_tiles(e * tiles, (e + 1) * tiles),
                                      plan=plan, gate_up_interleaved=gate_up_interleaved) for e in range(n_experts)]
@@ -69,14 +101,19 @@ class PackedExperts:
 
     def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots, act: str | None = None) -> torch.Tensor:
         """x [P, cols], one row per (row, expert) pair in slot order -> [P, rows]: each pair's row times its
-        expert. Fixed launch shape for a given P: no host sync. act (gate|up experts packed interleaved):
-        act(gate) * up instead, [P, rows / 2], applied in the GEMV's epilogue."""
+        expert, by the routed GEMV, or by the routed GEMM where the slots are bigger than the GEMV's token tile
+        (routed_slot_size). Fixed launch shape for a given P: no host sync. act (gate|up experts packed
+        interleaved): act(gate) * up instead, [P, rows / 2], applied in the kernel's epilogue."""
         assert x.shape[0] == slots.pair_rows.shape[0] and x.stride(-1) == 1
         assert act is None or self.experts[0].gate_up_interleaved
         out = torch.empty(x.shape[0], self.rows // 2 if act else self.rows, dtype=x.dtype, device=x.device)
         routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.slot_size,
                                      self.rows)
-        quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing, act=act)
+        if slots.slot_size > quant_gemv.token_tile(slots.slot_size):
+            assert self.routed_gemm is not None, "slots of the routed GEMM on experts it cannot run"
+            quant_gemm.launch(self.planes, x, out, self.routed_gemm, out, out, act=act, routing=routing)
+        else:
+            quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing, act=act)
         return out
 
     @property

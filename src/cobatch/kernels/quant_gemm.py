@@ -328,11 +328,13 @@ if gluon is not None and warpgroup_mma is not None:
             acc = quant_gemv._fp4_row_scale(acc, d_ptr, tile0, NW, MMA)
         return acc
 
-    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_expert"])
     def _gemm_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, sub_ptr, qh_ptr,
-                     n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
+                     slot_expert_ptr, slot_start_ptr, slot_count_ptr,
+                     n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split, tiles_per_expert,
                      FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
-                     EVEN_K: gl.constexpr, D: gl.constexpr, P: gl.constexpr, ACT: gl.constexpr):
+                     EVEN_K: gl.constexpr, D: gl.constexpr, P: gl.constexpr, ACT: gl.constexpr,
+                     ROUTED: gl.constexpr = False):
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
         SIDE: gl.constexpr = gl.SliceLayout(1, A)
@@ -348,6 +350,15 @@ if gluon is not None and warpgroup_mma is not None:
         pid_k = gl.program_id(1) % SPLIT_K
         tile0 = pid_n * NW
         tok0 = pid_t * BN
+        n_steps = steps_per_split
+        if ROUTED:
+            # Stacked experts (moe_routing.py), as the routed GEMV: token tile pid_t is slot pid_t, at most BN
+            # pairs (rows of x and out), with the slot's expert's row tiles. An empty slot runs no K step and
+            # stores nothing.
+            tok0 = gl.load(slot_start_ptr + pid_t)
+            n_tok = tok0 + gl.load(slot_count_ptr + pid_t)
+            tile0 += gl.load(slot_expert_ptr + pid_t) * tiles_per_expert
+            n_steps = steps_per_split * (tok0 < n_tok).to(gl.int32)
         # One x buffer per step of an iteration, each an allocation of its own: Triton orders a store after an
         # MMA's read of the same allocation with a barrier of its own, on top of the step's.
         XS: gl.constexpr = _x_smem_layout(BN, KC)
@@ -364,7 +375,7 @@ if gluon is not None and warpgroup_mma is not None:
         if P:   # the loads of step s + 1 are issued before step s's barrier, so their latency overlaps it
             q, a, b, c, e, h, x = _load_step(first, x_ptr, x_stride, qs_ptr, d_ptr, sub_ptr, qh_ptr, tok0, n_tok,
                                              n_cols, tile0, tile_stride, side32, side256, FMT, NW, BN, EVEN_K, SIDE)
-        for s0 in range(0, steps_per_split, U):
+        for s0 in range(0, n_steps, U):
             for u in gl.static_range(U):
                 s = s0 + u
                 if D > 0:   # the quant bytes of step s + D into L2 (no register held)
@@ -943,19 +954,30 @@ def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
-           partial: torch.Tensor, count: torch.Tensor, act: str | None = None) -> None:
+           partial: torch.Tensor, count: torch.Tensor, act: str | None = None,
+           routing: "quant_gemv.Routing | None" = None) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
-    With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch)."""
+    With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch).
+    With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T (as
+    quant_gemv.launch), a slot being one token tile of max_count pairs; the plain kernel only, without split-K."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     assert p.rows_pad % cfg.rows_per_cta() == 0, (p.rows_pad, cfg)
     n_tok = x.shape[0]
-    bn = token_tile(n_tok)
-    assert out.shape[-1] == (p.rows // 2 if act else p.rows), (out.shape, p.rows, act)
-    n_nk = (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k       # row blocks x K splits of a token tile
-    grid = (-(-n_tok // bn), n_nk)
+    bn = routing.max_count if routing else token_tile(n_tok)
+    rows = routing.rows_per_expert if routing else p.rows
+    assert out.shape[-1] == (rows // 2 if act else rows), (out.shape, rows, act)
     dummy = p.qs
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
+    slots = (dummy, dummy, dummy)
+    if routing:
+        assert bn in TOKEN_TILES and rows % cfg.rows_per_cta() == 0, (bn, rows, cfg)
+        assert cfg.split_k == 1 and not (cfg.RING or cfg.TMA), f"a routed GEMM runs the plain kernel whole: {cfg}"
+        grid = (routing.slot_expert.shape[0], rows // cfg.rows_per_cta())
+        slots = (routing.slot_expert, routing.slot_start, routing.slot_count)
+    else:
+        n_nk = (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k       # row blocks x K splits of a token tile
+        grid = (-(-n_tok // bn), n_nk)
     if cfg.RING:
         stages = ring_stages(cfg, p.fmt_id, bn)
         if stages < 2:
@@ -981,10 +1003,10 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
         return
     _gemm_kernel[grid](
-        x, out, partial, count, p.qs, p.d, sub, qh,
-        n_tok, p.rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
+        x, out, partial, count, p.qs, p.d, sub, qh, *slots,
+        n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg), rows // 16,
         FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D, P=cfg.P,
-        ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+        ACT=ACTS[act], ROUTED=routing is not None, num_warps=cfg.NW, maxnreg=cfg.registers(bn))
 
 
 # The TMA variants' x as whole token tiles: a tile's box past the last token then reads scratch rows (whatever they

@@ -812,7 +812,8 @@ def scratch_need(cfg: GemvConfig | GemvPlan, rows_pad: int, max_tok: int) -> tup
 class Routing:
     """A routed launch over stacked experts (kernels/moe_routing.py): slot s multiplies x rows
     slot_start[s] .. + slot_count[s] by expert slot_expert[s], whose rows are the planes' row tiles
-    slot_expert[s] * rows_per_expert / 16 .. ; max_count bounds any slot's count, and is one token tile (8 or 16)."""
+    slot_expert[s] * rows_per_expert / 16 .. ; max_count bounds any slot's count, and is one token tile of the
+    kernel that runs it (the GEMV's 8 or 16, quant_gemm's 32 or 64)."""
     slot_expert: torch.Tensor
     slot_start: torch.Tensor
     slot_count: torch.Tensor

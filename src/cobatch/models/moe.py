@@ -7,7 +7,9 @@ once, whatever the batch (ds4's "routed experts run per sequence", grouped by ex
     grouped by expert on the device (kernels/moe_routing.py) and each projection is one launch of the
     routed GEMV over all experts stacked (kernels/packed_experts.py). No host sync, so decode steps are
     captured in CUDA graphs like a dense model's.
-    Bigger steps (prefill chunks) may run it slice by slice (COBATCH_MOE_PREFILL=routed).
+    Bigger steps (prefill chunks) may run it slice by slice (COBATCH_MOE_PREFILL=routed). With
+    COBATCH_MOE_GEMM=1, steps whose experts average more than 16 pairs (big decode batches, and prefill chunks
+    whole) run the routed mid-batch GEMM in slots of up to 64 pairs (packed_experts.routed_slot_size).
   - expert by expert (the CPU, prefill chunks, and formats the routed GEMV does not read): each expert that got
     rows runs on them through ops.linear; counting those rows is a host sync.
 
@@ -23,7 +25,7 @@ import torch
 
 from cobatch import ops
 from cobatch.config import ModelConfig
-from cobatch.kernels import packed_experts
+from cobatch.kernels import packed_experts, quant_gemv
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import RouterRule, expert_slots
 from cobatch.kernels.quant_matmul import as_q8_0_on
@@ -65,6 +67,9 @@ class MoeFeedForward:
             down_stack = packed_experts.PackedExperts.from_quant(down, n, device)
             if gate_up is not None and down_stack is not None:
                 self.routed_gate_up, self.routed_down = gate_up, down_stack
+        # can both stacks run the routed GEMM (packed_experts.ROUTED_GEMM)?
+        self.routed_gemm = (self.routed_gate_up is not None and self.routed_gate_up.routed_gemm is not None
+                            and self.routed_down.routed_gemm is not None)
         if self.routed_gate_up is not None:     # the expert-by-expert path reads the same planes
             self.gate_up, self.down = self.routed_gate_up.experts, self.routed_down.experts
         else:
@@ -94,7 +99,7 @@ class MoeFeedForward:
         weights, ids = self.route(h)
         # summed in float32 either way; stored as h's dtype unless the shared expert is still to be added
         out_dtype = torch.float32 if self.shared_gate_up is not None else h.dtype
-        if self.routed and h.shape[0] <= packed_experts.ROUTED_MAX_ROWS:
+        if self.routed and (h.shape[0] <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(h.shape[0])):
             out = self._routed(h, weights, ids, out_dtype)
         elif self.routed and ROUTED_PREFILL:
             # a prefill chunk in slices of the routed path's rows: no host sync and no loop over experts in Python
@@ -110,11 +115,18 @@ class MoeFeedForward:
             out += y
         return out.to(h.dtype)
 
+    def _slot_size(self, n_rows: int) -> int:
+        return packed_experts.routed_slot_size(n_rows, self.rule.k, self.n_experts, self.routed_gemm)
+
+    def _gemm_slots(self, n_rows: int) -> bool:
+        """Does a step of n_rows rows run the routed GEMM (at any size: its grid holds a whole prefill chunk)?"""
+        return self._slot_size(n_rows) > quant_gemv.token_tile(n_rows)
+
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype
                 ) -> torch.Tensor:
         """[N, d] out_dtype: all experts of the step in two routed launches, grouped on the device."""
-        slots = expert_slots(ids, weights, self.n_experts)
-        y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu")   # act*mul in the GEMV
+        slots = expert_slots(ids, weights, self.n_experts, self._slot_size(h.shape[0]))
+        y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu")   # act*mul in the kernel
         return ops.moe_combine(self.routed_down.routed_matmul(y, slots), slots, out_dtype)
 
     def _expert_by_expert(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
