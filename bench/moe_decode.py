@@ -15,14 +15,18 @@ each layer's distinct chosen experts (counted from the routing of one eager step
 and the step time over that roofline. Also the GPU time by kernel of one eager step at B = 1 and 8. Prints a
 short table last; JSON to $OUT or bench/results/.
 --prefill N,T: also the time to prefill N prompts of T tokens and sample their first tokens, with the experts
-expert by expert and routed slice by slice (COBATCH_MOE_PREFILL=routed). The engine then holds at least N sequences,
-so a step packs prompts up to the engine's 2048 rows (with fewer slots than prompts they would prefill one by one,
-in steps of T rows, which both ways run on the routed kernels alike: up to packed_experts.ROUTED_MAX_ROWS rows).
+expert by expert, routed slice by slice (COBATCH_MOE_PREFILL=routed) and, where the experts can run it, through the
+routed GEMM whole (COBATCH_MOE_GEMM=1). The engine then holds at least N sequences, so a step packs prompts up to
+the engine's 2048 rows (with fewer slots than prompts they would prefill one by one, in steps of T rows, which the
+first two ways run on the routed kernels alike: up to packed_experts.ROUTED_MAX_ROWS rows).
+COBATCH_MOE_GEMM=1 in the environment also gives decode steps whose experts average more than 16 pairs the routed
+GEMM (the graph and eager routed columns); run once with and once without it to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -121,23 +125,39 @@ def time_prefill(llm: LLM, n_prompts: int, prompt_tokens: int, first_batch: int,
     return best
 
 
+@contextlib.contextmanager
+def experts_run(routed_prefill: bool, routed_gemm: bool, max_rows: int | None = None):
+    """The MoE switches set while the block runs (put back after): moe.ROUTED_PREFILL, packed_experts.ROUTED_GEMM
+    and, if given, packed_experts.ROUTED_MAX_ROWS."""
+    saved = moe.ROUTED_PREFILL, packed_experts.ROUTED_GEMM, packed_experts.ROUTED_MAX_ROWS
+    moe.ROUTED_PREFILL, packed_experts.ROUTED_GEMM = routed_prefill, routed_gemm
+    packed_experts.ROUTED_MAX_ROWS = saved[2] if max_rows is None else max_rows
+    try:
+        yield
+    finally:
+        moe.ROUTED_PREFILL, packed_experts.ROUTED_GEMM, packed_experts.ROUTED_MAX_ROWS = saved
+
+
+PREFILL_WAYS = {"expert by expert": (False, False), "routed slices": (True, False), "routed GEMM": (False, True)}
+
+
 def prefill_rows(llm: LLM, spec: str) -> list[dict]:
-    """--prefill N,T: the routed slices against expert by expert, each timed, then run once more under the
-    profiler (decode.prefill_profile: the GPU's busy time against the wall time, and its top kernels)."""
+    """--prefill N,T: expert by expert, the routed slices and the routed GEMM (where the model's experts can run
+    it), each timed, then run once more under the profiler (decode.prefill_profile: the GPU's busy time against
+    the wall time, and its top kernels)."""
     n_prompts, prompt_tokens = (int(v) for v in spec.split(","))
+    gemm_ok = any(layer.moe is not None and layer.moe.routed_gemm for layer in llm.model.layers)
     rows = []
-    for way, routed in enumerate((True, False)):
-        default, moe.ROUTED_PREFILL = moe.ROUTED_PREFILL, routed
-        try:
+    for way, (name, switches) in enumerate(PREFILL_WAYS.items()):
+        if name == "routed GEMM" and not gemm_ok:
+            continue
+        with experts_run(*switches):
             first = way * 8                              # batches of prompts no other run has prefilled
             s = time_prefill(llm, n_prompts, prompt_tokens, first)
             prompts = fresh_prompts(llm.config.vocab_size, n_prompts, prompt_tokens, first + 7)
             profiled = prefill_profile(lambda: llm.engine.generate(prompts, PREFILL_PARAMS))
-        finally:
-            moe.ROUTED_PREFILL = default
-        rows.append(dict(prompts=n_prompts, prompt_tokens=prompt_tokens, experts="routed slices" if routed
-                         else "expert by expert", seconds=s, prefill_tok_s=n_prompts * prompt_tokens / s,
-                         profile=profiled))
+        rows.append(dict(prompts=n_prompts, prompt_tokens=prompt_tokens, experts=name, seconds=s,
+                         prefill_tok_s=n_prompts * prompt_tokens / s, profile=profiled))
         print(f"  prefill {n_prompts} x {prompt_tokens} tokens, experts {rows[-1]['experts']}: {s * 1e3:.0f} ms, "
               f"{rows[-1]['prefill_tok_s']:.0f} tok/s; profiled: GPU busy {profiled['gpu_busy_ms']:.0f} ms of "
               f"{profiled['wall_ms']:.0f} ms wall, {profiled['launches']} launches", flush=True)
@@ -181,13 +201,10 @@ def main() -> None:
             graph_ms = graph_replay_ms(llm, b) if graphs is not None else None
             runner.graphs = None
             eager_s = time_steps(llm, steps=6, warmup=2)
-            limit = packed_experts.ROUTED_MAX_ROWS
-            routed_prefill = moe.ROUTED_PREFILL
-            packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = 0, False   # every step expert by expert: the
-            try:                                                            # path before routing
-                per_expert_s = time_steps(llm, steps=6, warmup=2)
+            try:
+                with experts_run(False, False, max_rows=0):     # every step expert by expert: the path before
+                    per_expert_s = time_steps(llm, steps=6, warmup=2)   # routing
             finally:
-                packed_experts.ROUTED_MAX_ROWS, moe.ROUTED_PREFILL = limit, routed_prefill
                 runner.graphs = graphs
             clear(llm)
             step_s = graph_s if graph_s is not None else eager_s     # what the engine runs
