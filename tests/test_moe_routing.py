@@ -102,55 +102,31 @@ def _pair(s, row: int, expert: int) -> int:
     return next(p for p in s.row_pairs[row].tolist() if int(s.slot_expert[_slot_of(s, p)]) == expert)
 
 
-# --- the routed GEMV (CUDA) ---------------------------------------------------------------------------------
+# --- the routed GEMV and GEMM (CUDA) -------------------------------------------------------------------------
+
+ROUTED_CASES = ([(fmt, n_rows, None) for fmt in ("q8_0", "q4_0", "q4_k", "q6_k") for n_rows in (1, 3, 8, 13, 40)]
+                + [(fmt, n_rows, size) for fmt in ("q8_0", "q4_k", "q6_k", "q5_0", "nvfp4")
+                   for n_rows, size in ((40, 32), (100, 64), (300, 64))])
+
 
 @requires_cuda
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_0", "q4_k", "q6_k"])
-@pytest.mark.parametrize("n_rows", [1, 3, 8, 13, 40])
-def test_routed_gemv_equals_each_experts_own_gemv(fmt_name, n_rows):
-    """Also with the act*mul epilogue (gate|up experts packed interleaved): each pair's act(gate) * up row
-    is bitwise its expert's own GEMV with that epilogue."""
+@pytest.mark.parametrize("fmt_name, n_rows, size", ROUTED_CASES)
+def test_routed_kernels_equal_each_experts_own(fmt_name, n_rows, size):
+    """The routed GEMV (slots of its token tile: size None) and the routed GEMM (slots of 32 or 64 pairs): each
+    pair's row bitwise what its expert's own GEMV or GEMM gives it with the same config (a GEMM row's bits do not
+    depend on the token tile), with the act*mul epilogue (gate|up experts packed interleaved) and without; the
+    GEMM's empty slots store nothing; one expert against the float reference on its GGUF bytes."""
     from cobatch.kernels.packed_experts import PackedExperts
     n_experts, k, rows, cols = 12, 3, 256, 512
     stacked = make_weight(fmt_name, n_experts * rows, cols, seed=7)
     experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"), gate_up_interleaved=True)
     assert experts is not None
-    ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
-    s = expert_slots(ids.cuda(), weights.cuda(), n_experts)
-    x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
-    xp = x[s.pair_rows]
-    for act in ("silu", None):
-        got = experts.routed_matmul(xp, s, act=act)
-        want = torch.full_like(got, float("nan"))
-        for slot in range(s.n_slots):
-            start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
-            if count:
-                want[start:start + count] = experts.experts[e].matmul(xp[start:start + count],
-                                                                      config=experts._routed_plan, act=act)
-        assert not want.isnan().any()
-        assert torch.equal(got, want), act
-    # and one expert's GEMV is that expert's matrix: against the float reference on its GGUF bytes
-    e = int(s.slot_expert[0])
-    ref = xp[:int(s.slot_count[0])].float() @ QuantWeight(stacked.fmt, rows, cols,
-                                                          stacked.raw[e * rows:(e + 1) * rows]).dequantize().cuda().T
-    assert ((got[:int(s.slot_count[0])].float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@requires_cuda
-@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "q5_0", "nvfp4"])
-@pytest.mark.parametrize("n_rows, size", [(40, 32), (100, 64), (300, 64)])
-def test_routed_gemm_equals_each_experts_own_gemm(fmt_name, n_rows, size):
-    """The routed GEMM (slots of 32 or 64 pairs, quant_gemm ROUTED): each pair's row bitwise what its expert's
-    own GEMM gives it with the same config (a row's bits do not depend on the token tile), with the act*mul
-    epilogue and without; empty slots store nothing; one expert against the float reference on its GGUF bytes."""
-    from cobatch.kernels.packed_experts import PackedExperts
-    n_experts, k, rows, cols = 12, 3, 256, 512
-    stacked = make_weight(fmt_name, n_experts * rows, cols, seed=7)
-    experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"), gate_up_interleaved=True)
-    assert experts is not None and experts.routed_gemm is not None
+    config = experts._routed_plan if size is None else experts.routed_gemm
+    assert config is not None
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
     s = expert_slots(ids.cuda(), weights.cuda(), n_experts, size)
-    assert s.slot_size == size and int(s.slot_count.eq(0).sum()) > 0      # some empty slots, past the used ones
+    if size:
+        assert s.slot_size == size and int(s.slot_count.eq(0).sum()) > 0      # empty slots past the used ones
     x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
     xp = x[s.pair_rows]
     for act in ("silu", None):
@@ -159,14 +135,13 @@ def test_routed_gemm_equals_each_experts_own_gemm(fmt_name, n_rows, size):
         for slot in range(s.n_slots):
             start, count, e = (int(v[slot]) for v in (s.slot_start, s.slot_count, s.slot_expert))
             if count:
-                want[start:start + count] = experts.experts[e].matmul(xp[start:start + count],
-                                                                      config=experts.routed_gemm, act=act)
+                want[start:start + count] = experts.experts[e].matmul(xp[start:start + count], config=config, act=act)
         assert not want.isnan().any()
         assert torch.equal(got, want), act
     e, count = int(s.slot_expert[0]), int(s.slot_count[0])
-    ref = xp[:count].float() @ QuantWeight(stacked.fmt, rows, cols, stacked.raw[e * rows:(e + 1) * rows],
-                                           None if stacked.row_scale is None
-                                           else stacked.row_scale[e * rows:(e + 1) * rows]).dequantize().cuda().T
+    own = slice(e * rows, (e + 1) * rows)
+    ref = xp[:count].float() @ QuantWeight(stacked.fmt, rows, cols, stacked.raw[own], None if stacked.row_scale is None
+                                           else stacked.row_scale[own]).dequantize().cuda().T
     assert ((got[:count].float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
