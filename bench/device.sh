@@ -18,6 +18,8 @@
 #   serve [ARGS]             bench/serve.py: streaming HTTP clients against `cobatch serve`, and the engine alone
 #   moe [ARGS]               bench/moe_decode.py on MOE_SHAPE (default qwen3-30b-a3b; deepseek-v2-lite for DeepSeek's)
 #                            cut to LAYERS (default 12; 48 and 27 in full)
+#   moe-experts [ARGS]       bench/moe_experts.py: one MoE layer's experts each way (expert by expert, routed slices,
+#                            the routed GEMM's configs) on MOE_SHAPE cut to LAYERS (default 2: one MoE layer)
 #   speculative [ARGS]       bench/speculative.py ARGS on MODEL (default the random Llama-3-8B Q4_K_M)
 #   hf [ARGS]                bench/hf_load.py: a random Llama-3-8B bf16 checkpoint folder quantized on load (q8_0)
 #                            against the random Llama-3-8B q8_0 GGUF: load time and decode steps
@@ -44,8 +46,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe speculative hf parallel size gemv-configs "
-SUITES+="profile plan-ab ab "
+SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe moe-experts speculative hf parallel size "
+SUITES+="gemv-configs profile plan-ab ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -137,6 +139,10 @@ moe)
     -k "not gemv_dequantize and (routed or route or combine or slots or moe or bitwise or engine or logits or layer)"
   timeout "$(left "$TIMEOUT")" python3 bench/moe_decode.py $(bench_model_args moe) "$@" 2>&1 | quiet \
     | tee "$OUT/moe_decode.log" ;;
+moe-experts)
+  timeout "$(left "$TIMEOUT")" python3 bench/moe_experts.py \
+    --model "${MODEL:-$(random_model "${MOE_SHAPE:-deepseek-v2-lite}" q4_k_m "${LAYERS:-2}")}" "$@" 2>&1 | quiet \
+    | tee "$OUT/moe_experts.log" ;;
 hf)
   timeout "$(left "$TIMEOUT")" python3 bench/hf_load.py --folder /tmp/llama3-8b-hf --gguf "$(random_model llama3-8b q8_0)" \
     "$@" 2>&1 | quiet | tee "$OUT/hf_load.log" ;;

@@ -52,7 +52,7 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXTS = [512]
 
 
-def _nbytes(w) -> int:
+def weight_nbytes(w) -> int:
     """Bytes of a weight the kernels read: a packed matrix (its parts), a dense tensor, nothing."""
     if w is None:
         return 0
@@ -65,13 +65,13 @@ def dense_bytes(llm: LLM) -> int:
     """Weights every step reads whatever the routing: each layer's attention (and a dense leading layer's
     feed-forward), the routers and shared experts, the final norm and the head; not the embedding table (one
     row a token)."""
-    total = _nbytes(llm.model.lm_head) + _nbytes(llm.model.final_norm)
+    total = weight_nbytes(llm.model.lm_head) + weight_nbytes(llm.model.final_norm)
     for layer in llm.model.layers:
-        total += sum(_nbytes(getattr(layer, f.name)) for f in dataclasses.fields(layer)
+        total += sum(weight_nbytes(getattr(layer, f.name)) for f in dataclasses.fields(layer)
                      if f.name != "moe" and not isinstance(getattr(layer, f.name), (int, float, bool)))
         m = layer.moe
         if m is not None:
-            total += _nbytes(m.router) + _nbytes(m.shared_gate_up) + _nbytes(m.shared_down) + _nbytes(m.shared_gate)
+            total += weight_nbytes(m.router) + weight_nbytes(m.shared_gate_up) + weight_nbytes(m.shared_down) + weight_nbytes(m.shared_gate)
     return total
 
 
@@ -98,7 +98,7 @@ def routed_expert_bytes(llm: LLM) -> float:
         for cls, route in originals.items():
             cls.route = route
         runner.graphs = graphs
-    return sum(chosen.get(id(m), 0) * (_nbytes(m.gate_up[0]) + _nbytes(m.down[0])) for m in moes)
+    return sum(chosen.get(id(m), 0) * (weight_nbytes(m.gate_up[0]) + weight_nbytes(m.down[0])) for m in moes)
 
 
 PREFILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
