@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from cobatch.kernels import matmul_plans  # noqa: E402
 from cobatch.kernels import quant_gemm, quant_pack  # noqa: E402
-from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 from cobatch.kernels.quant_gemm import GemmConfig  # noqa: E402
-from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
 import provenance  # noqa: E402
 from kernels import SHAPES, random_weight, rotating, time_torch_linear, use_model_shapes  # noqa: E402
@@ -96,7 +96,7 @@ def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
     where the shared memory holds them), with its warpgroups in lock step (APART off), and each of these with
     a stage's bytes loaded at once (AHEAD)."""
     cols_pad = -(-cols // 256) * 256
-    plan = qm.plan_for(fmt_name, rows, cols, cols_pad, gemv=True, quant_gemm_too=True)
+    plan = matmul_plans.plan_for(fmt_name, rows, cols, cols_pad, gemv=True, quant_gemm_too=True)
     out = []
     for c in plan.gemm_configs():
         out.append(c)
@@ -110,7 +110,7 @@ def around_plan(fmt_name: str, rows: int, cols: int) -> list[GemmConfig]:
         if c.APART:
             variants += [dataclasses.replace(v, APART=False) for v in variants]
         out += variants + [dataclasses.replace(v, AHEAD=True) for v in [c] + variants]
-    n_chunks = qm.gemv_chunks(fmt_name, cols_pad)
+    n_chunks = matmul_plans.gemv_chunks(fmt_name, cols_pad)
     return [c for i, c in enumerate(out) if c not in out[:i] and n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
 
 
@@ -284,7 +284,7 @@ def main() -> None:
     tasks = []
     for fmt_name, name in cases:
         rows, cols = SHAPES[name]
-        n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
+        n_chunks = matmul_plans.gemv_chunks(fmt_name, -(-cols // 256) * 256)
         for c in (around_plan(fmt_name, rows, cols) if args.around_plans else candidates(rows, n_chunks)):
             tasks += [(fmt_name, config_key(runs_as(c, PLANES_FMT[fmt_name], n)), n) for n in time_toks
                       if config_key(c) not in reused.get((fmt_name, name, n), {})
@@ -305,7 +305,7 @@ def main() -> None:
         w = random_weight(fmt_name, rows, cols)
         pw = PackedWeight.from_quant(w, "cuda")
         assert pw.plan.mid is not None, "no quantized GEMM on this device"
-        old = qm.plan_for(fmt_name, rows, cols, pw.planes.cols_pad, gemv=True)   # the plan before it
+        old = matmul_plans.plan_for(fmt_name, rows, cols, pw.planes.cols_pad, gemv=True)   # the plan before it
         err = check(pw, w)
         copies = rotating(pw)
         n_chunks = pw.planes.qs.shape[1] // 512
@@ -340,7 +340,7 @@ def main() -> None:
                 t_old, t_dq = earlier["old_us"], earlier["dequant_cublas_us"]
             else:
                 t_old = time_config(copies, n, old_cfg) * 1e6
-                t_dq = time_config(copies, n, qm.DEQUANT_CUBLAS) * 1e6
+                t_dq = time_config(copies, n, matmul_plans.DEQUANT_CUBLAS) * 1e6
             if not any((c, n) in times for c in cands):     # --reuse: the earlier sweep timed none of these here
                 case_toks.remove(n)
                 continue
@@ -400,7 +400,7 @@ def write(result: dict, dirs: list[Path], quiet: bool = False) -> None:
     """gemm.json and gemm.md, the chosen entries alone, and the package's table with them merged in."""
     chosen = result["chosen"]
     table = {"formats": {f: {"shapes": s} for f, s in chosen.items()}}
-    merged = json.loads(qm.CONFIG_PATH.read_text())
+    merged = json.loads(matmul_plans.CONFIG_PATH.read_text())
     for f, shapes_of in chosen.items():
         for shape, entry in shapes_of.items():
             row = merged.setdefault("formats", {}).setdefault(f, {}).setdefault("shapes", {}).setdefault(shape, {})

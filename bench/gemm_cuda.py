@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from cobatch.kernels import matmul_plans, scratch  # noqa: E402
 from cobatch.kernels import quant_gemm_cuda, quant_pack  # noqa: E402
+from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig  # noqa: E402
-from cobatch.kernels import quant_matmul as qm  # noqa: E402
-from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 import provenance  # noqa: E402
 from gemm import time_config  # noqa: E402
 from kernels import SHAPES, random_weight, rotating  # noqa: E402
@@ -103,7 +103,7 @@ def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
     bn = quant_gemm_cuda.token_tile(n)
     img = torch.empty(-(-n // bn), copies[0].cols // 32, bn * 32, device="cuda", dtype=torch.float16)
     quant_gemm_cuda.x_image(x, bn, img, pdl=False)
-    partial, count = qm._SplitScratch.get(x.device)
+    partial, count = scratch.SplitScratch.get(x.device)
     return graph_time([lambda w=w: quant_gemm_cuda.launch_staged(w.planes, img, n, out, cfg, partial, count)
                        for w in copies])
 
@@ -187,7 +187,7 @@ def main() -> None:
                   + " ".join(sys.argv[1:]), copy_gbps=copy_gbps, copy_detail=COPY_DETAIL, rows=rows_out)
     write(result)
     if os.environ.get("OUT"):
-        table = plan_table(rows_out, json.loads(qm.CONFIG_PATH.read_text()))
+        table = plan_table(rows_out, json.loads(matmul_plans.CONFIG_PATH.read_text()))
         (Path(os.environ["OUT"]) / "quant_configs-cuda.json").write_text(json.dumps(table, indent=1))
 
 

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import SHAPES, random_weight  # noqa: E402
-from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
+from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 
 SHAPES = {**SHAPES, "kv": (1024, 4096)}
 

@@ -27,6 +27,7 @@ def worker(formats: list[str], toks: list[int], shapes: list[str]) -> dict:
 
     sys.path.insert(0, str(HERE))      # `kernels` by name, so the precompile workers can unpickle its tasks
     import kernels
+    from cobatch.kernels import matmul_plans, packed_weight
     from cobatch.kernels import quant_matmul as qm
     from cobatch.kernels.quant_gemv import GemvPlan
     from cobatch.quant.weight import QuantWeight
@@ -38,7 +39,7 @@ def worker(formats: list[str], toks: list[int], shapes: list[str]) -> dict:
     for fmt_name in formats:
         for name in shapes:
             rows, cols = kernels.SHAPES[name]
-            plan = qm.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256, gemv=True)
+            plan = matmul_plans.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256, gemv=True)
             narrow = plan.narrow.configs() if isinstance(plan.narrow, GemvPlan) else [plan.narrow]
             tasks += [(fmt_name, c) for c in narrow]
     kernels.precompile(tasks, workers=min(14, os.cpu_count() or 4))
@@ -47,7 +48,7 @@ def worker(formats: list[str], toks: list[int], shapes: list[str]) -> dict:
         for name in shapes:
             rows, cols = kernels.SHAPES[name]
             w = kernels.random_weight(fmt_name, rows, cols)
-            pw = qm.PackedWeight.from_quant(w, "cuda")
+            pw = packed_weight.PackedWeight.from_quant(w, "cuda")
             x = torch.randn(8, cols, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).half()
             sub = slice(0, 512)
             ref = x.double() @ QuantWeight(w.fmt, 512, cols, w.raw[sub]).dequantize().double().T

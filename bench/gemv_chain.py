@@ -30,7 +30,7 @@ from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from cobatch.kernels import gemv_chain  # noqa: E402
 from cobatch.kernels.gemv_chain import ChainConfig, ChainStage  # noqa: E402
-from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
+from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CASES = {"qkv": ["qkv"], "o": ["o"], "gate_up": ["gate_up"], "down": ["down"], "mlp": ["gate_up", "down"],

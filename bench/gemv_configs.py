@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # `kernels` by name, for its precompile workers
 import kernels  # noqa: E402
+from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 from cobatch.kernels.quant_gemv import GemvConfig  # noqa: E402
-from cobatch.kernels.quant_matmul import PackedWeight  # noqa: E402
 
 
 def parse_configs(text: str) -> list[GemvConfig]:

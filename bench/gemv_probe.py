@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from cobatch.kernels import packed_weight  # noqa: E402
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
 from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
@@ -20,7 +21,7 @@ for fmt_name in ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]:
     fmt = format_of(fmt_name)
     packed = random_quantized(fmt.ggml_type, rows, cols, torch.Generator().manual_seed(0))
     w = QuantWeight(fmt, rows, cols, packed.cuda())
-    pw = qm.PackedWeight.from_quant(w, "cuda")
+    pw = packed_weight.PackedWeight.from_quant(w, "cuda")
     ref_w = w.dequantize(torch.float32)
     try:
         dense = torch.full((rows, cols), float("nan"), dtype=torch.float16, device="cuda")

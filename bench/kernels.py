@@ -38,9 +38,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "src"))   # appended: a tree on PYTHONPATH comes first (bench/gemv_ab.py)
 
+from cobatch.kernels import matmul_plans  # noqa: E402
 from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan  # noqa: E402
-from cobatch.kernels.quant_matmul import PackedWeight, TileConfig  # noqa: E402
+from cobatch.kernels.quant_matmul import TileConfig  # noqa: E402
 from cobatch.kernels.quant_pack import PackedPlanes  # noqa: E402
 from cobatch.quant.formats import format_of, random_quantized  # noqa: E402
 from cobatch.quant.weight import QuantWeight  # noqa: E402
@@ -90,7 +92,7 @@ NARROW_BASES = [  # (BN, BK, warps, stages); split-K is swept separately.
     (64, 256, 2, 3), (64, 128, 2, 4), (64, 256, 2, 2), (128, 256, 2, 3), (32, 256, 1, 3), (32, 128, 1, 4),
     (64, 128, 2, 3)]
 GEMM_CANDIDATES = [TileConfig(128, 128, 64, 1, 8, 3), TileConfig(128, 128, 128, 1, 8, 3),
-                   TileConfig(128, 64, 64, 1, 4, 4), qm.DEQUANT_CUBLAS]
+                   TileConfig(128, 64, 64, 1, 4, 4), matmul_plans.DEQUANT_CUBLAS]
 CROSSOVER_TOKS = [16, 32, 64, 128]
 
 
@@ -224,7 +226,7 @@ GEMV_REGISTERS = [0, 128]    # R: ptxas's own register choice, or a budget that 
 
 
 def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
-    n_chunks = qm.gemv_chunks(fmt_name, -(-cols // 256) * 256)
+    n_chunks = matmul_plans.gemv_chunks(fmt_name, -(-cols // 256) * 256)
     rows_pad = -(-rows // 128) * 128
     out = []
     for w, rt, u in GEMV_BASES:
@@ -240,7 +242,7 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
     """Stops early at `deadline` (time.time()). Starts from the package's quant_configs.json: the entries of
     the formats and shapes swept are replaced, the others kept (so a sweep of a few shapes is cheap)."""
     shapes = {n: SHAPES[n] for n in (shapes or SHAPES)}
-    table = json.loads(qm.CONFIG_PATH.read_text())
+    table = json.loads(matmul_plans.CONFIG_PATH.read_text())
     tasks = [(f, c) for f in formats for (r, k) in shapes.values() for c in narrow_candidates_for(f, r, k)]
     tasks += [(f, c) for f in formats for c in gemm_candidates_for(f)]
     try:
@@ -373,11 +375,11 @@ def best_gemv_plan(timed: list[tuple[dict, GemvConfig]]) -> GemvPlan:
 
 def gemm_candidates_for(fmt_name: str) -> list:
     """Fragment-order planes (the Gluon GEMV's) are read for prefill by the dequantize kernel only."""
-    return [qm.DEQUANT_CUBLAS] if qm.uses_gemv(fmt_name, torch.device("cuda")) else GEMM_CANDIDATES
+    return [matmul_plans.DEQUANT_CUBLAS] if matmul_plans.uses_gemv(fmt_name, torch.device("cuda")) else GEMM_CANDIDATES
 
 
 def narrow_candidates_for(fmt_name: str, rows: int, cols: int) -> list:
-    if qm.uses_gemv(fmt_name, torch.device("cuda")):
+    if matmul_plans.uses_gemv(fmt_name, torch.device("cuda")):
         return gemv_candidates(fmt_name, rows, cols)
     return narrow_candidates(rows, cols)
 
@@ -399,12 +401,12 @@ def _cfg_dict(c):
 def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, save=lambda: None) -> None:
     if config_path:
         os.environ["COBATCH_QUANT_CONFIGS"] = config_path
-        qm._config_table.cache_clear()
+        matmul_plans._config_table.cache_clear()
     tasks = []
     for fmt_name in formats:
         for rows, cols in SHAPES.values():
-            plan = qm.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256,
-                               gemv=qm.uses_gemv(fmt_name, torch.device("cuda")))
+            plan = matmul_plans.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256,
+                                         gemv=matmul_plans.uses_gemv(fmt_name, torch.device("cuda")))
             narrow = plan.narrow.configs() if isinstance(plan.narrow, GemvPlan) else [plan.narrow]
             tasks += [(fmt_name, c) for c in narrow] + [(fmt_name, plan.gemm)]
     try:
@@ -613,8 +615,9 @@ def main() -> None:
         render(Path(args.render), args.ceiling_gbps)
         return
     if args.table_from:
-        table = table_from_result(json.loads(Path(args.table_from).read_text()), json.loads(qm.CONFIG_PATH.read_text()))
-        qm.CONFIG_PATH.write_text(json.dumps(table, indent=1))
+        table = table_from_result(json.loads(Path(args.table_from).read_text()),
+                                  json.loads(matmul_plans.CONFIG_PATH.read_text()))
+        matmul_plans.CONFIG_PATH.write_text(json.dumps(table, indent=1))
         return
     formats = args.formats.split(",")
     use_model_shapes(SHAPES, args.model_shape, with_kv=False)

@@ -71,7 +71,7 @@ def dense_bytes(llm: LLM) -> int:
                      if f.name != "moe" and not isinstance(getattr(layer, f.name), (int, float, bool)))
         m = layer.moe
         if m is not None:
-            total += weight_nbytes(m.router) + weight_nbytes(m.shared_gate_up) + weight_nbytes(m.shared_down) + weight_nbytes(m.shared_gate)
+            total += sum(weight_nbytes(w) for w in (m.router, m.shared_gate_up, m.shared_down, m.shared_gate))
     return total
 
 

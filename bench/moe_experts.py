@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # sibling scripts by name
-from moe_decode import weight_nbytes, experts_run  # noqa: E402
+from moe_decode import experts_run, weight_nbytes  # noqa: E402
 from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from cobatch.kernels import packed_experts, quant_gemm  # noqa: E402

@@ -40,18 +40,19 @@ from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, ra
 from decode import time_steps, weight_bytes  # noqa: E402
 
 from cobatch.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from cobatch.kernels import quant_matmul as qm  # noqa: E402
+from cobatch.kernels import matmul_plans, packed_weight  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
-PACKAGE_TABLE = str(qm.CONFIG_PATH)
+PACKAGE_TABLE = str(matmul_plans.CONFIG_PATH)
 
 
-def packed_weights(model) -> list[qm.PackedWeight]:
+def packed_weights(model) -> list[packed_weight.PackedWeight]:
     """Every packed matrix of a dense model's decode step (a stacked weight's parts one by one)."""
     found = []
     for w in [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + [
             model.lm_head]:
-        found += [p for p in getattr(w, "parts", [w]) if isinstance(p, qm.PackedWeight) and p.planes is not None]
+        found += [p for p in getattr(w, "parts", [w])
+                  if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
     return found
 
 
@@ -123,14 +124,14 @@ def switched(switch: tuple[str, str, object] | None):
         setattr(mod, attr, before)
 
 
-def use_table(llm: LLM, weights: list[qm.PackedWeight], table: str) -> None:
+def use_table(llm: LLM, weights: list[packed_weight.PackedWeight], table: str) -> None:
     """Every weight's plan from `table` (as LLM.load would choose it with COBATCH_QUANT_CONFIGS=table), its
     scratch reserved, and the decode graphs captured again with them (same rows and context as before)."""
     os.environ["COBATCH_QUANT_CONFIGS"] = table
     device = torch.device("cuda")
     for pw in weights:
-        pw.plan = qm.load_plan(pw.fmt_name, pw.rows, pw.cols, pw.planes, device)
-        qm.reserve_scratch(device, pw.plan, pw.planes.rows_pad, pw.rows, pw.cols)
+        pw.plan = matmul_plans.load_plan(pw.fmt_name, pw.rows, pw.cols, pw.planes, device)
+        packed_weight.reserve_scratch(device, pw.plan, pw.planes.rows_pad, pw.rows, pw.cols)
     runner = llm.engine.runner
     rows, ctx = runner.graphs.max_batch, runner.graphs.max_context
     runner.graphs = None

@@ -13,7 +13,7 @@ import torch
 
 from cobatch.kernels import gemv_chain, nvrtc, quant_pack
 from cobatch.kernels.gemv_chain import ChainConfig, ChainStage
-from cobatch.kernels.quant_matmul import PackedWeight
+from cobatch.kernels.packed_weight import PackedWeight
 from conftest import requires_cuda, requires_hopper
 from kernel_checks import poisoned, relative_error
 from test_quant_gemv import make_weight

@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
+from cobatch.kernels import matmul_plans, quant_gemv
 from cobatch.kernels import norm, quant_gemm, quant_pack
-from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.packed_weight import PackedWeight
 from cobatch.kernels.quant_gemm import GemmConfig
-from cobatch.kernels.quant_matmul import PackedWeight
 from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda, requires_hopper
@@ -82,12 +82,12 @@ def test_ring_runs_as_many_stages_as_fit_the_token_tile():
 
 
 def test_plan_hands_mid_batches_to_the_gemm():
-    gemv = qm.GemvPlan(qm.GemvConfig())
-    plan = qm.MatmulPlan(gemv, qm.DEQUANT_CUBLAS, 16, GemmConfig(), 256)
+    gemv = quant_gemv.GemvPlan(quant_gemv.GemvConfig())
+    plan = matmul_plans.MatmulPlan(gemv, matmul_plans.DEQUANT_CUBLAS, 16, GemmConfig(), 256)
     assert plan.config_for(16) is gemv
     assert isinstance(plan.config_for(17), GemmConfig) and isinstance(plan.config_for(256), GemmConfig)
-    assert plan.config_for(257) == qm.DEQUANT_CUBLAS
-    assert qm.MatmulPlan(gemv, qm.DEQUANT_CUBLAS, 32).config_for(33) == qm.DEQUANT_CUBLAS
+    assert plan.config_for(257) == matmul_plans.DEQUANT_CUBLAS
+    assert matmul_plans.MatmulPlan(gemv, matmul_plans.DEQUANT_CUBLAS, 32).config_for(33) == matmul_plans.DEQUANT_CUBLAS
 
 
 @pytest.mark.parametrize("fmt_id", [quant_pack.Q8_0, quant_pack.Q6_K, quant_pack.NVFP4])
@@ -318,12 +318,12 @@ def test_packed_weight_dispatches_by_batch(monkeypatch):
     without it."""
     w = make_weight("q8_0", 512, 1024, seed=9, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    assert (pw.plan.crossover, pw.plan.mid_upto) == (qm.GEMV_CROSSOVER, qm.QUANT_GEMM_UPTO)
+    assert (pw.plan.crossover, pw.plan.mid_upto) == (matmul_plans.GEMV_CROSSOVER, matmul_plans.QUANT_GEMM_UPTO)
     calls = []
     monkeypatch.setattr(quant_gemm, "launch", lambda *a, **k: calls.append(a[1].shape[0]))
-    for n_tok in (16, 17, qm.QUANT_GEMM_UPTO, qm.QUANT_GEMM_UPTO + 1):
+    for n_tok in (16, 17, matmul_plans.QUANT_GEMM_UPTO, matmul_plans.QUANT_GEMM_UPTO + 1):
         pw.matmul(torch.randn(n_tok, 1024, device="cuda").to(torch.bfloat16))
-    assert calls == [17, qm.QUANT_GEMM_UPTO]
+    assert calls == [17, matmul_plans.QUANT_GEMM_UPTO]
     monkeypatch.setenv("COBATCH_QUANT_GEMM", "0")
     assert PackedWeight.from_quant(w, "cuda").plan.mid is None
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from cobatch.kernels import nvrtc, quant_gemm_cuda, quant_pack
+from cobatch.kernels.packed_weight import PackedWeight
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
-from cobatch.kernels.quant_matmul import PackedWeight, quant_matmul_ref
+from cobatch.kernels.quant_matmul import quant_matmul_ref
 from conftest import requires_cuda, requires_hopper
 from kernel_checks import assert_graph_replay_matches, poisoned, relative_error
 from test_quant_gemv import make_weight
@@ -79,7 +80,7 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
     """quant_configs.json's "quant_gemm" with "kernel": "cuda" plans the CUDA C++ GEMM for the mid-size batches (and
     without it the Gluon one's GemmConfig); a config round-trips through its entry; a weight whose planes it cannot
     run is refused at load with a clear error."""
-    from cobatch.kernels import quant_matmul as qm
+    from cobatch.kernels import matmul_plans
     from cobatch.kernels.quant_gemm import GemmConfig
     from cobatch.kernels.quant_pack import pack_planes
     cfg = CudaGemmConfig(WG=1, RB=2, CH=4, S=6, split_k=2, MINB=2)
@@ -91,16 +92,16 @@ def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    plan = qm.plan_for("q8_0", 4096, 4096, 4096, gemv=True, quant_gemm_too=True)
-    assert plan.mid == cfg and plan.config_for(64) is plan.mid and plan.config_for(129) == qm.DEQUANT_CUBLAS
-    assert qm.plan_for("q8_0", 1024, 4096, 4096, gemv=True, quant_gemm_too=True).mid == GemmConfig(NW=8, split_k=2,
-                                                                                                    RING=4)
-    monkeypatch.setattr(qm, "uses_quant_gemm", lambda device: True)
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    plan = matmul_plans.plan_for("q8_0", 4096, 4096, 4096, gemv=True, quant_gemm_too=True)
+    assert plan.mid == cfg and plan.config_for(64) is plan.mid and plan.config_for(129) == matmul_plans.DEQUANT_CUBLAS
+    assert matmul_plans.plan_for("q8_0", 1024, 4096, 4096, gemv=True, quant_gemm_too=True).mid == \
+        GemmConfig(NW=8, split_k=2, RING=4)
+    monkeypatch.setattr(matmul_plans, "uses_quant_gemm", lambda device: True)
     w = make_weight("q6_k", 128, 256, seed=1)
     planes = pack_planes(w.fmt, w.rows, w.cols, w.raw, torch.device("cpu"), fragment=True)
     with pytest.raises(ValueError, match="CUDA C"):
-        qm.load_plan("q6_k", 128, 256, planes, torch.device("cpu"))
+        matmul_plans.load_plan("q6_k", 128, 256, planes, torch.device("cpu"))
 
 
 def test_the_kernel_dequantizes_with_the_gemvs_instructions():
@@ -118,7 +119,7 @@ def test_the_kernel_dequantizes_with_the_gemvs_instructions():
 def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
     """"quant_gemm_first" (up to "quant_gemm_first_upto" tokens) runs ahead of the mid and wide configs; load checks a
     CUDA config only at the tokens it serves (this one's stages fit a 32-token tile, not a 128-token one)."""
-    from cobatch.kernels import quant_matmul as qm
+    from cobatch.kernels import matmul_plans, quant_gemv
     from cobatch.kernels.quant_gemm import GemmConfig
     first = CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2)
     assert first.stages(32) >= 2 and first.stages(128) < 2
@@ -129,13 +130,13 @@ def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps({"formats": {"q8_0": {"shapes": {"1024x2048": entry}}}}))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    monkeypatch.setattr(qm, "uses_quant_gemm", lambda device: True)
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    monkeypatch.setattr(matmul_plans, "uses_quant_gemm", lambda device: True)
     w = make_weight("q8_0", 1024, 2048, seed=1)
     planes = quant_pack.pack_planes(w.fmt, w.rows, w.cols, w.raw, torch.device("cpu"), fragment=True)
-    plan = qm.load_plan("q8_0", 1024, 2048, planes, torch.device("cpu"))
+    plan = matmul_plans.load_plan("q8_0", 1024, 2048, planes, torch.device("cpu"))
     picked = {n: plan.config_for(n) for n in (8, 9, 32, 33, 128, 129, 256)}
-    assert isinstance(picked[8], qm.GemvPlan)
+    assert isinstance(picked[8], quant_gemv.GemvPlan)
     assert picked[9] == picked[32] == first
     assert picked[33] == picked[128] == GemmConfig(NW=4, split_k=2, RING=6)
     assert picked[129] == picked[256] == GemmConfig(NW=4, split_k=2, RING=4)
@@ -143,27 +144,27 @@ def test_a_first_range_takes_the_fewest_tokens(monkeypatch, tmp_path):
     # NVFP4 borrows q4_K's plans (PLANS_LIKE), but not a CUDA C++ config: that kernel does not read its planes
     nvfp4 = {"formats": {"q4_k": {"shapes": {"1024x2048": entry}}}}
     path.write_text(__import__("json").dumps(nvfp4))
-    qm._config_table.cache_clear()
-    borrowed = qm.plan_for("nvfp4", 1024, 2048, 2048, gemv=True, quant_gemm_too=True)
+    matmul_plans._config_table.cache_clear()
+    borrowed = matmul_plans.plan_for("nvfp4", 1024, 2048, 2048, gemv=True, quant_gemm_too=True)
     assert borrowed.first is None and borrowed.mid == GemmConfig(NW=4, split_k=2, RING=6)
-    assert qm.plan_for("q4_k", 1024, 2048, 2048, gemv=True, quant_gemm_too=True).first == first
+    assert matmul_plans.plan_for("q4_k", 1024, 2048, 2048, gemv=True, quant_gemm_too=True).first == first
     monkeypatch.setattr(quant_gemm_cuda.nvrtc, "available", lambda: False)     # no NVRTC: the mid config's calls
     w4 = make_weight("q4_k", 1024, 2048, seed=1)
     planes4 = quant_pack.pack_planes(w4.fmt, w4.rows, w4.cols, w4.raw, torch.device("cpu"), fragment=True)
-    assert qm.load_plan("q4_k", 1024, 2048, planes4, torch.device("cpu")).config_for(9) == GemmConfig(
+    assert matmul_plans.load_plan("q4_k", 1024, 2048, planes4, torch.device("cpu")).config_for(9) == GemmConfig(
         NW=4, split_k=2, RING=6)
 
 
 def _planned_cuda_configs() -> list[tuple[str, str, CudaGemmConfig, int, int]]:
     """(format, shape, config, first token count, last) of every CUDA config the package's plan table names."""
     import json
-    from cobatch.kernels import quant_matmul as qm
+    from cobatch.kernels import matmul_plans
     out = []
-    for fmt, ft in json.loads(qm.CONFIG_PATH.read_text()).get("formats", {}).items():
+    for fmt, ft in json.loads(matmul_plans.CONFIG_PATH.read_text()).get("formats", {}).items():
         for shape, entry in ft.get("shapes", {}).items():
-            first_tok = int(entry.get("quant_gemm_crossover", qm.GEMV_CROSSOVER)) + 1
+            first_tok = int(entry.get("quant_gemm_crossover", matmul_plans.GEMV_CROSSOVER)) + 1
             for key, upto in (("quant_gemm_first", entry.get("quant_gemm_first_upto", 0)),
-                              ("quant_gemm", entry.get("quant_gemm_upto", qm.QUANT_GEMM_UPTO))):
+                              ("quant_gemm", entry.get("quant_gemm_upto", matmul_plans.QUANT_GEMM_UPTO))):
                 if entry.get(key, {}).get("kernel") == quant_gemm_cuda.PLAN_KERNEL:
                     out.append((fmt, shape, quant_gemm_cuda.from_plan_entry(entry[key]), first_tok, int(upto)))
     return out

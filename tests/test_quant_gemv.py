@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from cobatch.kernels import matmul_plans, packed_weight
 from cobatch.kernels import quant_gemm, quant_gemv, quant_pack
 from cobatch.kernels import quant_matmul as qm
+from cobatch.kernels.packed_weight import PackedWeight
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
-from cobatch.kernels.quant_matmul import PackedWeight
 from cobatch.kernels.quant_pack import (fragment_order, from_fragment_order, pack_planes,
                                         side_from_fragment_order, side_to_fragment_order, to_fragment_order,
                                         unpack_planes)
@@ -348,15 +349,15 @@ def test_the_fifth_bit_decode_reads_each_packed_weight_as_its_gguf_value(fmt_nam
 def test_default_config_divides_k_and_fills_the_gpu():
     for rows_pad, n_chunks in [(4096, 64), (4096, 128), (6144, 64), (28672, 64), (4096, 224), (128256, 128),
                                (1024, 16), (896, 20), (4864, 16), (2048, 44), (2048, 48), (2048, 88)]:
-        cfg = qm.default_gemv_config("q4_k", rows_pad, n_chunks)
+        cfg = matmul_plans.default_gemv_config("q4_k", rows_pad, n_chunks)
         assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (rows_pad, n_chunks, cfg)
         if (rows_pad >= 4096 and n_chunks >= 64) or rows_pad == 2048:
             assert (rows_pad // cfg.rows_per_cta()) * cfg.split_k >= 2 * 132, (rows_pad, n_chunks, cfg)
     # K splits by any divisor of the warps' chunks, not only powers of two (DeepSeek-V2-Lite's shared down: 44
     # chunks, which doubling left at one split: 32 CTAs)
-    assert qm.default_gemv_config("q4_k", 2048, 44).split_k == 11
+    assert matmul_plans.default_gemv_config("q4_k", 2048, 44).split_k == 11
     # a warp's loads run ahead up to 4 K steps where its steps divide
-    assert [qm.loads_ahead(s) for s in (1, 2, 3, 6, 8, 12)] == [1, 2, 1, 2, 4, 4]
+    assert [matmul_plans.loads_ahead(s) for s in (1, 2, 3, 6, 8, 12)] == [1, 2, 1, 2, 4, 4]
 
 
 def test_routed_experts_walk_k_with_loads_ahead():
@@ -431,12 +432,12 @@ def test_plan_reads_the_token_tiers(tmp_path, monkeypatch):
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)   # the interpreter has its own small plan
-    plan = qm.plan_for("q8_0", 4096, 4096, 4096, gemv=True)
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)   # the interpreter has its own small plan
+    plan = matmul_plans.plan_for("q8_0", 4096, 4096, 4096, gemv=True)
     assert plan.narrow == GemvPlan(GemvConfig(4, 4, 2, 1, 2), ((2, GemvConfig(4, 1, 2, 8, 0)),
                                                                (8, GemvConfig(4, 2, 2, 4, 0))))
     assert plan.crossover == 32
-    no_entry = qm.plan_for("q8_0", 4096, 14336, 14336, gemv=True)   # the default config for every n_tok
+    no_entry = matmul_plans.plan_for("q8_0", 4096, 14336, 14336, gemv=True)   # the default config for every n_tok
     assert no_entry.narrow.upto == () and no_entry.narrow.default.split_k >= 1
 
 
@@ -451,8 +452,8 @@ def test_checkpoint_formats_take_the_plans_of_the_format_whose_loop_they_share(t
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    narrow = (lambda fmt, rows: qm.plan_for(fmt, rows, 4096, 4096, gemv=True).narrow)
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    narrow = (lambda fmt, rows: matmul_plans.plan_for(fmt, rows, 4096, 4096, gemv=True).narrow)
     assert narrow("fp8_e4m3", 4096) == narrow("q8_0", 4096) == GemvPlan(GemvConfig(4, 2, 2, 4, 0),
                                                                         ((8, GemvConfig(**tier)),))
     assert narrow("nvfp4", 4096) == narrow("q4_k", 4096) == GemvPlan(GemvConfig(8, 2, 1, 2, 0))
@@ -470,8 +471,8 @@ def test_the_5_bit_formats_take_the_plans_of_the_4_bit_format_they_extend(tmp_pa
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    q4, q5 = (qm.plan_for(fmt, 4096, 4096, 4096, gemv=True, quant_gemm_too=True) for fmt in ("q4_k", "q5_k"))
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    q4, q5 = (matmul_plans.plan_for(fmt, 4096, 4096, 4096, gemv=True, quant_gemm_too=True) for fmt in ("q4_k", "q5_k"))
     assert q5.narrow == q4.narrow == GemvPlan(GemvConfig(8, 2, 1, 2, 0))
     assert q5.mid == q4.mid == GemmConfig(**ring) and q5.crossover == 16
     assert q4.first is not None and q5.first is None
@@ -636,19 +637,20 @@ def test_operand_dtype_is_f16_where_the_gemv_or_gemm_reads_x():
     from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
     w = make_weight("q8_0", 64, 256, seed=1)
     planes = planes_of(w)
-    plan = qm.MatmulPlan(GemvPlan(GemvConfig()), qm.DEQUANT_CUBLAS, crossover=8, mid=CudaGemmConfig(), mid_upto=64)
+    plan = matmul_plans.MatmulPlan(GemvPlan(GemvConfig()), matmul_plans.DEQUANT_CUBLAS, crossover=8,
+                                   mid=CudaGemmConfig(), mid_upto=64)
     pw = PackedWeight("q8_0", 64, 256, planes=planes, plan=plan)
     assert [pw.operand_dtype(n, torch.bfloat16) for n in (1, 8, 9, 64, 65)] == [torch.float16] * 4 + [torch.bfloat16]
     assert pw.operand_dtype(1, torch.float32) == torch.float32
     assert pw.operand_dtype(1, torch.float16) == torch.float16
     dense = PackedWeight("q8_0", 64, 256, dense=torch.zeros(64, 256, dtype=torch.bfloat16))
     assert dense.operand_dtype(1, torch.bfloat16) == torch.bfloat16
-    original = qm.F16_OPERANDS
+    original = packed_weight.F16_OPERANDS
     try:
-        qm.F16_OPERANDS = False
+        packed_weight.F16_OPERANDS = False
         assert pw.operand_dtype(1, torch.bfloat16) == torch.bfloat16
     finally:
-        qm.F16_OPERANDS = original
+        packed_weight.F16_OPERANDS = original
 
 
 def test_ops_operand_dtype_of_dense_packed_and_stacked_weights():
@@ -693,15 +695,15 @@ def test_feed_forward_hands_down_its_input_in_f16(fmt_name):
     g, u = (w.dequantize(torch.float64).to("cuda") for w in (gate, up))
     want = gated_mul_ref(torch.cat([h.double() @ g.T, h.double() @ u.T], dim=1), "silu") \
         @ down.dequantize(torch.float64).to("cuda").T
-    original = qm.F16_OPERANDS
+    original = packed_weight.F16_OPERANDS
     assert [down_pw.operand_dtype(n, torch.bfloat16) for n in (1, 5)] == [torch.float16] * 2     # the GEMV's rows
     for n in (1, 5, 40):
         got = ops.feed_forward(h[:n], gate_up, down_pw)
         try:
-            qm.F16_OPERANDS = False
+            packed_weight.F16_OPERANDS = False
             old = ops.feed_forward(h[:n], gate_up, down_pw)
         finally:
-            qm.F16_OPERANDS = original
+            packed_weight.F16_OPERANDS = original
         assert got.dtype == torch.bfloat16 and got.shape == (n, cols)
         assert relative_error(got, want[:n]) <= 1.01 * relative_error(old, want[:n]) < 1e-2, n
     alone = torch.cat([ops.feed_forward(h[t:t + 1], gate_up, down_pw) for t in range(8)])
@@ -713,19 +715,19 @@ def test_q5_0_weights_take_q8_0_only_when_asked_and_on_cuda_only(monkeypatch):
     AS_Q8_0; then a Q5_0 weight as Q8_0 (the same values) on CUDA, unchanged elsewhere and for other formats.
     PackedWeight.from_quant asks as_q8_0_on for every weight it packs by its own plan."""
     w = make_weight("q5_0", 32, 256, seed=31)
-    assert qm.AS_Q8_0 == () and qm.as_q8_0_on(w, torch.device("cuda")) is w
-    monkeypatch.setattr(qm, "AS_Q8_0", ("q5_0",))
-    assert qm.as_q8_0_on(w, torch.device("cpu")) is w
-    assert qm.as_q8_0_on(make_weight("q4_k", 32, 256, seed=32), torch.device("cuda")).fmt.name == "q4_k"
+    assert packed_weight.AS_Q8_0 == () and packed_weight.as_q8_0_on(w, torch.device("cuda")) is w
+    monkeypatch.setattr(packed_weight, "AS_Q8_0", ("q5_0",))
+    assert packed_weight.as_q8_0_on(w, torch.device("cpu")) is w
+    assert packed_weight.as_q8_0_on(make_weight("q4_k", 32, 256, seed=32), torch.device("cuda")).fmt.name == "q4_k"
     seen = []
-    monkeypatch.setattr(qm, "as_q8_0_on", lambda w, device: seen.append(w.fmt.name) or w)
+    monkeypatch.setattr(packed_weight, "as_q8_0_on", lambda w, device: seen.append(w.fmt.name) or w)
     PackedWeight.from_quant(w, "cpu")
     assert seen == ["q5_0"]
 
 
 @requires_cuda
 def test_q5_0_as_q8_0_on_cuda_keeps_the_values(monkeypatch):
-    monkeypatch.setattr(qm, "AS_Q8_0", ("q5_0",))
+    monkeypatch.setattr(packed_weight, "AS_Q8_0", ("q5_0",))
     w = make_weight("q5_0", 64, 512, seed=33, device="cuda")
-    q8 = qm.as_q8_0_on(w, torch.device("cuda"))
+    q8 = packed_weight.as_q8_0_on(w, torch.device("cuda"))
     assert q8.fmt.name == "q8_0" and torch.equal(q8.dequantize(torch.float32), w.dequantize(torch.float32))

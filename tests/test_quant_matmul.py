@@ -12,10 +12,13 @@ import gguf
 import pytest
 import torch
 
+from cobatch.kernels import matmul_plans, quant_gemv, scratch
 from cobatch.kernels import quant_matmul as qm
 from cobatch.kernels import quant_pack
+from cobatch.kernels.matmul_plans import MatmulPlan
+from cobatch.kernels.packed_weight import PackedWeight
 from cobatch.kernels.quant_gemm import GemmConfig
-from cobatch.kernels.quant_matmul import MatmulPlan, PackedWeight, TileConfig, quant_matmul_ref
+from cobatch.kernels.quant_matmul import TileConfig, quant_matmul_ref
 from cobatch.kernels.quant_pack import PACKED_FORMATS, pack_planes, unpack_planes
 from cobatch.quant.formats import dequantize, format_of, random_quantized
 from cobatch.quant.weight import QuantWeight
@@ -151,7 +154,7 @@ def test_interleaved_gate_up_with_act_equals_act_of_the_plain_matmuls():
 def test_split_k_counters_are_rearmed():
     pw = PackedWeight.from_quant(make_weight("q4_0", 72, 160, seed=9), DEVICE, plan=SMALL_PLAN)
     run_poisoned(pw, torch.randn(2, 160).to(DEVICE, torch.bfloat16))
-    _, count = qm._SplitScratch.get(torch.device(DEVICE))
+    _, count = scratch.SplitScratch.get(torch.device(DEVICE))
     assert int(count.abs().sum()) == 0
 
 
@@ -167,33 +170,33 @@ def test_plan_switches_to_the_wide_gemm_config_past_wide_from():
     """The GEMV up to the crossover, the mid GEMM config, the wide one past wide_from up to mid_upto, then the
     prefill path; a wide config with another split of K (other bits for the same row) is refused."""
     mid, wide = GemmConfig(NW=8, split_k=4), GemmConfig(NW=4, split_k=4, P=True, TMA=3)
-    plan = MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 16, mid, 256, wide, 64)
+    plan = MatmulPlan(SMALL_PLAN.narrow, matmul_plans.DEQUANT_CUBLAS, 16, mid, 256, wide, 64)
     assert [plan.config_for(n) for n in (16, 17, 64, 65, 256, 257)] == [
-        SMALL_PLAN.narrow, mid, mid, wide, wide, qm.DEQUANT_CUBLAS]
+        SMALL_PLAN.narrow, mid, mid, wide, wide, matmul_plans.DEQUANT_CUBLAS]
     assert plan.gemm_configs() == [mid, wide]
     with pytest.raises(ValueError, match="split of K"):
-        MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 16, mid, 256, GemmConfig(NW=4, split_k=2, TMA=3), 64)
+        MatmulPlan(SMALL_PLAN.narrow, matmul_plans.DEQUANT_CUBLAS, 16, mid, 256, GemmConfig(NW=4, split_k=2, TMA=3), 64)
 
 
 
 def test_a_shape_without_plans_runs_those_of_the_nearest_row_count_of_its_k(tmp_path, monkeypatch):
     """A stacked q|k (5120 x 4096) runs the q|k|v plans (6144 x 4096): the nearest row count of the same K by
     ratio, the larger on a tie; a K no entry has keeps the built-in default."""
-    assert qm.nearest_shape(5120, 4096, ["6144x4096", "4096x4096", "1024x4096"]) == "6144x4096"
-    assert qm.nearest_shape(2048, 4096, ["1024x4096", "4096x4096"]) == "4096x4096"
-    assert qm.nearest_shape(1024, 4096, ["1024x4096", "4096x4096"]) == "1024x4096"
-    assert qm.nearest_shape(4096, 12288, ["4096x14336", "4096x4096"]) is None
+    assert matmul_plans.nearest_shape(5120, 4096, ["6144x4096", "4096x4096", "1024x4096"]) == "6144x4096"
+    assert matmul_plans.nearest_shape(2048, 4096, ["1024x4096", "4096x4096"]) == "4096x4096"
+    assert matmul_plans.nearest_shape(1024, 4096, ["1024x4096", "4096x4096"]) == "1024x4096"
+    assert matmul_plans.nearest_shape(4096, 12288, ["4096x14336", "4096x4096"]) is None
     gemv = {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0}
     table = {"formats": {"q4_k": {"shapes": {"6144x4096": {"gemv": gemv, "gemv_crossover": 32},
                                              "1024x4096": {"gemv": {**gemv, "RT": 4}}}}}}
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    stacked = qm.plan_for("q4_k", 5120, 4096, 4096, gemv=True)
-    assert stacked.narrow.default == qm.GemvConfig(**gemv) and stacked.crossover == 32
-    other_k = qm.plan_for("q4_k", 4096, 12288, 12288, gemv=True)
-    assert other_k.narrow.default != qm.GemvConfig(**gemv)
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    stacked = matmul_plans.plan_for("q4_k", 5120, 4096, 4096, gemv=True)
+    assert stacked.narrow.default == quant_gemv.GemvConfig(**gemv) and stacked.crossover == 32
+    other_k = matmul_plans.plan_for("q4_k", 4096, 12288, 12288, gemv=True)
+    assert other_k.narrow.default != quant_gemv.GemvConfig(**gemv)
 
 
 def test_projections_stack_by_runs_of_one_format():
@@ -228,14 +231,15 @@ def test_row_stack_writes_each_part_s_columns_of_one_output():
 def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkeypatch, fmt_name):
     """Row-major FP8 and NVFP4 planes (no Hopper GPU, or COBATCH_TRITON_GEMV=1) are read by the Triton kernel up to
     its crossover; past it they are dequantized for cuBLAS (quant_configs.json's defaults for them)."""
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    plan = qm.plan_for(fmt_name, 4096, 4096, 4096)
-    assert isinstance(plan.narrow, TileConfig) and plan.gemm == qm.DEQUANT_CUBLAS and plan.mid is None
-    assert plan.config_for(plan.crossover) is plan.narrow and plan.config_for(plan.crossover + 1) == qm.DEQUANT_CUBLAS
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    plan = matmul_plans.plan_for(fmt_name, 4096, 4096, 4096)
+    assert isinstance(plan.narrow, TileConfig) and plan.gemm == matmul_plans.DEQUANT_CUBLAS and plan.mid is None
+    assert plan.config_for(plan.crossover) is plan.narrow
+    assert plan.config_for(plan.crossover + 1) == matmul_plans.DEQUANT_CUBLAS
 
 
 def test_a_checkpoint_format_s_own_configs_sit_over_those_of_the_format_it_runs_like(monkeypatch, tmp_path):
-    """FP8 with a GEMV config of its own for a shape keeps q8_0's GEMM configs for it (quant_matmul.PLANS_LIKE), but
+    """FP8 with a GEMV config of its own for a shape keeps q8_0's GEMM configs for it (matmul_plans.PLANS_LIKE), but
     not q8_0's GEMV tiers, and takes all of q8_0's for a shape it has nothing for."""
     gemv = {"W": 4, "RT": 1, "split_k": 1, "U": 16}
     fp8_gemv = {"W": 8, "RT": 2, "split_k": 2, "U": 2}
@@ -247,13 +251,13 @@ def test_a_checkpoint_format_s_own_configs_sit_over_those_of_the_format_it_runs_
     path = tmp_path / "configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    monkeypatch.setattr(qm, "interpreting", lambda: False)
-    own = qm.plan_for("fp8_e4m3", 4096, 4096, 4096, gemv=True, quant_gemm_too=True)
-    assert own.narrow.default == qm.GemvConfig(**fp8_gemv)
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)
+    own = matmul_plans.plan_for("fp8_e4m3", 4096, 4096, 4096, gemv=True, quant_gemm_too=True)
+    assert own.narrow.default == quant_gemv.GemvConfig(**fp8_gemv)
     assert own.narrow.upto == ()           # q8_0's tiers split K otherwise: FP8's own GEMV plan replaces them whole
     assert own.mid == GemmConfig(**mid) and own.mid_upto == 128
-    borrowed = qm.plan_for("fp8_e4m3", 1024, 4096, 4096, gemv=True, quant_gemm_too=True)
-    assert borrowed.narrow.default == qm.GemvConfig(**gemv) and borrowed.mid_upto == 64
+    borrowed = matmul_plans.plan_for("fp8_e4m3", 1024, 4096, 4096, gemv=True, quant_gemm_too=True)
+    assert borrowed.narrow.default == quant_gemv.GemvConfig(**gemv) and borrowed.mid_upto == 64
 
 
 def test_fp8_scales_f16_cannot_hold_run_as_a_dense_matrix():
@@ -316,8 +320,8 @@ def test_gpu_mixed_format_qkv_is_two_matrices_written_in_place():
                for i, (fmt, rows) in enumerate((("q4_k", 4096), ("q4_k", 1024), ("q6_k", 1024))))
     stack = load_linear([q, k, v], torch.device("cuda"), torch.bfloat16)
     assert isinstance(stack, RowStack) and [p.rows for p in stack.parts] == [5120, 1024]
-    assert stack.parts[0].plan == qm.plan_for("q4_k", 6144, 4096, 4096, gemv=True,
-                                              quant_gemm_too=qm.uses_quant_gemm(torch.device("cuda")))
+    gemm_too = matmul_plans.uses_quant_gemm(torch.device("cuda"))
+    assert stack.parts[0].plan == matmul_plans.plan_for("q4_k", 6144, 4096, 4096, gemv=True, quant_gemm_too=gemm_too)
     ref_w = torch.cat([w.dequantize(torch.float32) for w in (q, k, v)])
     gen = torch.Generator(device="cuda").manual_seed(23)
     for n_tok in (1, 8, 16, 40, 300, 600):
@@ -379,7 +383,7 @@ def test_gpu_cuda_graph_replay():
 def test_dequantize_kernel_and_cublas_gemm_path(fmt_name):
     rows, cols = TINY_SHAPES[fmt_name]
     w = make_weight(fmt_name, rows, cols, seed=16)
-    plan = MatmulPlan(SMALL_PLAN.narrow, qm.DEQUANT_CUBLAS, 4)
+    plan = MatmulPlan(SMALL_PLAN.narrow, matmul_plans.DEQUANT_CUBLAS, 4)
     pw = PackedWeight.from_quant(w, DEVICE, plan=plan)
     dense = torch.full((rows, cols), float("nan"), dtype=torch.float16, device=DEVICE)
     qm.dequantize_planes(pw.planes, dense)
@@ -392,15 +396,15 @@ def test_load_plan_reads_the_table_in_force(tmp_path, monkeypatch):
     """bench/plan_ab.py plans loaded weights again by pointing COBATCH_QUANT_CONFIGS at another table: load_plan
     takes that table's entry for the weight's format and shape, and the package's without the variable."""
     from types import SimpleNamespace
-    monkeypatch.setattr(qm, "interpreting", lambda: False)     # the interpreter's plans ignore the tables
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)     # the interpreter's plans ignore the tables
     planes = SimpleNamespace(cols_pad=4096, fragment=True)
     mine = {"W": 2, "RT": 1, "split_k": 4, "U": 8, "D": 0, "R": 128}
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"formats": {"q8_0": {"shapes": {"4096x4096": {"gemv": mine, "gemv_crossover": 12}}}}}))
     monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
-    plan = qm.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
-    assert plan.narrow.default == qm.GemvConfig(**mine) and plan.crossover == 12 and plan.mid is None
+    plan = matmul_plans.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
+    assert plan.narrow.default == quant_gemv.GemvConfig(**mine) and plan.crossover == 12 and plan.mid is None
     monkeypatch.delenv("COBATCH_QUANT_CONFIGS")
-    package = json.loads(qm.CONFIG_PATH.read_text())["formats"]["q8_0"]["shapes"]["4096x4096"]
-    plan = qm.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
-    assert plan.narrow.default == qm.GemvConfig(**package["gemv"]) != qm.GemvConfig(**mine)
+    package = json.loads(matmul_plans.CONFIG_PATH.read_text())["formats"]["q8_0"]["shapes"]["4096x4096"]
+    plan = matmul_plans.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
+    assert plan.narrow.default == quant_gemv.GemvConfig(**package["gemv"]) != quant_gemv.GemvConfig(**mine)

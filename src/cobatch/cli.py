@@ -280,7 +280,7 @@ def _expert_decode(f, cfg) -> str:
     """How the experts decode on CUDA: routed on the device (CUDA graphs) if every layer's expert tensors can be
     stacked for the routed GEMV (kernels/packed_experts.py), else expert by expert (eager), and why."""
     from cobatch.kernels.packed_experts import stackable
-    from cobatch.kernels.quant_matmul import AS_Q8_0
+    from cobatch.kernels.packed_weight import AS_Q8_0
     blocking, converted = set(), set()
     for i in range(cfg.leading_dense_layers, cfg.n_layers):
         kinds = {x: f.tensors[f"blk.{i}.ffn_{x}_exps.weight"].tensor_type.name.lower() for x in ("gate", "up", "down")}

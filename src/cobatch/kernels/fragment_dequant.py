@@ -1,7 +1,7 @@
 """The dense matrix of a fragment-order weight, for the prefill path (dequantize once, then cuBLAS), in Gluon.
 
 Past the mid-batch GEMM's range a call dequantizes the whole weight into a scratch matrix and runs cuBLAS on it
-(quant_matmul.DEQUANT_CUBLAS), so that pass moves about 3 bytes a weight (q8_0: 1.06 read, 2 written). The Triton
+(matmul_plans.DEQUANT_CUBLAS), so that pass moves about 3 bytes a weight (q8_0: 1.06 read, 2 written). The Triton
 dequantize (quant_matmul._dequant_kernel) gathers fragment-order bytes one by one. This kernel reads them as the
 GEMV does, one 16-byte vector per lane and row tile, decodes them with the GEMV's own code (quant_gemv._dequant:
 f16 operands of the mma.sync A layout) and stores each lane's values where they go: lane c of a 32-column block holds

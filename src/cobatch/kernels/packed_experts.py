@@ -20,9 +20,9 @@ from dataclasses import replace
 import torch
 
 from cobatch.kernels import quant_gemm, quant_gemv, quant_pack
+from cobatch.kernels.matmul_plans import loads_ahead, plan_for, uses_gemv, uses_quant_gemm
 from cobatch.kernels.moe_routing import ExpertSlots, slot_size
-from cobatch.kernels.quant_matmul import (PackedWeight, loads_ahead, plan_for, reserve_scratch, uses_gemv,
-                                         uses_quant_gemm)
+from cobatch.kernels.packed_weight import PackedWeight, reserve_scratch
 from cobatch.kernels.quant_pack import FRAGMENT_FORMATS, PACKED_FORMATS, ROW_PAD, PackedPlanes, pack_planes
 from cobatch.quant.weight import QuantWeight
 

@@ -25,7 +25,7 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     (quant_gemv._finish_rows), and the act*mul epilogue of a gate|up weight is the GEMV's too.
   - A TMA variant (_gemm_tma_kernel, GemmConfig.TMA): x converted once per call by x_operands and streamed by
     TMA into a ring of mbarrier-tracked buffers, so the loop holds no x registers and stores no x. It wins at
-    128-256 tokens and loses below; a weight's plan runs it past its `wide_from` (quant_matmul.MatmulPlan).
+    128-256 tokens and loses below; a weight's plan runs it past its `wide_from` (matmul_plans.MatmulPlan).
   - A ring variant (_gemm_ring_kernel, GemmConfig.RING): a producer warp TMA-copies the weight rows' planes, as
     they are, and x_operands' x into a ring of shared-memory stages; the consumer warps read each chunk back into
     the registers the global loads would fill and go on as above. More weight bytes in flight per SM, without

@@ -8,7 +8,7 @@ warpgroup (x read once for up to 256 rows), and the producer copies the planes w
 tensor maps. It reads the same fragment-order planes, so no second copy of the weights exists.
 
 q8_0 and q4_1's planes (q4_1, q4_K). Plans name it where it beat the Gluon GEMM in whole decode steps: q4_K's qkv, o
-and down at their fewest GEMM tokens (quant_matmul's `first` range; bench/gemm_cuda.py weighs it per matrix,
+and down at their fewest GEMM tokens (matmul_plans' `first` range; bench/gemm_cuda.py weighs it per matrix,
 docs/kernels.md has what it showed). x is staged once per call by `x_image` (one small Triton launch, like
 quant_gemm.x_operands): per token tile and 32-column chunk, the tile's BN tokens x 32 columns as f16 in the planes'
 column order (quant_pack.k_order), laid out as wgmma's no-swizzle K-major B operand reads them: 8 x 8 core matrices

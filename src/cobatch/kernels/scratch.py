@@ -42,3 +42,22 @@ class DeviceScratch:
             self.reserve(device, elems)
         buf = self._by_device[device_key(device)]
         return buf if elems is None else buf[:elems]
+
+
+class SplitScratch:
+    """The split-K reduction's buffers, one partial-sum buffer and one counter array per device, shared by every
+    quantized kernel that splits K (the Triton matmul, the Gluon GEMV and GEMM, the CUDA C++ GEMM).
+
+    Kernels on one stream run one after another, so they can share them; every counter is back at 0 when a
+    kernel ends. Grown at load (packed_weight.reserve_scratch), never inside a CUDA-graph capture."""
+    partial = DeviceScratch(torch.float32)
+    count = DeviceScratch(torch.int32, zeroed=True)
+
+    @classmethod
+    def reserve(cls, device: torch.device, partial_elems: int, tiles: int) -> None:
+        cls.partial.reserve(device, partial_elems)
+        cls.count.reserve(device, tiles)
+
+    @classmethod
+    def get(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return cls.partial.get(device), cls.count.get(device)

@@ -59,7 +59,7 @@ def format_runs(parts: list[QuantWeight]) -> list[list[QuantWeight]]:
 def _one(w: QuantWeight, device: torch.device, dtype: torch.dtype, keep_dense: bool,
          gate_up_interleaved: bool = False) -> object:
     if device.type == "cuda":
-        from cobatch.kernels.quant_matmul import PackedWeight
+        from cobatch.kernels.packed_weight import PackedWeight
         return PackedWeight.from_quant(w, device, dtype, keep_dense=keep_dense,
                                        gate_up_interleaved=gate_up_interleaved)
     return w.dequantize(dtype)
@@ -94,7 +94,7 @@ def gate_up_interleavable(gate: QuantWeight, up: QuantWeight, device: torch.devi
     """Will the GEMV read this gate|up pair (CUDA, a fragment format), so that it is worth interleaving?"""
     if torch.device(device).type != "cuda" or gate.fmt is not up.fmt or gate.rows % GATE_UP_GROUP:
         return False
-    from cobatch.kernels.quant_matmul import uses_gemv
+    from cobatch.kernels.matmul_plans import uses_gemv
     return uses_gemv(gate.fmt.name, device)
 
 
@@ -113,7 +113,7 @@ def resident_bytes(model: object) -> dict[str, int]:
     "dense" (embeddings, norms, tables, dequantized fallback matrices) and "bf16_copies" (dequantized copies of
     quantized weights, kept only with --dense-large-batch). Each storage is counted once: an expert's view
     shares its stack's planes."""
-    from cobatch.kernels.quant_matmul import PackedWeight
+    from cobatch.kernels.packed_weight import PackedWeight
     device = torch.device(getattr(model, "device", "cpu"))
     totals = {"quantized": 0, "dense": 0, "bf16_copies": 0}
     storages: set[tuple[str, int]] = set()

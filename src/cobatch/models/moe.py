@@ -28,7 +28,7 @@ from cobatch.config import ModelConfig
 from cobatch.kernels import packed_experts, quant_gemv
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import RouterRule, expert_slots
-from cobatch.kernels.quant_matmul import as_q8_0_on
+from cobatch.kernels.packed_weight import as_q8_0_on
 from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
@@ -56,7 +56,7 @@ class MoeFeedForward:
         self.router = gguf.quant_weight(prefix + "ffn_gate_inp.weight").dequantize(torch.float32).to(device)
         gate, up, down = (gguf.quant_weight(prefix + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
         self.routed_gate_up = self.routed_down = None
-        # Q5_0 as Q8_0 where COBATCH_Q5_0_AS_Q8_0=1 asks for it (quant_matmul.AS_Q8_0: for comparisons)
+        # Q5_0 as Q8_0 where COBATCH_Q5_0_AS_Q8_0=1 asks for it (packed_weight.AS_Q8_0: for comparisons)
         gate, up, down = (as_q8_0_on(w, device) for w in (gate, up, down))
         if device.type == "cuda" and gate.fmt is up.fmt and packed_experts.stackable(gate.fmt.name, gate.rows // n):
             # Interleaving the whole stacks 8 rows by 8 interleaves each expert's gate and up rows (an expert
