@@ -185,8 +185,8 @@ profile)
     read -r fmt shape tok <<<"$case"
     cfg=$(python3 -c "
 import sys; sys.path.insert(0, 'bench'); import kernels
-from cobatch.kernels import quant_matmul as qm
-r, c = kernels.SHAPES['$shape']; p = qm.plan_for('$fmt', r, c, c, gemv=True).narrow.for_tokens($tok)
+from cobatch.kernels import matmul_plans
+r, c = kernels.SHAPES['$shape']; p = matmul_plans.plan_for('$fmt', r, c, c, gemv=True).narrow.for_tokens($tok)
 print(f'{p.W},{p.RT},{p.split_k},{p.U},{p.D}')")
     echo "=== $fmt $shape n_tok=$tok config $cfg" | tee -a "$OUT/ncu.txt"
     timeout "$(left 120)" ncu --clock-control none -k regex:_gemv_kernel --launch-skip 2 --launch-count 1 \
