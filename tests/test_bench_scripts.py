@@ -257,3 +257,38 @@ def test_plan_ab_switch_sets_a_kernel_module_attribute_and_puts_it_back():
     with pytest.raises(SystemExit):
         with plan_ab.switched(("quant_gemm", "NO_SUCH_SWITCH", 1)):
             pass
+
+
+def test_moe_experts_times_the_routed_gemm_only_where_a_layer_runs_it_and_puts_its_switches_back():
+    """bench/moe_experts.py: expert by expert and the routed slices at every row count; the routed GEMM's configs
+    times slot caps only where the layer runs it, with two warpgroups only on stacks of whole 128-row blocks; each
+    way's switches (and a stack's GEMM config) are put back after it."""
+    from types import SimpleNamespace as NS
+
+    from cobatch.kernels import packed_experts
+    from cobatch.models import moe as moe_module
+    moe_experts = load("moe_experts")
+    stacks = NS(rows=2816, routed_gemm="planned"), NS(rows=2048, routed_gemm="planned")
+    layer = NS(routed_gemm=True, routed_gate_up=stacks[0], routed_down=stacks[1],
+               _gemm_slots=lambda n_rows: packed_experts.ROUTED_GEMM and n_rows > 256)
+    assert [name for name, _, _ in moe_experts.ways(layer, 64)] == ["expert by expert", "routed slices"]
+    names = [name for name, _, _ in moe_experts.ways(layer, 2048)]
+    assert len(names) == 2 + 4 * 3 and "routed GEMM NW=8 P=1 slots<=128" in names
+    stacks[1].rows = 2112          # 33 blocks of 64 rows: one warpgroup a CTA only
+    assert {name.split()[2] for name, _, _ in moe_experts.ways(layer, 2048)[2:]} == {"NW=4"}
+
+    def switches():
+        return (moe_module.ROUTED_PREFILL, packed_experts.ROUTED_GEMM, packed_experts.ROUTED_MAX_ROWS,
+                packed_experts.ROUTED_GEMM_MAX_SLOT, stacks[0].routed_gemm, stacks[1].routed_gemm)
+
+    before = switches()
+    for name, way, _ in moe_experts.ways(layer, 2048):
+        with way:
+            if name.startswith("routed GEMM"):
+                assert packed_experts.ROUTED_GEMM and stacks[0].routed_gemm.NW == 4
+                assert packed_experts.ROUTED_GEMM_MAX_SLOT == int(name.rsplit("<=", 1)[1])
+            elif name == "expert by expert":
+                assert packed_experts.ROUTED_MAX_ROWS == 0 and not packed_experts.ROUTED_GEMM
+            else:
+                assert moe_module.ROUTED_PREFILL and not packed_experts.ROUTED_GEMM
+        assert switches() == before, name
