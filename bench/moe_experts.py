@@ -7,7 +7,7 @@ on N random rows, eagerly as a prefill step calls it, under the switches of each
   - expert by expert (every step, as before device routing): the counts to the host, then each chosen expert on
     its rows through its own plan (the GEMV, the mid-batch GEMM or dequantize + cuBLAS);
   - routed slices (COBATCH_MOE_PREFILL=routed): the routed GEMV on slices of packed_experts.ROUTED_MAX_ROWS rows;
-  - routed GEMM (COBATCH_MOE_GEMM=1), for each config (one or two warpgroups, loads one step ahead or not) and
+  - routed GEMM (COBATCH_MOE_GEMM=1), for each config (GEMM_CONFIGS: the plain kernel's and the ring kernel's) and
     largest slot (packed_experts.ROUTED_GEMM_MAX_SLOT: 32, 64, 128), at the rows where the experts average more
     than 16 pairs.
 Each way: its output against expert by expert's (relative error), the wall time of a call (median; the host's
@@ -41,7 +41,15 @@ from cobatch.kernels import packed_experts, quant_gemm  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GEMM_CONFIGS = [quant_gemm.GemmConfig(NW=nw, P=p) for nw in (8, 4) for p in (False, True)]
+# the plain kernel, one or two warpgroups, loads one step ahead or not; the ring kernel in the shapes the dense
+# plans chose (quant_configs.json: q4_K's 8 stages of 2 chunks and 6 of 1, q8_0's 6 of 4), the warpgroups apart, and
+# the persistent grid
+GEMM_CONFIGS = [quant_gemm.GemmConfig(NW=nw, P=p) for nw in (8, 4) for p in (False, True)] + [
+    quant_gemm.GemmConfig(NW=nw, RING=8, CHUNKS=2, LAG=True, AHEAD=True) for nw in (8, 4)] + [
+    quant_gemm.GemmConfig(NW=8, RING=6, CHUNKS=1, LAG=True),
+    quant_gemm.GemmConfig(NW=8, RING=4, CHUNKS=2, LAG=True, APART=True),
+    quant_gemm.GemmConfig(NW=8, RING=8, CHUNKS=2, LAG=True, AHEAD=True, PERSIST=1),
+    quant_gemm.GemmConfig(NW=8, RING=6, CHUNKS=4, LAG=True, AHEAD=True)]
 MAX_SLOTS = (32, 64, 128)
 
 
@@ -62,6 +70,14 @@ def routed_gemm_as(moe, cfg: quant_gemm.GemmConfig, max_slot: int):
         packed_experts.ROUTED_GEMM_MAX_SLOT = saved[1]
 
 
+def label(cfg: quant_gemm.GemmConfig) -> str:
+    """A GEMM config in a few words: "plain NW=8 P=1", "ring NW=8 6x4 lag ahead persist"."""
+    if not cfg.RING:
+        return f"plain NW={cfg.NW} P={int(cfg.P)}"
+    knobs = [k.lower() for k in ("LAG", "APART", "AHEAD", "PERSIST") if getattr(cfg, k)]
+    return " ".join([f"ring NW={cfg.NW} {cfg.RING}x{cfg.CHUNKS}", *knobs])
+
+
 def ways(moe, n_rows: int) -> list[tuple[str, contextlib.AbstractContextManager, bool]]:
     """(name, the switches, captured: has no host sync) of each way to run a call of n_rows rows."""
     out = [("expert by expert", experts_run(False, False, max_rows=0), False),
@@ -69,12 +85,14 @@ def ways(moe, n_rows: int) -> list[tuple[str, contextlib.AbstractContextManager,
     with experts_run(False, True):
         gemm = moe.routed_gemm and moe._gemm_slots(n_rows)
     if gemm:
+        stacks = (moe.routed_gate_up, moe.routed_down)
         for cfg in GEMM_CONFIGS:
-            if any(s.rows % cfg.rows_per_cta() for s in (moe.routed_gate_up, moe.routed_down)):
+            if any(s.rows % cfg.rows_per_cta() for s in stacks):
                 continue
-            for max_slot in MAX_SLOTS:
-                out.append((f"routed GEMM NW={cfg.NW} P={int(cfg.P)} slots<={max_slot}",
-                            routed_gemm_as(moe, cfg, max_slot), True))
+            for max_slot in MAX_SLOTS:      # a ring's stages must fit the SM at the slot's token tile
+                if cfg.RING and any(quant_gemm.ring_stages(cfg, s.planes.fmt_id, max_slot) < 2 for s in stacks):
+                    continue
+                out.append((f"routed GEMM {label(cfg)} slots<={max_slot}", routed_gemm_as(moe, cfg, max_slot), True))
     return out
 
 

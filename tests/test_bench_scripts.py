@@ -268,14 +268,21 @@ def test_moe_experts_times_the_routed_gemm_only_where_a_layer_runs_it_and_puts_i
     from cobatch.kernels import packed_experts
     from cobatch.models import moe as moe_module
     moe_experts = load("moe_experts")
-    stacks = NS(rows=2816, routed_gemm="planned"), NS(rows=2048, routed_gemm="planned")
+    q4_k = NS(fmt_id=moe_experts.quant_gemm.quant_pack.Q4_1)          # q4_K's planes are q4_1's
+    stacks = NS(rows=2816, routed_gemm="planned", planes=q4_k), NS(rows=2048, routed_gemm="planned", planes=q4_k)
     layer = NS(routed_gemm=True, routed_gate_up=stacks[0], routed_down=stacks[1],
                _gemm_slots=lambda n_rows: packed_experts.ROUTED_GEMM and n_rows > 256)
     assert [name for name, _, _ in moe_experts.ways(layer, 64)] == ["expert by expert", "routed slices"]
     names = [name for name, _, _ in moe_experts.ways(layer, 2048)]
-    assert len(names) == 2 + 4 * 3 and "routed GEMM NW=8 P=1 slots<=128" in names
+    assert names[:2] == ["expert by expert", "routed slices"] and "routed GEMM plain NW=8 P=1 slots<=128" in names
+    assert "routed GEMM ring NW=8 8x2 lag ahead persist slots<=64" in names
+    # every config at every slot cap, but rings whose stages do not fit twice at 128-token tiles
+    gemm = moe_experts.quant_gemm
+    fits = [(c, m) for c in moe_experts.GEMM_CONFIGS for m in moe_experts.MAX_SLOTS
+            if not c.RING or gemm.ring_stages(c, q4_k.fmt_id, m) >= 2]
+    assert len(names) == 2 + len(fits) and len(fits) > 4 * 3
     stacks[1].rows = 2112          # 33 blocks of 64 rows: one warpgroup a CTA only
-    assert {name.split()[2] for name, _, _ in moe_experts.ways(layer, 2048)[2:]} == {"NW=4"}
+    assert {name.split()[3] for name, _, _ in moe_experts.ways(layer, 2048)[2:]} == {"NW=4"}
 
     def switches():
         return (moe_module.ROUTED_PREFILL, packed_experts.ROUTED_GEMM, packed_experts.ROUTED_MAX_ROWS,

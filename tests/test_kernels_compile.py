@@ -222,6 +222,8 @@ def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descripto
     # A Gluon kernel over the packed planes (quant_gemv.py, quant_gemm.py): their own front end, q6_K's f32
     # super-block scales, bf16 activations; `descriptors` names the arguments that are TMA tensor descriptors.
     from triton.experimental.gluon._runtime import GluonASTSource
+    # constexpr parameters a variant leaves out take their defaults (as a launch that does not name them)
+    constants = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.has_default}, **constants}
     names = list(kernel.arg_names)
     signature = {}
     for name in names:
@@ -381,6 +383,20 @@ if quant_gemm.warpgroup_mma is not None:
                            f"{' ahead' if ahead else ''}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
             AHEAD=ahead, PDL=True)
+    # routed over stacked experts (an MoE step's slots): a CTA of one item skipping an empty slot, with LAG's tail
+    # release guarded, apart and not; the persistent grid, whose empty slots run as any item
+    for fmt, nw, bn, act, s, c, apart, persist, lag, ahead in (
+            (quant_pack.Q8_0, 8, 64, 1, 4, 2, True, False, True, False),
+            (quant_pack.Q4_1, 4, 64, 0, 8, 2, False, False, True, False),
+            (quant_pack.Q6_K, 8, 128, 1, 4, 2, False, True, False, False),
+            (quant_pack.NVFP4, 8, 64, 0, 8, 2, True, True, True, False),
+            (quant_pack.Q8_0, 8, 128, 1, 2, 4, False, True, True, True),
+            (quant_pack.Q4_1, 8, 64, 1, 8, 2, False, True, True, True)):
+        gemm_ring_variants[f"gemm ring routed fmt={fmt} nw={nw} bn={bn} act={act} ring={s}x{c}"
+                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
+                           f"{' ahead' if ahead else ''}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, SPLIT_K=1, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
+            AHEAD=ahead, PDL=True, ROUTED=True)
 
 results = {}
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
@@ -436,6 +452,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 29 + 14 + 4 + 19 + 7
+    assert len(compiled) == 63 + 29 + 20 + 4 + 19 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cobatch.kernels.moe_routing import RouterRule, combine_ref, combine_triton, expert_slots, slot_bound
+from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.quant.weight import QuantWeight
 
 from conftest import requires_cuda
@@ -104,23 +105,32 @@ def _pair(s, row: int, expert: int) -> int:
 
 # --- the routed GEMV and GEMM (CUDA) -------------------------------------------------------------------------
 
-ROUTED_CASES = ([(fmt, n_rows, None) for fmt in ("q8_0", "q4_0", "q4_k", "q6_k") for n_rows in (1, 3, 8, 13, 40)]
-                + [(fmt, n_rows, size) for fmt in ("q8_0", "q4_k", "q6_k", "q5_0", "nvfp4")
-                   for n_rows, size in ((40, 32), (100, 64), (300, 64))])
+# The routed GEMM's ring kernel: a CTA an item (empty slots skipped, LAG's tail guarded), the warpgroups apart, and
+# the persistent grid (empty slots run as any item)
+RING_CONFIGS = [GemmConfig(NW=8, RING=4, CHUNKS=2, LAG=True), GemmConfig(NW=8, RING=4, CHUNKS=2, LAG=True, APART=True),
+                GemmConfig(NW=8, RING=8, CHUNKS=2, LAG=True, AHEAD=True, PERSIST=1)]
+ROUTED_CASES = ([(fmt, n_rows, None, None) for fmt in ("q8_0", "q4_0", "q4_k", "q6_k") for n_rows in (1, 3, 8, 13, 40)]
+                + [(fmt, n_rows, size, None) for fmt in ("q8_0", "q4_k", "q6_k", "q5_0", "nvfp4")
+                   for n_rows, size in ((40, 32), (100, 64), (300, 64))]
+                + [(fmt, 300, size, ring) for fmt in ("q8_0", "q4_k", "nvfp4") for size in (64, 128)
+                   for ring in RING_CONFIGS])
 
 
 @requires_cuda
-@pytest.mark.parametrize("fmt_name, n_rows, size", ROUTED_CASES)
-def test_routed_kernels_equal_each_experts_own(fmt_name, n_rows, size):
-    """The routed GEMV (slots of its token tile: size None) and the routed GEMM (slots of 32 or 64 pairs): each
-    pair's row bitwise what its expert's own GEMV or GEMM gives it with the same config (a GEMM row's bits do not
-    depend on the token tile), with the act*mul epilogue (gate|up experts packed interleaved) and without; the
-    GEMM's empty slots store nothing; one expert against the float reference on its GGUF bytes."""
+@pytest.mark.parametrize("fmt_name, n_rows, size, ring", ROUTED_CASES)
+def test_routed_kernels_equal_each_experts_own(fmt_name, n_rows, size, ring):
+    """The routed GEMV (slots of its token tile: size None) and the routed GEMM (slots of 32 to 128 pairs; the
+    plain kernel, or the ring kernel in config `ring`): each pair's row bitwise what its expert's own GEMV or GEMM
+    gives it with the same config (a GEMM row's bits do not depend on the token tile), with the act*mul epilogue
+    (gate|up experts packed interleaved) and without; the GEMM's empty slots store nothing; one expert against the
+    float reference on its GGUF bytes."""
     from cobatch.kernels.packed_experts import PackedExperts
     n_experts, k, rows, cols = 12, 3, 256, 512
     stacked = make_weight(fmt_name, n_experts * rows, cols, seed=7)
     experts = PackedExperts.from_quant(stacked, n_experts, torch.device("cuda"), gate_up_interleaved=True)
     assert experts is not None
+    if ring is not None:
+        experts.routed_gemm = ring
     config = experts._routed_plan if size is None else experts.routed_gemm
     assert config is not None
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)

@@ -36,6 +36,11 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     item's stages into the next's, where a CTA per item fills its ring and drains it once (and 224 row blocks on
     132 SMs run as 1.7 waves). With AHEAD a stage's quant bytes are loaded at once. A ring runs as many of its
     stages as fit an SM at the call's token tile (ring_stages: x's share of a stage grows with the tile).
+  - Routed (ROUTED, the plain and the ring kernel): an MoE projection's experts stacked in one set of planes
+    (packed_experts.py), a token tile being one slot of moe_routing.py (one expert's run of up to BN (row, expert)
+    pairs): its x rows from the slot's first pair, its weight rows offset to the slot's expert. One launch runs
+    every expert a step chose, with no host sync. Without split-K; an empty slot runs no K step (a persistent
+    ring's CTAs run them as any item, so that every item keeps the same count of ring stages).
 
 Row t's result depends only on its own activations: the K order and split are fixed per weight, whatever the
 number of tokens. It is not bitwise the GEMV's (a different split of K): batch invariance holds within each
@@ -547,9 +552,27 @@ if gluon is not None and warpgroup_mma is not None:
         return item // n_nk, (item % n_nk) // SPLIT_K, (item % n_nk) % SPLIT_K
 
     @gluon.jit
-    def _ring_producer(descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT: gl.constexpr, NW: gl.constexpr,
-                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
-                       PERSIST: gl.constexpr, PDL: gl.constexpr):
+    def _item_origin(item, n_nk, n_tok, route, BN: gl.constexpr, SPLIT_K: gl.constexpr, ROUTED: gl.constexpr):
+        """(token tile, row block, K split, first token, end of its tokens, first row tile of its matrix) of work
+        item `item`. ROUTED (stacked experts, as _gemm_kernel's): the token tile is slot pid_t of `route`
+        (slot_expert, slot_start, slot_count pointers and the row tiles of an expert), its pairs and its expert's
+        rows; else BN tokens of the call's n_tok and the planes' rows."""
+        pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
+        if ROUTED:
+            slot_expert_ptr, slot_start_ptr, slot_count_ptr, tiles_per_expert = route
+            tok0 = gl.load(slot_start_ptr + pid_t)
+            tok_end = tok0 + gl.load(slot_count_ptr + pid_t)
+            tile_base = gl.load(slot_expert_ptr + pid_t) * tiles_per_expert
+        else:
+            tok0 = pid_t * BN
+            tok_end = n_tok
+            tile_base = 0
+        return pid_t, pid_n, pid_k, tok0, tok_end, tile_base
+
+    @gluon.jit
+    def _ring_producer(descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT: gl.constexpr,
+                       NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr,
+                       SPLIT_K: gl.constexpr, PERSIST: gl.constexpr, PDL: gl.constexpr, ROUTED: gl.constexpr):
         """The producer of the CTA's work items: its program's one (the 2-D grid), or with PERSIST items pid,
         pid + G, ... of the 1-D grid of G CTAs, their stages streamed through the ring back to back. With PDL the
         first item's first stages of weights are copied before the wait for the kernel before (weights are
@@ -557,23 +580,28 @@ if gluon is not None and warpgroup_mma is not None:
         if PERSIST:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages    # stages of earlier items
-                _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K,
-                              PDL)
+                _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, n_tok, route, FMT, NW, BN, C,
+                              PARTS, SPLIT_K, PDL, ROUTED, False)
         else:
             item = gl.program_id(0) * n_nk + gl.program_id(1)
-            _ring_produce(descs, bufs, ready, empty, item, 0, n_stages, n_nk, FMT, NW, BN, C, PARTS, SPLIT_K, PDL)
+            _ring_produce(descs, bufs, ready, empty, item, 0, n_stages, n_nk, n_tok, route, FMT, NW, BN, C, PARTS,
+                          SPLIT_K, PDL, ROUTED, ROUTED)
 
     @gluon.jit
-    def _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, FMT: gl.constexpr, NW: gl.constexpr,
-                      BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
-                      PDL: gl.constexpr):
+    def _ring_produce(descs, bufs, ready, empty, item, done, n_stages, n_nk, n_tok, route, FMT: gl.constexpr,
+                      NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr,
+                      SPLIT_K: gl.constexpr, PDL: gl.constexpr, ROUTED: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         """One warp, one work item: for each stage of C chunks, wait until its buffers are free, then TMA-copy the
         weight rows' planes (one block per consumer part) and the C x blocks into them, the stage's `ready`
         barrier counting the bytes. `done`: the stages the ring carried before this item (slots and phases).
         With PDL, on the CTA's first item (done == 0: every slot free), the first S stages' weights are issued,
-        then the wait for the kernel before, then their x."""
-        pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
+        then the wait for the kernel before, then their x. SKIP_EMPTY (a routed CTA of one item): an empty slot
+        copies nothing, as its consumers read nothing (with PERSIST an empty slot's stages run as any item's, so
+        that every CTA's ring keeps the same count of stages an item)."""
+        pid_t, pid_n, pid_k, tok0, tok_end, tile_base = _item_origin(item, n_nk, n_tok, route, BN, SPLIT_K, ROUTED)
         first = pid_k * n_stages * C
+        if SKIP_EMPTY:
+            n_stages = n_stages * (tok0 < tok_end).to(gl.int32)
         S: gl.constexpr = ready.shape[0]
         ahead = 0
         if PDL:
@@ -581,18 +609,19 @@ if gluon is not None and warpgroup_mma is not None:
                 ahead = gl.minimum(n_stages, S)
             for i in range(ahead):
                 mbarrier.expect(ready.index(i), _stage_nbytes(descs, FMT, C, PARTS))
-                _copy_stage_weights(descs, bufs, ready.index(i), i, pid_n * NW, first + i * C, FMT, C, PARTS)
+                _copy_stage_weights(descs, bufs, ready.index(i), i, tile_base + pid_n * NW, first + i * C, FMT, C,
+                                    PARTS)
             gdc_wait()
             for i in range(ahead):
-                _copy_stage_x(descs, bufs, ready.index(i), i, pid_t * BN, first + i * C, C)
+                _copy_stage_x(descs, bufs, ready.index(i), i, tok0, first + i * C, C)
         for i in range(ahead, n_stages):
             g = done + i
             slot = g % S
             mbarrier.wait(empty.index(slot), ((g // S) & 1) ^ 1)     # a new barrier's phase before 0 is complete
             bar = ready.index(slot)
             mbarrier.expect(bar, _stage_nbytes(descs, FMT, C, PARTS))
-            _copy_stage_weights(descs, bufs, bar, slot, pid_n * NW, first + i * C, FMT, C, PARTS)
-            _copy_stage_x(descs, bufs, bar, slot, pid_t * BN, first + i * C, C)
+            _copy_stage_weights(descs, bufs, bar, slot, tile_base + pid_n * NW, first + i * C, FMT, C, PARTS)
+            _copy_stage_x(descs, bufs, bar, slot, tok0, first + i * C, C)
 
     @gluon.constexpr_function
     def _stage_nbytes(descs, FMT, C, PARTS):
@@ -646,7 +675,7 @@ if gluon is not None and warpgroup_mma is not None:
     @gluon.jit
     def _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT: gl.constexpr, NW: gl.constexpr,
                        BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, LAG: gl.constexpr,
-                       AHEAD: gl.constexpr):
+                       AHEAD: gl.constexpr, MAYBE_EMPTY: gl.constexpr = False):
         """NW consumer warps: per stage, wait for its bytes, dequantize each chunk of their part's rows from shared
         memory and issue its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the
         MMAs reading them retired (each part arrives once on `empty`). With LAG a stage's MMAs stay in flight
@@ -655,7 +684,8 @@ if gluon is not None and warpgroup_mma is not None:
         stage in flight across the back edge then reads other registers than the ones the next iteration's
         first stage dequantizes into. With AHEAD a stage's quant bytes come in one load (_stage_bytes: registers of
         their own for each chunk, so chunk c + 1's load need not wait for chunk c's conversion); the per-chunk
-        load of them in _ring_loads is then dead code the compiler drops. Returns the accumulator."""
+        load of them in _ring_loads is then dead code the compiler drops. MAYBE_EMPTY: n_stages may be 0 (a
+        routed item of an empty slot: nothing to hand back). Returns the accumulator."""
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
@@ -694,14 +724,18 @@ if gluon is not None and warpgroup_mma is not None:
                         _release(empty, slot)
         if LAG:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(empty, (done + n_stages - 1) % S)
+            if MAYBE_EMPTY:
+                if n_stages > 0:
+                    _release(empty, (done + n_stages - 1) % S)
+            else:
+                _release(empty, (done + n_stages - 1) % S)
         return acc
 
     @gluon.jit
     def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
-                   n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
+                   n_rows, out_stride, route, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
                    PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr,
-                   LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
+                   LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr, ROUTED: gl.constexpr):
         """A consumer part over the CTA's work items, as _ring_producer walks them. With PDL it waits for the kernel
         before, as the producer does before any x: its stores then follow that kernel's reads and writes."""
         if PDL:
@@ -710,39 +744,44 @@ if gluon is not None and warpgroup_mma is not None:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
                 _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
-                                count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT,
-                                LAG, AHEAD)
+                                count_ptr, d_ptr, n_tok, n_rows, out_stride, route, FMT, NW, BN, C, PARTS, SPLIT_K,
+                                ACT, LAG, AHEAD, ROUTED, False)
         else:
             _ring_part_item(bufs, ready, empty, n_stages, gl.program_id(0) * n_nk + gl.program_id(1), 0, n_nk, part,
-                            out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS,
-                            SPLIT_K, ACT, LAG, AHEAD)
+                            out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, route, FMT, NW, BN, C,
+                            PARTS, SPLIT_K, ACT, LAG, AHEAD, ROUTED, ROUTED)
 
     @gluon.jit
     def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, d_ptr,
-                        n_tok, n_rows, out_stride, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
+                        n_tok, n_rows, out_stride, route, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
                         C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
-                        LAG: gl.constexpr, AHEAD: gl.constexpr):
+                        LAG: gl.constexpr, AHEAD: gl.constexpr, ROUTED: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
         CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
-        on each other but for the ring's stages."""
-        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS, LAG, AHEAD)
+        on each other but for the ring's stages. SKIP_EMPTY: an empty slot reads no stage (_ring_produce)."""
+        if SKIP_EMPTY:
+            _, _, _, tok0, tok_end, _ = _item_origin(item, n_nk, n_tok, route, BN, SPLIT_K, ROUTED)
+            n_stages = n_stages * (tok0 < tok_end).to(gl.int32)
+        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS, LAG, AHEAD, SKIP_EMPTY)
+        # the item's coordinates after the loop, as registers it need not hold through it
+        pid_t, pid_n, pid_k, tok0, tok_end, tile_base = _item_origin(item, n_nk, n_tok, route, BN, SPLIT_K, ROUTED)
         MMA: gl.constexpr = _layouts(NW, BN)[0]
-        pid_t, pid_n, pid_k = _item_of(item, n_nk, SPLIT_K)
         row0 = (pid_n * PARTS + part) * (16 * NW)
-        tok0 = pid_t * BN
-        acc = _row_scaled(acc, d_ptr, row0 // 16, FMT, NW, MMA)
+        acc = _row_scaled(acc, d_ptr, tile_base + row0 // 16, FMT, NW, MMA)
         r = row0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
         tile = (pid_t * (n_nk // SPLIT_K) + pid_n) * PARTS + part
         quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
-                                n_rows, n_tok, NW, BN, SPLIT_K, ACT)
+                                n_rows, tok_end, NW, BN, SPLIT_K, ACT)
 
-    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages", "n_nk"])
+    @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages", "n_nk", "n_slots", "tiles_per_expert"])
     def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr, d_ptr,
-                          n_tok, n_rows, out_stride, n_stages, n_nk,
+                          slot_expert_ptr, slot_start_ptr, slot_count_ptr,
+                          n_tok, n_rows, out_stride, n_stages, n_nk, n_slots, tiles_per_expert,
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
-                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr):
+                          PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr,
+                          ROUTED: gl.constexpr = False):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
@@ -756,7 +795,9 @@ if gluon is not None and warpgroup_mma is not None:
         default partition's consumer (with APART the first warpgroup's: ptxas serializes the MMAs of a worker
         partition's consumer that keeps them in flight across its loop, info line C7512). AHEAD: _ring_consumer's.
         PDL: launched as a programmatic dependent (pdl_launch): the next kernel may launch at once (its CTAs find
-        room as this one's leave), and this one's first weight stages load while the kernel before finishes."""
+        room as this one's leave), and this one's first weight stages load while the kernel before finishes.
+        ROUTED: stacked experts (as _gemm_kernel's): the token tiles are the n_slots slots, each over its pairs
+        (rows of x and out) with its expert's n_rows rows (tiles_per_expert row tiles an expert)."""
         if PDL:
             gdc_launch_dependents()
         PARTS: gl.constexpr = 2 if APART else 1
@@ -764,7 +805,11 @@ if gluon is not None and warpgroup_mma is not None:
         # with the fifth bits' registers most configs' do (C7515)
         LAG_KEPT: gl.constexpr = LAG and not _by16(FMT) and not _fifth_bit(FMT)
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
-        n_items = (n_tok + BN - 1) // BN * n_nk
+        n_items = (n_slots if ROUTED else (n_tok + BN - 1) // BN) * n_nk
+        if ROUTED:
+            route = (slot_expert_ptr, slot_start_ptr, slot_count_ptr, tiles_per_expert)
+        else:       # nothing the partitions must capture
+            route = ()
         WB: gl.constexpr = S * PARTS                          # weight buffers: a stage's blocks, one per part
         qs_bufs = gl.allocate_shared_memory(gl.uint8, [WB] + qs_desc.block_type.shape, qs_desc.layout)
         d_bufs = gl.allocate_shared_memory(d_desc.dtype, [WB] + d_desc.block_type.shape, d_desc.layout)
@@ -789,21 +834,21 @@ if gluon is not None and warpgroup_mma is not None:
         if APART:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
-                              AHEAD, PDL)),
+                              n_tok, n_rows, out_stride, route, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST,
+                              LAG_KEPT, AHEAD, PDL, ROUTED)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False,
-                              AHEAD, PDL)),
-                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
-                                  SPLIT_K, PERSIST, PDL)),
+                              n_tok, n_rows, out_stride, route, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False,
+                              AHEAD, PDL, ROUTED)),
+                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT, NW, BN, C,
+                                  PARTS, SPLIT_K, PERSIST, PDL, ROUTED)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, LAG_KEPT,
-                              AHEAD, PDL)),
-                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, FMT, NW, BN, C, PARTS,
-                                  SPLIT_K, PERSIST, PDL)),
+                              n_tok, n_rows, out_stride, route, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST,
+                              LAG_KEPT, AHEAD, PDL, ROUTED)),
+                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT, NW, BN, C,
+                                  PARTS, SPLIT_K, PERSIST, PDL, ROUTED)),
             ], [1], [_PRODUCER_REGS])
 
 @jit
@@ -959,7 +1004,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
     With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T (as
-    quant_gemv.launch), a slot being one token tile of max_count pairs; the plain kernel only, without split-K."""
+    quant_gemv.launch), a slot being one token tile of max_count pairs: the plain or the ring kernel, without
+    split-K."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     assert p.rows_pad % cfg.rows_per_cta() == 0, (p.rows_pad, cfg)
     n_tok = x.shape[0]
@@ -970,10 +1016,12 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     sub, qh = (p.sub if p.sub is not None else dummy), (p.qh if p.qh is not None else dummy)
     n_chunks = p.qs.shape[1] // 512
     slots = (dummy, dummy, dummy)
+    n_slots = routing.slot_expert.shape[0] if routing else 0
     if routing:
         assert bn in TOKEN_TILES and rows % cfg.rows_per_cta() == 0, (bn, rows, cfg)
-        assert cfg.split_k == 1 and not (cfg.RING or cfg.TMA), f"a routed GEMM runs the plain kernel whole: {cfg}"
-        grid = (routing.slot_expert.shape[0], rows // cfg.rows_per_cta())
+        assert cfg.split_k == 1 and not cfg.TMA, f"a routed GEMM runs the plain or the ring kernel, K whole: {cfg}"
+        n_nk = rows // cfg.rows_per_cta()
+        grid = (n_slots, n_nk)
         slots = (routing.slot_expert, routing.slot_start, routing.slot_count)
     else:
         n_nk = (p.rows_pad // cfg.rows_per_cta()) * cfg.split_k       # row blocks x K splits of a token tile
@@ -988,10 +1036,11 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
         _gemm_ring_kernel[grid](
-            *descs, out, partial, count, p.d, n_tok, p.rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
-            FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages, ACT=ACTS[act],
-            APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD, **_chained(x),
-            num_warps=cfg.NW // 2 if cfg.APART else cfg.NW, maxnreg=cfg.registers(bn))
+            *descs, out, partial, count, p.d, *slots, n_tok, rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
+            n_slots, rows // 16, FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages,
+            ACT=ACTS[act], APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD,
+            ROUTED=routing is not None, **_chained(x), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
+            maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
         x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
