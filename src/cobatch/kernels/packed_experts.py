@@ -73,12 +73,10 @@ class PackedExperts:
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
         self._routed_plan = _without_split_k(plan.narrow, planes.qs.shape[1] // 512)
-        # the routed GEMM's config (None where it cannot run): one CTA a slot and 128 (or 64) of its expert's rows
+        # the routed GEMM's config (None where it cannot run): a CTA takes a slot and 16 NW of its expert's rows
         self.routed_gemm = None
-        if (uses_quant_gemm(planes.qs.device) and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS
-                and rows % quant_gemm.GemmConfig(NW=4).rows_per_cta() == 0):
-            self.routed_gemm = quant_gemm.GemmConfig(NW=8 if rows % quant_gemm.GemmConfig(NW=8).rows_per_cta() == 0
-                                                     else 4)
+        if uses_quant_gemm(planes.qs.device) and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS and rows % 64 == 0:
+            self.routed_gemm = quant_gemm.GemmConfig(NW=8 if rows % 128 == 0 else 4)
         tiles = rows // 16
         self.experts = [PackedWeight(fmt_name, rows, cols, planes=planes.row_tiles(e * tiles, (e + 1) * tiles),
                                      plan=plan, gate_up_interleaved=gate_up_interleaved) for e in range(n_experts)]
