@@ -597,7 +597,10 @@ if gluon is not None and warpgroup_mma is not None:
         With PDL, on the CTA's first item (done == 0: every slot free), the first S stages' weights are issued,
         then the wait for the kernel before, then their x. SKIP_EMPTY (a routed CTA of one item): an empty slot
         copies nothing, as its consumers read nothing (with PERSIST an empty slot's stages run as any item's, so
-        that every CTA's ring keeps the same count of stages an item)."""
+        that every CTA's ring keeps the same count of stages an item). With PDL a routed item waits for the kernel
+        before first: its slots are that kernel's output (the waits after return at once)."""
+        if PDL and ROUTED:
+            gdc_wait()
         pid_t, pid_n, pid_k, tok0, tok_end, tile_base = _item_origin(item, n_nk, n_tok, route, BN, SPLIT_K, ROUTED)
         first = pid_k * n_stages * C
         if SKIP_EMPTY:
