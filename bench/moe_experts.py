@@ -86,8 +86,9 @@ def ways(moe, n_rows: int) -> list[tuple[str, contextlib.AbstractContextManager,
         gemm = moe.routed_gemm and moe._gemm_slots(n_rows)
     if gemm:
         stacks = (moe.routed_gate_up, moe.routed_down)
-        for cfg in GEMM_CONFIGS:
-            if any(s.rows % cfg.rows_per_cta() for s in stacks):
+        for cfg in GEMM_CONFIGS:   # a CTA's rows divide an expert's, an iteration's chunks its K (quant_gemm.steps)
+            if any(s.rows % cfg.rows_per_cta() or (s.planes.qs.shape[1] // 512) % cfg.steps_per_iteration()
+                   for s in stacks):
                 continue
             for max_slot in MAX_SLOTS:      # a ring's stages must fit the SM at the slot's token tile
                 if cfg.RING and any(quant_gemm.ring_stages(cfg, s.planes.fmt_id, max_slot) < 2 for s in stacks):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cobatch.kernels.quant_gemv import GemvConfig
 
@@ -268,7 +269,8 @@ def test_moe_experts_times_the_routed_gemm_only_where_a_layer_runs_it_and_puts_i
     from cobatch.kernels import packed_experts
     from cobatch.models import moe as moe_module
     moe_experts = load("moe_experts")
-    q4_k = NS(fmt_id=moe_experts.quant_gemm.quant_pack.Q4_1)          # q4_K's planes are q4_1's
+    # q4_K's planes are q4_1's: 2048 columns are 32 chunks, and 64-weight chunks hold 512 bytes of a 16-row tile
+    q4_k = NS(fmt_id=moe_experts.quant_gemm.quant_pack.Q4_1, qs=torch.empty(0, 32 * 512))
     stacks = NS(rows=2816, routed_gemm="planned", planes=q4_k), NS(rows=2048, routed_gemm="planned", planes=q4_k)
     layer = NS(routed_gemm=True, routed_gate_up=stacks[0], routed_down=stacks[1],
                _gemm_slots=lambda n_rows: packed_experts.ROUTED_GEMM and n_rows > 256)
@@ -283,6 +285,8 @@ def test_moe_experts_times_the_routed_gemm_only_where_a_layer_runs_it_and_puts_i
     assert len(names) == 2 + len(fits) and len(fits) > 4 * 3
     stacks[1].rows = 2112          # 33 blocks of 64 rows: one warpgroup a CTA only
     assert {name.split()[3] for name, _, _ in moe_experts.ways(layer, 2048)[2:]} == {"NW=4"}
+    stacks[1].planes = NS(fmt_id=q4_k.fmt_id, qs=torch.empty(0, 12 * 512))    # Qwen3-30B-A3B's down: 768 columns
+    assert not any("x4" in name for name, _, _ in moe_experts.ways(layer, 2048))   # 4-chunk stages: 8 an iteration
 
     def switches():
         return (moe_module.ROUTED_PREFILL, packed_experts.ROUTED_GEMM, packed_experts.ROUTED_MAX_ROWS,
