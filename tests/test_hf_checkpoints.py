@@ -15,14 +15,16 @@ import torch
 
 from cobatch import cli
 from cobatch.loader.hf import HFCheckpoint
-from cobatch.models.llama import LlamaModel
+from cobatch.errors import UserError
+from cobatch.loader import hf_config
+from cobatch.models.registry import model_class
 from cobatch.quant.formats import dequantize
 from cobatch.testing import hf_checkpoints
 from model_checks import prompt_logits
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "gemma2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "gemma2", "deepseek_v2", "deepseek_v3"]
 IDS = [(i * 37 + 5) % 360 for i in range(24)]
 
 
@@ -42,16 +44,57 @@ def folders(tmp_path_factory):
 
 def cobatch_logits(folder, quantization="none", ids=IDS) -> torch.Tensor:
     ckpt = HFCheckpoint(folder, quantization)
-    return prompt_logits(LlamaModel(ckpt.config, ckpt, max_positions=64), ckpt.config, ids)
+    return prompt_logits(model_class(ckpt.config)(ckpt.config, ckpt, max_positions=64), ckpt.config, ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float_checkpoint_matches_transformers(folders, family):
+    """DeepSeek too: V2 (q straight from h, softmax routing in 2 of 4 groups) and V3 (q LoRA, sigmoid routing with a
+    random correction bias, YaRN), MLA absorbed on our side and decompressed on transformers'."""
     folder, ref = folders[family]
     ours = cobatch_logits(folder)
     # float32 both ways, the same weights: only summation order differs (measured: under 4e-6 of logits up to 7)
     assert (ours - ref).abs().max() < 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_deepseek_config_maps_onto_deepseek2(folders):
+    """config.json's MLA widths, router and YaRN as llama.cpp's convert writes deepseek2's keys."""
+    v2, v3 = (HFCheckpoint(folders[f][0], "none").config for f in ("deepseek_v2", "deepseek_v3"))
+    assert (v2.mla.q_lora_rank, v2.mla.kv_lora_rank, v2.mla.qk_nope_dim, v2.mla.qk_rope_dim, v2.mla.v_head_dim) == \
+        (0, 64, 32, 16, 32)
+    assert (v2.expert_gating, v2.expert_groups, v2.expert_groups_used, v2.expert_weights_scale,
+            v2.expert_weights_norm, v2.shared_expert_ffn_dim, v2.leading_dense_layers) == ("softmax", 4, 2, 1.5, False,
+                                                                                          256, 1)
+    assert (v3.mla.q_lora_rank, v3.expert_gating, v3.expert_weights_norm, v3.shared_expert_ffn_dim) == \
+        (64, "sigmoid", True, 128)
+    assert v3.rope_scaling["type"] == "yarn" and v3.yarn_log_multiplier == pytest.approx(0.0707)
+    assert not v2.rope_neox and not v3.rope_neox
+
+
+@pytest.mark.parametrize("change, message", [({"moe_layer_freq": 2}, "moe_layer_freq"),
+                                             ({"rope_interleave": False}, "rope_interleave"),
+                                             ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 64,
+                                                                   "mscale": 1.0, "mscale_all_dim": 0.707}},
+                                              "mscale")])
+def test_deepseek_configs_it_cannot_run_are_user_errors(folders, change, message):
+    config = {**json.loads((folders["deepseek_v3"][0] / "config.json").read_text()), **change}
+    with pytest.raises(UserError, match=message):
+        hf_config.metadata(config, "deepseek_v3", "deepseek2", "tiny")
+
+
+def test_deepseek_folder_generates_what_transformers_does(folders):
+    """The engine on a DeepSeek-V3 folder, greedy: the tokens transformers' generate gives (float32 both)."""
+    from cobatch.engine.sampler import SamplingParams
+    from cobatch.llm import LLM, EngineOptions
+    folder = folders["deepseek_v3"][0]
+    llm = LLM.load(folder, EngineOptions(device="cpu", ctx=64, max_num_seqs=2, quiet=True, quantization="none"))
+    got = llm.engine.generate([IDS[:10], IDS[5:12]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, tokens in zip((IDS[:10], IDS[5:12]), got):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        assert tokens == want[0, len(prompt):].tolist()
 
 
 def _relative_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:

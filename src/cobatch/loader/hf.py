@@ -215,8 +215,9 @@ class HFCheckpoint:
 
     def _target(self, name: str, cols: int) -> str:
         """The format a float matrix runs in: --quantization's, the head at 8 bits under a 4- or 5-bit one, a fallback
-        where the row is not whole blocks, "none" (as stored) for the MoE router (models/moe.py keeps it f32)."""
-        if "ffn_gate_inp" in name or self.quantization == "none":
+        where the row is not whole blocks, "none" (as stored) for the MoE router (models/moe.py keeps it f32) and
+        DeepSeek's latent up-projection (models/deepseek.py folds it into float32 query and output maps)."""
+        if "ffn_gate_inp" in name or "attn_kv_b" in name or self.quantization == "none":
             return "none"
         fmt = _HEAD_FORMAT.get(self.quantization, self.quantization) if name in _HEADS else self.quantization
         while fmt != "none" and cols % format_of(fmt).block_size:

@@ -2,9 +2,12 @@
 
 The families map onto the GGUF architectures (llama.cpp's convert_hf_to_gguf.py does the same renaming), so
 ModelConfig.from_metadata and models/ see one description whatever the source. What differs is stated where it
-is handled: HF keeps q/k unpermuted (rotate_half), so every HF family rotates halves (NEOX); gemma's RMSNorm
-weights are stored less 1 (HF computes x * (1 + w)); gemma's q scale and gemma3's local rope base are in the
-config rather than inferred.
+is handled: HF keeps q/k unpermuted (rotate_half), so every HF family rotates halves (NEOX) but DeepSeek, whose
+rope dims rotate adjacent pairs in both (HF's complex or interleaved rope); gemma's RMSNorm weights are stored
+less 1 (HF computes x * (1 + w)); gemma's q scale and gemma3's local rope base are in the config rather than
+inferred. DeepSeek-V2 and V3 map onto llama.cpp's deepseek2 as its convert_hf_to_gguf.py writes it: the MLA
+widths, the router's kind (V3: sigmoid and a correction bias, e_score_correction_bias), its groups and scale,
+and YaRN's log multiplier (0.1 mscale_all_dim).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ("qwen3", "qwen3"), "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen2moe"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3moe"), "Phi3ForCausalLM": ("phi3", "phi3"),
     "Gemma2ForCausalLM": ("gemma2", "gemma2"), "Gemma3ForCausalLM": ("gemma3_text", "gemma3"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek2"), "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek2"),
 }
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,10 @@ def metadata(config: Mapping[str, Any], model_type: str, arch: str, name: str) -
                                                   if scale > 1 else 1.0)
     elif kind != "default":
         raise UserError(f"config.json: unsupported rope scaling {kind!r} (supported: linear, llama3, yarn, longrope)")
-    n_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if model_type in DEEPSEEK:
+        md.update(_deepseek(config, model_type, rope, kind))
+        return md
+    n_experts = _n_experts(config)
     if n_experts:
         if int(config.get("decoder_sparse_step") or 1) != 1 or config.get("mlp_only_layers"):
             raise UserError("config.json: dense layers between the expert layers (decoder_sparse_step, "
@@ -110,10 +118,54 @@ def metadata(config: Mapping[str, Any], model_type: str, arch: str, name: str) -
     return md
 
 
+def _n_experts(config: Mapping[str, Any]) -> int:
+    return int(config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0)
+
+
+def _deepseek(config: Mapping[str, Any], model_type: str, rope: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """deepseek2's keys for a DeepseekV2 / V3 config.json (MLA, the routed and shared experts, YaRN)."""
+    a = "deepseek2."
+    if int(config.get("moe_layer_freq") or 1) != 1:
+        raise UserError("config.json: moe_layer_freq other than 1 (dense layers between the expert layers) is not "
+                        "supported")
+    if model_type == "deepseek_v3" and config.get("rope_interleave") is False:
+        raise UserError("config.json: rope_interleave false (rotate_half on the rope dims) is not supported: cobatch "
+                        "runs DeepSeek's rope on adjacent pairs")
+    nope, rope_dim = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    rank = int(config["kv_lora_rank"])
+    method = config.get("topk_method") or ("noaux_tc" if model_type == "deepseek_v3" else "greedy")
+    sigmoid = model_type == "deepseek_v3" or config.get("scoring_func") == "sigmoid"
+    md = {a + "attention.head_count_kv": int(config["num_attention_heads"]),
+          a + "attention.kv_lora_rank": rank, a + "attention.key_length": rank + rope_dim,
+          a + "attention.value_length": rank, a + "attention.key_length_mla": nope + rope_dim,
+          a + "attention.value_length_mla": int(config["v_head_dim"]), a + "rope.dimension_count": rope_dim,
+          a + "leading_dense_block_count": int(config.get("first_k_dense_replace") or 0),
+          a + "expert_count": int(config["n_routed_experts"]),
+          a + "expert_used_count": int(config["num_experts_per_tok"]),
+          a + "expert_feed_forward_length": int(config["moe_intermediate_size"]),
+          a + "expert_shared_count": int(config.get("n_shared_experts") or 0),
+          a + "expert_weights_scale": float(config.get("routed_scaling_factor") or 1.0),
+          a + "expert_weights_norm": bool(config.get("norm_topk_prob", False)),
+          a + "expert_gating_func": 2 if sigmoid else 1}
+    if config.get("q_lora_rank"):
+        md[a + "attention.q_lora_rank"] = int(config["q_lora_rank"])
+    if method != "greedy":      # group_limited_greedy (V2), noaux_tc (V3): only the best groups' experts compete
+        md.update({a + "expert_group_count": int(config.get("n_group") or 1),
+                   a + "expert_group_used_count": int(config.get("topk_group") or 1)})
+    if kind == "yarn":
+        mscale, mscale_all = float(rope.get("mscale") or 1.0), float(rope.get("mscale_all_dim") or 0.0)
+        if mscale_all and mscale != mscale_all:
+            raise UserError(f"config.json: YaRN with mscale {mscale} and mscale_all_dim {mscale_all} (cos and sin "
+                            "scaled by their ratio) is not supported; cobatch runs them equal, as DeepSeek's models")
+        md[a + "rope.scaling.yarn_log_multiplier"] = 0.1 * mscale_all
+    return md
+
+
 def model_config(config: Mapping[str, Any], md: Mapping[str, Any], tensor_names: set[str]) -> ModelConfig:
     cfg = ModelConfig.from_metadata(md, tensor_names)
-    # HF checkpoints keep q and k as trained (rotate_half): every family rotates halves, llama and mistral too
-    changes: dict[str, Any] = {"rope_neox": True}
+    # HF checkpoints keep q and k as trained (rotate_half): every family rotates halves, llama and mistral too;
+    # DeepSeek's rope dims rotate adjacent pairs there as in GGUF
+    changes: dict[str, Any] = {"rope_neox": cfg.arch != "deepseek2"}
     if cfg.arch in GEMMA_SWA_PATTERN:
         if config.get("query_pre_attn_scalar"):
             changes["attn_scale"] = float(config["query_pre_attn_scalar"]) ** -0.5
@@ -146,7 +198,8 @@ def tensor_sources(model_type: str, config: Mapping[str, Any], n_layers: int) ->
                                     "output_norm.weight": TensorSource(("model.norm.weight",), gemma)}
     if not config.get("tie_word_embeddings", gemma):
         out["output.weight"] = TensorSource(("lm_head.weight",))
-    n_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    n_experts = _n_experts(config)
+    shared = "shared_experts" if model_type in DEEPSEEK else "shared_expert"
     for i in range(n_layers):
         hf, blk = f"model.layers.{i}.", f"blk.{i}."
 
@@ -159,6 +212,12 @@ def tensor_sources(model_type: str, config: Mapping[str, Any], n_layers: int) ->
             add(f"attn_{x}.bias", f"self_attn.{x}_proj.bias")
         add("attn_qkv.weight", "self_attn.qkv_proj.weight")                       # phi3
         add("attn_output.weight", "self_attn.o_proj.weight")
+        if model_type in DEEPSEEK:      # MLA: q straight or through its LoRA pair, the latent and its up-projection
+            for gguf_name, hf_name in (("attn_q_a", "q_a_proj"), ("attn_q_a_norm", "q_a_layernorm"),
+                                       ("attn_q_b", "q_b_proj"), ("attn_kv_a_mqa", "kv_a_proj_with_mqa"),
+                                       ("attn_kv_a_norm", "kv_a_layernorm"), ("attn_kv_b", "kv_b_proj")):
+                add(f"{gguf_name}.weight", f"self_attn.{hf_name}.weight")
+            add("exp_probs_b.bias", "mlp.gate.e_score_correction_bias")
         add("attn_q_norm.weight", "self_attn.q_norm.weight", norm=True)
         add("attn_k_norm.weight", "self_attn.k_norm.weight", norm=True)
         if gemma:
@@ -181,7 +240,7 @@ def tensor_sources(model_type: str, config: Mapping[str, Any], n_layers: int) ->
             add("ffn_gate_inp.weight", "mlp.gate.weight")
             for x in ("gate", "up", "down"):
                 add(f"ffn_{x}_exps.weight", *(f"mlp.experts.{e}.{x}_proj.weight" for e in range(n_experts)))
-                add(f"ffn_{x}_shexp.weight", f"mlp.shared_expert.{x}_proj.weight")
+                add(f"ffn_{x}_shexp.weight", f"mlp.{shared}.{x}_proj.weight")
             add("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight")
     return out
 
@@ -200,15 +259,29 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        b + "attn_output.weight": (d, q), b + "attn_q_norm.weight": (cfg.head_dim,),
                        b + "attn_k_norm.weight": (cfg.head_dim,), b + "post_attention_norm.weight": (d,),
                        b + "post_ffw_norm.weight": (d,)})
-        if cfg.n_experts:
+        if cfg.mla is not None:
+            shapes.update(_mla_shapes(cfg, b))
+        if cfg.moe_layer(i):
             shapes.update({b + "ffn_gate_inp.weight": (cfg.n_experts, d), b + "ffn_gate_exps.weight": (expert_ffn, d),
                            b + "ffn_up_exps.weight": (expert_ffn, d), b + "ffn_down_exps.weight": (d, expert_ffn),
                            b + "ffn_gate_shexp.weight": (cfg.shared_expert_ffn_dim, d),
                            b + "ffn_up_shexp.weight": (cfg.shared_expert_ffn_dim, d),
                            b + "ffn_down_shexp.weight": (d, cfg.shared_expert_ffn_dim),
-                           b + "ffn_gate_inp_shexp.weight": (1, d)})
+                           b + "ffn_gate_inp_shexp.weight": (1, d), b + "exp_probs_b.bias": (cfg.n_experts,)})
         else:
             fused_up = 2 * cfg.ffn_dim if cfg.arch == "phi3" else cfg.ffn_dim
             shapes.update({b + "ffn_gate.weight": (cfg.ffn_dim, d), b + "ffn_up.weight": (fused_up, d),
                            b + "ffn_down.weight": (d, cfg.ffn_dim)})
     return shapes
+
+
+def _mla_shapes(cfg: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's attention tensors of layer prefix b: q (straight or its LoRA pair), the latent's projection and
+    norm, its up-projection to each head's nope key and value, the output from each head's value."""
+    mla, d, heads = cfg.mla, cfg.d_model, cfg.n_heads
+    return {b + "attn_q.weight": (heads * mla.qk_head_dim, d), b + "attn_q_a.weight": (mla.q_lora_rank, d),
+            b + "attn_q_a_norm.weight": (mla.q_lora_rank,), b + "attn_q_b.weight": (heads * mla.qk_head_dim,
+                                                                                   mla.q_lora_rank),
+            b + "attn_kv_a_mqa.weight": (mla.latent_dim, d), b + "attn_kv_a_norm.weight": (mla.kv_lora_rank,),
+            b + "attn_kv_b.weight": (heads * (mla.qk_nope_dim + mla.v_head_dim), mla.kv_lora_rank),
+            b + "attn_output.weight": (d, heads * mla.v_head_dim)}

@@ -36,6 +36,10 @@ _CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How ar
 # 256 wide, so that every matrix is whole q4_K super-blocks
 _TINY = dict(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6)
+# DeepSeek's latent attention and experts, tiny (the heads' keys 32 + 16 wide, values 32, a latent of 64)
+_MLA = dict(num_key_value_heads=4, head_dim=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+            v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            first_k_dense_replace=1)
 # family -> (transformers config class, its fields beyond _TINY)
 FAMILIES = {
     "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
@@ -52,6 +56,17 @@ FAMILIES = {
                                 "final_logit_softcapping": 30.0, "num_hidden_layers": 4}),
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 8, "query_pre_attn_scalar": 64,
                                          "num_hidden_layers": 6, "rope_local_base_freq": 10000.0}),
+    # DeepSeek: MLA (V2 with q straight from h, V3 through its LoRA pair), a dense first layer, shared experts; V2's
+    # softmax router limited to 2 of 4 groups, V3's sigmoid with its correction bias and YaRN
+    "deepseek_v2": ("DeepseekV2Config", {**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "n_group": 4,
+                                         "topk_group": 2, "topk_method": "group_limited_greedy",
+                                         "routed_scaling_factor": 1.5, "norm_topk_prob": False}),
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, "q_lora_rank": 64, "n_shared_experts": 1, "n_group": 4,
+                                         "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                             "original_max_position_embeddings": 64,
+                                                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                                             "mscale_all_dim": 0.707}}),
 }
 
 
@@ -93,6 +108,9 @@ def write_tiny_model(folder: str | Path, family: str, seed: int = 0, max_shard_s
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=gen))
+        for name, buf in model.named_buffers():     # DeepSeek-V3's correction of the experts' choice (a buffer)
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
     model.generation_config = transformers.GenerationConfig(temperature=0.6, top_p=0.9, top_k=20, do_sample=True,
                                                             eos_token_id=[2, 1], bos_token_id=0)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
