@@ -197,13 +197,17 @@ def _reference_model(float_folder, quantized_folder, kind):
     params = dict(model.named_parameters())
     with safe_open(quantized_folder / "model.safetensors", "pt") as f:
         for name in f.keys():
-            if not name.endswith("weight_scale"):
+            if not name.endswith(("weight_scale", "weight_scale_inv")):
                 continue
-            base = name.removesuffix("weight_scale")
+            base = name.removesuffix("_inv").removesuffix("weight_scale")
             weight = f.get_tensor(base + "weight")
             if kind == "nvfp4":
                 values = nvfp4_reference(weight.numpy(), f.get_tensor(name).view(torch.uint8).numpy(),
                                          float(f.get_tensor(base + "weight_scale_2")))
+            elif kind == "fp8_blocks":      # each value times its block's scale
+                codes = weight.view(torch.uint8).numpy()
+                blocks = np.kron(f.get_tensor(name).double().numpy(), np.ones(hf_checkpoints.FP8_BLOCK))
+                values = E4M3[codes] * blocks[:codes.shape[0], :codes.shape[1]]
             else:
                 codes = weight.view(torch.uint8).numpy()
                 values = E4M3[codes] * f.get_tensor(name).double().numpy().reshape(-1, 1)
@@ -223,6 +227,22 @@ def test_pre_quantized_checkpoint_matches_dequantize_then_matmul(folders, tmp_pa
     ref = _reference_model(float_folder, folder, kind)
     assert (ours - ref).abs().max() < 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_block_wise_fp8_checkpoint_dequantizes_on_load(folders, tmp_path):
+    """fp8 with weight_block_size (DeepSeek-V3's and Qwen3's FP8 releases): no kernel reads its block scales, so
+    the values are dequantized at load: as they are with --quantization none (the dequantize-then-matmul
+    reference), and to q8_0 by default."""
+    float_folder = folders["qwen2"][0]
+    folder = hf_checkpoints.write_pre_quantized(float_folder, tmp_path / "fp8_blocks", "fp8_blocks")
+    ours = cobatch_logits(folder, "none")
+    ref = _reference_model(float_folder, folder, "fp8_blocks")
+    assert (ours - ref).abs().max() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    ckpt = HFCheckpoint(folder)
+    assert ckpt.scheme.block == hf_checkpoints.FP8_BLOCK and ckpt.quantization == "q8_0"
+    assert ckpt.quant_weight("blk.0.attn_q.weight").fmt.name == "q8_0"
+    assert HFCheckpoint(folder, "none").quant_weight("blk.0.attn_q.weight").fmt.name == "f32"
 
 
 # ---------------------------------------------------------------- bad folders: one line, exit code 2

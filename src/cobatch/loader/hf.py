@@ -44,8 +44,12 @@ _HEADS = ("output.weight", "token_embd.weight")
 @dataclass(frozen=True, slots=True)
 class PreQuantized:
     """What config.json's quantization_config says the checkpoint's linear layers hold."""
-    kind: str             # "fp8_e4m3" | "nvfp4"
+    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks"
     method: str           # as the config names it: compressed-tensors, modelopt, fp8
+    # fp8_blocks (DeepSeek-V3's and Qwen3's FP8 releases): e4m3 weights with a float32 scale per block of
+    # block[0] rows x block[1] columns (weight_scale_inv), which no kernel reads: dequantized at load, then the
+    # --quantization asked for (auto: q8_0)
+    block: tuple[int, int] | None = None
 
 
 def _read_json(path: Path) -> dict:
@@ -87,13 +91,17 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
             return PreQuantized("nvfp4", method)
         what = f"quant_algo {algo!r}, group_size {qc.get('group_size')}"
     elif method == "fp8":
-        if not qc.get("weight_block_size"):
+        block = qc.get("weight_block_size")
+        if not block:
             return PreQuantized("fp8_e4m3", method)
-        what = f"weight_block_size {qc['weight_block_size']} (block-wise scales)"
+        if len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+            return PreQuantized("fp8_blocks", method, (block[0], block[1]))
+        what = f"weight_block_size {block}"
     else:
         what = "this method"
     raise UserError(f"unsupported quantization_config: quant_method {method!r}, {what} (supported: FP8 e4m3 with "
-                    "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8; ModelOpt NVFP4)")
+                    "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8, or fp8's block-wise "
+                    "scales; ModelOpt NVFP4)")
 
 
 def _shard_files(folder: Path) -> dict[str, Path]:
@@ -134,8 +142,10 @@ class HFCheckpoint:
         self.hf_config = config = _read_json(folder / "config.json")
         self.model_type, arch = hf_config.architecture(config)
         self.scheme = pre_quantized(folder, config)
-        # auto: q8_0 for a float checkpoint; a pre-quantized one keeps its format (and its float matrices)
-        self.quantization = ("none" if self.scheme else "q8_0") if quantization == "auto" else quantization
+        # auto: q8_0 for a float checkpoint and a block-wise FP8 one; another pre-quantized one keeps its format
+        # (and its float matrices)
+        keeps = self.scheme is not None and self.scheme.block is None
+        self.quantization = ("none" if keeps else "q8_0") if quantization == "auto" else quantization
         self.device = torch.device(device)
         shards = _shard_files(folder)
         handles = {path: _open(path) for path in set(shards.values())}
@@ -246,6 +256,8 @@ class HFCheckpoint:
     def _pre_quantized(self, hf_name: str) -> QuantWeight:
         """An FP8 or NVFP4 matrix re-laid as its cobatch format: values untouched, scales beside them."""
         base = hf_name.removesuffix("weight")
+        if self.scheme is not None and self.scheme.block is not None:
+            return self._fp8_blocks(hf_name, base + "weight_scale_inv")
         scale_name = base + "weight_scale"
         if scale_name not in self._handle:
             raise UserError(f"{self.path.name}: {hf_name} is quantized but the checkpoint has no {scale_name}")
@@ -265,6 +277,21 @@ class HFCheckpoint:
                             f"or one per output channel ({rows}); block-wise scales are not supported")
         return QuantWeight(format_of("fp8_e4m3"), rows, raw.shape[1], raw.view(torch.uint8),
                            scale.expand(rows).contiguous())
+
+
+    def _fp8_blocks(self, hf_name: str, scale_name: str) -> QuantWeight:
+        """A block-wise FP8 matrix dequantized to float32: each e4m3 value times its block's scale."""
+        if scale_name not in self._handle:
+            raise UserError(f"{self.path.name}: {hf_name} is FP8 with block-wise scales but the checkpoint has no "
+                            f"{scale_name}")
+        raw, scale = self._read(hf_name), self._read(scale_name).float()
+        (rows, cols), (br, bc) = raw.shape, self.scheme.block
+        if scale.shape != (-(-rows // br), -(-cols // bc)):
+            raise UserError(f"{self.path.name}: {scale_name} is {list(scale.shape)}; {rows} x {cols} in blocks of "
+                            f"{br} x {bc} need [{-(-rows // br)}, {-(-cols // bc)}]")
+        per_value = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        values = raw.float() * per_value
+        return QuantWeight(format_of("f32"), rows, cols, values.contiguous().view(torch.uint8))
 
 
 def generation_defaults(folder: str | os.PathLike) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from cobatch.quant.formats import E2M1_VALUES, format_of, nvfp4_blocks
 from cobatch.quant.weight import QuantWeight
 
 FP8_MAX, E2M1_MAX = 448.0, 6.0
+FP8_BLOCK = (48, 96)       # the test checkpoints' FP8 blocks (rows, columns): the tiny matrices end in part blocks
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
@@ -135,6 +136,19 @@ def to_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
+def to_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale [ceil(out / block[0]), ceil(in / block[1])]) with w ~ weight * its block's scale,
+    as DeepSeek-V3's and Qwen3's FP8 releases hold them (the scale named weight_scale_inv)."""
+    rows, cols = w.shape
+    br, bc = block
+    padded = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc)
+    padded[:rows, :cols] = w.float()
+    amax = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc).abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    per_value = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (w.float() / per_value).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 [out, in / 2] e2m1 pairs, e4m3 block scales [out, in / 16], float32 global scale [])."""
     w = w.float()
@@ -163,7 +177,9 @@ def checkpoint_weight(values: torch.Tensor, fmt_name: str) -> QuantWeight:
 
 
 def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
-    """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors) or "nvfp4" (ModelOpt)."""
+    """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors), "fp8_blocks" (fp8's
+    block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several a tiny matrix, the
+    last ones part blocks) or "nvfp4" (ModelOpt)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
@@ -181,6 +197,8 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
         if kind == "nvfp4":
             out[name], out[base + "weight_scale"], out[base + "weight_scale_2"] = to_nvfp4(tensors[name])
             out[base + "input_scale"] = torch.tensor(1.0)
+        elif kind == "fp8_blocks":
+            out[name], out[base + "weight_scale_inv"] = to_fp8_blocks(tensors[name], FP8_BLOCK)
         else:
             out[name], scale = to_fp8(tensors[name], per_channel=kind == "fp8_channel")
             out[base + "weight_scale"] = scale
@@ -191,6 +209,9 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
         config["quantization_config"] = {"quant_method": "modelopt", **quant}
         (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
                                                               "quantization": quant}, indent=2))
+    elif kind == "fp8_blocks":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(FP8_BLOCK)}
     else:
         strategy = "channel" if kind == "fp8_channel" else "tensor"
         config["quantization_config"] = {
