@@ -20,6 +20,7 @@ from cobatch.loader import hf_config
 from cobatch.models.registry import model_class
 from cobatch.quant.formats import dequantize
 from cobatch.testing import hf_checkpoints
+from conftest import requires_cuda
 from model_checks import prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -323,3 +324,17 @@ def test_random_benchmark_checkpoint_is_the_model_transformers_reads(tmp_path):
     got = cobatch_logits(folder)
     assert (got - want).norm() / want.norm() < 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@requires_cuda
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "qwen3_moe"])
+def test_gpu_folder_is_close_to_the_cpu_path(folders, family):
+    """A folder quantized on load to q8_0 on CUDA (f16, its experts routed on the device, DeepSeek's MLA kernels)
+    against the CPU path on the same q8_0 weights, as the GGUF models' GPU tests bound it."""
+    folder, _ = folders[family]
+    cpu = cobatch_logits(folder, "q8_0")
+    ckpt = HFCheckpoint(folder, "q8_0", device="cuda")
+    gpu = prompt_logits(model_class(ckpt.config)(ckpt.config, ckpt, "cuda", torch.float16, max_positions=64),
+                        ckpt.config, IDS)
+    assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.9
