@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cobatch import cli
-from cobatch.loader.hf import HFCheckpoint
 from cobatch.errors import UserError
 from cobatch.loader import hf_config
+from cobatch.loader.hf import HFCheckpoint
 from cobatch.models.registry import model_class
 from cobatch.quant.formats import dequantize
 from cobatch.testing import hf_checkpoints
