@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,6 +229,53 @@ def test_pre_quantized_checkpoint_matches_dequantize_then_matmul(folders, tmp_pa
     ref = _reference_model(float_folder, folder, kind)
     assert (ours - ref).abs().max() < 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["int4_group", "int4_channel"])
+def test_int4_checkpoint_keeps_its_values_as_q4_0(folders, tmp_path, kind):
+    """compressed-tensors' pack-quantized W4A16 (symmetric INT4, written by compressed-tensors' own compressor):
+    every weight runs as q4_0 holding exactly the values compressed-tensors' own unpacking gives times their scales,
+    and the logits are transformers' on those values."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+    float_folder = folders["qwen2"][0]
+    folder = hf_checkpoints.write_pre_quantized(float_folder, tmp_path / kind, kind)
+    ckpt = HFCheckpoint(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        packed_names = [n for n in f.keys() if n.endswith("weight_packed")]
+        assert len(packed_names) == 2 * 7         # 2 layers of q, k, v, o, gate, up, down
+        for name in packed_names:
+            base = name.removesuffix("weight_packed")
+            shape = f.get_tensor(base + "weight_shape")
+            q = unpack_from_int32(f.get_tensor(name), 4, torch.Size(shape.tolist()))
+            scale = f.get_tensor(base + "weight_scale").float()
+            values = q.float() * scale.repeat_interleave(-(-q.shape[1] // scale.shape[1]), 1)[:, :q.shape[1]]
+            with torch.no_grad():
+                params[base + "weight"].copy_(values)
+    w = ckpt.quant_weight("blk.1.ffn_down.weight")
+    assert w.fmt.name == "q4_0" and torch.equal(w.dequantize(), params["model.layers.1.mlp.down_proj.weight"])
+    with torch.inference_mode():
+        ref = model(torch.tensor([IDS])).logits[0].float()
+    ours = cobatch_logits(folder, "auto")
+    assert (ours - ref).abs().max() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", [{"symmetric": False}, {"actorder": "group"}, {"group_size": 48}],
+                         ids=["zero-points", "activation-order", "group-of-48"])
+def test_int4_schemes_it_cannot_hold_are_refused(weights):
+    """Zero points, activation order (a group index a column) and groups that are not whole 32-value blocks have no
+    q4_0 form: one line naming the scheme, not a wrong model."""
+    from cobatch.loader.hf import pre_quantized
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"group_0": {"weights": {
+                                          "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                          "group_size": 128, "actorder": None, **weights}}}}}
+    with pytest.raises(UserError, match="unsupported quantization_config: quant_method 'compressed-tensors'"):
+        pre_quantized(Path("."), config)
 
 
 def test_block_wise_fp8_checkpoint_dequantizes_on_load(folders, tmp_path):

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from cobatch.errors import UserError
 from cobatch.loader import hf_config
-from cobatch.quant.formats import format_of, nvfp4_blocks
+from cobatch.quant.formats import format_of, int4_q4_0_blocks, nvfp4_blocks
 from cobatch.quant.quantize import TORCH_QUANTIZED, quantize
 from cobatch.quant.weight import QuantWeight
 
@@ -44,12 +44,15 @@ _HEADS = ("output.weight", "token_embd.weight")
 @dataclass(frozen=True, slots=True)
 class PreQuantized:
     """What config.json's quantization_config says the checkpoint's linear layers hold."""
-    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks"
+    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4"
     method: str           # as the config names it: compressed-tensors, modelopt, fp8
     # fp8_blocks (DeepSeek-V3's and Qwen3's FP8 releases): e4m3 weights with a float32 scale per block of
     # block[0] rows x block[1] columns (weight_scale_inv), which no kernel reads: dequantized at load, then the
     # --quantization asked for (auto: q8_0)
     block: tuple[int, int] | None = None
+    # int4 (compressed-tensors' pack-quantized W4A16, symmetric): a scale per `group` values of a row (0: one a
+    # row), which the q4_0 format holds exactly (formats.int4_q4_0_blocks)
+    group: int = 0
 
 
 def _read_json(path: Path) -> dict:
@@ -82,6 +85,13 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
                 w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("tensor", "channel")
                 for w in weights):
             return PreQuantized("fp8_e4m3", method)
+        sizes = {int(w.get("group_size") or 0) if w.get("strategy") == "group" else 0 for w in weights}
+        if qc.get("format") == "pack-quantized" and weights and len(sizes) == 1 and sizes.pop() % 32 == 0 and all(
+                w.get("type") == "int" and w.get("num_bits") == 4 and w.get("symmetric", True)
+                and w.get("strategy") in ("group", "channel") and not w.get("actorder") for w in weights):
+            w = weights[0]
+            return PreQuantized("int4", method, group=int(w.get("group_size") or 0) if w["strategy"] == "group"
+                                else 0)
         what = f"format {qc.get('format')!r}, weights {weights}"
     elif method == "modelopt":
         algo = str(qc.get("quant_algo", "")).upper()
@@ -101,7 +111,8 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
         what = "this method"
     raise UserError(f"unsupported quantization_config: quant_method {method!r}, {what} (supported: FP8 e4m3 with "
                     "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8, or fp8's block-wise "
-                    "scales; ModelOpt NVFP4)")
+                    "scales; ModelOpt NVFP4; compressed-tensors' pack-quantized symmetric INT4 in groups of 32s or "
+                    "per channel, without activation order)")
 
 
 def _shard_files(folder: Path) -> dict[str, Path]:
@@ -152,7 +163,7 @@ class HFCheckpoint:
         self._handle = {name: handles[path] for name, path in shards.items()}
         n_layers = int(config.get("num_hidden_layers", 0))
         sources = hf_config.tensor_sources(self.model_type, config, n_layers)
-        self.tensors = {name: src for name, src in sources.items() if all(n in self._handle for n in src.names)}
+        self.tensors = {name: src for name, src in sources.items() if all(map(self._stored, src.names))}
         self._rope_factors = self._longrope_factors()
         self.tensors.update({name: hf_config.TensorSource(()) for name in self._rope_factors})
         self.metadata: dict[str, Any] = hf_config.metadata(config, self.model_type, arch, folder.name)
@@ -192,7 +203,17 @@ class HFCheckpoint:
     def _read(self, hf_name: str) -> torch.Tensor:
         return self._handle[hf_name].get_tensor(hf_name)
 
+    def _stored(self, hf_name: str) -> bool:
+        """Does the checkpoint hold this tensor (an INT4 weight as its weight_packed)?"""
+        return hf_name in self._handle or self._is_int4(hf_name)
+
+    def _is_int4(self, hf_name: str) -> bool:
+        return (self.scheme is not None and self.scheme.kind == "int4" and hf_name.endswith(".weight")
+                and hf_name + "_packed" in self._handle)
+
     def _shape(self, hf_name: str) -> list[int]:
+        if self._is_int4(hf_name):
+            return [int(v) for v in self._read(hf_name.removesuffix("weight") + "weight_shape").tolist()]
         shape = list(self._handle[hf_name].get_slice(hf_name).get_shape())
         if self._is_nvfp4(hf_name):
             shape[-1] *= 2               # two e2m1 values a byte
@@ -235,7 +256,7 @@ class HFCheckpoint:
         return fmt
 
     def _matrix(self, name: str, hf_name: str) -> QuantWeight:
-        if self._is_nvfp4(hf_name) or self._is_fp8(hf_name):
+        if self._is_int4(hf_name) or self._is_nvfp4(hf_name) or self._is_fp8(hf_name):
             weight = self._pre_quantized(hf_name)
             target = self._target(name, weight.cols)
             if self.quantization == "none" or target == "none":
@@ -258,6 +279,8 @@ class HFCheckpoint:
         base = hf_name.removesuffix("weight")
         if self.scheme is not None and self.scheme.block is not None:
             return self._fp8_blocks(hf_name, base + "weight_scale_inv")
+        if self._is_int4(hf_name):
+            return self._int4(hf_name, base)
         scale_name = base + "weight_scale"
         if scale_name not in self._handle:
             raise UserError(f"{self.path.name}: {hf_name} is quantized but the checkpoint has no {scale_name}")
@@ -278,6 +301,21 @@ class HFCheckpoint:
         return QuantWeight(format_of("fp8_e4m3"), rows, raw.shape[1], raw.view(torch.uint8),
                            scale.expand(rows).contiguous())
 
+
+    def _int4(self, hf_name: str, base: str) -> QuantWeight:
+        """A pack-quantized INT4 matrix as q4_0 blocks: the same values, no requantizing."""
+        rows, cols = self._shape(hf_name)
+        group = self.scheme.group or cols
+        packed, scale = self._read(hf_name + "_packed"), self._read(base + "weight_scale")
+        if packed.dtype != torch.int32 or list(packed.shape) != [rows, -(-cols // 8)]:
+            raise UserError(f"{self.path.name}: {hf_name}_packed is {packed.dtype} {list(packed.shape)}; {rows} x "
+                            f"{cols} INT4 values need int32 [{rows}, {-(-cols // 8)}]")
+        if list(scale.shape) != [rows, -(-cols // group)] or cols % 32:
+            raise UserError(f"{self.path.name}: {base}weight_scale is {list(scale.shape)}; {rows} x {cols} in groups "
+                            f"of {group} need [{rows}, {-(-cols // group)}] (and whole 32-value blocks)")
+        if scale.float().abs().max() > torch.finfo(torch.float16).max:
+            raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q4_0 keeps it in")
+        return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(packed, scale, cols, group))
 
     def _fp8_blocks(self, hf_name: str, scale_name: str) -> QuantWeight:
         """A block-wise FP8 matrix dequantized to float32: each e4m3 value times its block's scale."""

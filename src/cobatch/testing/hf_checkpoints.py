@@ -27,6 +27,7 @@ from cobatch.quant.formats import E2M1_VALUES, format_of, nvfp4_blocks
 from cobatch.quant.weight import QuantWeight
 
 FP8_MAX, E2M1_MAX = 448.0, 6.0
+INT4_GROUP = 64           # the test checkpoints' INT4 groups: several a tiny matrix's row
 FP8_BLOCK = (48, 96)       # the test checkpoints' FP8 blocks (rows, columns): the tiny matrices end in part blocks
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -149,6 +150,19 @@ def to_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return (w.float() / per_value).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def to_int4_packed(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """w as compressed-tensors' pack-quantized symmetric INT4 (W4A16) holds it, packed by compressed-tensors' own
+    compressor: weight_packed, weight_scale (bf16, a group's amax / 7.5; group 0: one a row), weight_shape."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    rows, cols = w.shape
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group" if group else "channel",
+                            group_size=group or None)
+    scale = (w.float().reshape(rows, -1, group or cols).abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+    return PackedQuantizationCompressor.compress({"weight": w.float(), "weight_scale": scale},
+                                                 QuantizationScheme(targets=["Linear"], weights=args))
+
+
 def to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 [out, in / 2] e2m1 pairs, e4m3 block scales [out, in / 16], float32 global scale [])."""
     w = w.float()
@@ -177,9 +191,10 @@ def checkpoint_weight(values: torch.Tensor, fmt_name: str) -> QuantWeight:
 
 
 def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
-    """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors), "fp8_blocks" (fp8's
-    block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several a tiny matrix, the
-    last ones part blocks) or "nvfp4" (ModelOpt)."""
+    """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors), "int4_group" /
+    "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a row),
+    "fp8_blocks" (fp8's block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several a
+    tiny matrix, the last ones part blocks) or "nvfp4" (ModelOpt)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
@@ -199,6 +214,10 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
             out[base + "input_scale"] = torch.tensor(1.0)
         elif kind == "fp8_blocks":
             out[name], out[base + "weight_scale_inv"] = to_fp8_blocks(tensors[name], FP8_BLOCK)
+        elif kind.startswith("int4"):
+            del out[name]
+            packed = to_int4_packed(tensors[name], INT4_GROUP if kind == "int4_group" else 0)
+            out.update({base + part: t for part, t in packed.items()})
         else:
             out[name], scale = to_fp8(tensors[name], per_channel=kind == "fp8_channel")
             out[base + "weight_scale"] = scale
@@ -212,6 +231,15 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     elif kind == "fp8_blocks":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(FP8_BLOCK)}
+    elif kind.startswith("int4"):
+        grouped = kind == "int4_group"
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": {
+                "targets": ["Linear"], "input_activations": None,
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "actorder": None,
+                            "strategy": "group" if grouped else "channel",
+                            "group_size": INT4_GROUP if grouped else None}}}}
     else:
         strategy = "channel" if kind == "fp8_channel" else "tensor"
         config["quantization_config"] = {
