@@ -275,7 +275,8 @@ class HFCheckpoint:
         return QuantWeight(format_of(target), values.shape[0], values.shape[1], quantize(values, target))
 
     def _pre_quantized(self, hf_name: str) -> QuantWeight:
-        """An FP8 or NVFP4 matrix re-laid as its cobatch format: values untouched, scales beside them."""
+        """A pre-quantized matrix in a cobatch format: FP8 and NVFP4 re-laid (values untouched, scales beside them),
+        INT4 as q4_0 blocks (the same values), block-wise FP8 dequantized to float32."""
         base = hf_name.removesuffix("weight")
         if self.scheme is not None and self.scheme.block is not None:
             return self._fp8_blocks(hf_name, base + "weight_scale_inv")
@@ -300,7 +301,6 @@ class HFCheckpoint:
                             f"or one per output channel ({rows}); block-wise scales are not supported")
         return QuantWeight(format_of("fp8_e4m3"), rows, raw.shape[1], raw.view(torch.uint8),
                            scale.expand(rows).contiguous())
-
 
     def _int4(self, hf_name: str, base: str) -> QuantWeight:
         """A pack-quantized INT4 matrix as q4_0 blocks: the same values, no requantizing."""
