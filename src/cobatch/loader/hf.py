@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from cobatch.errors import UserError
 from cobatch.loader import hf_config
-from cobatch.quant.formats import format_of, int4_q4_0_blocks, nvfp4_blocks
+from cobatch.quant.formats import format_of, int4_q4_0_blocks, nvfp4_blocks, unpack_int4_words
 from cobatch.quant.quantize import TORCH_QUANTIZED, quantize
 from cobatch.quant.weight import QuantWeight
 
@@ -315,7 +315,8 @@ class HFCheckpoint:
                             f"of {group} need [{rows}, {-(-cols // group)}] (and whole 32-value blocks)")
         if scale.float().abs().max() > torch.finfo(torch.float16).max:
             raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q4_0 keeps it in")
-        return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(packed, scale, cols, group))
+        nibbles = unpack_int4_words(packed)[:, :cols]
+        return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(nibbles, scale, group))
 
     def _fp8_blocks(self, hf_name: str, scale_name: str) -> QuantWeight:
         """A block-wise FP8 matrix dequantized to float32: each e4m3 value times its block's scale."""

@@ -233,17 +233,24 @@ def nvfp4_blocks(codes: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor
     return blocks.reshape(rows, -1)
 
 
-def int4_q4_0_blocks(packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int) -> torch.Tensor:
-    """compressed-tensors' pack-quantized symmetric INT4 (int32 [rows, cols / 8], value i of a row at bits 4 i,
-    stored as q + 8; a scale per `group` values of a row, [rows, cols / group]) -> the same values as q4_0 blocks
-    [rows, cols / 32 * 18]: each 32 values' scale (f16) and 16 bytes, byte j holding values j (low nibble) and
-    j + 16 (high). q4_0 reads a byte's nibble as q + 8 too, so the values are exact; so is the scale, where f16
-    holds it as it is stored (bf16 and f16 scales of normal magnitude). `group` divides by 32."""
-    assert packed.dtype == torch.int32 and cols % 32 == 0 and group % 32 == 0
-    rows = packed.shape[0]
-    as_bytes = packed.contiguous().view(torch.uint8)       # little-endian: byte b holds values 2 b, 2 b + 1
-    nibbles = torch.stack((as_bytes & 0xF, as_bytes >> 4), -1).reshape(rows, -1)[:, :cols].reshape(rows, -1, 32)
-    qs = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+def unpack_int4_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words of 8 4-bit values each, value k at bits 4 k (compressed-tensors', GPTQ's and AWQ's packing) ->
+    uint8 [..., 8 n] the values, in word order then bit order."""
+    assert words.dtype == torch.int32
+    as_bytes = words.contiguous().view(torch.uint8)       # little-endian: byte b holds values 2 b, 2 b + 1
+    return torch.stack((as_bytes & 0xF, as_bytes >> 4), -1).reshape(*words.shape[:-1], -1)
+
+
+def int4_q4_0_blocks(nibbles: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Symmetric INT4 values stored as q + 8 (uint8 [rows, cols]) with a scale per `group` values of a row
+    ([rows, cols / group]) -> the same values as q4_0 blocks [rows, cols / 32 * 18]: each 32 values' scale (f16)
+    and 16 bytes, byte j holding values j (low nibble) and j + 16 (high). q4_0 reads a nibble as q + 8 too, so
+    the values are exact; so is the scale, where f16 holds it as it is stored (bf16 and f16 scales of normal
+    magnitude). `group` and cols divide by 32."""
+    rows, cols = nibbles.shape
+    assert cols % 32 == 0 and group % 32 == 0
+    blocks = nibbles.reshape(rows, -1, 32)
+    qs = blocks[..., :16] | (blocks[..., 16:] << 4)
     d = scale.float().repeat_interleave(group // 32, dim=1)[:, :cols // 32].to(torch.float16)
     return torch.cat([d.contiguous().view(torch.uint8).reshape(rows, -1, 2), qs], -1).reshape(rows, -1)
 
