@@ -278,6 +278,60 @@ def test_int4_schemes_it_cannot_hold_are_refused(weights):
         pre_quantized(Path("."), config)
 
 
+def gptq_reference(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray) -> np.ndarray:
+    """AutoGPTQ's 4-bit dequantization, written from its layout's description: input i of output column o is
+    (qweight[i // 8, o] >> 4 (i % 8)) & 15, in group g = g_idx[i], whose zero is (qzeros[g, o // 8] >> 4 (o % 8)) & 15
+    plus 1 (the format stores it less 1); the weight is scales[g, o] (q - zero). -> float64 [out, in]."""
+    qw, qz = qweight.astype(np.int64) & 0xFFFFFFFF, qzeros.astype(np.int64) & 0xFFFFFFFF
+    i, o = np.arange(qw.shape[0] * 8)[:, None], np.arange(qw.shape[1])[None, :]
+    q = (qw[i // 8, o] >> (4 * (i % 8))) & 15
+    g = g_idx.astype(np.int64)[i]
+    zero = ((qz[g, o // 8] >> (4 * (o % 8))) & 15) + 1
+    return (scales.astype(np.float64)[g, o] * (q - zero)).T
+
+
+def _gptq_folder(folders, tmp_path):
+    return hf_checkpoints.write_pre_quantized(folders["qwen2"][0], tmp_path / "gptq", "gptq")
+
+
+def test_gptq_checkpoint_keeps_its_values_as_q4_0(folders, tmp_path):
+    """A symmetric 4-bit GPTQ checkpoint (AutoGPTQ's layout): every weight runs as q4_0 holding exactly the values
+    the layout's own dequantization gives, and the logits are transformers' on those values."""
+    from safetensors import safe_open
+    float_folder = folders["qwen2"][0]
+    folder = _gptq_folder(folders, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with safe_open(folder / "model.safetensors", "np") as f:
+        bases = [n.removesuffix("qweight") for n in f.keys() if n.endswith(".qweight")]
+        assert len(bases) == 2 * 7
+        for base in bases:
+            values = gptq_reference(*(f.get_tensor(base + part) for part in ("qweight", "qzeros", "scales", "g_idx")))
+            with torch.no_grad():
+                params[base + "weight"].copy_(torch.from_numpy(values))
+    w = HFCheckpoint(folder).quant_weight("blk.1.ffn_down.weight")
+    assert w.fmt.name == "q4_0" and torch.equal(w.dequantize(), params["model.layers.1.mlp.down_proj.weight"])
+    with torch.inference_mode():
+        ref = model(torch.tensor([IDS])).logits[0].float()
+    ours = cobatch_logits(folder, "auto")
+    assert (ours - ref).abs().max() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("tensor, change, message", [("g_idx", lambda t: t.flip(0), "activation order"),
+                                                     ("qzeros", lambda t: t + 1, "asymmetric")])
+def test_gptq_tensors_it_cannot_hold_as_q4_0_are_refused(folders, tmp_path, tensor, change, message):
+    """Groups reordered by activation order (g_idx) and zero points other than the symmetric one: one line."""
+    from safetensors.torch import load_file, save_file
+    folder = _gptq_folder(folders, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    name = f"model.layers.0.self_attn.o_proj.{tensor}"
+    tensors[name] = change(tensors[name]).contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=message):
+        HFCheckpoint(folder).quant_weight("blk.0.attn_output.weight")
+
+
 def test_block_wise_fp8_checkpoint_dequantizes_on_load(folders, tmp_path):
     """fp8 with weight_block_size (DeepSeek-V3's and Qwen3's FP8 releases): no kernel reads its block scales, so
     the values are dequantized at load: as they are with --quantization none (the dequantize-then-matmul

@@ -44,15 +44,18 @@ _HEADS = ("output.weight", "token_embd.weight")
 @dataclass(frozen=True, slots=True)
 class PreQuantized:
     """What config.json's quantization_config says the checkpoint's linear layers hold."""
-    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4"
+    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4" | "gptq"
     method: str           # as the config names it: compressed-tensors, modelopt, fp8
     # fp8_blocks (DeepSeek-V3's and Qwen3's FP8 releases): e4m3 weights with a float32 scale per block of
     # block[0] rows x block[1] columns (weight_scale_inv), which no kernel reads: dequantized at load, then the
     # --quantization asked for (auto: q8_0)
     block: tuple[int, int] | None = None
-    # int4 (compressed-tensors' pack-quantized W4A16, symmetric): a scale per `group` values of a row (0: one a
-    # row), which the q4_0 format holds exactly (formats.int4_q4_0_blocks)
+    # int4 (compressed-tensors' pack-quantized W4A16) and gptq (AutoGPTQ's layout), symmetric: a scale per `group`
+    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_q4_0_blocks)
     group: int = 0
+    # gptq: the zero point a symmetric checkpoint stores (8 less the 1 AutoGPTQ's format takes off: 7; GPTQModel's
+    # gptq_v2 format: 8)
+    stored_zero: int = 7
 
 
 def _read_json(path: Path) -> dict:
@@ -100,6 +103,12 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
         if algo == "NVFP4" and int(qc.get("group_size", 16)) == 16:
             return PreQuantized("nvfp4", method)
         what = f"quant_algo {algo!r}, group_size {qc.get('group_size')}"
+    elif method == "gptq":
+        bits, group = int(qc.get("bits") or 0), int(qc.get("group_size") or -1)
+        fmt = qc.get("checkpoint_format") or "gptq"
+        if bits == 4 and qc.get("sym", True) and (group == -1 or group % 32 == 0) and fmt in ("gptq", "gptq_v2"):
+            return PreQuantized("gptq", method, group=max(group, 0), stored_zero=8 if fmt == "gptq_v2" else 7)
+        what = f"bits {bits}, group_size {group}, sym {qc.get('sym')}, checkpoint_format {fmt!r}"
     elif method == "fp8":
         block = qc.get("weight_block_size")
         if not block:
@@ -111,8 +120,8 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
         what = "this method"
     raise UserError(f"unsupported quantization_config: quant_method {method!r}, {what} (supported: FP8 e4m3 with "
                     "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8, or fp8's block-wise "
-                    "scales; ModelOpt NVFP4; compressed-tensors' pack-quantized symmetric INT4 in groups of 32s or "
-                    "per channel, without activation order)")
+                    "scales; ModelOpt NVFP4; symmetric INT4 in groups of 32s or per channel, without activation "
+                    "order, as compressed-tensors' pack-quantized or GPTQ's layout)")
 
 
 def _shard_files(folder: Path) -> dict[str, Path]:
@@ -207,11 +216,22 @@ class HFCheckpoint:
         """Does the checkpoint hold this tensor (an INT4 weight as its weight_packed)?"""
         return hf_name in self._handle or self._is_int4(hf_name)
 
+    def _int4_words(self, hf_name: str) -> str | None:
+        """The tensor of packed INT4 words that holds this weight (compressed-tensors' X.weight_packed, GPTQ's
+        X.qweight), None where it is not an INT4 weight."""
+        if self.scheme is None or self.scheme.kind not in ("int4", "gptq") or not hf_name.endswith(".weight"):
+            return None
+        words = hf_name + "_packed" if self.scheme.kind == "int4" else hf_name.removesuffix("weight") + "qweight"
+        return words if words in self._handle else None
+
     def _is_int4(self, hf_name: str) -> bool:
-        return (self.scheme is not None and self.scheme.kind == "int4" and hf_name.endswith(".weight")
-                and hf_name + "_packed" in self._handle)
+        return self._int4_words(hf_name) is not None
 
     def _shape(self, hf_name: str) -> list[int]:
+        if self._is_int4(hf_name) and self.scheme.kind == "gptq":       # qweight: [in / 8, out]
+            words = self._int4_words(hf_name)
+            n_words, rows = self._handle[words].get_slice(words).get_shape()
+            return [rows, 8 * n_words]
         if self._is_int4(hf_name):
             return [int(v) for v in self._read(hf_name.removesuffix("weight") + "weight_shape").tolist()]
         shape = list(self._handle[hf_name].get_slice(hf_name).get_shape())
@@ -304,6 +324,8 @@ class HFCheckpoint:
 
     def _int4(self, hf_name: str, base: str) -> QuantWeight:
         """A pack-quantized INT4 matrix as q4_0 blocks: the same values, no requantizing."""
+        if self.scheme.kind == "gptq":
+            return self._gptq(hf_name, base)
         rows, cols = self._shape(hf_name)
         group = self.scheme.group or cols
         packed, scale = self._read(hf_name + "_packed"), self._read(base + "weight_scale")
@@ -317,6 +339,31 @@ class HFCheckpoint:
             raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q4_0 keeps it in")
         nibbles = unpack_int4_words(packed)[:, :cols]
         return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(nibbles, scale, group))
+
+    def _gptq(self, hf_name: str, base: str) -> QuantWeight:
+        """A GPTQ matrix (AutoGPTQ's layout: qweight int32 [in / 8, out], 8 input rows a word, value k at bits 4 k;
+        scales [groups, out]; qzeros [groups, out / 8], 8 columns a word; g_idx, each input's group) as q4_0
+        blocks: symmetric, so every stored zero is the scheme's and each value is its nibble less 8."""
+        rows, cols = self._shape(hf_name)
+        group = self.scheme.group or cols
+        qweight, scales = self._read(base + "qweight"), self._read(base + "scales")
+        if qweight.dtype != torch.int32 or cols % 32 or list(scales.shape) != [-(-cols // group), rows]:
+            raise UserError(f"{self.path.name}: {base}qweight {qweight.dtype} {list(qweight.shape)} with scales "
+                            f"{list(scales.shape)} is not GPTQ's layout of {rows} x {cols} in groups of {group}")
+        zeros = unpack_int4_words(self._read(base + "qzeros"))[:, :rows] if base + "qzeros" in self._handle else None
+        if zeros is not None and not bool((zeros == self.scheme.stored_zero).all()):
+            raise UserError(f"{self.path.name}: {base}qzeros holds zero points other than the symmetric "
+                            f"{self.scheme.stored_zero}: an asymmetric GPTQ checkpoint, which cobatch does not read")
+        if base + "g_idx" in self._handle:
+            order = self._read(base + "g_idx").long()
+            if not torch.equal(order, torch.arange(cols) // group):
+                raise UserError(f"{self.path.name}: {base}g_idx reorders the groups (desc_act): activation order is "
+                                "not supported")
+        if scales.float().abs().max() > torch.finfo(torch.float16).max:
+            raise UserError(f"{self.path.name}: {base}scales exceeds float16's range, which q4_0 keeps it in")
+        # AutoGPTQ's v1 format stores a zero less 1 and dequantizes (q - (zero + 1)): the nibble less 8 either way
+        nibbles = unpack_int4_words(qweight.t())          # [out, in]: word r's value k is input 8 r + k
+        return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(nibbles, scales.t(), group))
 
     def _fp8_blocks(self, hf_name: str, scale_name: str) -> QuantWeight:
         """A block-wise FP8 matrix dequantized to float32: each e4m3 value times its block's scale."""

@@ -163,6 +163,23 @@ def to_int4_packed(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
                                                  QuantizationScheme(targets=["Linear"], weights=args))
 
 
+def to_gptq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """w as a symmetric 4-bit GPTQ checkpoint holds it, in AutoGPTQ's layout (group 0: one a row): qweight int32
+    [in / 8, out], input rows 8 r .. 8 r + 7 of a column in word r, row 8 r + k at bits 4 k, each value q + 8;
+    scales float16 [groups, out] (a group's amax / 7.5); qzeros int32 [groups, out / 8], columns packed 8 a word
+    the same way, each the zero point 8 stored less 1 as AutoGPTQ writes it; g_idx int32 [in], each input's group."""
+    rows, cols = w.shape
+    group = group or cols
+    scale = (w.float().reshape(rows, -1, group).abs().amax(-1) / 7.5).clamp(min=1e-8).half()
+    q = (w.float() / scale.float().repeat_interleave(group, 1)).round().clamp(-8, 7).long() + 8      # [out, in]
+    shifts = 4 * torch.arange(8)
+    as_int32 = (lambda words: torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
+    qweight = (q.t().reshape(cols // 8, 8, rows) << shifts[:, None]).sum(1)        # word r: inputs 8 r + k
+    qzeros = (torch.full((cols // group, rows // 8, 8), 8 - 1) << shifts).sum(-1)   # word c: columns 8 c + k
+    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scale.t().contiguous(),
+            "g_idx": (torch.arange(cols) // group).to(torch.int32)}
+
+
 def to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 [out, in / 2] e2m1 pairs, e4m3 block scales [out, in / 16], float32 global scale [])."""
     w = w.float()
@@ -192,7 +209,8 @@ def checkpoint_weight(values: torch.Tensor, fmt_name: str) -> QuantWeight:
 
 def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors), "int4_group" /
-    "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a row),
+    "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a row), "gptq"
+    (AutoGPTQ's layout, symmetric, INT4_GROUP values a scale),
     "fp8_blocks" (fp8's block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several a
     tiny matrix, the last ones part blocks) or "nvfp4" (ModelOpt)."""
     from safetensors import safe_open
@@ -218,6 +236,9 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
             del out[name]
             packed = to_int4_packed(tensors[name], INT4_GROUP if kind == "int4_group" else 0)
             out.update({base + part: t for part, t in packed.items()})
+        elif kind == "gptq":
+            del out[name]
+            out.update({base + part: t for part, t in to_gptq(tensors[name], INT4_GROUP).items()})
         else:
             out[name], scale = to_fp8(tensors[name], per_channel=kind == "fp8_channel")
             out[base + "weight_scale"] = scale
@@ -231,6 +252,10 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     elif kind == "fp8_blocks":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(FP8_BLOCK)}
+    elif kind == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": True,
+                                         "desc_act": False, "checkpoint_format": "gptq", "damp_percent": 0.01,
+                                         "true_sequential": True, "static_groups": False}
     elif kind.startswith("int4"):
         grouped = kind == "int4_group"
         config["quantization_config"] = {
