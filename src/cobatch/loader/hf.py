@@ -32,7 +32,7 @@ from cobatch.quant.weight import QuantWeight
 INDEX_FILE = "model.safetensors.index.json"
 QUANTIZATIONS = ("auto", "none", *TORCH_QUANTIZED)    # --quantization's choices
 # vLLM's --quantization names for a checkpoint's own scheme: here, as auto (the checkpoint says what it holds)
-VLLM_METHODS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors")
+VLLM_METHODS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "gptq", "gptq_marlin")
 FLOAT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # 4- and 5-bit formats leave the output head (and a tied embedding) at 8 bits, as llama.cpp's mixes keep it higher
 _HEAD_FORMAT = {"q4_k": "q8_0", "q4_1": "q8_0", "q5_k": "q8_0", "q5_1": "q8_0"}
