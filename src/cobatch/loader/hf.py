@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from cobatch.errors import UserError
 from cobatch.loader import hf_config
-from cobatch.quant.formats import format_of, int4_q4_0_blocks, nvfp4_blocks, unpack_int4_words
+from cobatch.quant.formats import format_of, int4_blocks, nvfp4_blocks, unpack_int4_words
 from cobatch.quant.quantize import TORCH_QUANTIZED, quantize
 from cobatch.quant.weight import QuantWeight
 
@@ -51,7 +51,7 @@ class PreQuantized:
     # --quantization asked for (auto: q8_0)
     block: tuple[int, int] | None = None
     # int4 (compressed-tensors' pack-quantized W4A16) and gptq (AutoGPTQ's layout), symmetric: a scale per `group`
-    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_q4_0_blocks)
+    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_blocks)
     group: int = 0
     # gptq: the zero point a symmetric checkpoint stores (8 less the 1 AutoGPTQ's format takes off: 7; GPTQModel's
     # gptq_v2 format: 8)
@@ -338,7 +338,7 @@ class HFCheckpoint:
         if scale.float().abs().max() > torch.finfo(torch.float16).max:
             raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q4_0 keeps it in")
         nibbles = unpack_int4_words(packed)[:, :cols]
-        return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(nibbles, scale, group))
+        return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scale, group))
 
     def _gptq(self, hf_name: str, base: str) -> QuantWeight:
         """A GPTQ matrix (AutoGPTQ's layout: qweight int32 [in / 8, out], 8 input rows a word, value k at bits 4 k;
@@ -363,7 +363,7 @@ class HFCheckpoint:
             raise UserError(f"{self.path.name}: {base}scales exceeds float16's range, which q4_0 keeps it in")
         # AutoGPTQ's v1 format stores a zero less 1 and dequantizes (q - (zero + 1)): the nibble less 8 either way
         nibbles = unpack_int4_words(qweight.t())          # [out, in]: word r's value k is input 8 r + k
-        return QuantWeight(format_of("q4_0"), rows, cols, int4_q4_0_blocks(nibbles, scales.t(), group))
+        return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scales.t(), group))
 
     def _fp8_blocks(self, hf_name: str, scale_name: str) -> QuantWeight:
         """A block-wise FP8 matrix dequantized to float32: each e4m3 value times its block's scale."""

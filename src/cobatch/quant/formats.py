@@ -241,18 +241,24 @@ def unpack_int4_words(words: torch.Tensor) -> torch.Tensor:
     return torch.stack((as_bytes & 0xF, as_bytes >> 4), -1).reshape(*words.shape[:-1], -1)
 
 
-def int4_q4_0_blocks(nibbles: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """Symmetric INT4 values stored as q + 8 (uint8 [rows, cols]) with a scale per `group` values of a row
-    ([rows, cols / group]) -> the same values as q4_0 blocks [rows, cols / 32 * 18]: each 32 values' scale (f16)
-    and 16 bytes, byte j holding values j (low nibble) and j + 16 (high). q4_0 reads a nibble as q + 8 too, so
-    the values are exact; so is the scale, where f16 holds it as it is stored (bf16 and f16 scales of normal
-    magnitude). `group` and cols divide by 32."""
+def int4_blocks(nibbles: torch.Tensor, scale: torch.Tensor, group: int, offset: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """4-bit values (uint8 [rows, cols], 0..15) with a scale per `group` values of a row ([rows, cols / group]) ->
+    the same values in GGUF blocks of 32: without `offset`, symmetric ones stored as q + 8 (each value the scale
+    times the nibble less 8) as q4_0 blocks [rows, cols / 32 * 18], each block's scale (f16) then 16 bytes, byte
+    j holding values j (low nibble) and j + 16 (high); with `offset` ([rows, cols / group], each value the scale
+    times the nibble plus the offset) as q4_1 blocks [rows, cols / 32 * 20], scale and offset (f16) then the same
+    16 bytes. q4_0 reads a nibble as q + 8 too, so its values are exact; so are the scales and offsets where f16
+    holds them as given (an offset computed from a scale and a zero point is rounded to f16 once, as q4_K's is
+    when its planes are packed as q4_1's). `group` and cols divide by 32."""
     rows, cols = nibbles.shape
     assert cols % 32 == 0 and group % 32 == 0
     blocks = nibbles.reshape(rows, -1, 32)
     qs = blocks[..., :16] | (blocks[..., 16:] << 4)
-    d = scale.float().repeat_interleave(group // 32, dim=1)[:, :cols // 32].to(torch.float16)
-    return torch.cat([d.contiguous().view(torch.uint8).reshape(rows, -1, 2), qs], -1).reshape(rows, -1)
+    sides = [scale] if offset is None else [scale, offset]
+    per_block = [v.float().repeat_interleave(group // 32, dim=1)[:, :cols // 32].to(torch.float16) for v in sides]
+    halves = [v.contiguous().view(torch.uint8).reshape(rows, -1, 2) for v in per_block]
+    return torch.cat([*halves, qs], -1).reshape(rows, -1)
 
 
 def _nvfp4(blocks: torch.Tensor) -> torch.Tensor:
