@@ -332,6 +332,47 @@ def test_gptq_tensors_it_cannot_hold_as_q4_0_are_refused(folders, tmp_path, tens
         HFCheckpoint(folder).quant_weight("blk.0.attn_output.weight")
 
 
+def awq_reference(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
+    """AutoAWQ's GEMM-layout dequantization, written from its description: output column o of input i is value
+    k = AWQ_REVERSE_ORDER[o % 8] of word qweight[i, o // 8] ((word >> 4 k) & 15), its zero the same value of
+    qzeros[i // group, o // 8]; the weight is scales[i // group, o] (q - zero). -> float64 [out, in]."""
+    reverse = np.array([0, 4, 1, 5, 2, 6, 3, 7])        # AutoAWQ's AWQ_REVERSE_ORDER
+    qw, qz = qweight.astype(np.int64) & 0xFFFFFFFF, qzeros.astype(np.int64) & 0xFFFFFFFF
+    i, o = np.arange(qw.shape[0])[:, None], np.arange(qw.shape[1] * 8)[None, :]
+    q = (qw[i, o // 8] >> (4 * reverse[o % 8])) & 15
+    zero = (qz[i // group, o // 8] >> (4 * reverse[o % 8])) & 15
+    return (scales.astype(np.float64)[i // group, o] * (q - zero)).T
+
+
+def test_awq_checkpoint_runs_as_q4_1(folders, tmp_path):
+    """A 4-bit AWQ checkpoint (AutoAWQ's GEMM layout, zero points): every weight runs as q4_1, its scale and the
+    scale times minus the zero point as the offset (rounded to f16 once, as q4_K's offsets are): the values of the
+    layout's own dequantization to that rounding, and transformers' logits on them."""
+    from safetensors import safe_open
+    float_folder = folders["qwen2"][0]
+    folder = hf_checkpoints.write_pre_quantized(float_folder, tmp_path / "awq", "awq")
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with safe_open(folder / "model.safetensors", "np") as f:
+        bases = [n.removesuffix("qweight") for n in f.keys() if n.endswith(".qweight")]
+        assert len(bases) == 2 * 7
+        for base in bases:
+            values = awq_reference(*(f.get_tensor(base + part) for part in ("qweight", "qzeros", "scales")),
+                                   hf_checkpoints.INT4_GROUP)
+            with torch.no_grad():
+                params[base + "weight"].copy_(torch.from_numpy(values))
+    w = HFCheckpoint(folder).quant_weight("blk.1.ffn_down.weight")
+    want = params["model.layers.1.mlp.down_proj.weight"]
+    assert w.fmt.name == "q4_1"
+    # each offset rounded to f16 once: off by at most half its ulp
+    assert (w.dequantize() - want).abs().max() <= 2 ** -11 * want.abs().max()
+    with torch.inference_mode():
+        ref = model(torch.tensor([IDS])).logits[0].float()
+    ours = cobatch_logits(folder, "auto")
+    assert _relative_rms(ours, ref) < 5e-3        # measured 1.5e-3: a block's 32 weights share an offset's rounding
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 def test_block_wise_fp8_checkpoint_dequantizes_on_load(folders, tmp_path):
     """fp8 with weight_block_size (DeepSeek-V3's and Qwen3's FP8 releases): no kernel reads its block scales, so
     the values are dequantized at load: as they are with --quantization none (the dequantize-then-matmul
@@ -375,12 +416,12 @@ def _wrong_shape(folder):
 
 
 def _unsupported_quantization(folder):
-    _edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4})
+    _edit_config(folder, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
 
 
 @pytest.mark.parametrize("breakage, message", [
     (_no_config, "no config.json"), (_unknown_architecture, "unsupported architecture FalconForCausalLM"),
-    (_wrong_shape, "config.json implies [384, 256]"), (_unsupported_quantization, "quant_method 'gptq'")],
+    (_wrong_shape, "config.json implies [384, 256]"), (_unsupported_quantization, "quant_method 'bitsandbytes'")],
     ids=["no-config", "architecture", "shape", "quantization"])
 def test_bad_folder_is_one_line_and_exit_code_2(folders, tmp_path, capsys, breakage, message):
     folder = _broken(folders, tmp_path)

@@ -32,26 +32,29 @@ from cobatch.quant.weight import QuantWeight
 INDEX_FILE = "model.safetensors.index.json"
 QUANTIZATIONS = ("auto", "none", *TORCH_QUANTIZED)    # --quantization's choices
 # vLLM's --quantization names for a checkpoint's own scheme: here, as auto (the checkpoint says what it holds)
-VLLM_METHODS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "gptq", "gptq_marlin")
+VLLM_METHODS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin")
 FLOAT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # 4- and 5-bit formats leave the output head (and a tied embedding) at 8 bits, as llama.cpp's mixes keep it higher
 _HEAD_FORMAT = {"q4_k": "q8_0", "q4_1": "q8_0", "q5_k": "q8_0", "q5_1": "q8_0"}
 # A row that is not whole blocks of the asked format takes the next that fits, else stays as stored
 _FALLBACK = {"q4_k": "q4_1", "q5_k": "q5_1"}
 _HEADS = ("output.weight", "token_embd.weight")
+# AutoAWQ's GEMM layout packs 8 output columns a word, column 8 c + AWQ_ORDER[k] in value k (bits 4 k)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @dataclass(frozen=True, slots=True)
 class PreQuantized:
     """What config.json's quantization_config says the checkpoint's linear layers hold."""
-    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4" | "gptq"
+    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4" | "gptq" | "awq"
     method: str           # as the config names it: compressed-tensors, modelopt, fp8
     # fp8_blocks (DeepSeek-V3's and Qwen3's FP8 releases): e4m3 weights with a float32 scale per block of
     # block[0] rows x block[1] columns (weight_scale_inv), which no kernel reads: dequantized at load, then the
     # --quantization asked for (auto: q8_0)
     block: tuple[int, int] | None = None
     # int4 (compressed-tensors' pack-quantized W4A16) and gptq (AutoGPTQ's layout), symmetric: a scale per `group`
-    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_blocks)
+    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_blocks); awq (AutoAWQ's
+    # GEMM layout): a scale and a zero point per group, as q4_1 (its offset the scale times minus the zero point)
     group: int = 0
     # gptq: the zero point a symmetric checkpoint stores (8 less the 1 AutoGPTQ's format takes off: 7; GPTQModel's
     # gptq_v2 format: 8)
@@ -109,6 +112,13 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
         if bits == 4 and qc.get("sym", True) and (group == -1 or group % 32 == 0) and fmt in ("gptq", "gptq_v2"):
             return PreQuantized("gptq", method, group=max(group, 0), stored_zero=8 if fmt == "gptq_v2" else 7)
         what = f"bits {bits}, group_size {group}, sym {qc.get('sym')}, checkpoint_format {fmt!r}"
+    elif method == "awq":
+        bits = int(qc.get("bits") or qc.get("w_bit") or 0)
+        group = int(qc.get("group_size") or qc.get("q_group_size") or 0)
+        version = str(qc.get("version", "gemm")).lower()
+        if bits == 4 and group > 0 and group % 32 == 0 and version == "gemm" and qc.get("zero_point", True):
+            return PreQuantized("awq", method, group=group)
+        what = f"bits {bits}, group_size {group}, version {version!r}, zero_point {qc.get('zero_point')}"
     elif method == "fp8":
         block = qc.get("weight_block_size")
         if not block:
@@ -121,7 +131,8 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
     raise UserError(f"unsupported quantization_config: quant_method {method!r}, {what} (supported: FP8 e4m3 with "
                     "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8, or fp8's block-wise "
                     "scales; ModelOpt NVFP4; symmetric INT4 in groups of 32s or per channel, without activation "
-                    "order, as compressed-tensors' pack-quantized or GPTQ's layout)")
+                    "order, as compressed-tensors' pack-quantized or GPTQ's layout; AWQ's GEMM layout, 4 bits in "
+                    "groups of 32s)")
 
 
 def _shard_files(folder: Path) -> dict[str, Path]:
@@ -219,7 +230,7 @@ class HFCheckpoint:
     def _int4_words(self, hf_name: str) -> str | None:
         """The tensor of packed INT4 words that holds this weight (compressed-tensors' X.weight_packed, GPTQ's
         X.qweight), None where it is not an INT4 weight."""
-        if self.scheme is None or self.scheme.kind not in ("int4", "gptq") or not hf_name.endswith(".weight"):
+        if self.scheme is None or self.scheme.kind not in ("int4", "gptq", "awq") or not hf_name.endswith(".weight"):
             return None
         words = hf_name + "_packed" if self.scheme.kind == "int4" else hf_name.removesuffix("weight") + "qweight"
         return words if words in self._handle else None
@@ -228,10 +239,10 @@ class HFCheckpoint:
         return self._int4_words(hf_name) is not None
 
     def _shape(self, hf_name: str) -> list[int]:
-        if self._is_int4(hf_name) and self.scheme.kind == "gptq":       # qweight: [in / 8, out]
+        if self._is_int4(hf_name) and self.scheme.kind in ("gptq", "awq"):   # qweight [in / 8, out], [in, out / 8]
             words = self._int4_words(hf_name)
-            n_words, rows = self._handle[words].get_slice(words).get_shape()
-            return [rows, 8 * n_words]
+            first, second = self._handle[words].get_slice(words).get_shape()
+            return [second, 8 * first] if self.scheme.kind == "gptq" else [8 * second, first]
         if self._is_int4(hf_name):
             return [int(v) for v in self._read(hf_name.removesuffix("weight") + "weight_shape").tolist()]
         shape = list(self._handle[hf_name].get_slice(hf_name).get_shape())
@@ -326,6 +337,8 @@ class HFCheckpoint:
         """A pack-quantized INT4 matrix as q4_0 blocks: the same values, no requantizing."""
         if self.scheme.kind == "gptq":
             return self._gptq(hf_name, base)
+        if self.scheme.kind == "awq":
+            return self._awq(hf_name, base)
         rows, cols = self._shape(hf_name)
         group = self.scheme.group or cols
         packed, scale = self._read(hf_name + "_packed"), self._read(base + "weight_scale")
@@ -364,6 +377,27 @@ class HFCheckpoint:
         # AutoGPTQ's v1 format stores a zero less 1 and dequantizes (q - (zero + 1)): the nibble less 8 either way
         nibbles = unpack_int4_words(qweight.t())          # [out, in]: word r's value k is input 8 r + k
         return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scales.t(), group))
+
+    def _awq(self, hf_name: str, base: str) -> QuantWeight:
+        """An AWQ matrix (AutoAWQ's GEMM layout: qweight int32 [in, out / 8] and qzeros [groups, out / 8], 8 output
+        columns a word, column 8 c + AWQ_ORDER[k] at bits 4 k; scales [groups, out]; each weight the scale times
+        the value less its zero point) as q4_1 blocks: the scale, and the scale times minus the zero as the offset."""
+        rows, cols = self._shape(hf_name)
+        group = self.scheme.group
+        qweight, scales = self._read(base + "qweight"), self._read(base + "scales")
+        if (qweight.dtype != torch.int32 or cols % 32 or base + "qzeros" not in self._handle
+                or list(scales.shape) != [-(-cols // group), rows]):
+            raise UserError(f"{self.path.name}: {base}qweight {qweight.dtype} {list(qweight.shape)} with scales "
+                            f"{list(scales.shape)} is not AWQ's GEMM layout of {rows} x {cols} in groups of {group}")
+        column_of = [AWQ_ORDER.index(j) for j in range(8)]     # where in its word's 8 values column 8 c + j is
+
+        def columns(words: torch.Tensor) -> torch.Tensor:     # [n, out / 8] words -> [n, out] values, in column order
+            return unpack_int4_words(words).reshape(words.shape[0], -1, 8)[..., column_of].reshape(words.shape[0], -1)
+
+        nibbles = columns(qweight).t()                                          # [out, in]
+        scale = scales.float().t()                                              # [out, groups]
+        zeros = columns(self._read(base + "qzeros"))[:, :rows].t().float()      # [out, groups]
+        return QuantWeight(format_of("q4_1"), rows, cols, int4_blocks(nibbles, scale, group, -scale * zeros))
 
     def _fp8_blocks(self, hf_name: str, scale_name: str) -> QuantWeight:
         """A block-wise FP8 matrix dequantized to float32: each e4m3 value times its block's scale."""

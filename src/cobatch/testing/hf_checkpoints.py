@@ -180,6 +180,29 @@ def to_gptq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
             "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ's GEMM layout: value k of a word is column 8 c + AWQ_ORDER[k]
+
+
+def to_awq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """w as a 4-bit AWQ checkpoint holds it in AutoAWQ's GEMM layout: per group of `group` inputs of a column, a
+    scale (float16, (max - min) / 15) and a zero point (round(-min / scale)), each value round(w / scale) + zero in
+    0..15; qweight int32 [in, out / 8] and qzeros int32 [groups, out / 8] packing 8 output columns a word, column
+    8 c + AWQ_ORDER[k] at bits 4 k; scales [groups, out]."""
+    rows, cols = w.shape
+    blocks = w.float().reshape(rows, -1, group)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scale = ((high - low).clamp(min=1e-5) / 15).half()                              # [out, groups]
+    zero = (-low / scale.float()).round().clamp(0, 15).long()
+    q = ((blocks / scale.float()[..., None]).round() + zero[..., None]).clamp(0, 15).long().reshape(rows, cols)
+    shifts = 4 * torch.arange(8)
+    as_int32 = (lambda words: torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
+
+    def pack_columns(values: torch.Tensor) -> torch.Tensor:    # [n, out] -> [n, out / 8]
+        return as_int32((values.reshape(values.shape[0], -1, 8)[..., list(AWQ_ORDER)] << shifts).sum(-1))
+
+    return {"qweight": pack_columns(q.t()), "qzeros": pack_columns(zero.t()), "scales": scale.t().contiguous()}
+
+
 def to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 [out, in / 2] e2m1 pairs, e4m3 block scales [out, in / 16], float32 global scale [])."""
     w = w.float()
@@ -210,7 +233,8 @@ def checkpoint_weight(values: torch.Tensor, fmt_name: str) -> QuantWeight:
 def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors), "int4_group" /
     "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a row), "gptq"
-    (AutoGPTQ's layout, symmetric, INT4_GROUP values a scale),
+    (AutoGPTQ's layout, symmetric, INT4_GROUP values a scale), "awq" (AutoAWQ's GEMM layout, a scale and a zero a
+    group),
     "fp8_blocks" (fp8's block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several a
     tiny matrix, the last ones part blocks) or "nvfp4" (ModelOpt)."""
     from safetensors import safe_open
@@ -236,9 +260,10 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
             del out[name]
             packed = to_int4_packed(tensors[name], INT4_GROUP if kind == "int4_group" else 0)
             out.update({base + part: t for part, t in packed.items()})
-        elif kind == "gptq":
+        elif kind in ("gptq", "awq"):
             del out[name]
-            out.update({base + part: t for part, t in to_gptq(tensors[name], INT4_GROUP).items()})
+            packed = (to_gptq if kind == "gptq" else to_awq)(tensors[name], INT4_GROUP)
+            out.update({base + part: t for part, t in packed.items()})
         else:
             out[name], scale = to_fp8(tensors[name], per_channel=kind == "fp8_channel")
             out[base + "weight_scale"] = scale
@@ -256,6 +281,9 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
         config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": True,
                                          "desc_act": False, "checkpoint_format": "gptq", "damp_percent": 0.01,
                                          "true_sequential": True, "static_groups": False}
+    elif kind == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP, "zero_point": True,
+                                         "version": "gemm", "modules_to_not_convert": None}
     elif kind.startswith("int4"):
         grouped = kind == "int4_group"
         config["quantization_config"] = {
