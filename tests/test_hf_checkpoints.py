@@ -481,3 +481,17 @@ def test_gpu_folder_is_close_to_the_cpu_path(folders, family):
                         ckpt.config, IDS)
     assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
     assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.9
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["gptq", "awq", "fp8_blocks"])
+def test_gpu_pre_quantized_folder_is_close_to_the_cpu_path(folders, tmp_path, kind):
+    """GPTQ and AWQ (run as q4_0 / q4_1 through the GEMV and the GEMM) and block-wise FP8 (q8_0) folders on CUDA,
+    against the CPU path on the same weights."""
+    folder = hf_checkpoints.write_pre_quantized(folders["qwen2"][0], tmp_path / kind, kind)
+    cpu = cobatch_logits(folder, "auto")
+    ckpt = HFCheckpoint(folder, "auto", device="cuda")
+    gpu = prompt_logits(model_class(ckpt.config)(ckpt.config, ckpt, "cuda", torch.float16, max_positions=64),
+                        ckpt.config, IDS)
+    assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.9
