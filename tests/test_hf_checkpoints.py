@@ -303,33 +303,30 @@ def gptq_reference(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, 
     return (scales.astype(np.float64)[g, o] * (q - zero)).T
 
 
-def _gptq_folder(folders, tmp_path):
-    return hf_checkpoints.write_pre_quantized(folders["qwen2"][0], tmp_path / "gptq", "gptq")
-
-
-def test_gptq_checkpoint_keeps_its_values_as_q4_0(folders, tmp_path):
-    """A symmetric 4-bit GPTQ checkpoint (AutoGPTQ's layout): every weight runs as q4_0 holding exactly the values
-    the layout's own dequantization gives, and the logits are transformers' on those values."""
+@pytest.mark.parametrize("kind, fmt", [("gptq", "q4_0"), ("gptq_asym", "q4_1")])
+def test_gptq_checkpoint_runs_as_q4_0_or_with_zero_points_q4_1(folders, tmp_path, kind, fmt):
+    """A 4-bit GPTQ checkpoint (AutoGPTQ's layout): symmetric, every weight runs as q4_0 holding exactly the values
+    the layout's own dequantization gives; with zero points as q4_1 (the offset the scale times minus the zero,
+    rounded to f16 once); the logits are transformers' on those values."""
     from safetensors import safe_open
-    folder = _gptq_folder(folders, tmp_path)
+    folder = hf_checkpoints.write_pre_quantized(folders["qwen2"][0], tmp_path / kind, kind)
     with safe_open(folder / "model.safetensors", "np") as f:
         weights = {base + "weight": gptq_reference(*(f.get_tensor(base + part)
                                                      for part in ("qweight", "qzeros", "scales", "g_idx")))
                    for base in (n.removesuffix("qweight") for n in f.keys() if n.endswith(".qweight"))}
-    _assert_runs_as(folders, folder, weights, "q4_0", exact=True)
+    _assert_runs_as(folders, folder, weights, fmt, exact=fmt == "q4_0")
 
 
-@pytest.mark.parametrize("tensor, change, message", [("g_idx", lambda t: t.flip(0), "activation order"),
-                                                     ("qzeros", lambda t: t + 1, "asymmetric")])
-def test_gptq_tensors_it_cannot_hold_as_q4_0_are_refused(folders, tmp_path, tensor, change, message):
-    """Groups reordered by activation order (g_idx) and zero points other than the symmetric one: one line."""
+def test_gptq_activation_order_is_refused(folders, tmp_path):
+    """Groups reordered by activation order (a g_idx other than each input's own group) have no q4 block form:
+    one line, not a wrong model."""
     from safetensors.torch import load_file, save_file
-    folder = _gptq_folder(folders, tmp_path)
+    folder = hf_checkpoints.write_pre_quantized(folders["qwen2"][0], tmp_path / "gptq", "gptq")
     tensors = load_file(folder / "model.safetensors")
-    name = f"model.layers.0.self_attn.o_proj.{tensor}"
-    tensors[name] = change(tensors[name]).contiguous()
+    name = "model.layers.0.self_attn.o_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match="activation order"):
         HFCheckpoint(folder).quant_weight("blk.0.attn_output.weight")
 
 

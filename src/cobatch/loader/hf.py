@@ -56,8 +56,8 @@ class PreQuantized:
     # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_blocks); awq (AutoAWQ's
     # GEMM layout): a scale and a zero point per group, as q4_1 (its offset the scale times minus the zero point)
     group: int = 0
-    # gptq: the zero point a symmetric checkpoint stores (8 less the 1 AutoGPTQ's format takes off: 7; GPTQModel's
-    # gptq_v2 format: 8)
+    # gptq: the zero point a symmetric checkpoint stores (8 less the 1 AutoGPTQ's format takes off every zero: 7;
+    # GPTQModel's gptq_v2 format: 8)
     stored_zero: int = 7
 
 
@@ -109,7 +109,7 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
     elif method == "gptq":
         bits, group = int(qc.get("bits") or 0), int(qc.get("group_size") or -1)
         fmt = qc.get("checkpoint_format") or "gptq"
-        if bits == 4 and qc.get("sym", True) and (group == -1 or group % 32 == 0) and fmt in ("gptq", "gptq_v2"):
+        if bits == 4 and (group == -1 or group % 32 == 0) and fmt in ("gptq", "gptq_v2"):
             return PreQuantized("gptq", method, group=max(group, 0), stored_zero=8 if fmt == "gptq_v2" else 7)
         what = f"bits {bits}, group_size {group}, sym {qc.get('sym')}, checkpoint_format {fmt!r}"
     elif method == "awq":
@@ -355,8 +355,9 @@ class HFCheckpoint:
 
     def _gptq(self, hf_name: str, base: str) -> QuantWeight:
         """A GPTQ matrix (AutoGPTQ's layout: qweight int32 [in / 8, out], 8 input rows a word, value k at bits 4 k;
-        scales [groups, out]; qzeros [groups, out / 8], 8 columns a word; g_idx, each input's group) as q4_0
-        blocks: symmetric, so every stored zero is the scheme's and each value is its nibble less 8."""
+        scales [groups, out]; qzeros [groups, out / 8], 8 columns a word; g_idx, each input's group): symmetric
+        (every stored zero the scheme's), as q4_0 blocks, each value its nibble less 8; else as q4_1 blocks, the
+        scale and the scale times minus the zero point as the offset, as AWQ's."""
         rows, cols = self._shape(hf_name)
         group = self.scheme.group or cols
         qweight, scales = self._read(base + "qweight"), self._read(base + "scales")
@@ -364,9 +365,6 @@ class HFCheckpoint:
             raise UserError(f"{self.path.name}: {base}qweight {qweight.dtype} {list(qweight.shape)} with scales "
                             f"{list(scales.shape)} is not GPTQ's layout of {rows} x {cols} in groups of {group}")
         zeros = unpack_int4_words(self._read(base + "qzeros"))[:, :rows] if base + "qzeros" in self._handle else None
-        if zeros is not None and not bool((zeros == self.scheme.stored_zero).all()):
-            raise UserError(f"{self.path.name}: {base}qzeros holds zero points other than the symmetric "
-                            f"{self.scheme.stored_zero}: an asymmetric GPTQ checkpoint, which cobatch does not read")
         if base + "g_idx" in self._handle:
             order = self._read(base + "g_idx").long()
             if not torch.equal(order, torch.arange(cols) // group):
@@ -374,9 +372,12 @@ class HFCheckpoint:
                                 "not supported")
         if scales.float().abs().max() > torch.finfo(torch.float16).max:
             raise UserError(f"{self.path.name}: {base}scales exceeds float16's range, which q4_0 keeps it in")
-        # AutoGPTQ's v1 format stores a zero less 1 and dequantizes (q - (zero + 1)): the nibble less 8 either way
         nibbles = unpack_int4_words(qweight.t())          # [out, in]: word r's value k is input 8 r + k
-        return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scales.t(), group))
+        if zeros is None or bool((zeros == self.scheme.stored_zero).all()):
+            return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scales.t(), group))
+        # AutoGPTQ's v1 format stores each zero less 1 and dequantizes (q - (zero + 1))
+        scale, zero = scales.float().t(), (zeros + (8 - self.scheme.stored_zero)).t().float()     # [out, groups]
+        return QuantWeight(format_of("q4_1"), rows, cols, int4_blocks(nibbles, scale, group, -scale * zero))
 
     def _awq(self, hf_name: str, base: str) -> QuantWeight:
         """An AWQ matrix (AutoAWQ's GEMM layout: qweight int32 [in, out / 8] and qzeros [groups, out / 8], 8 output

@@ -163,19 +163,27 @@ def to_int4_packed(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
                                                  QuantizationScheme(targets=["Linear"], weights=args))
 
 
-def to_gptq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
-    """w as a symmetric 4-bit GPTQ checkpoint holds it, in AutoGPTQ's layout (group 0: one a row): qweight int32
-    [in / 8, out], input rows 8 r .. 8 r + 7 of a column in word r, row 8 r + k at bits 4 k, each value q + 8;
-    scales float16 [groups, out] (a group's amax / 7.5); qzeros int32 [groups, out / 8], columns packed 8 a word
-    the same way, each the zero point 8 stored less 1 as AutoGPTQ writes it; g_idx int32 [in], each input's group."""
+def to_gptq(w: torch.Tensor, group: int, sym: bool = True) -> dict[str, torch.Tensor]:
+    """w as a 4-bit GPTQ checkpoint holds it, in AutoGPTQ's layout (group 0: one a row): qweight int32 [in / 8,
+    out], input rows 8 r .. 8 r + 7 of a column in word r, row 8 r + k at bits 4 k, each value round(w / scale) +
+    zero; scales float16 [groups, out]; qzeros int32 [groups, out / 8], columns packed 8 a word the same way, each
+    zero stored less 1 as AutoGPTQ writes it; g_idx int32 [in], each input's group. sym: zero 8 and a group's
+    amax / 7.5 as its scale; else (max - min) / 15 and round(-min / scale)."""
     rows, cols = w.shape
     group = group or cols
-    scale = (w.float().reshape(rows, -1, group).abs().amax(-1) / 7.5).clamp(min=1e-8).half()
-    q = (w.float() / scale.float().repeat_interleave(group, 1)).round().clamp(-8, 7).long() + 8      # [out, in]
+    blocks = w.float().reshape(rows, -1, group)
+    if sym:
+        scale = (blocks.abs().amax(-1) / 7.5).clamp(min=1e-8).half()
+        zero = torch.full(scale.shape, 8)
+    else:
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        scale = ((high - low).clamp(min=1e-5) / 15).half()
+        zero = (-low / scale.float()).round().clamp(0, 15).long()
+    q = ((blocks / scale.float()[..., None]).round() + zero[..., None]).clamp(0, 15).long().reshape(rows, cols)
     shifts = 4 * torch.arange(8)
     as_int32 = (lambda words: torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
     qweight = (q.t().reshape(cols // 8, 8, rows) << shifts[:, None]).sum(1)        # word r: inputs 8 r + k
-    qzeros = (torch.full((cols // group, rows // 8, 8), 8 - 1) << shifts).sum(-1)   # word c: columns 8 c + k
+    qzeros = ((zero.t() - 1).reshape(cols // group, rows // 8, 8) << shifts).sum(-1)  # word c: columns 8 c + k
     return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scale.t().contiguous(),
             "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
@@ -231,12 +239,15 @@ def checkpoint_weight(values: torch.Tensor, fmt_name: str) -> QuantWeight:
 
 
 def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
-    """src's float checkpoint as `kind`: "fp8_tensor" / "fp8_channel" (compressed-tensors), "int4_group" /
-    "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a row), "gptq"
-    (AutoGPTQ's layout, symmetric, INT4_GROUP values a scale), "awq" (AutoAWQ's GEMM layout, a scale and a zero a
-    group),
-    "fp8_blocks" (fp8's block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several a
-    tiny matrix, the last ones part blocks) or "nvfp4" (ModelOpt)."""
+    """src's float checkpoint as `kind`:
+      - "fp8_tensor" / "fp8_channel" (compressed-tensors);
+      - "int4_group" / "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a
+        row);
+      - "gptq" / "gptq_asym" (AutoGPTQ's layout, symmetric or with zero points, INT4_GROUP values a scale);
+      - "awq" (AutoAWQ's GEMM layout, a scale and a zero a group);
+      - "fp8_blocks" (fp8's block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several
+        a tiny matrix, the last ones part blocks);
+      - "nvfp4" (ModelOpt)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
@@ -260,9 +271,10 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
             del out[name]
             packed = to_int4_packed(tensors[name], INT4_GROUP if kind == "int4_group" else 0)
             out.update({base + part: t for part, t in packed.items()})
-        elif kind in ("gptq", "awq"):
+        elif kind in ("gptq", "gptq_asym", "awq"):
             del out[name]
-            packed = (to_gptq if kind == "gptq" else to_awq)(tensors[name], INT4_GROUP)
+            packed = (to_awq(tensors[name], INT4_GROUP) if kind == "awq"
+                      else to_gptq(tensors[name], INT4_GROUP, sym=kind == "gptq"))
             out.update({base + part: t for part, t in packed.items()})
         else:
             out[name], scale = to_fp8(tensors[name], per_channel=kind == "fp8_channel")
@@ -277,8 +289,9 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     elif kind == "fp8_blocks":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(FP8_BLOCK)}
-    elif kind == "gptq":
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": True,
+    elif kind.startswith("gptq"):
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP,
+                                         "sym": kind == "gptq",
                                          "desc_act": False, "checkpoint_format": "gptq", "damp_percent": 0.01,
                                          "true_sequential": True, "static_groups": False}
     elif kind == "awq":
