@@ -251,6 +251,19 @@ def test_int4_checkpoint_keeps_its_values_as_q4_0(folders, tmp_path, kind):
     _assert_runs_as(folders, folder, weights, "q4_0", exact=True)
 
 
+def test_int8_checkpoint_keeps_its_values_as_q8_0(folders, tmp_path):
+    """compressed-tensors' int-quantized W8A8 (symmetric INT8 weights, a scale a row, written by compressed-tensors'
+    own compressor): every weight runs as q8_0 holding exactly its values times its scales (the activations stay
+    float), and the logits are transformers' on those values."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors import safe_open
+    folder = hf_checkpoints.write_pre_quantized(folders["qwen2"][0], tmp_path / "int8", "int8")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        weights = {name: f.get_tensor(name).float() * f.get_tensor(name + "_scale").float()
+                   for name in f.keys() if name.endswith("proj.weight") and f.get_tensor(name).dtype == torch.int8}
+    _assert_runs_as(folders, folder, weights, "q8_0", exact=True)
+
+
 def _assert_runs_as(folders, folder, weights: dict[str, torch.Tensor], fmt: str, exact: bool) -> None:
     """A 4-bit folder made from qwen2's: its 14 matrices (2 layers of q, k, v, o, gate, up, down) run as `fmt`
     holding `weights` (the layout's reference dequantization; bitwise where `exact`, else within the f16 rounding

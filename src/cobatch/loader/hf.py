@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from cobatch.errors import UserError
 from cobatch.loader import hf_config
-from cobatch.quant.formats import format_of, int4_blocks, nvfp4_blocks, unpack_int4_words
+from cobatch.quant.formats import format_of, int4_blocks, int8_q8_0_blocks, nvfp4_blocks, unpack_int4_words
 from cobatch.quant.quantize import TORCH_QUANTIZED, quantize
 from cobatch.quant.weight import QuantWeight
 
@@ -46,14 +46,15 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 @dataclass(frozen=True, slots=True)
 class PreQuantized:
     """What config.json's quantization_config says the checkpoint's linear layers hold."""
-    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4" | "gptq" | "awq"
+    kind: str             # "fp8_e4m3" | "nvfp4" | "fp8_blocks" | "int4" | "gptq" | "awq" | "int8"
     method: str           # as the config names it: compressed-tensors, modelopt, fp8
     # fp8_blocks (DeepSeek-V3's and Qwen3's FP8 releases): e4m3 weights with a float32 scale per block of
     # block[0] rows x block[1] columns (weight_scale_inv), which no kernel reads: dequantized at load, then the
     # --quantization asked for (auto: q8_0)
     block: tuple[int, int] | None = None
     # int4 (compressed-tensors' pack-quantized W4A16) and gptq (AutoGPTQ's layout), symmetric: a scale per `group`
-    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_blocks); awq (AutoAWQ's
+    # values of a row (0: one a row), which the q4_0 format holds exactly (formats.int4_blocks); int8 (compressed-
+    # tensors' int-quantized, W8A8 and W8A16, symmetric) likewise as q8_0 (formats.int8_q8_0_blocks); awq (AutoAWQ's
     # GEMM layout): a scale and a zero point per group, as q4_1 (its offset the scale times minus the zero point)
     group: int = 0
     # gptq: the zero point a symmetric checkpoint stores (8 less the 1 AutoGPTQ's format takes off every zero: 7;
@@ -92,6 +93,12 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
                 for w in weights):
             return PreQuantized("fp8_e4m3", method)
         sizes = {int(w.get("group_size") or 0) if w.get("strategy") == "group" else 0 for w in weights}
+        int8 = all(w.get("type") == "int" and w.get("num_bits") == 8 and w.get("symmetric", True)
+                   and w.get("strategy") in ("tensor", "channel", "group") for w in weights)
+        if qc.get("format") in ("int-quantized", "naive-quantized") and weights and int8 and len(sizes) == 1:
+            group = next(iter(sizes))
+            if group % 32 == 0:
+                return PreQuantized("int8", method, group=group)
         if qc.get("format") == "pack-quantized" and weights and len(sizes) == 1 and sizes.pop() % 32 == 0 and all(
                 w.get("type") == "int" and w.get("num_bits") == 4 and w.get("symmetric", True)
                 and w.get("strategy") in ("group", "channel") and not w.get("actorder") for w in weights):
@@ -132,7 +139,7 @@ def pre_quantized(folder: Path, config: dict) -> PreQuantized | None:
                     "per-tensor or per-channel scales from compressed-tensors, modelopt or fp8, or fp8's block-wise "
                     "scales; ModelOpt NVFP4; symmetric INT4 in groups of 32s or per channel, without activation "
                     "order, as compressed-tensors' pack-quantized or GPTQ's layout; AWQ's GEMM layout, 4 bits in "
-                    "groups of 32s)")
+                    "groups of 32s; compressed-tensors' symmetric INT8)")
 
 
 def _shard_files(folder: Path) -> dict[str, Path]:
@@ -254,6 +261,10 @@ class HFCheckpoint:
         return (self.scheme is not None and self.scheme.kind == "nvfp4" and hf_name.endswith(".weight")
                 and hf_name.removesuffix("weight") + "weight_scale_2" in self._handle)
 
+    def _is_int8(self, hf_name: str) -> bool:
+        return (self.scheme is not None and self.scheme.kind == "int8"
+                and self._handle[hf_name].get_slice(hf_name).get_dtype() == "I8")
+
     def _is_fp8(self, hf_name: str) -> bool:
         return self._handle[hf_name].get_slice(hf_name).get_dtype() == "F8_E4M3"
 
@@ -287,7 +298,7 @@ class HFCheckpoint:
         return fmt
 
     def _matrix(self, name: str, hf_name: str) -> QuantWeight:
-        if self._is_int4(hf_name) or self._is_nvfp4(hf_name) or self._is_fp8(hf_name):
+        if self._is_int4(hf_name) or self._is_nvfp4(hf_name) or self._is_fp8(hf_name) or self._is_int8(hf_name):
             weight = self._pre_quantized(hf_name)
             target = self._target(name, weight.cols)
             if self.quantization == "none" or target == "none":
@@ -313,6 +324,8 @@ class HFCheckpoint:
             return self._fp8_blocks(hf_name, base + "weight_scale_inv")
         if self._is_int4(hf_name):
             return self._int4(hf_name, base)
+        if self._is_int8(hf_name):
+            return self._int8(hf_name, base)
         scale_name = base + "weight_scale"
         if scale_name not in self._handle:
             raise UserError(f"{self.path.name}: {hf_name} is quantized but the checkpoint has no {scale_name}")
@@ -352,6 +365,20 @@ class HFCheckpoint:
             raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q4_0 keeps it in")
         nibbles = unpack_int4_words(packed)[:, :cols]
         return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scale, group))
+
+    def _int8(self, hf_name: str, base: str) -> QuantWeight:
+        """An int-quantized INT8 matrix (a scale per tensor, row or group) as q8_0 blocks: the same values."""
+        values, scale = self._read(hf_name), self._read(base + "weight_scale").float()
+        rows, cols = values.shape
+        group = self.scheme.group or cols
+        if scale.numel() == 1:
+            scale = scale.reshape(1, 1).expand(rows, 1)
+        if cols % 32 or list(scale.reshape(rows, -1).shape) != [rows, -(-cols // group)]:
+            raise UserError(f"{self.path.name}: {base}weight_scale is {list(scale.shape)}; {rows} x {cols} INT8 values "
+                            f"in groups of {group} need [{rows}, {-(-cols // group)}] (and whole 32-value blocks)")
+        if scale.abs().max() > torch.finfo(torch.float16).max:
+            raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q8_0 keeps it in")
+        return QuantWeight(format_of("q8_0"), rows, cols, int8_q8_0_blocks(values, scale.reshape(rows, -1), group))
 
     def _gptq(self, hf_name: str, base: str) -> QuantWeight:
         """A GPTQ matrix (AutoGPTQ's layout: qweight int32 [in / 8, out], 8 input rows a word, value k at bits 4 k;

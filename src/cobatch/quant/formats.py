@@ -261,6 +261,17 @@ def int4_blocks(nibbles: torch.Tensor, scale: torch.Tensor, group: int, offset: 
     return torch.cat([*halves, qs], -1).reshape(rows, -1)
 
 
+def int8_q8_0_blocks(values: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Symmetric INT8 values (int8 [rows, cols]) with a scale per `group` values of a row ([rows, cols / group])
+    -> the same values as q8_0 blocks [rows, cols / 32 * 34]: each 32 values' scale (f16), then the 32 bytes.
+    Exact where f16 holds the scales as given. `group` and cols divide by 32."""
+    rows, cols = values.shape
+    assert values.dtype == torch.int8 and cols % 32 == 0 and group % 32 == 0
+    d = scale.float().repeat_interleave(group // 32, dim=1)[:, :cols // 32].to(torch.float16)
+    return torch.cat([d.contiguous().view(torch.uint8).reshape(rows, -1, 2),
+                      values.contiguous().view(torch.uint8).reshape(rows, -1, 32)], -1).reshape(rows, -1)
+
+
 def _nvfp4(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     scale = blocks[:, :1].view(torch.float8_e4m3fn).float()

@@ -188,6 +188,17 @@ def to_gptq(w: torch.Tensor, group: int, sym: bool = True) -> dict[str, torch.Te
             "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
 
+def to_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w as compressed-tensors' int-quantized symmetric INT8 (W8A16 / W8A8) holds it, quantized by compressed-tensors'
+    own compressor: weight int8, weight_scale (bf16, [out, 1]: a row's amax / 127.5)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    scale = (w.float().abs().amax(1, keepdim=True) / 127.5).clamp(min=1e-8).to(torch.bfloat16)
+    return IntQuantizationCompressor.compress({"weight": w.float(), "weight_scale": scale},
+                                              QuantizationScheme(targets=["Linear"], weights=args))
+
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ's GEMM layout: value k of a word is column 8 c + AWQ_ORDER[k]
 
 
@@ -242,7 +253,7 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     """src's float checkpoint as `kind`:
       - "fp8_tensor" / "fp8_channel" (compressed-tensors);
       - "int4_group" / "int4_channel" (compressed-tensors' pack-quantized W4A16, INT4_GROUP values a scale or one a
-        row);
+        row); "int8" (compressed-tensors' int-quantized W8A8, a scale a row);
       - "gptq" / "gptq_asym" (AutoGPTQ's layout, symmetric or with zero points, INT4_GROUP values a scale);
       - "awq" (AutoAWQ's GEMM layout, a scale and a zero a group);
       - "fp8_blocks" (fp8's block-wise scales, 128 x 128 in DeepSeek's and Qwen's releases, FP8_BLOCK here: several
@@ -271,6 +282,8 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
             del out[name]
             packed = to_int4_packed(tensors[name], INT4_GROUP if kind == "int4_group" else 0)
             out.update({base + part: t for part, t in packed.items()})
+        elif kind == "int8":
+            out.update({base + part: t for part, t in to_int8(tensors[name]).items()})
         elif kind in ("gptq", "gptq_asym", "awq"):
             del out[name]
             packed = (to_awq(tensors[name], INT4_GROUP) if kind == "awq"
@@ -297,6 +310,14 @@ def write_pre_quantized(src: str | Path, dst: str | Path, kind: str) -> Path:
     elif kind == "awq":
         config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP, "zero_point": True,
                                          "version": "gemm", "modules_to_not_convert": None}
+    elif kind == "int8":
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                      "dynamic": True}}}}
     elif kind.startswith("int4"):
         grouped = kind == "int4_group"
         config["quantization_config"] = {
