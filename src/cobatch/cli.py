@@ -34,8 +34,8 @@ def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default="auto",
                    help="a checkpoint folder's float matrices, quantized once at load: q8_0 (the default for "
                         "bf16/f16/f32 checkpoints and block-wise FP8 ones), q5_k, q5_1, q4_k, q4_1, or none (as "
-                        "stored); FP8, NVFP4, 4-bit (W4A16, GPTQ, AWQ) and INT8 checkpoints keep their format unless one is "
-                        "named")
+                        "stored); FP8, NVFP4, 4-bit (W4A16, GPTQ, AWQ) and INT8 checkpoints keep their format unless "
+                        "one is named")
 
 
 def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
