@@ -467,7 +467,8 @@ def test_random_benchmark_checkpoint_is_the_model_transformers_reads(tmp_path):
 
 @requires_cuda
 @pytest.mark.parametrize("family, kind", [("deepseek_v2", None), ("deepseek_v3", None), ("qwen3_moe", None),
-                                          ("qwen2", "gptq"), ("qwen2", "awq"), ("qwen2", "fp8_blocks"), ("qwen2", "int8")])
+                                          ("qwen2", "gptq"), ("qwen2", "awq"), ("qwen2", "fp8_blocks"),
+                                          ("qwen2", "int8")])
 def test_gpu_folder_is_close_to_the_cpu_path(folders, tmp_path, family, kind):
     """A folder on CUDA (f16) against the CPU path on the same weights, as the GGUF models' GPU tests bound it:
     float ones quantized on load to q8_0 (DeepSeek's MLA kernels, experts routed on the device), and GPTQ, AWQ
