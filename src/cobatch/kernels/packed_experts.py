@@ -51,6 +51,11 @@ def routed_slot_size(n_rows: int, k: int, n_experts: int, gemm: bool) -> int:
     return quant_gemm.token_tile(min(average, ROUTED_GEMM_MAX_SLOT))
 
 
+def gemm_slots(size: int) -> bool:
+    """Are slots of `size` pairs the routed GEMM's (bigger than any GEMV token tile) rather than the GEMV's?"""
+    return size > quant_gemv.token_tile(size)
+
+
 def stackable(fmt_name: str, rows: int) -> bool:
     """Can experts of this format and row count be stacked for the routed GEMV (on CUDA)? Its formats are the
     fragment-order ones; an expert must own whole row pads, so that expert views start at a row tile."""
@@ -107,7 +112,7 @@ class PackedExperts:
         out = torch.empty(x.shape[0], self.rows // 2 if act else self.rows, dtype=x.dtype, device=x.device)
         routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.slot_size,
                                      self.rows)
-        if slots.slot_size > quant_gemv.token_tile(slots.slot_size):
+        if gemm_slots(slots.slot_size):
             assert self.routed_gemm is not None, "slots of the routed GEMM on experts it cannot run"
             quant_gemm.launch(self.planes, x, out, self.routed_gemm, out, out, act=act, routing=routing)
         else:

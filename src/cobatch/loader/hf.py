@@ -346,6 +346,11 @@ class HFCheckpoint:
         return QuantWeight(format_of("fp8_e4m3"), rows, raw.shape[1], raw.view(torch.uint8),
                            scale.expand(rows).contiguous())
 
+    def _check_f16(self, name: str, scale: torch.Tensor) -> None:
+        """GGUF blocks keep their scales in float16: one a checkpoint stores beyond its range cannot go there."""
+        if scale.float().abs().max() > torch.finfo(torch.float16).max:
+            raise UserError(f"{self.path.name}: {name} exceeds float16's range, in which the GGUF blocks keep scales")
+
     def _int4(self, hf_name: str, base: str) -> QuantWeight:
         """A pack-quantized INT4 matrix as q4_0 blocks: the same values, no requantizing."""
         if self.scheme.kind == "gptq":
@@ -361,8 +366,7 @@ class HFCheckpoint:
         if list(scale.shape) != [rows, -(-cols // group)] or cols % 32:
             raise UserError(f"{self.path.name}: {base}weight_scale is {list(scale.shape)}; {rows} x {cols} in groups "
                             f"of {group} need [{rows}, {-(-cols // group)}] (and whole 32-value blocks)")
-        if scale.float().abs().max() > torch.finfo(torch.float16).max:
-            raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q4_0 keeps it in")
+        self._check_f16(base + "weight_scale", scale)
         nibbles = unpack_int4_words(packed)[:, :cols]
         return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scale, group))
 
@@ -376,8 +380,7 @@ class HFCheckpoint:
         if cols % 32 or list(scale.reshape(rows, -1).shape) != [rows, -(-cols // group)]:
             raise UserError(f"{self.path.name}: {base}weight_scale is {list(scale.shape)}; {rows} x {cols} INT8 values "
                             f"in groups of {group} need [{rows}, {-(-cols // group)}] (and whole 32-value blocks)")
-        if scale.abs().max() > torch.finfo(torch.float16).max:
-            raise UserError(f"{self.path.name}: {base}weight_scale exceeds float16's range, which q8_0 keeps it in")
+        self._check_f16(base + "weight_scale", scale)
         return QuantWeight(format_of("q8_0"), rows, cols, int8_q8_0_blocks(values, scale.reshape(rows, -1), group))
 
     def _gptq(self, hf_name: str, base: str) -> QuantWeight:
@@ -397,8 +400,7 @@ class HFCheckpoint:
             if not torch.equal(order, torch.arange(cols) // group):
                 raise UserError(f"{self.path.name}: {base}g_idx reorders the groups (desc_act): activation order is "
                                 "not supported")
-        if scales.float().abs().max() > torch.finfo(torch.float16).max:
-            raise UserError(f"{self.path.name}: {base}scales exceeds float16's range, which q4_0 keeps it in")
+        self._check_f16(base + "scales", scales)
         nibbles = unpack_int4_words(qweight.t())          # [out, in]: word r's value k is input 8 r + k
         if zeros is None or bool((zeros == self.scheme.stored_zero).all()):
             return QuantWeight(format_of("q4_0"), rows, cols, int4_blocks(nibbles, scales.t(), group))

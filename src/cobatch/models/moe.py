@@ -25,7 +25,7 @@ import torch
 
 from cobatch import ops
 from cobatch.config import ModelConfig
-from cobatch.kernels import packed_experts, quant_gemv
+from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import RouterRule, expert_slots
 from cobatch.kernels.packed_weight import as_q8_0_on
@@ -120,7 +120,7 @@ class MoeFeedForward:
 
     def _gemm_slots(self, n_rows: int) -> bool:
         """Does a step of n_rows rows run the routed GEMM (at any size: its grid holds a whole prefill chunk)?"""
-        return self._slot_size(n_rows) > quant_gemv.token_tile(n_rows)
+        return packed_experts.gemm_slots(self._slot_size(n_rows))
 
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype
                 ) -> torch.Tensor:

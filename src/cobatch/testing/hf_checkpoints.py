@@ -163,6 +163,26 @@ def to_int4_packed(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
                                                  QuantizationScheme(targets=["Linear"], weights=args))
 
 
+_SHIFTS = 4 * torch.arange(8)      # value k of an int32 word of 4-bit values at bits 4 k
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (int64) as the int32 tensors the checkpoints store (the same bits)."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def _with_zero_points(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float16 scale, zero point in 0..15) of each group of the last dim: (max - min) / 15 and round(-min / scale)."""
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scale = ((high - low).clamp(min=1e-5) / 15).half()
+    return scale, (-low / scale.float()).round().clamp(0, 15).long()
+
+
+def _nibbles(blocks: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Each value of each group as round(value / scale) + zero, in 0..15."""
+    return ((blocks / scale.float()[..., None]).round() + zero[..., None]).clamp(0, 15).long()
+
+
 def to_gptq(w: torch.Tensor, group: int, sym: bool = True) -> dict[str, torch.Tensor]:
     """w as a 4-bit GPTQ checkpoint holds it, in AutoGPTQ's layout (group 0: one a row): qweight int32 [in / 8,
     out], input rows 8 r .. 8 r + 7 of a column in word r, row 8 r + k at bits 4 k, each value round(w / scale) +
@@ -176,15 +196,11 @@ def to_gptq(w: torch.Tensor, group: int, sym: bool = True) -> dict[str, torch.Te
         scale = (blocks.abs().amax(-1) / 7.5).clamp(min=1e-8).half()
         zero = torch.full(scale.shape, 8)
     else:
-        low, high = blocks.amin(-1), blocks.amax(-1)
-        scale = ((high - low).clamp(min=1e-5) / 15).half()
-        zero = (-low / scale.float()).round().clamp(0, 15).long()
-    q = ((blocks / scale.float()[..., None]).round() + zero[..., None]).clamp(0, 15).long().reshape(rows, cols)
-    shifts = 4 * torch.arange(8)
-    as_int32 = (lambda words: torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
-    qweight = (q.t().reshape(cols // 8, 8, rows) << shifts[:, None]).sum(1)        # word r: inputs 8 r + k
-    qzeros = ((zero.t() - 1).reshape(cols // group, rows // 8, 8) << shifts).sum(-1)  # word c: columns 8 c + k
-    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scale.t().contiguous(),
+        scale, zero = _with_zero_points(blocks)
+    q = _nibbles(blocks, scale, zero).reshape(rows, cols)
+    qweight = (q.t().reshape(cols // 8, 8, rows) << _SHIFTS[:, None]).sum(1)        # word r: inputs 8 r + k
+    qzeros = ((zero.t() - 1).reshape(cols // group, rows // 8, 8) << _SHIFTS).sum(-1)  # word c: columns 8 c + k
+    return {"qweight": _as_int32(qweight), "qzeros": _as_int32(qzeros), "scales": scale.t().contiguous(),
             "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
 
@@ -209,15 +225,11 @@ def to_awq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     8 c + AWQ_ORDER[k] at bits 4 k; scales [groups, out]."""
     rows, cols = w.shape
     blocks = w.float().reshape(rows, -1, group)
-    low, high = blocks.amin(-1), blocks.amax(-1)
-    scale = ((high - low).clamp(min=1e-5) / 15).half()                              # [out, groups]
-    zero = (-low / scale.float()).round().clamp(0, 15).long()
-    q = ((blocks / scale.float()[..., None]).round() + zero[..., None]).clamp(0, 15).long().reshape(rows, cols)
-    shifts = 4 * torch.arange(8)
-    as_int32 = (lambda words: torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
+    scale, zero = _with_zero_points(blocks)                                        # [out, groups]
+    q = _nibbles(blocks, scale, zero).reshape(rows, cols)
 
     def pack_columns(values: torch.Tensor) -> torch.Tensor:    # [n, out] -> [n, out / 8]
-        return as_int32((values.reshape(values.shape[0], -1, 8)[..., list(AWQ_ORDER)] << shifts).sum(-1))
+        return _as_int32((values.reshape(values.shape[0], -1, 8)[..., list(AWQ_ORDER)] << _SHIFTS).sum(-1))
 
     return {"qweight": pack_columns(q.t()), "qzeros": pack_columns(zero.t()), "scales": scale.t().contiguous()}
 
