@@ -28,6 +28,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
     _add_speculative_arg(p)
+    _add_lora_args(p)
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="vLLM's: LoRA adapters (PEFT folders or llama.cpp GGUF adapters) requests select by `model`; "
+                        "also as JSON, '{\"name\": ..., \"path\": ...}'")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH",
+                   help="llama.cpp's: a LoRA adapter, named by its file or folder name (repeatable)")
+    p.add_argument("--lora-scaled", nargs=2, action="append", default=[], metavar=("PATH", "SCALE"),
+                   help="llama.cpp's: a LoRA adapter at a scale (repeatable)")
 
 
 def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
@@ -96,7 +107,12 @@ def _sampling(args, model_defaults: dict | None = None):
     from cobatch.engine.sampler import SamplingParams
     chosen = {name: getattr(args, name) if getattr(args, name) is not None
               else (model_defaults or {}).get(name, default) for name, default in _SAMPLING_DEFAULTS.items()}
-    params = SamplingParams(**chosen, seed=args.seed, max_tokens=args.max_tokens, grammar=_grammar(args))
+    from cobatch.loader.lora import adapter_flags
+    adapters = adapter_flags(args)
+    if len(adapters) > 1:
+        raise UserError("chat and generate run through one LoRA adapter (serve takes several)")
+    params = SamplingParams(**chosen, seed=args.seed, max_tokens=args.max_tokens, grammar=_grammar(args),
+                            adapter=adapters[0][0] if adapters else None)
     try:
         params.validate()
     except ValueError as e:
@@ -107,12 +123,13 @@ def _sampling(args, model_defaults: dict | None = None):
 def _load(args, max_num_seqs: int = 1):
     from cobatch.engine.speculative import parse_speculative_config
     from cobatch.llm import LLM, EngineOptions, kv_cache_dtype_arg
+    from cobatch.loader.lora import adapter_flags
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
                                               chat_template=args.chat_template, quantization=args.quantization,
                                               speculative=parse_speculative_config(args.speculative_config),
-                                              quiet=getattr(args, "quiet", False)))
+                                              lora_modules=adapter_flags(args), quiet=getattr(args, "quiet", False)))
 
 
 def _stream(llm, prompt_ids: list[int], params) -> str:
@@ -384,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     _add_quantization_arg(p)
+    _add_lora_args(p)
     _add_kv_cache_args(p)
     p.add_argument("--slot-save-path", default=None,
                    help="llama.cpp's: the directory of POST /slots/{id}?action=save|restore files (default: refused)")
@@ -423,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's; cobatch has no pipeline parallelism, so only 1")
     for flags, what in ((("--trust-remote-code",), "cobatch runs no code from a model's files"),
                         (("--enable-prefix-caching",), "the prefix cache is always on"),
+                        (("--enable-lora",), "adapters are on whenever --lora-modules names some"),
                         (("--enable-auto-tool-choice",), "tool calls are always parsed when a request declares tools"),
                         (("--disable-log-stats",), "cobatch logs no periodic stats")):
         p.add_argument(*flags, action="store_true", help=f"vLLM's; {what}")

@@ -27,6 +27,7 @@ from cobatch.errors import UserError
 from cobatch.loader.gguf import GGUFFile
 from cobatch.loader.hf import HFCheckpoint, generation_defaults, is_checkpoint_folder
 from cobatch.loader.hf_tokenizer import chat_template_source, tokenizer_from_folder
+from cobatch.loader.lora import load_adapter
 from cobatch.model_files import default_model_path
 from cobatch.models.linear import resident_bytes
 from cobatch.models.registry import Model, model_class
@@ -61,6 +62,8 @@ class EngineOptions:
     kv_disk_gb: float = 16.0           # ... kept under this size
     quantization: str = "auto"         # a checkpoint folder's float matrices: q8_0 (auto), q4_k, q4_1, none
     tensor_parallel_size: int = 1      # ranks the model is sharded over (cobatch.parallel; launch.load spawns them)
+    # LoRA adapters requests may select by name (models/lora.py): (name, PEFT folder or GGUF adapter, scale)
+    lora_modules: tuple[tuple[str, str, float], ...] = ()
     quiet: bool = False
 
 
@@ -289,10 +292,11 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
     if tp is not None:
         model_cfg, source = shard_config(cfg, tp.world), ShardedGGUF(w.weights, cfg, tp.rank, tp.world)
         tp.vocab_rows, tp.vocab_per_rank = source.vocab_rows, source.vocab_per_rank
+    adapter_args = _adapters(options, cfg, tp, device)
     with tqdm(total=cfg.n_layers, desc=f"loading {path.name}", unit="layer", delay=1.0,
               disable=options.quiet or not rank0, file=sys.stderr) as bar:
         model = model_class(model_cfg)(model_cfg, source, device, dtype, max_positions=ctx, progress=bar.update,
-                                       keep_dense=options.dense_large_batch)
+                                       keep_dense=options.dense_large_batch, **adapter_args)
     if tp is not None:
         model.tp, model.vocab_rows = tp, tp.vocab_rows
     held = resident_bytes(model)
@@ -309,6 +313,24 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
         if rank0 and not options.quiet:
             print(sharding_banner(cfg, ranks, options.block_size, dtype), file=sys.stderr)
     w.model, w.pool = model, pool
+
+
+def _adapters(options: EngineOptions, cfg: ModelConfig, tp: TensorParallelGroup | None, device: torch.device
+              ) -> dict:
+    """The model's LoRA keyword arguments: the adapters read from disk, and the most rows a step may have."""
+    if not options.lora_modules:
+        return {}
+    if tp is not None:
+        raise UserError("LoRA adapters are not supported with --tensor-parallel-size > 1")
+    names = [name for name, _, _ in options.lora_modules]
+    if len(set(names)) != len(names):
+        raise UserError(f"two LoRA adapters share a name ({', '.join(names)}): give each its own (NAME=PATH)")
+    adapters = [load_adapter(path, cfg, name, scale) for name, path, scale in options.lora_modules]
+    rows = max(options.max_step_tokens, options.prefill_chunk, _graph_rows(options, None, device))
+    if not options.quiet:
+        print(f"LoRA adapters: {', '.join(f'{a.name} (rank {a.rank}, {len(a.pairs)} projections)' for a in adapters)}",
+              file=sys.stderr)
+    return {"adapters": adapters, "adapter_rows": rows}
 
 
 def _capture_graphs(w: _Weights, options: EngineOptions, link: StepLink | None):

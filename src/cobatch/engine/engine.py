@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec, Prediction, propose
 from cobatch.engine.grammar import GrammarError, Grammars
-from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool
+from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool, prefix_root
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams, needs_penalties
 from cobatch.engine.scheduler import Scheduler, StepPlan
@@ -92,6 +92,8 @@ class Engine:
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id}")
         seq = Sequence(request_id, len(prompt_ids), params, params.resolved_seed(), list(prompt_ids))
+        if params.adapter is not None:
+            self._use_adapter(seq, params.adapter)
         if params.prediction:
             seq.prediction = Prediction(params.prediction)
         if params.grammar is not None:
@@ -101,6 +103,14 @@ class Engine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _use_adapter(self, seq: Sequence, name: str) -> None:
+        lora = getattr(self.runner.model, "lora", None)
+        if lora is None or name not in lora.slots:
+            loaded = ", ".join(map(repr, lora.slots)) if lora is not None else "none"
+            raise UserError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+        seq.adapter = lora.slot(name)
+        seq.hash_root = prefix_root(lora.adapters[seq.adapter - 1].fingerprint)
 
     def abort(self, request_id: str) -> None:
         """Free the request's slot and KV now; step() reports it once as finished with 'abort'."""
@@ -211,7 +221,7 @@ class Engine:
         bs = self.blocks.block_size
         while len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            prev = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(self.blocks.register_full_block(seq.block_table[i], prev, tokens))
 

@@ -62,6 +62,13 @@ def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
+def prefix_root(tag: bytes) -> int:
+    """Where the chains of a sequence whose KV is computed otherwise than the base model's start (a LoRA adapter's:
+    `tag` its fingerprint), in place of None: the same tokens then find only blocks computed the same way. The -1
+    that leads its made-up "tokens" is no token id, so no block's hash is a root."""
+    return chain_hash(None, (-1, *tag))
+
+
 class BlockSpill(Protocol):
     """Where evicted hashed blocks go and come back from (engine/disk_cache.DiskPrefixCache)."""
 
@@ -102,12 +109,13 @@ class BlockManager:
         bid = self.by_hash.get(block_hash)
         return bid if bid is not None and self.blocks[bid].tokens == tokens else None
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of full blocks; takes a reference on each.
+    def match_prefix(self, token_ids: list[int], root: int | None = None) -> list[int]:
+        """Blocks holding the longest cached prefix of full blocks; takes a reference on each. root: where the
+        chain starts (prefix_root; None for the base model's KV).
 
         The last token is never covered: its forward pass must run to produce the next token's logits.
         """
-        matched, prev = [], None
+        matched, prev = [], root
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             tokens = tuple(token_ids[start:start + bs])

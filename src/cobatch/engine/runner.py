@@ -151,6 +151,9 @@ class ModelRunner:
         (plan.follows) reads its input tokens from the step it follows, on the device."""
         step = LaunchedStep(plan, samplers=[(i, len(seq.draft)) for i, (seq, n) in enumerate(plan.items)
                                             if plan.ahead or _samples(seq, n)])
+        lora = getattr(self.model, "lora", None)
+        if lora is not None:        # each row's adapter, where the forward (or the graph replayed) reads them
+            lora.stage(to_device([seq.adapter for seq, n in plan.items for _ in range(n)], torch.int64, self.device))
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
         else:

@@ -65,6 +65,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()   # vLLM: token sequences the output may not contain (bad_word_bans)
     embed: bool = False               # also return the last prompt token's final hidden state (/v1/embeddings)
     prediction: tuple[int, ...] = ()  # OpenAI's predicted output: drafts for speculative decoding (same output)
+    adapter: str | None = None        # the LoRA adapter the request runs through, by name (None: the base model)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -84,6 +85,8 @@ class SamplingParams:
             _check_token("stop_token_ids", token, "", vocab_size)
         for token in self.prediction:
             _check_token("prediction", token, "", vocab_size)
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise ValueError(f"adapter must be a LoRA adapter's name (got {self.adapter!r})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool (got {self.ignore_eos!r})")
         if self.logprobs is not None:

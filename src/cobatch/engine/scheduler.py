@@ -84,7 +84,7 @@ class Scheduler:
             seq = self.waiting[0]
             # Prompt logprobs need every prompt row computed: no prefix-cache reuse for those requests.
             if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
-                matched = self.blocks.match_prefix(seq.token_ids)
+                matched = self.blocks.match_prefix(seq.token_ids, seq.hash_root)
                 seq.block_table = matched
                 seq.num_computed = len(matched) * self.blocks.block_size
                 seq.block_hashes = [self.blocks.blocks[b].hash for b in matched]

@@ -29,6 +29,8 @@ class Sequence:
     token_ids: list[int]                     # prompt followed by every sampled token
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chain hashes of this sequence's full blocks
+    adapter: int = 0                         # the model's LoRA adapter slot its rows run through (0: none)
+    hash_root: int | None = None             # where its blocks' chain hashes start (kv_cache.prefix_root)
     num_computed: int = 0                    # tokens whose K/V are in the cache
     num_cached_prompt: int = 0               # prompt tokens served from the prefix cache
     num_prompt_logprobs: int = 0             # prompt tokens after the first whose logprob was reported

@@ -99,10 +99,10 @@ def gate_up_interleavable(gate: QuantWeight, up: QuantWeight, device: torch.devi
 
 
 def load_gate_up(gate: QuantWeight, up: QuantWeight, device: torch.device, dtype: torch.dtype,
-                 keep_dense: bool = False) -> object:
+                 keep_dense: bool = False, interleave: bool = True) -> object:
     """The fused gate|up projection, for ops.gated_linear: gate rows then up rows, or on the GEMV's formats
-    interleaved 8 by 8 (its act*mul epilogue)."""
-    if gate_up_interleavable(gate, up, device):
+    interleaved 8 by 8 (its act*mul epilogue) unless interleave=False."""
+    if interleave and gate_up_interleavable(gate, up, device):
         return _one(QuantWeight.interleave_rows(gate, up, GATE_UP_GROUP), torch.device(device), dtype, keep_dense,
                     gate_up_interleaved=True)
     return load_linear([gate, up], device, dtype, keep_dense)

@@ -18,7 +18,9 @@ from cobatch.config import ModelConfig
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.weights import WeightSource
+from cobatch.loader.lora import Adapter
 from cobatch.models.linear import WeightLoader, load_gate_up
+from cobatch.models.lora import LoraSet
 from cobatch.models.moe import MoeFeedForward
 
 
@@ -39,15 +41,17 @@ class Layer:
     window: int = 0              # sliding window of a local layer (0: global)
 
 
-def _gate_up(prefix: str, gguf: WeightSource, device: torch.device, dtype: torch.dtype, keep_dense: bool) -> object:
-    """The fused gate|up projection: phi3 stores it so (in ffn_up, gate first), the others as two tensors."""
+def _gate_up(prefix: str, gguf: WeightSource, device: torch.device, dtype: torch.dtype, keep_dense: bool,
+             interleave: bool = True) -> object:
+    """The fused gate|up projection: phi3 stores it so (in ffn_up, gate first), the others as two tensors.
+    interleave=False keeps gate rows then up rows whatever reads them (a LoRA adapter adds to them by row)."""
     if prefix + "ffn_gate.weight" not in gguf.tensors:
         fused = gguf.quant_weight(prefix + "ffn_up.weight")
         half = fused.rows // 2
         gate, up = fused.row_slice(0, half), fused.row_slice(half, fused.rows)
     else:
         gate, up = gguf.quant_weight(prefix + "ffn_gate.weight"), gguf.quant_weight(prefix + "ffn_up.weight")
-    return load_gate_up(gate, up, device, dtype, keep_dense)
+    return load_gate_up(gate, up, device, dtype, keep_dense, interleave)
 
 
 def _rope_table(cfg: ModelConfig, gguf: WeightSource, n_pos: int) -> torch.Tensor:
@@ -76,13 +80,15 @@ def _rope_table(cfg: ModelConfig, gguf: WeightSource, n_pos: int) -> torch.Tenso
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, gguf: WeightSource, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None,
-                 keep_dense: bool = False):
+                 keep_dense: bool = False, adapters: list[Adapter] = (), adapter_rows: int = 0):
+        """adapters: LoRA adapters requests may run through (models/lora.py), for steps of up to adapter_rows."""
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         dev = self.device
         load = WeightLoader(gguf, dev, dtype, keep_dense)
         vec, lin = load.vec, load.linear
 
         self.layers: list[Layer] = []
+        adapted_gate_up = {layer for a in adapters for layer, part in a.pairs if part in ("gate", "up", "gate_up")}
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             self.layers.append(Layer(
@@ -94,7 +100,8 @@ class LlamaModel:
                 k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
                 o=lin(p + "attn_output.weight"),
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                gate_up=None if cfg.n_experts else _gate_up(p, gguf, dev, dtype, keep_dense),
+                gate_up=None if cfg.n_experts else _gate_up(p, gguf, dev, dtype, keep_dense,
+                                                            interleave=i not in adapted_gate_up),
                 down=None if cfg.n_experts else lin(p + "ffn_down.weight"),
                 moe=MoeFeedForward(cfg, gguf, p, dev, dtype, keep_dense) if cfg.n_experts else None,
                 post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.post_norms else None,
@@ -129,6 +136,7 @@ class LlamaModel:
         self.cos_sin_local = (rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta_local).to(dev) if own_table
                               else self.cos_sin)
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.lora = LoraSet(cfg, list(adapters), dev, dtype, adapter_rows) if adapters else None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -141,12 +149,15 @@ class LlamaModel:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)    # rounded to the dtype first, as gemma does
         residual = None
         dtype = x.dtype
+        lora = self.lora
         for i, layer in enumerate(self.layers):
             # each normed or attended x in the dtype its weight's kernels read (ops.operand_dtype), so they need
             # not convert it; their outputs and the residual stream in the model's dtype
             h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual,
                                        out_dtype=ops.operand_dtype(layer.qkv, n, dtype))
             qkv = ops.linear(h, layer.qkv, dtype=dtype)
+            if lora is not None:
+                qkv = lora.add(i, "qkv", h, qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q = qkv[:, :q_size].reshape(n, cfg.n_heads, cfg.head_dim)
@@ -157,7 +168,10 @@ class LlamaModel:
             attn = ops.rope_attention(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i], meta,
                                       self.scale, layer.window, cfg.attn_softcap,
                                       out_dtype=ops.operand_dtype(layer.o, n, dtype), qk_norm=qk_norm)
-            x = ops.linear(attn.reshape(n, q_size), layer.o, dtype=dtype)
+            attn = attn.reshape(n, q_size)
+            x = ops.linear(attn, layer.o, dtype=dtype)
+            if lora is not None:
+                x = lora.add(i, "o", attn, x)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
             if layer.post_attn_norm is not None:
@@ -166,6 +180,8 @@ class LlamaModel:
                                        out_dtype=ops.operand_dtype(layer.gate_up, n, dtype))   # MoE: no gate_up
             if layer.moe is not None:
                 x = layer.moe(h)
+            elif lora is not None and (lora.touches(i, "gate_up") or lora.touches(i, "down")):
+                x = lora.feed_forward(i, h, layer.gate_up, layer.down, cfg.activation, dtype)
             else:
                 x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation, dtype=dtype)
             if self.tp is not None:

@@ -183,7 +183,8 @@ async def messages(request: Request):
                                    parallel=not choice.get("disable_parallel_tool_use"))
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
                                   temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, max_tokens=body.max_tokens, grammar=grammar)
+                                  top_k=body.top_k, max_tokens=body.max_tokens, grammar=grammar,
+                                  adapter=ctx.adapter_for(body.model))
     gen = ctx.generation(GenerationRequest(
         "messages", prompt_ids, params, list(body.stop_sequences or []), parse_reasoning=True,
         start_in_reasoning=in_think, tool_names=[t["function"]["name"] for t in tools] if tools else None))
@@ -227,14 +228,14 @@ async def _result(ctx: ServerContext, gen: Generation, msg_id: str) -> dict:
         content.append({"type": "text", "text": done.content})
     content += [{"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": _tool_input(c.arguments)}
                 for c in done.tool_calls]
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": content,
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": ctx.answered_by(gen.request.params.adapter), "content": content,
             "stop_reason": _stop_reason(done.finish), "stop_sequence": done.finish.stop_string,
             "usage": _usage(done.finish)}
 
 
 async def _stream(ctx: ServerContext, gen: Generation, msg_id: str) -> AsyncIterator[str]:
     yield sse_event("message_start", {"type": "message_start", "message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+        "id": msg_id, "type": "message", "role": "assistant", "model": ctx.answered_by(gen.request.params.adapter), "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(gen.request.prompt_ids), "output_tokens": 0}}})
     blocks = _BlockWriter()

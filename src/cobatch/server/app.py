@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch import __version__
 from cobatch.llm import LLM, kv_cache_dtype_arg
+from cobatch.loader.lora import adapter_flags
 from cobatch.server import (anthropic, embeddings, events, llama_cpp, openai, openai_responses, openapi, slot_files,
                             tokens, webui)
 from cobatch.server.context import ServerContext, ServerOptions, get_context
@@ -302,7 +303,7 @@ def engine_options(args):
         quantization=getattr(args, "quantization", "auto"),
         overlap_steps=getattr(args, "async_scheduling", True),
         kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0),
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), lora_modules=adapter_flags(args))
 
 
 def serve(args) -> int:

@@ -49,10 +49,22 @@ class ServerContext:
         self.model_name = options.model_name or (llm.path.name if llm.path.is_dir() else llm.path.stem)
         self.metrics = ServerMetrics(self.worker, vllm_names=options.metrics_compat == "vllm",
                                      model_name=self.model_name)
-        self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
+        # LoRA adapters are served models of their own, as vLLM lists them: a request names one as its `model`
+        lora = getattr(getattr(llm, "model", None), "lora", None)
+        self.adapter_names = tuple(lora.slots) if lora is not None else ()
+        self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name),
+                            *self.adapter_names)
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
         self.event_streams = 0                  # open GET /v1/events streams (server/events.py)
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return model if model in self.adapter_names else None
+
+    def answered_by(self, model: str | None) -> str:
+        """The `model` a response names: the adapter the request ran through, else the served model's name."""
+        return self.adapter_for(model) or self.model_name
 
     def generation(self, request: GenerationRequest) -> Generation:
         return Generation(self.worker, self.metrics, self.llm.tokenizer, request)

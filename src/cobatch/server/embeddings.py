@@ -65,8 +65,8 @@ async def embeddings(request: Request):
     requests = []
     for ids, _ in prompts:
         check_prompt_fits(ctx.llm, len(ids), "input")
-        requests.append(GenerationRequest("embeddings", ids, SamplingParams(temperature=0, max_tokens=1, embed=True),
-                                          report_output=False))
+        params = SamplingParams(temperature=0, max_tokens=1, embed=True, adapter=ctx.adapter_for(body.model))
+        requests.append(GenerationRequest("embeddings", ids, params, report_output=False))
     choices = Choices(ctx.generation, requests, 1)
     try:
         done = await choices.collect()
@@ -75,5 +75,5 @@ async def embeddings(request: Request):
     data = [{"object": "embedding", "index": i, "embedding": encoded(normalized(d.embedding), body.encoding_format)}
             for i, d in enumerate(done)]
     n_prompt = choices.total_usage([d.finish for d in done]).prompt_tokens
-    return {"object": "list", "data": data, "model": ctx.model_name,
+    return {"object": "list", "data": data, "model": ctx.answered_by(body.model),
             "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt}}

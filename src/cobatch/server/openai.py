@@ -229,7 +229,7 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
         allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids else None,
-        bad_words=_bad_words(ctx, body.bad_words), prediction=prediction,
+        bad_words=_bad_words(ctx, body.bad_words), prediction=prediction, adapter=ctx.adapter_for(body.model),
         max_tokens=max_new_tokens(ctx, max_tokens, n_prompt))
 
 
@@ -368,8 +368,12 @@ async def get_model(model_id: str, request: Request) -> dict:
 
 
 def _model_card(ctx: ServerContext, name: str) -> dict:
-    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "cobatch",
+    card = {"id": name, "object": "model", "created": ctx.created, "owned_by": "cobatch",
             "max_model_len": ctx.llm.engine.max_context}
+    if name in ctx.adapter_names:      # as vLLM lists a LoRA adapter: its path, and the model it adapts
+        card.update(root=str(ctx.llm.model.lora.adapters[ctx.llm.model.lora.slot(name) - 1].path),
+                    parent=ctx.model_name)
+    return card
 
 
 @router.post("/v1/chat/completions")
@@ -395,7 +399,7 @@ async def chat_completions(request: Request):
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
         tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
-    meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
+    meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.answered_by(body.model)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streams = [_chat_stream(ctx, gen, meta, include_usage, i) for i, gen in enumerate(choices.generations)]
@@ -515,7 +519,7 @@ async def completions(request: Request):
                                           include_stop=body.include_stop_str_in_output,
                                           skip_special=body.skip_special_tokens, report_output=body.max_tokens != 0))
     choices = Choices(ctx.generation, requests, body.n)
-    meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.model_name}
+    meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.answered_by(body.model)}
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]     # one per choice
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -141,7 +141,7 @@ async def create_response(request: Request):
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
                                   temperature=body.temperature, top_p=body.top_p,
-                                  grammar=grammar,
+                                  grammar=grammar, adapter=ctx.adapter_for(body.model),
                                   max_tokens=max_new_tokens(ctx, body.max_output_tokens, len(prompt_ids)))
     gen = ctx.generation(GenerationRequest(
         "responses", prompt_ids, params, [], parse_reasoning=True, start_in_reasoning=in_think,
@@ -158,7 +158,7 @@ class _Shell:
 
     def __init__(self, ctx: ServerContext, body: ResponsesRequest):
         self.id, self.created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
-        self.fields = {"model": ctx.model_name, "instructions": body.instructions,
+        self.fields = {"model": ctx.answered_by(body.model), "instructions": body.instructions,
                        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
                        "top_p": body.top_p, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                        "tool_choice": body.tool_choice or "auto",

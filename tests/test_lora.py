@@ -1,0 +1,226 @@
+"""LoRA adapters (loader/lora.py, models/lora.py): PEFT folders and llama.cpp GGUF adapters, each row of a step
+through its own adapter or none.
+
+The reference is PEFT itself: a random adapter made and saved by PEFT on a transformers model, whose logits with the
+adapter are what ours must match. The base models are tiny random checkpoints written by transformers, and a tiny
+GGUF llama (whose q and k rows are permuted, so B's must be too) that transformers reads back for PEFT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from cobatch import cli
+from cobatch.engine.sampler import SamplingParams
+from cobatch.errors import UserError
+from cobatch.llm import LLM, EngineOptions
+from cobatch.loader.hf import HFCheckpoint
+from cobatch.loader.lora import load_adapter
+from cobatch.model_files import smollm2_path
+from cobatch.models.registry import model_class
+from cobatch.testing import hf_checkpoints
+from cobatch.testing.gguf_writer import write_random_model
+from cobatch.testing.lora_adapters import ATTENTION, FEED_FORWARD, FUSED, peft_to_gguf, write_peft_adapter
+from model_checks import open_gguf, prompt_logits
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+IDS = [(i * 37 + 5) % 360 for i in range(24)]
+FAMILIES = ["llama", "qwen2", "phi3", "gemma2"]
+# float32 both ways, the same weights; the adapters move the logits by about 5 (measured: under 3e-5 apart)
+BOUND = 1e-4
+
+
+def _peft_logits(peft_model, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with the adapter, logits without), float32."""
+    with torch.inference_mode():
+        with_adapter = peft_model(torch.tensor([ids])).logits[0].float()
+        with peft_model.disable_adapter():
+            base = peft_model(torch.tensor([ids])).logits[0].float()
+    return with_adapter, base
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """family -> (base folder, adapter folder, PEFT's logits with the adapter, without)."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        folder = hf_checkpoints.write_tiny_model(root / family, family, seed=40 + i)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        targets = FUSED if family == "phi3" else ATTENTION + FEED_FORWARD
+        peft_model, adapter = write_peft_adapter(model, root / f"{family}-adapter", targets, seed=50 + i)
+        out[family] = (folder, adapter, *_peft_logits(peft_model, IDS))
+    return out
+
+
+def _logits(model, cfg, slot: int, ids=IDS) -> torch.Tensor:
+    model.lora.stage(torch.full((len(ids),), slot, dtype=torch.int64))
+    return prompt_logits(model, cfg, ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_adapter_matches_peft(adapted, family):
+    """Every projection adapted (phi3's fused ones as PEFT targets them); slot 0 is the base model, bit for bit."""
+    folder, adapter, ref, ref_base = adapted[family]
+    ckpt = HFCheckpoint(folder, "none")
+    cfg = ckpt.config
+    model = model_class(cfg)(cfg, ckpt, max_positions=64, adapters=[load_adapter(adapter, cfg)], adapter_rows=64)
+    ours = _logits(model, cfg, 1)
+    assert (ours - ref).abs().max() < BOUND and torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ref - ref_base).abs().max() > 1.0          # the adapter changes what the model says
+    plain = model_class(cfg)(cfg, ckpt, max_positions=64)
+    assert torch.equal(_logits(model, cfg, 0), prompt_logits(plain, cfg, IDS))
+    assert (prompt_logits(plain, cfg, IDS) - ref_base).abs().max() < BOUND
+
+
+@pytest.fixture(scope="module")
+def gguf_llama(tmp_path_factory):
+    """A tiny GGUF llama (q and k rows permuted), transformers' reading of it with a PEFT adapter, and the adapter
+    as a PEFT folder and as llama.cpp's GGUF: (model path, PEFT folder, GGUF adapter, PEFT's logits, without)."""
+    root = tmp_path_factory.mktemp("lora-gguf")
+    path = write_random_model(root / "tiny.gguf", "tiny", "q8_0", tokenizer_from=smollm2_path(), seed=61)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    peft_model, folder = write_peft_adapter(model, root / "adapter", ATTENTION + FEED_FORWARD, seed=62, alpha=16)
+    _, cfg = open_gguf(path)
+    gguf_adapter = peft_to_gguf(folder, root / "adapter.gguf", "llama", cfg.n_heads, cfg.n_kv_heads)
+    return (path, folder, gguf_adapter, *_peft_logits(peft_model, IDS))
+
+
+@pytest.mark.parametrize("form", ["peft", "gguf"])
+def test_adapter_on_a_gguf_llama_matches_peft(gguf_llama, form):
+    """PEFT's B rows of q and k are permuted to the file's rotation order; llama.cpp's GGUF adapter has them so."""
+    path, folder, gguf_adapter, ref, ref_base = gguf_llama
+    f, cfg = open_gguf(path)
+    adapter = load_adapter(folder if form == "peft" else gguf_adapter, cfg)
+    assert {part for _, part in adapter.pairs} == {"q", "k", "v", "o", "gate", "up", "down"}
+    model = model_class(cfg)(cfg, f, max_positions=64, adapters=[adapter], adapter_rows=64)
+    ours = _logits(model, cfg, 1)
+    assert (ours - ref).abs().max() < BOUND and torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ref - ref_base).abs().max() > 1.0
+
+
+@pytest.fixture(scope="module")
+def served(adapted, tmp_path_factory):
+    """An engine on the tiny llama with two adapters: PEFT's, and the same at half strength."""
+    folder, adapter, _, _ = adapted["llama"]
+    return LLM.load(folder, EngineOptions(device="cpu", quantization="none", ctx=256, max_num_seqs=4, quiet=True,
+                                          lora_modules=(("a", str(adapter), 1.0), ("half", str(adapter), 0.5))))
+
+
+def test_rows_of_different_adapters_in_one_step_decode_as_alone(served):
+    """Base, a and half batched: each greedy output equals its own run alone, and the three differ."""
+    engine = served.engine
+    prompt = IDS[:20]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, adapter=name)
+              for name in (None, "a", "half")]
+    together = engine.generate([prompt] * 3, params)
+    alone = [engine.generate([prompt], [p])[0] for p in params]
+    assert together == alone
+    assert len({tuple(t) for t in together}) == 3
+
+
+def test_prefix_cache_keeps_each_adapters_blocks_apart(served):
+    """The same prompt under the base model, then an adapter: the adapter's request finds none of the base's KV
+    blocks; the adapter's second request finds its own."""
+    engine = served.engine
+    prompt = [(i * 13 + 7) % 300 for i in range(50)]        # three full blocks of 16
+    cached = []
+    for name in (None, "a", "a", "half"):
+        seq = engine.seqs[engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, adapter=name))]
+        while engine.has_work():
+            engine.step()
+        cached.append(seq.num_cached_prompt)
+    assert cached == [0, 0, 48, 0]
+
+
+def test_unknown_adapter_is_a_user_error(served):
+    with pytest.raises(UserError, match="no LoRA adapter named 'b'"):
+        served.engine.add_request(IDS, SamplingParams(adapter="b"))
+
+
+def _edit(folder, tmp_path, **changes):
+    import shutil
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return copy
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "use_dora"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+])
+def test_adapters_it_cannot_apply_are_refused(adapted, tmp_path, change, message):
+    folder, adapter, _, _ = adapted["llama"]
+    cfg = HFCheckpoint(folder, "none").config
+    with pytest.raises(UserError, match=message):
+        load_adapter(_edit(adapter, tmp_path, **change), cfg)
+
+
+def test_adapter_of_another_model_is_refused(adapted, gguf_llama):
+    """An adapter for other widths or fewer layers, and a GGUF adapter for another arch."""
+    folder, adapter, _, _ = adapted["llama"]
+    cfg = HFCheckpoint(folder, "none").config
+    with pytest.raises(UserError, match=r"layer 0's \w+ is \d+ x \d+; the model's is \d+ x \d+"):
+        load_adapter(adapter, dataclasses.replace(cfg, ffn_dim=2 * cfg.ffn_dim))
+    with pytest.raises(UserError, match="the model has 1 layers"):
+        load_adapter(adapter, dataclasses.replace(cfg, n_layers=1))
+    _, _, gguf_adapter, _, _ = gguf_llama
+    qwen = HFCheckpoint(adapted["qwen2"][0], "none").config
+    with pytest.raises(UserError, match="is for llama models; the model is qwen2"):
+        load_adapter(gguf_adapter, qwen)
+
+
+def test_cli_bad_adapter_is_one_line_and_exit_code_2(adapted, tmp_path, capsys):
+    folder, _, _, _ = adapted["llama"]
+    code = cli.main(["generate", "-p", "hi", "-m", str(folder), "--quantization", "none", "--device", "cpu",
+                     "--lora", str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "LoRA adapter not found" in err[0]
+
+
+def test_cli_generates_through_the_adapter(adapted, capsys):
+    folder, adapter, _, _ = adapted["llama"]
+    texts = []
+    for extra in ([], ["--lora", str(adapter)]):
+        code = cli.main(["generate", "-p", "Hello", "-m", str(folder), "--quantization", "none", "--device", "cpu",
+                         "--temperature", "0", "-n", "8", *extra])
+        texts.append(capsys.readouterr().out)
+        assert code == 0
+    assert texts[0] != texts[1]
+
+
+def test_server_serves_each_adapter_as_a_model(served):
+    """vLLM's way: /v1/models lists the adapters beside the model, and a request names one as its `model`; the real
+    openai and anthropic clients."""
+    import anthropic
+    import openai
+    from cobatch.server.context import ServerOptions
+    from test_server_support import live_server
+    with live_server(served, ServerOptions(model_name="tiny", accept_any_model=False)) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        cards = {m.id: m for m in oai.models.list().data}
+        assert list(cards) == ["tiny", "a", "half"]
+        assert cards["a"].model_extra["parent"] == "tiny" and cards["a"].model_extra["root"].endswith("adapter")
+        answers = {}
+        for name in ("tiny", "a", "half"):
+            reply = oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=6, temperature=0)
+            assert reply.model == name
+            answers[name] = reply.choices[0].message.content
+        assert len(set(answers.values())) == 3
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        message = claude.messages.create(model="a", max_tokens=6, extra_body={"temperature": 0},
+                                         messages=[{"role": "user", "content": "Hi"}])
+        assert message.model == "a" and message.content[0].text == answers["a"]
+        with pytest.raises(openai.NotFoundError):
+            oai.chat.completions.create(model="b", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
