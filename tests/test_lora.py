@@ -25,6 +25,7 @@ from cobatch.models.registry import model_class
 from cobatch.testing import hf_checkpoints
 from cobatch.testing.gguf_writer import write_random_model
 from cobatch.testing.lora_adapters import ATTENTION, FEED_FORWARD, FUSED, peft_to_gguf, write_peft_adapter
+from conftest import requires_cuda
 from model_checks import open_gguf, prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -224,3 +225,27 @@ def test_server_serves_each_adapter_as_a_model(served):
         assert message.model == "a" and message.content[0].text == answers["a"]
         with pytest.raises(openai.NotFoundError):
             oai.chat.completions.create(model="b", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+
+
+@requires_cuda
+def test_gpu_adapters_match_the_cpu_and_decode_graphs_run_them(adapted):
+    """On CUDA (q8_0 on load, float16): logits with the adapter close to the CPU path's on the same q8_0 weights; a
+    decode graph's steps with base, a and half rows batched give what each gives alone."""
+    folder, adapter, _, _ = adapted["llama"]
+    logits = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float16)):
+        ckpt = HFCheckpoint(folder, "q8_0", device)
+        cfg = ckpt.config
+        model = model_class(cfg)(cfg, ckpt, device, dtype, max_positions=64, adapters=[load_adapter(adapter, cfg)],
+                                 adapter_rows=64)
+        logits[device] = [_logits(model, cfg, slot) for slot in (0, 1)]
+    for cpu, gpu in zip(logits["cpu"], logits["cuda"]):
+        assert ((gpu - cpu).norm() / cpu.norm()).item() < 2e-2
+    llm = LLM.load(folder, EngineOptions(device="cuda", ctx=256, max_num_seqs=4, quiet=True,
+                                         lora_modules=(("a", str(adapter), 1.0), ("half", str(adapter), 0.5))))
+    assert llm.engine.runner.graphs is not None
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, adapter=name)
+              for name in (None, "a", "half")]
+    together = llm.engine.generate([IDS[:20]] * 3, params)
+    assert together == [llm.engine.generate([IDS[:20]], [p])[0] for p in params]
+    assert len({tuple(t) for t in together}) == 3
