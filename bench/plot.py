@@ -2,7 +2,7 @@
 """The README's plot: aggregate decode tok/s against the batch, per context, from bench/decode.py's JSON, and the
 steady tok/s that streaming clients got from bench/serve.py. Written as SVG by hand (no plotting library).
 
-    python3 bench/plot.py [--decode bench/results/decode.json] [--serve bench/results/serve.json]
+    python3 bench/plot.py [--decode bench/results/decode.json] [--serve bench/results/serve_64_clients.json]
                           [-o bench/results/decode.svg]
 """
 
@@ -73,7 +73,7 @@ def svg(series: dict[str, list[tuple[int, float]]], title: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", default=str(RESULTS / "decode.json"))
-    ap.add_argument("--serve", default=str(RESULTS / "serve.json"))
+    ap.add_argument("--serve", default=str(RESULTS / "serve_64_clients.json"))      # the latest serve run
     ap.add_argument("-o", "--output", default=str(RESULTS / "decode.svg"))
     args = ap.parse_args(argv)
     decode = json.loads(Path(args.decode).read_text())

@@ -82,6 +82,9 @@ def test_generate_prints_only_the_continuation():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "The capital of France is" not in proc.stdout
     assert "Paris" in proc.stdout
+    positional = run_cli("generate", "The capital of France is", "-n", "8", "--temperature", "0")
+    assert positional.returncode == 0 and positional.stdout == proc.stdout
+    assert_clean_error(run_cli("generate", "one", "-p", "two"), "one prompt")
 
 
 def test_generate_with_speculative_decoding_prints_the_same_text():

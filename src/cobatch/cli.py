@@ -53,7 +53,7 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=None,
                    help="vLLM's: auto (the activations' dtype, the default) or fp8 (e4m3, one byte a value: twice "
                         "the tokens in the same memory, half the bytes decode attention reads)")
-    p.add_argument("-ctk", "--cache-type-k", default=None, help="llama.cpp's: f16 (the default), f32, q8_0 (= fp8)")
+    p.add_argument("-ctk", "--cache-type-k", default=None, help="llama.cpp's: f16, f32, q8_0 (= fp8); default the activations' dtype")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="llama.cpp's: the same types; as -ctk")
 
 
@@ -160,6 +160,9 @@ def _stream(llm, prompt_ids: list[int], params) -> str:
 
 
 def cmd_generate(args) -> int:
+    if (args.prompt is None) == (args.prompt_flag is None):
+        raise UserError("generate takes one prompt: as its argument or as --prompt")
+    args.prompt = args.prompt if args.prompt is not None else args.prompt_flag
     _sampling(args)                   # bad flags fail before the model loads
     llm = _load(args)
     params = _sampling(args, llm.generation_defaults)
@@ -344,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("generate", help="continue a raw prompt")
-    p.add_argument("--prompt", "-p", required=True)
+    p.add_argument("prompt", nargs="?", help="the prompt (or --prompt)")
+    p.add_argument("--prompt", "-p", dest="prompt_flag", metavar="PROMPT", help="the prompt, as llama-cli's -p")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=128)
