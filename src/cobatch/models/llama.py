@@ -80,15 +80,18 @@ def _rope_table(cfg: ModelConfig, gguf: WeightSource, n_pos: int) -> torch.Tenso
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, gguf: WeightSource, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_positions: int | None = None, progress=None,
-                 keep_dense: bool = False, adapters: list[Adapter] = (), adapter_rows: int = 0):
-        """adapters: LoRA adapters requests may run through (models/lora.py), for steps of up to adapter_rows."""
+                 keep_dense: bool = False, adapters: list[Adapter] = (), adapter_rows: int = 0,
+                 adapter_slots: int = 0, adapter_rank: int = 0, runtime_adapters: bool = False):
+        """adapters: LoRA adapters requests may run through (models/lora.py), for steps of up to adapter_rows;
+        room for adapter_slots of rank adapter_rank, and with runtime_adapters for adapters loaded later."""
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         dev = self.device
         load = WeightLoader(gguf, dev, dtype, keep_dense)
         vec, lin = load.vec, load.linear
 
         self.layers: list[Layer] = []
-        adapted_gate_up = {layer for a in adapters for layer, part in a.pairs if part in ("gate", "up", "gate_up")}
+        adapted_gate_up = ({layer for a in adapters for layer, part in a.pairs if part in ("gate", "up", "gate_up")}
+                           | (set(range(cfg.n_layers)) if runtime_adapters else set()))
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             self.layers.append(Layer(
@@ -136,7 +139,8 @@ class LlamaModel:
         self.cos_sin_local = (rope_cos_sin(cfg.rope_dim, n_pos, cfg.rope_theta_local).to(dev) if own_table
                               else self.cos_sin)
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
-        self.lora = LoraSet(cfg, list(adapters), dev, dtype, adapter_rows) if adapters else None
+        self.lora = (LoraSet(cfg, list(adapters), dev, dtype, adapter_rows, adapter_slots, adapter_rank,
+                             runtime_adapters) if adapters or runtime_adapters else None)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:

@@ -1,17 +1,22 @@
 """The LoRA adapters a model serves, applied per row: one step's rows may each run through a different adapter, or
 none, and still share every base weight read (the base projections run once for all of them).
 
-Each projection's adapters are stacked at load into two small matrices: A_all [M, in], every (adapter, part)'s A
-one under the other, and B_all [out, M], each B in its part's rows (q, k, v of q|k|v; gate, up of gate|up) and its
-adapter's columns, zero elsewhere. A table [1 + adapters, M] holds each adapter's scale on its own columns (row 0,
-the base model, none). A step then adds, for its rows x,
+A projection's adapters live in two matrices of fixed shape: A_all [P C R, in] and B_all [out, P C R], for its P
+parts (q, k, v of q|k|v; gate, up of gate|up; one for o and down), C adapter slots and rank R. Slot s's pair for
+part p takes the R columns from (p C + s - 1) R (its rank's worth; the rest stay zero), B's in its part's rows. A
+step then adds, for its rows x,
 
-    y += ((x @ A_all.T) * table[row's adapter]) @ B_all.T
+    y += ((x @ A_all.T) * row_scale) @ B_all.T
 
-which is each row's own adapter's x @ A.T @ B.T exactly, the other adapters' columns multiplied by zero: two dense
-matmuls of fixed shapes, so a decode step with adapters is captured in a CUDA graph like one without, the rows'
-adapters a device tensor its replays read (`stage`). Their cost is the adapters' bytes (about r / in of the base
-weights each) and 2 M flops a weight row, small beside the base projections.
+where row_scale holds, on each row's own adapter's columns, that adapter's scale, and zero elsewhere (`stage`
+builds it once a step from the rows' slots): each row gets its own adapter's x @ A.T @ B.T, the other slots'
+columns multiplied by zero. Three fixed-shape launches a projection (two of them GEMMs), so a decode step with
+adapters is captured in a CUDA graph like one without. Their cost is the slots' bytes (about R / in of the base
+weights each) and 2 P C R flops a weight row, small beside the base projections.
+
+Adapters can be loaded into free slots and unloaded while serving (`load`, `unload`: the tensors the graphs read are
+written in place, between steps). Sized for that (`runtime`), every projection holds slots; otherwise only those the
+start-up adapters touch.
 
 A row through an adapter is not batch invariant: its delta comes from the BLAS, whose summation order may change
 with the number of rows. Base rows get an exact zero and are unchanged.
@@ -23,55 +28,54 @@ import torch
 
 from cobatch import ops
 from cobatch.config import ModelConfig
+from cobatch.errors import UserError
 from cobatch.loader.lora import Adapter, part_rows, projection_inputs
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# part -> its index among its projection's parts (a fused part, phi3's qkv or gate_up, is the whole projection)
+_PART_INDEX = {"q": 0, "k": 1, "v": 2, "qkv": 0, "o": 0, "gate": 0, "up": 1, "gate_up": 0, "down": 0}
+_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}      # projection -> its part count P
 
 
 class _Stack:
-    """One projection of one layer, every adapter that touches it."""
+    """One projection of one layer: every slot's pairs."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, table: torch.Tensor):
-        self.a, self.b, self.table = a, b, table       # [M, in], [out, M], [1 + adapters, M]
-
-
-def _stack(cfg: ModelConfig, adapters: list[Adapter], layer: int, projection: str, device: torch.device,
-           dtype: torch.dtype) -> _Stack | None:
-    pieces = []          # (slot, first row, A, B)
-    for slot, adapter in enumerate(adapters, start=1):
-        for (at, part), (a, b) in adapter.pairs.items():
-            proj, first, _ = part_rows(cfg, part)
-            if at == layer and proj == projection:
-                pieces.append((slot, first, a, b))
-    if not pieces:
-        return None
-    width = sum(a.shape[0] for _, _, a, _ in pieces)
-    out = part_rows(cfg, projection)[2]       # (the whole projection is a part of itself)
-    a_all = torch.zeros(width, projection_inputs(cfg, projection))
-    b_all = torch.zeros(out, width)
-    table = torch.zeros(1 + len(adapters), width)
-    col = 0
-    for slot, first, a, b in pieces:
-        r = a.shape[0]
-        a_all[col:col + r] = a
-        b_all[first:first + b.shape[0], col:col + r] = b
-        table[slot, col:col + r] = adapters[slot - 1].scale
-        col += r
-    return _Stack(a_all.to(device, dtype), b_all.to(device, dtype), table.to(device, dtype))
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.a, self.b = a, b       # [P C R, in], [out, P C R]
 
 
 class LoraSet:
     def __init__(self, cfg: ModelConfig, adapters: list[Adapter], device: torch.device, dtype: torch.dtype,
-                 max_rows: int):
+                 max_rows: int, slots: int = 0, rank: int = 0, runtime: bool = False):
+        """adapters: loaded at start. slots, rank: room for this many adapters of up to this rank (at least the
+        start-up ones'). runtime: every projection takes adapters (for ones loaded later), not only those the
+        start-up adapters touch."""
         if len({a.name for a in adapters}) != len(adapters):
             raise ValueError("two LoRA adapters have the same name")
-        self.adapters = adapters
-        self.slots = {a.name: i for i, a in enumerate(adapters, start=1)}     # 0: the base model
-        self.layers = [{p: _stack(cfg, adapters, i, p, device, dtype) for p in PROJECTIONS}
-                       for i in range(cfg.n_layers)]
-        # each row's adapter slot in the step being run (stage); the decode graphs read its first rows
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.capacity = max(slots, len(adapters), 1)
+        self.rank = max([rank] + [a.rank for a in adapters])
+        self.runtime = runtime
+        self.adapters: list[Adapter | None] = [None] * self.capacity      # slot s holds adapters[s - 1]
+        self.slots: dict[str, int] = {}                                     # name -> slot (0: the base model)
+        touched = {(layer, part_rows(cfg, part)[0]) for a in adapters for layer, part in a.pairs}
+        self.layers = [{p: self._new_stack(p) if runtime and _servable(cfg, p) or (i, p) in touched else None
+                        for p in PROJECTIONS} for i in range(cfg.n_layers)]
+        c, r = self.capacity, self.rank
+        self.scales = torch.zeros(1 + c, c * r, dtype=dtype, device=device)   # slot -> its scale on its columns
+        # each row's adapter slot in the step being run, and its columns' scales per part count (stage)
         self.row_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.row_scale = {n: torch.zeros(max_rows, n * c * r, dtype=dtype, device=device) for n in (1, 2, 3)}
+        for adapter in adapters:
+            self.load(adapter)
 
+    def _new_stack(self, projection: str) -> _Stack:
+        width = _PARTS[projection] * self.capacity * self.rank
+        out = part_rows(self.cfg, projection)[2]
+        return _Stack(torch.zeros(width, projection_inputs(self.cfg, projection), dtype=self.dtype, device=self.device),
+                      torch.zeros(out, width, dtype=self.dtype, device=self.device))
+
+    # --- which adapters -------------------------------------------------------------------------------------
     def slot(self, name: str | None) -> int:
         """The slot of the adapter named so (0: None, the base model); KeyError for a name not loaded."""
         return 0 if name is None else self.slots[name]
@@ -79,12 +83,63 @@ class LoraSet:
     def touches(self, layer: int, projection: str) -> bool:
         return self.layers[layer][projection] is not None
 
+    def load(self, adapter: Adapter) -> int:
+        """Put an adapter into a free slot (between steps: the decode graphs read these tensors); its slot."""
+        if adapter.name in self.slots:
+            raise UserError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        free = next((s for s in range(1, self.capacity + 1) if self.adapters[s - 1] is None), None)
+        if free is None:
+            raise UserError(f"no room for LoRA adapter {adapter.name!r}: all {self.capacity} slots hold adapters "
+                            f"(--max-loras)")
+        if adapter.rank > self.rank:
+            raise UserError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, over the {self.rank} the slots "
+                            f"hold (--max-lora-rank)")
+        missing = sorted({part for (layer, part) in adapter.pairs
+                          if not self.touches(layer, part_rows(self.cfg, part)[0])})
+        if missing:
+            raise UserError(f"LoRA adapter {adapter.name!r} adapts {', '.join(missing)}, which this model's adapter "
+                            "slots do not cover (load it at start, or serve with runtime LoRA loading)")
+        for (layer, part), (a, b) in adapter.pairs.items():
+            projection, first, _ = part_rows(self.cfg, part)
+            stack = self.layers[layer][projection]
+            col = self._column(free, part)
+            stack.a[col:col + a.shape[0]] = a.to(self.device, self.dtype)
+            stack.b[first:first + b.shape[0], col:col + b.shape[1]] = b.to(self.device, self.dtype)
+        self.scales[free, (free - 1) * self.rank:free * self.rank] = adapter.scale
+        self.adapters[free - 1] = adapter
+        self.slots[adapter.name] = free
+        return free
+
+    def unload(self, name: str) -> None:
+        """Empty an adapter's slot (the caller sees that no request runs through it)."""
+        slot = self.slots.pop(name)
+        for layer in self.layers:
+            for projection, stack in layer.items():
+                if stack is None:
+                    continue
+                for part in range(_PARTS[projection]):
+                    col = (part * self.capacity + slot - 1) * self.rank
+                    stack.a[col:col + self.rank] = 0
+                    stack.b[:, col:col + self.rank] = 0
+        self.scales[slot] = 0
+        self.adapters[slot - 1] = None
+
+    def _column(self, slot: int, part: str) -> int:
+        return (_PART_INDEX[part] * self.capacity + slot - 1) * self.rank
+
+    # --- a step ---------------------------------------------------------------------------------------------
     def stage(self, slots: torch.Tensor) -> None:
-        """The next step's rows' adapter slots (a device tensor, one a row), before its forward or graph replay."""
+        """The next step's rows' adapter slots (a device tensor, one a row), before its forward or graph replay:
+        each row's column scales, for every part count."""
         n = slots.shape[0]
         if n > self.row_slots.shape[0]:
             raise RuntimeError(f"a step of {n} rows, over the {self.row_slots.shape[0]} the adapters were sized for")
         self.row_slots[:n].copy_(slots, non_blocking=True)
+        scale = self.scales.index_select(0, self.row_slots[:n])
+        width = scale.shape[1]
+        for parts, buffer in self.row_scale.items():
+            for p in range(parts):
+                buffer[:n, p * width:(p + 1) * width] = scale
 
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x's rows, [n, out]) plus each row's adapter delta, in place."""
@@ -92,9 +147,10 @@ class LoraSet:
         if stack is None:
             return y
         n = x.shape[0]
-        t = ops.linear(x.to(stack.a.dtype), stack.a) * stack.table.index_select(0, self.row_slots[:n])
-        y += ops.linear(t, stack.b).to(y.dtype)
-        return y
+        t = torch.mm(x.to(stack.a.dtype), stack.a.T).mul_(self.row_scale[_PARTS[projection]][:n])
+        if y.dtype == t.dtype:
+            return y.addmm_(t, stack.b.T)
+        return y.add_(torch.mm(t, stack.b.T).to(y.dtype))
 
     def feed_forward(self, layer: int, h: torch.Tensor, gate_up, down, act: str, dtype: torch.dtype) -> torch.Tensor:
         """ops.feed_forward with the adapters' gate|up delta before the activation and down's after. Where they
@@ -105,3 +161,8 @@ class LoraSet:
         else:
             mid = ops.gated_linear(h, gate_up, act)
         return self.add(layer, "down", mid, ops.linear(mid, down, dtype=dtype))
+
+
+def _servable(cfg: ModelConfig, projection: str) -> bool:
+    """Can an adapter touch this projection of the model? Not a feed-forward made of experts."""
+    return projection in ("qkv", "o") or not cfg.n_experts
