@@ -249,3 +249,74 @@ def test_gpu_adapters_match_the_cpu_and_decode_graphs_run_them(adapted):
     together = llm.engine.generate([IDS[:20]] * 3, params)
     assert together == [llm.engine.generate([IDS[:20]], [p])[0] for p in params]
     assert len({tuple(t) for t in together}) == 3
+
+
+def test_adapters_loaded_and_unloaded_at_run_time_match_peft(adapted):
+    """Slots sized at start (2 of rank 8, every projection), filled and emptied later: the logits through a loaded
+    adapter are PEFT's, and once it is unloaded the base model's again, bit for bit."""
+    folder, adapter, ref, _ = adapted["llama"]
+    ckpt = HFCheckpoint(folder, "none")
+    cfg = ckpt.config
+    model = model_class(cfg)(cfg, ckpt, max_positions=64, adapter_rows=64, adapter_slots=2, adapter_rank=8,
+                             runtime_adapters=True)
+    base = _logits(model, cfg, 0)
+    assert torch.equal(base, prompt_logits(model_class(cfg)(cfg, ckpt, max_positions=64), cfg, IDS))
+    model.lora.load(load_adapter(adapter, cfg, "first"))
+    slot = model.lora.load(load_adapter(adapter, cfg, "second", scale=0.5))
+    assert slot == 2
+    ours = _logits(model, cfg, 1)
+    assert (ours - ref).abs().max() < BOUND and torch.equal(ours.argmax(-1), ref.argmax(-1))
+    with pytest.raises(UserError, match="all 2 slots hold adapters"):
+        model.lora.load(load_adapter(adapter, cfg, "third"))
+    with pytest.raises(UserError, match="already loaded"):
+        model.lora.load(load_adapter(adapter, cfg, "second"))
+    model.lora.unload("first")
+    assert torch.equal(_logits(model, cfg, 1), base)
+    assert model.lora.load(load_adapter(adapter, cfg, "third")) == 1
+
+
+def test_an_adapter_in_use_is_not_unloaded(adapted):
+    folder, adapter, _, _ = adapted["llama"]
+    llm = LLM.load(folder, EngineOptions(device="cpu", quantization="none", ctx=128, max_num_seqs=2, quiet=True,
+                                         runtime_lora=True, max_lora_rank=4))
+    llm.engine.load_adapter(load_adapter(adapter, llm.config, "a"))
+    llm.engine.add_request(IDS, SamplingParams(temperature=0, max_tokens=2, adapter="a"))
+    with pytest.raises(UserError, match="in use by 1 request"):
+        llm.engine.unload_adapter("a")
+    while llm.engine.has_work():
+        llm.engine.step()
+    llm.engine.unload_adapter("a")
+    with pytest.raises(UserError, match="no LoRA adapter named 'a'"):
+        llm.engine.add_request(IDS, SamplingParams(adapter="a"))
+
+
+def test_server_loads_and_unloads_adapters_at_run_time(adapted, served):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, and llama.cpp's /lora-adapters; refused (400) on a
+    server that did not allow them."""
+    import httpx
+    from cobatch.server.context import ServerOptions
+    from test_server_support import live_server
+    folder, adapter, _, _ = adapted["llama"]
+    llm = LLM.load(folder, EngineOptions(device="cpu", quantization="none", ctx=128, max_num_seqs=2, quiet=True,
+                                         runtime_lora=True, max_lora_rank=4))
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    with live_server(llm, ServerOptions(model_name="tiny", accept_any_model=False)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)})
+        assert loaded.status_code == 200 and "'a' added" in loaded.text
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "a"]
+        assert http.get("/lora-adapters").json() == [{"id": 1, "name": "a", "path": str(adapter), "scale": 1.0}]
+        answers = {name: http.post("/v1/chat/completions", json={**chat, "model": name}).json()
+                   for name in ("tiny", "a")}
+        assert answers["a"]["model"] == "a"
+        assert answers["a"]["choices"][0]["message"] != answers["tiny"]["choices"][0]["message"]
+        again = http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapter)})
+        assert again.status_code == 400 and "all 1 slots" in again.json()["error"]["message"]
+        missing = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/nonexistent"})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        assert http.post("/v1/chat/completions", json={**chat, "model": "a"}).status_code == 404
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 400
+    with live_server(served) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        off = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapter)})
+        assert off.status_code == 400 and off.json()["error"]["code"] == "runtime_lora_updating_disabled"

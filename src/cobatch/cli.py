@@ -406,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16")
     _add_quantization_arg(p)
     _add_lora_args(p)
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="vLLM's: LoRA adapter slots (default: the adapters given, 1 with runtime loading)")
+    p.add_argument("--max-lora-rank", type=int, default=0,
+                   help="vLLM's: the slots' rank (default: the adapters given, 16 with runtime loading)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which its "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also turns on)")
     _add_kv_cache_args(p)
     p.add_argument("--slot-save-path", default=None,
                    help="llama.cpp's: the directory of POST /slots/{id}?action=save|restore files (default: refused)")

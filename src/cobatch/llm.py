@@ -64,6 +64,9 @@ class EngineOptions:
     tensor_parallel_size: int = 1      # ranks the model is sharded over (cobatch.parallel; launch.load spawns them)
     # LoRA adapters requests may select by name (models/lora.py): (name, PEFT folder or GGUF adapter, scale)
     lora_modules: tuple[tuple[str, str, float], ...] = ()
+    max_loras: int = 0                 # adapter slots (default: the start-up adapters, or 1 with runtime_lora)
+    max_lora_rank: int = 0             # their rank (default: the start-up adapters', or 16 with runtime_lora)
+    runtime_lora: bool = False         # adapters may be loaded and unloaded while serving (vLLM's endpoints)
     quiet: bool = False
 
 
@@ -317,9 +320,16 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
 
 def _adapters(options: EngineOptions, cfg: ModelConfig, tp: TensorParallelGroup | None, device: torch.device
               ) -> dict:
-    """The model's LoRA keyword arguments: the adapters read from disk, and the most rows a step may have."""
-    if not options.lora_modules:
+    """The model's LoRA keyword arguments: the adapters read from disk, the room for more, and the most rows a step
+    may have."""
+    if not options.lora_modules and not options.runtime_lora:
+        if options.max_loras or options.max_lora_rank:
+            raise UserError("--max-loras and --max-lora-rank size LoRA adapters' slots: give adapters "
+                            "(--lora-modules) or allow runtime loading")
         return {}
+    for flag, value in (("--max-loras", options.max_loras), ("--max-lora-rank", options.max_lora_rank)):
+        if not 0 <= value <= 1024:
+            raise UserError(f"{flag} must be between 1 and 1024 (got {value})")
     if tp is not None:
         raise UserError("LoRA adapters are not supported with --tensor-parallel-size > 1")
     names = [name for name, _, _ in options.lora_modules]
@@ -327,10 +337,12 @@ def _adapters(options: EngineOptions, cfg: ModelConfig, tp: TensorParallelGroup 
         raise UserError(f"two LoRA adapters share a name ({', '.join(names)}): give each its own (NAME=PATH)")
     adapters = [load_adapter(path, cfg, name, scale) for name, path, scale in options.lora_modules]
     rows = max(options.max_step_tokens, options.prefill_chunk, _graph_rows(options, None, device))
-    if not options.quiet:
+    if not options.quiet and adapters:
         print(f"LoRA adapters: {', '.join(f'{a.name} (rank {a.rank}, {len(a.pairs)} projections)' for a in adapters)}",
               file=sys.stderr)
-    return {"adapters": adapters, "adapter_rows": rows}
+    runtime = options.runtime_lora
+    return {"adapters": adapters, "adapter_rows": rows, "adapter_slots": options.max_loras or (1 if runtime else 0),
+            "adapter_rank": options.max_lora_rank or (16 if runtime else 0), "runtime_adapters": runtime}
 
 
 def _capture_graphs(w: _Weights, options: EngineOptions, link: StepLink | None):

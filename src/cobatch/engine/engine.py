@@ -104,6 +104,24 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def load_adapter(self, adapter) -> None:
+        """Serve a LoRA adapter (loader/lora.Adapter) from the next step on, in a free slot of the model's."""
+        lora = getattr(self.runner.model, "lora", None)
+        if lora is None:
+            raise UserError("this model was loaded without LoRA adapter slots (give adapters or allow runtime "
+                            "loading at start)")
+        lora.load(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter; refused while a request runs through it."""
+        lora = getattr(self.runner.model, "lora", None)
+        if lora is None or name not in lora.slots:
+            raise UserError(f"no LoRA adapter named {name!r} is loaded")
+        users = sum(seq.adapter == lora.slot(name) for seq in self.seqs.values())
+        if users:
+            raise UserError(f"LoRA adapter {name!r} is in use by {users} request{'s' if users > 1 else ''}")
+        lora.unload(name)
+
     def _use_adapter(self, seq: Sequence, name: str) -> None:
         lora = getattr(self.runner.model, "lora", None)
         if lora is None or name not in lora.slots:

@@ -233,6 +233,10 @@ class Front:
         if path.startswith("/slots/"):
             return error_response(ApiError(400, "slot save / restore names one replica's slot: it is not "
                                                 "supported with --data-parallel-size > 1"), path)
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return error_response(ApiError(400, "loading LoRA adapters while serving would change one replica: it is "
+                                                "not supported with --data-parallel-size > 1 (give them at start)"),
+                                  path)
         body = await request.body()
         ids = (await asyncio.to_thread(self.tokens.of_request, path, body)
                if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions") else None)

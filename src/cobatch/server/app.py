@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 import sys
 from contextlib import asynccontextmanager
@@ -28,8 +29,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cobatch import __version__
 from cobatch.llm import LLM, kv_cache_dtype_arg
 from cobatch.loader.lora import adapter_flags
-from cobatch.server import (anthropic, embeddings, events, llama_cpp, openai, openai_responses, openapi, slot_files,
-                            tokens, webui)
+from cobatch.server import (anthropic, embeddings, events, llama_cpp, lora_adapters, openai, openai_responses, openapi,
+                            slot_files, tokens, webui)
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
@@ -58,7 +59,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecy
                   docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = server
     routers = [m.router for m in (openai, openai_responses, anthropic, tokens, embeddings, llama_cpp, slot_files,
-                                  events)]
+                                  events, lora_adapters)]
     for router in routers:
         app.include_router(router)
     if server.options.webui:
@@ -290,6 +291,12 @@ def configure_logging(args) -> None:
         logging.WARNING if getattr(args, "disable_log_requests", False) else logging.NOTSET)
 
 
+def runtime_lora(args) -> bool:
+    """May LoRA adapters be loaded while serving? The flag, or vLLM's environment variable."""
+    env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
+    return args.allow_runtime_lora_updating or env in ("1", "true")
+
+
 def engine_options(args):
     """The engine configuration `cobatch serve`'s flags ask for."""
     from cobatch.llm import EngineOptions
@@ -303,7 +310,8 @@ def engine_options(args):
         quantization=getattr(args, "quantization", "auto"),
         overlap_steps=getattr(args, "async_scheduling", True),
         kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0),
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), lora_modules=adapter_flags(args))
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), lora_modules=adapter_flags(args),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, runtime_lora=runtime_lora(args))
 
 
 def serve(args) -> int:

@@ -49,14 +49,21 @@ class ServerContext:
         self.model_name = options.model_name or (llm.path.name if llm.path.is_dir() else llm.path.stem)
         self.metrics = ServerMetrics(self.worker, vllm_names=options.metrics_compat == "vllm",
                                      model_name=self.model_name)
-        # LoRA adapters are served models of their own, as vLLM lists them: a request names one as its `model`
-        lora = getattr(getattr(llm, "model", None), "lora", None)
-        self.adapter_names = tuple(lora.slots) if lora is not None else ()
-        self.model_names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name),
-                            *self.adapter_names)
+        self._names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
         self.event_streams = 0                  # open GET /v1/events streams (server/events.py)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served now: models of their own, as vLLM lists them (a request names one as its
+        `model`). Read on the HTTP side while the engine thread may load one: a dict's keys, copied at once."""
+        lora = getattr(getattr(self.llm, "model", None), "lora", None)
+        return tuple(lora.slots) if lora is not None else ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self._names + self.adapter_names
 
     def adapter_for(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""

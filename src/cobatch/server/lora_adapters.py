@@ -1,0 +1,86 @@
+"""LoRA adapters while serving: vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+`serve --allow-runtime-lora-updating`, or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), and llama.cpp's
+GET /lora-adapters listing what is loaded.
+
+An adapter is read from disk off the engine thread, then put into a free slot on it, between two steps
+(models/lora.py: the tensors the decode graphs read are written in place). Once loaded it is a model of its own
+(/v1/models), as the start-up ones are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from cobatch.errors import UserError
+from cobatch.loader.lora import load_adapter
+from cobatch.server.context import ServerContext, get_context
+from cobatch.server.errors import bad_request
+from cobatch.server.openapi import accepts
+from cobatch.server.request_body import read_body
+
+router = APIRouter()
+CALL_TIMEOUT_S = 60.0
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+
+
+def _allowed(ctx: ServerContext) -> None:
+    if not ctx.llm.options.runtime_lora:
+        raise bad_request("loading LoRA adapters while serving is off: start the server with "
+                          "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+                          code="runtime_lora_updating_disabled")
+
+
+async def _on_engine(ctx: ServerContext, fn) -> None:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(ctx.worker.call(fn)), CALL_TIMEOUT_S)
+    except UserError as exc:
+        raise bad_request(str(exc), param="lora_name") from None
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+@accepts(LoadLoraAdapterRequest)
+async def load_lora_adapter(request: Request):
+    ctx = get_context(request)
+    _allowed(ctx)
+    body = await read_body(request, LoadLoraAdapterRequest, ctx.options.max_body_bytes)
+    if not body.lora_name or body.lora_name in ctx.model_names:
+        raise bad_request(f"the LoRA adapter name {body.lora_name!r} is empty or already served", param="lora_name")
+    try:
+        adapter = await run_in_threadpool(load_adapter, body.lora_path, ctx.llm.config, body.lora_name)
+    except UserError as exc:
+        raise bad_request(str(exc), param="lora_path") from None
+    await _on_engine(ctx, lambda: ctx.llm.engine.load_adapter(adapter))
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+@accepts(UnloadLoraAdapterRequest)
+async def unload_lora_adapter(request: Request):
+    ctx = get_context(request)
+    _allowed(ctx)
+    body = await read_body(request, UnloadLoraAdapterRequest, ctx.options.max_body_bytes)
+    await _on_engine(ctx, lambda: ctx.llm.engine.unload_adapter(body.lora_name))
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+
+@router.get("/lora-adapters")
+async def lora_adapters(request: Request) -> list[dict]:
+    """llama.cpp's list: each loaded adapter's id (its slot), path and scale."""
+    lora = getattr(get_context(request).llm.model, "lora", None)
+    adapters = [] if lora is None else [(s, a) for s, a in enumerate(lora.adapters, start=1) if a is not None]
+    return [{"id": slot, "name": a.name, "path": str(a.path), "scale": a.scale} for slot, a in adapters]
