@@ -53,7 +53,8 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=None,
                    help="vLLM's: auto (the activations' dtype, the default) or fp8 (e4m3, one byte a value: twice "
                         "the tokens in the same memory, half the bytes decode attention reads)")
-    p.add_argument("-ctk", "--cache-type-k", default=None, help="llama.cpp's: f16, f32, q8_0 (= fp8); default the activations' dtype")
+    p.add_argument("-ctk", "--cache-type-k", default=None,
+                   help="llama.cpp's: f16, f32, q8_0 (= fp8); default the activations' dtype")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="llama.cpp's: the same types; as -ctk")
 
 
