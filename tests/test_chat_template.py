@@ -128,6 +128,15 @@ def test_null_content_without_tool_calls_renders_as_empty(template: ChatTemplate
     assert template.render(messages) == expected
 
 
+def test_null_content_beside_tool_calls_renders_as_empty(template: ChatTemplate, reference: Any) -> None:
+    # The turn an OpenAI client sends back after a tool call: content null, its tool calls, then the tool's result.
+    # SmolLM2's template reads every message's content unguarded, so the null must be empty text, not dropped.
+    assert TOOL_CONVERSATION[2]["content"] is None and TOOL_CONVERSATION[2]["tool_calls"]
+    expected = reference.apply_chat_template([{**m, "content": m["content"] or ""} for m in TOOL_CONVERSATION],
+                                             tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    assert template.render(TOOL_CONVERSATION, tools=[WEATHER_TOOL]) == expected
+
+
 def test_continue_final_message_matches_transformers(template: ChatTemplate, reference: Any) -> None:
     messages = CONVERSATION + [{"role": "assistant", "content": "Bien sûr: "}]
     expected = reference.apply_chat_template(messages, tokenize=False, continue_final_message=True)

@@ -189,6 +189,12 @@ def test_prompt_longer_than_context(cli):
     assert_clean_error(cli("generate", "--ctx", "16", "-p", "word " * 40), "context")
 
 
+def test_context_over_the_models_and_an_unknown_device(cli):
+    """Not an out-of-memory traceback building a table for 10^8 positions, nor torch's own for a device name."""
+    assert_clean_error(cli("generate", "--ctx", "100000000", "-p", "hi"), "over the model's context length (8192)")
+    assert_clean_error(cli("generate", "--device", "tpu", "-p", "hi"), "choose auto, cpu or cuda")
+
+
 def test_serve_port_out_of_range(cli):
     assert_clean_error(cli("serve", "--port", "99999"), "65535")
 

@@ -139,10 +139,12 @@ def _normalize_messages(messages: list[Any], none_content: bool = False) -> list
     for message in _plain(messages):
         if not isinstance(message, dict):
             raise ChatTemplateError(f"chat messages must be objects with a role, got {message!r}")
-        # `content: null` / `tool_calls: null` from API clients: templates test for a missing key,
-        # and would otherwise render "None" or fail on concatenation. A message that carries nothing else
-        # (no tool calls, no reasoning) is an empty message: most templates read its content unguarded.
-        if message.get("content", "") is None and not any(message.get(k) for k in ("tool_calls", *_REASONING_FIELDS)):
+        # `content: null` / `tool_calls: null` from API clients: templates test for a missing key, and would
+        # otherwise render "None" or fail on concatenation. A null content beside nothing but tool calls is empty
+        # text: most templates read it unguarded (SmolLM2's, as OpenAI clients send such a turn back); beside
+        # reasoning it is dropped (templates test whether it is defined).
+        if message.get("content", "") is None and not any(message.get(k) for k in _REASONING_FIELDS) \
+                and not (none_content and message.get("tool_calls")):
             message = {**message, "content": ""}
         message = {k: v for k, v in message.items()
                    if v is not None or (k == "content" and none_content and message.get("tool_calls"))}

@@ -102,9 +102,17 @@ def _chat_template(override: str | None, model_template: str | None, tokenizer: 
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {name}: choose auto, cpu or cuda (cuda:N for the N-th GPU)")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but no CUDA GPU is available")
-    return torch.device(name)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -278,6 +286,8 @@ def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) ->
     ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
     if ctx < 2:
         raise UserError(f"--ctx must be at least 2 (got {ctx})")
+    if ctx > cfg.context_length:         # past what it was trained on, and its tables sized by it (vLLM refuses too)
+        raise UserError(f"--ctx {ctx} is over the model's context length ({cfg.context_length}); 0 takes it")
     if tp is not None:
         if not isinstance(weights, GGUFFile) or cfg.mla is not None:
             what = "a checkpoint folder" if not isinstance(weights, GGUFFile) else cfg.arch

@@ -278,6 +278,9 @@ def arguments_object(arguments: str | dict, where: str) -> dict:
     # OpenAI sends arguments as a JSON string; chat templates (Qwen's among them) want the object.
     if isinstance(arguments, dict):
         return arguments
+    if not isinstance(arguments, str):
+        raise bad_request("tool call arguments must be a JSON object encoded as a string",
+                          param=f"{where}.function.arguments")
     try:
         value = json.loads(arguments or "{}")
     except ValueError:
@@ -307,7 +310,11 @@ def _tools(body: ChatCompletionRequest) -> list[dict] | None:
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     if isinstance(body.tool_choice, dict):     # a named function: offer only that one
-        tools = named_tool_only(tools, (body.tool_choice.get("function") or {}).get("name"))
+        function = body.tool_choice.get("function")
+        if not isinstance(function, dict):
+            raise bad_request('tool_choice names a function as {"type": "function", "function": {"name": ...}}',
+                              param="tool_choice.function")
+        tools = named_tool_only(tools, function.get("name"))
     return tools
 
 

@@ -63,11 +63,16 @@ class ResponsesRequest(_Body):
 
 # --- input -> chat messages ----------------------------------------------------------------------------
 
-def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+def _text(content: str | list[dict[str, Any]] | None, where: str, field: str = "content") -> str:
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{field} must be a string or a list of text parts", param=f"{where}.{field}")
     parts = []
     for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise bad_request("a content part must be an object such as {\"type\": \"input_text\", \"text\": ...}",
+                              param=f"{where}.{field}.{i}")
         if part.get("type") in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             parts.append(part["text"])
         else:
@@ -97,7 +102,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output, where)})
+                        "content": output if isinstance(output, str) else _text(output, where, "output")})
         elif kind == "reasoning":
             continue                                     # earlier reasoning is not shown to the model again
         else:
@@ -118,6 +123,9 @@ def _chat_tools(body: ResponsesRequest) -> list[dict] | None:
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """text.format (flat: {"type": "json_schema", "schema": ...}) -> chat's response_format shape."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request('text.format is an object such as {"type": "json_schema", "schema": ...}',
+                          param="text.format")
     if not fmt or fmt.get("type") != "json_schema":
         return fmt
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
