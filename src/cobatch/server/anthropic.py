@@ -228,15 +228,15 @@ async def _result(ctx: ServerContext, gen: Generation, msg_id: str) -> dict:
         content.append({"type": "text", "text": done.content})
     content += [{"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": _tool_input(c.arguments)}
                 for c in done.tool_calls]
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": ctx.answered_by(gen.request.params.adapter), "content": content,
-            "stop_reason": _stop_reason(done.finish), "stop_sequence": done.finish.stop_string,
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": ctx.answered_by(gen.request.params.adapter),
+            "content": content, "stop_reason": _stop_reason(done.finish), "stop_sequence": done.finish.stop_string,
             "usage": _usage(done.finish)}
 
 
 async def _stream(ctx: ServerContext, gen: Generation, msg_id: str) -> AsyncIterator[str]:
     yield sse_event("message_start", {"type": "message_start", "message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": ctx.answered_by(gen.request.params.adapter), "content": [],
-        "stop_reason": None, "stop_sequence": None,
+        "id": msg_id, "type": "message", "role": "assistant", "model": ctx.answered_by(gen.request.params.adapter),
+        "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(gen.request.prompt_ids), "output_tokens": 0}}})
     blocks = _BlockWriter()
     try:

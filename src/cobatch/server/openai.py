@@ -406,7 +406,8 @@ async def chat_completions(request: Request):
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
         tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
-    meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.answered_by(body.model)}
+    meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": ctx.answered_by(body.model)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streams = [_chat_stream(ctx, gen, meta, include_usage, i) for i, gen in enumerate(choices.generations)]
