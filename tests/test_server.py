@@ -678,6 +678,16 @@ ERROR_CASES = [
     ("anthropic bad block", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {}}]}]}, 400, None),
     ("anthropic temperature > 1", "POST", MESSAGES, {**OK_MSG, "temperature": 1.5}, 400, None),
+    ("anthropic tool_use input a string", "POST", MESSAGES, {**OK_MSG, "messages": [QUESTION[0], {
+        "role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}, 400, None),
+    ("anthropic unknown tool_choice", "POST", MESSAGES, {**OK_MSG, "tools": [{"name": "f"}],
+                                                        "tool_choice": {"type": "maybe"}}, 400, None),
+    ("anthropic server tool", "POST", MESSAGES, {**OK_MSG, "tools": [{"type": "web_search_20250305",
+                                                                    "name": "web_search"}]}, 400, None),
+    ("anthropic empty content list", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": []}]},
+     400, None),
+    ("anthropic thinking budget not a number", "POST", MESSAGES,
+     {**OK_MSG, "thinking": {"type": "enabled", "budget_tokens": "x"}}, 400, None),
     ("anthropic count_tokens no messages", "POST", MESSAGES + "/count_tokens", {"model": "m"}, 400, None),
 ]
 

@@ -44,6 +44,7 @@ class AnthropicMessage(_Body):
 
 
 class AnthropicTool(_Body):
+    type: str | None = None       # "custom" (or none); Anthropic's server tools (web_search_..., bash_...) are not run
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
@@ -117,6 +118,8 @@ def _template_messages(body: _Conversation) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": _field(block, "tool_use_id", str, at),
                             "content": _text(block.get("content"), f"{at}.content")})
             elif kind == "tool_use" and m.role == "assistant":
+                if not isinstance(block.get("input", {}), dict):
+                    raise bad_request(f"{at}.input: a tool call's input is an object")
                 calls.append({"id": _field(block, "id", str, at), "type": "function",
                               "function": {"name": _field(block, "name", str, at),
                                            "arguments": block.get("input") or {}}})
@@ -126,6 +129,8 @@ def _template_messages(body: _Conversation) -> list[dict]:
                 continue
             else:
                 raise bad_request(f"{at}: content block of type {kind!r} is not supported in a {m.role} message")
+        if not m.content:
+            raise bad_request(f"{where}: a message's content is a string or a non-empty list of blocks")
         if m.role == "user":
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
@@ -141,6 +146,12 @@ def _template_messages(body: _Conversation) -> list[dict]:
 
 def _tools(body: _Conversation) -> list[dict] | None:
     choice = (body.tool_choice or {}).get("type")
+    if body.tool_choice is not None and choice not in ("auto", "any", "tool", "none"):
+        raise bad_request(f"tool_choice.type {choice!r}: one of auto, any, tool, none")
+    server_tool = next((t for t in body.tools or () if t.type not in (None, "custom")), None)
+    if server_tool is not None:
+        raise bad_request(f"tools: {server_tool.name!r} is a server tool ({server_tool.type}), which this server does "
+                          "not run; declare client tools with an input_schema")
     if not body.tools or choice == "none":
         return None
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
@@ -155,7 +166,11 @@ def _prompt(ctx: ServerContext, body: _Conversation) -> tuple[list[int], bool, l
     prefill = body.messages[-1].role == "assistant"
     if prefill and (messages[-1].get("tool_calls") or not messages[-1].get("content")):
         raise bad_request("a final assistant message (prefill) must be non-empty text")
-    template_kwargs = {"enable_thinking": True} if (body.thinking or {}).get("type") == "enabled" else None
+    thinking = body.thinking or {}
+    budget = thinking.get("budget_tokens", 1024)
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise bad_request('thinking.budget_tokens: an integer, as in {"type": "enabled", "budget_tokens": 2048}')
+    template_kwargs = {"enable_thinking": True} if thinking.get("type") == "enabled" else None
     ids, in_think = render_chat(ctx.llm, messages, tools, template_kwargs, continue_final=prefill)
     return ids, in_think, tools
 
