@@ -53,6 +53,8 @@ def test_models_and_health(server, oai):
     assert [m.id for m in models] == [server.context.model_name]
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["slots_total"] == 8
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_chat_completion_plain_and_streamed(oai):

@@ -108,6 +108,7 @@ def _add_error_handlers(app: FastAPI, server: ServerContext) -> None:
 
 def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health")
+    @app.head("/health")                # load balancers' probes
     async def health(request: Request):
         server = get_context(request)
         worker = server.worker
