@@ -1,7 +1,7 @@
 """Decode benchmark on the GPU: one engine step advances B sessions; how close to the memory roofline?
 
     PYTHONPATH=src python bench/decode.py --model L3-8B-q8_0.gguf [--model L3-8B-q4_k.gguf] [--hf-peer]
-        [--kv-cache-dtype auto,fp8] [--contexts 4096,32768] [--batches 1,4,8,16]
+        [--kv-cache-dtype auto,fp8] [--contexts 4096,32768] [--batches 1,4,8,16] [--lora 16x4]
 
 For each model, KV cache dtype (each in its own load) and context (512, 4096) and batch B: the engine step
 time (planning, graph replay, sampling, the one host sync), overlapped (the default: step n + 1 launched
@@ -10,6 +10,9 @@ while step n runs) and not, aggregate tok/s, its ratio to B=1, and the ratio of 
 Sessions are placed at the given context with random KV (the values don't change the bytes read), so
 no 128 x 4k prefill is needed. Then prefill tok/s at 512 and 2048 prompt tokens (the median of 3 runs), and, with
 --hf-peer, the same shape in bf16 through Hugging Face transformers (random init): its ms/step at B = 1, 4, 16, 64.
+With --lora RxC, each model is loaded again with C random LoRA adapters of rank R on every projection
+(testing/lora_adapters.py) and every session runs through one of them, in turn: the same table, the adapters' bytes
+in the roofline, to say what serving adapters costs a step.
 Prints a short table last; JSON (+ PNG plot) to $OUT or bench/results/.
 """
 
@@ -63,6 +66,9 @@ def weight_bytes(llm: LLM) -> int:
             total += sum(p.nbytes for p in parts)
     head = llm.model.lm_head
     total += sum(p.nbytes for p in getattr(head, "parts", [head]))
+    lora = llm.model.lora          # LoRA adapters' slots: every step reads them all
+    if lora is not None:
+        total += sum(s.a.nbytes + s.b.nbytes for layer in lora.layers for s in layer.values() if s is not None)
     return total
 
 
@@ -81,9 +87,11 @@ def randomize_kv(llm: LLM) -> None:
 
 
 def place_sessions(llm: LLM, batch: int, context: int, params: SamplingParams | None = None) -> list[Sequence]:
-    """B running sessions, each with `context` tokens already in (random) KV, ready to decode."""
+    """B running sessions, each with `context` tokens already in (random) KV, ready to decode; with LoRA adapters
+    loaded, each through one of them in turn."""
     eng = llm.engine
     params = params or SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    lora = llm.model.lora
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     seqs = []
     for i in range(batch):
@@ -94,6 +102,8 @@ def place_sessions(llm: LLM, batch: int, context: int, params: SamplingParams | 
         seq.block_table, seq.num_computed = blocks, context - 1
         seq.token_ids.append(ids[-1])           # one sampled token pending: the session is decoding
         seq.status = SeqStatus.RUNNING
+        if lora is not None:
+            seq.adapter = 1 + i % len(lora.slots)
         eng.scheduler.running.append(seq)
         eng.seqs[seq.request_id] = seq
         seqs.append(seq)
@@ -201,12 +211,27 @@ def clear(llm: LLM) -> None:
     eng.step()
 
 
+def random_adapters(path: str, rank: int, count: int) -> tuple[tuple[str, str, float], ...]:
+    """`count` random rank-`rank` adapters for the model at `path`, written once under $OUT (EngineOptions'
+    lora_modules)."""
+    from cobatch.config import ModelConfig
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.testing.lora_adapters import write_random_adapter
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
+    root = Path(os.environ.get("OUT") or "/tmp") / "lora-adapters"
+    return tuple((f"lora-{i}", str(write_random_adapter(root / f"{Path(path).stem}-r{rank}-{i}", cfg, rank, seed=i)),
+                  1.0) for i in range(count))
+
+
 def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense: bool,
-                kv_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto", lora: tuple[int, int] | None = None) -> dict:
     t0 = time.perf_counter()
+    adapters = random_adapters(path, *lora) if lora else ()
     llm = LLM.load(path, EngineOptions(device="cuda", ctx=max(*CONTEXTS, *PREFILL) + 128, max_num_seqs=max_batch,
                                        kv_cache_gb=kv_gb, prefill_chunk=2048, max_step_tokens=4096,
-                                       dense_large_batch=dense, kv_cache_dtype=kv_cache_dtype))
+                                       dense_large_batch=dense, kv_cache_dtype=kv_cache_dtype,
+                                       lora_modules=adapters))
     load_s = time.perf_counter() - t0
     wbytes = weight_bytes(llm)
     kvtok = kv_bytes_per_token(llm)
@@ -256,6 +281,7 @@ def bench_model(path: str, copy_bps: float, max_batch: int, kv_gb: float, dense:
               f"{profiled['wall_ms']:.1f} ms wall, {profiled['launches']} launches", flush=True)
     label = os.path.basename(path) + (" +dense" if dense else "")
     label += f" kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
+    label += f" +lora r{lora[0]} x{lora[1]}" if lora else ""
     out = dict(model=label, kv_cache_dtype=str(llm.engine.pool.dtype).removeprefix("torch."), load_s=load_s,
                weight_bytes=wbytes, kv_bytes_per_token=kvtok,
                decode=rows, prefill=prefill, kernel_breakdown=breakdowns, stats=dataclasses.asdict(llm.engine.stats))
@@ -335,7 +361,10 @@ def main() -> None:
                     help="comma-separated KV cache dtypes, each measured in its own load (e.g. auto,fp8)")
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (default 512,4096)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,2,3,4,8,...,128)")
+    ap.add_argument("--lora", default=None, metavar="RxC",
+                    help="each model also with C random LoRA adapters of rank R, every session through one (16x4)")
     args = ap.parse_args()
+    lora = tuple(int(v) for v in args.lora.lower().split("x")) if args.lora else None
     global CONTEXTS, BATCHES
     if args.contexts:
         CONTEXTS = [int(c) for c in args.contexts.split(",")]
@@ -352,6 +381,10 @@ def main() -> None:
             print(f"== {path} (KV cache {kv_dtype})", flush=True)
             results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb,
                                                  args.dense_large_batch, kv_dtype))
+            if lora:
+                print(f"== {path} (KV cache {kv_dtype}) with {lora[1]} LoRA adapters of rank {lora[0]}", flush=True)
+                results["models"].append(bench_model(path, copy_bps, args.max_batch, args.kv_cache_gb,
+                                                     args.dense_large_batch, kv_dtype, lora))
     if args.hf_peer:
         results["hf_peer"] = hf_peer()
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")

@@ -24,7 +24,8 @@ from cobatch.model_files import smollm2_path
 from cobatch.models.registry import model_class
 from cobatch.testing import hf_checkpoints
 from cobatch.testing.gguf_writer import write_random_model
-from cobatch.testing.lora_adapters import ATTENTION, FEED_FORWARD, FUSED, peft_to_gguf, write_peft_adapter
+from cobatch.testing.lora_adapters import (ATTENTION, FEED_FORWARD, FUSED, peft_to_gguf, write_peft_adapter,
+                                          write_random_adapter)
 from conftest import requires_cuda
 from model_checks import open_gguf, prompt_logits
 
@@ -320,3 +321,16 @@ def test_server_loads_and_unloads_adapters_at_run_time(adapted, served):
     with live_server(served) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         off = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapter)})
         assert off.status_code == 400 and off.json()["error"]["code"] == "runtime_lora_updating_disabled"
+
+
+def test_random_adapter_of_a_models_shape_loads_and_adapts(adapted, tmp_path):
+    """The benchmarks' adapters (written without PEFT, for real shapes): every projection, the given rank, and a
+    small change to the logits."""
+    folder, _, _, _ = adapted["llama"]
+    ckpt = HFCheckpoint(folder, "none")
+    cfg = ckpt.config
+    adapter = load_adapter(write_random_adapter(tmp_path / "random", cfg, rank=8, seed=1), cfg)
+    assert adapter.rank == 8 and len(adapter.pairs) == 7 * cfg.n_layers
+    model = model_class(cfg)(cfg, ckpt, max_positions=64, adapters=[adapter], adapter_rows=64)
+    change = (_logits(model, cfg, 1) - _logits(model, cfg, 0)).abs().max()
+    assert 1e-4 < change < 1.0

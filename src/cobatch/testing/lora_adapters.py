@@ -60,3 +60,27 @@ def peft_to_gguf(folder: str | Path, out: str | Path, arch: str, n_heads: int, n
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def write_random_adapter(folder: str | Path, cfg, rank: int, seed: int = 0) -> Path:
+    """A random LoRA adapter of rank `rank` on every attention and feed-forward projection of a model of config
+    `cfg` (a ModelConfig), in PEFT's layout, written without PEFT: for benchmarks on models of real shapes. A is
+    scaled as PEFT's Kaiming init, B so that the adapter moves each output by about a hundredth of its input."""
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    q, kv, d, ff = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_model, cfg.ffn_dim
+    shapes = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+              "self_attn.o_proj": (d, q), "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d), "mlp.down_proj": (d, ff)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.n_layers):
+        for module, (rows, cols) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, cols, generator=gen) * cols ** -0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(rows, rank, generator=gen) * (0.01 * rank ** -0.5)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none",
+              "target_modules": [m.split(".")[1] for m in shapes]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
