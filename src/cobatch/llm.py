@@ -316,6 +316,8 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
     if not options.quiet and tp is None:
         copies = (f"{held['bf16_copies'] / 2**30:.2f} GiB of dequantized copies (--dense-large-batch)"
                   if held["bf16_copies"] else "no dequantized copies")
+        if device.type == "cpu":       # the reference path: every matrix dequantized once, to the model's dtype
+            copies = f"dequantized to {str(dtype).removeprefix('torch.')} on the CPU"
         print(f"weights: {sum(held.values()) / 2**30:.2f} GiB resident on {device} "
               f"({held['quantized'] / 2**30:.2f} GiB quantized, {held['dense'] / 2**30:.2f} GiB dense, {copies})",
               file=sys.stderr)
