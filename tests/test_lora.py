@@ -334,3 +334,26 @@ def test_random_adapter_of_a_models_shape_loads_and_adapts(adapted, tmp_path):
     model = model_class(cfg)(cfg, ckpt, max_positions=64, adapters=[adapter], adapter_rows=64)
     change = (_logits(model, cfg, 1) - _logits(model, cfg, 0)).abs().max()
     assert 1e-4 < change < 1.0
+
+
+def test_metrics_name_the_adapters_in_use(served):
+    """vLLM's lora_requests_info (and ours): the adapters of the requests holding slots and of those waiting."""
+    import asyncio
+    import httpx
+    from cobatch.server.context import ServerOptions
+    from cobatch.server.engine_thread import EngineWorker, RequestHandle
+    from cobatch.server.metrics import lora_requests_info
+    from test_server_support import live_server
+    with live_server(served, ServerOptions(metrics_compat="vllm")) as srv, httpx.Client(base_url=srv.url) as http:
+        idle = http.get("/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.0' in idle
+    assert 'cobatch_lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.0' in idle
+    worker, loop = EngineWorker(served.engine), asyncio.new_event_loop()      # (not started: nothing moves them)
+    handles = [RequestHandle(f"r{i}", IDS, SamplingParams(adapter=name), loop)
+               for i, name in enumerate(("half", None, "a", "half"))]
+    worker._active.update({h.id: h for h in handles[:2]})                  # two holding slots, two queued
+    worker._queued.extend(handles[2:])
+    assert worker.adapters_in_use() == (["half"], ["a", "half"])
+    [sample] = lora_requests_info("vllm:lora_requests_info", worker, 2).samples
+    assert sample.labels == {"running_lora_adapters": "half", "waiting_lora_adapters": "a,half", "max_lora": "2"}
+    loop.close()

@@ -132,6 +132,13 @@ class EngineWorker:
     def num_active(self) -> int:
         return len(self._active)
 
+    def adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of the requests holding a slot, and of those waiting for one (sorted names). Read from
+        any thread: each container is copied whole first (one C-level iteration under the GIL)."""
+        running = {h.params.adapter for h in list(self._active.values())}
+        waiting = {h.params.adapter for h in list(self._queued)}
+        return sorted(running - {None}), sorted(waiting - {None})
+
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; call from the asyncio loop that will read its outputs."""
         if not self.accepting or not self.alive:

@@ -194,9 +194,11 @@ class Generation:
         ttft = (first - self.arrival) if first is not None else float("nan")
         decode_s = end - first if first is not None else 0.0
         rate = (usage.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
+        adapter = f" adapter={self.request.params.adapter}" if self.request.params.adapter else ""
         request_log.info("%s %s slot=%s prompt=%d cached=%d completion=%d ttft=%.3fs total=%.3fs decode=%.1f "
-                         "tok/s finish=%s", self.request.api, self.handle.id, self.handle.slot, usage.prompt_tokens,
-                         usage.cached_tokens, usage.completion_tokens, ttft, end - self.arrival, rate, reason)
+                         "tok/s finish=%s%s", self.request.api, self.handle.id, self.handle.slot, usage.prompt_tokens,
+                         usage.cached_tokens, usage.completion_tokens, ttft, end - self.arrival, rate, reason,
+                         adapter)
 
     async def collect(self) -> Completed:
         """Run to the end and gather everything (the non-streaming responses)."""

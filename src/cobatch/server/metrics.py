@@ -97,6 +97,19 @@ class _VllmEngineCollector:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
+        lora = getattr(worker.engine.runner.model, "lora", None)
+        if lora is not None:
+            yield lora_requests_info("vllm:lora_requests_info", worker, lora.capacity)
+
+
+def lora_requests_info(name: str, worker: EngineWorker, slots: int) -> GaugeMetricFamily:
+    """vLLM's lora_requests_info: the LoRA adapters of running and of waiting requests, and the slots, as labels
+    (value 1)."""
+    running, waiting = worker.adapters_in_use()
+    info = GaugeMetricFamily(name, "LoRA adapters of running and waiting requests (value 1)",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info.add_metric([",".join(running), ",".join(waiting), str(slots)], 1)
+    return info
 
 
 class _EngineCollector:
@@ -142,6 +155,9 @@ class _EngineCollector:
         lone.add_metric(["peer_finish"], stats.lone_peer_finish)
         lone.add_metric(["no_peer"], stats.lone_no_peer)
         yield lone
+        lora = getattr(engine.runner.model, "lora", None)
+        if lora is not None:
+            yield lora_requests_info("cobatch_lora_requests_info", worker, lora.capacity)
         yield counter("cobatch_preemptions", "Sequences pushed back for lack of KV blocks", stats.preemptions)
         yield counter("cobatch_spec_draft_tokens", "Speculative (prompt-lookup) tokens proposed", stats.draft_tokens)
         yield counter("cobatch_spec_accepted_tokens", "Speculative tokens kept", stats.accepted_tokens)
