@@ -273,6 +273,24 @@ def test_speculative_steps_replay_the_decode_graph(models):
     assert sum(t is None for t in ties) >= 2
 
 
+def test_draft_model_on_cuda_drafts_what_the_target_keeps(models):
+    """A draft model on CUDA (the cut model as its own draft, run eagerly): its drafts ride in the target's decode
+    graph and are kept, and greedy output is plain decoding's, up to ties."""
+    from cobatch.engine.drafts import DraftModelSpec
+    _, gpu = models["cut"]
+    spec = LLM.load(_cut_model(), EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True,
+                                                kv_cache_gb=1, speculative=DraftModelSpec(str(_cut_model()), 3)))
+    prompts = [gpu.encode_prompt(PROMPTS[0]), gpu.encode_prompt("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5,")]
+    want = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
+    got = spec.engine.generate(prompts, GREEDY)
+    ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, w, g, 0.05) for p, w, g in zip(prompts, want, got)]
+    stats = spec.engine.stats
+    print(f"draft model on CUDA: identical {sum(t is None for t in ties)}/{len(ties)}; kept {stats.accepted_tokens} "
+          f"of {stats.draft_tokens} drafts")
+    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens > 0
+    assert spec.engine.drafter.cached == {}
+
+
 def test_gpu_constraints_and_prompt_logprobs(models):
     """The sampler-side features on the GPU path, beside unconstrained rows in the same steps: a JSON grammar
     (its masks go host -> device), min_tokens bans, and prompt logprobs (eager prefill), the last against the

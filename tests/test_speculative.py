@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from cobatch.cli import build_parser
 from cobatch.engine.sampler import SamplingParams
-from cobatch.engine.drafts import NgramSpec, Prediction, TokenIndex, propose
+from cobatch.engine.drafts import DraftModelSpec, NgramSpec, Prediction, TokenIndex, propose
+from cobatch.engine.speculative import parse_speculative_config, speculative_flags
+from cobatch.errors import UserError
 from cobatch.llm import LLM, EngineOptions
-from cobatch.model_files import smollm2_path
+from cobatch.model_files import qwen_coder_path, smollm2_path
+from cobatch.testing.gguf_writer import cut_layers
 from model_fixtures import load_llm
 
 # Text the model goes on repeating: its continuation is in its own prompt, so drafts get accepted.
@@ -63,6 +67,28 @@ def test_the_index_grows_with_the_tokens():
 def test_bad_speculative_config_is_a_clear_error(config, message):
     with pytest.raises(ValueError, match=message):
         NgramSpec.from_config(config)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"model": "d.gguf"}', "num_speculative_tokens"),
+    ('{"model": 5, "num_speculative_tokens": 2}', "model \\(a path\\)"),
+    ('{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 16}', "num_speculative_tokens"),
+    ('{"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 2}', "unknown"),
+    ('{"model": "d.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}', "unknown"),
+])
+def test_bad_draft_model_config_is_a_clear_error(raw, message):
+    with pytest.raises(UserError, match=message):
+        parse_speculative_config(raw)
+
+
+def test_draft_model_flags_of_vllm_and_llama_cpp():
+    assert parse_speculative_config('{"model": "d.gguf", "num_speculative_tokens": 3}') == DraftModelSpec("d.gguf", 3)
+    parser = build_parser()
+    assert speculative_flags(parser.parse_args(["serve", "-md", "d.gguf", "--draft-max", "6"])) == \
+        DraftModelSpec("d.gguf", 6)
+    both = parser.parse_args(["serve", "-md", "d.gguf", "--speculative-config", '{"num_speculative_tokens": 2}'])
+    with pytest.raises(UserError, match="not both"):
+        speculative_flags(both)
 
 
 def test_speculative_config_takes_vllms_ngram_keys():
@@ -346,3 +372,46 @@ def test_decode_graphs_hold_a_step_with_prediction_drafts():
     assert _graph_rows(EngineOptions(max_num_seqs=32), None, cuda) == 32
     assert _graph_rows(EngineOptions(max_num_seqs=1, max_step_tokens=4), None, cuda) == 4
     assert _graph_rows(EngineOptions(max_num_seqs=1), 2, cuda) == 2            # the model's own limit (MoE)
+
+
+# --- a draft model (engine/draft_model.py) ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cut_draft(tmp_path_factory):
+    """SmolLM2 cut to its first 6 of 30 layers: a draft of the same vocabulary, nearly always wrong."""
+    return cut_layers(smollm2_path(), tmp_path_factory.mktemp("draft") / "smollm2-6l.gguf", 6)
+
+
+def test_draft_model_output_is_plain_decodings(cut_draft):
+    """A mixed batch (greedy, penalties, seeded sampling, prefill beside decoders) through a cut draft model whose
+    drafts are rejected: every output is what the engine without speculation gives."""
+    plain = load_llm("smollm2")
+    llm = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=512, quiet=True,
+                                                 speculative=DraftModelSpec(str(cut_draft), 3)))
+    prompts = [plain.encode_prompt(REPEAT), plain.encode_chat([{"role": "user", "content": "Name three colors."}]),
+               plain.encode_prompt("The capital of France is"), plain.encode_prompt("1, 2, 3, 4, 5,")]
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=20),
+              SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=16)]
+    assert llm.engine.generate(prompts, params) == plain.engine.generate(prompts, params)
+    assert llm.engine.stats.draft_tokens > 0
+    assert llm.engine.drafter.cached == {}                   # every sequence's draft blocks went back
+
+
+def test_a_draft_model_equal_to_the_target_has_its_drafts_kept():
+    """The target as its own draft: its greedy drafts are what the target samples, so (up to float rounding of a
+    causal query against one row at a time) they are kept: the draft cache follows the kept and the replaced
+    tokens right."""
+    path = smollm2_path()
+    llm = LLM.load(path, EngineOptions(device="cpu", ctx=512, quiet=True, speculative=DraftModelSpec(str(path), 4)))
+    prompts = [llm.encode_chat([{"role": "user", "content": q}]) for q in ("What is the capital of France?",
+                                                                           "Write a haiku about the sea.")]
+    assert llm.engine.generate(prompts, GREEDY) == [plain_output(p, GREEDY) for p in prompts]
+    stats = llm.engine.stats
+    assert stats.draft_tokens > 40 and stats.accepted_tokens >= 0.9 * stats.draft_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused():
+    with pytest.raises(UserError, match="must share the tokenizer"):
+        LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=256, quiet=True,
+                                               speculative=DraftModelSpec(str(qwen_coder_path()), 2)))

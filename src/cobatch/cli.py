@@ -60,8 +60,13 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
 
 def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
-                   help='vLLM\'s, prompt-lookup speculative decoding: \'{"method": "ngram", "num_speculative_tokens": '
-                        '4, "prompt_lookup_max": 3}\' (default: off)')
+                   help='vLLM\'s, speculative decoding by prompt lookup: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\', or by a draft model: '
+                        '\'{"model": PATH, "num_speculative_tokens": 4}\' (default: off)')
+    p.add_argument("--model-draft", "-md", default=None, metavar="PATH",
+                   help="llama.cpp's: a draft model of the same vocabulary for speculative decoding")
+    p.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=4,
+                   help="llama.cpp's: drafts a step with --model-draft (default 4)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -122,14 +127,14 @@ def _sampling(args, model_defaults: dict | None = None):
 
 
 def _load(args, max_num_seqs: int = 1):
-    from cobatch.engine.speculative import parse_speculative_config
+    from cobatch.engine.speculative import speculative_flags
     from cobatch.llm import LLM, EngineOptions, kv_cache_dtype_arg
     from cobatch.loader.lora import adapter_flags
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
                                               chat_template=args.chat_template, quantization=args.quantization,
-                                              speculative=parse_speculative_config(args.speculative_config),
+                                              speculative=speculative_flags(args),
                                               lora_modules=adapter_flags(args), quiet=getattr(args, "quiet", False)))
 
 

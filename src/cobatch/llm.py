@@ -16,7 +16,8 @@ from cobatch.builtin_templates import template_source
 from cobatch.chat_template import CHAT_TEMPLATE_KEY, ChatTemplate, ChatTemplateError
 from cobatch.config import ModelConfig
 from cobatch.engine.disk_cache import DiskPrefixCache
-from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec
+from cobatch.engine.draft_model import DraftModel
+from cobatch.engine.drafts import PREDICTION_SPEC, DraftModelSpec, NgramSpec
 from cobatch.engine.engine import Engine
 from cobatch.engine.grammar import Grammars
 from cobatch.engine.kv_cache import KVPool
@@ -55,7 +56,8 @@ class EngineOptions:
     eager: bool = False                # CUDA: no decode-step graphs (slower; for debugging)
     dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
-    speculative: NgramSpec | None = None   # prompt-lookup speculative decoding (engine/speculative.py); None: off
+    # speculative decoding (engine/speculative.py): prompt lookup, or a draft model; None: off
+    speculative: NgramSpec | DraftModelSpec | None = None
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
     kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool
                                        # (engine/disk_cache.py)
@@ -208,7 +210,7 @@ class LLM:
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative,
                         # On the CPU a launch computes the step before it returns: planning ahead would only
                         # hold each step's tokens back until the next one is computed.
-                        overlap=options.overlap_steps and device.type == "cuda")
+                        overlap=options.overlap_steps and device.type == "cuda", drafter=w.drafter)
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file
@@ -272,6 +274,7 @@ class _Weights:
     ctx: int
     model: Model | None = None
     pool: KVPool | None = None
+    drafter: DraftModel | None = None    # speculative decoding's draft model and its own KV pool
 
 
 def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) -> _Weights:
@@ -321,8 +324,12 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
         print(f"weights: {sum(held.values()) / 2**30:.2f} GiB resident on {device} "
               f"({held['quantized'] / 2**30:.2f} GiB quantized, {held['dense'] / 2**30:.2f} GiB dense, {copies})",
               file=sys.stderr)
+    draft = _load_draft(options, w, tp) if isinstance(options.speculative, DraftModelSpec) else None
     pool = _make_pool(model_cfg, options, ctx, w.kv_dtype, device, agree=tp.min_over_ranks if tp else None,
-                      quiet=options.quiet or tp is not None)
+                      quiet=options.quiet or tp is not None, beside=draft.cfg if draft else None)
+    if draft is not None:       # as many tokens as the target's pool: every sequence can draft
+        w.drafter = DraftModel(draft, KVPool(draft.cfg, pool.num_blocks, options.block_size, w.kv_dtype, device),
+                               target_vocab=model.vocab_rows)
     if tp is not None:
         ranks = tp.gather_objects((sum(held.values()), held["quantized"], pool.num_blocks, pool.nbytes))
         if rank0 and not options.quiet:
@@ -355,6 +362,24 @@ def _adapters(options: EngineOptions, cfg: ModelConfig, tp: TensorParallelGroup 
     runtime = options.runtime_lora
     return {"adapters": adapters, "adapter_rows": rows, "adapter_slots": options.max_loras or (1 if runtime else 0),
             "adapter_rank": options.max_lora_rank or (16 if runtime else 0), "runtime_adapters": runtime}
+
+
+def _load_draft(options: EngineOptions, w: _Weights, tp: TensorParallelGroup | None) -> Model:
+    """The draft model of --speculative-config / --model-draft, checked to share the target's vocabulary."""
+    if tp is not None:
+        raise UserError("a draft model is not supported with --tensor-parallel-size > 1")
+    path = Path(options.speculative.model)
+    weights, cfg, tokenizer, _ = _open_model(path, "auto", w.device)
+    mine, theirs = w.tokenizer, tokenizer
+    if mine.vocab_size != theirs.vocab_size or any(mine.token_bytes(i) != theirs.token_bytes(i)
+                                                  for i in range(mine.vocab_size)):
+        raise UserError(f"draft model {path.name}: its vocabulary ({theirs.vocab_size} tokens) is not the model's "
+                        f"({mine.vocab_size}); a draft model must share the tokenizer")
+    model = model_class(cfg)(cfg, weights, w.device, w.dtype, max_positions=w.ctx)
+    if not options.quiet:
+        print(f"draft model: {path.name} ({cfg.arch}, {cfg.n_layers} layers), {options.speculative.num_tokens} drafts "
+              f"a step", file=sys.stderr)
+    return model
 
 
 def _capture_graphs(w: _Weights, options: EngineOptions, link: StepLink | None):
@@ -420,9 +445,12 @@ def kv_bytes_note(cfg: ModelConfig, dtype: torch.dtype) -> str:
 
 
 def _make_pool(cfg: ModelConfig, options: EngineOptions, ctx: int, dtype: torch.dtype,
-               device: torch.device, agree=None, quiet: bool = False) -> KVPool:
-    """agree: under tensor parallelism, the smallest of every rank's block count (rank 0 plans for all)."""
+               device: torch.device, agree=None, quiet: bool = False, beside: ModelConfig | None = None) -> KVPool:
+    """agree: under tensor parallelism, the smallest of every rank's block count (rank 0 plans for all). beside: a
+    draft model's config, whose pool of as many blocks shares the budget."""
     per_block = KVPool.bytes_per_block(cfg, options.block_size, dtype)
+    if beside is not None:
+        per_block += KVPool.bytes_per_block(beside, options.block_size, dtype)
     budget = kv_budget_bytes(options, device, per_block * -(-ctx // options.block_size) * options.max_num_seqs)
     num_blocks = budget // per_block
     min_blocks = -(-ctx // options.block_size)

@@ -30,7 +30,7 @@ class NgramSpec:
         "prompt_lookup_min": m, "disable_by_batch_size": b}. Raises ValueError naming what is wrong."""
         method = config.get("method", "ngram")
         if method not in ("ngram", "[ngram]"):
-            raise ValueError(f"speculative method {method!r} is not supported (ngram)")
+            raise ValueError(f"speculative method {method!r} is not supported (ngram, or draft_model with a model)")
         keys = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
         unknown = set(config) - {"method", *keys}
         if unknown:
@@ -41,6 +41,37 @@ class NgramSpec:
         if not all(v is None or isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise ValueError("speculative-config values must be integers")
         return NgramSpec(*values)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelSpec:
+    """Drafts from a smaller model of the same vocabulary (engine/draft_model.py)."""
+    model: str               # its GGUF file or checkpoint folder
+    num_tokens: int          # drafts per step (k)
+    disable_by_batch_size: int | None = None    # no drafts while more requests than this are running
+
+    def __post_init__(self):
+        if not 1 <= self.num_tokens <= 15:
+            raise ValueError(f"num_speculative_tokens must be in [1, 15] (got {self.num_tokens})")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1 (got {self.disable_by_batch_size})")
+
+    @staticmethod
+    def from_config(config: dict) -> "DraftModelSpec":
+        """vLLM's --speculative-config for a draft model: {"model": PATH, "num_speculative_tokens": k,
+        "method": "draft_model", "disable_by_batch_size": b}. Raises ValueError naming what is wrong."""
+        keys = ("model", "num_speculative_tokens", "disable_by_batch_size")
+        if config.get("method", "draft_model") != "draft_model":
+            raise ValueError(f"speculative method {config['method']!r} with a model: only draft_model takes one")
+        unknown = set(config) - {"method", *keys}
+        if unknown:
+            raise ValueError(f"unknown speculative-config keys for a draft model: {', '.join(sorted(unknown))}")
+        if not isinstance(config.get("model"), str) or "num_speculative_tokens" not in config:
+            raise ValueError("a draft model's speculative-config needs model (a path) and num_speculative_tokens")
+        values = [config.get(k) for k in keys[1:]]
+        if not all(v is None or isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError("speculative-config values must be integers")
+        return DraftModelSpec(config["model"], *values)
 
 
 # Drafts that keep failing cost their rows' attention and activations: a sequence whose

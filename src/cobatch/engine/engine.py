@@ -20,7 +20,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cobatch.engine.drafts import PREDICTION_SPEC, NgramSpec, Prediction, propose
+from cobatch.engine.draft_model import DraftModel
+from cobatch.engine.drafts import PREDICTION_SPEC, DraftModelSpec, NgramSpec, Prediction, propose
 from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool, prefix_root
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
@@ -55,17 +56,20 @@ class StepOutput:
 class Engine:
     def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
                  max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512,
-                 grammars: Grammars | None = None, speculative: NgramSpec | None = None, overlap: bool = True,
-                 spill: BlockSpill | None = None):
+                 grammars: Grammars | None = None, speculative: NgramSpec | DraftModelSpec | None = None,
+                 overlap: bool = True, spill: BlockSpill | None = None, drafter: DraftModel | None = None):
         self.runner = runner
         self.overlap = overlap           # plan and launch decode step n + 1 before step n's tokens are read
         self.grammars = grammars         # compiles SamplingParams.grammar; None: grammars are refused
-        self.speculative = speculative   # prompt-lookup drafts for decoding sequences (engine/speculative.py)
+        self.speculative = speculative   # drafts for decoding sequences (engine/speculative.py)
+        self.drafter = drafter           # the draft model, where speculative is a DraftModelSpec
+        self._proposed: dict[str, list[int]] = {}       # its drafts for this step's plan (request id -> tokens)
         self.pool: KVPool = runner.pool
         # spill: where evicted prefix-cache blocks go and come back from (engine/disk_cache.py); None: nowhere
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, spill=spill)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_step_tokens, max_num_seqs), prefill_chunk,
                                    draft=self._draft,      # every request may carry a prediction
+                                   prepare_drafts=self._run_drafter if drafter is not None else None,
                                    draft_rows=step_rows_with_drafts(runner.device),
                                    draft_max_running=speculative.disable_by_batch_size if speculative else None)
         self.stop_ids = stop_ids
@@ -205,6 +209,8 @@ class Engine:
             out.stop_token = reason == "stop" and self._is_stop_token(seq, token)
             outputs.append(out)
         self.scheduler.end_step(finished)
+        if finished and self.drafter is not None:
+            self.drafter.release_gone(self.seqs)        # the draft cache's blocks of the sequences that ended
         return outputs
 
     def _plan_ahead(self, launched: LaunchedStep) -> StepPlan | None:
@@ -248,16 +254,33 @@ class Engine:
         """Drafts for a decoding sequence, from its prediction if it has one (while it finds some there), else
         by prompt lookup when the server speculates: none that would pass max_tokens or the context."""
         seq.draft_from_prediction = False
-        if (seq.prediction is None and self.speculative is None) or not can_speculate(seq) \
-                or not seq.drafts.worth_drafting(seq.num_output):
+        if not self._may_draft(seq):
             return []
-        room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_context - len(seq.token_ids) - 1)
+        room = self._room(seq, budget)
         if seq.prediction is not None:
-            drafts = seq.prediction.propose(seq.token_ids, seq.prompt_len, self.speculative or PREDICTION_SPEC, room)
+            spec = self.speculative if isinstance(self.speculative, NgramSpec) else PREDICTION_SPEC
+            drafts = seq.prediction.propose(seq.token_ids, seq.prompt_len, spec, room)
             if drafts or self.speculative is None:
                 seq.draft_from_prediction = bool(drafts)
                 return drafts
+        if self.drafter is not None:
+            return self._proposed.get(seq.request_id, [])[:room]
         return propose(seq.token_ids, seq.lookup, self.speculative, room)
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        return ((seq.prediction is not None or self.speculative is not None) and can_speculate(seq)
+                and seq.drafts.worth_drafting(seq.num_output))
+
+    def _room(self, seq: Sequence, budget: int) -> int:
+        """Drafts that would pass neither max_tokens nor the context, at most budget."""
+        return min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_context - len(seq.token_ids) - 1)
+
+    def _run_drafter(self, decoders: list[Sequence], budget: int) -> None:
+        """The draft model's proposals for this step's decoders (all at once), before the plan takes them."""
+        self.drafter.release_gone(self.seqs)            # (aborted ones too)
+        seqs = [seq for seq in decoders if self._may_draft(seq)]
+        limits = [min(self._room(seq, budget), self.speculative.num_tokens) for seq in seqs]
+        self._proposed = self.drafter.propose(seqs, limits)
 
     def _accept_drafts(self, seq: Sequence, sampled: list, outputs: list[StepOutput]) -> int:
         """Row j of a speculating sequence ran draft j - 1 (row 0 its last token) and sampled sampled[j]. Keep

@@ -60,9 +60,11 @@ class DecodeStats:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int,
                  draft: Callable[[Sequence, int], list[int]] | None = None, draft_rows: int | None = None,
-                 draft_max_running: int | None = None):
+                 draft_max_running: int | None = None,
+                 prepare_drafts: Callable[[list[Sequence], int], None] | None = None):
         self.blocks = blocks
         self.draft = draft           # speculative drafts of a decoding sequence, at most the int given
+        self.prepare_drafts = prepare_drafts     # called with the step's decoders before `draft` asks for theirs
         self.draft_rows = draft_rows     # most rows a step with drafts may have (None: the token budget)
         self.draft_max_running = draft_max_running   # no drafts while more sequences than this run (None: any)
         self.max_num_seqs = max_num_seqs
@@ -136,6 +138,8 @@ class Scheduler:
         # Decoders first, in admission order; then prefill chunks in admission order.
         order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
         drafts_each = self.drafts_each(order)
+        if drafts_each > 0 and self.prepare_drafts is not None:
+            self.prepare_drafts([s for s in order if s.is_decoding], drafts_each)
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:      # preempted while planning this step
                 continue

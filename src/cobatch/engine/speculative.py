@@ -1,5 +1,5 @@
 """Speculative decoding with prompt lookup (n-gram drafts; vLLM's "ngram" method, llama.cpp's lookup decoding),
-and with a request's predicted output (OpenAI's Predicted Outputs).
+with a draft model (engine/draft_model.py), and with a request's predicted output (OpenAI's Predicted Outputs).
 
 A decoding sequence whose last n tokens occurred earlier in its own text (prompt or output) is given the
 tokens that followed that occurrence as drafts. A request that says what its output will mostly be (a file
@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from cobatch.engine.drafts import NgramSpec
+from cobatch.engine.drafts import DraftModelSpec, NgramSpec
 from cobatch.engine.sampler import needs_penalties
 from cobatch.errors import UserError
 
@@ -38,17 +38,35 @@ if TYPE_CHECKING:
     from cobatch.engine.sequence import Sequence
 
 
-def parse_speculative_config(raw: str | None) -> NgramSpec | None:
-    """The --speculative-config flag (vLLM's JSON) as an NgramSpec (None: off); a bad one is a UserError."""
+def parse_speculative_config(raw: str | None) -> NgramSpec | DraftModelSpec | None:
+    """The --speculative-config flag (vLLM's JSON) as an NgramSpec, or a DraftModelSpec where it names a model
+    (None: off); a bad one is a UserError."""
     if raw is None:
         return None
     try:
         config = json.loads(raw)
         if not isinstance(config, dict):
             raise ValueError("it must be a JSON object")
+        if config.get("method", "draft_model" if "model" in config else "ngram") == "draft_model":
+            return DraftModelSpec.from_config(config)
         return NgramSpec.from_config(config)
     except ValueError as exc:
         raise UserError(f"--speculative-config: {exc}") from None
+
+
+def speculative_flags(args) -> NgramSpec | DraftModelSpec | None:
+    """Speculative decoding as the command line asks: vLLM's --speculative-config, or llama.cpp's --model-draft
+    with --draft-max."""
+    config = parse_speculative_config(getattr(args, "speculative_config", None))
+    draft = getattr(args, "model_draft", None)
+    if draft is None:
+        return config
+    if config is not None:
+        raise UserError("give --speculative-config or --model-draft, not both")
+    try:
+        return DraftModelSpec(draft, args.draft_max)
+    except ValueError as exc:
+        raise UserError(f"--draft-max: {exc}") from None
 
 
 # On CUDA a step's rows cost little up to the narrow GEMV's first 8-token tile; a second tile costs 22-30 %

@@ -167,8 +167,8 @@ class ApiKeyMiddleware:
 # --- cobatch serve --------------------------------------------------------------------------------
 
 def _speculative(args):
-    from cobatch.engine.speculative import parse_speculative_config
-    return parse_speculative_config(getattr(args, "speculative_config", None))
+    from cobatch.engine.speculative import speculative_flags
+    return speculative_flags(args)
 
 
 def _device(args) -> str:
