@@ -328,8 +328,12 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
     pool = _make_pool(model_cfg, options, ctx, w.kv_dtype, device, agree=tp.min_over_ranks if tp else None,
                       quiet=options.quiet or tp is not None, beside=draft.cfg if draft else None)
     if draft is not None:       # as many tokens as the target's pool: every sequence can draft
-        w.drafter = DraftModel(draft, KVPool(draft.cfg, pool.num_blocks, options.block_size, w.kv_dtype, device),
-                               target_vocab=model.vocab_rows)
+        draft_pool = KVPool(draft.cfg, pool.num_blocks, options.block_size, w.kv_dtype, device)
+        graphs = None
+        if device.type == "cuda" and not options.eager and draft.graph_safe:    # one decode row a sequence
+            from cobatch.engine.cuda_graphs import DecodeGraphs
+            graphs = DecodeGraphs(draft, draft_pool, options.max_num_seqs, ctx, quiet=options.quiet)
+        w.drafter = DraftModel(draft, draft_pool, target_vocab=model.vocab_rows, graphs=graphs)
     if tp is not None:
         ranks = tp.gather_objects((sum(held.values()), held["quantized"], pool.num_blocks, pool.nbytes))
         if rank0 and not options.quiet:

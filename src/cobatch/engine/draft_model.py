@@ -41,8 +41,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DraftModel:
-    def __init__(self, model, pool: KVPool, target_vocab: int):
-        self.model, self.pool = model, pool
+    def __init__(self, model, pool: KVPool, target_vocab: int, graphs=None):
+        """graphs: the draft model's decode graphs (engine/cuda_graphs.DecodeGraphs over `pool`, CUDA): a pass that
+        feeds one token a sequence replays one instead of launching each kernel."""
+        self.model, self.pool, self.graphs = model, pool, graphs
         self.blocks = BlockManager(pool.num_blocks, pool.block_size)     # no prefix cache: a draft's KV is cheap
         self.device = pool.k[0].device
         self.target_vocab = target_vocab
@@ -92,6 +94,13 @@ class DraftModel:
         """One forward pass of the draft model over each sequence's fed tokens (at positions first..): the argmax of
         each sequence's last row."""
         bs = self.pool.block_size
+        if self.graphs is not None and len(feeds) <= self.graphs.max_batch and all(len(f[2]) == 1 for f in feeds):
+            positions = [first for _, _, _, first, _ in feeds]
+            logits = self.graphs.run(token_ids=[fed[0] for _, _, fed, _, _ in feeds], positions=positions,
+                                     slot_mapping=[entry.blocks[p // bs] * bs + p % bs
+                                                   for (_, entry, _, _, _), p in zip(feeds, positions)],
+                                     block_tables=[entry.blocks for _, entry, _, _, _ in feeds])
+            return logits.argmax(-1).tolist()
         ids, pos, slots, starts, lens, tables = [], [], [], [0], [], []
         for _, entry, fed, first, _ in feeds:
             ids += fed
