@@ -17,7 +17,7 @@ import torch
 from cobatch import cli
 from cobatch.engine.sampler import SamplingParams
 from cobatch.errors import UserError
-from cobatch.llm import LLM, EngineOptions
+from cobatch.llm import LLM, EngineOptions, _check_slot_memory
 from cobatch.loader.hf import HFCheckpoint
 from cobatch.loader.lora import load_adapter
 from cobatch.model_files import smollm2_path
@@ -357,3 +357,73 @@ def test_metrics_name_the_adapters_in_use(served):
     [sample] = lora_requests_info("vllm:lora_requests_info", worker, 2).samples
     assert sample.labels == {"running_lora_adapters": "half", "waiting_lora_adapters": "a,half", "max_lora": "2"}
     loop.close()
+
+
+def _edited_tensors(adapter, tmp_path, edit):
+    """A copy of a PEFT adapter folder with edit(tensors) applied to its safetensors."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    copy = tmp_path / "edited-tensors"
+    shutil.copytree(adapter, copy)
+    tensors = load_file(copy / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(copy / "adapter_model.safetensors"))
+    return copy
+
+
+def _first(tensors, kind, module="q_proj"):
+    return next(k for k in tensors if f"{module}.lora_{kind}" in k)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t[_first(t, "A")].view(-1)[0].fill_(float("nan")), "not finite numbers"),
+    (lambda t: t[_first(t, "B", "v_proj")].view(-1)[3].fill_(float("inf")), "not finite numbers"),
+    (lambda t: t[_first(t, "A")].view(-1)[0].fill_(1e6), "past"),
+    (lambda t: t.update({_first(t, "B"): t[_first(t, "B")][:-2]}), "the model's is"),
+    (lambda t: t.update({_first(t, "A"): t[_first(t, "A")][:0], _first(t, "B"): t[_first(t, "B")][:, :0]}),
+     "not a low-rank pair"),
+])
+def test_adapter_tensors_that_would_harm_every_row_are_refused(gguf_llama, tmp_path, edit, message):
+    """On the GGUF llama (B's q rows permuted after the checks): a NaN, an infinity or a huge value would reach
+    every row of a step through the zero multiplying other adapters' columns; wrong rows and rank 0 are refused
+    before any arithmetic on them."""
+    path, folder, _, _, _ = gguf_llama
+    _, cfg = open_gguf(path)
+    with pytest.raises(UserError, match=message):
+        load_adapter(_edited_tensors(folder, tmp_path, edit), cfg)
+
+
+@pytest.mark.parametrize("change, message", [({"lora_alpha": "x"}, "not a number"), ({"lora_alpha": None},
+                                                                                       "not a number")])
+def test_adapter_configs_of_the_wrong_types_are_refused(adapted, tmp_path, change, message):
+    folder, adapter, _, _ = adapted["llama"]
+    with pytest.raises(UserError, match=message):
+        load_adapter(_edit(adapter, tmp_path, **change), HFCheckpoint(folder, "none").config)
+    (tmp_path / "edited" / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="not PEFT's"):
+        load_adapter(tmp_path / "edited", HFCheckpoint(folder, "none").config)
+
+
+def test_slots_scales_and_names_out_of_bounds_are_refused(adapted):
+    folder, adapter, _, _ = adapted["llama"]
+    cfg = HFCheckpoint(folder, "none").config
+    with pytest.raises(UserError, match="scale must be between -100 and 100"):
+        load_adapter(adapter, cfg, scale=1e39)
+    base = dict(device="cpu", quantization="none", ctx=64, quiet=True)
+    two = (("a", str(adapter), 1.0), ("b", str(adapter), 1.0))
+    for options, message in ((dict(lora_modules=two, max_loras=1), "fewer slots than the 2 adapters"),
+                             (dict(lora_modules=two[:1], max_lora_rank=2), "rank 4, over --max-lora-rank 2"),
+                             (dict(runtime_lora=True, max_loras=257), "between 1 and 256")):
+        with pytest.raises(UserError, match=message):
+            LLM.load(folder, EngineOptions(**base, **options))
+    llama_8b = dataclasses.replace(cfg, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                                   ffn_dim=14336)
+    with pytest.raises(UserError, match=r"slots \(256 of rank 512\) need up to 1920\.0 GiB"):
+        _check_slot_memory(llama_8b, 256, 512, True, torch.device("cpu"))
+
+
+def test_an_adapter_named_as_the_model_is_refused(served):
+    from cobatch.server.app import create_app
+    from cobatch.server.context import ServerOptions
+    with pytest.raises(UserError, match="takes a name the model is served under"):
+        create_app(served, ServerOptions(model_name="half"))

@@ -5,6 +5,7 @@ The object the CLI, the server and the benchmarks share: `LLM.load(path)` and go
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from cobatch.parallel.steps import ParallelDecodeGraphs, ParallelModel, StepLink
 from cobatch.tokenizer import Tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+MAX_LORAS, MAX_LORA_RANK = 256, 512      # (vLLM's largest --max-lora-rank choice is 512)
 
 
 @dataclass(slots=True)
@@ -350,22 +352,48 @@ def _adapters(options: EngineOptions, cfg: ModelConfig, tp: TensorParallelGroup 
             raise UserError("--max-loras and --max-lora-rank size LoRA adapters' slots: give adapters "
                             "(--lora-modules) or allow runtime loading")
         return {}
-    for flag, value in (("--max-loras", options.max_loras), ("--max-lora-rank", options.max_lora_rank)):
-        if not 0 <= value <= 1024:
-            raise UserError(f"{flag} must be between 1 and 1024 (got {value})")
+    for flag, value, most in (("--max-loras", options.max_loras, MAX_LORAS),
+                              ("--max-lora-rank", options.max_lora_rank, MAX_LORA_RANK)):
+        if not 0 <= value <= most:
+            raise UserError(f"{flag} must be between 1 and {most} (got {value})")
     if tp is not None:
         raise UserError("LoRA adapters are not supported with --tensor-parallel-size > 1")
     names = [name for name, _, _ in options.lora_modules]
     if len(set(names)) != len(names):
         raise UserError(f"two LoRA adapters share a name ({', '.join(names)}): give each its own (NAME=PATH)")
     adapters = [load_adapter(path, cfg, name, scale) for name, path, scale in options.lora_modules]
+    if options.max_loras and options.max_loras < len(adapters):
+        raise UserError(f"--max-loras {options.max_loras} is fewer slots than the {len(adapters)} adapters given")
+    too_big = next((a for a in adapters if options.max_lora_rank and a.rank > options.max_lora_rank), None)
+    if too_big is not None:
+        raise UserError(f"LoRA adapter {too_big.name} has rank {too_big.rank}, over --max-lora-rank "
+                        f"{options.max_lora_rank}")
+    runtime = options.runtime_lora
+    slots = options.max_loras or max(len(adapters), 1 if runtime else 0)
+    rank = options.max_lora_rank or max([16 if runtime else 0] + [a.rank for a in adapters])
+    _check_slot_memory(cfg, slots, rank, runtime, device)
     rows = max(options.max_step_tokens, options.prefill_chunk, _graph_rows(options, None, device))
     if not options.quiet and adapters:
         print(f"LoRA adapters: {', '.join(f'{a.name} (rank {a.rank}, {len(a.pairs)} projections)' for a in adapters)}",
               file=sys.stderr)
-    runtime = options.runtime_lora
-    return {"adapters": adapters, "adapter_rows": rows, "adapter_slots": options.max_loras or (1 if runtime else 0),
-            "adapter_rank": options.max_lora_rank or (16 if runtime else 0), "runtime_adapters": runtime}
+    return {"adapters": adapters, "adapter_rows": rows, "adapter_slots": slots, "adapter_rank": rank,
+            "runtime_adapters": runtime}
+
+
+def _check_slot_memory(cfg: ModelConfig, slots: int, rank: int, runtime: bool, device: torch.device) -> None:
+    """Refuse adapter slots that would not fit in the device's free memory (an upper bound: every projection holds
+    slots, in float32), before allocating them."""
+    d, q, kv, ff = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    # each projection's parts x (its input + its output) columns a slot's rank: q|k|v, o, gate|up, down
+    widths = 3 * (d + q + 2 * kv) + (q + d) + (0 if cfg.n_experts else 2 * (d + 2 * ff) + (ff + d))
+    need = 4 * cfg.n_layers * slots * rank * widths
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.5 * free:
+        raise UserError(f"LoRA adapter slots ({slots} of rank {rank}) need up to {need / 2**30:.1f} GiB, over half "
+                        f"the {free / 2**30:.1f} GiB free: lower --max-loras or --max-lora-rank")
 
 
 def _load_draft(options: EngineOptions, w: _Weights, tp: TensorParallelGroup | None) -> Model:

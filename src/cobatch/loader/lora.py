@@ -34,6 +34,8 @@ _PEFT_PART = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o
 _GGUF_PART = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "attn_output": "o", "ffn_gate": "gate",
               "ffn_up": "up", "ffn_down": "down"}
 _GGUF_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+MAX_SCALE = 100.0         # a request's share of an adapter (1: as trained); far past any use, and within float16
+MAX_VALUE = 1000.0        # the largest magnitude of an A or a B (scale folded in) taken
 
 
 @dataclass(slots=True)
@@ -75,8 +77,8 @@ def load_adapter(path: str | Path, cfg: ModelConfig, name: str | None = None, sc
         raise UserError(f"LoRA adapter not found: {path}")
     if not pairs:
         raise UserError(f"LoRA adapter {path} holds no projection cobatch applies")
-    if not math.isfinite(scale):
-        raise UserError(f"LoRA adapter {name}: scale must be a finite number (got {scale})")
+    if not -MAX_SCALE <= scale <= MAX_SCALE:
+        raise UserError(f"LoRA adapter {name}: scale must be between -{MAX_SCALE:g} and {MAX_SCALE:g} (got {scale})")
     for (layer, part), (a, b) in pairs.items():
         _check_shape(path, cfg, layer, part, a, b)
     return Adapter(name, path, pairs, scale, _fingerprint(pairs, scale))
@@ -142,10 +144,13 @@ def _peft_pairs(folder: Path, cfg: ModelConfig) -> dict[tuple[int, str], tuple[t
         if b_key not in weights:
             raise UserError(f"LoRA adapter {folder}: {key} has no {b_key}")
         a, b = weights[key].float(), weights[b_key].float()
+        layer, part = int(match.group(1)), _PEFT_PART[match.group(3)]
+        _check_shape(folder, cfg, layer, part, a, b)        # (before B's rows are permuted)
         r, short = a.shape[0], _short_name(module)
         alpha = _pattern_value(config.get("alpha_pattern") or {}, short, config.get("lora_alpha", 8))
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise UserError(f"LoRA adapter {folder}: lora_alpha of {module} is {alpha!r}, not a number")
         b = b * (alpha / (math.sqrt(r) if config.get("use_rslora") else r))
-        layer, part = int(match.group(1)), _PEFT_PART[match.group(3)]
         if permute and part in ("q", "k"):
             b = _rotation_order(b, cfg.n_heads if part == "q" else cfg.n_kv_heads)
         pairs[(layer, part)] = (a, b)
@@ -153,6 +158,8 @@ def _peft_pairs(folder: Path, cfg: ModelConfig) -> dict[tuple[int, str], tuple[t
 
 
 def _check_peft_config(folder: Path, config: dict) -> None:
+    if not isinstance(config, dict) or not isinstance(config.get("alpha_pattern") or {}, dict):
+        raise UserError(f"LoRA adapter {folder}: adapter_config.json is not PEFT's (an object, alpha_pattern one too)")
     refuse = [
         (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} (only LORA)"),
         (bool(config.get("use_dora")), "use_dora (DoRA's magnitude vectors)"),
@@ -229,8 +236,9 @@ def _gguf_pairs(file: Path, cfg: ModelConfig) -> dict[tuple[int, str], tuple[tor
         if set(ab) != {"a", "b"}:
             raise UserError(f"LoRA adapter {file}: layer {layer}'s {part} has lora_{''.join(ab)} alone")
         a, b = ab["a"], ab["b"]
-        if part == "up" and b.shape[0] == 2 * cfg.ffn_dim:     # phi3: ffn_up holds gate|up
+        if part == "up" and b.dim() == 2 and b.shape[0] == 2 * cfg.ffn_dim:     # phi3: ffn_up holds gate|up
             part = "gate_up"
+        _check_shape(file, cfg, layer, part, a, b)
         # llama.cpp: scale alpha / rank, where rank is B's inner size; no alpha: scale 1
         pairs[(layer, part)] = (a, b * (alpha / b.shape[1] if alpha else 1.0))
     return pairs
@@ -258,7 +266,12 @@ def _check_shape(path: Path, cfg: ModelConfig, layer: int, part: str, a: torch.T
     where = f"LoRA adapter {path}: layer {layer}'s {part}"
     if not 0 <= layer < cfg.n_layers:
         raise UserError(f"{where}: the model has {cfg.n_layers} layers")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
         raise UserError(f"{where}: A {list(a.shape)} and B {list(b.shape)} are not a low-rank pair")
+    # A step multiplies the other adapters' columns by zero: a NaN, or a product past the dtype's range, there
+    # would reach every row, the base model's too. Trained adapters stay far inside this.
+    if not all(torch.isfinite(t).all() and t.abs().max() <= MAX_VALUE for t in (a, b)):
+        raise UserError(f"{where} holds values that are not finite numbers or past +-{MAX_VALUE:g}: not a trained "
+                        "adapter's")
     if a.shape[1] != cols or b.shape[0] != rows:
         raise UserError(f"{where} is {b.shape[0]} x {a.shape[1]}; the model's is {rows} x {cols}")

@@ -99,12 +99,16 @@ class LoraSet:
         if missing:
             raise UserError(f"LoRA adapter {adapter.name!r} adapts {', '.join(missing)}, which this model's adapter "
                             "slots do not cover (load it at start, or serve with runtime LoRA loading)")
-        for (layer, part), (a, b) in adapter.pairs.items():
+        held = [(layer, part, a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+                for (layer, part), (a, b) in adapter.pairs.items()]
+        if not all(torch.isfinite(a).all() and torch.isfinite(b).all() for _, _, a, b in held):
+            raise UserError(f"LoRA adapter {adapter.name!r} has values past {self.dtype}'s range")
+        for layer, part, a, b in held:
             projection, first, _ = part_rows(self.cfg, part)
             stack = self.layers[layer][projection]
             col = self._column(free, part)
-            stack.a[col:col + a.shape[0]] = a.to(self.device, self.dtype)
-            stack.b[first:first + b.shape[0], col:col + b.shape[1]] = b.to(self.device, self.dtype)
+            stack.a[col:col + a.shape[0]] = a
+            stack.b[first:first + b.shape[0], col:col + b.shape[1]] = b
         self.scales[free, (free - 1) * self.rank:free * self.rank] = adapter.scale
         self.adapters[free - 1] = adapter
         self.slots[adapter.name] = free

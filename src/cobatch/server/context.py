@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from cobatch.errors import UserError
 from cobatch.llm import LLM
 from cobatch.server.engine_thread import EngineWorker
 from cobatch.server.generation import Generation, GenerationRequest
@@ -50,6 +51,9 @@ class ServerContext:
         self.metrics = ServerMetrics(self.worker, vllm_names=options.metrics_compat == "vllm",
                                      model_name=self.model_name)
         self._names = (self.model_name, *(a for a in options.model_aliases if a != self.model_name))
+        clash = next((a for a in self.adapter_names if a in self._names), None)
+        if clash is not None:
+            raise UserError(f"the LoRA adapter {clash!r} takes a name the model is served under: name it otherwise")
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
         self.event_streams = 0                  # open GET /v1/events streams (server/events.py)

@@ -132,6 +132,10 @@ class EngineWorker:
     def num_active(self) -> int:
         return len(self._active)
 
+    def queued(self) -> list[RequestHandle]:
+        """The requests waiting for a slot (a copy; exact on the engine thread)."""
+        return list(self._queued)
+
     def adapters_in_use(self) -> tuple[list[str], list[str]]:
         """The LoRA adapters of the requests holding a slot, and of those waiting for one (sorted names). Read from
         any thread: each container is copied whole first (one C-level iteration under the GIL)."""

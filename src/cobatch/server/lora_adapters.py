@@ -74,7 +74,15 @@ async def unload_lora_adapter(request: Request):
     ctx = get_context(request)
     _allowed(ctx)
     body = await read_body(request, UnloadLoraAdapterRequest, ctx.options.max_body_bytes)
-    await _on_engine(ctx, lambda: ctx.llm.engine.unload_adapter(body.lora_name))
+
+    def unload() -> None:           # (on the engine thread, where the queue holds still)
+        waiting = sum(h.params.adapter == body.lora_name for h in ctx.worker.queued())
+        if waiting:
+            raise UserError(f"LoRA adapter {body.lora_name!r} is wanted by {waiting} queued "
+                            f"request{'s' if waiting > 1 else ''}")
+        ctx.llm.engine.unload_adapter(body.lora_name)
+
+    await _on_engine(ctx, unload)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
