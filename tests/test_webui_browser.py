@@ -238,3 +238,33 @@ def test_dashboard_shows_four_requests_decoding_together(page, server, shots):
         for stream in streams:
             stream.hard_close()
     wait_for(lambda: _idle(server), what="the four requests aborted")
+
+
+def test_the_chat_answers_through_a_chosen_lora_adapter(browser, tmp_path):
+    """A server with a LoRA adapter lists it beside the model; the page's answers then come from the one chosen."""
+    from cobatch.llm import LLM, EngineOptions
+    from cobatch.model_files import smollm2_path
+    from cobatch.testing.lora_adapters import write_random_adapter
+    smol = load_llm("smollm2")
+    adapter = write_random_adapter(tmp_path / "adapter", smol.config, rank=4, seed=3)
+    llm = LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=512, max_num_seqs=2, quiet=True,
+                                                 lora_modules=(("tutor", str(adapter), 1.0),)))
+    with live_server(llm, ServerOptions(model_name="smol")) as srv:
+        page = browser.new_page(base_url=srv.url)
+        sent: list[str] = []
+        page.on("request", lambda r: sent.append(r.post_data_json["model"])
+                if r.url.endswith("/v1/chat/completions") else None)
+        page.goto("/")
+        choice = page.locator("#model-choice")
+        expect(choice).to_be_visible()
+        assert choice.locator("option").all_inner_texts() == ["smol", "tutor (adapter)"]
+        choice.select_option("tutor")
+        expect(page.locator("#model")).to_have_text("tutor")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "4")
+        page.fill("#input", "Hi")
+        page.keyboard.press("Enter")
+        expect(page.locator(".message.assistant")).to_have_count(1)
+        expect(page.locator(".message.assistant.pending")).to_have_count(0)
+        assert sent == ["tutor"]
+        page.close()

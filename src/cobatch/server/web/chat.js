@@ -165,6 +165,11 @@ async function findModel() {
     state.model = models.length ? models[0].id : null;
     label.textContent = state.model || "no model";
     label.classList.remove("muted");
+    // Several served names (aliases, LoRA adapters): the next answers come from the one chosen.
+    const choice = document.getElementById("model-choice");
+    choice.replaceChildren(...models.map((m) => new Option(m.parent ? `${m.id} (adapter)` : m.id, m.id)));
+    choice.hidden = models.length < 2;
+    choice.onchange = () => { state.model = choice.value; label.textContent = state.model; };
   } catch (err) {
     label.textContent = "cannot reach the server: " + (err.message || err);
   }
