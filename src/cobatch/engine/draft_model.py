@@ -27,17 +27,19 @@ from cobatch.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class _Cached:
-    """One sequence's entries in the draft cache: its blocks, and the tokens whose K/V they hold, in order."""
+    """One sequence's entries in the draft cache: its blocks, and the tokens whose K/V they hold, in order. The
+    first `settled` of them were the sequence's own when fed (its tokens are never rewritten), so only the drafts
+    after them need comparing."""
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    settled: int = 0
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    def valid(self, token_ids: list[int]) -> int:
+        """How many of its tokens are the sequence's first ones: its entries to keep."""
+        i, n = self.settled, min(len(self.tokens), len(token_ids))
+        while i < n and self.tokens[i] == token_ids[i]:          # at most a step's drafts
+            i += 1
+        return i
 
 
 class DraftModel:
@@ -65,7 +67,7 @@ class DraftModel:
             if limit <= 0:
                 continue
             entry = self.cached.setdefault(seq.request_id, _Cached())
-            start = min(_common_prefix(entry.tokens, seq.token_ids), len(seq.token_ids) - 1)
+            start = min(entry.valid(seq.token_ids), len(seq.token_ids) - 1)
             # positions up to the last token's and its drafts' but the last
             need = -(-(len(seq.token_ids) + limit - 1) // bs) - len(entry.blocks)
             got = self.blocks.allocate(need) if need > 0 else []
@@ -73,6 +75,7 @@ class DraftModel:
                 continue
             entry.blocks += got
             del entry.tokens[start:]
+            entry.settled = len(seq.token_ids)      # what pass 0 feeds ends there; the passes after feed drafts
             work.append((seq, entry, start, limit))
         drafts: dict[str, list[int]] = {seq.request_id: [] for seq, _, _, _ in work}
         # pass 0 feeds each sequence's missing tokens, pass j > 0 the draft of pass j - 1: (seq, entry, tokens fed,

@@ -38,11 +38,14 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_name: str
 
 
-def _allowed(ctx: ServerContext) -> None:
+async def _allowed_body(request: Request, model: type[BaseModel]):
+    """(the server, the request's body), where loading adapters while serving is on."""
+    ctx = get_context(request)
     if not ctx.llm.options.runtime_lora:
         raise bad_request("loading LoRA adapters while serving is off: start the server with "
                           "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
                           code="runtime_lora_updating_disabled")
+    return ctx, await read_body(request, model, ctx.options.max_body_bytes)
 
 
 async def _on_engine(ctx: ServerContext, fn) -> None:
@@ -55,9 +58,7 @@ async def _on_engine(ctx: ServerContext, fn) -> None:
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 @accepts(LoadLoraAdapterRequest)
 async def load_lora_adapter(request: Request):
-    ctx = get_context(request)
-    _allowed(ctx)
-    body = await read_body(request, LoadLoraAdapterRequest, ctx.options.max_body_bytes)
+    ctx, body = await _allowed_body(request, LoadLoraAdapterRequest)
     if not body.lora_name or body.lora_name in ctx.model_names:
         raise bad_request(f"the LoRA adapter name {body.lora_name!r} is empty or already served", param="lora_name")
     try:
@@ -71,9 +72,7 @@ async def load_lora_adapter(request: Request):
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 @accepts(UnloadLoraAdapterRequest)
 async def unload_lora_adapter(request: Request):
-    ctx = get_context(request)
-    _allowed(ctx)
-    body = await read_body(request, UnloadLoraAdapterRequest, ctx.options.max_body_bytes)
+    ctx, body = await _allowed_body(request, UnloadLoraAdapterRequest)
 
     def unload() -> None:           # (on the engine thread, where the queue holds still)
         waiting = sum(h.params.adapter == body.lora_name for h in ctx.worker.queued())
