@@ -108,9 +108,14 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    @property
+    def _lora(self):
+        """The model's LoRA adapter slots (models/lora.LoraSet), or None."""
+        return getattr(self.runner.model, "lora", None)
+
     def load_adapter(self, adapter) -> None:
         """Serve a LoRA adapter (loader/lora.Adapter) from the next step on, in a free slot of the model's."""
-        lora = getattr(self.runner.model, "lora", None)
+        lora = self._lora
         if lora is None:
             raise UserError("this model was loaded without LoRA adapter slots (give adapters or allow runtime "
                             "loading at start)")
@@ -118,7 +123,7 @@ class Engine:
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving a LoRA adapter; refused while a request runs through it."""
-        lora = getattr(self.runner.model, "lora", None)
+        lora = self._lora
         if lora is None or name not in lora.slots:
             raise UserError(f"no LoRA adapter named {name!r} is loaded")
         users = sum(seq.adapter == lora.slot(name) for seq in self.seqs.values())
@@ -127,7 +132,7 @@ class Engine:
         lora.unload(name)
 
     def _use_adapter(self, seq: Sequence, name: str) -> None:
-        lora = getattr(self.runner.model, "lora", None)
+        lora = self._lora
         if lora is None or name not in lora.slots:
             loaded = ", ".join(map(repr, lora.slots)) if lora is not None else "none"
             raise UserError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")

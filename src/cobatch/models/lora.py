@@ -55,7 +55,6 @@ class LoraSet:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.capacity = max(slots, len(adapters), 1)
         self.rank = max([rank] + [a.rank for a in adapters])
-        self.runtime = runtime
         self.adapters: list[Adapter | None] = [None] * self.capacity      # slot s holds adapters[s - 1]
         self.slots: dict[str, int] = {}                                     # name -> slot (0: the base model)
         touched = {(layer, part_rows(cfg, part)[0]) for a in adapters for layer, part in a.pairs}
