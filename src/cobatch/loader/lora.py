@@ -66,7 +66,7 @@ def _fingerprint(pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 def load_adapter(path: str | Path, cfg: ModelConfig, name: str | None = None, scale: float = 1.0) -> Adapter:
     """The adapter at `path` (a PEFT folder or a GGUF file) for a base model of config `cfg`."""
     path = Path(path)
-    name = name or (path.name if path.is_dir() else path.stem)
+    name = name or _adapter_name(path)
     if cfg.mla is not None:
         raise UserError(f"LoRA adapter {name}: adapters are not supported for {cfg.arch} models (latent attention)")
     if path.is_dir():
@@ -110,7 +110,8 @@ def adapter_flags(args) -> tuple[tuple[str, str, float], ...]:
     return tuple(out)
 
 
-def _adapter_name(path: str) -> str:
+def _adapter_name(path: str | Path) -> str:
+    """What an adapter given by its path alone is called: its folder's name, or its GGUF file's without .gguf."""
     p = Path(path)
     return p.name if p.suffix != ".gguf" else p.stem
 
