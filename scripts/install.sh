@@ -3,7 +3,8 @@
 #   scripts/install.sh          runtime: torch, cobatch, the default model (SmolLM2-135M-Instruct)
 #   scripts/install.sh --test   also the test tools (pytest, ..., playwright, which drives the system's chromium:
 #                               .ci/run installs it) and the second test model (Qwen2.5-Coder-0.5B)
-# On a machine without a GPU, torch comes from PyTorch's CPU wheel where its index answers.
+# torch comes from pip's configured index; on a machine without a GPU, install PyTorch's CPU wheel first (README) to
+# keep PyPI's Linux wheel, which brings gigabytes of CUDA libraries, off it.
 # What is already installed is not installed again: a package at the pinned version is kept, and the editable
 # install is redone only when pyproject.toml (or the tree it points at) changed since the last one. pip keeps the
 # wheels it built or downloaded in its cache, so a redone install reuses them.
@@ -27,14 +28,7 @@ EOF
 }
 
 if ! python3 -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    $PIP torch==2.13.0
-  else
-    # no GPU: the CPU wheel from PyTorch's index where it answers (PyPI's Linux wheel brings gigabytes of CUDA
-    # libraries), else PyPI's
-    $PIP torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu --timeout 15 --retries 1 2>/dev/null \
-      || $PIP torch==2.13.0
-  fi
+  $PIP torch==2.13.0
 fi
 # The Triton version the GPU image has (3.6); on a CPU-only machine it serves the kernel tests' interpreter.
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
