@@ -1,7 +1,7 @@
 """Prompt-lookup speculative decoding against plain decoding, on the CPU path or CUDA.
 
     python bench/speculative.py [--device cpu|cuda] [--model PATH] [--tokens 96] [--batches 1,8] [--k 4]
-                                [--drafts lookup,oracle,wrong]
+                                [--drafts lookup,oracle,wrong] [--model-draft SMALL.gguf]
 
 One engine with --speculative-config {"method": "ngram", "num_speculative_tokens": k} (on CUDA its decode
 graphs hold B x (1 + k) rows). For each prompt kind (text the model repeats; a free-form question) and
@@ -17,7 +17,9 @@ batch B, greedy decode of B sessions, timed over the decode steps, with each way
 - predicted: the plain run's whole output sent as the request's `prediction` (OpenAI's Predicted Outputs, the
   engine's own prediction drafts, as a server request gets them);
 - edited: that prediction with every 16th token changed (an edit the output does not follow: the drafts
-  recover by the n-gram search of the prediction).
+  recover by the n-gram search of the prediction);
+- draft-model (with --model-draft): a second engine on the same model whose drafts come from that draft model
+  (engine/draft_model.py), its passes included in the step time.
 The oracle and wrong rows measure the machinery on any model, random weights included; lookup needs a model
 whose text repeats. GB/s is the weight bytes every step reads (steps x weight bytes / time) and its ratio to a
 copy measured in this run (device-to-device on CUDA, a 256 MiB tensor copy on the CPU). A short table last;
@@ -43,7 +45,7 @@ from decode import copy_bandwidth, weight_bytes  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]   # the tree's src is on sys.path: decode (provenance.use_tree_source)
 
 from cobatch.engine.sampler import SamplingParams  # noqa: E402
-from cobatch.engine.drafts import NgramSpec  # noqa: E402
+from cobatch.engine.drafts import DraftModelSpec, NgramSpec  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 PROMPTS = {
@@ -118,6 +120,7 @@ def main() -> None:
     ap.add_argument("--drafts", default="lookup", help="comma list of lookup, oracle, wrong, predicted, edited")
     ap.add_argument("--step-rows", default="", help="comma list of caps on a step's rows with drafts to try "
                     "(default: the engine's own)")
+    ap.add_argument("--model-draft", default=None, help="also time drafts from this draft model (same vocabulary)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     copy_bps = copy_bandwidth() if cuda else cpu_copy_bandwidth()
@@ -125,8 +128,15 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     caps = [int(c) for c in args.step_rows.split(",")] if args.step_rows else [None]
     # Slots for the largest batch, and decode graphs for the largest cap tried (they hold max_num_seqs rows or more)
+    slots = max(batches + [c for c in caps if c])
+    kv_gb = 4.0 if cuda else None       # room for a second engine beside it (--model-draft)
     llm = LLM.load(args.model, EngineOptions(device=args.device, ctx=1024, quiet=True, speculative=NgramSpec(args.k),
-                                             max_num_seqs=max(batches + [c for c in caps if c])))
+                                             max_num_seqs=slots, kv_cache_gb=kv_gb))
+    drafted_llm = None
+    if args.model_draft:
+        drafted_llm = LLM.load(args.model, EngineOptions(device=args.device, ctx=1024, quiet=True, max_num_seqs=slots,
+                                                         kv_cache_gb=kv_gb,
+                                                         speculative=DraftModelSpec(args.model_draft, args.k)))
     wbytes = weight_bytes(llm)
     llm.engine.generate([llm.encode_prompt("Hello")], SamplingParams(temperature=0.0, max_tokens=8))   # warm-up
     rows = []
@@ -148,6 +158,10 @@ def main() -> None:
                 results += [(name if cap is None else f"{name}@{cap}",
                              run(llm, llm.encode_prompt(text), b, args.tokens, ways[name], predictions.get(name)))
                             for name in args.drafts.split(",")]
+            if drafted_llm is not None:
+                engine = drafted_llm.engine
+                results.append(("draft-model", run(drafted_llm, llm.encode_prompt(text), b, args.tokens,
+                                                   lambda i, seq, budget: engine._draft(seq, budget))))
             for label, r in results:
                 r.update(mode=label, prompt=kind, gbps=r["steps"] * wbytes / r["seconds"] / 1e9,
                          same_as_plain=sum(o == p for o, p in zip(r.pop("outputs"), want)))
