@@ -306,7 +306,7 @@ def test_server_loads_and_unloads_adapters_at_run_time(adapted, served):
         loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)})
         assert loaded.status_code == 200 and "'a' added" in loaded.text
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "a"]
-        assert http.get("/lora-adapters").json() == [{"id": 1, "name": "a", "path": str(adapter), "scale": 1.0}]
+        assert http.get("/lora-adapters").json() == [{"id": 0, "name": "a", "path": str(adapter), "scale": 1.0}]
         answers = {name: http.post("/v1/chat/completions", json={**chat, "model": name}).json()
                    for name in ("tiny", "a")}
         assert answers["a"]["model"] == "a"
@@ -427,3 +427,23 @@ def test_an_adapter_named_as_the_model_is_refused(served):
     from cobatch.server.context import ServerOptions
     with pytest.raises(UserError, match="takes a name the model is served under"):
         create_app(served, ServerOptions(model_name="half"))
+
+
+def test_llama_cpp_completion_applies_an_adapter_by_its_id(served):
+    """llama.cpp's /completion `lora` field: the adapter of the id /lora-adapters gives, at its own scale, runs as a
+    request naming it would; other scales, or several adapters at once, are a 400 (never silently the base model)."""
+    import httpx
+    from test_server_support import live_server
+    body = {"prompt": "Hello", "n_predict": 6, "temperature": 0}
+    with live_server(served) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        ids = {a["name"]: a["id"] for a in http.get("/lora-adapters").json()}
+        assert ids == {"a": 0, "half": 1}
+        through = http.post("/completion", json={**body, "lora": [{"id": ids["half"], "scale": 0.5}]}).json()
+        named = http.post("/v1/completions", json={"model": "half", "prompt": "Hello", "max_tokens": 6,
+                                                   "temperature": 0}).json()
+        base = http.post("/completion", json={**body, "lora": [{"id": ids["a"], "scale": 0}]}).json()
+        assert through["content"] == named["choices"][0]["text"] != base["content"]
+        for lora in ([{"id": 0, "scale": 0.7}], [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.5}],
+                     [{"id": 5, "scale": 1.0}]):
+            refused = http.post("/completion", json={**body, "lora": lora})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora"

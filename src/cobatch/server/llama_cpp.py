@@ -30,6 +30,11 @@ from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse,
 router = APIRouter()
 
 
+class LoraScale(BaseModel):
+    id: int
+    scale: float
+
+
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")       # llama.cpp's many sampler knobs we do not have are ignored
     prompt: str | list[int] = ""
@@ -52,6 +57,8 @@ class CompletionRequest(BaseModel):
     return_tokens: bool = False
     # [[token id or text, bias or false], ...] (false: never), or {"token id": bias}
     logit_bias: list[list[Any]] | dict[str, float] | None = None
+    # llama.cpp's per-request LoRA scales, by adapter id (GET /lora-adapters); scale 0: not applied
+    lora: list[LoraScale] | None = None
 
 
 # llama.cpp server's sampling defaults, for /completion and /infill fields neither the request nor serve sets
@@ -68,6 +75,21 @@ class InfillRequest(CompletionRequest):
     input_prefix: str = ""
     input_suffix: str = ""
     input_extra: list[ExtraFile] = Field(default_factory=list)
+
+
+def _adapter(ctx: ServerContext, scales: list[LoraScale] | None) -> str | None:
+    """The LoRA adapter llama.cpp's `lora` field applies: the one entry of a non-zero scale, which must be the
+    adapter's own (each runs at the scale it was loaded with: --lora-scaled), or none."""
+    applied = [s for s in scales or () if s.scale != 0]
+    if not applied:
+        return None
+    lora = getattr(ctx.llm.model, "lora", None)
+    adapter = lora.adapters[applied[0].id] if lora is not None and 0 <= applied[0].id < lora.capacity else None
+    if len(applied) > 1 or adapter is None or applied[0].scale != adapter.scale:
+        raise bad_request("lora: one loaded adapter (an id of GET /lora-adapters) at the scale it was loaded with "
+                          "(serve --lora-scaled sets it); several at once or other scales are not supported",
+                          param="lora")
+    return adapter.name
 
 
 @router.get("/props")
@@ -165,7 +187,7 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,
-        logit_bias=bias, bad_words=banned,
+        logit_bias=bias, bad_words=banned, adapter=_adapter(ctx, body.lora),
         max_tokens=max_new_tokens(ctx, None if body.n_predict == -1 else body.n_predict, len(ids)))
     choices = Choices(ctx.generation, [GenerationRequest("llama.cpp", ids, params, list(body.stop))], 1)
     gen = choices.generations[0]

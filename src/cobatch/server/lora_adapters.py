@@ -87,7 +87,7 @@ async def unload_lora_adapter(request: Request):
 
 @router.get("/lora-adapters")
 async def lora_adapters(request: Request) -> list[dict]:
-    """llama.cpp's list: each loaded adapter's id (its slot), path and scale."""
+    """llama.cpp's list: each loaded adapter's id (its slot, from 0 as llama.cpp counts), path and scale."""
     lora = getattr(get_context(request).llm.model, "lora", None)
-    adapters = [] if lora is None else [(s, a) for s, a in enumerate(lora.adapters, start=1) if a is not None]
-    return [{"id": slot, "name": a.name, "path": str(a.path), "scale": a.scale} for slot, a in adapters]
+    adapters = [] if lora is None else [(i, a) for i, a in enumerate(lora.adapters) if a is not None]
+    return [{"id": i, "name": a.name, "path": str(a.path), "scale": a.scale} for i, a in adapters]
