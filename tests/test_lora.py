@@ -9,6 +9,7 @@ GGUF llama (whose q and k rows are permuted, so B's must be too) that transforme
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -31,6 +32,9 @@ from model_checks import open_gguf, prompt_logits
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
+# the server's tests need its packages and the clients (the GPU machine's image has neither: its run skips them)
+needs_server = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("fastapi", "openai", "anthropic")),
+                                  reason="the server's packages (fastapi) and the openai / anthropic clients")
 
 IDS = [(i * 37 + 5) % 360 for i in range(24)]
 FAMILIES = ["llama", "qwen2", "phi3", "gemma2"]
@@ -201,6 +205,7 @@ def test_cli_generates_through_the_adapter(adapted, capsys):
     assert texts[0] != texts[1]
 
 
+@needs_server
 def test_server_serves_each_adapter_as_a_model(served):
     """vLLM's way: /v1/models lists the adapters beside the model, and a request names one as its `model`; the real
     openai and anthropic clients."""
@@ -291,6 +296,7 @@ def test_an_adapter_in_use_is_not_unloaded(adapted):
         llm.engine.add_request(IDS, SamplingParams(adapter="a"))
 
 
+@needs_server
 def test_server_loads_and_unloads_adapters_at_run_time(adapted, served):
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, and llama.cpp's /lora-adapters; refused (400) on a
     server that did not allow them."""
@@ -336,6 +342,7 @@ def test_random_adapter_of_a_models_shape_loads_and_adapts(adapted, tmp_path):
     assert 1e-4 < change < 1.0
 
 
+@needs_server
 def test_metrics_name_the_adapters_in_use(served):
     """vLLM's lora_requests_info (and ours): the adapters of the requests holding slots and of those waiting."""
     import asyncio
@@ -422,6 +429,7 @@ def test_slots_scales_and_names_out_of_bounds_are_refused(adapted):
         _check_slot_memory(llama_8b, 256, 512, True, torch.device("cpu"))
 
 
+@needs_server
 def test_an_adapter_named_as_the_model_is_refused(served):
     from cobatch.server.app import create_app
     from cobatch.server.context import ServerOptions
@@ -429,6 +437,7 @@ def test_an_adapter_named_as_the_model_is_refused(served):
         create_app(served, ServerOptions(model_name="half"))
 
 
+@needs_server
 def test_llama_cpp_completion_applies_an_adapter_by_its_id(served):
     """llama.cpp's /completion `lora` field: the adapter of the id /lora-adapters gives, at its own scale, runs as a
     request naming it would; other scales, or several adapters at once, are a 400 (never silently the base model)."""
