@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -90,7 +91,8 @@ def gguf_llama(tmp_path_factory):
     """A tiny GGUF llama (q and k rows permuted), transformers' reading of it with a PEFT adapter, and the adapter
     as a PEFT folder and as llama.cpp's GGUF: (model path, PEFT folder, GGUF adapter, PEFT's logits, without)."""
     root = tmp_path_factory.mktemp("lora-gguf")
-    path = write_random_model(root / "tiny.gguf", "tiny", "q8_0", tokenizer_from=smollm2_path(), seed=61)
+    tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()     # (the GPU machine has no SmolLM2 package)
+    path = write_random_model(root / "tiny.gguf", "tiny", "q8_0", tokenizer_from=tokenizer, seed=61)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     peft_model, folder = write_peft_adapter(model, root / "adapter", ATTENTION + FEED_FORWARD, seed=62, alpha=16)
