@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64,256,512,2048")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    copy_bps = copy_bandwidth()
+    copy_bps = copy_bandwidth() * 1e9          # (timing gives GB/s)
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
     llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=512, max_num_seqs=1, kv_cache_gb=1, eager=True,
                                              quiet=True))

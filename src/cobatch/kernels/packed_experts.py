@@ -6,10 +6,12 @@ are packed as one matrix of n * rows rows, expert e owning row tiles e * rows / 
 (moe_routing.py): a fixed grid and no host sync, so it can be captured in a CUDA graph. `experts[e]` is a
 PackedWeight view of one expert (no copy), for steps of many rows (prefill), which run expert by expert.
 
-With COBATCH_MOE_GEMM=1 (off until measured on the GPU), a step whose experts average more pairs than the
-GEMV's 16-token tile runs the routed mid-batch GEMM instead (quant_gemm, ROUTED): slots of 32 or 64 pairs
-(routed_slot_size), so an expert's weights are read once per 64 of its rows rather than per 16, and a prefill
-chunk of any size is one launch a projection, with no host sync and no loop over experts in Python.
+A step whose experts average more pairs than the GEMV's 16-token tile runs the routed mid-batch GEMM instead
+(quant_gemm, ROUTED; COBATCH_MOE_GEMM=0 turns it off): slots of 32 or 64 pairs (routed_slot_size), so an expert's
+weights are read once per 64 of its rows rather than per 16, and a prefill chunk of any size is one launch a
+projection, with no host sync and no loop over experts in Python. One DeepSeek-V2-Lite layer's experts on the H200
+(bench/results/moe_experts.json): 256 rows 0.40 ms against 0.47 in routed slices; 2048 rows 1.72 ms against 3.45
+in routed slices and 18.9 expert by expert.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ROUTED_MAX_ROWS = 256
 
 
 # Steps whose experts average more than a GEMV token tile of pairs run the routed GEMM (module docstring)
-ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM") == "1"
+ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM", "1") != "0"
 # A routed GEMM slot holds at most this many pairs: an expert's last slot is part empty, so bigger slots waste
 # more MMA work on the expert runs of a prefill chunk (about 190 pairs an expert at 2048 rows of 6 of 64).
 ROUTED_GEMM_MAX_SLOT = 64

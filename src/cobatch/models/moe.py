@@ -7,9 +7,9 @@ once, whatever the batch (ds4's "routed experts run per sequence", grouped by ex
     grouped by expert on the device (kernels/moe_routing.py) and each projection is one launch of the
     routed GEMV over all experts stacked (kernels/packed_experts.py). No host sync, so decode steps are
     captured in CUDA graphs like a dense model's.
-    Bigger steps (prefill chunks) may run it slice by slice (COBATCH_MOE_PREFILL=routed). With
-    COBATCH_MOE_GEMM=1, steps whose experts average more than 16 pairs (big decode batches, and prefill chunks
-    whole) run the routed mid-batch GEMM in slots of up to 64 pairs (packed_experts.routed_slot_size).
+    Bigger steps (prefill chunks) may run it slice by slice (COBATCH_MOE_PREFILL=routed). Steps whose experts
+    average more than 16 pairs (big decode batches, and prefill chunks whole) run the routed mid-batch GEMM in
+    slots of up to 64 pairs (packed_experts.routed_slot_size; COBATCH_MOE_GEMM=0 turns it off).
   - expert by expert (the CPU, prefill chunks, and formats the routed GEMV does not read): each expert that got
     rows runs on them through ops.linear; counting those rows is a host sync.
 
