@@ -46,6 +46,8 @@ class ShuttingDown(Exception):
     """The server is stopping and takes no new requests."""
 
 
+CALL_TIMEOUT_S = 60.0          # EngineWorker.run: an action on the engine thread (slot files, adapters)
+
 @dataclass(slots=True)
 class EngineFailure:
     """Delivered instead of a StepOutput when the engine could not run the request."""
@@ -158,6 +160,10 @@ class EngineWorker:
     def abort(self, handle: RequestHandle) -> None:
         if not handle.finished:
             self._inbox.put(("abort", handle.id))
+
+    async def run(self, fn: Callable[[], object], timeout: float = CALL_TIMEOUT_S) -> object:
+        """Await fn run on the engine thread between two steps (from the HTTP side's loop)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.call(fn)), timeout)
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run fn on the engine thread between two steps (a consistent view of the engine)."""

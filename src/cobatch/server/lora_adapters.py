@@ -9,7 +9,6 @@ An adapter is read from disk off the engine thread, then put into a free slot on
 
 from __future__ import annotations
 
-import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -24,7 +23,6 @@ from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 
 router = APIRouter()
-CALL_TIMEOUT_S = 60.0
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -49,8 +47,9 @@ async def _allowed_body(request: Request, model: type[BaseModel]):
 
 
 async def _on_engine(ctx: ServerContext, fn) -> None:
+    """fn on the engine thread (where the model's slots and the queue hold still); its UserError a 400."""
     try:
-        await asyncio.wait_for(asyncio.wrap_future(ctx.worker.call(fn)), CALL_TIMEOUT_S)
+        await ctx.worker.run(fn)
     except UserError as exc:
         raise bad_request(str(exc), param="lora_name") from None
 

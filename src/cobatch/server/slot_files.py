@@ -13,7 +13,6 @@ is read and written on a worker thread.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from pathlib import Path
@@ -34,7 +33,6 @@ router = APIRouter()
 
 # A plain file name in the save directory: no separators, no "..", no leading dot, no control characters.
 _FILENAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
-ACTION_TIMEOUT_S = 60.0
 
 
 class SlotFileRequest(BaseModel):
@@ -55,11 +53,6 @@ def _file(ctx: ServerContext, filename: str) -> Path:
         raise bad_request(f"invalid filename {filename!r}: a plain file name of letters, digits, '.', '_' and '-'",
                           param="filename")
     return directory / filename
-
-
-async def _on_engine(worker: EngineWorker, fn):
-    """Run fn on the engine thread between two steps (the block manager is that thread's alone)."""
-    return await asyncio.wait_for(asyncio.wrap_future(worker.call(fn)), ACTION_TIMEOUT_S)
 
 
 def _idle_slot(worker: EngineWorker, id_slot: int):
@@ -83,14 +76,14 @@ async def slot_action(request: Request, id_slot: int, action: str = Query(..., p
             n = erase_slot(engine.blocks, slot.tokens)
             slot.tokens, slot.last_prompt = [], ()
             return n
-        return {"id_slot": id_slot, "n_erased": await _on_engine(worker, erase)}
+        return {"id_slot": id_slot, "n_erased": await worker.run(erase)}
 
     body = await read_body(request, SlotFileRequest, ctx.options.max_body_bytes)
     path = _file(ctx, body.filename)
     start = time.perf_counter()
     pool, identity = engine.pool, ctx.llm.kv_identity
     if action == "save":
-        state = await _on_engine(worker, lambda: export_slot(engine.blocks, pool, _idle_slot(worker, id_slot).tokens))
+        state = await worker.run(lambda: export_slot(engine.blocks, pool, _idle_slot(worker, id_slot).tokens))
         try:
             n_written = await run_in_threadpool(write_slot, path, state, identity, pool)
         except OSError as exc:
@@ -98,7 +91,7 @@ async def slot_action(request: Request, id_slot: int, action: str = Query(..., p
         return {"id_slot": id_slot, "filename": body.filename, "n_saved": len(state.tokens), "n_written": n_written,
                 "timings": {"save_ms": (time.perf_counter() - start) * 1e3}}
 
-    await _on_engine(worker, lambda: _idle_slot(worker, id_slot))      # fail fast, before reading the file
+    await worker.run(lambda: _idle_slot(worker, id_slot))      # fail fast, before reading the file
     if not path.is_file():
         raise ApiError(404, f"no saved slot file {body.filename!r}", param="filename", code="file_not_found")
     try:
@@ -112,6 +105,6 @@ async def slot_action(request: Request, id_slot: int, action: str = Query(..., p
         n = import_slot(engine.blocks, pool, state)
         slot.tokens, slot.last_prompt = state.tokens[:n], tuple(state.tokens[:n])   # new requests with it come here
         return n
-    n_restored = await _on_engine(worker, restore)
+    n_restored = await worker.run(restore)
     return {"id_slot": id_slot, "filename": body.filename, "n_restored": n_restored, "n_read": n_read,
             "timings": {"restore_ms": (time.perf_counter() - start) * 1e3}}
