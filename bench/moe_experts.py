@@ -57,16 +57,16 @@ MAX_SLOTS = (32, 64, 128)
 def routed_gemm_as(moe, cfg: quant_gemm.GemmConfig, max_slot: int):
     """The layer's two stacks run the routed GEMM with `cfg`, in slots of at most `max_slot` pairs."""
     stacks = (moe.routed_gate_up, moe.routed_down)
-    saved = [s.routed_gemm for s in stacks], packed_experts.ROUTED_GEMM_MAX_SLOT
+    saved = [(s.routed_gemm, s.routed_gemm_wide) for s in stacks], packed_experts.ROUTED_GEMM_MAX_SLOT
     for s in stacks:
-        s.routed_gemm = cfg
+        s.routed_gemm = s.routed_gemm_wide = cfg
     packed_experts.ROUTED_GEMM_MAX_SLOT = max_slot
     try:
         with experts_run(False, True):
             yield
     finally:
-        for s, c in zip(stacks, saved[0]):
-            s.routed_gemm = c
+        for s, (narrow, wide) in zip(stacks, saved[0]):
+            s.routed_gemm, s.routed_gemm_wide = narrow, wide
         packed_experts.ROUTED_GEMM_MAX_SLOT = saved[1]
 
 
@@ -85,6 +85,7 @@ def ways(moe, n_rows: int) -> list[tuple[str, contextlib.AbstractContextManager,
     with experts_run(False, True):
         gemm = moe.routed_gemm and moe._gemm_slots(n_rows)
     if gemm:
+        out.append(("routed GEMM as planned", experts_run(False, True), True))     # the stacks' own configs
         stacks = (moe.routed_gate_up, moe.routed_down)
         for cfg in GEMM_CONFIGS:   # a CTA's rows divide an expert's, an iteration's chunks its K (quant_gemm.steps)
             if any(s.rows % cfg.rows_per_cta() or (s.planes.qs.shape[1] // 512) % cfg.steps_per_iteration()

@@ -271,32 +271,37 @@ def test_moe_experts_times_the_routed_gemm_only_where_a_layer_runs_it_and_puts_i
     moe_experts = load("moe_experts")
     # q4_K's planes are q4_1's: 2048 columns are 32 chunks, and 64-weight chunks hold 512 bytes of a 16-row tile
     q4_k = NS(fmt_id=moe_experts.quant_gemm.quant_pack.Q4_1, qs=torch.empty(0, 32 * 512))
-    stacks = NS(rows=2816, routed_gemm="planned", planes=q4_k), NS(rows=2048, routed_gemm="planned", planes=q4_k)
+    stacks = (NS(rows=2816, routed_gemm="planned", routed_gemm_wide="wide", planes=q4_k),
+              NS(rows=2048, routed_gemm="planned", routed_gemm_wide="wide", planes=q4_k))
     layer = NS(routed_gemm=True, routed_gate_up=stacks[0], routed_down=stacks[1],
                _gemm_slots=lambda n_rows: packed_experts.ROUTED_GEMM and n_rows > 256)
     assert [name for name, _, _ in moe_experts.ways(layer, 64)] == ["expert by expert", "routed slices"]
     names = [name for name, _, _ in moe_experts.ways(layer, 2048)]
-    assert names[:2] == ["expert by expert", "routed slices"] and "routed GEMM plain NW=8 P=1 slots<=128" in names
+    assert names[:3] == ["expert by expert", "routed slices", "routed GEMM as planned"]
+    assert "routed GEMM plain NW=8 P=1 slots<=128" in names
     assert "routed GEMM ring NW=8 8x2 lag ahead persist slots<=64" in names
     # every config at every slot cap, but rings whose stages do not fit twice at 128-token tiles
     gemm = moe_experts.quant_gemm
     fits = [(c, m) for c in moe_experts.GEMM_CONFIGS for m in moe_experts.MAX_SLOTS
             if not c.RING or gemm.ring_stages(c, q4_k.fmt_id, m) >= 2]
-    assert len(names) == 2 + len(fits) and len(fits) > 4 * 3
+    assert len(names) == 3 + len(fits) and len(fits) > 4 * 3
     stacks[1].rows = 2112          # 33 blocks of 64 rows: one warpgroup a CTA only
-    assert {name.split()[3] for name, _, _ in moe_experts.ways(layer, 2048)[2:]} == {"NW=4"}
+    assert {name.split()[3] for name, _, _ in moe_experts.ways(layer, 2048)[3:]} == {"NW=4"}
     stacks[1].planes = NS(fmt_id=q4_k.fmt_id, qs=torch.empty(0, 12 * 512))    # Qwen3-30B-A3B's down: 768 columns
     assert not any("x4" in name for name, _, _ in moe_experts.ways(layer, 2048))   # 4-chunk stages: 8 an iteration
 
     def switches():
         return (moe_module.ROUTED_PREFILL, packed_experts.ROUTED_GEMM, packed_experts.ROUTED_MAX_ROWS,
-                packed_experts.ROUTED_GEMM_MAX_SLOT, stacks[0].routed_gemm, stacks[1].routed_gemm)
+                packed_experts.ROUTED_GEMM_MAX_SLOT, [(s.routed_gemm, s.routed_gemm_wide) for s in stacks])
 
     before = switches()
     for name, way, _ in moe_experts.ways(layer, 2048):
         with way:
-            if name.startswith("routed GEMM"):
+            if name == "routed GEMM as planned":
+                assert packed_experts.ROUTED_GEMM and stacks[0].routed_gemm == "planned"
+            elif name.startswith("routed GEMM"):
                 assert packed_experts.ROUTED_GEMM and stacks[0].routed_gemm.NW == 4
+                assert stacks[0].routed_gemm_wide is stacks[0].routed_gemm
                 assert packed_experts.ROUTED_GEMM_MAX_SLOT == int(name.rsplit("<=", 1)[1])
             elif name == "expert by expert":
                 assert packed_experts.ROUTED_MAX_ROWS == 0 and not packed_experts.ROUTED_GEMM

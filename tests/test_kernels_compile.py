@@ -388,6 +388,7 @@ if quant_gemm.warpgroup_mma is not None:
     for fmt, nw, bn, act, s, c, apart, persist, lag, ahead in (
             (quant_pack.Q8_0, 8, 64, 1, 4, 2, True, False, True, False),
             (quant_pack.Q4_1, 4, 64, 0, 8, 2, False, False, True, False),
+            (quant_pack.Q4_1, 4, 32, 1, 8, 2, False, False, True, True),     # a decode step's (ROUTED_CONFIGS)
             (quant_pack.Q6_K, 8, 128, 1, 4, 2, False, True, False, False),
             (quant_pack.NVFP4, 8, 64, 0, 8, 2, True, True, True, False),
             (quant_pack.Q8_0, 8, 128, 1, 2, 4, False, True, True, True),
@@ -452,6 +453,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 29 + 20 + 4 + 19 + 7
+    assert len(compiled) == 63 + 30 + 20 + 4 + 19 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

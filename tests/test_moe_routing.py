@@ -80,6 +80,32 @@ def test_routed_gemm_slots_only_where_asked_and_experts_average_over_16_pairs(mo
     assert [routed_slot_size(n, 2, 8, True) for n in (8, 64, 65, 128, 129, 4096)] == [8, 16, 32, 32, 64, 64]
 
 
+def test_routed_gemm_config_is_the_fastest_the_stack_can_run(monkeypatch):
+    """A decode step's rows take the ring of one warpgroup, a prefill chunk's the persistent ring of two (the
+    order bench/results/moe_experts.json measured); a stack whose rows or K the ring cannot split, or whose ring
+    does not fit twice, falls back to the plain kernel; without COBATCH_MOE_GEMM_RING, the plain kernel."""
+    from types import SimpleNamespace as NS
+
+    from cobatch.kernels import packed_experts, quant_pack
+    from cobatch.kernels.packed_experts import ROUTED_CONFIGS, ROUTED_CONFIGS_WIDE, routed_config
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM_RING", True)
+
+    def planes(chunks: int, fmt=quant_pack.Q8_0):
+        return NS(qs=torch.empty(0, chunks * 512), fmt_id=fmt)
+
+    v2_lite_down = planes(44)                   # 1408 columns of q8_0: 44 chunks a 16-row tile
+    got = routed_config(v2_lite_down, 2048, ROUTED_CONFIGS)
+    wide = routed_config(v2_lite_down, 2048, ROUTED_CONFIGS_WIDE)
+    assert (got.RING, got.CHUNKS, got.NW, got.PERSIST, got.LAG, got.AHEAD) == (8, 2, 4, 0, True, True)
+    assert (wide.RING, wide.NW, wide.PERSIST) == (8, 8, 1)
+    assert routed_config(v2_lite_down, 1408 + 64, ROUTED_CONFIGS_WIDE).NW == 4     # not whole 128-row blocks
+    assert routed_config(planes(22), 2048, ROUTED_CONFIGS) is None      # 22 chunks: no 4-chunk iterations
+    assert routed_config(v2_lite_down, 1408 + 32, ROUTED_CONFIGS) is None       # not whole 64-row blocks
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM_RING", False)
+    assert routed_config(v2_lite_down, 2048, ROUTED_CONFIGS) == GemmConfig(NW=8)
+    assert routed_config(v2_lite_down, 2048, ROUTED_CONFIGS_WIDE) == GemmConfig(NW=8)
+
+
 def _slot_of(s, pair: int) -> int:
     starts, counts = s.slot_start.tolist(), s.slot_count.tolist()
     return next(i for i, (a, c) in enumerate(zip(starts, counts)) if a <= pair < a + c)
@@ -108,7 +134,8 @@ def _pair(s, row: int, expert: int) -> int:
 # The routed GEMM's ring kernel: a CTA an item (empty slots skipped, LAG's tail guarded), the warpgroups apart, and
 # the persistent grid (empty slots run as any item)
 RING_CONFIGS = [GemmConfig(NW=8, RING=4, CHUNKS=2, LAG=True), GemmConfig(NW=8, RING=4, CHUNKS=2, LAG=True, APART=True),
-                GemmConfig(NW=8, RING=8, CHUNKS=2, LAG=True, AHEAD=True, PERSIST=1)]
+                GemmConfig(NW=8, RING=8, CHUNKS=2, LAG=True, AHEAD=True, PERSIST=1),
+                GemmConfig(NW=4, RING=8, CHUNKS=2, LAG=True, AHEAD=True)]
 ROUTED_CASES = ([(fmt, n_rows, None, None) for fmt in ("q8_0", "q4_0", "q4_k", "q6_k") for n_rows in (1, 3, 8, 13, 40)]
                 + [(fmt, n_rows, size, None) for fmt in ("q8_0", "q4_k", "q6_k", "q5_0", "nvfp4")
                    for n_rows, size in ((40, 32), (100, 64), (300, 64))]

@@ -9,9 +9,11 @@ PackedWeight view of one expert (no copy), for steps of many rows (prefill), whi
 A step whose experts average more pairs than the GEMV's 16-token tile runs the routed mid-batch GEMM instead
 (quant_gemm, ROUTED; COBATCH_MOE_GEMM=0 turns it off): slots of 32 or 64 pairs (routed_slot_size), so an expert's
 weights are read once per 64 of its rows rather than per 16, and a prefill chunk of any size is one launch a
-projection, with no host sync and no loop over experts in Python. One DeepSeek-V2-Lite layer's experts on the H200
-(bench/results/moe_experts.json): 256 rows 0.40 ms against 0.47 in routed slices; 2048 rows 1.72 ms against 3.45
-in routed slices and 18.9 expert by expert.
+projection, with no host sync and no loop over experts in Python. With COBATCH_MOE_GEMM_RING=1 it runs the GEMM's ring
+kernel where the stack's shape allows it (until its GPU tests pass, the plain kernel by default). One DeepSeek-V2-Lite layer's experts on the
+H200 (bench/results/moe_experts.json): 256 rows 0.31 ms in the ring of one warpgroup, against 0.40 in the plain
+kernel and 0.47 in routed slices; 2048 rows 1.25 ms in the persistent ring, against 1.72 plain, 3.45 in routed
+slices and 18.9 expert by expert.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM", "1") != "0"
 # A routed GEMM slot holds at most this many pairs: an expert's last slot is part empty, so bigger slots waste
 # more MMA work on the expert runs of a prefill chunk (about 190 pairs an expert at 2048 rows of 6 of 64).
 ROUTED_GEMM_MAX_SLOT = 64
+ROUTED_GEMM_RING = os.environ.get("COBATCH_MOE_GEMM_RING", "0") == "1"
+# The routed GEMM's configs, fastest first, for steps of up to ROUTED_MAX_ROWS rows (decode, captured in graphs)
+# and for bigger ones (prefill chunks), as timed on one DeepSeek-V2-Lite layer (module docstring): a stack takes
+# the first that its shape allows (routed_config). The plain kernel's come last, as they run without a ring.
+_RING = quant_gemm.GemmConfig(RING=8, CHUNKS=2, LAG=True, AHEAD=True)
+ROUTED_CONFIGS = (replace(_RING, NW=4), replace(_RING, NW=8), quant_gemm.GemmConfig(NW=8), quant_gemm.GemmConfig(NW=4))
+ROUTED_CONFIGS_WIDE = (replace(_RING, NW=8, PERSIST=1), replace(_RING, NW=4, PERSIST=1), quant_gemm.GemmConfig(NW=8),
+                       quant_gemm.GemmConfig(NW=4))
 
 
 def routed_slot_size(n_rows: int, k: int, n_experts: int, gemm: bool) -> int:
@@ -56,6 +66,21 @@ def routed_slot_size(n_rows: int, k: int, n_experts: int, gemm: bool) -> int:
 def gemm_slots(size: int) -> bool:
     """Are slots of `size` pairs the routed GEMM's (bigger than any GEMV token tile) rather than the GEMV's?"""
     return size > quant_gemv.token_tile(size)
+
+
+def routed_config(planes: PackedPlanes, rows: int, configs) -> quant_gemm.GemmConfig | None:
+    """The first of `configs` that experts of `rows` rows in these planes can run: a CTA's rows divide an
+    expert's, a loop iteration's chunks divide K (quant_gemm.steps), and a ring's stages fit an SM twice at the
+    biggest slot's token tile; rings only with ROUTED_GEMM_RING."""
+    n_chunks = planes.qs.shape[1] // 512
+    for cfg in configs:
+        if rows % cfg.rows_per_cta() or n_chunks % cfg.steps_per_iteration():
+            continue
+        if cfg.RING and (not ROUTED_GEMM_RING
+                         or quant_gemm.ring_stages(cfg, planes.fmt_id, ROUTED_GEMM_MAX_SLOT) < 2):
+            continue
+        return cfg
+    return None
 
 
 def stackable(fmt_name: str, rows: int) -> bool:
@@ -80,10 +105,12 @@ class PackedExperts:
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
         self._routed_plan = _without_split_k(plan.narrow, planes.qs.shape[1] // 512)
-        # the routed GEMM's config (None where it cannot run): a CTA takes a slot and 16 NW of its expert's rows
-        self.routed_gemm = None
-        if uses_quant_gemm(planes.qs.device) and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS and rows % 64 == 0:
-            self.routed_gemm = quant_gemm.GemmConfig(NW=8 if rows % 128 == 0 else 4)
+        # the routed GEMM's configs (None where it cannot run), for decode steps and for wider ones: a CTA takes
+        # a slot and 16 NW of its expert's rows
+        self.routed_gemm = self.routed_gemm_wide = None
+        if uses_quant_gemm(planes.qs.device) and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS:
+            self.routed_gemm = routed_config(planes, rows, ROUTED_CONFIGS)
+            self.routed_gemm_wide = routed_config(planes, rows, ROUTED_CONFIGS_WIDE)
         tiles = rows // 16
         self.experts = [PackedWeight(fmt_name, rows, cols, planes=planes.row_tiles(e * tiles, (e + 1) * tiles),
                                      plan=plan, gate_up_interleaved=gate_up_interleaved) for e in range(n_experts)]
@@ -104,19 +131,28 @@ class PackedExperts:
         reserve_scratch(device, self.plan, rows, rows, w.cols)      # for the expert-by-expert path
         return self
 
-    def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots, act: str | None = None) -> torch.Tensor:
+    def reserve_routed(self, max_pairs: int) -> None:
+        """Grow the ring's f16 x scratch for routed steps of up to max_pairs pairs (at load: the decode steps
+        that CUDA graphs capture must not grow it)."""
+        if self.routed_gemm is not None and self.routed_gemm.streams_x():
+            quant_gemm.reserve_x_scratch(self.planes.qs.device, quant_gemm.x_scratch_rows(max_pairs) * self.cols)
+
+    def routed_matmul(self, x: torch.Tensor, slots: ExpertSlots, act: str | None = None,
+                      wide: bool = False) -> torch.Tensor:
         """x [P, cols], one row per (row, expert) pair in slot order -> [P, rows]: each pair's row times its
         expert, by the routed GEMV, or by the routed GEMM where the slots are bigger than the GEMV's token tile
-        (routed_slot_size). Fixed launch shape for a given P: no host sync. act (gate|up experts packed
-        interleaved): act(gate) * up instead, [P, rows / 2], applied in the kernel's epilogue."""
+        (routed_slot_size), in its config for steps of more than ROUTED_MAX_ROWS rows where `wide`. Fixed launch
+        shape for a given P: no host sync. act (gate|up experts packed interleaved): act(gate) * up instead,
+        [P, rows / 2], applied in the kernel's epilogue."""
         assert x.shape[0] == slots.pair_rows.shape[0] and x.stride(-1) == 1
         assert act is None or self.experts[0].gate_up_interleaved
         out = torch.empty(x.shape[0], self.rows // 2 if act else self.rows, dtype=x.dtype, device=x.device)
         routing = quant_gemv.Routing(slots.slot_expert, slots.slot_start, slots.slot_count, slots.slot_size,
                                      self.rows)
         if gemm_slots(slots.slot_size):
-            assert self.routed_gemm is not None, "slots of the routed GEMM on experts it cannot run"
-            quant_gemm.launch(self.planes, x, out, self.routed_gemm, out, out, act=act, routing=routing)
+            config = self.routed_gemm_wide if wide else self.routed_gemm
+            assert config is not None, "slots of the routed GEMM on experts it cannot run"
+            quant_gemm.launch(self.planes, x, out, config, out, out, act=act, routing=routing)
         else:
             quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing, act=act)
         return out

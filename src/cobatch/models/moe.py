@@ -70,6 +70,9 @@ class MoeFeedForward:
         # can both stacks run the routed GEMM (packed_experts.ROUTED_GEMM)?
         self.routed_gemm = (self.routed_gate_up is not None and self.routed_gate_up.routed_gemm is not None
                             and self.routed_down.routed_gemm is not None)
+        if self.routed_gemm:
+            for stack in (self.routed_gate_up, self.routed_down):
+                stack.reserve_routed(packed_experts.ROUTED_MAX_ROWS * self.rule.k)
         if self.routed_gate_up is not None:     # the expert-by-expert path reads the same planes
             self.gate_up, self.down = self.routed_gate_up.experts, self.routed_down.experts
         else:
@@ -126,8 +129,9 @@ class MoeFeedForward:
                 ) -> torch.Tensor:
         """[N, d] out_dtype: all experts of the step in two routed launches, grouped on the device."""
         slots = expert_slots(ids, weights, self.n_experts, self._slot_size(h.shape[0]))
-        y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu")   # act*mul in the kernel
-        return ops.moe_combine(self.routed_down.routed_matmul(y, slots), slots, out_dtype)
+        wide = h.shape[0] > packed_experts.ROUTED_MAX_ROWS         # a prefill chunk: the GEMM's wide config
+        y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu", wide=wide)  # act*mul in it
+        return ops.moe_combine(self.routed_down.routed_matmul(y, slots, wide=wide), slots, out_dtype)
 
     def _expert_by_expert(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 [N, d]: each expert that got rows, on its rows, in expert-id order."""
