@@ -26,7 +26,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cobatch.kernels import (activation, attention, kv_write, mla_attention, mla_latent, moe_routing, norm,
+from cobatch.kernels import (activation, attention, kv_write, lora, mla_attention, mla_latent, moe_routing, norm,
                              quant_gemm, rope)
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -199,6 +199,14 @@ for neox, half, qk_norm in ((False, 64, False), (True, 64, False), (True, 24, Fa
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(BY16=False, BLOCK=1024, PDL=True), 4, 2,
                                {"out_ptr": "*fp16"})
+# LoRA's shrink (K split, the last split adding the partials) and expand; the slots int64, as the model keeps them
+LORA_POINTERS = {"slots_ptr": "*i64", "scale_ptr": "*fp32", "partial_ptr": "*fp32", "count_ptr": "*i32"}
+for splits in (1, 8):
+    variants[f"lora shrink splits={splits}"] = (
+        lora._shrink_kernel, dict(CAPACITY=4, RANK=16, BN=16, BC=64, BK=128, K_SPLIT=512, SPLITS=splits,
+                                  DOT_F32=False, PDL=True), 4, 2, LORA_POINTERS)
+variants["lora expand"] = (lora._expand_kernel, dict(BN=16, BO=64, BC=64, ROW_BLOCKS=4, DOT_F32=False, PDL=True),
+                           4, 2, LORA_POINTERS)
 variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
 variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, Q=256, QE=64, BLOCK_E=128, BLOCK_S=256,
@@ -453,6 +461,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 30 + 20 + 4 + 19 + 7
+    assert len(compiled) == 66 + 30 + 20 + 4 + 19 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -8,30 +8,35 @@ step then adds, for its rows x,
 
     y += ((x @ A_all.T) * row_scale) @ B_all.T
 
-where row_scale holds, on each row's own adapter's columns, that adapter's scale, and zero elsewhere (`stage`
-builds it once a step from the rows' slots): each row gets its own adapter's x @ A.T @ B.T, the other slots'
-columns multiplied by zero. Three fixed-shape launches a projection (two of them GEMMs), so a decode step with
-adapters is captured in a CUDA graph like one without. Their cost is the slots' bytes (about R / in of the base
-weights each) and 2 P C R flops a weight row, small beside the base projections.
+where row_scale holds, on each row's own adapter's columns, that adapter's scale, and zero elsewhere: each row gets
+its own adapter's x @ A.T @ B.T, the other slots' columns multiplied by zero. On the GPU that is two launches a
+projection (with COBATCH_LORA_KERNELS=1; kernels/lora.py: the shrink, which keeps each row's own columns and scales them, and the expand, added
+into y in place), reading the rows' slots from a device tensor (`stage`), so a decode step with adapters is
+captured in a CUDA graph like one without; a row's delta is bitwise the same whatever the step's rows. On the CPU
+it is the torch form above (the reference), row_scale built once a step. The cost is the slots' bytes (about R / in
+of the base weights each) and 2 P C R flops a weight row, small beside the base projections.
 
 Adapters can be loaded into free slots and unloaded while serving (`load`, `unload`: the tensors the graphs read are
 written in place, between steps). Sized for that (`runtime`), every projection holds slots; otherwise only those the
-start-up adapters touch.
-
-A row through an adapter is not batch invariant: its delta comes from the BLAS, whose summation order may change
-with the number of rows. Base rows get an exact zero and are unchanged.
+start-up adapters touch. Base rows get an exact zero on the CPU and are not written on the GPU: unchanged.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from cobatch import ops
 from cobatch.config import ModelConfig
 from cobatch.errors import UserError
+from cobatch.kernels import lora as lora_kernels
 from cobatch.loader.lora import Adapter, part_rows, projection_inputs
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# the GPU adds the deltas with kernels/lora.py's two launches (COBATCH_LORA_KERNELS=1; until their GPU tests pass,
+# the torch form by default)
+KERNELS = os.environ.get("COBATCH_LORA_KERNELS", "0") == "1"
 # part -> its index among its projection's parts (a fused part, phi3's qkv or gate_up, is the whole projection)
 _PART_INDEX = {"q": 0, "k": 1, "v": 2, "qkv": 0, "o": 0, "gate": 0, "up": 1, "gate_up": 0, "down": 0}
 _PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}      # projection -> its part count P
@@ -52,7 +57,7 @@ class LoraSet:
         start-up adapters touch."""
         if len({a.name for a in adapters}) != len(adapters):
             raise ValueError("two LoRA adapters have the same name")
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.cfg, self.device, self.dtype, self.max_rows = cfg, device, dtype, max_rows
         self.capacity = max(slots, len(adapters), 1)
         self.rank = max([rank] + [a.rank for a in adapters])
         self.adapters: list[Adapter | None] = [None] * self.capacity      # slot s holds adapters[s - 1]
@@ -62,6 +67,7 @@ class LoraSet:
                         for p in PROJECTIONS} for i in range(cfg.n_layers)]
         c, r = self.capacity, self.rank
         self.scales = torch.zeros(1 + c, c * r, dtype=dtype, device=device)   # slot -> its scale on its columns
+        self.slot_scale = torch.zeros(1 + c, dtype=torch.float32, device=device)    # slot -> its scale (kernels)
         # each row's adapter slot in the step being run, and its columns' scales per part count (stage)
         self.row_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.row_scale = {n: torch.zeros(max_rows, n * c * r, dtype=dtype, device=device) for n in (1, 2, 3)}
@@ -70,8 +76,10 @@ class LoraSet:
 
     def _new_stack(self, projection: str) -> _Stack:
         width = _PARTS[projection] * self.capacity * self.rank
-        out = part_rows(self.cfg, projection)[2]
-        return _Stack(torch.zeros(width, projection_inputs(self.cfg, projection), dtype=self.dtype, device=self.device),
+        out, inputs = part_rows(self.cfg, projection)[2], projection_inputs(self.cfg, projection)
+        if self.device.type == "cuda" and KERNELS:
+            lora_kernels.reserve_scratch(self.device, self.max_rows, width, inputs)
+        return _Stack(torch.zeros(width, inputs, dtype=self.dtype, device=self.device),
                       torch.zeros(out, width, dtype=self.dtype, device=self.device))
 
     # --- which adapters -------------------------------------------------------------------------------------
@@ -109,6 +117,7 @@ class LoraSet:
             stack.a[col:col + a.shape[0]] = a
             stack.b[first:first + b.shape[0], col:col + b.shape[1]] = b
         self.scales[free, (free - 1) * self.rank:free * self.rank] = adapter.scale
+        self.slot_scale[free] = adapter.scale
         self.adapters[free - 1] = adapter
         self.slots[adapter.name] = free
         return free
@@ -125,6 +134,7 @@ class LoraSet:
                     stack.a[col:col + self.rank] = 0
                     stack.b[:, col:col + self.rank] = 0
         self.scales[slot] = 0
+        self.slot_scale[slot] = 0
         self.adapters[slot - 1] = None
 
     def _column(self, slot: int, part: str) -> int:
@@ -138,6 +148,8 @@ class LoraSet:
         if n > self.row_slots.shape[0]:
             raise RuntimeError(f"a step of {n} rows, over the {self.row_slots.shape[0]} the adapters were sized for")
         self.row_slots[:n].copy_(slots, non_blocking=True)
+        if self.device.type == "cuda" and KERNELS:
+            return          # the kernels read the slots themselves
         scale = self.scales.index_select(0, self.row_slots[:n])
         width = scale.shape[1]
         for parts, buffer in self.row_scale.items():
@@ -150,6 +162,9 @@ class LoraSet:
         if stack is None:
             return y
         n = x.shape[0]
+        if x.is_cuda and KERNELS:
+            return lora_kernels.lora_add_triton(x if x.stride(-1) == 1 else x.contiguous(), stack.a, stack.b, y,
+                                                self.row_slots[:n], self.slot_scale, self.capacity, self.rank)
         t = torch.mm(x.to(stack.a.dtype), stack.a.T).mul_(self.row_scale[_PARTS[projection]][:n])
         if y.dtype == t.dtype:
             return y.addmm_(t, stack.b.T)
