@@ -9,16 +9,17 @@ step then adds, for its rows x,
     y += ((x @ A_all.T) * row_scale) @ B_all.T
 
 where row_scale holds, on each row's own adapter's columns, that adapter's scale, and zero elsewhere: each row gets
-its own adapter's x @ A.T @ B.T, the other slots' columns multiplied by zero. On the GPU that is two launches a
-projection (with COBATCH_LORA_KERNELS=1; kernels/lora.py: the shrink, which keeps each row's own columns and scales them, and the expand, added
-into y in place), reading the rows' slots from a device tensor (`stage`), so a decode step with adapters is
-captured in a CUDA graph like one without; a row's delta is bitwise the same whatever the step's rows. On the CPU
-it is the torch form above (the reference), row_scale built once a step. The cost is the slots' bytes (about R / in
-of the base weights each) and 2 P C R flops a weight row, small beside the base projections.
+its own adapter's x @ A.T @ B.T, the other slots' columns multiplied by zero. On the GPU, with
+COBATCH_LORA_KERNELS=1, that is two launches a projection (kernels/lora.py: the shrink, which keeps each row's own
+columns and scales them, and the expand, added into y in place), reading the rows' slots from a device tensor
+(`stage`), so a decode step with adapters is captured in a CUDA graph like one without, and a row's delta is
+bitwise the same whatever the step's rows. Otherwise it is the torch form above (the reference), row_scale built
+once a step. The cost is the slots' bytes (about R / in of the base weights each) and 2 P C R flops a weight row,
+small beside the base projections.
 
 Adapters can be loaded into free slots and unloaded while serving (`load`, `unload`: the tensors the graphs read are
 written in place, between steps). Sized for that (`runtime`), every projection holds slots; otherwise only those the
-start-up adapters touch. Base rows get an exact zero on the CPU and are not written on the GPU: unchanged.
+start-up adapters touch. Base rows get an exact zero (the torch form) or are not written (the kernels): unchanged.
 """
 
 from __future__ import annotations
