@@ -13,10 +13,11 @@ from cobatch.model_files import qwen_coder_path, smollm2_path
 # caches of every variant (qwen ~3 GB, smollm2 ~1 GB each) took both to 20 GB together.
 @functools.lru_cache(maxsize=2)
 def load_llm(which: str, max_num_seqs: int = 8, ctx: int = 1024, prefill_chunk: int = 512,
-             kv_cache_dtype: str = "auto") -> LLM:
+             kv_cache_dtype: str = "auto", scheduling_policy: str = "fcfs") -> LLM:
     path = smollm2_path() if which == "smollm2" else qwen_coder_path()
     return LLM.load(path, EngineOptions(device="cpu", ctx=ctx, max_num_seqs=max_num_seqs,
-                                        prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, quiet=True))
+                                        prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype,
+                                        scheduling_policy=scheduling_policy, quiet=True))
 
 
 # transformers reading a GGUF is the slowest step of the reference tests (it parses and dequantizes the file with

@@ -487,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: plan and launch each decode step while the previous one runs on the device (default "
                         "on; --no-async-scheduling waits for each step's tokens first)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's: fcfs serves requests in arrival order; priority by each request's `priority` "
+                        "(lower first), the least urgent running one giving its KV blocks back when they run out")
     p.add_argument("--eager", "--enforce-eager", dest="eager", action="store_true",
                    help="CUDA: run decode steps without CUDA graphs (debugging)")
     p.add_argument("--chat-template", default=None,

@@ -61,6 +61,7 @@ class EngineOptions:
     # speculative decoding (engine/speculative.py): prompt lookup, or a draft model; None: off
     speculative: NgramSpec | DraftModelSpec | None = None
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
+    scheduling_policy: str = "fcfs"    # "fcfs" or "priority": requests' priority orders them (engine/scheduler.py)
     kv_disk_cache: str | None = None   # a directory for prefix-cache blocks evicted from the pool
                                        # (engine/disk_cache.py)
     kv_disk_gb: float = 16.0           # ... kept under this size
@@ -212,7 +213,8 @@ class LLM:
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative,
                         # On the CPU a launch computes the step before it returns: planning ahead would only
                         # hold each step's tokens back until the next one is computed.
-                        overlap=options.overlap_steps and device.type == "cuda", drafter=w.drafter)
+                        overlap=options.overlap_steps and device.type == "cuda", drafter=w.drafter,
+                        scheduling_policy=options.scheduling_policy)
         if device.type == "cuda":
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file

@@ -57,7 +57,8 @@ class Engine:
     def __init__(self, runner: ModelRunner, stop_ids: frozenset[int], *, max_context: int,
                  max_num_seqs: int = 64, max_step_tokens: int = 2048, prefill_chunk: int = 512,
                  grammars: Grammars | None = None, speculative: NgramSpec | DraftModelSpec | None = None,
-                 overlap: bool = True, spill: BlockSpill | None = None, drafter: DraftModel | None = None):
+                 overlap: bool = True, spill: BlockSpill | None = None, drafter: DraftModel | None = None,
+                 scheduling_policy: str = "fcfs"):
         self.runner = runner
         self.overlap = overlap           # plan and launch decode step n + 1 before step n's tokens are read
         self.grammars = grammars         # compiles SamplingParams.grammar; None: grammars are refused
@@ -71,7 +72,8 @@ class Engine:
                                    draft=self._draft,      # every request may carry a prediction
                                    prepare_drafts=self._run_drafter if drafter is not None else None,
                                    draft_rows=step_rows_with_drafts(runner.device),
-                                   draft_max_running=speculative.disable_by_batch_size if speculative else None)
+                                   draft_max_running=speculative.disable_by_batch_size if speculative else None,
+                                   policy=scheduling_policy)
         self.stop_ids = stop_ids
         self.max_context = min(max_context, self.pool.num_blocks * self.pool.block_size)
         self.seqs: dict[str, Sequence] = {}
@@ -92,6 +94,9 @@ class Engine:
         if bad is not None:     # on CUDA an out-of-range gather would kill the context for every session
             raise UserError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         params.validate(vocab)
+        if params.priority and not self.scheduler.by_priority:
+            raise UserError(f"priority {params.priority} needs the priority scheduling policy "
+                            "(serve with --scheduling-policy priority)")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id}")

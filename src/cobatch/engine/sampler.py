@@ -66,6 +66,7 @@ class SamplingParams:
     embed: bool = False               # also return the last prompt token's final hidden state (/v1/embeddings)
     prediction: tuple[int, ...] = ()  # OpenAI's predicted output: drafts for speculative decoding (same output)
     adapter: str | None = None        # the LoRA adapter the request runs through, by name (None: the base model)
+    priority: int = 0                 # vLLM's: lower runs first, under the engine's priority scheduling policy
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -85,6 +86,7 @@ class SamplingParams:
             _check_token("stop_token_ids", token, "", vocab_size)
         for token in self.prediction:
             _check_token("prediction", token, "", vocab_size)
+        _check_int("priority", self.priority, "an integer (lower runs first)", lambda v: abs(v) < 2 ** 63)
         if self.adapter is not None and not isinstance(self.adapter, str):
             raise ValueError(f"adapter must be a LoRA adapter's name (got {self.adapter!r})")
         if not isinstance(self.ignore_eos, bool):

@@ -3,10 +3,17 @@
 Every decoding sequence advances by one token in every step (they are the latency-critical ones);
 prefill chunks fill the rest of the step's token budget, oldest request first, so a long prompt is
 sliced over several steps instead of stalling the streams that are already decoding.
+
+Two policies, as vLLM's --scheduling-policy: "fcfs" (first come, first served) and "priority", where a request's
+SamplingParams.priority orders it (lower first, then arrival): the waiting queue is kept in that order, a step's
+rows go to the most urgent first, and out of KV blocks the least urgent running sequence gives its blocks back
+(it recomputes its tokens later, the prefix cache sparing most of them). As in vLLM, a running request is not
+interrupted to make room for a more urgent one.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,12 +64,18 @@ class DecodeStats:
     accepted_tokens: int = 0     # ... and kept
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_step_tokens: int, prefill_chunk: int,
                  draft: Callable[[Sequence, int], list[int]] | None = None, draft_rows: int | None = None,
                  draft_max_running: int | None = None,
-                 prepare_drafts: Callable[[list[Sequence], int], None] | None = None):
+                 prepare_drafts: Callable[[list[Sequence], int], None] | None = None, policy: str = "fcfs"):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {policy!r})")
         self.blocks = blocks
+        self.policy = policy
         self.draft = draft           # speculative drafts of a decoding sequence, at most the int given
         self.prepare_drafts = prepare_drafts     # called with the step's decoders before `draft` asks for theirs
         self.draft_rows = draft_rows     # most rows a step with drafts may have (None: the token budget)
@@ -74,9 +87,32 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = DecodeStats()
         self._finished_last_step = 0
+        self._arrivals = itertools.count()
+
+    @property
+    def by_priority(self) -> bool:
+        return self.policy == "priority"
+
+    @staticmethod
+    def urgency(seq: Sequence) -> tuple[int, int]:
+        """The priority policy's order: lower first (its priority, then its arrival)."""
+        return seq.params.priority, seq.arrival_order
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.arrival_order = next(self._arrivals)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: by urgency under the priority policy, else at the back (a newcomer) or the
+        front (a preempted sequence, which arrived before every waiting one)."""
+        if self.by_priority:
+            key = self.urgency(seq)
+            self.waiting.insert(next((i for i, s in enumerate(self.waiting) if self.urgency(s) > key),
+                                     len(self.waiting)), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,7 +149,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.draft = []
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.stats.preemptions += 1
 
     def free(self, seq: Sequence) -> None:
@@ -135,8 +171,9 @@ class Scheduler:
         self._admit()
         plan = StepPlan()
         budget = self.max_step_tokens
-        # Decoders first, in admission order; then prefill chunks in admission order.
-        order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
+        # Decoders first, in admission order (by urgency under the priority policy); then prefill chunks so.
+        running = sorted(self.running, key=self.urgency) if self.by_priority else self.running
+        order = [s for s in running if s.is_decoding] + [s for s in running if not s.is_decoding]
         drafts_each = self.drafts_each(order)
         if drafts_each > 0 and self.prepare_drafts is not None:
             self.prepare_drafts([s for s in order if s.is_decoding], drafts_each)
@@ -153,9 +190,7 @@ class Scheduler:
             if rows <= 0:
                 continue
             while not self._ensure_blocks(seq, rows):
-                # Out of KV: push back the newest sequence not already in this step (at worst this one).
-                planned = {id(s) for s, _ in plan.items}
-                victim = next((s for s in reversed(self.running) if s is not seq and id(s) not in planned), seq)
+                victim = self._victim(seq, plan)        # out of KV: push someone back (at worst this one)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -167,6 +202,15 @@ class Scheduler:
             budget -= rows
         self._count(plan)
         return plan
+
+    def _victim(self, seq: Sequence, plan: StepPlan) -> Sequence:
+        """Out of KV for seq: whom to push back, among the running sequences not already in this step, or seq
+        itself. The newest (fcfs), or the least urgent (priority: seq itself if it is the least urgent)."""
+        planned = {id(s) for s, _ in plan.items}
+        others = [s for s in self.running if s is not seq and id(s) not in planned]
+        if self.by_priority:
+            return max(others + [seq], key=self.urgency)
+        return others[-1] if others else seq
 
     def plan_ahead(self, seqs: list[Sequence], follows: object) -> StepPlan | None:
         """The next decode step of `seqs` (each of which samples its next token in the launched step `follows`:

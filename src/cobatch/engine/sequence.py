@@ -37,6 +37,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     arrival: float = field(default_factory=time.monotonic)
+    arrival_order: int = 0                   # its place among the scheduler's arrivals (the priority policy's tie)
     first_token_time: float | None = None
     matcher: TokenMatcher | None = None      # where the output stands in its grammar (params.grammar)
     draft: list[int] = field(default_factory=list)   # this step's speculative tokens (engine/speculative.py)

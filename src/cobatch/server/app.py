@@ -310,6 +310,7 @@ def engine_options(args):
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
         quantization=getattr(args, "quantization", "auto"),
         overlap_steps=getattr(args, "async_scheduling", True),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), lora_modules=adapter_flags(args),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, runtime_lora=runtime_lora(args))

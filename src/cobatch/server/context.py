@@ -73,6 +73,11 @@ class ServerContext:
         """The LoRA adapter a request's `model` names (None: the base model)."""
         return model if model in self.adapter_names else None
 
+    @property
+    def by_priority(self) -> bool:
+        """Does the engine schedule by the requests' priority (--scheduling-policy priority)?"""
+        return self.llm.engine.scheduler.by_priority
+
     def answered_by(self, model: str | None) -> str:
         """The `model` a response names: the adapter the request ran through, else the served model's name."""
         return self.adapter_for(model) or self.model_name

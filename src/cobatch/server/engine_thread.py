@@ -7,7 +7,8 @@ each request's outputs on that request's asyncio queue, handed over once per eng
 waking up to format N streams' tokens would otherwise hold up the next step's host work while the GPU idles.
 
 Slots: `num_slots` requests (= the engine's max_num_seqs, `--parallel`) are in the engine at once;
-more wait in a FIFO queue here, up to `max_queue`; beyond that submit() refuses (the HTTP layer answers
+more wait in a queue here, up to `max_queue` (first come, first served; by each request's priority, then
+arrival, where the engine schedules by priority); beyond that submit() refuses (the HTTP layer answers
 429). A request goes to the free slot whose previous prompt shares the longest prefix with it, then
 the least recently used one (the ds4 policy). The engine's prefix cache is global over KV blocks, so any
 slot reuses any cached prefix; the affinity only keeps /slots readable (a conversation tends to come
@@ -222,7 +223,7 @@ class EngineWorker:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            self._queued.append(command[1])
+            self._enqueue(command[1])
         elif kind == "abort":
             self._abort(command[1])
         elif kind == "call":
@@ -235,6 +236,15 @@ class EngineWorker:
                 future.set_exception(exc)
         elif kind == "stop":
             self._stopping = True
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        """At the back of the queue, or under the priority policy behind every request at least as urgent."""
+        if not self.engine.scheduler.by_priority:
+            self._queued.append(handle)
+            return
+        urgency = handle.params.priority
+        at = next((i for i, h in enumerate(self._queued) if h.params.priority > urgency), len(self._queued))
+        self._queued.insert(at, handle)
 
     def _abort(self, request_id: str) -> None:
         for handle in self._queued:

@@ -299,9 +299,14 @@ async def interleave(streams: list[AsyncGenerator[str, None]]) -> AsyncIterator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def make_sampling_params(vocab_size: int, defaults: dict | None = None, **fields) -> SamplingParams:
+def make_sampling_params(vocab_size: int, defaults: dict | None = None, by_priority: bool = False,
+                         **fields) -> SamplingParams:
     """SamplingParams from a request's fields; one left None takes its value from `defaults` (the server's),
-    else SamplingParams' own. A bad value is a 400 naming it."""
+    else SamplingParams' own. A bad value is a 400 naming it, and so is a priority (vLLM's field) where the engine
+    does not schedule by priority (`by_priority`), as vLLM refuses it."""
+    if fields.get("priority") and not by_priority:
+        raise ApiError(400, f"priority {fields['priority']} needs the priority scheduling policy (the server runs "
+                       "fcfs: serve with --scheduling-policy priority)", param="priority")
     fields = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
     params = SamplingParams(**fields)
     try:
