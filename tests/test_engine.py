@@ -66,6 +66,32 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(smol):
     assert cached == (len(prompt) - 1) // bs * bs and cached > 0
 
 
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(smol):
+    """vLLM's cache_salt: a request finds only blocks computed for requests of the same salt (the same output
+    either way), and never the unsalted ones."""
+    eng = smol.engine
+    prompt = _ids(smol, "You are a careful translator. " * 8 + "Translate 'cheese' into French.")
+
+    def run(salt):
+        rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt))
+        toks, cached = [], None
+        while eng.has_work():
+            for o in eng.step():
+                if o.request_id == rid and o.new_token is not None:
+                    toks.append(o.new_token)
+                    cached = o.num_cached_tokens
+        return toks, cached
+
+    plain, cached = run(None)
+    assert cached == 0 and run(None)[1] > 0                 # the unsalted request's blocks are found again
+    assert run("tenant-a") == (plain, 0)                     # ... but not by a salted one
+    again, cached = run("tenant-a")                          # which finds its own salt's blocks
+    assert again == plain and cached > 0
+    assert run("tenant-b")[1] == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="").validate()
+
+
 def test_abort_frees_blocks(smol):
     eng = smol.engine
     free_before = eng.blocks.num_free

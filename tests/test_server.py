@@ -179,6 +179,15 @@ def test_vllm_sampling_extras(oai):
                                                                **GREEDY).choices[0].text
 
 
+def test_cache_salt_is_taken_and_an_empty_one_refused(oai):
+    """vLLM's cache_salt (prefix-cache isolation per tenant): a salted request is served; an empty salt is a 400."""
+    ask = dict(model="any", messages=QUESTION, max_tokens=2, **GREEDY)
+    assert oai.chat.completions.create(**ask, extra_body={"cache_salt": "tenant-1"}).choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(**ask, extra_body={"cache_salt": ""})
+    assert "cache_salt" in str(err.value)
+
+
 def test_anthropic_messages_plain_streamed_and_count_tokens(claude):
     kwargs = dict(model="any", max_tokens=20, system="You are a concise assistant.", messages=QUESTION,
                   extra_body=GREEDY)

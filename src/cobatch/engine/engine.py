@@ -103,6 +103,9 @@ class Engine:
         seq = Sequence(request_id, len(prompt_ids), params, params.resolved_seed(), list(prompt_ids))
         if params.adapter is not None:
             self._use_adapter(seq, params.adapter)
+        if params.cache_salt is not None:       # its blocks' chains start from the salt (and the adapter's root)
+            seq.hash_root = prefix_root(b"salt" + (seq.hash_root or 0).to_bytes(8, "little")
+                                        + params.cache_salt.encode())
         if params.prediction:
             seq.prediction = Prediction(params.prediction)
         if params.grammar is not None:

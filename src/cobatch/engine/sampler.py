@@ -67,6 +67,8 @@ class SamplingParams:
     prediction: tuple[int, ...] = ()  # OpenAI's predicted output: drafts for speculative decoding (same output)
     adapter: str | None = None        # the LoRA adapter the request runs through, by name (None: the base model)
     priority: int = 0                 # vLLM's: lower runs first, under the engine's priority scheduling policy
+    # vLLM's: the request shares prefix-cache blocks only with requests of the same salt (one tenant's)
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -87,6 +89,8 @@ class SamplingParams:
         for token in self.prediction:
             _check_token("prediction", token, "", vocab_size)
         _check_int("priority", self.priority, "an integer (lower runs first)", lambda v: abs(v) < 2 ** 63)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string if given (got {self.cache_salt!r})")
         if self.adapter is not None and not isinstance(self.adapter, str):
             raise ValueError(f"adapter must be a LoRA adapter's name (got {self.adapter!r})")
         if not isinstance(self.ignore_eos, bool):

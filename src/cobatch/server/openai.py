@@ -85,6 +85,7 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the prompt's last k tokens")
     priority: int = Field(0, ge=-2 ** 62, le=2 ** 62, description="lower runs first (--scheduling-policy priority)")
+    cache_salt: str | None = Field(None, description="prefix-cache blocks are shared only with the same salt")
 
 
 class FunctionDef(_Body):
@@ -223,7 +224,8 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
               prediction: tuple[int, ...] | None = None):
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority,
-        priority=body.priority, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
+        priority=body.priority, cache_salt=body.cache_salt,
+        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
         top_k=0 if body.top_k == -1 else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,

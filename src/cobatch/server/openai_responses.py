@@ -51,6 +51,7 @@ class ResponsesRequest(_Body):
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     priority: int = Field(0, ge=-2 ** 62, le=2 ** 62, description="lower runs first (--scheduling-policy priority)")
+    cache_salt: str | None = Field(None, description="prefix-cache blocks are shared only with the same salt")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
@@ -149,7 +150,7 @@ async def create_response(request: Request):
     prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body), tools)
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
-                                  ctx.by_priority, priority=body.priority,
+                                  ctx.by_priority, priority=body.priority, cache_salt=body.cache_salt,
                                   temperature=body.temperature, top_p=body.top_p,
                                   grammar=grammar, adapter=ctx.adapter_for(body.model),
                                   max_tokens=max_new_tokens(ctx, body.max_output_tokens, len(prompt_ids)))
