@@ -68,6 +68,20 @@ def test_block_hashes_are_the_prefix_caches():
     assert len(hashes) == 2 and hashes[1] == chain_hash(chain_hash(None, tuple(ids[:16])), tuple(ids[16:32]))
 
 
+def test_salted_prompts_match_only_their_salts_blocks():
+    """A cache_salt's blocks are chained from its root, as the replica's engine chains them (kv_cache.salted_root):
+    a salted request is not sent after the unsalted copy of its prompt, but after its own salt's."""
+    from cobatch.engine.kv_cache import salted_root
+    router = PrefixRouter(2, block_size=4)
+    long = list(range(40))
+    router.start(0, prompt_block_hashes(long, 4))
+    router.start(1, prompt_block_hashes(long, 4, salted_root(None, "tenant")))
+    router.start(0, [])                                   # replica 0 the busier, so load alone would pick 1
+    assert router.choose(long)[0] == 0
+    assert router.choose(long, salted_root(None, "tenant"))[0] == 1
+    assert prompt_block_hashes(long, 4, salted_root(None, "other"))[0] not in router.replicas[1].blocks
+
+
 def test_replica_flags_and_metric_labels():
     argv = ["serve", "m.gguf", "-dp", "2", "--host=0.0.0.0", "--port", "80", "--ssl-keyfile", "k", "--parallel", "4"]
     assert replica_argv(argv, 9000) == ["serve", "m.gguf", "--parallel", "4", "--host", "127.0.0.1", "--port", "9000"]

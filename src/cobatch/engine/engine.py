@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from cobatch.engine.draft_model import DraftModel
 from cobatch.engine.drafts import PREDICTION_SPEC, DraftModelSpec, NgramSpec, Prediction, propose
 from cobatch.engine.grammar import GrammarError, Grammars
-from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool, prefix_root
+from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool, prefix_root, salted_root
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
 from cobatch.engine.sampler import SamplingParams, needs_penalties
 from cobatch.engine.scheduler import Scheduler, StepPlan
@@ -104,8 +104,7 @@ class Engine:
         if params.adapter is not None:
             self._use_adapter(seq, params.adapter)
         if params.cache_salt is not None:       # its blocks' chains start from the salt (and the adapter's root)
-            seq.hash_root = prefix_root(b"salt" + (seq.hash_root or 0).to_bytes(8, "little")
-                                        + params.cache_salt.encode())
+            seq.hash_root = salted_root(seq.hash_root, params.cache_salt)
         if params.prediction:
             seq.prediction = Prediction(params.prediction)
         if params.grammar is not None:

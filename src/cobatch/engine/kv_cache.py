@@ -69,6 +69,12 @@ def prefix_root(tag: bytes) -> int:
     return chain_hash(None, (-1, *tag))
 
 
+def salted_root(root: int | None, salt: str) -> int:
+    """The chains' root of a request with vLLM's cache_salt, from the root it would have without (None: the base
+    model's): requests share blocks only with requests of the same salt (and adapter)."""
+    return prefix_root(b"salt" + (root or 0).to_bytes(8, "little") + salt.encode())
+
+
 class BlockSpill(Protocol):
     """Where evicted hashed blocks go and come back from (engine/disk_cache.DiskPrefixCache)."""
 

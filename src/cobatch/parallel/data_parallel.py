@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cobatch.engine.kv_cache import salted_root
 from cobatch.errors import UserError
 from cobatch.llm import LLM, _chat_template, _open_model
 from cobatch.model_files import default_model_path
@@ -71,21 +72,24 @@ class PromptTokens:
         _, _, self.tokenizer, model_template = _open_model(path, "auto", torch.device("cpu"))   # nothing loaded
         self.template = _chat_template(chat_template, model_template, self.tokenizer)
 
-    def of_request(self, path: str, body: bytes) -> list[int] | None:
-        """The prompt's token ids of an OpenAI chat / completions request (None: no prompt to match)."""
+    def of_request(self, path: str, body: bytes) -> tuple[list[int] | None, int | None]:
+        """(The prompt's token ids of an OpenAI chat / completions request (None: no prompt to match), the root of
+        its blocks' chains where it has a cache_salt, else None)."""
         try:
             data = json.loads(body)
+            salt = data.get("cache_salt")
+            root = salted_root(None, salt) if isinstance(salt, str) and salt else None
             if path == "/v1/chat/completions":
-                return self.encode_chat(data["messages"], tools=data.get("tools"))
+                return self.encode_chat(data["messages"], tools=data.get("tools")), root
             if path == "/v1/completions":
                 prompt = data["prompt"]
                 if isinstance(prompt, str):
-                    return self.encode_prompt(prompt)
+                    return self.encode_prompt(prompt), root
                 if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                    return prompt
+                    return prompt, root
         except Exception:       # noqa: BLE001 -- a malformed request: the replica will say what is wrong
-            return None
-        return None
+            return None, None
+        return None, None
 
 
 def _labelled(text: str, replica: int, seen: set[str]) -> list[str]:
@@ -238,9 +242,10 @@ class Front:
                                                 "not supported with --data-parallel-size > 1 (give them at start)"),
                                   path)
         body = await request.body()
-        ids = (await asyncio.to_thread(self.tokens.of_request, path, body)
-               if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions") else None)
-        replica, hashes = self.router.choose(ids)
+        ids, root = (await asyncio.to_thread(self.tokens.of_request, path, body)
+                     if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions")
+                     else (None, None))
+        replica, hashes = self.router.choose(ids, root)
         self.router.start(replica, hashes)
         headers = {k: v for k, v in request.headers.items() if k not in _HOP_HEADERS}
         try:

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from cobatch.engine.kv_cache import chain_hash
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chained hashes of a prompt's full blocks, as the replica's prefix cache names them."""
-    hashes, prev = [], None
+def prompt_block_hashes(token_ids: list[int], block_size: int, root: int | None = None) -> list[int]:
+    """The chained hashes of a prompt's full blocks, as the replica's prefix cache names them (root: where a salted
+    request's chains start, kv_cache.salted_root)."""
+    hashes, prev = [], root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         prev = chain_hash(prev, tuple(token_ids[start:start + block_size]))
         hashes.append(prev)
@@ -58,10 +59,11 @@ class PrefixRouter:
         self.block_size, self.min_affinity, self.max_imbalance = block_size, min_affinity, max_imbalance
         self.replicas = [ReplicaState(capacity_blocks) for _ in range(n_replicas)]
 
-    def choose(self, token_ids: list[int] | None) -> tuple[int, list[int]]:
+    def choose(self, token_ids: list[int] | None, root: int | None = None) -> tuple[int, list[int]]:
         """(the replica for a prompt, its block hashes); None: a request with no prompt to match (load only).
-        The caller counts the request in flight (start) and out (finish)."""
-        hashes = prompt_block_hashes(token_ids, self.block_size) if token_ids else []
+        root: a salted request's (its blocks match only its salt's). The caller counts the request in flight
+        (start) and out (finish)."""
+        hashes = prompt_block_hashes(token_ids, self.block_size, root) if token_ids else []
         least = min(range(len(self.replicas)), key=lambda i: (self.replicas[i].in_flight, i))
         if hashes:
             hits = [r.cached_prefix(hashes) for r in self.replicas]
