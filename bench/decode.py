@@ -66,7 +66,7 @@ def weight_bytes(llm: LLM) -> int:
             total += sum(p.nbytes for p in parts)
     head = llm.model.lm_head
     total += sum(p.nbytes for p in getattr(head, "parts", [head]))
-    lora = llm.model.lora          # LoRA adapters' slots: every step reads them all
+    lora = getattr(llm.model, "lora", None)    # LoRA adapters' slots: every step reads them all
     if lora is not None:
         total += sum(s.a.nbytes + s.b.nbytes for layer in lora.layers for s in layer.values() if s is not None)
     return total
@@ -91,7 +91,7 @@ def place_sessions(llm: LLM, batch: int, context: int, params: SamplingParams | 
     loaded, each through one of them in turn."""
     eng = llm.engine
     params = params or SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-    lora = llm.model.lora
+    lora = getattr(llm.model, "lora", None)
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     seqs = []
     for i in range(batch):
