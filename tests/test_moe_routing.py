@@ -83,7 +83,7 @@ def test_routed_gemm_slots_only_where_asked_and_experts_average_over_16_pairs(mo
 def test_routed_gemm_config_is_the_fastest_the_stack_can_run(monkeypatch):
     """A decode step's rows take the ring of one warpgroup, a prefill chunk's the persistent ring of two (the
     order bench/results/moe_experts.json measured); a stack whose rows or K the ring cannot split, or whose ring
-    does not fit twice, falls back to the plain kernel; without COBATCH_MOE_GEMM_RING, the plain kernel."""
+    does not fit twice, falls back to the plain kernel; COBATCH_MOE_GEMM_RING=0 keeps to the plain kernel."""
     from types import SimpleNamespace as NS
 
     from cobatch.kernels import packed_experts, quant_pack

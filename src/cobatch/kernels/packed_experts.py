@@ -9,11 +9,12 @@ PackedWeight view of one expert (no copy), for steps of many rows (prefill), whi
 A step whose experts average more pairs than the GEMV's 16-token tile runs the routed mid-batch GEMM instead
 (quant_gemm, ROUTED; COBATCH_MOE_GEMM=0 turns it off): slots of 32 or 64 pairs (routed_slot_size), so an expert's
 weights are read once per 64 of its rows rather than per 16, and a prefill chunk of any size is one launch a
-projection, with no host sync and no loop over experts in Python. With COBATCH_MOE_GEMM_RING=1 it runs the GEMM's ring
-kernel where the stack's shape allows it (until its GPU tests pass, the plain kernel by default). One DeepSeek-V2-Lite layer's experts on the
-H200 (bench/results/moe_experts.json): 256 rows 0.31 ms in the ring of one warpgroup, against 0.40 in the plain
-kernel and 0.47 in routed slices; 2048 rows 1.25 ms in the persistent ring, against 1.72 plain, 3.45 in routed
-slices and 18.9 expert by expert.
+projection, with no host sync and no loop over experts in Python. It runs the GEMM's ring kernel where the
+stack's shape allows it (routed_config; COBATCH_MOE_GEMM_RING=0: the plain kernel). On the H200
+(bench/results/moe_experts.json, one DeepSeek-V2-Lite layer's experts): 256 rows 0.31 ms in the ring of one
+warpgroup, against 0.40 in the plain kernel and 0.47 in routed slices of the GEMV; 2048 rows 1.26 ms in the
+persistent ring, against 1.71 plain and 3.44 in routed slices. Whole prefills of that model cut to 8 layers:
+bench/results/moe_prefill_deepseek_v2_lite.json.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM", "1") != "0"
 # A routed GEMM slot holds at most this many pairs: an expert's last slot is part empty, so bigger slots waste
 # more MMA work on the expert runs of a prefill chunk (about 190 pairs an expert at 2048 rows of 6 of 64).
 ROUTED_GEMM_MAX_SLOT = 64
-ROUTED_GEMM_RING = os.environ.get("COBATCH_MOE_GEMM_RING", "0") == "1"
+ROUTED_GEMM_RING = os.environ.get("COBATCH_MOE_GEMM_RING", "1") != "0"
 # The routed GEMM's configs, fastest first, for steps of up to ROUTED_MAX_ROWS rows (decode, captured in graphs)
 # and for bigger ones (prefill chunks), as timed on one DeepSeek-V2-Lite layer (module docstring): a stack takes
 # the first that its shape allows (routed_config). The plain kernel's come last, as they run without a ring.

@@ -34,10 +34,10 @@ from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
 
 
-# Steps of more than ROUTED_MAX_ROWS rows (prefill chunks) run expert by expert, or with
-# COBATCH_MOE_PREFILL=routed the routed path slice by slice (each slice reads the experts it chose again). Which is
-# faster is not measured yet: bench/results/moe_prefill_deepseek_v2_lite.json prefilled its prompts one at a time
-# (128-row steps, routed either way); bench/moe_decode.py --prefill now packs them (docs/kernels.md, MoE prefill).
+# Steps of more than ROUTED_MAX_ROWS rows (prefill chunks) whose stacks cannot run the routed GEMM (or with
+# COBATCH_MOE_GEMM=0) run expert by expert, or with COBATCH_MOE_PREFILL=routed the routed path slice by slice (each
+# slice reads the experts it chose again): 783 and 197 ms for 64 prompts of 128 tokens on DeepSeek-V2-Lite cut to 8
+# layers, against 79 ms in the routed GEMM (bench/results/moe_prefill_deepseek_v2_lite.json).
 ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "experts") == "routed"
 
 
