@@ -35,8 +35,8 @@ from cobatch.kernels import lora as lora_kernels
 from cobatch.loader.lora import Adapter, part_rows, projection_inputs
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# the GPU adds the deltas with kernels/lora.py's two launches (COBATCH_LORA_KERNELS=1; until their GPU tests pass,
-# the torch form by default)
+# the GPU adds the deltas with kernels/lora.py's two launches with COBATCH_LORA_KERNELS=1; the torch form is the
+# default, as they were not faster (bench/results/decode_lora_kernels_ab.md)
 KERNELS = os.environ.get("COBATCH_LORA_KERNELS", "0") == "1"
 # part -> its index among its projection's parts (a fused part, phi3's qkv or gate_up, is the whole projection)
 _PART_INDEX = {"q": 0, "k": 1, "v": 2, "qkv": 0, "o": 0, "gate": 0, "up": 1, "gate_up": 0, "down": 0}
