@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, WIDE_BATCH_CONFIG, DecodeConfig, PrefillConfig,
+from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
 from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_decode_attention
 
@@ -226,8 +226,9 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
 DECODE_SWEEP = [
     DECODE_CONFIG,
     # Pages a tile ahead (2026-11-30): K/V get num_stages - 1 shared buffers. 64-token tiles x 2 stages: one
-    # buffer in 45 KB (4 programs per SM); 32-token tiles x 3 stages (WIDE_BATCH_CONFIG): two buffers in 45 KB.
-    WIDE_BATCH_CONFIG,
+    # buffer in 45 KB (4 programs per SM); 32-token tiles x 3 stages: two buffers in 45 KB (level in whole steps:
+    # bench/results/decode_wide_attention_tiles_ab.md).
+    replace(DECODE_CONFIG, block_n=32, num_stages=3),
     replace(DECODE_CONFIG, block_n=32, num_stages=4),
 ]
 PREFILL_SWEEP = [

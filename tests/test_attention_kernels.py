@@ -206,21 +206,6 @@ def test_output_in_the_next_weights_operand_dtype(q_lens):
     assert same.dtype == torch.bfloat16 and relative_error(got, same) < 1e-2
 
 
-def test_steps_of_many_rows_take_the_wide_tiles_under_the_switch(monkeypatch):
-    """attention.decode_config: under WIDE_BATCH_TILES a step of more than invariant_rows rows runs
-    WIDE_BATCH_CONFIG (32-token tiles in 3 stages), which matches the reference across whole and partial tiles;
-    fewer rows, or the switch off, keep DECODE_CONFIG."""
-    from cobatch.kernels import attention
-    monkeypatch.setattr(attention, "WIDE_BATCH_TILES", True)
-    rows = attention.DECODE_CONFIG.invariant_rows
-    assert attention.decode_config(rows) is attention.DECODE_CONFIG
-    assert attention.decode_config(rows + 1) is attention.WIDE_BATCH_CONFIG
-    monkeypatch.setattr(attention, "WIDE_BATCH_TILES", False)
-    assert attention.decode_config(64) is attention.DECODE_CONFIG
-    lens = [70, 33, 5, 64, 1, 40, 100, 17, 32]
-    check_attention(lens, [1] * len(lens), 4, 2, 16, torch.bfloat16, seed=40, decode_cfg=attention.WIDE_BATCH_CONFIG)
-
-
 def test_decode_padded_rows_are_zero():
     q, k_cache, v_cache, meta = paged_setup([0, 0], [1, 1], 4, 2, 32, torch.bfloat16, seed=12, capacity=64)
     for cfg in DECODE_VARIANTS.values():
@@ -427,18 +412,6 @@ def test_decode_llama8b_fp8_cache(seq_lens):
 def test_decode_with_rope_llama8b(lens, drafts, neox, kv_dtype):
     check_rope_decode(lens, drafts, **LLAMA8B, kv_dtype=kv_dtype, neox=neox, cfg=DecodeConfig(), seed=len(lens),
                       capacity=32768)
-
-
-@requires_cuda
-@pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["bf16", "fp8"])
-def test_decode_wide_tiles_llama8b(kv_dtype):
-    """attention.WIDE_BATCH_CONFIG (decode_config's choice past invariant_rows, under COBATCH_ATTN_WIDE_TILES) on
-    64 rows: with the rope and cache write and a speculating sequence's drafts, and on rows already rotated."""
-    from cobatch.kernels.attention import WIDE_BATCH_CONFIG
-    check_rope_decode([513] * 60 + [300, 301, 302, 303], range(60, 64), **LLAMA8B, kv_dtype=kv_dtype, neox=False,
-                      cfg=WIDE_BATCH_CONFIG, seed=64, capacity=32768)
-    check_attention([513] * 60 + [1, 4097, 77, 32768], [1] * 64, **LLAMA8B, dtype=torch.bfloat16, seed=65,
-                    capacity=32768, decode_cfg=WIDE_BATCH_CONFIG, kv_dtype=kv_dtype)
 
 
 @requires_cuda

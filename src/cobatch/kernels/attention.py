@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -588,18 +588,6 @@ def row_split_len(seq_len: int, num_splits: int, cfg: DecodeConfig = DECODE_CONF
 # COBATCH_FUSED_ROPE=0 launches the rope kernel before it instead, for comparisons.
 FUSED_ROPE = os.environ.get("COBATCH_FUSED_ROPE", "1") != "0"
 
-# Steps of more than invariant_rows rows plan their own splits, so their tiles may differ too: 32-token tiles in 3
-# stages (two K/V buffers in the same 45 KB) where the rows are many and each row's program walks few tiles.
-# COBATCH_ATTN_WIDE_TILES=1 takes them there (WIDE_BATCH_TILES, read at each call).
-WIDE_BATCH_CONFIG = replace(DECODE_CONFIG, block_n=32, num_stages=3)
-WIDE_BATCH_TILES = os.environ.get("COBATCH_ATTN_WIDE_TILES", "0") == "1"
-
-
-def decode_config(n_rows: int) -> DecodeConfig:
-    """The decode kernel's config for a step of n_rows rows."""
-    wide = WIDE_BATCH_TILES and n_rows > DECODE_CONFIG.invariant_rows
-    return WIDE_BATCH_CONFIG if wide else DECODE_CONFIG
-
 
 @dataclass(frozen=True, slots=True)
 class DecodeRope:
@@ -806,6 +794,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None and out_dtype not in (None, q.dtype):     # prefill leaves rows past the chunks zero
         out = (torch.empty if decode else torch.zeros)(q.shape, dtype=out_dtype, device=q.device)
     if decode:
-        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, cfg=decode_config(q.shape[0]),
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, cfg=DECODE_CONFIG,
                                       window=window, softcap=softcap, rope=rope)
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
