@@ -50,17 +50,23 @@ def test_staggered_arrivals_and_chunked_prefill_match():
     assert eng.stats.batched_steps > 0
 
 
-def test_prefix_cache_reuses_blocks_and_keeps_output(smol):
-    eng = smol.engine
-    prompt = _ids(smol, "You are a helpful assistant. " * 8 + "Tell me a joke.")
-    first = eng.generate([prompt], GREEDY)[0]
-    rid = eng.add_request(prompt, GREEDY)
+def _run_alone(eng, prompt: list[int], params: SamplingParams) -> tuple[list[int], int | None]:
+    """(the tokens of one request run to its end, the prompt tokens it found in the prefix cache)."""
+    rid = eng.add_request(prompt, params)
     toks, cached = [], None
     while eng.has_work():
         for o in eng.step():
             if o.request_id == rid and o.new_token is not None:
                 toks.append(o.new_token)
                 cached = o.num_cached_tokens
+    return toks, cached
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(smol):
+    eng = smol.engine
+    prompt = _ids(smol, "You are a helpful assistant. " * 8 + "Tell me a joke.")
+    first = eng.generate([prompt], GREEDY)[0]
+    toks, cached = _run_alone(eng, prompt, GREEDY)
     assert toks == first
     bs = eng.pool.block_size
     assert cached == (len(prompt) - 1) // bs * bs and cached > 0
@@ -73,14 +79,7 @@ def test_cache_salt_shares_prefix_blocks_only_within_a_salt(smol):
     prompt = _ids(smol, "You are a careful translator. " * 8 + "Translate 'cheese' into French.")
 
     def run(salt):
-        rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt))
-        toks, cached = [], None
-        while eng.has_work():
-            for o in eng.step():
-                if o.request_id == rid and o.new_token is not None:
-                    toks.append(o.new_token)
-                    cached = o.num_cached_tokens
-        return toks, cached
+        return _run_alone(eng, prompt, SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt))
 
     plain, cached = run(None)
     assert cached == 0 and run(None)[1] > 0                 # the unsalted request's blocks are found again
