@@ -21,7 +21,7 @@ class FakeEngine:
     """One token per running request per step; records when on_launched ran relative to the steps."""
 
     def __init__(self):
-        self.scheduler = SimpleNamespace(max_num_seqs=4)
+        self.scheduler = SimpleNamespace(max_num_seqs=4, by_priority=False)
         self.left: dict[str, int] = {}
         self.aborted: list[str] = []
         self.events: list[str] = []
