@@ -17,8 +17,9 @@ short table last; JSON to $OUT or bench/results/.
 --prefill N,T: also the time to prefill N prompts of T tokens and sample their first tokens, with the experts
 expert by expert, routed slice by slice (COBATCH_MOE_PREFILL=routed) and, where the experts can run it, through the
 routed GEMM whole (the default; COBATCH_MOE_GEMM=0 turns it off). The engine then holds at least N sequences, so a
-step packs prompts up to the engine's 2048 rows (with fewer slots than prompts they would prefill one by one, in steps of T rows, which the
-first two ways run on the routed kernels alike: up to packed_experts.ROUTED_MAX_ROWS rows).
+step packs prompts up to the engine's 2048 rows (with fewer slots than prompts they would prefill one by one, in
+steps of T rows, which the first two ways run on the routed kernels alike: up to packed_experts.ROUTED_MAX_ROWS
+rows).
 COBATCH_MOE_GEMM=0 in the environment gives decode steps whose experts average more than 16 pairs the routed GEMV
 instead of the routed GEMM (the graph and eager routed columns); run once with and once without it to compare.
 """

@@ -8,8 +8,8 @@ on N random rows, eagerly as a prefill step calls it, under the switches of each
     its rows through its own plan (the GEMV, the mid-batch GEMM or dequantize + cuBLAS);
   - routed slices (COBATCH_MOE_PREFILL=routed): the routed GEMV on slices of packed_experts.ROUTED_MAX_ROWS rows;
   - routed GEMM (the default way; COBATCH_MOE_GEMM=0 turns it off): as the stacks plan it, then for each config
-    (GEMM_CONFIGS: the plain kernel's and the ring kernel's) and largest slot (packed_experts.ROUTED_GEMM_MAX_SLOT: 32, 64, 128), at the rows where the experts average more
-    than 16 pairs.
+    (GEMM_CONFIGS: the plain kernel's and the ring kernel's) and largest slot (packed_experts.ROUTED_GEMM_MAX_SLOT:
+    32, 64, 128), at the rows where the experts average more than 16 pairs.
 Each way: its output against expert by expert's (relative error), the wall time of a call (median; the host's
 launches and syncs included, as a prefill step pays them) and, where the call has no host sync, the GPU time of
 the call captured in a graph. GB/s counts the weights a call reads, each once (the router, the shared experts,
