@@ -179,6 +179,25 @@ def test_vllm_sampling_extras(oai):
                                                                **GREEDY).choices[0].text
 
 
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_continuous_usage_stats_count_each_chunk(oai, kind):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (completion tokens
+    never falling, the prompt's fixed), the last one the final usage; without it, choice chunks carry null."""
+    ask = dict(model="any", max_tokens=6, stream=True, **GREEDY)
+    if kind == "chat":
+        ask["messages"], create = QUESTION, oai.chat.completions.create
+    else:
+        ask["prompt"], create = "The capital of France is", oai.completions.create
+    chunks = list(create(**ask, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [c.usage for c in chunks if c.choices]
+    assert counted and all(u is not None for u in counted)
+    steps = [u.completion_tokens for u in counted]
+    assert steps == sorted(steps) and steps[-1] == chunks[-1].usage.completion_tokens == 6
+    assert {u.prompt_tokens for u in counted} == {chunks[-1].usage.prompt_tokens}
+    plain = list(create(**ask, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 6
+
+
 def test_cache_salt_is_taken_and_an_empty_one_refused(oai):
     """vLLM's cache_salt (prefix-cache isolation per tenant): a salted request is served; an empty salt is a 400."""
     ask = dict(model="any", messages=QUESTION, max_tokens=2, **GREEDY)

@@ -97,6 +97,7 @@ class Generation:
         self.arrival = time.perf_counter()
         self.handle: RequestHandle | None = None
         self.completion_tokens = 0
+        self.cached_tokens = 0                  # prompt tokens found in the prefix cache (known at the first token)
         self.finish: Finish | None = None       # set when events() ends normally
         self.embedding: list[float] | None = None   # params.embed: set when the prompt's last token is computed
         self._done = False
@@ -111,6 +112,12 @@ class Generation:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    def usage_so_far(self) -> Usage:
+        """The usage up to now (vLLM's continuous_usage_stats): the final one once the request has ended."""
+        if self.finish is not None:
+            return self.finish.usage
+        return Usage(len(self.request.prompt_ids), self.completion_tokens, self.cached_tokens)
 
     def close(self) -> None:
         """Abort the request if it is still running (client gone); idempotent."""
@@ -147,6 +154,7 @@ class Generation:
                     completion = self.completion_tokens = completion + 1
                     if first is None:
                         first, cached = now, out.num_cached_tokens
+                        self.cached_tokens = cached
                         metrics.ttft.observe(now - self.arrival)
                     else:
                         metrics.itl.observe(now - last)

@@ -46,6 +46,14 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's: with include_usage, every chunk carries the usage so far
+
+
+def _stream_usage(body) -> tuple[bool, bool]:
+    """(a final chunk with the usage, every chunk with the usage so far) a streamed request asks for."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and options.continuous_usage_stats
 
 
 class _SamplingBody(_Body):
@@ -412,8 +420,9 @@ async def chat_completions(request: Request):
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": ctx.answered_by(body.model)}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        streams = [_chat_stream(ctx, gen, meta, include_usage, i) for i, gen in enumerate(choices.generations)]
+        include_usage, continuous = _stream_usage(body)
+        streams = [_chat_stream(ctx, gen, meta, include_usage, i, continuous)
+                   for i, gen in enumerate(choices.generations)]
         return EventStreamResponse(_ending_in_done(_with_usage(streams, choices, meta, "chat.completion.chunk",
                                                                include_usage)), choices.close)
     return GeneratedJSONResponse(lambda: _chat_result(ctx, choices, meta), choices.close, request.url.path)
@@ -454,11 +463,12 @@ async def _ending_in_done(frames: AsyncIterator[str]) -> AsyncIterator[str]:
     yield sse_data("[DONE]")
 
 
-def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict) -> str:
-    """One streamed chunk; with include_usage every chunk carries "usage": null until the final one."""
+def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict, running: Generation | None = None) -> str:
+    """One streamed chunk; with include_usage every chunk carries "usage": null until the final one, or with
+    `running` (vLLM's continuous_usage_stats) that choice's usage so far."""
     chunk = {**meta, "object": obj, "choices": [choice]}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = None if running is None else _usage(running.usage_so_far())
     return sse_data(chunk)
 
 
@@ -473,10 +483,11 @@ async def _with_usage(streams: list, choices: Choices, meta: dict, obj: str,
 
 
 async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_usage: bool,
-                       index: int) -> AsyncIterator[str]:
+                       index: int, continuous: bool = False) -> AsyncIterator[str]:
     def frame(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
         return _sse_chunk(meta, "chat.completion.chunk", include_usage,
-                          {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+                          {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason},
+                          gen if continuous else None)
 
     want_logprobs = gen.request.params.logprobs is not None
     call_ids: dict[int, str] = {}
@@ -533,8 +544,8 @@ async def completions(request: Request):
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.answered_by(body.model)}
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]     # one per choice
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        streams = [_completion_stream(ctx, gen, meta, echo, include_usage, i)
+        include_usage, continuous = _stream_usage(body)
+        streams = [_completion_stream(ctx, gen, meta, echo, include_usage, i, continuous)
                    for i, (gen, echo) in enumerate(zip(choices.generations, echoes))]
         return EventStreamResponse(_ending_in_done(_with_usage(streams, choices, meta, "text_completion",
                                                                include_usage)), choices.close)
@@ -562,10 +573,11 @@ async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, e
 
 
 async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, echo: str,
-                             include_usage: bool, index: int) -> AsyncIterator[str]:
+                             include_usage: bool, index: int, continuous: bool = False) -> AsyncIterator[str]:
     def frame(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
         return _sse_chunk(meta, "text_completion", include_usage,
-                          {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+                          {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason},
+                          gen if continuous else None)
 
     want_logprobs = gen.request.params.logprobs is not None
     offset, prompt_logprobs, echoed = len(echo), [], not echo
