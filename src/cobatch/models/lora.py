@@ -59,6 +59,7 @@ class LoraSet:
         if len({a.name for a in adapters}) != len(adapters):
             raise ValueError("two LoRA adapters have the same name")
         self.cfg, self.device, self.dtype, self.max_rows = cfg, device, dtype, max_rows
+        self.kernels = device.type == "cuda" and KERNELS        # kernels/lora.py adds the deltas, else torch
         self.capacity = max(slots, len(adapters), 1)
         self.rank = max([rank] + [a.rank for a in adapters])
         self.adapters: list[Adapter | None] = [None] * self.capacity      # slot s holds adapters[s - 1]
@@ -67,8 +68,8 @@ class LoraSet:
         self.layers = [{p: self._new_stack(p) if runtime and _servable(cfg, p) or (i, p) in touched else None
                         for p in PROJECTIONS} for i in range(cfg.n_layers)]
         c, r = self.capacity, self.rank
-        self.scales = torch.zeros(1 + c, c * r, dtype=dtype, device=device)   # slot -> its scale on its columns
-        self.slot_scale = torch.zeros(1 + c, dtype=torch.float32, device=device)    # slot -> its scale (kernels)
+        self.slot_scale = torch.zeros(1 + c, dtype=torch.float32, device=device)    # slot -> its adapter's scale
+        self._column_slot = torch.arange(c * r, device=device) // r + 1              # a part's column -> its slot
         # each row's adapter slot in the step being run, and its columns' scales per part count (stage)
         self.row_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.row_scale = {n: torch.zeros(max_rows, n * c * r, dtype=dtype, device=device) for n in (1, 2, 3)}
@@ -78,7 +79,7 @@ class LoraSet:
     def _new_stack(self, projection: str) -> _Stack:
         width = _PARTS[projection] * self.capacity * self.rank
         out, inputs = part_rows(self.cfg, projection)[2], projection_inputs(self.cfg, projection)
-        if self.device.type == "cuda" and KERNELS:
+        if self.kernels:
             lora_kernels.reserve_scratch(self.device, self.max_rows, width, inputs)
         return _Stack(torch.zeros(width, inputs, dtype=self.dtype, device=self.device),
                       torch.zeros(out, width, dtype=self.dtype, device=self.device))
@@ -117,7 +118,6 @@ class LoraSet:
             col = self._column(free, part)
             stack.a[col:col + a.shape[0]] = a
             stack.b[first:first + b.shape[0], col:col + b.shape[1]] = b
-        self.scales[free, (free - 1) * self.rank:free * self.rank] = adapter.scale
         self.slot_scale[free] = adapter.scale
         self.adapters[free - 1] = adapter
         self.slots[adapter.name] = free
@@ -134,7 +134,6 @@ class LoraSet:
                     col = (part * self.capacity + slot - 1) * self.rank
                     stack.a[col:col + self.rank] = 0
                     stack.b[:, col:col + self.rank] = 0
-        self.scales[slot] = 0
         self.slot_scale[slot] = 0
         self.adapters[slot - 1] = None
 
@@ -149,9 +148,11 @@ class LoraSet:
         if n > self.row_slots.shape[0]:
             raise RuntimeError(f"a step of {n} rows, over the {self.row_slots.shape[0]} the adapters were sized for")
         self.row_slots[:n].copy_(slots, non_blocking=True)
-        if self.device.type == "cuda" and KERNELS:
+        if self.kernels:
             return          # the kernels read the slots themselves
-        scale = self.scales.index_select(0, self.row_slots[:n])
+        rows = self.row_slots[:n]
+        own = self._column_slot[None, :] == rows[:, None]
+        scale = torch.where(own, self.slot_scale[rows][:, None], 0.0).to(self.dtype)
         width = scale.shape[1]
         for parts, buffer in self.row_scale.items():
             for p in range(parts):
@@ -163,7 +164,7 @@ class LoraSet:
         if stack is None:
             return y
         n = x.shape[0]
-        if x.is_cuda and KERNELS:
+        if self.kernels:
             return lora_kernels.lora_add_triton(x if x.stride(-1) == 1 else x.contiguous(), stack.a, stack.b, y,
                                                 self.row_slots[:n], self.slot_scale, self.capacity, self.rank)
         t = torch.mm(x.to(stack.a.dtype), stack.a.T).mul_(self.row_scale[_PARTS[projection]][:n])
