@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from cobatch.kernels.scratch import DeviceScratch
-from cobatch.kernels.triton_support import (dot_in_f32, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl,
-                                            triton)
+from cobatch.kernels.triton_support import (dot_in_f32, gdc_launch_dependents, gdc_wait, jit, pdl_launch,
+                                            split_k_total, tl, triton)
 
 BLOCK_ROWS = 16     # a row block: the MMA's smallest M
 SHRINK_COLS = 64    # columns of the slot matrices a shrink program takes
@@ -59,6 +59,16 @@ def reserve_scratch(device: torch.device, max_rows: int, width: int, in_features
 
 
 @jit
+def _add_dot(acc, a, b, DOT_F32: tl.constexpr):
+    """acc + a @ b^T (b's rows are the output's columns), in IEEE f32 where DOT_F32 (the interpreter)."""
+    if DOT_F32:
+        out = acc + tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        out = acc + tl.dot(a, tl.trans(b))
+    return out
+
+
+@jit
 def _shrink_kernel(x_ptr, a_ptr, u_ptr, partial_ptr, count_ptr, slots_ptr, scale_ptr, n_rows, in_features, width,
                    x_stride, CAPACITY: tl.constexpr, RANK: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
                    BK: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
@@ -79,25 +89,15 @@ def _shrink_kernel(x_ptr, a_ptr, u_ptr, partial_ptr, count_ptr, slots_ptr, scale
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(a_ptr.dtype.element_ty)
         ak = tl.load(a_ptr + cols.to(tl.int64)[:, None] * in_features + k[None, :],
                      mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(xk.to(tl.float32), tl.trans(ak.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(xk, tl.trans(ak))
+        acc = _add_dot(acc, xk, ak, DOT_F32)
     if SPLITS == 1:
         _store_u(acc, u_ptr, slots_ptr, scale_ptr, rows, cols, row_ok, col_ok, width, CAPACITY, RANK)
     else:
-        # the last split to arrive adds the partial sums in split order: the same bits whatever the timing
         tile = pid_m * tl.num_programs(1) + pid_c
         offs = tl.arange(0, BN)[:, None] * BC + tl.arange(0, BC)[None, :]
-        tl.store(partial_ptr + (tile * SPLITS + pid_k) * (BN * BC) + offs, acc)
-        tl.debug_barrier()                  # all threads' partial stores precede the release below
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            total = tl.zeros([BN, BC], dtype=tl.float32)
-            for s in range(SPLITS):
-                total += tl.load(partial_ptr + (tile * SPLITS + s) * (BN * BC) + offs, cache_modifier=".cg")
+        last, total = split_k_total(acc, partial_ptr, count_ptr, tile, pid_k, offs, SPLITS, BN * BC)
+        if last:
             _store_u(total, u_ptr, slots_ptr, scale_ptr, rows, cols, row_ok, col_ok, width, CAPACITY, RANK)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @jit
@@ -136,10 +136,7 @@ def _expand_kernel(u_ptr, b_ptr, y_ptr, slots_ptr, n_rows, out_features, width, 
                          mask=row_ok[:, None] & c_ok[None, :], other=0.0)
             bk = tl.load(b_ptr + outs.to(tl.int64)[:, None] * width + c[None, :],
                          mask=out_ok[:, None] & c_ok[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(uk.to(tl.float32), tl.trans(bk.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(uk, tl.trans(bk))
+            acc = _add_dot(acc, uk, bk, DOT_F32)
         ptrs = y_ptr + rows.to(tl.int64)[:, None] * y_stride + outs[None, :]
         mask = (row_ok & (slot != 0))[:, None] & out_ok[None, :]       # base rows: not written
         y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)

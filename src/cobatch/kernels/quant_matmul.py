@@ -28,7 +28,7 @@ import torch
 from cobatch.kernels import fragment_dequant, quant_pack
 from cobatch.kernels.quant_pack import PackedPlanes
 from cobatch.kernels.scratch import SplitScratch
-from cobatch.kernels.triton_support import interpreting, jit, tl, triton
+from cobatch.kernels.triton_support import interpreting, jit, split_k_total, tl, triton
 from cobatch.quant.weight import QuantWeight
 
 
@@ -421,19 +421,11 @@ def _quant_matmul_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Deterministic split-K: every split writes its partial tile; the last to arrive sums them in
-        # split order. The counter is re-armed by that program, so CUDA-graph replays start from 0.
         tile = pid_m * (tl.num_programs(1) // SPLIT_K) + pid_n
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-        tl.store(partial_ptr + (tile * SPLIT_K + pid_k) * (BM * BN) + offs, tl.trans(acc))
-        tl.debug_barrier()                  # all threads' partial stores precede the release below
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BM, BN], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(partial_ptr + (tile * SPLIT_K + s) * (BM * BN) + offs, cache_modifier=".cg")
+        last, total = split_k_total(tl.trans(acc), partial_ptr, count_ptr, tile, pid_k, offs, SPLIT_K, BM * BN)
+        if last:
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @jit

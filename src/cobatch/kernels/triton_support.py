@@ -103,3 +103,21 @@ def device_sms(t: torch.Tensor) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@jit
+def split_k_total(part, partial_ptr, count_ptr, tile, split, offs, SPLITS: tl.constexpr, TILE: tl.constexpr):
+    """Deterministic split-K (no float atomics): each of a tile's SPLITS programs stores its partial `part` (TILE
+    values, at offs); the last to arrive sums them in split order, so a result's bits do not depend on the timing,
+    and re-arms the tile's counter for the next launch (CUDA-graph replays start from 0). Returns (whether this
+    program is that last one, the sum: meaningful only there)."""
+    tl.store(partial_ptr + (tile * SPLITS + split) * TILE + offs, part)
+    tl.debug_barrier()                  # all threads' partial stores precede the release below
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLITS - 1
+    total = tl.zeros_like(part)
+    if last:
+        for s in range(SPLITS):
+            total += tl.load(partial_ptr + (tile * SPLITS + s) * TILE + offs, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return last, total
