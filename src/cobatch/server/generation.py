@@ -136,7 +136,7 @@ class Generation:
         parser = OutputParser(tool_names=req.tool_names, reasoning=req.parse_reasoning,
                               start_in_reasoning=req.start_in_reasoning)
         want_logprobs = req.params.logprobs is not None
-        completion = cached = 0
+        completion = 0
         first = last = None
         try:
             while True:
@@ -153,8 +153,7 @@ class Generation:
                 if out.new_token is not None and req.report_output:
                     completion = self.completion_tokens = completion + 1
                     if first is None:
-                        first, cached = now, out.num_cached_tokens
-                        self.cached_tokens = cached
+                        first, self.cached_tokens = now, out.num_cached_tokens
                         metrics.ttft.observe(now - self.arrival)
                     else:
                         metrics.itl.observe(now - last)
@@ -183,7 +182,7 @@ class Generation:
                     if reason == "stop" and parser.num_tool_calls and text.stop_matched is None:
                         reason = "tool_calls"
                     self._done = True
-                    usage = Usage(len(req.prompt_ids), completion, cached, out.prediction_accepted,
+                    usage = Usage(len(req.prompt_ids), completion, self.cached_tokens, out.prediction_accepted,
                                   out.prediction_rejected)
                     self._record(reason, usage, first, now)
                     self.finish = Finish(reason, text.stop_matched, usage)
