@@ -348,9 +348,10 @@ def compile_gemm_ring_for_h200(constants):
         d, sub, qh = desc("fp16", [nw, c * quant_gemm._SIDE_PER_CHUNK[fmt]], 16), qs, qs
         if fmt in quant_pack.FIFTH_BIT_FORMATS:
             qh = desc("u8", [nw, c, 128], 8)
-    x = f"tensordesc<fp16[{bn}, {kc}],{gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)!r}>"
+    xb = quant_gemm.token_tile(bn + constants.get("BN2", 0))       # x's block: two accumulators' tokens and more
+    x = f"tensordesc<fp16[{xb}, {kc}],{gl.NVMMASharedLayout.get_default_for([xb, kc], gl.float16)!r}>"
     cfg = quant_gemm.GemmConfig(NW=constants["NW"], RING=constants["S"], CHUNKS=c, APART=constants["APART"])
-    compiled = compile_gluon_for_h200(quant_gemm._gemm_ring_kernel, constants, nw, cfg.registers(bn),
+    compiled = compile_gluon_for_h200(quant_gemm._gemm_ring_kernel, constants, nw, cfg.registers(xb),
                                       descriptors={"qs_desc": qs, "d_desc": d, "sub_desc": sub, "qh_desc": qh,
                                                    "x_desc": x})
     _require_pipelined_wgmma(compiled)
@@ -380,6 +381,19 @@ if quant_gemm.warpgroup_mma is not None:
                            f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
                            f"{' ahead' if ahead else ''}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
+            AHEAD=ahead, PDL=True)
+    # token tiles of 96, 160 and 192 as two accumulators (quant_gemm.SPLIT_TILES): the committed plans' kinds of ring
+    # (q8_0's and q4_K's decode configs, a wide one of two warpgroups apart, split-K) and a format of four k16 MMAs
+    for fmt, nw, bn, bn2, split, act, s, c, apart, persist, lag, ahead in (
+            (quant_pack.Q8_0, 8, 64, 32, 1, 1, 6, 4, False, True, True, True),
+            (quant_pack.Q8_0, 4, 64, 32, 2, 0, 6, 4, False, False, True, True),
+            (quant_pack.Q4_1, 8, 128, 32, 1, 0, 4, 2, False, False, True, True),
+            (quant_pack.Q8_0, 8, 128, 64, 4, 0, 4, 2, True, False, True, False),
+            (quant_pack.Q6_K, 4, 64, 32, 2, 0, 8, 2, False, False, True, True)):
+        gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn}+{bn2} split_k={split} act={act} ring={s}x{c}"
+                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
+                           f"{' ahead' if ahead else ''}"] = dict(
+            FMT=fmt, NW=nw, BN=bn, BN2=bn2, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
             AHEAD=ahead, PDL=True)
     # routed over stacked experts (an MoE step's slots): a CTA of one item skipping an empty slot, with LAG's tail
     # release guarded, apart and not; the persistent grid, whose empty slots run as any item
@@ -451,6 +465,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 30 + 20 + 4 + 19 + 7
+    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

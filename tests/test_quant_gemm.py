@@ -35,6 +35,21 @@ def test_token_tile_is_the_smallest_that_holds_the_batch():
         [16, 16, 32, 32, 64, 64, 128, 128, 256, 256, 256, 256]
 
 
+def test_split_tiles_cover_the_graph_buckets_between_powers_of_two(monkeypatch):
+    """The ring's two-accumulator tiles: 65-96 tokens run 64 + 32 token columns instead of 128, 129-160 128 + 32
+    and 161-192 128 + 64 instead of 256; the powers of two stay whole, and so does everything with the switch off."""
+    monkeypatch.setattr(quant_gemm, "SPLIT_TOKEN_TILES", True)
+    ns = (16, 64, 65, 96, 97, 128, 129, 160, 161, 192, 193, 256, 300)
+    assert [quant_gemm.split_tile(n) for n in ns] == [
+        (16, 0), (64, 0), (64, 32), (64, 32), (128, 0), (128, 0), (128, 32), (128, 32), (128, 64), (128, 64),
+        (256, 0), (256, 0), (256, 0)]
+    for n in ns:     # x's block (the power-of-two tile) holds both accumulators' tokens
+        bn, bn2 = quant_gemm.split_tile(n)
+        assert n <= bn + bn2 <= quant_gemm.token_tile(n) or n > 256
+    monkeypatch.setattr(quant_gemm, "SPLIT_TOKEN_TILES", False)
+    assert [quant_gemm.split_tile(n) for n in ns] == [(quant_gemm.token_tile(n), 0) for n in ns]
+
+
 def test_default_config_fills_the_gpu_and_divides_k():
     for rows, chunks in [(4096, 64), (6144, 128), (28672, 64), (4096, 224), (128256, 128), (256, 12)]:
         cfg = quant_gemm.default_config(rows, chunks)
@@ -130,9 +145,11 @@ def run_poisoned(pw: PackedWeight, x: torch.Tensor, config, act=None) -> torch.T
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("fmt_name", GEMM_FORMATS)
-def test_gemm_matches_reference_on_odd_shapes(fmt_name):
+def test_gemm_matches_reference_on_odd_shapes(fmt_name, monkeypatch):
     """Rows not a multiple of the CTA's, K not a multiple of 256 (masked x), token counts inside and across
-    token tiles, f16 and bf16 activations, one and two warpgroups, split-K and the L2 prefetch."""
+    token tiles (the ring's two-accumulator ones too), f16 and bf16 activations, one and two warpgroups, split-K
+    and the L2 prefetch."""
+    monkeypatch.setattr(quant_gemm, "SPLIT_TOKEN_TILES", True)
     for rows, cols in [(200, 768), (72, 320 if fmt_name not in K_QUANTS else 1280), (1000, 1024)]:
         w = make_weight(fmt_name, rows, cols, seed=3, device="cuda")
         pw = PackedWeight.from_quant(w, "cuda")
@@ -154,7 +171,7 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
                     GemmConfig(NW=4, split_k=2, RING=8, CHUNKS=2, LAG=True, AHEAD=True)]
         configs = [c for c in configs if n_chunks % (c.split_k * c.steps_per_iteration()) == 0]
         for cfg in [pw.plan.mid] + configs:
-            for n_tok in (17, 100, 300):      # token tiles of 32, 128 and two of 256
+            for n_tok in (17, 80, 100, 170, 300):     # tiles of 32, 64 + 32, 128, 128 + 64 and two of 256
                 if cfg.RING and quant_gemm.ring_stages(cfg, pw.planes.fmt_id, quant_gemm.token_tile(n_tok)) < 2:
                     continue                  # not even two stages fit an SM at this token tile: no plan runs it
                 for dtype in (torch.bfloat16,) if cfg is not pw.plan.mid or n_tok > 17 else (torch.float16,
@@ -167,9 +184,11 @@ def test_gemm_matches_reference_on_odd_shapes(fmt_name):
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("fmt_name", GEMM_FORMATS)
-def test_gemm_row_is_bitwise_identical_whatever_the_batch(fmt_name):
-    """Token counts from 17 to 300 run token tiles of 32 .. 256 (and two tiles past 256): a row's result
-    must not change, under split-K (the cross-CTA reduction is part of the check)."""
+def test_gemm_row_is_bitwise_identical_whatever_the_batch(fmt_name, monkeypatch):
+    """Token counts from 17 to 300 run token tiles of 32 .. 256 (and two tiles past 256), the ring's of 96, 160 and
+    192 as two accumulators: a row's result must not change, under split-K (the cross-CTA reduction is part of
+    the check)."""
+    monkeypatch.setattr(quant_gemm, "SPLIT_TOKEN_TILES", True)
     w = make_weight(fmt_name, 4096, 4096, seed=5, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     plan = pw.plan
@@ -180,7 +199,7 @@ def test_gemm_row_is_bitwise_identical_whatever_the_batch(fmt_name):
     # ring with its warpgroups apart (each counts its own split-K tiles)
     for config_for in (lambda n: plan.config_for(min(n, plan.mid_upto)), lambda n: apart):
         full = run_poisoned(pw, x, config_for(300))
-        for n_tok in (17, 32, 33, 64, 65, 200, 256, 257):
+        for n_tok in (17, 32, 33, 64, 65, 96, 129, 160, 161, 192, 200, 256, 257):
             cfg = config_for(n_tok)
             assert torch.equal(run_poisoned(pw, x[:n_tok], cfg), full[:n_tok]), (cfg, n_tok)
         for t0 in (0, 100, 250):    # the same rows at other positions of a batch

@@ -35,7 +35,9 @@ call up to 256 tokens, from the same fragment-order planes (no second copy of th
     PERSIST one or two CTAs an SM walk the (token tile, row block, K split) work items, the ring running from one
     item's stages into the next's, where a CTA per item fills its ring and drains it once (and 224 row blocks on
     132 SMs run as 1.7 waves). With AHEAD a stage's quant bytes are loaded at once. A ring runs as many of its
-    stages as fit an SM at the call's token tile (ring_stages: x's share of a stage grows with the tile).
+    stages as fit an SM at the call's token tile (ring_stages: x's share of a stage grows with the tile). Its
+    tiles of 96, 160 and 192 tokens (split_tile: the decode graphs' buckets between powers of two) are two
+    accumulators, 64 + 32, 128 + 32 and 128 + 64 token columns, over x's block of the next power of two.
   - Routed (ROUTED, the plain and the ring kernel): an MoE projection's experts stacked in one set of planes
     (packed_experts.py), a token tile being one slot of moe_routing.py (one expert's run of up to BN (row, expert)
     pairs): its x rows from the slot's first pair, its weight rows offset to the slot's expert. One launch runs
@@ -86,6 +88,25 @@ _APART_CONSUMER_REGS = quant_gemv._c(RING_APART_CONSUMER_REGISTERS)
 
 def token_tile(n_tok: int) -> int:
     return next((b for b in TOKEN_TILES if n_tok <= b), TOKEN_TILES[-1])
+
+
+# The ring variant's token tiles between the powers of two, as two accumulators (BN, BN2) over one x block of the
+# next power of two: the decode graphs' buckets of 96, 160 and 192 rows (engine/cuda_graphs.py) then multiply 25,
+# 37 and 25 % fewer token columns than the 128 and 256 tiles they ran. A row's bits are the same (the same split
+# of K; each token is its own column of the MMAs). COBATCH_GEMM_SPLIT_TILES=1 takes them (not yet measured in whole
+# steps); off, powers of two only.
+SPLIT_TILES = {96: (64, 32), 160: (128, 32), 192: (128, 64)}
+SPLIT_TOKEN_TILES = os.environ.get("COBATCH_GEMM_SPLIT_TILES", "0") != "0"
+
+
+def split_tile(n_tok: int) -> tuple[int, int]:
+    """(BN, BN2) of a ring call of n_tok tokens: the two accumulators of the smallest tile that holds them, BN2 = 0
+    where that tile is a power of two (token_tile)."""
+    if SPLIT_TOKEN_TILES:
+        for total, tiles in SPLIT_TILES.items():
+            if n_tok <= total < token_tile(n_tok):
+                return tiles
+    return token_tile(n_tok), 0
 
 
 if gluon is not None and warpgroup_mma is not None:
@@ -292,9 +313,19 @@ if gluon is not None and warpgroup_mma is not None:
         KC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
         if STAGE:
             buf.store(_x_operand(x, BN, KC, _by16(FMT)))
+        w0, w1, w2, w3 = _step_operands(q, a, b, c, e, h, FMT, NW, A)
+        if STAGE:
+            fence_async_shared()
+            gl.thread_barrier()
+        return _step_mmas(acc, w0, w1, w2, w3, buf, FMT)
+
+    @gluon.jit
+    def _step_operands(q, a, b, c, e, h, FMT: gl.constexpr, NW: gl.constexpr, A: gl.constexpr):
+        """One K step's weights dequantized into wgmma's A operands: (w0, w1, w2, w3) the chunk's k16 quarters
+        for q6_K and NVFP4 (low block +0, +16; high block +32, +48), else (w0, w1) its two k32 halves (q8_0's
+        chunk is w0 alone), repeated to fill the four."""
         if _by16(FMT):
             q0, q1 = _halves(q, NW, 8)
-            # w0 / w1: the low block's k16 halves (columns +0, +16); w2 / w3: the high block's (+32, +48)
             if FMT == F_Q6_K:
                 s0, s1, s2, s3 = quant_gemv._q6_scales(a, b)
                 h0, h1 = _halves(h, NW, 4)
@@ -306,23 +337,25 @@ if gluon is not None and warpgroup_mma is not None:
                 s0, s1, s2, s3 = quant_gemv._fp4_scales(a)
                 w0, w2 = quant_gemv._fp4_operands(_as_half_operand(q0, NW, A), s0, s2)
                 w1, w3 = quant_gemv._fp4_operands(_as_half_operand(q1, NW, A), s1, s3)
-            if STAGE:
-                fence_async_shared()
-                gl.thread_barrier()
+        else:
+            w0, w1 = quant_gemv._dequant_operand(_as_operand(q, NW, A), a, b, c, e, _as_operand(h, NW, A), FMT)
+            w2, w3 = w0, w1
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _step_mmas(acc, w0, w1, w2, w3, buf, FMT: gl.constexpr):
+        """Issue one K step's MMAs (_step_operands' operands) on acc against the x block `buf` [tokens, chunk
+        columns], asynchronously. The tokens are buf's rows: any wgmma N, so a slice of a token tile too."""
+        if _by16(FMT):
             acc = warpgroup_mma(w0, buf.slice(0, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w1, buf.slice(16, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w2, buf.slice(32, 16, 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w3, buf.slice(48, 16, 1).permute((1, 0)), acc, is_async=True)
-        else:
-            w0, w1 = quant_gemv._dequant_operand(_as_operand(q, NW, A), a, b, c, e, _as_operand(h, NW, A), FMT)
-            if STAGE:
-                fence_async_shared()
-                gl.thread_barrier()
-            if _byte_fmt(FMT):
-                acc = warpgroup_mma(w0, buf.permute((1, 0)), acc, is_async=True)
-            else:       # the low nibbles are the chunk's first 32 columns, the high nibbles the next 32
-                acc = warpgroup_mma(w0, buf.slice(0, 32, 1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(w1, buf.slice(32, 32, 1).permute((1, 0)), acc, is_async=True)
+        elif _byte_fmt(FMT):
+            acc = warpgroup_mma(w0, buf.permute((1, 0)), acc, is_async=True)
+        else:       # the low nibbles are the chunk's first 32 columns, the high nibbles the next 32
+            acc = warpgroup_mma(w0, buf.slice(0, 32, 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w1, buf.slice(32, 32, 1).permute((1, 0)), acc, is_async=True)
         return acc
 
     @gluon.jit
@@ -677,7 +710,7 @@ if gluon is not None and warpgroup_mma is not None:
 
     @gluon.jit
     def _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT: gl.constexpr, NW: gl.constexpr,
-                       BN: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, LAG: gl.constexpr,
+                       BN: gl.constexpr, BN2: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, LAG: gl.constexpr,
                        AHEAD: gl.constexpr, MAYBE_EMPTY: gl.constexpr = False):
         """NW consumer warps: per stage, wait for its bytes, dequantize each chunk of their part's rows from shared
         memory and issue its MMAs (asynchronously, as _gemm_kernel does); hand a stage's buffers back once the
@@ -688,7 +721,9 @@ if gluon is not None and warpgroup_mma is not None:
         first stage dequantizes into. With AHEAD a stage's quant bytes come in one load (_stage_bytes: registers of
         their own for each chunk, so chunk c + 1's load need not wait for chunk c's conversion); the per-chunk
         load of them in _ring_loads is then dead code the compiler drops. MAYBE_EMPTY: n_stages may be 0 (a
-        routed item of an empty slot: nothing to hand back). Returns the accumulator."""
+        routed item of an empty slot: nothing to hand back). BN2 > 0: a second accumulator over the stage's x
+        rows BN .. BN + BN2 (_split_tile), the same dequantized operands multiplied into both. Returns both
+        accumulators (the second a placeholder without BN2)."""
         qs_bufs, d_bufs, sub_bufs, qh_bufs, x_bufs = bufs
         MMA: gl.constexpr = _layouts(NW, BN)[0]
         A: gl.constexpr = _layouts(NW, BN)[1]
@@ -696,7 +731,10 @@ if gluon is not None and warpgroup_mma is not None:
         NB: gl.constexpr = 1 if _byte_fmt(FMT) else (4 if _by16(FMT) else 2)
         S: gl.constexpr = ready.shape[0]
         U: gl.constexpr = max(2, _STEPS // C)
+        MMAS: gl.constexpr = NB * C * (2 if BN2 > 0 else 1)     # the wgmmas a stage issues
         acc = gl.zeros([16 * NW, BN], gl.float32, MMA)
+        MMA2: gl.constexpr = _layouts(NW, _second_tokens(BN2))[0]
+        acc2 = gl.zeros([16 * NW, _second_tokens(BN2)], gl.float32, MMA2)
         for i0 in range(0, n_stages, U):
             for u in gl.static_range(U):
                 i = done + i0 + u                     # the ring's stage count, this item's stages after `done`
@@ -712,33 +750,54 @@ if gluon is not None and warpgroup_mma is not None:
                         q = stage_q[c]
                         if FMT != F_Q6_K and not _fifth_bit(FMT):
                             h = q
-                    acc = _mma_step(acc, x_bufs.index(slot * C + c), q, a, bb, cc, e, h, q, FMT, NW, BN, A, False)
+                    xb = x_bufs.index(slot * C + c)
+                    if BN2 > 0:
+                        w0, w1, w2, w3 = _step_operands(q, a, bb, cc, e, h, FMT, NW, A)
+                        acc = _step_mmas(acc, w0, w1, w2, w3, xb.slice(0, BN, 0), FMT)
+                        acc2 = _step_mmas(acc2, w0, w1, w2, w3, xb.slice(BN, BN2, 0), FMT)
+                    else:
+                        acc = _mma_step(acc, xb, q, a, bb, cc, e, h, q, FMT, NW, BN, A, False)
                 if LAG:     # retire stage i - 1, whose MMAs ran while this stage was dequantized
-                    acc = warpgroup_mma_wait(num_outstanding=NB * C, deps=(acc,))
+                    acc, acc2 = _retire(acc, acc2, MMAS, BN2)
                     if u > 0:
                         _release(empty, (i + S - 1) % S)
                     elif i0 > 0:
                         _release(empty, (i + S - 1) % S)
                 else:       # retire stage i - 1, and at the iteration's end stage i too
-                    acc = warpgroup_mma_wait(num_outstanding=NB * C if u < U - 1 else 0, deps=(acc,))
+                    acc, acc2 = _retire(acc, acc2, MMAS if u < U - 1 else 0, BN2)
                     if u > 0:
                         _release(empty, (i + S - 1) % S)
                     if u == U - 1:
                         _release(empty, slot)
         if LAG:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc, acc2 = _retire(acc, acc2, 0, BN2)
             if MAYBE_EMPTY:
                 if n_stages > 0:
                     _release(empty, (done + n_stages - 1) % S)
             else:
                 _release(empty, (done + n_stages - 1) % S)
-        return acc
+        return acc, acc2
+
+    @gluon.constexpr_function
+    def _second_tokens(BN2):
+        """The second accumulator's tokens: BN2, or a placeholder's 8 where there is none (never multiplied)."""
+        return max(int(BN2), 8)
+
+    @gluon.jit
+    def _retire(acc, acc2, OUTSTANDING: gl.constexpr, BN2: gl.constexpr):
+        """Wait until at most OUTSTANDING of the consumer's wgmmas are in flight (both accumulators' with BN2)."""
+        if BN2 > 0:
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc,))
+        return acc, acc2
 
     @gluon.jit
     def _ring_part(bufs, ready, empty, n_stages, n_nk, n_items, part, out_ptr, partial_ptr, count_ptr, d_ptr, n_tok,
-                   n_rows, out_stride, route, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, C: gl.constexpr,
-                   PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr, PERSIST: gl.constexpr,
-                   LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr, ROUTED: gl.constexpr):
+                   n_rows, out_stride, route, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
+                   BN2: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
+                   PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr,
+                   ROUTED: gl.constexpr):
         """A consumer part over the CTA's work items, as _ring_producer walks them. With PDL it waits for the kernel
         before, as the producer does before any x: its stores then follow that kernel's reads and writes."""
         if PDL:
@@ -747,35 +806,93 @@ if gluon is not None and warpgroup_mma is not None:
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 done = (item - gl.program_id(0)) // gl.num_programs(0) * n_stages
                 _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr,
-                                count_ptr, d_ptr, n_tok, n_rows, out_stride, route, FMT, NW, BN, C, PARTS, SPLIT_K,
-                                ACT, LAG, AHEAD, ROUTED, False)
+                                count_ptr, d_ptr, n_tok, n_rows, out_stride, route, FMT, NW, BN, BN2, C, PARTS,
+                                SPLIT_K, ACT, LAG, AHEAD, ROUTED, False)
         else:
             _ring_part_item(bufs, ready, empty, n_stages, gl.program_id(0) * n_nk + gl.program_id(1), 0, n_nk, part,
-                            out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, route, FMT, NW, BN, C,
-                            PARTS, SPLIT_K, ACT, LAG, AHEAD, ROUTED, ROUTED)
+                            out_ptr, partial_ptr, count_ptr, d_ptr, n_tok, n_rows, out_stride, route, FMT, NW, BN, BN2,
+                            C, PARTS, SPLIT_K, ACT, LAG, AHEAD, ROUTED, ROUTED)
 
     @gluon.jit
     def _ring_part_item(bufs, ready, empty, n_stages, item, done, n_nk, part, out_ptr, partial_ptr, count_ptr, d_ptr,
                         n_tok, n_rows, out_stride, route, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr,
-                        C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
-                        LAG: gl.constexpr, AHEAD: gl.constexpr, ROUTED: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+                        BN2: gl.constexpr, C: gl.constexpr, PARTS: gl.constexpr, SPLIT_K: gl.constexpr,
+                        ACT: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, ROUTED: gl.constexpr,
+                        SKIP_EMPTY: gl.constexpr):
         """A consumer part on one work item, from its first stage to its stored rows: the 16 NW rows `part` of the
         CTA's PARTS x 16 NW. Each part finishes on its own (its own split-K tile counter), so two parts never wait
-        on each other but for the ring's stages. SKIP_EMPTY: an empty slot reads no stage (_ring_produce)."""
+        on each other but for the ring's stages. SKIP_EMPTY: an empty slot reads no stage (_ring_produce). A token
+        tile is BN + BN2 tokens (_split_tile)."""
         if SKIP_EMPTY:
             _, _, _, tok0, tok_end, _ = _item_origin(item, n_nk, n_tok, route, BN, SPLIT_K, ROUTED)
             n_stages = n_stages * (tok0 < tok_end).to(gl.int32)
-        acc = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, C, PARTS, LAG, AHEAD, SKIP_EMPTY)
+        acc, acc2 = _ring_consumer(bufs, ready, empty, n_stages, done, part, FMT, NW, BN, BN2, C, PARTS, LAG, AHEAD,
+                                   SKIP_EMPTY)
         # the item's coordinates after the loop, as registers it need not hold through it
-        pid_t, pid_n, pid_k, tok0, tok_end, tile_base = _item_origin(item, n_nk, n_tok, route, BN, SPLIT_K, ROUTED)
-        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        pid_t, pid_n, pid_k, tok0, tok_end, tile_base = _item_origin(item, n_nk, n_tok, route, BN + BN2, SPLIT_K,
+                                                                     ROUTED)
         row0 = (pid_n * PARTS + part) * (16 * NW)
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
         acc = _row_scaled(acc, d_ptr, tile_base + row0 // 16, FMT, NW, MMA)
+        tile = (pid_t * (n_nk // SPLIT_K) + pid_n) * PARTS + part
+        if BN2 > 0:
+            MMA2: gl.constexpr = _layouts(NW, BN2)[0]
+            acc2 = _row_scaled(acc2, d_ptr, tile_base + row0 // 16, FMT, NW, MMA2)
+            _finish_split_tile(acc, acc2, out_ptr, out_stride, partial_ptr, count_ptr, row0, tok0, tile, pid_k,
+                               n_rows, tok_end, NW, BN, BN2, SPLIT_K, ACT)
+        else:
+            r, t = _rows_and_tokens(row0, tok0, NW, BN)
+            quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
+                                    n_rows, tok_end, NW, BN, SPLIT_K, ACT)
+
+    @gluon.jit
+    def _rows_and_tokens(row0, tok0, NW: gl.constexpr, BN: gl.constexpr):
+        """The rows [16 NW, 1] and tokens [1, BN] of an accumulator [16 NW, BN] whose first is (row0, tok0)."""
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
         r = row0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
         t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
-        tile = (pid_t * (n_nk // SPLIT_K) + pid_n) * PARTS + part
-        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
-                                n_rows, tok_end, NW, BN, SPLIT_K, ACT)
+        return r, t
+
+    @gluon.jit
+    def _finish_split_tile(acc, acc2, out_ptr, out_stride, partial_ptr, count_ptr, row0, tok0, tile, pid_k, n_rows,
+                           n_tok, NW: gl.constexpr, BN: gl.constexpr, BN2: gl.constexpr, SPLIT_K: gl.constexpr,
+                           ACT: gl.constexpr):
+        """quant_gemv._finish_rows for a token tile of two accumulators, acc's tokens from tok0 and acc2's from
+        tok0 + BN: with SPLIT_K > 1 both K-slice partials go into the tile's scratch, BN + BN2 tokens a row, one
+        count for the tile, and the last CTA adds each in split order and stores it. One accumulator at a time,
+        each with its own coordinates, for fewer live registers."""
+        r, t = _rows_and_tokens(row0, tok0, NW, BN)
+        if SPLIT_K == 1:
+            quant_gemv._store_rows(acc, out_ptr, out_stride, r, t, n_rows, n_tok, NW, BN, ACT)
+            r2, t2 = _rows_and_tokens(row0, tok0 + BN, NW, BN2)
+            quant_gemv._store_rows(acc2, out_ptr, out_stride, r2, t2, n_rows, n_tok, NW, BN2, ACT)
+        else:
+            TB: gl.constexpr = BN + BN2
+            base = partial_ptr + tile.to(gl.int64) * (SPLIT_K * 16 * NW * TB) + pid_k * (16 * NW * TB)
+            gl.store(base + (r - row0) * TB + (t - tok0), acc)
+            r2, t2 = _rows_and_tokens(row0, tok0 + BN, NW, BN2)
+            gl.store(base + (r2 - row0) * TB + (t2 - tok0), acc2)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                base = partial_ptr + tile.to(gl.int64) * (SPLIT_K * 16 * NW * TB)
+                _sum_splits_and_store(acc, base, out_ptr, out_stride, row0, tok0, tok0, n_rows, n_tok, NW, BN, TB,
+                                      SPLIT_K, ACT)
+                _sum_splits_and_store(acc2, base, out_ptr, out_stride, row0, tok0, tok0 + BN, n_rows, n_tok, NW, BN2,
+                                      TB, SPLIT_K, ACT)
+                gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
+    def _sum_splits_and_store(like, base, out_ptr, out_stride, row0, tok0, first, n_rows, n_tok, NW: gl.constexpr,
+                              BN: gl.constexpr, TB: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr):
+        """Add the SPLIT_K partials of the accumulator [16 NW, BN] whose first token is `first` (a tile's scratch
+        from tok0, TB tokens a row) in split order, as quant_gemv._finish_rows does, and store them."""
+        r, t = _rows_and_tokens(row0, first, NW, BN)
+        offs = (r - row0) * TB + (t - tok0)
+        total = gl.zeros_like(like)
+        for k in range(SPLIT_K):
+            total += gl.load(base + k * (16 * NW * TB) + offs, cache_modifier=".cg")
+        quant_gemv._store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, NW, BN, ACT)
 
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_stages", "n_nk", "n_slots", "tiles_per_expert"])
     def _gemm_ring_kernel(qs_desc, d_desc, sub_desc, qh_desc, x_desc, out_ptr, partial_ptr, count_ptr, d_ptr,
@@ -784,7 +901,7 @@ if gluon is not None and warpgroup_mma is not None:
                           FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
                           C: gl.constexpr, S: gl.constexpr, ACT: gl.constexpr, APART: gl.constexpr,
                           PERSIST: gl.constexpr, LAG: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr,
-                          ROUTED: gl.constexpr = False):
+                          ROUTED: gl.constexpr = False, BN2: gl.constexpr = 0):
         """_gemm_kernel with every operand through a ring of S shared-memory stages of C chunks each: one producer
         warp TMA-copies the weight rows' planes (fragment order, as they are: no second copy of the weights)
         and x (f16, in the planes' column order: x_operands), while the NW consumer warps dequantize from
@@ -800,7 +917,10 @@ if gluon is not None and warpgroup_mma is not None:
         PDL: launched as a programmatic dependent (pdl_launch): the next kernel may launch at once (its CTAs find
         room as this one's leave), and this one's first weight stages load while the kernel before finishes.
         ROUTED: stacked experts (as _gemm_kernel's): the token tiles are the n_slots slots, each over its pairs
-        (rows of x and out) with its expert's n_rows rows (tiles_per_expert row tiles an expert)."""
+        (rows of x and out) with its expert's n_rows rows (tiles_per_expert row tiles an expert).
+        BN2 > 0 (_split_tile, not routed): a token tile is BN + BN2 tokens, two accumulators of BN and BN2 over
+        the rows of x's block (a power of two, BN + BN2 or more) in that order: wgmma's N need not be a power of
+        two, where Gluon's tensor shapes must."""
         if PDL:
             gdc_launch_dependents()
         PARTS: gl.constexpr = 2 if APART else 1
@@ -808,7 +928,7 @@ if gluon is not None and warpgroup_mma is not None:
         # with the fifth bits' registers most configs' do (C7515)
         LAG_KEPT: gl.constexpr = LAG and not _by16(FMT) and not _fifth_bit(FMT)
         WNW: gl.constexpr = NW // PARTS                       # warps (16-row tiles) of one consumer part
-        n_items = (n_slots if ROUTED else (n_tok + BN - 1) // BN) * n_nk
+        n_items = (n_slots if ROUTED else (n_tok + BN + BN2 - 1) // (BN + BN2)) * n_nk
         if ROUTED:
             route = (slot_expert_ptr, slot_start_ptr, slot_count_ptr, tiles_per_expert)
         else:       # nothing the partitions must capture
@@ -837,21 +957,21 @@ if gluon is not None and warpgroup_mma is not None:
         if APART:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, route, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST,
+                              n_tok, n_rows, out_stride, route, FMT, WNW, BN, BN2, C, PARTS, SPLIT_K, ACT, PERSIST,
                               LAG_KEPT, AHEAD, PDL, ROUTED)),
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 1, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, route, FMT, WNW, BN, C, PARTS, SPLIT_K, ACT, PERSIST, False,
-                              AHEAD, PDL, ROUTED)),
-                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT, NW, BN, C,
-                                  PARTS, SPLIT_K, PERSIST, PDL, ROUTED)),
+                              n_tok, n_rows, out_stride, route, FMT, WNW, BN, BN2, C, PARTS, SPLIT_K, ACT, PERSIST,
+                              False, AHEAD, PDL, ROUTED)),
+                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT, NW,
+                                  BN + BN2, C, PARTS, SPLIT_K, PERSIST, PDL, ROUTED)),
             ], [WNW, 1], [_APART_CONSUMER_REGS, _PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ring_part, (bufs, ready, empty, n_stages, n_nk, n_items, 0, out_ptr, partial_ptr, count_ptr, d_ptr,
-                              n_tok, n_rows, out_stride, route, FMT, NW, BN, C, PARTS, SPLIT_K, ACT, PERSIST,
+                              n_tok, n_rows, out_stride, route, FMT, NW, BN, BN2, C, PARTS, SPLIT_K, ACT, PERSIST,
                               LAG_KEPT, AHEAD, PDL, ROUTED)),
-                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT, NW, BN, C,
-                                  PARTS, SPLIT_K, PERSIST, PDL, ROUTED)),
+                (_ring_producer, (descs, bufs, ready, empty, n_stages, n_nk, n_items, n_tok, route, FMT, NW,
+                                  BN + BN2, C, PARTS, SPLIT_K, PERSIST, PDL, ROUTED)),
             ], [1], [_PRODUCER_REGS])
 
 @jit
@@ -1033,6 +1153,9 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         stages = ring_stages(cfg, p.fmt_id, bn)
         if stages < 2:
             raise ValueError(f"{cfg} does not fit an SM's shared memory at {bn}-token tiles")
+        # two accumulators over x's block of bn tokens where the call's tile is not a power of two (one tile:
+        # the grid stands)
+        bn1, bn2 = (bn, 0) if routing else split_tile(n_tok)
         x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
         x_operands(x, p.fmt_id, x16[:n_tok])
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
@@ -1040,9 +1163,9 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, *slots, n_tok, rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
-            n_slots, rows // 16, FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages,
+            n_slots, rows // 16, FMT=p.fmt_id, NW=cfg.NW, BN=bn1, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages,
             ACT=ACTS[act], APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD,
-            ROUTED=routing is not None, **_chained(x), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
+            ROUTED=routing is not None, BN2=bn2, **_chained(x), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
             maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
