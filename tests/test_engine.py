@@ -130,7 +130,7 @@ def test_preemption_under_kv_pressure_keeps_tokens():
         got = {i: [] for i in ids.values()}
         while llm.engine.has_work():
             for out in llm.engine.step():
-                got[ids[out.request_id]] += [(t, round(lp, 4)) for t, lp, _ in out.prompt_logprobs or ()]
+                got[ids[out.request_id]] += [(t, round(lp, 4)) for t, lp, _, _ in out.prompt_logprobs or ()]
         return [got[i] for i in range(len(batch))]
     before = tight.engine.stats.preemptions
     together = prompt_logprobs(tight, prompts)

@@ -115,9 +115,10 @@ def test_prompt_logprobs_match_transformers():
             got += out.prompt_logprobs or []
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    assert [t for t, _, _ in got] == ids[1:]
-    for p, (token, logprob, top) in enumerate(got):
+    assert [t for t, _, _, _ in got] == ids[1:]
+    for p, (token, logprob, top, rank) in enumerate(got):
         assert abs(logprob - ref[p, token].item()) < 1e-3, p
+        assert rank == 1 + (ref[p] > ref[p, token]).sum().item(), p
         top_lp, top_ids = ref[p].topk(3)
         assert [t for t, _ in top] == top_ids.tolist(), p
         assert max(abs(a - b) for (_, a), b in zip(top, top_lp.tolist())) < 1e-3

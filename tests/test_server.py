@@ -532,6 +532,38 @@ def test_echo_with_logprobs_scores_the_prompt(oai):
     assert first.text == prompt and first.logprobs.token_logprobs == lp.token_logprobs
 
 
+def test_prompt_logprobs_as_vllm_reports_them(server, oai):
+    """vLLM's prompt_logprobs: None for the first prompt token, then each token keyed by its id with its logprob,
+    rank and text, beside its k likeliest alternatives (ranks 1..k); the logprobs echo scores the prompt with,
+    and the rank transformers' logits give (tests/test_reference.py checks the engine's against them)."""
+    tokenizer = server.context.llm.tokenizer
+    prompt = "The capital of France is Paris"
+    ids = tokenizer.encode(prompt)
+    r = oai.completions.create(model="any", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2}, **GREEDY)
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    scored = oai.completions.create(model="any", prompt=ids, max_tokens=0, echo=True, logprobs=2).choices[0].logprobs
+    assert r.choices[0].logprobs is None and got[0] is None and len(got) == len(ids) == len(scored.tokens)
+    for i, entry in enumerate(got[1:], start=1):
+        mine = entry[str(ids[i])]
+        assert abs(mine["logprob"] - scored.token_logprobs[i]) < 1e-4
+        assert mine["decoded_token"] == tokenizer.decode([ids[i]])
+        alternatives = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in alternatives][:2] == [1, 2] and len(entry) in (2, 3)
+        assert alternatives[0]["logprob"] >= alternatives[1]["logprob"] >= alternatives[-1]["logprob"]
+        # the prompt token's rank: 1 + the alternatives more likely than it (all of them when it is not among them)
+        assert mine["rank"] == 1 + sum(e["logprob"] > mine["logprob"] for e in alternatives[:2]) or (
+            len(entry) == 3 and mine["rank"] > 2)
+    chat = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=1, extra_body={
+        "prompt_logprobs": 0})
+    prompt_entries = chat.model_extra["prompt_logprobs"]
+    assert len(prompt_entries) == chat.usage.prompt_tokens and prompt_entries[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in prompt_entries[1:])
+    with pytest.raises(openai.BadRequestError) as err:        # as vLLM: not when streaming
+        oai.completions.create(model="any", prompt=prompt, max_tokens=1, stream=True,
+                               extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
 # --- the Responses API ----------------------------------------------------------------------------------
 
 def test_responses_api_plain_streamed_incomplete_and_json(oai):

@@ -71,7 +71,7 @@ def test_logprobs_within_bound(pair):
     ref, got = _prompt_logprobs(one, ids), _prompt_logprobs(sharded, ids)
     assert len(ref) == len(got) == len(ids) - 1
     worst = 0.0
-    for (tok_r, lp_r, top_r), (tok_g, lp_g, top_g) in zip(ref, got):
+    for (tok_r, lp_r, top_r, _), (tok_g, lp_g, top_g, _) in zip(ref, got):
         assert tok_r == tok_g
         worst = max(worst, abs(lp_r - lp_g), *(abs(a[1] - b[1]) for a, b in zip(top_r, top_g)))
         assert [t for t, _ in top_r][:2] == [t for t, _ in top_g][:2]

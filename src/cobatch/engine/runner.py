@@ -22,7 +22,9 @@ from cobatch.engine.scheduler import StepPlan
 
 
 # A prompt token's logprob under the model: (token id, logprob, top alternatives as (id, logprob)).
-PromptLogprob = tuple[int, float, list[tuple[int, float]]]
+# A prompt token reported with its logprob: (token, logprob, the k likeliest (token, logprob), its rank: 1 + the
+# tokens more likely than it)
+PromptLogprob = tuple[int, float, list[tuple[int, float]], int]
 
 
 @dataclass(slots=True)
@@ -210,10 +212,11 @@ class ModelRunner:
             index = torch.tensor([row0 + p - first for p in positions], device=hidden.device)
             log_probs = torch.log_softmax(self.model.logits(hidden[index]).float(), dim=-1)
             targets = torch.tensor([seq.token_ids[p + 1] for p in positions], device=hidden.device)
-            chosen = log_probs.gather(1, targets[:, None])[:, 0].tolist()
+            chosen = log_probs.gather(1, targets[:, None])
+            ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
             top_lp, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
-            out.append([(seq.token_ids[p + 1], lp, list(zip(ids, lps)))
-                        for p, lp, ids, lps in zip(positions, chosen, top_ids.tolist(), top_lp.tolist())])
+            out.append([(seq.token_ids[p + 1], lp, list(zip(ids, lps)), rank) for p, lp, ids, lps, rank
+                        in zip(positions, chosen[:, 0].tolist(), top_ids.tolist(), top_lp.tolist(), ranks)])
             row0 += n
         return out
 

@@ -49,6 +49,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None                     # None: the prompt's first token (nothing predicts it)
     top: list[tuple[int, float]] | None
+    rank: int | None = None                   # a prompt token's: 1 + the tokens more likely than it
 
 
 @dataclass(slots=True)

@@ -135,6 +135,9 @@ class PredictedContent(_Body):
     content: str | list[dict[str, Any]]
 
 
+PROMPT_LOGPROBS = "vLLM's: each prompt token's logprob, rank and its k likeliest alternatives (not streamed)"
+
+
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     prediction: PredictedContent | None = None
@@ -150,6 +153,7 @@ class ChatCompletionRequest(_SamplingBody):
     # continued anyway; continue_final_message true / add_generation_prompt false just insist on one.
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=PROMPT_LOGPROBS)
 
 
 class CompletionRequest(_SamplingBody):
@@ -159,6 +163,7 @@ class CompletionRequest(_SamplingBody):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=PROMPT_LOGPROBS)
 
 
 # --- shared request -> generation ---------------------------------------------------------------------
@@ -353,6 +358,24 @@ def _completion_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob], offse
             "text_offset": offsets}
 
 
+def _prompt_logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then per token
+    {token id: {logprob, rank, decoded_token}} for the token itself and its k likeliest alternatives."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": _token_entry(ctx, token_id, logprob)["token"]}
+    out: list[dict | None] = [None]
+    for lp in entries:
+        found = {str(t): entry(t, p, i + 1) for i, (t, p) in enumerate(lp.top)}
+        found[str(lp.token_id)] = entry(lp.token_id, lp.logprob, lp.rank)
+        out.append(found)
+    return out
+
+
+def _refuse_streamed_prompt_logprobs(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available when streaming (as in vLLM)", param="prompt_logprobs")
+
+
 def _usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -401,6 +424,7 @@ async def chat_completions(request: Request):
     body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    _refuse_streamed_prompt_logprobs(body)
     tools = _tools(body)
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
@@ -412,7 +436,7 @@ async def chat_completions(request: Request):
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(prompt_ids), body.max_completion_tokens or body.max_tokens, logprobs, grammar,
-                       prediction=_prediction(ctx, body.prediction))
+                       body.prompt_logprobs, prediction=_prediction(ctx, body.prediction))
     choices = Choices(ctx.generation, [GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
@@ -431,9 +455,12 @@ async def chat_completions(request: Request):
 async def _chat_result(ctx: ServerContext, choices: Choices, meta: dict) -> dict:
     done = await choices.collect()
     want_logprobs = choices.generations[0].request.params.logprobs is not None
-    return {**meta, "object": "chat.completion", "choices": [_chat_choice(ctx, i, d, want_logprobs)
-                                                             for i, d in enumerate(done)],
-            "usage": _usage(choices.total_usage([d.finish for d in done]))}
+    result = {**meta, "object": "chat.completion", "choices": [_chat_choice(ctx, i, d, want_logprobs)
+                                                               for i, d in enumerate(done)],
+              "usage": _usage(choices.total_usage([d.finish for d in done]))}
+    if choices.generations[0].request.params.prompt_logprobs is not None:     # the prompt is every choice's
+        result["prompt_logprobs"] = _prompt_logprobs(ctx, done[0].prompt_logprobs)
+    return result
 
 
 def _chat_choice(ctx: ServerContext, index: int, done: Completed, want_logprobs: bool) -> dict:
@@ -529,8 +556,11 @@ async def completions(request: Request):
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens 0 needs echo (it returns only the prompt, with its logprobs)",
                           param="max_tokens")
+    _refuse_streamed_prompt_logprobs(body)
     # echo + logprobs: the prompt's tokens get logprobs too (lm-eval-harness' loglikelihood requests)
-    prompt_logprobs = body.logprobs if body.echo else None
+    echo_logprobs = body.logprobs if body.echo else None
+    wanted = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     requests = []
     for ids, _ in prompts:
         ids = _truncated(body, ids)
@@ -549,25 +579,32 @@ async def completions(request: Request):
                    for i, (gen, echo) in enumerate(zip(choices.generations, echoes))]
         return EventStreamResponse(_ending_in_done(_with_usage(streams, choices, meta, "text_completion",
                                                                include_usage)), choices.close)
-    return GeneratedJSONResponse(lambda: _completion_result(ctx, choices, meta, echoes), choices.close,
-                                 request.url.path)
+    return GeneratedJSONResponse(lambda: _completion_result(ctx, choices, meta, echoes, echo_logprobs,
+                                                            body.prompt_logprobs is not None),
+                                 choices.close, request.url.path)
 
 
-def _echoed_logprobs(gen: Generation, prompt_logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
-    """The prompt's entries when it is echoed with logprobs: its first token has none (nothing predicts it)."""
-    if gen.request.params.prompt_logprobs is None:
+def _echoed_logprobs(gen: Generation, prompt_logprobs: list[TokenLogprob], k: int | None) -> list[TokenLogprob]:
+    """The prompt's entries when it is echoed with k logprobs (k None: not echoed with logprobs): its first token
+    has none (nothing predicts it), the others their k likeliest alternatives."""
+    if k is None:
         return []
-    return [TokenLogprob(gen.request.prompt_ids[0], None, None)] + prompt_logprobs
+    return [TokenLogprob(gen.request.prompt_ids[0], None, None)] + [
+        TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in prompt_logprobs]
 
 
-async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, echoes: list[str]) -> dict:
+async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, echoes: list[str],
+                             echo_logprobs: int | None, want_prompt_logprobs: bool) -> dict:
     done = await choices.collect()
     want_logprobs = choices.generations[0].request.params.logprobs is not None
     out = [{"index": i, "text": echo + d.content, "finish_reason": d.finish.reason,
-            "logprobs": _completion_logprobs(ctx, _echoed_logprobs(gen, d.prompt_logprobs) + d.logprobs,
-                                             0 if gen.request.params.prompt_logprobs is not None else len(echo))
+            "logprobs": _completion_logprobs(ctx, _echoed_logprobs(gen, d.prompt_logprobs, echo_logprobs)
+                                             + d.logprobs, 0 if echo_logprobs is not None else len(echo))
             if want_logprobs else None}
            for i, (d, echo, gen) in enumerate(zip(done, echoes, choices.generations))]
+    if want_prompt_logprobs:
+        for choice, d in zip(out, done):
+            choice["prompt_logprobs"] = _prompt_logprobs(ctx, d.prompt_logprobs)
     return {**meta, "object": "text_completion", "choices": out,
             "usage": _usage(choices.total_usage([d.finish for d in done]))}
 
@@ -587,7 +624,7 @@ async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, ec
             prompt_logprobs += item.prompt_logprobs
         if not echoed and (isinstance(item, Finish) or item.events or item.logprobs):
             echoed = True
-            entries = _echoed_logprobs(gen, prompt_logprobs)
+            entries = _echoed_logprobs(gen, prompt_logprobs, gen.request.params.prompt_logprobs)
             yield frame(echo, logprobs=_completion_logprobs(ctx, entries, 0) if want_logprobs and entries else None)
         if isinstance(item, Finish):
             yield frame("", item.reason)

@@ -42,7 +42,7 @@ async def read_body(request: Request, model: type[Model], max_bytes: int) -> Mod
     server = request.app.state.server
     if "model" in model.model_fields:
         check_model(server.model_names, server.options.accept_any_model, getattr(body, "model"))
-    refuse_unsupported(data)
+    refuse_unsupported(data, model.model_fields)
     return body
 
 

@@ -1,5 +1,6 @@
 """What the server refuses instead of silently ignoring: a model it does not serve (404 model_not_found, as
-vLLM answers) and sampling fields it does not implement (400 naming the field).
+vLLM answers) and sampling fields it does not implement (400 naming the field; an endpoint whose request model
+declares one of them implements it there).
 
 A refused field left at its neutral value (typical_p 1, mirostat 0, dry_multiplier 0, xtc_probability 0,
 use_beam_search false) is a documented no-op and passes: clients that send every knob at its default work.
@@ -20,10 +21,13 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
-def refuse_unsupported(given: dict) -> None:
-    """A 400 naming the first field the request body (the JSON object) sets that this server does not implement."""
+def refuse_unsupported(given: dict, implemented=()) -> None:
+    """A 400 naming the first field the request body (the JSON object) sets that this server does not implement
+    (except those `implemented` names: the endpoint's request model declares them)."""
     for name, neutral in UNSUPPORTED_FIELDS.items():
         value = given.get(name)
+        if name in implemented:
+            continue
         if value is None or (neutral is not None and value == neutral):
             continue
         if name.startswith(("dry_", "mirostat_", "xtc_")) and _family_off(given, name):
