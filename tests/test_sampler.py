@@ -252,6 +252,62 @@ def test_filter_off_keeps_every_token_while_neighbours_are_filtered():
     assert float(probs[torch.isfinite(filtered[1])].sum()) >= 0.9
 
 
+def reference_typical(probs: list[float], mass: float) -> list[float]:
+    """Locally typical sampling (Meister et al. 2022) from its definition: H = -sum p log p; order the tokens by
+    |-log p - H|, nearest first; keep them until their probability sums to `mass` (the token that reaches it
+    included); renormalize."""
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    order = sorted(range(len(probs)), key=lambda i: (abs(-math.log(probs[i]) - entropy), i))
+    kept, total = [], 0.0
+    for i in order:
+        assert abs(total - mass) > 1e-3, "test data too close to a typical-p cut"
+        if total >= mass:
+            break
+        kept.append(i)
+        total += probs[i]
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+def reference_xtc(probs: list[float], threshold: float) -> list[float]:
+    """llama.cpp's XTC from its description: when two or more tokens have probability >= threshold, every one
+    of them but the least likely is removed; renormalize."""
+    above = [i for i, p in enumerate(probs) if p >= threshold]
+    if len(above) < 2:
+        return list(probs)
+    least = min(above, key=lambda i: probs[i])
+    kept = [p if (i not in above or i == least) else 0.0 for i, p in enumerate(probs)]
+    return [p / sum(kept) for p in kept]
+
+
+@pytest.mark.parametrize("temperature, typical_p", [(1.0, 0.5), (1.0, 0.9), (0.7, 0.8)])
+def test_typical_sampling_matches_its_definition(temperature, typical_p):
+    params = SamplingParams(temperature=temperature, typical_p=typical_p)
+    expected = reference_typical(reference_probs(SMALL_LOGITS, temperature), typical_p)
+    assert sum(p > 0 for p in expected) < len(SMALL_LOGITS)        # the cut removes something
+    assert_matches_distribution(draw_many(SMALL_LOGITS, params), expected)
+
+
+def test_xtc_removes_the_top_choices_on_the_steps_its_coin_picks():
+    probs = reference_probs(SMALL_LOGITS, 1.0)
+    assert sum(p >= 0.1 for p in probs) >= 3                        # several top choices to remove
+    always = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.1)
+    assert_matches_distribution(draw_many(SMALL_LOGITS, always), reference_xtc(probs, 0.1))
+    # with probability 0.4: a mixture of the two (the coin is the row's own, from its seed and step)
+    sometimes = SamplingParams(temperature=1.0, xtc_probability=0.4, xtc_threshold=0.1)
+    mixture = [0.4 * a + 0.6 * b for a, b in zip(reference_xtc(probs, 0.1), probs)]
+    assert_matches_distribution(draw_many(SMALL_LOGITS, sometimes), mixture)
+    # above 0.5 no two tokens can reach the threshold: plain sampling, draw for draw
+    off = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.6)
+    assert torch.equal(draw_many(SMALL_LOGITS, off, n=2000), draw_many(SMALL_LOGITS, SamplingParams(), n=2000))
+    # threshold 0 after top-k 2: the two left reach it, so the second likeliest is always the one drawn
+    assert set(draw_many(SMALL_LOGITS, SamplingParams(temperature=1.0, top_k=2, xtc_probability=1.0,
+                                                      xtc_threshold=0.0), n=200).tolist()) == {1}
+    # after top-k, XTC's probabilities are those of the tokens left (llama.cpp's order: XTC after the filters)
+    top3 = SamplingParams(temperature=1.0, top_k=3, xtc_probability=1.0, xtc_threshold=0.3)
+    assert_matches_distribution(draw_many(SMALL_LOGITS, top3),
+                                reference_xtc(reference_probs(SMALL_LOGITS, 1.0, top_k=3), 0.3))
+
+
 def test_temperature_sharpens_and_flattens():
     top_share = {}
     for temperature in (0.05, 0.5, 1.0, 2.0, 50.0):
@@ -388,7 +444,8 @@ def test_degenerate_logits_still_give_valid_tokens():
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "hot"),
     ("top_k", -1), ("top_k", 2.5), ("top_k", True),
-    ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5),
+    ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5), ("typical_p", 0.0), ("typical_p", 1.2),
+    ("xtc_probability", -0.1), ("xtc_probability", 1.5), ("xtc_threshold", -0.1), ("xtc_threshold", 1.1),
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 257), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),

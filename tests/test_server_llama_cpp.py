@@ -100,6 +100,26 @@ def test_grammar_and_props(server):
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8     # llama.cpp's own default
 
 
+def test_typical_and_xtc_samplers(server):
+    """llama.cpp's typ_p and XTC on /completion and on the OpenAI routes: XTC at threshold 0 after top-k 2 always
+    draws the second likeliest token (what n_probs lists second); typical_p draws reproducibly by seed; /props
+    lists the defaults."""
+    probs = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "n_probs": 2}).json()
+    second = probs["completion_probabilities"][0]["top_logprobs"][1]["token"]
+    for seed in range(3):
+        got = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "temperature": 1, "top_k": 2,
+                                           "xtc_probability": 1, "xtc_threshold": 0, "seed": seed}).json()
+        assert got["content"] == second
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    same = [oai.completions.create(model="any", prompt=PROMPT, max_tokens=6, temperature=1.2, seed=3,
+                                   extra_body={"typical_p": 0.5}).choices[0].text for _ in range(2)]
+    assert same[0] == same[1]
+    params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
+    assert (params["typical_p"], params["xtc_probability"], params["xtc_threshold"]) == (1.0, 0.0, 0.1)
+    bad = post(server, "/completion", {"prompt": PROMPT, "typical_p": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "typical_p"
+
+
 def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
     """serve --temperature 0 --top-k 1 ...: a request that leaves those fields unset samples with them (OpenAI,
     llama.cpp's /completion, Anthropic); one that sets them keeps its own."""

@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Sampling defaults for requests that leave a field unset (llama.cpp's server takes its flags the same way)
     for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),
                               (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
+                              (("--typical", "--typical-p"), "typical_p", float),
+                              (("--xtc-probability",), "xtc_probability", float),
+                              (("--xtc-threshold",), "xtc_threshold", float),
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
                               (("--seed", "-s"), "seed", int),
                               (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
@@ -477,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"default {name} of requests that do not set it")
     p.add_argument("--override-generation-config", default=None,
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
-                        "(temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens; the flags above "
+                        "(temperature, top_k, top_p, min_p, typical_p, xtc_probability, xtc_threshold, "
+                        "repetition_penalty, seed, max_new_tokens; the flags above "
                         "win over it)")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,

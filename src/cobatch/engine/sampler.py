@@ -49,6 +49,11 @@ class SamplingParams:
     top_k: int = 0                    # 0 -> off
     top_p: float = 1.0                # 1 -> off
     min_p: float = 0.0                # 0 -> off
+    typical_p: float = 1.0            # 1 -> off: locally typical sampling (HF's typical_p, llama.cpp's typ_p)
+    # llama.cpp's XTC (exclude top choices): on a step drawn with this probability, the tokens of probability
+    # >= xtc_threshold but the least likely of them are removed (nothing when fewer than two reach it)
+    xtc_probability: float = 0.0      # 0 -> off
+    xtc_threshold: float = 0.1        # > 0.5 -> off (at most one token can reach it)
     seed: int | None = None           # None -> resolved_seed() draws one per request
     repetition_penalty: float = 1.0   # HF/llama.cpp: logit>0 ? logit/p : logit*p over prompt+output tokens
     presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
@@ -76,6 +81,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k, ">= 0 (0 means off)", lambda v: v >= 0)
         _check_real("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         _check_real("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_real("typical_p", self.typical_p, "in (0, 1] (1 means off)", lambda v: 0 < v <= 1)
+        _check_real("xtc_probability", self.xtc_probability, "in [0, 1] (0 means off)", lambda v: 0 <= v <= 1)
+        _check_real("xtc_threshold", self.xtc_threshold, "in [0, 1] (above 0.5 means off)", lambda v: 0 <= v <= 1)
         if self.seed is not None:
             _check_int("seed", self.seed, "an integer or None", lambda v: True)
         _check_real("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)", lambda v: v > 0)
@@ -198,6 +206,17 @@ def row_noise_key(seed: int, step: int) -> int:
     return (mixed ^ (mixed >> 32)) & _MASK32
 
 
+def row_uniform(seed: int, step: int, stream: int) -> float:
+    """A uniform in [0, 1) of one (seed, step), computed on the host: `stream` tells apart the draws one step
+    makes (XTC's coin), and none of them is the token noise's. Plain decoding and a speculative draft row of
+    the same step draw the same."""
+    mixed = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) ^ (stream & _MASK64))
+    return (mixed >> 11) * 2.0 ** -53
+
+
+XTC_STREAM = 1      # row_uniform's stream of XTC's coin
+
+
 def token_noise_key(token_ids: torch.Tensor) -> torch.Tensor:
     """32-bit key of each token id (int64 tensor)."""
     return fmix32(_mul32(token_ids, 0x1B873593) ^ 0x5BD1E995)
@@ -308,13 +327,17 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return logits - (frequency * output_counts + presence * output_seen.float())
 
 
-def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    """Set tokens outside each row's top-k / top-p / min-p sets to -inf; float32 [R, V] in and out.
+def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+                  typical_p: list[float] | None = None, xtc_threshold: list[float] | None = None) -> torch.Tensor:
+    """Set tokens outside each row's top-k / top-p / min-p / typical-p sets to -inf, then apply XTC; float32
+    [R, V] in and out.
 
     `scores` are tempered logits. Order: top-k, then top-p over the top-k-renormalized distribution
-    (keep the smallest prefix whose mass reaches p), then min-p (keep p >= min_p * p_max). The most likely
-    token always survives, so min-p commutes with the other two. One sort per call, only if some row uses
-    top-k or top-p.
+    (keep the smallest prefix whose mass reaches p), then min-p (keep p >= min_p * p_max), then typical-p
+    (HF's TypicalLogitsWarper, in its place after min-p), then XTC (as llama.cpp's, after the others). The
+    most likely token always survives the first three, so min-p commutes with the other two. One sort per
+    call, only if some row uses top-k or top-p. xtc_threshold: per row, the threshold of a step whose XTC coin
+    came up (else above 0.5: off).
     """
     rows, vocab = scores.shape
     device = scores.device
@@ -338,7 +361,46 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
         relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
         min_p_per_row = to_device(list(min_p), torch.float32, device)
         scores = scores.masked_fill(relative_prob < min_p_per_row[:, None], -math.inf)
+    if typical_p is not None and any(p < 1.0 for p in typical_p):
+        scores = _typical(scores, to_device([p if p < 1.0 else math.inf for p in typical_p], torch.float32,
+                                            device))
+    if xtc_threshold is not None and any(t <= 0.5 for t in xtc_threshold):
+        scores = _exclude_top_choices(scores, to_device(list(xtc_threshold), torch.float32, device))
     return scores
+
+
+def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022): the tokens sorted by how far their surprise -log p is from
+    the distribution's entropy, nearest first, are kept up to and including the one whose cumulative probability
+    reaches the row's mass (inf: keep all); at least one is kept."""
+    log_p = scores.log_softmax(dim=-1)
+    p = log_p.exp()
+    entropy = -(torch.where(p > 0, p * log_p, torch.zeros_like(p))).sum(dim=-1, keepdim=True)
+    distance = torch.where(p > 0, (-log_p - entropy).abs(), torch.full_like(p, math.inf))
+    order = distance.argsort(dim=-1, stable=True)
+    mass_before = p.gather(1, order).cumsum(dim=-1) - p.gather(1, order)
+    drop_sorted = mass_before >= mass[:, None]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
+
+
+def _exclude_top_choices(scores: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """XTC: where two or more tokens left have probability >= the row's threshold, all of them but the least
+    likely are removed (a row whose threshold is above 0.5 keeps everything: at most one token reaches it)."""
+    p = scores.softmax(dim=-1)
+    above = (p >= threshold[:, None]) & (p > 0)         # of the tokens the filters before left
+    least = torch.where(above, p, torch.full_like(p, math.inf)).amin(dim=-1, keepdim=True)
+    drop = above & (p > least) & (above.sum(dim=-1, keepdim=True) >= 2)
+    return scores.masked_fill(drop, -math.inf)
+
+
+def _xtc_threshold(row: SampleRow) -> float:
+    """The row's XTC threshold this step: its own when its coin (row_uniform) comes up, else off (inf)."""
+    p = row.params
+    if p.xtc_probability <= 0 or p.xtc_threshold > 0.5:
+        return math.inf
+    return p.xtc_threshold if row_uniform(row.seed, row.step, XTC_STREAM) < p.xtc_probability else math.inf
 
 
 # --- the sampler -------------------------------------------------------------------------------------
@@ -391,7 +453,8 @@ class Sampler:
         scores = torch.nan_to_num(logits / temperature[:, None], nan=-math.inf, posinf=_FLOAT32_HUGE,
                                   neginf=-math.inf)
         scores = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
-                               [r.params.min_p for r in rows])
+                               [r.params.min_p for r in rows], [r.params.typical_p for r in rows],
+                               [_xtc_threshold(r) for r in rows])
         row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
         uniforms = counter_uniforms(row_keys, self._token_keys_for(logits.shape[1], device))
         choice = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)

@@ -451,5 +451,5 @@ def generation_defaults(folder: str | os.PathLike) -> dict[str, Any]:
         return {}
     config = _read_json(path)
     names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+             "typical_p": "typical_p", "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
     return {ours: config[theirs] for theirs, ours in names.items() if config.get(theirs) is not None}

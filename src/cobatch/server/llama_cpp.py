@@ -44,6 +44,9 @@ class CompletionRequest(BaseModel):
     top_k: int | None = Field(None, ge=0, description="0: off")
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
+    typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
+    xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
+    xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
     seed: int = Field(-1, description="-1: random")
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float = 0.0
@@ -112,6 +115,9 @@ def _defaults(ctx: ServerContext) -> dict:
     d, sampling = CompletionRequest(), _sampling_defaults(ctx)
     return {"params": {"n_predict": sampling.get("max_tokens", d.n_predict), "temperature": sampling["temperature"],
                        "top_k": sampling["top_k"], "top_p": sampling["top_p"], "min_p": sampling["min_p"],
+                       "typical_p": sampling.get("typical_p", 1.0),
+                       "xtc_probability": sampling.get("xtc_probability", 0.0),
+                       "xtc_threshold": sampling.get("xtc_threshold", 0.1),
                        "seed": sampling.get("seed", d.seed), "repeat_penalty": sampling.get("repetition_penalty", 1.0),
                        "stop": d.stop}}
 
@@ -184,6 +190,7 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
         ctx.llm.tokenizer.vocab_size, _sampling_defaults(ctx),
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
+        typical_p=body.typical_p, xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,

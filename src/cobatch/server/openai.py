@@ -64,6 +64,10 @@ class _SamplingBody(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
+    # llama.cpp's server's samplers (its OpenAI routes take them too)
+    typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
+    xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
+    xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -238,7 +242,8 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority,
         priority=body.priority, cache_salt=body.cache_salt,
-        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
+        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed, typical_p=body.typical_p,
+        xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold,
         top_k=0 if body.top_k == -1 else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
