@@ -120,6 +120,26 @@ def test_typical_and_xtc_samplers(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "typical_p"
 
 
+def test_dry_breaks_a_repeat(server):
+    """DRY on /completion and the OpenAI routes: greedy decoding continues "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3," with
+    " 4"; with DRY the tokens that would extend the repeat lose enough that it does not; a comma as a sequence
+    breaker cuts every repeat short, so the output is plain greedy again."""
+    prompt = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,"
+    greedy = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+    plain = post(server, "/completion", greedy).json()["content"]
+    assert plain.startswith(" 4")
+    dry = post(server, "/completion", {**greedy, "dry_multiplier": 10}).json()["content"]
+    assert not dry.startswith(" 4") and dry != plain
+    broken = post(server, "/completion", {**greedy, "dry_multiplier": 10, "dry_sequence_breakers": [","]}).json()
+    assert broken["content"] == plain
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    via_openai = oai.completions.create(model="any", prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body={"dry_multiplier": 10}).choices[0].text
+    assert via_openai == dry
+    params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
+    assert (params["dry_multiplier"], params["dry_base"], params["dry_allowed_length"]) == (0.0, 1.75, 2)
+
+
 def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
     """serve --temperature 0 --top-k 1 ...: a request that leaves those fields unset samples with them (OpenAI,
     llama.cpp's /completion, Anthropic); one that sets them keeps its own."""

@@ -42,7 +42,7 @@ def test_unknown_model_is_404_and_aliases_are_served(server, oai):
     assert oai.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
 
 
-@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"dry_multiplier": 0.8}, {"mirostat": 2}])
+@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"mirostat": 2}, {"mirostat": 1}])
 def test_unimplemented_field_is_400_naming_it(oai, extra):
     (name, _), = extra.items()
     with pytest.raises(openai.BadRequestError) as err:
@@ -60,13 +60,13 @@ def test_neutral_values_are_documented_no_ops(server, oai):
 
 
 def test_a_field_one_endpoint_implements_is_refused_by_the_others(server):
-    """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p and XTC its own
-    and the OpenAI routes' (tests/test_sampler.py); llama.cpp's /completion refuses the first, Anthropic's
-    /v1/messages all three, rather than ignore them."""
+    """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p, XTC and DRY its
+    own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion refuses the
+    first, Anthropic's /v1/messages all of them, rather than ignore them."""
     messages = ("/v1/messages", {"model": "smol", "messages": QUESTION, "max_tokens": 2})
     for (path, body), extra in ((("/completion", {"prompt": "Hi", "n_predict": 2}), {"prompt_logprobs": 1}),
                                 (messages, {"prompt_logprobs": 1}), (messages, {"typical_p": 0.5}),
-                                (messages, {"xtc_probability": 0.5})):
+                                (messages, {"xtc_probability": 0.5}), (messages, {"dry_multiplier": 0.8})):
         r = httpx.post(server.url + path, json={**body, **extra})
         (name, _), = extra.items()
         assert r.status_code == 400 and name in r.text, (path, name)

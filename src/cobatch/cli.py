@@ -473,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                               (("--typical", "--typical-p"), "typical_p", float),
                               (("--xtc-probability",), "xtc_probability", float),
                               (("--xtc-threshold",), "xtc_threshold", float),
+                              (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
+                              (("--dry-allowed-length",), "dry_allowed_length", int),
+                              (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
                               (("--seed", "-s"), "seed", int),
                               (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
@@ -480,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"default {name} of requests that do not set it")
     p.add_argument("--override-generation-config", default=None,
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
-                        "(temperature, top_k, top_p, min_p, typical_p, xtc_probability, xtc_threshold, "
+                        "(temperature, top_k, top_p, min_p, typical_p, xtc_probability, xtc_threshold, dry_multiplier, "
+                        "dry_base, dry_allowed_length, dry_penalty_last_n, "
                         "repetition_penalty, seed, max_new_tokens; the flags above "
                         "win over it)")
     _add_speculative_arg(p)

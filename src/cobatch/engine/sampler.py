@@ -11,9 +11,10 @@ device. The hash is exact integer arithmetic (identical bits on CPU and CUDA); t
 is float32 `log`, whose last-ulp rounding may differ between devices, so identical logits give the same
 token on CPU and CUDA except at float32-level near-ties.
 
-Pipeline per row: raw logits -> penalties -> logit bias -> allowed tokens, grammar mask and bans -> (greedy: argmax)
-| (temperature -> top-k -> top-p over the top-k-renormalized distribution -> min-p relative to the most likely
-token -> Gumbel-max). logprobs are always of the raw logits (no penalties, no temperature).
+Pipeline per row: raw logits -> penalties (repetition, presence, frequency, then DRY) -> logit bias -> allowed
+tokens, grammar mask and bans -> (greedy: argmax) | (temperature -> top-k -> top-p over the top-k-renormalized
+distribution -> min-p relative to the most likely token -> typical-p -> XTC -> Gumbel-max). logprobs are always of
+the raw logits (no penalties, no temperature).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
@@ -54,6 +56,14 @@ class SamplingParams:
     # >= xtc_threshold but the least likely of them are removed (nothing when fewer than two reach it)
     xtc_probability: float = 0.0      # 0 -> off
     xtc_threshold: float = 0.1        # > 0.5 -> off (at most one token can reach it)
+    # llama.cpp's DRY (engine/dry.py): a token extending a repeat of n >= dry_allowed_length context tokens loses
+    # dry_multiplier * dry_base ** (n - dry_allowed_length); over the last dry_penalty_last_n tokens (-1: all)
+    dry_multiplier: float = 0.0       # 0 -> off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
+    dry_breaker_ids: frozenset[int] = frozenset()    # the tokens whose text holds a breaker (dry.breaker_token_ids)
     seed: int | None = None           # None -> resolved_seed() draws one per request
     repetition_penalty: float = 1.0   # HF/llama.cpp: logit>0 ? logit/p : logit*p over prompt+output tokens
     presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
@@ -84,6 +94,16 @@ class SamplingParams:
         _check_real("typical_p", self.typical_p, "in (0, 1] (1 means off)", lambda v: 0 < v <= 1)
         _check_real("xtc_probability", self.xtc_probability, "in [0, 1] (0 means off)", lambda v: 0 <= v <= 1)
         _check_real("xtc_threshold", self.xtc_threshold, "in [0, 1] (above 0.5 means off)", lambda v: 0 <= v <= 1)
+        _check_real("dry_multiplier", self.dry_multiplier, ">= 0 (0 means off)", lambda v: v >= 0)
+        _check_real("dry_base", self.dry_base, "in [1, 10]", lambda v: 1 <= v <= 10)
+        _check_int("dry_allowed_length", self.dry_allowed_length, ">= 1", lambda v: v >= 1)
+        _check_int("dry_penalty_last_n", self.dry_penalty_last_n, ">= -1 (-1: the whole context, 0: off)",
+                   lambda v: v >= -1)
+        breakers = self.dry_sequence_breakers
+        if not (isinstance(breakers, tuple) and len(breakers) <= MAX_BREAKERS
+                and all(isinstance(b, str) and 0 < len(b) <= MAX_BREAKER_CHARS for b in breakers)):
+            raise ValueError(f"dry_sequence_breakers must be at most {MAX_BREAKERS} non-empty strings of at most "
+                             f"{MAX_BREAKER_CHARS} characters")
         if self.seed is not None:
             _check_int("seed", self.seed, "an integer or None", lambda v: True)
         _check_real("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)", lambda v: v > 0)
@@ -248,7 +268,29 @@ def _padded_ids(id_lists: list[Sequence[int]], pad: int, device: torch.device) -
 
 
 def needs_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    """Does sampling read the row's tokens (repetition, presence, frequency or DRY penalties)?"""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or uses_dry(params))
+
+
+def uses_dry(params: SamplingParams) -> bool:
+    return params.dry_multiplier > 0 and params.dry_penalty_last_n != 0
+
+
+def apply_dry(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Subtract each DRY row's penalties (engine/dry.py) over its last dry_penalty_last_n tokens of prompt and
+    output; float32 [B, V], rows without DRY unchanged."""
+    entries = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if not uses_dry(p):
+            continue
+        context = list(r.prompt_ids) + list(r.output_ids)
+        if p.dry_penalty_last_n > 0:
+            context = context[-p.dry_penalty_last_n:]
+        entries += [(i, token, -amount) for token, amount in dry_penalties(
+            context, p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_breaker_ids)]
+    return _add_at(logits, entries)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -418,6 +460,7 @@ class Sampler:
         raw = logits.float()
         device = raw.device
         penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
+        penalized = apply_dry(penalized, rows) if any(uses_dry(r.params) for r in rows) else penalized
         penalized = apply_logit_bias(penalized, rows)
         penalized = apply_allowed(penalized, rows)
         penalized = apply_token_masks(penalized, [r.allowed for r in rows])

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from cobatch.engine.sampler import SamplingParams
+from cobatch.engine.dry import BreakerIndex
+from cobatch.engine.sampler import SamplingParams, uses_dry
 from cobatch.server.engine_thread import EngineFailure, EngineWorker, QueueFull, RequestHandle, ShuttingDown
 from cobatch.server.errors import ApiError
 from cobatch.server.metrics import ServerMetrics
@@ -307,11 +309,12 @@ async def interleave(streams: list[AsyncGenerator[str, None]]) -> AsyncIterator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def make_sampling_params(vocab_size: int, defaults: dict | None = None, by_priority: bool = False,
+def make_sampling_params(vocab_size: int, defaults: dict | None = None, by_priority: bool = False, tokenizer=None,
                          **fields) -> SamplingParams:
     """SamplingParams from a request's fields; one left None takes its value from `defaults` (the server's),
     else SamplingParams' own. A bad value is a 400 naming it, and so is a priority (vLLM's field) where the engine
-    does not schedule by priority (`by_priority`), as vLLM refuses it."""
+    does not schedule by priority (`by_priority`), as vLLM refuses it. With DRY on, its sequence breakers become
+    the tokenizer's tokens that hold one."""
     if fields.get("priority") and not by_priority:
         raise ApiError(400, f"priority {fields['priority']} needs the priority scheduling policy (the server runs "
                        "fcfs: serve with --scheduling-policy priority)", param="priority")
@@ -322,4 +325,26 @@ def make_sampling_params(vocab_size: int, defaults: dict | None = None, by_prior
     except ValueError as exc:
         message = str(exc)
         raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+    if uses_dry(params) and tokenizer is not None:
+        params.dry_breaker_ids = _breaker_ids(tokenizer, params.dry_sequence_breakers)
     return params
+
+
+def dry_fields(body) -> dict:
+    """A request's DRY fields (llama.cpp's names) as SamplingParams takes them; None: unset."""
+    breakers = body.dry_sequence_breakers
+    return dict(dry_multiplier=body.dry_multiplier, dry_base=body.dry_base, dry_allowed_length=body.dry_allowed_length,
+                dry_penalty_last_n=body.dry_penalty_last_n,
+                dry_sequence_breakers=None if breakers is None else tuple(breakers))
+
+
+@functools.lru_cache(maxsize=64)
+def _breaker_ids(tokenizer: Tokenizer, breakers: tuple[str, ...]) -> frozenset[int]:
+    """A breaker set's tokens (about 15 ms on a 150k vocabulary), kept for the requests that send it again."""
+    return _breaker_index(tokenizer).tokens_holding(breakers)
+
+
+@functools.lru_cache(maxsize=4)
+def _breaker_index(tokenizer: Tokenizer) -> BreakerIndex:
+    """The tokenizer's texts end to end, made once (a fraction of a second), for every request's breakers."""
+    return BreakerIndex(tokenizer.token_bytes, tokenizer.vocab_size)

@@ -22,7 +22,7 @@ from cobatch.engine.sampler import MAX_TOP_LOGPROBS
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
-                                       TokenLogprob, Usage, interleave, make_sampling_params)
+                                       TokenLogprob, Usage, dry_fields, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
                                       output_grammar, raw_prompts, render_chat)
@@ -68,6 +68,11 @@ class _SamplingBody(_Body):
     typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
     xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
     xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
+    dry_multiplier: float | None = Field(None, ge=0, description="0: off")
+    dry_base: float | None = Field(None, ge=1, le=10)
+    dry_allowed_length: int | None = Field(None, ge=1)
+    dry_penalty_last_n: int | None = Field(None, ge=-1, description="-1: the whole context, 0: off")
+    dry_sequence_breakers: list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -240,10 +245,10 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
               logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None,
               prediction: tuple[int, ...] | None = None):
     return make_sampling_params(
-        ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority,
+        ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority, tokenizer=ctx.llm.tokenizer,
         priority=body.priority, cache_salt=body.cache_salt,
         temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed, typical_p=body.typical_p,
-        xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold,
+        xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold, **dry_fields(body),
         top_k=0 if body.top_k == -1 else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
