@@ -31,6 +31,26 @@ def test_batched_greedy_equals_each_alone(smol):
     assert all(len(t) == GREEDY.max_tokens for t in alone)
 
 
+def test_mirostat_state_moves_with_every_sampled_token(smol):
+    """Mirostat's mu starts at 2 tau and after each token becomes mu - eta (surprise - tau), the surprise being
+    the token's -log2 p in the truncated distribution it was drawn from (>= 0): so with tau 3 and eta 1 every
+    step's mu is at most the one before plus 3, and a reproducible run keeps the same states."""
+    def states(seed: int) -> list[float]:
+        params = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=3.0, mirostat_eta=1.0, max_tokens=8,
+                                seed=seed)
+        rid = smol.engine.add_request(_ids(smol, "Once upon a time"), params)
+        mus = []
+        while smol.engine.has_work():
+            smol.engine.step()
+            if rid in smol.engine.seqs:
+                mus.append(smol.engine.seqs[rid].mirostat_mu)
+        return mus
+    mus = states(1)
+    assert len(mus) >= 5 and all(m is not None for m in mus)
+    assert all(b <= a + 3.0 + 1e-4 for a, b in zip([6.0] + mus, mus))
+    assert len(set(mus)) > 1 and states(1) == mus
+
+
 def test_staggered_arrivals_and_chunked_prefill_match():
     llm = load_llm("smollm2", max_num_seqs=3, prefill_chunk=5)
     prompts = [_ids(llm, p) for p in PROMPTS]

@@ -308,6 +308,53 @@ def test_xtc_removes_the_top_choices_on_the_steps_its_coin_picks():
                                 reference_xtc(reference_probs(SMALL_LOGITS, 1.0, top_k=3), 0.3))
 
 
+def reference_mirostat_v2(probs: list[float], mu: float) -> list[float]:
+    """Mirostat 2 from the paper's algorithm 2: keep the tokens of surprise -log2 p <= mu (the likeliest at
+    least), renormalize."""
+    top = max(range(len(probs)), key=lambda i: probs[i])
+    kept = [p if (-math.log2(p) <= mu or i == top) else 0.0 for i, p in enumerate(probs)]
+    return [p / sum(kept) for p in kept]
+
+
+def reference_mirostat_v1(probs: list[float], mu: float, m: int = 100) -> list[float]:
+    """Mirostat 1 from the paper's algorithm 1: the Zipf exponent s of the likeliest m probabilities (least squares
+    through the origin of log(p_i / p_i+1) on log((i + 2) / (i + 1))), k = (eps 2^mu / (1 - V^-eps))^(1 / s)
+    with eps = s - 1, then top-k, renormalized."""
+    ordered = sorted(probs, reverse=True)[:m]
+    t = [math.log((i + 2) / (i + 1)) for i in range(len(ordered) - 1)]
+    b = [math.log(ordered[i] / ordered[i + 1]) for i in range(len(ordered) - 1)]
+    s = sum(x * y for x, y in zip(t, b)) / sum(x * x for x in t)
+    eps = s - 1
+    k = max(1, int((eps * 2 ** mu / (1 - len(probs) ** -eps)) ** (1 / s)))
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))[:k]
+    kept = [p if i in order else 0.0 for i, p in enumerate(probs)]
+    return [p / sum(kept) for p in kept]
+
+
+@pytest.mark.parametrize("version, tau", [(2, 1.2), (2, 1.6), (1, 1.0), (1, 2.0)])
+def test_mirostat_truncates_as_its_definition_at_the_first_step(version, tau):
+    """A request's first step runs at mu = 2 tau (llama.cpp's start), top-k / top-p and the rest unused."""
+    probs = reference_probs(SMALL_LOGITS, 1.0)
+    reference = reference_mirostat_v2 if version == 2 else reference_mirostat_v1
+    expected = reference(probs, 2 * tau)
+    assert 1 < sum(p > 0 for p in expected) < len(probs)          # the cut is inside the vocabulary
+    params = SamplingParams(temperature=1.0, top_k=1, mirostat=version, mirostat_tau=tau)
+    assert_matches_distribution(draw_many(SMALL_LOGITS, params), expected)
+
+
+def test_mirostat_moves_its_state_by_the_drawn_tokens_surprise():
+    probs = reference_probs(SMALL_LOGITS, 1.0)
+    params = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=1.0, mirostat_eta=0.25)
+    rows = [make_row(params, seed=5), SampleRow(params, 7, 3, (), (), mirostat_mu=3.0), make_row(SamplingParams())]
+    out = Sampler()(torch.tensor([SMALL_LOGITS] * 3), rows)
+    for row, token, mu in zip(rows[:2], out.token_ids.tolist(), out.mirostat_mu.tolist()):
+        start = 2.0 if row.mirostat_mu is None else row.mirostat_mu
+        drawn_from = reference_mirostat_v2(probs, start)
+        assert drawn_from[token] > 0
+        assert abs(mu - (start - 0.25 * (-math.log2(drawn_from[token]) - 1.0))) < 1e-5
+    assert math.isnan(out.mirostat_mu[2])                              # not a mirostat row
+
+
 def test_temperature_sharpens_and_flattens():
     top_share = {}
     for temperature in (0.05, 0.5, 1.0, 2.0, 50.0):
@@ -446,6 +493,7 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("top_k", -1), ("top_k", 2.5), ("top_k", True),
     ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5), ("typical_p", 0.0), ("typical_p", 1.2),
     ("xtc_probability", -0.1), ("xtc_probability", 1.5), ("xtc_threshold", -0.1), ("xtc_threshold", 1.1),
+    ("mirostat", 3), ("mirostat", True), ("mirostat_tau", -1.0), ("mirostat_eta", 2.0),
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 257), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),

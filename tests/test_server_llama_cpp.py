@@ -140,6 +140,16 @@ def test_dry_breaks_a_repeat(server):
     assert (params["dry_multiplier"], params["dry_base"], params["dry_allowed_length"]) == (0.0, 1.75, 2)
 
 
+def test_mirostat_on_completion(server):
+    """Mirostat 2 on /completion (its state from step to step: tests/test_engine.py): the same seed gives the same
+    text, other seeds others; /props lists the defaults."""
+    body = {"prompt": PROMPT, "n_predict": 16, "temperature": 1.0, "mirostat": 2, "mirostat_tau": 8.0}
+    texts = [post(server, "/completion", {**body, "seed": s}).json()["content"] for s in (0, 1, 2, 0)]
+    assert texts[0] == texts[3] and len(set(texts)) > 1
+    params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
+    assert (params["mirostat"], params["mirostat_tau"], params["mirostat_eta"]) == (0, 5.0, 0.1)
+
+
 def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
     """serve --temperature 0 --top-k 1 ...: a request that leaves those fields unset samples with them (OpenAI,
     llama.cpp's /completion, Anthropic); one that sets them keeps its own."""

@@ -42,7 +42,7 @@ def test_unknown_model_is_404_and_aliases_are_served(server, oai):
     assert oai.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
 
 
-@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"mirostat": 2}, {"mirostat": 1}])
+@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"mirostat_mode": 2}])
 def test_unimplemented_field_is_400_naming_it(oai, extra):
     (name, _), = extra.items()
     with pytest.raises(openai.BadRequestError) as err:
@@ -55,18 +55,19 @@ def test_neutral_values_are_documented_no_ops(server, oai):
         "typical_p": 1.0, "use_beam_search": False, "dry_multiplier": 0, "dry_base": 1.75, "xtc_probability": 0,
         "mirostat": 0})
     assert out.choices[0].finish_reason == "length"
-    r = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 2, "mirostat": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat"
+    r = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 2, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
 
 
 def test_a_field_one_endpoint_implements_is_refused_by_the_others(server):
-    """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p, XTC and DRY its
-    own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion refuses the
+    """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p, XTC, DRY and
+    mirostat its own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion refuses the
     first, Anthropic's /v1/messages all of them, rather than ignore them."""
     messages = ("/v1/messages", {"model": "smol", "messages": QUESTION, "max_tokens": 2})
     for (path, body), extra in ((("/completion", {"prompt": "Hi", "n_predict": 2}), {"prompt_logprobs": 1}),
                                 (messages, {"prompt_logprobs": 1}), (messages, {"typical_p": 0.5}),
-                                (messages, {"xtc_probability": 0.5}), (messages, {"dry_multiplier": 0.8})):
+                                (messages, {"xtc_probability": 0.5}), (messages, {"dry_multiplier": 0.8}),
+                                (messages, {"mirostat": 2})):
         r = httpx.post(server.url + path, json={**body, **extra})
         (name, _), = extra.items()
         assert r.status_code == 400 and name in r.text, (path, name)

@@ -476,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                               (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
                               (("--dry-allowed-length",), "dry_allowed_length", int),
                               (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
+                              (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
+                              (("--mirostat-lr",), "mirostat_eta", float),
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
                               (("--seed", "-s"), "seed", int),
                               (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
@@ -484,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override-generation-config", default=None,
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
                         "(temperature, top_k, top_p, min_p, typical_p, xtc_probability, xtc_threshold, dry_multiplier, "
-                        "dry_base, dry_allowed_length, dry_penalty_last_n, "
+                        "dry_base, dry_allowed_length, dry_penalty_last_n, mirostat, mirostat_tau, mirostat_eta, "
                         "repetition_penalty, seed, max_new_tokens; the flags above "
                         "win over it)")
     _add_speculative_arg(p)

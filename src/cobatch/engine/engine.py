@@ -25,7 +25,7 @@ from cobatch.engine.drafts import PREDICTION_SPEC, DraftModelSpec, NgramSpec, Pr
 from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool, prefix_root, salted_root
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
-from cobatch.engine.sampler import SamplingParams, needs_penalties
+from cobatch.engine.sampler import SamplingParams, reads_feedback
 from cobatch.engine.scheduler import Scheduler, StepPlan
 from cobatch.engine.sequence import Sequence, SeqStatus
 from cobatch.engine.speculative import can_speculate, step_rows_with_drafts
@@ -194,8 +194,9 @@ class Engine:
         prompt_lps = result.prompt_logprobs or [None] * len(plan.items)
         embeddings = result.embeddings or [None] * len(plan.items)
         drafted = result.drafted or [None] * len(plan.items)
-        for (seq, n), token, logprob, top, prompt_lp, embedding, draft_out in zip(
-                plan.items, result.tokens, result.logprobs, result.top, prompt_lps, embeddings, drafted):
+        mirostat_mu = result.mirostat_mu or [None] * len(plan.items)
+        for (seq, n), token, logprob, top, prompt_lp, embedding, draft_out, mu in zip(
+                plan.items, result.tokens, result.logprobs, result.top, prompt_lps, embeddings, drafted, mirostat_mu):
             if seq.status is not SeqStatus.RUNNING:
                 continue        # a step planned ahead: ended by the step before it (stop token, abort)
             if seq.draft:
@@ -209,6 +210,8 @@ class Engine:
                     outputs.append(self._output(seq, None, prompt_logprobs=prompt_lp))
                 continue
             seq.token_ids.append(token)
+            if mu is not None:
+                seq.mirostat_mu = mu
             if seq.matcher is not None:
                 seq.matcher.accept(token)
             reason = self._stop_reason(seq, token)
@@ -249,7 +252,7 @@ class Engine:
         """Can this sequence's next token be sampled without the host knowing its tokens so far?"""
         params = seq.params
         return (not seq.draft and seq.prediction is None and seq.matcher is None and not params.bad_words
-                and not needs_penalties(params) and not params.embed)
+                and not reads_feedback(params) and not params.embed)
 
     def _advance_cache(self, seq: Sequence, n: int) -> None:
         """Account for n newly computed tokens and make blocks that became full findable."""

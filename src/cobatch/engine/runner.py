@@ -9,6 +9,7 @@ host's work for one step then overlaps the GPU's for the other (engine.py, "over
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class StepResult:
     embeddings: list[list[float] | None] | None = None     # params.embed: the last prompt row's hidden state
     # A sequence with drafts (seq.draft): the (token, logprob, top) sampled at each draft row, in order
     drafted: list[list[tuple[int, float | None, list[tuple[int, float]] | None]] | None] | None = None
+    mirostat_mu: list[float | None] | None = None     # a mirostat sequence's state after this step's token
 
 
 @dataclass(slots=True, eq=False)
@@ -236,7 +238,7 @@ class ModelRunner:
                                   prompt_ids=seq.token_ids[:seq.prompt_len] if history else (),
                                   output_ids=seq.output_ids if history else (),
                                   allowed=next(masks) if seq.matcher is not None else None,
-                                  banned=self._banned(seq, ahead)))
+                                  banned=self._banned(seq, ahead), mirostat_mu=seq.mirostat_mu))
             # Draft rows (speculative.can_speculate: nothing here depends on the tokens before them) draw
             # with the steps plain decoding would give those tokens.
             rows.extend(SampleRow(params=seq.params, seed=seq.seed, step=seq.num_output + j, prompt_ids=(),
@@ -262,6 +264,8 @@ class ModelRunner:
         tensors = [out.token_ids.float()]
         if out.logprobs is not None:
             tensors += [out.logprobs.float(), out.top_ids.float(), out.top_logprobs.float()]
+        if out.mirostat_mu is not None:
+            tensors.append(out.mirostat_mu)          # the last column
         packed = torch.cat([t.reshape(n, -1) for t in tensors], dim=1)
         if packed.is_cuda:
             step.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -286,9 +290,13 @@ class ModelRunner:
                     top = [(int(t), lp) for t, lp in zip(row[2:2 + k], row[2 + k:2 + 2 * k])][:want]
             return int(row[0]), logprob, top
 
+        if out.mirostat_mu is not None:
+            result.mirostat_mu = [None] * len(items)
         j = 0
         for i, drafts in step.samplers:
             result.tokens[i], result.logprobs[i], result.top[i] = sampled(j)
+            if out.mirostat_mu is not None and not math.isnan(host[j][-1]):
+                result.mirostat_mu[i] = host[j][-1]
             j += 1
             if drafts:
                 if result.drafted is None:

@@ -64,6 +64,11 @@ class SamplingParams:
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
     dry_breaker_ids: frozenset[int] = frozenset()    # the tokens whose text holds a breaker (dry.breaker_token_ids)
+    # Mirostat (Basu et al. 2021), llama.cpp's: 1 or 2 in place of top-k / top-p / min-p / typical-p / XTC, keeping
+    # each step's surprise -log2 p near mirostat_tau by a state mu that each sampled token moves (mirostat_eta)
+    mirostat: int = 0                 # 0 -> off
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     seed: int | None = None           # None -> resolved_seed() draws one per request
     repetition_penalty: float = 1.0   # HF/llama.cpp: logit>0 ? logit/p : logit*p over prompt+output tokens
     presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
@@ -99,6 +104,9 @@ class SamplingParams:
         _check_int("dry_allowed_length", self.dry_allowed_length, ">= 1", lambda v: v >= 1)
         _check_int("dry_penalty_last_n", self.dry_penalty_last_n, ">= -1 (-1: the whole context, 0: off)",
                    lambda v: v >= -1)
+        _check_int("mirostat", self.mirostat, "0 (off), 1 or 2", lambda v: v in (0, 1, 2))
+        _check_real("mirostat_tau", self.mirostat_tau, "in [0, 100]", lambda v: 0 <= v <= 100)
+        _check_real("mirostat_eta", self.mirostat_eta, "in [0, 1]", lambda v: 0 <= v <= 1)
         breakers = self.dry_sequence_breakers
         if not (isinstance(breakers, tuple) and len(breakers) <= MAX_BREAKERS
                 and all(isinstance(b, str) and 0 < len(b) <= MAX_BREAKER_CHARS for b in breakers)):
@@ -181,6 +189,7 @@ class SampleRow:
     allowed: torch.Tensor | None = None     # the grammar's packed token mask (engine/grammar.py), if any
     banned: Sequence[int] = ()              # tokens this row may not sample now (ends of turn before min_tokens,
                                             # the last token of a bad word whose rest the output ends with)
+    mirostat_mu: float | None = None        # mirostat's state after the steps before (None: its first, 2 tau)
 
 
 @dataclass(slots=True)
@@ -189,6 +198,7 @@ class SampleOutput:
     logprobs: torch.Tensor | None            # float32 [B]: log_softmax(raw logits) at the chosen token
     top_ids: torch.Tensor | None             # int64 [B, n], n = the largest `logprobs` asked for this step
     top_logprobs: torch.Tensor | None        # float32 [B, n]
+    mirostat_mu: torch.Tensor | None = None  # float32 [B]: each mirostat row's state after this step (else NaN)
 
 
 # --- counter-based noise -----------------------------------------------------------------------------
@@ -271,6 +281,12 @@ def needs_penalties(params: SamplingParams) -> bool:
     """Does sampling read the row's tokens (repetition, presence, frequency or DRY penalties)?"""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or uses_dry(params))
+
+
+def reads_feedback(params: SamplingParams) -> bool:
+    """Does a row's sampling depend on what the steps before it sampled (its tokens, or mirostat's state)? Then
+    its next step is not planned before the host has seen its last token, nor drafted ahead."""
+    return needs_penalties(params) or params.mirostat != 0
 
 
 def uses_dry(params: SamplingParams) -> bool:
@@ -437,6 +453,42 @@ def _exclude_top_choices(scores: torch.Tensor, threshold: torch.Tensor) -> torch
     return scores.masked_fill(drop, -math.inf)
 
 
+def _mu(row: SampleRow) -> float:
+    """Mirostat's state for this step: the row's, or 2 tau before its first (NaN: not a mirostat row)."""
+    if not row.params.mirostat:
+        return math.nan
+    return 2 * row.params.mirostat_tau if row.mirostat_mu is None else row.mirostat_mu
+
+
+MIROSTAT_V1_M = 100      # the likeliest tokens mirostat 1 fits its Zipf exponent to (the paper's and llama.cpp's m)
+
+
+def mirostat_v2(scores: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """Mirostat 2: the tokens whose surprise -log2 p exceeds the row's mu are removed (the likeliest stays)."""
+    log_p = scores.log_softmax(dim=-1)
+    surprise = -log_p / math.log(2)
+    keep = (surprise <= mu[:, None]) | (log_p == log_p.amax(dim=-1, keepdim=True))
+    return scores.masked_fill(~keep, -math.inf)
+
+
+def mirostat_v1(scores: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """Mirostat 1: the Zipf exponent s of the likeliest m tokens' probabilities (least squares of log(p_i /
+    p_i+1) on log((i + 2) / (i + 1))), then top-k with k = (eps 2^mu / (1 - V^-eps))^(1 / s), eps = s - 1."""
+    vocab = scores.shape[1]
+    m = min(MIROSTAT_V1_M, vocab)
+    log_p = scores.log_softmax(dim=-1)
+    top, _ = log_p.topk(m, dim=-1)
+    i = torch.arange(m - 1, device=scores.device, dtype=torch.float32)
+    t = torch.log((i + 2) / (i + 1))
+    b = torch.nan_to_num(top[:, :-1] - top[:, 1:], nan=0.0, posinf=0.0)
+    s_hat = (t * b).sum(dim=-1) / (t * t).sum()
+    eps = s_hat - 1
+    k = ((eps * torch.exp2(mu)) / (1 - vocab ** (-eps))) ** (1 / s_hat)
+    k = torch.nan_to_num(k, nan=1.0, posinf=float(vocab)).clamp(min=1, max=vocab).floor()
+    ranks = log_p.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    return scores.masked_fill(ranks >= k[:, None], -math.inf)
+
+
 def _xtc_threshold(row: SampleRow) -> float:
     """The row's XTC threshold this step: its own when its coin (row_uniform) comes up, else off (inf)."""
     p = row.params
@@ -470,42 +522,62 @@ class Sampler:
         token_ids = penalized.argmax(dim=-1)
 
         sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        mu = None
         if sampled:
             if len(sampled) == len(rows):
-                token_ids = self._sample(penalized, rows, greedy=token_ids)
+                token_ids, mu = self._sample(penalized, rows, greedy=token_ids)
             else:
                 index = to_device(sampled, torch.int64, device)
-                drawn = self._sample(penalized.index_select(0, index), [rows[i] for i in sampled],
-                                     greedy=token_ids.index_select(0, index))
+                drawn, drawn_mu = self._sample(penalized.index_select(0, index), [rows[i] for i in sampled],
+                                               greedy=token_ids.index_select(0, index))
                 token_ids = token_ids.index_copy(0, index, drawn)
+                if drawn_mu is not None:
+                    mu = torch.full((len(rows),), math.nan, device=device).index_copy(0, index, drawn_mu)
 
         wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if not wanted:
-            return SampleOutput(token_ids, None, None, None)
+            return SampleOutput(token_ids, None, None, None, mu)
         log_probs = torch.log_softmax(raw, dim=-1)
         chosen = log_probs.gather(1, token_ids[:, None])[:, 0]
         top_logprobs, top_ids = log_probs.topk(min(max(wanted), raw.shape[1]), dim=-1)
-        return SampleOutput(token_ids, chosen, top_ids, top_logprobs)
+        return SampleOutput(token_ids, chosen, top_ids, top_logprobs, mu)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow],
+                greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gumbel-max over the filtered, tempered logits of rows that all have temperature > 0; `greedy`
-        (argmax of the same penalized logits) is the fallback for a row with no candidate left."""
+        (argmax of the same penalized logits) is the fallback for a row with no candidate left. Returns the
+        tokens and, where some row runs mirostat, every row's state after this step (NaN: not mirostat)."""
         device = logits.device
         temperature = to_device([r.params.temperature for r in rows], torch.float32, device)
         # Overflow from a small temperature becomes a huge finite value so softmax/min-p stay NaN-free.
         scores = torch.nan_to_num(logits / temperature[:, None], nan=-math.inf, posinf=_FLOAT32_HUGE,
                                   neginf=-math.inf)
-        scores = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
-                               [r.params.min_p for r in rows], [r.params.typical_p for r in rows],
-                               [_xtc_threshold(r) for r in rows])
+        mirostat = [r for r in rows if r.params.mirostat]
+        filtered = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                                 [r.params.min_p for r in rows], [r.params.typical_p for r in rows],
+                                 [_xtc_threshold(r) for r in rows]) if len(mirostat) < len(rows) else scores
+        if mirostat:
+            mu = to_device([_mu(r) for r in rows], torch.float32, device)
+            version = to_device([r.params.mirostat for r in rows], torch.int64, device)[:, None]
+            filtered = torch.where(version == 1, mirostat_v1(scores, mu), filtered)
+            filtered = torch.where(version == 2, mirostat_v2(scores, mu), filtered)
         row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
         uniforms = counter_uniforms(row_keys, self._token_keys_for(logits.shape[1], device))
-        choice = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+        choice = (filtered - torch.log(-torch.log(uniforms))).argmax(dim=-1)
         # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny
         # temperature) still gets a valid token, the T -> 0 limit: its greedy token (the raw argmax when no
         # penalty applies).
-        has_candidate = scores.amax(dim=-1) > -math.inf
-        return torch.where(has_candidate, choice, greedy)
+        has_candidate = filtered.amax(dim=-1) > -math.inf
+        choice = torch.where(has_candidate, choice, greedy)
+        if not mirostat:
+            return choice, None
+        # mu moves by eta times how far the drawn token's surprise (in the distribution it was drawn from) was
+        # from tau
+        surprise = -filtered.log_softmax(dim=-1).gather(1, choice[:, None])[:, 0] / math.log(2)
+        tau = to_device([r.params.mirostat_tau for r in rows], torch.float32, device)
+        eta = to_device([r.params.mirostat_eta for r in rows], torch.float32, device)
+        updated = mu - eta * (surprise - tau)
+        return choice, torch.where((version[:, 0] > 0) & torch.isfinite(updated), updated, mu)
 
     def _token_keys_for(self, vocab: int, device: torch.device) -> torch.Tensor:
         cache_key = (vocab, device)

@@ -47,6 +47,7 @@ class Sequence:
     draft_from_prediction: bool = False      # this step's drafts came from it
     prediction_accepted: int = 0             # its drafts kept so far (OpenAI's accepted_prediction_tokens) ...
     prediction_rejected: int = 0             # ... and not kept (rejected_prediction_tokens)
+    mirostat_mu: float | None = None         # mirostat's state (params.mirostat), from its last sampled token
 
     @property
     def output_ids(self) -> list[int]:

@@ -31,7 +31,7 @@ import json
 from typing import TYPE_CHECKING
 
 from cobatch.engine.drafts import DraftModelSpec, NgramSpec
-from cobatch.engine.sampler import needs_penalties
+from cobatch.engine.sampler import reads_feedback
 from cobatch.errors import UserError
 
 if TYPE_CHECKING:
@@ -87,5 +87,5 @@ def step_rows_with_drafts(device) -> int | None:
 def can_speculate(seq: "Sequence") -> bool:
     """Does this sequence's sampling of a token depend only on that token's logits and step?"""
     p = seq.params
-    return (seq.matcher is None and not needs_penalties(p) and not p.bad_words and seq.num_output >= p.min_tokens
+    return (seq.matcher is None and not reads_feedback(p) and not p.bad_words and seq.num_output >= p.min_tokens
             and p.prompt_logprobs is None and not p.embed)

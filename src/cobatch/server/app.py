@@ -225,14 +225,14 @@ def _check_serve_args(args) -> None:
 
 
 def sampling_defaults(args) -> dict:
-    """serve's --temperature / --top-k / --top-p / --min-p / --typical / --xtc-* / --dry-* / --repeat-penalty /
-    --seed / -n (over vLLM's --override-generation-config JSON), as the fields requests that leave them unset take;
-    a bad value is a UserError naming it."""
+    """serve's --temperature / --top-k / --top-p / --min-p / --typical / --xtc-* / --dry-* / --mirostat* /
+    --repeat-penalty / --seed / -n (over vLLM's --override-generation-config JSON), as the fields requests that
+    leave them unset take; a bad value is a UserError naming it."""
     from cobatch.engine.sampler import SamplingParams
     from cobatch.errors import UserError
     names = ("temperature", "top_k", "top_p", "min_p", "typical_p", "xtc_probability", "xtc_threshold",
-             "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "repetition_penalty", "seed",
-             "max_tokens")
+             "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
+             "mirostat_eta", "repetition_penalty", "seed", "max_tokens")
     defaults = _generation_config(getattr(args, "override_generation_config", None), names)
     defaults.update({n: getattr(args, f"default_{n}") for n in names
                      if getattr(args, f"default_{n}", None) is not None})

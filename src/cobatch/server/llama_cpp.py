@@ -20,7 +20,7 @@ from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.generation import (Choices, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
-                                       dry_fields, make_sampling_params)
+                                       llama_cpp_sampler_fields, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta
 from cobatch.server.prompting import StructuredOutput, check_prompt_fits, max_new_tokens, output_grammar, raw_prompts
 from cobatch.server.openapi import accepts
@@ -52,6 +52,9 @@ class CompletionRequest(BaseModel):
     dry_allowed_length: int | None = Field(None, ge=1)
     dry_penalty_last_n: int | None = Field(None, ge=-1, description="-1: the whole context, 0: off")
     dry_sequence_breakers: list[str] | None = None
+    mirostat: int | None = Field(None, ge=0, le=2, description="0: off; 1 or 2: mirostat in place of top-k ... XTC")
+    mirostat_tau: float | None = Field(None, ge=0, le=100)
+    mirostat_eta: float | None = Field(None, ge=0, le=1)
     seed: int = Field(-1, description="-1: random")
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float = 0.0
@@ -127,6 +130,8 @@ def _defaults(ctx: ServerContext) -> dict:
                        "dry_base": sampling.get("dry_base", 1.75),
                        "dry_allowed_length": sampling.get("dry_allowed_length", 2),
                        "dry_penalty_last_n": sampling.get("dry_penalty_last_n", -1),
+                       "mirostat": sampling.get("mirostat", 0), "mirostat_tau": sampling.get("mirostat_tau", 5.0),
+                       "mirostat_eta": sampling.get("mirostat_eta", 0.1),
                        "seed": sampling.get("seed", d.seed), "repeat_penalty": sampling.get("repetition_penalty", 1.0),
                        "stop": d.stop}}
 
@@ -199,8 +204,7 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
         ctx.llm.tokenizer.vocab_size, _sampling_defaults(ctx), tokenizer=ctx.llm.tokenizer,
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
-        typical_p=body.typical_p, xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold,
-        **dry_fields(body),
+        **llama_cpp_sampler_fields(body),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,

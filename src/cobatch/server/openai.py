@@ -22,7 +22,8 @@ from cobatch.engine.sampler import MAX_TOP_LOGPROBS
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
-                                       TokenLogprob, Usage, dry_fields, interleave, make_sampling_params)
+                                       TokenLogprob, Usage, interleave, llama_cpp_sampler_fields,
+                                       make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
                                       output_grammar, raw_prompts, render_chat)
@@ -73,6 +74,9 @@ class _SamplingBody(_Body):
     dry_allowed_length: int | None = Field(None, ge=1)
     dry_penalty_last_n: int | None = Field(None, ge=-1, description="-1: the whole context, 0: off")
     dry_sequence_breakers: list[str] | None = None
+    mirostat: int | None = Field(None, ge=0, le=2, description="0: off; 1 or 2: mirostat in place of top-k ... XTC")
+    mirostat_tau: float | None = Field(None, ge=0, le=100)
+    mirostat_eta: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -247,8 +251,8 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority, tokenizer=ctx.llm.tokenizer,
         priority=body.priority, cache_salt=body.cache_salt,
-        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed, typical_p=body.typical_p,
-        xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold, **dry_fields(body),
+        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
+        **llama_cpp_sampler_fields(body),
         top_k=0 if body.top_k == -1 else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
