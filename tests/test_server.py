@@ -564,6 +564,36 @@ def test_prompt_logprobs_as_vllm_reports_them(server, oai):
     assert err.value.body["param"] == "prompt_logprobs"
 
 
+def test_return_token_ids_as_vllm_gives_them(server, oai):
+    """vLLM's return_token_ids: the prompt's ids (top level on chat, per choice on completions) and each choice's
+    sampled ids, whose text is the answer's; streamed, the prompt's on the first chunk and each chunk's own."""
+    tokenizer = server.context.llm.tokenizer
+    chat = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=12, n=2, seed=4, temperature=0.8,
+                                       extra_body={"return_token_ids": True})
+    prompt_ids = chat.model_extra["prompt_token_ids"]
+    assert len(prompt_ids) == chat.usage.prompt_tokens and "capital of France" in tokenizer.decode(prompt_ids)
+    for choice in chat.choices:
+        ids = choice.model_extra["token_ids"]
+        assert tokenizer.decode(ids, skip_special=True) == choice.message.content
+    assert sum(len(c.model_extra["token_ids"]) for c in chat.choices) == chat.usage.completion_tokens
+    streamed = list(oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=12, seed=4,
+                                                temperature=0.8, stream=True, extra_body={"return_token_ids": True}))
+    assert streamed[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert [t for c in streamed for t in c.choices[0].model_extra["token_ids"]] == \
+        chat.choices[0].model_extra["token_ids"]
+    plain = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=2)
+    assert "prompt_token_ids" not in (plain.model_extra or {})
+
+    ids = tokenizer.encode("The capital of France is")
+    done = oai.completions.create(model="any", prompt=ids, max_tokens=5, extra_body={"return_token_ids": True},
+                                  **GREEDY).choices[0]
+    assert done.model_extra["prompt_token_ids"] == ids and tokenizer.decode(done.model_extra["token_ids"]) == done.text
+    chunks = list(oai.completions.create(model="any", prompt=ids, max_tokens=5, stream=True, **GREEDY,
+                                         extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ids
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == done.model_extra["token_ids"]
+
+
 # --- the Responses API ----------------------------------------------------------------------------------
 
 def test_responses_api_plain_streamed_incomplete_and_json(oai):

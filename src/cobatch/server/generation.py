@@ -44,6 +44,8 @@ class GenerationRequest:
     parse_reasoning: bool = False
     start_in_reasoning: bool = False
     report_output: bool = True                # False: max_tokens 0 (the one token sampled is not reported)
+    report_token_ids: bool = False            # every chunk carries the ids of the tokens it stands for (vLLM's
+                                              # return_token_ids), also a chunk of no text
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class Chunk:
     events: list[Event]
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # params.prompt_logprobs asked for
+    token_ids: list[int] = field(default_factory=list)       # request.report_token_ids: the sampled tokens
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class Completed:
     finish: Finish
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     embedding: list[float] | None = None      # params.embed: the last prompt token's final hidden state
+    token_ids: list[int] = field(default_factory=list)       # request.report_token_ids: every sampled token
 
 
 class Generation:
@@ -152,6 +156,7 @@ class Generation:
                     self.embedding = out.embedding
                 events: list[Event] = []
                 logprobs: list[TokenLogprob] = []
+                tokens: list[int] = []
                 prompt = [TokenLogprob(*entry) for entry in out.prompt_logprobs or ()]
                 if out.new_token is not None and req.report_output:
                     completion = self.completion_tokens = completion + 1
@@ -161,6 +166,8 @@ class Generation:
                     else:
                         metrics.itl.observe(now - last)
                     last = now
+                    if req.report_token_ids:
+                        tokens.append(out.new_token)
                     # The token that ended the request gives no text, unless asked for (as vLLM does)
                     if not out.stop_token or req.include_stop:
                         events = parser.push(text.push(out.new_token))
@@ -174,8 +181,8 @@ class Generation:
                 ended = text.stop_matched is not None or out.finished
                 if ended:
                     events += parser.finish()
-                if events or logprobs or prompt:
-                    yield Chunk(events, logprobs, prompt)
+                if events or logprobs or prompt or tokens:
+                    yield Chunk(events, logprobs, prompt, tokens)
                 if ended:
                     if text.stop_matched is not None:
                         self.worker.abort(handle)        # the engine does not know about stop strings
@@ -212,7 +219,7 @@ class Generation:
 
     async def collect(self) -> Completed:
         """Run to the end and gather everything (the non-streaming responses)."""
-        content, reasoning, calls, logprobs, prompt_logprobs = [], [], {}, [], []
+        content, reasoning, calls, logprobs, prompt_logprobs, token_ids = [], [], {}, [], [], []
         finish = None
         async for item in self.events():
             if isinstance(item, Finish):
@@ -220,6 +227,7 @@ class Generation:
                 continue
             logprobs += item.logprobs
             prompt_logprobs += item.prompt_logprobs
+            token_ids += item.token_ids
             for e in item.events:
                 if isinstance(e, ContentDelta):
                     content.append(e.text)
@@ -231,7 +239,7 @@ class Generation:
                     calls[e.index].arguments += e.text
         assert finish is not None
         return Completed("".join(content), "".join(reasoning), [calls[i] for i in sorted(calls)], logprobs, finish,
-                         prompt_logprobs, self.embedding)
+                         prompt_logprobs, self.embedding, token_ids)
 
 
 class Choices:

@@ -106,6 +106,7 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the prompt's last k tokens")
     priority: int = Field(0, ge=-2 ** 62, le=2 ** 62, description="lower runs first (--scheduling-policy priority)")
+    return_token_ids: bool = Field(False, description="vLLM's: the prompt's and the output's token ids beside the text")
     cache_salt: str | None = Field(None, description="prefix-cache blocks are shared only with the same salt")
 
 
@@ -454,6 +455,7 @@ async def chat_completions(request: Request):
     choices = Choices(ctx.generation, [GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
+        report_token_ids=body.return_token_ids,
         tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": ctx.answered_by(body.model)}
@@ -472,8 +474,13 @@ async def _chat_result(ctx: ServerContext, choices: Choices, meta: dict) -> dict
     result = {**meta, "object": "chat.completion", "choices": [_chat_choice(ctx, i, d, want_logprobs)
                                                                for i, d in enumerate(done)],
               "usage": _usage(choices.total_usage([d.finish for d in done]))}
-    if choices.generations[0].request.params.prompt_logprobs is not None:     # the prompt is every choice's
+    request = choices.generations[0].request
+    if request.params.prompt_logprobs is not None:     # the prompt is every choice's
         result["prompt_logprobs"] = _prompt_logprobs(ctx, done[0].prompt_logprobs)
+    if request.report_token_ids:
+        result["prompt_token_ids"] = request.prompt_ids
+        for choice, d in zip(result["choices"], done):
+            choice["token_ids"] = d.token_ids
     return result
 
 
@@ -504,10 +511,11 @@ async def _ending_in_done(frames: AsyncIterator[str]) -> AsyncIterator[str]:
     yield sse_data("[DONE]")
 
 
-def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict, running: Generation | None = None) -> str:
+def _sse_chunk(meta: dict, obj: str, include_usage: bool, choice: dict, running: Generation | None = None,
+               top: dict | None = None) -> str:
     """One streamed chunk; with include_usage every chunk carries "usage": null until the final one, or with
-    `running` (vLLM's continuous_usage_stats) that choice's usage so far."""
-    chunk = {**meta, "object": obj, "choices": [choice]}
+    `running` (vLLM's continuous_usage_stats) that choice's usage so far. `top`: fields of the chunk itself."""
+    chunk = {**meta, "object": obj, "choices": [choice], **(top or {})}
     if include_usage:
         chunk["usage"] = None if running is None else _usage(running.usage_so_far())
     return sse_data(chunk)
@@ -525,14 +533,18 @@ async def _with_usage(streams: list, choices: Choices, meta: dict, obj: str,
 
 async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_usage: bool,
                        index: int, continuous: bool = False) -> AsyncIterator[str]:
-    def frame(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
-        return _sse_chunk(meta, "chat.completion.chunk", include_usage,
-                          {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason},
-                          gen if continuous else None)
+    ids = gen.request.report_token_ids
+
+    def frame(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
+              tokens: list[int] | None = None, top: dict | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if ids:         # vLLM's return_token_ids: each chunk's own tokens
+            choice["token_ids"] = tokens or []
+        return _sse_chunk(meta, "chat.completion.chunk", include_usage, choice, gen if continuous else None, top)
 
     want_logprobs = gen.request.params.logprobs is not None
     call_ids: dict[int, str] = {}
-    yield frame({"role": "assistant", "content": ""})
+    yield frame({"role": "assistant", "content": ""}, top={"prompt_token_ids": gen.request.prompt_ids} if ids else None)
     async for item in gen.events():
         if isinstance(item, Finish):
             yield frame({}, item.reason)
@@ -540,7 +552,7 @@ async def _chat_stream(ctx: ServerContext, gen: Generation, meta: dict, include_
         deltas = [_chat_delta(e, call_ids) for e in item.events] or [{"content": ""}]
         logprobs = _chat_logprobs(ctx, item.logprobs) if want_logprobs else None
         for i, delta in enumerate(deltas):
-            yield frame(delta, logprobs=logprobs if i == 0 else None)
+            yield frame(delta, logprobs=logprobs if i == 0 else None, tokens=item.token_ids if i == 0 else None)
 
 
 def _chat_delta(event, call_ids: dict[int, str]) -> dict:
@@ -583,7 +595,8 @@ async def completions(request: Request):
                            body.logprobs, grammar, prompt_logprobs)
         requests.append(GenerationRequest("completions", ids, params, _stops(body.stop),
                                           include_stop=body.include_stop_str_in_output,
-                                          skip_special=body.skip_special_tokens, report_output=body.max_tokens != 0))
+                                          skip_special=body.skip_special_tokens, report_output=body.max_tokens != 0,
+                                          report_token_ids=body.return_token_ids))
     choices = Choices(ctx.generation, requests, body.n)
     meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": ctx.answered_by(body.model)}
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]     # one per choice
@@ -619,33 +632,43 @@ async def _completion_result(ctx: ServerContext, choices: Choices, meta: dict, e
     if want_prompt_logprobs:
         for choice, d in zip(out, done):
             choice["prompt_logprobs"] = _prompt_logprobs(ctx, d.prompt_logprobs)
+    for choice, d, gen in zip(out, done, choices.generations):
+        if gen.request.report_token_ids:
+            choice.update(prompt_token_ids=gen.request.prompt_ids, token_ids=d.token_ids)
     return {**meta, "object": "text_completion", "choices": out,
             "usage": _usage(choices.total_usage([d.finish for d in done]))}
 
 
 async def _completion_stream(ctx: ServerContext, gen: Generation, meta: dict, echo: str,
                              include_usage: bool, index: int, continuous: bool = False) -> AsyncIterator[str]:
-    def frame(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
-        return _sse_chunk(meta, "text_completion", include_usage,
-                          {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason},
-                          gen if continuous else None)
+    ids, sent = gen.request.report_token_ids, False
+
+    def frame(text: str, finish_reason: str | None = None, logprobs: dict | None = None,
+              tokens: list[int] | None = None) -> str:
+        nonlocal sent
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if ids:         # vLLM's return_token_ids: the prompt's on the choice's first chunk, each chunk's own tokens
+            choice.update({} if sent else {"prompt_token_ids": gen.request.prompt_ids}, token_ids=tokens or [])
+            sent = True
+        return _sse_chunk(meta, "text_completion", include_usage, choice, gen if continuous else None)
 
     want_logprobs = gen.request.params.logprobs is not None
     offset, prompt_logprobs, echoed = len(echo), [], not echo
+
     async for item in gen.events():
         # The echo goes out with the first output (or the end), once the prompt's logprobs are all in.
         if isinstance(item, Chunk):
             prompt_logprobs += item.prompt_logprobs
-        if not echoed and (isinstance(item, Finish) or item.events or item.logprobs):
+        if not echoed and (isinstance(item, Finish) or item.events or item.logprobs or item.token_ids):
             echoed = True
             entries = _echoed_logprobs(gen, prompt_logprobs, gen.request.params.prompt_logprobs)
             yield frame(echo, logprobs=_completion_logprobs(ctx, entries, 0) if want_logprobs and entries else None)
         if isinstance(item, Finish):
             yield frame("", item.reason)
             break
-        if not (item.events or item.logprobs):
+        if not (item.events or item.logprobs or item.token_ids):
             continue
         text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
         logprobs = _completion_logprobs(ctx, item.logprobs, offset) if want_logprobs else None
         offset += len(text)
-        yield frame(text, logprobs=logprobs)
+        yield frame(text, logprobs=logprobs, tokens=item.token_ids)
