@@ -80,6 +80,10 @@ def test_the_sampler_applies_dry_to_its_rows_only():
     assert Sampler()(logits[:1], [SampleRow(short, 0, 0, history[:4], history[4:])]).token_ids.tolist() == [7]
     off = SamplingParams(temperature=0.0, dry_multiplier=2.0, dry_penalty_last_n=0)
     assert not needs_penalties(off)
+    # a window reaching into the prompt, or past its start: 5 6 ... 5 6 is seen again
+    for last_n in (8, 100):
+        wide = SamplingParams(temperature=0.0, dry_multiplier=2.0, dry_penalty_last_n=last_n)
+        assert Sampler()(logits[:1], [SampleRow(wide, 0, 0, history[:4], history[4:])]).token_ids.tolist() != [7]
 
 
 @pytest.mark.parametrize("field, value", [("dry_multiplier", -1.0), ("dry_base", 0.5), ("dry_allowed_length", 0),

@@ -7,8 +7,9 @@ n >= allowed_length, t's logit loses multiplier * base ** (n - allowed_length). 
 newline, a colon, a quote and an asterisk) stop a run: a token whose text holds one is never part of a repeat, so
 dialogue turns and list items, which start alike by design, are not penalized.
 
-Host work per row and step, only for rows that ask for it: numpy over the last `penalty_last_n` context tokens,
-at most MAX_MATCH comparisons deep.
+Host work per row and step, only for rows that ask for it: numpy over the last `penalty_last_n` context tokens
+(at most MAX_WINDOW: llama.cpp's -1, the whole context, would make a long context's rows slow every step of the
+batch they share), at most MAX_MATCH comparisons deep.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 DEFAULT_BREAKERS = ("\n", ":", "\"", "*")     # llama.cpp's and text-generation-webui's
 MAX_MATCH = 50          # the longest repeat measured (text-generation-webui's cap: base ** n stays finite)
+MAX_WINDOW = 8192      # the most context tokens looked back over (the host's work per row and step grows with it)
 MAX_BREAKERS = 32
 MAX_BREAKER_CHARS = 40
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, dry_penalties
+from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
@@ -295,15 +295,17 @@ def uses_dry(params: SamplingParams) -> bool:
 
 def apply_dry(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Subtract each DRY row's penalties (engine/dry.py) over its last dry_penalty_last_n tokens of prompt and
-    output; float32 [B, V], rows without DRY unchanged."""
+    output (-1: as many as dry.MAX_WINDOW, which bounds the host work a step); float32 [B, V], rows without DRY
+    unchanged."""
     entries = []
     for i, r in enumerate(rows):
         p = r.params
         if not uses_dry(p):
             continue
-        context = list(r.prompt_ids) + list(r.output_ids)
-        if p.dry_penalty_last_n > 0:
-            context = context[-p.dry_penalty_last_n:]
+        window = min(p.dry_penalty_last_n if p.dry_penalty_last_n > 0 else MAX_WINDOW, MAX_WINDOW)
+        output = list(r.output_ids[-window:])
+        context = (list(r.prompt_ids[max(0, len(r.prompt_ids) - (window - len(output))):]) if len(output) < window
+                   else []) + output
         entries += [(i, token, -amount) for token, amount in dry_penalties(
             context, p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_breaker_ids)]
     return _add_at(logits, entries)
