@@ -47,6 +47,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -449,7 +450,10 @@ class StubEngine:
         self.step_s = step_s
         self.slices, self.slice_iters = round(host_s / self.SLICE_S), self._spin_iterations(self.SLICE_S)
         self.blocks = BlockManager(1024, 16)
-        self.scheduler = type("S", (), {"max_num_seqs": max_num_seqs})()
+        # what the server and its /metrics read of an engine besides the methods below
+        self.scheduler = SimpleNamespace(max_num_seqs=max_num_seqs, by_priority=False)       # fcfs
+        self.pool = SimpleNamespace(dtype="stub", block_size=16, num_blocks=1024)
+        self.runner = SimpleNamespace(model=SimpleNamespace())
         self.seqs: dict = {}
         self._left: dict[str, list] = {}
         self._aborted: list[str] = []
@@ -494,7 +498,8 @@ class StubEngine:
             if done:
                 del self._left[rid]
             token = self.token_ids[state[0] % len(self.token_ids)]
-            outs.append(StepOutput(rid, token, done, "length" if done else None, 0.0, [], state[1], 0))
+            outs.append(StepOutput(rid, token, done, "length" if done else None, logprob=0.0, top_logprobs=[],
+                                   num_prompt_tokens=state[1]))
         return outs
 
 

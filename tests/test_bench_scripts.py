@@ -34,6 +34,7 @@ def load(name: str):
     try:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module          # dataclasses look their module up while it executes
         spec.loader.exec_module(module)
     finally:
         for n in BENCH_SIBLINGS:     # what this process had under those names comes back
@@ -45,7 +46,7 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "moe_experts", "speculative", "parallel", "ncu_source",
-                                  "gemm", "plan_ab"])
+                                  "gemm", "plan_ab", "serve"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name
@@ -308,3 +309,22 @@ def test_moe_experts_times_the_routed_gemm_only_where_a_layer_runs_it_and_puts_i
             else:
                 assert moe_module.ROUTED_PREFILL and not packed_experts.ROUTED_GEMM
         assert switches() == before, name
+
+
+def test_serve_stub_engine_answers_through_the_real_app():
+    """bench/serve.py --stub-step-ms: the stub engine behind the real server answers streamed and plain requests
+    and /metrics (it once fell behind the engine's outputs and the scheduler's fields, and every request was a
+    500)."""
+    import types
+    from starlette.testclient import TestClient
+    from cobatch.model_files import smollm2_path
+    serve = load("serve")
+    args = types.SimpleNamespace(model=str(smollm2_path()), stub_step_ms=0.5, stub_host_ms=0.1, parallel=4, ctx=None,
+                                 rounds=1)
+    with TestClient(serve.make_app(args)) as client:
+        plain = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5})
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 5
+        streamed = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "stream": True,
+                                                        "logprobs": 0})
+        assert streamed.status_code == 200 and streamed.text.count('"logprobs":{') == 3
+        assert client.get("/metrics").status_code == 200
