@@ -87,6 +87,18 @@ def test_generate_prints_only_the_continuation():
     assert_clean_error(run_cli("generate", "one", "-p", "two"), "one prompt")
 
 
+def test_generate_takes_llama_clis_samplers():
+    """--dry-multiplier: greedy decoding no longer repeats "1, 2, 3, 4" (DRY penalizes the token that extends the
+    repeat); the other samplers' flags run (their sampling: tests/test_sampler.py)."""
+    prompt = ("generate", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,", "-n", "4", "--temperature", "0")
+    plain, dry = run_cli(*prompt), run_cli(*prompt, "--dry-multiplier", "10")
+    assert plain.returncode == dry.returncode == 0, dry.stderr[-2000:]
+    assert plain.stdout.startswith(" 4") and not dry.stdout.startswith(" 4")
+    others = run_cli("generate", "Once upon a time", "-n", "6", "--temperature", "1", "--seed", "3", "--typical", "0.9",
+                     "--xtc-probability", "0.5", "--mirostat", "2", "--mirostat-ent", "4")
+    assert others.returncode == 0 and others.stdout.strip(), others.stderr[-2000:]
+
+
 def test_generate_with_speculative_decoding_prints_the_same_text():
     prompt = "apple banana cherry dates elderberry fig grape. " * 3 + "apple banana"
     args = ("generate", "--prompt", prompt, "-n", "24", "--temperature", "0")
@@ -228,7 +240,8 @@ def test_serve_answers_on_the_port_it_prints():
         proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "1.5"), ("-n", "0")])
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "1.5"), ("-n", "0"), ("--mirostat", "3"),
+                                        ("--dry-base", "0.5"), ("--typical", "0")])
 def test_bad_sampling_flag(flag, value, cli):
     assert_clean_error(cli("generate", "-p", "hi", flag, value))
 

@@ -78,6 +78,16 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     p.add_argument("--min-p", type=float, default=None, help="default 0.05")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=None, help="default 1.0")
+    # llama-cli's other samplers (engine/sampler.py, engine/dry.py), off unless given
+    for flags, name, kind in ((("--typical", "--typical-p"), "typical_p", float),
+                              (("--xtc-probability",), "xtc_probability", float),
+                              (("--xtc-threshold",), "xtc_threshold", float),
+                              (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
+                              (("--dry-allowed-length",), "dry_allowed_length", int),
+                              (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
+                              (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
+                              (("--mirostat-lr",), "mirostat_eta", float)):
+        p.add_argument(*flags, dest=name, type=kind, default=None, help=f"{name} (llama-cli's)")
     # Constrained output, with llama-cli's flag names: at most one of these
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--grammar", help="a GBNF (or Lark) grammar the output must follow")
@@ -106,13 +116,18 @@ def _grammar(args) -> str | None:
 
 
 _SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+_OTHER_SAMPLERS = ("typical_p", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+                   "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 
 
-def _sampling(args, model_defaults: dict | None = None):
-    """The sampling flags; one left unset takes the model's default (generation_config.json), else cobatch's."""
-    from cobatch.engine.sampler import SamplingParams
+def _sampling(args, model_defaults: dict | None = None, tokenizer=None):
+    """The sampling flags; one left unset takes the model's default (generation_config.json), else cobatch's.
+    With the tokenizer, DRY's sequence breakers become its tokens that hold one."""
+    from cobatch.engine.dry import BreakerIndex
+    from cobatch.engine.sampler import SamplingParams, uses_dry
     chosen = {name: getattr(args, name) if getattr(args, name) is not None
               else (model_defaults or {}).get(name, default) for name, default in _SAMPLING_DEFAULTS.items()}
+    chosen.update({name: getattr(args, name) for name in _OTHER_SAMPLERS if getattr(args, name) is not None})
     from cobatch.loader.lora import adapter_flags
     adapters = adapter_flags(args)
     if len(adapters) > 1:
@@ -123,6 +138,9 @@ def _sampling(args, model_defaults: dict | None = None):
         params.validate()
     except ValueError as e:
         raise UserError(str(e)) from None
+    if uses_dry(params) and tokenizer is not None:
+        params.dry_breaker_ids = BreakerIndex(tokenizer.token_bytes, tokenizer.vocab_size).tokens_holding(
+            params.dry_sequence_breakers)
     return params
 
 
@@ -171,7 +189,7 @@ def cmd_generate(args) -> int:
     args.prompt = args.prompt if args.prompt is not None else args.prompt_flag
     _sampling(args)                   # bad flags fail before the model loads
     llm = _load(args)
-    params = _sampling(args, llm.generation_defaults)
+    params = _sampling(args, llm.generation_defaults, llm.tokenizer)
     if args.chat:
         ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -184,7 +202,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     _sampling(args)                   # bad flags fail before the model loads
     llm = _load(args)
-    params = _sampling(args, llm.generation_defaults)
+    params = _sampling(args, llm.generation_defaults, llm.tokenizer)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
