@@ -61,8 +61,8 @@ def test_neutral_values_are_documented_no_ops(server, oai):
 
 def test_a_field_one_endpoint_implements_is_refused_by_the_others(server):
     """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p, XTC, DRY and
-    mirostat its own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion refuses the
-    first, Anthropic's /v1/messages all of them, rather than ignore them."""
+    mirostat its own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion
+    refuses the first, Anthropic's /v1/messages all of them, rather than ignore them."""
     messages = ("/v1/messages", {"model": "smol", "messages": QUESTION, "max_tokens": 2})
     for (path, body), extra in ((("/completion", {"prompt": "Hi", "n_predict": 2}), {"prompt_logprobs": 1}),
                                 (messages, {"prompt_logprobs": 1}), (messages, {"typical_p": 0.5}),
