@@ -479,7 +479,8 @@ def mirostat_v1(scores: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     vocab = scores.shape[1]
     m = min(MIROSTAT_V1_M, vocab)
     log_p = scores.log_softmax(dim=-1)
-    top, _ = log_p.topk(m, dim=-1)
+    ordered, order = log_p.sort(dim=-1, descending=True, stable=True)     # ties to the lower id, as top-k's
+    top = ordered[:, :m]
     i = torch.arange(m - 1, device=scores.device, dtype=torch.float32)
     t = torch.log((i + 2) / (i + 1))
     b = torch.nan_to_num(top[:, :-1] - top[:, 1:], nan=0.0, posinf=0.0)
@@ -487,8 +488,9 @@ def mirostat_v1(scores: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     eps = s_hat - 1
     k = ((eps * torch.exp2(mu)) / (1 - vocab ** (-eps))) ** (1 / s_hat)
     k = torch.nan_to_num(k, nan=1.0, posinf=float(vocab)).clamp(min=1, max=vocab).floor()
-    ranks = log_p.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-    return scores.masked_fill(ranks >= k[:, None], -math.inf)
+    drop_sorted = torch.arange(vocab, device=scores.device)[None, :] >= k[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
 
 
 def _xtc_threshold(row: SampleRow) -> float:
@@ -560,9 +562,11 @@ class Sampler:
                                  [_xtc_threshold(r) for r in rows]) if len(mirostat) < len(rows) else scores
         if mirostat:
             mu = to_device([_mu(r) for r in rows], torch.float32, device)
-            version = to_device([r.params.mirostat for r in rows], torch.int64, device)[:, None]
-            filtered = torch.where(version == 1, mirostat_v1(scores, mu), filtered)
-            filtered = torch.where(version == 2, mirostat_v2(scores, mu), filtered)
+            versions = [r.params.mirostat for r in rows]
+            version = to_device(versions, torch.int64, device)[:, None]
+            for v, truncate in ((1, mirostat_v1), (2, mirostat_v2)):      # only the versions some row runs
+                if v in versions:
+                    filtered = torch.where(version == v, truncate(scores, mu), filtered)
         row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
         uniforms = counter_uniforms(row_keys, self._token_keys_for(logits.shape[1], device))
         choice = (filtered - torch.log(-torch.log(uniforms))).argmax(dim=-1)
