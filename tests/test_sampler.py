@@ -407,15 +407,20 @@ def _varied_params() -> list[SamplingParams]:
         SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
         SamplingParams(temperature=0.0, repetition_penalty=1.5),
         SamplingParams(temperature=0.8, logprobs=5),
+        SamplingParams(temperature=1.0, typical_p=0.7),
+        SamplingParams(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.05),
+        SamplingParams(temperature=0.9, dry_multiplier=0.8, dry_allowed_length=1),
+        SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=4.0),
+        SamplingParams(temperature=1.0, mirostat=1, mirostat_tau=4.0),
     ]
 
 
 def test_a_rows_token_does_not_depend_on_its_batch():
     vocab = 300
-    targets = random_logits(8, vocab, seed=5, scale=1.5)
-    others = random_logits(24, vocab, seed=6, scale=3.0)
+    targets = random_logits(len(_varied_params()), vocab, seed=5, scale=1.5)
     target_params = _varied_params()
     other_params = list(reversed(_varied_params())) * 3
+    others = random_logits(len(other_params), vocab, seed=6, scale=3.0)
     target_rows = [make_row(p, seed=1000 + i, step=i, prompt_ids=range(i, 40 + i), output_ids=[1, 2, 2, 7 * i])
                    for i, p in enumerate(target_params)]
     other_rows = [make_row(p, seed=i, step=3, prompt_ids=range(200), output_ids=range(0, 120, 3))
@@ -435,7 +440,7 @@ def test_a_rows_token_does_not_depend_on_its_batch():
     plain_alone = [sampler(targets[i:i + 1], [make_row(target_params[0], seed=s, step=s)]).token_ids.item()
                    for i, s in enumerate(range(8))]
     mixed_rows = [make_row(target_params[0], seed=s, step=s) for s in range(8)] + other_rows
-    assert sampler(torch.cat([targets, others]), mixed_rows).token_ids[:8].tolist() == plain_alone
+    assert sampler(torch.cat([targets[:8], others]), mixed_rows).token_ids[:8].tolist() == plain_alone
 
 
 # --- logprobs ---------------------------------------------------------------------------------------------
