@@ -63,7 +63,9 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
-    dry_breaker_ids: frozenset[int] = frozenset()    # the tokens whose text holds a breaker (dry.breaker_token_ids)
+    # the tokens whose text holds a breaker: the server and the CLI fill it from dry_sequence_breakers and the
+    # tokenizer (dry.BreakerIndex); empty, no token breaks a run
+    dry_breaker_ids: frozenset[int] = frozenset()
     # Mirostat (Basu et al. 2021), llama.cpp's: 1 or 2 in place of top-k / top-p / min-p / typical-p / XTC, keeping
     # each step's surprise -log2 p near mirostat_tau by a state mu that each sampled token moves (mirostat_eta)
     mirostat: int = 0                 # 0 -> off
