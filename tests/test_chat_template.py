@@ -320,3 +320,27 @@ def test_deepseek_r1_template_matches_transformers(conversation: list[dict]) -> 
     assert ours == want and ours.endswith("<｜Assistant｜><think>\n")
     if conversation is not CONVERSATION:
         assert '<｜tool▁sep｜>get_weather\n```json\n{"city": "Zürich"}\n```<｜tool▁call▁end｜>' in ours
+
+
+def test_default_template_variables_apply_unless_the_call_sets_them() -> None:
+    """vLLM's --default-chat-template-kwargs / llama.cpp's --chat-template-kwargs and --reasoning-budget 0: the
+    defaults reach every render, a call's own variables win, and the flags parse or fail with one clear error."""
+    import argparse
+    from cobatch.chat_template import template_kwargs_flags
+    from cobatch.errors import UserError
+    template = ChatTemplate("{{ 'think' if enable_thinking | default(true) else 'plain' }}:"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert template.render(CONVERSATION[:1], add_generation_prompt=False).startswith("think:")
+    template.defaults = {"enable_thinking": False}
+    assert template.render(CONVERSATION[:1], add_generation_prompt=False).startswith("plain:")
+    assert template.render(CONVERSATION[:1], add_generation_prompt=False, enable_thinking=True).startswith("think:")
+
+    def flags(**given):
+        return template_kwargs_flags(argparse.Namespace(**given))
+    assert flags(chat_template_kwargs='{"enable_thinking": false, "x": 1}') == {"enable_thinking": False, "x": 1}
+    assert flags(reasoning_budget=0) == {"enable_thinking": False}
+    assert flags(reasoning_budget=-1) is None and flags() is None
+    for bad in ({"chat_template_kwargs": "{"}, {"chat_template_kwargs": "[1]"},
+                {"chat_template_kwargs": '{"messages": []}'}, {"reasoning_budget": 100}):
+        with pytest.raises(UserError):
+            flags(**bad)

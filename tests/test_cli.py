@@ -262,6 +262,32 @@ def test_chat_template_override(tmp_path, cli):
     assert_clean_error(proc, "--chat-template")
 
 
+def test_serve_renders_every_conversation_with_the_default_template_variables(cli):
+    """serve --default-chat-template-kwargs / --chat-template-kwargs (and --reasoning-budget 0): the variables reach
+    every conversation the server renders, /apply-template and chat alike, and a request's chat_template_kwargs
+    win; --chat-template-file is --chat-template; bad values are one clear line and exit code 2."""
+    import httpx
+    from cobatch.cli import build_parser
+    from cobatch.llm import LLM
+    from cobatch.server.app import engine_options
+    from cobatch.server.context import ServerOptions
+    from test_server_support import live_server
+    template = ("{{ 'THINK' if enable_thinking | default(true) else 'PLAIN' }}{% for m in messages %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    for flags in (["--default-chat-template-kwargs", '{"enable_thinking": false}'], ["--reasoning-budget", "0"]):
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--ctx", "256", "--chat-template-file",
+                                          template, *flags])
+        with live_server(LLM.load(smollm2_path(), engine_options(args)), ServerOptions()) as srv:
+            messages = [{"role": "user", "content": "Hi"}]
+            plain = httpx.post(srv.url + "/apply-template", json={"messages": messages}).json()["prompt"]
+            assert plain.startswith("PLAIN<|im_start|>user"), flags
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": messages, "chat_template_kwargs": {
+                "enable_thinking": True}}).json()["tokens"]
+            assert srv.context.llm.tokenizer.decode(ids).startswith("THINK"), flags
+    for bad in (["--chat-template-kwargs", "{not json"], ["--reasoning-budget", "512"]):
+        assert_clean_error(cli("chat", "hello", "-n", "1", *bad), bad[0])
+
+
 def test_serve_takes_vllm_and_llama_cpp_option_names():
     from cobatch.cli import build_parser
     ours = build_parser().parse_args(["serve", "--model-name", "m", "--parallel", "4", "--ctx", "2048",

@@ -211,6 +211,9 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # template variables every render takes unless the call sets them (vLLM's --default-chat-template-kwargs,
+        # e.g. {"enable_thinking": false})
+        self.defaults: dict[str, Any] = {}
         self._nine_char_ids = bool(_NINE_CHAR_ID_CHECK.search(source))
         self._text_arguments = bool(_ARGUMENTS_AS_TEXT.search(source))
         self._none_content = bool(_TESTS_CONTENT_IS_NONE.search(source))
@@ -262,7 +265,7 @@ class ChatTemplate:
                 raise ChatTemplateError("continue_final_message needs a final message with text content")
             chat[-1]["content"] = final_content + _CONTINUE_MARK
 
-        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **_plain(extra)}
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **self.defaults, **_plain(extra)}
         variables.setdefault("documents", None)
         try:
             rendered = self._template.render(
@@ -292,3 +295,34 @@ class ChatTemplate:
         if rendered.startswith(_CONTINUE_MARK, at):
             return rendered[:at]
         return rendered[:at].rstrip()
+
+
+# Variables a conversation's render sets itself: neither a request nor the defaults may set them.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
+
+
+def template_kwargs_flags(args) -> dict | None:
+    """The template variables the command line sets for every conversation: vLLM's --default-chat-template-kwargs
+    or llama.cpp's --chat-template-kwargs (a JSON object), and llama.cpp's --reasoning-budget (-1: unrestricted;
+    0: thinking off, enable_thinking false). A bad value is a UserError naming the flag."""
+    from cobatch.errors import UserError
+    raw = getattr(args, "chat_template_kwargs", None)
+    kwargs = {}
+    if raw is not None:
+        try:
+            kwargs = json.loads(raw)
+        except ValueError as exc:
+            raise UserError(f"--chat-template-kwargs: not JSON ({exc})") from None
+        if not isinstance(kwargs, dict):
+            raise UserError("--chat-template-kwargs: a JSON object, e.g. '{\"enable_thinking\": false}'")
+        clash = sorted(RESERVED_VARIABLES & kwargs.keys())
+        if clash:
+            raise UserError(f"--chat-template-kwargs may not set {clash}")
+    budget = getattr(args, "reasoning_budget", None)
+    if budget is not None:
+        if budget not in (-1, 0):
+            raise UserError(f"--reasoning-budget: -1 (unrestricted) or 0 (no thinking), as llama.cpp takes it "
+                            f"(got {budget})")
+        if budget == 0:
+            kwargs.setdefault("enable_thinking", False)
+    return kwargs or None

@@ -25,8 +25,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_kv_cache_args(p)
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
-    p.add_argument("--chat-template", default=None,
+    p.add_argument("--chat-template", "--chat-template-file", dest="chat_template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
+    p.add_argument("--chat-template-kwargs", "--default-chat-template-kwargs", dest="chat_template_kwargs",
+                   default=None, metavar="JSON",
+                   help="template variables every conversation renders with unless a request sets them, as llama.cpp "
+                        "and vLLM take them: e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--reasoning-budget", type=int, default=None,
+                   help="llama.cpp's: -1 lets the model think (default), 0 renders conversations with "
+                        "enable_thinking false")
     _add_speculative_arg(p)
     _add_lora_args(p)
 
@@ -145,6 +152,7 @@ def _sampling(args, model_defaults: dict | None = None, tokenizer=None):
 
 
 def _load(args, max_num_seqs: int = 1):
+    from cobatch.chat_template import template_kwargs_flags
     from cobatch.engine.speculative import speculative_flags
     from cobatch.llm import LLM, EngineOptions, kv_cache_dtype_arg
     from cobatch.loader.lora import adapter_flags
@@ -152,6 +160,7 @@ def _load(args, max_num_seqs: int = 1):
                                               kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
                                               chat_template=args.chat_template, quantization=args.quantization,
+                                              chat_template_kwargs=template_kwargs_flags(args),
                                               speculative=speculative_flags(args),
                                               lora_modules=adapter_flags(args), quiet=getattr(args, "quiet", False)))
 
@@ -520,8 +529,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(lower first), the least urgent running one giving its KV blocks back when they run out")
     p.add_argument("--eager", "--enforce-eager", dest="eager", action="store_true",
                    help="CUDA: run decode steps without CUDA graphs (debugging)")
-    p.add_argument("--chat-template", default=None,
+    p.add_argument("--chat-template", "--chat-template-file", dest="chat_template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
+    p.add_argument("--chat-template-kwargs", "--default-chat-template-kwargs", dest="chat_template_kwargs",
+                   default=None, metavar="JSON",
+                   help="template variables every conversation renders with unless a request sets them, as llama.cpp "
+                        "and vLLM take them: e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--reasoning-budget", type=int, default=None,
+                   help="llama.cpp's: -1 lets the model think (default), 0 renders conversations with "
+                        "enable_thinking false")
     p.add_argument("--dense-large-batch", action="store_true",
                    help="CUDA: also keep bf16/f16 weights for steps above the GEMV crossover (more memory, "
                         "faster big batches and prefill)")

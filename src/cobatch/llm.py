@@ -58,6 +58,8 @@ class EngineOptions:
     eager: bool = False                # CUDA: no decode-step graphs (slower; for debugging)
     dense_large_batch: bool = False    # CUDA: also keep bf16/f16 weights for batches above the GEMV crossover
     chat_template: str | None = None   # a Jinja chat template (text, or the path of a file) replacing the model's
+    # template variables every conversation renders with unless a request sets them (e.g. {"enable_thinking": False})
+    chat_template_kwargs: dict | None = None
     # speculative decoding (engine/speculative.py): prompt lookup, or a draft model; None: off
     speculative: NgramSpec | DraftModelSpec | None = None
     overlap_steps: bool = True         # CUDA: plan and launch decode step n + 1 while step n runs (engine.py)
@@ -198,6 +200,8 @@ class LLM:
         path = Path(path) if path else default_model_path()
         w = _open(path, options, tp)
         template = _chat_template(options.chat_template, w.model_template, w.tokenizer)
+        if template is not None and options.chat_template_kwargs:
+            template.defaults = dict(options.chat_template_kwargs)
         _load_weights(w, options, tp, rank0=True)
         cfg, device, model, pool, ctx, tokenizer = w.cfg, w.device, w.model, w.pool, w.ctx, w.tokenizer
         runner = ModelRunner(model if tp is None else ParallelModel(model, link), pool, device, tokenizer.stop_ids)

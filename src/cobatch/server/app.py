@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cobatch import __version__
+from cobatch.chat_template import template_kwargs_flags
 from cobatch.llm import LLM, kv_cache_dtype_arg
 from cobatch.loader.lora import adapter_flags
 from cobatch.server import (anthropic, embeddings, events, llama_cpp, lora_adapters, openai, openai_responses, openapi,
@@ -310,6 +311,7 @@ def engine_options(args):
         prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         dense_large_batch=getattr(args, "dense_large_batch", False), eager=getattr(args, "eager", False),
         chat_template=getattr(args, "chat_template", None), speculative=_speculative(args),
+        chat_template_kwargs=template_kwargs_flags(args),
         quantization=getattr(args, "quantization", "auto"),
         overlap_steps=getattr(args, "async_scheduling", True),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from starlette.concurrency import run_in_threadpool
 
-from cobatch.chat_template import ChatTemplateError
+from cobatch.chat_template import RESERVED_VARIABLES, ChatTemplateError
 from cobatch.engine.grammar import (forced_tool_call_grammar, json_grammar, schema_from_response_format,
                                     structured_grammar)
 from cobatch.errors import UserError
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from cobatch.server.context import ServerContext
 
 # Names the chat template itself binds; a client's chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+_RESERVED_TEMPLATE_VARS = RESERVED_VARIABLES
 
 
 def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,

@@ -32,6 +32,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     content: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None      # vLLM's: template variables of `messages`' render
     add_special_tokens: bool | None = None
     add_special: bool | None = None
     return_token_strs: bool = False
@@ -41,6 +42,7 @@ class TokenizeRequest(BaseModel):
 class ApplyTemplateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage]
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -59,7 +61,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
         raise bad_request("give either a prompt (or content) or messages", param="prompt")
     llm = ctx.llm
     if body.messages is not None:
-        ids, _ = await run_in_threadpool(render_chat, llm, template_messages(body.messages))
+        ids, _ = await run_in_threadpool(render_chat, llm, template_messages(body.messages), None,
+                                         body.chat_template_kwargs)
     else:
         special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
         ids = await run_in_threadpool(llm.tokenizer.encode, text, special is not False)
@@ -87,4 +90,5 @@ async def detokenize(request: Request) -> dict[str, str]:
 async def apply_template(request: Request) -> dict[str, str]:
     ctx = get_context(request)
     body = await read_body(request, ApplyTemplateRequest, ctx.options.max_body_bytes)
-    return {"prompt": await run_in_threadpool(chat_text, ctx.llm, template_messages(body.messages))}
+    return {"prompt": await run_in_threadpool(chat_text, ctx.llm, template_messages(body.messages), None,
+                                              body.chat_template_kwargs)}
