@@ -288,6 +288,29 @@ def test_serve_renders_every_conversation_with_the_default_template_variables(cl
         assert_clean_error(cli("chat", "hello", "-n", "1", *bad), bad[0])
 
 
+def test_reasoning_format_none_leaves_the_thoughts_in_the_content():
+    """A template that opens a <think> block: the reply is reasoning (reasoning_content) by default, and with
+    llama.cpp's --reasoning-format none the same text stays in the content."""
+    import httpx
+    from cobatch.cli import build_parser
+    from cobatch.llm import LLM
+    from cobatch.server.app import engine_options, server_options
+    from test_server_support import live_server
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n<think>\n")
+    replies = {}
+    for fmt in ("auto", "none"):
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--ctx", "256", "--chat-template", template,
+                                          "--reasoning-format", fmt])
+        with live_server(LLM.load(smollm2_path(), engine_options(args)), server_options(args)) as srv:
+            replies[fmt] = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}).json()
+    thought = replies["auto"]["choices"][0]["message"]
+    plain = replies["none"]["choices"][0]["message"]
+    assert thought["reasoning_content"] and not thought["content"]
+    assert plain["content"] == thought["reasoning_content"] and "reasoning_content" not in plain
+
+
 def test_serve_takes_vllm_and_llama_cpp_option_names():
     from cobatch.cli import build_parser
     ours = build_parser().parse_args(["serve", "--model-name", "m", "--parallel", "4", "--ctx", "2048",
@@ -323,9 +346,11 @@ def test_serve_async_scheduling_flag():
 def test_serve_takes_more_llama_cpp_flags():
     from cobatch.cli import build_parser
     args = build_parser().parse_args(["serve", "-cb", "--metrics", "--slots", "--no-webui", "--mlock", "--no-mmap",
-                                      "-b", "1024", "-ub", "256", "-v"])
+                                      "-b", "1024", "-ub", "256", "-v", "--props", "--embeddings", "--cache-reuse",
+                                      "256", "-dt", "0.1", "--threads-http", "4", "-to", "600"])
     assert (args.max_step_tokens, args.prefill_chunk, args.log_level) == (1024, 256, "debug")
     assert build_parser().parse_args(["serve"]).log_level == "info"
+    assert build_parser().parse_args(["serve", "--log-disable"]).log_level == "warning"
     assert (args.webui, build_parser().parse_args(["serve"]).webui) == (False, True)
 
 

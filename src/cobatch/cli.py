@@ -469,8 +469,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp's; attention is always flash attention here")
     for flags, what in ((("-cb", "--cont-batching"), "requests are always batched continuously"),
                         (("--metrics",), "/metrics is always served"), (("--slots",), "/slots is always served"),
+                        (("--props",), "GET /props is always served"),
+                        (("--embedding", "--embeddings"), "/v1/embeddings is always served"),
                         (("--mlock", "--no-mmap"), "weights are read into memory and repacked at load")):
         p.add_argument(*flags, action="store_true", help=f"llama.cpp's; {what}")
+    for flags, kind, what in ((("--cache-reuse",), int, "the prefix cache reuses the KV blocks of earlier prompts"),
+                              (("-dt", "--defrag-thold"), float, "the paged KV cache does not fragment"),
+                              (("--threads-http",), int, "one asyncio loop serves HTTP"),
+                              (("-to", "--timeout"), int, "no read or write timeout applies to a request")):
+        p.add_argument(*flags, type=kind, default=None, help=f"llama.cpp's; {what}")
+    p.add_argument("--reasoning-format", choices=("auto", "deepseek", "deepseek-legacy", "none"), default="auto",
+                   help="llama.cpp's: none leaves a reply's <think> block in its content; the others give it as "
+                        "reasoning_content (Anthropic: thinking blocks), the default")
+    p.add_argument("--log-disable", dest="log_level", action="store_const", const="warning", default="info",
+                   help="llama.cpp's; only warnings and errors are logged")
     p.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="debug", default="info",
                    help="llama.cpp's; the same as --log-level debug")
     # vLLM flags that copied commands carry: accepted, and what they mean here

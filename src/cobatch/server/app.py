@@ -370,7 +370,8 @@ def server_options(args) -> ServerOptions:
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
                          sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
                          metrics_compat=getattr(args, "metrics_compat", None),
-                         slot_save_path=getattr(args, "slot_save_path", None), webui=getattr(args, "webui", True))
+                         slot_save_path=getattr(args, "slot_save_path", None), webui=getattr(args, "webui", True),
+                         parse_reasoning=getattr(args, "reasoning_format", "auto") != "none")
 
 
 def api_keys(args) -> tuple[str, ...]:

@@ -38,6 +38,9 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()       # keys accepted besides api_key (serve's repeated --api-key, --api-key-file)
     slot_save_path: str | None = None    # the directory of POST /slots/{id}?action=save|restore files; None: refused
     webui: bool = True                   # serve the chat page at / and the dashboard at /dashboard (server/webui.py)
+    # a reply's <think> block as reasoning_content / thinking blocks; False (llama.cpp's --reasoning-format none):
+    # left in the content as the model wrote it
+    parse_reasoning: bool = True
 
 
 class ServerContext:

@@ -454,7 +454,7 @@ async def chat_completions(request: Request):
                        body.prompt_logprobs, prediction=_prediction(ctx, body.prediction))
     choices = Choices(ctx.generation, [GenerationRequest(
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
-        skip_special=body.skip_special_tokens, parse_reasoning=True, start_in_reasoning=in_think,
+        skip_special=body.skip_special_tokens, parse_reasoning=ctx.options.parse_reasoning, start_in_reasoning=in_think,
         report_token_ids=body.return_token_ids,
         tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),

@@ -155,7 +155,7 @@ async def create_response(request: Request):
                                   grammar=grammar, adapter=ctx.adapter_for(body.model),
                                   max_tokens=max_new_tokens(ctx, body.max_output_tokens, len(prompt_ids)))
     gen = ctx.generation(GenerationRequest(
-        "responses", prompt_ids, params, [], parse_reasoning=True, start_in_reasoning=in_think,
+        "responses", prompt_ids, params, [], parse_reasoning=ctx.options.parse_reasoning, start_in_reasoning=in_think,
         tool_names=[t["function"]["name"] for t in tools] if tools else None))
     gen.start()
     shell = _Shell(ctx, body)

@@ -301,7 +301,8 @@ class OutputParser:
                  start_in_reasoning: bool = False):
         self._tools = tool_names is not None
         self._tool_names = frozenset(tool_names or ())
-        self._state = "reasoning" if start_in_reasoning else "start"
+        # without reasoning a block the prompt opened is content like the rest (llama.cpp's --reasoning-format none)
+        self._state = "reasoning" if start_in_reasoning and reasoning else "start"
         self._think_allowed = reasoning and not start_in_reasoning
         self._strip_leading = False     # whitespace after </think> or a tool call is not content
         self._buf = ""
