@@ -279,6 +279,25 @@ def reference_xtc(probs: list[float], threshold: float) -> list[float]:
     return [p / sum(kept) for p in kept]
 
 
+def reference_top_n_sigma(logits: list[float], temperature: float, n: float) -> list[float]:
+    """Top-n-sigma (Tang et al. 2024) from its definition: keep the tokens whose logit is at least the largest
+    less n population standard deviations of the logits; softmax(logits / T) over them."""
+    mean = sum(logits) / len(logits)
+    sigma = math.sqrt(sum((x - mean) ** 2 for x in logits) / len(logits))
+    kept = [x >= max(logits) - n * sigma for x in logits]
+    assert all(abs(x - (max(logits) - n * sigma)) > 1e-3 for x in logits), "test data too close to the cut"
+    weights = [math.exp(x / temperature) if k else 0.0 for x, k in zip(logits, kept)]
+    return [w / sum(weights) for w in weights]
+
+
+@pytest.mark.parametrize("temperature, n", [(1.0, 1.0), (1.5, 1.0), (0.8, 1.6)])
+def test_top_n_sigma_matches_its_definition_at_any_temperature(temperature, n):
+    params = SamplingParams(temperature=temperature, top_n_sigma=n)
+    expected = reference_top_n_sigma(SMALL_LOGITS, temperature, n)
+    assert 1 < sum(p > 0 for p in expected) < len(SMALL_LOGITS)
+    assert_matches_distribution(draw_many(SMALL_LOGITS, params), expected)
+
+
 @pytest.mark.parametrize("temperature, typical_p", [(1.0, 0.5), (1.0, 0.9), (0.7, 0.8)])
 def test_typical_sampling_matches_its_definition(temperature, typical_p):
     params = SamplingParams(temperature=temperature, typical_p=typical_p)
@@ -408,6 +427,7 @@ def _varied_params() -> list[SamplingParams]:
         SamplingParams(temperature=0.0, repetition_penalty=1.5),
         SamplingParams(temperature=0.8, logprobs=5),
         SamplingParams(temperature=1.0, typical_p=0.7),
+        SamplingParams(temperature=1.2, top_n_sigma=1.5),
         SamplingParams(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.05),
         SamplingParams(temperature=0.9, dry_multiplier=0.8, dry_allowed_length=1),
         SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=4.0),

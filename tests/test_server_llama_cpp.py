@@ -116,6 +116,10 @@ def test_typical_and_xtc_samplers(server):
     assert same[0] == same[1]
     params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
     assert (params["typical_p"], params["xtc_probability"], params["xtc_threshold"]) == (1.0, 0.0, 0.1)
+    assert params["top_n_sigma"] == -1.0
+    narrow = post(server, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 1.5, "seed": 2,
+                                          "top_n_sigma": 0.01}).json()["content"]
+    assert narrow == post(server, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0}).json()["content"]
     bad = post(server, "/completion", {"prompt": PROMPT, "typical_p": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "typical_p"
 

@@ -87,6 +87,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=None, help="default 1.0")
     # llama-cli's other samplers (engine/sampler.py, engine/dry.py), off unless given
     for flags, name, kind in ((("--typical", "--typical-p"), "typical_p", float),
+                              (("--top-n-sigma",), "top_n_sigma", float),
                               (("--xtc-probability",), "xtc_probability", float),
                               (("--xtc-threshold",), "xtc_threshold", float),
                               (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
@@ -123,8 +124,8 @@ def _grammar(args) -> str | None:
 
 
 _SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
-_OTHER_SAMPLERS = ("typical_p", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
-                   "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
+_OTHER_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+                   "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 
 
 def _sampling(args, model_defaults: dict | None = None, tokenizer=None):
@@ -510,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),
                               (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
                               (("--typical", "--typical-p"), "typical_p", float),
+                              (("--top-n-sigma",), "top_n_sigma", float),
                               (("--xtc-probability",), "xtc_probability", float),
                               (("--xtc-threshold",), "xtc_threshold", float),
                               (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
@@ -524,10 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"default {name} of requests that do not set it")
     p.add_argument("--override-generation-config", default=None,
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
-                        "(temperature, top_k, top_p, min_p, typical_p, xtc_probability, xtc_threshold, dry_multiplier, "
-                        "dry_base, dry_allowed_length, dry_penalty_last_n, mirostat, mirostat_tau, mirostat_eta, "
-                        "repetition_penalty, seed, max_new_tokens; the flags above "
-                        "win over it)")
+                        "(temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold, "
+                        "dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, mirostat, mirostat_tau, "
+                        "mirostat_eta, repetition_penalty, seed, max_new_tokens; the flags above win over it)")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")

@@ -52,6 +52,7 @@ class SamplingParams:
     top_p: float = 1.0                # 1 -> off
     min_p: float = 0.0                # 0 -> off
     typical_p: float = 1.0            # 1 -> off: locally typical sampling (HF's typical_p, llama.cpp's typ_p)
+    top_n_sigma: float = -1.0         # <= 0 -> off: llama.cpp's top-n-sigma, logits within n std devs of the top
     # llama.cpp's XTC (exclude top choices): on a step drawn with this probability, the tokens of probability
     # >= xtc_threshold but the least likely of them are removed (nothing when fewer than two reach it)
     xtc_probability: float = 0.0      # 0 -> off
@@ -99,6 +100,7 @@ class SamplingParams:
         _check_real("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         _check_real("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         _check_real("typical_p", self.typical_p, "in (0, 1] (1 means off)", lambda v: 0 < v <= 1)
+        _check_real("top_n_sigma", self.top_n_sigma, "a number (<= 0 means off)", lambda v: v <= 1e6)
         _check_real("xtc_probability", self.xtc_probability, "in [0, 1] (0 means off)", lambda v: 0 <= v <= 1)
         _check_real("xtc_threshold", self.xtc_threshold, "in [0, 1] (above 0.5 means off)", lambda v: 0 <= v <= 1)
         _check_real("dry_multiplier", self.dry_multiplier, ">= 0 (0 means off)", lambda v: v >= 0)
@@ -390,19 +392,23 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
 
 
 def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
-                  typical_p: list[float] | None = None, xtc_threshold: list[float] | None = None) -> torch.Tensor:
-    """Set tokens outside each row's top-k / top-p / min-p / typical-p sets to -inf, then apply XTC; float32
-    [R, V] in and out.
+                  typical_p: list[float] | None = None, xtc_threshold: list[float] | None = None,
+                  top_n_sigma: list[float] | None = None) -> torch.Tensor:
+    """Set tokens outside each row's top-n-sigma / top-k / top-p / min-p / typical-p sets to -inf, then apply XTC;
+    float32 [R, V] in and out.
 
-    `scores` are tempered logits. Order: top-k, then top-p over the top-k-renormalized distribution
-    (keep the smallest prefix whose mass reaches p), then min-p (keep p >= min_p * p_max), then typical-p
-    (HF's TypicalLogitsWarper, in its place after min-p), then XTC (as llama.cpp's, after the others). The
-    most likely token always survives the first three, so min-p commutes with the other two. One sort per
-    call, only if some row uses top-k or top-p. xtc_threshold: per row, the threshold of a step whose XTC coin
-    came up (else above 0.5: off).
-    """
+    `scores` are tempered logits. Order: top-n-sigma (llama.cpp's place, before top-k; a temperature scales the
+    largest logit and the spread alike, so it keeps the same tokens at any), top-k, then top-p over the
+    top-k-renormalized distribution (keep the smallest prefix whose mass reaches p), then min-p (keep p >= min_p *
+    p_max), then typical-p (HF's TypicalLogitsWarper, in its place after min-p), then XTC (as llama.cpp's, after
+    the others). The most likely token always survives top-k, top-p and min-p, so min-p commutes with the other
+    two. One sort per call, only if some row uses top-k or top-p. xtc_threshold: per row, the threshold of a step
+    whose XTC coin came up (else above 0.5: off)."""
     rows, vocab = scores.shape
     device = scores.device
+    if top_n_sigma is not None and any(n > 0 for n in top_n_sigma):
+        scores = _top_n_sigma(scores, to_device([n if n > 0 else math.inf for n in top_n_sigma], torch.float32,
+                                                device))
     needs_top_k = any(0 < k < vocab for k in top_k)
     needs_top_p = any(p < 1.0 for p in top_p)
     if needs_top_k or needs_top_p:
@@ -429,6 +435,17 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
     if xtc_threshold is not None and any(t <= 0.5 for t in xtc_threshold):
         scores = _exclude_top_choices(scores, to_device(list(xtc_threshold), torch.float32, device))
     return scores
+
+
+def _top_n_sigma(scores: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Top-n-sigma (Tang et al. 2024): the tokens whose logit is at least the largest less n standard deviations of
+    the row's logits (of the tokens still in; inf: keep all)."""
+    finite = torch.isfinite(scores)
+    count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+    mean = torch.where(finite, scores, 0.0).sum(dim=-1, keepdim=True) / count
+    spread = (torch.where(finite, (scores - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count).sqrt()
+    floor = scores.amax(dim=-1, keepdim=True) - n[:, None] * spread
+    return scores.masked_fill(scores < floor, -math.inf)
 
 
 def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -561,7 +578,8 @@ class Sampler:
         mirostat = [r for r in rows if r.params.mirostat]
         filtered = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
                                  [r.params.min_p for r in rows], [r.params.typical_p for r in rows],
-                                 [_xtc_threshold(r) for r in rows]) if len(mirostat) < len(rows) else scores
+                                 [_xtc_threshold(r) for r in rows],
+                                 [r.params.top_n_sigma for r in rows]) if len(mirostat) < len(rows) else scores
         if mirostat:
             mu = to_device([_mu(r) for r in rows], torch.float32, device)
             versions = [r.params.mirostat for r in rows]

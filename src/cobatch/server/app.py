@@ -231,7 +231,7 @@ def sampling_defaults(args) -> dict:
     leave them unset take; a bad value is a UserError naming it."""
     from cobatch.engine.sampler import SamplingParams
     from cobatch.errors import UserError
-    names = ("temperature", "top_k", "top_p", "min_p", "typical_p", "xtc_probability", "xtc_threshold",
+    names = ("temperature", "top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
              "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
              "mirostat_eta", "repetition_penalty", "seed", "max_tokens")
     defaults = _generation_config(getattr(args, "override_generation_config", None), names)

@@ -339,10 +339,11 @@ def make_sampling_params(vocab_size: int, defaults: dict | None = None, by_prior
 
 
 def llama_cpp_sampler_fields(body) -> dict:
-    """A request's fields of llama.cpp's samplers (typical-p, XTC, DRY, mirostat; llama.cpp's names) as
+    """A request's fields of llama.cpp's samplers (typical-p, top-n-sigma, XTC, DRY, mirostat; llama.cpp's names) as
     SamplingParams takes them; None: unset."""
     breakers = body.dry_sequence_breakers
-    return dict(typical_p=body.typical_p, xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold,
+    return dict(typical_p=body.typical_p, top_n_sigma=body.top_n_sigma, xtc_probability=body.xtc_probability,
+                xtc_threshold=body.xtc_threshold,
                 dry_multiplier=body.dry_multiplier, dry_base=body.dry_base, dry_allowed_length=body.dry_allowed_length,
                 dry_penalty_last_n=body.dry_penalty_last_n,
                 dry_sequence_breakers=None if breakers is None else tuple(breakers), mirostat=body.mirostat,

@@ -45,6 +45,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
     typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
+    top_n_sigma: float | None = Field(None, le=1e6, description="<= 0: off")
     xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
     xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
     dry_multiplier: float | None = Field(None, ge=0, description="0: off")
@@ -124,6 +125,7 @@ def _defaults(ctx: ServerContext) -> dict:
     return {"params": {"n_predict": sampling.get("max_tokens", d.n_predict), "temperature": sampling["temperature"],
                        "top_k": sampling["top_k"], "top_p": sampling["top_p"], "min_p": sampling["min_p"],
                        "typical_p": sampling.get("typical_p", 1.0),
+                       "top_n_sigma": sampling.get("top_n_sigma", -1.0),
                        "xtc_probability": sampling.get("xtc_probability", 0.0),
                        "xtc_threshold": sampling.get("xtc_threshold", 0.1),
                        "dry_multiplier": sampling.get("dry_multiplier", 0.0),

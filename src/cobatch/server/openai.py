@@ -67,6 +67,7 @@ class _SamplingBody(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     # llama.cpp's server's samplers (its OpenAI routes take them too)
     typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
+    top_n_sigma: float | None = Field(None, le=1e6, description="<= 0: off")
     xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
     xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
     dry_multiplier: float | None = Field(None, ge=0, description="0: off")
