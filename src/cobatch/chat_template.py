@@ -305,16 +305,11 @@ def template_kwargs_flags(args) -> dict | None:
     """The template variables the command line sets for every conversation: vLLM's --default-chat-template-kwargs
     or llama.cpp's --chat-template-kwargs (a JSON object), and llama.cpp's --reasoning-budget (-1: unrestricted;
     0: thinking off, enable_thinking false). A bad value is a UserError naming the flag."""
-    from cobatch.errors import UserError
+    from cobatch.errors import UserError, json_object_flag
     raw = getattr(args, "chat_template_kwargs", None)
     kwargs = {}
     if raw is not None:
-        try:
-            kwargs = json.loads(raw)
-        except ValueError as exc:
-            raise UserError(f"--chat-template-kwargs: not JSON ({exc})") from None
-        if not isinstance(kwargs, dict):
-            raise UserError("--chat-template-kwargs: a JSON object, e.g. '{\"enable_thinking\": false}'")
+        kwargs = json_object_flag(raw, "--chat-template-kwargs")
         clash = sorted(RESERVED_VARIABLES & kwargs.keys())
         if clash:
             raise UserError(f"--chat-template-kwargs may not set {clash}")

@@ -25,6 +25,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_kv_cache_args(p)
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
+    _add_chat_template_args(p)
+    _add_speculative_arg(p)
+    _add_lora_args(p)
+
+
+def _add_chat_template_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", "--chat-template-file", dest="chat_template", default=None,
                    help="a Jinja chat template (a file, or the template text) to use instead of the model's")
     p.add_argument("--chat-template-kwargs", "--default-chat-template-kwargs", dest="chat_template_kwargs",
@@ -34,8 +40,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-budget", type=int, default=None,
                    help="llama.cpp's: -1 lets the model think (default), 0 renders conversations with "
                         "enable_thinking false")
-    _add_speculative_arg(p)
-    _add_lora_args(p)
 
 
 def _add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -542,15 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(lower first), the least urgent running one giving its KV blocks back when they run out")
     p.add_argument("--eager", "--enforce-eager", dest="eager", action="store_true",
                    help="CUDA: run decode steps without CUDA graphs (debugging)")
-    p.add_argument("--chat-template", "--chat-template-file", dest="chat_template", default=None,
-                   help="a Jinja chat template (a file, or the template text) to use instead of the model's")
-    p.add_argument("--chat-template-kwargs", "--default-chat-template-kwargs", dest="chat_template_kwargs",
-                   default=None, metavar="JSON",
-                   help="template variables every conversation renders with unless a request sets them, as llama.cpp "
-                        "and vLLM take them: e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--reasoning-budget", type=int, default=None,
-                   help="llama.cpp's: -1 lets the model think (default), 0 renders conversations with "
-                        "enable_thinking false")
+    _add_chat_template_args(p)
     p.add_argument("--dense-large-batch", action="store_true",
                    help="CUDA: also keep bf16/f16 weights for steps above the GEMV crossover (more memory, "
                         "faster big batches and prefill)")

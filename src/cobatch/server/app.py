@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import socket
@@ -246,15 +245,10 @@ def sampling_defaults(args) -> dict:
 
 def _generation_config(raw: str | None, names: tuple[str, ...]) -> dict:
     """vLLM's --override-generation-config JSON (its max_new_tokens is our max_tokens)."""
-    from cobatch.errors import UserError
+    from cobatch.errors import UserError, json_object_flag
     if raw is None:
         return {}
-    try:
-        config = json.loads(raw)
-    except ValueError as exc:
-        raise UserError(f"--override-generation-config: not JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise UserError("--override-generation-config: it must be a JSON object")
+    config = json_object_flag(raw, "--override-generation-config")
     config = {("max_tokens" if k == "max_new_tokens" else k): v for k, v in config.items()}
     unknown = sorted(set(config) - set(names))
     if unknown:

@@ -338,18 +338,6 @@ def make_sampling_params(vocab_size: int, defaults: dict | None = None, by_prior
     return params
 
 
-def llama_cpp_sampler_fields(body) -> dict:
-    """A request's fields of llama.cpp's samplers (typical-p, top-n-sigma, XTC, DRY, mirostat; llama.cpp's names) as
-    SamplingParams takes them; None: unset."""
-    breakers = body.dry_sequence_breakers
-    return dict(typical_p=body.typical_p, top_n_sigma=body.top_n_sigma, xtc_probability=body.xtc_probability,
-                xtc_threshold=body.xtc_threshold,
-                dry_multiplier=body.dry_multiplier, dry_base=body.dry_base, dry_allowed_length=body.dry_allowed_length,
-                dry_penalty_last_n=body.dry_penalty_last_n,
-                dry_sequence_breakers=None if breakers is None else tuple(breakers), mirostat=body.mirostat,
-                mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
-
-
 @functools.lru_cache(maxsize=64)
 def _breaker_ids(tokenizer: Tokenizer, breakers: tuple[str, ...]) -> frozenset[int]:
     """A breaker set's tokens (about 15 ms on a 150k vocabulary), kept for the requests that send it again."""

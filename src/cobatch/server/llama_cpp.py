@@ -20,11 +20,12 @@ from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.generation import (Choices, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
-                                       llama_cpp_sampler_fields, make_sampling_params)
+                                       make_sampling_params)
 from cobatch.server.output_parser import ContentDelta
 from cobatch.server.prompting import StructuredOutput, check_prompt_fits, max_new_tokens, output_grammar, raw_prompts
 from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
+from cobatch.server.sampler_fields import LlamaCppSamplers
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
 
 router = APIRouter()
@@ -35,8 +36,8 @@ class LoraScale(BaseModel):
     scale: float
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")       # llama.cpp's many sampler knobs we do not have are ignored
+class CompletionRequest(LlamaCppSamplers):
+    model_config = ConfigDict(extra="ignore")       # the fields of llama.cpp it does not know are ignored
     prompt: str | list[int] = ""
     n_predict: int = Field(-1, ge=-1, description="-1: until the end of turn or the context is full")
     # Unset: the server's default (serve --temperature ...), else llama.cpp's (LLAMA_CPP_SAMPLING)
@@ -44,18 +45,6 @@ class CompletionRequest(BaseModel):
     top_k: int | None = Field(None, ge=0, description="0: off")
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
-    typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
-    top_n_sigma: float | None = Field(None, le=1e6, description="<= 0: off")
-    xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
-    xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
-    dry_multiplier: float | None = Field(None, ge=0, description="0: off")
-    dry_base: float | None = Field(None, ge=1, le=10)
-    dry_allowed_length: int | None = Field(None, ge=1)
-    dry_penalty_last_n: int | None = Field(None, ge=-1, description="-1: the whole context, 0: off")
-    dry_sequence_breakers: list[str] | None = None
-    mirostat: int | None = Field(None, ge=0, le=2, description="0: off; 1 or 2: mirostat in place of top-k ... XTC")
-    mirostat_tau: float | None = Field(None, ge=0, le=100)
-    mirostat_eta: float | None = Field(None, ge=0, le=1)
     seed: int = Field(-1, description="-1: random")
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float = 0.0
@@ -206,7 +195,7 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
         ctx.llm.tokenizer.vocab_size, _sampling_defaults(ctx), tokenizer=ctx.llm.tokenizer,
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
-        **llama_cpp_sampler_fields(body),
+        **body.sampler_fields(),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos,
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,

@@ -22,14 +22,14 @@ from cobatch.engine.sampler import MAX_TOP_LOGPROBS
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
-                                       TokenLogprob, Usage, interleave, llama_cpp_sampler_fields,
-                                       make_sampling_params)
+                                       TokenLogprob, Usage, interleave, make_sampling_params)
 from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
                                       output_grammar, raw_prompts, render_chat)
 from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_data
+from cobatch.server.sampler_fields import LlamaCppSamplers
 
 router = APIRouter()
 log = logging.getLogger("cobatch.server")
@@ -57,7 +57,7 @@ def _stream_usage(body) -> tuple[bool, bool]:
     return include, include and options.continuous_usage_stats
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(_Body, LlamaCppSamplers):        # llama.cpp's samplers: its OpenAI routes take them too
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
@@ -65,19 +65,6 @@ class _SamplingBody(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
-    # llama.cpp's server's samplers (its OpenAI routes take them too)
-    typical_p: float | None = Field(None, gt=0, le=1, description="1: off")
-    top_n_sigma: float | None = Field(None, le=1e6, description="<= 0: off")
-    xtc_probability: float | None = Field(None, ge=0, le=1, description="0: off")
-    xtc_threshold: float | None = Field(None, ge=0, le=1, description="above 0.5: off")
-    dry_multiplier: float | None = Field(None, ge=0, description="0: off")
-    dry_base: float | None = Field(None, ge=1, le=10)
-    dry_allowed_length: int | None = Field(None, ge=1)
-    dry_penalty_last_n: int | None = Field(None, ge=-1, description="-1: the whole context, 0: off")
-    dry_sequence_breakers: list[str] | None = None
-    mirostat: int | None = Field(None, ge=0, le=2, description="0: off; 1 or 2: mirostat in place of top-k ... XTC")
-    mirostat_tau: float | None = Field(None, ge=0, le=100)
-    mirostat_eta: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -253,8 +240,7 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority, tokenizer=ctx.llm.tokenizer,
         priority=body.priority, cache_salt=body.cache_salt,
-        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed,
-        **llama_cpp_sampler_fields(body),
+        temperature=body.temperature, top_p=body.top_p, min_p=body.min_p, seed=body.seed, **body.sampler_fields(),
         top_k=0 if body.top_k == -1 else body.top_k,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
