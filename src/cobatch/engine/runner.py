@@ -22,7 +22,6 @@ from cobatch.engine.sampler import (MAX_BAD_WORD_TOKENS, Sampler, SampleOutput, 
 from cobatch.engine.scheduler import StepPlan
 
 
-# A prompt token's logprob under the model: (token id, logprob, top alternatives as (id, logprob)).
 # A prompt token reported with its logprob: (token, logprob, the k likeliest (token, logprob), its rank: 1 + the
 # tokens more likely than it)
 PromptLogprob = tuple[int, float, list[tuple[int, float]], int]
