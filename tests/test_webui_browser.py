@@ -133,6 +133,9 @@ def test_chat_streams_an_answer_then_regenerates_it(page, server, shots):
     page.fill("#system", "You are a concise geography tutor.")
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "24")
+    page.fill("#dry-multiplier", "0.8")          # a sampler the request carries (greedy stays greedy)
+    sent: list[dict] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
     # Every text the answer shows while it streams (a MutationObserver sees each render).
     page.evaluate("""() => {
         window.partials = new Set();
@@ -151,6 +154,7 @@ def test_chat_streams_an_answer_then_regenerates_it(page, server, shots):
     assert len(partials) >= 2 and all(answer.inner_text().startswith(p.strip()) for p in partials), partials
     stats = _stats(page)
     assert re.search(r"\d+ tokens · [\d.]+ tok/s · TTFT \d+ ms · \d+ cached prompt tokens", stats), stats
+    assert sent[0]["dry_multiplier"] == 0.8 and sent[0]["temperature"] == 0 and "min_p" not in sent[0]
     first_answer = answer.inner_text()
     shots(page, "webui-chat", readme=True)
 

@@ -2,7 +2,10 @@
 "use strict";
 
 const STORE = "cobatch.chat";
-const SETTINGS = { system: "system", temperature: "temperature", top_p: "top-p", max_tokens: "max-tokens" };
+const SETTINGS = { system: "system", temperature: "temperature", top_p: "top-p", min_p: "min-p",
+                   dry_multiplier: "dry-multiplier", xtc_probability: "xtc-probability", max_tokens: "max-tokens" };
+// The settings sent as numbers with each request (left empty: the server's default)
+const NUMBERS = ["temperature", "top_p", "min_p", "dry_multiplier", "xtc_probability", "max_tokens"];
 
 const state = { messages: [], settings: {}, model: null, running: null };
 
@@ -86,7 +89,7 @@ function requestBody(upTo) {
   if (system) messages.push({ role: "system", content: system });
   for (const m of state.messages.slice(0, upTo)) messages.push({ role: m.role, content: m.content });
   const body = { model: state.model || "default", messages, stream: true, stream_options: { include_usage: true } };
-  for (const name of ["temperature", "top_p", "max_tokens"]) {
+  for (const name of NUMBERS) {
     const value = state.settings[name];
     if (value !== undefined && value !== "") body[name] = name === "max_tokens" ? parseInt(value, 10) : parseFloat(value);
   }
