@@ -243,6 +243,45 @@ def test_overlapped_steps_on_cuda(models):
         assert ahead >= STEPS // 2
 
 
+def test_penalties_keep_overlapped_steps_on_cuda(models, monkeypatch):
+    """With COBATCH_PENALTIES_AHEAD, sequences with repetition, presence and frequency penalties are planned ahead
+    like the others (the sampler counts each one's last token on the device): the same outputs as steps that read
+    their tokens first, and most steps planned ahead, where one such sequence used to stop every step's overlap."""
+    from cobatch.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "PENALTIES_AHEAD", True)
+    _, gpu = models["cut"]
+    eng = gpu.engine
+    prompts = [gpu.encode_prompt(p) for p in PROMPTS[:4]]
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=STEPS, repetition_penalty=1.4),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=STEPS, frequency_penalty=0.8, presence_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=STEPS, frequency_penalty=1.5, logprobs=1)]
+    launch = eng.runner.launch
+
+    def run(overlap: bool) -> tuple[list, int]:
+        own, eng.overlap, ahead = eng.overlap, overlap, []
+
+        def counting(plan):
+            ahead.append(plan.follows is not None)
+            return launch(plan)
+
+        eng.runner.launch = counting
+        try:
+            ids = {eng.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
+            got = [[] for _ in prompts]
+            while eng.has_work():
+                for o in eng.step():
+                    got[ids[o.request_id]].append((o.new_token, None if o.logprob is None else round(o.logprob, 4)))
+        finally:
+            eng.runner.launch, eng.overlap = launch, own
+        return got, sum(ahead)
+
+    want, _ = run(False)
+    got, ahead = run(True)
+    assert got == want
+    assert ahead >= STEPS // 2
+    assert len({tuple(t for t, _ in g) for g in want}) > 1
+
+
 def test_speculative_steps_replay_the_decode_graph(models):
     """Prompt-lookup drafts on CUDA: a step of decoders and their drafts replays the decode graph (one row per
     token and draft), and greedy output is plain decoding's, up to ties (the attention's split plan follows

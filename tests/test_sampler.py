@@ -591,6 +591,26 @@ def test_cuda_matches_cpu_and_does_not_synchronize():
     assert on_gpu.token_ids.cpu().tolist() == on_cpu.token_ids.tolist()
 
 
+def test_a_pending_token_counts_as_the_history_that_lacks_it():
+    """A step planned ahead gives its rows histories without the token the step before samples, and that token on
+    the device: the penalties count it there, and draw what the full history draws."""
+    logits = random_logits(6, 50, seed=21, scale=2.0)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.6, frequency_penalty=0.7),
+              SamplingParams(temperature=0.9, seed=3, presence_penalty=1.2),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=4, frequency_penalty=1.5, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, presence_penalty=2.0), SamplingParams(temperature=0.7, seed=5)]
+    histories = [[3, 7, 7, 12], [9], [1, 2], [30, 31, 30], [5, 5], [4]]
+    last = logits.argmax(dim=-1)            # each row's pending token: its own likeliest, so the penalty bites
+    full = [make_row(p, seed=i, step=2, prompt_ids=[1, 2], output_ids=h + [int(last[i])])
+            for i, (p, h) in enumerate(zip(params, histories))]
+    short = [make_row(p, seed=i, step=2, prompt_ids=[1, 2], output_ids=h)
+             for i, (p, h) in enumerate(zip(params, histories))]
+    want = Sampler()(logits, full)
+    assert torch.equal(Sampler()(logits, short, pending=last).token_ids, want.token_ids)
+    assert not torch.equal(Sampler()(logits, short).token_ids, want.token_ids)      # without it: other draws
+
+
 def test_bad_word_bans_the_token_that_would_complete_it():
     from cobatch.engine.sampler import bad_word_bans
     words = ((7,), (1, 2, 3), (4, 5))

@@ -9,14 +9,18 @@ it wait for step n's tokens and turn them into outputs. The GPU no longer idles 
 stages inputs and post-processes (H200, a random Llama-3-8B: bench/results/decode-*-overlap-ab.log). A step is
 planned ahead only where nothing but the input token depends on step n's results: every running sequence
 decodes, samples without reading its own tokens (no penalties, grammar, bad words or drafts), and nobody
-waits for a free slot. A sequence that step n ends (a stop token) has computed one token too many, which
-is dropped; its blocks are freed only after that step in device order, so no one else's KV is touched.
+waits for a free slot. With COBATCH_PENALTIES_AHEAD=1 (to be measured on the GPU before it becomes the default),
+the repetition, presence and frequency penalties do not stop it: the sampler counts the last token on the device
+(sampler.reads_host_feedback); DRY and mirostat still do. A sequence that step n ends (a stop token) has
+computed one token too many, which is dropped; its blocks are freed only after that step in device order, so no
+one else's KV is touched.
 step() then returns step n's outputs, so the outputs trail the device by one step, never by tokens.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,11 +29,15 @@ from cobatch.engine.drafts import PREDICTION_SPEC, DraftModelSpec, NgramSpec, Pr
 from cobatch.engine.grammar import GrammarError, Grammars
 from cobatch.engine.kv_cache import BlockManager, BlockSpill, KVPool, prefix_root, salted_root
 from cobatch.engine.runner import LaunchedStep, ModelRunner, PromptLogprob
-from cobatch.engine.sampler import SamplingParams, reads_feedback
+from cobatch.engine.sampler import SamplingParams, reads_feedback, reads_host_feedback
 from cobatch.engine.scheduler import Scheduler, StepPlan
 from cobatch.engine.sequence import Sequence, SeqStatus
 from cobatch.engine.speculative import can_speculate, step_rows_with_drafts
 from cobatch.errors import UserError
+
+# Sequences with repetition / presence / frequency penalties planned ahead too (their last token counted on the
+# device), where they made every step of their batch wait for the host
+PENALTIES_AHEAD = os.environ.get("COBATCH_PENALTIES_AHEAD", "0") == "1"
 
 
 class ContextLengthExceeded(UserError):
@@ -252,7 +260,7 @@ class Engine:
         """Can this sequence's next token be sampled without the host knowing its tokens so far?"""
         params = seq.params
         return (not seq.draft and seq.prediction is None and seq.matcher is None and not params.bad_words
-                and not reads_feedback(params) and not params.embed)
+                and not (reads_host_feedback if PENALTIES_AHEAD else reads_feedback)(params) and not params.embed)
 
     def _advance_cache(self, seq: Sequence, n: int) -> None:
         """Account for n newly computed tokens and make blocks that became full findable."""

@@ -174,7 +174,8 @@ class ModelRunner:
                 step.embeddings = last[to_device(want, torch.int64, last.device)].float()
             logits = self.model.logits(last)
         step.rows = self._sample_rows(step.sampling_seqs(), plan.ahead)
-        step.out = self.sampler(logits, step.rows)
+        # a step planned ahead: the histories the host gives its rows lack the token the step before samples
+        step.out = self.sampler(logits, step.rows, self._followed_tokens(plan) if plan.ahead else None)
         self._start_transfer(step)
         return step
 

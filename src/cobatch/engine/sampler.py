@@ -289,8 +289,15 @@ def needs_penalties(params: SamplingParams) -> bool:
 
 def reads_feedback(params: SamplingParams) -> bool:
     """Does a row's sampling depend on what the steps before it sampled (its tokens, or mirostat's state)? Then
-    its next step is not planned before the host has seen its last token, nor drafted ahead."""
+    it is not drafted ahead."""
     return needs_penalties(params) or params.mirostat != 0
+
+
+def reads_host_feedback(params: SamplingParams) -> bool:
+    """Does a row's sampling need, on the host, what the step before it sampled (DRY's token runs, mirostat's
+    state)? Then its next step is not planned before the host has seen its last token. The repetition, presence
+    and frequency penalties count that token on the device (Sampler's `pending`)."""
+    return uses_dry(params) or params.mirostat != 0
 
 
 def uses_dry(params: SamplingParams) -> bool:
@@ -358,11 +365,14 @@ def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> torc
     return logits.float().index_put((index[:, 0], index[:, 1]), values, accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Repetition (prompt+output), then frequency and presence (output) penalties; float32 [B, V].
 
     Token counts come from padded id tensors scattered on the device; the pad id V lands in an extra
-    column that is dropped. Rows without penalties get neutral values (exactly the identity).
+    column that is dropped. Rows without penalties get neutral values (exactly the identity). `pending`: one
+    more output token a row, on the device, that its host-side output_ids lack (a step planned before the host
+    saw the one before it sample: engine.py).
     """
     batch, vocab = logits.shape
     device = logits.device
@@ -373,6 +383,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     output_ids = _padded_ids([r.output_ids if use else () for r, use in zip(rows, uses_any)], vocab, device)
     output_counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=device)
     output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
+    if pending is not None:
+        output_counts.scatter_add_(1, pending[:, None], torch.ones(batch, 1, dtype=torch.float32, device=device))
     output_counts = output_counts[:, :vocab]
     output_seen = output_counts > 0
 
@@ -529,12 +541,15 @@ class Sampler:
         # Token keys depend only on (vocab size, device): computed once, not per step.
         self._token_keys: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None
+                 ) -> SampleOutput:
+        """`pending`: each row's last output token, on the device, where the rows' host-side histories lack it
+        (apply_penalties)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab]; got {tuple(logits.shape)}")
         raw = logits.float()
         device = raw.device
-        penalized = apply_penalties(raw, rows) if any(needs_penalties(r.params) for r in rows) else raw
+        penalized = apply_penalties(raw, rows, pending) if any(needs_penalties(r.params) for r in rows) else raw
         penalized = apply_dry(penalized, rows) if any(uses_dry(r.params) for r in rows) else penalized
         penalized = apply_logit_bias(penalized, rows)
         penalized = apply_allowed(penalized, rows)
