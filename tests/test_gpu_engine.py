@@ -207,33 +207,12 @@ def test_overlapped_steps_on_cuda(models):
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=STEPS, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=STEPS, stop_token_ids=(greedy[6],)),
               SamplingParams(temperature=0.6, seed=9, max_tokens=STEPS // 2)]
-    launch = eng.runner.launch
-
-    def run(overlap: bool) -> tuple[list, int]:
-        own, eng.overlap, ahead = eng.overlap, overlap, []
-
-        def counting(plan):
-            ahead.append(plan.follows is not None)
-            return launch(plan)
-
-        eng.runner.launch = counting
-        try:
-            ids = {eng.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
-            got = [[] for _ in prompts]
-            while eng.has_work():
-                for o in eng.step():
-                    lp = None if o.logprob is None else round(o.logprob, 4)
-                    got[ids[o.request_id]].append((o.new_token, lp, o.finish_reason))
-        finally:
-            eng.runner.launch, eng.overlap = launch, own
-        return got, sum(ahead)
-
     graphs = eng.runner.graphs
     for with_graphs in (True, False):
         eng.runner.graphs = graphs if with_graphs else None
         try:
-            want, _ = run(False)
-            got, ahead = run(True)
+            want, _ = _run_counting_ahead(eng, prompts, params, overlap=False)
+            got, ahead = _run_counting_ahead(eng, prompts, params, overlap=True)
         finally:
             eng.runner.graphs = graphs
         print(f"overlap on CUDA ({'graphs' if with_graphs else 'eager'}): {ahead} steps planned ahead; "
@@ -255,31 +234,33 @@ def test_penalties_keep_overlapped_steps_on_cuda(models, monkeypatch):
     params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=STEPS, repetition_penalty=1.4),
               SamplingParams(temperature=0.8, seed=5, max_tokens=STEPS, frequency_penalty=0.8, presence_penalty=0.5),
               SamplingParams(temperature=0.0, max_tokens=STEPS, frequency_penalty=1.5, logprobs=1)]
-    launch = eng.runner.launch
-
-    def run(overlap: bool) -> tuple[list, int]:
-        own, eng.overlap, ahead = eng.overlap, overlap, []
-
-        def counting(plan):
-            ahead.append(plan.follows is not None)
-            return launch(plan)
-
-        eng.runner.launch = counting
-        try:
-            ids = {eng.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
-            got = [[] for _ in prompts]
-            while eng.has_work():
-                for o in eng.step():
-                    got[ids[o.request_id]].append((o.new_token, None if o.logprob is None else round(o.logprob, 4)))
-        finally:
-            eng.runner.launch, eng.overlap = launch, own
-        return got, sum(ahead)
-
-    want, _ = run(False)
-    got, ahead = run(True)
+    want, _ = _run_counting_ahead(eng, prompts, params, overlap=False)
+    got, ahead = _run_counting_ahead(eng, prompts, params, overlap=True)
     assert got == want
     assert ahead >= STEPS // 2
-    assert len({tuple(t for t, _ in g) for g in want}) > 1
+    assert len({tuple(t for t, _, _ in g) for g in want}) > 1
+
+
+def _run_counting_ahead(eng, prompts: list, params: list, overlap: bool) -> tuple[list, int]:
+    """Each prompt's (token, logprob, finish) outputs run to the end with or without overlapped steps, and how many
+    steps were planned ahead."""
+    own, launch, eng.overlap, ahead = eng.overlap, eng.runner.launch, overlap, []
+
+    def counting(plan):
+        ahead.append(plan.follows is not None)
+        return launch(plan)
+
+    eng.runner.launch = counting
+    try:
+        ids = {eng.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
+        got = [[] for _ in prompts]
+        while eng.has_work():
+            for o in eng.step():
+                lp = None if o.logprob is None else round(o.logprob, 4)
+                got[ids[o.request_id]].append((o.new_token, lp, o.finish_reason))
+    finally:
+        eng.runner.launch, eng.overlap = launch, own
+    return got, sum(ahead)
 
 
 def test_speculative_steps_replay_the_decode_graph(models):

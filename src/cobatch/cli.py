@@ -80,6 +80,19 @@ def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp's: drafts a step with --model-draft (default 4)")
 
 
+# llama.cpp's samplers beyond temperature, top-k, top-p and min-p (engine/sampler.py, engine/dry.py): its flags, the
+# SamplingParams field each sets, and its type (chat and generate take them per run, serve as defaults)
+LLAMA_CPP_SAMPLER_FLAGS = ((("--typical", "--typical-p"), "typical_p", float),
+                           (("--top-n-sigma",), "top_n_sigma", float),
+                           (("--xtc-probability",), "xtc_probability", float),
+                           (("--xtc-threshold",), "xtc_threshold", float),
+                           (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
+                           (("--dry-allowed-length",), "dry_allowed_length", int),
+                           (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
+                           (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
+                           (("--mirostat-lr",), "mirostat_eta", float))
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
     # unset: a checkpoint's generation_config.json, else _SAMPLING_DEFAULTS
@@ -90,15 +103,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=None, help="default 1.0")
     # llama-cli's other samplers (engine/sampler.py, engine/dry.py), off unless given
-    for flags, name, kind in ((("--typical", "--typical-p"), "typical_p", float),
-                              (("--top-n-sigma",), "top_n_sigma", float),
-                              (("--xtc-probability",), "xtc_probability", float),
-                              (("--xtc-threshold",), "xtc_threshold", float),
-                              (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
-                              (("--dry-allowed-length",), "dry_allowed_length", int),
-                              (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
-                              (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
-                              (("--mirostat-lr",), "mirostat_eta", float)):
+    for flags, name, kind in LLAMA_CPP_SAMPLER_FLAGS:
         p.add_argument(*flags, dest=name, type=kind, default=None, help=f"{name} (llama-cli's)")
     # Constrained output, with llama-cli's flag names: at most one of these
     constraint = p.add_mutually_exclusive_group()
@@ -128,8 +133,6 @@ def _grammar(args) -> str | None:
 
 
 _SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
-_OTHER_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
-                   "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 
 
 def _sampling(args, model_defaults: dict | None = None, tokenizer=None):
@@ -139,7 +142,8 @@ def _sampling(args, model_defaults: dict | None = None, tokenizer=None):
     from cobatch.engine.sampler import SamplingParams, uses_dry
     chosen = {name: getattr(args, name) if getattr(args, name) is not None
               else (model_defaults or {}).get(name, default) for name, default in _SAMPLING_DEFAULTS.items()}
-    chosen.update({name: getattr(args, name) for name in _OTHER_SAMPLERS if getattr(args, name) is not None})
+    chosen.update({name: getattr(args, name) for _, name, _ in LLAMA_CPP_SAMPLER_FLAGS
+                   if getattr(args, name) is not None})
     from cobatch.loader.lora import adapter_flags
     adapters = adapter_flags(args)
     if len(adapters) > 1:
@@ -514,15 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Sampling defaults for requests that leave a field unset (llama.cpp's server takes its flags the same way)
     for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),
                               (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
-                              (("--typical", "--typical-p"), "typical_p", float),
-                              (("--top-n-sigma",), "top_n_sigma", float),
-                              (("--xtc-probability",), "xtc_probability", float),
-                              (("--xtc-threshold",), "xtc_threshold", float),
-                              (("--dry-multiplier",), "dry_multiplier", float), (("--dry-base",), "dry_base", float),
-                              (("--dry-allowed-length",), "dry_allowed_length", int),
-                              (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
-                              (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
-                              (("--mirostat-lr",), "mirostat_eta", float),
+                              *LLAMA_CPP_SAMPLER_FLAGS,
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
                               (("--seed", "-s"), "seed", int),
                               (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
