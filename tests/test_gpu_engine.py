@@ -222,18 +222,20 @@ def test_overlapped_steps_on_cuda(models):
         assert ahead >= STEPS // 2
 
 
-def test_penalties_keep_overlapped_steps_on_cuda(models, monkeypatch):
-    """With COBATCH_PENALTIES_AHEAD, sequences with repetition, presence and frequency penalties are planned ahead
-    like the others (the sampler counts each one's last token on the device): the same outputs as steps that read
-    their tokens first, and most steps planned ahead, where one such sequence used to stop every step's overlap."""
+def test_penalties_and_mirostat_keep_overlapped_steps_on_cuda(models, monkeypatch):
+    """With COBATCH_PENALTIES_AHEAD, sequences with repetition, presence and frequency penalties or mirostat are
+    planned ahead like the others (the sampler counts each one's last token, and takes mirostat's state, on the
+    device): the same outputs as steps that read their tokens first, and most steps planned ahead, where one such
+    sequence used to stop every step's overlap."""
     from cobatch.engine import engine as engine_module
     monkeypatch.setattr(engine_module, "PENALTIES_AHEAD", True)
     _, gpu = models["cut"]
     eng = gpu.engine
-    prompts = [gpu.encode_prompt(p) for p in PROMPTS[:4]]
+    prompts = [gpu.encode_prompt(p) for p in PROMPTS[:4]] + [gpu.encode_prompt(PROMPTS[0])]
     params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=STEPS, repetition_penalty=1.4),
               SamplingParams(temperature=0.8, seed=5, max_tokens=STEPS, frequency_penalty=0.8, presence_penalty=0.5),
-              SamplingParams(temperature=0.0, max_tokens=STEPS, frequency_penalty=1.5, logprobs=1)]
+              SamplingParams(temperature=0.0, max_tokens=STEPS, frequency_penalty=1.5, logprobs=1),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=STEPS, mirostat=2, mirostat_tau=3.0)]
     want, _ = _run_counting_ahead(eng, prompts, params, overlap=False)
     got, ahead = _run_counting_ahead(eng, prompts, params, overlap=True)
     assert got == want

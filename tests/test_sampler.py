@@ -611,6 +611,22 @@ def test_a_pending_token_counts_as_the_history_that_lacks_it():
     assert not torch.equal(Sampler()(logits, short).token_ids, want.token_ids)      # without it: other draws
 
 
+def test_a_pending_mirostat_state_is_the_one_the_row_would_carry():
+    """A step planned ahead gives its mirostat rows their state as the step before left it, on the device: it
+    draws and moves on as the row carrying that state would; NaN leaves a row its own."""
+    logits = random_logits(3, 40, seed=23, scale=2.0)
+    params = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=2.0, mirostat_eta=0.5)
+    states = [3.1, 1.2, None]
+    carried = [make_row(params, seed=i, step=4) for i in range(3)]
+    for row, state in zip(carried, states):
+        row.mirostat_mu = state
+    want = Sampler()(logits, carried)
+    stale = [make_row(params, seed=i, step=4) for i in range(3)]          # the host's states, one step behind
+    stale[0].mirostat_mu, stale[1].mirostat_mu = 9.0, 0.1
+    got = Sampler()(logits, stale, pending_mu=torch.tensor([3.1, 1.2, math.nan]))
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.mirostat_mu, want.mirostat_mu)
+
+
 def test_bad_word_bans_the_token_that_would_complete_it():
     from cobatch.engine.sampler import bad_word_bans
     words = ((7,), (1, 2, 3), (4, 5))

@@ -10,10 +10,10 @@ stages inputs and post-processes (H200, a random Llama-3-8B: bench/results/decod
 planned ahead only where nothing but the input token depends on step n's results: every running sequence
 decodes, samples without reading its own tokens (no penalties, grammar, bad words or drafts), and nobody
 waits for a free slot. With COBATCH_PENALTIES_AHEAD=1 (to be measured on the GPU before it becomes the default),
-the repetition, presence and frequency penalties do not stop it: the sampler counts the last token on the device
-(sampler.reads_host_feedback); DRY and mirostat still do. A sequence that step n ends (a stop token) has
-computed one token too many, which is dropped; its blocks are freed only after that step in device order, so no
-one else's KV is touched.
+the repetition, presence and frequency penalties and mirostat do not stop it: the sampler counts the last token
+and takes mirostat's state on the device (sampler.reads_host_feedback); DRY still does. A sequence that step n
+ends (a stop token) has computed one token too many, which is dropped; its blocks are freed only after that step
+in device order, so no one else's KV is touched.
 step() then returns step n's outputs, so the outputs trail the device by one step, never by tokens.
 """
 
@@ -35,8 +35,8 @@ from cobatch.engine.sequence import Sequence, SeqStatus
 from cobatch.engine.speculative import can_speculate, step_rows_with_drafts
 from cobatch.errors import UserError
 
-# Sequences with repetition / presence / frequency penalties planned ahead too (their last token counted on the
-# device), where they made every step of their batch wait for the host
+# Sequences with repetition / presence / frequency penalties or mirostat planned ahead too (their last token counted,
+# mirostat's state taken, on the device), where they made every step of their batch wait for the host
 PENALTIES_AHEAD = os.environ.get("COBATCH_PENALTIES_AHEAD", "0") == "1"
 
 

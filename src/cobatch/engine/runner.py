@@ -115,12 +115,16 @@ class ModelRunner:
 
     def _followed_tokens(self, plan: StepPlan) -> torch.Tensor:
         """The input tokens of a step planned ahead: the ones the step it follows samples, on the device."""
-        step = plan.follows
-        row_of = step.row_of()
+        return self._followed(plan, plan.follows.out.token_ids)
+
+    def _followed(self, plan: StepPlan, values: torch.Tensor) -> torch.Tensor:
+        """One value a row of the step `plan` follows (its sampled tokens, its mirostat states), in the rows of
+        `plan`, on the device."""
+        row_of = plan.follows.row_of()
         index = [row_of[id(seq)] for seq, _ in plan.items]
         if index == list(range(len(index))):
-            return step.out.token_ids[:len(index)]
-        return step.out.token_ids.index_select(0, to_device(index, torch.int64, self.device))
+            return values[:len(index)]
+        return values.index_select(0, to_device(index, torch.int64, self.device))
 
     def _graph_logits(self, plan: StepPlan) -> torch.Tensor:
         """A decode step through the captured graph (its inputs are staged by DecodeGraphs). A speculating
@@ -174,8 +178,14 @@ class ModelRunner:
                 step.embeddings = last[to_device(want, torch.int64, last.device)].float()
             logits = self.model.logits(last)
         step.rows = self._sample_rows(step.sampling_seqs(), plan.ahead)
-        # a step planned ahead: the histories the host gives its rows lack the token the step before samples
-        step.out = self.sampler(logits, step.rows, self._followed_tokens(plan) if plan.ahead else None)
+        # a step planned ahead: the histories (and mirostat states) the host gives its rows lack what the step
+        # before samples; the device has them
+        pending = pending_mu = None
+        if plan.ahead:
+            pending = self._followed_tokens(plan)
+            if plan.follows.out.mirostat_mu is not None:
+                pending_mu = self._followed(plan, plan.follows.out.mirostat_mu)
+        step.out = self.sampler(logits, step.rows, pending, pending_mu)
         self._start_transfer(step)
         return step
 

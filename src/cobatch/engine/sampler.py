@@ -294,10 +294,10 @@ def reads_feedback(params: SamplingParams) -> bool:
 
 
 def reads_host_feedback(params: SamplingParams) -> bool:
-    """Does a row's sampling need, on the host, what the step before it sampled (DRY's token runs, mirostat's
-    state)? Then its next step is not planned before the host has seen its last token. The repetition, presence
-    and frequency penalties count that token on the device (Sampler's `pending`)."""
-    return uses_dry(params) or params.mirostat != 0
+    """Does a row's sampling need, on the host, what the step before it sampled (DRY's token runs)? Then its next
+    step is not planned before the host has seen its last token. The repetition, presence and frequency penalties
+    count that token on the device, and mirostat takes its state from there (Sampler's `pending`, `pending_mu`)."""
+    return uses_dry(params)
 
 
 def uses_dry(params: SamplingParams) -> bool:
@@ -541,10 +541,10 @@ class Sampler:
         # Token keys depend only on (vocab size, device): computed once, not per step.
         self._token_keys: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None
-                 ) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None,
+                 pending_mu: torch.Tensor | None = None) -> SampleOutput:
         """`pending`: each row's last output token, on the device, where the rows' host-side histories lack it
-        (apply_penalties)."""
+        (apply_penalties); `pending_mu`: likewise each mirostat row's state after it (NaN: the row's own)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab]; got {tuple(logits.shape)}")
         raw = logits.float()
@@ -563,11 +563,12 @@ class Sampler:
         mu = None
         if sampled:
             if len(sampled) == len(rows):
-                token_ids, mu = self._sample(penalized, rows, greedy=token_ids)
+                token_ids, mu = self._sample(penalized, rows, token_ids, pending_mu)
             else:
                 index = to_device(sampled, torch.int64, device)
                 drawn, drawn_mu = self._sample(penalized.index_select(0, index), [rows[i] for i in sampled],
-                                               greedy=token_ids.index_select(0, index))
+                                               token_ids.index_select(0, index),
+                                               None if pending_mu is None else pending_mu.index_select(0, index))
                 token_ids = token_ids.index_copy(0, index, drawn)
                 if drawn_mu is not None:
                     mu = torch.full((len(rows),), math.nan, device=device).index_copy(0, index, drawn_mu)
@@ -580,8 +581,8 @@ class Sampler:
         top_logprobs, top_ids = log_probs.topk(min(max(wanted), raw.shape[1]), dim=-1)
         return SampleOutput(token_ids, chosen, top_ids, top_logprobs, mu)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow],
-                greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor,
+                pending_mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gumbel-max over the filtered, tempered logits of rows that all have temperature > 0; `greedy`
         (argmax of the same penalized logits) is the fallback for a row with no candidate left. Returns the
         tokens and, where some row runs mirostat, every row's state after this step (NaN: not mirostat)."""
@@ -597,6 +598,8 @@ class Sampler:
                                  [r.params.top_n_sigma for r in rows]) if len(mirostat) < len(rows) else scores
         if mirostat:
             mu = to_device([_mu(r) for r in rows], torch.float32, device)
+            if pending_mu is not None:          # the state the step before left on the device, where it left one
+                mu = torch.where(torch.isnan(pending_mu), mu, pending_mu)
             versions = [r.params.mirostat for r in rows]
             version = to_device(versions, torch.int64, device)[:, None]
             for v, truncate in ((1, mirostat_v1), (2, mirostat_v2)):      # only the versions some row runs
