@@ -562,6 +562,12 @@ def test_prompt_logprobs_as_vllm_reports_them(server, oai):
         oai.completions.create(model="any", prompt=prompt, max_tokens=1, stream=True,
                                extra_body={"prompt_logprobs": 1})
     assert err.value.body["param"] == "prompt_logprobs"
+    # with echo's own logprobs: each keeps its own count of alternatives
+    both = oai.completions.create(model="any", prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3}).choices[0]
+    assert all(len(top) == 1 for top in both.logprobs.top_logprobs[1:])
+    assert all(len(entry) in (3, 4) for entry in both.model_extra["prompt_logprobs"][1:])
+    assert both.logprobs.token_logprobs[1:] == scored.token_logprobs[1:]
 
 
 def test_return_token_ids_as_vllm_gives_them(server, oai):
