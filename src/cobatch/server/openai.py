@@ -343,6 +343,11 @@ def _token_entry(ctx: ServerContext, token_id: int, logprob: float) -> dict:
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
 
+def _token_text(ctx: ServerContext, token_id: int) -> str:
+    """A token's text as logprobs name it (its bytes, a partial UTF-8 character replaced)."""
+    return ctx.llm.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
 def _chat_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob]) -> dict:
     return {"content": [{**_token_entry(ctx, lp.token_id, lp.logprob),
                          "top_logprobs": [_token_entry(ctx, t, p) for t, p in lp.top]} for lp in logprobs]}
@@ -352,10 +357,10 @@ def _completion_logprobs(ctx: ServerContext, logprobs: list[TokenLogprob], offse
     tokens, offsets = [], []
     for lp in logprobs:
         offsets.append(offset)
-        tokens.append(_token_entry(ctx, lp.token_id, lp.logprob)["token"])
+        tokens.append(_token_text(ctx, lp.token_id))
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [None if lp.top is None else {_token_entry(ctx, t, p)["token"]: p for t, p in lp.top}
+            "top_logprobs": [None if lp.top is None else {_token_text(ctx, t): p for t, p in lp.top}
                              for lp in logprobs],
             "text_offset": offsets}
 
@@ -364,7 +369,7 @@ def _prompt_logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> list[di
     """vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then per token
     {token id: {logprob, rank, decoded_token}} for the token itself and its k likeliest alternatives."""
     def entry(token_id: int, logprob: float, rank: int) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": _token_entry(ctx, token_id, logprob)["token"]}
+        return {"logprob": logprob, "rank": rank, "decoded_token": _token_text(ctx, token_id)}
     out: list[dict | None] = [None]
     for lp in entries:
         found = {str(t): entry(t, p, i + 1) for i, (t, p) in enumerate(lp.top)}
