@@ -388,8 +388,12 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
     args = build_parser().parse_args([
         "serve", "--model", "x.gguf", "--tensor-parallel-size", "1", "--trust-remote-code", "--enforce-eager",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
-        "--enable-prefix-caching", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning"])
+        "--enable-prefix-caching", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning",
+        "--enable-chunked-prefill", "--swap-space", "4", "--max-seq-len-to-capture", "8192", "--download-dir", "/d",
+        "--load-format", "auto", "--revision", "main", "--distributed-executor-backend", "mp",
+        "--disable-custom-all-reduce", "--disable-uvicorn-access-log"])
     assert (args.eager, args.tensor_parallel_size, args.log_level) == (True, 1, "warning")
+    assert not args.access_log
     requests = logging.getLogger("cobatch.server.requests")
     try:
         configure_logging(args)                # the per-request lines (info) are dropped ...

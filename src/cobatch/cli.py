@@ -508,8 +508,19 @@ def build_parser() -> argparse.ArgumentParser:
                         (("--enable-prefix-caching",), "the prefix cache is always on"),
                         (("--enable-lora",), "adapters are on whenever --lora-modules names some"),
                         (("--enable-auto-tool-choice",), "tool calls are always parsed when a request declares tools"),
-                        (("--disable-log-stats",), "cobatch logs no periodic stats")):
+                        (("--disable-log-stats",), "cobatch logs no periodic stats"),
+                        (("--enable-chunked-prefill",), "prefill is always chunked (--prefill-chunk)"),
+                        (("--enable-log-requests",), "cobatch logs a line per request anyway"),
+                        (("--disable-uvicorn-access-log",), "uvicorn's access log is off unless --access-log"),
+                        (("--disable-custom-all-reduce",), "tensor parallelism runs torch.distributed's all-reduce")):
         p.add_argument(*flags, action="store_true", help=f"vLLM's; {what}")
+    local = "nothing is downloaded: the model is a local file or folder"
+    for flag, kind, what in (("--swap-space", float, "a sequence out of KV blocks is recomputed, not swapped out "
+                                                     "(--kv-disk-cache spills the prefix cache)"),
+                             ("--max-seq-len-to-capture", int, "the decode graphs cover every batch bucket"),
+                             ("--download-dir", str, local), ("--load-format", str, local), ("--revision", str, local),
+                             ("--distributed-executor-backend", str, "tensor parallelism runs one process a GPU")):
+        p.add_argument(flag, type=kind, default=None, help=f"vLLM's; {what}")
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         p.add_argument(flag, default=None, help="vLLM's; the output's format is recognized whatever it is: Hermes / "
                                                 "Qwen <tool_call> tags, bare JSON calls, Mistral and Phi-4 lists, "
