@@ -311,6 +311,32 @@ def test_reasoning_format_none_leaves_the_thoughts_in_the_content():
     assert plain["content"] == thought["reasoning_content"] and "reasoning_content" not in plain
 
 
+def test_max_logprobs_caps_what_a_request_may_ask(cli):
+    """vLLM's --max-logprobs: top_logprobs, logprobs and prompt_logprobs above it are a 400 naming the field; up to
+    it they are answered; the flag takes 0-20 (OpenAI's cap), anything else is one clear line and exit code 2."""
+    import openai
+    from cobatch.cli import build_parser
+    from cobatch.llm import LLM, EngineOptions
+    from cobatch.server.app import server_options
+    from test_server_support import live_server
+    args = build_parser().parse_args(["serve", "--max-logprobs", "2", "--accept-any-model"])
+    with live_server(LLM.load(smollm2_path(), EngineOptions(device="cpu", ctx=256, quiet=True)),
+                     server_options(args)) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                           logprobs=True, top_logprobs=2)
+        assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+        for call in (lambda: oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}],
+                                                         max_tokens=1, logprobs=True, top_logprobs=3),
+                     lambda: oai.completions.create(model="any", prompt="Hi", max_tokens=1, logprobs=3),
+                     lambda: oai.completions.create(model="any", prompt="Hi", max_tokens=1,
+                                                    extra_body={"prompt_logprobs": 3})):
+            with pytest.raises(openai.BadRequestError) as err:
+                call()
+            assert err.value.body["param"] in ("top_logprobs", "logprobs", "prompt_logprobs")
+    assert_clean_error(cli("serve", "--max-logprobs", "50"), "--max-logprobs")
+
+
 def test_serve_takes_vllm_and_llama_cpp_option_names():
     from cobatch.cli import build_parser
     ours = build_parser().parse_args(["serve", "--model-name", "m", "--parallel", "4", "--ctx", "2048",

@@ -514,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
                         (("--disable-uvicorn-access-log",), "uvicorn's access log is off unless --access-log"),
                         (("--disable-custom-all-reduce",), "tensor parallelism runs torch.distributed's all-reduce")):
         p.add_argument(*flags, action="store_true", help=f"vLLM's; {what}")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="vLLM's: the most alternatives a request's logprobs, top_logprobs or prompt_logprobs may ask "
+                        "for (0-20, default 20)")
     local = "nothing is downloaded: the model is a local file or folder"
     for flag, kind, what in (("--swap-space", float, "a sequence out of KV blocks is recomputed, not swapped out "
                                                      "(--kv-disk-cache spills the prefix cache)"),

@@ -365,7 +365,18 @@ def server_options(args) -> ServerOptions:
                          sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
                          metrics_compat=getattr(args, "metrics_compat", None),
                          slot_save_path=getattr(args, "slot_save_path", None), webui=getattr(args, "webui", True),
-                         parse_reasoning=getattr(args, "reasoning_format", "auto") != "none")
+                         parse_reasoning=getattr(args, "reasoning_format", "auto") != "none",
+                         max_logprobs=_max_logprobs(args))
+
+
+def _max_logprobs(args) -> int:
+    """vLLM's --max-logprobs, up to the 20 that OpenAI's API and the sampler allow."""
+    from cobatch.engine.sampler import MAX_TOP_LOGPROBS
+    from cobatch.errors import UserError
+    value = getattr(args, "max_logprobs", MAX_TOP_LOGPROBS)
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise UserError(f"--max-logprobs: 0 to {MAX_TOP_LOGPROBS} (got {value})")
+    return value
 
 
 def api_keys(args) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ class ServerOptions:
     # a reply's <think> block as reasoning_content / thinking blocks; False (llama.cpp's --reasoning-format none):
     # left in the content as the model wrote it
     parse_reasoning: bool = True
+    max_logprobs: int = 20               # the most alternatives logprobs may ask for (vLLM's --max-logprobs)
 
 
 class ServerContext:

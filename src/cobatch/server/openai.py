@@ -237,6 +237,11 @@ def _truncated(body: _SamplingBody, prompt_ids: list[int]) -> list[int]:
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
               logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None,
               prediction: tuple[int, ...] | None = None):
+    limit = ctx.options.max_logprobs
+    for name, value in (("top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs", logprobs),
+                        ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > limit:
+            raise bad_request(f"{name}: at most {limit} (the server's --max-logprobs)", param=name)
     return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults, ctx.by_priority, tokenizer=ctx.llm.tokenizer,
         priority=body.priority, cache_salt=body.cache_salt,
