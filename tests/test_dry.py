@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from cobatch.engine.dry import breaker_token_ids, dry_penalties
+from cobatch.engine.dry import BreakerIndex, dry_penalties
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams, needs_penalties
 
 
@@ -62,7 +62,9 @@ def test_a_repeat_is_penalized_by_its_length_and_breakers_stop_it():
 
 def test_breakers_are_the_tokens_whose_text_holds_one():
     vocab = [b"a", b"\n", b"x:", b"ab", b"\"q", b"*"]
-    assert breaker_token_ids(lambda t: vocab[t], len(vocab), ("\n", ":", "\"", "*")) == frozenset({1, 2, 4, 5})
+    index = BreakerIndex(lambda t: vocab[t], len(vocab))
+    assert index.tokens_holding(("\n", ":", "\"", "*")) == frozenset({1, 2, 4, 5})
+    assert index.tokens_holding(("a\n",)) == frozenset()          # "a" then "\n": across two tokens, not in one
 
 
 def test_the_sampler_applies_dry_to_its_rows_only():

@@ -79,7 +79,3 @@ class BreakerIndex:
                 at = self.blob.find(needle, at + 1)
         return frozenset(found)
 
-
-def breaker_token_ids(token_bytes: Callable[[int], bytes], vocab_size: int, breakers: Sequence[str]) -> frozenset[int]:
-    """The tokens whose text holds one of the breaker strings (token_bytes(id) -> the token's bytes)."""
-    return BreakerIndex(token_bytes, vocab_size).tokens_holding(breakers)

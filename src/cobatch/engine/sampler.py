@@ -12,9 +12,9 @@ is float32 `log`, whose last-ulp rounding may differ between devices, so identic
 token on CPU and CUDA except at float32-level near-ties.
 
 Pipeline per row: raw logits -> penalties (repetition, presence, frequency, then DRY) -> logit bias -> allowed
-tokens, grammar mask and bans -> (greedy: argmax) | (temperature -> top-k -> top-p over the top-k-renormalized
-distribution -> min-p relative to the most likely token -> typical-p -> XTC -> Gumbel-max). logprobs are always of
-the raw logits (no penalties, no temperature).
+tokens, grammar mask and bans -> (greedy: argmax) | (temperature -> top-n-sigma -> top-k -> top-p over the
+top-k-renormalized distribution -> min-p relative to the most likely token -> typical-p -> XTC, or mirostat in
+their place -> Gumbel-max). logprobs are always of the raw logits (no penalties, no temperature).
 """
 
 from __future__ import annotations
@@ -435,7 +435,7 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
             # Rows with top_p = 1 get +inf so rounding in the cumsum (mass_before ~ 1) never trims their tail.
             p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
             drop_sorted |= mass_before >= p_per_row[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        drop = _unsorted(drop_sorted, order)
         scores = scores.masked_fill(drop, -math.inf)
     if any(p > 0.0 for p in min_p):
         relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
@@ -447,6 +447,11 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
     if xtc_threshold is not None and any(t <= 0.5 for t in xtc_threshold):
         scores = _exclude_top_choices(scores, to_device(list(xtc_threshold), torch.float32, device))
     return scores
+
+
+def _unsorted(drop_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """A mask over each row's tokens in `order` (a sort's indices) put back in token order."""
+    return torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
 
 
 def _top_n_sigma(scores: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -472,7 +477,7 @@ def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     mass_before = p.gather(1, order).cumsum(dim=-1) - p.gather(1, order)
     drop_sorted = mass_before >= mass[:, None]
     drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    drop = _unsorted(drop_sorted, order)
     return scores.masked_fill(drop, -math.inf)
 
 
@@ -520,7 +525,7 @@ def mirostat_v1(scores: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     k = ((eps * torch.exp2(mu)) / (1 - vocab ** (-eps))) ** (1 / s_hat)
     k = torch.nan_to_num(k, nan=1.0, posinf=float(vocab)).clamp(min=1, max=vocab).floor()
     drop_sorted = torch.arange(vocab, device=scores.device)[None, :] >= k[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    drop = _unsorted(drop_sorted, order)
     return scores.masked_fill(drop, -math.inf)
 
 
