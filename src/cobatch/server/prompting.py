@@ -16,9 +16,6 @@ from cobatch.server.errors import ApiError, bad_request
 if TYPE_CHECKING:
     from cobatch.server.context import ServerContext
 
-# Names the chat template itself binds; a client's chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_VARS = RESERVED_VARIABLES
-
 
 def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
                 template_kwargs: dict | None = None, continue_final: bool = False) -> tuple[list[int], bool]:
@@ -41,7 +38,7 @@ def chat_text(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
     if llm.template is None:
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt")
     kwargs = dict(template_kwargs or {})
-    clash = _RESERVED_TEMPLATE_VARS & kwargs.keys()
+    clash = RESERVED_VARIABLES & kwargs.keys()
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
     try:
