@@ -156,3 +156,34 @@ def test_choice_and_regex_outputs_from_the_real_weights(smol):
         for out in smol.engine.generate([ids] * len(params), params):
             text = smol.tokenizer.decode(out)
             assert ok(text), (kind, text)
+
+
+def _accepts(grammars, source: str, tokenizer, text: str) -> bool:
+    matcher = grammars.matcher(source)._matcher
+    return matcher.consume_tokens(tokenizer.encode(text, add_special=False)) and matcher.is_accepting()
+
+
+def test_forced_xml_call_takes_the_schema_and_nothing_else(smol):
+    """tool_choice "required" under a template that shows Qwen3-Coder's calls: each parameter's value as its
+    kind is written, the required ones present, and a string holding no closing tag of its own."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["s"],
+            "properties": {"s": {"type": "string"}, "n": {"type": "integer"}, "u": {"enum": ["c", "f"]},
+                           "o": {"type": "object", "properties": {"x": {"type": "number"}}}}}}}
+    source = grammar.forced_tool_call_grammar([tool], "xml", parallel=False)
+
+    def call(*members: str) -> str:
+        return "<tool_call>\n<function=f>\n" + "".join(members) + "</function>\n</tool_call>"
+
+    def member(key: str, value: str) -> str:
+        return f"<parameter={key}>\n{value}\n</parameter>\n"
+
+    def accepts(text: str) -> bool:
+        return _accepts(smol.engine.grammars, source, smol.tokenizer, text)
+
+    assert accepts(call(member("s", "two\nlines <b>"), member("n", "-12"), member("u", "c"), member("o", '{"x": 1.5}')))
+    assert accepts(call(member("s", "")))
+    assert not accepts(call(member("n", "1")))                                  # s is required
+    assert not accepts(call(member("s", "a"), member("n", "1.5")))              # n is an integer
+    assert not accepts(call(member("s", "a"), member("u", "k")))                # u is one of its enum
+    assert not accepts(call(member("s", "a\n</parameter>\nb")))                 # the value's end, inside it
+    assert not accepts(call(member("s", "a"), member("s", "b")))                # each parameter once

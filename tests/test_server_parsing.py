@@ -83,6 +83,10 @@ def _parse(pieces: list[str], **kwargs) -> tuple[str, str, list[tuple[str, str]]
 
 
 WEATHER = ["get_weather"]
+XML_SCHEMA = {"type": "object", "properties": {
+    "s": {"type": "string"}, "n": {"type": "integer"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+    "x": {"type": "number"}, "a": {"type": "array"}, "i": {"type": ["integer", "null"]}}}
+XML_TOOLS = {"tool_names": ["f", "g"], "tool_schemas": {"f": XML_SCHEMA, "g": {"type": "object"}}}
 DS_BLOCK, DS_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 PARSE_CASES = [
@@ -143,6 +147,28 @@ PARSE_CASES = [
      {"tool_names": ["a"]}, ("", "", [("a", '{"x": 1')])),
     ("DeepSeek markers without tools are text", DS_CALL + 'a' + DS_SEP + '{}' + DS_END, {},
      (DS_CALL + 'a' + DS_SEP + '{}' + DS_END, "", [])),
+    # Qwen3-Coder: parameters as raw text, typed by the declared schema
+    ("XML call after text", 'Ok.\n<tool_call>\n<function=f>\n<parameter=s>\na "b"\nc\n</parameter>\n'
+     '<parameter=n>\n 42 \n</parameter>\n</function>\n</tool_call>', XML_TOOLS,
+     ("Ok.", "", [("f", '{"s": "a \\"b\\"\\nc", "n": 42}')])),
+    ("XML values of every kind", '<tool_call><function=f><parameter=b>True</parameter><parameter=o>{\'k\': None}'
+     '</parameter><parameter=x>1.5</parameter><parameter=a>[1, "2"]</parameter><parameter=i>null</parameter>'
+     '</function></tool_call>', XML_TOOLS,
+     ("", "", [("f", '{"b": true, "o": {"k": null}, "x": 1.5, "a": [1, "2"], "i": null}')])),
+    ("XML value not of its kind stays text", '<function=f><parameter=n>\nmany\n</parameter></function>', XML_TOOLS,
+     ("", "", [("f", '{"n": "many"}')])),
+    ("XML parameter the schema does not declare is text", '<function=f><parameter=q>\n7\n</parameter></function>',
+     XML_TOOLS, ("", "", [("f", '{"q": "7"}')])),
+    ("XML closing tags left out", '<function=f>\n<parameter=s>\nx\n<parameter=n>\n1\n</function> Done.', XML_TOOLS,
+     ("Done.", "", [("f", '{"s": "x", "n": 1}')])),
+    ("XML two calls, no parameters", '<tool_call>\n<function=f>\n</function>\n</tool_call>\n<tool_call>\n'
+     '<function=g>\n</function>\n</tool_call>', XML_TOOLS, ("", "", [("f", "{}"), ("g", "{}")])),
+    ("XML cut off inside a string", '<tool_call>\n<function=f>\n<parameter=s>\nhalf\n</para', XML_TOOLS,
+     ("", "", [("f", '{"s": "half"}')])),
+    ("Llama 3.1: JSON arguments", 'Sure. <function=f>{"s": "<x>", "n": 1}</function>', XML_TOOLS,
+     ("Sure.", "", [("f", '{"s": "<x>", "n": 1}')])),
+    ("no XML call: a name on two lines", 'a <function=f\ng> b', XML_TOOLS, ("a <function=f\ng> b", "", [])),
+    ("XML markers without tools are text", '<function=f></function>', {}, ('<function=f></function>', "", [])),
 ]
 
 
@@ -178,6 +204,27 @@ def test_deepseek_tool_arguments_stream_before_the_call_ends():
     assert parser.push('{"city": "Rome"}\n``') == [ToolCallArgsDelta(0, '{"city": "Rome"}')]    # the fence held
     assert parser.push("`" + DS_END + DS_BLOCK_END) + parser.finish() == []
     assert parser.num_tool_calls == 1
+
+
+def test_xml_string_parameter_streams_before_it_ends():
+    """A string's text goes out as it comes, less a newline or the start of a closing tag that may end it; a typed
+    value waits for its end."""
+    parser = OutputParser(**XML_TOOLS)
+    assert parser.push("<tool_call>\n<function=f>\n<parameter=s>\nline 1\n") == [
+        ToolCallStart(0, "f"), ToolCallArgsDelta(0, '{"s": "line 1')]
+    assert parser.push('"2"\n</param') == [ToolCallArgsDelta(0, '\\n\\"2\\"')]
+    assert parser.push("eter>\n<parameter=n>\n12") == [ToolCallArgsDelta(0, '"')]
+    assert parser.push("3\n</parameter>\n</function>\n</tool_call>") == [ToolCallArgsDelta(0, ', "n": 123}')]
+    assert parser.finish() == [] and parser.num_tool_calls == 1
+
+
+def test_xml_call_and_text_whatever_the_cut():
+    text = ('I will look.\n\n<tool_call>\n<function=f>\n<parameter=s>\n<div>\n  x\n</div>\n</parameter>\n'
+            '<parameter=b>\nfalse\n</parameter>\n</function>\n</tool_call>')
+    want = ("I will look.", "", [("f", '{"s": "<div>\\n  x\\n</div>", "b": false}')])
+    for cut in range(len(text) + 1):
+        assert _parse([text[:cut], text[cut:]], **XML_TOOLS) == want, cut
+    assert _parse(list(text), **XML_TOOLS) == want
 
 
 def test_tool_header_matching():

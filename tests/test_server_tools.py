@@ -9,11 +9,13 @@ both, and test_server_parsing covers the tagged form at every split position.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 
+from cobatch.chat_template import ChatTemplate
 from model_fixtures import load_llm
 from test_server_support import live_server
 
@@ -161,3 +163,37 @@ def test_responses_api_function_call_round_trip(oai):
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21, "sky": "sunny"}'}])
     assert follow.usage.input_tokens > r.usage.input_tokens + 30        # the call and its result are in the prompt
+
+
+QWEN3_CODER_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3_coder.jinja").read_text()
+FORECAST_TOOL = {"type": "function", "function": {
+    "name": "get_forecast", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "required": ["city", "days"], "properties": {
+        "city": {"type": "string", "description": "City name"},
+        "days": {"type": "integer", "description": "Number of days"}}}}}
+
+
+def test_qwen3_coder_template_calls_in_xml_with_typed_arguments(server, oai, monkeypatch):
+    """Qwen3-Coder's own template (tests/templates/qwen3_coder.jinja) shows the model calls as
+    <function=NAME><parameter=KEY>VALUE</parameter>...; a forced call is written so (the grammar follows the
+    template), and read back with each value typed by the tool's schema: `days` an integer, not the text "3"."""
+    pytest.importorskip("llguidance")
+    llm = server.context.llm
+    monkeypatch.setattr(llm, "template", ChatTemplate.with_tokenizer(QWEN3_CODER_TEMPLATE, llm.tokenizer))
+    ask = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+    kw = dict(model="qwen", messages=ask, tools=[FORECAST_TOOL], tool_choice="required", parallel_tool_calls=False,
+              max_tokens=40, **GREEDY)
+    out = oai.chat.completions.create(**kw)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_forecast"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+
+    pieces = [d.function.arguments for chunk in oai.chat.completions.create(**kw, stream=True) for c in chunk.choices
+              for d in c.delta.tool_calls or () if d.function.arguments]
+    assert len(pieces) > 2 and "".join(pieces) == call.function.arguments     # the city's text came on its own
+
+    # the call goes back in the history, its arguments the object the template iterates
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = oai.chat.completions.create(model="qwen", messages=history, tools=[FORECAST_TOOL], max_tokens=4, **GREEDY)
+    assert answer.usage.prompt_tokens > out.usage.prompt_tokens + 20

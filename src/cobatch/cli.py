@@ -526,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=kind, default=None, help=f"vLLM's; {what}")
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         p.add_argument(flag, default=None, help="vLLM's; the output's format is recognized whatever it is: Hermes / "
-                                                "Qwen <tool_call> tags, bare JSON calls, Mistral and Phi-4 lists, "
+                                                "Qwen <tool_call> tags, Qwen3-Coder's <function=...> parameters, bare "
+                                                "JSON calls, Mistral and Phi-4 lists, DeepSeek's call blocks, "
                                                 "<think> blocks")
     p.add_argument("--disable-log-requests", action="store_true", help="vLLM's; no log line per request")
     # Sampling defaults for requests that leave a field unset (llama.cpp's server takes its flags the same way)

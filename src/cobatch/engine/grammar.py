@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -80,20 +81,88 @@ def structured_grammar(kind: str, value: Any) -> str:
         raise GrammarError(f"invalid {kind}: {exc}") from None
 
 
-def forced_tool_call_grammar(tools: list[dict[str, Any]], tagged: bool, parallel: bool) -> str:
+# A JSON schema's type names, and the other names tool definitions use for them, by the kind of value they take
+_KINDS = {**dict.fromkeys(("string", "str", "text", "varchar", "char", "enum"), "string"),
+          **dict.fromkeys(("integer", "int", "long", "short"), "integer"),
+          **dict.fromkeys(("number", "float", "double", "num", "decimal"), "number"),
+          **dict.fromkeys(("boolean", "bool", "binary"), "boolean"),
+          **dict.fromkeys(("object", "dict", "array", "arr", "list"), "json")}
+
+
+def parameter_kind(schema) -> str:
+    """"string", "integer", "number", "boolean" or "json" (any other JSON value): the kind of value a tool's parameter
+    takes by its JSON schema, where a call writes it as text (Qwen3-Coder's XML); a string where it declares no type."""
+    if not isinstance(schema, Mapping):
+        return "string"
+    declared = schema.get("type")
+    if isinstance(declared, list):       # ["integer", "null"]: the type that is not null
+        declared = next((t for t in declared if t != "null"), None)
+    if isinstance(declared, str):
+        return _KINDS.get(declared.lower(), "string")
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return parameter_kind(schema[key][0])
+    return "string"
+
+
+# How a call is written: the bare JSON object, the JSON object inside <tool_call> tags (Qwen2.5, Hermes), or
+# Qwen3-Coder's <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>
+TOOL_CALL_STYLES = ("json", "tagged", "xml")
+
+
+def forced_tool_call_grammar(tools: list[dict[str, Any]], style: str, parallel: bool) -> str:
     """A grammar under which the output is a call of one of `tools` (OpenAI function dicts): tool_choice
-    "required" (Anthropic "any") or a named tool. Written the way server/output_parser.py reads calls back:
-    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` when the chat template uses those tags
-    (`tagged`: Qwen2.5, Hermes), else the bare JSON object. `parallel`: one call or more."""
+    "required" (Anthropic "any") or a named tool, in one of TOOL_CALL_STYLES, written the way
+    server/output_parser.py reads calls back. `parallel`: one call or more."""
     if llguidance is None:
         raise GrammarError("tool_choice 'required' (constrained decoding) needs the llguidance package")
+    if style == "xml":
+        rules = [_xml_call_rule(f"call{i}", t["function"]) for i, t in enumerate(tools)]
+        call = " | ".join(f"call{i}" for i in range(len(tools)))
+        one = f'"<tool_call>\\n" ({call}) "\\n</tool_call>"'
+        start = f"start: {one}" + (f' ("\\n" {one})*' if parallel else "")
+        return llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules, _XML_TEXT_RULE]))
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": t["function"]["name"]},
                              "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
-    one = '"<tool_call>\\n" call "\\n</tool_call>"' if tagged else "call"
+    one = '"<tool_call>\\n" call "\\n</tool_call>"' if style == "tagged" else "call"
     start = f"start: {one}" + (f' ("\\n" {one})*' if parallel else "")
     return llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: %json {json.dumps(schema)}")
+
+
+# A string parameter's text and its end, as one lexeme (a greedy lexer could not tell where text that may hold
+# anything stops): any text, then "\n</parameter>\n", holding no other </parameter> and none of the tags the
+# output parser would take for the value's end
+_XML_TEXT_RULE = (r"XML_TEXT: /(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*<\/parameter>(?s:.){2,})/"
+                  r" & ~/(?s:.*(<parameter=|<\/function>).*)/")
+_XML_VALUE_END = json.dumps("\n</parameter>\n")
+_XML_TYPED_VALUES = {"integer": r"/-?(0|[1-9][0-9]*)/", "boolean": '("true" | "false")',
+                     "number": r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"}
+
+
+def _xml_call_rule(rule: str, function: dict[str, Any]) -> str:
+    """One function's call in Qwen3-Coder's form: its required parameters, then any of the others, in the order
+    the schema lists them, each value as its kind is written (output_parser.XmlToolCall reads them)."""
+    parameters = function.get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or ())
+    parts = [json.dumps(f"<function={function['name']}>\n")]
+    for key, schema in properties.items():
+        kind = parameter_kind(schema)
+        enum = schema.get("enum") if isinstance(schema, Mapping) else None
+        if kind == "string" and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            value = "(" + " | ".join(json.dumps(v) for v in enum) + ") " + _XML_VALUE_END
+        elif kind == "string":
+            value = "XML_TEXT"
+        elif kind == "json":
+            value = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})} {_XML_VALUE_END}"
+        else:
+            value = f"{_XML_TYPED_VALUES[kind]} {_XML_VALUE_END}"
+        member = f"{json.dumps(f'<parameter={key}>{chr(10)}')} {value}"
+        parts.append(member if key in required else f"({member})?")
+    parts.append(json.dumps("</function>"))
+    return f"{rule}: " + " ".join(parts)
 
 
 class Grammars:

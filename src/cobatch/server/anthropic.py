@@ -202,7 +202,7 @@ async def messages(request: Request):
                                   adapter=ctx.adapter_for(body.model))
     gen = ctx.generation(GenerationRequest(
         "messages", prompt_ids, params, list(body.stop_sequences or []), parse_reasoning=ctx.options.parse_reasoning,
-        start_in_reasoning=in_think, tool_names=[t["function"]["name"] for t in tools] if tools else None))
+        start_in_reasoning=in_think, tools=tools or None))
     gen.start()
     msg_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:

@@ -40,7 +40,8 @@ class GenerationRequest:
     include_stop: bool = False                # the matched stop string ends the text
                                               # (vLLM's include_stop_str_in_output)
     skip_special: bool = True                 # special tokens give no text (vLLM's skip_special_tokens)
-    tool_names: list[str] | None = None       # None: tool calls are not parsed
+    tools: list[dict] | None = None           # the declared function tools ({"function": {"name", "parameters"}});
+                                              # None: tool calls are not parsed
     parse_reasoning: bool = False
     start_in_reasoning: bool = False
     report_output: bool = True                # False: max_tokens 0 (the one token sampled is not reported)
@@ -140,8 +141,10 @@ class Generation:
         assert self.handle is not None, "start() first"
         req, handle, metrics = self.request, self.handle, self.metrics
         text = TextStream(self.tokenizer, req.stop, include_stop=req.include_stop, skip_special=req.skip_special)
-        parser = OutputParser(tool_names=req.tool_names, reasoning=req.parse_reasoning,
-                              start_in_reasoning=req.start_in_reasoning)
+        tools = req.tools
+        parser = OutputParser(tool_names=[t["function"]["name"] for t in tools] if tools is not None else None,
+                              tool_schemas={t["function"]["name"]: t["function"].get("parameters") for t in tools or ()},
+                              reasoning=req.parse_reasoning, start_in_reasoning=req.start_in_reasoning)
         want_logprobs = req.params.logprobs is not None
         completion = 0
         first = last = None

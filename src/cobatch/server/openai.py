@@ -453,7 +453,7 @@ async def chat_completions(request: Request):
         "chat", prompt_ids, params, _stops(body.stop), include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens, parse_reasoning=ctx.options.parse_reasoning, start_in_reasoning=in_think,
         report_token_ids=body.return_token_ids,
-        tool_names=[t["function"]["name"] for t in tools] if tools else None)], body.n)
+        tools=tools or None)], body.n)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": ctx.answered_by(body.model)}
     if body.stream:

@@ -156,7 +156,7 @@ async def create_response(request: Request):
                                   max_tokens=max_new_tokens(ctx, body.max_output_tokens, len(prompt_ids)))
     gen = ctx.generation(GenerationRequest(
         "responses", prompt_ids, params, [], parse_reasoning=ctx.options.parse_reasoning, start_in_reasoning=in_think,
-        tool_names=[t["function"]["name"] for t in tools] if tools else None))
+        tools=tools or None))
     gen.start()
     shell = _Shell(ctx, body)
     if body.stream:

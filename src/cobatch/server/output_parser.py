@@ -13,6 +13,9 @@ Recognized formats:
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the arguments in a ```json fence (V3, R1), or
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS` (V3.1), up to `<｜tool▁call▁end｜>`; the block ends at
   `<｜tool▁calls▁end｜>`.
+- `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` (Qwen3-Coder), each
+  value raw text typed by the declared tool's JSON schema, and `<function=NAME>{...}</function>` (Llama 3.1's
+  templates), when the request declared tools.
 
 A tool call's name is sent as soon as it is known and its arguments' JSON text as it arrives, so clients
 see partial argument deltas. Text that may still turn into a marker is held back, like stop strings.
@@ -20,9 +23,13 @@ see partial argument deltas. Text that may still turn into a marker is held back
 
 from __future__ import annotations
 
+import ast
 import json
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+
+from cobatch.engine.grammar import parameter_kind
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -30,7 +37,10 @@ FENCE = "```"
 # DeepSeek's markers (added tokens of its vocabulary that decode as this text: full-width bars, U+2581 spaces)
 DS_CALLS_OPEN, DS_CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_OPEN, DS_CALL_CLOSE, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-TOOL_OPENINGS = (TOOL_OPEN, DS_CALLS_OPEN, DS_CALL_OPEN)   # what starts tagged tool calls in content
+# Qwen3-Coder's call (inside <tool_call>, or alone) and its parameters
+XML_FUNCTION_OPEN, XML_FUNCTION_CLOSE = "<function=", "</function>"
+XML_PARAMETER_OPEN, XML_PARAMETER_CLOSE = "<parameter=", "</parameter>"
+TOOL_OPENINGS = (TOOL_OPEN, DS_CALLS_OPEN, DS_CALL_OPEN, XML_FUNCTION_OPEN)   # what starts tool calls in content
 
 
 @dataclass(slots=True)
@@ -292,15 +302,224 @@ class DeepSeekToolCall:
         return events if self.name is not None else None
 
 
+# How a parameter's value may end: its closing tag, or (a model that left it out) the next parameter or the call's end
+_VALUE_ENDS = (XML_PARAMETER_CLOSE, XML_PARAMETER_OPEN, XML_FUNCTION_CLOSE)
+_NAME_LIMIT = 256       # a function or parameter name longer than this (or on two lines) is not one: it was text
+
+
+class XmlToolCall:
+    """One call after its `<function=`, as it streams in. Qwen3-Coder writes
+    `NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>`, each value raw text (one newline after its
+    tag and one before its closing tag are not part of it), typed by the schema the request declared for that
+    parameter (a string where it declares none); Llama 3.1's templates teach `NAME>{JSON arguments}</function>`.
+
+    The name is sent once its `>` has come. Each parameter becomes a member of the arguments' JSON object once it
+    has ended; a string's text is sent as it arrives, less what may still be its end (a newline, the start of a
+    closing tag)."""
+
+    def __init__(self, index: int, tool_schemas: Mapping[str, Mapping] | None):
+        self.index = index
+        self.text = ""
+        self.name: str | None = None
+        self.failed = False                      # not a call after all: its text is content
+        self.closed_at: int | None = None       # index just past </function>
+        self._schemas = tool_schemas or {}
+        self._pos = 0                            # text before it is read
+        self._members = 0                        # parameters sent
+        self._json_from: int | None = None      # Llama 3.1: where the JSON arguments begin
+        self._json_sent = 0
+        self._param: tuple[str, int, int] | None = None     # the open parameter: key, value start, chars sent
+
+    def feed(self, text: str, final: bool = False) -> list[Event]:
+        self.text += text
+        events: list[Event] = []
+        if self.name is None and not self._read_name(final):
+            return events
+        if self._pos == 0:      # the name was read just now
+            events.append(ToolCallStart(self.index, self.name))
+            self._pos = self.text.index(">") + 1
+        if self._json_from is None and self._members == 0 and self._param is None:
+            body = self.text[self._pos:].lstrip()
+            if not body and not final:
+                return events
+            if body.startswith("{"):
+                self._json_from = len(self.text) - len(body)
+        if self._json_from is not None:
+            return events + self._feed_json(final)
+        while self.closed_at is None and self._step(events, final):
+            pass
+        return events
+
+    def _read_name(self, final: bool) -> bool:
+        end = self.text.find(">")
+        head = self.text if end < 0 else self.text[:end]
+        if "\n" in head or "<" in head or len(head) > _NAME_LIMIT or (end == 0) or (end < 0 and final):
+            self.failed = True
+            return False
+        if end < 0:
+            return False
+        self.name = head.strip()
+        return True
+
+    def _feed_json(self, final: bool) -> list[Event]:
+        body = self.text[self._json_from:]
+        at = body.find(XML_FUNCTION_CLOSE)
+        if at >= 0:
+            self.closed_at = self._json_from + at + len(XML_FUNCTION_CLOSE)
+            args = body[:at].rstrip()
+        else:
+            args = (body if final else body[:len(body) - _partial_suffix(body, XML_FUNCTION_CLOSE)]).rstrip()
+        delta, self._json_sent = args[self._json_sent:], max(self._json_sent, len(args))
+        return [ToolCallArgsDelta(self.index, delta)] if delta else []
+
+    def _step(self, events: list[Event], final: bool) -> bool:
+        """Read what follows; False when it must wait for more text."""
+        if self._param is not None:
+            return self._read_value(events, final)
+        rest = self.text[self._pos:]
+        body = rest.lstrip()
+        skipped = len(rest) - len(body)
+        if body.startswith(XML_FUNCTION_CLOSE):
+            self._close(events, self._pos + skipped + len(XML_FUNCTION_CLOSE))
+            return False
+        if body.startswith(XML_PARAMETER_OPEN):
+            key_end = body.find(">")
+            key = body[len(XML_PARAMETER_OPEN):key_end] if key_end >= 0 else body[len(XML_PARAMETER_OPEN):]
+            if "\n" in key or len(key) > _NAME_LIMIT:     # not a parameter's tag: what follows is skipped
+                self._pos += skipped + len(XML_PARAMETER_OPEN)
+                return True
+            start = self._pos + skipped + key_end + 1
+            if key_end < 0 or (start == len(self.text) and not final):
+                return self._wait_or_close(events, final)
+            start += self.text.startswith("\n", start)
+            self._param = (key.strip(), start, 0)
+            if self._kind(key.strip()) == "string":
+                events.append(ToolCallArgsDelta(self.index, self._member_head(key.strip()) + '"'))
+            return True
+        if not final and any(m.startswith(body) for m in (XML_FUNCTION_CLOSE, XML_PARAMETER_OPEN)):
+            return False
+        # neither a parameter nor the end: skip to the next tag (text a model put between them)
+        at = body.find("<", 1)
+        if at < 0:
+            return self._wait_or_close(events, final)
+        self._pos += skipped + at
+        return True
+
+    def _wait_or_close(self, events: list[Event], final: bool) -> bool:
+        if final:
+            self._close(events, len(self.text))
+        return False
+
+    def _read_value(self, events: list[Event], final: bool) -> bool:
+        key, start, sent = self._param
+        body = self.text[start:]
+        ends = [(at, end) for end in _VALUE_ENDS if (at := body.find(end)) >= 0]
+        if ends:
+            at, end = min(ends)
+            value = body[:at]
+            self._pos = start + at + (len(end) if end == XML_PARAMETER_CLOSE else 0)
+        else:
+            # what may still be its end; when the output ended here, the start of a closing tag it was cut in
+            hold = max(max(_partial_suffix(body, end), _partial_suffix(body, "\n" + end)) for end in _VALUE_ENDS)
+            if not final:
+                if self._kind(key) == "string":
+                    self._send_text(events, body[:len(body) - hold])
+                return False
+            value, self._pos = body[:len(body) - hold], len(self.text)
+        value = value.removesuffix("\n")
+        if self._kind(key) == "string":
+            self._send_text(events, value)
+            events.append(ToolCallArgsDelta(self.index, '"'))
+        else:
+            events.append(ToolCallArgsDelta(self.index, self._member_head(key) + _typed_json(value, self._kind(key))))
+        self._param = None
+        return True
+
+    def _send_text(self, events: list[Event], text: str) -> None:
+        """The open string parameter's text up to `text`'s end (its start was sent before): JSON-escaped, which
+        escapes character by character, so the pieces join into the escaped whole."""
+        key, start, sent = self._param
+        if len(text) > sent:
+            events.append(ToolCallArgsDelta(self.index, json.dumps(text[sent:], ensure_ascii=False)[1:-1]))
+            self._param = (key, start, len(text))
+
+    def _member_head(self, key: str) -> str:
+        self._members += 1
+        return ("{" if self._members == 1 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+
+    def _close(self, events: list[Event], at: int) -> None:
+        events.append(ToolCallArgsDelta(self.index, "}" if self._members else "{}"))
+        self.closed_at = at
+
+    def _kind(self, key: str) -> str:
+        schema = self._schemas.get(self.name)
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        return parameter_kind(properties.get(key) if isinstance(properties, Mapping) else None)
+
+    def finish(self) -> list[Event] | None:
+        """The output ended inside the call: what is left of it, or None if it never got a name (text)."""
+        if self.failed:
+            return None
+        events = self.feed("", final=True)
+        if self.name is None or self.failed:
+            return None
+        if self.closed_at is None and self._json_from is not None:
+            self.closed_at = len(self.text)
+        return events
+
+
+def _typed_json(raw: str, kind: str) -> str:
+    """A parameter's raw text as the JSON value of its kind; as a string where it does not read as one."""
+    text = raw.strip()
+    if text == "null":
+        return "null"
+    if kind == "integer":
+        try:
+            return str(int(text))
+        except ValueError:
+            pass
+    elif kind == "number":
+        try:
+            return str(int(text))
+        except ValueError:
+            pass
+        try:
+            value = float(text)
+            if math.isfinite(value):
+                return json.dumps(value)
+        except ValueError:
+            pass
+    elif kind == "boolean":
+        if text.lower() in ("true", "false"):
+            return text.lower()
+    elif kind == "json":
+        try:
+            return json.dumps(json.loads(text, parse_constant=_not_json), ensure_ascii=False)
+        except ValueError:
+            pass
+        try:        # a Python literal ({'a': True}): models write those too
+            return json.dumps(ast.literal_eval(text), ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            pass
+    return json.dumps(raw, ensure_ascii=False)
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 # --- the whole output -------------------------------------------------------------------------------
 
 class OutputParser:
     """Feed it text deltas; get events. Call finish() once at the end."""
 
     def __init__(self, *, tool_names: Collection[str] | None = None, reasoning: bool = True,
-                 start_in_reasoning: bool = False):
+                 start_in_reasoning: bool = False, tool_schemas: Mapping[str, Mapping] | None = None):
+        """tool_names: the declared tools (None: tool calls are not parsed); tool_schemas: their parameters' JSON
+        schemas by name, which type the values of calls written as XML."""
         self._tools = tool_names is not None
         self._tool_names = frozenset(tool_names or ())
+        self._tool_schemas = tool_schemas
         # without reasoning a block the prompt opened is content like the rest (llama.cpp's --reasoning-format none)
         self._state = "reasoning" if start_in_reasoning and reasoning else "start"
         self._think_allowed = reasoning and not start_in_reasoning
@@ -308,6 +527,9 @@ class OutputParser:
         self._buf = ""
         self._scanner: ToolCallScanner | None = None
         self._ds_call: DeepSeekToolCall | None = None
+        self._xml_call: XmlToolCall | None = None
+        self._xml_opening = ""           # the text that opened it (given back as text if it is no call)
+        self._xml_wrapped = False        # <tool_call> opened it: its </tool_call> follows
         self._fenced = False
         self._in_list = False           # inside a bare [call, call, ...] list
         self.num_tool_calls = 0
@@ -320,6 +542,10 @@ class OutputParser:
 
     def finish(self) -> list[Event]:
         self._run(final=True)
+        if self._state == "tool_tag":     # the output ended just after <tool_call>
+            self._start_tool(self._buf, bare=False)
+        if self._xml_call is not None:
+            self._end_xml_call()
         if self._scanner is not None:
             self._end_tool(closing="")
         if self._ds_call is not None:
@@ -389,9 +615,13 @@ class OutputParser:
         found = [(at, marker) for marker in TOOL_OPENINGS if self._tools and (at := self._buf.find(marker)) >= 0]
         if found:
             at, marker = min(found)
-            self._emit_text(self._buf[:at].rstrip())     # the newline before a tool call is not content
+            before = self._buf[:at].rstrip()
+            self._emit_text(before)                    # the newline before a tool call is not content
             if marker == TOOL_OPEN:
-                self._start_tool(self._buf[at + len(TOOL_OPEN):], bare=False)
+                self._buf, self._state = self._buf[at + len(TOOL_OPEN):], "tool_tag"
+            elif marker == XML_FUNCTION_OPEN:          # (its whitespace is given back if it is no call)
+                self._start_xml_call(self._buf[at + len(marker):], opening=self._buf[len(before):at + len(marker)],
+                                     wrapped=False)
             else:         # DeepSeek's block (a model may also leave out its opening: a call's own marker)
                 self._buf, self._state = self._buf[at + (len(marker) if marker == DS_CALLS_OPEN else 0):], "ds_calls"
             return True
@@ -422,6 +652,18 @@ class OutputParser:
         self._scanner = ToolCallScanner(self.num_tool_calls, self._tool_names if bare else None)
         self._state = "bare_tool" if bare else "tagged_tool"
         self._buf = rest
+
+    def _on_tool_tag(self, final: bool) -> bool:
+        """Just after <tool_call>: a JSON object (Hermes, Qwen2.5) or Qwen3-Coder's <function=NAME>."""
+        body = self._buf.lstrip()
+        if body.startswith(XML_FUNCTION_OPEN):
+            opening = TOOL_OPEN + self._buf[:len(self._buf) - len(body)] + XML_FUNCTION_OPEN
+            self._start_xml_call(body[len(XML_FUNCTION_OPEN):], opening=opening, wrapped=True)
+            return True
+        if not final and XML_FUNCTION_OPEN.startswith(body):
+            return False
+        self._start_tool(self._buf, bare=False)
+        return True
 
     def _on_tagged_tool(self, final: bool) -> bool:
         at = self._buf.find(TOOL_CLOSE)
@@ -494,6 +736,47 @@ class OutputParser:
         self._events += events or []
         self.num_tool_calls += 1
         self._state = "ds_calls"
+
+    def _start_xml_call(self, rest: str, opening: str, wrapped: bool) -> None:
+        self._xml_call = XmlToolCall(self.num_tool_calls, self._tool_schemas)
+        self._xml_opening, self._xml_wrapped = opening, wrapped
+        self._buf, self._state = rest, "xml_call"
+
+    def _on_xml_call(self, final: bool) -> bool:
+        call = self._xml_call
+        self._events += call.feed(self._buf, final)
+        self._buf = ""
+        if call.closed_at is None and not call.failed:
+            return False
+        if call.failed:
+            self._end_xml_call()
+            return True
+        self._buf = call.text[call.closed_at:]      # fed, but after the call
+        self._end_xml_call()
+        return True
+
+    def _end_xml_call(self) -> None:
+        call, self._xml_call = self._xml_call, None
+        events = call.finish() if call.closed_at is None else []
+        if events is None:                          # never a call: its opening was text, and what followed is read again
+            self._state = "content"
+            self._emit_text(self._xml_opening)
+            self._buf = call.text + self._buf
+            return
+        self._events += events
+        self.num_tool_calls += 1
+        self._state = "xml_tag_close" if self._xml_wrapped else "after_tool"
+
+    def _on_xml_tag_close(self, final: bool) -> bool:
+        """After a call that <tool_call> opened: its </tool_call>."""
+        body = self._buf.lstrip()
+        if body.startswith(TOOL_CLOSE):
+            body = body[len(TOOL_CLOSE):]
+        elif not final and TOOL_CLOSE.startswith(body):
+            self._buf = body
+            return False
+        self._buf, self._state = body, "after_tool"
+        return True
 
     def _on_after_tool(self, final: bool) -> bool:
         """Between tool calls: whitespace and a closing fence go; another call or text may follow."""

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from starlette.concurrency import run_in_threadpool
 
-from cobatch.chat_template import RESERVED_VARIABLES, ChatTemplateError
+from cobatch.chat_template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from cobatch.engine.grammar import (forced_tool_call_grammar, json_grammar, schema_from_response_format,
                                     structured_grammar)
 from cobatch.errors import UserError
@@ -125,12 +125,20 @@ async def _structured_grammar(llm: LLM, structured: StructuredOutput) -> str:
     return grammar
 
 
+def tool_call_style(template: ChatTemplate | None) -> str:
+    """How the chat template shows the model a call (grammar.TOOL_CALL_STYLES): Qwen3-Coder's XML parameters, a
+    JSON object in <tool_call> tags, or the bare object."""
+    source = template.source if template is not None else ""
+    if "<function=" in source and "<parameter=" in source:
+        return "xml"
+    return "tagged" if "<tool_call>" in source else "json"
+
+
 async def _tool_call_grammar(llm: LLM, tools: list[dict], parallel: bool) -> str:
     """The grammar that makes the reply a call of one of `tools` (tool_choice required / any / a named tool),
     in the format the chat template shows the model; a tool whose parameters schema does not compile is a 400."""
-    tagged = llm.template is not None and "<tool_call>" in llm.template.source
     try:
-        grammar = forced_tool_call_grammar(tools, tagged, parallel)
+        grammar = forced_tool_call_grammar(tools, tool_call_style(llm.template), parallel)
         await run_in_threadpool(llm.engine.grammars.check, grammar)
     except (ValueError, UserError) as exc:
         raise bad_request(f"cannot enforce tool_choice with these tools: {exc}", param="tool_choice") from None
