@@ -57,6 +57,20 @@ def test_text_stream_keeps_multibyte_characters_whole():
     assert not any("\ufffd" in c for c in chunks)
 
 
+def test_text_stream_keeps_the_special_tokens_it_is_asked_to():
+    """Tool-call markers that are control tokens (Mistral's [TOOL_CALLS]) reach the output parser; other special
+    tokens stay out of the text, and a marker the vocabulary does not hold as one token is not looked for."""
+    tok = load_llm("smollm2").tokenizer
+    (end,) = tok.encode("<|im_end|>", add_special=False)
+    assert tok.is_special(end)
+    assert tok.special_ids(["<|im_end|>", "[TOOL_CALLS]", "hello"]) == {end}
+    ids = tok.encode("Hi<|im_end|><|im_start|>", add_special=False)
+    plain = TextStream(tok)
+    assert "".join(plain.push(i) for i in ids) + plain.finish() == "Hi"
+    kept = TextStream(tok, keep_special={end})
+    assert "".join(kept.push(i) for i in ids) + kept.finish() == "Hi<|im_end|>"
+
+
 def _not_utf8(raw: bytes) -> bool:
     try:
         raw.decode("utf-8")
@@ -169,6 +183,17 @@ PARSE_CASES = [
      ("Sure.", "", [("f", '{"s": "<x>", "n": 1}')])),
     ("no XML call: a name on two lines", 'a <function=f\ng> b', XML_TOOLS, ("a <function=f\ng> b", "", [])),
     ("XML markers without tools are text", '<function=f></function>', {}, ('<function=f></function>', "", [])),
+    # Mistral's v11 tokenizers on: [TOOL_CALLS]NAME[ARGS]{...} (control tokens the text keeps when tools are declared)
+    ("Mistral v11: text, then two calls", 'Checking.[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"q": [1, "]}"]}',
+     {"tool_names": ["a", "b"]}, ("Checking.", "", [("a", "{}"), ("b", '{"q": [1, "]}"]}')])),
+    ("Mistral: a call id", '[TOOL_CALLS]a[CALL_ID]x1Y2z3W4v[ARGS]{"x": 1} ', {"tool_names": ["a"]},
+     ("", "", [("a", '{"x": 1}')])),
+    ("Mistral: its older list", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}]', {"tool_names": ["a"]},
+     ("", "", [("a", '{"x": 1}')])),
+    ("Mistral: cut off mid-arguments", '[TOOL_CALLS]a[ARGS]{"x": [1', {"tool_names": ["a"]},
+     ("", "", [("a", '{"x": [1')])),
+    ("Mistral: a marker and no call", '[TOOL_CALLS]no arguments here', {"tool_names": ["a"]},
+     ("no arguments here", "", [])),
 ]
 
 

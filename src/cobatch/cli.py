@@ -527,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         p.add_argument(flag, default=None, help="vLLM's; the output's format is recognized whatever it is: Hermes / "
                                                 "Qwen <tool_call> tags, Qwen3-Coder's <function=...> parameters, bare "
-                                                "JSON calls, Mistral and Phi-4 lists, DeepSeek's call blocks, "
-                                                "<think> blocks")
+                                                "JSON calls, Mistral's calls and Phi-4's lists, DeepSeek's call "
+                                                "blocks, <think> blocks")
     p.add_argument("--disable-log-requests", action="store_true", help="vLLM's; no log line per request")
     # Sampling defaults for requests that leave a field unset (llama.cpp's server takes its flags the same way)
     for flags, name, kind in ((("--temperature", "--temp"), "temperature", float), (("--top-k",), "top_k", int),

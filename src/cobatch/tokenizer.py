@@ -13,7 +13,7 @@ byte tokens is only ever emitted whole.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,8 +371,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return b"".join(self._pieces(ids, skip_special)).decode("utf-8", errors="replace")
 
-    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
-        return StreamDecoder(self, skip_special)
+    def stream_decoder(self, skip_special: bool = True, keep: Collection[int] = ()) -> StreamDecoder:
+        """keep: special tokens whose text is given even when skip_special (tool-call markers that are control
+        tokens, such as Mistral's [TOOL_CALLS])."""
+        return StreamDecoder(self, skip_special, frozenset(keep))
+
+    def special_ids(self, texts: Iterable[str]) -> frozenset[int]:
+        """The ids of those of `texts` that are one special token of this vocabulary."""
+        ids = (self._backend.encode(text, add_special_tokens=False).ids for text in texts)
+        return frozenset(i[0] for i in ids if len(i) == 1 and self.is_special(i[0]))
 
     def _pieces(self, ids: Iterable[int], skip_special: bool) -> Iterable[bytes]:
         first = True
@@ -404,14 +411,15 @@ class StreamDecoder:
     so a streamed chunk never ends in a partial character or a spurious U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, keep: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._keep = keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._first = True
 
     def push(self, token_id: int) -> str:
-        piece = self._tokenizer._piece(token_id, self._skip_special)
+        piece = self._tokenizer._piece(token_id, self._skip_special and token_id not in self._keep)
         if piece is None:
             return ""
         if self._first and self._tokenizer._strip_leading_space and piece.startswith(b" "):

@@ -20,8 +20,8 @@ from cobatch.engine.sampler import SamplingParams, uses_dry
 from cobatch.server.engine_thread import EngineFailure, EngineWorker, QueueFull, RequestHandle, ShuttingDown
 from cobatch.server.errors import ApiError
 from cobatch.server.metrics import ServerMetrics
-from cobatch.server.output_parser import (ContentDelta, Event, OutputParser, ReasoningDelta, ToolCallArgsDelta,
-                                          ToolCallStart)
+from cobatch.server.output_parser import (TOOL_MARKER_TOKENS, ContentDelta, Event, OutputParser, ReasoningDelta,
+                                          ToolCallArgsDelta, ToolCallStart)
 from cobatch.server.stream import TextStream
 from cobatch.tokenizer import Tokenizer
 
@@ -140,8 +140,9 @@ class Generation:
     async def events(self) -> AsyncIterator[Chunk | Finish]:
         assert self.handle is not None, "start() first"
         req, handle, metrics = self.request, self.handle, self.metrics
-        text = TextStream(self.tokenizer, req.stop, include_stop=req.include_stop, skip_special=req.skip_special)
         tools = req.tools
+        text = TextStream(self.tokenizer, req.stop, include_stop=req.include_stop, skip_special=req.skip_special,
+                          keep_special=self.tokenizer.special_ids(TOOL_MARKER_TOKENS) if tools is not None else ())
         parser = OutputParser(tool_names=[t["function"]["name"] for t in tools] if tools is not None else None,
                               tool_schemas={t["function"]["name"]: t["function"].get("parameters") for t in tools or ()},
                               reasoning=req.parse_reasoning, start_in_reasoning=req.start_in_reasoning)

@@ -13,6 +13,8 @@ Recognized formats:
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the arguments in a ```json fence (V3, R1), or
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS` (V3.1), up to `<｜tool▁call▁end｜>`; the block ends at
   `<｜tool▁calls▁end｜>`.
+- `[TOOL_CALLS]NAME[ARGS]{...}` (Mistral's v11 tokenizers on; the markers are control tokens that the text keeps
+  for this, TOOL_MARKER_TOKENS), when the request declared tools.
 - `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` (Qwen3-Coder), each
   value raw text typed by the declared tool's JSON schema, and `<function=NAME>{...}</function>` (Llama 3.1's
   templates), when the request declared tools.
@@ -40,7 +42,10 @@ DS_CALL_OPEN, DS_CALL_CLOSE, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool�
 # Qwen3-Coder's call (inside <tool_call>, or alone) and its parameters
 XML_FUNCTION_OPEN, XML_FUNCTION_CLOSE = "<function=", "</function>"
 XML_PARAMETER_OPEN, XML_PARAMETER_CLOSE = "<parameter=", "</parameter>"
-TOOL_OPENINGS = (TOOL_OPEN, DS_CALLS_OPEN, DS_CALL_OPEN, XML_FUNCTION_OPEN)   # what starts tool calls in content
+# Mistral's (control tokens, which the text keeps when tools are declared: TOOL_MARKER_TOKENS)
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+TOOL_MARKER_TOKENS = (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)
+TOOL_OPENINGS = (TOOL_OPEN, DS_CALLS_OPEN, DS_CALL_OPEN, XML_FUNCTION_OPEN, MISTRAL_CALLS)  # what starts calls in content
 
 
 @dataclass(slots=True)
@@ -243,6 +248,7 @@ class DeepSeekToolCall:
         self.args = ""                         # argument text sent so far
         self.closed_at: int | None = None      # index just past <｜tool▁call▁end｜>
         self._fenced = False                    # V3: the arguments sit in a ```json fence
+        self.failed = False                     # (never: until the output ends, anything may still be its name)
 
     def feed(self, text: str, final: bool = False) -> list[Event]:
         self.text += text
@@ -302,9 +308,94 @@ class DeepSeekToolCall:
         return events if self.name is not None else None
 
 
+_NAME_LIMIT = 256       # a function or parameter name longer than this (or on two lines) is not one: it was text
+
+
+class _JsonNesting:
+    """Follows the nesting of JSON text fed piece by piece (brackets outside strings): where its first value ends."""
+
+    def __init__(self):
+        self._depth, self._in_str, self._esc, self._seen = 0, False, False, 0
+
+    def end_in(self, piece: str) -> int | None:
+        """Index in `piece` just past the end of the first value, or None if it has not ended in it. A value that
+        is not an object or array ends at once (the depth never rises)."""
+        for j, c in enumerate(piece):
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+            elif c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    return j + 1
+        return None
+
+
+class MistralToolCall:
+    """One call after Mistral's `[TOOL_CALLS]` from its v11 tokenizers on (Mistral Small 3.2, Devstral, Magistral):
+    `NAME[ARGS]{JSON arguments}` (`NAME[CALL_ID]ID[ARGS]{...}` in some), with no closing marker: the arguments end
+    where their JSON value closes. The markers are control tokens, kept in the text for this (TOOL_MARKER_TOKENS)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = ""
+        self.name: str | None = None
+        self.failed = False                      # not a call after all: its text is content
+        self.closed_at: int | None = None       # index just past the arguments' JSON value
+        self._args_from: int | None = None      # just past [ARGS]
+        self._value_from: int | None = None     # the value's first character
+        self._scanned = 0                        # text the nesting has seen ends here
+        self._sent = 0                           # argument characters sent
+        self._nesting = _JsonNesting()
+
+    def feed(self, text: str, final: bool = False) -> list[Event]:
+        self.text += text
+        events: list[Event] = []
+        if self.name is None:
+            at = self.text.find(MISTRAL_ARGS)
+            head = self.text if at < 0 else self.text[:at]
+            name = head.split(MISTRAL_CALL_ID)[0].strip()
+            if "\n" in name or len(head) > 2 * _NAME_LIMIT or (at < 0 and final) or (at >= 0 and not name):
+                self.failed = True
+                return events
+            if at < 0:
+                return events
+            self.name, self._args_from = name, at + len(MISTRAL_ARGS)
+            events.append(ToolCallStart(self.index, name))
+        if self._value_from is None:
+            body = self.text[self._args_from:]
+            if not body.strip():
+                return events
+            self._value_from = self._scanned = len(self.text) - len(body.lstrip())
+        end = self._nesting.end_in(self.text[self._scanned:])
+        if end is not None:
+            self.closed_at = self._scanned + end
+            args = self.text[self._value_from:self.closed_at]
+        else:
+            self._scanned = len(self.text)
+            args = self.text[self._value_from:]
+            args = args.rstrip() if final else args
+        if len(args) > self._sent:
+            events.append(ToolCallArgsDelta(self.index, args[self._sent:]))
+            self._sent = len(args)
+        return events
+
+    def finish(self) -> list[Event] | None:
+        """The output ended inside the call: what is left of it, or None if it never got a name (text)."""
+        events = self.feed("", final=True)
+        return None if self.failed or self.name is None else events
+
+
 # How a parameter's value may end: its closing tag, or (a model that left it out) the next parameter or the call's end
 _VALUE_ENDS = (XML_PARAMETER_CLOSE, XML_PARAMETER_OPEN, XML_FUNCTION_CLOSE)
-_NAME_LIMIT = 256       # a function or parameter name longer than this (or on two lines) is not one: it was text
 
 
 class XmlToolCall:
@@ -526,10 +617,10 @@ class OutputParser:
         self._strip_leading = False     # whitespace after </think> or a tool call is not content
         self._buf = ""
         self._scanner: ToolCallScanner | None = None
-        self._ds_call: DeepSeekToolCall | None = None
-        self._xml_call: XmlToolCall | None = None
-        self._xml_opening = ""           # the text that opened it (given back as text if it is no call)
-        self._xml_wrapped = False        # <tool_call> opened it: its </tool_call> follows
+        # a call read by its format's reader (DeepSeekToolCall, XmlToolCall, MistralToolCall), the text that opened
+        # it (given back if it is no call) and the state after it
+        self._call: DeepSeekToolCall | XmlToolCall | MistralToolCall | None = None
+        self._call_opening, self._after_call = "", "after_tool"
         self._fenced = False
         self._in_list = False           # inside a bare [call, call, ...] list
         self.num_tool_calls = 0
@@ -544,12 +635,10 @@ class OutputParser:
         self._run(final=True)
         if self._state == "tool_tag":     # the output ended just after <tool_call>
             self._start_tool(self._buf, bare=False)
-        if self._xml_call is not None:
-            self._end_xml_call()
+        if self._call is not None:
+            self._end_call()
         if self._scanner is not None:
             self._end_tool(closing="")
-        if self._ds_call is not None:
-            self._end_ds_call()
         if self._buf:
             self._emit_text(self._buf)
             self._buf = ""
@@ -620,8 +709,10 @@ class OutputParser:
             if marker == TOOL_OPEN:
                 self._buf, self._state = self._buf[at + len(TOOL_OPEN):], "tool_tag"
             elif marker == XML_FUNCTION_OPEN:          # (its whitespace is given back if it is no call)
-                self._start_xml_call(self._buf[at + len(marker):], opening=self._buf[len(before):at + len(marker)],
-                                     wrapped=False)
+                self._start_call(XmlToolCall(self.num_tool_calls, self._tool_schemas), self._buf[at + len(marker):],
+                                 opening=self._buf[len(before):at + len(marker)])
+            elif marker == MISTRAL_CALLS:
+                self._buf, self._state = self._buf[at + len(marker):], "mistral_calls"
             else:         # DeepSeek's block (a model may also leave out its opening: a call's own marker)
                 self._buf, self._state = self._buf[at + (len(marker) if marker == DS_CALLS_OPEN else 0):], "ds_calls"
             return True
@@ -658,7 +749,8 @@ class OutputParser:
         body = self._buf.lstrip()
         if body.startswith(XML_FUNCTION_OPEN):
             opening = TOOL_OPEN + self._buf[:len(self._buf) - len(body)] + XML_FUNCTION_OPEN
-            self._start_xml_call(body[len(XML_FUNCTION_OPEN):], opening=opening, wrapped=True)
+            self._start_call(XmlToolCall(self.num_tool_calls, self._tool_schemas), body[len(XML_FUNCTION_OPEN):],
+                             opening=opening, then="xml_tag_close")
             return True
         if not final and XML_FUNCTION_OPEN.startswith(body):
             return False
@@ -704,8 +796,8 @@ class OutputParser:
         """Inside DeepSeek's block of calls, between calls: the next call, or the block's end."""
         body = self._buf.lstrip()
         if body.startswith(DS_CALL_OPEN):
-            self._ds_call = DeepSeekToolCall(self.num_tool_calls)
-            self._buf, self._state = body[len(DS_CALL_OPEN):], "ds_call"
+            self._start_call(DeepSeekToolCall(self.num_tool_calls), body[len(DS_CALL_OPEN):], opening=DS_CALL_OPEN,
+                             then="ds_calls")
             return True
         if body.startswith(DS_CALLS_CLOSE):
             body = body[len(DS_CALLS_CLOSE):]
@@ -716,56 +808,44 @@ class OutputParser:
         self._buf, self._state = body, "after_tool"
         return True
 
-    def _on_ds_call(self, final: bool) -> bool:
-        call = self._ds_call
-        self._events += call.feed(self._buf, final)
-        self._buf = ""
-        if call.closed_at is None:
+    def _on_mistral_calls(self, final: bool) -> bool:
+        """After Mistral's [TOOL_CALLS]: a JSON list of calls (its older tokenizers) or NAME[ARGS]{...}."""
+        body = self._buf.lstrip()
+        if not body and not final:
             return False
-        self._buf = call.text[call.closed_at:]      # fed, but after the call
-        self._end_ds_call()
+        if body.startswith("["):
+            return self._probe_bare(body[1:], fenced=False, final=final, in_list=True)
+        if body.startswith("{"):
+            return self._probe_bare(body, fenced=False, final=final)
+        self._start_call(MistralToolCall(self.num_tool_calls), body, opening="")
         return True
 
-    def _end_ds_call(self) -> None:
-        call, self._ds_call = self._ds_call, None
-        events = call.finish() if call.closed_at is None else []
-        if call.name is None:                       # never a call: it was text
-            self._state = "content"
-            self._emit_text(DS_CALL_OPEN + call.text)
-            return
-        self._events += events or []
-        self.num_tool_calls += 1
-        self._state = "ds_calls"
+    def _start_call(self, call, rest: str, opening: str, then: str = "after_tool") -> None:
+        self._call, self._call_opening, self._after_call = call, opening, then
+        self._buf, self._state = rest, "call"
 
-    def _start_xml_call(self, rest: str, opening: str, wrapped: bool) -> None:
-        self._xml_call = XmlToolCall(self.num_tool_calls, self._tool_schemas)
-        self._xml_opening, self._xml_wrapped = opening, wrapped
-        self._buf, self._state = rest, "xml_call"
-
-    def _on_xml_call(self, final: bool) -> bool:
-        call = self._xml_call
+    def _on_call(self, final: bool) -> bool:
+        call = self._call
         self._events += call.feed(self._buf, final)
         self._buf = ""
         if call.closed_at is None and not call.failed:
             return False
-        if call.failed:
-            self._end_xml_call()
-            return True
-        self._buf = call.text[call.closed_at:]      # fed, but after the call
-        self._end_xml_call()
+        if not call.failed:
+            self._buf = call.text[call.closed_at:]      # fed, but after the call
+        self._end_call()
         return True
 
-    def _end_xml_call(self) -> None:
-        call, self._xml_call = self._xml_call, None
+    def _end_call(self) -> None:
+        call, self._call = self._call, None
         events = call.finish() if call.closed_at is None else []
         if events is None:                          # never a call: its opening was text, and what followed is read again
             self._state = "content"
-            self._emit_text(self._xml_opening)
+            self._emit_text(self._call_opening)
             self._buf = call.text + self._buf
             return
         self._events += events
         self.num_tool_calls += 1
-        self._state = "xml_tag_close" if self._xml_wrapped else "after_tool"
+        self._state = self._after_call
 
     def _on_xml_tag_close(self, final: bool) -> bool:
         """After a call that <tool_call> opened: its </tool_call>."""

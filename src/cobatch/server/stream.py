@@ -9,7 +9,7 @@ Two things are held back until they are decided:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from cobatch.tokenizer import Tokenizer
 
@@ -60,8 +60,8 @@ class TextStream:
     stop strings cut (kept, with include_stop)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), include_stop: bool = False,
-                 skip_special: bool = True):
-        self._decoder = tokenizer.stream_decoder(skip_special=skip_special)
+                 skip_special: bool = True, keep_special: Collection[int] = ()):
+        self._decoder = tokenizer.stream_decoder(skip_special=skip_special, keep=keep_special)
         self._stops = StopStringFilter(stops, include_stop)
 
     @property
