@@ -10,8 +10,9 @@ import itertools
 
 import pytest
 
-from cobatch.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgsDelta,
-                                          ToolCallStart, match_tool_header)
+from cobatch.server.output_events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from cobatch.server.output_parser import OutputParser
+from cobatch.server.tool_call_readers import match_tool_header
 from cobatch.server.stream import StopStringFilter, TextStream
 from model_fixtures import load_llm
 

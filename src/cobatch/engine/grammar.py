@@ -143,7 +143,7 @@ _XML_TYPED_VALUES = {"integer": r"/-?(0|[1-9][0-9]*)/", "boolean": '("true" | "f
 
 def _xml_call_rule(rule: str, function: dict[str, Any]) -> str:
     """One function's call in Qwen3-Coder's form: its required parameters, then any of the others, in the order
-    the schema lists them, each value as its kind is written (output_parser.XmlToolCall reads them)."""
+    the schema lists them, each value as its kind is written (tool_call_readers.XmlToolCall reads them)."""
     parameters = function.get("parameters") or {}
     properties = parameters.get("properties") or {}
     required = set(parameters.get("required") or ())

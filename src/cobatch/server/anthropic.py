@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import Completed, Finish, Generation, GenerationRequest, make_sampling_params
-from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from cobatch.server.output_events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import check_prompt_fits, named_tool_only, output_grammar, render_chat
 from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body

@@ -20,8 +20,9 @@ from cobatch.engine.sampler import SamplingParams, uses_dry
 from cobatch.server.engine_thread import EngineFailure, EngineWorker, QueueFull, RequestHandle, ShuttingDown
 from cobatch.server.errors import ApiError
 from cobatch.server.metrics import ServerMetrics
-from cobatch.server.output_parser import (TOOL_MARKER_TOKENS, ContentDelta, Event, OutputParser, ReasoningDelta,
-                                          ToolCallArgsDelta, ToolCallStart)
+from cobatch.server.output_events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from cobatch.server.output_parser import OutputParser
+from cobatch.server.tool_call_readers import TOOL_MARKER_TOKENS
 from cobatch.server.stream import TextStream
 from cobatch.tokenizer import Tokenizer
 
@@ -143,8 +144,9 @@ class Generation:
         tools = req.tools
         text = TextStream(self.tokenizer, req.stop, include_stop=req.include_stop, skip_special=req.skip_special,
                           keep_special=self.tokenizer.special_ids(TOOL_MARKER_TOKENS) if tools is not None else ())
-        parser = OutputParser(tool_names=[t["function"]["name"] for t in tools] if tools is not None else None,
-                              tool_schemas={t["function"]["name"]: t["function"].get("parameters") for t in tools or ()},
+        functions = [t["function"] for t in tools or ()]
+        parser = OutputParser(tool_names=[f["name"] for f in functions] if tools is not None else None,
+                              tool_schemas={f["name"]: f.get("parameters") for f in functions},
                               reasoning=req.parse_reasoning, start_in_reasoning=req.start_in_reasoning)
         want_logprobs = req.params.logprobs is not None
         completion = 0

@@ -21,7 +21,7 @@ from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.generation import (Choices, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
                                        make_sampling_params)
-from cobatch.server.output_parser import ContentDelta
+from cobatch.server.output_events import ContentDelta
 from cobatch.server.prompting import StructuredOutput, check_prompt_fits, max_new_tokens, output_grammar, raw_prompts
 from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body

@@ -23,7 +23,7 @@ from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import (Choices, Chunk, Completed, Finish, Generation, GenerationRequest,
                                        TokenLogprob, Usage, interleave, make_sampling_params)
-from cobatch.server.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from cobatch.server.output_events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import (StructuredOutput, check_prompt_fits, max_new_tokens, named_tool_only,
                                       output_grammar, raw_prompts, render_chat)
 from cobatch.server.openapi import accepts
