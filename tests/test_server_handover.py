@@ -96,6 +96,43 @@ def test_an_abort_arrives_after_the_token_held_for_the_next_launch():
     assert got == [(101, False, None), (102, False, None), (None, True, "abort")]
 
 
+def test_a_reader_behind_by_several_steps_gets_their_tokens_in_one_chunk():
+    """A stream whose outputs queued up while its reader was busy (the HTTP side behind the engine) sends them in
+    one chunk, so a loaded server writes fewer frames; a reader that keeps up still gets a chunk a token."""
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.model_files import smollm2_path
+    from cobatch.server.generation import Chunk, Finish, Generation, GenerationRequest
+    from cobatch.server.metrics import ServerMetrics
+    from cobatch.server.output_events import ContentDelta
+    from cobatch.server.engine_thread import RequestHandle
+    from cobatch.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFFile(smollm2_path()).metadata)
+    ids = tok.encode("one two three four", add_special=False)
+    assert len(ids) == 4
+    params = SamplingParams(max_tokens=4)
+    gen = Generation(SimpleNamespace(abort=lambda handle: None), ServerMetrics(SimpleNamespace()), tok,
+                     GenerationRequest("completions", [1, 2], params))
+
+    def output(i: int) -> StepOutput:
+        return StepOutput("r", ids[i], i == 3, "length" if i == 3 else None)
+
+    async def read() -> list:
+        gen.handle = RequestHandle("r", [1, 2], params, asyncio.get_running_loop())
+        stream, got = gen.events(), []
+        gen.handle.outputs.put_nowait(output(0))
+        got.append(await anext(stream))
+        for i in (1, 2, 3):                      # three steps' outputs before the reader comes back
+            gen.handle.outputs.put_nowait(output(i))
+        got += [item async for item in stream]
+        return got
+
+    first, rest, finish = asyncio.run(read())
+    assert isinstance(first, Chunk) and first.events == [ContentDelta("one")]
+    assert isinstance(rest, Chunk) and rest.events == [ContentDelta(" two three four")]
+    assert isinstance(finish, Finish) and finish.usage.completion_tokens == 4
+
+
 def _bench_serve():
     spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
     module = importlib.util.module_from_spec(spec)

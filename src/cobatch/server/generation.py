@@ -20,7 +20,8 @@ from cobatch.engine.sampler import SamplingParams, uses_dry
 from cobatch.server.engine_thread import EngineFailure, EngineWorker, QueueFull, RequestHandle, ShuttingDown
 from cobatch.server.errors import ApiError
 from cobatch.server.metrics import ServerMetrics
-from cobatch.server.output_events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from cobatch.server.output_events import (ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart,
+                                          merged)
 from cobatch.server.output_parser import OutputParser
 from cobatch.server.tool_call_readers import TOOL_MARKER_TOKENS
 from cobatch.server.stream import TextStream
@@ -151,6 +152,12 @@ class Generation:
         want_logprobs = req.params.logprobs is not None
         completion = 0
         first = last = None
+        # What the outputs read so far make; yielded as one chunk once no further output is waiting, so that a
+        # stream whose reader fell behind by several engine steps catches up in one frame, not one a token
+        events: list[Event] = []
+        logprobs: list[TokenLogprob] = []
+        prompt: list[TokenLogprob] = []
+        tokens: list[int] = []
         try:
             while True:
                 out = await handle.outputs.get()
@@ -160,10 +167,7 @@ class Generation:
                 now = time.perf_counter()
                 if out.embedding is not None:
                     self.embedding = out.embedding
-                events: list[Event] = []
-                logprobs: list[TokenLogprob] = []
-                tokens: list[int] = []
-                prompt = [TokenLogprob(*entry) for entry in out.prompt_logprobs or ()]
+                prompt += [TokenLogprob(*entry) for entry in out.prompt_logprobs or ()]
                 if out.new_token is not None and req.report_output:
                     completion = self.completion_tokens = completion + 1
                     if first is None:
@@ -176,7 +180,7 @@ class Generation:
                         tokens.append(out.new_token)
                     # The token that ended the request gives no text, unless asked for (as vLLM does)
                     if not out.stop_token or req.include_stop:
-                        events = parser.push(text.push(out.new_token))
+                        events += parser.push(text.push(out.new_token))
                     if want_logprobs and out.logprob is not None:
                         logprobs.append(TokenLogprob(out.new_token, out.logprob, out.top_logprobs or []))
                 if text.stop_matched is None and out.finished:
@@ -187,8 +191,9 @@ class Generation:
                 ended = text.stop_matched is not None or out.finished
                 if ended:
                     events += parser.finish()
-                if events or logprobs or prompt or tokens:
-                    yield Chunk(events, logprobs, prompt, tokens)
+                if (events or logprobs or prompt or tokens) and (ended or handle.outputs.empty()):
+                    yield Chunk(merged(events), logprobs, prompt, tokens)
+                    events, logprobs, prompt, tokens = [], [], [], []
                 if ended:
                     if text.stop_matched is not None:
                         self.worker.abort(handle)        # the engine does not know about stop strings

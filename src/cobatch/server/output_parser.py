@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from cobatch.server.output_events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta
+from cobatch.server.output_events import ContentDelta, Event, ReasoningDelta, merged
 from cobatch.server.tool_call_readers import (DS_CALL_OPEN, DS_CALLS_CLOSE, DS_CALLS_OPEN, FENCE, MISTRAL_CALLS,
                                               PARTIAL, TOOL_CLOSE, TOOL_OPEN, TOOL_OPENINGS, XML_FUNCTION_OPEN,
                                               DeepSeekToolCall, MistralToolCall, ToolCallScanner, XmlToolCall,
@@ -80,7 +80,7 @@ class OutputParser:
         return self._take()
 
     def _take(self) -> list[Event]:
-        events, self._events = _merge(self._events), []
+        events, self._events = merged(self._events), []
         return events
 
     # Each state handler consumes from self._buf and returns False when it must wait for more text.
@@ -324,19 +324,3 @@ class OutputParser:
             return False
         self._state, self._think_allowed, self._strip_leading = "start", False, True
         return True
-
-
-def _merge(events: list[Event]) -> list[Event]:
-    """Join neighbouring deltas of the same kind (fewer, larger chunks)."""
-    out: list[Event] = []
-    for e in events:
-        last = out[-1] if out else None
-        if isinstance(e, (ContentDelta, ReasoningDelta)) and type(last) is type(e):
-            out[-1] = type(e)(last.text + e.text)
-        elif isinstance(e, ToolCallArgsDelta) and isinstance(last, ToolCallArgsDelta) and last.index == e.index:
-            out[-1] = ToolCallArgsDelta(e.index, last.text + e.text)
-        elif isinstance(e, (ContentDelta, ReasoningDelta, ToolCallArgsDelta)) and not e.text:
-            continue
-        else:
-            out.append(e)
-    return out
