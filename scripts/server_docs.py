@@ -27,10 +27,13 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def flag_table(parser: argparse.ArgumentParser) -> str:
+def flag_table(parser: argparse.ArgumentParser, leave_out: frozenset[str] = frozenset()) -> str:
+    """The parser's flags, but those whose names are in leave_out."""
     rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
+            continue
+        if set(action.option_strings or [action.dest]) <= leave_out:
             continue
         names = ", ".join(f"`{name}`" for name in action.option_strings) or f"`{action.dest}` (positional)"
         if action.option_strings and action.nargs != 0 and action.metavar is not None:
@@ -48,13 +51,17 @@ def command_sections(parser: argparse.ArgumentParser, prog: str) -> list[str]:
     if commands is None:
         return []
     helps = {choice.dest: choice.help for choice in commands._choices_actions}
+    serve = commands.choices.get("serve")
+    serve_flags = frozenset(n for a in serve._actions for n in (a.option_strings or [a.dest])) if serve else frozenset()
     parts = []
     for name, sub in commands.choices.items():
         if name == "make-model":      # its flags belong to the writer's own parser
             from cobatch.testing.gguf_writer import build_parser as writer_parser
             sub = writer_parser(f"{prog} {name}")
         parts.append(f"### `{prog} {name}`\n\n{_cell(helps.get(name) or sub.description or '')}")
-        if any(not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) for a in sub._actions):
+        if name == "run-batch":       # serve's flags and its own
+            parts[-1] += f"\n\nEvery flag of `{prog} serve`, and:\n\n" + flag_table(sub, serve_flags)
+        elif any(not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) for a in sub._actions):
             parts[-1] += "\n\n" + flag_table(sub)
         parts += command_sections(sub, f"{prog} {name}")
     return parts

@@ -366,6 +366,11 @@ def cmd_make_model(args) -> int:
     return gguf_writer.main(args.rest)
 
 
+def cmd_run_batch(args) -> int:
+    from cobatch.server.batch_file import run_batch
+    return run_batch(args)
+
+
 def cmd_serve(args) -> int:
     if getattr(args, "data_parallel_size", 1) != 1:
         from cobatch.parallel import data_parallel
@@ -405,6 +410,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
+    _add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+    parser.serve_parser = p           # for --config, which names serve's flags
+
+    p = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests (vLLM's run-batch)")
+    p.add_argument("-i", "--input-file", required=True,
+                   help="one request a line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} ('-': stdin)")
+    p.add_argument("-o", "--output-file", required=True,
+                   help="one answer a line, in the input's order: {\"id\", \"custom_id\", \"response\": "
+                        "{\"status_code\", \"request_id\", \"body\"}, \"error\"} ('-': stdout)")
+    _add_serve_args(p)
+    p.set_defaults(func=cmd_run_batch)
+    return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """serve's flags: the model, the engine, the server's options and the requests' defaults (run-batch takes them
+    too, its requests answered by the same app)."""
     p.add_argument("model_path", nargs="?", help="a GGUF file or a Hugging Face checkpoint folder (default: "
                                                  "SmolLM2-135M-Instruct)")
     p.add_argument("--model", "-m", help="the same as the positional argument")
@@ -569,9 +592,6 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="uvicorn's access log (a line per request is "
                                                               "logged anyway)")
-    p.set_defaults(func=cmd_serve)
-    parser.serve_parser = p           # for --config, which names serve's flags
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
