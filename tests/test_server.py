@@ -633,6 +633,38 @@ def test_responses_api_plain_streamed_incomplete_and_json(oai):
     assert set(json.loads(structured.output_text)) == {"country", "capital"}
 
 
+def test_responses_are_stored_continued_retrieved_and_deleted(server, oai):
+    """A stored response (OpenAI's default) is continued by previous_response_id: the model reads the earlier turn
+    as if the client had sent it again (the same prompt tokens, the same greedy answer); store=false keeps
+    nothing; a deleted response can be neither retrieved nor continued."""
+    first = oai.responses.create(model="any", input="My name is Ada. Say hi.", instructions="Be brief.",
+                                 max_output_tokens=12, **GREEDY)
+    assert first.store and oai.responses.retrieve(first.id).output_text == first.output_text
+    follow = oai.responses.create(model="any", input="What is my name?", previous_response_id=first.id,
+                                  instructions="Answer in one word.", max_output_tokens=8, **GREEDY)
+    assert follow.previous_response_id == first.id
+    resent = oai.responses.create(model="any", instructions="Answer in one word.", max_output_tokens=8, **GREEDY,
+                                  input=[{"role": "user", "content": "My name is Ada. Say hi."},
+                                         {"role": "assistant", "content": first.output_text},
+                                         {"role": "user", "content": "What is my name?"}], store=False)
+    assert follow.usage.input_tokens == resent.usage.input_tokens and follow.output_text == resent.output_text
+    assert not resent.store
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(resent.id)
+
+    # a chain of three: the second's conversation carries the first's
+    third = oai.responses.create(model="any", input="And again?", previous_response_id=follow.id,
+                                 max_output_tokens=4, **GREEDY)
+    assert third.usage.input_tokens > follow.usage.input_tokens + 5
+    deleted = httpx.delete(f"{server.url}/v1/responses/{first.id}", timeout=30)
+    assert deleted.json() == {"id": first.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(model="any", input="Hi", previous_response_id=first.id, max_output_tokens=2)
+    assert exc.value.body["param"] == "previous_response_id"
+
+
 # --- tokenize / detokenize ------------------------------------------------------------------------------
 
 def test_tokenize_and_detokenize(server, oai):
@@ -738,8 +770,10 @@ ERROR_CASES = [
     ("suffix on a model without fill-in-the-middle tokens", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"},
      400, "suffix"),
     ("responses without input", "POST", "/v1/responses", {"model": "m"}, 400, "input"),
-    ("responses previous_response_id", "POST", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
-     400, "previous_response_id"),
+    ("responses previous_response_id not stored", "POST", "/v1/responses",
+     {"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ("responses retrieved, not stored", "GET", "/v1/responses/resp_1", None, 404, "response_id"),
+    ("responses deleted, not stored", "DELETE", "/v1/responses/resp_1", None, 404, "response_id"),
     ("responses image input", "POST", "/v1/responses", {"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x"}]}]}, 400, "input.0.content.0"),
     ("responses unknown input item", "POST", "/v1/responses", {"input": [{"type": "web_search_call"}]}, 400,

@@ -16,6 +16,7 @@ from cobatch.server.engine_thread import EngineWorker
 from cobatch.server.generation import Generation, GenerationRequest
 from cobatch.server.lifecycle import Lifecycle
 from cobatch.server.metrics import ServerMetrics
+from cobatch.server.response_store import ResponseStore
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20     # a 128k-token prompt as JSON is a few MB; this leaves room
 
@@ -61,6 +62,7 @@ class ServerContext:
         self.created = int(time.time())
         self.lifecycle = Lifecycle("ready")     # serve() shares its own, which starts out loading
         self.event_streams = 0                  # open GET /v1/events streams (server/events.py)
+        self.responses = ResponseStore()        # the Responses API's stored responses (previous_response_id)
 
     @property
     def adapter_names(self) -> tuple[str, ...]:

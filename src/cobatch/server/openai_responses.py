@@ -1,14 +1,15 @@
 """OpenAI's Responses API: POST /v1/responses, plain or streamed (what OpenAI's newer SDKs and agent
-frameworks speak).
+frameworks speak), and GET / DELETE /v1/responses/{id}.
 
-Stateless, like vLLM's without a store: `store` is ignored, nothing is kept, and `previous_response_id` is a
-400; a client sends the whole conversation as `input`. Input items (messages, function calls and their
-outputs) become chat messages for the model's template; the output (reasoning, text, function calls) comes
-from the generation core the other protocols share, turned into output items here.
+Input items (messages, function calls and their outputs) become chat messages for the model's template; the
+output (reasoning, text, function calls) comes from the generation core the other protocols share, turned into
+output items here. A response is stored unless `store` is false (server/response_store.py), so a request may
+continue it by `previous_response_id` instead of sending the whole conversation again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from cobatch.server.output_events import ContentDelta, ReasoningDelta, ToolCallA
 from cobatch.server.prompting import check_prompt_fits, max_new_tokens, named_tool_only, output_grammar, render_chat
 from cobatch.server.openapi import accepts
 from cobatch.server.request_body import read_body
+from cobatch.server.response_store import ResponseStore
 from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse, sse_event
 
 router = APIRouter()
@@ -60,6 +62,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    store: bool = True
     metadata: dict[str, str] | None = None
 
 
@@ -83,11 +86,18 @@ def _text(content: str | list[dict[str, Any]] | None, where: str, field: str = "
     return "".join(parts)
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict]:
-    """instructions + input items -> the messages a chat template takes."""
-    out: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+def chat_messages(body: ResponsesRequest, earlier: list[dict] | None = None) -> list[dict]:
+    """instructions + the earlier turns (previous_response_id's conversation) + input items -> the messages a chat
+    template takes."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return system + (earlier or []) + input_messages(body)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """The input items as chat messages."""
+    out: list[dict] = []
     if isinstance(body.input, str):
-        return out + [{"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}]
     for i, item in enumerate(body.input):
         where, kind = f"input.{i}", item.get("type", "message")
         if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
@@ -140,14 +150,19 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 async def create_response(request: Request):
     ctx = get_context(request)
     body = await read_body(request, ResponsesRequest, ctx.options.max_body_bytes)
+    earlier = []
     if body.previous_response_id:
-        raise bad_request("previous_response_id is not supported: responses are not stored; send the whole "
-                          "conversation as input", param="previous_response_id")
+        previous = ctx.responses.get(body.previous_response_id)
+        if previous is None:
+            raise bad_request(f"previous response with id {body.previous_response_id!r} not found (not stored, "
+                              "deleted, or forgotten: the server keeps the latest "
+                              f"{ctx.responses.capacity})", param="previous_response_id")
+        earlier = previous.conversation
     tools = _chat_tools(body)
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
                                    response_format=_response_format(body.text), format_param="text.format")
-    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body), tools)
+    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body, earlier), tools)
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
                                   ctx.by_priority, priority=body.priority, cache_salt=body.cache_salt,
@@ -158,24 +173,46 @@ async def create_response(request: Request):
         "responses", prompt_ids, params, [], parse_reasoning=ctx.options.parse_reasoning, start_in_reasoning=in_think,
         tools=tools or None))
     gen.start()
-    shell = _Shell(ctx, body)
+    shell = _Shell(ctx, body, earlier + input_messages(body) if body.store else None)
     if body.stream:
         return EventStreamResponse(_stream(gen, shell), gen.close)
     return GeneratedJSONResponse(lambda: _result(gen, shell), gen.close, request.url.path)
 
 
-class _Shell:
-    """The response object around the output items: ids, the request's echoed settings, status and usage."""
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str):
+    return _stored(get_context(request).responses, response_id).response
 
-    def __init__(self, ctx: ServerContext, body: ResponsesRequest):
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str):
+    store = get_context(request).responses
+    _stored(store, response_id)
+    store.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _stored(store: ResponseStore, response_id: str):
+    stored = store.get(response_id)
+    if stored is None:
+        raise ApiError(404, f"no stored response with id {response_id!r}", param="response_id")
+    return stored
+
+
+class _Shell:
+    """The response object around the output items: ids, the request's echoed settings, status and usage; stored
+    once it has ended, with its conversation, unless `store` is false (conversation None)."""
+
+    def __init__(self, ctx: ServerContext, body: ResponsesRequest, conversation: list[dict] | None):
         self.id, self.created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
+        self.store, self.conversation = ctx.responses, conversation
         self.fields = {"model": ctx.answered_by(body.model), "instructions": body.instructions,
                        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
                        "top_p": body.top_p, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                        "tool_choice": body.tool_choice or "auto",
                        "parallel_tool_calls": body.parallel_tool_calls is not False,
                        "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
-                       "store": False, "previous_response_id": None, "error": None}
+                       "store": body.store, "previous_response_id": body.previous_response_id, "error": None}
 
     def response(self, output: list[dict], finish: Finish | None) -> dict:
         status, incomplete, usage = "in_progress", None, None
@@ -189,6 +226,30 @@ class _Shell:
                      "total_tokens": u.prompt_tokens + u.completion_tokens}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "output": output, "incomplete_details": incomplete, "usage": usage, **self.fields}
+
+    def ended(self, output: list[dict], finish: Finish) -> dict:
+        """The final response object, stored when asked for."""
+        response = self.response(output, finish)
+        if self.conversation is not None:
+            self.store.put(response, self.conversation + _output_messages(output))
+        return response
+
+
+def _output_messages(items: list[dict]) -> list[dict]:
+    """A response's output items as the assistant's chat message (its reasoning is not shown to the model again)."""
+    text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
+    calls = []
+    for item in items:
+        if item["type"] == "function_call":
+            try:
+                arguments = json.loads(item["arguments"] or "{}")
+            except ValueError:
+                arguments = item["arguments"]       # cut off mid-arguments: the text as it came
+            calls.append({"id": item["call_id"], "type": "function",
+                          "function": {"name": item["name"], "arguments": arguments}})
+    if not text and not calls:
+        return []
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
 class _Output:
@@ -276,7 +337,7 @@ async def _result(gen: Generation, shell: _Shell) -> dict:
             for event in chunk.events:
                 output.push(event)
     output.close()
-    return shell.response(output.items, finish)
+    return shell.ended(output.items, finish)
 
 
 async def _stream(gen: Generation, shell: _Shell) -> AsyncIterator[str]:
@@ -293,7 +354,7 @@ async def _stream(gen: Generation, shell: _Shell) -> AsyncIterator[str]:
             if isinstance(chunk, Finish):
                 for event in output.close():
                     yield frame(event)
-                done = shell.response(output.items, chunk)
+                done = shell.ended(output.items, chunk)
                 kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
                 yield frame({"type": kind, "response": done})
                 return
