@@ -22,7 +22,7 @@ from cobatch.server.errors import ApiError
 from cobatch.server.metrics import ServerMetrics
 from cobatch.server.output_events import (ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart,
                                           merged)
-from cobatch.server.output_parser import OutputParser
+from cobatch.server.output_parser import REASONING_MARKER_TOKENS, OutputParser
 from cobatch.server.tool_call_readers import TOOL_MARKER_TOKENS
 from cobatch.server.stream import TextStream
 from cobatch.tokenizer import Tokenizer
@@ -143,8 +143,9 @@ class Generation:
         assert self.handle is not None, "start() first"
         req, handle, metrics = self.request, self.handle, self.metrics
         tools = req.tools
+        markers = REASONING_MARKER_TOKENS + (TOOL_MARKER_TOKENS if tools is not None else ())
         text = TextStream(self.tokenizer, req.stop, include_stop=req.include_stop, skip_special=req.skip_special,
-                          keep_special=self.tokenizer.special_ids(TOOL_MARKER_TOKENS) if tools is not None else ())
+                          keep_special=self.tokenizer.special_ids(markers))
         functions = [t["function"] for t in tools or ()]
         parser = OutputParser(tool_names=[f["name"] for f in functions] if tools is not None else None,
                               tool_schemas={f["name"]: f.get("parameters") for f in functions},

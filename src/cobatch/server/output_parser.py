@@ -1,7 +1,8 @@
 """The model's text -> content, reasoning and tool calls, incrementally.
 
 Recognized formats:
-- `<think>...</think>` at the start of the output (or the prompt ended with `<think>`): reasoning.
+- `<think>...</think>` at the start of the output (or the prompt ended with `<think>`): reasoning; so is
+  Magistral's `[THINK]...[/THINK]` (control tokens the text keeps for this, REASONING_MARKER_TOKENS).
 - `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5 / Hermes), anywhere, when the
   request declared tools.
 - A bare `{"name": <declared tool>, "arguments": {...}}` object as the whole answer, optionally in a
@@ -34,6 +35,10 @@ from cobatch.server.tool_call_readers import (DS_CALL_OPEN, DS_CALLS_CLOSE, DS_C
                                               match_tool_header, partial_suffix)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Magistral's reasoning markers (control tokens: the text keeps them for the parser, REASONING_MARKER_TOKENS)
+MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE = "[THINK]", "[/THINK]"
+REASONING_MARKER_TOKENS = (MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE)
+THINK_BLOCKS = {THINK_OPEN: THINK_CLOSE, MISTRAL_THINK_OPEN: MISTRAL_THINK_CLOSE}     # opening -> its closing
 
 
 class OutputParser:
@@ -49,6 +54,7 @@ class OutputParser:
         # without reasoning a block the prompt opened is content like the rest (llama.cpp's --reasoning-format none)
         self._state = "reasoning" if start_in_reasoning and reasoning else "start"
         self._think_allowed = reasoning and not start_in_reasoning
+        self._think_close = THINK_CLOSE       # the closing of the block being read
         self._strip_leading = False     # whitespace after </think> or a tool call is not content
         self._buf = ""
         self._scanner: ToolCallScanner | None = None
@@ -99,8 +105,10 @@ class OutputParser:
         body = self._buf.lstrip()
         if not body:
             return False if not final else self._to_content()
-        if self._think_allowed and body.startswith(THINK_OPEN):
-            self._buf, self._state, self._think_allowed = body[len(THINK_OPEN):], "reasoning", False
+        opening = next((o for o in THINK_BLOCKS if body.startswith(o)), None) if self._think_allowed else None
+        if opening is not None:
+            self._buf, self._state, self._think_allowed = body[len(opening):], "reasoning", False
+            self._think_close = THINK_BLOCKS[opening]
             return True
         if self._tools:
             if body.startswith(FENCE):
@@ -114,7 +122,8 @@ class OutputParser:
                 return self._probe_bare(body, fenced=False, final=final)
             elif body.startswith("["):
                 return self._probe_bare(body[1:], fenced=False, final=final, in_list=True)
-        waiting_for = ((THINK_OPEN,) if self._think_allowed else ()) + ((FENCE, *TOOL_OPENINGS) if self._tools else ())
+        waiting_for = (*(THINK_BLOCKS if self._think_allowed else ()),
+                       *((FENCE, *TOOL_OPENINGS) if self._tools else ()))
         if not final and any(m.startswith(body) for m in waiting_for):
             return False
         return self._to_content()
@@ -162,13 +171,13 @@ class OutputParser:
         return False
 
     def _on_reasoning(self, final: bool) -> bool:
-        at = self._buf.find(THINK_CLOSE)
+        at = self._buf.find(self._think_close)
         if at >= 0:
             self._emit_text(self._buf[:at])
-            self._buf = self._buf[at + len(THINK_CLOSE):]
+            self._buf = self._buf[at + len(self._think_close):]
             self._state, self._strip_leading = "start", True
             return True
-        keep = 0 if final else partial_suffix(self._buf, THINK_CLOSE)
+        keep = 0 if final else partial_suffix(self._buf, self._think_close)
         self._emit_text(self._buf[:len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False
