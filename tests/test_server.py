@@ -57,6 +57,30 @@ def test_models_and_health(server, oai):
     assert head.status_code == 200 and head.content == b""
 
 
+def test_sagemaker_ping_and_invocations(server, oai):
+    """SageMaker's contract: /ping is /health; /invocations answers a chat, completions or embeddings request as
+    its route does, told apart by the body (streamed too), and refuses one it cannot tell in OpenAI's shape."""
+    assert httpx.get(server.url + "/ping").json() == httpx.get(server.url + "/health").json()
+    invoke = server.url + "/invocations"
+    chat = httpx.post(invoke, json={"messages": QUESTION, "max_tokens": 12, **GREEDY}, timeout=60).json()
+    direct = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=12, **GREEDY)
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == \
+        direct.choices[0].message.content
+    text = httpx.post(invoke, json={"prompt": "The capital of France is", "max_tokens": 4, **GREEDY}, timeout=60)
+    assert text.json()["object"] == "text_completion"
+    vector = httpx.post(invoke, json={"input": "hello"}, timeout=60).json()
+    assert vector["object"] == "list" and len(vector["data"][0]["embedding"]) > 0
+    with httpx.stream("POST", invoke, json={"messages": QUESTION, "max_tokens": 4, "stream": True}, timeout=60) as r:
+        frames = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.headers["content-type"].startswith("text/event-stream") and frames[-1] == "data: [DONE]"
+    for body, message in (({"tokens": [1]}, "an invocation is"), (b"{nope", "malformed JSON")):
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        bad = httpx.post(invoke, timeout=60, **kwargs)
+        assert bad.status_code == 400 and message in bad.json()["error"]["message"]
+    wrong = httpx.post(invoke, json={"messages": "hi"}, timeout=60)        # the chat route's own validation
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "messages"
+
+
 def test_chat_completion_plain_and_streamed(oai):
     plain = oai.chat.completions.create(model="any", messages=QUESTION, max_tokens=20, **GREEDY)
     choice = plain.choices[0]
@@ -875,6 +899,8 @@ def test_api_key(server):
         claude = anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)
         assert claude.messages.count_tokens(model="m", messages=QUESTION).input_tokens > 0
         assert httpx.get(server.url + "/health").status_code == 200      # health stays open
+        assert httpx.get(server.url + "/ping").status_code == 200
+        assert httpx.post(server.url + "/invocations", json=OK_CHAT).status_code == 401
     finally:
         options.api_key = None
 

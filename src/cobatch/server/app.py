@@ -34,10 +34,11 @@ from cobatch.server import (anthropic, embeddings, events, llama_cpp, lora_adapt
 from cobatch.server.context import ServerContext, ServerOptions, get_context
 from cobatch.server.errors import ApiError, error_response
 from cobatch.server.lifecycle import DrainingServer, Lifecycle, LifecycleMiddleware, LoadingApp
+from cobatch.server.sagemaker import InvocationsMiddleware
 
 log = logging.getLogger("cobatch.server")
 
-PUBLIC_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/docs", "/openapi.json"})
 SLOTS_VIEW_TIMEOUT_S = 10.0
 
 
@@ -67,6 +68,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecy
     openapi.install(app, routers)
     _add_error_handlers(app, server)
     _add_service_routes(app)
+    app.add_middleware(InvocationsMiddleware, max_body_bytes=server.options.max_body_bytes)   # SageMaker's
     app.add_middleware(LifecycleMiddleware, lifecycle=server.lifecycle)
     app.add_middleware(ApiKeyMiddleware, server=server)
     if server.options.allowed_origins:
@@ -109,6 +111,7 @@ def _add_error_handlers(app: FastAPI, server: ServerContext) -> None:
 def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health")
     @app.head("/health")                # load balancers' probes
+    @app.get("/ping")                   # SageMaker's (server/sagemaker.py)
     async def health(request: Request):
         server = get_context(request)
         worker = server.worker
