@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 from cobatch.engine.grammar import parameter_kind
 from cobatch.server.output_events import Event, ToolCallArgsDelta, ToolCallStart
@@ -100,6 +100,31 @@ def _string_end(s: str, i: int) -> int | None:
     return None
 
 
+class JsonNesting:
+    """Follows the nesting of JSON text fed piece by piece: brackets outside strings."""
+
+    def __init__(self):
+        self.depth, self._in_str, self._esc = 0, False, False
+
+    def closings(self, piece: str) -> Iterator[int]:
+        """The index in `piece` of each closing bracket outside strings, once `depth` is what it leaves."""
+        for j, c in enumerate(piece):
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+            elif c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                yield j
+
+
 class ToolCallScanner:
     """Follows one tool-call JSON object as it streams in.
 
@@ -115,7 +140,7 @@ class ToolCallScanner:
         self._value_start: int | None = None
         self._value_end: int | None = None     # set when an object/array value closed
         self._streaming = False                 # object-valued arguments: sent as they come
-        self._pos, self._depth, self._in_str, self._esc = 0, 0, False, False
+        self._pos, self._nesting = 0, JsonNesting()     # text scanned, and its nesting
         self.closed_at: int | None = None       # index just past the outer '}'
         self.header_failed = False
 
@@ -141,29 +166,14 @@ class ToolCallScanner:
         return events
 
     def _scan(self) -> None:
-        s = self.text
-        for j in range(self._pos, len(s)):
-            c = s[j]
-            if self._in_str:
-                if self._esc:
-                    self._esc = False
-                elif c == "\\":
-                    self._esc = True
-                elif c == '"':
-                    self._in_str = False
-                continue
-            if c == '"':
-                self._in_str = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 1 and self._value_start is not None and self._value_end is None \
-                        and j >= self._value_start:
-                    self._value_end = j + 1
-                if self._depth == 0 and self.closed_at is None:
-                    self.closed_at = j + 1
-        self._pos = len(s)
+        for j in self._nesting.closings(self.text[self._pos:]):
+            at = self._pos + j + 1
+            if self._nesting.depth == 1 and self._value_start is not None and self._value_end is None \
+                    and at > self._value_start:
+                self._value_end = at
+            if self._nesting.depth == 0 and self.closed_at is None:
+                self.closed_at = at
+        self._pos = len(self.text)
 
     def finish(self) -> list[Event] | None:
         """The call is over (closing tag or end of output). Events for whatever was not streamed, or
@@ -271,34 +281,6 @@ class DeepSeekToolCall:
 _NAME_LIMIT = 256       # a function or parameter name longer than this (or on two lines) is not one: it was text
 
 
-class _JsonNesting:
-    """Follows the nesting of JSON text fed piece by piece (brackets outside strings): where its first value ends."""
-
-    def __init__(self):
-        self._depth, self._in_str, self._esc, self._seen = 0, False, False, 0
-
-    def end_in(self, piece: str) -> int | None:
-        """Index in `piece` just past the end of the first value, or None if it has not ended in it. A value that
-        is not an object or array ends at once (the depth never rises)."""
-        for j, c in enumerate(piece):
-            if self._in_str:
-                if self._esc:
-                    self._esc = False
-                elif c == "\\":
-                    self._esc = True
-                elif c == '"':
-                    self._in_str = False
-            elif c == '"':
-                self._in_str = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth <= 0:
-                    return j + 1
-        return None
-
-
 class MistralToolCall:
     """One call after Mistral's `[TOOL_CALLS]` from its v11 tokenizers on (Mistral Small 3.2, Devstral, Magistral):
     `NAME[ARGS]{JSON arguments}` (`NAME[CALL_ID]ID[ARGS]{...}` in some), with no closing marker: the arguments end
@@ -314,7 +296,7 @@ class MistralToolCall:
         self._value_from: int | None = None     # the value's first character
         self._scanned = 0                        # text the nesting has seen ends here
         self._sent = 0                           # argument characters sent
-        self._nesting = _JsonNesting()
+        self._nesting = JsonNesting()
 
     def feed(self, text: str, final: bool = False) -> list[Event]:
         self.text += text
@@ -335,9 +317,9 @@ class MistralToolCall:
             if not body.strip():
                 return events
             self._value_from = self._scanned = len(self.text) - len(body.lstrip())
-        end = self._nesting.end_in(self.text[self._scanned:])
+        end = next((j for j in self._nesting.closings(self.text[self._scanned:]) if self._nesting.depth <= 0), None)
         if end is not None:
-            self.closed_at = self._scanned + end
+            self.closed_at = self._scanned + end + 1
             args = self.text[self._value_from:self.closed_at]
         else:
             self._scanned = len(self.text)
