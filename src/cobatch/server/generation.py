@@ -23,8 +23,8 @@ from cobatch.server.metrics import ServerMetrics
 from cobatch.server.output_events import (ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart,
                                           merged)
 from cobatch.server.output_parser import REASONING_MARKER_TOKENS, OutputParser
-from cobatch.server.tool_call_readers import TOOL_MARKER_TOKENS
 from cobatch.server.stream import TextStream
+from cobatch.server.tool_call_readers import TOOL_MARKER_TOKENS
 from cobatch.tokenizer import Tokenizer
 
 log = logging.getLogger("cobatch.server")

@@ -152,12 +152,11 @@ async def create_response(request: Request):
     body = await read_body(request, ResponsesRequest, ctx.options.max_body_bytes)
     earlier = []
     if body.previous_response_id:
-        previous = ctx.responses.get(body.previous_response_id)
-        if previous is None:
-            raise bad_request(f"previous response with id {body.previous_response_id!r} not found (not stored, "
-                              "deleted, or forgotten: the server keeps the latest "
+        earlier = ctx.responses.conversation(body.previous_response_id)
+        if earlier is None:
+            raise bad_request(f"previous response with id {body.previous_response_id!r} not found, or one before "
+                              "it (not stored, deleted, or forgotten: the server keeps the latest "
                               f"{ctx.responses.capacity})", param="previous_response_id")
-        earlier = previous.conversation
     tools = _chat_tools(body)
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
@@ -173,7 +172,7 @@ async def create_response(request: Request):
         "responses", prompt_ids, params, [], parse_reasoning=ctx.options.parse_reasoning, start_in_reasoning=in_think,
         tools=tools or None))
     gen.start()
-    shell = _Shell(ctx, body, earlier + input_messages(body) if body.store else None)
+    shell = _Shell(ctx, body, input_messages(body) if body.store else None)
     if body.stream:
         return EventStreamResponse(_stream(gen, shell), gen.close)
     return GeneratedJSONResponse(lambda: _result(gen, shell), gen.close, request.url.path)
@@ -201,11 +200,11 @@ def _stored(store: ResponseStore, response_id: str):
 
 class _Shell:
     """The response object around the output items: ids, the request's echoed settings, status and usage; stored
-    once it has ended, with its conversation, unless `store` is false (conversation None)."""
+    once it has ended, with its turn's input messages, unless `store` is false (`given` None)."""
 
-    def __init__(self, ctx: ServerContext, body: ResponsesRequest, conversation: list[dict] | None):
+    def __init__(self, ctx: ServerContext, body: ResponsesRequest, given: list[dict] | None):
         self.id, self.created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
-        self.store, self.conversation = ctx.responses, conversation
+        self.store, self.given, self.previous = ctx.responses, given, body.previous_response_id
         self.fields = {"model": ctx.answered_by(body.model), "instructions": body.instructions,
                        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
                        "top_p": body.top_p, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
@@ -230,8 +229,8 @@ class _Shell:
     def ended(self, output: list[dict], finish: Finish) -> dict:
         """The final response object, stored when asked for."""
         response = self.response(output, finish)
-        if self.conversation is not None:
-            self.store.put(response, self.conversation + _output_messages(output))
+        if self.given is not None:
+            self.store.put(response, self.given + _output_messages(output), self.previous)
         return response
 
 
