@@ -205,6 +205,31 @@ def _arguments_text(args) -> str:
     return json.dumps(args if args is not None else {}, ensure_ascii=False)
 
 
+class RawArguments:
+    """Arguments written as they are up to a closing marker (DeepSeek's, Llama 3.1's `</function>`), sent as they
+    come: less a partial marker at the end, and less the characters in `hold` there (they may belong to the end).
+    Each feed looks only at what came since the last one, so a long argument costs its length, not its square."""
+
+    def __init__(self, start: int, marker: str, hold: str = " \t\r\n"):
+        self.start, self.marker, self.hold = start, marker, hold
+        self.sent = 0                          # characters sent
+        self._looked = start                   # the marker was looked for up to here
+
+    def delta(self, text: str, final: bool) -> tuple[str, int | None]:
+        """(the new argument text to send, the index just past the marker once it has come)"""
+        at = text.find(self.marker, max(self.start, self._looked - len(self.marker)))
+        self._looked = len(text)
+        closed = at + len(self.marker) if at >= 0 else None
+        end = at if at >= 0 else len(text)
+        if at < 0 and not final:
+            end -= partial_suffix(text[max(self.start, end - len(self.marker)):], self.marker)
+        while end > self.start + self.sent and text[end - 1] in self.hold:
+            end -= 1
+        delta = text[self.start + self.sent:end]
+        self.sent += len(delta)
+        return delta, closed
+
+
 class DeepSeekToolCall:
     """One DeepSeek call after its `<｜tool▁call▁begin｜>`, as it streams in: the name once the separator (and
     under V3, the line after it) has come, then the arguments up to `<｜tool▁call▁end｜>`, without V3's ```json
@@ -215,7 +240,7 @@ class DeepSeekToolCall:
         self.text = ""
         self.name: str | None = None
         self._args_start: int | None = None   # where the arguments begin in text
-        self.args = ""                         # argument text sent so far
+        self._args: RawArguments | None = None
         self.closed_at: int | None = None      # index just past <｜tool▁call▁end｜>
         self._fenced = False                    # V3: the arguments sit in a ```json fence
         self.failed = False                     # (never: until the output ends, anything may still be its name)
@@ -229,19 +254,15 @@ class DeepSeekToolCall:
                 events.append(ToolCallStart(self.index, self.name))
         if self._args_start is None:
             return events
-        body = self.text[self._args_start:]
-        at = body.find(DS_CALL_CLOSE)
-        if at >= 0:
-            self.closed_at = self._args_start + at + len(DS_CALL_CLOSE)
-            args = body[:at].rstrip()
+        if self._args is None:
+            self._args = RawArguments(self._args_start, DS_CALL_CLOSE, hold=" \t\r\n`")   # ` : the closing fence
+        delta, self.closed_at = self._args.delta(self.text, final)
+        if self.closed_at is not None:          # the whole of it known: less V3's closing fence
+            args = self.text[self._args_start:self.closed_at - len(DS_CALL_CLOSE)].rstrip()
             args = args.removesuffix(FENCE).rstrip() if self._fenced else args
-        else:
-            args = body if final else body[:len(body) - partial_suffix(body, DS_CALL_CLOSE)]
-            if not final:
-                args = args.rstrip(" \t\r\n`")
-        if len(args) > len(self.args):
-            events.append(ToolCallArgsDelta(self.index, args[len(self.args):]))
-            self.args = args
+            delta = args[self._args.sent - len(delta):]
+        if delta:
+            events.append(ToolCallArgsDelta(self.index, delta))
         return events
 
     def _read_head(self, final: bool) -> None:
@@ -338,6 +359,7 @@ class MistralToolCall:
 
 # How a parameter's value may end: its closing tag, or (a model that left it out) the next parameter or the call's end
 _VALUE_ENDS = (XML_PARAMETER_CLOSE, XML_PARAMETER_OPEN, XML_FUNCTION_CLOSE)
+_LONGEST_END = max(map(len, _VALUE_ENDS))
 
 
 class XmlToolCall:
@@ -359,9 +381,9 @@ class XmlToolCall:
         self._schemas = tool_schemas or {}
         self._pos = 0                            # text before it is read
         self._members = 0                        # parameters sent
-        self._json_from: int | None = None      # Llama 3.1: where the JSON arguments begin
-        self._json_sent = 0
+        self._json: RawArguments | None = None  # Llama 3.1: the JSON arguments
         self._param: tuple[str, int, int] | None = None     # the open parameter: key, value start, chars sent
+        self._looked = 0                         # the open parameter's end was looked for up to here
 
     def feed(self, text: str, final: bool = False) -> list[Event]:
         self.text += text
@@ -371,13 +393,13 @@ class XmlToolCall:
         if self._pos == 0:      # the name was read just now
             events.append(ToolCallStart(self.index, self.name))
             self._pos = self.text.index(">") + 1
-        if self._json_from is None and self._members == 0 and self._param is None:
+        if self._json is None and self._members == 0 and self._param is None:
             body = self.text[self._pos:].lstrip()
             if not body and not final:
                 return events
             if body.startswith("{"):
-                self._json_from = len(self.text) - len(body)
-        if self._json_from is not None:
+                self._json = RawArguments(len(self.text) - len(body), XML_FUNCTION_CLOSE)
+        if self._json is not None:
             return events + self._feed_json(final)
         while self.closed_at is None and self._step(events, final):
             pass
@@ -395,14 +417,7 @@ class XmlToolCall:
         return True
 
     def _feed_json(self, final: bool) -> list[Event]:
-        body = self.text[self._json_from:]
-        at = body.find(XML_FUNCTION_CLOSE)
-        if at >= 0:
-            self.closed_at = self._json_from + at + len(XML_FUNCTION_CLOSE)
-            args = body[:at].rstrip()
-        else:
-            args = (body if final else body[:len(body) - partial_suffix(body, XML_FUNCTION_CLOSE)]).rstrip()
-        delta, self._json_sent = args[self._json_sent:], max(self._json_sent, len(args))
+        delta, self.closed_at = self._json.delta(self.text, final)
         return [ToolCallArgsDelta(self.index, delta)] if delta else []
 
     def _step(self, events: list[Event], final: bool) -> bool:
@@ -425,7 +440,7 @@ class XmlToolCall:
             if key_end < 0 or (start == len(self.text) and not final):
                 return self._wait_or_close(events, final)
             start += self.text.startswith("\n", start)
-            self._param = (key.strip(), start, 0)
+            self._param, self._looked = (key.strip(), start, 0), start
             if self._kind(key.strip()) == "string":
                 events.append(ToolCallArgsDelta(self.index, self._member_head(key.strip()) + '"'))
             return True
@@ -445,36 +460,43 @@ class XmlToolCall:
 
     def _read_value(self, events: list[Event], final: bool) -> bool:
         key, start, sent = self._param
-        body = self.text[start:]
-        ends = [(at, end) for end in _VALUE_ENDS if (at := body.find(end)) >= 0]
+        # An end can only begin in what came since the last look, or in the few characters before it: each token's
+        # look costs its own length, not the value's (a long string, a file's text, comes a token at a time).
+        look_from = max(start, self._looked - _LONGEST_END)
+        self._looked = len(self.text)
+        ends = [(at, end) for end in _VALUE_ENDS if (at := self.text.find(end, look_from)) >= 0]
         if ends:
-            at, end = min(ends)
-            value = body[:at]
-            self._pos = start + at + (len(end) if end == XML_PARAMETER_CLOSE else 0)
+            value_end, end = min(ends)
+            self._pos = value_end + (len(end) if end == XML_PARAMETER_CLOSE else 0)
         else:
             # what may still be its end; when the output ended here, the start of a closing tag it was cut in
-            hold = max(max(partial_suffix(body, end), partial_suffix(body, "\n" + end)) for end in _VALUE_ENDS)
+            tail = self.text[max(start, len(self.text) - _LONGEST_END - 1):]
+            value_end = len(self.text) - max(max(partial_suffix(tail, end), partial_suffix(tail, "\n" + end))
+                                             for end in _VALUE_ENDS)
             if not final:
                 if self._kind(key) == "string":
-                    self._send_text(events, body[:len(body) - hold])
+                    self._send_text(events, value_end)
                 return False
-            value, self._pos = body[:len(body) - hold], len(self.text)
-        value = value.removesuffix("\n")
+            self._pos = len(self.text)
+        if value_end > start and self.text[value_end - 1] == "\n":       # the newline before the closing tag
+            value_end -= 1
         if self._kind(key) == "string":
-            self._send_text(events, value)
+            self._send_text(events, value_end)
             events.append(ToolCallArgsDelta(self.index, '"'))
         else:
+            value = self.text[start:value_end]
             events.append(ToolCallArgsDelta(self.index, self._member_head(key) + _typed_json(value, self._kind(key))))
         self._param = None
         return True
 
-    def _send_text(self, events: list[Event], text: str) -> None:
-        """The open string parameter's text up to `text`'s end (its start was sent before): JSON-escaped, which
-        escapes character by character, so the pieces join into the escaped whole."""
+    def _send_text(self, events: list[Event], end: int) -> None:
+        """The open string parameter's text up to index `end` of the call's text (its start was sent before):
+        JSON-escaped, which escapes character by character, so the pieces join into the escaped whole."""
         key, start, sent = self._param
-        if len(text) > sent:
-            events.append(ToolCallArgsDelta(self.index, json.dumps(text[sent:], ensure_ascii=False)[1:-1]))
-            self._param = (key, start, len(text))
+        if end - start > sent:
+            escaped = json.dumps(self.text[start + sent:end], ensure_ascii=False)[1:-1]
+            events.append(ToolCallArgsDelta(self.index, escaped))
+            self._param = (key, start, end - start)
 
     def _member_head(self, key: str) -> str:
         self._members += 1
@@ -496,7 +518,7 @@ class XmlToolCall:
         events = self.feed("", final=True)
         if self.name is None or self.failed:
             return None
-        if self.closed_at is None and self._json_from is not None:
+        if self.closed_at is None and self._json is not None:
             self.closed_at = len(self.text)
         return events
 
