@@ -72,18 +72,18 @@ def test_the_folded_norm_gives_the_unfolded_bits(fmt_name, with_residual):
 @requires_cuda
 @requires_hopper
 def test_a_model_decodes_alike_with_the_norm_folded(monkeypatch):
-    """A whole model (Qwen2.5-Coder-0.5B, its gate|up q4_K) loaded with the fold on: its B = 1 steps fold the norm
-    into gate|up's GEMV (graphs captured so), its wider steps run the norm's kernel; a row's tokens are the same
-    alone and batched (the bits agree), and close to the decode without the fold."""
+    """A whole model (SmolLM2 cut to 6 layers, q4_1) loaded with the fold on: its B = 1 steps fold the norms into
+    the GEMVs of qkv and gate|up (graphs captured so), its wider steps run the norm's kernel; a row's tokens are the
+    same alone and batched (the bits agree), and close to the decode without the fold."""
     from cobatch.engine.sampler import SamplingParams
     from cobatch.llm import LLM, EngineOptions
-    from cobatch.model_files import qwen_coder_path
+    from test_gpu_engine import _cut_model
 
     def load() -> LLM:
-        return LLM.load(qwen_coder_path(), EngineOptions(device="cuda", ctx=256, max_num_seqs=4, quiet=True,
-                                                         kv_cache_gb=1))
+        return LLM.load(_cut_model(), EngineOptions(device="cuda", dtype="f16", ctx=256, max_num_seqs=4, quiet=True,
+                                                    kv_cache_gb=1))
 
-    greedy = SamplingParams(max_tokens=24, temperature=0)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = load()
     prompts = [plain.encode_prompt(p) for p in ("def fib(n):", "The capital of France is", "1, 2, 3, 5, 8,")]
     unfolded = [plain.engine.generate([p], greedy)[0] for p in prompts]
