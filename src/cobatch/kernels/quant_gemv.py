@@ -905,7 +905,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     if norm is not None:
         assert routing is None and int(p.fmt_id) not in (quant_pack.Q6_K, quant_pack.NVFP4), "no fold here"
         assert cfg.W == FOLD_WARPS, "the fold's sums take FOLD_WARPS warps"
-        assert (norm.residual is None) == (norm.residual_out is None) and norm.residual is not norm.residual_out
+        assert (norm.residual is None) == (norm.residual_out is None)
+        assert norm.residual is None or norm.residual is not norm.residual_out, "the residual goes to another buffer"
     res = norm.residual if norm is not None and norm.residual is not None else x
     res_out = norm.residual_out if norm is not None and norm.residual_out is not None else x
     _gemv_kernel[grid](
