@@ -93,10 +93,10 @@ def token_tile(n_tok: int) -> int:
 # The ring variant's token tiles between the powers of two, as two accumulators (BN, BN2) over one x block of the
 # next power of two: the decode graphs' buckets of 96, 160 and 192 rows (engine/cuda_graphs.py) then multiply 25,
 # 37 and 25 % fewer token columns than the 128 and 256 tiles they ran. A row's bits are the same (the same split
-# of K; each token is its own column of the MMAs). COBATCH_GEMM_SPLIT_TILES=1 takes them (not yet measured in whole
-# steps); off, powers of two only.
+# of K; each token is its own column of the MMAs). Whole steps of those sizes, H100: 2-6 % faster on q8_0, 2-10 %
+# on Q4_K_M (bench/results/decode_split_tiles_ab.md). COBATCH_GEMM_SPLIT_TILES=0: powers of two only.
 SPLIT_TILES = {96: (64, 32), 160: (128, 32), 192: (128, 64)}
-SPLIT_TOKEN_TILES = os.environ.get("COBATCH_GEMM_SPLIT_TILES", "0") != "0"
+SPLIT_TOKEN_TILES = os.environ.get("COBATCH_GEMM_SPLIT_TILES", "1") != "0"
 
 
 def split_tile(n_tok: int) -> tuple[int, int]:
