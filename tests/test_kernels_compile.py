@@ -235,10 +235,8 @@ def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descripto
             signature[name] = "*fp16"
         elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
             signature[name] = "*u8"
-        elif name in ("x_ptr", "out_ptr", "res_ptr", "res_out_ptr", "nw_ptr", "w_ptr", "h_ptr"):
+        elif name in ("x_ptr", "out_ptr"):
             signature[name] = "*bf16"
-        elif name == "eps":
-            signature[name] = "fp32"
         else:
             signature[name] = "*i32" if name.endswith("_ptr") else "i32"
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -271,14 +269,6 @@ if quant_gemv.gluon is not None:
     for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True)):
         gemv_variants[f"gemv pdl fmt={fmt} routed={routed}"] = dict(
             FMT=fmt, W=4, RT=4, BT=8, SPLIT_K=2, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=0, PDL=True)
-    # the RMSNorm folded in (folded_norm.py): qkv's plan (one row tile, split-K) and gate|up's (act*mul), with and
-    # without a residual, the row padded (576 -> 1024) or not
-    for fmt, rt, split, act, res, block in ((quant_pack.Q8_0, 1, 4, 0, True, 4096),
-                                            (quant_pack.Q4_1, 4, 1, 1, True, 4096),
-                                            (quant_pack.Q5_0, 2, 1, 0, False, 1024)):
-        gemv_variants[f"gemv norm fmt={fmt} act={act} residual={res}"] = dict(
-            FMT=fmt, W=4, RT=rt, BT=8, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=False, ACT=act, PDL=True,
-            NORM=True, HAS_RES=res, NBLOCK=block)
 
 def compile_gemm_for_h200(constants):
     # The Gluon mid-batch GEMM (quant_gemm.py): its wgmmas must stay pipelined (ptxas serializes them, and says
@@ -429,21 +419,6 @@ jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm
 jobs += [(name, compile_gemv_for_h200, (constants, 128)) for name, constants in gemv_variants.items()]
 
 
-def compile_folded_norm_for_h200(has_res, block):
-    # the norm's kernel that sums as the folded GEMV does (folded_norm.py): f16 rows out, no spills
-    from cobatch.kernels import folded_norm
-    compiled = compile_gluon_for_h200(folded_norm._norm_kernel, dict(HAS_RES=has_res, BLOCK=block),
-                                      folded_norm.FOLD_WARPS)
-    usage = registers(compiled)
-    if usage is not None and usage[1]:
-        raise RuntimeError(f"{usage[1]} bytes of stack")
-
-
-from cobatch.kernels import folded_norm
-jobs += [(f"folded norm residual={res} block={block}", compile_folded_norm_for_h200, (res, block))
-         for res, block in ((True, 4096), (False, 1024)) if folded_norm.gluon is not None]
-
-
 def compile_fragment_dequant_for_h200(fmt):
     # the prefill path's dense matrix from fragment-order planes: its stores must be 16 bytes a lane (q6_K: 8, the
     # 4 columns of a k16 half)
@@ -490,6 +465,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 7 + 3 + 2
+    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 7
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -21,9 +21,7 @@ from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
-from cobatch.kernels.folded_norm import FOLD_NORM, rms_norm_gluon
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
-from cobatch.kernels.quant_gemv import FoldedNorm
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
@@ -40,48 +38,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     normed rows' dtype (default x's; operand_dtype of the weight they go to), the residual stream stays x's."""
     if _triton(x):
         out = None if out_dtype in (None, x.dtype) else torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        # with the norm folded into GEMVs, every other norm sums in their order (folded_norm.py)
-        kernel = rms_norm_gluon if FOLD_NORM else rms_norm_triton
-        return kernel(x, weight, eps, residual, out=out,
-                      residual_out=residual if inplace_residual and residual is not None else None)
+        return rms_norm_triton(x, weight, eps, residual, out=out,
+                               residual_out=residual if inplace_residual and residual is not None else None)
     normed, h = rms_norm_ref(x, weight, eps, residual, out_dtype)
     if inplace_residual and residual is not None:
         h = residual.copy_(h)
     return normed, h
-
-
-def _folds_norm(x: torch.Tensor, weight) -> bool:
-    return _triton(x) and x.dim() == 2 and getattr(weight, "folds_norm", lambda n: False)(x.shape[0])
-
-
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None, weight,
-                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual), weight), the residual stream x + residual): the norm folded into the
-    weight's GEMV where it folds (folded_norm.py: one launch less), else the norm's kernel then the matmul."""
-    if _folds_norm(x, weight):
-        stream = torch.empty_like(x) if residual is not None else x
-        y = weight.matmul(x, out=torch.empty(x.shape[0], weight.rows, dtype=dtype or x.dtype, device=x.device),
-                          norm=FoldedNorm(norm_weight, eps, residual, stream if residual is not None else None))
-        return y, stream
-    h, stream = rms_norm(x, norm_weight, eps, residual, out_dtype=operand_dtype(weight, x.shape[0], dtype or x.dtype))
-    return linear(h, weight, dtype=dtype), stream
-
-
-def norm_feed_forward(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                      gate_up, down, act: str = "silu", dtype: torch.dtype | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(feed_forward(rms_norm(x + residual)), the residual stream): the norm folded into gate|up's GEMV where it
-    folds, as norm_linear."""
-    dtype = dtype or x.dtype
-    if getattr(gate_up, "gate_up_interleaved", False) and _folds_norm(x, gate_up):
-        stream = torch.empty_like(x) if residual is not None else x
-        rows = x.shape[0]
-        mid = torch.empty(rows, gate_up.rows // 2, dtype=operand_dtype(down, rows, dtype), device=x.device)
-        gate_up.matmul(x, act=act, out=mid,
-                       norm=FoldedNorm(norm_weight, eps, residual, stream if residual is not None else None))
-        return linear(mid, down, dtype=dtype), stream
-    h, stream = rms_norm(x, norm_weight, eps, residual, out_dtype=operand_dtype(gate_up, x.shape[0], dtype))
-    return feed_forward(h, gate_up, down, act, dtype=dtype), stream
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -15,12 +15,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import folded_norm, quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
+from cobatch.kernels import quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.matmul_plans import DEQUANT_CUBLAS, MatmulPlan, load_plan, uses_gemv
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
-from cobatch.kernels.quant_gemv import FoldedNorm, GemvConfig, GemvPlan
+from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_matmul import TileConfig, dequantize_planes
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes, pack_planes
 from cobatch.kernels.scratch import DeviceScratch, SplitScratch
@@ -140,23 +140,11 @@ class PackedWeight:
         config = self.plan.config_for(n_tok)
         return torch.float16 if isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)) else dtype
 
-    def folds_norm(self, n_tok: int) -> bool:
-        """Does a call of n_tok tokens run the GEMV with an RMSNorm folded in (folded_norm.FOLD_NORM, a step of at
-        most FOLD_UPTO rows, a plan of FOLD_WARPS warps, a format whose chunks load x with their scales)?"""
-        if not folded_norm.FOLD_NORM or n_tok > folded_norm.FOLD_UPTO or self.dense is not None:
-            return False
-        config = self.plan.config_for(n_tok)
-        if not isinstance(config, (GemvConfig, GemvPlan)) or quant_gemv.gluon is None:
-            return False
-        warps = config.default.W if isinstance(config, GemvPlan) else config.W
-        return warps == folded_norm.FOLD_WARPS and int(self.planes.fmt_id) not in (quant_pack.Q6_K, quant_pack.NVFP4)
-
     def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None,
-               act: str | None = None, norm: FoldedNorm | None = None) -> torch.Tensor:
+               act: str | None = None) -> torch.Tensor:
         """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks).
         act ("silu", "gelu_tanh"; gate_up_interleaved weights only): act(gate) * up, [n_tok, rows / 2], applied
-        in the GEMV's epilogue, or by gated_mul after the other kernels. norm: x is that RMSNorm's input, folded
-        into the GEMV (where folds_norm says so; quant_gemv.FoldedNorm)."""
+        in the GEMV's epilogue, or by gated_mul after the other kernels."""
         assert act is None or self.gate_up_interleaved, "act needs a gate|up weight packed interleaved"
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.cols)
@@ -164,8 +152,6 @@ class PackedWeight:
         out_cols = self.rows // 2 if act else self.rows
         if config is None and self.dense is None:
             config = self.plan.config_for(n_tok)
-        if norm is not None and not isinstance(config, (GemvConfig, GemvPlan)):
-            raise ValueError(f"an RMSNorm folds only into the GEMV, not into {config}")
         if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)):
             y = self.matmul(x2, config)
             return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
@@ -190,7 +176,7 @@ class PackedWeight:
             if config.split_k > 1:
                 SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = SplitScratch.get(x.device)
-            quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act, norm=norm)
+            quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         elif isinstance(config, (GemmConfig, CudaGemmConfig)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
             partial, count = out, out

@@ -48,7 +48,6 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_pack
-from cobatch.kernels.folded_norm import FOLD_WARPS, row_block, row_h, row_layout, row_rstd
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
@@ -292,11 +291,6 @@ if gluon is not None:
         return mma, a, b, _byte_layout(W, 16)
 
     @gluon.constexpr_function
-    def _x_layout(W, V):
-        """x as _load_x loads it, [W, 4 c, V, BT]: lane 4 g + c's V contiguous columns of token g (and g + 8)."""
-        return gl.BlockedLayout([1, 1, V, 1], [1, 4, 1, 8], [W, 1, 1, 1], [2, 1, 3, 0])
-
-    @gluon.constexpr_function
     def _axis_layout(layout, dim):
         """The 1-D layout of axis `dim` of a rank-4 layout: the other three axes sliced away."""
         for other in (3, 2, 1, 0):
@@ -348,8 +342,7 @@ if gluon is not None:
 
     @gluon.jit
     def _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT: gl.constexpr, W: gl.constexpr, B: gl.constexpr,
-                EVEN_K: gl.constexpr, K: gl.constexpr = 32, norm=None, NORM: gl.constexpr = False,
-                HAS_RES: gl.constexpr = False):
+                EVEN_K: gl.constexpr, K: gl.constexpr = 32):
         """x[tok0 : tok0 + BT, k0 + 0..K-1] as the [W, K, BT] B operand (k0: [W], one K offset per warp),
         in the planes' column order (quant_pack.k_order): lane 4 g + c's logical columns
         k = 16 h + 8 a + 2 c + e are the K / 4 contiguous columns k0 + K / 4 c + .. of token g (and g + 8),
@@ -357,7 +350,7 @@ if gluon is not None:
         the bottleneck at 16 tokens). The reshape/permute after it only renames registers into the B
         fragment's order, which convert_layout(..., assert_trivial=True) checks at compile time."""
         V: gl.constexpr = K // 4
-        L: gl.constexpr = _x_layout(W, V)
+        L: gl.constexpr = gl.BlockedLayout([1, 1, V, 1], [1, 4, 1, 8], [W, 1, 1, 1], [2, 1, 3, 0])
         k = gl.convert_layout(k0, _axis_layout(L, 0))[:, None, None, None] \
             + (V * gl.arange(0, 4, layout=_axis_layout(L, 1)))[None, :, None, None] \
             + gl.arange(0, V, layout=_axis_layout(L, 2))[None, None, :, None]
@@ -367,15 +360,7 @@ if gluon is not None:
             mask = mask & (k < n_cols)
         # bf16 x is converted here (a few instructions per step, shared by the RT row tiles) rather than by
         # a separate launch per call
-        x = gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0)                    # [W, c, V, BT]
-        if NORM:        # x is the norm's input: (x + residual) * rstd * w, as folded_norm's kernel writes it
-            res_ptr, res_stride, nw_ptr, rstd = norm
-            if HAS_RES:
-                r = gl.load(res_ptr + t * res_stride + k, mask=mask, other=0.0)
-                x = (x.to(gl.float32) + r.to(gl.float32)).to(x_ptr.dtype.element_ty)
-            w = gl.load(nw_ptr + k, mask=k < n_cols, other=0.0).to(gl.float32)
-            x = x.to(gl.float32) * gl.convert_layout(rstd, _axis_layout(L, 3))[None, None, None, :] * w
-        x = x.to(gl.float16)
+        x = gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)   # [W, c, V, BT]
         if K == 32:
             x = gl.permute(gl.reshape(x, [W, 4, 2, 2, 2, BT]), [0, 2, 3, 1, 4, 5])        # w, h, a, c, e, t
         else:
@@ -455,18 +440,15 @@ if gluon is not None:
     @gluon.jit
     def _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0, chunk, side32, side256,
                      FMT: gl.constexpr, BT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr,
-                     B: gl.constexpr, EVEN_K: gl.constexpr, norm=None, NORM: gl.constexpr = False,
-                     HAS_RES: gl.constexpr = False):
-        """The register-side loads of one K step (each warp's chunk): scale data and the x blocks (normalized as
-        they come, with NORM: _load_x)."""
+                     B: gl.constexpr, EVEN_K: gl.constexpr):
+        """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
         a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
         if _byte_fmt(FMT):
-            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, EVEN_K, 32, norm, NORM, HAS_RES)
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, EVEN_K)
             x1 = x0
         else:
-            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, W, B, EVEN_K, 32, norm, NORM, HAS_RES)
-            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, W, B, EVEN_K, 32, norm, NORM,
-                         HAS_RES)
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, W, B, EVEN_K)
+            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, W, B, EVEN_K)
         return a, b, c, e, x0, x1
 
     @gluon.jit
@@ -656,13 +638,12 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_expert"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
-                     slot_expert_ptr, slot_start_ptr, slot_count_ptr, res_ptr, res_out_ptr, nw_ptr,
+                     slot_expert_ptr, slot_start_ptr, slot_count_ptr,
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
-                     tiles_per_expert, res_stride, res_out_stride, eps,
+                     tiles_per_expert,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
-                     D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
-                     NORM: gl.constexpr = False, HAS_RES: gl.constexpr = False, NBLOCK: gl.constexpr = 32):
+                     D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -699,25 +680,6 @@ if gluon is not None:
             tile0 += gl.load(slot_expert_ptr + pid_t) * tiles_per_expert
             if tok0 >= n_tok:
                 last = first - 1
-        norm = None
-        if NORM:
-            # The RMSNorm folded in (folded_norm.py): each of this tile's tokens' rstd from its whole row (and the
-            # residual), in the order folded_norm's kernel sums; one CTA of the tile writes the residual stream.
-            TL: gl.constexpr = _axis_layout(_x_layout(W, 8), 3)           # the tokens' axis of _load_x's x
-            tok = gl.arange(0, BT, layout=TL)
-            rstd = gl.zeros([BT], gl.float32, TL)
-            writes = (pid_n == 0) & (pid_k == 0)
-            for i in range(BT):
-                row = (tok0 + i).to(gl.int64)
-                if row < n_tok:
-                    x_row, res_row = x_ptr + row * x_stride, res_ptr + row * res_stride
-                    rstd = gl.where(tok == i, row_rstd(x_row, res_row, n_cols, eps, HAS_RES, NBLOCK), rstd)
-                    if HAS_RES and writes:
-                        cols = gl.arange(0, NBLOCK, layout=row_layout(NBLOCK))
-                        h = row_h(x_row, res_row, n_cols, HAS_RES, NBLOCK)
-                        gl.store(res_out_ptr + row * res_out_stride + cols, h.to(res_out_ptr.dtype.element_ty),
-                                 mask=cols < n_cols)
-            norm = (res_ptr, res_stride, nw_ptr, rstd)
         # U K steps per iteration, all their loads issued before their math; with D > 0 the quant bytes
         # of step s + D are prefetched into L2 meanwhile. The warps of a CTA read adjacent chunks.
         # (Tried on the H200: a cp.async shared-memory ring of 2-6 stages was slower, and Triton put a CTA
@@ -741,7 +703,7 @@ if gluon is not None:
                 else:
                     a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok,
                                                       n_cols, tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE,
-                                                      B, EVEN_K, norm, NORM, HAS_RES)
+                                                      B, EVEN_K)
                     if _fifth_bit(FMT):
                         h = _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
                     else:
@@ -867,27 +829,14 @@ class Routing:
 GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
 
 
-@dataclass(frozen=True, slots=True)
-class FoldedNorm:
-    """The RMSNorm a launch applies to x as it loads it (folded_norm.py): x is the norm's input, `residual` (or
-    None) is added to it first, and `residual_out` receives that sum (not `residual` itself: the other CTAs still
-    read it); `weight` and `eps` are the norm's."""
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-    residual_out: torch.Tensor | None
-
-
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
-           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None,
-           norm: FoldedNorm | None = None) -> None:
+           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None
+           ) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T, out having
     rows_per_expert columns; the plan's tier is the one for max_count tokens.
     With `act` ("silu", "gelu_tanh"), W's rows (each expert's) are gate|up interleaved 8 by 8
-    (activation.GATE_UP_GROUP) and out gets act(gate) * up: half as many columns.
-    With `norm`, x is an RMSNorm's input, normalized as it is loaded (FoldedNorm); not with routing, and only for
-    the formats whose chunks load x with their scales (not q6_K's or NVFP4's halves)."""
+    (activation.GATE_UP_GROUP) and out gets act(gate) * up: half as many columns."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
     tokens = routing.max_count if routing else n_tok          # the most rows one weight is dotted with
@@ -902,21 +851,13 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     token_tiles = routing.slot_expert.shape[0] if routing else -(-n_tok // bt)
     grid = (token_tiles, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
     dummy = p.qs
-    if norm is not None:
-        assert routing is None and int(p.fmt_id) not in (quant_pack.Q6_K, quant_pack.NVFP4), "no fold here"
-        assert cfg.W == FOLD_WARPS, "the fold's sums take FOLD_WARPS warps"
-        assert (norm.residual is None) == (norm.residual_out is None)
-        assert norm.residual is None or norm.residual is not norm.residual_out, "the residual goes to another buffer"
-    res = norm.residual if norm is not None and norm.residual is not None else x
-    res_out = norm.residual_out if norm is not None and norm.residual_out is not None else x
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
         p.sub if p.sub is not None else dummy, p.qh if p.qh is not None else dummy,
         routing.slot_expert if routing else dummy, routing.slot_start if routing else dummy,
-        routing.slot_count if routing else dummy, res, res_out, norm.weight if norm is not None else x,
+        routing.slot_count if routing else dummy,
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
-        rows_pad // 16, res.stride(0), res_out.stride(0), norm.eps if norm is not None else 0.0,
+        rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
         U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=ACTS[act], num_warps=cfg.W, maxnreg=cfg.R or None,
-        NORM=norm is not None, HAS_RES=norm is not None and norm.residual is not None, NBLOCK=row_block(p.cols),
         **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}))

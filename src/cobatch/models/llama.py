@@ -157,12 +157,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             # each normed or attended x in the dtype its weight's kernels read (ops.operand_dtype), so they need
             # not convert it; their outputs and the residual stream in the model's dtype
-            if lora is None:        # (the norm folded into qkv's GEMV where it folds: ops.norm_linear)
-                qkv, residual = ops.norm_linear(x, layer.attn_norm, cfg.rms_eps, residual, layer.qkv, dtype)
-            else:
-                h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual,
-                                           out_dtype=ops.operand_dtype(layer.qkv, n, dtype))
-                qkv = lora.add(i, "qkv", h, ops.linear(h, layer.qkv, dtype=dtype))
+            h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual,
+                                       out_dtype=ops.operand_dtype(layer.qkv, n, dtype))
+            qkv = ops.linear(h, layer.qkv, dtype=dtype)
+            if lora is not None:
+                qkv = lora.add(i, "qkv", h, qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q = qkv[:, :q_size].reshape(n, cfg.n_heads, cfg.head_dim)
@@ -181,15 +180,14 @@ class LlamaModel:
                 x = self.tp.all_reduce(x)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
-            adapted = lora is not None and (lora.touches(i, "gate_up") or lora.touches(i, "down"))
-            if layer.moe is None and not adapted:
-                x, residual = ops.norm_feed_forward(x, layer.ffn_norm, cfg.rms_eps, residual, layer.gate_up,
-                                                    layer.down, cfg.activation, dtype)
+            h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual,
+                                       out_dtype=ops.operand_dtype(layer.gate_up, n, dtype))   # MoE: no gate_up
+            if layer.moe is not None:
+                x = layer.moe(h)
+            elif lora is not None and (lora.touches(i, "gate_up") or lora.touches(i, "down")):
+                x = lora.feed_forward(i, h, layer.gate_up, layer.down, cfg.activation, dtype)
             else:
-                h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual,
-                                           out_dtype=ops.operand_dtype(layer.gate_up, n, dtype))  # MoE: no gate_up
-                x = layer.moe(h) if layer.moe is not None else lora.feed_forward(i, h, layer.gate_up, layer.down,
-                                                                                 cfg.activation, dtype)
+                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation, dtype=dtype)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
             if layer.post_ffn_norm is not None:
