@@ -24,9 +24,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -50,13 +48,6 @@ class ShuttingDown(Exception):
 
 
 CALL_TIMEOUT_S = 60.0          # EngineWorker.run: an action on the engine thread (slot files, adapters)
-
-# How long a thread keeps the GIL while another waits for it. Python's default, 5 ms, lets the HTTP side, formatting
-# and sending every stream's frames after a step, keep the engine thread waiting that long for its next step's host
-# work. COBATCH_GIL_SWITCH_US=200 shortens it for the server's process; 0 (the default) leaves Python's. On a 2-core
-# machine the stub engine's server kept up at 64 streams either way (its client, not the server, was the limit), so
-# it stays a switch until a serving run on the GPU host decides it (docs/performance.md, Serving).
-GIL_SWITCH_INTERVAL_S = float(os.environ.get("COBATCH_GIL_SWITCH_US", "0")) / 1e6
 
 @dataclass(slots=True)
 class EngineFailure:
@@ -129,8 +120,6 @@ class EngineWorker:
 
     # --- HTTP side --------------------------------------------------------------------------------
     def start(self) -> None:
-        if GIL_SWITCH_INTERVAL_S > 0:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="cobatch-engine", daemon=True)
         self._thread.start()
 
