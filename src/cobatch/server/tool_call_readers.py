@@ -7,7 +7,9 @@ starts and hands the text that follows to the reader of its format, piece by pie
 - XmlToolCall: `NAME>...</function>` after `<function=`: Qwen3-Coder's parameters, or Llama 3.1's JSON.
 
 Each sends a call's name as soon as it is known and its arguments' JSON text as it arrives, and says where the call
-ended in what it was fed (`closed_at`), or that it was no call after all.
+ended in what it was fed (`closed_at`), or that it was no call after all. Two helpers follow a call's text as it
+grows, looking only at what came since they last did: JsonNesting (brackets outside strings) and RawArguments
+(text up to a closing marker).
 """
 
 from __future__ import annotations
