@@ -114,6 +114,7 @@ def forced_tool_call_grammar(tools: list[dict[str, Any]], style: str, parallel: 
     """A grammar under which the output is a call of one of `tools` (OpenAI function dicts): tool_choice
     "required" (Anthropic "any") or a named tool, in one of TOOL_CALL_STYLES, written the way
     server/output_parser.py reads calls back. `parallel`: one call or more."""
+    assert style in TOOL_CALL_STYLES, style
     if llguidance is None:
         raise GrammarError("tool_choice 'required' (constrained decoding) needs the llguidance package")
     if style == "xml":
