@@ -45,47 +45,6 @@ typedef u32 side_t;
 #define STAGE_BYTES (QS_BYTES + D_BYTES + X_BYTES)
 #define NACC (BN / 2)                        // accumulators a thread holds per 64-row block
 
-static __device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count));
-}
-
-static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n .reg .pred done;\n WAIT_%=:\n"
-                 " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 " @!done bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-static __device__ __forceinline__ uint4 lds128(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-
-static __device__ __forceinline__ u32 lds32(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-
 // One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
 // its high block (the high nibbles, used in place as 16 q: their scales come in divided by 16), rows g and g + 8:
 // each nibble under 0x64 (1024 + q as f16), minus 1024 exactly, times d plus m: quant_gemv.ASM_NIB_AFFINE, which
