@@ -8,8 +8,9 @@ Bytes counted: K + V of every sequence's context in the cache's dtype (q, the ou
 are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
---mla: the MLA decode kernel instead (kernels/mla_attention.py; --mla --sweep: each of MLA_SWEEP's configs),
-DeepSeek-V2-Lite's heads (16 q heads, one latent row of 512 + 64 values per token) at B = 1, 8, 64 x context
+--mla: the MLA decode kernel instead (kernels/mla_attention.py; --mla --sweep: each of MLA_SWEEP's configs;
+--mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
+configs, each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent row of 512 + 64 values per token) at B = 1, 8, 64 x context
 512, 8192 (MLA_CONTEXTS): bytes counted, each sequence's latent rows (576 bf16 values a token).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
@@ -28,7 +29,8 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
-from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_decode_attention
+from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_attention_ref, mla_decode_attention
+from cobatch.kernels.mla_decode_cuda import MlaCudaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth, graph_time, graph_times  # noqa: E402  (replays queued behind a GPU sleep)
@@ -113,7 +115,7 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
 
 
 def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig = MLA_DECODE_CONFIG,
-                     block_h: int = 16) -> dict:
+                     block_h: int = 16, cuda: MlaCudaConfig | None = None) -> dict:
     """The MLA decode kernel on `batch` sequences of `context` latent rows in 16-token pages scattered over the
     pool, R copies of the inputs as bench_decode."""
     width = MLA_LORA + MLA_ROPE
@@ -126,14 +128,16 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
     for meta in _scattered_decode_metas(batch, context, copies, gen):
         q = torch.randn(batch, MLA_HEADS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(batch, MLA_HEADS, MLA_LORA, device="cuda", dtype=torch.bfloat16)
-        calls.append(lambda q=q, m=meta, o=out: mla_decode_attention(q, cache, m, width ** -0.5, MLA_LORA, out=o,
-                                                                     cfg=cfg, block_h=block_h))
+        calls.append(lambda q=q, m=meta, o=out: mla_decode_attention(
+            q, cache, m, width ** -0.5, MLA_LORA, out=o, cfg=cfg, block_h=block_h, cuda=cuda is not None,
+            cuda_cfg=cuda or MlaCudaConfig()))
     ms = graph_times(calls, reps=20).queued * 1e3
     kv_bytes = batch * context * width * 2
     del cache, calls
     return {"kernel": "mla_decode_attention", "batch": batch, "context": context, "filled": context,
             "kv_dtype": "bfloat16", "heads": MLA_HEADS, "latent_width": width, "us": ms * 1e3,
-            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg), "block_h": block_h}
+            "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg), "block_h": block_h,
+            "cuda": asdict(cuda) if cuda else None}
 
 
 # (config, block_h) candidates of --mla --sweep: tile length, warps, stages, programs aimed at per SM
@@ -141,6 +145,65 @@ MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
     (replace(MLA_DECODE_CONFIG, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps), 16)
     for bn, w, st, pps in [(64, 8, 3, 1), (64, 8, 2, 4), (32, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 4), (16, 4, 3, 4),
                            (16, 4, 4, 8), (32, 8, 3, 8), (64, 4, 2, 4), (64, 8, 4, 1)]]
+
+
+# (split plan config, CUDA config or None for the Triton kernel) of --mla --cuda
+MLA_CUDA_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
+    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(segments=segs, early=early))
+    for pps, segs, early in [(2, 10, True), (1, 10, True), (2, 5, True), (4, 5, True), (2, 10, False)]]
+
+
+def mla_error(cfg: DecodeConfig, cuda: MlaCudaConfig | None, heads: int, seq_lens: list[int], seed: int) -> float:
+    """Relative error (max |got - ref| / max |ref|) of one config against mla_attention_ref, on rows of the given
+    lengths in 16-token pages scattered over a pool, rows past each length poisoned with NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width = MLA_LORA + MLA_ROPE
+    pages = [-(-n // PAGE) for n in seq_lens]
+    cache = torch.full((sum(pages) + 1, PAGE, 1, width), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tables = torch.zeros(len(seq_lens), max(max(pages), 1), dtype=torch.int32)
+    order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(seed)).tolist()
+    for r, (n, np_) in enumerate(zip(seq_lens, pages)):
+        for i in range(np_):
+            page = order.pop()
+            tables[r, i] = page
+            rows = min(PAGE, n - i * PAGE)
+            cache[page, :rows] = torch.randn(rows, 1, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(len(seq_lens), heads, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    n = len(seq_lens)
+    meta = AttentionMetadata(torch.zeros(n, dtype=torch.int64, device="cuda"),
+                             torch.arange(n + 1, dtype=torch.int32, device="cuda"),
+                             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), tables.cuda(), 1,
+                             max(max(seq_lens), 1))
+    scale = 192 ** -0.5
+    ref = mla_attention_ref(q, torch.nan_to_num(cache), meta, scale, MLA_LORA)
+    got = mla_decode_attention(q, cache, meta, scale, MLA_LORA, cfg=cfg, cuda=cuda is not None,
+                               cuda_cfg=cuda or MlaCudaConfig()).float()
+    return float(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).nan_to_num(float("inf")))
+
+
+def run_mla_cuda(copy_gbps: float) -> list[dict]:
+    """Each MLA_CUDA_SWEEP candidate: its error against the reference (16 and 128 heads; rows of 1, a page and a
+    bit, several splits), then its time on every shape."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for variant, (cfg, cuda) in enumerate(MLA_CUDA_SWEEP):
+        errors = {heads: mla_error(cfg, cuda, heads, [1, 17, 700, 8192, 0, 4000], seed=heads) for heads in (16, 128)}
+        for batch in BATCHES:
+            for context in MLA_CONTEXTS:
+                try:
+                    r = bench_mla_decode(batch, context, gen, cfg, 16, cuda)
+                    r["ratio_to_copy"] = r["gbps"] / copy_gbps
+                except Exception as e:
+                    r = {"kernel": "mla_decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
+                r["variant"], r["max_rel_error"] = variant, errors
+                rows.append(r)
+        print(f"mla variant {variant} {'cuda ' + str(asdict(cuda)) if cuda else 'triton'} programs_per_sm "
+              f"{cfg.programs_per_sm} error {errors}: " + " ".join(
+                  f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
+                  if r["variant"] == variant), flush=True)
+    print("mla decode (B x context: us, of copy) as above, shapes in order: "
+          + ", ".join(f"{b}x{c}" for b in BATCHES for c in MLA_CONTEXTS))
+    return rows
 
 
 def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
@@ -312,6 +375,10 @@ def main() -> None:
             with open(os.path.join(os.environ["OUT"], name), "w") as f:
                 json.dump(payload, f, indent=1)
 
+    if "--mla" in sys.argv and "--cuda" in sys.argv:
+        result["rows"] = run_mla_cuda(copy_gbps)
+        dump("kernels_mla_attention_cuda.json", result)
+        return
     if "--mla" in sys.argv:
         sweeping = "--sweep" in sys.argv
         result["rows"] = run_mla(copy_gbps, sweep=sweeping)

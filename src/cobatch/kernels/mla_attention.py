@@ -22,6 +22,7 @@ host sync, and nothing of [heads, rows, context] is ever materialized (the torch
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +31,7 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _program_chunk,
                                        _softmax_fold, _store_partial, _tile_pages, hidden_keys,
                                        plan_decode_splits, reference_sequences)
+from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
@@ -129,6 +131,10 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
 # bench/results/kernels_mla_attention_sweep.json).
 MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
 
+# The split kernel in CUDA C++ (mla_decode_cuda.py: a producer warp's ring of cached rows, wgmma products) where it
+# supports the call; not the default until measured against the Triton kernel.
+MLA_CUDA = os.environ.get("COBATCH_MLA_CUDA", "0") == "1"
+
 
 def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(latent, rope) parts of the absorbed queries: q [N, H, L] whole, or q [N, H, kv_lora_rank] with q_rope
@@ -138,16 +144,19 @@ def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int)
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = MLA_DECODE_CONFIG,
-                         block_h: int = 16, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+                         block_h: int = 16, q_rope: torch.Tensor | None = None, cuda: bool | None = None,
+                         cuda_cfg: mla_decode_cuda.MlaCudaConfig = mla_decode_cuda.MLA_CUDA_CONFIG) -> torch.Tensor:
     """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
     paged_decode_attention is: the grid depends only on q's shape and meta.max_seq_len. cache may be
     [num_blocks, block_size, 1, width] (the KV pool's one-head layout) or [num_blocks, block_size, width].
     kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one. q_rope:
-    the queries' rope part apart (query_parts)."""
+    the queries' rope part apart (query_parts). cuda: the CUDA C++ split kernel (cuda_cfg) where it supports the
+    call (default: MLA_CUDA)."""
     q, q_rope = query_parts(q, q_rope, kv_lora_rank)
     n_rows, n_heads, _ = q.shape
+    cuda = MLA_CUDA if cuda is None else cuda
     cache = cache.flatten(2) if cache.dim() == 4 else cache
-    page, rope = cache.shape[1], q_rope.shape[2]
+    rope = q_rope.shape[2]
     assert meta.max_query_len == 1 and n_rows == meta.num_seqs and cache.shape[2] == kv_lora_rank + rope
     assert kv_lora_rank == next_pow2(kv_lora_rank) and 0 < rope, "kv_lora_rank a power of two, then the rope part"
     assert q.shape[2] == kv_lora_rank and q.stride(-1) == 1 and q_rope.stride(-1) == 1
@@ -164,8 +173,29 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out   # unused
-    operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
+    if cuda and block_h == mla_decode_cuda.HEADS and mla_decode_cuda.supports(q, q_rope, cache, cfg.block_n,
+                                                                                cuda_cfg):
+        mla_decode_cuda.launch_split(q, q_rope, cache, meta.block_tables, meta.seq_lens, scale * LOG2E, num_splits,
+                                     chunks, cfg.min_split, out, part_acc, part_ml, launch["PDL"], cuda_cfg)
+    else:
+        _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, num_splits, chunks,
+                             head_blocks, block_h, cfg, launch)
+    if num_splits > 1:
+        _decode_reduce_kernel[(n_rows, n_heads)](
+            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
+            HEAD_D=kv_lora_rank, BLOCK_D=kv_lora_rank, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
+            BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
+            GROUPS=False, num_warps=4, **launch)
+    return out
+
+
+def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, num_splits, chunks,
+                         head_blocks, block_h, cfg, launch) -> None:
+    """The Triton split kernel of mla_decode_attention (its arguments as there)."""
+    n_rows, n_heads, _ = q.shape
+    page, rope = cache.shape[1], q_rope.shape[2]
+    operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
     _mla_decode_split_kernel[(head_blocks, n_rows, chunks)](
         q, q_rope, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
@@ -174,13 +204,6 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
         OPERAND=operand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
-    if num_splits > 1:
-        _decode_reduce_kernel[(n_rows, n_heads)](
-            part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
-            HEAD_D=kv_lora_rank, BLOCK_D=kv_lora_rank, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
-            BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
-            GROUPS=False, num_warps=4, **launch)
-    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,362 @@
+// MLA decode attention (DeepSeek's absorbed form) in CUDA C++, compiled by NVRTC (mla_decode_cuda.py): the split
+// kernel of mla_attention.mla_decode_attention, with the same split plan, partials and reduce kernel.
+//
+// A CTA is one consumer warpgroup and one producer warp, for HB (16) query heads of one row over its chunk of the
+// context. The producer copies the chunk's cached rows, 16 at a time (a segment: one cache block holds whole
+// segments), into a ring of SEGS segment slots with cp.async.bulk, one copy a row, so that each row lands 16 bytes
+// further along the banks than the one before (PITCH) and the ldmatrix reads below are conflict-free. It looks
+// segments up in the block table 32 at a time, and, as a programmatic dependent, copies every segment before it
+// waits for the kernel before, but the one holding the step's new row (EARLY).
+//
+// The consumers take 64 cached rows (4 segments) a tile, with the rows as wgmma's M side:
+//   scores^T [64 rows, 16 heads] = rows [64, LAT + ROPE] x Q^T: A from registers (ldmatrix of warp w's segment),
+//     B the queries' image in shared memory (written once per CTA);
+//   online softmax over the rows (a head's max across the warpgroup through shared memory), p written as the
+//     B image of the second product;
+//   out^T [LAT, 16 heads] += rows^T [LAT, 64 rows] x p^T: A from registers (ldmatrix.trans of each segment), LAT / 64
+//     m64 tiles, the accumulator 64 floats a thread.
+// A segment slot goes back to the producer once both products that read it retired (an arrive per consumer warp).
+// Rows past the chunk's end are masked: their scores to -inf, their values to zero in the registers (a slot may hold
+// anything there). A split's (max, sum, acc) is stored at its end, as the Triton kernel stores it, or, with one
+// split (SINGLE), the row's output.
+//
+// Compiled with: LAT, ROPE (the latent and rope widths: LAT a multiple of 64, ROPE of 16), BLOCK (the cache's rows a
+// block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 cache and queries, 0: f16), PDL,
+// EARLY, MIN_SPLIT (DecodeConfig.min_split).
+
+#define HB 16                                 // query heads a CTA: wgmma's N
+#define TILE 64                               // cached rows a tile: wgmma's M
+#define WIDTH (LAT + ROPE)
+#define KSTEPS (WIDTH / 16)
+#define ROW_BYTES (WIDTH * 2)
+#define PITCH (ROW_BYTES + 16)
+#define SEG_BYTES (16 * PITCH)
+#define Q_BYTES (HB * WIDTH * 2)
+#define P_BYTES (HB * TILE * 2)
+#define MT (LAT / 64)                         // the output's m64 tiles
+#define Q_OFF (SEGS * SEG_BYTES)
+#define P_OFF (Q_OFF + Q_BYTES)
+#define RED_OFF (P_OFF + P_BYTES)             // [2][4 warps][HB] maxima, then [4 warps][HB] sums
+#define BAR_OFF (RED_OFF + 3 * 4 * HB * 4)
+#define SMEM_BYTES (BAR_OFF + 16 * SEGS)
+#define THREADS 160
+#define NEG_INF __int_as_float(0xff800000)
+
+#if BF16
+#define WGMMA_TYPES "bf16.bf16"
+#define CVT_OUT "cvt.rn.bf16.f32"
+#else
+#define WGMMA_TYPES "f16.f16"
+#define CVT_OUT "cvt.rn.f16.f32"
+#endif
+
+static __device__ __forceinline__ u16 to_half(float v) {
+    u16 h;
+    asm(CVT_OUT " %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
+
+static __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&a)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+
+static __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32 (&a)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+
+// A no-swizzle K-major B image of 16 columns (heads): core matrices of 8 heads x 8 values, the two head groups side
+// by side (SBO 128 bytes), the next 8 values of K 256 bytes on (LBO).
+static __device__ __forceinline__ u64 b_descriptor(u32 addr) {
+    const u64 lbo = 256 >> 4, sbo = 128 >> 4;
+    return (u64)((addr & 0x3FFFF) >> 4) | (lbo << 16) | (sbo << 32);
+}
+
+// d[8] += A (registers) x B (descriptor), m64 n16 k16: d[4 j + 2 e + i] is row g + 8 e of the warp's 16, column
+// 8 j + 2 (lane % 4) + i
+static __device__ __forceinline__ void wgmma16(float (&d)[8], const u32 (&a)[4], u64 desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n16k16.f32." WGMMA_TYPES
+                 " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> static __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+static __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+static __device__ __forceinline__ float warp_max_over_rows(float v) {     // over the lanes of one lane % 4
+    v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFF, v, 4));
+    v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFF, v, 8));
+    return fmaxf(v, __shfl_xor_sync(0xFFFFFFFF, v, 16));
+}
+
+static __device__ __forceinline__ float warp_sum_over_rows(float v) {
+    v += __shfl_xor_sync(0xFFFFFFFF, v, 4);
+    v += __shfl_xor_sync(0xFFFFFFFF, v, 8);
+    return v + __shfl_xor_sync(0xFFFFFFFF, v, 16);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
+           const int* __restrict__ block_tables, const int* __restrict__ seq_lens, u16* __restrict__ out,
+           float* __restrict__ part_acc, float* __restrict__ part_ml,
+           long long q_row_stride, long long q_head_stride, long long qr_row_stride, long long qr_head_stride,
+           long long bt_stride, long long cache_block_stride, long long out_row_stride, long long out_head_stride,
+           int n_heads, int num_splits, float qk_scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 base = smem_u32(smem);
+    const u32 full = base + BAR_OFF, empty = full + 8 * SEGS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int seq = blockIdx.y, head0 = blockIdx.x * HB;
+
+    // the program's chunk of the row's splits (attention._program_chunk with 64-row tiles)
+    const int seq_len = seq_lens[seq];
+    const int per = max((seq_len + num_splits - 1) / num_splits, MIN_SPLIT);
+    const int split_len = (per + TILE - 1) / TILE * TILE;
+    const int row_splits = (seq_len + split_len - 1) / split_len;
+    const int splits_per_program = (row_splits + gridDim.z - 1) / gridDim.z;
+    const int start = blockIdx.z * splits_per_program * split_len;
+    const int end = min(seq_len, start + splits_per_program * split_len);
+    const int n_seg = end > start ? (end - start + 15) / 16 : 0;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < SEGS; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 4) {                                       // the producer warp
+        const int* bt_row = block_tables + seq * bt_stride;
+        bool waited = !(PDL && EARLY);
+#if PDL && !EARLY
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+        for (int sg0 = 0; sg0 < n_seg; sg0 += 32) {
+            const int mine = sg0 + lane;
+            const int block = mine < n_seg ? bt_row[(start + 16 * mine) / BLOCK] : 0;
+            for (int i = 0; i < 32 && sg0 + i < n_seg; ++i) {
+                const int sg = sg0 + i, slot = sg % SEGS;
+                const long long blk = __shfl_sync(0xFFFFFFFF, block, i);
+                const int t0 = start + 16 * sg, rows = min(16, end - t0);
+                if (!waited && t0 + rows == seq_len) {     // the step's new row: written by the kernels before
+                    asm volatile("griddepcontrol.wait;" ::: "memory");
+                    waited = true;
+                }
+                mbar_wait(empty + 8 * slot, ((sg / SEGS) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
+                if (lane == 0) mbar_expect(full + 8 * slot, rows * ROW_BYTES);
+                __syncwarp();
+                if (lane < rows)
+                    bulk_copy(base + slot * SEG_BYTES + lane * PITCH,
+                              cache + blk * cache_block_stride + (long long)(t0 % BLOCK + lane) * WIDTH, ROW_BYTES,
+                              full + 8 * slot);
+            }
+        }
+        return;
+    }
+
+    // the consumers: warp w's rows of a tile are its segment 4 t + w; its lane holds (wgmma's accumulators) rows
+    // g, g + 8 of them and heads 8 j + 2 c + i (j, i = 0, 1)
+    const int tid = threadIdx.x, g = lane / 4, c = lane % 4;
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");     // the queries come from the kernels before
+#endif
+    // the queries' image: for 8 values kc of K and head h, 16 bytes at kc 256 + (h / 8) 128 + (h % 8) 16
+    const u32 q_img = base + Q_OFF, p_img = base + P_OFF;
+    for (int idx = tid; idx < HB * WIDTH / 8; idx += 128) {
+        const int kc = idx / HB, h = idx % HB, head = head0 + h;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (head < n_heads)
+            v = kc < LAT / 8 ? *(const uint4*)(q + seq * q_row_stride + head * q_head_stride + 8 * kc)
+                             : *(const uint4*)(q_rope + seq * qr_row_stride + head * qr_head_stride + 8 * (kc - LAT / 8));
+        *(uint4*)(smem + Q_OFF + kc * 256 + (h / 8) * 128 + (h % 8) * 16) = v;
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the wgmmas read it through the async proxy
+    consumers_sync();
+
+    float m[4], l[4], o[MT][8];                             // per head (j, i) at 2 j + i
+#pragma unroll
+    for (int h = 0; h < 4; ++h) m[h] = NEG_INF, l[h] = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[mt][k] = 0.0f;
+
+    float* red = (float*)(smem + RED_OFF);
+    const int n_tiles = (n_seg + 3) / 4;
+    for (int t = 0; t < n_tiles; ++t) {
+        const int tile0 = start + TILE * t, tile_rows = min(TILE, end - tile0);
+        const int tile_segs = (tile_rows + 15) / 16;
+        // scores^T: warp w's segment as A, 4 k-steps a group, groups double-buffered in registers
+        float s[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s[k] = 0.0f;
+        const bool have = warp < tile_segs;
+        const int my_seg = 4 * t + warp;
+        if (have) mbar_wait(full + 8 * (my_seg % SEGS), (my_seg / SEGS) & 1);
+        const u32 rows_addr = base + (my_seg % SEGS) * SEG_BYTES + (lane % 16) * PITCH + (lane / 16) * 16;
+        u32 a[2][4][4];
+#pragma unroll
+        for (int grp = 0; grp < KSTEPS / 4; ++grp) {
+            u32 (&ag)[4][4] = a[grp & 1];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                if (have) ldsm_x4(rows_addr + (grp * 4 + k) * 32, ag[k]);
+                else ag[k][0] = ag[k][1] = ag[k][2] = ag[k][3] = 0;
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma16(s, ag[k], b_descriptor(q_img + (grp * 4 + k) * 512));
+            wgmma_commit();
+            wgmma_wait<1>();
+        }
+        wgmma_wait<0>();
+
+        // online softmax: a head's max over the tile across the warpgroup, p into the B image of the second product
+        float tmax[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const bool valid = 16 * warp + g + 8 * e < tile_rows;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float& v = s[4 * j + 2 * e + i];
+                    v = valid ? v * qk_scale : NEG_INF;
+                }
+        }
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int j = h / 2, i = h % 2;
+            tmax[h] = warp_max_over_rows(fmaxf(s[4 * j + i], s[4 * j + 2 + i]));
+        }
+        float* red_max = red + (t & 1) * 4 * HB;
+        if (g == 0)
+#pragma unroll
+            for (int h = 0; h < 4; ++h) red_max[warp * HB + 8 * (h / 2) + 2 * c + h % 2] = tmax[h];
+        consumers_sync();
+        float alpha[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int head = 8 * (h / 2) + 2 * c + h % 2;
+            const float mx = fmaxf(fmaxf(red_max[head], red_max[HB + head]),
+                                   fmaxf(red_max[2 * HB + head], red_max[3 * HB + head]));
+            const float m_new = fmaxf(m[h], mx);           // finite: a tile holds at least one row
+            alpha[h] = exp2f(m[h] - m_new);
+            m[h] = m_new;
+        }
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int j = h / 2, i = h % 2;
+            float sum = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2f(s[4 * j + 2 * e + i] - m[h]);
+                sum += p;
+                // p^T image: row k = 16 w + g + 8 e (K), head 8 j + 2 c + i (N)
+                const int k = 16 * warp + g + 8 * e;
+                *(u16*)(smem + P_OFF + (k / 8) * 256 + j * 128 + (2 * c + i) * 16 + (k % 8) * 2) = to_half(p);
+            }
+            l[h] = l[h] * alpha[h] + sum;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) o[mt][k] *= alpha[(k / 4) * 2 + k % 2];
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        consumers_sync();
+
+        // out^T += rows^T x p^T, a segment (16 rows of K) at a time; rows past the end are zeros
+        for (int kt = 0; kt < tile_segs; ++kt) {
+            const int seg = 4 * t + kt;
+            mbar_wait(full + 8 * (seg % SEGS), (seg / SEGS) & 1);    // landed (another warp's segment)
+            const int seg_rows = min(16, tile_rows - 16 * kt);
+            const u32 keep_lo = (2 * c < seg_rows ? 0xFFFFu : 0u) | (2 * c + 1 < seg_rows ? 0xFFFF0000u : 0u);
+            const u32 keep_hi = (2 * c + 8 < seg_rows ? 0xFFFFu : 0u) | (2 * c + 9 < seg_rows ? 0xFFFF0000u : 0u);
+            const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + ((lane / 16) * 8 + lane % 8) * PITCH
+                               + ((lane / 8) & 1) * 16 + warp * 32;
+            u32 av[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                ldsm_x4_trans(v_addr + mt * 128, av[mt]);
+                av[mt][0] &= keep_lo; av[mt][1] &= keep_lo; av[mt][2] &= keep_hi; av[mt][3] &= keep_hi;
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) wgmma16(o[mt], av[mt], b_descriptor(p_img + kt * 512));
+            wgmma_commit();
+            wgmma_wait<0>();
+        }
+        __syncwarp();
+        if (lane == 0)
+            for (int kt = 0; kt < tile_segs; ++kt) mbar_arrive(empty + 8 * ((4 * t + kt) % SEGS));
+
+        // the end of a split: its partial (or, with one split, the row's output), then the next split from scratch
+        const int tile_end = tile0 + TILE;
+        if (tile_end % split_len == 0 || tile_end >= end) {
+            float* red_sum = red + 2 * 4 * HB;
+            float lsum[4];
+#pragma unroll
+            for (int h = 0; h < 4; ++h) lsum[h] = warp_sum_over_rows(l[h]);
+            if (g == 0)
+#pragma unroll
+                for (int h = 0; h < 4; ++h) red_sum[warp * HB + 8 * (h / 2) + 2 * c + h % 2] = lsum[h];
+            consumers_sync();
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                const int head = 8 * (h / 2) + 2 * c + h % 2;
+                lsum[h] = red_sum[head] + red_sum[HB + head] + red_sum[2 * HB + head] + red_sum[3 * HB + head];
+            }
+            consumers_sync();                               // red_sum is read before the next split writes it
+            const int split = tile0 / split_len;
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                const int head = head0 + 8 * (h / 2) + 2 * c + h % 2;
+                if (head >= n_heads) continue;
+                const long long part = ((long long)seq * n_heads + head) * num_splits + split;
+#if SINGLE
+                const float inv = 1.0f / (lsum[h] > 0.0f ? lsum[h] : 1.0f);
+                u16* row = out + seq * out_row_stride + head * out_head_stride;
+#else
+                if (warp == 0 && g == 0) {
+                    part_ml[part * 2] = m[h];
+                    part_ml[part * 2 + 1] = lsum[h];
+                }
+#endif
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int dim = 64 * mt + 16 * warp + g + 8 * e;
+                        const float v = o[mt][(h / 2) * 4 + 2 * e + h % 2];
+#if SINGLE
+                        row[dim] = to_half(v * inv);
+#else
+                        part_acc[part * LAT + dim] = v;
+#endif
+                    }
+            }
+#pragma unroll
+            for (int h = 0; h < 4; ++h) m[h] = NEG_INF;  // the next tile's alpha clears l and the accumulator
+        }
+    }
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#if SINGLE
+    if (n_tiles == 0) {                                    // an empty row (a padded slot): zeros, as the reference
+        for (int idx = tid; idx < HB * LAT; idx += 128) {
+            const int head = head0 + idx / LAT;
+            if (head < n_heads) out[seq * out_row_stride + head * out_head_stride + idx % LAT] = 0;
+        }
+    }
+#endif
+}
