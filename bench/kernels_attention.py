@@ -10,8 +10,9 @@ copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
 --mla: the MLA decode kernel instead (kernels/mla_attention.py; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
-configs, each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent row of 512 + 64 values per token) at B = 1, 8, 64 x context
-512, 8192 (MLA_CONTEXTS): bytes counted, each sequence's latent rows (576 bf16 values a token).
+configs, each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent
+row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
+sequence's latent rows (576 bf16 values a token).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
 

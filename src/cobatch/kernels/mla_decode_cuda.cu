@@ -174,9 +174,10 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
     for (int idx = tid; idx < HB * WIDTH / 8; idx += 128) {
         const int kc = idx / HB, h = idx % HB, head = head0 + h;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (head < n_heads)
-            v = kc < LAT / 8 ? *(const uint4*)(q + seq * q_row_stride + head * q_head_stride + 8 * kc)
-                             : *(const uint4*)(q_rope + seq * qr_row_stride + head * qr_head_stride + 8 * (kc - LAT / 8));
+        if (head < n_heads && kc < LAT / 8)
+            v = *(const uint4*)(q + seq * q_row_stride + head * q_head_stride + 8 * kc);
+        else if (head < n_heads)
+            v = *(const uint4*)(q_rope + seq * qr_row_stride + head * qr_head_stride + 8 * (kc - LAT / 8));
         *(uint4*)(smem + Q_OFF + kc * 256 + (h / 8) * 128 + (h % 8) * 16) = v;
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the wgmmas read it through the async proxy
