@@ -20,9 +20,9 @@
 // anything there). A split's (max, sum, acc) is stored at its end, as the Triton kernel stores it, or, with one
 // split (SINGLE), the row's output.
 //
-// Compiled with: LAT, ROPE (the latent and rope widths: LAT a multiple of 64, ROPE of 16), BLOCK (the cache's rows a
+// Compiled with: LAT, ROPE (the latent and rope widths, multiples of 64), BLOCK (the cache's rows a
 // block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 cache and queries, 0: f16), PDL,
-// EARLY, MIN_SPLIT (DecodeConfig.min_split).
+// EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget).
 
 #define HB 16                                 // query heads a CTA: wgmma's N
 #define TILE 64                               // cached rows a tile: wgmma's M
@@ -40,6 +40,7 @@
 #define BAR_OFF (RED_OFF + 3 * 4 * HB * 4)
 #define SMEM_BYTES (BAR_OFF + 16 * SEGS)
 #define THREADS 160
+#define AVB (MINB == 1 ? 2 : 1)                 // the output's operand buffers: two where one CTA an SM has the registers
 #define NEG_INF __int_as_float(0xff800000)
 
 #if BF16
@@ -102,7 +103,7 @@ static __device__ __forceinline__ float warp_sum_over_rows(float v) {
     return v + __shfl_xor_sync(0xFFFFFFFF, v, 16);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
            const int* __restrict__ block_tables, const int* __restrict__ seq_lens, u16* __restrict__ out,
            float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -275,8 +276,12 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         consumers_sync();
 
-        // out^T += rows^T x p^T, a segment (16 rows of K) at a time; rows past the end are zeros
-        for (int kt = 0; kt < tile_segs; ++kt) {
+        // out^T += rows^T x p^T, a segment (16 rows of K) at a time (with two operand buffers the next segment's
+        // operands load while the MMAs of one run); rows past the end are zeros
+        u32 av[AVB][MT][4];
+#pragma unroll
+        for (int kt = 0; kt < 4; ++kt) {
+            if (kt >= tile_segs) break;
             const int seg = 4 * t + kt;
             mbar_wait(full + 8 * (seg % SEGS), (seg / SEGS) & 1);    // landed (another warp's segment)
             const int seg_rows = min(16, tile_rows - 16 * kt);
@@ -284,18 +289,19 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
             const u32 keep_hi = (2 * c + 8 < seg_rows ? 0xFFFFu : 0u) | (2 * c + 9 < seg_rows ? 0xFFFF0000u : 0u);
             const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + ((lane / 16) * 8 + lane % 8) * PITCH
                                + ((lane / 8) & 1) * 16 + warp * 32;
-            u32 av[MT][4];
+            u32 (&ak)[MT][4] = av[kt % AVB];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                ldsm_x4_trans(v_addr + mt * 128, av[mt]);
-                av[mt][0] &= keep_lo; av[mt][1] &= keep_lo; av[mt][2] &= keep_hi; av[mt][3] &= keep_hi;
+                ldsm_x4_trans(v_addr + mt * 128, ak[mt]);
+                ak[mt][0] &= keep_lo; ak[mt][1] &= keep_lo; ak[mt][2] &= keep_hi; ak[mt][3] &= keep_hi;
             }
             wgmma_fence();
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) wgmma16(o[mt], av[mt], b_descriptor(p_img + kt * 512));
+            for (int mt = 0; mt < MT; ++mt) wgmma16(o[mt], ak[mt], b_descriptor(p_img + kt * 512));
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<AVB - 1>();
         }
+        wgmma_wait<0>();
         __syncwarp();
         if (lane == 0)
             for (int kt = 0; kt < tile_segs; ++kt) mbar_arrive(empty + 8 * ((4 * t + kt) % SEGS));

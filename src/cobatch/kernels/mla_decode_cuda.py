@@ -28,6 +28,7 @@ from cobatch.kernels.scratch import device_key
 SOURCE = Path(__file__).with_suffix(".cu")
 COMMON = Path(__file__).with_name("cuda_common.cuh")
 SMEM_LIMIT = 227 * 1024
+SM_SMEM = 228 * 1024      # an SM's shared memory, 1 KB of it reserved per CTA
 TILE = 64           # cached rows a tile (the kernel's wgmma M): the split plan's block_n
 HEADS = 16          # query heads a CTA (the kernel's wgmma N)
 DTYPES = {torch.bfloat16: 1, torch.float16: 0}
@@ -51,10 +52,15 @@ def smem_bytes(cfg: MlaCudaConfig, lat: int, rope: int) -> int:
         + 16 * cfg.segments
 
 
+def ctas_per_sm(cfg: MlaCudaConfig, lat: int, rope: int) -> int:
+    """1 or 2: as many CTAs as the ring lets an SM hold (their registers are budgeted for that many)."""
+    return 2 if 2 * (smem_bytes(cfg, lat, rope) + 1024) <= SM_SMEM else 1
+
+
 def source(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf16: bool, pdl: bool,
            min_split: int) -> str:
     defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.segments, SINGLE=int(single), BF16=int(bf16),
-                   PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split)
+                   PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + COMMON.read_text() + SOURCE.read_text()
 
@@ -86,17 +92,18 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 
 def unsupported(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_n: int,
                 cfg: MlaCudaConfig = MLA_CUDA_CONFIG) -> str | None:
-    """Why the kernel cannot run this call's shapes, or None: q [N, H, lat], q_rope [N, H, rope], cache [blocks,
-    block_size, lat + rope] (one head, rows contiguous), all of one 16-bit dtype, 16-byte aligned rows; the plan's
-    tiles of 64 rows; a ring of a tile's segments at least, within an SM's shared memory."""
+    """Why the kernel cannot run this call's shapes, or None: q [N, H, lat], q_rope [N, H, rope] (both multiples of
+    64), cache [blocks, block_size, lat + rope] (one head, rows contiguous), all of one 16-bit dtype, 16-byte
+    aligned rows; the plan's tiles of 64 rows; a ring of a tile's segments at least, within an SM's shared
+    memory."""
     lat, rope = q.shape[2], q_rope.shape[2]
     width = lat + rope
     if q.dtype not in DTYPES or not q.dtype == q_rope.dtype == cache.dtype:
         return f"dtypes {q.dtype}, {q_rope.dtype}, {cache.dtype}: one of {list(DTYPES)} for all"
     if block_n != TILE:
         return f"the plan's tiles are {block_n} rows, the kernel's {TILE}"
-    if lat % 64 or rope % 16 or cache.shape[2] != width or cache.stride(1) != width:
-        return f"latent {lat} (a multiple of 64), rope {rope} (of 16), rows {cache.shape[2]} wide, contiguous"
+    if lat % 64 or rope % 64 or cache.shape[2] != width or cache.stride(1) != width:
+        return f"latent {lat} and rope {rope} (multiples of 64), rows {cache.shape[2]} wide, contiguous"
     if cache.shape[1] % 16:
         return f"cache blocks of {cache.shape[1]} rows: whole segments of 16 needed"
     if cfg.segments < 4 or smem_bytes(cfg, lat, rope) > SMEM_LIMIT:
