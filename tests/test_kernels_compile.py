@@ -197,7 +197,9 @@ for splits in (1, 8):
                                   DOT_F32=False, PDL=True), 4, 2, LORA_POINTERS)
 variants["lora expand"] = (lora._expand_kernel, dict(BN=16, BO=64, BC=64, ROW_BLOCKS=4, DOT_F32=False, PDL=True),
                            4, 2, LORA_POINTERS)
-variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, BLOCK=1024, PDL=True), 4, 2)
+variants["moe combine"] = (moe_routing._combine_kernel, dict(K=8, SHARED=False, BLOCK=1024, PDL=True), 4, 2)
+variants["moe combine shared"] = (moe_routing._combine_kernel, dict(K=6, SHARED=True, BLOCK=1024, PDL=True), 4, 2,
+                                  {"shared_ptr": "*bf16", "out_ptr": "*bf16"})
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
 variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, Q=256, QE=64, BLOCK_E=128, BLOCK_S=256,
                                                            SIZE=16, MAX_PER_EXPERT=4, PDL=True), 4, 2)
@@ -465,6 +467,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 7
+    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 8
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -125,6 +125,27 @@ def test_combine_kernel_matches_reference():
     assert torch.allclose(want, rows, rtol=1e-5, atol=1e-5)
 
 
+def test_combine_adds_the_shared_experts_output_last():
+    """With the shared experts' output (bf16, as their feed-forward returns it) the kernel stores, in the model's
+    dtype, the bits the eager path gets: the routed sum in float32, plus the shared output widened, then cast."""
+    ids, weights = random_routing(5, 8, 3, seed=6)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = expert_slots(ids.to(dev), weights.to(dev), 8)
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(15, 200, generator=g).bfloat16().to(dev)
+    shared = torch.randn(5, 200, generator=g).bfloat16().to(dev)
+    eager = combine_ref(y, s, torch.float32)
+    eager += shared.float()
+    want = eager.to(torch.bfloat16)
+    assert torch.equal(combine_ref(y, s, torch.bfloat16, shared), want)
+    got = combine_triton(y, s, torch.bfloat16, shared)
+    if got.is_cuda:
+        assert torch.equal(got, want)
+    else:     # the interpreter truncates float32 to bf16 where the GPU and torch round: one bf16 ulp at most
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-6)
+    assert not torch.allclose(combine_triton(y, s, torch.bfloat16).float(), want.float(), atol=1e-2)   # it counts
+
+
 def _pair(s, row: int, expert: int) -> int:
     return next(p for p in s.row_pairs[row].tolist() if int(s.slot_expert[_slot_of(s, p)]) == expert)
 

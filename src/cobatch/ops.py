@@ -187,12 +187,13 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: tor
     return route_ref(h, router, rule, bias)
 
 
-def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = torch.float32,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
     """[N, d]: each row's expert outputs (y, one row per pair) weighted and summed in expert-id order, in
-    float32, then stored as out_dtype."""
+    float32, plus the shared experts' output `shared` [N, d] where given, then stored as out_dtype."""
     if _triton(y):
-        return combine_triton(y, slots, out_dtype)
-    return combine_ref(y, slots, out_dtype)
+        return combine_triton(y, slots, out_dtype, shared)
+    return combine_ref(y, slots, out_dtype, shared)
 
 
 # Decode on the CPU: a step of a few rows runs as weight @ x.T, the weights on the GEMM's long side, where x @ weight.T

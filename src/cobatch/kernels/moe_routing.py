@@ -338,17 +338,21 @@ def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size:
     return expert_slots_ref(ids, weights, n_experts, size)
 
 
-def combine_ref(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:
-    """y: [P, d] the experts' outputs per pair -> [N, d]: sum over j of row_weights[:, j] * y[row_pairs[:, j]]."""
+def combine_ref(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+    """y: [P, d] the experts' outputs per pair -> [N, d]: sum over j of row_weights[:, j] * y[row_pairs[:, j]], in
+    float32, plus the shared experts' output `shared` [N, d] (any dtype, widened to float32) where there is one."""
     out = torch.zeros(slots.row_pairs.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
     for j in range(slots.row_pairs.shape[1]):
         out += y[slots.row_pairs[:, j]].float() * slots.row_weights[:, j, None]
+    if shared is not None:
+        out += shared.float()
     return out.to(out_dtype)
 
 
 @jit
-def _combine_kernel(y_ptr, pairs_ptr, w_ptr, out_ptr, d, y_stride, out_stride, K: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(y_ptr, pairs_ptr, w_ptr, shared_ptr, out_ptr, d, y_stride, shared_stride, out_stride,
+                    K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -362,15 +366,23 @@ def _combine_kernel(y_ptr, pairs_ptr, w_ptr, out_ptr, d, y_stride, out_stride, K
         y = tl.load(y_ptr + pair * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
         prod = y * w
         acc += prod
+    if SHARED:                       # the shared experts' output, added last
+        acc += tl.load(shared_ptr + row * shared_stride + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine_triton(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_triton(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype,
+                   shared: torch.Tensor | None = None) -> torch.Tensor:
+    """combine_ref in one launch: the shared experts' add and the store in out_dtype included."""
     n, k = slots.row_pairs.shape
     d = y.shape[1]
     out = torch.empty(n, d, dtype=out_dtype, device=y.device)
+    if shared is not None:
+        assert shared.shape == (n, d) and shared.stride(1) == 1, "shared: [N, d], rows contiguous"
     block = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(n, triton.cdiv(d, block))](y, slots.row_pairs, slots.row_weights, out, d, y.stride(0),
-                                                out.stride(0), K=k, BLOCK=block, **pdl_launch(y), num_warps=4,
+    _combine_kernel[(n, triton.cdiv(d, block))](y, slots.row_pairs, slots.row_weights,
+                                                y if shared is None else shared, out, d, y.stride(0),
+                                                0 if shared is None else shared.stride(0), out.stride(0), K=k,
+                                                SHARED=shared is not None, BLOCK=block, **pdl_launch(y), num_warps=4,
                                                 enable_fp_fusion=False)   # product rounded, then added
     return out

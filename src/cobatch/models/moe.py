@@ -100,23 +100,29 @@ class MoeFeedForward:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(h)
-        # summed in float32 either way; stored as h's dtype unless the shared expert is still to be added
-        out_dtype = torch.float32 if self.shared_gate_up is not None else h.dtype
+        shared = self._shared(h)
         if self.routed and (h.shape[0] <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(h.shape[0])):
-            out = self._routed(h, weights, ids, out_dtype)
-        elif self.routed and ROUTED_PREFILL:
+            return self._routed(h, weights, ids, shared)
+        if self.routed and ROUTED_PREFILL:
             # a prefill chunk in slices of the routed path's rows: no host sync and no loop over experts in Python
             step = packed_experts.ROUTED_MAX_ROWS
-            out = torch.cat([self._routed(h[a:a + step], weights[a:a + step], ids[a:a + step], out_dtype)
-                             for a in range(0, h.shape[0], step)])
-        else:
-            out = self._expert_by_expert(h, weights, ids)
-        if self.shared_gate_up is not None:
-            y = ops.feed_forward(h, self.shared_gate_up, self.shared_down).float()
-            if self.shared_gate is not None:
-                y = y * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
-            out += y
+            return torch.cat([self._routed(h[a:a + step], weights[a:a + step], ids[a:a + step],
+                                           None if shared is None else shared[a:a + step])
+                              for a in range(0, h.shape[0], step)])
+        out = self._expert_by_expert(h, weights, ids)
+        if shared is not None:
+            out += shared.float()
         return out.to(h.dtype)
+
+    def _shared(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output [N, d] (h's dtype, or float32 through Qwen2-MoE's sigmoid gate), added to the
+        routed experts' float32 sum last."""
+        if self.shared_gate_up is None:
+            return None
+        y = ops.feed_forward(h, self.shared_gate_up, self.shared_down)
+        if self.shared_gate is not None:
+            y = y.float() * torch.sigmoid(h.float() @ self.shared_gate.float())[:, None]
+        return y
 
     def _slot_size(self, n_rows: int) -> int:
         return packed_experts.routed_slot_size(n_rows, self.rule.k, self.n_experts, self.routed_gemm)
@@ -125,13 +131,14 @@ class MoeFeedForward:
         """Does a step of n_rows rows run the routed GEMM (at any size: its grid holds a whole prefill chunk)?"""
         return packed_experts.gemm_slots(self._slot_size(n_rows))
 
-    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype
+    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None
                 ) -> torch.Tensor:
-        """[N, d] out_dtype: all experts of the step in two routed launches, grouped on the device."""
+        """[N, d] in h's dtype: all experts of the step in two routed launches, grouped on the device, and their
+        combine adding the shared experts' output (so no float32 sum is stored, added to and cast apart)."""
         slots = expert_slots(ids, weights, self.n_experts, self._slot_size(h.shape[0]))
         wide = h.shape[0] > packed_experts.ROUTED_MAX_ROWS         # a prefill chunk: the GEMM's wide config
         y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu", wide=wide)  # act*mul in it
-        return ops.moe_combine(self.routed_down.routed_matmul(y, slots, wide=wide), slots, out_dtype)
+        return ops.moe_combine(self.routed_down.routed_matmul(y, slots, wide=wide), slots, h.dtype, shared)
 
     def _expert_by_expert(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 [N, d]: each expert that got rows, on its rows, in expert-id order."""
