@@ -81,8 +81,8 @@ def _reference(q, pool, meta):
     return mla_attention_ref(q, torch.nan_to_num(pool), meta, SCALE, LAT)
 
 
-# a plan of one split (min_split past every length) and one of up to 8 splits
-ONE_SPLIT = DecodeConfig(min_split=1 << 20)
+# a plan of one split (the kernel stores the rows' outputs itself) and one of up to 8 splits
+ONE_SPLIT = DecodeConfig(max_splits=1)
 SPLITS = DecodeConfig(min_split=64, max_splits=8, programs_per_sm=64)
 
 
