@@ -104,6 +104,19 @@ def test_matches_the_reference(n_heads, plan, block):
 
 
 @requires_hopper
+def test_f16_matches_the_reference_and_a_float32_output_takes_the_triton_kernel():
+    q, pool, meta = _latent_inputs([1, 300, 5000], 16, 16, seed=13, dtype=torch.float16)
+    got = mla_decode_attention(q, pool, meta, SCALE, LAT, out=poisoned((3, 16, LAT), torch.float16), cuda=True)
+    assert relative_error(got, _reference(q, pool, meta)) < 1e-2
+    assert not mla_decode_cuda.supports(q[..., :LAT], q[..., LAT:], pool.flatten(2), 64,
+                                        meta=AttentionMetadata(meta.slot_mapping, meta.query_start,
+                                                               meta.seq_lens.long(), meta.block_tables, 1,
+                                                               meta.max_seq_len))
+    wide = mla_decode_attention(q, pool, meta, SCALE, LAT, out=poisoned((3, 16, LAT), torch.float32), cuda=True)
+    assert relative_error(wide, _reference(q, pool, meta)) < 1e-2
+
+
+@requires_hopper
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["ring10", "ring5", "late"])
 def test_each_ring_gives_the_same_bits(cfg):
     q, pool, meta = _latent_inputs([3000, 129, 8192], 16, 16, seed=9)

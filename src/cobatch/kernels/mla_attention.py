@@ -174,8 +174,8 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
-    if cuda and block_h == mla_decode_cuda.HEADS and mla_decode_cuda.supports(q, q_rope, cache, cfg.block_n,
-                                                                                cuda_cfg):
+    if (cuda and block_h == mla_decode_cuda.HEADS and out.dtype == q.dtype and out.stride(-1) == 1
+            and mla_decode_cuda.supports(q, q_rope, cache, cfg.block_n, cuda_cfg, meta)):
         mla_decode_cuda.launch_split(q, q_rope, cache, meta.block_tables, meta.seq_lens, scale * LOG2E, num_splits,
                                      chunks, cfg.min_split, out, part_acc, part_ml, launch["PDL"], cuda_cfg)
     else:

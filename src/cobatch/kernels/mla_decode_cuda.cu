@@ -24,6 +24,9 @@
 // block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 cache and queries, 0: f16), PDL,
 // EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget).
 
+#if SEGS < 4
+#error "the ring holds a whole tile: 4 segments at least"
+#endif
 #define HB 16                                 // query heads a CTA: wgmma's N
 #define TILE 64                               // cached rows a tile: wgmma's M
 #define WIDTH (LAT + ROPE)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cobatch.batch import AttentionMetadata
 from cobatch.kernels import nvrtc
 from cobatch.kernels.scratch import device_key
 
@@ -115,9 +116,11 @@ def unsupported(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, bloc
 
 
 def supports(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_n: int,
-             cfg: MlaCudaConfig = MLA_CUDA_CONFIG) -> bool:
-    """Can the CUDA kernel run this call? Its shapes (unsupported), on Hopper, with NVRTC."""
-    return (q.is_cuda and unsupported(q, q_rope, cache, block_n, cfg) is None
+             cfg: MlaCudaConfig = MLA_CUDA_CONFIG, meta: AttentionMetadata | None = None) -> bool:
+    """Can the CUDA kernel run this call? Its shapes (unsupported), int32 block tables and lengths, on Hopper, with
+    NVRTC."""
+    int32 = meta is None or (meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32)
+    return (q.is_cuda and int32 and unsupported(q, q_rope, cache, block_n, cfg) is None
             and torch.cuda.get_device_capability(q.device)[0] == 9 and nvrtc.available())
 
 
