@@ -43,7 +43,7 @@
 #define BAR_OFF (RED_OFF + 3 * 4 * HB * 4)
 #define SMEM_BYTES (BAR_OFF + 16 * SEGS)
 #define THREADS 160
-#define AVB (MINB == 1 ? 2 : 1)                 // the output's operand buffers: two where one CTA an SM has the registers
+#define AVB (MINB == 1 ? 2 : 1)   // the output's operand buffers: two where one CTA an SM has the registers
 #define NEG_INF __int_as_float(0xff800000)
 
 #if BF16
