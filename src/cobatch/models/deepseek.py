@@ -164,8 +164,10 @@ class DeepseekModel:
                                 False, cache, meta.slot_mapping)
         q_latent = torch.einsum("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)      # W_UK absorbed
         latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale)
-        out = torch.einsum("nhr,hvr->nhv", latent_out.to(h.dtype), layer.v_up)              # W_UV
-        return ops.linear(out.reshape(n, heads * mla.v_head_dim), layer.o)
+        # W_UV, each head's product written where o's input row keeps it (no copy of a [heads, N, v] result)
+        out = torch.empty(n, heads, mla.v_head_dim, dtype=h.dtype, device=h.device)
+        torch.bmm(latent_out.to(h.dtype).transpose(0, 1), layer.v_up.transpose(1, 2), out=out.transpose(0, 1))
+        return ops.linear(out.view(n, heads * mla.v_head_dim), layer.o)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
