@@ -90,3 +90,11 @@ static __device__ __forceinline__ u32 lds32(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
 }
+
+// wgmma's descriptor of a no-swizzle K-major B image of n columns (tokens, heads) from shared address addr: core
+// matrices of 8 columns x 8 values of K (128 contiguous bytes), the column groups side by side (SBO 128 bytes), the
+// next 8 values of K n x 16 bytes on (LBO); each field in 16-byte units
+static __device__ __forceinline__ u64 no_swizzle_b_descriptor(u32 addr, u32 n) {
+    const u64 lbo = (n * 16) >> 4, sbo = 128 >> 4;
+    return (u64)((addr & 0x3FFFF) >> 4) | (lbo << 16) | (sbo << 32);
+}

@@ -70,12 +70,8 @@ static __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32 (&a)[4]) {
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
 }
 
-// A no-swizzle K-major B image of 16 columns (heads): core matrices of 8 heads x 8 values, the two head groups side
-// by side (SBO 128 bytes), the next 8 values of K 256 bytes on (LBO).
-static __device__ __forceinline__ u64 b_descriptor(u32 addr) {
-    const u64 lbo = 256 >> 4, sbo = 128 >> 4;
-    return (u64)((addr & 0x3FFFF) >> 4) | (lbo << 16) | (sbo << 32);
-}
+// the queries' and p's images: no-swizzle K-major B images of the 16 heads
+static __device__ __forceinline__ u64 b_descriptor(u32 addr) { return no_swizzle_b_descriptor(addr, HB); }
 
 // d[8] += A (registers) x B (descriptor), m64 n16 k16: d[4 j + 2 e + i] is row g + 8 e of the warp's 16, column
 // 8 j + 2 (lane % 4) + i

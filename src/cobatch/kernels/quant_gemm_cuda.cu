@@ -94,12 +94,8 @@ static __device__ __forceinline__ side_t lds_side(u32 addr) {
 #endif
 }
 
-// A wgmma B descriptor (no swizzle): start address, LBO (the next 8 columns of K) and SBO (the next 8 tokens),
-// each in 16-byte units.
-static __device__ __forceinline__ u64 b_descriptor(u32 addr) {
-    const u64 lbo = (BN * 16) >> 4, sbo = 128 >> 4;
-    return (u64)((addr & 0x3FFFF) >> 4) | (lbo << 16) | (sbo << 32);
-}
+// x's image: a no-swizzle K-major B image of the token tile's BN tokens
+static __device__ __forceinline__ u64 b_descriptor(u32 addr) { return no_swizzle_b_descriptor(addr, BN); }
 
 static __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
