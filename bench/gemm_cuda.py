@@ -53,12 +53,16 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
     (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
-    of 4 or 8 chunks.
+    of 4 or 8 chunks. The occupancy variant (occ): one warpgroup of one row block, 3 or 4 CTAs an SM, stages of 2
+    or 4 chunks, LAG or not.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
         shapes += [dict(WG=wg, RB=rb, MINB=minb, LAG=lag, CH=4) for wg in (1, 2) for rb in (1, 2) for minb in (1, 2)
                    for lag in ((False, True) if rb == 1 else (False,))]
+    if "occ" in variants:    # one warpgroup of one row block, 3-4 CTAs an SM: more independent chains a scheduler
+        shapes += [dict(WG=1, RB=1, MINB=minb, LAG=lag, CH=ch) for minb in (3, 4) for ch in (2, 4)
+                   for lag in (False, True)]
     if "wreg" in variants:
         shapes += [dict(WG=wg, RB=1, MINB=3 - wg, CH=ch, WREG=ahead, L2PF=l2) for wg in (1, 2) for ch in (4, 8)
                    for ahead in (1, 2) for l2 in (0, 2) if ch * (ahead + 1) <= 12]      # more chunks' registers spill
@@ -124,7 +128,8 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="also time the best config, kernel alone, without its MMAs "
                     "(PROBE 1), without its dequantization (2) and without both (3): where its time goes")
     ap.add_argument("--variants", default="ring,wreg", help="the CUDA kernel's variants to time: ring (weights "
-                    "through the shared-memory ring), wreg (weights straight into registers)")
+                    "through the shared-memory ring), wreg (weights straight into registers), occ (one warpgroup, "
+                    "3-4 CTAs an SM)")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
