@@ -243,9 +243,14 @@ ROUTES = {   # Qwen-MoE / Mixtral rules, and DeepSeek's (V2: softmax, groups of 
 }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused"])
 @pytest.mark.parametrize("name", list(ROUTES))
-def test_route_kernels_match_reference_and_ignore_the_batch(name):
-    from cobatch.kernels.moe_routing import ROUTER_BLOCK_K, route_ref, route_triton
+def test_route_kernels_match_reference_and_ignore_the_batch(name, fused):
+    from functools import partial
+
+    from cobatch.kernels.moe_routing import ROUTER_BLOCK_K, route_ref
+    from cobatch.kernels.moe_routing import route_triton as route
+    route_triton = partial(route, fused=fused)
     n_experts, rule, d = ROUTES[name]
     assert d < ROUTER_BLOCK_K or d % ROUTER_BLOCK_K      # a partial block is masked
     g = torch.Generator().manual_seed(n_experts + d)
@@ -268,6 +273,25 @@ def test_route_kernels_match_reference_and_ignore_the_batch(name):
     for r in (0, 4, 8):      # a row alone (first, middle, last) gives the same bits as inside the batch
         w1, ids1 = route_triton(h[r:r + 1], router, rule, bias)
         assert torch.equal(ids1[0], ids[r]) and torch.equal(w1[0], w[r])
+
+
+def test_fused_router_gives_the_two_kernels_bits_and_rearms_its_counters():
+    """_route_kernel (the row's last logit program makes its choice) against the logits and choice kernels: the
+    same weights and ids to the bit, every row's counter back at 0 after each launch, so that a second launch (or
+    a CUDA-graph replay) starts clean."""
+    from cobatch.kernels.moe_routing import _row_counters, route_triton
+    from cobatch.kernels.scratch import SplitScratch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n_experts, rule, d = ROUTES["v3-biased"]
+    g = torch.Generator().manual_seed(7)
+    router, h = (torch.randn(n_experts, d, generator=g) * 0.2).to(dev), torch.randn(5, d, generator=g).to(dev)
+    bias = (torch.randn(n_experts, generator=g) * 0.5).to(dev)
+    w2, ids2 = route_triton(h, router, rule, bias, fused=False)
+    assert _row_counters(torch.device(dev), 5) is not None        # the fused kernel runs below
+    for _ in range(2):
+        w1, ids1 = route_triton(h, router, rule, bias, fused=True)
+        assert torch.equal(ids1, ids2) and torch.equal(w1, w2)
+        assert int(SplitScratch.count.get(dev).abs().sum()) == 0
 
 
 def test_route_reference_limits_groups_and_corrects_the_choice_only():

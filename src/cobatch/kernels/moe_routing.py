@@ -2,8 +2,9 @@
 experts can be captured in a CUDA graph).
 
 Routing itself (`route_triton`: the logits, then one kernel that chooses and weighs a row's experts by the
-router's `RouterRule`) has its own kernels: a row's experts and weights must not depend on the other rows of
-the step, which cuBLAS does not promise for the logits.
+router's `RouterRule`, or both in one launch where the row's last logit program makes the choice) has its own
+kernels: a row's experts and weights must not depend on the other rows of the step, which cuBLAS does not promise
+for the logits.
 
 A step of N rows, each routed to k experts, makes P = N k (row, expert) pairs. `expert_slots` sorts them by
 expert (stable: rows ascending within an expert) and cuts each expert's run into "slots" of at most one
@@ -20,11 +21,13 @@ order the eager path (models/moe.py) adds them in, so a row's result does not de
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from cobatch.kernels.quant_gemv import token_tile
+from cobatch.kernels.scratch import SplitScratch
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 
@@ -72,15 +75,14 @@ def route_ref(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: tor
 
 
 ROUTER_BLOCK_K = 4096     # the most router columns one program loads at once
+# The router's logits and choice in one launch (_route_kernel) where COBATCH_FUSED_ROUTER=1; two by default until
+# whole steps on the GPU weigh it.
+FUSED_ROUTER = os.environ.get("COBATCH_FUSED_ROUTER", "0") == "1"
 
 
 @jit
-def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+def _store_logits(h_ptr, w_ptr, out_ptr, row, d, n_experts, h_stride, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (row, j): the logits of experts j BLOCK_E.. of one row, into out."""
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
     for k0 in range(0, d, BLOCK_K):     # fixed blocks, one reduction tree per block: the same sums for any N
@@ -92,19 +94,25 @@ def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E
 
 
 @jit
-def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale, eps, BLOCK_E: tl.constexpr,
-                   K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
-                   BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                   BLOCK_G: tl.constexpr, PDL: tl.constexpr):
-    """One row of choose_ref: scores, the group limit, the top k (ties go to the lower id, groups too) and their
-    weights, in one program."""
+def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+    _store_logits(h_ptr, w_ptr, out_ptr, row, d, n_experts, h_stride, BLOCK_E, BLOCK_K)
+
+
+@jit
+def _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E: tl.constexpr,
+                K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    """One row of choose_ref: scores, the group limit, the top k (ties go to the lower id, groups too) and their
+    weights. The logits are read past L1 (.cg): in _route_kernel other programs wrote them."""
     e = tl.arange(0, BLOCK_E)
     valid = e < n_experts
-    x = tl.load(logits_ptr + row * n_experts + e, mask=valid, other=float("-inf"))
+    x = tl.load(logits_ptr + row * n_experts + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
     if SIGMOID:
         score = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -151,6 +159,38 @@ def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale,
     tl.store(ids_ptr + row * K + slot, chosen_id.to(tl.int64), mask=slot < K)
 
 
+@jit
+def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale, eps, BLOCK_E: tl.constexpr,
+                   K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                   BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E, K, BLOCK_KK,
+                NORMALIZE, SIGMOID, BIAS, GROUPS, GROUPS_USED, GROUP_SIZE, BLOCK_G)
+
+
+@jit
+def _route_kernel(h_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, weights_ptr, ids_ptr, d, n_experts, h_stride,
+                  scale, eps, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_KK: tl.constexpr,
+                  NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr,
+                  GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """Both kernels above in one launch: program (row, e) stores expert e's logit, and the row's last program to
+    arrive (its counter: n_experts - 1 before it) makes the row's choice from them, then re-arms the counter."""
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    _store_logits(h_ptr, w_ptr, logits_ptr, row, d, n_experts, h_stride, 1, BLOCK_K)
+    tl.debug_barrier()                  # all threads' stores precede the release below
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == n_experts - 1:
+        _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E, K, BLOCK_KK,
+                    NORMALIZE, SIGMOID, BIAS, GROUPS, GROUPS_USED, GROUP_SIZE, BLOCK_G)
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
+
+
 def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     """float32 [N, n_experts] = h @ router.T, each row summed in the same order whatever N (what _choose_kernel
     reads, for every RouterRule)."""
@@ -164,33 +204,58 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     # latency of one load per program. (8 experts per program in 256-wide K steps took 14.7 us per layer on
     # the Qwen3-30B-A3B shape, B = 1: 16 programs, 8 dependent steps each; the layer's GEMV takes 10.)
     _router_logits_kernel[(n, n_experts)](h, router, logits, d, n_experts, h.stride(0), BLOCK_E=1,
-                                          BLOCK_K=min(ROUTER_BLOCK_K, triton.next_power_of_2(d)), **pdl_launch(h),
-                                          num_warps=4)
+                                          BLOCK_K=_router_block_k(d), **pdl_launch(h), num_warps=4)
     return logits
 
 
-def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As route_ref, in two kernels (the logits, spread over the experts; then each row's choice, _choose_kernel),
-    and a row's result does not depend on the other rows of the call. cuBLAS does not promise that (it picks
-    its algorithm, hence its summation order, by the shape), and a routed row must not change experts with
-    its batch."""
+def _router_block_k(d: int) -> int:
+    return min(ROUTER_BLOCK_K, triton.next_power_of_2(d))
+
+
+def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None,
+                 fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As route_ref, and a row's result does not depend on the other rows of the call. cuBLAS does not promise that
+    (it picks its algorithm, hence its summation order, by the shape), and a routed row must not change experts
+    with its batch. Two kernels (the logits, spread over the experts; then each row's choice, _choose_kernel), or
+    with `fused` (default FUSED_ROUTER) one, _route_kernel: the same sums and choice, one launch less."""
     n, n_experts = h.shape[0], router.shape[0]
     assert rule.k <= n_experts and (not rule.groups or (n_experts % rule.groups == 0
                                                         and rule.k <= rule.groups_used * n_experts // rule.groups))
-    logits = router_logits_triton(h, router)
     weights = torch.empty(n, rule.k, dtype=torch.float32, device=h.device)
     ids = torch.empty(n, rule.k, dtype=torch.int64, device=h.device)
-    # One warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a group) are
-    # then shuffles, with no shared-memory round trip and barrier each.
+    if n == 0:
+        return weights, ids
+    # The choice: one warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a
+    # group) are then shuffles, with no shared-memory round trip and barrier each.
     block_e = triton.next_power_of_2(n_experts)
+    choice = dict(K=rule.k, BLOCK_KK=triton.next_power_of_2(rule.k), NORMALIZE=rule.normalize,
+                  SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
+                  GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
+                  BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h))
+    counters = _row_counters(h.device, n) if (FUSED_ROUTER if fused is None else fused) else None
+    if counters is not None:
+        logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
+        _route_kernel[(n, n_experts)](h, router, logits, counters, bias if bias is not None else logits, weights, ids,
+                                      h.shape[1], n_experts, h.stride(0), rule.scale, rule.eps,
+                                      BLOCK_K=_router_block_k(h.shape[1]), BLOCK_E=block_e, num_warps=4, **choice)
+        return weights, ids
+    logits = router_logits_triton(h, router)
     _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
-                         BLOCK_E=block_e, K=rule.k, BLOCK_KK=triton.next_power_of_2(rule.k), NORMALIZE=rule.normalize,
-                         SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
-                         GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
-                         BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h),
-                         num_warps=1 if block_e <= 256 else 4)
+                         BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4, **choice)
     return weights, ids
+
+
+def _row_counters(device: torch.device, n_rows: int) -> torch.Tensor | None:
+    """The fused router's counters, one a row (the split-K counters: every kernel leaves them at 0), grown to n_rows
+    where no CUDA graph is being captured; None where they are too few (the two kernels then run)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        SplitScratch.count.reserve(device, n_rows)
+    try:
+        counters = SplitScratch.count.get(device)
+    except KeyError:
+        return None
+    return counters if counters.numel() >= n_rows else None
 
 
 @dataclass(slots=True)

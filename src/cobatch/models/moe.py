@@ -29,6 +29,7 @@ from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import RouterRule, expert_slots
 from cobatch.kernels.packed_weight import as_q8_0_on
+from cobatch.kernels.scratch import SplitScratch
 from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
@@ -70,6 +71,8 @@ class MoeFeedForward:
         # can both stacks run the routed GEMM (packed_experts.ROUTED_GEMM)?
         self.routed_gemm = (self.routed_gate_up is not None and self.routed_gate_up.routed_gemm is not None
                             and self.routed_down.routed_gemm is not None)
+        if self.routed_gate_up is not None:     # the fused router's row counters, for steps captured in graphs
+            SplitScratch.count.reserve(device, packed_experts.ROUTED_MAX_ROWS)
         if self.routed_gemm:
             for stack in (self.routed_gate_up, self.routed_down):
                 stack.reserve_routed(packed_experts.ROUTED_MAX_ROWS * self.rule.k)
