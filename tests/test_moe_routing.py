@@ -279,15 +279,15 @@ def test_fused_router_gives_the_two_kernels_bits_and_rearms_its_counters():
     """_route_kernel (the row's last logit program makes its choice) against the logits and choice kernels: the
     same weights and ids to the bit, every row's counter back at 0 after each launch, so that a second launch (or
     a CUDA-graph replay) starts clean."""
-    from cobatch.kernels.moe_routing import _row_counters, route_triton
-    from cobatch.kernels.scratch import SplitScratch
+    from cobatch.kernels.moe_routing import route_triton
+    from cobatch.kernels.scratch import SplitScratch, row_counters
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     n_experts, rule, d = ROUTES["v3-biased"]
     g = torch.Generator().manual_seed(7)
     router, h = (torch.randn(n_experts, d, generator=g) * 0.2).to(dev), torch.randn(5, d, generator=g).to(dev)
     bias = (torch.randn(n_experts, generator=g) * 0.5).to(dev)
     w2, ids2 = route_triton(h, router, rule, bias, fused=False)
-    assert _row_counters(torch.device(dev), 5) is not None        # the fused kernel runs below
+    assert row_counters(dev, 5) is not None        # the fused kernel runs below
     for _ in range(2):
         w1, ids1 = route_triton(h, router, rule, bias, fused=True)
         assert torch.equal(ids1, ids2) and torch.equal(w1, w2)

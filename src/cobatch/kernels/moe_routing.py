@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels.quant_gemv import token_tile
-from cobatch.kernels.scratch import SplitScratch
+from cobatch.kernels.scratch import row_counters
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 
@@ -232,7 +232,7 @@ def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: 
                   SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
                   GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
                   BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h))
-    counters = _row_counters(h.device, n) if (FUSED_ROUTER if fused is None else fused) else None
+    counters = row_counters(h.device, n) if (FUSED_ROUTER if fused is None else fused) else None
     if counters is not None:
         logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
         _route_kernel[(n, n_experts)](h, router, logits, counters, bias if bias is not None else logits, weights, ids,
@@ -243,19 +243,6 @@ def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: 
     _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
                          BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4, **choice)
     return weights, ids
-
-
-def _row_counters(device: torch.device, n_rows: int) -> torch.Tensor | None:
-    """The fused router's counters, one a row (the split-K counters: every kernel leaves them at 0), grown to n_rows
-    where no CUDA graph is being captured; None where they are too few (the two kernels then run)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        SplitScratch.count.reserve(device, n_rows)
-    try:
-        counters = SplitScratch.count.get(device)
-    except KeyError:
-        return None
-    return counters if counters.numel() >= n_rows else None
 
 
 @dataclass(slots=True)
