@@ -243,8 +243,10 @@ ROUTES = {   # Qwen-MoE / Mixtral rules, and DeepSeek's (V2: softmax, groups of 
 }
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused"])
-@pytest.mark.parametrize("name", list(ROUTES))
+# every rule through the two kernels; the fused kernel on two of them (its choice is _choose_row too; the interpreter
+# runs a program per row and expert)
+@pytest.mark.parametrize("name,fused", [(name, False) for name in ROUTES]
+                         + [("softmax", True), ("sigmoid-groups-of-one", True)])
 def test_route_kernels_match_reference_and_ignore_the_batch(name, fused):
     from functools import partial
 
@@ -282,7 +284,7 @@ def test_fused_router_gives_the_two_kernels_bits_and_rearms_its_counters():
     from cobatch.kernels.moe_routing import route_triton
     from cobatch.kernels.scratch import SplitScratch, row_counters
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    n_experts, rule, d = ROUTES["v3-biased"]
+    n_experts, rule, d = ROUTES["sigmoid-groups-of-one"]      # with a correction bias: V3's kernel path
     g = torch.Generator().manual_seed(7)
     router, h = (torch.randn(n_experts, d, generator=g) * 0.2).to(dev), torch.randn(5, d, generator=g).to(dev)
     bias = (torch.randn(n_experts, generator=g) * 0.5).to(dev)
@@ -292,6 +294,29 @@ def test_fused_router_gives_the_two_kernels_bits_and_rearms_its_counters():
         w1, ids1 = route_triton(h, router, rule, bias, fused=True)
         assert torch.equal(ids1, ids2) and torch.equal(w1, w2)
         assert int(SplitScratch.count.get(dev).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("n_rows", [1, 5, 21, 40])
+def test_fused_router_lays_out_the_slots_of_a_few_rows(n_rows):
+    """route_slots_triton: up to FUSED_SLOTS_MAX_PAIRS pairs (1, 5 and 21 rows of 6 pairs) the fused router's last
+    chosen row lays the slots out in the same launch; 40 rows (240 pairs) take the slots kernel. Either way the
+    slots equal the plain grouping (expert_slots_ref) of the two kernels' choice, field by field, the choice is the
+    two kernels', and every counter is back at 0."""
+    from cobatch.kernels import moe_routing
+    from cobatch.kernels.scratch import SplitScratch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n_experts, rule, d = 16, RouterRule(6, True, "softmax", 4, 2), 64        # groups of 4, 6 of 16 experts
+    g = torch.Generator().manual_seed(n_rows)
+    router, h = (torch.randn(n_experts, d, generator=g) * 0.2).to(dev), torch.randn(n_rows, d, generator=g).to(dev)
+    w2, ids2 = moe_routing.route_triton(h, router, rule, fused=False)
+    size = moe_routing.slot_size(n_rows)
+    assert (moe_routing._route(h, router, rule, None, True, size)[2] is not None) == (n_rows * rule.k <= 128)
+    w1, ids1, slots = moe_routing.route_slots_triton(h, router, rule, None, size, fused=True)
+    assert torch.equal(ids1, ids2) and torch.equal(w1, w2)
+    want = moe_routing.expert_slots_ref(ids2, w2, n_experts, size)
+    for field in ("pair_rows", "slot_expert", "slot_start", "slot_count", "row_pairs", "row_weights"):
+        assert torch.equal(getattr(slots, field), getattr(want, field)), field
+    assert slots.slot_size == size and int(SplitScratch.count.get(dev).abs().sum()) == 0
 
 
 def test_route_reference_limits_groups_and_corrects_the_choice_only():

@@ -174,11 +174,17 @@ def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale,
 
 @jit
 def _route_kernel(h_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, weights_ptr, ids_ptr, d, n_experts, h_stride,
-                  scale, eps, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_KK: tl.constexpr,
-                  NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr,
-                  GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
-    """Both kernels above in one launch: program (row, e) stores expert e's logit, and the row's last program to
-    arrive (its counter: n_experts - 1 before it) makes the row's choice from them, then re-arms the counter."""
+                  scale, eps, pair_rows_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, row_pairs_ptr,
+                  row_weights_ptr, n_rows, n_slots, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr,
+                  BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+                  GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                  PDL: tl.constexpr, SLOTS: tl.constexpr = False, CHUNK: tl.constexpr = 32, Q: tl.constexpr = 32,
+                  QE: tl.constexpr = 32, BLOCK_S: tl.constexpr = 1, SIZE: tl.constexpr = 8,
+                  MAX_PER_EXPERT: tl.constexpr = 1):
+    """The logits and choice kernels in one launch: program (row, e) stores expert e's logit, and the row's last
+    program to arrive (its counter: n_experts - 1 before it) makes the row's choice from them, then re-arms the
+    counter. SLOTS: the slots kernel's work too, by the last row to be chosen (counter n_rows), over all the
+    step's pairs."""
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -189,6 +195,16 @@ def _route_kernel(h_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, weights_ptr, id
         _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E, K, BLOCK_KK,
                     NORMALIZE, SIGMOID, BIAS, GROUPS, GROUPS_USED, GROUP_SIZE, BLOCK_G)
         tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
+        if SLOTS:
+            tl.debug_barrier()          # the row's choice stored before the release below
+            if tl.atomic_add(count_ptr + n_rows, 1, sem="acq_rel", scope="gpu") == n_rows - 1:
+                n_pairs = n_rows * K
+                for p0 in range(0, n_pairs, CHUNK):
+                    _place_pairs(ids_ptr, weights_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, p0, n_pairs,
+                                 K, CHUNK, Q)
+                _lay_out_slots(ids_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, n_pairs, n_experts,
+                               n_slots, QE, BLOCK_E, BLOCK_S, SIZE, MAX_PER_EXPERT)
+                tl.atomic_xchg(count_ptr + n_rows, 0, sem="relaxed", scope="gpu")
 
 
 def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
@@ -218,13 +234,34 @@ def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: 
     (it picks its algorithm, hence its summation order, by the shape), and a routed row must not change experts
     with its batch. Two kernels (the logits, spread over the experts; then each row's choice, _choose_kernel), or
     with `fused` (default FUSED_ROUTER) one, _route_kernel: the same sums and choice, one launch less."""
+    return _route(h, router, rule, bias, fused)[:2]
+
+
+def route_slots_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None, size: int,
+                       fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, "ExpertSlots"]:
+    """route_triton, then expert_slots_triton of its choice in slots of `size` pairs: with `fused` (default
+    FUSED_ROUTER) and at most FUSED_SLOTS_MAX_PAIRS pairs, all in one launch (_route_kernel's SLOTS)."""
+    weights, ids, slots = _route(h, router, rule, bias, fused, size)
+    if slots is None:
+        slots = expert_slots_triton(ids, weights, router.shape[0], size)
+    return weights, ids, slots
+
+
+# The fused router lays out the slots too (one program, walking the pairs 32 at a time) for steps of up to this
+# many (row, expert) pairs: a decode step of a few rows; bigger ones run the slots kernel (a program per 32 pairs).
+FUSED_SLOTS_MAX_PAIRS = 128
+
+
+def _route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None, fused: bool | None,
+           size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, "ExpertSlots | None"]:
+    """(weights, ids, the slots where the fused kernel laid them out, else None)."""
     n, n_experts = h.shape[0], router.shape[0]
     assert rule.k <= n_experts and (not rule.groups or (n_experts % rule.groups == 0
                                                         and rule.k <= rule.groups_used * n_experts // rule.groups))
     weights = torch.empty(n, rule.k, dtype=torch.float32, device=h.device)
     ids = torch.empty(n, rule.k, dtype=torch.int64, device=h.device)
     if n == 0:
-        return weights, ids
+        return weights, ids, None
     # The choice: one warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a
     # group) are then shuffles, with no shared-memory round trip and barrier each.
     block_e = triton.next_power_of_2(n_experts)
@@ -232,17 +269,22 @@ def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: 
                   SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
                   GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
                   BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h))
-    counters = row_counters(h.device, n) if (FUSED_ROUTER if fused is None else fused) else None
-    if counters is not None:
-        logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
-        _route_kernel[(n, n_experts)](h, router, logits, counters, bias if bias is not None else logits, weights, ids,
-                                      h.shape[1], n_experts, h.stride(0), rule.scale, rule.eps,
-                                      BLOCK_K=_router_block_k(h.shape[1]), BLOCK_E=block_e, num_warps=4, **choice)
-        return weights, ids
-    logits = router_logits_triton(h, router)
-    _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
-                         BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4, **choice)
-    return weights, ids
+    with_slots = size is not None and n * rule.k <= FUSED_SLOTS_MAX_PAIRS
+    counters = row_counters(h.device, n + 1) if (FUSED_ROUTER if fused is None else fused) else None
+    if counters is None:
+        logits = router_logits_triton(h, router)
+        _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
+                             BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4, **choice)
+        return weights, ids, None
+    logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
+    slots, slot_args = _slot_buffers(n, rule.k, n_experts, size, h.device) if with_slots else (None, {})
+    buffers = ((slots.pair_rows, slots.slot_expert, slots.slot_start, slots.slot_count, slots.row_pairs,
+                slots.row_weights) if slots is not None else (logits,) * 6)
+    _route_kernel[(n, n_experts)](h, router, logits, counters, bias if bias is not None else logits, weights, ids,
+                                  h.shape[1], n_experts, h.stride(0), rule.scale, rule.eps, *buffers, n,
+                                  slots.n_slots if slots is not None else 0, BLOCK_K=_router_block_k(h.shape[1]),
+                                  BLOCK_E=block_e, SLOTS=slots is not None, **slot_args, num_warps=4, **choice)
+    return weights, ids, slots
 
 
 @dataclass(slots=True)
@@ -309,76 +351,99 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
                   row_weights_ptr, n_pairs, n_experts, n_slots, K: tl.constexpr, CHUNK: tl.constexpr,
                   Q: tl.constexpr, QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                   SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr, PDL: tl.constexpr):
-    """Program i: the sorted position ("rank") of pairs i*CHUNK.. (a stable counting sort: the pairs before a
-    pair have a lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and
-    their place in their row's expert-id order. Program 0 also lays out the slots: each used expert's run (its
-    pairs counted QE at a time) cut into slots of SIZE pairs."""
+    """Program i: pairs i*CHUNK.. placed (_place_pairs); program 0 also lays out the slots (_lay_out_slots)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+    _place_pairs(ids_ptr, w_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, tl.program_id(0) * CHUNK, n_pairs,
+                 K, CHUNK, Q)
+    if tl.program_id(0) == 0:
+        _lay_out_slots(ids_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, n_pairs, n_experts, n_slots, QE,
+                       BLOCK_E, BLOCK_S, SIZE, MAX_PER_EXPERT)
+
+
+@jit
+def _place_pairs(ids_ptr, w_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, p0, n_pairs, K: tl.constexpr,
+                 CHUNK: tl.constexpr, Q: tl.constexpr):
+    """Pairs p0..p0+CHUNK: their sorted position ("rank") by a stable counting sort (the pairs before a pair have a
+    lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and their place in
+    their row's expert-id order. ids and weights are read past L1 (.cg): in _route_kernel other programs wrote
+    them."""
     big = 1 << 30
-    p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    p = p0 + tl.arange(0, CHUNK)
     p_ok = p < n_pairs
-    id_p = tl.load(ids_ptr + p, mask=p_ok, other=big).to(tl.int32)
+    id_p = tl.load(ids_ptr + p, mask=p_ok, other=big, cache_modifier=".cg").to(tl.int32)
     rank = tl.zeros([CHUNK], dtype=tl.int32)
     for q0 in range(0, n_pairs, Q):
         q = q0 + tl.arange(0, Q)
-        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=big).to(tl.int32)
+        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=big, cache_modifier=".cg").to(tl.int32)
         before = (id_q[None, :] < id_p[:, None]) | ((id_q[None, :] == id_p[:, None]) & (q[None, :] < p[:, None]))
         rank += tl.sum(before.to(tl.int32), axis=1)
     row = p // K
     tl.store(pair_rows_ptr + rank, row.to(tl.int64), mask=p_ok)
     in_row = tl.zeros([CHUNK], dtype=tl.int32)     # the row's experts with a lower id (a row's ids are distinct)
     for j in tl.static_range(K):
-        other = tl.load(ids_ptr + row * K + j, mask=p_ok, other=big).to(tl.int32)
+        other = tl.load(ids_ptr + row * K + j, mask=p_ok, other=big, cache_modifier=".cg").to(tl.int32)
         in_row += (other < id_p).to(tl.int32)
     tl.store(row_pairs_ptr + row * K + in_row, rank.to(tl.int64), mask=p_ok)
-    tl.store(row_weights_ptr + row * K + in_row, tl.load(w_ptr + p, mask=p_ok, other=0.0), mask=p_ok)
-    if tl.program_id(0) == 0:
-        e = tl.arange(0, BLOCK_E)
-        count = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for q0 in range(0, n_pairs, QE):
-            q = q0 + tl.arange(0, QE)
-            id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
-            count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
-        n_own = (count + SIZE - 1) // SIZE           # the slots of each expert (0 if unused)
-        first = tl.cumsum(n_own, axis=0) - n_own     # used experts, ascending, take slots 0, 1, ...
-        start = tl.cumsum(count, axis=0) - count
-        for i in tl.static_range(MAX_PER_EXPERT):
-            mine = (i < n_own) & (e < n_experts)
-            tl.store(slot_expert_ptr + first + i, e, mask=mine)
-            tl.store(slot_start_ptr + first + i, start + i * SIZE, mask=mine)
-            tl.store(slot_count_ptr + first + i, tl.minimum(count - i * SIZE, SIZE), mask=mine)
-        s = tl.arange(0, BLOCK_S)                   # the rest are empty (disjoint from the stores above)
-        empty = (s >= tl.sum(n_own, axis=0)) & (s < n_slots)
-        tl.store(slot_expert_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
-        tl.store(slot_start_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32) + n_pairs, mask=empty)
-        tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
+    tl.store(row_weights_ptr + row * K + in_row, tl.load(w_ptr + p, mask=p_ok, other=0.0, cache_modifier=".cg"),
+             mask=p_ok)
+
+
+@jit
+def _lay_out_slots(ids_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, n_pairs, n_experts, n_slots,
+                   QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, SIZE: tl.constexpr,
+                   MAX_PER_EXPERT: tl.constexpr):
+    """Each used expert's run (its pairs counted QE at a time) cut into slots of SIZE pairs; the rest empty."""
+    e = tl.arange(0, BLOCK_E)
+    count = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for q0 in range(0, n_pairs, QE):
+        q = q0 + tl.arange(0, QE)
+        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1, cache_modifier=".cg").to(tl.int32)
+        count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
+    n_own = (count + SIZE - 1) // SIZE           # the slots of each expert (0 if unused)
+    first = tl.cumsum(n_own, axis=0) - n_own     # used experts, ascending, take slots 0, 1, ...
+    start = tl.cumsum(count, axis=0) - count
+    for i in tl.static_range(MAX_PER_EXPERT):
+        mine = (i < n_own) & (e < n_experts)
+        tl.store(slot_expert_ptr + first + i, e, mask=mine)
+        tl.store(slot_start_ptr + first + i, start + i * SIZE, mask=mine)
+        tl.store(slot_count_ptr + first + i, tl.minimum(count - i * SIZE, SIZE), mask=mine)
+    s = tl.arange(0, BLOCK_S)                   # the rest are empty (disjoint from the stores above)
+    empty = (s >= tl.sum(n_own, axis=0)) & (s < n_slots)
+    tl.store(slot_expert_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
+    tl.store(slot_start_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32) + n_pairs, mask=empty)
+    tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
 
 
 def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
                         ) -> ExpertSlots:
     """As expert_slots_ref, in one launch and without a host sync."""
     n, k = ids.shape
-    n_pairs, size = n * k, size or slot_size(n)
-    n_slots = slot_bound(n, k, n_experts, size)
-    dev = ids.device
-    pair_rows = torch.empty(n_pairs, dtype=torch.int64, device=dev)
-    slot_expert, slot_start, slot_count = (torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3))
-    row_pairs = torch.empty(n, k, dtype=torch.int64, device=dev)
-    row_weights = torch.empty(n, k, dtype=torch.float32, device=dev)
+    slots, args = _slot_buffers(n, k, n_experts, size or slot_size(n), ids.device)
+    n_pairs = n * k
+    _slots_kernel[(triton.cdiv(n_pairs, args["CHUNK"]),)](
+        ids.contiguous(), weights.float().contiguous(), slots.pair_rows, slots.slot_expert, slots.slot_start,
+        slots.slot_count, slots.row_pairs, slots.row_weights, n_pairs, n_experts, slots.n_slots, K=k,
+        BLOCK_E=triton.next_power_of_2(n_experts), **args, **pdl_launch(ids), num_warps=4)
+    return slots
+
+
+def _slot_buffers(n: int, k: int, n_experts: int, size: int, device: torch.device) -> tuple[ExpertSlots, dict]:
+    """The empty slots of a step of n rows to k of n_experts experts in slots of `size` pairs, and the slot
+    kernels' block sizes for it (_place_pairs, _lay_out_slots). A prefill chunk's thousands of pairs are compared
+    256 at a time (a decode step's few in one block), and they are counted in blocks of up to 8192 (expert, pair)
+    tests; the bounds are powers of two, so steps of any size share a few compiled variants."""
+    n_pairs, n_slots = n * k, slot_bound(n, k, n_experts, size)
+    slots = ExpertSlots(torch.empty(n_pairs, dtype=torch.int64, device=device),
+                        *(torch.empty(n_slots, dtype=torch.int32, device=device) for _ in range(3)),
+                        torch.empty(n, k, dtype=torch.int64, device=device),
+                        torch.empty(n, k, dtype=torch.float32, device=device), size)
     chunk, block_e = 32, triton.next_power_of_2(n_experts)
-    # A prefill chunk's thousands of pairs are compared 256 at a time (a decode step's few in one block), and
-    # program 0 counts them in blocks of up to 8192 (expert, pair) tests; the bounds are powers of two, so
-    # steps of any size share a few compiled variants.
     q = min(256, max(chunk, triton.next_power_of_2(n_pairs)))
-    qe = max(chunk, min(q, 8192 // block_e))
-    _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
-        ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
-        row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, Q=q, QE=qe, BLOCK_E=block_e,
-        BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size, MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)),
-        **pdl_launch(ids), num_warps=4)
-    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, size)
+    return slots, dict(CHUNK=chunk, Q=q, QE=max(chunk, min(q, 8192 // block_e)),
+                       BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size,
+                       MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)))
 
 
 def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
