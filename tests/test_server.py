@@ -845,6 +845,36 @@ ERROR_CASES = [
     ("anthropic thinking budget not a number", "POST", MESSAGES,
      {**OK_MSG, "thinking": {"type": "enabled", "budget_tokens": "x"}}, 400, None),
     ("anthropic count_tokens no messages", "POST", MESSAGES + "/count_tokens", {"model": "m"}, 400, None),
+    ("anthropic system text block without its text", "POST", MESSAGES, {**OK_MSG, "system": [{"type": "text"}]},
+     400, None),
+    ("anthropic tool_result answering no tool_use", "POST", MESSAGES, {**OK_MSG, "messages": [{
+        "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}]}]}, 400, None),
+    ("user message without content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("content an empty list of parts", "POST", CHAT, {"messages": [{"role": "user", "content": []}]}, 400,
+     "messages.0.content"),
+    ("tool message answering no call", "POST", CHAT,
+     {"messages": [{"role": "tool", "tool_call_id": "c", "content": "1"}]}, 400, "messages"),
+    ("tool message naming a call the assistant did not make", "POST", CHAT, {"messages": [QUESTION[0], {
+        "role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f"}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "1"}]}, 400, "messages"),
+    ("allowed_token_ids empty", "POST", CHAT, {**OK_CHAT, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("a grammar that nothing satisfies", "POST", CHAT, {**OK_CHAT, "grammar": "root ::= root"}, 400, "grammar"),
+    ("a schema that nothing satisfies", "POST", "/v1/completions", {"prompt": "a", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                                         "$ref": "#/$defs/a"}}}}, 400, "response_format"),
+    ("responses empty input list", "POST", "/v1/responses", {"input": []}, 400, "input"),
+    ("responses message without content", "POST", "/v1/responses", {"input": [{"type": "message", "role": "user"}]},
+     400, "input.0.content"),
+    ("responses message of an unknown role", "POST", "/v1/responses", {"input": [{"role": "wizard", "content": "x"}]},
+     400, "input.0.role"),
+    ("responses function call without a name", "POST", "/v1/responses",
+     {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, 400, "input.0.name"),
+    ("responses function output without a call id", "POST", "/v1/responses",
+     {"input": [{"type": "function_call_output", "output": "1"}]}, 400, "input.0.call_id"),
+    ("responses function output without its output", "POST", "/v1/responses",
+     {"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input.0.output"),
+    ("responses function output answering no call", "POST", "/v1/responses",
+     {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400, "input"),
 ]
 
 
@@ -860,6 +890,53 @@ def test_bad_input_gets_the_protocols_error_shape(server, name, method, path, bo
         assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
         if param is not None:
             assert err["error"]["param"] == param, err
+
+
+def test_tool_results_must_answer_a_call(oai, claude):
+    """A tool result that answers no call of the assistant message before it is refused in each protocol's shape,
+    through the real clients (as OpenAI and Anthropic refuse it); one that answers a call passes."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    asked = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="any", max_tokens=2, messages=[
+            *asked, {"role": "tool", "tool_call_id": "call_2", "content": "noon"}])
+    assert err.value.body["param"] == "messages" and "'call_2'" in err.value.body["message"]
+    answered = oai.chat.completions.create(model="any", max_tokens=2, messages=[
+        *asked, {"role": "tool", "tool_call_id": "call_1", "content": "noon"}])
+    assert answered.choices[0].finish_reason == "length"
+
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "noon"}
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model="any", max_tokens=2, messages=[{"role": "user", "content": [result]}])
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "'toolu_1'" in str(err.value.body)
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {}}
+    reply = claude.messages.create(model="any", max_tokens=2, messages=[
+        *QUESTION, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}])
+    assert reply.stop_reason == "max_tokens"
+
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model="any", max_output_tokens=2, input=[
+            {"type": "function_call_output", "call_id": "call_1", "output": "noon"}])
+    assert err.value.body["param"] == "input"
+
+
+def test_a_constraint_beyond_the_grammar_engine_is_an_error_not_an_empty_answer(server, oai):
+    """A regex llguidance gives up on while decoding (a million repeats: past its lexer's limit) ends the request
+    with a 400, or a streamed one with an error event, rather than an empty answer that claims to be complete; a
+    request decoding beside it is unharmed."""
+    huge = {"structured_outputs": {"regex": "a{1000000}"}}
+    ask = dict(model="any", messages=QUESTION, max_tokens=12, **GREEDY)
+    alone = oai.chat.completions.create(**ask).choices[0].message.content
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(oai.chat.completions.create, **ask)
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(**ask, extra_body=huge)
+        assert "constraint" in err.value.body["message"]
+        with pytest.raises(openai.APIError, match="constraint"):
+            for _ in oai.chat.completions.create(**ask, stream=True, extra_body=huge):
+                pass
+        assert beside.result().choices[0].message.content == alone
+    wait_for(lambda: all_slots_idle(server.url), what="all slots to be freed")
 
 
 def test_escaped_surrogate_pair_is_one_character(server):

@@ -201,6 +201,8 @@ def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
     ("/completion", {"prompt": PROMPT, "logit_bias": [[5, "high"]]}, "logit_bias.0"),
     ("/completion", {"prompt": PROMPT, "logit_bias": [[10 ** 9, 1.0]]}, "logit_bias"),
     ("/completion", {"prompt": PROMPT, "logit_bias": [[5]]}, "logit_bias.0"),
+    ("/completion", {"prompt": PROMPT, "logit_bias": [[1.5, 1.0]]}, "logit_bias.0"),
+    ("/completion", {"prompt": PROMPT, "logit_bias": [[True, 1.0]]}, "logit_bias.0"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     r = post(server, path, body)

@@ -49,7 +49,7 @@ class StepOutput:
     request_id: str
     new_token: int | None            # None when the step only aborted/finished it
     finished: bool
-    finish_reason: str | None        # "stop" | "length" | "abort"
+    finish_reason: str | None        # "stop" | "length" | "abort" | "grammar_error" (TokenMatcher.failed)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[PromptLogprob] | None = None     # prompt tokens' logprobs reported by this step
@@ -345,6 +345,8 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.matcher is not None and seq.matcher.failed:    # llguidance gave up (its mask then allows only EOS)
+            return "grammar_error"
         if self._is_stop_token(seq, token):
             return "stop"
         if seq.matcher is not None and seq.matcher.done:      # the grammar is complete

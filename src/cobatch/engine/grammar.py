@@ -201,6 +201,9 @@ class Grammars:
             template = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
             if template.is_error():
                 raise GrammarError(f"invalid grammar: {template.get_error()}")
+            if TokenMatcher(template.deep_copy(), self.vocab_size).refuses_everything():
+                raise GrammarError("invalid grammar: no text satisfies it (e.g. a rule defined only by itself, or "
+                                   "a regex or schema that nothing matches)")
             with self._lock:
                 self._compiled[grammar] = template
                 while len(self._compiled) > self.CACHED:
@@ -235,6 +238,17 @@ class TokenMatcher:
     def done(self) -> bool:
         """The grammar is complete (or broken): nothing but an end of turn may follow."""
         return self._matcher.is_stopped() or self._matcher.is_error()
+
+    @property
+    def failed(self) -> bool:
+        """llguidance gave up on the output (a limit of its lexer or parser, e.g. a regex repeated a million
+        times): the text so far does not complete the grammar, and nothing can follow it."""
+        return self._matcher.is_error()
+
+    def refuses_everything(self) -> bool:
+        """Whether a fresh matcher allows no first token at all: a grammar whose language is empty."""
+        self.allowed()
+        return self._matcher.is_error()
 
 
 _executor = None

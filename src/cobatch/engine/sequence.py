@@ -35,7 +35,7 @@ class Sequence:
     num_cached_prompt: int = 0               # prompt tokens served from the prefix cache
     num_prompt_logprobs: int = 0             # prompt tokens after the first whose logprob was reported
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    finish_reason: str | None = None         # "stop" | "length" | "abort" | "grammar_error"
     arrival: float = field(default_factory=time.monotonic)
     arrival_order: int = 0                   # its place among the scheduler's arrivals (the priority policy's tie)
     first_token_time: float | None = None

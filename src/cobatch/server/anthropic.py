@@ -86,6 +86,8 @@ def _text(value: Any, where: str) -> str:
         for i, block in enumerate(value):
             if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
                 parts.append(block["text"])
+            elif isinstance(block, dict) and block.get("type") == "text":
+                raise bad_request(f"{where}.{i}.text: required, a string")
             else:
                 kind = block.get("type") if isinstance(block, dict) else type(block).__name__
                 raise bad_request(f"{where}.{i}: block of type {kind!r} is not supported here (text only)")

@@ -188,6 +188,11 @@ class Generation:
                     if out.finish_reason == "abort":     # aborted by the server itself (shutting down)
                         self._done = True
                         raise ApiError(503, "request aborted: the server is shutting down")
+                    if out.finish_reason == "grammar_error":
+                        self._done = True
+                        raise ApiError(400, "the output constraint (response_format, structured output, grammar or "
+                                            "forced tool call) could not be followed: it is beyond the limits of the "
+                                            "constraint engine; simplify it")
                     events += parser.push(text.finish())
                 ended = text.stop_matched is not None or out.finished
                 if ended:

@@ -166,6 +166,8 @@ def _logit_bias(ctx: ServerContext, raw: list[list[Any]] | dict[str, float] | No
         key, value = entry
         if isinstance(key, str) and not isinstance(raw, dict):
             tokens = ctx.llm.tokenizer.encode(key, add_special=False)
+        elif isinstance(key, (bool, float)):       # int() would quietly make 1.5 or true token 1
+            raise bad_request("logit_bias keys must be token ids", param=f"logit_bias.{i}")
         else:
             try:
                 tokens = [int(key)]

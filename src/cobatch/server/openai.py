@@ -214,6 +214,14 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] |
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
+def _allowed_token_ids(ids: list[int] | None) -> tuple[int, ...] | None:
+    """vLLM's allowed_token_ids (None: any token); an empty list would allow none, and is refused as vLLM does."""
+    if ids is not None and not ids:
+        raise bad_request("allowed_token_ids is empty: it would allow no token (leave it out to allow any)",
+                          param="allowed_token_ids")
+    return tuple(ids) if ids else None
+
+
 def _bad_words(ctx: ServerContext, words: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
     """vLLM's bad_words as token sequences: each word as written, and after a space (mid-text), so it is
     banned at the start of the output and after another word alike."""
@@ -251,7 +259,7 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
-        allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids else None,
+        allowed_token_ids=_allowed_token_ids(body.allowed_token_ids),
         bad_words=_bad_words(ctx, body.bad_words), prediction=prediction, adapter=ctx.adapter_for(body.model),
         max_tokens=max_new_tokens(ctx, max_tokens, n_prompt))
 
@@ -259,6 +267,9 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
 def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
+    if not content:
+        raise bad_request("content is an empty list of parts: give a string or at least one text part",
+                          param=f"{where}.content")
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type")
@@ -279,6 +290,8 @@ def _prediction(ctx: ServerContext, prediction: PredictedContent | None) -> tupl
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
+        if m.content is None and m.role != "assistant":     # only an assistant's turn may be calls alone
+            raise bad_request(f"a {m.role} message needs its content", param=f"messages.{i}.content")
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                "content": _message_text(m.content, f"messages.{i}")}
         if m.name:

@@ -98,14 +98,21 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     out: list[dict] = []
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
+    if not body.input:
+        raise bad_request("input is an empty list: give a text or at least one item", param="input")
     for i, item in enumerate(body.input):
         where, kind = f"input.{i}", item.get("type", "message")
-        if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
+        if kind == "message":
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"a message's role is user, assistant, system or developer (got "
+                                  f"{item.get('role')!r})", param=f"{where}.role")
+            if item.get("content") is None:
+                raise bad_request("a message needs its content", param=f"{where}.content")
             role = "system" if item["role"] == "developer" else item["role"]
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"),
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
                                  "arguments": arguments_object(item.get("arguments") or "{}", where)}}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)       # parallel calls: one assistant turn
@@ -113,13 +120,23 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            if output is None:
+                raise bad_request("a function_call_output item needs its output", param=f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": output if isinstance(output, str) else _text(output, where, "output")})
         elif kind == "reasoning":
             continue                                     # earlier reasoning is not shown to the model again
         else:
             raise bad_request(f"input item of type {kind!r} is not supported", param=where)
     return out
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    """An input item's required non-empty string field (a call's name and call_id)."""
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"a {item.get('type')} item needs {key}, a non-empty string", param=f"{where}.{key}")
+    return value
 
 
 def _chat_tools(body: ResponsesRequest) -> list[dict] | None:
@@ -161,7 +178,8 @@ async def create_response(request: Request):
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
                                    response_format=_response_format(body.text), format_param="text.format")
-    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body, earlier), tools)
+    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body, earlier), tools,
+                                                   param="input")
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
                                   ctx.by_priority, priority=body.priority, cache_salt=body.cache_salt,

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
 
 
 def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
-                template_kwargs: dict | None = None, continue_final: bool = False) -> tuple[list[int], bool]:
+                template_kwargs: dict | None = None, continue_final: bool = False,
+                param: str = "messages") -> tuple[list[int], bool]:
     """Token ids of the conversation, and whether the prompt opened a <think> block the output continues.
 
     Like LLM.encode_chat, plus continue_final (the reply continues a prefilled assistant message,
-    Anthropic style) and the rendered text's end, which encode_chat does not give back."""
-    text = chat_text(llm, messages, tools, template_kwargs, continue_final)
+    Anthropic style) and the rendered text's end, which encode_chat does not give back. `param`: the request
+    field the messages came from, which a 400 names."""
+    text = chat_text(llm, messages, tools, template_kwargs, continue_final, param)
     tok = llm.tokenizer
     ids = tok.encode(text, add_special=False)
     # The template normally writes BOS itself; add it only where the model wants one and it is absent.
@@ -33,10 +35,12 @@ def render_chat(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
 
 
 def chat_text(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
-              template_kwargs: dict | None = None, continue_final: bool = False) -> str:
-    """The conversation rendered with the model's chat template (a 400 if it has none or it fails)."""
+              template_kwargs: dict | None = None, continue_final: bool = False, param: str = "messages") -> str:
+    """The conversation rendered with the model's chat template (a 400 if it has none or it fails, or if a tool
+    result answers no call)."""
     if llm.template is None:
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt")
+    check_tool_results(messages, param)
     kwargs = dict(template_kwargs or {})
     clash = RESERVED_VARIABLES & kwargs.keys()
     if clash:
@@ -46,7 +50,27 @@ def chat_text(llm: LLM, messages: list[dict], tools: list[dict] | None = None,
                                    continue_final_message=continue_final, **kwargs)
     except ChatTemplateError as exc:
         raise bad_request(f"cannot render the conversation with the model's chat template: {exc}",
-                          param="messages") from None
+                          param=param) from None
+
+
+def check_tool_results(messages: list[dict], param: str = "messages") -> None:
+    """A 400 unless every tool result (a "tool" message: OpenAI's tool message, Anthropic's tool_result block, the
+    Responses API's function_call_output) answers a call of the assistant message just before it (other results
+    may come between), naming one of its calls' ids where both give ids; as OpenAI and Anthropic refuse it."""
+    calls: set[str] | None = None        # the ids of the calls a result may answer now; None: no call to answer
+    for message in messages:
+        if message.get("role") == "tool":
+            answered = message.get("tool_call_id")
+            if calls is None:
+                raise bad_request(f"a tool result (tool call id {answered!r}) must follow an assistant message "
+                                  "that calls tools", param=param)
+            if calls and answered is not None and answered not in calls:
+                raise bad_request(f"a tool result answers tool call id {answered!r}, which the assistant message "
+                                  f"before it does not make (its calls: {', '.join(sorted(calls))})", param=param)
+        elif message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = {c["id"] for c in message["tool_calls"] if isinstance(c.get("id"), str)}
+        else:
+            calls = None
 
 
 def raw_prompts(llm: LLM, prompt, suffix: str | None = None, param: str = "prompt",
