@@ -211,12 +211,26 @@ def test_serve_port_out_of_range(cli):
     assert_clean_error(cli("serve", "--port", "99999"), "65535")
 
 
-def test_serve_port_in_use_fails_before_the_model_loads(tmp_path, cli):
-    # The model path does not exist: the port's error coming first shows the socket is bound before the load.
+def test_serve_port_in_use_fails_before_the_model_loads(cli):
+    # The default model: the port's error coming before any "loading" line shows the socket is bound first.
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        proc = cli("serve", "--port", str(port), "--model", str(tmp_path / "nope.gguf"))
+        proc = cli("serve", "--port", str(port))
     assert_clean_error(proc, "cannot listen", str(port))
+    assert "cobatch loading" not in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder without config.json", "not gguf"])
+def test_serve_with_a_model_that_cannot_load_fails_before_it_listens(tmp_path, cli, kind):
+    """One line and exit code 2 before the port is bound, not a server that starts, answers 503 and stops."""
+    path = {"missing": tmp_path / "nope.gguf", "folder without config.json": tmp_path,
+            "not gguf": tmp_path / "notes.txt"}[kind]
+    if kind == "not gguf":
+        path.write_text("hello")
+    proc = cli("serve", str(path), "--port", "0")
+    assert_clean_error(proc, {"missing": "not found", "folder without config.json": "no config.json",
+                              "not gguf": "bad magic"}[kind])
+    assert "Started server process" not in proc.stderr and "cobatch loading" not in proc.stderr
 
 
 def test_serve_answers_on_the_port_it_prints():

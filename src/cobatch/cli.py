@@ -372,11 +372,26 @@ def cmd_run_batch(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    check_model_path(args.model_path or args.model)
     if getattr(args, "data_parallel_size", 1) != 1:
         from cobatch.parallel import data_parallel
         return data_parallel.serve(args)
     from cobatch.server.app import serve
     return serve(args)
+
+
+def check_model_path(path: str | None) -> None:
+    """Before serve binds its port: a model path that cannot load (missing, a folder without config.json, a file
+    that is not GGUF) is one error line, not a server that starts, answers 503 and stops."""
+    if not path:
+        return                        # the default model: model_files says where, or how to install it
+    from pathlib import Path
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.loader.hf import check_checkpoint_folder, is_checkpoint_folder
+    if is_checkpoint_folder(path):
+        check_checkpoint_folder(Path(path))
+    else:
+        GGUFFile(path)                # reads the header only
 
 
 def build_parser() -> argparse.ArgumentParser:

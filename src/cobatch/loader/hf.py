@@ -166,14 +166,19 @@ def _open(shard: Path):
         raise UserError(f"cannot read {shard}: {exc}") from None
 
 
+def check_checkpoint_folder(folder: Path) -> None:
+    """A UserError unless the folder exists and holds a config.json."""
+    if not folder.exists():
+        raise UserError(f"model not found: {folder}")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder}: no config.json; a model folder needs config.json and *.safetensors "
+                        "(a Hugging Face checkpoint)")
+
+
 class HFCheckpoint:
     def __init__(self, folder: str | os.PathLike, quantization: str = "auto", device: torch.device | str = "cpu"):
         self.path = folder = Path(folder)
-        if not folder.exists():
-            raise UserError(f"model not found: {folder}")
-        if not (folder / "config.json").is_file():
-            raise UserError(f"{folder}: no config.json; a model folder needs config.json and *.safetensors "
-                            "(a Hugging Face checkpoint)")
+        check_checkpoint_folder(folder)
         quantization = "auto" if quantization in VLLM_METHODS else quantization
         if quantization not in QUANTIZATIONS:
             raise UserError(f"unknown --quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
