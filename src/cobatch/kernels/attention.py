@@ -692,7 +692,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
-        QK_NORM=rope is not None and rope.qk_norm is not None, FOLD=counters is not None, BLOCK_GROUPS=block_groups,
+        QK_NORM=rope is not None and rope.qk_norm is not None, FOLD=counters is not None,
+        BLOCK_GROUPS=block_groups if counters is not None else 1,     # (one variant where the reduce kernel runs)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1 and counters is None:

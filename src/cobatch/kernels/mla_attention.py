@@ -223,7 +223,8 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
         OPERAND=operand, FOLD=counters is not None, SPLIT_GROUP=cfg.split_group,
-        BLOCK_GROUPS=_block_groups(num_splits, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        BLOCK_GROUPS=_block_groups(num_splits, cfg) if counters is not None else 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch)
 
 
 @dataclass(frozen=True, slots=True)
