@@ -197,6 +197,12 @@ def test_unsupported_quant_type(tmp_path, cli):
     assert_clean_error(cli("generate", "-m", str(path), "-p", "x"), "IQ2_XS")
 
 
+def test_empty_prompt(cli):
+    """`chat ""` (a script's unset variable) is an error as `generate ""` is, not an interactive chat waiting on
+    stdin."""
+    assert_clean_error(cli("chat", ""), "prompt is empty")
+
+
 def test_prompt_longer_than_context(cli):
     assert_clean_error(cli("generate", "--ctx", "16", "-p", "word " * 40), "context")
 

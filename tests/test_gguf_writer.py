@@ -200,7 +200,7 @@ def test_cut_of_a_random_model_is_the_random_model_with_fewer_layers(small_token
     for n in (0, 3):
         with pytest.raises(UserError, match="between 1 and 2"):
             cut_layers(full, tmp_path / "bad.gguf", n)
-    with pytest.raises(UserError, match="destination is the source"):
+    with pytest.raises(UserError, match="destination .* is the input file"):
         cut_layers(full, full, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "full.gguf", "short.gguf"]
 
@@ -261,6 +261,9 @@ def test_cli_rejects_unknown_shape_with_one_line_and_exit_2(tmp_path):
     (["random", "--shape", "tiny", "--layers", "0", "-o", "x.gguf"], "at least 1"),
     (["random", "--shape", "tiny"], "-o/--output"),
     (["cut", "missing.gguf", "out.gguf", "--layers", "2"], "not found"),
+    (["random", "--shape", "tiny", "-o", "."], "is a directory"),          # refused before a byte is written
+    (["random", "--shape", "tiny", "-o", "no/x.gguf"], "no such directory"),
+    (["cut", str(smollm2_path()), ".", "--layers", "2"], "is a directory"),
     (["explode"], "invalid choice"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import httpx
@@ -13,6 +14,7 @@ from cobatch.builtin_templates import BUILTIN_TEMPLATES
 from cobatch.chat_template import ChatTemplate
 from cobatch.cli import build_parser, main
 from cobatch.config_file import expand_config
+from cobatch.errors import UserError
 from cobatch.server.app import _tls, api_keys
 from cobatch.server.context import ServerOptions
 from model_fixtures import load_llm
@@ -47,15 +49,35 @@ def test_config_file_gives_the_same_flags_and_the_command_line_wins(tmp_path):
     args = _serve_args("--config", str(config), "--max-num-seqs", "4")
     assert (args.parallel, args.max_queue, args.model_name) == (4, 3, ["a", "b"])
     assert args.accept_any_model is True and args.async_scheduling is False and args.api_key == ["k1", "k2"]
+    # a repeatable flag on the command line replaces the file's list, not adds to it
+    args = _serve_args("--config", str(config), "--served-model-name", "c", "--api-key=k3")
+    assert (args.model_name, args.api_key, args.parallel) == (["c"], ["k3"], 16)
+
+
+def test_config_file_mapping_is_the_json_a_flag_takes(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("chat_template_kwargs: {enable_thinking: false}\n")
+    assert json.loads(_serve_args("--config", str(config)).chat_template_kwargs) == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize("text,needle", [("max_num_sequences: 4\n", "max_num_sequences"), ("[1, 2]\n", "mapping"),
-                                          ("a: [\n", "not YAML")])
+                                          ("a: [\n", "not YAML"), (b"port: 1\n\xff\n", "not YAML"),
+                                          ("eager: yes please\n", "eager: true or false"),
+                                          ("model: [a.gguf, b.gguf]\n", "model: one value, not a list")])
 def test_bad_config_file_is_one_error_line(tmp_path, capsys, text, needle):
     config = tmp_path / "bad.yaml"
-    config.write_text(text)
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert main(["serve", "--config", str(config)]) == 2
     _one_error_line(capsys, needle)
+
+
+def test_config_is_one_file(tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_num_seqs: 2\n")
+    assert main(["serve", "--config", str(config), "--config", str(config)]) == 2
+    _one_error_line(capsys, "one file, not 2")
+    assert main(["serve", "--config="]) == 2
+    _one_error_line(capsys, "--config needs a file")
 
 
 def test_api_keys_from_flags_file_and_environment(tmp_path, monkeypatch):
@@ -64,6 +86,11 @@ def test_api_keys_from_flags_file_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("COBATCH_API_KEY", "env-key")
     args = _serve_args("--api-key", "a", "--api-key", "b", "--api-key-file", str(keys))
     assert api_keys(args) == ("a", "b", "file-key-1", "file-key-2", "env-key")
+    monkeypatch.setenv("COBATCH_API_KEY", "")                   # empty: no key from the environment
+    assert api_keys(_serve_args()) == ()
+    monkeypatch.setenv("COBATCH_API_KEY", "  ")
+    with pytest.raises(UserError, match=r"\$COBATCH_API_KEY holds only spaces"):
+        api_keys(_serve_args())
 
 
 def test_every_key_is_accepted_and_others_are_not():

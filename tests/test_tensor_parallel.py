@@ -101,6 +101,15 @@ def test_bad_flags_fail_before_loading(flags, message, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+def test_a_bad_collective_timeout_is_a_user_error(value, monkeypatch):
+    from cobatch.errors import UserError
+    from cobatch.parallel.group import timeout_s
+    monkeypatch.setenv("COBATCH_TP_TIMEOUT_S", value)
+    with pytest.raises(UserError, match=r"\$COBATCH_TP_TIMEOUT_S: a number of seconds"):
+        timeout_s()
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
 def test_shards_cut_from_the_blocks_equal_slices_of_the_dense_weights(quant, tmp_path):
     """Each rank's part, cut from the raw blocks, dequantizes to the same values as that part of the whole matrix

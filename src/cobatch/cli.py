@@ -218,6 +218,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    if args.prompt == "":             # (no prompt at all: the interactive chat)
+        raise UserError("prompt is empty")
     _sampling(args)                   # bad flags fail before the model loads
     llm = _load(args)
     params = _sampling(args, llm.generation_defaults, llm.tokenizer)
@@ -372,26 +374,11 @@ def cmd_run_batch(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    check_model_path(args.model_path or args.model)
     if getattr(args, "data_parallel_size", 1) != 1:
         from cobatch.parallel import data_parallel
         return data_parallel.serve(args)
     from cobatch.server.app import serve
     return serve(args)
-
-
-def check_model_path(path: str | None) -> None:
-    """Before serve binds its port: a model path that cannot load (missing, a folder without config.json, a file
-    that is not GGUF) is one error line, not a server that starts, answers 503 and stops."""
-    if not path:
-        return                        # the default model: model_files says where, or how to install it
-    from pathlib import Path
-    from cobatch.loader.gguf import GGUFFile
-    from cobatch.loader.hf import check_checkpoint_folder, is_checkpoint_folder
-    if is_checkpoint_folder(path):
-        check_checkpoint_folder(Path(path))
-    else:
-        GGUFFile(path)                # reads the header only
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -427,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
     _add_serve_args(p)
     p.set_defaults(func=cmd_serve)
-    parser.serve_parser = p           # for --config, which names serve's flags
+    parser.serve_parser = p           # for --config, which names serve's flags (run-batch's too)
 
     p = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests (vLLM's run-batch)")
     p.add_argument("-i", "--input-file", required=True,
@@ -437,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "{\"status_code\", \"request_id\", \"body\"}, \"error\"} ('-': stdout)")
     _add_serve_args(p)
     p.set_defaults(func=cmd_run_batch)
+    parser.run_batch_parser = p
     return parser
 
 
@@ -615,8 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] == ["serve"]:
-            argv = expand_config(argv, parser.serve_parser)
+        if argv[:1] in (["serve"], ["run-batch"]):
+            argv = expand_config(argv, parser.serve_parser if argv[0] == "serve" else parser.run_batch_parser)
     except UserError as e:
         print(f"cobatch: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -163,7 +163,9 @@ def kv_cache_dtype_flag(kv_cache_dtype: str | None, cache_type_k: str | None, ca
 
 def kv_cache_dtype_arg(args) -> str:
     """The parsed --kv-cache-dtype, -ctk and -ctv flags (chat, generate and serve) as one --kv-cache-dtype name."""
-    return kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
+    name = kv_cache_dtype_flag(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v)
+    kv_cache_dtype(name, torch.float32)       # an unknown name fails with the other flags, before any file is read
+    return name
 
 
 def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.device) -> int:

@@ -20,13 +20,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cobatch.errors import UserError
+
 # (torch 2.13 renamed all_gather_into_tensor, the older name now warns)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 DEFAULT_TIMEOUT_S = 300.0    # load-time collectives wait for the slowest rank's load
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("COBATCH_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    raw = os.environ.get("COBATCH_TP_TIMEOUT_S", "").strip()
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise UserError(f"$COBATCH_TP_TIMEOUT_S: a number of seconds above 0 (got {raw!r})")
+    return seconds
 
 
 @dataclass(eq=False)

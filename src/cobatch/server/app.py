@@ -225,6 +225,21 @@ def _check_serve_args(args) -> None:
                             "its own part of a slot's KV)")
         from cobatch.parallel import launch
         launch.check(args.model_path or args.model, engine_options(args))
+    check_model_path(args.model_path or args.model)
+
+
+def check_model_path(path: str | None) -> None:
+    """Before serve binds its port (its flags checked first): a model path that cannot load (missing, a folder
+    without config.json, a file that is not GGUF) is one error line, not a server that starts, answers 503 and
+    stops."""
+    if not path:
+        return                        # the default model: model_files says where, or how to install it
+    from cobatch.loader.gguf import GGUFFile
+    from cobatch.loader.hf import check_checkpoint_folder, is_checkpoint_folder
+    if is_checkpoint_folder(path):
+        check_checkpoint_folder(Path(path))
+    else:
+        GGUFFile(path)                # reads the header only
 
 
 def sampling_defaults(args) -> dict:
@@ -398,10 +413,13 @@ def api_keys(args) -> tuple[str, ...]:
         if not from_file:
             raise UserError(f"--api-key-file {path} holds no key")
         keys += from_file
-    if os.environ.get("COBATCH_API_KEY"):
-        keys.append(os.environ["COBATCH_API_KEY"])
     if any(not k.strip() for k in keys):
         raise UserError("an API key must not be empty")
+    env = os.environ.get("COBATCH_API_KEY", "")
+    if env and not env.strip():
+        raise UserError("$COBATCH_API_KEY holds only spaces: set it to a key, or to nothing for none")
+    if env:
+        keys.append(env)
     return tuple(dict.fromkeys(keys))
 
 

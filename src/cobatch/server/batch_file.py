@@ -11,8 +11,10 @@ and each output line, in the input's order, its answer:
 
 The requests go through the same routes, validation and errors as `cobatch serve` (an ASGI client, no socket), as
 many at once as the engine has slots and queue for, so the file is decoded in full batches. A request the server
-refuses keeps its status and error body in `response`; a line that is not a request at all (bad JSON, no
-custom_id, another method or route) gets `error` and no response. Streaming is refused: a batch has no stream.
+refuses keeps its status and error body in `response`; a line that is not a request at all (not UTF-8 or not
+JSON, no custom_id or one an earlier line has, another method or route) gets `error` and no response, and the
+other lines are answered all the same. Streaming is refused: a batch has no stream. The answers are written to
+OUTPUT.partial, renamed to the output file when the last is in.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from contextlib import contextmanager
 from typing import IO, Any
 
 import httpx
 
 from cobatch.errors import UserError
+from cobatch.output_files import check_output_path, partial_file
 
 # The routes a batch line may name: the ones OpenAI's batch API takes, and Anthropic's messages
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
@@ -37,17 +40,19 @@ BUSY_RETRY_S = 0.05          # a 429 (slots and queue full: requests with n > 1)
                              # other requests are running (alone, it would never fit: its answer is the 429)
 
 
-def request_of(line: str) -> tuple[str | None, dict | str]:
+def request_of(line: bytes | str) -> tuple[str | None, dict | str]:
     """(custom_id, the request) of one input line, or (custom_id if readable, why it is not a request)."""
     try:
         item = json.loads(line)
-    except ValueError as exc:
+    except UnicodeDecodeError as exc:
+        return None, f"the line is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    except (ValueError, RecursionError) as exc:
         return None, f"the line is not JSON: {exc}"
     if not isinstance(item, dict):
         return None, "the line is not a JSON object"
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return None, "custom_id (a non-empty string) is missing"
+        return None, f"custom_id: a non-empty string is required (got {custom_id!r})"
     if item.get("method", "POST") != "POST":
         return custom_id, f"method {item.get('method')!r}: a batch request is a POST"
     if item.get("url") not in BATCH_URLS:
@@ -57,21 +62,31 @@ def request_of(line: str) -> tuple[str | None, dict | str]:
         return custom_id, "body (the request's JSON object) is missing"
     if body.get("stream"):
         return custom_id, "stream: a batch request is answered whole"
-    return custom_id, {"url": item["url"], "body": body}
+    try:                # what JSON cannot hold (NaN, a lone surrogate) is this line's error, not the batch's
+        content = json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, RecursionError) as exc:
+        return custom_id, f"body: {exc}"
+    return custom_id, {"url": item["url"], "content": content}
 
 
 def output_line(custom_id: str | None, status: int | None = None, body: Any = None, error: str | None = None) -> str:
     response = None if status is None else {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}
-    return json.dumps({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": response,
-                       "error": None if error is None else {"code": "invalid_request", "message": error}},
-                      ensure_ascii=False)
+    record = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": response,
+              "error": None if error is None else {"code": "invalid_request", "message": error}}
+    text = json.dumps(record, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:      # a lone surrogate (a custom_id's "\ud800") stays the escape it came as
+        return json.dumps(record)
+    return text
 
 
 async def answer(client: httpx.AsyncClient, request: dict, others_running: Callable[[], bool]) -> tuple[int, Any]:
     """The app's status and JSON body for one request; a 429 (no slot and no room in the queue) is tried again while
     other requests run and may free slots."""
     while True:
-        reply = await client.post(request["url"], json=request["body"])
+        reply = await client.post(request["url"], content=request["content"],
+                                  headers={"content-type": "application/json"})
         if reply.status_code != 429 or not others_running():
             try:
                 return reply.status_code, reply.json()
@@ -80,7 +95,7 @@ async def answer(client: httpx.AsyncClient, request: dict, others_running: Calla
         await asyncio.sleep(BUSY_RETRY_S)
 
 
-async def answer_lines(app, lines: Iterator[str], out: IO[str], concurrency: int, progress=None) -> dict:
+async def answer_lines(app, lines: Iterator[bytes], out: IO[str], concurrency: int, progress=None) -> dict:
     """Answer every request line through `app` (its lifespan run here), at most `concurrency` at once, writing each
     output line in the input's order as soon as those before it are written. Returns counts for the summary."""
     counts = {"requests": 0, "ok": 0, "refused": 0, "invalid": 0, "tokens": 0}
@@ -114,15 +129,20 @@ async def answer_lines(app, lines: Iterator[str], out: IO[str], concurrency: int
             progress.update(1)
 
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)    # a failing request gets its 500
         async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
             tasks = []
             index = 0
+            seen: set[str] = set()
             for line in lines:
                 if not line.strip():
                     continue
                 counts["requests"] += 1
                 custom_id, request = request_of(line)
+                if custom_id in seen:           # OpenAI's batch API takes each custom_id once
+                    request = f"custom_id {custom_id!r} is not unique: an earlier line has it"
+                elif custom_id is not None:
+                    seen.add(custom_id)
                 if isinstance(request, str):
                     counts["invalid"] += 1
                     done[index] = output_line(custom_id, error=request)
@@ -142,20 +162,24 @@ def run_batch(args) -> int:
     """`cobatch run-batch`: load the model as `serve` does, answer the input file into the output file."""
     from tqdm import tqdm
 
-    from cobatch.server.app import create_app, engine_options, server_options
+    from cobatch.server.app import _check_serve_args, create_app, engine_options, server_options
 
+    _check_serve_args(args)           # serve's flags, checked as serve checks them (and the model path)
+    if getattr(args, "data_parallel_size", 1) != 1:
+        raise UserError("run-batch runs one engine: --data-parallel-size is serve's")
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
     source = _input_lines(args.input_file)
-    out = sys.stdout if args.output_file == "-" else _output_file(args.output_file)
-    from cobatch.parallel import launch
-    llm = launch.load(args.model_path or args.model, engine_options(args))
     # the requests come from this process (no key), for this one model whatever they name
     options = dataclasses.replace(server_options(args), api_keys=(), accept_any_model=True)
-    app = create_app(llm, options)
-    start = time.perf_counter()
-    with tqdm(desc="requests", unit="req", file=sys.stderr, disable=not sys.stderr.isatty()) as progress:
-        counts = asyncio.run(answer_lines(app, source, out, args.parallel + args.max_queue, progress))
-    if out is not sys.stdout:
-        out.close()
+    with _answers_file(args.output_file, args.input_file) as out:
+        from cobatch.parallel import launch
+        llm = launch.load(args.model_path or args.model, engine_options(args))
+        app = create_app(llm, options)
+        start = time.perf_counter()
+        with tqdm(desc="requests", unit="req", file=sys.stderr, disable=not sys.stderr.isatty()) as progress:
+            counts = asyncio.run(answer_lines(app, source, out, args.parallel + args.max_queue, progress))
     seconds = time.perf_counter() - start
     print(f"cobatch run-batch: {counts['requests']} requests in {seconds:.1f} s: {counts['ok']} answered, "
           f"{counts['refused']} refused, {counts['invalid']} not requests; {counts['tokens']} tokens generated "
@@ -163,25 +187,35 @@ def run_batch(args) -> int:
     return 0
 
 
-def _input_lines(path: str) -> Iterator[str]:
+def _input_lines(path: str) -> Iterator[bytes]:
+    """The input's lines as bytes: each decoded on its own, so a line that is not UTF-8 is that line's error."""
     if path == "-":
-        return iter(sys.stdin)
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--input-file {path}: no such file")
+        return iter(sys.stdin.buffer)
+    try:
+        file = open(path, "rb")
+    except FileNotFoundError:
+        raise UserError(f"--input-file {path}: no such file") from None
+    except OSError as exc:
+        raise UserError(f"--input-file {path}: {exc.strerror}") from None
     return _lines_of(file)
 
 
-def _lines_of(file: Path) -> Iterator[str]:
-    with file.open(encoding="utf-8") as f:
-        yield from f
+def _lines_of(file: IO[bytes]) -> Iterator[bytes]:
+    with file:
+        yield from file
 
 
-def _output_file(path: str) -> IO[str]:
-    file = Path(path)
-    if not file.parent.is_dir():
-        raise UserError(f"--output-file {path}: no such directory {file.parent}")
-    try:
-        return file.open("w", encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"--output-file {path}: {exc.strerror}") from None
+@contextmanager
+def _answers_file(path: str, input_path: str) -> Iterator[IO[str]]:
+    """The output file (stdout for '-') for the block; a file appears at `path` only when the block completes."""
+    if path == "-":
+        yield sys.stdout
+        return
+    file = check_output_path(path, "--output-file", None if input_path == "-" else input_path)
+    with partial_file(file) as partial:
+        try:
+            out = partial.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--output-file {path}: {exc.strerror}") from None
+        with out:
+            yield out

@@ -48,6 +48,7 @@ from cobatch.config import MlaShape
 from cobatch.errors import UserError
 from cobatch.loader.gguf_raw import SCALAR_FORMATS, MetadataValue, RawField, RawGGUF
 from cobatch.loader.gguf_raw import aligned as _pad
+from cobatch.output_files import check_output_path, partial_file
 from cobatch.quant.formats import format_of, random_quantized
 
 WEIGHT_STD = 0.02          # std of every random matrix (and of the biases)
@@ -576,33 +577,27 @@ def write_random_model(path: str | os.PathLike, shape: str, quant: str = "q8_0",
                        tokenizer_from: str | Path | None = None, n_layers: int | None = None, seed: int = 0,
                        context_length: int | None = None, progress: bool = False) -> Path:
     """Write a GGUF of random weights in the named shape (see SHAPES, QUANTS and the module doc)."""
-    path = Path(path)
+    path = check_output_path(path, "--output")
     writer, plan = _random_model_writer(shape, quant, tokenizer_from, n_layers, context_length, seed)
-    if not path.parent.is_dir():
-        raise UserError(f"output directory does not exist: {path.parent}")
-    partial = path.with_name(path.name + ".partial")  # a killed write never leaves a plausible-looking file
-    try:
-        data_start = _write_header(writer, partial)
-        needed = data_start + _data_size(plan, writer.data_alignment) - partial.stat().st_size
-        free = shutil.disk_usage(path.parent).free
-        if needed > free:
-            raise UserError(f"{path}: needs {needed / 1e9:.2f} GB more disk, {free / 1e9:.2f} GB free")
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=sum(s.nbytes for s in plan), unit="B", unit_scale=True, desc=path.name)
-        for spec in plan:
-            writer.write_tensor_data(_RandomTensor(spec, seed))  # type: ignore[arg-type]  # duck-typed array
+    with partial_file(path) as partial:
+        try:
+            data_start = _write_header(writer, partial)
+            needed = data_start + _data_size(plan, writer.data_alignment) - partial.stat().st_size
+            free = shutil.disk_usage(path.parent).free
+            if needed > free:
+                raise UserError(f"{path}: needs {needed / 1e9:.2f} GB more disk, {free / 1e9:.2f} GB free")
+            bar = None
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=sum(s.nbytes for s in plan), unit="B", unit_scale=True, desc=path.name)
+            for spec in plan:
+                writer.write_tensor_data(_RandomTensor(spec, seed))  # type: ignore[arg-type]  # duck-typed array
+                if bar is not None:
+                    bar.update(spec.nbytes)
             if bar is not None:
-                bar.update(spec.nbytes)
-        if bar is not None:
-            bar.close()
-        writer.close()
-        os.replace(partial, path)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
+                bar.close()
+        finally:
+            writer.close()
     return path
 
 
@@ -628,10 +623,7 @@ def cut_layers(src: str | os.PathLike, dst: str | os.PathLike, n_layers: int) ->
     changed, later blocks' tensors dropped, every other metadata field and tensor copied byte-exact."""
     src, dst = Path(src), Path(dst)
     with RawGGUF(src) as source:
-        if dst.exists() and dst.resolve() == src.resolve():
-            raise UserError("cut: the destination is the source file")
-        if not dst.parent.is_dir():
-            raise UserError(f"output directory does not exist: {dst.parent}")
+        check_output_path(dst, "cut: the destination", src)
         arch_field = source.fields.get("general.architecture")
         arch = source.value(arch_field).value.decode() if arch_field else None
         block_field = source.fields.get(f"{arch}.block_count")
@@ -651,17 +643,11 @@ def cut_layers(src: str | os.PathLike, dst: str | os.PathLike, n_layers: int) ->
             offset += _pad(t.nbytes, source.alignment)
         header += bytes(_pad(len(header), source.alignment) - len(header))
 
-        partial = dst.with_name(dst.name + ".partial")
-        try:
-            with open(partial, "wb") as out:
-                out.write(header)
-                for t in kept:
-                    source.copy_tensor_data(t, out)
-                    out.write(bytes(_pad(t.nbytes, source.alignment) - t.nbytes))
-            os.replace(partial, dst)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        with partial_file(dst) as partial, open(partial, "wb") as out:
+            out.write(header)
+            for t in kept:
+                source.copy_tensor_data(t, out)
+                out.write(bytes(_pad(t.nbytes, source.alignment) - t.nbytes))
     return dst
 
 
