@@ -680,7 +680,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
-    block_groups = next_pow2(triton.cdiv(num_splits, cfg.split_group))
+    block_groups = reduce_block_groups(num_splits, cfg)
     counters = reduce_counters(q.device, n_rows * n_kv_heads, num_splits)
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
@@ -708,6 +708,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # COBATCH_DECODE_FOLD_REDUCE=1: one launch a decode step and layer less wherever rows split. Off until whole steps on
 # the GPU weigh it (bench/plan_ab.py --switch attention.FOLD_REDUCE=0,1).
 FOLD_REDUCE = os.environ.get("COBATCH_DECODE_FOLD_REDUCE", "0") == "1"
+
+
+def reduce_block_groups(num_splits: int, cfg: DecodeConfig) -> int:
+    """The reduce's BLOCK_GROUPS: a row's groups of cfg.split_group splits, to a power of two."""
+    return next_pow2(triton.cdiv(num_splits, cfg.split_group))
 
 
 def reduce_counters(device: torch.device, n: int, num_splits: int, fold: bool | None = None) -> torch.Tensor | None:

@@ -30,8 +30,8 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel,
                                        _last_program_reduces, _program_chunk, _softmax_fold, _store_partial,
-                                       _tile_pages, hidden_keys, plan_decode_splits, reduce_counters,
-                                       reference_sequences)
+                                       _tile_pages, hidden_keys, plan_decode_splits, reduce_block_groups,
+                                       reduce_counters, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
@@ -199,13 +199,9 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
             HEAD_D=kv_lora_rank, BLOCK_D=kv_lora_rank, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
-            BLOCK_GROUPS=_block_groups(num_splits, cfg), SPLIT_GROUP=cfg.split_group, GROUPS=False, num_warps=4,
+            BLOCK_GROUPS=reduce_block_groups(num_splits, cfg), SPLIT_GROUP=cfg.split_group, GROUPS=False, num_warps=4,
             **launch)
     return out
-
-
-def _block_groups(num_splits: int, cfg: DecodeConfig) -> int:
-    return next_pow2(triton.cdiv(num_splits, cfg.split_group))
 
 
 def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, counters, num_splits,
@@ -223,7 +219,7 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
         OPERAND=operand, FOLD=counters is not None, SPLIT_GROUP=cfg.split_group,
-        BLOCK_GROUPS=_block_groups(num_splits, cfg) if counters is not None else 1, num_warps=cfg.num_warps,
+        BLOCK_GROUPS=reduce_block_groups(num_splits, cfg) if counters is not None else 1, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch)
 
 
