@@ -22,7 +22,7 @@ from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attentio
 from cobatch.kernels import mla_latent as mla_latent_kernels
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import (ExpertSlots, RouterRule, combine_ref, combine_triton, expert_slots_ref,
-                                         route_ref, route_slots_triton, route_triton)
+                                         expert_slots_triton, route_ref, route_triton)
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
@@ -200,10 +200,9 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: tor
 def moe_route_slots(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None, size: int
                     ) -> tuple[torch.Tensor, torch.Tensor, ExpertSlots]:
     """moe_route, then its choice grouped by expert in slots of `size` pairs (moe_routing.expert_slots)."""
-    if _triton(h):
-        return route_slots_triton(h.contiguous(), router, rule, bias, size)
-    weights, ids = route_ref(h, router, rule, bias)
-    return weights, ids, expert_slots_ref(ids, weights, router.shape[0], size)
+    weights, ids = moe_route(h, router, rule, bias)
+    slots = (expert_slots_triton if _triton(h) else expert_slots_ref)(ids, weights, router.shape[0], size)
+    return weights, ids, slots
 
 
 def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = torch.float32,

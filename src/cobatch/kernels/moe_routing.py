@@ -2,9 +2,8 @@
 experts can be captured in a CUDA graph).
 
 Routing itself (`route_triton`: the logits, then one kernel that chooses and weighs a row's experts by the
-router's `RouterRule`, or both in one launch where the row's last logit program makes the choice) has its own
-kernels: a row's experts and weights must not depend on the other rows of the step, which cuBLAS does not promise
-for the logits.
+router's `RouterRule`) has its own kernels: a row's experts and weights must not depend on the other rows of
+the step, which cuBLAS does not promise for the logits.
 
 A step of N rows, each routed to k experts, makes P = N k (row, expert) pairs. `expert_slots` sorts them by
 expert (stable: rows ascending within an expert) and cuts each expert's run into "slots" of at most one
@@ -21,13 +20,11 @@ order the eager path (models/moe.py) adds them in, so a row's result does not de
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from cobatch.kernels.quant_gemv import token_tile
-from cobatch.kernels.scratch import row_counters
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 
@@ -75,14 +72,15 @@ def route_ref(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: tor
 
 
 ROUTER_BLOCK_K = 4096     # the most router columns one program loads at once
-# The router's logits and choice in one launch (_route_kernel) where COBATCH_FUSED_ROUTER=1; two by default until
-# whole steps on the GPU weigh it.
-FUSED_ROUTER = os.environ.get("COBATCH_FUSED_ROUTER", "0") == "1"
 
 
 @jit
-def _store_logits(h_ptr, w_ptr, out_ptr, row, d, n_experts, h_stride, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (row, j): the logits of experts j BLOCK_E.. of one row, into out."""
+def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
     for k0 in range(0, d, BLOCK_K):     # fixed blocks, one reduction tree per block: the same sums for any N
@@ -94,22 +92,17 @@ def _store_logits(h_ptr, w_ptr, out_ptr, row, d, n_experts, h_stride, BLOCK_E: t
 
 
 @jit
-def _router_logits_kernel(h_ptr, w_ptr, out_ptr, d, n_experts, h_stride, BLOCK_E: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale, eps, BLOCK_E: tl.constexpr,
+                   K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                   BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """One row of choose_ref: scores, the group limit, the top k (ties go to the lower id, groups too) and their
+    weights, in one program. The logits are read past L1 (.cg), as the timed kernel reads them (the previous
+    launch wrote them: L1 holds none anyway)."""
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    _store_logits(h_ptr, w_ptr, out_ptr, row, d, n_experts, h_stride, BLOCK_E, BLOCK_K)
-
-
-@jit
-def _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E: tl.constexpr,
-                K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
-                BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                BLOCK_G: tl.constexpr):
-    """One row of choose_ref: scores, the group limit, the top k (ties go to the lower id, groups too) and their
-    weights. The logits are read past L1 (.cg): in _route_kernel other programs wrote them."""
     e = tl.arange(0, BLOCK_E)
     valid = e < n_experts
     x = tl.load(logits_ptr + row * n_experts + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
@@ -159,54 +152,6 @@ def _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scal
     tl.store(ids_ptr + row * K + slot, chosen_id.to(tl.int64), mask=slot < K)
 
 
-@jit
-def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale, eps, BLOCK_E: tl.constexpr,
-                   K: tl.constexpr, BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
-                   BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                   BLOCK_G: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E, K, BLOCK_KK,
-                NORMALIZE, SIGMOID, BIAS, GROUPS, GROUPS_USED, GROUP_SIZE, BLOCK_G)
-
-
-@jit
-def _route_kernel(h_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, weights_ptr, ids_ptr, d, n_experts, h_stride,
-                  scale, eps, pair_rows_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, row_pairs_ptr,
-                  row_weights_ptr, n_rows, n_slots, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr,
-                  BLOCK_KK: tl.constexpr, NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-                  GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  PDL: tl.constexpr, SLOTS: tl.constexpr = False, CHUNK: tl.constexpr = 32, Q: tl.constexpr = 32,
-                  QE: tl.constexpr = 32, BLOCK_S: tl.constexpr = 1, SIZE: tl.constexpr = 8,
-                  MAX_PER_EXPERT: tl.constexpr = 1):
-    """The logits and choice kernels in one launch: program (row, e) stores expert e's logit, and the row's last
-    program to arrive (its counter: n_experts - 1 before it) makes the row's choice from them, then re-arms the
-    counter. SLOTS: the slots kernel's work too, by the last row to be chosen (counter n_rows), over all the
-    step's pairs."""
-    row = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    _store_logits(h_ptr, w_ptr, logits_ptr, row, d, n_experts, h_stride, 1, BLOCK_K)
-    tl.debug_barrier()                  # all threads' stores precede the release below
-    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == n_experts - 1:
-        _choose_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, n_experts, scale, eps, BLOCK_E, K, BLOCK_KK,
-                    NORMALIZE, SIGMOID, BIAS, GROUPS, GROUPS_USED, GROUP_SIZE, BLOCK_G)
-        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
-        if SLOTS:
-            tl.debug_barrier()          # the row's choice stored before the release below
-            if tl.atomic_add(count_ptr + n_rows, 1, sem="acq_rel", scope="gpu") == n_rows - 1:
-                n_pairs = n_rows * K
-                for p0 in range(0, n_pairs, CHUNK):
-                    _place_pairs(ids_ptr, weights_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, p0, n_pairs,
-                                 K, CHUNK, Q)
-                _lay_out_slots(ids_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, n_pairs, n_experts,
-                               n_slots, QE, BLOCK_E, BLOCK_S, SIZE, MAX_PER_EXPERT)
-                tl.atomic_xchg(count_ptr + n_rows, 0, sem="relaxed", scope="gpu")
-
-
 def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     """float32 [N, n_experts] = h @ router.T, each row summed in the same order whatever N (what _choose_kernel
     reads, for every RouterRule)."""
@@ -220,71 +165,35 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     # latency of one load per program. (8 experts per program in 256-wide K steps took 14.7 us per layer on
     # the Qwen3-30B-A3B shape, B = 1: 16 programs, 8 dependent steps each; the layer's GEMV takes 10.)
     _router_logits_kernel[(n, n_experts)](h, router, logits, d, n_experts, h.stride(0), BLOCK_E=1,
-                                          BLOCK_K=_router_block_k(d), **pdl_launch(h), num_warps=4)
+                                          BLOCK_K=min(ROUTER_BLOCK_K, triton.next_power_of_2(d)), **pdl_launch(h),
+                                          num_warps=4)
     return logits
 
 
-def _router_block_k(d: int) -> int:
-    return min(ROUTER_BLOCK_K, triton.next_power_of_2(d))
-
-
-def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None,
-                 fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As route_ref, and a row's result does not depend on the other rows of the call. cuBLAS does not promise that
-    (it picks its algorithm, hence its summation order, by the shape), and a routed row must not change experts
-    with its batch. Two kernels (the logits, spread over the experts; then each row's choice, _choose_kernel), or
-    with `fused` (default FUSED_ROUTER) one, _route_kernel: the same sums and choice, one launch less."""
-    return _route(h, router, rule, bias, fused)[:2]
-
-
-def route_slots_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None, size: int,
-                       fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, "ExpertSlots"]:
-    """route_triton, then expert_slots_triton of its choice in slots of `size` pairs: with `fused` (default
-    FUSED_ROUTER) and at most FUSED_SLOTS_MAX_PAIRS pairs, all in one launch (_route_kernel's SLOTS)."""
-    weights, ids, slots = _route(h, router, rule, bias, fused, size)
-    if slots is None:
-        slots = expert_slots_triton(ids, weights, router.shape[0], size)
-    return weights, ids, slots
-
-
-# The fused router lays out the slots too (one program, walking the pairs 32 at a time) for steps of up to this
-# many (row, expert) pairs: a decode step of a few rows; bigger ones run the slots kernel (a program per 32 pairs).
-FUSED_SLOTS_MAX_PAIRS = 128
-
-
-def _route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None, fused: bool | None,
-           size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, "ExpertSlots | None"]:
-    """(weights, ids, the slots where the fused kernel laid them out, else None)."""
+def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As route_ref, in two kernels (the logits, spread over the experts; then each row's choice, _choose_kernel),
+    and a row's result does not depend on the other rows of the call. cuBLAS does not promise that (it picks
+    its algorithm, hence its summation order, by the shape), and a routed row must not change experts with
+    its batch."""
     n, n_experts = h.shape[0], router.shape[0]
     assert rule.k <= n_experts and (not rule.groups or (n_experts % rule.groups == 0
                                                         and rule.k <= rule.groups_used * n_experts // rule.groups))
     weights = torch.empty(n, rule.k, dtype=torch.float32, device=h.device)
     ids = torch.empty(n, rule.k, dtype=torch.int64, device=h.device)
     if n == 0:
-        return weights, ids, None
-    # The choice: one warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a
-    # group) are then shuffles, with no shared-memory round trip and barrier each.
+        return weights, ids
+    logits = router_logits_triton(h, router)
+    # One warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a group) are
+    # then shuffles, with no shared-memory round trip and barrier each.
     block_e = triton.next_power_of_2(n_experts)
-    choice = dict(K=rule.k, BLOCK_KK=triton.next_power_of_2(rule.k), NORMALIZE=rule.normalize,
-                  SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
-                  GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
-                  BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h))
-    with_slots = size is not None and n * rule.k <= FUSED_SLOTS_MAX_PAIRS
-    counters = row_counters(h.device, n + 1) if (FUSED_ROUTER if fused is None else fused) else None
-    if counters is None:
-        logits = router_logits_triton(h, router)
-        _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
-                             BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4, **choice)
-        return weights, ids, None
-    logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
-    slots, slot_args = _slot_buffers(n, rule.k, n_experts, size, h.device) if with_slots else (None, {})
-    buffers = ((slots.pair_rows, slots.slot_expert, slots.slot_start, slots.slot_count, slots.row_pairs,
-                slots.row_weights) if slots is not None else (logits,) * 6)
-    _route_kernel[(n, n_experts)](h, router, logits, counters, bias if bias is not None else logits, weights, ids,
-                                  h.shape[1], n_experts, h.stride(0), rule.scale, rule.eps, *buffers, n,
-                                  slots.n_slots if slots is not None else 0, BLOCK_K=_router_block_k(h.shape[1]),
-                                  BLOCK_E=block_e, SLOTS=slots is not None, **slot_args, num_warps=4, **choice)
-    return weights, ids, slots
+    _choose_kernel[(n,)](logits, logits if bias is None else bias, weights, ids, n_experts, rule.scale, rule.eps,
+                         BLOCK_E=block_e, K=rule.k, BLOCK_KK=triton.next_power_of_2(rule.k), NORMALIZE=rule.normalize,
+                         SIGMOID=rule.gating == "sigmoid", BIAS=bias is not None, GROUPS=rule.groups,
+                         GROUPS_USED=rule.groups_used, GROUP_SIZE=n_experts // max(rule.groups, 1),
+                         BLOCK_G=triton.next_power_of_2(max(rule.groups, 1)), **pdl_launch(h),
+                         num_warps=1 if block_e <= 256 else 4)
+    return weights, ids
 
 
 @dataclass(slots=True)
@@ -367,8 +276,7 @@ def _place_pairs(ids_ptr, w_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, 
                  CHUNK: tl.constexpr, Q: tl.constexpr):
     """Pairs p0..p0+CHUNK: their sorted position ("rank") by a stable counting sort (the pairs before a pair have a
     lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and their place in
-    their row's expert-id order. ids and weights are read past L1 (.cg): in _route_kernel other programs wrote
-    them."""
+    their row's expert-id order. ids and weights are read past L1 (.cg), as the timed kernel reads them."""
     big = 1 << 30
     p = p0 + tl.arange(0, CHUNK)
     p_ok = p < n_pairs

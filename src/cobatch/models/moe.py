@@ -29,7 +29,6 @@ from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, expert_slots
 from cobatch.kernels.packed_weight import as_q8_0_on
-from cobatch.kernels.scratch import SplitScratch
 from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
@@ -71,8 +70,6 @@ class MoeFeedForward:
         # can both stacks run the routed GEMM (packed_experts.ROUTED_GEMM)?
         self.routed_gemm = (self.routed_gate_up is not None and self.routed_gate_up.routed_gemm is not None
                             and self.routed_down.routed_gemm is not None)
-        if self.routed_gate_up is not None:     # the fused router's row counters, for steps captured in graphs
-            SplitScratch.count.reserve(device, packed_experts.ROUTED_MAX_ROWS)
         if self.routed_gemm:
             for stack in (self.routed_gate_up, self.routed_down):
                 stack.reserve_routed(packed_experts.ROUTED_MAX_ROWS * self.rule.k)
@@ -103,7 +100,7 @@ class MoeFeedForward:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if self.routed and (h.shape[0] <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(h.shape[0])):
-            # the choice and its slots (one launch with moe_routing.FUSED_ROUTER at a few rows)
+            # the choice and its slots
             _, _, slots = ops.moe_route_slots(h, self.router, self.rule, self.bias, self._slot_size(h.shape[0]))
             return self._routed(h, slots, self._shared(h))
         weights, ids = self.route(h)
