@@ -19,7 +19,6 @@ from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
-from cobatch.kernels import mla_latent as mla_latent_kernels
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import (ExpertSlots, RouterRule, combine_ref, combine_triton, expert_slots_ref,
                                          expert_slots_triton, route_ref, route_triton)
@@ -114,20 +113,12 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
 
 def mla_latent(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool, cache: torch.Tensor,
-               slot_mapping: torch.Tensor, q_nope: torch.Tensor, k_up: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA's step prologue: [rms_norm(c_kv) | rotated k_rope] of kv_a's rows into the latent cache; returns the
-    queries' rope dims q_rope rotated [N, H, R] and their latent part q_latent = q_nope W_UK per head
-    (einsum("nhd,hdr->nhr", q_nope, k_up)). kernels/mla_latent.py: one launch on CUDA, W_UK's product in it for
-    steps of up to ABSORB_MAX_ROWS rows where ABSORB_IN_PROLOGUE (else a batched product beside it)."""
+               slot_mapping: torch.Tensor) -> torch.Tensor:
+    """MLA's step prologue: [rms_norm(c_kv) | rotated k_rope] of kv_a's rows into the latent cache, and the queries'
+    rope dims q_rope rotated (returned, [N, H, R]). kernels/mla_latent.py."""
     if _triton(kv_a):
-        absorb = mla_latent_kernels.ABSORB_IN_PROLOGUE and q_nope.shape[0] <= mla_latent_kernels.ABSORB_MAX_ROWS
-        q_rot, q_latent = mla_latent_triton(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache,
-                                            slot_mapping, *((q_nope, k_up) if absorb else ()))
-    else:
-        q_rot, q_latent = mla_latent_ref(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache,
-                                         slot_mapping), None
-    return q_rot, torch.einsum("nhd,hdr->nhr", q_nope, k_up) if q_latent is None else q_latent
+        return mla_latent_triton(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache, slot_mapping)
+    return mla_latent_ref(q_rope, kv_a, norm_weight, eps, positions, cos_sin, neox, cache, slot_mapping)
 
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

@@ -159,11 +159,10 @@ class DeepseekModel:
         if layer.q_b is not None:
             q = ops.linear(ops.rms_norm(q.contiguous(), layer.q_a_norm, cfg.rms_eps)[0], layer.q_b)
         q = q.reshape(n, heads, mla.qk_head_dim)
-        # the latent row [rms_norm(c_kv) | rotated k_rope] into the cache, the queries' rope dims rotated, and W_UK
-        # absorbed into their nope dims
-        q_rope, q_latent = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions,
-                                          self.cos_sin, False, cache, meta.slot_mapping, q[..., :mla.qk_nope_dim],
-                                          layer.k_up)
+        # the latent row [rms_norm(c_kv) | rotated k_rope] into the cache, and the queries' rope dims rotated
+        q_rope = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions, self.cos_sin,
+                                False, cache, meta.slot_mapping)
+        q_latent = torch.einsum("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)      # W_UK absorbed
         latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale)
         # W_UV, each head's product written where o's input row keeps it (no copy of a [heads, N, v] result)
         out = torch.empty(n, heads, mla.v_head_dim, dtype=h.dtype, device=h.device)
