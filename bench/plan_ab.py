@@ -47,9 +47,10 @@ PACKAGE_TABLE = str(matmul_plans.CONFIG_PATH)
 
 
 def packed_weights(model) -> list[packed_weight.PackedWeight]:
-    """Every packed matrix of a dense model's decode step (a stacked weight's parts one by one)."""
+    """The packed matrices of a decode step's dense projections (a stacked weight's parts one by one); a layer
+    without one (MLA attention, a MoE block) gives none of its own."""
     found = []
-    for w in [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + [
+    for w in [getattr(layer, name, None) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + [
             model.lm_head]:
         found += [p for p in getattr(w, "parts", [w])
                   if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
