@@ -170,27 +170,6 @@ def test_decode_small_row_is_bitwise_the_same_alone_and_batched(window, dtype, s
     assert_matches(four, paged_attention_ref(q, k_cache, v_cache, meta, 0.2, window))
 
 
-@pytest.mark.parametrize("variant,window", [("split", 0), ("walk", 0), ("walk", 40)])
-def test_split_kernel_merging_its_own_splits_gives_the_reduce_kernels_bits(monkeypatch, variant, window):
-    """FOLD_REDUCE: each row and KV head's last split program merges the splits (the reduce kernel's work) and
-    re-arms its counter: the same bits as the reduce kernel, twice in a row (the counters start from 0 again)."""
-    from cobatch.kernels import attention
-    from cobatch.kernels.scratch import SplitScratch
-    q, k_cache, v_cache, meta = paged_setup([100, 37, 130, 5], [1] * 4, 8, 2, 32, torch.bfloat16, seed=23,
-                                            capacity=130)
-    cfg = DECODE_VARIANTS[variant]
-    assert plan_decode_splits(4, 2, 130, 4, cfg)[0] > 1          # rows split: the reduce kernel has work
-    two_kernels = paged_decode_attention(q, k_cache, v_cache, meta, 0.2, cfg=cfg, window=window)
-    monkeypatch.setattr(attention, "FOLD_REDUCE", True)
-    assert attention.reduce_counters(q.device, 8, 2) is not None
-    for _ in range(2):
-        folded = paged_decode_attention(q, k_cache, v_cache, meta, 0.2, out=poisoned(q.shape, q.dtype), cfg=cfg,
-                                        window=window)
-        assert torch.equal(folded, two_kernels)
-        assert int(SplitScratch.count.get(q.device).abs().sum()) == 0
-    assert_matches(folded, paged_attention_ref(q, k_cache, v_cache, meta, 0.2, window))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_small_dtypes(dtype):
     check_attention([50, 17], [1, 1], 4, 2, head_dim=24, dtype=dtype, seed=11, decode_cfg=TINY_DECODE)

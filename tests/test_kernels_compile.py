@@ -143,21 +143,6 @@ for fp8 in (False, True):    # MLA's step prologue (DeepSeek-V2's 512 + 64 laten
         mla_latent._mla_latent_kernel, dict(RANK=512, HALF=32, BLOCK_R=512, BLOCK_H=16, NEOX=False, PDL=True), 4, 2,
         {"w_ptr": "*bf16", **({"cache_ptr": "*fp8e4nv"} if fp8 else {})})
 variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2, FP8_CACHE)
-# the reduce kernel's work done by the split kernel's last program a row and KV head (attention.FOLD_REDUCE)
-for groups in (False, True):
-    variants[f"decode folding its splits groups={groups}"] = (
-        attention._decode_split_kernel,
-        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS, GROUPS=groups,
-             SINGLE_SPLIT=False, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=BF16, ROPE=True,
-             NEOX=False, QK_NORM=False, FOLD=True, BLOCK_GROUPS=64 // dec.split_group),
-        dec.num_warps, dec.num_stages, {"count_ptr": "*i32"},
-        attention.decode_register_cap(2, torch.bfloat16, 128, dec))
-variants["mla decode folding its splits"] = (
-    mla_attention._mla_decode_split_kernel,
-    dict(N_HEADS=128, BLOCK_H=16, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64, BLOCK_N=dec.block_n, MIN_SPLIT=dec.min_split,
-         SINGLE_SPLIT=False, PDL=True, DOT_F32=False, OPERAND=BF16, FOLD=True, SPLIT_GROUP=dec.split_group,
-         BLOCK_GROUPS=64 // dec.split_group),
-    8, dec.num_stages, {"cache_ptr": "*bf16", "count_ptr": "*i32"})
 for groups in (False, True):
     variants[f"decode reduce groups={groups}"] = (
         attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_GROUPS=64 // dec.split_group, PDL=True,
@@ -483,6 +468,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 66 + 35 + 20 + 4 + 19 + 8
+    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 8
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

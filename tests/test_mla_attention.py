@@ -80,21 +80,6 @@ def test_a_row_has_the_same_bits_alone_and_batched():
         assert torch.equal(mla_decode_attention(q[r:r + 1], cache, alone, 0.3, 16, cfg=SPLIT), batched[r:r + 1]), r
 
 
-def test_split_kernel_merging_its_own_splits_gives_the_reduce_kernels_bits(monkeypatch):
-    """attention.FOLD_REDUCE: each row and head block's last split program merges the block's splits (20 heads: a
-    whole block and a part-masked one) and re-arms its counter: the reduce kernel's bits, twice in a row."""
-    from cobatch.kernels import attention
-    from cobatch.kernels.scratch import SplitScratch
-    q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, torch.bfloat16, seed=5)
-    two_kernels = mla_decode_attention(q, cache, meta, 0.3, 16, cfg=SPLIT)
-    monkeypatch.setattr(attention, "FOLD_REDUCE", True)
-    for _ in range(2):
-        folded = mla_decode_attention(q, cache, meta, 0.3, 16, out=poisoned((4, 20, 16), q.dtype), cfg=SPLIT)
-        assert torch.equal(folded, two_kernels)
-        assert int(SplitScratch.count.get(q.device).abs().sum()) == 0
-    assert relative_error(folded, mla_attention_ref(q, cache, meta, 0.3, 16)) < 1e-2
-
-
 # prefill: small query blocks so that a chunk spans several token tiles and head blocks
 PREFILL_SMALL = MlaPrefillConfig(rows=16, block_h=8, block_n=16, num_warps=4)
 

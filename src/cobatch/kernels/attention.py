@@ -9,7 +9,6 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.rope import rotary_dims, rotated
-from cobatch.kernels.scratch import row_counters
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
 
@@ -289,7 +288,7 @@ def _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, row, kv_head, 
 
 
 @jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, qn_ptr, kn_ptr,
                          q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, k_row_stride, k_head_stride,
@@ -299,8 +298,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          MIN_SPLIT: tl.constexpr, SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
-                         ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-                         FOLD: tl.constexpr = False, BLOCK_GROUPS: tl.constexpr = 1):
+                         ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -312,8 +310,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     ROPE: q and this step's k arrive unrotated (every dim rotates; NEOX: halves, else adjacent pairs). The
     program rotates its q heads, and writes the rotated k and the v of the step's rows whose positions fall
     in its chunk into the cache before reading it (the rope kernel's work, same bits, one launch less). QK_NORM:
-    each q and k head RMS-normed first (qwen3), as the rope kernel does. FOLD: the row's last program of the KV
-    head merges its heads' splits itself (_last_program_reduces; count_ptr: a counter per row and KV head)."""
+    each q and k head RMS-normed first (qwen3), as the rope kernel does."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
@@ -407,13 +404,6 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     if PDL:
         # The next kernel may launch now (not at the start: a chain would get resident all at once).
         gdc_launch_dependents()
-    if FOLD:
-        _last_program_reduces(count_ptr, seq * tl.num_programs(1) + kv_head, part_acc_ptr, part_ml_ptr, seq_len,
-                              num_splits, window, part_row0=(seq * (tl.num_programs(1) * GROUP) + kv_head * GROUP)
-                              * num_splits, out_row0=out_ptr + seq * out_row_stride + kv_head * GROUP * out_head_stride,
-                              out_head_stride=out_head_stride, n_heads=GROUP, HEAD_D=HEAD_D, BLOCK_D=BLOCK_D,
-                              MIN_SPLIT=MIN_SPLIT, BLOCK_N=BLOCK_N, BLOCK_GROUPS=BLOCK_GROUPS,
-                              SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
 
     if SINGLE_SPLIT:
         # Empty context (padded row): l == 0 and acc == 0, so the row comes out as zeros.
@@ -502,11 +492,10 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits
         else:
             s_mask = ~whole & (sp >= first_valid) & (sp < n_valid)
         part = part0 + sp
-        # read past L1 (.cg): where the split kernel's last program merges, other programs stored them
-        m_s = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+        m_s = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
         acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :],
-                        mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                        mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         m, l, acc = _merge_partial(m, l, acc, m_s, l_s, acc_s)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # empty row: every weight exp2(-inf) = 0, no NaN
@@ -528,43 +517,16 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
     if PDL:
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_valid, n_valid = _row_valid_splits(seq_len, num_splits, window, MIN_SPLIT, BLOCK_N)
-    if PDL:
-        gdc_wait()                     # the split kernel's partials
-    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid, n_valid,
-                  tl.maximum(tl.cdiv(n_valid, chunks), 1), out_ptr + seq * out_row_stride + head * out_head_stride,
-                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
-
-
-@jit
-def _row_valid_splits(seq_len, num_splits, window, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(first, end) of the splits of a row that hold a partial: those seq_len (and a sliding window) reach."""
     split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
     n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
     first_valid = 0
     if window > 0:                     # splits wholly before the window hold no partial
         first_valid = tl.maximum(seq_len - window, 0) // split_len
-    return first_valid, n_valid
-
-
-@jit
-def _last_program_reduces(count_ptr, counter, part_acc_ptr, part_ml_ptr, seq_len, num_splits, window, part_row0,
-                          out_row0, out_head_stride, n_heads, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-                          SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr):
-    """The reduce kernel's work in the split kernel (FOLD_REDUCE): the last of a row's chunk programs (axis 2) of
-    one KV head or head block to count in on its counter merges the splits of that block's n_heads heads
-    (partials from part_row0, a head num_splits further each) into their output rows (from out_row0) as
-    _decode_reduce_kernel does, the same bits, then re-arms the counter."""
-    tl.debug_barrier()                 # all threads' partial stores precede the release below
-    if tl.atomic_add(count_ptr + counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-        first_valid, n_valid = _row_valid_splits(seq_len, num_splits, window, MIN_SPLIT, BLOCK_N)
-        splits_per_program = tl.maximum(tl.cdiv(n_valid, tl.num_programs(2)), 1)
-        for j in range(n_heads):
-            _merge_splits(part_acc_ptr, part_ml_ptr, part_row0 + j * num_splits, first_valid, n_valid,
-                          splits_per_program, out_row0 + j * out_head_stride, HEAD_D=HEAD_D, BLOCK_D=BLOCK_D,
-                          BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
-        tl.atomic_xchg(count_ptr + counter, 0, sem="relaxed", scope="gpu")
+    if PDL:
+        gdc_wait()                     # the split kernel's partials
+    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid, n_valid,
+                  tl.maximum(tl.cdiv(n_valid, chunks), 1), out_ptr + seq * out_row_stride + head * out_head_stride,
+                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
 
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
@@ -680,11 +642,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
-    block_groups = reduce_block_groups(num_splits, cfg)
-    counters = reduce_counters(q.device, n_rows * n_kv_heads, num_splits)
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
-        out if counters is None else counters, *new_rows,
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml, *new_rows,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), *new_strides, scale * LOG2E, eps, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
@@ -692,36 +651,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
-        QK_NORM=rope is not None and rope.qk_norm is not None, FOLD=counters is not None,
-        BLOCK_GROUPS=block_groups if counters is not None else 1,     # (one variant where the reduce kernel runs)
+        QK_NORM=rope is not None and rope.qk_norm is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, window,
             HEAD_D=head_dim, BLOCK_D=block_d, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
-            BLOCK_GROUPS=block_groups, SPLIT_GROUP=cfg.split_group, GROUPS=groups, num_warps=4, **launch)
+            BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
+            GROUPS=groups, num_warps=4, **launch)
     return out
-
-
-# The reduce kernel's work done by each row's last split program (_last_program_reduces) where
-# COBATCH_DECODE_FOLD_REDUCE=1: one launch a decode step and layer less wherever rows split. Off until whole steps on
-# the GPU weigh it (bench/plan_ab.py --switch attention.FOLD_REDUCE=0,1).
-FOLD_REDUCE = os.environ.get("COBATCH_DECODE_FOLD_REDUCE", "0") == "1"
-
-
-def reduce_block_groups(num_splits: int, cfg: DecodeConfig) -> int:
-    """The reduce's BLOCK_GROUPS: a row's groups of cfg.split_group splits, to a power of two."""
-    return next_pow2(triton.cdiv(num_splits, cfg.split_group))
-
-
-def reduce_counters(device: torch.device, n: int, num_splits: int, fold: bool | None = None) -> torch.Tensor | None:
-    """The n counters (a row and KV head or head block each) of a split kernel that merges its own splits, where
-    rows split and FOLD_REDUCE (or `fold`) asks for it; None: the reduce kernel runs (also where no CUDA graph
-    capture may grow the counters to n)."""
-    if num_splits == 1 or not (FOLD_REDUCE if fold is None else fold):
-        return None
-    return row_counters(device, n)
 
 
 # --- Triton: prefill (causal flash attention of a chunk against the paged prefix plus itself) --------------

@@ -28,10 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel,
-                                       _last_program_reduces, _program_chunk, _softmax_fold, _store_partial,
-                                       _tile_pages, hidden_keys, plan_decode_splits, reduce_block_groups,
-                                       reduce_counters, reference_sequences)
+from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _program_chunk,
+                                       _softmax_fold, _store_partial, _tile_pages, hidden_keys,
+                                       plan_decode_splits, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
@@ -64,21 +63,18 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
 
 @jit
 def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                             count_ptr, q_row_stride, q_head_stride, q_rope_row_stride, q_rope_head_stride, bt_stride,
+                             q_row_stride, q_head_stride, q_rope_row_stride, q_rope_head_stride, bt_stride,
                              cache_block_stride, cache_slot_stride,
                              out_row_stride, out_head_stride, qk_scale, num_splits,
                              N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                              BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              MIN_SPLIT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
-                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FOLD: tl.constexpr = False,
-                             SPLIT_GROUP: tl.constexpr = 4, BLOCK_GROUPS: tl.constexpr = 1):
+                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
     """Program (head block, seq, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
     latent tile once for all of them. Each split's partial (max, sum, acc) is computed from scratch over its own
     tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's. The head blocks
     of a row's chunk are neighbours in the grid (axis 0), so where there are several (DeepSeek-V2/V3's 128
-    heads: 8) they run together and all but the first find the row's latent tiles in L2. FOLD: the row's last
-    program of the head block merges the block's splits itself (attention._last_program_reduces; count_ptr: a
-    counter per row and head block)."""
+    heads: 8) they run together and all but the first find the row's latent tiles in L2."""
     seq = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len, _, _, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
@@ -122,14 +118,6 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
             m = tl.where(split_done, float("-inf"), m)   # the next split starts from scratch
     if PDL:
         gdc_launch_dependents()
-    if FOLD:
-        head0 = tl.program_id(0) * BLOCK_H
-        _last_program_reduces(count_ptr, seq * tl.num_programs(0) + tl.program_id(0), part_acc_ptr, part_ml_ptr,
-                              seq_len, num_splits, 0, part_row0=(seq * N_HEADS + head0) * num_splits,
-                              out_row0=out_ptr + seq * out_row_stride + head0 * out_head_stride,
-                              out_head_stride=out_head_stride, n_heads=tl.minimum(BLOCK_H, N_HEADS - head0),
-                              HEAD_D=LAT, BLOCK_D=LAT, MIN_SPLIT=MIN_SPLIT, BLOCK_N=BLOCK_N,
-                              BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=False)
     if SINGLE_SPLIT:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]      # an empty context (padded row) comes out as zeros
         tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + c[None, :],
@@ -186,41 +174,36 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
-    counters = None          # where the Triton split kernel merges its splits itself (attention.FOLD_REDUCE)
     if (cuda and block_h == mla_decode_cuda.HEADS and out.dtype == q.dtype and out.stride(-1) == 1
             and mla_decode_cuda.supports(q, q_rope, cache, cfg.block_n, cuda_cfg, meta)):
         mla_decode_cuda.launch_split(q, q_rope, cache, meta.block_tables, meta.seq_lens, scale * LOG2E, num_splits,
                                      chunks, cfg.min_split, out, part_acc, part_ml, launch["PDL"], cuda_cfg)
     else:
-        counters = reduce_counters(q.device, n_rows * head_blocks, num_splits)
-        _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, counters,
-                             num_splits, chunks, head_blocks, block_h, cfg, launch)
-    if num_splits > 1 and counters is None:
+        _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, num_splits, chunks,
+                             head_blocks, block_h, cfg, launch)
+    if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,
             HEAD_D=kv_lora_rank, BLOCK_D=kv_lora_rank, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
-            BLOCK_GROUPS=reduce_block_groups(num_splits, cfg), SPLIT_GROUP=cfg.split_group, GROUPS=False, num_warps=4,
-            **launch)
+            BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
+            GROUPS=False, num_warps=4, **launch)
     return out
 
 
-def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, counters, num_splits,
-                         chunks, head_blocks, block_h, cfg, launch) -> None:
-    """The Triton split kernel of mla_decode_attention (its arguments as there; counters: it merges its splits
-    itself, attention.reduce_counters)."""
+def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, num_splits, chunks,
+                         head_blocks, block_h, cfg, launch) -> None:
+    """The Triton split kernel of mla_decode_attention (its arguments as there)."""
     n_rows, n_heads, _ = q.shape
     page, rope = cache.shape[1], q_rope.shape[2]
     operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
     _mla_decode_split_kernel[(head_blocks, n_rows, chunks)](
         q, q_rope, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
-        out if counters is None else counters, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1),
-        meta.block_tables.stride(0), cache.stride(0), cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
-        num_splits,
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
+        cache.stride(1),
+        out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand, FOLD=counters is not None, SPLIT_GROUP=cfg.split_group,
-        BLOCK_GROUPS=reduce_block_groups(num_splits, cfg) if counters is not None else 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch)
+        OPERAND=operand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
 
 
 @dataclass(frozen=True, slots=True)

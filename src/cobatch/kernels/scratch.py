@@ -61,17 +61,3 @@ class SplitScratch:
     @classmethod
     def get(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return cls.partial.get(device), cls.count.get(device)
-
-
-def row_counters(device: torch.device | str, n: int) -> torch.Tensor | None:
-    """n of the split-K counters (SplitScratch.count: every kernel leaves them at 0), for a kernel whose last
-    program of each of n groups finishes the group's work; grown to n where no CUDA graph is being captured, None
-    where they are fewer."""
-    device = device_key(device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        SplitScratch.count.reserve(device, n)
-    try:
-        counters = SplitScratch.count.get(device)
-    except KeyError:
-        return None
-    return counters if counters.numel() >= n else None
