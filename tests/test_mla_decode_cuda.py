@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels import mla_decode_cuda, nvrtc  # noqa: E402
 from cobatch.kernels.attention import DecodeConfig  # noqa: E402
-from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_attention_ref, mla_decode_attention  # noqa: E402
+from cobatch.kernels.mla_attention import MLA_CUDA_PLAN, mla_attention_ref, mla_decode_attention  # noqa: E402
 from cobatch.kernels.mla_decode_cuda import MlaCudaConfig  # noqa: E402
 from conftest import requires_hopper  # noqa: E402
 from kernel_checks import poisoned, relative_error  # noqa: E402
@@ -88,7 +88,7 @@ SPLITS = DecodeConfig(min_split=64, max_splits=8, programs_per_sm=64)
 
 @requires_hopper
 @pytest.mark.parametrize("n_heads", [16, 128, 20])
-@pytest.mark.parametrize("plan", [MLA_DECODE_CONFIG, ONE_SPLIT, SPLITS], ids=["default", "one", "splits"])
+@pytest.mark.parametrize("plan", [MLA_CUDA_PLAN, ONE_SPLIT, SPLITS], ids=["default", "one", "splits"])
 @pytest.mark.parametrize("block", [16, 64])
 def test_matches_the_reference(n_heads, plan, block):
     """Rows of one token, a page and a bit, a tile and a bit, several splits, an empty (padded) row; 20 heads: a

@@ -132,8 +132,11 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
 MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_per_sm=2)
 
 # The split kernel in CUDA C++ (mla_decode_cuda.py: a producer warp's ring of cached rows, wgmma products) where it
-# supports the call; not the default until measured against the Triton kernel.
-MLA_CUDA = os.environ.get("COBATCH_MLA_CUDA", "0") == "1"
+# supports the call (COBATCH_MLA_CUDA=0: the Triton kernel always), on a split plan of one program an SM. Whole
+# DeepSeek-V2-Lite steps (8 layers, Q4_K_M, H100) ran as fast or faster at every batch and context measured: B = 8
+# at 8192 1.81 -> 1.69 ms, B = 64 at 512 3.09 -> 3.00 (bench/results/mla_cuda_ab.md).
+MLA_CUDA = os.environ.get("COBATCH_MLA_CUDA", "1") != "0"
+MLA_CUDA_PLAN = replace(MLA_DECODE_CONFIG, programs_per_sm=1)
 
 
 def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +146,7 @@ def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig = MLA_DECODE_CONFIG,
+                         kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig | None = None,
                          block_h: int = 16, q_rope: torch.Tensor | None = None, cuda: bool | None = None,
                          cuda_cfg: mla_decode_cuda.MlaCudaConfig = mla_decode_cuda.MLA_CUDA_CONFIG) -> torch.Tensor:
     """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
@@ -151,7 +154,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     [num_blocks, block_size, 1, width] (the KV pool's one-head layout) or [num_blocks, block_size, width].
     kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one. q_rope:
     the queries' rope part apart (query_parts). cuda: the CUDA C++ split kernel (cuda_cfg) where it supports the
-    call (default: MLA_CUDA)."""
+    call (default: MLA_CUDA). cfg: the split plan (default: the kernel's own, MLA_CUDA_PLAN or MLA_DECODE_CONFIG)."""
     q, q_rope = query_parts(q, q_rope, kv_lora_rank)
     n_rows, n_heads, _ = q.shape
     cuda = MLA_CUDA if cuda is None else cuda
@@ -166,6 +169,9 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
         return out
     block_h = min(block_h, max(16, next_pow2(n_heads)))
     head_blocks = triton.cdiv(n_heads, block_h)
+    cuda = (cuda and block_h == mla_decode_cuda.HEADS and out.dtype == q.dtype and out.stride(-1) == 1
+            and mla_decode_cuda.supports(q, q_rope, cache, (cfg or MLA_CUDA_PLAN).block_n, cuda_cfg, meta))
+    cfg = cfg or (MLA_CUDA_PLAN if cuda else MLA_DECODE_CONFIG)
     # one KV head per head block: the split plan the GQA kernel makes for n_kv_heads = head_blocks
     num_splits, chunks = plan_decode_splits(n_rows, head_blocks, meta.max_seq_len, device_sms(q), cfg)
     if num_splits > 1:
@@ -174,8 +180,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
-    if (cuda and block_h == mla_decode_cuda.HEADS and out.dtype == q.dtype and out.stride(-1) == 1
-            and mla_decode_cuda.supports(q, q_rope, cache, cfg.block_n, cuda_cfg, meta)):
+    if cuda:
         mla_decode_cuda.launch_split(q, q_rope, cache, meta.block_tables, meta.seq_lens, scale * LOG2E, num_splits,
                                      chunks, cfg.min_split, out, part_acc, part_ml, launch["PDL"], cuda_cfg)
     else:

@@ -7,10 +7,11 @@ warp streams the cached rows into a ring of 16-row segments with cp.async.bulk w
 rows a tile through two wgmma products (rows as M, the 16 heads as N), so the loads run ahead of the arithmetic by
 up to the ring's depth.
 
-Same split plan (attention.plan_decode_splits, 64-row tiles), same partials and the same reduce kernel as the Triton
-kernel, so a row's output depends on its own length only (not its bits: another order of sums). It runs bf16 or
-f16 caches of one latent head whose blocks hold whole 16-row segments, on Hopper; mla_decode_attention takes it
-where `supports` says so and COBATCH_MLA_CUDA=1 asks for it. The torch reference is mla_attention.mla_attention_ref.
+The same split planner (attention.plan_decode_splits, 64-row tiles; one program an SM), the same partials and the
+same reduce kernel as the Triton kernel, so a row's output depends on its own length only (not its bits: another
+order of sums). It runs bf16 or f16 caches of one latent head whose blocks hold whole 16-row segments, on Hopper;
+mla_decode_attention takes it where `supports` says so (unless COBATCH_MLA_CUDA=0). The torch reference is
+mla_attention.mla_attention_ref. Measured against the Triton kernel: bench/results/mla_cuda_ab.md.
 """
 
 from __future__ import annotations
