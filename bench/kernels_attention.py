@@ -8,7 +8,8 @@ Bytes counted: K + V of every sequence's context in the cache's dtype (q, the ou
 are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
---mla: the MLA decode kernel instead (kernels/mla_attention.py; --mla --sweep: each of MLA_SWEEP's configs;
+--mla: the MLA decode path instead, as the package runs it (kernels/mla_attention.py: the CUDA C++ split kernel
+on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
 configs, each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent
 row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
@@ -30,6 +31,7 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
+from cobatch.kernels import mla_attention
 from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_attention_ref, mla_decode_attention
 from cobatch.kernels.mla_decode_cuda import MlaCudaConfig
 
@@ -108,17 +110,22 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
              for (q, m), o in zip(sets, outs)]
     timed = graph_times(calls, reps=20)
     ms = timed.queued * 1e3
-    del k_cache, v_cache, sets, outs
     return {"kernel": "decode_attention", "batch": batch, "context": context, "filled": filled or context,
             "kv_dtype": str(kv_dtype).removeprefix("torch."), "us": ms * 1e3,
             "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg),
             "us_idle_stream": timed.idle * 1e6, "gbps_idle_stream": kv_bytes / timed.idle / 1e9}
 
 
-def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig = MLA_DECODE_CONFIG,
+def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig | None = None,
                      block_h: int = 16, cuda: MlaCudaConfig | None = None) -> dict:
     """The MLA decode kernel on `batch` sequences of `context` latent rows in 16-token pages scattered over the
-    pool, R copies of the inputs as bench_decode."""
+    pool, R copies of the inputs as bench_decode. cfg None: the package's default path (the CUDA C++ kernel where
+    mla_attention.MLA_CUDA and the GPU take it, each kernel on its own plan); else the Triton kernel on cfg, or
+    the CUDA one (cuda) on cfg."""
+    default = cfg is None
+    if default:
+        cuda = MlaCudaConfig() if mla_attention.MLA_CUDA and torch.cuda.get_device_capability()[0] == 9 else None
+        cfg = mla_attention.MLA_CUDA_PLAN if cuda else MLA_DECODE_CONFIG
     width = MLA_LORA + MLA_ROPE
     pages_per_seq = -(-context // PAGE)
     set_bytes = batch * pages_per_seq * PAGE * width * 2
@@ -130,11 +137,10 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
         q = torch.randn(batch, MLA_HEADS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(batch, MLA_HEADS, MLA_LORA, device="cuda", dtype=torch.bfloat16)
         calls.append(lambda q=q, m=meta, o=out: mla_decode_attention(
-            q, cache, m, width ** -0.5, MLA_LORA, out=o, cfg=cfg, block_h=block_h, cuda=cuda is not None,
-            cuda_cfg=cuda or MlaCudaConfig()))
+            q, cache, m, width ** -0.5, MLA_LORA, out=o, cfg=None if default else cfg, block_h=block_h,
+            cuda=None if default else cuda is not None, cuda_cfg=cuda or MlaCudaConfig()))
     ms = graph_times(calls, reps=20).queued * 1e3
     kv_bytes = batch * context * width * 2
-    del cache, calls
     return {"kernel": "mla_decode_attention", "batch": batch, "context": context, "filled": context,
             "kv_dtype": "bfloat16", "heads": MLA_HEADS, "latent_width": width, "us": ms * 1e3,
             "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg), "block_h": block_h,
@@ -208,11 +214,11 @@ def run_mla_cuda(copy_gbps: float) -> list[dict]:
 
 
 def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
-    """The committed MLA config on every shape, or (sweep) each MLA_SWEEP candidate; a failing candidate is
-    reported in its rows' place."""
+    """The package's default path on every shape, or (sweep) each MLA_SWEEP candidate of the Triton kernel; a
+    failing candidate is reported in its rows' place."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for variant, (cfg, block_h) in enumerate(MLA_SWEEP if sweep else MLA_SWEEP[:1]):
+    for variant, (cfg, block_h) in enumerate(MLA_SWEEP if sweep else [(None, 16)]):
         for batch in BATCHES:
             for context in MLA_CONTEXTS:
                 try:
@@ -222,7 +228,7 @@ def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
                     r = {"kernel": "mla_decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
                 r["variant"] = variant
                 rows.append(r)
-        print(f"mla variant {variant} {asdict(cfg)} block_h {block_h}: " + " ".join(
+        print(f"mla variant {variant} {rows[-1].get('config')} cuda {rows[-1].get('cuda')}: " + " ".join(
             f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
             if r["variant"] == variant), flush=True)
     print("mla decode (B x context: us, of copy) as above, shapes in order: "
