@@ -40,8 +40,7 @@ FLOAT_SCALARS = {"qk_scale", "softcap", "eps", "scale"}
 
 def compile_for_h200(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
     # bf16 tensors as the launchers pass them (or as `pointers` says); pointers and strides 16-divisible, as
-    # Triton specializes them; constexpr parameters a variant leaves out take their defaults (as a launch would).
-    constants = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.has_default}, **constants}
+    # Triton specializes them.
     names = list(kernel.arg_names)
     signature = {}
     for name in names:

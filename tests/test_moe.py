@@ -134,7 +134,7 @@ def test_gpu_routed_layer_matches_expert_by_expert(moe_models, arch):
     assert moe.routed
     h = torch.randn(9, cfg.d_model, generator=torch.Generator().manual_seed(6)).bfloat16().cuda()
     weights, ids = moe.route(h)
-    got = moe._routed(h, moe._slots(weights, ids), None)
+    got = moe._routed(h, weights, ids, None)
     want = moe._expert_by_expert(h, weights, ids)
     assert got.dtype == torch.bfloat16     # stored in the model's dtype by the combine
     assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
@@ -157,7 +157,7 @@ def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, mo
     weights, ids = layer.route(h)
     if layer.shared_gate_up is None:
         for a in (0, 8, 16):
-            alone = layer._routed(h[a:a + 8], layer._slots(weights[a:a + 8], ids[a:a + 8]), None)
+            alone = layer._routed(h[a:a + 8], weights[a:a + 8], ids[a:a + 8], None)
             assert torch.equal(got[a:a + 8], alone), a
     monkeypatch.setattr(moe_module, "ROUTED_PREFILL", False)
     want = layer(h)

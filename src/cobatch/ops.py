@@ -20,8 +20,7 @@ from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_re
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
-from cobatch.kernels.moe_routing import (ExpertSlots, RouterRule, combine_ref, combine_triton, expert_slots_ref,
-                                         expert_slots_triton, route_ref, route_triton)
+from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
@@ -186,14 +185,6 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: tor
     if _triton(h):
         return route_triton(h.contiguous(), router, rule, bias)
     return route_ref(h, router, rule, bias)
-
-
-def moe_route_slots(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None, size: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, ExpertSlots]:
-    """moe_route, then its choice grouped by expert in slots of `size` pairs (moe_routing.expert_slots)."""
-    weights, ids = moe_route(h, router, rule, bias)
-    slots = (expert_slots_triton if _triton(h) else expert_slots_ref)(ids, weights, router.shape[0], size)
-    return weights, ids, slots
 
 
 def moe_combine(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype = torch.float32,

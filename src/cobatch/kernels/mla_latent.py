@@ -35,16 +35,13 @@ def mla_latent_ref(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.
 def _mla_latent_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, q_out_ptr,
                        q_row_stride, q_head_stride, kv_row_stride, cs_stride, cache_slot_stride, q_out_row_stride,
                        q_out_head_stride, n_heads, eps, RANK: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr, PDL: tl.constexpr,
-                       PARTS: tl.constexpr = 2):
-    """Program pid: (row, part) = divmod(pid, PARTS), part 0 the row's cache entry, parts 1.. BLOCK_H heads' q rope
-    dims each."""
-    pid = tl.program_id(0)
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, part): part 0 the row's cache entry, parts 1.. BLOCK_H heads' q rope dims each."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     if PDL:  # launched as a programmatic dependent: let the next kernel launch, wait for the previous one
         gdc_launch_dependents()
         gdc_wait()
-    row = (pid // PARTS).to(tl.int64)
-    part = pid % PARTS
     i = tl.arange(0, HALF)
     off1, off2 = rotary_halves(i, HALF, NEOX)
     cs_row = cs_ptr + tl.load(pos_ptr + row) * cs_stride
@@ -98,10 +95,9 @@ def mla_latent_triton(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: tor
     if n_rows == 0:
         return out
     block_h = min(next_pow2(n_heads), Q_HEADS_PER_PROGRAM)
-    parts = 1 + triton.cdiv(n_heads, block_h)
-    _mla_latent_kernel[(n_rows * parts,)](
+    _mla_latent_kernel[(n_rows, 1 + triton.cdiv(n_heads, block_h))](
         q_rope, kv_a, norm_weight, positions, cos_sin, cache, slot_mapping, out,
         q_rope.stride(0), q_rope.stride(1), kv_a.stride(0), cos_sin.stride(0), cache.stride(1), out.stride(0),
         out.stride(1), n_heads, eps, RANK=rank, HALF=rope_dim // 2, BLOCK_R=next_pow2(rank), BLOCK_H=block_h,
-        NEOX=neox, PARTS=parts, **pdl_launch(q_rope), num_warps=4)
+        NEOX=neox, **pdl_launch(q_rope), num_warps=4)
     return out

@@ -97,15 +97,14 @@ def _choose_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, n_experts, scale,
                    BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_USED: tl.constexpr, GROUP_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """One row of choose_ref: scores, the group limit, the top k (ties go to the lower id, groups too) and their
-    weights, in one program. The logits are read past L1 (.cg), as the timed kernel reads them (the previous
-    launch wrote them: L1 holds none anyway)."""
+    weights, in one program."""
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     e = tl.arange(0, BLOCK_E)
     valid = e < n_experts
-    x = tl.load(logits_ptr + row * n_experts + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    x = tl.load(logits_ptr + row * n_experts + e, mask=valid, other=float("-inf"))
     if SIGMOID:
         score = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -179,11 +178,9 @@ def route_triton(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: 
     n, n_experts = h.shape[0], router.shape[0]
     assert rule.k <= n_experts and (not rule.groups or (n_experts % rule.groups == 0
                                                         and rule.k <= rule.groups_used * n_experts // rule.groups))
+    logits = router_logits_triton(h, router)
     weights = torch.empty(n, rule.k, dtype=torch.float32, device=h.device)
     ids = torch.empty(n, rule.k, dtype=torch.int64, device=h.device)
-    if n == 0:
-        return weights, ids
-    logits = router_logits_triton(h, router)
     # One warp per row where the experts fit 8 per lane: its reductions (2 a chosen expert, 2-3 a group) are
     # then shuffles, with no shared-memory round trip and barrier each.
     block_e = triton.next_power_of_2(n_experts)
@@ -260,98 +257,76 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
                   row_weights_ptr, n_pairs, n_experts, n_slots, K: tl.constexpr, CHUNK: tl.constexpr,
                   Q: tl.constexpr, QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                   SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr, PDL: tl.constexpr):
-    """Program i: pairs i*CHUNK.. placed (_place_pairs); program 0 also lays out the slots (_lay_out_slots)."""
+    """Program i: the sorted position ("rank") of pairs i*CHUNK.. (a stable counting sort: the pairs before a
+    pair have a lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and
+    their place in their row's expert-id order. Program 0 also lays out the slots: each used expert's run (its
+    pairs counted QE at a time) cut into slots of SIZE pairs."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    _place_pairs(ids_ptr, w_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, tl.program_id(0) * CHUNK, n_pairs,
-                 K, CHUNK, Q)
-    if tl.program_id(0) == 0:
-        _lay_out_slots(ids_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, n_pairs, n_experts, n_slots, QE,
-                       BLOCK_E, BLOCK_S, SIZE, MAX_PER_EXPERT)
-
-
-@jit
-def _place_pairs(ids_ptr, w_ptr, pair_rows_ptr, row_pairs_ptr, row_weights_ptr, p0, n_pairs, K: tl.constexpr,
-                 CHUNK: tl.constexpr, Q: tl.constexpr):
-    """Pairs p0..p0+CHUNK: their sorted position ("rank") by a stable counting sort (the pairs before a pair have a
-    lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and their place in
-    their row's expert-id order. ids and weights are read past L1 (.cg), as the timed kernel reads them."""
     big = 1 << 30
-    p = p0 + tl.arange(0, CHUNK)
+    p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     p_ok = p < n_pairs
-    id_p = tl.load(ids_ptr + p, mask=p_ok, other=big, cache_modifier=".cg").to(tl.int32)
+    id_p = tl.load(ids_ptr + p, mask=p_ok, other=big).to(tl.int32)
     rank = tl.zeros([CHUNK], dtype=tl.int32)
     for q0 in range(0, n_pairs, Q):
         q = q0 + tl.arange(0, Q)
-        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=big, cache_modifier=".cg").to(tl.int32)
+        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=big).to(tl.int32)
         before = (id_q[None, :] < id_p[:, None]) | ((id_q[None, :] == id_p[:, None]) & (q[None, :] < p[:, None]))
         rank += tl.sum(before.to(tl.int32), axis=1)
     row = p // K
     tl.store(pair_rows_ptr + rank, row.to(tl.int64), mask=p_ok)
     in_row = tl.zeros([CHUNK], dtype=tl.int32)     # the row's experts with a lower id (a row's ids are distinct)
     for j in tl.static_range(K):
-        other = tl.load(ids_ptr + row * K + j, mask=p_ok, other=big, cache_modifier=".cg").to(tl.int32)
+        other = tl.load(ids_ptr + row * K + j, mask=p_ok, other=big).to(tl.int32)
         in_row += (other < id_p).to(tl.int32)
     tl.store(row_pairs_ptr + row * K + in_row, rank.to(tl.int64), mask=p_ok)
-    tl.store(row_weights_ptr + row * K + in_row, tl.load(w_ptr + p, mask=p_ok, other=0.0, cache_modifier=".cg"),
-             mask=p_ok)
-
-
-@jit
-def _lay_out_slots(ids_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, n_pairs, n_experts, n_slots,
-                   QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, SIZE: tl.constexpr,
-                   MAX_PER_EXPERT: tl.constexpr):
-    """Each used expert's run (its pairs counted QE at a time) cut into slots of SIZE pairs; the rest empty."""
-    e = tl.arange(0, BLOCK_E)
-    count = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for q0 in range(0, n_pairs, QE):
-        q = q0 + tl.arange(0, QE)
-        id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1, cache_modifier=".cg").to(tl.int32)
-        count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
-    n_own = (count + SIZE - 1) // SIZE           # the slots of each expert (0 if unused)
-    first = tl.cumsum(n_own, axis=0) - n_own     # used experts, ascending, take slots 0, 1, ...
-    start = tl.cumsum(count, axis=0) - count
-    for i in tl.static_range(MAX_PER_EXPERT):
-        mine = (i < n_own) & (e < n_experts)
-        tl.store(slot_expert_ptr + first + i, e, mask=mine)
-        tl.store(slot_start_ptr + first + i, start + i * SIZE, mask=mine)
-        tl.store(slot_count_ptr + first + i, tl.minimum(count - i * SIZE, SIZE), mask=mine)
-    s = tl.arange(0, BLOCK_S)                   # the rest are empty (disjoint from the stores above)
-    empty = (s >= tl.sum(n_own, axis=0)) & (s < n_slots)
-    tl.store(slot_expert_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
-    tl.store(slot_start_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32) + n_pairs, mask=empty)
-    tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
+    tl.store(row_weights_ptr + row * K + in_row, tl.load(w_ptr + p, mask=p_ok, other=0.0), mask=p_ok)
+    if tl.program_id(0) == 0:
+        e = tl.arange(0, BLOCK_E)
+        count = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for q0 in range(0, n_pairs, QE):
+            q = q0 + tl.arange(0, QE)
+            id_q = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
+            count += tl.sum((id_q[None, :] == e[:, None]).to(tl.int32), axis=1)
+        n_own = (count + SIZE - 1) // SIZE           # the slots of each expert (0 if unused)
+        first = tl.cumsum(n_own, axis=0) - n_own     # used experts, ascending, take slots 0, 1, ...
+        start = tl.cumsum(count, axis=0) - count
+        for i in tl.static_range(MAX_PER_EXPERT):
+            mine = (i < n_own) & (e < n_experts)
+            tl.store(slot_expert_ptr + first + i, e, mask=mine)
+            tl.store(slot_start_ptr + first + i, start + i * SIZE, mask=mine)
+            tl.store(slot_count_ptr + first + i, tl.minimum(count - i * SIZE, SIZE), mask=mine)
+        s = tl.arange(0, BLOCK_S)                   # the rest are empty (disjoint from the stores above)
+        empty = (s >= tl.sum(n_own, axis=0)) & (s < n_slots)
+        tl.store(slot_expert_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
+        tl.store(slot_start_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32) + n_pairs, mask=empty)
+        tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
 
 
 def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
                         ) -> ExpertSlots:
     """As expert_slots_ref, in one launch and without a host sync."""
     n, k = ids.shape
-    slots, args = _slot_buffers(n, k, n_experts, size or slot_size(n), ids.device)
-    n_pairs = n * k
-    _slots_kernel[(triton.cdiv(n_pairs, args["CHUNK"]),)](
-        ids.contiguous(), weights.float().contiguous(), slots.pair_rows, slots.slot_expert, slots.slot_start,
-        slots.slot_count, slots.row_pairs, slots.row_weights, n_pairs, n_experts, slots.n_slots, K=k,
-        BLOCK_E=triton.next_power_of_2(n_experts), **args, **pdl_launch(ids), num_warps=4)
-    return slots
-
-
-def _slot_buffers(n: int, k: int, n_experts: int, size: int, device: torch.device) -> tuple[ExpertSlots, dict]:
-    """The empty slots of a step of n rows to k of n_experts experts in slots of `size` pairs, and the slot
-    kernels' block sizes for it (_place_pairs, _lay_out_slots). A prefill chunk's thousands of pairs are compared
-    256 at a time (a decode step's few in one block), and they are counted in blocks of up to 8192 (expert, pair)
-    tests; the bounds are powers of two, so steps of any size share a few compiled variants."""
-    n_pairs, n_slots = n * k, slot_bound(n, k, n_experts, size)
-    slots = ExpertSlots(torch.empty(n_pairs, dtype=torch.int64, device=device),
-                        *(torch.empty(n_slots, dtype=torch.int32, device=device) for _ in range(3)),
-                        torch.empty(n, k, dtype=torch.int64, device=device),
-                        torch.empty(n, k, dtype=torch.float32, device=device), size)
+    n_pairs, size = n * k, size or slot_size(n)
+    n_slots = slot_bound(n, k, n_experts, size)
+    dev = ids.device
+    pair_rows = torch.empty(n_pairs, dtype=torch.int64, device=dev)
+    slot_expert, slot_start, slot_count = (torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3))
+    row_pairs = torch.empty(n, k, dtype=torch.int64, device=dev)
+    row_weights = torch.empty(n, k, dtype=torch.float32, device=dev)
     chunk, block_e = 32, triton.next_power_of_2(n_experts)
+    # A prefill chunk's thousands of pairs are compared 256 at a time (a decode step's few in one block), and
+    # program 0 counts them in blocks of up to 8192 (expert, pair) tests; the bounds are powers of two, so
+    # steps of any size share a few compiled variants.
     q = min(256, max(chunk, triton.next_power_of_2(n_pairs)))
-    return slots, dict(CHUNK=chunk, Q=q, QE=max(chunk, min(q, 8192 // block_e)),
-                       BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size,
-                       MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)))
+    qe = max(chunk, min(q, 8192 // block_e))
+    _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
+        ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
+        row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, Q=q, QE=qe, BLOCK_E=block_e,
+        BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size, MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)),
+        **pdl_launch(ids), num_warps=4)
+    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, size)
 
 
 def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None

@@ -27,7 +27,7 @@ from cobatch import ops
 from cobatch.config import ModelConfig
 from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
-from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, expert_slots
+from cobatch.kernels.moe_routing import RouterRule, expert_slots
 from cobatch.kernels.packed_weight import as_q8_0_on
 from cobatch.loader.weights import WeightSource
 from cobatch.models.linear import load_gate_up, load_linear
@@ -99,16 +99,14 @@ class MoeFeedForward:
         return self.routed_gate_up is not None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        if self.routed and (h.shape[0] <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(h.shape[0])):
-            # the choice and its slots
-            _, _, slots = ops.moe_route_slots(h, self.router, self.rule, self.bias, self._slot_size(h.shape[0]))
-            return self._routed(h, slots, self._shared(h))
         weights, ids = self.route(h)
         shared = self._shared(h)
+        if self.routed and (h.shape[0] <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(h.shape[0])):
+            return self._routed(h, weights, ids, shared)
         if self.routed and ROUTED_PREFILL:
             # a prefill chunk in slices of the routed path's rows: no host sync and no loop over experts in Python
             step = packed_experts.ROUTED_MAX_ROWS
-            return torch.cat([self._routed(h[a:a + step], self._slots(weights[a:a + step], ids[a:a + step]),
+            return torch.cat([self._routed(h[a:a + step], weights[a:a + step], ids[a:a + step],
                                            None if shared is None else shared[a:a + step])
                               for a in range(0, h.shape[0], step)])
         out = self._expert_by_expert(h, weights, ids)
@@ -133,13 +131,11 @@ class MoeFeedForward:
         """Does a step of n_rows rows run the routed GEMM (at any size: its grid holds a whole prefill chunk)?"""
         return packed_experts.gemm_slots(self._slot_size(n_rows))
 
-    def _slots(self, weights: torch.Tensor, ids: torch.Tensor) -> ExpertSlots:
-        return expert_slots(ids, weights, self.n_experts, self._slot_size(ids.shape[0]))
-
-    def _routed(self, h: torch.Tensor, slots: ExpertSlots, shared: torch.Tensor | None) -> torch.Tensor:
-        """[N, d] in h's dtype: all experts of the step in two routed launches over the step's slots (grouped on
-        the device), and their combine adding the shared experts' output (so no float32 sum is stored, added to and
-        cast apart)."""
+    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None
+                ) -> torch.Tensor:
+        """[N, d] in h's dtype: all experts of the step in two routed launches, grouped on the device, and their
+        combine adding the shared experts' output (so no float32 sum is stored, added to and cast apart)."""
+        slots = expert_slots(ids, weights, self.n_experts, self._slot_size(h.shape[0]))
         wide = h.shape[0] > packed_experts.ROUTED_MAX_ROWS         # a prefill chunk: the GEMM's wide config
         y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu", wide=wide)  # act*mul in it
         return ops.moe_combine(self.routed_down.routed_matmul(y, slots, wide=wide), slots, h.dtype, shared)
