@@ -179,7 +179,7 @@ def test_routed_kernels_equal_each_experts_own(fmt_name, n_rows, size, ring):
     assert experts is not None
     if ring is not None:
         experts.routed_gemm = ring
-    config = experts._routed_plan if size is None else experts.routed_gemm
+    config = experts.routed_plan if size is None else experts.routed_gemm
     assert config is not None
     ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
     s = expert_slots(ids.cuda(), weights.cuda(), n_experts, size)
@@ -211,6 +211,7 @@ def test_routed_kernels_replay_in_a_cuda_graph_with_new_routes(n_rows, size):
     n_experts, k, rows, cols = 8, 2, 128, 256
     experts = PackedExperts.from_quant(make_weight("q8_0", n_experts * rows, cols, seed=3), n_experts,
                                        torch.device("cuda"))
+    experts.reserve_routed(n_rows * k)   # as a model does at load: a capture must not grow the GEMM's x scratch
     x = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
     ids = torch.zeros(n_rows, k, dtype=torch.int64, device="cuda")
     weights = torch.ones(n_rows, k, device="cuda")

@@ -363,12 +363,14 @@ def test_default_config_divides_k_and_fills_the_gpu():
 def test_routed_experts_walk_k_with_loads_ahead():
     """A routed launch drops split-K; its warps then walk every chunk, 4 K steps' loads in flight where they
     divide, and never fewer than the plan's."""
-    from cobatch.kernels.packed_experts import _without_split_k
+    from cobatch.kernels.packed_experts import without_split_k
     plan = GemvPlan(GemvConfig(W=4, RT=4, split_k=12, U=1), ((1, GemvConfig(W=4, RT=1, split_k=12, U=1)),))
-    routed = _without_split_k(plan, 48)
+    routed = without_split_k(plan, 48)
     assert [(c.split_k, c.U) for c in routed.configs()] == [(1, 4), (1, 4)]
-    assert _without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=8)), 64).default.U == 8
-    assert _without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=11, U=1)), 44).default.U == 1   # 11 a warp
+    assert without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=8)), 64).default.U == 8
+    assert without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=11, U=1)), 44).default.U == 1   # 11 a warp
+    timed = GemvPlan(GemvConfig(W=2, RT=1, split_k=1, U=16), ((8, GemvConfig(W=2, RT=1, split_k=1, U=4)),))
+    assert without_split_k(timed, 32) == timed      # a routed plan as a table names it: unchanged
 
 
 def test_gemv_plan_tiers_must_split_k_the_same_way():

@@ -90,10 +90,12 @@ def stackable(fmt_name: str, rows: int) -> bool:
     return PACKED_FORMATS.get(fmt_name) in FRAGMENT_FORMATS and rows % ROW_PAD == 0
 
 
-def _without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.GemvPlan:
+def without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.GemvPlan:
     """A routed launch has a group of CTAs per slot, enough to fill the GPU; split-K's partial buffers and
     extra CTAs (mostly idle ones, for slots that got few rows) would only cost. Each warp then walks all of K:
-    its loads go up to 4 steps ahead (loads_ahead), as many as the plan's or more."""
+    its loads go up to 4 steps ahead (loads_ahead), as many as the plan's or more. A plan already so comes back as
+    it is: a table entry for a stack's per-expert shape holds its routed configs as bench/model_gemv_plans.py timed
+    them."""
     def routed(c: quant_gemv.GemvConfig) -> quant_gemv.GemvConfig:
         u = max(c.U, loads_ahead(n_chunks // c.W))
         return replace(c, split_k=1, U=u if n_chunks % (c.W * u) == 0 else c.U)
@@ -105,7 +107,7 @@ class PackedExperts:
                  gate_up_interleaved: bool = False):
         self.fmt_name, self.n_experts, self.rows, self.cols = fmt_name, n_experts, rows, cols
         self.planes, self.plan = planes, plan
-        self._routed_plan = _without_split_k(plan.narrow, planes.qs.shape[1] // 512)
+        self.routed_plan = without_split_k(plan.narrow, planes.qs.shape[1] // 512)    # the routed GEMV's
         # the routed GEMM's configs (None where it cannot run), for decode steps and for wider ones: a CTA takes
         # a slot and 16 NW of its expert's rows
         self.routed_gemm = self.routed_gemm_wide = None
@@ -132,6 +134,14 @@ class PackedExperts:
         reserve_scratch(device, self.plan, rows, rows, w.cols)      # for the expert-by-expert path
         return self
 
+    def replan(self) -> None:
+        """The plans of the table in force (COBATCH_QUANT_CONFIGS), as at load: for benchmarks comparing tables."""
+        self.plan = plan_for(self.fmt_name, self.rows, self.cols, self.planes.cols_pad, gemv=True)
+        self.routed_plan = without_split_k(self.plan.narrow, self.planes.qs.shape[1] // 512)
+        for expert in self.experts:
+            expert.plan = self.plan
+        reserve_scratch(self.planes.qs.device, self.plan, self.rows, self.rows, self.cols)
+
     def reserve_routed(self, max_pairs: int) -> None:
         """Grow the ring's f16 x scratch for routed steps of up to max_pairs pairs (at load: the decode steps
         that CUDA graphs capture must not grow it)."""
@@ -155,7 +165,7 @@ class PackedExperts:
             assert config is not None, "slots of the routed GEMM on experts it cannot run"
             quant_gemm.launch(self.planes, x, out, config, out, out, act=act, routing=routing)
         else:
-            quant_gemv.launch(self.planes, x, out, self._routed_plan, out, out, routing, act=act)
+            quant_gemv.launch(self.planes, x, out, self.routed_plan, out, out, routing, act=act)
         return out
 
     @property
