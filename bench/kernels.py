@@ -170,30 +170,31 @@ def _from_key(k):
 
 
 def _compile_one(task) -> str:
-    fmt_name, key = task
+    fmt_name, key, cols = task
     cfg = _from_key(key)
     try:
-        w = random_weight(fmt_name, 256, 4096)
+        w = random_weight(fmt_name, 256, cols)
         pw = PackedWeight.from_quant(w, "cuda")
-        x = torch.randn(2, 4096, device="cuda").to(torch.bfloat16)
+        x = torch.randn(2, cols, device="cuda").to(torch.bfloat16)
         pw.matmul(x, config=cfg)
         if isinstance(cfg, GemvConfig):
-            pw.matmul(torch.randn(12, 4096, device="cuda").to(torch.bfloat16), config=cfg)   # BT = 16
+            pw.matmul(torch.randn(12, cols, device="cuda").to(torch.bfloat16), config=cfg)   # BT = 16
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # reported, the config is dropped
         return f"{fmt_name} {cfg}: {type(e).__name__}: {str(e)[:300]}"
 
 
-def precompile(tasks: list[tuple[str, TileConfig]], workers: int) -> set[tuple[str, TileConfig]]:
-    """Compile every (format, config) in worker processes (Triton's disk cache is shared); returns the
-    ones that failed, so the sweep skips them."""
+def precompile(tasks: list[tuple[str, TileConfig]], workers: int, cols: int = 4096) -> set[tuple[str, TileConfig]]:
+    """Compile every (format, config) in worker processes (Triton's disk cache is shared), on a weight of `cols`
+    columns (the kernels specialize on K's divisibility, and a config's K split must divide its chunks); returns
+    the ones that failed, so the sweep skips them."""
     uniq = sorted({(f, c) for f, c in tasks}, key=str)
     t0 = time.time()
     bad = set()
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for (f, c), err in zip(uniq, pool.map(_compile_one, [(f, _config_key(c)) for f, c in uniq])):
+        for (f, c), err in zip(uniq, pool.map(_compile_one, [(f, _config_key(c), cols) for f, c in uniq])):
             if err:
                 print("compile failed:", err, flush=True)
                 bad.add((f, c))
@@ -230,7 +231,9 @@ def gemv_candidates(fmt_name: str, rows: int, cols: int) -> list[GemvConfig]:
     rows_pad = -(-rows // 128) * 128
     out = []
     for w, rt, u in GEMV_BASES:
-        for split in (1, 2, 4, 8):
+        # the powers of two, and any divisor of a warp's K steps up to 16 (44 = 4 x 11 chunks: 2048 x 2816)
+        steps = n_chunks // (w * u) if n_chunks % (w * u) == 0 else 0
+        for split in sorted({1, 2, 4, 8} | {d for d in range(3, 17) if steps and steps % d == 0}):
             ctas = rows_pad // (16 * rt) * split
             if n_chunks % (w * u * split) == 0 and (split == 1 or ctas <= 16 * SMS) and ctas >= SMS // 2:
                 out += [GemvConfig(W=w, RT=rt, split_k=split, U=u, D=d, R=r) for d in GEMV_PREFETCH
@@ -280,21 +283,7 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
                 break
             pw = PackedWeight.from_quant(random_weight(fmt_name, rows, cols), "cuda")
             copies = rotating(pw)
-            timed = []
-            cands = [c for c in narrow_candidates_for(fmt_name, rows, cols) if (fmt_name, c) not in bad]
-            screen = {c: {n: time_packed(copies, n, c) for n in GEMV_SCREEN_TOKS} for c in cands}
-            survivors = set(gemv_survivors(screen) if cands and isinstance(cands[0], GemvConfig) else cands)
-            for cfg in cands:
-                toks = GEMV_TIERS + (GEMV_DEFAULT_TOK,) if cfg in survivors and isinstance(cfg, GemvConfig) else ()
-                times = {**screen[cfg], **{n: time_packed(copies, n, cfg) for n in toks if n not in screen[cfg]}}
-                if cfg in survivors:
-                    timed.append((times, cfg))
-                log.append({"kind": "sweep_narrow", "fmt": fmt_name, "shape": name, "config": _cfg_dict(cfg),
-                            **{f"us_{n}": t * 1e6 for n, t in times.items()}, "gbps_1": pw.nbytes / times[1] / 1e9})
-            if timed and isinstance(timed[0][1], GemvConfig):
-                narrow = best_gemv_plan(timed)
-            else:   # the Triton kernel: one config, by the mean of its 1- and 16-token times
-                narrow = min(timed, key=lambda r: r[0][1] + r[0][16])[1]
+            narrow = sweep_narrow(copies, fmt_name, name, bad, log)
             t1, t16 = time_packed(copies, 1, narrow), time_packed(copies, 16, narrow)
             print(f"  {fmt_name} {name}: narrow {narrow} {pw.nbytes / t1 / 1e9:.0f} GB/s @1, "
                   f"{pw.nbytes / t16 / 1e9:.0f} GB/s @16", flush=True)
@@ -320,6 +309,26 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
             torch.cuda.empty_cache()
             save(table)
     return table
+
+
+def sweep_narrow(copies: list[PackedWeight], fmt_name: str, name: str, bad: set, log: list):
+    """The narrow path's plan for one shape (`copies`: rotating copies of one weight): every candidate timed at
+    GEMV_SCREEN_TOKS, the survivors at every tier, then best_gemv_plan (the Triton kernel: one config, by the sum
+    of its 1- and 16-token times). Each candidate's times go into `log`."""
+    pw, timed = copies[0], []
+    cands = [c for c in narrow_candidates_for(fmt_name, pw.rows, pw.cols) if (fmt_name, c) not in bad]
+    screen = {c: {n: time_packed(copies, n, c) for n in GEMV_SCREEN_TOKS} for c in cands}
+    survivors = set(gemv_survivors(screen) if cands and isinstance(cands[0], GemvConfig) else cands)
+    for cfg in cands:
+        toks = GEMV_TIERS + (GEMV_DEFAULT_TOK,) if cfg in survivors and isinstance(cfg, GemvConfig) else ()
+        times = {**screen[cfg], **{n: time_packed(copies, n, cfg) for n in toks if n not in screen[cfg]}}
+        if cfg in survivors:
+            timed.append((times, cfg))
+        log.append({"kind": "sweep_narrow", "fmt": fmt_name, "shape": name, "config": _cfg_dict(cfg),
+                    **{f"us_{n}": t * 1e6 for n, t in times.items()}, "gbps_1": pw.nbytes / times[1] / 1e9})
+    if timed and isinstance(timed[0][1], GemvConfig):
+        return best_gemv_plan(timed)
+    return min(timed, key=lambda r: r[0][1] + r[0][16])[1]
 
 
 # The token tiers a GEMV plan may have: a config for n_tok <= 1, <= 4, <= 8, and the default for more,

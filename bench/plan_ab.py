@@ -38,23 +38,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, randomize_kv  # noqa: E402
 from decode import time_steps, weight_bytes  # noqa: E402
+from moe_decode import dense_bytes  # noqa: E402
 
 from cobatch.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from cobatch.kernels import matmul_plans, packed_weight  # noqa: E402
+from cobatch.kernels import matmul_plans, packed_experts, packed_weight  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 PACKAGE_TABLE = str(matmul_plans.CONFIG_PATH)
 
 
 def packed_weights(model) -> list[packed_weight.PackedWeight]:
-    """The packed matrices of a decode step's dense projections (a stacked weight's parts one by one); a layer
-    without one (MLA attention, a MoE block) gives none of its own."""
+    """The packed matrices of a decode step's dense projections (a stacked weight's parts one by one): attention's
+    (MLA's fused q|kv_a and q_b too), a dense feed-forward's, a MoE block's shared experts', the head."""
     found = []
-    for w in [getattr(layer, name, None) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + [
-            model.lm_head]:
-        found += [p for p in getattr(w, "parts", [w])
-                  if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
-    return found
+    for layer in model.layers:
+        ws = [getattr(layer, name, None) for name in ("qkv", "q_kv_a", "q_b", "o", "gate_up", "down")]
+        moe = getattr(layer, "moe", None)
+        if moe is not None:
+            ws += [moe.shared_gate_up, moe.shared_down]
+        for w in ws:
+            found += [p for p in getattr(w, "parts", [w])
+                      if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
+    return found + [p for p in getattr(model.lm_head, "parts", [model.lm_head])
+                    if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
+
+
+def expert_stacks(model) -> list[packed_experts.PackedExperts]:
+    """The routed experts' stacked weights (gate|up and down of each MoE block that routes on the device)."""
+    moes = [m for m in (getattr(layer, "moe", None) for layer in model.layers) if m is not None]
+    return [s for m in moes for s in (m.routed_gate_up, m.routed_down) if s is not None]
 
 
 def ring_depth_table(table: dict, fmt_name: str, depth: int) -> dict:
@@ -133,6 +145,8 @@ def use_table(llm: LLM, weights: list[packed_weight.PackedWeight], table: str) -
     for pw in weights:
         pw.plan = matmul_plans.load_plan(pw.fmt_name, pw.rows, pw.cols, pw.planes, device)
         packed_weight.reserve_scratch(device, pw.plan, pw.planes.rows_pad, pw.rows, pw.cols)
+    for stack in expert_stacks(llm.model):
+        stack.replan()
     runner = llm.engine.runner
     rows, ctx = runner.graphs.max_batch, runner.graphs.max_context
     runner.graphs = None
@@ -183,7 +197,8 @@ def main() -> None:
     print(f"loaded {Path(args.model).name} in {time.perf_counter() - t0:.0f} s; copy {copy_bps / 1e9:.0f} GB/s",
           flush=True)
     weights = packed_weights(llm.model)
-    wbytes, kvtok = weight_bytes(llm), kv_bytes_per_token(llm)
+    # an MoE model's roofline counts the weights every step reads, not its routed experts (they vary by step)
+    wbytes, kvtok = dense_bytes(llm) if llm.config.n_experts else weight_bytes(llm), kv_bytes_per_token(llm)
     randomize_kv(llm)
     times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name, _, _ in variants}
     for rnd in range(args.rounds):
