@@ -30,6 +30,10 @@
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
 #                            samples per SASS instruction, bench/ncu_source.py)
+#   model-plans [ARGS]       bench/model_gemv_plans.py on MODEL (default MOE_SHAPE, qwen3-30b-a3b, Q4_K_M, cut to
+#                            LAYERS: default full depth): GEMV plans for its own shapes (ARGS: --budget-s), then
+#                            bench/plan_ab.py on it, the package's table against the one written (BATCHES, default
+#                            1,8,16,64), to $OUT
 #   plan-ab TABLES [ARGS]    bench/plan_ab.py on the random Llama-3-8B (QUANT): whole decode steps under each plan
 #                            table (comma-separated quant_configs.json paths, `.` the package's), the model loaded
 #                            once, the tables alternating (ARGS: --batches, --rounds, --context; --ring-depths,
@@ -193,6 +197,14 @@ print(f'{p.W},{p.RT},{p.split_k},{p.U},{p.D}')")
       $sections python3 bench/gemv_configs.py --formats "$fmt" --shapes "$shape" --toks "$tok" --configs "$cfg" \
       2>&1 | grep -v "^  $fmt\|^==PROF==" >> "$OUT/ncu.txt"
   done ;;
+model-plans)
+  model=${MODEL:-$(random_model "${MOE_SHAPE:-qwen3-30b-a3b}" q4_k_m ${LAYERS:-})}
+  timeout "$(left "$TIMEOUT")" python3 bench/model_gemv_plans.py --model "$model" "$@" 2>&1 | quiet \
+    | tee "$OUT/model_gemv_plans.log"
+  cp "$OUT/quant_configs.json" /tmp/model_plans.json
+  timeout "$(left "$TIMEOUT")" python3 bench/plan_ab.py --model "$model" --tables .,/tmp/model_plans.json \
+    --batches "${BATCHES:-1,8,16,64}" --rounds 2 --kv-cache-gb 8 --out "$OUT/plan_ab_model_plans.json" 2>&1 | quiet \
+    | tee "$OUT/plan_ab_model_plans.log" ;;
 plan-ab)
   [ $# -ge 1 ] || { echo "bench/device.sh plan-ab TABLES [ARGS]" >&2; exit 2; }
   tables=$1; shift
