@@ -127,8 +127,8 @@ def main() -> None:
     deadline = time.time() + args.budget_s
     out_dir = Path(os.environ.get("OUT") or ".")
     copy_gbps = copy_bandwidth()
-    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=256, max_num_seqs=16, kv_cache_gb=1.0,
-                                                         eager=True, quiet=True))
+    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=256, max_num_seqs=16, kv_cache_gb=1.0, eager=True,
+                                             quiet=True))
     table = json.loads(matmul_plans.CONFIG_PATH.read_text())
     weights = packed_weights(llm.model)
     dense = {(p.fmt_name, p.rows, p.cols): p for p in weights}

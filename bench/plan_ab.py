@@ -50,17 +50,14 @@ PACKAGE_TABLE = str(matmul_plans.CONFIG_PATH)
 def packed_weights(model) -> list[packed_weight.PackedWeight]:
     """The packed matrices of a decode step's dense projections (a stacked weight's parts one by one): attention's
     (MLA's fused q|kv_a and q_b too), a dense feed-forward's, a MoE block's shared experts', the head."""
-    found = []
+    ws = [model.lm_head]
     for layer in model.layers:
-        ws = [getattr(layer, name, None) for name in ("qkv", "q_kv_a", "q_b", "o", "gate_up", "down")]
+        ws += [getattr(layer, name, None) for name in ("qkv", "q_kv_a", "q_b", "o", "gate_up", "down")]
         moe = getattr(layer, "moe", None)
         if moe is not None:
             ws += [moe.shared_gate_up, moe.shared_down]
-        for w in ws:
-            found += [p for p in getattr(w, "parts", [w])
-                      if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
-    return found + [p for p in getattr(model.lm_head, "parts", [model.lm_head])
-                    if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
+    return [p for w in ws for p in getattr(w, "parts", [w])
+            if isinstance(p, packed_weight.PackedWeight) and p.planes is not None]
 
 
 def expert_stacks(model) -> list[packed_experts.PackedExperts]:
