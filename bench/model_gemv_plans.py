@@ -99,6 +99,8 @@ def sweep_routed(stack, k: int, act: str | None, log: list, name: str) -> GemvPl
             continue
         log.append({"kind": "routed", "shape": name, "config": dataclasses.asdict(cfg),
                     **{f"us_{n}": t * 1e6 for n, t in times[cfg].items()}})
+    if not times:
+        return stack.routed_plan       # nothing ran: the plan in force stays
     fastest = {n: min(t[n] for t in times.values()) for n in ROUTED_ROWS}
     best = None
     for w in sorted({c.W for c in times}):
@@ -131,7 +133,7 @@ def main() -> None:
                                              quiet=True))
     table = json.loads(matmul_plans.CONFIG_PATH.read_text())
     weights = packed_weights(llm.model)
-    dense = {(p.fmt_name, p.rows, p.cols): p for p in weights}
+    dense = {(p.fmt_name, p.rows, p.cols): p for p in weights if p.planes.fragment}    # the GEMV's weights
     stacks = {(s.fmt_name, s.rows, s.cols, s.n_experts, bool(s.experts[0].gate_up_interleaved)): s
               for s in expert_stacks(llm.model)}
     moe = next(m for m in (getattr(layer, "moe", None) for layer in llm.model.layers) if m is not None) \
