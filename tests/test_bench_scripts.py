@@ -46,7 +46,7 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "moe_experts", "speculative", "parallel", "ncu_source",
-                                  "gemm", "plan_ab", "serve"])
+                                  "gemm", "plan_ab", "serve", "model_gemv_plans"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name
@@ -328,3 +328,21 @@ def test_serve_stub_engine_answers_through_the_real_app():
                                                         "logprobs": 0})
         assert streamed.status_code == 200 and streamed.text.count('"logprobs":{') == 3
         assert client.get("/metrics").status_code == 200
+
+
+def test_model_gemv_plans_entries_read_back_as_the_plans_chosen(tmp_path, monkeypatch):
+    """bench/model_gemv_plans.py writes each chosen plan as a table entry ("gemv", and "gemv_upto" keyed by the tier's
+    token bound): loaded through plan_for, the entry gives the same plan back, tiers and all."""
+    from cobatch.kernels import matmul_plans
+    from cobatch.kernels.quant_gemv import GemvPlan
+    plan = GemvPlan(GemvConfig(W=2, RT=4, split_k=11, U=2, D=0, R=0),
+                    ((1, GemvConfig(W=2, RT=4, split_k=11, U=2)), (8, GemvConfig(W=2, RT=4, split_k=11, U=2, R=128))))
+    entry = load("model_gemv_plans").entry_of(plan)
+    assert json.loads(json.dumps(entry)) == entry        # the table is JSON: tier bounds become strings
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"formats": {"q6_k": {"shapes": {"2048x2816": entry}}}}))
+    monkeypatch.setenv("COBATCH_QUANT_CONFIGS", str(path))
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)     # the interpreter's plans ignore the tables
+    assert matmul_plans.plan_for("q6_k", 2048, 2816, 2816, gemv=True).narrow == plan
+    single = GemvPlan(GemvConfig(W=4, RT=1, split_k=1, U=8, D=0, R=128))
+    assert "gemv_upto" not in load("model_gemv_plans").entry_of(single)
