@@ -185,16 +185,16 @@ def _compile_one(task) -> str:
         return f"{fmt_name} {cfg}: {type(e).__name__}: {str(e)[:300]}"
 
 
-def precompile(tasks: list[tuple[str, TileConfig]], workers: int, cols: int = 4096) -> set[tuple[str, TileConfig]]:
-    """Compile every (format, config) in worker processes (Triton's disk cache is shared), on a weight of `cols`
-    columns (the kernels specialize on K's divisibility, and a config's K split must divide its chunks); returns
-    the ones that failed, so the sweep skips them."""
-    uniq = sorted({(f, c) for f, c in tasks}, key=str)
+def precompile(tasks: list[tuple], workers: int) -> set[tuple[str, TileConfig]]:
+    """Compile every (format, config[, cols]) in worker processes (Triton's disk cache is shared), on a weight of
+    `cols` columns, 4096 if not given (the kernels specialize on K's divisibility, and a config's K split must
+    divide its chunks); returns the (format, config) pairs that failed, so the sweep skips them."""
+    uniq = sorted({(t[0], t[1], t[2] if len(t) > 2 else 4096) for t in tasks}, key=str)
     t0 = time.time()
     bad = set()
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for (f, c), err in zip(uniq, pool.map(_compile_one, [(f, _config_key(c), cols) for f, c in uniq])):
+        for (f, c, _), err in zip(uniq, pool.map(_compile_one, [(f, _config_key(c), k) for f, c, k in uniq])):
             if err:
                 print("compile failed:", err, flush=True)
                 bad.add((f, c))
@@ -246,8 +246,8 @@ def sweep(formats, log, deadline: float, save, shapes=None) -> dict:
     the formats and shapes swept are replaced, the others kept (so a sweep of a few shapes is cheap)."""
     shapes = {n: SHAPES[n] for n in (shapes or SHAPES)}
     table = json.loads(matmul_plans.CONFIG_PATH.read_text())
-    tasks = [(f, c) for f in formats for (r, k) in shapes.values() for c in narrow_candidates_for(f, r, k)]
-    tasks += [(f, c) for f in formats for c in gemm_candidates_for(f)]
+    tasks = [(f, c, k) for f in formats for (r, k) in shapes.values() for c in narrow_candidates_for(f, r, k)]
+    tasks += [(f, c, SHAPES["gate_up"][1]) for f in formats for c in gemm_candidates_for(f)]   # timed on gate_up
     try:
         bad = precompile(tasks, workers=min(14, os.cpu_count() or 4))
     except Exception as e:  # compile lazily instead
@@ -417,7 +417,7 @@ def measure(formats, copy_gbps: float, rows_out: list, config_path: str | None, 
             plan = matmul_plans.plan_for(fmt_name, rows, cols, -(-cols // 256) * 256,
                                          gemv=matmul_plans.uses_gemv(fmt_name, torch.device("cuda")))
             narrow = plan.narrow.configs() if isinstance(plan.narrow, GemvPlan) else [plan.narrow]
-            tasks += [(fmt_name, c) for c in narrow] + [(fmt_name, plan.gemm)]
+            tasks += [(fmt_name, c, cols) for c in narrow] + [(fmt_name, plan.gemm, cols)]
     try:
         precompile(tasks, workers=min(14, os.cpu_count() or 4))
     except Exception as e:

@@ -143,11 +143,8 @@ def main() -> None:
     uses = {key: sum((p.fmt_name, p.rows, p.cols) == key for p in weights) for key in dense}
     todo = [key for key in [*stacks, *sorted(dense, key=lambda k: -uses[k])]
             if (key[0], f"{key[1]}x{key[2]}") not in own]
-    bad = set()
-    for n_cols in sorted({key[2] for key in todo if key in dense}):
-        bad |= kernels.precompile([(key[0], cfg) for key in todo if key in dense and key[2] == n_cols
-                                   for cfg in kernels.narrow_candidates_for(*key)],
-                                  workers=min(14, os.cpu_count() or 4), cols=n_cols)
+    bad = kernels.precompile([(key[0], cfg, key[2]) for key in todo if key in dense
+                              for cfg in kernels.narrow_candidates_for(*key)], workers=min(14, os.cpu_count() or 4))
     log, rows = [], []
     out = Path(args.out) if args.out else out_dir / "quant_configs.json"
 
