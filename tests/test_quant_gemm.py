@@ -59,6 +59,43 @@ def test_default_config_fills_the_gpu_and_divides_k():
         assert blocks * cfg.split_k >= 132 or not could_split_more, (rows, chunks, cfg)
 
 
+# (rows_pad, K) of shapes without plans of their own: Qwen2.5-7B's qkv, o, gate|up, down and head, a k or v part, odd
+UNPLANNED_SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (152064, 3584), (512, 3584),
+                    (256, 768), (128, 512), (1024, 2816)]
+
+
+def test_default_ring_config_runs_every_format_and_token_tile_and_fills_the_gpu():
+    """The ring config of an unplanned shape is one the kernel accepts, its splits and stages divide K, at least
+    two of its stages fit an SM at every token tile the GEMM serves by default, and its CTAs reach 0.7 of a wave
+    unless K allows no further split."""
+    planes_formats = [f for f in quant_pack.FRAGMENT_FORMATS if f not in (quant_pack.Q4_K, quant_pack.Q5_K)]
+    for rows_pad, cols in UNPLANNED_SHAPES:
+        for fmt_id in planes_formats:
+            byte = fmt_id in quant_pack.BYTE_FORMATS
+            n_chunks = cols // (32 if byte else 64)
+            cfg = quant_gemm.default_ring_config(rows_pad, n_chunks, byte)
+            assert cfg.RING and cfg.LAG and cfg.NW == (8 if rows_pad >= 16384 else 4), cfg
+            steps = cfg.steps_per_iteration()
+            assert n_chunks % (cfg.split_k * steps) == 0, (rows_pad, cols, cfg)
+            for bn in (t for t in quant_gemm.TOKEN_TILES if t <= matmul_plans.QUANT_GEMM_UPTO):
+                assert quant_gemm.ring_stages(cfg, fmt_id, bn) >= 2, (rows_pad, cols, fmt_id, bn, cfg)
+            ctas = rows_pad // cfg.rows_per_cta() * cfg.split_k
+            could_split_more = cfg.split_k < 8 and n_chunks % (2 * cfg.split_k * steps) == 0
+            assert ctas >= 0.7 * 132 or not could_split_more, (rows_pad, cols, cfg)
+            assert ctas < 0.7 * 132 * 2 or cfg.split_k == 1, (rows_pad, cols, cfg)    # no split past what fills
+
+
+def test_unplanned_shapes_get_the_ring_unless_switched_off(monkeypatch):
+    """matmul_plans.RING_DEFAULT picks the ring default; off, the register path's split as before."""
+    assert matmul_plans.RING_DEFAULT      # the package's default
+    cfg = matmul_plans.default_gemm_config("q4_k", 3584, 56)
+    assert cfg == quant_gemm.default_ring_config(3584, 56, byte_format=False) and cfg.CHUNKS == 2
+    assert matmul_plans.default_gemm_config("q8_0", 3584, 112).CHUNKS == 4       # one byte a weight
+    monkeypatch.setattr(matmul_plans, "RING_DEFAULT", False)
+    assert matmul_plans.default_gemm_config("q4_k", 3584, 56) == quant_gemm.default_config(3584, 56)
+    assert not quant_gemm.default_config(3584, 56).RING
+
+
 def test_config_rejects_what_the_kernel_cannot_run():
     with pytest.raises(ValueError):
         GemmConfig(NW=2)
@@ -337,12 +374,14 @@ def test_packed_weight_dispatches_by_batch(monkeypatch):
     without it."""
     w = make_weight("q8_0", 512, 1024, seed=9, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    assert (pw.plan.crossover, pw.plan.mid_upto) == (matmul_plans.GEMV_CROSSOVER, matmul_plans.QUANT_GEMM_UPTO)
+    first = matmul_plans.QUANT_GEMM_CROSSOVER + 1
+    assert (pw.plan.crossover, pw.plan.mid_upto) == (first - 1, matmul_plans.QUANT_GEMM_UPTO)
+    assert pw.plan.mid.RING, "an unplanned shape runs the ring default"
     calls = []
     monkeypatch.setattr(quant_gemm, "launch", lambda *a, **k: calls.append(a[1].shape[0]))
-    for n_tok in (16, 17, matmul_plans.QUANT_GEMM_UPTO, matmul_plans.QUANT_GEMM_UPTO + 1):
+    for n_tok in (first - 1, first, matmul_plans.QUANT_GEMM_UPTO, matmul_plans.QUANT_GEMM_UPTO + 1):
         pw.matmul(torch.randn(n_tok, 1024, device="cuda").to(torch.bfloat16))
-    assert calls == [17, matmul_plans.QUANT_GEMM_UPTO]
+    assert calls == [first, matmul_plans.QUANT_GEMM_UPTO]
     monkeypatch.setenv("COBATCH_QUANT_GEMM", "0")
     assert PackedWeight.from_quant(w, "cuda").plan.mid is None
 

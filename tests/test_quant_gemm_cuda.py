@@ -162,7 +162,7 @@ def _planned_cuda_configs() -> list[tuple[str, str, CudaGemmConfig, int, int]]:
     out = []
     for fmt, ft in json.loads(matmul_plans.CONFIG_PATH.read_text()).get("formats", {}).items():
         for shape, entry in ft.get("shapes", {}).items():
-            first_tok = int(entry.get("quant_gemm_crossover", matmul_plans.GEMV_CROSSOVER)) + 1
+            first_tok = int(entry.get("quant_gemm_crossover", matmul_plans.QUANT_GEMM_CROSSOVER)) + 1
             for key, upto in (("quant_gemm_first", entry.get("quant_gemm_first_upto", 0)),
                               ("quant_gemm", entry.get("quant_gemm_upto", matmul_plans.QUANT_GEMM_UPTO))):
                 if entry.get(key, {}).get("kernel") == quant_gemm_cuda.PLAN_KERNEL:

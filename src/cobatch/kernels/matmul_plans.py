@@ -44,6 +44,15 @@ INTERPRETER_GEMM = TileConfig(BM=32, BN=32, BK=64)
 GEMV_CROSSOVER = 16             # the Gluon GEMV's token tiles are 8 and 16 wide
 # measured: the quantized GEMM beats dequantize + cuBLAS up to here (bench/results/gemm.md)
 QUANT_GEMM_UPTO = 128
+# A shape without a crossover of its own hands calls of more tokens than this to the quantized GEMM. At 8, Qwen2.5-7B's
+# unplanned shapes ran B = 12 and 16 in 3.9 ms against 5.7 on the GEMV's default 16-token tier
+# (bench/results/gemm_ring_defaults.md), as most Llama-3-8B plans cross at 8; but a session would then keep its bits
+# beside 7 others, not 15: a lone prompt's prefill of 9-16 rows and a step of a few decoders and a short prompt would
+# part ways (tests/test_gpu_engine.py, test_gpu_batched_equals_alone). Kept at the GEMV's whole range.
+QUANT_GEMM_CROSSOVER = GEMV_CROSSOVER
+# A shape without a GEMM plan of its own runs quant_gemm.default_ring_config (shaped like the Llama-3-8B plans);
+# COBATCH_GEMM_RING_DEFAULT=0 gives it the register path's quant_gemm.default_config instead, for comparisons
+RING_DEFAULT = os.environ.get("COBATCH_GEMM_RING_DEFAULT", "1") != "0"
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
@@ -128,6 +137,13 @@ def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int 
                       R=128 if fmt_name in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k") else 0)
 
 
+def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int) -> GemmConfig:
+    """The mid-batch GEMM config of a shape without one in the table (RING_DEFAULT: the ring's)."""
+    if RING_DEFAULT:
+        return quant_gemm.default_ring_config(rows_pad, n_chunks, PACKED_FORMATS[fmt_name] in quant_pack.BYTE_FORMATS)
+    return quant_gemm.default_config(rows_pad, n_chunks)
+
+
 def loads_ahead(steps: int) -> int:
     """The GEMV's U for a warp of `steps` K steps: 4, 2 or 1, whichever divides them first. A warp whose steps
     run one at a time waits a load round trip each (DeepSeek-V2-Lite's routed down at one token: 12 steps, 21 us
@@ -186,8 +202,8 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     q|k|v it is a part of), else the format's default, else the built-in default.
     gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
     default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
-    "quant_gemm" config and "quant_gemm_upto", else quant_gemm.default_config and QUANT_GEMM_UPTO), from
-    the GEMV's last token tile ("quant_gemm_crossover", else GEMV_CROSSOVER) on, and past "quant_gemm_wide_from"
+    "quant_gemm" config and "quant_gemm_upto", else default_gemm_config and QUANT_GEMM_UPTO), from
+    the entry's "quant_gemm_crossover" (else QUANT_GEMM_CROSSOVER) on, and past "quant_gemm_wide_from"
     the entry's "quant_gemm_wide" config when it has one; up to "quant_gemm_first_upto" tokens, the entry's
     "quant_gemm_first" config when it has one."""
     if interpreting():
@@ -224,10 +240,10 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
         if quant_gemm_too:
             rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
             mid = (gemm_config(entry["quant_gemm"]) if "quant_gemm" in entry
-                   else quant_gemm.default_config(rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+                   else default_gemm_config(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
             wide = gemm_config(entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
             first = gemm_config(entry["quant_gemm_first"]) if "quant_gemm_first" in entry else None
-            return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", GEMV_CROSSOVER)), mid,
+            return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", QUANT_GEMM_CROSSOVER)), mid,
                               int(entry.get("quant_gemm_upto", QUANT_GEMM_UPTO)), wide,
                               int(entry.get("quant_gemm_wide_from", 0)), first,
                               int(entry.get("quant_gemm_first_upto", 0)))

@@ -1105,6 +1105,27 @@ def default_config(rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
     return dataclasses.replace(cfg, split_k=split)
 
 
+def default_ring_config(rows_pad: int, n_chunks: int, byte_format: bool, sms: int = 132) -> GemmConfig:
+    """The ring config a shape without a plan of its own runs, shaped like the ones the sweep chose for the
+    Llama-3-8B shapes (quant_configs.json): two warpgroups a CTA on the big matrices (16k rows and more), one on
+    the rest; a deep ring of 4-chunk stages for one byte a weight (q8_0, FP8), of 2-chunk stages for the rest; LAG
+    (kept only where the format's MMAs stay pipelined); and K split until the row blocks reach about 0.7 of a wave
+    (qkv 1, o and down 2, k or v 8), by halves where a split would not divide K. AHEAD where a CTA walks K in one
+    or two splits, as the plans of qkv, o and gate_up have it."""
+    nw = 8 if rows_pad >= 16384 else 4
+    chunks, ring = (4, 6) if byte_format else (2, 8)
+    blocks = rows_pad // (16 * nw)
+    split = 1
+    while blocks * split < 0.7 * sms and split < 8:
+        split *= 2
+    while chunks > 1 and n_chunks % (2 * chunks) != 0:          # a ring iteration is two stages
+        chunks //= 2
+    steps = max(STEPS_PER_ITERATION, 2 * chunks)
+    while split > 1 and n_chunks % (split * steps) != 0:
+        split //= 2
+    return GemmConfig(NW=nw, split_k=split, RING=ring, CHUNKS=chunks, LAG=True, AHEAD=split <= 2)
+
+
 def steps(p: "quant_pack.PackedPlanes", cfg: GemmConfig) -> int:
     n_chunks = p.qs.shape[1] // 512
     assert n_chunks % (cfg.split_k * cfg.steps_per_iteration()) == 0, (n_chunks, cfg)
