@@ -30,8 +30,9 @@
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
 #                            samples per SASS instruction, bench/ncu_source.py)
-#   model-plans [ARGS]       bench/model_gemv_plans.py on MODEL (default MOE_SHAPE, qwen3-30b-a3b, Q4_K_M, cut to
-#                            LAYERS: default full depth): GEMV plans for its own shapes (ARGS: --budget-s), then
+#   model-plans [ARGS]       bench/model_gemv_plans.py on MODEL (default a random file of SHAPE or MOE_SHAPE, e.g.
+#                            qwen2.5-7b; qwen3-30b-a3b; in QUANT, cut to LAYERS: default full depth): GEMV plans for its
+#                            own shapes (ARGS: --budget-s), then
 #                            bench/plan_ab.py on it, the package's table against the one written (BATCHES, default
 #                            1,8,16,64), to $OUT
 #   plan-ab TABLES [ARGS]    bench/plan_ab.py on the random Llama-3-8B (QUANT): whole decode steps under each plan
@@ -44,8 +45,8 @@
 #                            setting (COBATCH_PDL=0), a flag of the benchmark (--no-async-scheduling), or `.`
 #                            (this tree as it is). ARGS after ROUNDS go to the benchmark.
 #
-# Environment: MODEL (a GGUF instead of the random Llama-3-8B), QUANT, LAYERS, MOE_SHAPE, TIMEOUT (seconds per benchmark
-# run, default 400), TEST_TIMEOUT (default 480), BUDGET_S (all runs end by then, default 3600).
+# Environment: MODEL (a GGUF instead of the random Llama-3-8B), QUANT, LAYERS, MOE_SHAPE, SHAPE, TIMEOUT (seconds per
+# benchmark run, default 400), TEST_TIMEOUT (default 480), BUDGET_S (all runs end by then, default 3600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -198,7 +199,7 @@ print(f'{p.W},{p.RT},{p.split_k},{p.U},{p.D}')")
       2>&1 | grep -v "^  $fmt\|^==PROF==" >> "$OUT/ncu.txt"
   done ;;
 model-plans)
-  model=${MODEL:-$(random_model "${MOE_SHAPE:-qwen3-30b-a3b}" q4_k_m ${LAYERS:-})}
+  model=${MODEL:-$(random_model "${SHAPE:-${MOE_SHAPE:-qwen3-30b-a3b}}" "${QUANT%%,*}" ${LAYERS:-})}
   timeout "$(left "$TIMEOUT")" python3 bench/model_gemv_plans.py --model "$model" "$@" 2>&1 | quiet \
     | tee "$OUT/model_gemv_plans.log"
   cp "$OUT/quant_configs.json" /tmp/model_plans.json
