@@ -7,12 +7,16 @@ and the steps at each batch are timed.
     python bench/plan_ab.py --model M.gguf --ring-depths q4_k=4,6,8 ...
     python bench/plan_ab.py --model M.gguf --gemm-from q8_0=0 --tables . --batches 1,4,8,16
     python bench/plan_ab.py --model M.gguf --switch quant_gemm.PAD_X_TO_TILE=0,1 --batches 40,64,96,128
+    python bench/plan_ab.py --model M.gguf --tables . --without-gemv q8_0 --switch-table no-gemv \
+        --switch matmul_plans.DEEP_GEMV_DEFAULT=0,1 --batches 1,8,16
 
 A table is a quant_configs.json (`.`: the package's). Generated variants of the package's table:
 --ring-depths FMT=D,... every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep;
 --gemm-from FMT=N,... every weight of that format with a GEMM plan handing the GEMM the calls of more than N tokens
 (`quant_gemm_crossover`; 0: the GEMV's range too). --switch MODULE.ATTR=V,... runs the package's table once per
-value of a module-level switch of cobatch.kernels (set before the graphs are captured again, put back after).
+value of a module-level switch of cobatch.kernels (set before the graphs are captured again, put back after), or
+--switch-table's (`no-gemv`: the one --without-gemv FMT,... writes, the package's table without those formats' GEMV
+plans, itself a variant unless the switches run it).
 Why a benchmark of its own: a plan can pay in whole steps and not in its kernel alone (a deeper GEMM ring copies
 more weights before its griddepcontrol.wait, under the kernel before: docs/kernels.md), and `bench/device.sh ab`
 loads the model once a side and round (30-50 s each on Llama-3-8B), where a variant here costs a graph capture
@@ -82,6 +86,16 @@ def gemm_from_table(table: dict, fmt_name: str, crossover: int) -> dict:
     for entry in out["formats"].get(fmt_name, {}).get("shapes", {}).values():
         if "quant_gemm" in entry:
             entry["quant_gemm_crossover"] = crossover
+    return out
+
+
+def without_gemv_table(table: dict, fmt_names: list[str]) -> dict:
+    """`table` with no GEMV plan for the formats `fmt_names`: their weights run matmul_plans.default_gemv_plan."""
+    out = json.loads(json.dumps(table))
+    for fmt_name in fmt_names:
+        for entry in out["formats"].get(fmt_name, {}).get("shapes", {}).values():
+            for key in ("gemv", "gemv_upto"):
+                entry.pop(key, None)
     return out
 
 
@@ -163,6 +177,11 @@ def main() -> None:
     ap.add_argument("--switch", action="append", default=[],
                     help="MODULE.ATTR=V,V,...: the package's table with cobatch.kernels.MODULE.ATTR set to each V "
                          "(a module-level switch read at launch, e.g. quant_gemm.PAD_X_TO_TILE=0,1)")
+    ap.add_argument("--switch-table", default=".",
+                    help="the table the --switch variants run ('.': the package's; 'no-gemv': the --without-gemv one)")
+    ap.add_argument("--without-gemv", default="",
+                    help="FMT,FMT,...: a variant, the package's table without those formats' GEMV plans (their weights "
+                         "on the default GEMV plan)")
     ap.add_argument("--batches", default="32,64,128")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
@@ -175,13 +194,23 @@ def main() -> None:
         for kind, specs in (("ring", args.ring_depths), ("gemm-from", args.gemm_from)):
             for spec in specs:
                 tables += variant_tables(spec, variants_dir, kind)
-    missing = [t for t in tables if not Path(t).is_file()]
+    no_gemv_table = None
+    if args.without_gemv:
+        fmts = args.without_gemv.split(",")
+        no_gemv_table = Path(tempfile.mkdtemp(prefix="plan_ab-")) / f"no-gemv-{'-'.join(fmts)}.json"
+        no_gemv_table.write_text(json.dumps(without_gemv_table(json.loads(Path(PACKAGE_TABLE).read_text()), fmts)))
+        if args.switch_table != "no-gemv":       # else the switch variants run it
+            tables.append(str(no_gemv_table))
+    switch_table = {".": PACKAGE_TABLE, "no-gemv": str(no_gemv_table)}.get(args.switch_table, args.switch_table)
+    if args.switch_table == "no-gemv" and no_gemv_table is None:
+        raise SystemExit("plan_ab.py: --switch-table no-gemv needs --without-gemv")
+    missing = [t for t in tables + ([switch_table] if args.switch else []) if not Path(t).is_file()]
     if missing:
         raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")
     names = [Path(t).name for t in tables]
     variants = [(name if names.count(name) == 1 else t, t, None) for name, t in zip(names, tables)]
     for spec in args.switch:
-        variants += [(f"{module}.{attr}={value}", PACKAGE_TABLE, (module, attr, value))
+        variants += [(f"{module}.{attr}={value}", switch_table, (module, attr, value))
                      for module, attr, value in parse_switch(spec)]
     if not variants:
         raise SystemExit("plan_ab.py: give --tables, --ring-depths, --gemm-from or --switch")

@@ -247,6 +247,18 @@ def test_plan_ab_gemm_from_tables_move_only_the_gemm_crossover(tmp_path):
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["q8_0-gemm-from0.json", "q8_0-gemm-from4.json"]
 
 
+def test_plan_ab_without_gemv_tables_drop_only_those_formats_gemv_plans():
+    plan_ab = load("plan_ab")
+    table = {"formats": {
+        "q8_0": {"shapes": {"4096x4096": {"gemv": {"W": 4}, "gemv_upto": {"8": {"W": 4}}, "gemv_crossover": 64,
+                                          "quant_gemm": {"NW": 4}}}},
+        "q4_k": {"shapes": {"4096x4096": {"gemv": {"W": 2}}}}}}
+    out = plan_ab.without_gemv_table(table, ["q8_0"])["formats"]
+    assert out["q8_0"]["shapes"]["4096x4096"] == {"gemv_crossover": 64, "quant_gemm": {"NW": 4}}
+    assert out["q4_k"] == table["formats"]["q4_k"]
+    assert "gemv" in table["formats"]["q8_0"]["shapes"]["4096x4096"]      # the table given is not changed
+
+
 def test_plan_ab_switch_sets_a_kernel_module_attribute_and_puts_it_back():
     plan_ab = load("plan_ab")
     from cobatch.kernels import quant_gemm
