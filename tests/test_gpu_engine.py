@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cobatch.engine.sampler import SamplingParams
+from cobatch.kernels import matmul_plans
 from cobatch.llm import LLM, EngineOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
@@ -137,14 +138,19 @@ def test_gpu_batched_equals_alone(models, n):
     prompts = [gpu.encode_prompt(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))) for i in range(n)]
     alone = [gpu.engine.generate([p], GREEDY)[0] for p in prompts]
     eng = gpu.engine
+    eng.stats.widest_step = 0
     got = _staggered(eng, prompts)
-    # A step whose rows stay under the GEMV crossover runs the same bitwise batch-invariant kernels as a lone
-    # session; steps with more rows (many decoders plus a prefill chunk) switch to the GEMM path, where
-    # only ties may part ways.
+    # A step whose rows stay within the GEMV's range runs the same bitwise batch-invariant kernels as a lone
+    # session; steps with more rows (decoders plus two prompts' prefills: 26 rows at the third step of 8 sessions)
+    # switch to the GEMM path, where only ties may part ways.
     ties = [assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, a, g, 0.05)
             for p, a, g in zip(prompts, alone, got)]
-    print(f"n={n}: identical {sum(t is None for t in ties)}/{n}; ties {[t for t in ties if t]}")
-    if n <= 8:
+    print(f"n={n}: identical {sum(t is None for t in ties)}/{n}; ties {[t for t in ties if t]}; "
+          f"widest step {eng.stats.widest_step} rows")
+    within_gemv = eng.stats.widest_step <= matmul_plans.GEMV_CROSSOVER
+    if n <= 3:
+        assert within_gemv          # these prompts keep every step narrow, so the exact check below runs
+    if within_gemv:
         assert got == alone
     assert eng.stats.batched_steps > 0
 
@@ -344,7 +350,7 @@ def test_gpu_constraints_and_prompt_logprobs(models):
                 got += out.prompt_logprobs or []
         return got
     want, got = prompt_logprobs(cpu), prompt_logprobs(gpu)
-    assert [t for t, _, _ in got] == [t for t, _, _ in want] == ids[1:]
+    assert [t for t, *_ in got] == [t for t, *_ in want] == ids[1:]
     assert max(abs(a[1] - b[1]) for a, b in zip(want, got)) < 0.05        # f16 vs f32 logits
 
 

@@ -54,6 +54,7 @@ class DecodeStats:
     """How often decode actually batched, and why it did not (the ds4 batch-diag counters); the rows steps ran."""
     steps: int = 0               # planned steps with at least one row
     rows: int = 0                # ... and their rows (decode rows, drafts and prefill chunks)
+    widest_step: int = 0         # the most rows one step ran
     decode_steps: int = 0
     batched_steps: int = 0
     lone_peer_prefill: int = 0   # the only decoder had a peer still prefilling
@@ -231,6 +232,7 @@ class Scheduler:
         if plan.items:
             self.stats.steps += 1
             self.stats.rows += plan.num_rows
+            self.stats.widest_step = max(self.stats.widest_step, plan.num_rows)
         # (A plan made ahead decodes every sequence, some of them before the host has seen their first token.)
         decoders = len(plan.items) if plan.ahead else sum(1 for seq, _ in plan.items if seq.is_decoding)
         if decoders == 0:
