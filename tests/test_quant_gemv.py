@@ -356,8 +356,34 @@ def test_default_config_divides_k_and_fills_the_gpu():
     # K splits by any divisor of the warps' chunks, not only powers of two (DeepSeek-V2-Lite's shared down: 44
     # chunks, which doubling left at one split: 32 CTAs)
     assert matmul_plans.default_gemv_config("q4_k", 2048, 44).split_k == 11
-    # a warp's loads run ahead up to 4 K steps where its steps divide
+    # a warp's loads run ahead up to 4 K steps where its steps divide (or `most`)
     assert [matmul_plans.loads_ahead(s) for s in (1, 2, 3, 6, 8, 12)] == [1, 2, 1, 2, 4, 4]
+    assert [matmul_plans.loads_ahead(s, most=16) for s in (7, 28, 32, 112, 148)] == [1, 4, 16, 16, 4]
+
+
+def test_deep_default_config_keeps_k_whole_where_the_rows_fill_the_gpu():
+    """One row tile a warp; K split only where the 16-row CTAs are fewer than the SMs, by the fewest divisor that
+    leaves each warp a multiple of 4 K steps; the loads up to 16 K steps ahead, dividing the warp's steps."""
+    cases = {  # (rows_pad, chunks): (split_k, U)
+        (4608, 112): (1, 4),      # Qwen2.5-7B q8_0 qkv: 288 CTAs, 28 steps a warp (the split default: 4 ways, U 1)
+        (3584, 592): (1, 4),      # its down: 148 steps a warp (the split default: 4 ways, 37 steps, U 1)
+        (4096, 128): (1, 16),     # Llama-3-8B q8_0 o
+        (512, 128): (8, 4),       # 32 CTAs: split to 8 ways, 4 steps each
+        (1024, 56): (7, 2),       # 64 CTAs, 14 steps: 7 ways (no split leaves a multiple of 4; the fewest that fills)
+    }
+    for (rows_pad, n_chunks), (split, u) in cases.items():
+        cfg = matmul_plans.deep_gemv_config(rows_pad, n_chunks)
+        assert (cfg.W, cfg.RT, cfg.split_k, cfg.U, cfg.R) == (4, 1, split, u, 128), (rows_pad, n_chunks, cfg)
+        assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0
+
+
+def test_shapes_without_a_plan_run_the_deep_default_unless_switched_off(monkeypatch):
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)   # the interpreter has its own small plan
+    plan = matmul_plans.plan_for("q8_0", 4608, 3584, 3584, gemv=True)  # Qwen2.5-7B's qkv: no entry of its own
+    assert plan.narrow == GemvPlan(matmul_plans.deep_gemv_config(4608, 112))
+    monkeypatch.setattr(matmul_plans, "DEEP_GEMV_DEFAULT", False)
+    plan = matmul_plans.plan_for("q8_0", 4608, 3584, 3584, gemv=True)
+    assert plan.narrow == GemvPlan(matmul_plans.default_gemv_config("q8_0", 4608, 112))
 
 
 def test_routed_experts_walk_k_with_loads_ahead():
@@ -524,8 +550,10 @@ def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):
     plan: a row must not change."""
     w = make_weight(fmt_name, 4096, 4096, seed=5, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
-    plan = plan or pw.plan.narrow
-    assert plan.split_k > 1                      # the cross-CTA reduction is part of the check
+    if plan is None:
+        plan = pw.plan.narrow                     # the package's plan for the shape, or the default plan
+    else:
+        assert plan.split_k > 1                  # the cross-CTA reduction is part of the check
     x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
     alone = torch.cat([run_poisoned(pw, x[t:t + 1], plan) for t in range(16)])
     for n_tok in range(2, 17):
@@ -575,11 +603,13 @@ def test_gemv_dequantize_kernel(fmt_name):
 
 @requires_cuda
 def test_gemv_cuda_graph_replay():
-    w = make_weight("q8_0", 4096, 4096, seed=8, device="cuda")
+    """A default plan that splits K (512 rows: 32 CTAs of one row tile a warp, K split to fill the SMs), so the
+    split-K scratch and counters are part of the replay."""
+    w = make_weight("q8_0", 512, 4096, seed=8, device="cuda")
     pw = PackedWeight.from_quant(w, "cuda")
     assert isinstance(pw.plan.narrow, GemvPlan) and pw.plan.narrow.split_k > 1
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
-    assert_graph_replay_matches(pw.matmul, x, torch.empty(5, 4096, device="cuda", dtype=torch.bfloat16))
+    assert_graph_replay_matches(pw.matmul, x, torch.empty(5, 512, device="cuda", dtype=torch.bfloat16))
 
 
 @requires_hopper

@@ -405,6 +405,6 @@ def test_load_plan_reads_the_table_in_force(tmp_path, monkeypatch):
     plan = matmul_plans.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
     assert plan.narrow.default == quant_gemv.GemvConfig(**mine) and plan.crossover == 12 and plan.mid is None
     monkeypatch.delenv("COBATCH_QUANT_CONFIGS")
-    package = json.loads(matmul_plans.CONFIG_PATH.read_text())["formats"]["q8_0"]["shapes"]["4096x4096"]
-    plan = matmul_plans.load_plan("q8_0", 4096, 4096, planes, torch.device("cpu"))
+    package = json.loads(matmul_plans.CONFIG_PATH.read_text())["formats"]["q4_k"]["shapes"]["4096x4096"]
+    plan = matmul_plans.load_plan("q4_k", 4096, 4096, planes, torch.device("cpu"))
     assert plan.narrow.default == quant_gemv.GemvConfig(**package["gemv"]) != quant_gemv.GemvConfig(**mine)

@@ -53,6 +53,10 @@ QUANT_GEMM_CROSSOVER = GEMV_CROSSOVER
 # A shape without a GEMM plan of its own runs quant_gemm.default_ring_config (shaped like the Llama-3-8B plans);
 # COBATCH_GEMM_RING_DEFAULT=0 gives it the register path's quant_gemm.default_config instead, for comparisons
 RING_DEFAULT = os.environ.get("COBATCH_GEMM_RING_DEFAULT", "1") != "0"
+# A shape without a GEMV plan of its own runs default_gemv_plan: with DEEP_GEMV_DEFAULT one row tile a warp and its
+# loads up to 16 K steps ahead (deep_gemv_config), else default_gemv_config's 4 row tiles a warp with K split to 2 CTAs
+# an SM. COBATCH_DEEP_GEMV_DEFAULT=0 keeps the second, for comparisons.
+DEEP_GEMV_DEFAULT = os.environ.get("COBATCH_DEEP_GEMV_DEFAULT", "1") != "0"
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
@@ -123,7 +127,8 @@ def uses_gemv(fmt_name: str, device: torch.device) -> bool:
 
 
 def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
-    """4 warps x 4 row tiles per CTA (64 rows); split K across CTAs until there are about 2 CTAs per SM
+    """The default plan's config with DEEP_GEMV_DEFAULT off.
+    4 warps x 4 row tiles per CTA (64 rows); split K across CTAs until there are about 2 CTAs per SM
     (what the H200 sweep preferred for shapes without an entry in quant_configs.json), by the fewest of the warps'
     chunks' divisors up to 16 that get there (11 splits for 44 chunks a warp group, where doubling from 1 stopped
     at 1: DeepSeek-V2-Lite's shared down, 32 CTAs); each warp's loads up to 4 K steps ahead (loads_ahead). The
@@ -137,6 +142,28 @@ def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int 
                       R=128 if fmt_name in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k") else 0)
 
 
+def default_gemv_plan(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvPlan:
+    """The GEMV plan of a shape without one in the table, one config for calls of 1-16 tokens."""
+    if DEEP_GEMV_DEFAULT:
+        return GemvPlan(deep_gemv_config(n_rows_pad, n_chunks, sms))
+    return GemvPlan(default_gemv_config(fmt_name, n_rows_pad, n_chunks, sms))
+
+
+def deep_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
+    """4 warps of one 16-row tile each (16 rows a CTA), K split only as far as one CTA an SM needs, by the fewest
+    divisor that leaves each warp a multiple of 4 K steps (else the fewest), and each warp's loads up to 16 K steps
+    ahead, with a register budget to hold them. Why: the plans the sweeps chose where they beat the split default
+    by most were of this shape (DeepSeek-V2-Lite's q|kv_a, o and shared gate|up, Llama-3-8B q8_0's qkv: one row
+    tile a warp, 8-16 K steps in flight, no split), and a warp that walks K one step at a time waits a load round
+    trip each (Qwen2.5-7B's qkv and down, 7 and 37 steps a warp, ran so). In whole steps it took Qwen2.5-7B's
+    from 1.7-2.1x their roofline to 1.36-1.54x at B = 1-16, and beat Llama-3-8B q8_0's own plans
+    (bench/results/gemv_deep_default.md)."""
+    steps = n_chunks // 4
+    splits = [d for d in range(1, 17) if steps % d == 0 and n_rows_pad // 16 * d >= sms] or [1]
+    split = next((d for d in splits if steps // d % 4 == 0), splits[0])
+    return GemvConfig(W=4, RT=1, split_k=split, U=loads_ahead(steps // split, most=16), D=0, R=128)
+
+
 def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int) -> GemmConfig:
     """The mid-batch GEMM config of a shape without one in the table (RING_DEFAULT: the ring's)."""
     if RING_DEFAULT:
@@ -144,11 +171,11 @@ def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int) -> GemmConf
     return quant_gemm.default_config(rows_pad, n_chunks)
 
 
-def loads_ahead(steps: int) -> int:
-    """The GEMV's U for a warp of `steps` K steps: 4, 2 or 1, whichever divides them first. A warp whose steps
-    run one at a time waits a load round trip each (DeepSeek-V2-Lite's routed down at one token: 12 steps, 21 us
-    for 18 MB)."""
-    return next(u for u in (4, 2, 1) if steps % u == 0)
+def loads_ahead(steps: int, most: int = 4) -> int:
+    """The GEMV's U for a warp of `steps` K steps: the largest power of two up to `most` that divides them. A warp
+    whose steps run one at a time waits a load round trip each (DeepSeek-V2-Lite's routed down at one token: 12
+    steps, 21 us for 18 MB)."""
+    return next(u for u in (16, 8, 4, 2, 1) if u <= most and steps % u == 0)
 
 
 def uses_quant_gemm(device: torch.device) -> bool:
@@ -201,7 +228,7 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     the entry of the same K whose row count is nearest (nearest_shape: a stacked q|k, say, runs the plans of the
     q|k|v it is a part of), else the format's default, else the built-in default.
     gemv: the weight runs the Gluon GEMV (its configs are the entry's "gemv" and "gemv_upto", else
-    default_gemv_config). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
+    default_gemv_plan). quant_gemm_too (with gemv): mid-size batches run the quantized GEMM (the entry's
     "quant_gemm" config and "quant_gemm_upto", else default_gemm_config and QUANT_GEMM_UPTO), from
     the entry's "quant_gemm_crossover" (else QUANT_GEMM_CROSSOVER) on, and past "quant_gemm_wide_from"
     the entry's "quant_gemm_wide" config when it has one; up to "quant_gemm_first_upto" tokens, the entry's
@@ -231,11 +258,12 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     if gemv:   # fragment-order planes: the Triton GEMM tiers cannot read them
         gemm = DEQUANT_CUBLAS
         rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
-        default = (GemvConfig(**entry["gemv"]) if "gemv" in entry
-                   else default_gemv_config(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
-        # "gemv_upto": {"max_tok": config}, the sweep's better configs for calls of few tokens
-        upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
-        narrow = GemvPlan(default, tuple(upto))
+        if "gemv" in entry:
+            # "gemv_upto": {"max_tok": config}, the sweep's better configs for calls of few tokens
+            upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
+            narrow = GemvPlan(GemvConfig(**entry["gemv"]), tuple(upto))
+        else:
+            narrow = default_gemv_plan(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad))
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
         if quant_gemm_too:
             rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
