@@ -4,8 +4,8 @@ of decode steps and written into a copy of quant_configs.json.
     PYTHONPATH=src python bench/model_gemv_plans.py --model M.gguf [--budget-s 300] [--out quant_configs.json]
 
 Why: a shape without an entry of its own in quant_configs.json runs the plans of the entry of the same K whose row
-count is nearest, else default_gemv_config (matmul_plans.plan_for). DeepSeek-V2-Lite's matrices (K = 2048, 1408,
-2816, 10944) have none, and at one row its step is held by its GEMVs (docs/kernels.md, What is next).
+count is nearest, else matmul_plans.default_gemv_plan (matmul_plans.plan_for). DeepSeek-V2-Lite's matrices (K = 2048,
+1408, 2816, 10944) have none, and at one row its step is held by its GEMVs (docs/kernels.md, What is next).
 
 - Each dense shape (format, rows x cols, as the loaded model packs it: a fused q|kv_a, a gate|up, a MoE block's
   shared experts, the head): bench/kernels.py's sweep of the narrow path (`sweep_narrow`: every candidate at 1 and
@@ -17,8 +17,9 @@ count is nearest, else default_gemv_config (matmul_plans.plan_for). DeepSeek-V2-
   of up to 8 rows runs the 8-token slot's tier, up to 16 the default: the W whose two tiers lose least to the
   fastest wins, its 8-row config as the entry's tier "8" (for the 1- and 8-row steps alike), its 16-row one as the
   default.
-Shapes that have an entry of their own are left as they are. Prints each shape's plan in force and the one chosen,
-with their times and GB/s against the copy bandwidth measured in the same run; every timing as JSON to
+Shapes that have an entry of their own are left as they are; a shape gets one only where the plan chosen beats the
+plan in force (summed over the step sizes timed). Prints each shape's plan in force and the one chosen, with their
+times and GB/s against the copy bandwidth measured in the same run; every timing as JSON to
 $OUT/model_gemv_plans.json.
 """
 
@@ -162,7 +163,7 @@ def main() -> None:
         name = f"{fmt_name} {n_rows}x{n_cols}" + (f" x{key[3]} experts" if key in stacks else "")
         t0 = time.time()
         if key in dense and not [c for c in kernels.narrow_candidates_for(*key) if (fmt_name, c) not in bad]:
-            print(f"{name}: no candidate splits its K (left to default_gemv_config)", flush=True)
+            print(f"{name}: no candidate splits its K (left to the default plan)", flush=True)
             continue
         if key in dense:
             pw = dense[key]
@@ -181,14 +182,19 @@ def main() -> None:
             timed = {n: (time_routed(stack, before, launches[n]), time_routed(stack, plan, launches[n]))
                      for n in ROUTED_ROWS}
             nbytes = {n: routed_bytes(stack, n, moe.rule.k) for n in ROUTED_ROWS}
-        table["formats"].setdefault(fmt_name, {"shapes": {}}).setdefault("shapes", {})[f"{n_rows}x{n_cols}"] = \
-            entry_of(plan)
+        # an entry only where the sweep's plan beats the one in force over the step sizes timed (the default
+        # plan for a shape without an entry, deep_gemv_config, is no sweep candidate and may win)
+        better = sum(after for _, after in timed.values()) < sum(before_t for before_t, _ in timed.values())
+        if better:
+            table["formats"].setdefault(fmt_name, {"shapes": {}}).setdefault("shapes", {})[f"{n_rows}x{n_cols}"] = \
+                entry_of(plan)
         for n, (t_before, t_after) in timed.items():
             rows.append({"shape": name, "n_tok": n, "us_before": t_before * 1e6, "us_after": t_after * 1e6,
                          "of_copy_before": nbytes[n] / t_before / 1e9 / copy_gbps,
                          "of_copy_after": nbytes[n] / t_after / 1e9 / copy_gbps,
-                         "before": str(before), "after": str(plan)})
-        print(f"{name} ({time.time() - t0:.0f} s): {plan}", flush=True)
+                         "before": str(before), "after": str(plan), "taken": better})
+        print(f"{name} ({time.time() - t0:.0f} s): {plan}" + ("" if better else ", slower: the plan in force kept"),
+              flush=True)
         torch.cuda.empty_cache()
         save(table, rows, log)     # after every shape: a run cut short keeps what it chose
     print(f"\ncopy {copy_gbps:.0f} GB/s; us (of copy), the plan in force -> the one chosen")
