@@ -35,10 +35,11 @@
 #                            own shapes (ARGS: --budget-s), then
 #                            bench/plan_ab.py on it, the package's table against the one written (BATCHES, default
 #                            1,8,16,64), to $OUT
-#   plan-ab TABLES [ARGS]    bench/plan_ab.py on the random Llama-3-8B (QUANT): whole decode steps under each plan
-#                            table (comma-separated quant_configs.json paths, `.` the package's), the model loaded
-#                            once, the tables alternating (ARGS: --batches, --rounds, --context; --ring-depths,
-#                            --gemm-from and --switch add generated variants: bench/plan_ab.py)
+#   plan-ab TABLES [ARGS]    bench/plan_ab.py on MODEL (default a random file of SHAPE, default llama3-8b, in QUANT,
+#                            cut to LAYERS): whole decode steps under each plan table (comma-separated
+#                            quant_configs.json paths, `.` the package's), the model loaded once, the tables
+#                            alternating (ARGS: --batches, --rounds, --context; --ring-depths, --gemm-from,
+#                            --without-gemv and --switch add generated variants: bench/plan_ab.py)
 #   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
 #                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
 #                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment
@@ -209,7 +210,8 @@ model-plans)
 plan-ab)
   [ $# -ge 1 ] || { echo "bench/device.sh plan-ab TABLES [ARGS]" >&2; exit 2; }
   tables=$1; shift
-  timeout "$(left "$TIMEOUT")" python3 bench/plan_ab.py --model "$(llama8b)" --tables "$tables" "$@" 2>&1 | quiet \
+  model=${MODEL:-$(random_model "${SHAPE:-llama3-8b}" "${QUANT%%,*}" ${LAYERS:-})}
+  timeout "$(left "$TIMEOUT")" python3 bench/plan_ab.py --model "$model" --tables "$tables" "$@" 2>&1 | quiet \
     | tee "$OUT/plan_ab.log" ;;
 ab)
   [ $# -ge 2 ] || { echo "bench/device.sh ab OLD NEW [ROUNDS] [ARGS]" >&2; exit 2; }
