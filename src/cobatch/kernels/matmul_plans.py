@@ -158,10 +158,11 @@ def deep_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConf
     trip each (Qwen2.5-7B's qkv and down, 7 and 37 steps a warp, ran so). In whole steps it took Qwen2.5-7B's
     from 1.7-2.1x their roofline to 1.36-1.54x at B = 1-16, and beat Llama-3-8B q8_0's own plans
     (bench/results/gemv_deep_default.md)."""
-    steps = n_chunks // 4
+    warps = 4
+    steps = n_chunks // warps                        # K steps a warp walks without a split
     splits = [d for d in range(1, 17) if steps % d == 0 and n_rows_pad // 16 * d >= sms] or [1]
     split = next((d for d in splits if steps // d % 4 == 0), splits[0])
-    return GemvConfig(W=4, RT=1, split_k=split, U=loads_ahead(steps // split, most=16), D=0, R=128)
+    return GemvConfig(W=warps, RT=1, split_k=split, U=loads_ahead(steps // split, most=16), D=0, R=128)
 
 
 def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int) -> GemmConfig:
@@ -266,7 +267,6 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
             narrow = default_gemv_plan(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad))
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
         if quant_gemm_too:
-            rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
             mid = (gemm_config(entry["quant_gemm"]) if "quant_gemm" in entry
                    else default_gemm_config(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
             wide = gemm_config(entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
