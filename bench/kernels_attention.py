@@ -8,6 +8,8 @@ Bytes counted: K + V of every sequence's context in the cache's dtype (q, the ou
 are left out). Timed as the median replay of a CUDA graph holding R calls on R disjoint
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
+--fp8-words: an fp8 cache's decode and prefill with its tiles loaded as bytes against as 32-bit words
+(DecodeConfig.fp8_words), with the bf16 cache beside them.
 --mla: the MLA decode path instead, as the package runs it (kernels/mla_attention.py: the CUDA C++ split kernel
 on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
@@ -293,6 +295,44 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
     return [{k: r.get(k) for k in keys} for r in rows]
 
 
+def run_fp8_words(copy_gbps: float) -> list[dict]:
+    """An fp8 cache's tiles loaded as bytes against as 32-bit words (DecodeConfig.fp8_words), each shape's rows
+    one after the other, with the bf16 cache beside them; and prefill both ways."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    variants = (("bf16", torch.bfloat16, DECODE_CONFIG), ("fp8 bytes", torch.float8_e4m3fn,
+                replace(DECODE_CONFIG, fp8_words=False)), ("fp8 words", torch.float8_e4m3fn,
+                replace(DECODE_CONFIG, fp8_words=True)))
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            for name, kv_dtype, cfg in variants:
+                r = bench_decode(batch, context, cfg, gen, kv_dtype=kv_dtype)
+                r.update(variant=name, ratio_to_copy=r["gbps"] / copy_gbps)
+                rows.append(r)
+                print(f"B={batch} x {context} {name}: {r['us']:.1f} us, {r['ratio_to_copy']:.0%} of copy", flush=True)
+    for name, kv_dtype, words in (("bf16", torch.bfloat16, False), ("fp8 bytes", torch.float8_e4m3fn, False),
+                                  ("fp8 words", torch.float8_e4m3fn, True)):
+        r = bench_prefill(replace(PREFILL_CONFIG, fp8_words=words), gen, kv_dtype=kv_dtype)
+        r["variant"] = name
+        rows.append(r)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
+def print_fp8_words(rows: list[dict], copy_gbps: float) -> None:
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s; decode us (of copy, in the cache's own bytes)")
+    print(f"{'B':>4} {'context':>8} {'bf16':>16} {'fp8 bytes':>16} {'fp8 words':>16} {'words / bytes':>14}")
+    by = {(r["batch"], r["context"], r["variant"]): r for r in rows if r["kernel"] == "decode_attention"}
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            cells = [by[(batch, context, v)] for v in ("bf16", "fp8 bytes", "fp8 words")]
+            print(f"{batch:>4} {context:>8} " + " ".join(f"{c['us']:>8.1f} ({c['ratio_to_copy']:>4.0%})" for c in cells)
+                  + f" {cells[1]['us'] / cells[2]['us']:>13.2f}x")
+    for r in rows:
+        if r["kernel"] == "prefill_attention":
+            print(f"prefill {r['tokens']} tokens, {r['variant']}: {r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s")
+
+
 DECODE_SWEEP = [
     DECODE_CONFIG,
     # Pages a tile ahead (2026-11-30): K/V get num_stages - 1 shared buffers. 64-token tiles x 2 stages: one
@@ -382,6 +422,11 @@ def main() -> None:
             with open(os.path.join(os.environ["OUT"], name), "w") as f:
                 json.dump(payload, f, indent=1)
 
+    if "--fp8-words" in sys.argv:
+        result["rows"] = run_fp8_words(copy_gbps)
+        dump("kernels_attention_fp8_words.json", result)
+        print_fp8_words(result["rows"], copy_gbps)
+        return
     if "--mla" in sys.argv and "--cuda" in sys.argv:
         result["rows"] = run_mla_cuda(copy_gbps)
         dump("kernels_mla_attention_cuda.json", result)

@@ -133,7 +133,9 @@ def test_llama8b_batches_of_invariant_rows_walk_whole_groups():
     assert plan_has_groups(num_splits, chunks) and chunk_splits(4096, num_splits, chunks) == [8] * 8
     assert whole_groups(64, chunks) == list(range(16))
     assert not plan_has_groups(*plan_decode_splits(1, 8, 4096, 132))
-    assert not plan_has_groups(num_splits, chunks, kv_dtype=torch.float8_e4m3fn)
+    # an fp8 cache's tiles loaded as words leave the registers for them; as bytes they do not
+    assert plan_has_groups(num_splits, chunks, DecodeConfig(fp8_words=True), kv_dtype=torch.float8_e4m3fn)
+    assert not plan_has_groups(num_splits, chunks, DecodeConfig(fp8_words=False), kv_dtype=torch.float8_e4m3fn)
     # 4160 tokens (a 4k prompt and its answer): 33 splits of 128, 5 a program, every program busy but one
     assert chunk_splits(4160, num_splits, chunks) == [5, 5, 5, 5, 5, 5, 3, 0]
     assert whole_groups(33, chunks) == [0, 4, 5, 8]          # splits 0-3, 16-19, 20-23, 32
@@ -178,18 +180,20 @@ def test_decode_small_dtypes(dtype):
 FP8 = torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("words", [True, False], ids=["words", "bytes"])
 @pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
-def test_decode_small_fp8_cache(variant):
-    """An fp8 cache (--kv-cache-dtype fp8): the kernel widens each tile to q's dtype; the reference reads the
-    same fp8 values."""
+def test_decode_small_fp8_cache(variant, words):
+    """An fp8 cache (--kv-cache-dtype fp8): the kernel widens each tile to q's dtype, loaded as 32-bit words or
+    as bytes; the reference reads the same fp8 values."""
     check_attention([37, 0, 100, 5], [1, 1, 1, 1], 8, 2, head_dim=32, dtype=torch.bfloat16, seed=12,
-                    decode_cfg=DECODE_VARIANTS[variant], kv_dtype=FP8)
+                    decode_cfg=replace(DECODE_VARIANTS[variant], fp8_words=words), kv_dtype=FP8)
 
 
+@pytest.mark.parametrize("words", [True, False], ids=["words", "bytes"])
 @pytest.mark.parametrize("window", [0, 20])
-def test_prefill_small_fp8_cache(window):
+def test_prefill_small_fp8_cache(window, words):
     check_attention([29, 70, 33, 0], [29, 21, 1, 0], 8, 2, head_dim=32, dtype=torch.bfloat16, seed=13,
-                    prefill_cfg=TINY_PREFILL, kv_dtype=FP8, window=window)
+                    prefill_cfg=replace(TINY_PREFILL, fp8_words=words), kv_dtype=FP8, window=window)
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 5]], ids=["decode", "prefill"])

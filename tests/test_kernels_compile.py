@@ -40,8 +40,9 @@ FLOAT_SCALARS = {"qk_scale", "softcap", "eps", "scale"}
 
 def compile_for_h200(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
     # bf16 tensors as the launchers pass them (or as `pointers` says); pointers and strides 16-divisible, as
-    # Triton specializes them.
+    # Triton specializes them. Constexprs the launchers may leave at their defaults compile at those defaults.
     names = list(kernel.arg_names)
+    constants = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constants}
     signature = {}
     for name in names:
         if pointers and name in pointers:
@@ -103,36 +104,40 @@ for softcap in (False, True):
             dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n, BLOCK_D=128, DOT_F32=False,
                  WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16), pre.num_warps, pre.num_stages)
 F16 = triton.language.float16        # what an fp8 cache's tiles are widened to (attention.operand_dtype)
-for single, groups in ((False, False), (True, False)):      # no groups with fp8 (attention.plan_has_groups)
-    variants[f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache"] = (
+# an fp8 cache's tiles as words with the conversion's PTX (FP8_WORDS=2, the default), and as bytes (the switch:
+# no groups then, attention.plan_has_groups)
+for single, groups, words in ((False, False, 2), (False, True, 2), (True, False, 2), (False, False, 0)):
+    variants[f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache words={words}"] = (
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16,
-             ROPE=False, NEOX=False, QK_NORM=False),
+             ROPE=False, NEOX=False, QK_NORM=False, FP8_WORDS=words),
         dec.num_warps, dec.num_stages, FP8_CACHE, attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
 # Rope and the cache write in the decode kernel (ops.rope_attention): within the same 128 registers
 for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), (False, True, False, False, False),
                                            (True, False, False, False, False), (False, True, True, False, False),
-                                           (False, False, False, True, False), (False, True, True, False, True)):
+                                           (False, False, False, True, False), (False, True, False, True, False),
+                                           (False, True, True, False, True)):
     variants[f"decode rope single_split={single} groups={groups} neox={neox} fp8={fp8} qk_norm={qk_norm}"] = (
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False,
-             OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm),
+             OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm, FP8_WORDS=2 if fp8 else 0),
         dec.num_warps, dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(1 if single else 2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills
 for fp8 in (False, True):
     variants[f"decode head_d=256 softcap=True single_split=False windowed=True fp8={fp8}"] = (
         attention._decode_split_kernel,
-        dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=dec.block_n, **SPLITS, GROUPS=not fp8,
+        dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=dec.block_n, **SPLITS, GROUPS=True,
              SINGLE_SPLIT=False, PDL=True, DOT_F32=False, SOFTCAP=True, WINDOWED=True, OPERAND=F16 if fp8 else BF16,
-             ROPE=False, NEOX=False, QK_NORM=False),
+             ROPE=False, NEOX=False, QK_NORM=False, FP8_WORDS=2 if fp8 else 0),
         dec.num_warps, dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 256, dec))
 variants["prefill fp8 cache"] = (
     attention._prefill_kernel, dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n,
-                                    BLOCK_D=128, DOT_F32=False, WINDOWED=False, SOFTCAP=False, OPERAND=F16),
+                                    BLOCK_D=128, DOT_F32=False, WINDOWED=False, SOFTCAP=False, OPERAND=F16,
+                                    FP8_WORDS=2),
     pre.num_warps, pre.num_stages, FP8_CACHE)
 variants["rope+kv_write fp8 cache"] = (
     rope._rope_kernel, dict(HALF=64, NEOX=False, WRITE_KV=True, QK_NORM=False, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64,
@@ -467,6 +472,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 63 + 35 + 20 + 4 + 19 + 8
+    assert len(compiled) == 66 + 35 + 20 + 4 + 19 + 8
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -9,8 +9,8 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.rope import rotary_dims, rotated
-from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
-                                             next_pow2, pdl_launch, tl, triton)
+from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, interpreting,
+                                             jit, next_pow2, pdl_launch, tl, triton)
 
 
 def reference_sequences(meta: AttentionMetadata, block_size: int):
@@ -119,15 +119,53 @@ def _tile_pages(bt_row_ptr, toks, end, PAGE: tl.constexpr):
     return tl.load(bt_row_ptr + toks // PAGE, mask=toks < end, other=0).to(tl.int64)
 
 
+# cvt.rn.f16x2.e4m3x2 widens two e4m3 bytes (the low one into the low half): four bytes of a word, in order.
+_ASM_E4M3_WORD = tl.constexpr("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+                               "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+
+
+@jit
+def _e4m3_byte(w, shift: tl.constexpr):
+    return ((w >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@jit
+def _widen_e4m3_words(w, ASM: tl.constexpr):
+    """int32 words [N, W] of e4m3 bytes -> f16 [N, 4 W], byte i of word j at column 4 j + i. ASM: the hardware's
+    conversion on the whole word (the interpreter runs no PTX, so it widens byte by byte, to the same values)."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(_ASM_E4M3_WORD, "=h,=h,=h,=h,r", [w],
+                                                   (tl.float16, tl.float16, tl.float16, tl.float16), True, 1)
+    else:
+        b0, b1, b2, b3 = _e4m3_byte(w, 0), _e4m3_byte(w, 8), _e4m3_byte(w, 16), _e4m3_byte(w, 24)
+    # join adds a minor dim: (b0 | b2, b1 | b3) then their join puts b0 b1 b2 b3 side by side
+    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    return tl.reshape(x, (x.shape[0], x.shape[1] * 4))
+
+
 @jit
 def _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                    cache_slot_stride, cache_head_stride, PAGE: tl.constexpr, OPERAND: tl.constexpr):
+                    cache_slot_stride, cache_head_stride, PAGE: tl.constexpr, OPERAND: tl.constexpr,
+                    HEAD_D: tl.constexpr = 0, FP8_WORDS: tl.constexpr = 0):
     """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, on their pages (_tile_pages), as
-    OPERAND (an fp8 cache is widened to f16 in registers: the bytes read are what it saves)."""
+    OPERAND (an fp8 cache is widened to f16 in registers: the bytes read are what it saves).
+    FP8_WORDS (an fp8 cache; 2: with the conversion's PTX): the bytes are loaded as 32-bit words and widened a
+    word at a time. Loaded as bytes, Triton kept V's tile as fp8 in shared memory and read it back one byte per
+    load in the dot's layout (64 single-byte loads a thread and tile, then repacking) and repacked K's bytes
+    too; as words it widens in registers and stages f16 for ldmatrix, as for a bf16 cache (sm_90 SASS: the
+    decode loop 791 -> 618 instructions a 64-token tile)."""
     off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
-    mask = tok_mask[:, None] & d_mask[None, :]
-    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
-    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
+    if FP8_WORDS:
+        w = tl.arange(0, d.shape[0] // 4)
+        wmask = tok_mask[:, None] & (w < HEAD_D // 4)[None, :]
+        k_words = (kc_ptr + off[:, None]).to(tl.pointer_type(tl.int32)) + w[None, :]
+        v_words = (vc_ptr + off[:, None]).to(tl.pointer_type(tl.int32)) + w[None, :]
+        k = _widen_e4m3_words(tl.load(k_words, mask=wmask, other=0), FP8_WORDS == 2)
+        v = _widen_e4m3_words(tl.load(v_words, mask=wmask, other=0), FP8_WORDS == 2)
+    else:
+        mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
     return k, v
 
 
@@ -181,6 +219,14 @@ def operand_dtype(q: torch.Tensor, k_cache: torch.Tensor):
     return getattr(tl, str(dtype).removeprefix("torch."))
 
 
+def fp8_words(k_cache: torch.Tensor, head_dim: int, enabled: bool) -> int:
+    """The kernels' FP8_WORDS: 0 (not an fp8 cache, or not enabled, or heads not whole words), 2 with the
+    conversion's PTX, 1 under the interpreter (same values)."""
+    if not enabled or k_cache.dtype not in FP8_DTYPES or head_dim % 4:
+        return 0
+    return 1 if interpreting() else 2
+
+
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -227,6 +273,9 @@ class DecodeConfig:
     # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
     # K/V into L2 before the wait gained nothing (bench/results/kernels_attention-2026-11-29-pdl-sweep.json).
     pdl: bool = True
+    # An fp8 cache's tiles loaded as 32-bit words and widened a word at a time (_gather_kv_tile's FP8_WORDS);
+    # COBATCH_FP8_KV_WORDS=0: loaded as bytes, as before, for comparisons.
+    fp8_words: bool = os.environ.get("COBATCH_FP8_KV_WORDS", "1") != "0"
     # Tried and removed: letting the last split program of a (sequence, KV head) merge the partials instead of
     # launching the reduce kernel. One program merging GROUP heads serially is a tail that the reduce kernel's
     # (seq, head) grid spreads out: B=1 x 4k fell from 34 to 22 % of copy, B=8 x 4k from 74 to 69 %
@@ -298,7 +347,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          MIN_SPLIT: tl.constexpr, SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
-                         ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr):
+                         ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
+                         FP8_WORDS: tl.constexpr = 0):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -374,7 +424,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         toks = tok0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
         k, v = _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                               cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND)
+                               cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND, HEAD_D=HEAD_D,
+                               FP8_WORDS=FP8_WORDS)
         page = _tile_pages(bt_row, toks + BLOCK_N, end, PAGE)      # the next tile's, carried
         if WINDOWED:    # the keys of the tile before the window are loaded (they are cached) but not attended
             tok_mask &= toks >= first_key
@@ -558,11 +609,11 @@ def decode_register_cap(num_splits: int, kv_dtype: torch.dtype, head_dim: int,
 def plan_has_groups(num_splits: int, chunks: int, cfg: DecodeConfig = DECODE_CONFIG,
                     kv_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a plan's programs may walk a whole group of cfg.split_group splits (the kernels' GROUPS: without
-    it they compile no group code). Not with an fp8 cache: its widened tiles leave no registers for the group's
-    accumulator (24 bytes of spills under the 128 cap, sm_90 compile); its rows fold groups in the reduce kernel
-    only, which gives the same bits."""
+    it they compile no group code). Not with an fp8 cache loaded as bytes: its widened tiles leave no registers
+    for the group's accumulator (24 bytes of spills under the 128 cap, sm_90 compile; loaded as words, 128
+    registers and none); its rows fold groups in the reduce kernel only, which gives the same bits."""
     return (cfg.split_group > 1 and num_splits > 1 and triton.cdiv(num_splits, chunks) >= cfg.split_group
-            and kv_dtype not in FP8_DTYPES)
+            and (kv_dtype not in FP8_DTYPES or cfg.fp8_words))
 
 
 def whole_groups(row_splits: int, chunks: int, cfg: DecodeConfig = DECODE_CONFIG) -> list[int]:
@@ -651,7 +702,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
-        QK_NORM=rope is not None and rope.qk_norm is not None,
+        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=fp8_words(k_cache, head_dim, cfg.fp8_words),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
@@ -671,6 +722,9 @@ class PrefillConfig:
     block_n: int = 64            # keys per tile
     num_warps: int = 4
     num_stages: int = 2
+    # As DecodeConfig.fp8_words; not the default here until measured: with 64 query rows Triton reads the byte
+    # tiles without single-byte loads, and the words' path takes 212 registers where the bytes' take 168 (sm_90).
+    fp8_words: bool = False
 
 
 PREFILL_CONFIG = PrefillConfig()
@@ -682,7 +736,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
                     cache_head_stride, out_row_stride, out_head_stride, qk_scale, window, softcap,
                     GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr, OPERAND: tl.constexpr):
+                    SOFTCAP: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
     """Program (q_head, seq, query tile). Row i of the chunk sits at position seq_len - q_len + i and sees
     keys 0..position; the keys come from the cache (the chunk's own K/V are already written there).
     Tiles go last-first: the longest programs start first and the short ones fill the tail, and the heads
@@ -722,7 +776,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, tok_mask, kv_head,
                                    d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
-                                   OPERAND=OPERAND)
+                                   OPERAND=OPERAND, HEAD_D=HEAD_D, FP8_WORDS=FP8_WORDS)
             valid = (toks[None, :] <= pos[:, None]) & (toks[None, :] > pos[:, None] - window) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32, EMPTY_ROWS=True,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
@@ -732,7 +786,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
             toks = n0 + tl.arange(0, BLOCK_N)
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, toks < kv_end,
                                    kv_head, d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride,
-                                   PAGE=PAGE, OPERAND=OPERAND)
+                                   PAGE=PAGE, OPERAND=OPERAND, HEAD_D=HEAD_D, FP8_WORDS=FP8_WORDS)
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
         for n0 in range(full_end, kv_end, BLOCK_N):
@@ -740,7 +794,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, tok_mask, kv_head,
                                    d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
-                                   OPERAND=OPERAND)
+                                   OPERAND=OPERAND, HEAD_D=HEAD_D, FP8_WORDS=FP8_WORDS)
             valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
@@ -768,7 +822,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
-        OPERAND=operand_dtype(q, k_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        OPERAND=operand_dtype(q, k_cache), FP8_WORDS=fp8_words(k_cache, head_dim, cfg.fp8_words),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
