@@ -9,7 +9,7 @@ are left out). Timed as the median replay of a CUDA graph holding R calls on R d
 copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4), divided by R.
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
 --fp8-words: an fp8 cache's decode and prefill with its tiles loaded as bytes against as 32-bit words
-(DecodeConfig.fp8_words), with the bf16 cache beside them.
+(DecodeConfig.fp8_words) and FP8_VARIANTS' deeper pipelines, with the bf16 cache beside them.
 --mla: the MLA decode path instead, as the package runs it (kernels/mla_attention.py: the CUDA C++ split kernel
 on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
@@ -295,17 +295,23 @@ def run(copy_gbps: float, decode_cfg: DecodeConfig = DECODE_CONFIG,
     return [{k: r.get(k) for k in keys} for r in rows]
 
 
+# The fp8 cache's variants against the bf16 cache: tiles as bytes, as words (the default), and as words in
+# deeper pipelines (both compile within 128 registers without spills, sm_90).
+FP8_VARIANTS = (("bf16", torch.bfloat16, DECODE_CONFIG),
+                ("fp8 bytes", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_words=False)),
+                ("fp8 words", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_words=True)),
+                ("words 3 stages", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_words=True, num_stages=3)),
+                ("words 32x3", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_words=True, block_n=32, num_stages=3)))
+
+
 def run_fp8_words(copy_gbps: float) -> list[dict]:
     """An fp8 cache's tiles loaded as bytes against as 32-bit words (DecodeConfig.fp8_words), each shape's rows
     one after the other, with the bf16 cache beside them; and prefill both ways."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    variants = (("bf16", torch.bfloat16, DECODE_CONFIG), ("fp8 bytes", torch.float8_e4m3fn,
-                replace(DECODE_CONFIG, fp8_words=False)), ("fp8 words", torch.float8_e4m3fn,
-                replace(DECODE_CONFIG, fp8_words=True)))
     for batch in BATCHES:
         for context in CONTEXTS:
-            for name, kv_dtype, cfg in variants:
+            for name, kv_dtype, cfg in FP8_VARIANTS:
                 r = bench_decode(batch, context, cfg, gen, kv_dtype=kv_dtype)
                 r.update(variant=name, ratio_to_copy=r["gbps"] / copy_gbps)
                 rows.append(r)
@@ -320,12 +326,13 @@ def run_fp8_words(copy_gbps: float) -> list[dict]:
 
 
 def print_fp8_words(rows: list[dict], copy_gbps: float) -> None:
+    names = [name for name, _, _ in FP8_VARIANTS]
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s; decode us (of copy, in the cache's own bytes)")
-    print(f"{'B':>4} {'context':>8} {'bf16':>16} {'fp8 bytes':>16} {'fp8 words':>16} {'words / bytes':>14}")
+    print(f"{'B':>4} {'context':>8} " + " ".join(f"{n:>16}" for n in names) + f" {'bytes / words':>14}")
     by = {(r["batch"], r["context"], r["variant"]): r for r in rows if r["kernel"] == "decode_attention"}
     for batch in BATCHES:
         for context in CONTEXTS:
-            cells = [by[(batch, context, v)] for v in ("bf16", "fp8 bytes", "fp8 words")]
+            cells = [by[(batch, context, n)] for n in names]
             print(f"{batch:>4} {context:>8} " + " ".join(f"{c['us']:>8.1f} ({c['ratio_to_copy']:>4.0%})" for c in cells)
                   + f" {cells[1]['us'] / cells[2]['us']:>13.2f}x")
     for r in rows:
