@@ -276,6 +276,11 @@ class DecodeConfig:
     # An fp8 cache's tiles loaded as 32-bit words and widened a word at a time (_gather_kv_tile's FP8_WORDS);
     # COBATCH_FP8_KV_WORDS=0: loaded as bytes, as before, for comparisons.
     fp8_words: bool = os.environ.get("COBATCH_FP8_KV_WORDS", "1") != "0"
+    # The words' pipeline depth: their tiles wait in registers, not shared memory, and 3 stages fit 128 registers
+    # without spills (sm_90). H100, of copy in the cache's bytes, 2 -> 3 stages: 64 x 4k 84 -> 88 %, 64 x 32k
+    # 87 -> 92 %, 8 x 32k 73 -> 78 %, 1 x 32k 56 -> 59 %, B = 1 and 8 x 512 level
+    # (bench/results/kernels_attention_fp8_words.json; 32-token tiles in 3 stages lost everywhere).
+    fp8_num_stages: int = 3
     # Tried and removed: letting the last split program of a (sequence, KV head) merge the partials instead of
     # launching the reduce kernel. One program merging GROUP heads serially is a tail that the reduce kernel's
     # (seq, head) grid spreads out: B=1 x 4k fell from 34 to 22 % of copy, B=8 x 4k from 74 to 69 %
@@ -687,6 +692,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
     groups = plan_has_groups(num_splits, chunks, cfg, k_cache.dtype)
+    words = fp8_words(k_cache, head_dim, cfg.fp8_words)
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
@@ -702,8 +708,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
-        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=fp8_words(k_cache, head_dim, cfg.fp8_words),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=words,
+        num_warps=cfg.num_warps, num_stages=cfg.fp8_num_stages if words else cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
@@ -722,8 +728,9 @@ class PrefillConfig:
     block_n: int = 64            # keys per tile
     num_warps: int = 4
     num_stages: int = 2
-    # As DecodeConfig.fp8_words; not the default here until measured: with 64 query rows Triton reads the byte
-    # tiles without single-byte loads, and the words' path takes 212 registers where the bytes' take 168 (sm_90).
+    # As DecodeConfig.fp8_words, and off: with 64 query rows Triton reads the byte tiles without single-byte loads,
+    # and the words' path takes 212 registers where the bytes' take 168 (sm_90). H100, a 2048-token prompt: 135 us
+    # as bytes, 154 as words (bench/results/kernels_attention_fp8_words.json).
     fp8_words: bool = False
 
 
