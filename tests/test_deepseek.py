@@ -238,14 +238,18 @@ def test_gpu_path_matches_the_cpu_path(models, name):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("name", ["v2", "v3"])
-def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name):
+def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name, kv_cache_dtype):
     """DeepSeek's decode step captured in a CUDA graph (the router's torch code, the experts routed on the device,
     the MLA decode kernel, the latent write) gives the eager step's greedy tokens, for 4 sessions at once; the
     engine captures them (models/deepseek.py: graph_safe, as the experts are routed). The V2 file's down experts
-    (128 columns: q4_K falls back to q5_0) are routed as they are."""
-    llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True, kv_cache_gb=1))
+    (128 columns: q4_K falls back to q5_0) are routed as they are. fp8: the latents stored in e4m3, widened by
+    the MLA kernels."""
+    llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True, kv_cache_gb=1,
+                                               kv_cache_dtype=kv_cache_dtype))
     eng = llm.engine
+    assert (eng.pool.dtype == torch.float8_e4m3fn) == (kv_cache_dtype == "fp8")
     moes = [layer.moe for layer in llm.model.layers if layer.moe is not None]
     assert moes and all(m.routed for m in moes), "experts not routed"
     if name == "v2":

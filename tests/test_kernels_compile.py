@@ -158,6 +158,13 @@ for single in (False, True):
         dict(N_HEADS=128, BLOCK_H=16, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64, BLOCK_N=dec.block_n,
              MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, OPERAND=BF16),
         8, dec.num_stages, {"cache_ptr": "*bf16"})
+mla_dec = mla_attention.MLA_DECODE_CONFIG
+for words in (2,):     # an fp8 latent cache (--kv-cache-dtype fp8), as words (as bytes: 80 bytes of spills)
+    variants[f"mla decode fp8 cache words={words}"] = (
+        mla_attention._mla_decode_split_kernel,
+        dict(N_HEADS=128, BLOCK_H=16, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64, BLOCK_N=mla_dec.block_n,
+             MIN_SPLIT=mla_dec.min_split, SINGLE_SPLIT=False, PDL=True, DOT_F32=False, OPERAND=F16, FP8_WORDS=words),
+        mla_dec.num_warps, mla_dec.num_stages, {"cache_ptr": "*fp8e4nv"})
 # The Triton quantized matmul and dequantize kernels over the checkpoint formats' planes (an f32 row scale)
 from cobatch.kernels import quant_matmul
 FP8_PLANES = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32", "qs_ptr": "*u8",
@@ -180,6 +187,12 @@ variants["mla prefill"] = (
     dict(N_HEADS=128, BLOCK_H=pre.block_h, BLOCK_T=pre.rows // pre.block_h, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64,
          BLOCK_N=pre.block_n, DOT_F32=False, OPERAND=BF16),
     pre.num_warps, pre.num_stages, {"cache_ptr": "*bf16"})
+for words in (2, 0):
+    variants[f"mla prefill fp8 cache words={words}"] = (
+        mla_attention._mla_prefill_kernel,
+        dict(N_HEADS=128, BLOCK_H=pre.block_h, BLOCK_T=pre.rows // pre.block_h, LAT=512, ROPE=64, BLOCK_R=64,
+             PAGE=64, BLOCK_N=pre.block_n, DOT_F32=False, OPERAND=F16, FP8_WORDS=words),
+        pre.num_warps, pre.num_stages, {"cache_ptr": "*fp8e4nv"})
 for gelu, interleaved in ((False, False), (True, False), (False, True)):
     variants[f"gated_mul gelu={gelu} interleaved={interleaved}"] = (
         activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, INTERLEAVED=interleaved, PDL=True), 4, 2)
@@ -472,6 +485,6 @@ def compiled() -> dict[str, str]:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 66 + 35 + 20 + 4 + 19 + 8
+    assert len(compiled) == 69 + 35 + 20 + 4 + 19 + 8
     failed = {name: err for name, err in compiled.items() if err != "ok"}
     assert not failed, failed

@@ -8,6 +8,8 @@ crossed; DeepSeek's shapes (latent 512, rope 64, 16 and 128 heads) run on CUDA o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -113,6 +115,28 @@ def test_prefill_matches_reference(dtype):
     assert torch.equal(mla_prefill_attention(q[:21], cache, alone, 0.3, 16, cfg=PREFILL_SMALL), got[:21])
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["words", "bytes"])
+def test_an_fp8_cache_is_widened_for_both_kernels(words):
+    """--kv-cache-dtype fp8 on a DeepSeek model: the latent rows stored in e4m3 (mla_latent writes them so), read
+    as 32-bit words or as bytes and widened to f16 with the queries; against the reference on the same fp8
+    values. The bound is f16's rounding of q and of the products."""
+    q, cache, meta = latent_setup([1, 17, 50, 0], 20, 16, 8, torch.bfloat16, seed=3)
+    cache = cache.to(FP8)
+    ref = mla_attention_ref(q, cache, meta, 0.3, 16)
+    for cfg in (SINGLE, SPLIT):
+        got = mla_decode_attention(q, cache, meta, 0.3, 16, out=poisoned((4, 20, 16), torch.bfloat16),
+                                   cfg=replace(cfg, fp8_words=words))
+        assert torch.equal(got[3], torch.zeros_like(got[3])) and relative_error(got, ref) < 1e-2
+    seq_lens, q_lens = [21, 40, 5], [21, 12, 1]
+    q, cache, meta = latent_setup(seq_lens, 12, 16, 8, torch.bfloat16, seed=6, q_lens=q_lens)
+    cache = cache.to(FP8)
+    got = mla_prefill_attention(q, cache, meta, 0.3, 16, cfg=replace(PREFILL_SMALL, fp8_words=words))
+    assert relative_error(got, mla_attention_ref(q, cache, meta, 0.3, 16)) < 1e-2
+
+
 def test_prefill_of_padded_rows_stays_zero():
     """Rows past query_start[-1] (a step padded to a bucket) come out as zeros, as the reference's do."""
     q, cache, meta = latent_setup([10, 4], 4, 16, 8, torch.float32, seed=7, q_lens=[6, 4])
@@ -131,6 +155,23 @@ def test_deepseek_shapes_on_the_gpu(n_heads, seq_lens):
     ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
     got = mla_decode_attention(q, cache, meta, 192 ** -0.5, 512)
     assert relative_error(got, ref) < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("n_heads", [16, 128])
+def test_deepseek_shapes_with_an_fp8_cache_on_the_gpu(n_heads):
+    """The same latent shapes in an fp8 cache (the Triton kernels: the CUDA split kernel takes 16-bit caches
+    only), decode and prefill, against the reference on the same fp8 values."""
+    seq_lens, q_lens = [4000, 17, 900, 8192], [1, 1, 1, 1]
+    q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=5, block_size=64, q_lens=q_lens)
+    cache = cache.to(FP8)
+    ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
+    assert relative_error(mla_decode_attention(q, cache, meta, 192 ** -0.5, 512), ref) < 1e-2
+    seq_lens, q_lens = [700, 300, 1], [300, 300, 1]
+    q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=8, block_size=64, q_lens=q_lens)
+    cache = cache.to(FP8)
+    ref = mla_attention_ref(q, cache, meta, 192 ** -0.5, 512)
+    assert relative_error(mla_prefill_attention(q, cache, meta, 192 ** -0.5, 512), ref) < 1e-2
 
 
 @requires_cuda

@@ -144,29 +144,32 @@ def _widen_e4m3_words(w, ASM: tl.constexpr):
 
 
 @jit
-def _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                    cache_slot_stride, cache_head_stride, PAGE: tl.constexpr, OPERAND: tl.constexpr,
-                    HEAD_D: tl.constexpr = 0, FP8_WORDS: tl.constexpr = 0):
-    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, on their pages (_tile_pages), as
-    OPERAND (an fp8 cache is widened to f16 in registers: the bytes read are what it saves).
+def _load_rows(row_ptrs, d, row_mask, WIDTH: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
+    """The first WIDTH elements of rows at row_ptrs, as [R, len(d)] in OPERAND (masked rows and columns 0): an fp8
+    cache's are widened to f16 in registers (the bytes read are what it saves).
     FP8_WORDS (an fp8 cache; 2: with the conversion's PTX): the bytes are loaded as 32-bit words and widened a
     word at a time. Loaded as bytes, Triton kept V's tile as fp8 in shared memory and read it back one byte per
     load in the dot's layout (64 single-byte loads a thread and tile, then repacking) and repacked K's bytes
-    too; as words it widens in registers and stages f16 for ldmatrix, as for a bf16 cache (sm_90 SASS: the
-    decode loop 791 -> 618 instructions a 64-token tile)."""
-    off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
+    too; as words it widens in registers and stages f16 for ldmatrix, as for a bf16 cache (sm_90 SASS, 2 stages:
+    the decode loop 791 -> 539 instructions a 64-token tile)."""
     if FP8_WORDS:
         w = tl.arange(0, d.shape[0] // 4)
-        wmask = tok_mask[:, None] & (w < HEAD_D // 4)[None, :]
-        k_words = (kc_ptr + off[:, None]).to(tl.pointer_type(tl.int32)) + w[None, :]
-        v_words = (vc_ptr + off[:, None]).to(tl.pointer_type(tl.int32)) + w[None, :]
-        k = _widen_e4m3_words(tl.load(k_words, mask=wmask, other=0), FP8_WORDS == 2)
-        v = _widen_e4m3_words(tl.load(v_words, mask=wmask, other=0), FP8_WORDS == 2)
-    else:
-        mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mask, other=0.0).to(OPERAND)
-    return k, v
+        words = row_ptrs[:, None].to(tl.pointer_type(tl.int32)) + w[None, :]
+        return _widen_e4m3_words(tl.load(words, mask=row_mask[:, None] & (w < WIDTH // 4)[None, :], other=0),
+                                 FP8_WORDS == 2)
+    return tl.load(row_ptrs[:, None] + d[None, :], mask=row_mask[:, None] & (d < WIDTH)[None, :],
+                   other=0.0).to(OPERAND)
+
+
+@jit
+def _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, cache_block_stride, cache_slot_stride,
+                    cache_head_stride, PAGE: tl.constexpr, HEAD_D: tl.constexpr, OPERAND: tl.constexpr,
+                    FP8_WORDS: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of tokens `toks` of one sequence, on their pages (_tile_pages), as OPERAND
+    (_load_rows)."""
+    off = page * cache_block_stride + (toks % PAGE) * cache_slot_stride + kv_head * cache_head_stride
+    return (_load_rows(kc_ptr + off, d, tok_mask, HEAD_D, OPERAND, FP8_WORDS),
+            _load_rows(vc_ptr + off, d, tok_mask, HEAD_D, OPERAND, FP8_WORDS))
 
 
 @jit
@@ -428,8 +431,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        k, v = _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, d_mask, cache_block_stride,
-                               cache_slot_stride, cache_head_stride, PAGE=PAGE, OPERAND=OPERAND, HEAD_D=HEAD_D,
+        k, v = _gather_kv_tile(kc_ptr, vc_ptr, page, toks, tok_mask, kv_head, d, cache_block_stride,
+                               cache_slot_stride, cache_head_stride, PAGE=PAGE, HEAD_D=HEAD_D, OPERAND=OPERAND,
                                FP8_WORDS=FP8_WORDS)
         page = _tile_pages(bt_row, toks + BLOCK_N, end, PAGE)      # the next tile's, carried
         if WINDOWED:    # the keys of the tile before the window are loaded (they are cached) but not attended
@@ -782,8 +785,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, tok_mask, kv_head,
-                                   d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
-                                   OPERAND=OPERAND, HEAD_D=HEAD_D, FP8_WORDS=FP8_WORDS)
+                                   d, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
+                                   HEAD_D=HEAD_D, OPERAND=OPERAND, FP8_WORDS=FP8_WORDS)
             valid = (toks[None, :] <= pos[:, None]) & (toks[None, :] > pos[:, None] - window) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32, EMPTY_ROWS=True,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
@@ -792,16 +795,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
         for n0 in range(0, full_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, toks < kv_end,
-                                   kv_head, d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride,
-                                   PAGE=PAGE, OPERAND=OPERAND, HEAD_D=HEAD_D, FP8_WORDS=FP8_WORDS)
+                                   kv_head, d, cache_block_stride, cache_slot_stride, cache_head_stride,
+                                   PAGE=PAGE, HEAD_D=HEAD_D, OPERAND=OPERAND, FP8_WORDS=FP8_WORDS)
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, all_keys, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)
         for n0 in range(full_end, kv_end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k, v = _gather_kv_tile(kc_ptr, vc_ptr, _tile_pages(bt_row, toks, kv_end, PAGE), toks, tok_mask, kv_head,
-                                   d, d_mask, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
-                                   OPERAND=OPERAND, HEAD_D=HEAD_D, FP8_WORDS=FP8_WORDS)
+                                   d, cache_block_stride, cache_slot_stride, cache_head_stride, PAGE=PAGE,
+                                   HEAD_D=HEAD_D, OPERAND=OPERAND, FP8_WORDS=FP8_WORDS)
             valid = (toks[None, :] <= pos[:, None]) & tok_mask[None, :]
             m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, valid, DOT_F32=DOT_F32,
                                              softcap=softcap, SOFTCAP=SOFTCAP)

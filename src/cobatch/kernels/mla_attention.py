@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _program_chunk,
-                                       _softmax_fold, _store_partial, _tile_pages, hidden_keys,
-                                       plan_decode_splits, reference_sequences)
+from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _load_rows,
+                                       _program_chunk, _softmax_fold, _store_partial, _tile_pages, fp8_words,
+                                       hidden_keys, operand_dtype, plan_decode_splits, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
@@ -69,7 +69,7 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                              N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                              BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              MIN_SPLIT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
-                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
+                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
     """Program (head block, seq, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
     latent tile once for all of them. Each split's partial (max, sum, acc) is computed from scratch over its own
     tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's. The head blocks
@@ -101,9 +101,8 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
         toks = tok0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
         rows = cache_ptr + page * cache_block_stride + (toks % PAGE) * cache_slot_stride
-        lat = tl.load(rows[:, None] + c[None, :], mask=tok_mask[:, None], other=0.0).to(OPERAND)
-        rope = tl.load(rows[:, None] + LAT + r[None, :], mask=tok_mask[:, None] & r_mask[None, :],
-                       other=0.0).to(OPERAND)
+        lat = _load_rows(rows, c, tok_mask, LAT, OPERAND, FP8_WORDS)
+        rope = _load_rows(rows + LAT, r, tok_mask, ROPE, OPERAND, FP8_WORDS)
         page = _tile_pages(bt_row, toks + BLOCK_N, end, PAGE)      # the next tile's, carried
         if DOT_F32:
             s = tl.dot(q_lat.to(tl.float32), tl.trans(lat.to(tl.float32)), input_precision="ieee")
@@ -200,7 +199,6 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
     """The Triton split kernel of mla_decode_attention (its arguments as there)."""
     n_rows, n_heads, _ = q.shape
     page, rope = cache.shape[1], q_rope.shape[2]
-    operand = getattr(tl, str(cache.dtype).removeprefix("torch."))
     _mla_decode_split_kernel[(head_blocks, n_rows, chunks)](
         q, q_rope, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
@@ -208,7 +206,8 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        OPERAND=operand_dtype(q, cache), FP8_WORDS=fp8_words(cache, cache.shape[2], cfg.fp8_words), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +220,7 @@ class MlaPrefillConfig:
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
+    fp8_words: bool = True       # an fp8 cache's rows loaded as 32-bit words (attention._load_rows)
 
 
 MLA_PREFILL_CONFIG = MlaPrefillConfig()
@@ -233,7 +233,7 @@ def _mla_prefill_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, quer
                         out_row_stride, out_head_stride, qk_scale,
                         N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, LAT: tl.constexpr,
                         ROPE: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT_F32: tl.constexpr, OPERAND: tl.constexpr):
+                        DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
     """Program (head block, seq, token tile): BLOCK_T rows of the sequence's chunk x BLOCK_H heads as one block of
     query rows (token-major), against each cached row once. Row t of the chunk sits at position seq_len - q_len + t
     and sees the rows 0..that position; tiles go last-first as in attention._prefill_kernel."""
@@ -269,9 +269,8 @@ def _mla_prefill_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, quer
         tok_mask = toks < kv_end
         cached = cache_ptr + _tile_pages(bt_row, toks, kv_end, PAGE) * cache_block_stride \
             + (toks % PAGE) * cache_slot_stride
-        lat = tl.load(cached[:, None] + c[None, :], mask=tok_mask[:, None], other=0.0).to(OPERAND)
-        rope = tl.load(cached[:, None] + LAT + r[None, :], mask=tok_mask[:, None] & r_mask[None, :],
-                       other=0.0).to(OPERAND)
+        lat = _load_rows(cached, c, tok_mask, LAT, OPERAND, FP8_WORDS)
+        rope = _load_rows(cached + LAT, r, tok_mask, ROPE, OPERAND, FP8_WORDS)
         if DOT_F32:
             s = tl.dot(q_lat.to(tl.float32), tl.trans(lat.to(tl.float32)), input_precision="ieee")
             s = tl.dot(q_rope.to(tl.float32), tl.trans(rope.to(tl.float32)), s, input_precision="ieee")
@@ -312,6 +311,6 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionM
         out.stride(0), out.stride(1), scale * LOG2E,
         N_HEADS=n_heads, BLOCK_H=block_h, BLOCK_T=block_t, LAT=kv_lora_rank, ROPE=rope,
         BLOCK_R=max(16, next_pow2(rope)), PAGE=page, BLOCK_N=cfg.block_n, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=getattr(tl, str(cache.dtype).removeprefix("torch.")),
+        OPERAND=operand_dtype(q, cache), FP8_WORDS=fp8_words(cache, cache.shape[2], cfg.fp8_words),
         num_warps=cfg.num_warps if kv_lora_rank > 256 else 4, num_stages=cfg.num_stages)
     return out
