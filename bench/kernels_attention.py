@@ -15,7 +15,7 @@ on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
 configs, each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent
 row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
-sequence's latent rows (576 bf16 values a token).
+sequence's latent rows (576 values a token, in the cache's dtype; ATTN_KV_DTYPES=bf16,fp8: an fp8 cache too).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
 
@@ -119,21 +119,24 @@ def bench_decode(batch: int, context: int, cfg: DecodeConfig, gen: torch.Generat
 
 
 def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: DecodeConfig | None = None,
-                     block_h: int = 16, cuda: MlaCudaConfig | None = None) -> dict:
+                     block_h: int = 16, cuda: MlaCudaConfig | None = None,
+                     kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     """The MLA decode kernel on `batch` sequences of `context` latent rows in 16-token pages scattered over the
     pool, R copies of the inputs as bench_decode. cfg None: the package's default path (the CUDA C++ kernel where
     mla_attention.MLA_CUDA and the GPU take it, each kernel on its own plan); else the Triton kernel on cfg, or
-    the CUDA one (cuda) on cfg."""
+    the CUDA one (cuda) on cfg. kv_dtype: the latent cache's (fp8: the Triton kernel, on its own plan)."""
     default = cfg is None
     if default:
-        cuda = MlaCudaConfig() if mla_attention.MLA_CUDA and torch.cuda.get_device_capability()[0] == 9 else None
+        cuda = MlaCudaConfig() if (mla_attention.MLA_CUDA and torch.cuda.get_device_capability()[0] == 9
+                                   and kv_dtype == torch.bfloat16) else None
         cfg = mla_attention.MLA_CUDA_PLAN if cuda else MLA_DECODE_CONFIG
     width = MLA_LORA + MLA_ROPE
+    itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     pages_per_seq = -(-context // PAGE)
-    set_bytes = batch * pages_per_seq * PAGE * width * 2
+    set_bytes = batch * pages_per_seq * PAGE * width * itemsize
     copies = max(1, min(max(MIN_CALLS, min(64, -(-L2_FLUSH_BYTES // set_bytes))), (16 << 30) // set_bytes))
     num_pages = pages_per_seq * batch * copies
-    cache = _random_cache((num_pages, PAGE, 1, width), gen, torch.bfloat16)
+    cache = _random_cache((num_pages, PAGE, 1, width), gen, kv_dtype)
     calls = []
     for meta in _scattered_decode_metas(batch, context, copies, gen):
         q = torch.randn(batch, MLA_HEADS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -142,9 +145,9 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
             q, cache, m, width ** -0.5, MLA_LORA, out=o, cfg=None if default else cfg, block_h=block_h,
             cuda=None if default else cuda is not None, cuda_cfg=cuda or MlaCudaConfig()))
     ms = graph_times(calls, reps=20).queued * 1e3
-    kv_bytes = batch * context * width * 2
+    kv_bytes = batch * context * width * itemsize
     return {"kernel": "mla_decode_attention", "batch": batch, "context": context, "filled": context,
-            "kv_dtype": "bfloat16", "heads": MLA_HEADS, "latent_width": width, "us": ms * 1e3,
+            "kv_dtype": str(kv_dtype).removeprefix("torch."), "heads": MLA_HEADS, "latent_width": width, "us": ms * 1e3,
             "kv_bytes": kv_bytes, "gbps": kv_bytes / (ms * 1e-3) / 1e9, "config": asdict(cfg), "block_h": block_h,
             "cuda": asdict(cuda) if cuda else None}
 
@@ -220,17 +223,18 @@ def run_mla(copy_gbps: float, sweep: bool = False) -> list[dict]:
     failing candidate is reported in its rows' place."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for variant, (cfg, block_h) in enumerate(MLA_SWEEP if sweep else [(None, 16)]):
+    variants = MLA_SWEEP if sweep else [(None, 16)]
+    for variant, (cfg, block_h, kv) in enumerate((c, b, kv) for kv in RUN_KV_DTYPES for c, b in variants):
         for batch in BATCHES:
             for context in MLA_CONTEXTS:
                 try:
-                    r = bench_mla_decode(batch, context, gen, cfg, block_h)
+                    r = bench_mla_decode(batch, context, gen, cfg, block_h, kv_dtype=KV_DTYPES[kv])
                     r["ratio_to_copy"] = r["gbps"] / copy_gbps
                 except Exception as e:
                     r = {"kernel": "mla_decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
                 r["variant"] = variant
                 rows.append(r)
-        print(f"mla variant {variant} {rows[-1].get('config')} cuda {rows[-1].get('cuda')}: " + " ".join(
+        print(f"mla variant {variant} {kv} {rows[-1].get('config')} cuda {rows[-1].get('cuda')}: " + " ".join(
             f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
             if r["variant"] == variant), flush=True)
     print("mla decode (B x context: us, of copy) as above, shapes in order: "

@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--batches", help="comma-separated (default: 1, 2, 4, ... up to --max-batch)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="room for the largest batch x context placed")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (the engine's --kv-cache-dtype)")
     ap.add_argument("--prefill", help="N,T: also time prefilling N prompts of T tokens, both ways")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [b for b in BATCHES
@@ -183,7 +184,8 @@ def main() -> None:
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s", flush=True)
     prefill_prompts = int(args.prefill.split(",")[0]) if args.prefill else 0
     llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(contexts) + 256,
-                                             max_num_seqs=max(*batches, prefill_prompts), kv_cache_gb=args.kv_cache_gb))
+                                             max_num_seqs=max(*batches, prefill_prompts), kv_cache_gb=args.kv_cache_gb,
+                                             kv_cache_dtype=args.kv_cache_dtype))
     randomize_kv(llm)
     dense, kvtok = dense_bytes(llm), kv_bytes_per_token(llm)
     runner = llm.engine.runner
@@ -226,7 +228,8 @@ def main() -> None:
     result = dict(date=str(datetime.date.today()), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, copy_gbps=copy_bps / 1e9, model=args.model, arch=cfg.arch,
                   layers=cfg.n_layers, experts=cfg.n_experts, experts_used=cfg.n_experts_used, dense_bytes=dense,
-                  kv_bytes_per_token=kvtok, captured=graphs is not None, rows=rows, kernel_breakdown=breakdowns,
+                  kv_bytes_per_token=kvtok, kv_cache_dtype=str(llm.engine.pool.dtype).removeprefix("torch."),
+                  captured=graphs is not None, rows=rows, kernel_breakdown=breakdowns,
                   prefill=prefill)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
