@@ -189,6 +189,13 @@ def test_decode_small_fp8_cache(variant, words):
                     decode_cfg=replace(DECODE_VARIANTS[variant], fp8_words=words), kv_dtype=FP8)
 
 
+def test_fp8_words_of_heads_narrower_than_their_block():
+    """Heads of 24 values in blocks of 32 (as Phi-3's 96 in 128), loaded as words: a head's 6 words widen into
+    its 24 columns of the tile, against the reference."""
+    check_attention([37, 0, 100, 5], [1, 1, 1, 1], 8, 2, head_dim=24, dtype=torch.bfloat16, seed=15,
+                    decode_cfg=replace(DECODE_VARIANTS["split"], fp8_words=True), kv_dtype=FP8)
+
+
 @pytest.mark.parametrize("words", [True, False], ids=["words", "bytes"])
 @pytest.mark.parametrize("window", [0, 20])
 def test_prefill_small_fp8_cache(window, words):
