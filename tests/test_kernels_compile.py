@@ -107,7 +107,8 @@ F16 = triton.language.float16        # what an fp8 cache's tiles are widened to 
 # an fp8 cache's tiles as words with the conversion's PTX (FP8_WORDS=2, the default), and as bytes (the switch:
 # no groups then, attention.plan_has_groups)
 for single, groups, words in ((False, False, 2), (False, True, 2), (True, False, 2), (False, False, 0)):
-    variants[f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache words={words}"] = (
+    name = f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache words={words}"
+    variants[name] = (
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16,

@@ -222,10 +222,10 @@ def operand_dtype(q: torch.Tensor, k_cache: torch.Tensor):
     return getattr(tl, str(dtype).removeprefix("torch."))
 
 
-def fp8_words(k_cache: torch.Tensor, head_dim: int, enabled: bool) -> int:
-    """The kernels' FP8_WORDS: 0 (not an fp8 cache, or not enabled, or heads not whole words), 2 with the
-    conversion's PTX, 1 under the interpreter (same values)."""
-    if not enabled or k_cache.dtype not in FP8_DTYPES or head_dim % 4:
+def fp8_words(cache: torch.Tensor, width: int, enabled: bool) -> int:
+    """The kernels' FP8_WORDS for rows of `width` values (a head's, or MLA's latent row): 0 (not an fp8 cache, not
+    enabled, or rows not whole words), 2 with the conversion's PTX, 1 under the interpreter (same values)."""
+    if not enabled or cache.dtype not in FP8_DTYPES or width % 4:
         return 0
     return 1 if interpreting() else 2
 

@@ -206,8 +206,8 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand_dtype(q, cache), FP8_WORDS=fp8_words(cache, cache.shape[2], cfg.fp8_words), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch)
+        OPERAND=operand_dtype(q, cache), FP8_WORDS=fp8_words(cache, cache.shape[2], cfg.fp8_words),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
 
 
 @dataclass(frozen=True, slots=True)
