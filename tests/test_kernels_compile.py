@@ -113,7 +113,8 @@ for single, groups, words in ((False, False, 2), (False, True, 2), (True, False,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16,
              ROPE=False, NEOX=False, QK_NORM=False, FP8_WORDS=words),
-        dec.num_warps, dec.fp8_num_stages if words else dec.num_stages, FP8_CACHE, attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
+        dec.num_warps, dec.fp8_num_stages if words else dec.num_stages, FP8_CACHE,
+        attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
 # Rope and the cache write in the decode kernel (ops.rope_attention): within the same 128 registers
 for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), (False, True, False, False, False),
                                            (True, False, False, False, False), (False, True, True, False, False),
