@@ -46,7 +46,7 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "moe_experts", "speculative", "parallel", "ncu_source",
-                                  "gemm", "plan_ab", "serve", "model_gemv_plans"])
+                                  "gemm", "plan_ab", "serve", "model_gemv_plans", "sass_loop"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name
@@ -358,3 +358,29 @@ def test_model_gemv_plans_entries_read_back_as_the_plans_chosen(tmp_path, monkey
     assert matmul_plans.plan_for("q6_k", 2048, 2816, 2816, gemv=True).narrow == plan
     single = GemvPlan(GemvConfig(W=4, RT=1, split_k=1, U=8, D=0, R=128))
     assert "gemv_upto" not in load("model_gemv_plans").entry_of(single)
+
+
+# A listing as nvdisasm -c prints one: an outer loop (.L_x_0) around an inner one (.L_x_1), and a forward branch
+SASS_LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+.L_x_1:
+        /*0020*/                   LDS.U8 R8, [R9] ;
+        /*0030*/                   LDS.U8 R10, [R9+0x80] ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/                   HMMA.16816.F32 R12, R4, R8, R12 ;
+        /*0060*/              @P1 BRA `(.L_x_2) ;
+        /*0070*/                   BRA `(.L_x_0) ;
+.L_x_2:
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_sass_loop_reads_the_longest_loop_of_a_listing():
+    sass_loop = load("sass_loop")
+    loop = sass_loop.longest_loop(SASS_LISTING)
+    assert len(loop) == 7 and "LDG.E.128" in loop[0] and "BRA `(.L_x_0)" in loop[-1]
+    assert sass_loop.opcode_mix(loop, modifiers=True) == {"LDG.E.128": 1, "LDS.U8": 2, "BRA": 3, "HMMA.16816.F32": 1}
+    assert sass_loop.opcode_mix(loop)["LDS"] == 2
+    assert sass_loop.longest_loop("        /*0000*/                   EXIT ;") == []

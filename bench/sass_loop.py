@@ -1,0 +1,93 @@
+"""A compiled kernel's hot loop, read on the CPU: registers, stack, and the instruction mix of the longest loop in
+its sm_90 SASS (Triton's own ptxas and nvdisasm; no GPU).
+
+    PYTHONPATH=src python bench/sass_loop.py [--list] [--dump DIR] WORD...
+
+The variants are tests/sm90_variants.py's, every one the package can launch; WORDs pick those whose names hold
+all of them (e.g. `decode single_split=True fp8`). Counting a loop's instructions per iteration against the bytes
+it moves is how the fp8 KV cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls
+themselves need the GPU (bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# an instruction line of nvdisasm's listing: /*0a10*/ [@!P0] OPCODE.MODIFIERS operands ;
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def longest_loop(sass: str) -> list[str]:
+    """The instruction lines between the label and the backward branch of the longest loop (a BRA to a label
+    above it); [] if there is none."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
+    best = (0, 0, -1)
+    for i, line in enumerate(lines):
+        m = BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[0]:
+            best = (i - labels[m.group(1)], labels[m.group(1)], i)
+    _, start, end = best
+    return [line for line in lines[start:end + 1] if INSTRUCTION.match(line)]
+
+
+def opcode_mix(lines: list[str], modifiers: bool = False) -> Counter:
+    """Instructions by opcode (LDS.U8 and LDS.128 apart with modifiers, both LDS without)."""
+    ops = (INSTRUCTION.match(line).group(1) for line in lines)
+    return Counter(op if modifiers else op.split(".")[0] for op in ops)
+
+
+def disassemble(cubin: bytes) -> str:
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def fail(why: str) -> None:
+    print(f"bench/sass_loop.py: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("words", nargs="*", help="pick the variants whose names hold all of these")
+    ap.add_argument("--list", action="store_true", help="print the picked variants' names only")
+    ap.add_argument("--dump", type=Path, help="write each variant's SASS to DIR")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        fail("unset TRITON_INTERPRET (it makes @jit interpreted, and nothing compiles)")
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sm90_variants
+    jobs = [job for job in sm90_variants.jobs if all(w in job[0] for w in args.words)]
+    if not jobs:
+        fail(f"no variant's name holds all of {args.words} (--list shows them)")
+    for name, compile_variant, variant_args in jobs:
+        if args.list:
+            print(name)
+            continue
+        compiled = compile_variant(*variant_args)
+        sass = disassemble(compiled.asm["cubin"])
+        if args.dump:
+            args.dump.mkdir(parents=True, exist_ok=True)
+            (args.dump / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", name) + ".sass")).write_text(sass)
+        regs, stack = sm90_variants.registers(compiled) or (None, None)
+        loop = longest_loop(sass)
+        print(f"{name}\n  {regs} registers, {stack} bytes of stack; longest loop: {len(loop)} instructions")
+        print("  " + ", ".join(f"{op} {n}" for op, n in opcode_mix(loop, modifiers=True).most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
