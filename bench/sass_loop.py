@@ -2,9 +2,12 @@
 its sm_90 SASS (Triton's own ptxas and nvdisasm; no GPU).
 
     PYTHONPATH=src python bench/sass_loop.py [--list] [--dump DIR] WORD...
+    PYTHONPATH=src python bench/sass_loop.py --plans
 
 The variants are tests/sm90_variants.py's, every one the package can launch; WORDs pick those whose names hold
-all of them (e.g. `decode single_split=True fp8`). Counting a loop's instructions per iteration against the bytes
+all of them (e.g. `decode single_split=True fp8`). --plans compiles instead every GEMV config that
+quant_configs.json's plans launch (each tier at its token tile, gate|up shapes with their act*mul epilogue) and
+names those that spill under their register budget. Counting a loop's instructions per iteration against the bytes
 it moves is how the fp8 KV cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls
 themselves need the GPU (bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
 """
@@ -56,6 +59,37 @@ def disassemble(cubin: bytes) -> str:
         return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def plan_gemv_launches(table: dict) -> list[tuple[str, dict, int]]:
+    """(label, the GEMV kernel's constants, register budget) of every GEMV call quant_configs.json's plans make:
+    each "gemv_upto" tier at 8-token tiles (16 past 8 tokens), and "gemv" at 16 and, without a tier up to 8
+    tokens, at 8 too (a shape's GEMM may take the 16-token calls: compiled anyway; a routed GEMV's slots are
+    8 or 16 pairs as well)."""
+    from cobatch.kernels import quant_pack
+    launches = []
+    for fmt_name, fmt_table in table["formats"].items():
+        fmt = quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[fmt_name])
+        for shape, entry in fmt_table.get("shapes", {}).items():
+            if "gemv" not in entry:
+                continue
+            act, routed = int(shape in GATE_UP_SHAPES), shape in ROUTED_SHAPES
+            tiers = sorted((int(n), c) for n, c in (entry.get("gemv_upto") or {}).items())
+            calls = [(f"upto {n}", c, 8 if n <= 8 else 16) for n, c in tiers] + [("gemv", entry["gemv"], 16)]
+            if not any(n >= 8 for n, _ in tiers):
+                calls.append(("gemv", entry["gemv"], 8))
+            for tier, c, bt in calls:
+                constants = dict(FMT=fmt, W=c["W"], RT=c["RT"], BT=bt, SPLIT_K=c["split_k"], EVEN_K=True, U=c["U"],
+                                 D=c["D"], ROUTED=routed, ACT=act, PDL=bt == 8)
+                launches.append((f"{fmt_name} {shape} {tier} bt={bt}", constants, c.get("R") or None))
+    return launches
+
+
+# How quant_configs.json's shapes run beyond a plain GEMV: gate|up with the act*mul epilogue (Llama-3-8B's;
+# DeepSeek-V2-Lite's shared experts'), routed over stacked experts (V2-Lite's routed down), or both (its routed
+# gate|up)
+GATE_UP_SHAPES = {"28672x4096", "5632x2048", "2816x2048"}
+ROUTED_SHAPES = {"2816x2048", "2048x1408"}
+
+
 def fail(why: str) -> None:
     print(f"bench/sass_loop.py: {why}", file=sys.stderr)
     sys.exit(2)
@@ -66,11 +100,21 @@ def main() -> None:
     ap.add_argument("words", nargs="*", help="pick the variants whose names hold all of these")
     ap.add_argument("--list", action="store_true", help="print the picked variants' names only")
     ap.add_argument("--dump", type=Path, help="write each variant's SASS to DIR")
+    ap.add_argument("--plans", action="store_true", help="every GEMV config of quant_configs.json's plans: spills")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         fail("unset TRITON_INTERPRET (it makes @jit interpreted, and nothing compiles)")
     sys.path.insert(0, str(ROOT / "tests"))
     import sm90_variants
+    if args.plans:
+        import json
+        from cobatch.kernels import matmul_plans, quant_gemv
+        for label, constants, budget in plan_gemv_launches(json.loads(matmul_plans.CONFIG_PATH.read_text())):
+            compiled = sm90_variants.compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"],
+                                                            budget)
+            regs, stack = sm90_variants.registers(compiled)
+            print(f"{'SPILLS' if stack else 'ok':>6} {regs:>3} registers, {stack:>3} bytes of stack: {label}")
+        return
     jobs = [job for job in sm90_variants.jobs if all(w in job[0] for w in args.words)]
     if not jobs:
         fail(f"no variant's name holds all of {args.words} (--list shows them)")

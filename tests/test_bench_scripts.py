@@ -384,3 +384,21 @@ def test_sass_loop_reads_the_longest_loop_of_a_listing():
     assert sass_loop.opcode_mix(loop, modifiers=True) == {"LDG.E.128": 1, "LDS.U8": 2, "BRA": 3, "HMMA.16816.F32": 1}
     assert sass_loop.opcode_mix(loop)["LDS"] == 2
     assert sass_loop.longest_loop("        /*0000*/                   EXIT ;") == []
+
+
+def test_sass_loop_lists_every_gemv_launch_of_a_plan_table():
+    """A plan with a tier up to 8 tokens runs its default at 16-token tiles only; one without, at 8 and 16; a
+    q4_K weight's planes are q4_1's; a gate|up shape gets the act*mul epilogue."""
+    from cobatch.kernels import quant_pack
+    sass_loop = load("sass_loop")
+    cfg = {"W": 4, "RT": 1, "split_k": 2, "U": 8, "D": 0, "R": 128}
+    table = {"formats": {
+        "q4_k": {"shapes": {"28672x4096": {"gemv": cfg, "gemv_upto": {"8": {**cfg, "U": 4}}}}},
+        "q8_0": {"shapes": {"4096x4096": {"gemv": {**cfg, "R": 0}}, "1024x4096": {"narrow": {}}}}}}
+    launches = sass_loop.plan_gemv_launches(table)
+    assert [label for label, _, _ in launches] == ["q4_k 28672x4096 upto 8 bt=8", "q4_k 28672x4096 gemv bt=16",
+                                                    "q8_0 4096x4096 gemv bt=16", "q8_0 4096x4096 gemv bt=8"]
+    (_, tier, budget), (_, gate_up, _), (_, q8, no_budget), _ = launches
+    assert tier["FMT"] == quant_pack.Q4_1 and tier["U"] == 4 and tier["PDL"] and budget == 128
+    assert gate_up["ACT"] == 1 and gate_up["BT"] == 16 and not gate_up["PDL"] and not gate_up["ROUTED"]
+    assert q8["FMT"] == quant_pack.Q8_0 and q8["ACT"] == 0 and no_budget is None
