@@ -220,7 +220,7 @@ class MlaPrefillConfig:
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
-    fp8_words: bool = True       # an fp8 cache's rows loaded as 32-bit words (attention._load_rows)
+    fp8_words: bool = DECODE_CONFIG.fp8_words    # an fp8 cache's rows loaded as 32-bit words (attention._load_rows)
 
 
 MLA_PREFILL_CONFIG = MlaPrefillConfig()
