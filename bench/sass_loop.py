@@ -6,8 +6,9 @@ its sm_90 SASS (Triton's own ptxas and nvdisasm; no GPU).
 
 The variants are tests/sm90_variants.py's, every one the package can launch; WORDs pick those whose names hold
 all of them (e.g. `decode single_split=True fp8`). --plans compiles instead every GEMV config that
-quant_configs.json's plans launch (each tier at its token tile, gate|up shapes with their act*mul epilogue) and
-names those that spill under their register budget. Counting a loop's instructions per iteration against the bytes
+quant_configs.json's plans launch (each tier at its token tile, gate|up shapes with their act*mul epilogue, f16
+activations as decode steps hand them over: PackedWeight.operand_dtype) and names those that spill under their
+register budget. Counting a loop's instructions per iteration against the bytes
 it moves is how the fp8 KV cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls
 themselves need the GPU (bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
 """
@@ -111,7 +112,7 @@ def main() -> None:
         from cobatch.kernels import matmul_plans, quant_gemv
         for label, constants, budget in plan_gemv_launches(json.loads(matmul_plans.CONFIG_PATH.read_text())):
             compiled = sm90_variants.compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"],
-                                                            budget)
+                                                            budget, activations="fp16")
             regs, stack = sm90_variants.registers(compiled)
             print(f"{'SPILLS' if stack else 'ok':>6} {regs:>3} registers, {stack:>3} bytes of stack: {label}")
         return

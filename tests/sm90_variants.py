@@ -229,9 +229,10 @@ variants["moe route sigmoid bias groups"] = (
 
 
 
-def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descriptors=None):
+def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descriptors=None, activations="bf16"):
     # A Gluon kernel over the packed planes (quant_gemv.py, quant_gemm.py): their own front end, q6_K's f32
-    # super-block scales, bf16 activations; `descriptors` names the arguments that are TMA tensor descriptors.
+    # super-block scales, bf16 activations (or `activations`); `descriptors` names the arguments that are TMA
+    # tensor descriptors.
     from triton.experimental.gluon._runtime import GluonASTSource
     # constexpr parameters a variant leaves out take their defaults (as a launch that does not name them)
     constants = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.has_default}, **constants}
@@ -249,7 +250,7 @@ def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descripto
         elif name in ("qs_ptr", "sub_ptr", "qh_ptr"):
             signature[name] = "*u8"
         elif name in ("x_ptr", "out_ptr"):
-            signature[name] = "*bf16"
+            signature[name] = f"*{activations}"
         else:
             signature[name] = "*i32" if name.endswith("_ptr") else "i32"
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
