@@ -365,6 +365,12 @@ def compile_gemm_ring_for_h200(constants):
     return _require_pipelined_wgmma(compiled)
 
 
+def ring_flags(apart, persist, lag, ahead) -> str:
+    """The ring variants' name suffix for their boolean switches."""
+    return "".join(f" {name}" for name, on in (("apart", apart), ("persist", persist), ("lag", lag), ("ahead", ahead))
+                   if on)
+
+
 gemm_ring_variants = {}
 if quant_gemm.warpgroup_mma is not None:
     # the persistent grid (PERSIST: work items walked by each CTA) with and without APART and split-K; LAG (MMAs in
@@ -386,8 +392,7 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q5_1, 8, 64, 1, 1, 8, 2, True, True, True, True),
             (quant_pack.Q5_0, 4, 64, 2, 0, 8, 2, False, False, True, True)):
         gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn} split_k={split} act={act} ring={s}x{c}"
-                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
-                           f"{' ahead' if ahead else ''}"] = dict(
+                           f"{ring_flags(apart, persist, lag, ahead)}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
             AHEAD=ahead, PDL=True)
     # token tiles of 96, 160 and 192 as two accumulators (quant_gemm.SPLIT_TILES): the committed plans' kinds of ring
@@ -399,8 +404,7 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q8_0, 8, 128, 64, 4, 0, 4, 2, True, False, True, False),
             (quant_pack.Q6_K, 4, 64, 32, 2, 0, 8, 2, False, False, True, True)):
         gemm_ring_variants[f"gemm ring fmt={fmt} nw={nw} bn={bn}+{bn2} split_k={split} act={act} ring={s}x{c}"
-                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
-                           f"{' ahead' if ahead else ''}"] = dict(
+                           f"{ring_flags(apart, persist, lag, ahead)}"] = dict(
             FMT=fmt, NW=nw, BN=bn, BN2=bn2, SPLIT_K=split, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
             AHEAD=ahead, PDL=True)
     # routed over stacked experts (an MoE step's slots): a CTA of one item skipping an empty slot, with LAG's tail
@@ -414,8 +418,7 @@ if quant_gemm.warpgroup_mma is not None:
             (quant_pack.Q8_0, 8, 128, 1, 2, 4, False, True, True, True),
             (quant_pack.Q4_1, 8, 64, 1, 8, 2, False, True, True, True)):
         gemm_ring_variants[f"gemm ring routed fmt={fmt} nw={nw} bn={bn} act={act} ring={s}x{c}"
-                           f"{' apart' if apart else ''}{' persist' if persist else ''}{' lag' if lag else ''}"
-                           f"{' ahead' if ahead else ''}"] = dict(
+                           f"{ring_flags(apart, persist, lag, ahead)}"] = dict(
             FMT=fmt, NW=nw, BN=bn, SPLIT_K=1, C=c, S=s, ACT=act, APART=apart, PERSIST=persist, LAG=lag,
             AHEAD=ahead, PDL=True, ROUTED=True)
 
