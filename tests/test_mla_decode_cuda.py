@@ -4,7 +4,7 @@ CPU: where NVRTC is installed (the test extras install it), each variant the ben
 compiles for sm_90a without spills or serialized wgmmas, and the ring fits an SM. Hopper: outputs against the torch
 reference (mla_attention_ref) at DeepSeek's latent shapes, 16 and 128 heads, one split and several, cache blocks of
 16 and 64 rows, with every cache row past a sequence's length poisoned with NaN; a row's bits alone and among
-others; CUDA-graph replay.
+others; CUDA-graph replay; the same with an fp8 (e4m3) cache, against the reference on the same rounded values.
 """
 
 from __future__ import annotations
@@ -23,18 +23,31 @@ from conftest import requires_hopper  # noqa: E402
 from kernel_checks import poisoned, relative_error  # noqa: E402
 
 LAT, ROPE, SCALE = 512, 64, 192 ** -0.5
-CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5), MlaCudaConfig(early=False)]
+FP8 = torch.float8_e4m3fn
+CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5, fp8_segments=8), MlaCudaConfig(early=False)]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["ring10", "ring5", "late"])
-@pytest.mark.parametrize("single,bf16,block", [(False, True, 16), (True, True, 64), (False, False, 64)])
-def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, single, bf16, block):
-    _, log = nvrtc.compile_cubin(mla_decode_cuda.source(cfg, LAT, ROPE, block, single, bf16, True, 64), "mla_decode",
-                                 "90a", ("--ptxas-options=-v",))
+@pytest.mark.parametrize("single,bf16,block,fp8", [(False, True, 16, False), (True, True, 64, False),
+                                                  (False, False, 64, False), (False, True, 16, True),
+                                                  (True, True, 64, True), (False, False, 64, True)])
+def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, single, bf16, block, fp8):
+    _, log = nvrtc.compile_cubin(mla_decode_cuda.source(cfg, LAT, ROPE, block, single, bf16, True, 64, fp8),
+                                 "mla_decode", "90a", ("--ptxas-options=-v",))
     assert "spill" not in log or " 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "C751" not in log, log          # ptxas's "wgmma serialized" warnings
-    assert mla_decode_cuda.smem_bytes(cfg, LAT, ROPE) <= mla_decode_cuda.SMEM_LIMIT
+    assert mla_decode_cuda.smem_bytes(cfg, LAT, ROPE, fp8) <= mla_decode_cuda.SMEM_LIMIT
+
+
+def test_an_fp8_ring_holds_the_bytes_of_the_16_bit_one():
+    """e4m3 rows are half as wide: the default fp8 ring holds twice the segments in about the same shared memory,
+    and one of 8 segments leaves room for two CTAs an SM."""
+    cfg = MlaCudaConfig()
+    assert cfg.ring(True) == 2 * cfg.ring(False)
+    assert abs(mla_decode_cuda.smem_bytes(cfg, LAT, ROPE, True) - mla_decode_cuda.smem_bytes(cfg, LAT, ROPE)) < 4096
+    assert mla_decode_cuda.ctas_per_sm(MlaCudaConfig(fp8_segments=8), LAT, ROPE, True) == 2
+    assert mla_decode_cuda.ctas_per_sm(cfg, LAT, ROPE, True) == 1
 
 
 def test_unsupported_calls_say_why():
@@ -52,6 +65,12 @@ def test_unsupported_calls_say_why():
     odd = torch.zeros(2, 16, LAT + ROPE + 4, dtype=torch.bfloat16)[..., :LAT + ROPE]   # rows 580 values apart
     assert "aligned" in mla_decode_cuda.unsupported(odd[..., :LAT], odd[..., LAT:], cache, 64)
     assert not mla_decode_cuda.supports(lat, rope, cache, 64)          # not on the CPU
+    fp8 = cache.to(FP8)
+    assert "COBATCH_MLA_CUDA_FP8" in mla_decode_cuda.unsupported(lat, rope, fp8, 64, fp8=False)
+    assert mla_decode_cuda.unsupported(lat, rope, fp8, 64, fp8=True) is None
+    assert "128" in mla_decode_cuda.unsupported(q[..., :LAT - 64], q[..., LAT - 64:], fp8, 64, fp8=True)
+    assert "dtypes" in mla_decode_cuda.unsupported(lat.float(), rope.float(), fp8, 64, fp8=True)
+    assert "ring" in mla_decode_cuda.unsupported(lat, rope, fp8, 64, MlaCudaConfig(fp8_segments=24), fp8=True)
 
 
 def _latent_inputs(seq_lens: list[int], n_heads: int, block: int, seed: int, dtype=torch.bfloat16):
@@ -154,3 +173,61 @@ def test_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=True))
+
+
+@pytest.fixture
+def cuda_fp8(monkeypatch):
+    """The CUDA kernel takes fp8 caches, as COBATCH_MLA_CUDA_FP8=1 has it."""
+    monkeypatch.setattr(mla_decode_cuda, "MLA_CUDA_FP8", True)
+
+
+def _fp8_inputs(seq_lens: list[int], n_heads: int, block: int, seed: int, dtype=torch.bfloat16):
+    """_latent_inputs with the cache in e4m3 (rows past each length stay NaN), and the reference on those values."""
+    q, pool, meta = _latent_inputs(seq_lens, n_heads, block, seed, dtype)
+    pool = pool.to(FP8)
+    return q, pool, meta, mla_attention_ref(q, torch.nan_to_num(pool.float()), meta, SCALE, LAT)
+
+
+@requires_hopper
+@pytest.mark.parametrize("n_heads", [16, 128, 20])
+@pytest.mark.parametrize("plan", [MLA_CUDA_PLAN, ONE_SPLIT, SPLITS], ids=["default", "one", "splits"])
+@pytest.mark.parametrize("block", [16, 64])
+def test_an_fp8_cache_matches_the_reference(cuda_fp8, n_heads, plan, block):
+    """As test_matches_the_reference, the rows in e4m3: widened to f16 beside f16 queries (bf16 ones converted)."""
+    q, pool, meta, ref = _fp8_inputs([1, 17, 65, 700, 0, 4000], n_heads, block, seed=n_heads + block)
+    assert mla_decode_cuda.supports(q[..., :LAT], q[..., LAT:], pool.flatten(2), 64)
+    got = mla_decode_attention(q, pool, meta, SCALE, LAT, out=poisoned((6, n_heads, LAT), torch.bfloat16), cfg=plan,
+                               cuda=True)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[4], torch.zeros_like(got[4]))
+    assert relative_error(got, ref) < 1e-2
+
+
+@requires_hopper
+def test_an_fp8_cache_with_f16_queries_and_the_triton_kernel_agree(cuda_fp8):
+    """f16 queries (no conversion in the queries' image), and the Triton kernels on the same call within the same
+    bound: both read the same e4m3 values."""
+    q, pool, meta, ref = _fp8_inputs([1, 300, 5000], 16, 16, seed=13, dtype=torch.float16)
+    got = mla_decode_attention(q, pool, meta, SCALE, LAT, out=poisoned((3, 16, LAT), torch.float16), cuda=True)
+    assert relative_error(got, ref) < 1e-2
+    triton = mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=False)
+    assert relative_error(triton, ref) < 1e-2
+
+
+@requires_hopper
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["ring10", "ring5", "late"])
+def test_each_fp8_ring_gives_the_same_bits(cuda_fp8, cfg):
+    q, pool, meta, ref = _fp8_inputs([3000, 129, 8192], 16, 16, seed=9)
+    want = mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=True)
+    assert relative_error(want, ref) < 1e-2
+    assert torch.equal(mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=True, cuda_cfg=cfg), want)
+
+
+@requires_hopper
+def test_an_fp8_row_has_the_same_bits_alone_and_batched(cuda_fp8):
+    q, pool, meta, _ = _fp8_inputs([5000, 40, 700], 16, 16, seed=11)
+    batched = mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=True)
+    for r in range(3):
+        alone = AttentionMetadata(meta.slot_mapping[r:r + 1], meta.query_start[:2], meta.seq_lens[r:r + 1],
+                                  meta.block_tables[r:r + 1], 1, meta.max_seq_len)
+        assert torch.equal(mla_decode_attention(q[r:r + 1], pool, alone, SCALE, LAT, cuda=True), batched[r:r + 1]), r

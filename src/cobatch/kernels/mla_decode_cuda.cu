@@ -16,23 +16,37 @@
 //   out^T [LAT, 16 heads] += rows^T [LAT, 64 rows] x p^T: A from registers (ldmatrix.trans of each segment), LAT / 64
 //     m64 tiles, the accumulator 64 floats a thread.
 // A segment slot goes back to the producer once both products that read it retired (an arrive per consumer warp).
+//
+// An fp8 (e4m3) cache (FP8) keeps its rows at half the pitch and widens them to f16 on their way from shared memory
+// into the A registers, beside f16 queries, one cvt.rn.f16x2.e4m3x2 per two values. Both products' ldmatrix then
+// move 16-bit units of two e4m3 bytes, so each product takes its K or M side in another order, which changes no
+// sum's terms:
+//   scores: a thread's unit pair (bytes 4c..4c+3 of a row's 16-byte chunk) is the A fragment's K slots 2c, 2c + 1,
+//     2c + 8, 2c + 9 of that k-step, and the queries' image holds each chunk's values in that order (q_chunk_word);
+//   output: ldmatrix.trans gives a thread one unit (dims 2g, 2g + 1) of cached rows 2c and 2c + 1; a prmt pairs the
+//     rows by dim, so the fragment's M rows g and g + 8 are the warp's dims 2g and 2g + 1 (the store follows).
 // Rows past the chunk's end are masked: their scores to -inf, their values to zero in the registers (a slot may hold
 // anything there). A split's (max, sum, acc) is stored at its end, as the Triton kernel stores it, or, with one
 // split (SINGLE), the row's output.
 //
 // Compiled with: LAT, ROPE (the latent and rope widths, multiples of 64), BLOCK (the cache's rows a
-// block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 cache and queries, 0: f16), PDL,
+// block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 queries and output, 0: f16), FP8
+// (1: an e4m3 cache, 0: the queries' dtype), PDL,
 // EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget).
 
 #if SEGS < 4
 #error "the ring holds a whole tile: 4 segments at least"
 #endif
+#if FP8 && LAT % 128
+#error "an fp8 cache's output product takes its m64 tiles in pairs"
+#endif
 #define HB 16                                 // query heads a CTA: wgmma's N
 #define TILE 64                               // cached rows a tile: wgmma's M
 #define WIDTH (LAT + ROPE)
 #define KSTEPS (WIDTH / 16)
-#define ROW_BYTES (WIDTH * 2)
-#define PITCH (ROW_BYTES + 16)
+#define ELEM (FP8 ? 1 : 2)                     // a cached value's bytes
+#define ROW_BYTES (WIDTH * ELEM)
+#define PITCH (ROW_BYTES + 16)                // an odd multiple of 16 bytes mod 128: conflict-free ldmatrix
 #define SEG_BYTES (16 * PITCH)
 #define Q_BYTES (HB * WIDTH * 2)
 #define P_BYTES (HB * TILE * 2)
@@ -47,17 +61,46 @@
 #define NEG_INF __int_as_float(0xff800000)
 
 #if BF16
-#define WGMMA_TYPES "bf16.bf16"
 #define CVT_OUT "cvt.rn.bf16.f32"
 #else
-#define WGMMA_TYPES "f16.f16"
 #define CVT_OUT "cvt.rn.f16.f32"
+#endif
+#if BF16 && !FP8
+#define WGMMA_TYPES "bf16.bf16"
+#else
+#define WGMMA_TYPES "f16.f16"
 #endif
 
 static __device__ __forceinline__ u16 to_half(float v) {
     u16 h;
     asm(CVT_OUT " %0, %1;" : "=h"(h) : "f"(v));
     return h;
+}
+
+// four e4m3 bytes -> two f16x2: bytes 0, 1 into lo, 2, 3 into hi (the low byte into the low half)
+static __device__ __forceinline__ void e4m3x4_to_f16(u32 w, u32& lo, u32& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+        : "=r"(lo), "=r"(hi) : "r"(w));
+}
+
+static __device__ __forceinline__ u32 prmt(u32 a, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+    return r;
+}
+
+// one word (two 16-bit values) of the queries' image: values of a 16-value chunk whose words are w[0..7]; with an fp8
+// cache the image's K order is the scores' (the header): its even 8 values are the chunk's words 0, 2, 4, 6 and its
+// odd 8 the words 1, 3, 5, 7, widened bf16 -> f16 where the queries are bf16
+static __device__ __forceinline__ u32 to_operand(u32 pair) {
+#if FP8 && BF16
+    const float lo = __uint_as_float(pair << 16), hi = __uint_as_float(pair & 0xFFFF0000u);
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pair;
+#endif
 }
 
 static __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&a)[4]) {
@@ -103,7 +146,7 @@ static __device__ __forceinline__ float warp_sum_over_rows(float v) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
+mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsigned char* __restrict__ cache,
            const int* __restrict__ block_tables, const int* __restrict__ seq_lens, u16* __restrict__ out,
            float* __restrict__ part_acc, float* __restrict__ part_ml,
            long long q_row_stride, long long q_head_stride, long long qr_row_stride, long long qr_head_stride,
@@ -156,7 +199,8 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
                 __syncwarp();
                 if (lane < rows)
                     bulk_copy(base + slot * SEG_BYTES + lane * PITCH,
-                              cache + blk * cache_block_stride + (long long)(t0 % BLOCK + lane) * WIDTH, ROW_BYTES,
+                              cache + (blk * cache_block_stride + (long long)(t0 % BLOCK + lane) * WIDTH) * ELEM,
+                              ROW_BYTES,
                               full + 8 * slot);
             }
         }
@@ -174,10 +218,17 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
     for (int idx = tid; idx < HB * WIDTH / 8; idx += 128) {
         const int kc = idx / HB, h = idx % HB, head = head0 + h;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (head < n_heads && kc < LAT / 8)
-            v = *(const uint4*)(q + seq * q_row_stride + head * q_head_stride + 8 * kc);
-        else if (head < n_heads)
-            v = *(const uint4*)(q_rope + seq * qr_row_stride + head * qr_head_stride + 8 * (kc - LAT / 8));
+        if (head < n_heads) {
+            const u16* src = kc < LAT / 8 ? q + seq * q_row_stride + head * q_head_stride + 8 * kc
+                                          : q_rope + seq * qr_row_stride + head * qr_head_stride + 8 * (kc - LAT / 8);
+#if FP8
+            const u32* w = (const u32*)(src - 8 * (kc & 1));    // the 16-value chunk
+            const int odd = kc & 1;
+            v = make_uint4(to_operand(w[odd]), to_operand(w[2 + odd]), to_operand(w[4 + odd]), to_operand(w[6 + odd]));
+#else
+            v = *(const uint4*)src;
+#endif
+        }
         *(uint4*)(smem + Q_OFF + kc * 256 + (h / 8) * 128 + (h % 8) * 16) = v;
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the wgmmas read it through the async proxy
@@ -208,11 +259,24 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
 #pragma unroll
         for (int grp = 0; grp < KSTEPS / 4; ++grp) {
             u32 (&ag)[4][4] = a[grp & 1];
+#if FP8
+            // two k-steps an ldmatrix: units of rows g and g + 8 in each of two 16-byte chunks
+#pragma unroll
+            for (int k = 0; k < 4; k += 2) {
+                u32 r[4] = {0, 0, 0, 0};
+                if (have) ldsm_x4(rows_addr + (grp * 2 + k / 2) * 32, r);
+                e4m3x4_to_f16(r[0], ag[k][0], ag[k][2]);
+                e4m3x4_to_f16(r[1], ag[k][1], ag[k][3]);
+                e4m3x4_to_f16(r[2], ag[k + 1][0], ag[k + 1][2]);
+                e4m3x4_to_f16(r[3], ag[k + 1][1], ag[k + 1][3]);
+            }
+#else
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 if (have) ldsm_x4(rows_addr + (grp * 4 + k) * 32, ag[k]);
                 else ag[k][0] = ag[k][1] = ag[k][2] = ag[k][3] = 0;
             }
+#endif
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < 4; ++k) wgmma16(s, ag[k], b_descriptor(q_img + (grp * 4 + k) * 512));
@@ -286,12 +350,31 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
             const int seg_rows = min(16, tile_rows - 16 * kt);
             const u32 keep_lo = (2 * c < seg_rows ? 0xFFFFu : 0u) | (2 * c + 1 < seg_rows ? 0xFFFF0000u : 0u);
             const u32 keep_hi = (2 * c + 8 < seg_rows ? 0xFFFFu : 0u) | (2 * c + 9 < seg_rows ? 0xFFFF0000u : 0u);
+            u32 (&ak)[MT][4] = av[kt % AVB];
+#if FP8
+            // two m64 tiles an ldmatrix: the warp's 16 dims of rows 0-7 and 8-15 in each; (row 2c, row 2c + 1) of
+            // dim 2g is the fragment's row g, of dim 2g + 1 its row g + 8
+            const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + (lane % 8 + ((lane / 8) & 1) * 8) * PITCH
+                               + (lane / 16) * 64 + warp * 16;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt += 2) {
+                u32 r[4];
+                ldsm_x4_trans(v_addr + mt * 64, r);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) r[i] = prmt(r[i], 0x3120);
+                e4m3x4_to_f16(r[0], ak[mt][0], ak[mt][1]);
+                e4m3x4_to_f16(r[1], ak[mt][2], ak[mt][3]);
+                e4m3x4_to_f16(r[2], ak[mt + 1][0], ak[mt + 1][1]);
+                e4m3x4_to_f16(r[3], ak[mt + 1][2], ak[mt + 1][3]);
+            }
+#else
             const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + ((lane / 16) * 8 + lane % 8) * PITCH
                                + ((lane / 8) & 1) * 16 + warp * 32;
-            u32 (&ak)[MT][4] = av[kt % AVB];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4_trans(v_addr + mt * 128, ak[mt]);
+#endif
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                ldsm_x4_trans(v_addr + mt * 128, ak[mt]);
                 ak[mt][0] &= keep_lo; ak[mt][1] &= keep_lo; ak[mt][2] &= keep_hi; ak[mt][3] &= keep_hi;
             }
             wgmma_fence();
@@ -341,7 +424,7 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const u16*
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int dim = 64 * mt + 16 * warp + g + 8 * e;
+                        const int dim = 64 * mt + 16 * warp + (FP8 ? 2 * g + e : g + 8 * e);
                         const float v = o[mt][(h / 2) * 4 + 2 * e + h % 2];
 #if SINGLE
                         row[dim] = to_half(v * inv);

@@ -12,12 +12,17 @@ same reduce kernel as the Triton kernel, so a row's output depends on its own le
 order of sums). It runs bf16 or f16 caches of one latent head whose blocks hold whole 16-row segments, on Hopper;
 mla_decode_attention takes it where `supports` says so (unless COBATCH_MLA_CUDA=0). The torch reference is
 mla_attention.mla_attention_ref. Measured against the Triton kernel: bench/results/mla_cuda_ab.md.
+
+An fp8 (e4m3) cache, rows of half the bytes widened to f16 between shared memory and the wgmmas (the .cu header
+says how), is taken only with COBATCH_MLA_CUDA_FP8=1 until a measurement on the GPU puts it ahead of the Triton
+kernels, which run such caches otherwise.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,56 +39,68 @@ SM_SMEM = 228 * 1024      # an SM's shared memory, 1 KB of it reserved per CTA
 TILE = 64           # cached rows a tile (the kernel's wgmma M): the split plan's block_n
 HEADS = 16          # query heads a CTA (the kernel's wgmma N)
 DTYPES = {torch.bfloat16: 1, torch.float16: 0}
+FP8 = torch.float8_e4m3fn
+# an fp8 cache in this kernel (else the Triton kernels: mla_attention._split_kernel_triton)
+MLA_CUDA_FP8 = os.environ.get("COBATCH_MLA_CUDA_FP8", "0") == "1"
 
 
 @dataclass(frozen=True, slots=True)
 class MlaCudaConfig:
     """segments: the ring's slots of 16 cached rows (4 a tile; the shared memory holds up to 10 at DeepSeek's
-    576-wide rows). early: as a programmatic dependent, copy every segment but the step's new row's before waiting
-    for the kernel before (older rows are never written by it)."""
+    576-wide rows), fp8_segments: the same with an fp8 cache (up to 20: the same bytes in flight at 20). early: as
+    a programmatic dependent, copy every segment but the step's new row's before waiting for the kernel before
+    (older rows are never written by it)."""
     segments: int = 10
     early: bool = True
+    fp8_segments: int = 20
+
+    def ring(self, fp8: bool) -> int:
+        return self.fp8_segments if fp8 else self.segments
 
 
 MLA_CUDA_CONFIG = MlaCudaConfig()
 
 
-def smem_bytes(cfg: MlaCudaConfig, lat: int, rope: int) -> int:
-    pitch = (lat + rope) * 2 + 16
-    return cfg.segments * 16 * pitch + HEADS * (lat + rope) * 2 + HEADS * TILE * 2 + 3 * 4 * HEADS * 4 \
-        + 16 * cfg.segments
+def smem_bytes(cfg: MlaCudaConfig, lat: int, rope: int, fp8: bool = False) -> int:
+    """The ring (rows of 1 or 2 bytes a value, 16 bytes apart), the queries' and p's 16-bit images, the softmax's
+    exchange and the ring's barriers."""
+    segments, pitch = cfg.ring(fp8), (lat + rope) * (1 if fp8 else 2) + 16
+    return segments * 16 * pitch + HEADS * (lat + rope) * 2 + HEADS * TILE * 2 + 3 * 4 * HEADS * 4 + 16 * segments
 
 
-def ctas_per_sm(cfg: MlaCudaConfig, lat: int, rope: int) -> int:
+def ctas_per_sm(cfg: MlaCudaConfig, lat: int, rope: int, fp8: bool = False) -> int:
     """1 or 2: as many CTAs as the ring lets an SM hold (their registers are budgeted for that many)."""
-    return 2 if 2 * (smem_bytes(cfg, lat, rope) + 1024) <= SM_SMEM else 1
+    return 2 if 2 * (smem_bytes(cfg, lat, rope, fp8) + 1024) <= SM_SMEM else 1
 
 
 def source(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf16: bool, pdl: bool,
-           min_split: int) -> str:
-    defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.segments, SINGLE=int(single), BF16=int(bf16),
-                   PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope))
+           min_split: int, fp8: bool = False) -> str:
+    """The kernel's text for one variant: bf16 the queries' (and output's) dtype, else f16; fp8 an e4m3 cache,
+    else the queries' dtype."""
+    defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.ring(fp8), SINGLE=int(single), BF16=int(bf16),
+                   FP8=int(fp8), PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split,
+                   MINB=ctas_per_sm(cfg, lat, rope, fp8))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + COMMON.read_text() + SOURCE.read_text()
 
 
 @functools.cache
 def cubin(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf16: bool, pdl: bool, min_split: int,
-          arch: str = "90a") -> tuple[bytes, str]:
-    return nvrtc.compile_cubin(source(cfg, lat, rope, block, single, bf16, pdl, min_split), "mla_decode", arch)
+          fp8: bool = False, arch: str = "90a") -> tuple[bytes, str]:
+    return nvrtc.compile_cubin(source(cfg, lat, rope, block, single, bf16, pdl, min_split, fp8), "mla_decode", arch)
 
 
 _kernels: dict[tuple, nvrtc.Kernel] = {}
 
 
 def kernel(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf16: bool, pdl: bool, min_split: int,
-           device: torch.device) -> nvrtc.Kernel:
-    key = (cfg, lat, rope, block, single, bf16, pdl, min_split, device.index)
+           fp8: bool, device: torch.device) -> nvrtc.Kernel:
+    key = (cfg, lat, rope, block, single, bf16, pdl, min_split, fp8, device.index)
     k = _kernels.get(key)
     if k is None:
         with torch.cuda.device(device):
-            binary = cubin(cfg, lat, rope, block, single, bf16, pdl, min_split, nvrtc.arch_of(device))[0]
-            k = nvrtc.Kernel(binary, "mla_decode", smem_bytes(cfg, lat, rope))
+            binary = cubin(cfg, lat, rope, block, single, bf16, pdl, min_split, fp8, nvrtc.arch_of(device))[0]
+            k = nvrtc.Kernel(binary, "mla_decode", smem_bytes(cfg, lat, rope, fp8))
         _kernels[key] = k
     return k
 
@@ -93,35 +110,41 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 
 
 def unsupported(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_n: int,
-                cfg: MlaCudaConfig = MLA_CUDA_CONFIG) -> str | None:
+                cfg: MlaCudaConfig = MLA_CUDA_CONFIG, fp8: bool | None = None) -> str | None:
     """Why the kernel cannot run this call's shapes, or None: q [N, H, lat], q_rope [N, H, rope] (both multiples of
-    64), cache [blocks, block_size, lat + rope] (one head, rows contiguous), all of one 16-bit dtype, 16-byte
-    aligned rows; the plan's tiles of 64 rows; a ring of a tile's segments at least, within an SM's shared
-    memory."""
+    64), cache [blocks, block_size, lat + rope] (one head, rows contiguous), all of one 16-bit dtype, or the cache
+    in e4m3 (with fp8, default MLA_CUDA_FP8; the latent then a multiple of 128), 16-byte aligned rows; the plan's
+    tiles of 64 rows; a ring of a tile's segments at least, within an SM's shared memory."""
     lat, rope = q.shape[2], q_rope.shape[2]
     width = lat + rope
-    if q.dtype not in DTYPES or not q.dtype == q_rope.dtype == cache.dtype:
-        return f"dtypes {q.dtype}, {q_rope.dtype}, {cache.dtype}: one of {list(DTYPES)} for all"
+    fp8_cache = cache.dtype == FP8
+    if fp8_cache and not (MLA_CUDA_FP8 if fp8 is None else fp8):
+        return "an fp8 cache: the Triton kernels (COBATCH_MLA_CUDA_FP8=1 takes this one)"
+    if q.dtype not in DTYPES or q.dtype != q_rope.dtype or not (fp8_cache or cache.dtype == q.dtype):
+        return f"dtypes {q.dtype}, {q_rope.dtype}, {cache.dtype}: one of {list(DTYPES)} for all, or an {FP8} cache"
     if block_n != TILE:
         return f"the plan's tiles are {block_n} rows, the kernel's {TILE}"
-    if lat % 64 or rope % 64 or cache.shape[2] != width or cache.stride(1) != width:
-        return f"latent {lat} and rope {rope} (multiples of 64), rows {cache.shape[2]} wide, contiguous"
+    if lat % (128 if fp8_cache else 64) or rope % 64 or cache.shape[2] != width or cache.stride(1) != width:
+        return f"latent {lat} and rope {rope} (multiples of 64; 128 for an fp8 latent), rows {cache.shape[2]} wide, " \
+               "contiguous"
     if cache.shape[1] % 16:
         return f"cache blocks of {cache.shape[1]} rows: whole segments of 16 needed"
-    if cfg.segments < 4 or smem_bytes(cfg, lat, rope) > SMEM_LIMIT:
-        return f"a ring of {cfg.segments} segments: 4 to {SMEM_LIMIT} bytes of shared memory"
+    segments = cfg.ring(fp8_cache)
+    if segments < 4 or smem_bytes(cfg, lat, rope, fp8_cache) > SMEM_LIMIT:
+        return f"a ring of {segments} segments: 4 to {SMEM_LIMIT} bytes of shared memory"
     if not (_aligned(q, q.stride(0), q.stride(1)) and _aligned(q_rope, q_rope.stride(0), q_rope.stride(1))
-            and _aligned(cache, cache.stride(0))):
+            and cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0):
         return "queries or cache blocks not 16-byte aligned"
     return None
 
 
 def supports(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_n: int,
-             cfg: MlaCudaConfig = MLA_CUDA_CONFIG, meta: AttentionMetadata | None = None) -> bool:
+             cfg: MlaCudaConfig = MLA_CUDA_CONFIG, meta: AttentionMetadata | None = None,
+             fp8: bool | None = None) -> bool:
     """Can the CUDA kernel run this call? Its shapes (unsupported), int32 block tables and lengths, on Hopper, with
     NVRTC."""
     int32 = meta is None or (meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32)
-    return (q.is_cuda and int32 and unsupported(q, q_rope, cache, block_n, cfg) is None
+    return (q.is_cuda and int32 and unsupported(q, q_rope, cache, block_n, cfg, fp8) is None
             and torch.cuda.get_device_capability(q.device)[0] == 9 and nvrtc.available())
 
 
@@ -136,7 +159,8 @@ def launch_split(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, blo
     rope = q_rope.shape[2]
     single = num_splits == 1
     device = device_key(q.device)
-    k = kernel(cfg, lat, rope, cache.shape[1], single, q.dtype == torch.bfloat16, pdl, min_split, device)
+    k = kernel(cfg, lat, rope, cache.shape[1], single, q.dtype == torch.bfloat16, pdl, min_split, cache.dtype == FP8,
+               device)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731
     i64 = ctypes.c_longlong
     args = [ptr(q), ptr(q_rope), ptr(cache), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_acc),
