@@ -13,7 +13,8 @@ Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguo
 --mla: the MLA decode path instead, as the package runs it (kernels/mla_attention.py: the CUDA C++ split kernel
 on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
-configs, each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent
+configs (with ATTN_KV_DTYPES=bf16,fp8 also an fp8 cache's, MLA_CUDA_FP8_SWEEP: the CUDA kernel taking e4m3 rows as
+COBATCH_MLA_CUDA_FP8=1 has it), each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent
 row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
 sequence's latent rows (576 values a token, in the cache's dtype; ATTN_KV_DTYPES=bf16,fp8: an fp8 cache too).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from cobatch.batch import AttentionMetadata
+from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
                                        paged_decode_attention, paged_prefill_attention)
 from cobatch.kernels import mla_attention
@@ -124,11 +126,12 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
     """The MLA decode kernel on `batch` sequences of `context` latent rows in 16-token pages scattered over the
     pool, R copies of the inputs as bench_decode. cfg None: the package's default path (the CUDA C++ kernel where
     mla_attention.MLA_CUDA and the GPU take it, each kernel on its own plan); else the Triton kernel on cfg, or
-    the CUDA one (cuda) on cfg. kv_dtype: the latent cache's (fp8: the Triton kernel, on its own plan)."""
+    the CUDA one (cuda) on cfg. kv_dtype: the latent cache's (fp8: the Triton kernel on its own plan, unless
+    mla_decode_cuda.MLA_CUDA_FP8)."""
     default = cfg is None
     if default:
         cuda = MlaCudaConfig() if (mla_attention.MLA_CUDA and torch.cuda.get_device_capability()[0] == 9
-                                   and kv_dtype == torch.bfloat16) else None
+                                   and (kv_dtype == torch.bfloat16 or mla_decode_cuda.MLA_CUDA_FP8)) else None
         cfg = mla_attention.MLA_CUDA_PLAN if cuda else MLA_DECODE_CONFIG
     width = MLA_LORA + MLA_ROPE
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
@@ -163,11 +166,31 @@ MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
 MLA_CUDA_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
     (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(segments=segs, early=early))
     for pps, segs, early in [(2, 10, True), (1, 10, True), (2, 5, True), (4, 5, True), (2, 10, False)]]
+# the same with an fp8 latent cache: the Triton kernel, then the CUDA one's rings of e4m3 rows (8 segments or fewer
+# leave room for two CTAs an SM)
+MLA_CUDA_FP8_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
+    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(fp8_segments=segs))
+    for pps, segs in [(1, 20), (1, 12), (2, 8), (2, 6)]]
 
 
-def mla_error(cfg: DecodeConfig, cuda: MlaCudaConfig | None, heads: int, seq_lens: list[int], seed: int) -> float:
+class _cuda_fp8:
+    """Within: the CUDA kernel takes an fp8 cache (mla_decode_cuda.MLA_CUDA_FP8), as COBATCH_MLA_CUDA_FP8=1 has
+    it."""
+    def __init__(self, enabled: bool):
+        self.enabled, self.saved = enabled, mla_decode_cuda.MLA_CUDA_FP8
+
+    def __enter__(self):
+        mla_decode_cuda.MLA_CUDA_FP8 = self.enabled
+
+    def __exit__(self, *exc):
+        mla_decode_cuda.MLA_CUDA_FP8 = self.saved
+
+
+def mla_error(cfg: DecodeConfig, cuda: MlaCudaConfig | None, heads: int, seq_lens: list[int], seed: int,
+              kv_dtype: torch.dtype = torch.bfloat16) -> float:
     """Relative error (max |got - ref| / max |ref|) of one config against mla_attention_ref, on rows of the given
-    lengths in 16-token pages scattered over a pool, rows past each length poisoned with NaN."""
+    lengths in 16-token pages scattered over a pool, rows past each length poisoned with NaN; kv_dtype the cache's
+    (the reference reads the same rounded values)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     width = MLA_LORA + MLA_ROPE
     pages = [-(-n // PAGE) for n in seq_lens]
@@ -187,29 +210,36 @@ def mla_error(cfg: DecodeConfig, cuda: MlaCudaConfig | None, heads: int, seq_len
                              torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), tables.cuda(), 1,
                              max(max(seq_lens), 1))
     scale = 192 ** -0.5
-    ref = mla_attention_ref(q, torch.nan_to_num(cache), meta, scale, MLA_LORA)
+    cache = cache.to(kv_dtype)
+    ref = mla_attention_ref(q, torch.nan_to_num(cache.float()), meta, scale, MLA_LORA)
     got = mla_decode_attention(q, cache, meta, scale, MLA_LORA, cfg=cfg, cuda=cuda is not None,
                                cuda_cfg=cuda or MlaCudaConfig()).float()
     return float(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).nan_to_num(float("inf")))
 
 
 def run_mla_cuda(copy_gbps: float) -> list[dict]:
-    """Each MLA_CUDA_SWEEP candidate: its error against the reference (16 and 128 heads; rows of 1, a page and a
-    bit, several splits), then its time on every shape."""
+    """Each MLA_CUDA_SWEEP candidate (and MLA_CUDA_FP8_SWEEP's where ATTN_KV_DTYPES has fp8): its error against the
+    reference (16 and 128 heads; rows of 1, a page and a bit, several splits), then its time on every shape."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for variant, (cfg, cuda) in enumerate(MLA_CUDA_SWEEP):
-        errors = {heads: mla_error(cfg, cuda, heads, [1, 17, 700, 8192, 0, 4000], seed=heads) for heads in (16, 128)}
-        for batch in BATCHES:
-            for context in MLA_CONTEXTS:
-                try:
-                    r = bench_mla_decode(batch, context, gen, cfg, 16, cuda)
-                    r["ratio_to_copy"] = r["gbps"] / copy_gbps
-                except Exception as e:
-                    r = {"kernel": "mla_decode_attention", "batch": batch, "context": context, "error": repr(e)[:300]}
-                r["variant"], r["max_rel_error"] = variant, errors
-                rows.append(r)
-        print(f"mla variant {variant} {'cuda ' + str(asdict(cuda)) if cuda else 'triton'} programs_per_sm "
+    sweeps = {"bf16": MLA_CUDA_SWEEP, "fp8": MLA_CUDA_FP8_SWEEP}
+    candidates = [(kv, cfg, cuda) for kv in RUN_KV_DTYPES for cfg, cuda in sweeps[kv]]
+    for variant, (kv, cfg, cuda) in enumerate(candidates):
+        kv_dtype = KV_DTYPES[kv]
+        with _cuda_fp8(cuda is not None):
+            errors = {heads: mla_error(cfg, cuda, heads, [1, 17, 700, 8192, 0, 4000], seed=heads, kv_dtype=kv_dtype)
+                      for heads in (16, 128)}
+            for batch in BATCHES:
+                for context in MLA_CONTEXTS:
+                    try:
+                        r = bench_mla_decode(batch, context, gen, cfg, 16, cuda, kv_dtype=kv_dtype)
+                        r["ratio_to_copy"] = r["gbps"] / copy_gbps
+                    except Exception as e:
+                        r = {"kernel": "mla_decode_attention", "batch": batch, "context": context,
+                             "error": repr(e)[:300]}
+                    r["variant"], r["max_rel_error"] = variant, errors
+                    rows.append(r)
+        print(f"mla variant {variant} {kv} {'cuda ' + str(asdict(cuda)) if cuda else 'triton'} programs_per_sm "
               f"{cfg.programs_per_sm} error {errors}: " + " ".join(
                   f"{r.get('us', float('nan')):.1f}us/{r.get('ratio_to_copy', 0):.0%}" for r in rows
                   if r["variant"] == variant), flush=True)
