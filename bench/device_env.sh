@@ -12,12 +12,21 @@ random_model() {
   path=/tmp/$shape-$quant${layers:+-${layers}l}.gguf
   if [ ! -f "$path" ]; then
     python3 -m cobatch.cli make-model random --shape "$shape" --quant "$quant" ${layers:+--layers "$layers"} \
-      --tokenizer-from "$TOKENIZER" -o "$path.tmp" > "$OUT/make-model.log" 2>&1 && mv "$path.tmp" "$path"
+      --tokenizer-from "$TOKENIZER" -o "$path.tmp" > "$OUT/make-model-$shape-$quant.log" 2>&1 && mv "$path.tmp" "$path"
     # write the file back to disk now, not under the benchmark that loads it: the host-timed prefill of a run
     # started right after 13 GB of fresh files took 3x its usual time in all three samples
     sync "$path" 2>/dev/null || sync
   fi
   echo "$path"
+}
+
+# random_models SHAPE QUANT...: random_model for each quant, the missing files written side by side (the writer is
+# one process a file, mostly single-threaded), then their paths one a line in the quants' order.
+random_models() {
+  local shape=$1 q; shift
+  for q in "$@"; do random_model "$shape" "$q" > /dev/null & done
+  wait
+  for q in "$@"; do random_model "$shape" "$q"; done
 }
 
 # quiet: drop the lines of warnings and progress that every benchmark prints.
