@@ -167,10 +167,10 @@ MLA_CUDA_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
     (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(segments=segs, early=early))
     for pps, segs, early in [(2, 10, True), (1, 10, True), (2, 5, True), (4, 5, True), (2, 10, False)]]
 # the same with an fp8 latent cache: the Triton kernel, then the CUDA one's rings of e4m3 rows (8 segments or fewer
-# leave room for two CTAs an SM)
+# leave room for two CTAs an SM), widened by cvt or, in the output's product, by bit moves (out_bits)
 MLA_CUDA_FP8_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
-    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(fp8_segments=segs))
-    for pps, segs in [(1, 20), (1, 12), (2, 8), (2, 6)]]
+    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(fp8_segments=segs, out_bits=bits))
+    for pps, segs, bits in [(1, 20, False), (1, 20, True), (1, 12, False), (2, 8, False), (2, 8, True), (2, 6, False)]]
 
 
 class _cuda_fp8:

@@ -18,20 +18,21 @@
 // A segment slot goes back to the producer once both products that read it retired (an arrive per consumer warp).
 //
 // An fp8 (e4m3) cache (FP8) keeps its rows at half the pitch and widens them to f16 on their way from shared memory
-// into the A registers, beside f16 queries, one cvt.rn.f16x2.e4m3x2 per two values. Both products' ldmatrix then
-// move 16-bit units of two e4m3 bytes, so each product takes its K or M side in another order, which changes no
-// sum's terms:
+// into the A registers, beside f16 queries: one cvt.rn.f16x2.e4m3x2 per two values, or, for the output's product with
+// OUT_BITS, bit moves on the integer pipe (e4m3x2_bits: the values times 2^-8, undone in the stored output; on the
+// scores' product they made ptxas serialize the wgmmas). Both products' ldmatrix move 16-bit units of two e4m3 bytes, so each
+// product takes its K or M side in another order, which changes no sum's terms:
 //   scores: a thread's unit pair (bytes 4c..4c+3 of a row's 16-byte chunk) is the A fragment's K slots 2c, 2c + 1,
-//     2c + 8, 2c + 9 of that k-step, and the queries' image holds each chunk's values in that order (q_chunk_word);
-//   output: ldmatrix.trans gives a thread one unit (dims 2g, 2g + 1) of cached rows 2c and 2c + 1; a prmt pairs the
-//     rows by dim, so the fragment's M rows g and g + 8 are the warp's dims 2g and 2g + 1 (the store follows).
+//     2c + 8, 2c + 9 of that k-step, and the queries' image holds each chunk's values in that order (to_operand);
+//   output: ldmatrix.trans gives a thread one unit (dims 2g, 2g + 1) of cached rows 2c and 2c + 1, paired by dim, so
+//     the fragment's M rows g and g + 8 are the warp's dims 2g and 2g + 1 (the store follows).
 // Rows past the chunk's end are masked: their scores to -inf, their values to zero in the registers (a slot may hold
 // anything there). A split's (max, sum, acc) is stored at its end, as the Triton kernel stores it, or, with one
 // split (SINGLE), the row's output.
 //
 // Compiled with: LAT, ROPE (the latent and rope widths, multiples of 64), BLOCK (the cache's rows a
 // block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 queries and output, 0: f16), FP8
-// (1: an e4m3 cache, 0: the queries' dtype), PDL,
+// (1: an e4m3 cache, 0: the queries' dtype), OUT_BITS, PDL,
 // EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget).
 
 #if SEGS < 4
@@ -39,6 +40,9 @@
 #endif
 #if FP8 && LAT % 128
 #error "an fp8 cache's output product takes its m64 tiles in pairs"
+#endif
+#if OUT_BITS && !FP8
+#error "OUT_BITS widens e4m3 rows"
 #endif
 #define HB 16                                 // query heads a CTA: wgmma's N
 #define TILE 64                               // cached rows a tile: wgmma's M
@@ -81,6 +85,14 @@ static __device__ __forceinline__ u16 to_half(float v) {
 static __device__ __forceinline__ void e4m3x4_to_f16(u32 w, u32& lo, u32& hi) {
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
         : "=r"(lo), "=r"(hi) : "r"(w));
+}
+
+// two e4m3 bytes, spread to bits 8-15 and 24-31 (the rest zero), -> f16x2 by bit moves: each byte's sign to the
+// f16's sign, its exponent and mantissa one bit lower, under f16's exponent field. f16's exponent bias is 8 more than
+// e4m3's, so each half reads as the value times 2^-8, exactly, subnormals included (e4m3's NaN bytes read as +-1.875:
+// only rows past a chunk's end hold them, and those are masked)
+static __device__ __forceinline__ u32 e4m3x2_bits(u32 spread) {
+    return (spread & 0x80008000u) | ((spread >> 1) & 0x3F803F80u);
 }
 
 static __device__ __forceinline__ u32 prmt(u32 a, u32 sel) {
@@ -265,10 +277,9 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
             for (int k = 0; k < 4; k += 2) {
                 u32 r[4] = {0, 0, 0, 0};
                 if (have) ldsm_x4(rows_addr + (grp * 2 + k / 2) * 32, r);
-                e4m3x4_to_f16(r[0], ag[k][0], ag[k][2]);
-                e4m3x4_to_f16(r[1], ag[k][1], ag[k][3]);
-                e4m3x4_to_f16(r[2], ag[k + 1][0], ag[k + 1][2]);
-                e4m3x4_to_f16(r[3], ag[k + 1][1], ag[k + 1][3]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)          // r[i]: row g (i even) or g + 8, k-step k + i / 2
+                    e4m3x4_to_f16(r[i], ag[k + i / 2][i % 2], ag[k + i / 2][i % 2 + 2]);
             }
 #else
 #pragma unroll
@@ -361,11 +372,16 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
                 u32 r[4];
                 ldsm_x4_trans(v_addr + mt * 64, r);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) r[i] = prmt(r[i], 0x3120);
-                e4m3x4_to_f16(r[0], ak[mt][0], ak[mt][1]);
-                e4m3x4_to_f16(r[1], ak[mt][2], ak[mt][3]);
-                e4m3x4_to_f16(r[2], ak[mt + 1][0], ak[mt + 1][1]);
-                e4m3x4_to_f16(r[3], ak[mt + 1][2], ak[mt + 1][3]);
+                for (int i = 0; i < 4; ++i) {        // r[i]: rows 0-7 (i even) or 8-15, m64 tile mt + i / 2
+                    u32 (&dst)[4] = ak[mt + i / 2];
+                    const int j = 2 * (i % 2);      // the fragment's K slots 2c, 2c + 1 or 2c + 8, 2c + 9
+#if OUT_BITS
+                    dst[j] = e4m3x2_bits(prmt(r[i], 0x2404));           // dim 2g of rows 2c, 2c + 1
+                    dst[j + 1] = e4m3x2_bits(prmt(r[i], 0x3414));       // dim 2g + 1
+#else
+                    e4m3x4_to_f16(prmt(r[i], 0x3120), dst[j], dst[j + 1]);
+#endif
+                }
             }
 #else
             const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + ((lane / 16) * 8 + lane % 8) * PITCH
@@ -425,7 +441,7 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int dim = 64 * mt + 16 * warp + (FP8 ? 2 * g + e : g + 8 * e);
-                        const float v = o[mt][(h / 2) * 4 + 2 * e + h % 2];
+                        const float v = o[mt][(h / 2) * 4 + 2 * e + h % 2] * (OUT_BITS ? 256.0f : 1.0f);
 #if SINGLE
                         row[dim] = to_half(v * inv);
 #else

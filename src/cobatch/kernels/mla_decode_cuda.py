@@ -49,10 +49,12 @@ class MlaCudaConfig:
     """segments: the ring's slots of 16 cached rows (4 a tile; the shared memory holds up to 10 at DeepSeek's
     576-wide rows), fp8_segments: the same with an fp8 cache (up to 20: the same bytes in flight at 20). early: as
     a programmatic dependent, copy every segment but the step's new row's before waiting for the kernel before
-    (older rows are never written by it)."""
+    (older rows are never written by it). out_bits: the output's product widens e4m3 rows by bit moves on the
+    integer pipe instead of the conversion unit's cvt (the .cu header says how)."""
     segments: int = 10
     early: bool = True
     fp8_segments: int = 20
+    out_bits: bool = False
 
     def ring(self, fp8: bool) -> int:
         return self.fp8_segments if fp8 else self.segments
@@ -78,7 +80,7 @@ def source(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf
     """The kernel's text for one variant: bf16 the queries' (and output's) dtype, else f16; fp8 an e4m3 cache,
     else the queries' dtype."""
     defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.ring(fp8), SINGLE=int(single), BF16=int(bf16),
-                   FP8=int(fp8), PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split,
+                   FP8=int(fp8), OUT_BITS=int(fp8 and cfg.out_bits), PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split,
                    MINB=ctas_per_sm(cfg, lat, rope, fp8))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + COMMON.read_text() + SOURCE.read_text()
