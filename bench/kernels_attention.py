@@ -14,8 +14,9 @@ Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguo
 on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
 configs (with ATTN_KV_DTYPES=bf16,fp8 also an fp8 cache's, MLA_CUDA_FP8_SWEEP: the CUDA kernel taking e4m3 rows as
-COBATCH_MLA_CUDA_FP8=1 has it), each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads, one latent
-row of 512 + 64 values per token) at B = 1, 8, 64 x context 512, 8192 (MLA_CONTEXTS): bytes counted, each
+COBATCH_MLA_CUDA_FP8=1 has it), each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads,
+or MLA_HEADS=128 as V2 and V3 have them; one latent row of 512 + 64 values per token) at B = 1, 8, 64 x context
+512, 8192 (MLA_CONTEXTS): bytes counted, each
 sequence's latent rows (576 values a token, in the cache's dtype; ATTN_KV_DTYPES=bf16,fp8: an fp8 cache too).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
@@ -48,7 +49,9 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 RUN_KV_DTYPES = tuple(os.environ.get("ATTN_KV_DTYPES", "bf16").split(","))
 CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = 2048
-MLA_HEADS, MLA_LORA, MLA_ROPE = 16, 512, 64          # DeepSeek-V2-Lite (V3: 128 heads, the same latent row)
+# DeepSeek-V2-Lite's 16 query heads (MLA_HEADS=128: V2's and V3's, the same latent row)
+MLA_HEADS = int(os.environ.get("MLA_HEADS", "16"))
+MLA_LORA, MLA_ROPE = 512, 64
 MLA_CONTEXTS = tuple(int(c) for c in os.environ.get("MLA_CONTEXTS", "512,8192").split(","))
 L2_FLUSH_BYTES = 256 << 20
 MIN_CALLS = 4
