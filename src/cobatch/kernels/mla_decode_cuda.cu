@@ -18,10 +18,10 @@
 // A segment slot goes back to the producer once both products that read it retired (an arrive per consumer warp).
 //
 // An fp8 (e4m3) cache (FP8) keeps its rows at half the pitch and widens them to f16 on their way from shared memory
-// into the A registers, beside f16 queries: one cvt.rn.f16x2.e4m3x2 per two values, or, for the output's product with
-// OUT_BITS, bit moves on the integer pipe (e4m3x2_bits: the values times 2^-8, undone in the stored output; on the
-// scores' product they made ptxas serialize the wgmmas). Both products' ldmatrix move 16-bit units of two e4m3 bytes, so each
-// product takes its K or M side in another order, which changes no sum's terms:
+// into the A registers, beside f16 queries: one cvt.rn.f16x2.e4m3x2 per two values, or, for the output's product
+// with OUT_BITS, bit moves on the integer pipe (e4m3x2_bits: the values times 2^-8, undone in the stored output; on
+// the scores' product they made ptxas serialize the wgmmas). Both products' ldmatrix move 16-bit units of two e4m3
+// bytes, so each product takes its K or M side in another order, which changes no sum's terms:
 //   scores: a thread's unit pair (bytes 4c..4c+3 of a row's 16-byte chunk) is the A fragment's K slots 2c, 2c + 1,
 //     2c + 8, 2c + 9 of that k-step, and the queries' image holds each chunk's values in that order (to_operand);
 //   output: ldmatrix.trans gives a thread one unit (dims 2g, 2g + 1) of cached rows 2c and 2c + 1, paired by dim, so

@@ -80,8 +80,8 @@ def source(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf
     """The kernel's text for one variant: bf16 the queries' (and output's) dtype, else f16; fp8 an e4m3 cache,
     else the queries' dtype."""
     defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.ring(fp8), SINGLE=int(single), BF16=int(bf16),
-                   FP8=int(fp8), OUT_BITS=int(fp8 and cfg.out_bits), PDL=int(pdl), EARLY=int(cfg.early), MIN_SPLIT=min_split,
-                   MINB=ctas_per_sm(cfg, lat, rope, fp8))
+                   FP8=int(fp8), OUT_BITS=int(fp8 and cfg.out_bits), PDL=int(pdl), EARLY=int(cfg.early),
+                   MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope, fp8))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + COMMON.read_text() + SOURCE.read_text()
 
