@@ -3,12 +3,15 @@ its sm_90 SASS (Triton's own ptxas and nvdisasm; no GPU).
 
     PYTHONPATH=src python bench/sass_loop.py [--list] [--dump DIR] WORD...
     PYTHONPATH=src python bench/sass_loop.py --plans
+    PYTHONPATH=src python bench/sass_loop.py --cuda [WORD...]
 
 The variants are tests/sm90_variants.py's, every one the package can launch; WORDs pick those whose names hold
 all of them (e.g. `decode single_split=True fp8`). --plans compiles instead every GEMV config that
 quant_configs.json's plans launch (each tier at its token tile, gate|up shapes with their act*mul epilogue, f16
 activations as decode steps hand them over: PackedWeight.operand_dtype) and names those that spill under their
-register budget. Counting a loop's instructions per iteration against the bytes
+register budget. --cuda reads the CUDA C++ kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16
+cache and an fp8 one, its rows widened by cvt or by bit moves). Counting a loop's instructions per iteration against
+the bytes
 it moves is how the fp8 KV cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls
 themselves need the GPU (bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
 """
@@ -91,6 +94,40 @@ GATE_UP_SHAPES = {"28672x4096", "5632x2048", "2816x2048"}
 ROUTED_SHAPES = {"2816x2048", "2048x1408"}
 
 
+def cuda_variants() -> dict[str, tuple[str, str]]:
+    """name -> (CUDA C++ source, kernel name) of the NVRTC kernels --cuda reads: MLA decode's split kernel at
+    DeepSeek's latent shapes (512 + 64, 64-row cache blocks, splits, PDL) on its default rings."""
+    from cobatch.kernels import mla_decode_cuda as mla
+    cfg = mla.MLA_CUDA_CONFIG
+    variants = {"mla cuda bf16": (cfg, False), "mla cuda fp8": (cfg, True),
+                "mla cuda fp8 out_bits": (mla.MlaCudaConfig(out_bits=True), True)}
+    return {name: (mla.source(c, 512, 64, 64, False, True, True, 64, fp8), "mla_decode")
+            for name, (c, fp8) in variants.items()}
+
+
+def read_cuda(words: list[str], list_only: bool, dump: Path | None) -> None:
+    """--cuda: each picked NVRTC kernel's registers (ptxas's report) and its longest loop's instruction mix."""
+    from cobatch.kernels import nvrtc
+    if not nvrtc.available():
+        fail("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    picked = {name: v for name, v in cuda_variants().items() if all(w in name for w in words)}
+    if not picked:
+        fail(f"no CUDA variant's name holds all of {words} (--cuda --list shows them)")
+    for name, (source, kernel) in picked.items():
+        if list_only:
+            print(name)
+            continue
+        cubin, log = nvrtc.compile_cubin(source, kernel, "90a", ("--ptxas-options=-v",))
+        sass = disassemble(cubin)
+        if dump:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", name) + ".sass")).write_text(sass)
+        usage = " ".join(line.split(":", 1)[-1].strip() for line in log.splitlines() if "Used" in line)
+        loop = longest_loop(sass)
+        print(f"{name}\n  {usage}; longest loop: {len(loop)} instructions")
+        print("  " + ", ".join(f"{op} {n}" for op, n in opcode_mix(loop, modifiers=True).most_common(16)))
+
+
 def fail(why: str) -> None:
     print(f"bench/sass_loop.py: {why}", file=sys.stderr)
     sys.exit(2)
@@ -102,7 +139,11 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the picked variants' names only")
     ap.add_argument("--dump", type=Path, help="write each variant's SASS to DIR")
     ap.add_argument("--plans", action="store_true", help="every GEMV config of quant_configs.json's plans: spills")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA C++ kernels NVRTC compiles (cuda_variants())")
     args = ap.parse_args()
+    if args.cuda:
+        read_cuda(args.words, args.list, args.dump)
+        return
     if os.environ.get("TRITON_INTERPRET") == "1":
         fail("unset TRITON_INTERPRET (it makes @jit interpreted, and nothing compiles)")
     sys.path.insert(0, str(ROOT / "tests"))

@@ -386,6 +386,17 @@ def test_sass_loop_reads_the_longest_loop_of_a_listing():
     assert sass_loop.longest_loop("        /*0000*/                   EXIT ;") == []
 
 
+def test_sass_loop_names_the_cuda_kernels_it_reads():
+    """--cuda: MLA decode's kernel with a bf16 cache and with an fp8 one (by cvt, and by bit moves in the output's
+    product), each source compiled as the package compiles it."""
+    variants = load("sass_loop").cuda_variants()
+    assert set(variants) == {"mla cuda bf16", "mla cuda fp8", "mla cuda fp8 out_bits"}
+    assert all(kernel == "mla_decode" for _, kernel in variants.values())
+    assert "#define FP8 0" in variants["mla cuda bf16"][0] and "#define FP8 1" in variants["mla cuda fp8"][0]
+    assert "#define OUT_BITS 1" in variants["mla cuda fp8 out_bits"][0]
+    assert "#define OUT_BITS 0" in variants["mla cuda fp8"][0]
+
+
 def test_sass_loop_lists_every_gemv_launch_of_a_plan_table():
     """A plan with a tier up to 8 tokens runs its default at 16-token tiles only; one without, at 8 and 16; a
     q4_K weight's planes are q4_1's; a gate|up shape gets the act*mul epilogue."""
