@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.batch import AttentionMetadata
+from cobatch.kernels.fp8_cache import FP8_DTYPES, kernel_view, to_cache, widen_words, words_mode
 from cobatch.kernels.rope import rotary_dims, rotated
-from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, interpreting,
+from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait,
                                              jit, next_pow2, pdl_launch, tl, triton)
 
 
@@ -101,8 +102,6 @@ def _decode_step_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # --- Triton: shared pieces --------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
-# KV cache dtypes stored in 8 bits (vLLM's --kv-cache-dtype fp8 = e4m3, no scale): half the bytes to read
-FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 @jit
@@ -119,35 +118,11 @@ def _tile_pages(bt_row_ptr, toks, end, PAGE: tl.constexpr):
     return tl.load(bt_row_ptr + toks // PAGE, mask=toks < end, other=0).to(tl.int64)
 
 
-# cvt.rn.f16x2.e4m3x2 widens two e4m3 bytes (the low one into the low half): four bytes of a word, in order.
-_ASM_E4M3_WORD = tl.constexpr("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
-                               "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-
-
-@jit
-def _e4m3_byte(w, shift: tl.constexpr):
-    return ((w >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-
-@jit
-def _widen_e4m3_words(w, ASM: tl.constexpr):
-    """int32 words [N, W] of e4m3 bytes -> f16 [N, 4 W], byte i of word j at column 4 j + i. ASM: the hardware's
-    conversion on the whole word (the interpreter runs no PTX, so it widens byte by byte, to the same values)."""
-    if ASM:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(_ASM_E4M3_WORD, "=h,=h,=h,=h,r", [w],
-                                                   (tl.float16, tl.float16, tl.float16, tl.float16), True, 1)
-    else:
-        b0, b1, b2, b3 = _e4m3_byte(w, 0), _e4m3_byte(w, 8), _e4m3_byte(w, 16), _e4m3_byte(w, 24)
-    # join adds a minor dim: (b0 | b2, b1 | b3) then their join puts b0 b1 b2 b3 side by side
-    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    return tl.reshape(x, (x.shape[0], x.shape[1] * 4))
-
-
 @jit
 def _load_rows(row_ptrs, d, row_mask, WIDTH: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
     """The first WIDTH elements of rows at row_ptrs, as [R, len(d)] in OPERAND (masked rows and columns 0): an fp8
     cache's are widened to f16 in registers (the bytes read are what it saves).
-    FP8_WORDS (an fp8 cache; 2: with the conversion's PTX): the bytes are loaded as 32-bit words and widened a
+    FP8_WORDS (an fp8 cache: fp8_cache.widen_words' mode): the bytes are loaded as 32-bit words and widened a
     word at a time. Loaded as bytes, Triton kept V's tile as fp8 in shared memory and read it back one byte per
     load in the dot's layout (64 single-byte loads a thread and tile, then repacking) and repacked K's bytes
     too; as words it widens in registers and stages f16 for ldmatrix, as for a bf16 cache (sm_90 SASS, 2 stages:
@@ -155,8 +130,7 @@ def _load_rows(row_ptrs, d, row_mask, WIDTH: tl.constexpr, OPERAND: tl.constexpr
     if FP8_WORDS:
         w = tl.arange(0, d.shape[0] // 4)
         words = row_ptrs[:, None].to(tl.pointer_type(tl.int32)) + w[None, :]
-        return _widen_e4m3_words(tl.load(words, mask=row_mask[:, None] & (w < WIDTH // 4)[None, :], other=0),
-                                 FP8_WORDS == 2)
+        return widen_words(tl.load(words, mask=row_mask[:, None] & (w < WIDTH // 4)[None, :], other=0), FP8_WORDS)
     return tl.load(row_ptrs[:, None] + d[None, :], mask=row_mask[:, None] & (d < WIDTH)[None, :],
                    other=0.0).to(OPERAND)
 
@@ -223,11 +197,8 @@ def operand_dtype(q: torch.Tensor, k_cache: torch.Tensor):
 
 
 def fp8_words(cache: torch.Tensor, width: int, enabled: bool) -> int:
-    """The kernels' FP8_WORDS for rows of `width` values (a head's, or MLA's latent row): 0 (not an fp8 cache, not
-    enabled, or rows not whole words), 2 with the conversion's PTX, 1 under the interpreter (same values)."""
-    if not enabled or cache.dtype not in FP8_DTYPES or width % 4:
-        return 0
-    return 1 if interpreting() else 2
+    """The kernels' FP8_WORDS for rows of `width` values (a head's, or MLA's latent row): fp8_cache.words_mode."""
+    return words_mode(cache, width, enabled)
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -340,8 +311,8 @@ def _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, row, kv_head, 
     v = tl.load(v_new_ptr + row * v_row_stride + kv_head * v_head_stride + d, mask=mask)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     dst = (slot // PAGE) * cache_block_stride + (slot % PAGE) * cache_slot_stride + kv_head * cache_head_stride + d
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, to_cache(k, kc_ptr), mask=mask)
+    tl.store(vc_ptr + dst, to_cache(v, vc_ptr), mask=mask)
 
 
 @jit
@@ -703,7 +674,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml, *new_rows,
+        q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, out, part_acc, part_ml, *new_rows,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), *new_strides, scale * LOG2E, eps, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
@@ -827,7 +798,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     grid = (n_heads, meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), cfg.block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, meta.query_start, out,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from cobatch.kernels.fp8_cache import FP8_MAX, kernel_view, to_cache
 from cobatch.kernels.triton_support import jit, next_pow2, tl
-
-
-FP8_MAX = 448.0     # the largest finite float8 e4m3fn
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -49,8 +47,8 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_row_stride, k_hea
     dst = slot * cache_slot_stride + heads[:, None] * cache_head_stride + d[None, :]
     k = tl.load(k_ptr + row * k_row_stride + heads[:, None] * k_head_stride + d[None, :], mask=mask)
     v = tl.load(v_ptr + row * v_row_stride + heads[:, None] * v_head_stride + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, to_cache(k, kc_ptr), mask=mask)
+    tl.store(vc_ptr + dst, to_cache(v, vc_ptr), mask=mask)
 
 
 def kv_write_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,6 +59,6 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if n_rows == 0:
         return
     _kv_write_kernel[(n_rows,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, kernel_view(k_cache), kernel_view(v_cache), slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_slot_strides(k_cache, v_cache), n_kv_heads, head_dim,
         BLOCK_H=next_pow2(n_kv_heads), BLOCK_D=next_pow2(head_dim), num_warps=4)

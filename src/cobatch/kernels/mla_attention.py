@@ -32,6 +32,7 @@ from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _deco
                                        _program_chunk, _softmax_fold, _store_partial, _tile_pages, fp8_words,
                                        hidden_keys, operand_dtype, plan_decode_splits, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
+from cobatch.kernels.fp8_cache import kernel_view
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
@@ -200,7 +201,7 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
     n_rows, n_heads, _ = q.shape
     page, rope = cache.shape[1], q_rope.shape[2]
     _mla_decode_split_kernel[(head_blocks, n_rows, chunks)](
-        q, q_rope, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
+        q, q_rope, kernel_view(cache), meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
         cache.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
@@ -305,7 +306,7 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionM
     block_t = cfg.rows // block_h
     grid = (triton.cdiv(n_heads, block_h), meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), block_t))
     _mla_prefill_kernel[grid](
-        q, q_rope, cache, meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q, q_rope, kernel_view(cache), meta.block_tables, meta.seq_lens, meta.query_start, out,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
         cache.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from cobatch.kernels.fp8_cache import kernel_view, to_cache
 from cobatch.kernels.mla_attention import latent_write_ref
 from cobatch.kernels.norm import rms_norm_ref
 from cobatch.kernels.rope import rope_ref, rotary_halves, rotated
@@ -73,9 +74,9 @@ def _mla_latent_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, cache_ptr, slot_pt
     k1r = rotated(k1, k2, cos, -sin).to(kv_ptr.dtype.element_ty)
     k2r = rotated(k2, k1, cos, sin).to(kv_ptr.dtype.element_ty)
     entry = cache_ptr + slot * cache_slot_stride
-    tl.store(entry + r, c_kv.to(cache_ptr.dtype.element_ty), mask=r_mask & keep)
-    tl.store(entry + RANK + off1, k1r.to(cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(entry + RANK + off2, k2r.to(cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(entry + r, to_cache(c_kv, cache_ptr), mask=r_mask & keep)
+    tl.store(entry + RANK + off1, to_cache(k1r, cache_ptr), mask=keep)
+    tl.store(entry + RANK + off2, to_cache(k2r, cache_ptr), mask=keep)
 
 
 Q_HEADS_PER_PROGRAM = 16
@@ -96,7 +97,7 @@ def mla_latent_triton(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: tor
         return out
     block_h = min(next_pow2(n_heads), Q_HEADS_PER_PROGRAM)
     _mla_latent_kernel[(n_rows, 1 + triton.cdiv(n_heads, block_h))](
-        q_rope, kv_a, norm_weight, positions, cos_sin, cache, slot_mapping, out,
+        q_rope, kv_a, norm_weight, positions, cos_sin, kernel_view(cache), slot_mapping, out,
         q_rope.stride(0), q_rope.stride(1), kv_a.stride(0), cos_sin.stride(0), cache.stride(1), out.stride(0),
         out.stride(1), n_heads, eps, RANK=rank, HALF=rope_dim // 2, BLOCK_R=next_pow2(rank), BLOCK_H=block_h,
         NEOX=neox, **pdl_launch(q_rope), num_warps=4)

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from cobatch.kernels.fp8_cache import kernel_view, to_cache
 from cobatch.kernels.kv_write import cache_slot_strides
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, next_pow2, pdl_launch, tl, triton
 
@@ -172,16 +173,16 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
         keep = (heads < n_kv_heads) & (slot >= 0)
         dst = slot * cache_slot_stride + heads[:, None] * cache_head_stride
         rot_mask = keep[:, None] & half_mask[None, :]
-        tl.store(kc_ptr + dst + off1[None, :], k1.to(kc_ptr.dtype.element_ty), mask=rot_mask)
-        tl.store(kc_ptr + dst + off2[None, :], k2.to(kc_ptr.dtype.element_ty), mask=rot_mask)
+        tl.store(kc_ptr + dst + off1[None, :], to_cache(k1, kc_ptr), mask=rot_mask)
+        tl.store(kc_ptr + dst + off2[None, :], to_cache(k2, kc_ptr), mask=rot_mask)
         d = tl.arange(0, BLOCK_D)
         # Dims past the rotary part (partial rotary) go to the cache unrotated.
         tail = keep[:, None] & (d >= 2 * HALF)[None, :] & (d < head_dim)[None, :]
         k_tail = tl.load(k_ptr + row * k_row_stride + heads[:, None] * k_head_stride + d[None, :], mask=tail)
-        tl.store(kc_ptr + dst + d[None, :], k_tail.to(kc_ptr.dtype.element_ty), mask=tail)
+        tl.store(kc_ptr + dst + d[None, :], to_cache(k_tail, kc_ptr), mask=tail)
         full = keep[:, None] & (d < head_dim)[None, :]
         v = tl.load(v_ptr + row * v_row_stride + heads[:, None] * v_head_stride + d[None, :], mask=full)
-        tl.store(vc_ptr + dst + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=full)
+        tl.store(vc_ptr + dst + d[None, :], to_cache(v, vc_ptr), mask=full)
 
 
 Q_HEADS_PER_PROGRAM = 4
@@ -222,7 +223,7 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
         assert fuses_qk_norm(rot, head_dim) and q_weight.is_contiguous() and k_weight.is_contiguous()
     block_hq = min(next_pow2(n_q_heads), Q_HEADS_PER_PROGRAM)
     _rope_kernel[(n_rows, triton.cdiv(n_q_heads, block_hq) + 1)](
-        q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_weight, k_weight,
+        q, k, v, positions, cos_sin, kernel_view(k_cache), kernel_view(v_cache), slots, q_weight, k_weight,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), *cache_strides, n_q_heads, n_kv_heads, head_dim, eps,
         HALF=rot // 2, NEOX=neox, WRITE_KV=kv_write is not None, QK_NORM=qk_norm is not None,
