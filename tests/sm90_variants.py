@@ -1,4 +1,5 @@
-"""Every kernel variant the package can launch, compiled for the H200 (sm_90) on the CPU with Triton's own ptxas.
+"""Every kernel variant the package can launch, compiled for the H200 (sm_90) on the CPU with Triton's own ptxas;
+and the fp8 KV cache's variants as Ampere (sm_80) runs them, on the cache's bytes (kernels/fp8_cache.py).
 
 tests/test_kernels_compile.py runs this file in a child process (the test suite's TRITON_INTERPRET=1 turns @jit
 into interpreted functions) and checks that every variant compiles, within its register budget and without
@@ -23,6 +24,7 @@ from cobatch.kernels import (activation, attention, fragment_dequant, kv_write, 
                              moe_routing, norm, quant_gemm, quant_gemv, quant_matmul, quant_pack, rope)
 
 H200 = GPUTarget("cuda", 90, 32)
+AMPERE = GPUTarget("cuda", 80, 32)     # an A100: Triton has no e4m3 there
 INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_expert_ptr", "slot_start_ptr",
                 "slot_count_ptr"}
 LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr", "pair_rows_ptr", "row_pairs_ptr"}
@@ -31,7 +33,7 @@ FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr"
 FLOAT_SCALARS = {"qk_scale", "softcap", "eps", "scale"}
 
 
-def compile_for_h200(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
+def compile_for_h200(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None, target=H200):
     # bf16 tensors as the launchers pass them (or as `pointers` says); pointers and strides 16-divisible, as
     # Triton specializes them. Constexprs the launchers may leave at their defaults compile at those defaults.
     names = list(kernel.arg_names)
@@ -53,7 +55,7 @@ def compile_for_h200(kernel, constants, num_warps=4, num_stages=2, pointers=None
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith(("_ptr", "stride"))}
-    compiled = triton.compile(ASTSource(kernel, signature, constants, divisible), target=H200,
+    compiled = triton.compile(ASTSource(kernel, signature, constants, divisible), target=target,
                               options={"num_warps": num_warps, "num_stages": num_stages,
                                        **({"maxnreg": maxnreg} if maxnreg else {})})
     assert compiled.asm["cubin"]
@@ -229,7 +231,8 @@ variants["moe route sigmoid bias groups"] = (
 
 
 
-def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descriptors=None, activations="bf16"):
+def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descriptors=None, activations="bf16",
+                           target=H200):
     # A Gluon kernel over the packed planes (quant_gemv.py, quant_gemm.py): their own front end, q6_K's f32
     # super-block scales, bf16 activations (or `activations`); `descriptors` names the arguments that are TMA
     # tensor descriptors.
@@ -255,7 +258,7 @@ def compile_gluon_for_h200(kernel, constants, num_warps, maxnreg=None, descripto
             signature[name] = "*i32" if name.endswith("_ptr") else "i32"
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                  if n.endswith(("_ptr", "stride")) or n == "n_chunks"}
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=H200,
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants, divisible), target=target,
                               options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     assert compiled.asm["cubin"]
     return compiled
@@ -423,6 +426,33 @@ if quant_gemm.warpgroup_mma is not None:
             AHEAD=ahead, PDL=True, ROUTED=True)
 
 jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
+
+
+def on_ampere(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
+    """A variant with an fp8 cache as an A100 runs it: the cache as uint8 (fp8_cache.kernel_view), its rows
+    widened by bit moves (FP8_WORDS = BITS), no programmatic launch (Hopper's)."""
+    from cobatch.kernels import fp8_cache
+    pointers = {name: "*u8" if kind == "*fp8e4nv" else kind for name, kind in (pointers or {}).items()}
+    constants = {**constants, **({"FP8_WORDS": fp8_cache.BITS} if "FP8_WORDS" in constants else {}),
+                 **({"PDL": False} if "PDL" in constants else {})}
+    return compile_for_h200(kernel, constants, num_warps, num_stages, pointers, maxnreg, target=AMPERE)
+
+
+def has_fp8_cache(spec) -> bool:
+    return len(spec) > 4 and "*fp8e4nv" in (spec[4] or {}).values()
+
+
+jobs += [(f"ampere {name}", on_ampere, spec) for name, spec in variants.items() if has_fp8_cache(spec)]
+
+
+def gemv_on_ampere(constants):
+    """NVFP4's GEMV as an A100 runs it: its e4m3 block scales widened by bit moves (E4M3_CVT off)."""
+    return compile_gluon_for_h200(quant_gemv._gemv_kernel, {**constants, "E4M3_CVT": False}, constants["W"], 128,
+                                  target=AMPERE)
+
+
+jobs += [(f"ampere {name}", gemv_on_ampere, (constants,)) for name, constants in gemv_variants.items()
+         if constants["FMT"] == quant_pack.NVFP4]
 jobs += [(name, compile_gemm_ring_for_h200, (constants,)) for name, constants in gemm_ring_variants.items()]
 jobs += [(name, compile_gemm_tma_for_h200, (constants,)) for name, constants in gemm_tma_variants.items()]
 jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm_variants.items()]
