@@ -418,6 +418,24 @@ def test_bad_kv_cache_dtype_fails_before_the_model_loads(cli):
                        "--kv-cache-dtype")
 
 
+def test_the_activation_dtype_follows_the_gpu(monkeypatch):
+    """bf16 by default on GPUs from compute capability 8.0, f16 on older ones (a T4), where bf16 asked for is one
+    clear error; the CPU computes in f32; an unknown name is refused."""
+    import torch
+    from cobatch.errors import UserError
+    from cobatch.llm import activation_dtype
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert activation_dtype(None, gpu) == torch.bfloat16 and activation_dtype("f16", gpu) == torch.float16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert activation_dtype(None, gpu) == torch.float16 and activation_dtype("f32", gpu) == torch.float32
+    with pytest.raises(UserError, match="use --dtype f16"):
+        activation_dtype("bf16", gpu)
+    assert activation_dtype(None, cpu) == torch.float32 and activation_dtype("bf16", cpu) == torch.bfloat16
+    with pytest.raises(UserError, match="unknown dtype"):
+        activation_dtype("fp64", cpu)
+
+
 def test_override_generation_config_gives_the_defaults_and_the_flags_win():
     from cobatch.cli import build_parser
     from cobatch.server.app import sampling_defaults

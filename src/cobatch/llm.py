@@ -126,6 +126,20 @@ _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
            "f16": torch.float16, "float16": torch.float16}
 
 
+def activation_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype (None: bf16 on a GPU that computes in it, from compute capability 8.0; f16 on older ones, as
+    llama.cpp uses everywhere; f32 on the CPU). bf16 asked of an older GPU is refused: its cuBLAS has none."""
+    if name and name not in _DTYPES:
+        raise UserError(f"unknown dtype {name!r} (choose from f32, bf16, f16)")
+    if device.type != "cuda":
+        return _DTYPES[name] if name else torch.float32
+    capability = torch.cuda.get_device_capability(device)
+    if name and _DTYPES[name] == torch.bfloat16 and capability < (8, 0):
+        raise UserError(f"--dtype {name}: this GPU (compute capability {capability[0]}.{capability[1]}) has no "
+                        "bf16 arithmetic; use --dtype f16")
+    return _DTYPES[name] if name else (torch.bfloat16 if capability >= (8, 0) else torch.float16)
+
+
 # vLLM's --kv-cache-dtype fp8 is e4m3 with a scale of 1: values keep 3 mantissa bits and saturate at +-448
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -290,9 +304,7 @@ class _Weights:
 def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) -> _Weights:
     """The file and its config, the options checked against them: nothing loaded yet."""
     device = _resolve_device(options.device) if tp is None else tp.device
-    if options.dtype and options.dtype not in _DTYPES:
-        raise UserError(f"unknown dtype {options.dtype!r} (choose from f32, bf16, f16)")
-    dtype = _DTYPES[options.dtype] if options.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = activation_dtype(options.dtype, device)
     kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
     weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device)
     # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
