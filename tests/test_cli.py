@@ -418,22 +418,28 @@ def test_bad_kv_cache_dtype_fails_before_the_model_loads(cli):
                        "--kv-cache-dtype")
 
 
-def test_the_activation_dtype_follows_the_gpu(monkeypatch):
-    """bf16 by default on GPUs from compute capability 8.0, f16 on older ones (a T4), where bf16 asked for is one
-    clear error; the CPU computes in f32; an unknown name is refused."""
+def test_a_gpu_older_than_the_kernels_is_refused_or_passed_over(monkeypatch, capsys):
+    """A T4 (compute capability 7.5) compiles neither the GEMV's MMA nor bf16: --device auto runs on the CPU and
+    says why in one line, --device cuda is one clear error; an Ampere or later GPU is taken."""
     import torch
     from cobatch.errors import UserError
-    from cobatch.llm import activation_dtype
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert activation_dtype(None, gpu) == torch.bfloat16 and activation_dtype("f16", gpu) == torch.float16
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert activation_dtype(None, gpu) == torch.float16 and activation_dtype("f32", gpu) == torch.float32
-    with pytest.raises(UserError, match="use --dtype f16"):
-        activation_dtype("bf16", gpu)
-    assert activation_dtype(None, cpu) == torch.float32 and activation_dtype("bf16", cpu) == torch.bfloat16
+    from cobatch.llm import _resolve_device, activation_dtype
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
+    assert _resolve_device("auto") == torch.device("cpu")
+    assert "Tesla T4 (compute capability 7.5)" in capsys.readouterr().err
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(UserError, match="older than the GPU kernels need.*--device cpu"):
+            _resolve_device(name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert _resolve_device("auto") == torch.device("cuda") and _resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert activation_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert activation_dtype(None, torch.device("cpu")) == torch.float32
     with pytest.raises(UserError, match="unknown dtype"):
-        activation_dtype("fp64", cpu)
+        activation_dtype("fp64", torch.device("cpu"))
 
 
 def test_override_generation_config_gives_the_defaults_and_the_flags_win():

@@ -20,8 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="a GGUF file or a Hugging Face checkpoint folder (default: "
                                          "SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16 (default: bf16 on a GPU from "
-                   "compute capability 8.0, f16 on older ones, f32 on the CPU)")
+    p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16 (default: bf16 on a GPU, f32 "
+                   "on the CPU)")
     _add_quantization_arg(p)
     _add_kv_cache_args(p)
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
@@ -472,8 +472,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="origins browsers may call the API from (CORS), comma-separated; '*' any (the default, "
                         "as vLLM and llama.cpp's server); '' none")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16 (default: bf16 on a GPU from "
-                   "compute capability 8.0, f16 on older ones, f32 on the CPU)")
+    p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16 (default: bf16 on a GPU, f32 "
+                   "on the CPU)")
     _add_quantization_arg(p)
     _add_lora_args(p)
     p.add_argument("--max-loras", type=int, default=0,

@@ -106,9 +106,28 @@ def _chat_template(override: str | None, model_template: str | None, tokenizer: 
         raise UserError(f"--chat-template: {exc}") from None
 
 
+# The GPU kernels' oldest target: the GEMV's mma.sync m16n8k16 and bf16 arithmetic (a T4, 7.5, compiles neither)
+MIN_CAPABILITY = (8, 0)
+
+
+def _too_old(index: int) -> str | None:
+    """Why GPU `index` cannot run the kernels, or None."""
+    capability = torch.cuda.get_device_capability(index)
+    if capability >= MIN_CAPABILITY:
+        return None
+    return (f"{torch.cuda.get_device_name(index)} (compute capability {capability[0]}.{capability[1]}) is older than "
+            f"the GPU kernels need ({MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, Ampere)")
+
+
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        why = _too_old(torch.cuda.current_device())
+        if why:
+            print(f"cobatch: {why}: running on the CPU", file=sys.stderr)
+            return torch.device("cpu")
+        return torch.device("cuda")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -119,6 +138,9 @@ def _resolve_device(name: str) -> torch.device:
         raise UserError("--device cuda asked for, but no CUDA GPU is available")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if device.type == "cuda" and (why := _too_old(device.index if device.index is not None
+                                                  else torch.cuda.current_device())):
+        raise UserError(f"--device {name}: {why}; --device cpu runs on the CPU")
     return device
 
 
@@ -127,17 +149,10 @@ _DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def activation_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """--dtype (None: bf16 on a GPU that computes in it, from compute capability 8.0; f16 on older ones, as
-    llama.cpp uses everywhere; f32 on the CPU). bf16 asked of an older GPU is refused: its cuBLAS has none."""
+    """--dtype (None: bf16 on a GPU, f32 on the CPU)."""
     if name and name not in _DTYPES:
         raise UserError(f"unknown dtype {name!r} (choose from f32, bf16, f16)")
-    if device.type != "cuda":
-        return _DTYPES[name] if name else torch.float32
-    capability = torch.cuda.get_device_capability(device)
-    if name and _DTYPES[name] == torch.bfloat16 and capability < (8, 0):
-        raise UserError(f"--dtype {name}: this GPU (compute capability {capability[0]}.{capability[1]}) has no "
-                        "bf16 arithmetic; use --dtype f16")
-    return _DTYPES[name] if name else (torch.bfloat16 if capability >= (8, 0) else torch.float16)
+    return _DTYPES[name] if name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 # vLLM's --kv-cache-dtype fp8 is e4m3 with a scale of 1: values keep 3 mantissa bits and saturate at +-448
