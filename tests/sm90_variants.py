@@ -429,11 +429,12 @@ jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
 
 
 def on_ampere(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
-    """A variant with an fp8 cache as an A100 runs it: the cache as uint8 (fp8_cache.kernel_view), its rows
-    widened by bit moves (FP8_WORDS = BITS), no programmatic launch (Hopper's)."""
+    """A variant as an A100 runs it: no programmatic launch (Hopper's); an fp8 cache as uint8
+    (fp8_cache.kernel_view), its rows widened by bit moves (FP8_WORDS = BITS)."""
     from cobatch.kernels import fp8_cache
+    fp8 = "*fp8e4nv" in (pointers or {}).values()
     pointers = {name: "*u8" if kind == "*fp8e4nv" else kind for name, kind in (pointers or {}).items()}
-    constants = {**constants, **({"FP8_WORDS": fp8_cache.BITS} if "FP8_WORDS" in constants else {}),
+    constants = {**constants, **({"FP8_WORDS": fp8_cache.BITS} if fp8 and "FP8_WORDS" in constants else {}),
                  **({"PDL": False} if "PDL" in constants else {})}
     return compile_for_h200(kernel, constants, num_warps, num_stages, pointers, maxnreg, target=AMPERE)
 
@@ -442,17 +443,16 @@ def has_fp8_cache(spec) -> bool:
     return len(spec) > 4 and "*fp8e4nv" in (spec[4] or {}).values()
 
 
-jobs += [(f"ampere {name}", on_ampere, spec) for name, spec in variants.items() if has_fp8_cache(spec)]
-
-
 def gemv_on_ampere(constants):
-    """NVFP4's GEMV as an A100 runs it: its e4m3 block scales widened by bit moves (E4M3_CVT off)."""
-    return compile_gluon_for_h200(quant_gemv._gemv_kernel, {**constants, "E4M3_CVT": False}, constants["W"], 128,
-                                  target=AMPERE)
+    """A GEMV as an A100 runs it: no programmatic launch; NVFP4's e4m3 block scales widened by bit moves
+    (E4M3_CVT off)."""
+    constants = {**constants, "PDL": False, **({"E4M3_CVT": False} if constants["FMT"] == quant_pack.NVFP4 else {})}
+    return compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"], 128, target=AMPERE)
 
 
-jobs += [(f"ampere {name}", gemv_on_ampere, (constants,)) for name, constants in gemv_variants.items()
-         if constants["FMT"] == quant_pack.NVFP4]
+# Ampere (sm_80) runs the Triton kernels and the GEMV (the GEMMs and the CUDA C++ kernels are Hopper's)
+jobs += [(f"ampere {name}", on_ampere, spec) for name, spec in variants.items()]
+jobs += [(f"ampere {name}", gemv_on_ampere, (constants,)) for name, constants in gemv_variants.items()]
 jobs += [(name, compile_gemm_ring_for_h200, (constants,)) for name, constants in gemm_ring_variants.items()]
 jobs += [(name, compile_gemm_tma_for_h200, (constants,)) for name, constants in gemm_tma_variants.items()]
 jobs += [(name, compile_gemm_for_h200, (constants,)) for name, constants in gemm_variants.items()]
