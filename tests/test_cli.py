@@ -423,19 +423,19 @@ def test_a_gpu_older_than_the_kernels_is_refused_or_passed_over(monkeypatch, cap
     says why in one line, --device cuda is one clear error; an Ampere or later GPU is taken."""
     import torch
     from cobatch.errors import UserError
-    from cobatch.llm import _resolve_device, activation_dtype
+    from cobatch.llm import resolve_device, activation_dtype
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
-    assert _resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cpu")
     assert "Tesla T4 (compute capability 7.5)" in capsys.readouterr().err
     for name in ("cuda", "cuda:0"):
         with pytest.raises(UserError, match="older than the GPU kernels need.*--device cpu"):
-            _resolve_device(name)
+            resolve_device(name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    assert _resolve_device("auto") == torch.device("cuda") and _resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:0") == torch.device("cuda", 0)
     assert activation_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert activation_dtype(None, torch.device("cpu")) == torch.float32
     with pytest.raises(UserError, match="unknown dtype"):

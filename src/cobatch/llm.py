@@ -119,7 +119,9 @@ def _too_old(index: int) -> str | None:
             f"the GPU kernels need ({MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, Ampere)")
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
+    """--device: auto (a GPU the kernels run on, else the CPU), cpu, cuda or cuda:N; anything else, a GPU that is
+    not there or is too old is a UserError."""
     if name == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
@@ -318,7 +320,7 @@ class _Weights:
 
 def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) -> _Weights:
     """The file and its config, the options checked against them: nothing loaded yet."""
-    device = _resolve_device(options.device) if tp is None else tp.device
+    device = resolve_device(options.device) if tp is None else tp.device
     dtype = activation_dtype(options.dtype, device)
     kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
     weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device)

@@ -26,7 +26,7 @@ import torch
 
 from cobatch.config import ModelConfig
 from cobatch.errors import UserError
-from cobatch.llm import LLM, EngineOptions, load_rank
+from cobatch.llm import LLM, EngineOptions, load_rank, resolve_device
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import default_model_path
 from cobatch.parallel.group import TensorParallelGroup
@@ -61,9 +61,8 @@ def _free_port() -> int:
 
 
 def _device(options: EngineOptions) -> torch.device:
-    if options.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(options.device.split(":")[0])
+    """The ranks' device type (rank r takes GPU r): --device as resolve_device checks it."""
+    return torch.device(resolve_device(options.device).type)
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, options: EngineOptions, conn, threads: int) -> None:
