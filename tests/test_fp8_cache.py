@@ -3,7 +3,8 @@
 In the interpreter (CPU), COBATCH_SOFT_FP8=1 takes the way an A100 takes: the cache as its bytes, values encoded by
 integer rounding and widened by bit moves. Checked against torch's own e4m3 (every f16 value, the rounding ties,
 saturation, subnormals, signed zeros), and the kernels that write and read a cache against themselves on the
-native way: the same bytes and the same outputs. tests/test_kernels_compile.py compiles them for sm_80.
+native way: the same bytes and the same outputs. On a GPU with e4m3 (CUDA), the same, against its native
+conversions at a real shape. tests/test_kernels_compile.py compiles them for sm_80.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cobatch.kernels.mla_attention import mla_decode_attention  # noqa: E402
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton  # noqa: E402
 from cobatch.kernels.rope import rope_cos_sin, rope_ref, rope_triton  # noqa: E402
 from cobatch.kernels.triton_support import jit, tl  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -182,3 +184,33 @@ def test_mla_decode_on_bytes_equals_the_native_kernel(monkeypatch):
     q = torch.randn(2, 4, lat + rope, generator=g)
     native, soft = _both_ways(monkeypatch, lambda: mla_decode_attention(q, cache, meta, 0.3, lat, cuda=False))
     assert torch.equal(native, soft) and native.abs().sum() > 0
+
+
+@requires_cuda
+def test_on_a_gpu_the_bytes_way_equals_the_native_one(monkeypatch):
+    """Llama-3-8B's KV heads: kv_write then decode attention at 64 rows of 700 tokens, natively and on the cache's
+    bytes (COBATCH_SOFT_FP8=1, as an A100 runs them): the same cache bytes (round to nearest even, saturating, both
+    ways) and the same outputs."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    rows, n_kv, head_dim, page, ctx = 64, 8, 128, 16, 700
+    blocks = -(-ctx // page)
+    tables = torch.arange(rows * blocks, dtype=torch.int32, device="cuda").view(rows, blocks)
+    slots = (tables.long()[:, :, None] * page + torch.arange(page, device="cuda")).view(rows, -1)[:, :ctx].flatten()
+    k = torch.randn(len(slots), n_kv, head_dim, device="cuda", generator=g) * 100
+    v = torch.randn(len(slots), n_kv, head_dim, device="cuda", generator=g) * 3
+    q = torch.randn(rows, 32, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    lens = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                             torch.arange(rows + 1, dtype=torch.int32, device="cuda"), lens, tables, 1, ctx)
+
+    def run():
+        kc = torch.zeros(rows * blocks, page, n_kv, head_dim, dtype=FP8, device="cuda")
+        vc = torch.zeros_like(kc)
+        kv_write_triton(k, v, kc, vc, slots)
+        out = paged_decode_attention(q, kc, vc, meta, head_dim ** -0.5, cfg=DECODE_CONFIG)
+        return kc.view(torch.uint8).clone(), vc.view(torch.uint8).clone(), out
+
+    native, soft = _both_ways(monkeypatch, run)
+    assert torch.equal(native[0], soft[0]) and torch.equal(native[1], soft[1])
+    assert torch.equal(native[0].view(-1, n_kv, head_dim)[slots], to_cache_dtype(k, FP8).view(torch.uint8))
+    assert torch.equal(native[2], soft[2]) and torch.isfinite(native[2]).all()
