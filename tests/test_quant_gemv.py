@@ -215,9 +215,9 @@ def _word(halves: np.ndarray) -> int:
 
 
 def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Run the lines of an inline-PTX block on 32-bit words, registers by name: the integer ones (shl, shr, and,
-    mov, prmt without sign modes, lop3 with 0xEA = (a & b) | c) exactly, sub.rn.f16x2 and mul.rn.f16x2 in numpy's
-    float16 (each half rounded once, as the instruction does)."""
+    """Run the lines of an inline-PTX block on 32-bit words, registers by name: the integer ones (shl, shr, and, or,
+    mov, a word's halves into two registers, prmt without sign modes, lop3 with 0xEA = (a & b) | c) exactly,
+    sub.rn.f16x2 and mul.rn.f16x2 in numpy's float16 (each half rounded once, as the instruction does)."""
     regs = dict(inputs)
     value = (lambda t: regs[t] if t in regs else int(t, 0))
     for line in asm.strip().strip("{}").splitlines():
@@ -226,13 +226,21 @@ def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             continue
         op, args = line.split(None, 1)
         dst, *src = [a.strip() for a in args.split(",")]
+        if dst.startswith("{"):         # mov.b32 {lo, hi}, word: its two 16-bit halves
+            assert op == "mov.b32", line
+            lo, hi = dst.strip("{ "), src[0].strip("} ")
+            word = value(src[1])
+            regs[lo], regs[hi] = word & 0xFFFF, word >> 16
+            continue
         a = [value(t) for t in src]
         if op == "shl.b32":
             regs[dst] = (a[0] << a[1]) & 0xFFFFFFFF
-        elif op == "shr.b32":
+        elif op in ("shr.b32", "shr.u32"):
             regs[dst] = a[0] >> a[1]
         elif op == "and.b32":
             regs[dst] = a[0] & a[1]
+        elif op == "or.b32":
+            regs[dst] = a[0] | a[1]
         elif op == "lop3.b32" and a[3] == 0xEA:
             regs[dst] = (a[0] & a[1]) | a[2]
         elif op == "mov.b32":
@@ -288,6 +296,24 @@ def test_the_nvfp4_decode_reads_every_code_as_its_value_times_2_to_the_minus_14(
         for reg, (lane0, lane1) in {"$0": (0, 4), "$1": (2, 6), "$2": (1, 5), "$3": (3, 7)}.items():
             halves = np.array([out[reg] & 0xFFFF, out[reg] >> 16], dtype=np.uint16).view(np.float16)
             assert halves.tolist() == [want[nib[lane0]], want[nib[lane1]]], (hex(w), reg)
+
+
+def test_nvfp4_scales_by_bit_moves_read_every_e4m3_byte_as_its_value():
+    """quant_gemv.ASM_FP4_SCALES_BITS (the GEMV's NVFP4 scales where cvt has no e4m3: an A100), run on the CPU by
+    the emulator above: each of the 254 e4m3 bytes that are numbers, in each byte of the word, leaves torch's e4m3
+    value as an f16, exactly ($0..$3: bytes 0..3), as ASM_FP4_SCALES' cvts do."""
+    asm = quant_gemv.ASM_FP4_SCALES_BITS
+    asm = asm.value if hasattr(asm, "value") else asm
+    values = [b for b in range(256) if b & 0x7F != 0x7F]
+    want = torch.tensor(values, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    for pos in range(4):
+        for b, value in zip(values, want):
+            filler = [0x38, 0xB8, 0x01, 0x7E]           # 1, -1, the smallest subnormal, 448 around it
+            word = sum((b if i == pos else filler[i]) << (8 * i) for i in range(4))
+            out = run_ptx_bit_ops(asm, {"$4": word})
+            got = [float(np.array([out[f"${i}"]], dtype=np.uint16).view(np.float16)[0]) for i in range(4)]
+            expect = [value if i == pos else (1.0, -1.0, 2.0 ** -9, 448.0)[i] for i in range(4)]
+            assert got == expect, (pos, hex(b), got, expect)
 
 
 def test_the_fp8_decode_reads_every_e4m3_byte_as_its_value_times_2_to_the_minus_8():
