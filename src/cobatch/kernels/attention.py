@@ -196,11 +196,6 @@ def operand_dtype(q: torch.Tensor, k_cache: torch.Tensor):
     return getattr(tl, str(dtype).removeprefix("torch."))
 
 
-def fp8_words(cache: torch.Tensor, width: int, enabled: bool) -> int:
-    """The kernels' FP8_WORDS for rows of `width` values (a head's, or MLA's latent row): fp8_cache.words_mode."""
-    return words_mode(cache, width, enabled)
-
-
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -666,7 +661,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
     groups = plan_has_groups(num_splits, chunks, cfg, k_cache.dtype)
-    words = fp8_words(k_cache, head_dim, cfg.fp8_words)
+    words = words_mode(k_cache, head_dim, cfg.fp8_words)
     if num_splits > 1:
         part_acc = torch.empty(n_rows, n_heads, num_splits, block_d, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(n_rows, n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
@@ -674,7 +669,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
-        q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, out, part_acc, part_ml, *new_rows,
+        q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
+        *new_rows,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), *new_strides, scale * LOG2E, eps, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
@@ -803,7 +799,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
-        OPERAND=operand_dtype(q, k_cache), FP8_WORDS=fp8_words(k_cache, head_dim, cfg.fp8_words),
+        OPERAND=operand_dtype(q, k_cache), FP8_WORDS=words_mode(k_cache, head_dim, cfg.fp8_words),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -59,6 +59,7 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if n_rows == 0:
         return
     _kv_write_kernel[(n_rows,)](
-        k, v, kernel_view(k_cache), kernel_view(v_cache), slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, kernel_view(k_cache), kernel_view(v_cache), slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1),
         *cache_slot_strides(k_cache, v_cache), n_kv_heads, head_dim,
         BLOCK_H=next_pow2(n_kv_heads), BLOCK_D=next_pow2(head_dim), num_warps=4)

@@ -29,10 +29,10 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _load_rows,
-                                       _program_chunk, _softmax_fold, _store_partial, _tile_pages, fp8_words,
+                                       _program_chunk, _softmax_fold, _store_partial, _tile_pages,
                                        hidden_keys, operand_dtype, plan_decode_splits, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
-from cobatch.kernels.fp8_cache import kernel_view
+from cobatch.kernels.fp8_cache import kernel_view, words_mode
 from cobatch.kernels.kv_write import to_cache_dtype
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait, jit,
                                              next_pow2, pdl_launch, tl, triton)
@@ -207,7 +207,7 @@ def _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_
         out.stride(0), out.stride(1), scale * LOG2E, num_splits,
         N_HEADS=n_heads, BLOCK_H=block_h, LAT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, SINGLE_SPLIT=num_splits == 1, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand_dtype(q, cache), FP8_WORDS=fp8_words(cache, cache.shape[2], cfg.fp8_words),
+        OPERAND=operand_dtype(q, cache), FP8_WORDS=words_mode(cache, cache.shape[2], cfg.fp8_words),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
 
 
@@ -312,6 +312,6 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionM
         out.stride(0), out.stride(1), scale * LOG2E,
         N_HEADS=n_heads, BLOCK_H=block_h, BLOCK_T=block_t, LAT=kv_lora_rank, ROPE=rope,
         BLOCK_R=max(16, next_pow2(rope)), PAGE=page, BLOCK_N=cfg.block_n, DOT_F32=dot_in_f32(cache.dtype),
-        OPERAND=operand_dtype(q, cache), FP8_WORDS=fp8_words(cache, cache.shape[2], cfg.fp8_words),
+        OPERAND=operand_dtype(q, cache), FP8_WORDS=words_mode(cache, cache.shape[2], cfg.fp8_words),
         num_warps=cfg.num_warps if kv_lora_rank > 256 else 4, num_stages=cfg.num_stages)
     return out
