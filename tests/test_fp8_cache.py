@@ -106,7 +106,8 @@ def _both_ways(monkeypatch, run):
 def test_writes_on_bytes_store_the_reference_bytes(monkeypatch):
     """kv_write, rope's fused write and MLA's latent write into an fp8 cache on its bytes: exactly
     kv_write.to_cache_dtype's e4m3 (round to nearest even, +-448 at most). (The interpreter's own e4m3
-    conversion truncates, so the native way is checked against this on the GPU: test_kernels_small.py.)"""
+    conversion rounds ties up and can lose a carry, so the native way is checked on the GPU: test_kernels_small.py
+    and the CUDA test below.)"""
     monkeypatch.setenv("COBATCH_SOFT_FP8", "1")
     g = torch.Generator().manual_seed(3)
     k = torch.randn(20, 2, 32, generator=g) * 3
