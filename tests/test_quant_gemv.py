@@ -412,6 +412,16 @@ def test_shapes_without_a_plan_run_the_deep_default_unless_switched_off(monkeypa
     assert plan.narrow == GemvPlan(matmul_plans.default_gemv_config("q8_0", 4608, 112))
 
 
+def test_the_defaults_fill_the_gpu_they_run_on(monkeypatch):
+    """A shape without a plan splits K to fill the device's multiprocessors: 2048 rows (128 row tiles) of 3584
+    columns fill an A100's 108 with K whole, and take 7 splits on the H200's 132."""
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)   # the interpreter has its own small plan
+    h200 = matmul_plans.plan_for("q8_0", 2048, 3584, 3584, gemv=True)
+    a100 = matmul_plans.plan_for("q8_0", 2048, 3584, 3584, gemv=True, sms=108)
+    assert h200.narrow == GemvPlan(matmul_plans.deep_gemv_config(2048, 112, 132)) and h200.narrow.default.split_k == 7
+    assert a100.narrow == GemvPlan(matmul_plans.deep_gemv_config(2048, 112, 108)) and a100.narrow.default.split_k == 1
+
+
 def test_routed_experts_walk_k_with_loads_ahead():
     """A routed launch drops split-K; its warps then walk every chunk, 4 K steps' loads in flight where they
     divide, and never fewer than the plan's."""

@@ -30,7 +30,7 @@ from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
 from cobatch.kernels.quant_matmul import TileConfig
 from cobatch.kernels.quant_pack import PACKED_FORMATS, PackedPlanes
-from cobatch.kernels.triton_support import interpreting
+from cobatch.kernels.triton_support import interpreting, num_sms
 
 CONFIG_PATH = Path(__file__).with_name("quant_configs.json")
 
@@ -165,11 +165,13 @@ def deep_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConf
     return GemvConfig(W=warps, RT=1, split_k=split, U=loads_ahead(steps // split, most=16), D=0, R=128)
 
 
-def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int) -> GemmConfig:
-    """The mid-batch GEMM config of a shape without one in the table (RING_DEFAULT: the ring's)."""
+def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
+    """The mid-batch GEMM config of a shape without one in the table (RING_DEFAULT: the ring's), for `sms`
+    multiprocessors."""
     if RING_DEFAULT:
-        return quant_gemm.default_ring_config(rows_pad, n_chunks, PACKED_FORMATS[fmt_name] in quant_pack.BYTE_FORMATS)
-    return quant_gemm.default_config(rows_pad, n_chunks)
+        return quant_gemm.default_ring_config(rows_pad, n_chunks, PACKED_FORMATS[fmt_name] in quant_pack.BYTE_FORMATS,
+                                              sms)
+    return quant_gemm.default_config(rows_pad, n_chunks, sms)
 
 
 def loads_ahead(steps: int, most: int = 4) -> int:
@@ -224,7 +226,7 @@ def gemm_config(entry: dict) -> GemmConfig | CudaGemmConfig:
 
 
 def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: bool = False,
-             quant_gemm_too: bool = False) -> MatmulPlan:
+             quant_gemm_too: bool = False, sms: int = 132) -> MatmulPlan:
     """Look up (format, "NxK") in quant_configs.json (for FP8 and NVFP4 over PLANS_LIKE's format's entry), else
     the entry of the same K whose row count is nearest (nearest_shape: a stacked q|k, say, runs the plans of the
     q|k|v it is a part of), else the format's default, else the built-in default.
@@ -233,7 +235,8 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
     "quant_gemm" config and "quant_gemm_upto", else default_gemm_config and QUANT_GEMM_UPTO), from
     the entry's "quant_gemm_crossover" (else QUANT_GEMM_CROSSOVER) on, and past "quant_gemm_wide_from"
     the entry's "quant_gemm_wide" config when it has one; up to "quant_gemm_first_upto" tokens, the entry's
-    "quant_gemm_first" config when it has one."""
+    "quant_gemm_first" config when it has one. sms: the GPU's multiprocessors, which the defaults split K to
+    fill (the table's entries were chosen on the H200's 132)."""
     if interpreting():
         return MatmulPlan(INTERPRETER_NARROW, INTERPRETER_GEMM, 4)
     table = _config_table(os.environ.get("COBATCH_QUANT_CONFIGS", str(CONFIG_PATH)))
@@ -264,11 +267,11 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
             upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
             narrow = GemvPlan(GemvConfig(**entry["gemv"]), tuple(upto))
         else:
-            narrow = default_gemv_plan(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad))
+            narrow = default_gemv_plan(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad), sms)
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))
         if quant_gemm_too:
             mid = (gemm_config(entry["quant_gemm"]) if "quant_gemm" in entry
-                   else default_gemm_config(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad)))
+                   else default_gemm_config(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad), sms))
             wide = gemm_config(entry["quant_gemm_wide"]) if "quant_gemm_wide" in entry else None
             first = gemm_config(entry["quant_gemm_first"]) if "quant_gemm_first" in entry else None
             return MatmulPlan(narrow, gemm, int(entry.get("quant_gemm_crossover", QUANT_GEMM_CROSSOVER)), mid,
@@ -282,9 +285,12 @@ def load_plan(fmt_name: str, rows: int, cols: int, planes: PackedPlanes, device:
               keep_dense: bool = False) -> MatmulPlan:
     """The plan a weight packed into `planes` gets at load, from the table in force (plan_for). A resident dense
     copy (keep_dense: --dense-large-batch) serves every batch past the GEMV itself."""
+    device = torch.device(device)
     plan = plan_for(fmt_name, rows, cols, planes.cols_pad, gemv=planes.fragment,
                     quant_gemm_too=planes.fragment and not keep_dense and uses_quant_gemm(device)
-                    and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS)
+                    and PACKED_FORMATS[fmt_name] in quant_gemm.FORMATS,
+                    sms=num_sms(device.index if device.index is not None else torch.cuda.current_device())
+                    if device.type == "cuda" else 132)
     if isinstance(plan.first, CudaGemmConfig) and not quant_gemm_cuda.nvrtc.available():
         plan = replace(plan, first=None, first_upto=0)      # without NVRTC the mid config takes those calls too
     for cfg, upto in plan.gemm_ranges():
