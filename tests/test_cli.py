@@ -423,7 +423,7 @@ def test_a_gpu_older_than_the_kernels_is_refused_or_passed_over(monkeypatch, cap
     says why in one line, --device cuda is one clear error; an Ampere or later GPU is taken."""
     import torch
     from cobatch.errors import UserError
-    from cobatch.llm import resolve_device, activation_dtype
+    from cobatch.llm import activation_dtype, gpu_note, resolve_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -436,6 +436,13 @@ def test_a_gpu_older_than_the_kernels_is_refused_or_passed_over(monkeypatch, cap
             resolve_device(name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:0") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: type("P", (), {
+        "multi_processor_count": 108})())
+    assert gpu_note(0) == ("NVIDIA A100 (compute capability 8.0, 108 SMs): the GEMV and attention; past 16 rows, "
+                           "dequantize + cuBLAS; an fp8 KV cache as bytes")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert gpu_note(0).endswith("(compute capability 9.0, 108 SMs): the GEMV, the mid-batch GEMM and attention")
     assert activation_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert activation_dtype(None, torch.device("cpu")) == torch.float32
     with pytest.raises(UserError, match="unknown dtype"):

@@ -119,6 +119,16 @@ def _too_old(index: int) -> str | None:
             f"the GPU kernels need ({MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, Ampere)")
 
 
+def gpu_note(index: int) -> str:
+    """What runs on GPU `index`, for the start-up lines: Hopper's own kernels or the common ones (docs/models.md)."""
+    capability = torch.cuda.get_device_capability(index)
+    kernels = ("the GEMV, the mid-batch GEMM and attention" if capability[0] == 9
+               else "the GEMV and attention; past 16 rows, dequantize + cuBLAS")
+    fp8 = "" if capability >= (8, 9) else "; an fp8 KV cache as bytes"
+    return (f"{torch.cuda.get_device_name(index)} (compute capability {capability[0]}.{capability[1]}, "
+            f"{torch.cuda.get_device_properties(index).multi_processor_count} SMs): {kernels}{fp8}")
+
+
 def resolve_device(name: str) -> torch.device:
     """--device: auto (a GPU the kernels run on, else the CPU), cpu, cuda or cuda:N; anything else, a GPU that is
     not there or is too old is a UserError."""
@@ -363,6 +373,9 @@ def _load_weights(w: _Weights, options: EngineOptions, tp: TensorParallelGroup |
         print(f"weights: {sum(held.values()) / 2**30:.2f} GiB resident on {device} "
               f"({held['quantized'] / 2**30:.2f} GiB quantized, {held['dense'] / 2**30:.2f} GiB dense, {copies})",
               file=sys.stderr)
+        if device.type == "cuda":
+            print(f"GPU: {gpu_note(device.index if device.index is not None else torch.cuda.current_device())}",
+                  file=sys.stderr)
     draft = _load_draft(options, w, tp) if isinstance(options.speculative, DraftModelSpec) else None
     pool = _make_pool(model_cfg, options, ctx, w.kv_dtype, device, agree=tp.min_over_ranks if tp else None,
                       quiet=options.quiet or tp is not None, beside=draft.cfg if draft else None)
