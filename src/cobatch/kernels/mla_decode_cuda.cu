@@ -71,13 +71,21 @@
 #endif
 #if BF16 && !FP8
 #define WGMMA_TYPES "bf16.bf16"
+#define CVT_OPERAND "cvt.rn.bf16.f32"
 #else
 #define WGMMA_TYPES "f16.f16"
+#define CVT_OPERAND "cvt.rn.f16.f32"
 #endif
 
-static __device__ __forceinline__ u16 to_half(float v) {
+static __device__ __forceinline__ u16 to_half(float v) {          // the output's dtype
     u16 h;
     asm(CVT_OUT " %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
+
+static __device__ __forceinline__ u16 to_operand_half(float v) {  // the wgmmas' (f16 with an fp8 cache)
+    u16 h;
+    asm(CVT_OPERAND " %0, %1;" : "=h"(h) : "f"(v));
     return h;
 }
 
@@ -339,7 +347,8 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
                 sum += p;
                 // p^T image: row k = 16 w + g + 8 e (K), head 8 j + 2 c + i (N)
                 const int k = 16 * warp + g + 8 * e;
-                *(u16*)(smem + P_OFF + (k / 8) * 256 + j * 128 + (2 * c + i) * 16 + (k % 8) * 2) = to_half(p);
+                *(u16*)(smem + P_OFF + (k / 8) * 256 + j * 128 + (2 * c + i) * 16 + (k % 8) * 2) =
+                    to_operand_half(p);
             }
             l[h] = l[h] * alpha[h] + sum;
         }
