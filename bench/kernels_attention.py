@@ -135,7 +135,8 @@ def bench_mla_decode(batch: int, context: int, gen: torch.Generator, cfg: Decode
     if default:
         cuda = MlaCudaConfig() if (mla_attention.MLA_CUDA and torch.cuda.get_device_capability()[0] == 9
                                    and (kv_dtype == torch.bfloat16 or mla_decode_cuda.MLA_CUDA_FP8)) else None
-        cfg = mla_attention.MLA_CUDA_PLAN if cuda else MLA_DECODE_CONFIG
+        cfg = ((mla_attention.MLA_CUDA_FP8_PLAN if kv_dtype != torch.bfloat16 else mla_attention.MLA_CUDA_PLAN)
+               if cuda else MLA_DECODE_CONFIG)
     width = MLA_LORA + MLA_ROPE
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     pages_per_seq = -(-context // PAGE)

@@ -17,15 +17,16 @@ pytest.importorskip("triton")
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels import mla_decode_cuda, nvrtc  # noqa: E402
 from cobatch.kernels.attention import DecodeConfig  # noqa: E402
-from cobatch.kernels.mla_attention import MLA_CUDA_PLAN, mla_attention_ref, mla_decode_attention  # noqa: E402
+from cobatch.kernels.mla_attention import (MLA_CUDA_FP8_PLAN, MLA_CUDA_PLAN, mla_attention_ref,  # noqa: E402
+                                           mla_decode_attention)
 from cobatch.kernels.mla_decode_cuda import MlaCudaConfig  # noqa: E402
 from conftest import requires_hopper  # noqa: E402
 from kernel_checks import poisoned, relative_error  # noqa: E402
 
 LAT, ROPE, SCALE = 512, 64, 192 ** -0.5
 FP8 = torch.float8_e4m3fn
-CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5, fp8_segments=8, out_bits=True), MlaCudaConfig(early=False)]
-CONFIG_IDS = ["ring10", "ring5-bits", "late"]
+CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5, fp8_segments=20, out_bits=True), MlaCudaConfig(early=False)]
+CONFIG_IDS = ["rings10-8", "rings5-20-bits", "late"]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
@@ -42,13 +43,13 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(cfg, single, bf16, b
 
 
 def test_an_fp8_ring_holds_the_bytes_of_the_16_bit_one():
-    """e4m3 rows are half as wide: the default fp8 ring holds twice the segments in about the same shared memory,
-    and one of 8 segments leaves room for two CTAs an SM."""
+    """e4m3 rows are half as wide: a ring of 20 fp8 segments takes about the shared memory of the default 10 bf16
+    ones, and the default fp8 ring of 8 leaves room for two CTAs an SM."""
     cfg = MlaCudaConfig()
-    assert cfg.ring(True) == 2 * cfg.ring(False)
-    assert abs(mla_decode_cuda.smem_bytes(cfg, LAT, ROPE, True) - mla_decode_cuda.smem_bytes(cfg, LAT, ROPE)) < 4096
-    assert mla_decode_cuda.ctas_per_sm(MlaCudaConfig(fp8_segments=8), LAT, ROPE, True) == 2
-    assert mla_decode_cuda.ctas_per_sm(cfg, LAT, ROPE, True) == 1
+    wide = MlaCudaConfig(fp8_segments=2 * cfg.segments)
+    assert abs(mla_decode_cuda.smem_bytes(wide, LAT, ROPE, True) - mla_decode_cuda.smem_bytes(cfg, LAT, ROPE)) < 4096
+    assert mla_decode_cuda.ctas_per_sm(cfg, LAT, ROPE, True) == 2 and cfg.ring(True) == 8
+    assert mla_decode_cuda.ctas_per_sm(wide, LAT, ROPE, True) == 1 and mla_decode_cuda.ctas_per_sm(cfg, LAT, ROPE) == 1
 
 
 def test_unsupported_calls_say_why():
@@ -191,7 +192,7 @@ def _fp8_inputs(seq_lens: list[int], n_heads: int, block: int, seed: int, dtype=
 
 @requires_hopper
 @pytest.mark.parametrize("n_heads", [16, 128, 20])
-@pytest.mark.parametrize("plan", [MLA_CUDA_PLAN, ONE_SPLIT, SPLITS], ids=["default", "one", "splits"])
+@pytest.mark.parametrize("plan", [MLA_CUDA_FP8_PLAN, ONE_SPLIT, SPLITS], ids=["default", "one", "splits"])
 @pytest.mark.parametrize("block", [16, 64])
 def test_an_fp8_cache_matches_the_reference(cuda_fp8, n_heads, plan, block):
     """As test_matches_the_reference, the rows in e4m3: widened to f16 beside f16 queries (bf16 ones converted)."""

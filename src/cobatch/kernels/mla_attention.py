@@ -137,6 +137,9 @@ MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_p
 # at 8192 1.81 -> 1.69 ms, B = 64 at 512 3.09 -> 3.00 (bench/results/mla_cuda_ab.md).
 MLA_CUDA = os.environ.get("COBATCH_MLA_CUDA", "1") != "0"
 MLA_CUDA_PLAN = replace(MLA_DECODE_CONFIG, programs_per_sm=1)
+# With an fp8 cache (COBATCH_MLA_CUDA_FP8=1) its ring of 8 e4m3 segments leaves room for two programs an SM: H200,
+# 64 x 8192 128 us against 180 at one program an SM with 20 segments (bench/kernels_attention.py --mla --cuda)
+MLA_CUDA_FP8_PLAN = replace(MLA_DECODE_CONFIG, programs_per_sm=2)
 
 
 def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +174,8 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     head_blocks = triton.cdiv(n_heads, block_h)
     cuda = (cuda and block_h == mla_decode_cuda.HEADS and out.dtype == q.dtype and out.stride(-1) == 1
             and mla_decode_cuda.supports(q, q_rope, cache, (cfg or MLA_CUDA_PLAN).block_n, cuda_cfg, meta))
-    cfg = cfg or (MLA_CUDA_PLAN if cuda else MLA_DECODE_CONFIG)
+    cfg = cfg or ((MLA_CUDA_FP8_PLAN if cache.dtype == mla_decode_cuda.FP8 else MLA_CUDA_PLAN) if cuda
+                  else MLA_DECODE_CONFIG)
     # one KV head per head block: the split plan the GQA kernel makes for n_kv_heads = head_blocks
     num_splits, chunks = plan_decode_splits(n_rows, head_blocks, meta.max_seq_len, device_sms(q), cfg)
     if num_splits > 1:

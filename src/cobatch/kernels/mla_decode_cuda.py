@@ -47,13 +47,13 @@ MLA_CUDA_FP8 = os.environ.get("COBATCH_MLA_CUDA_FP8", "0") == "1"
 @dataclass(frozen=True, slots=True)
 class MlaCudaConfig:
     """segments: the ring's slots of 16 cached rows (4 a tile; the shared memory holds up to 10 at DeepSeek's
-    576-wide rows), fp8_segments: the same with an fp8 cache (up to 20: the same bytes in flight at 20). early: as
+    576-wide rows), fp8_segments: the same with an fp8 cache (up to 20; 8 leave room for two CTAs an SM). early: as
     a programmatic dependent, copy every segment but the step's new row's before waiting for the kernel before
     (older rows are never written by it). out_bits: the output's product widens e4m3 rows by bit moves on the
     integer pipe instead of the conversion unit's cvt (the .cu header says how)."""
     segments: int = 10
     early: bool = True
-    fp8_segments: int = 20
+    fp8_segments: int = 8
     out_bits: bool = False
 
     def ring(self, fp8: bool) -> int:
