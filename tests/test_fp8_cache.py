@@ -1,10 +1,10 @@
 """An fp8 KV cache on GPUs whose Triton has no e4m3 (Ampere): kernels/fp8_cache.py's integer conversions.
 
-In the interpreter (CPU), COBATCH_SOFT_FP8=1 takes the way an A100 takes: the cache as its bytes, values encoded by
-integer rounding and widened by bit moves. Checked against torch's own e4m3 (every f16 value, the rounding ties,
-saturation, subnormals, signed zeros), and the kernels that write and read a cache against themselves on the
-native way: the same bytes and the same outputs. On a GPU with e4m3 (CUDA), the same, against its native
-conversions at a real shape. tests/test_kernels_compile.py compiles them for sm_80.
+COBATCH_SOFT_FP8=1 takes the way an A100 takes: the cache as its bytes, values encoded by integer rounding and widened
+by bit moves. In the interpreter (CPU), or compiled on a GPU: checked against torch's own e4m3 (every f16 value, the
+rounding ties, saturation, subnormals, signed zeros), and the kernels that write and read a cache against themselves
+on the native way: the same bytes and the same outputs. On a GPU with e4m3, also at a real shape against its native
+conversions. tests/test_kernels_compile.py compiles them for sm_80.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton  # noqa
 from cobatch.kernels.rope import rope_cos_sin, rope_ref, rope_triton  # noqa: E402
 from cobatch.kernels.triton_support import jit, tl  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
+from kernel_checks import DEVICE  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -42,9 +43,9 @@ def _widen_kernel(w_ptr, out_ptr, MODE: tl.constexpr, N: tl.constexpr, W: tl.con
 
 
 def codes(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(x.numel(), dtype=torch.uint8)
-    _codes_kernel[(triton_cdiv(x.numel(), 1024),)](x.float().contiguous(), out, x.numel(), BLOCK=1024)
-    return out
+    out = torch.empty(x.numel(), dtype=torch.uint8, device=DEVICE)
+    _codes_kernel[(triton_cdiv(x.numel(), 1024),)](x.float().contiguous().to(DEVICE), out, x.numel(), BLOCK=1024)
+    return out.cpu()
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -71,13 +72,13 @@ def test_bit_moves_widen_every_byte_as_the_conversion_does():
     position of a word."""
     values = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     words = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))]
-    words = torch.cat([words, values[:2]]).view(torch.int32).view(64, 1)       # 256 bytes as 64 words
+    words = torch.cat([words, values[:2]]).view(torch.int32).view(64, 1).to(DEVICE)   # 256 bytes as 64 words
     want = values.view(FP8).float()
     outs = {}
     for mode in (fp8_cache.BYTES, fp8_cache.BITS):
-        out = torch.empty(64, 4, dtype=torch.float16)
+        out = torch.empty(64, 4, dtype=torch.float16, device=DEVICE)
         _widen_kernel[(1,)](words, out, MODE=mode, N=64, W=1)
-        outs[mode] = out
+        outs[mode] = out.cpu()
     assert torch.equal(outs[fp8_cache.BITS], outs[fp8_cache.BYTES])
     assert torch.equal(outs[fp8_cache.BYTES].flatten()[:254].float().sort().values, want.sort().values)
 
@@ -110,19 +111,19 @@ def test_writes_on_bytes_store_the_reference_bytes(monkeypatch):
     and the CUDA test below.)"""
     monkeypatch.setenv("COBATCH_SOFT_FP8", "1")
     g = torch.Generator().manual_seed(3)
-    k = torch.randn(20, 2, 32, generator=g) * 3
-    v = torch.randn(20, 2, 32, generator=g) * 300
-    slots = torch.randperm(32, generator=g)[:20]
-    kc = torch.zeros(2, 16, 2, 32, dtype=FP8)
+    k = (torch.randn(20, 2, 32, generator=g) * 3).to(DEVICE)
+    v = (torch.randn(20, 2, 32, generator=g) * 300).to(DEVICE)
+    slots = torch.randperm(32, generator=g)[:20].to(DEVICE)
+    kc = torch.zeros(2, 16, 2, 32, dtype=FP8, device=DEVICE)
     vc = torch.zeros_like(kc)
     kv_write_triton(k, v, kc, vc, slots)
     assert torch.equal(kc.view(-1, 2, 32)[slots].view(torch.uint8), to_cache_dtype(k, FP8).view(torch.uint8))
     assert torch.equal(vc.view(-1, 2, 32)[slots].view(torch.uint8), to_cache_dtype(v, FP8).view(torch.uint8))
     assert vc.float().abs().max() == 448.0
 
-    q = torch.randn(20, 4, 32, generator=g)
-    cos_sin = rope_cos_sin(32, 64, 10000.0)
-    positions = torch.arange(20)
+    q = torch.randn(20, 4, 32, generator=g).to(DEVICE)
+    cos_sin = rope_cos_sin(32, 64, 10000.0).to(DEVICE)
+    positions = torch.arange(20, device=DEVICE)
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
     rope_triton(q.clone(), k.clone(), positions, cos_sin, False, kv_write=(v, kc2, vc2, slots))
     k_rot = rope_ref(q, k, positions, cos_sin, False)[1]
@@ -130,12 +131,12 @@ def test_writes_on_bytes_store_the_reference_bytes(monkeypatch):
     assert torch.equal(vc2.view(torch.uint8), vc.view(torch.uint8))
 
     rank, rope, heads = 32, 16, 4
-    kv_a = torch.randn(20, rank + rope, generator=g)
-    q_rope = torch.randn(20, heads, rope, generator=g)
-    weight = 1 + 0.1 * torch.randn(rank, generator=g)
-    cs = rope_cos_sin(rope, 64, 10000.0)
-    latent = torch.zeros(3, 16, 1, rank + rope, dtype=FP8)
-    wide = torch.zeros(3, 16, 1, rank + rope, dtype=torch.float32)     # the same kernel's values, unrounded
+    kv_a = torch.randn(20, rank + rope, generator=g).to(DEVICE)
+    q_rope = torch.randn(20, heads, rope, generator=g).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(rank, generator=g)).to(DEVICE)
+    cs = rope_cos_sin(rope, 64, 10000.0).to(DEVICE)
+    latent = torch.zeros(3, 16, 1, rank + rope, dtype=FP8, device=DEVICE)
+    wide = torch.zeros(3, 16, 1, rank + rope, dtype=torch.float32, device=DEVICE)   # the kernel's values, unrounded
     mla_latent_triton(q_rope, kv_a, weight, 1e-6, positions, cs, False, latent, slots)
     mla_latent_triton(q_rope, kv_a, weight, 1e-6, positions, cs, False, wide, slots)
     assert torch.equal(latent.view(torch.uint8), to_cache_dtype(wide, FP8).view(torch.uint8))
@@ -155,16 +156,16 @@ def test_attention_on_bytes_equals_the_native_kernels(monkeypatch):
     for r, nb in enumerate(blocks):
         tables[r, :nb] = torch.arange(b, b + nb)
         b += nb
-    kc = (torch.randn(b, page, n_kv, head_dim, generator=g) * 3).to(FP8)
-    vc = (torch.randn(b, page, n_kv, head_dim, generator=g) * 3).to(FP8)
-    q_dec = torch.randn(len(seq_lens), 4, head_dim, generator=g)
-    q_pre = torch.randn(sum(seq_lens), 4, head_dim, generator=g)
-    starts = torch.tensor([0] + seq_lens).cumsum(0).to(torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    dec = AttentionMetadata(torch.zeros(3, dtype=torch.int64), torch.arange(4, dtype=torch.int32), lens, tables, 1,
-                            max(seq_lens))
-    pre = AttentionMetadata(torch.zeros(sum(seq_lens), dtype=torch.int64), starts, lens, tables, max(seq_lens),
-                            max(seq_lens))
+    kc = (torch.randn(b, page, n_kv, head_dim, generator=g) * 3).to(DEVICE, FP8)
+    vc = (torch.randn(b, page, n_kv, head_dim, generator=g) * 3).to(DEVICE, FP8)
+    q_dec = torch.randn(len(seq_lens), 4, head_dim, generator=g).to(DEVICE)
+    q_pre = torch.randn(sum(seq_lens), 4, head_dim, generator=g).to(DEVICE)
+    starts = torch.tensor([0] + seq_lens).cumsum(0).to(DEVICE, torch.int32)
+    lens, tables = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE)
+    dec = AttentionMetadata(torch.zeros(3, dtype=torch.int64, device=DEVICE),
+                            torch.arange(4, dtype=torch.int32, device=DEVICE), lens, tables, 1, max(seq_lens))
+    pre = AttentionMetadata(torch.zeros(sum(seq_lens), dtype=torch.int64, device=DEVICE), starts, lens, tables,
+                            max(seq_lens), max(seq_lens))
 
     def run():
         return (paged_decode_attention(q_dec, kc, vc, dec, head_dim ** -0.5, cfg=DECODE_CONFIG),
@@ -178,11 +179,12 @@ def test_attention_on_bytes_equals_the_native_kernels(monkeypatch):
 def test_mla_decode_on_bytes_equals_the_native_kernel(monkeypatch):
     g = torch.Generator().manual_seed(4)
     lat, rope, page, seq_lens = 32, 16, 16, [3, 40]
-    cache = (torch.randn(6, page, 1, lat + rope, generator=g) * 2).to(FP8)
-    tables = torch.tensor([[0, 0, 0], [3, 1, 5]], dtype=torch.int32)
-    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64), torch.arange(3, dtype=torch.int32),
-                             torch.tensor(seq_lens, dtype=torch.int32), tables, 1, max(seq_lens))
-    q = torch.randn(2, 4, lat + rope, generator=g)
+    cache = (torch.randn(6, page, 1, lat + rope, generator=g) * 2).to(DEVICE, FP8)
+    tables = torch.tensor([[0, 0, 0], [3, 1, 5]], dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                             torch.arange(3, dtype=torch.int32, device=DEVICE),
+                             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables, 1, max(seq_lens))
+    q = torch.randn(2, 4, lat + rope, generator=g).to(DEVICE)
     native, soft = _both_ways(monkeypatch, lambda: mla_decode_attention(q, cache, meta, 0.3, lat, cuda=False))
     assert torch.equal(native, soft) and native.abs().sum() > 0
 
