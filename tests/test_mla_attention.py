@@ -160,8 +160,8 @@ def test_deepseek_shapes_on_the_gpu(n_heads, seq_lens):
 @requires_cuda
 @pytest.mark.parametrize("n_heads", [16, 128])
 def test_deepseek_shapes_with_an_fp8_cache_on_the_gpu(n_heads):
-    """The same latent shapes in an fp8 cache (the Triton kernels, the default for one; the CUDA split kernel's fp8
-    rows: test_mla_decode_cuda.py), decode and prefill, against the reference on the same fp8 values."""
+    """The same latent shapes in an fp8 cache (decode: the CUDA split kernel's fp8 rows on Hopper, their own tests in
+    test_mla_decode_cuda.py), decode and prefill, against the reference on the same fp8 values."""
     seq_lens, q_lens = [4000, 17, 900, 8192], [1, 1, 1, 1]
     q, cache, meta = latent_setup(seq_lens, n_heads, 512, 64, torch.bfloat16, seed=5, block_size=64, q_lens=q_lens)
     cache = cache.to(FP8)

@@ -68,7 +68,7 @@ def test_unsupported_calls_say_why():
     assert "aligned" in mla_decode_cuda.unsupported(odd[..., :LAT], odd[..., LAT:], cache, 64)
     assert not mla_decode_cuda.supports(lat, rope, cache, 64)          # not on the CPU
     fp8 = cache.to(FP8)
-    assert "COBATCH_MLA_CUDA_FP8" in mla_decode_cuda.unsupported(lat, rope, fp8, 64, fp8=False)
+    assert "COBATCH_MLA_CUDA_FP8=0" in mla_decode_cuda.unsupported(lat, rope, fp8, 64, fp8=False)
     assert mla_decode_cuda.unsupported(lat, rope, fp8, 64, fp8=True) is None
     assert "128" in mla_decode_cuda.unsupported(q[..., :LAT - 64], q[..., LAT - 64:], fp8, 64, fp8=True)
     assert "dtypes" in mla_decode_cuda.unsupported(lat.float(), rope.float(), fp8, 64, fp8=True)
@@ -179,7 +179,7 @@ def test_graph_replay():
 
 @pytest.fixture
 def cuda_fp8(monkeypatch):
-    """The CUDA kernel takes fp8 caches, as COBATCH_MLA_CUDA_FP8=1 has it."""
+    """The CUDA kernel takes fp8 caches (the default; COBATCH_MLA_CUDA_FP8=0 gives them to the Triton kernels)."""
     monkeypatch.setattr(mla_decode_cuda, "MLA_CUDA_FP8", True)
 
 

@@ -137,8 +137,8 @@ MLA_DECODE_CONFIG = replace(DECODE_CONFIG, num_warps=8, num_stages=3, programs_p
 # at 8192 1.81 -> 1.69 ms, B = 64 at 512 3.09 -> 3.00 (bench/results/mla_cuda_ab.md).
 MLA_CUDA = os.environ.get("COBATCH_MLA_CUDA", "1") != "0"
 MLA_CUDA_PLAN = replace(MLA_DECODE_CONFIG, programs_per_sm=1)
-# With an fp8 cache (COBATCH_MLA_CUDA_FP8=1) its ring of 8 e4m3 segments leaves room for two programs an SM: H200,
-# 64 x 8192 128 us against 180 at one program an SM with 20 segments (bench/kernels_attention.py --mla --cuda)
+# With an fp8 cache its ring of 8 e4m3 segments leaves room for two programs an SM: H200, 64 x 8192 128 us against
+# 180 at one program an SM with 20 segments (bench/results/kernels_mla_attention_cuda_h200.json)
 MLA_CUDA_FP8_PLAN = replace(MLA_DECODE_CONFIG, programs_per_sm=2)
 
 
