@@ -14,9 +14,9 @@ Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguo
 on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
 configs (with ATTN_KV_DTYPES=bf16,fp8 also an fp8 cache's, MLA_CUDA_FP8_SWEEP: the CUDA kernel taking e4m3 rows, as
-it does unless COBATCH_MLA_CUDA_FP8=0), each first checked against the torch reference), DeepSeek-V2-Lite's heads (16 q heads,
-or MLA_HEADS=128 as V2 and V3 have them; one latent row of 512 + 64 values per token) at B = 1, 8, 64 x context
-512, 8192 (MLA_CONTEXTS): bytes counted, each
+it does unless COBATCH_MLA_CUDA_FP8=0), each first checked against the torch reference), DeepSeek-V2-Lite's heads
+(16 q heads, or MLA_HEADS=128 as V2 and V3 have them; one latent row of 512 + 64 values per token) at B = 1, 8, 64 x
+context 512, 8192 (MLA_CONTEXTS): bytes counted, each
 sequence's latent rows (576 values a token, in the cache's dtype; ATTN_KV_DTYPES=bf16,fp8: an fp8 cache too).
 bench/kernels.py imports run(); run alone, this measures the copy bandwidth itself and writes JSON to $OUT.
 """
