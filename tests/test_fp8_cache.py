@@ -126,9 +126,12 @@ def test_writes_on_bytes_store_the_reference_bytes(monkeypatch):
     positions = torch.arange(20, device=DEVICE)
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
     rope_triton(q.clone(), k.clone(), positions, cos_sin, False, kv_write=(v, kc2, vc2, slots))
-    k_rot = rope_ref(q, k, positions, cos_sin, False)[1]
-    assert torch.equal(kc2.view(-1, 2, 32)[slots].view(torch.uint8), to_cache_dtype(k_rot, FP8).view(torch.uint8))
+    wide_k, wide_v = (torch.zeros(2, 16, 2, 32, device=DEVICE) for _ in range(2))    # the kernel's rotated k, unrounded
+    rope_triton(q.clone(), k.clone(), positions, cos_sin, False, kv_write=(v, wide_k, wide_v, slots))
+    assert torch.equal(kc2.view(torch.uint8), to_cache_dtype(wide_k, FP8).view(torch.uint8))
     assert torch.equal(vc2.view(torch.uint8), vc.view(torch.uint8))
+    k_rot = rope_ref(q, k, positions, cos_sin, False)[1]
+    assert torch.allclose(wide_k.view(-1, 2, 32)[slots], k_rot, atol=1e-4)
 
     rank, rope, heads = 32, 16, 4
     kv_a = torch.randn(20, rank + rope, generator=g).to(DEVICE)
@@ -145,9 +148,18 @@ def test_writes_on_bytes_store_the_reference_bytes(monkeypatch):
     assert torch.allclose(wide, ref, atol=1e-5) and latent.float().abs().sum() > 0
 
 
+def assert_same_outputs(native: torch.Tensor, soft: torch.Tensor) -> None:
+    """The same widened values give the same outputs: to the bit in the interpreter; compiled, the two ways' loads
+    may lead Triton to other MMA forms, whose sums can round apart in the last bits."""
+    if native.is_cuda:
+        torch.testing.assert_close(soft, native, rtol=2e-3, atol=1e-5)
+    else:
+        assert torch.equal(native, soft)
+
+
 def test_attention_on_bytes_equals_the_native_kernels(monkeypatch):
     """Decode and prefill attention over one fp8 cache, its words widened by bit moves or by Triton's e4m3: the
-    same f16 values, so the same outputs."""
+    same f16 values, so the same outputs (assert_same_outputs)."""
     g = torch.Generator().manual_seed(3)
     n_kv, head_dim, page, seq_lens = 2, 32, 16, [5, 37, 20]
     blocks = [-(-n // page) for n in seq_lens]
@@ -172,7 +184,8 @@ def test_attention_on_bytes_equals_the_native_kernels(monkeypatch):
                 paged_prefill_attention(q_pre, kc, vc, pre, head_dim ** -0.5))
 
     native, soft = _both_ways(monkeypatch, run)
-    assert torch.equal(native[0], soft[0]) and torch.equal(native[1], soft[1])
+    assert_same_outputs(native[0], soft[0])
+    assert_same_outputs(native[1], soft[1])
     assert native[0].abs().sum() > 0 and native[1].abs().sum() > 0
 
 
@@ -186,14 +199,15 @@ def test_mla_decode_on_bytes_equals_the_native_kernel(monkeypatch):
                              torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables, 1, max(seq_lens))
     q = torch.randn(2, 4, lat + rope, generator=g).to(DEVICE)
     native, soft = _both_ways(monkeypatch, lambda: mla_decode_attention(q, cache, meta, 0.3, lat, cuda=False))
-    assert torch.equal(native, soft) and native.abs().sum() > 0
+    assert_same_outputs(native, soft)
+    assert native.abs().sum() > 0
 
 
 @requires_cuda
 def test_on_a_gpu_the_bytes_way_equals_the_native_one(monkeypatch):
     """Llama-3-8B's KV heads: kv_write then decode attention at 64 rows of 700 tokens, natively and on the cache's
     bytes (COBATCH_SOFT_FP8=1, as an A100 runs them): the same cache bytes (round to nearest even, saturating, both
-    ways) and the same outputs."""
+    ways) and the same outputs (assert_same_outputs)."""
     g = torch.Generator(device="cuda").manual_seed(6)
     rows, n_kv, head_dim, page, ctx = 64, 8, 128, 16, 700
     blocks = -(-ctx // page)
@@ -216,4 +230,5 @@ def test_on_a_gpu_the_bytes_way_equals_the_native_one(monkeypatch):
     native, soft = _both_ways(monkeypatch, run)
     assert torch.equal(native[0], soft[0]) and torch.equal(native[1], soft[1])
     assert torch.equal(native[0].view(-1, n_kv, head_dim)[slots], to_cache_dtype(k, FP8).view(torch.uint8))
-    assert torch.equal(native[2], soft[2]) and torch.isfinite(native[2]).all()
+    assert_same_outputs(native[2], soft[2])
+    assert torch.isfinite(native[2]).all()
