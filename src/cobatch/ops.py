@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton
+from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
@@ -29,6 +30,13 @@ _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
 
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda and not _FORCE_TORCH
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: each row's first index of its largest logit, a NaN counting as -inf."""
+    if _triton(logits) and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        return greedy_tokens_triton(logits)
+    return greedy_tokens_ref(logits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

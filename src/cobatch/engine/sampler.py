@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cobatch import ops
 from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
 
@@ -560,13 +561,13 @@ class Sampler:
         penalized = apply_allowed(penalized, rows)
         penalized = apply_token_masks(penalized, [r.allowed for r in rows])
         penalized = apply_bans(penalized, rows)
-        # NaN never wins (argmax would pick it); +inf stays and wins.
-        penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        token_ids = penalized.argmax(dim=-1)
-
         sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
         mu = None
-        if sampled:
+        if not sampled:     # NaN never wins; +inf stays and wins
+            token_ids = ops.greedy_tokens(penalized)
+        else:
+            penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            token_ids = penalized.argmax(dim=-1)
             if len(sampled) == len(rows):
                 token_ids, mu = self._sample(penalized, rows, token_ids, pending_mu)
             else:

@@ -1,0 +1,86 @@
+"""Greedy tokens (kernels/greedy.py) against a plain Python scan: the first column of each row's largest value,
+NaN as -inf. Rows of a few chunks run in the Triton interpreter on the CPU; Llama-3's vocabulary on CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cobatch import ops  # noqa: E402
+from cobatch.kernels.greedy import CHUNK, greedy_tokens_ref, greedy_tokens_triton  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
+from kernel_checks import DEVICE  # noqa: E402
+
+
+def first_max(row: list[float]) -> int:
+    """The spec, written out: scan left to right, move only on a strictly larger value, NaN never larger."""
+    best, best_col = -math.inf, 0
+    for col, value in enumerate(row):
+        if not math.isnan(value) and value > best:
+            best, best_col = value, col
+    return best_col
+
+
+def crafted_rows(n_cols: int, seed: int) -> torch.Tensor:
+    """Random rows, then rows made to catch a wrong tie, NaN or infinity rule, and maxima at chunk edges."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(n_cols, generator=g) for _ in range(3)]
+
+    def row_of(fill: float, **at: float) -> torch.Tensor:
+        r = torch.full((n_cols,), fill)
+        for col, value in at.items():
+            r[int(col.removeprefix("c"))] = value
+        return r
+
+    last, edge = n_cols - 1, min(CHUNK, n_cols - 1)
+    rows += [
+        row_of(0.0),                                               # all equal: column 0
+        row_of(-math.inf),                                         # all -inf: column 0
+        row_of(math.nan),                                          # all NaN: column 0
+        row_of(-1.0, **{f"c{edge}": 5.0, f"c{last}": 5.0}),       # a tie across chunks: the first
+        row_of(-1.0, **{f"c{last}": 5.0, "c3": 4.0}),              # the max in the last (partial) chunk
+        row_of(1.0, **{"c0": math.nan, f"c{edge}": math.inf, f"c{last}": math.inf}),   # +inf wins, first one
+        row_of(math.nan, **{f"c{last}": -3.0}),                    # one number among NaNs
+        row_of(0.0, **{"c2": -0.0, "c0": -0.0}),                   # -0.0 == 0.0: column 0
+        row_of(-2.0, **{"c7": 3.0, "c9": 3.0}),                    # a tie inside one block
+        row_of(0.0, **{"c1": math.nan, "c5": 2.0}),                # a NaN in the max's own block
+    ]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_cols", [37, CHUNK + 1, 2 * CHUNK + 500])
+def test_greedy_tokens_kernel_and_reference(dtype, n_cols):
+    logits = crafted_rows(n_cols, seed=n_cols).to(DEVICE, dtype)
+    want = [first_max(row) for row in logits.float().cpu().tolist()]
+    assert greedy_tokens_ref(logits).tolist() == want
+    assert greedy_tokens_triton(logits).tolist() == want
+
+
+def test_greedy_tokens_reads_row_strides():
+    """A view of every other row of a wider tensor (the rows' stride is not their width)."""
+    wide = crafted_rows(CHUNK + 3, seed=5).repeat_interleave(2, dim=0).to(DEVICE)
+    view = wide[::2, : CHUNK + 1]
+    assert greedy_tokens_triton(view).tolist() == [first_max(row) for row in view.cpu().tolist()]
+
+
+def test_ops_greedy_tokens_on_the_cpu_is_the_reference():
+    logits = crafted_rows(50, seed=2)
+    assert ops.greedy_tokens(logits).tolist() == [first_max(row) for row in logits.tolist()]
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 64])
+def test_greedy_tokens_at_llama3_vocabulary(batch):
+    g = torch.Generator().manual_seed(batch)
+    logits = torch.randn(batch, 128256, generator=g) * 4
+    logits[:, 128255] = logits.max() + 1              # the last column wins in every row...
+    logits[::2, 4096 * 7] = logits.max()              # ...but a tie in even rows is won by the earlier one
+    logits[1::4, 1000] = math.nan
+    logits = logits.cuda()
+    assert torch.equal(greedy_tokens_triton(logits), greedy_tokens_ref(logits))
+    assert greedy_tokens_triton(logits)[0].item() == 4096 * 7
