@@ -48,6 +48,15 @@ def gpu_and_cpu_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
     return prompt_logits(gpu, cfg, ids), prompt_logits(cpu, cfg, ids)
 
 
+def transformers_float_model(folder):
+    """transformers' float32 model of a checkpoint folder, with its eager attention: the exact reference whatever
+    the installed version's default (Gemma-2's logit softcapping and sliding window are not in every other path;
+    a version whose default differed put the GPU machine's Gemma-2 checks 2-6e-3 apart)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
 def transformers_logits(path, ids: list[int], **config) -> torch.Tensor:
     """float32 logits of one prompt from transformers loading the same GGUF (the independent reference; skips
     without transformers). `config` overrides what its GGUF mapping does not carry."""

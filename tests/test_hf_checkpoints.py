@@ -22,7 +22,7 @@ from cobatch.models.registry import model_class
 from cobatch.quant.formats import dequantize
 from cobatch.testing import hf_checkpoints
 from conftest import requires_cuda
-from model_checks import prompt_logits
+from model_checks import prompt_logits, transformers_float_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ def folders(tmp_path_factory):
     for i, family in enumerate(FAMILIES):
         folder = hf_checkpoints.write_tiny_model(root / family, family, seed=i,
                                                  max_shard_size="300KB" if family == "llama" else None)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = transformers_float_model(folder)
         with torch.inference_mode():
             out[family] = folder, model(torch.tensor([IDS])).logits[0].float()
     return out
@@ -95,7 +95,7 @@ def test_deepseek_folder_generates_what_transformers_does(folders):
     folder = folders["deepseek_v3"][0]
     llm = LLM.load(folder, EngineOptions(device="cpu", ctx=64, max_num_seqs=2, quiet=True, quantization="none"))
     got = llm.engine.generate([IDS[:10], IDS[5:12]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers_float_model(folder)
     for prompt, tokens in zip((IDS[:10], IDS[5:12]), got):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
         assert tokens == want[0, len(prompt):].tolist()
@@ -195,7 +195,7 @@ def _reference_model(float_folder, quantized_folder, kind):
     """transformers on the float checkpoint with each quantized layer's weight replaced by its dequantization
     (numpy, from the specs): the dequantize-then-matmul reference."""
     from safetensors import safe_open
-    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    model = transformers_float_model(float_folder)
     params = dict(model.named_parameters())
     with safe_open(quantized_folder / "model.safetensors", "pt") as f:
         for name in f.keys():
@@ -268,7 +268,7 @@ def _assert_runs_as(folders, folder, weights: dict[str, torch.Tensor], fmt: str,
     """A 4-bit folder made from qwen2's: its 14 matrices (2 layers of q, k, v, o, gate, up, down) run as `fmt`
     holding `weights` (the layout's reference dequantization; bitwise where `exact`, else within the f16 rounding
     of each offset), and the logits are transformers' on the float model with those weights."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen2"][0], dtype=torch.float32).eval()
+    model = transformers_float_model(folders["qwen2"][0])
     params = dict(model.named_parameters())
     assert len(weights) == 2 * 7
     with torch.no_grad():
@@ -457,7 +457,7 @@ def test_random_benchmark_checkpoint_is_the_model_transformers_reads(tmp_path):
     folder = hf_checkpoints.write_random_checkpoint(tmp_path / "random", "tiny", seed=3, shard_bytes=300_000)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) > 1 and len(index) == 2 + 2 * 9 + 1
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers_float_model(folder)
     with torch.inference_mode():
         want = model(torch.tensor([IDS])).logits[0].float()
     got = cobatch_logits(folder)

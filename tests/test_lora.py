@@ -29,7 +29,7 @@ from cobatch.testing.gguf_writer import write_random_model
 from cobatch.testing.lora_adapters import (ATTENTION, FEED_FORWARD, FUSED, peft_to_gguf, write_peft_adapter,
                                           write_random_adapter)
 from conftest import requires_cuda
-from model_checks import open_gguf, prompt_logits
+from model_checks import open_gguf, prompt_logits, transformers_float_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -59,7 +59,7 @@ def adapted(tmp_path_factory):
     out = {}
     for i, family in enumerate(FAMILIES):
         folder = hf_checkpoints.write_tiny_model(root / family, family, seed=40 + i)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = transformers_float_model(folder)
         targets = FUSED if family == "phi3" else ATTENTION + FEED_FORWARD
         peft_model, adapter = write_peft_adapter(model, root / f"{family}-adapter", targets, seed=50 + i)
         out[family] = (folder, adapter, *_peft_logits(peft_model, IDS))
