@@ -50,8 +50,9 @@ def gpu_and_cpu_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
 
 def transformers_float_model(folder):
     """transformers' float32 model of a checkpoint folder, with its eager attention: the exact reference whatever
-    the installed version's default (Gemma-2's logit softcapping and sliding window are not in every other path;
-    a version whose default differed put the GPU machine's Gemma-2 checks 2-6e-3 apart)."""
+    the installed version's default (Gemma-2's logit softcapping and sliding window are not in every other path).
+    The GPU machine's transformers 5.17 put its tiny Gemma-2 folders 2-6e-3 from ours with the default attention;
+    whether eager closes that was not yet run there."""
     transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                              attn_implementation="eager").eval()
