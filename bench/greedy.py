@@ -57,7 +57,8 @@ def main() -> None:
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "greedy.json").write_text(json.dumps(result, indent=1))
-    print(f"{'B':>4} {'torch us':>9} {'GB/s':>7} {'of copy':>8} {'kernel us':>10} {'GB/s':>7} {'of copy':>8} {'speed-up':>9}")
+    print(f"{'B':>4} {'torch us':>9} {'GB/s':>7} {'of copy':>8} {'kernel us':>10} {'GB/s':>7} {'of copy':>8} "
+          f"{'speed-up':>9}")
     for r in rows:
         print(f"{r['batch']:4d} {r['torch_us']:9.1f} {r['torch_gbps']:7.0f} {r['torch_of_copy']:8.1%} "
               f"{r['kernel_us']:10.1f} {r['kernel_gbps']:7.0f} {r['kernel_of_copy']:8.1%} "
