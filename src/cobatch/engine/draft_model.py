@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.engine.kv_cache import BlockManager, KVPool
 from cobatch.engine.sampler import to_device
@@ -94,8 +95,8 @@ class DraftModel:
         return drafts
 
     def _greedy_next(self, feeds: list[tuple[Sequence, _Cached, list[int], int, int]]) -> list[int]:
-        """One forward pass of the draft model over each sequence's fed tokens (at positions first..): the argmax of
-        each sequence's last row."""
+        """One forward pass of the draft model over each sequence's fed tokens (at positions first..): the greedy
+        token of each sequence's last row (as the sampler picks it at temperature 0)."""
         bs = self.pool.block_size
         if self.graphs is not None and len(feeds) <= self.graphs.max_batch and all(len(f[2]) == 1 for f in feeds):
             positions = [first for _, _, _, first, _ in feeds]
@@ -103,7 +104,7 @@ class DraftModel:
                                      slot_mapping=[entry.blocks[p // bs] * bs + p % bs
                                                    for (_, entry, _, _, _), p in zip(feeds, positions)],
                                      block_tables=[entry.blocks for _, entry, _, _, _ in feeds])
-            return logits.argmax(-1).tolist()
+            return ops.greedy_tokens(logits).tolist()
         ids, pos, slots, starts, lens, tables = [], [], [], [0], [], []
         for _, entry, fed, first, _ in feeds:
             ids += fed
@@ -123,4 +124,4 @@ class DraftModel:
         hidden = self.model.forward(to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), meta,
                                     self.pool.k, self.pool.v)
         last = hidden[to_device([s - 1 for s in starts[1:]], torch.int64, dev)]
-        return self.model.logits(last).argmax(-1).tolist()
+        return ops.greedy_tokens(self.model.logits(last)).tolist()
