@@ -561,13 +561,11 @@ class Sampler:
         penalized = apply_allowed(penalized, rows)
         penalized = apply_token_masks(penalized, [r.allowed for r in rows])
         penalized = apply_bans(penalized, rows)
+        # NaN never wins; +inf stays and wins. A sampled row's fallback (_sample turns NaN to -inf itself).
+        token_ids = ops.greedy_tokens(penalized)
         sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
         mu = None
-        if not sampled:     # NaN never wins; +inf stays and wins
-            token_ids = ops.greedy_tokens(penalized)
-        else:
-            penalized = torch.nan_to_num(penalized, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-            token_ids = penalized.argmax(dim=-1)
+        if sampled:
             if len(sampled) == len(rows):
                 token_ids, mu = self._sample(penalized, rows, token_ids, pending_mu)
             else:
