@@ -199,9 +199,12 @@ for neox, half, qk_norm in ((False, 64, False), (True, 64, False), (True, 24, Fa
     variants[f"rope+kv_write neox={neox} half={half} qk_norm={qk_norm}"] = (
         rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, QK_NORM=qk_norm, BLOCK_HQ=16, BLOCK_HK=8,
                                 BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
-# the sampler's greedy tokens from float32 logits (bf16 rows compile the same loop)
-variants["greedy chunk max"] = (greedy._chunk_max_kernel, dict(CHUNK=greedy.CHUNK, BLOCK=greedy.BLOCK), 4, 2,
-                                {"max_ptr": "*fp32", "index_ptr": "*i32"})
+# the sampler's token picks from float32 scores (bf16 rows compile the same loop): greedy, and Gumbel-max's noise
+for noise in (False, True):
+    variants[f"greedy chunk max noise={noise}"] = (
+        greedy._chunk_max_kernel, dict(CHUNK=greedy.CHUNK, BLOCK=greedy.BLOCK, NOISE=noise), 4, 2,
+        {"logits_ptr": "*fp32", "row_keys_ptr": "*i64", "token_keys_ptr": "*i64", "max_ptr": "*fp32",
+         "index_ptr": "*i32"})
 variants["greedy row pick"] = (greedy._row_pick_kernel, dict(CHUNKS=32), 1, 2,
                                {"max_ptr": "*fp32", "index_ptr": "*i32", "out_ptr": "*i64"})
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)

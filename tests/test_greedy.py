@@ -1,5 +1,7 @@
-"""Greedy tokens (kernels/greedy.py) against a plain Python scan: the first column of each row's largest value,
-NaN as -inf. Rows of a few chunks run in the Triton interpreter on the CPU; Llama-3's vocabulary on CUDA."""
+"""Token picks (kernels/greedy.py): greedy tokens against a plain Python scan (the first column of each row's
+largest value, NaN as -inf), and Gumbel-max against the same scan over the scores less log(-log u) of the
+sampler's counter noise in torch. Rows of a few chunks run in the Triton interpreter on the CPU; Llama-3's
+vocabulary on CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from cobatch import ops  # noqa: E402
-from cobatch.kernels.greedy import CHUNK, greedy_tokens_ref, greedy_tokens_triton  # noqa: E402
+from cobatch.kernels.greedy import (CHUNK, counter_uniforms, greedy_tokens_ref, greedy_tokens_triton,  # noqa: E402
+                                   gumbel_tokens_ref, gumbel_tokens_triton, token_noise_key)
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import DEVICE  # noqa: E402
 
@@ -73,6 +76,40 @@ def test_ops_greedy_tokens_on_the_cpu_is_the_reference():
     assert ops.greedy_tokens(logits).tolist() == [first_max(row) for row in logits.tolist()]
 
 
+def noised_first_max(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor) -> list[int]:
+    """The scan over each row's scores less log(-log u), u from the torch noise, in float32 as the sampler makes it."""
+    noised = scores.cpu() - torch.log(-torch.log(counter_uniforms(row_keys.cpu(), token_keys.cpu())))
+    return [first_max(row) for row in noised.tolist()]
+
+
+def gumbel_case(rows: int, n_cols: int, seed: int):
+    """Scores as the sampler hands them over: tempered, NaN-free, some tokens filtered out (-inf), one row all out."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, n_cols, generator=g) * 3
+    scores[torch.rand(rows, n_cols, generator=g) < 0.3] = -math.inf
+    scores[1] = -math.inf
+    row_keys = torch.randint(0, 2**32, (rows,), generator=g, dtype=torch.int64)
+    return scores.to(DEVICE), row_keys.to(DEVICE), token_noise_key(torch.arange(n_cols)).to(DEVICE)
+
+
+@pytest.mark.parametrize("n_cols", [37, CHUNK + 900])
+def test_gumbel_tokens_kernel_and_reference(n_cols):
+    scores, row_keys, token_keys = gumbel_case(6, n_cols, seed=n_cols)
+    want = noised_first_max(scores, row_keys, token_keys)
+    assert want[1] == 0                                    # nothing left: column 0, as argmax gives
+    assert gumbel_tokens_ref(scores, row_keys, token_keys).tolist() == want
+    assert gumbel_tokens_triton(scores, row_keys, token_keys).tolist() == want
+
+
+def test_gumbel_tokens_follow_the_row_keys():
+    """Equal scores: the noise alone chooses, so rows with other keys choose other tokens, equal keys the same."""
+    n_cols = 500
+    scores = torch.zeros(4, n_cols, device=DEVICE)
+    row_keys = torch.tensor([7, 8, 7, 2**32 - 1], dtype=torch.int64, device=DEVICE)
+    tokens = gumbel_tokens_triton(scores, row_keys, token_noise_key(torch.arange(n_cols)).to(DEVICE)).tolist()
+    assert tokens[0] == tokens[2] and len({tokens[0], tokens[1], tokens[3]}) == 3
+
+
 @requires_cuda
 @pytest.mark.parametrize("batch", [1, 64])
 def test_greedy_tokens_at_llama3_vocabulary(batch):
@@ -84,3 +121,10 @@ def test_greedy_tokens_at_llama3_vocabulary(batch):
     logits = logits.cuda()
     assert torch.equal(greedy_tokens_triton(logits), greedy_tokens_ref(logits))
     assert greedy_tokens_triton(logits)[0].item() == 4096 * 7
+
+
+@requires_cuda
+def test_gumbel_tokens_at_llama3_vocabulary():
+    scores, row_keys, token_keys = gumbel_case(64, 128256, seed=3)
+    assert gumbel_tokens_triton(scores, row_keys, token_keys).tolist() == \
+        gumbel_tokens_ref(scores, row_keys, token_keys).tolist()

@@ -19,12 +19,10 @@ from cobatch.engine.sampler import (
     SampleRow,
     SamplingParams,
     apply_penalties,
-    counter_uniforms,
     filter_logits,
-    fmix32,
     row_noise_key,
-    token_noise_key,
 )
+from cobatch.kernels.greedy import counter_uniforms, fmix32, token_noise_key
 
 # Logits of a small vocabulary with well-separated probabilities (no top-p boundary lands near a cut).
 SMALL_LOGITS = [1.5, 0.9, 0.6, 0.2, 0.0, -0.4, -1.0, -2.0]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
 from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton
-from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton
+from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref, gumbel_tokens_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
@@ -37,6 +37,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if _triton(logits) and logits.stride(-1) == 1 and logits.shape[-1] > 0:
         return greedy_tokens_triton(logits)
     return greedy_tokens_ref(logits)
+
+
+def gumbel_tokens(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: Gumbel-max over float32 scores [R, V] (no NaN) with the sampler's counter noise of each row's key
+    (int64 [R]) and the tokens' keys (int64 [V])."""
+    if _triton(scores) and scores.stride(-1) == 1 and scores.shape[-1] > 0:
+        return gumbel_tokens_triton(scores, row_keys, token_keys)
+    return gumbel_tokens_ref(scores, row_keys, token_keys)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -29,6 +29,7 @@ import torch
 from cobatch import ops
 from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
+from cobatch.kernels.greedy import token_noise_key
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
@@ -208,24 +209,8 @@ class SampleOutput:
 
 # --- counter-based noise -----------------------------------------------------------------------------
 # noise(row, token) = fmix32(row_key(seed, step) ^ token_key(token id)). The row key is mixed on the host
-# from Python ints; the per-token hash runs as int64 tensor ops on values in [0, 2^32) with no overflow
-# anywhere, so CPU and CUDA produce the same bits. fmix32 also accepts Python ints (same operators).
-
-def _mul32(x, constant: int):
-    """(x * constant) mod 2^32. A constant >= 2^31 is used as its negative twin constant - 2^32 (same
-    residue) so the product stays inside int64; & then takes the two's-complement residue."""
-    signed = constant - (1 << 32) if constant >= 1 << 31 else constant
-    return (x * signed) & _MASK32
-
-
-def fmix32(h):
-    """MurmurHash3's 32-bit finalizer: a bijection on [0, 2^32) with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
+# from Python ints; the per-token hash (kernels/greedy.py: token_noise_key, counter_uniforms) runs on the device,
+# with the same bits on the CPU and CUDA.
 
 def _splitmix64(z: int) -> int:
     """SplitMix64's finalizer on a Python int (exact 64-bit arithmetic on the host)."""
@@ -250,20 +235,6 @@ def row_uniform(seed: int, step: int, stream: int) -> float:
 
 
 XTC_STREAM = 1      # row_uniform's stream of XTC's coin
-
-
-def token_noise_key(token_ids: torch.Tensor) -> torch.Tensor:
-    """32-bit key of each token id (int64 tensor)."""
-    return fmix32(_mul32(token_ids, 0x1B873593) ^ 0x5BD1E995)
-
-
-def counter_uniforms(row_keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
-    """Uniform u in (0, 1), float32 [R, V], a pure function of (row key, token key).
-
-    23 hash bits + 0.5 fill the float32 mantissa exactly, so u is never 0 or 1 and -log(-log u) is finite.
-    """
-    bits = fmix32(row_keys[:, None] ^ token_keys[None, :]) >> 9
-    return (bits.to(torch.float32) + 0.5) * (2.0 ** -23)
 
 
 # --- logit transforms --------------------------------------------------------------------------------
@@ -610,8 +581,7 @@ class Sampler:
                 if v in versions:
                     filtered = torch.where(version == v, truncate(scores, mu), filtered)
         row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
-        uniforms = counter_uniforms(row_keys, self._token_keys_for(logits.shape[1], device))
-        choice = (filtered - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+        choice = ops.gumbel_tokens(filtered, row_keys, self._token_keys_for(logits.shape[1], device))
         # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny
         # temperature) still gets a valid token, the T -> 0 limit: its greedy token (the raw argmax when no
         # penalty applies).
