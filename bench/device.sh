@@ -26,6 +26,8 @@
 #   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
+#   sampler [ARGS]           bench/greedy.py (the greedy-token kernels alone), then bench/sampler.py ARGS (a sampler
+#                            call, greedy and sampled, its token-pick kernels against torch's ops alone)
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
@@ -53,6 +55,7 @@ cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
 SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe moe-experts speculative hf parallel size "
+SUITES+="sampler "
 SUITES+="gemv-configs profile plan-ab ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
@@ -166,6 +169,9 @@ parallel)
     | tee "$OUT/parallel-step.log"
   timeout "$(left "$TIMEOUT")" python3 bench/parallel.py serve --model "$(llama8b)" 2>&1 | quiet \
     | tee "$OUT/parallel-serve.log" ;;
+sampler)
+  timeout "$(left 120)" python3 bench/greedy.py 2>&1 | quiet | tee "$OUT/greedy.log" | tail -6
+  timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -22 ;;
 size)
   timeout "$(left 100)" python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
   cp bench/results/size-ceiling*.json "$OUT/" 2>/dev/null ;;
