@@ -26,8 +26,8 @@
 #   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
-#   sampler [ARGS]           bench/greedy.py (the greedy-token kernels alone), then bench/sampler.py ARGS (a sampler
-#                            call, greedy and sampled, its token-pick kernels against torch's ops alone)
+#   sampler [ARGS]           bench/sampler.py ARGS: the token-pick kernels alone, then whole sampler calls (greedy and
+#                            sampled), against torch's ops
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
@@ -170,8 +170,7 @@ parallel)
   timeout "$(left "$TIMEOUT")" python3 bench/parallel.py serve --model "$(llama8b)" 2>&1 | quiet \
     | tee "$OUT/parallel-serve.log" ;;
 sampler)
-  timeout "$(left 120)" python3 bench/greedy.py 2>&1 | quiet | tee "$OUT/greedy.log" | tail -6
-  timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -22 ;;
+  timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -34 ;;
 size)
   timeout "$(left 100)" python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
   cp bench/results/size-ceiling*.json "$OUT/" 2>/dev/null ;;

@@ -1,14 +1,15 @@
-"""The sampler on the GPU, a whole call as a decode step makes it: [B, V] float32 logits of Llama-3's vocabulary
-in, tokens out, for greedy rows and for sampled ones with and without top-k / top-p / min-p, with the token picks of
-kernels/greedy.py (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way: nan_to_num + argmax, the noise
-hashed over int64 copies of the logits).
+"""The sampler on the GPU, over [B, V] float32 logits of Llama-3's vocabulary: first the token-pick kernels alone
+(kernels/greedy.py: greedy, and Gumbel-max over the sampler's counter noise) against the torch ops they replace,
+then whole sampler calls as a decode step makes them (greedy rows, sampled ones with and without top-k / top-p /
+min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way).
 
     PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40]
 
-Each row records whether both ways drew the same tokens (the GPU test asserts it). A call is timed from CUDA
-events around `calls` calls queued back to back (its host work included, as a step pays it where it is not
-overlapped), over logits rotating past L2. GB/s counts the logits read once; the ratio is to a device-to-device
-copy in the same run. Prints a short table last; JSON to $OUT or bench/results/sampler.json.
+The kernels alone are checked against the torch ops, then timed as CUDA-graph replays (bench/timing.py); a whole
+call is timed from CUDA events around `calls` calls queued back to back (its host work included, as a step pays it
+where it is not overlapped), and records whether both ways drew the same tokens (the GPU tests assert it). Inputs
+rotate past L2. GB/s counts the logits read once; the ratio is to a device-to-device copy in the same run. Prints
+short tables last; JSON to $OUT or bench/results/sampler.json.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copy_bandwidth  # noqa: E402
+from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from cobatch import ops  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
+from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
+                                    gumbel_tokens_triton, token_noise_key)
 
 ROOT = Path(__file__).resolve().parents[1]
 ROTATE_BYTES = 256 << 20      # past the H200's 60 MB of L2
@@ -39,7 +42,31 @@ PARAMS = {
 }
 
 
-def per_call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[SampleRow], calls: int) -> float:
+def timed_row(row: dict, way: str, seconds: float, copy_gbps: float) -> None:
+    row[f"{way}_us"] = seconds * 1e6
+    row[f"{way}_gbps"] = row["logits_bytes"] / seconds / 1e9
+    row[f"{way}_of_copy"] = row[f"{way}_gbps"] / copy_gbps
+
+
+def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> list[dict]:
+    """The two picks as kernels and as torch ops, each on every input in one graph."""
+    row_keys = torch.arange(batch, device="cuda", dtype=torch.int64) * 2654435761 % (1 << 32)
+    token_keys = token_noise_key(torch.arange(inputs[0].shape[1], device="cuda"))
+    picks = {"greedy": (lambda x: greedy_tokens_ref(x), lambda x: greedy_tokens_triton(x)),
+             "gumbel": (lambda x: gumbel_tokens_ref(x, row_keys, token_keys),
+                        lambda x: gumbel_tokens_triton(x, row_keys, token_keys))}
+    rows = []
+    for name, (reference, kernel) in picks.items():
+        for x in inputs[:4]:
+            assert torch.equal(kernel(x), reference(x)), (name, batch)
+        row = dict(batch=batch, pick=name, logits_bytes=inputs[0].numel() * 4)
+        for way, pick in (("torch", reference), ("kernel", kernel)):
+            timed_row(row, way, graph_time([lambda x=x, pick=pick: pick(x) for x in inputs]), copy_gbps)
+        rows.append(row)
+    return rows
+
+
+def call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[SampleRow], calls: int) -> float:
     for x in inputs[:2]:
         sampler(x, rows)
     torch.cuda.synchronize()
@@ -52,6 +79,28 @@ def per_call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[Sa
     return start.elapsed_time(end) / 1e3 / calls
 
 
+def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float) -> list[dict]:
+    """A sampler call per parameter set, with the kernels and with torch's ops alone."""
+    out = []
+    for name, params in PARAMS.items():
+        rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
+        row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
+        tokens = {}
+        for way, torch_only in (("torch", True), ("kernels", False)):
+            ops._FORCE_TORCH = torch_only
+            try:
+                sampler = Sampler()
+                tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
+                timed_row(row, way, call_seconds(sampler, inputs, rows, calls), copy_gbps)
+            finally:
+                ops._FORCE_TORCH = False
+        row["same_tokens"] = tokens["torch"] == tokens["kernels"]
+        out.append(row)
+        print(f"  B {batch:3d} {name:16s} torch {row['torch_us']:8.1f} us  kernels {row['kernels_us']:8.1f} us"
+              f"{'' if row['same_tokens'] else '  (tokens differ)'}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64,256")
@@ -61,42 +110,26 @@ def main() -> None:
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = []
+    picks, calls = [], []
     for batch in [int(b) for b in args.batches.split(",")]:
-        nbytes = batch * args.vocab * 4
-        count = max(2, min(64, ROTATE_BYTES // nbytes))
+        count = max(2, min(64, ROTATE_BYTES // (batch * args.vocab * 4)))
         inputs = [torch.randn(batch, args.vocab, device="cuda", generator=gen) * 3 for _ in range(count)]
-        for name, params in PARAMS.items():
-            rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
-            row = dict(batch=batch, vocab=args.vocab, params=name, logits_bytes=nbytes)
-            tokens = {}
-            for way, torch_only in (("torch", True), ("kernels", False)):
-                ops._FORCE_TORCH = torch_only
-                try:
-                    sampler = Sampler()
-                    tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
-                    seconds = per_call_seconds(sampler, inputs, rows, args.calls)
-                finally:
-                    ops._FORCE_TORCH = False
-                row[f"{way}_us"] = seconds * 1e6
-                row[f"{way}_gbps"] = nbytes / seconds / 1e9
-                row[f"{way}_of_copy"] = row[f"{way}_gbps"] / copy_gbps
-            row["same_tokens"] = tokens["torch"] == tokens["kernels"]
-            results.append(row)
-            print(f"  B {batch:3d} {name:16s} torch {row['torch_us']:8.1f} us  kernels {row['kernels_us']:8.1f} us"
-                  f"{'' if row['same_tokens'] else '  (tokens differ)'}", flush=True)
+        picks += kernels_alone(batch, inputs, copy_gbps)
+        calls += whole_calls(batch, inputs, args.calls, copy_gbps)
         del inputs
-    result = dict(measures="a sampler call on [B, V] float32 logits: the token picks of kernels/greedy.py against "
-                           "torch's ops alone", date=str(datetime.date.today()),
-                  command=" ".join(["bench/sampler.py", *sys.argv[1:]]), device=torch.cuda.get_device_name(),
-                  torch=torch.__version__, copy_gbps=copy_gbps, rows=results)
+    result = dict(measures="the sampler's token picks alone (kernels/greedy.py against the torch ops they replace), "
+                           "then whole sampler calls with them and with torch's ops alone, on float32 logits",
+                  date=str(datetime.date.today()), command=" ".join(["bench/sampler.py", *sys.argv[1:]]),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy_gbps, vocab=args.vocab,
+                  picks=picks, calls=calls)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampler.json").write_text(json.dumps(result, indent=1))
-    print(f"{'B':>4} {'params':16s} {'torch us':>9} {'of copy':>8} {'kernels us':>11} {'of copy':>8} {'speed-up':>9}")
-    for r in results:
-        print(f"{r['batch']:4d} {r['params']:16s} {r['torch_us']:9.1f} {r['torch_of_copy']:8.1%} "
-              f"{r['kernels_us']:11.1f} {r['kernels_of_copy']:8.1%} {r['torch_us'] / r['kernels_us']:8.2f}x")
+    for rows, label, (a, b) in ((picks, "pick", ("torch", "kernel")), (calls, "params", ("torch", "kernels"))):
+        print(f"\n{'B':>4} {label:16s} {a + ' us':>10} {'of copy':>8} {b + ' us':>11} {'of copy':>8} {'speed-up':>9}")
+        for r in rows:
+            print(f"{r['batch']:4d} {r[label]:16s} {r[a + '_us']:10.1f} {r[a + '_of_copy']:8.1%} "
+                  f"{r[b + '_us']:11.1f} {r[b + '_of_copy']:8.1%} {r[a + '_us'] / r[b + '_us']:8.2f}x")
 
 
 if __name__ == "__main__":

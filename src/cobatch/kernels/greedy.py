@@ -9,8 +9,8 @@ over int64 and float32 copies of the tensor to hash, log and subtract. Here a ro
 columns, one program a chunk (the noise made in registers where the row samples; the chunk's max and the first
 column holding it), and one program a row then picks the first chunk holding the row's max: the same token, since
 the max and first-index rules are exact and the noise's arithmetic is the reference's, operation for operation.
-Greedy, measured alone (bench/greedy.py, bench/results/greedy.json, H100): B = 1 29.0 -> 5.8 us, B = 64 61.2 ->
-14.4, B = 256 144.8 -> 46.4.
+Greedy, measured alone (bench/results/greedy.json, H100; bench/sampler.py times both picks now): B = 1 29.0 ->
+5.8 us, B = 64 61.2 -> 14.4, B = 256 144.8 -> 46.4.
 """
 
 from __future__ import annotations
