@@ -52,9 +52,10 @@ def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> l
     """The two picks as kernels and as torch ops, each on every input in one graph."""
     row_keys = torch.arange(batch, device="cuda", dtype=torch.int64) * 2654435761 % (1 << 32)
     token_keys = token_noise_key(torch.arange(inputs[0].shape[1], device="cuda"))
+    fallback = torch.zeros(batch, device="cuda", dtype=torch.int64)
     picks = {"greedy": (lambda x: greedy_tokens_ref(x), lambda x: greedy_tokens_triton(x)),
-             "gumbel": (lambda x: gumbel_tokens_ref(x, row_keys, token_keys),
-                        lambda x: gumbel_tokens_triton(x, row_keys, token_keys))}
+             "gumbel": (lambda x: gumbel_tokens_ref(x, row_keys, token_keys, fallback),
+                        lambda x: gumbel_tokens_triton(x, row_keys, token_keys, fallback))}
     rows = []
     for name, (reference, kernel) in picks.items():
         for x in inputs[:4]:

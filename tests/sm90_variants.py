@@ -205,8 +205,10 @@ for noise in (False, True):
         greedy._chunk_max_kernel, dict(CHUNK=greedy.CHUNK, BLOCK=greedy.BLOCK, NOISE=noise), 4, 2,
         {"logits_ptr": "*fp32", "row_keys_ptr": "*i64", "token_keys_ptr": "*i64", "max_ptr": "*fp32",
          "index_ptr": "*i32"})
-variants["greedy row pick"] = (greedy._row_pick_kernel, dict(CHUNKS=32), 1, 2,
-                               {"max_ptr": "*fp32", "index_ptr": "*i32", "out_ptr": "*i64"})
+for fallback in (False, True):
+    variants[f"greedy row pick fallback={fallback}"] = (
+        greedy._row_pick_kernel, dict(CHUNKS=32, FALLBACK=fallback), 1, 2,
+        {"max_ptr": "*fp32", "index_ptr": "*i32", "fallback_ptr": "*i64", "out_ptr": "*i64"})
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(BY16=False, BLOCK=1024, PDL=True), 4, 2,
                                {"out_ptr": "*fp16"})

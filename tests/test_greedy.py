@@ -76,10 +76,13 @@ def test_ops_greedy_tokens_on_the_cpu_is_the_reference():
     assert ops.greedy_tokens(logits).tolist() == [first_max(row) for row in logits.tolist()]
 
 
-def noised_first_max(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor) -> list[int]:
-    """The scan over each row's scores less log(-log u), u from the torch noise, in float32 as the sampler makes it."""
+def noised_first_max(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor,
+                     fallback: torch.Tensor) -> list[int]:
+    """The scan over each row's scores less log(-log u), u from the torch noise, in float32 as the sampler makes it;
+    a row with no finite score takes its fallback."""
     noised = scores.cpu() - torch.log(-torch.log(counter_uniforms(row_keys.cpu(), token_keys.cpu())))
-    return [first_max(row) for row in noised.tolist()]
+    return [first_max(row) if any(v > -math.inf for v in row) else spare
+            for row, spare in zip(noised.tolist(), fallback.tolist())]
 
 
 def gumbel_case(rows: int, n_cols: int, seed: int):
@@ -89,16 +92,18 @@ def gumbel_case(rows: int, n_cols: int, seed: int):
     scores[torch.rand(rows, n_cols, generator=g) < 0.3] = -math.inf
     scores[1] = -math.inf
     row_keys = torch.randint(0, 2**32, (rows,), generator=g, dtype=torch.int64)
-    return scores.to(DEVICE), row_keys.to(DEVICE), token_noise_key(torch.arange(n_cols)).to(DEVICE)
+    fallback = torch.randint(0, n_cols, (rows,), generator=g, dtype=torch.int64)
+    return (scores.to(DEVICE), row_keys.to(DEVICE), token_noise_key(torch.arange(n_cols)).to(DEVICE),
+            fallback.to(DEVICE))
 
 
 @pytest.mark.parametrize("n_cols", [37, CHUNK + 900])
 def test_gumbel_tokens_kernel_and_reference(n_cols):
-    scores, row_keys, token_keys = gumbel_case(6, n_cols, seed=n_cols)
-    want = noised_first_max(scores, row_keys, token_keys)
-    assert want[1] == 0                                    # nothing left: column 0, as argmax gives
-    assert gumbel_tokens_ref(scores, row_keys, token_keys).tolist() == want
-    assert gumbel_tokens_triton(scores, row_keys, token_keys).tolist() == want
+    scores, row_keys, token_keys, fallback = gumbel_case(6, n_cols, seed=n_cols)
+    want = noised_first_max(scores, row_keys, token_keys, fallback)
+    assert want[1] == fallback[1].item()                  # nothing left: the fallback
+    assert gumbel_tokens_ref(scores, row_keys, token_keys, fallback).tolist() == want
+    assert gumbel_tokens_triton(scores, row_keys, token_keys, fallback).tolist() == want
 
 
 def test_gumbel_tokens_follow_the_row_keys():
@@ -106,7 +111,9 @@ def test_gumbel_tokens_follow_the_row_keys():
     n_cols = 500
     scores = torch.zeros(4, n_cols, device=DEVICE)
     row_keys = torch.tensor([7, 8, 7, 2**32 - 1], dtype=torch.int64, device=DEVICE)
-    tokens = gumbel_tokens_triton(scores, row_keys, token_noise_key(torch.arange(n_cols)).to(DEVICE)).tolist()
+    fallback = torch.full((4,), -1, dtype=torch.int64, device=DEVICE)
+    tokens = gumbel_tokens_triton(scores, row_keys, token_noise_key(torch.arange(n_cols)).to(DEVICE),
+                                  fallback).tolist()
     assert tokens[0] == tokens[2] and len({tokens[0], tokens[1], tokens[3]}) == 3
 
 
@@ -125,6 +132,5 @@ def test_greedy_tokens_at_llama3_vocabulary(batch):
 
 @requires_cuda
 def test_gumbel_tokens_at_llama3_vocabulary():
-    scores, row_keys, token_keys = gumbel_case(64, 128256, seed=3)
-    assert gumbel_tokens_triton(scores, row_keys, token_keys).tolist() == \
-        gumbel_tokens_ref(scores, row_keys, token_keys).tolist()
+    case = gumbel_case(64, 128256, seed=3)
+    assert gumbel_tokens_triton(*case).tolist() == gumbel_tokens_ref(*case).tolist()

@@ -581,12 +581,10 @@ class Sampler:
                 if v in versions:
                     filtered = torch.where(version == v, truncate(scores, mu), filtered)
         row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
-        choice = ops.gumbel_tokens(filtered, row_keys, self._token_keys_for(logits.shape[1], device))
         # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny
         # temperature) still gets a valid token, the T -> 0 limit: its greedy token (the raw argmax when no
         # penalty applies).
-        has_candidate = filtered.amax(dim=-1) > -math.inf
-        choice = torch.where(has_candidate, choice, greedy)
+        choice = ops.gumbel_tokens(filtered, row_keys, self._token_keys_for(logits.shape[1], device), greedy)
         if not mirostat:
             return choice, None
         # mu moves by eta times how far the drawn token's surprise (in the distribution it was drawn from) was

@@ -66,10 +66,13 @@ def greedy_tokens_ref(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf).argmax(dim=-1)
 
 
-def gumbel_tokens_ref(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+def gumbel_tokens_ref(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor,
+                      fallback: torch.Tensor) -> torch.Tensor:
     """int64 [R]: Gumbel-max over float32 scores [R, V] without NaN (-inf: out), each row's noise keyed by its
-    row key (int64 [R]) and the tokens' keys (int64 [V], token_noise_key); a row of -inf gives 0."""
-    return (scores - torch.log(-torch.log(counter_uniforms(row_keys, token_keys)))).argmax(dim=-1)
+    row key (int64 [R]) and the tokens' keys (int64 [V], token_noise_key); a row with nothing left (all -inf)
+    takes its fallback (int64 [R])."""
+    choice = (scores - torch.log(-torch.log(counter_uniforms(row_keys, token_keys)))).argmax(dim=-1)
+    return torch.where(scores.amax(dim=-1) > -math.inf, choice, fallback)
 
 
 # --- Triton ----------------------------------------------------------------------------------------------
@@ -116,8 +119,10 @@ def _chunk_max_kernel(logits_ptr, row_keys_ptr, token_keys_ptr, max_ptr, index_p
 
 
 @jit
-def _row_pick_kernel(max_ptr, index_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr):
-    """Program row: the column of the first chunk whose max is the row's."""
+def _row_pick_kernel(max_ptr, index_ptr, fallback_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr,
+                     FALLBACK: tl.constexpr):
+    """Program row: the column of the first chunk whose max is the row's; with FALLBACK, a row whose max is -inf
+    (nothing left: noise is finite, so only a score of -inf stays -inf) takes fallback[row]."""
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS)
     mask = chunks < n_chunks
@@ -126,11 +131,16 @@ def _row_pick_kernel(max_ptr, index_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr
     row_best = tl.max(best, axis=0)
     # chunks are in column order, so the smallest column among the chunks at the max is the first
     big = tl.max(cols, axis=0) + 1
-    tl.store(out_ptr + row, tl.min(tl.where(mask & (best == row_best), cols, big), axis=0).to(tl.int64))
+    token = tl.min(tl.where(mask & (best == row_best), cols, big), axis=0).to(tl.int64)
+    if FALLBACK:
+        token = tl.where(row_best > float("-inf"), token, tl.load(fallback_ptr + row))
+    tl.store(out_ptr + row, token)
 
 
-def _pick(scores: torch.Tensor, row_keys: torch.Tensor | None, token_keys: torch.Tensor | None) -> torch.Tensor:
-    """The two launches: each row's first column at its max, of the scores or (keys given) of the noised scores."""
+def _pick(scores: torch.Tensor, row_keys: torch.Tensor | None, token_keys: torch.Tensor | None,
+          fallback: torch.Tensor | None) -> torch.Tensor:
+    """The two launches: each row's first column at its max, of the scores or (keys given) of the noised scores,
+    or (fallback given) the row's fallback where its max is -inf."""
     assert scores.dim() == 2 and scores.stride(-1) == 1
     rows, n_cols = scores.shape
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
@@ -147,15 +157,19 @@ def _pick(scores: torch.Tensor, row_keys: torch.Tensor | None, token_keys: torch
     _chunk_max_kernel[(rows, n_chunks)](scores, row_keys if noise else scores, token_keys if noise else scores, best,
                                         index, n_cols, scores.stride(0), n_chunks, CHUNK=CHUNK,
                                         BLOCK=min(BLOCK, CHUNK), NOISE=noise, num_warps=4)
-    _row_pick_kernel[(rows,)](best, index, out, n_chunks, CHUNKS=max(2, next_pow2(n_chunks)), num_warps=1)
+    if fallback is not None:
+        assert fallback.shape == (rows,) and fallback.dtype == torch.int64
+    _row_pick_kernel[(rows,)](best, index, fallback if fallback is not None else out, out, n_chunks,
+                              CHUNKS=max(2, next_pow2(n_chunks)), FALLBACK=fallback is not None, num_warps=1)
     return out
 
 
 def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
     """greedy_tokens_ref's result from a [B, V] tensor (any float dtype, rows contiguous), in two launches."""
-    return _pick(logits, None, None)
+    return _pick(logits, None, None, None)
 
 
-def gumbel_tokens_triton(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+def gumbel_tokens_triton(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor,
+                         fallback: torch.Tensor) -> torch.Tensor:
     """gumbel_tokens_ref's result, in two launches and no [R, V] temporary."""
-    return _pick(scores, row_keys, token_keys)
+    return _pick(scores, row_keys, token_keys, fallback)
