@@ -250,6 +250,53 @@ def test_filter_off_keeps_every_token_while_neighbours_are_filtered():
     assert float(probs[torch.isfinite(filtered[1])].sum()) >= 0.9
 
 
+def reference_top_k_top_p(scores: list[float], top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p keep, from their definitions: order the tokens by value, largest first, the
+    lower id first among equal values; keep the first k (all if k is 0); renormalize over them and keep the
+    smallest prefix whose mass reaches p (p = 1: all of them)."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    if top_k > 0:
+        order = order[:top_k]
+    if top_p >= 1.0:
+        return set(order)
+    weights = [math.exp(scores[i] - scores[order[0]]) for i in order]
+    total, mass_before, kept = sum(weights), 0.0, []
+    for token, weight in zip(order, weights):
+        if mass_before >= top_p:
+            break
+        kept.append(token)
+        mass_before += weight / total
+    return set(kept)
+
+
+# Rows across every top-k width (64, 256, 1024, 4096, then the whole row), with top-p and without.
+TOP_K_TOP_P_ROWS = [(1, 1.0), (5, 1.0), (40, 0.95), (64, 1.0), (65, 0.9), (300, 1.0), (1024, 0.5), (2000, 1.0),
+                    (5000, 0.99), (0, 0.8), (0, 0.3), (0, 1.0), (40, 1.0)]
+
+
+def test_top_k_and_top_p_keep_the_tokens_of_their_definitions_ties_included():
+    vocab = 6000
+    # Scores in steps of 1/4: hundreds of tokens tie with the k-th value, so the lowest ids must win among them.
+    scores = (random_logits(len(TOP_K_TOP_P_ROWS), vocab, seed=21, scale=8.0) * 4).round() / 4
+    filtered = filter_logits(scores, [k for k, _ in TOP_K_TOP_P_ROWS], [p for _, p in TOP_K_TOP_P_ROWS],
+                             [0.0] * len(TOP_K_TOP_P_ROWS))
+    for row, (k, p) in enumerate(TOP_K_TOP_P_ROWS):
+        kept = set(torch.nonzero(torch.isfinite(filtered[row])).flatten().tolist())
+        assert kept == reference_top_k_top_p(scores[row].tolist(), k, p), (k, p)
+        assert torch.equal(filtered[row][list(kept)], scores[row][list(kept)])
+    assert torch.equal(filtered[-1][torch.isfinite(filtered[-1])].sort().values, scores[-1].topk(40).values.sort().values)
+
+
+def test_a_rows_top_k_and_top_p_do_not_depend_on_the_other_rows():
+    vocab = 6000
+    scores = random_logits(len(TOP_K_TOP_P_ROWS), vocab, seed=22, scale=3.0)
+    together = filter_logits(scores, [k for k, _ in TOP_K_TOP_P_ROWS], [p for _, p in TOP_K_TOP_P_ROWS],
+                             [0.0] * len(TOP_K_TOP_P_ROWS))
+    for row, (k, p) in enumerate(TOP_K_TOP_P_ROWS):
+        alone = filter_logits(scores[row:row + 1], [k], [p], [0.0])
+        assert torch.equal(alone[0], together[row]), (k, p)
+
+
 def reference_typical(probs: list[float], mass: float) -> list[float]:
     """Locally typical sampling (Meister et al. 2022) from its definition: H = -sum p log p; order the tokens by
     |-log p - H|, nearest first; keep them until their probability sums to `mass` (the token that reaches it

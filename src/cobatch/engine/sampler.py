@@ -1,7 +1,7 @@
 """Batched sampling: one step's logits for every row -> one token per row, without a host sync.
 
 Every row carries its own parameters. The work is vectorized over the batch; expensive stages (penalties,
-sorting for top-k/top-p, min-p, random noise, logprobs) run only when some row needs them, decided on
+top-k/top-p, min-p, random noise, logprobs) run only when some row needs them, decided on
 the host from the Python parameters. Nothing here reads device data back: the caller does the one
 transfer per step.
 
@@ -386,29 +386,13 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
     top-k-renormalized distribution (keep the smallest prefix whose mass reaches p), then min-p (keep p >= min_p *
     p_max), then typical-p (HF's TypicalLogitsWarper, in its place after min-p), then XTC (as llama.cpp's, after
     the others). The most likely token always survives top-k, top-p and min-p, so min-p commutes with the other
-    two. One sort per call, only if some row uses top-k or top-p. xtc_threshold: per row, the threshold of a step
-    whose XTC coin came up (else above 0.5: off)."""
+    two. xtc_threshold: per row, the threshold of a step whose XTC coin came up (else above 0.5: off)."""
     rows, vocab = scores.shape
     device = scores.device
     if top_n_sigma is not None and any(n > 0 for n in top_n_sigma):
         scores = _top_n_sigma(scores, to_device([n if n > 0 else math.inf for n in top_n_sigma], torch.float32,
                                                 device))
-    needs_top_k = any(0 < k < vocab for k in top_k)
-    needs_top_p = any(p < 1.0 for p in top_p)
-    if needs_top_k or needs_top_p:
-        # Stable sort: ties at a top-k cut-off resolve to the lower token id, the same way in every batch.
-        sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=device)
-        k_per_row = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, device)
-        drop_sorted = rank[None, :] >= k_per_row[:, None]
-        if needs_top_p:
-            probs = sorted_scores.masked_fill(drop_sorted, -math.inf).softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # Rows with top_p = 1 get +inf so rounding in the cumsum (mass_before ~ 1) never trims their tail.
-            p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
-            drop_sorted |= mass_before >= p_per_row[:, None]
-        drop = _unsorted(drop_sorted, order)
-        scores = scores.masked_fill(drop, -math.inf)
+    scores = _top_k_top_p(scores, top_k, top_p)
     if any(p > 0.0 for p in min_p):
         relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
         min_p_per_row = to_device(list(min_p), torch.float32, device)
@@ -419,6 +403,64 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
     if xtc_threshold is not None and any(t <= 0.5 for t in xtc_threshold):
         scores = _exclude_top_choices(scores, to_device(list(xtc_threshold), torch.float32, device))
     return scores
+
+
+# A row whose top-k fits one of these widths is filtered from the first `width` values of torch.topk, not from a
+# sort of its whole row (128k values for Llama-3). The width follows from the row's own k alone, so its result does
+# not depend on the other rows of the batch.
+TOP_K_WIDTHS = (64, 256, 1024, 4096)
+
+
+def top_k_width(top_k: int, vocab: int) -> int:
+    """How many of a row's largest values its top-k / top-p filter reads: the smallest of TOP_K_WIDTHS that holds
+    its k, else (top-p alone, or a k beyond them) the whole row."""
+    return next((width for width in TOP_K_WIDTHS if 0 < top_k <= width < vocab), vocab)
+
+
+def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k, then top-p over the top-k-renormalized distribution: each row keeps its `count` largest tokens, the
+    lowest ids first among equal values (the order of a stable descending sort), where `count` is k cut to the
+    smallest prefix of that order whose mass reaches p. Rows are grouped by `top_k_width`; rows with neither filter
+    are not touched."""
+    rows, vocab = scores.shape
+    groups: dict[int, list[int]] = {}
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        if 0 < k < vocab or p < 1.0:
+            groups.setdefault(top_k_width(k, vocab), []).append(row)
+    for width, members in groups.items():
+        index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
+        group = scores if index is None else scores.index_select(0, index)
+        kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
+        scores = kept if index is None else scores.index_copy(0, index, kept)
+    return scores
+
+
+def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """_top_k_top_p for rows that share one width: the kept count comes from each row's `width` largest values
+    (sorted, no indices needed), and the kept tokens are those above the count-th value plus the lowest ids of
+    those equal to it."""
+    rows, vocab = scores.shape
+    device = scores.device
+    if width < vocab:
+        largest = scores.topk(width, dim=-1).values
+    else:
+        largest = scores.sort(dim=-1, descending=True).values
+    k_per_row = to_device([k if 0 < k < width else width for k in top_k], torch.int64, device)
+    kept = torch.arange(width, device=device)[None, :] < k_per_row[:, None]
+    if any(p < 1.0 for p in top_p):
+        probs = largest.masked_fill(~kept, -math.inf).softmax(dim=-1)
+        # The mass before each position, as a shifted inclusive sum: never decreasing, so the kept positions are
+        # a prefix. Rows with top_p = 1 compare against +inf, so rounding (mass ~ 1) never trims their tail.
+        mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+        p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
+        kept &= mass_before < p_per_row[:, None]
+    count = kept.sum(dim=-1).clamp(min=1)               # the largest value always stays
+    threshold = largest.gather(1, (count - 1)[:, None])
+    above = scores > threshold
+    ties = scores == threshold
+    room = (count - above.sum(dim=-1))[:, None]         # how many of the tied tokens fit, lowest ids first
+    keep = above | (ties & (ties.to(torch.int32).cumsum(dim=-1, dtype=torch.int32) <= room))
+    return scores.masked_fill(~keep, -math.inf)
 
 
 def _unsorted(drop_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
