@@ -1,7 +1,8 @@
 """The sampler on the GPU, over [B, V] float32 logits of Llama-3's vocabulary: first the token-pick kernels alone
 (kernels/greedy.py: greedy, and Gumbel-max over the sampler's counter noise) against the torch ops they replace,
 then whole sampler calls as a decode step makes them (greedy rows, sampled ones with and without top-k / top-p /
-min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way).
+min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way), and where top-k
+applies, with each row sorted whole instead of read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS).
 
     PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40]
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from cobatch import ops  # noqa: E402
+from cobatch.engine import sampler as sampler_module  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
 from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
                                     gumbel_tokens_triton, token_noise_key)
@@ -38,6 +40,7 @@ PARAMS = {
     "T=1": SamplingParams(temperature=1.0),
     "T=0.7 top_p=0.9": SamplingParams(temperature=0.7, top_p=0.9),
     "T=0.8 top_k=40": SamplingParams(temperature=0.8, top_k=40),
+    "llama.cpp's": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
     "T=1 min_p=0.05": SamplingParams(temperature=1.0, min_p=0.05),
 }
 
@@ -81,23 +84,27 @@ def call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[Sample
 
 
 def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float) -> list[dict]:
-    """A sampler call per parameter set, with the kernels and with torch's ops alone."""
+    """A sampler call per parameter set, with the kernels and with torch's ops alone; where top-k applies, also
+    with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`)."""
     out = []
+    widths = sampler_module.TOP_K_WIDTHS
     for name, params in PARAMS.items():
         rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
         row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
         tokens = {}
-        for way, torch_only in (("torch", True), ("kernels", False)):
-            ops._FORCE_TORCH = torch_only
+        ways = [("torch", True, widths), ("kernels", False, widths)] + ([("sorted", False, ())] if params.top_k else [])
+        for way, torch_only, top_k_widths in ways:
+            ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = torch_only, top_k_widths
             try:
                 sampler = Sampler()
                 tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
                 timed_row(row, way, call_seconds(sampler, inputs, rows, calls), copy_gbps)
             finally:
-                ops._FORCE_TORCH = False
-        row["same_tokens"] = tokens["torch"] == tokens["kernels"]
+                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = False, widths
+        row["same_tokens"] = all(t == tokens["kernels"] for t in tokens.values())
         out.append(row)
-        print(f"  B {batch:3d} {name:16s} torch {row['torch_us']:8.1f} us  kernels {row['kernels_us']:8.1f} us"
+        sort = f"  whole-row sort {row['sorted_us']:8.1f} us" if "sorted_us" in row else ""
+        print(f"  B {batch:3d} {name:16s} torch {row['torch_us']:8.1f} us  kernels {row['kernels_us']:8.1f} us{sort}"
               f"{'' if row['same_tokens'] else '  (tokens differ)'}", flush=True)
     return out
 
@@ -131,6 +138,10 @@ def main() -> None:
         for r in rows:
             print(f"{r['batch']:4d} {r[label]:16s} {r[a + '_us']:10.1f} {r[a + '_of_copy']:8.1%} "
                   f"{r[b + '_us']:11.1f} {r[b + '_of_copy']:8.1%} {r[a + '_us'] / r[b + '_us']:8.2f}x")
+    print(f"\n{'B':>4} {'params':16s} {'sorted us':>10} {'top-k us':>10} {'speed-up':>9}")
+    for r in (r for r in calls if "sorted_us" in r):
+        print(f"{r['batch']:4d} {r['params']:16s} {r['sorted_us']:10.1f} {r['kernels_us']:10.1f} "
+              f"{r['sorted_us'] / r['kernels_us']:8.2f}x")
 
 
 if __name__ == "__main__":
