@@ -338,7 +338,11 @@ def test_serve_stub_engine_answers_through_the_real_app():
         assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 5
         streamed = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "stream": True,
                                                         "logprobs": 0})
-        assert streamed.status_code == 200 and streamed.text.count('"logprobs":{') == 3
+        assert streamed.status_code == 200
+        # a slow reader may get several tokens in one event: count the tokens the events' logprobs name
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        assert sum(len((c["logprobs"] or {}).get("tokens", [])) for e in events for c in e["choices"]) == 3
         assert client.get("/metrics").status_code == 200
 
 
