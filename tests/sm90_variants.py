@@ -200,11 +200,13 @@ for neox, half, qk_norm in ((False, 64, False), (True, 64, False), (True, 24, Fa
         rope._rope_kernel, dict(HALF=half, NEOX=neox, WRITE_KV=True, QK_NORM=qk_norm, BLOCK_HQ=16, BLOCK_HK=8,
                                 BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=128, PDL=True), 4, 2)
 # the sampler's token picks from float32 scores (bf16 rows compile the same loop): greedy, and Gumbel-max's noise
-for noise in (False, True):
-    variants[f"greedy chunk max noise={noise}"] = (
-        greedy._chunk_max_kernel, dict(CHUNK=greedy.CHUNK, BLOCK=greedy.BLOCK, NOISE=noise), 4, 2,
-        {"logits_ptr": "*fp32", "row_keys_ptr": "*i64", "token_keys_ptr": "*i64", "max_ptr": "*fp32",
-         "index_ptr": "*i32"})
+# over scores or over logits it tempers itself
+for noise, temper in ((False, False), (True, False), (True, True)):
+    variants[f"greedy chunk max noise={noise} temper={temper}"] = (
+        greedy._chunk_max_kernel, dict(CHUNK=greedy.CHUNK, BLOCK=greedy.BLOCK, NOISE=noise, TEMPER=temper,
+                                       HUGE=greedy.FLOAT32_HUGE), 4, 2,
+        {"logits_ptr": "*fp32", "row_keys_ptr": "*i64", "token_keys_ptr": "*i64", "inverse_temperature_ptr": "*fp32",
+         "max_ptr": "*fp32", "index_ptr": "*i32"})
 for fallback in (False, True):
     variants[f"greedy row pick fallback={fallback}"] = (
         greedy._row_pick_kernel, dict(CHUNKS=32, FALLBACK=fallback), 1, 2,

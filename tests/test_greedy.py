@@ -106,6 +106,34 @@ def test_gumbel_tokens_kernel_and_reference(n_cols):
     assert gumbel_tokens_triton(scores, row_keys, token_keys, fallback).tolist() == want
 
 
+def tempered_by_hand(logits: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
+    """The sampler's tempering, value by value: times 1 / T in float32; NaN out (-inf); +inf, or an overflow to it,
+    becomes the largest float32 over 4 (so that noise added to it stays finite)."""
+    huge = torch.finfo(torch.float32).max / 4
+    out = []
+    for row, scale in zip(logits.float().cpu().tolist(), inverse_temperature.cpu().tolist()):
+        values = (torch.tensor(row) * torch.tensor(scale, dtype=torch.float32)).tolist()
+        out.append([-math.inf if math.isnan(v) else huge if v == math.inf else v for v in values])
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("n_cols", [37, CHUNK + 900])
+def test_gumbel_tokens_temper_raw_logits_in_the_same_pass(n_cols):
+    """Logits with NaN, infinities and values that overflow under a small temperature, tempered by the kernel."""
+    _, row_keys, token_keys, fallback = gumbel_case(6, n_cols, seed=n_cols + 1)
+    g = torch.Generator().manual_seed(n_cols)
+    logits = torch.randn(6, n_cols, generator=g) * 3
+    logits[0, 5], logits[2, n_cols - 1], logits[3, 7] = math.nan, math.inf, -math.inf
+    logits[4, 9] = logits[4, n_cols - 2] = 1e37                  # both overflow to +inf at T = 0.01: the first wins
+    logits[1] = math.nan                                         # nothing left: the fallback
+    inverse_temperature = torch.tensor([1.0, 1.25, 1 / 0.7, 2.0, 100.0, 0.5], dtype=torch.float32)
+    want = noised_first_max(tempered_by_hand(logits, inverse_temperature), row_keys, token_keys, fallback)
+    assert want[1] == fallback[1].item() and want[2] == n_cols - 1 and want[4] == 9
+    logits, inverse_temperature = logits.to(DEVICE), inverse_temperature.to(DEVICE)
+    assert gumbel_tokens_ref(logits, row_keys, token_keys, fallback, inverse_temperature).tolist() == want
+    assert gumbel_tokens_triton(logits, row_keys, token_keys, fallback, inverse_temperature).tolist() == want
+
+
 def test_gumbel_tokens_follow_the_row_keys():
     """Equal scores: the noise alone chooses, so rows with other keys choose other tokens, equal keys the same."""
     n_cols = 500
@@ -134,3 +162,9 @@ def test_greedy_tokens_at_llama3_vocabulary(batch):
 def test_gumbel_tokens_at_llama3_vocabulary():
     case = gumbel_case(64, 128256, seed=3)
     assert gumbel_tokens_triton(*case).tolist() == gumbel_tokens_ref(*case).tolist()
+    logits = case[0].clone()
+    logits[1] = math.nan
+    logits[3, 1000] = math.inf
+    inverse_temperature = torch.linspace(0.5, 3.0, 64, device="cuda")
+    tempered = (logits, *case[1:], inverse_temperature)
+    assert gumbel_tokens_triton(*tempered).tolist() == gumbel_tokens_ref(*tempered).tolist()

@@ -40,12 +40,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_tokens(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor,
-                  fallback: torch.Tensor) -> torch.Tensor:
+                  fallback: torch.Tensor, inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: Gumbel-max over float32 scores [R, V] (no NaN) with the sampler's counter noise of each row's key
-    (int64 [R]) and the tokens' keys (int64 [V]); a row with nothing left (all -inf) takes fallback[row]."""
+    (int64 [R]) and the tokens' keys (int64 [V]); a row with nothing left (all -inf) takes fallback[row].
+    inverse_temperature (float32 [R]) given: `scores` are logits, tempered first (kernels.greedy.temper_ref)."""
     if _triton(scores) and scores.stride(-1) == 1 and scores.shape[-1] > 0:
-        return gumbel_tokens_triton(scores, row_keys, token_keys, fallback)
-    return gumbel_tokens_ref(scores, row_keys, token_keys, fallback)
+        return gumbel_tokens_triton(scores, row_keys, token_keys, fallback, inverse_temperature)
+    return gumbel_tokens_ref(scores, row_keys, token_keys, fallback, inverse_temperature)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

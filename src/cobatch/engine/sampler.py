@@ -29,7 +29,7 @@ import torch
 from cobatch import ops
 from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
-from cobatch.kernels.greedy import token_noise_key
+from cobatch.kernels.greedy import temper_ref, token_noise_key
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
@@ -40,9 +40,6 @@ MAX_BAD_WORD_TOKENS = 64
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
-# Stand-in for +inf after temperature: large enough to dominate, small enough that adding Gumbel noise or
-# subtracting the row max cannot overflow into inf/NaN.
-_FLOAT32_HUGE = torch.finfo(torch.float32).max / 4
 
 
 # --- parameters --------------------------------------------------------------------------------------
@@ -375,6 +372,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: to
     return logits - (frequency * output_counts + presence * output_seen.float())
 
 
+def filters_apply(vocab: int, top_k: list[int], top_p: list[float], min_p: list[float],
+                  typical_p: list[float] | None = None, xtc_threshold: list[float] | None = None,
+                  top_n_sigma: list[float] | None = None) -> bool:
+    """Whether filter_logits with these per-row settings would remove any token (else the scores pass through)."""
+    return (any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(p > 0.0 for p in min_p)
+            or any(p < 1.0 for p in typical_p or ()) or any(t <= 0.5 for t in xtc_threshold or ())
+            or any(n > 0 for n in top_n_sigma or ()))
+
+
 def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
                   typical_p: list[float] | None = None, xtc_threshold: list[float] | None = None,
                   top_n_sigma: list[float] | None = None) -> torch.Tensor:
@@ -633,15 +639,22 @@ class Sampler:
         (argmax of the same penalized logits) is the fallback for a row with no candidate left. Returns the
         tokens and, where some row runs mirostat, every row's state after this step (NaN: not mirostat)."""
         device = logits.device
-        temperature = to_device([r.params.temperature for r in rows], torch.float32, device)
-        # Overflow from a small temperature becomes a huge finite value so softmax/min-p stay NaN-free.
-        scores = torch.nan_to_num(logits / temperature[:, None], nan=-math.inf, posinf=_FLOAT32_HUGE,
-                                  neginf=-math.inf)
+        inverse_temperature = to_device([1.0 / r.params.temperature for r in rows], torch.float32, device)
+        row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
+        token_keys = self._token_keys_for(logits.shape[1], device)
+        # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny
+        # temperature) still gets a valid token, the T -> 0 limit: its greedy token (the raw argmax when no
+        # penalty applies).
         mirostat = [r for r in rows if r.params.mirostat]
-        filtered = filter_logits(scores, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
-                                 [r.params.min_p for r in rows], [r.params.typical_p for r in rows],
-                                 [_xtc_threshold(r) for r in rows],
-                                 [r.params.top_n_sigma for r in rows]) if len(mirostat) < len(rows) else scores
+        filters = dict(top_k=[r.params.top_k for r in rows], top_p=[r.params.top_p for r in rows],
+                       min_p=[r.params.min_p for r in rows], typical_p=[r.params.typical_p for r in rows],
+                       xtc_threshold=[_xtc_threshold(r) for r in rows],
+                       top_n_sigma=[r.params.top_n_sigma for r in rows])
+        if not mirostat and not filters_apply(logits.shape[1], **filters):
+            # temperature alone (the chat APIs' default): tempered in the pick's own pass over the logits
+            return ops.gumbel_tokens(logits, row_keys, token_keys, greedy, inverse_temperature), None
+        scores = temper_ref(logits, inverse_temperature)
+        filtered = filter_logits(scores, **filters) if len(mirostat) < len(rows) else scores
         if mirostat:
             mu = to_device([_mu(r) for r in rows], torch.float32, device)
             if pending_mu is not None:          # the state the step before left on the device, where it left one
@@ -651,11 +664,7 @@ class Sampler:
             for v, truncate in ((1, mirostat_v1), (2, mirostat_v2)):      # only the versions some row runs
                 if v in versions:
                     filtered = torch.where(version == v, truncate(scores, mu), filtered)
-        row_keys = to_device([row_noise_key(r.seed, r.step) for r in rows], torch.int64, device)
-        # A row with nothing left (all -inf: bad logits, or every logit overflowing to -inf under a tiny
-        # temperature) still gets a valid token, the T -> 0 limit: its greedy token (the raw argmax when no
-        # penalty applies).
-        choice = ops.gumbel_tokens(filtered, row_keys, self._token_keys_for(logits.shape[1], device), greedy)
+        choice = ops.gumbel_tokens(filtered, row_keys, token_keys, greedy)
         if not mirostat:
             return choice, None
         # mu moves by eta times how far the drawn token's surprise (in the distribution it was drawn from) was

@@ -9,6 +9,9 @@ over int64 and float32 copies of the tensor to hash, log and subtract. Here a ro
 columns, one program a chunk (the noise made in registers where the row samples; the chunk's max and the first
 column holding it), and one program a row then picks the first chunk holding the row's max: the same token, since
 the max and first-index rules are exact and the noise's arithmetic is the reference's, operation for operation.
+Where a sampled step has no filter (temperature alone: the chat APIs' default), the chunk programs also temper the
+raw logits as they load them (temper_ref: one multiply by 1 / T, NaN and +inf mapped), so no tempered [R, V] copy
+is written and read back.
 Greedy, measured alone (bench/results/greedy.json, H100; bench/sampler.py times both picks now): B = 1 29.0 ->
 5.8 us, B = 64 61.2 -> 14.4, B = 256 144.8 -> 46.4.
 """
@@ -66,11 +69,25 @@ def greedy_tokens_ref(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf).argmax(dim=-1)
 
 
+# Stand-in for +inf after tempering: large enough to dominate, small enough that adding Gumbel noise or
+# subtracting the row max cannot overflow into inf/NaN.
+FLOAT32_HUGE = torch.finfo(torch.float32).max / 4
+
+
+def temper_ref(logits: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
+    """The sampler's scores: float32 [R, V] logits times each row's 1 / temperature (float32 [R]), NaN as -inf and
+    +inf (or an overflow under a small temperature) as FLOAT32_HUGE, so softmax and min-p stay NaN-free."""
+    return torch.nan_to_num(logits.float() * inverse_temperature[:, None], nan=-math.inf, posinf=FLOAT32_HUGE,
+                            neginf=-math.inf)
+
+
 def gumbel_tokens_ref(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor,
-                      fallback: torch.Tensor) -> torch.Tensor:
+                      fallback: torch.Tensor, inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: Gumbel-max over float32 scores [R, V] without NaN (-inf: out), each row's noise keyed by its
     row key (int64 [R]) and the tokens' keys (int64 [V], token_noise_key); a row with nothing left (all -inf)
-    takes its fallback (int64 [R])."""
+    takes its fallback (int64 [R]). inverse_temperature given: `scores` are logits, tempered first (temper_ref)."""
+    if inverse_temperature is not None:
+        scores = temper_ref(scores, inverse_temperature)
     choice = (scores - torch.log(-torch.log(counter_uniforms(row_keys, token_keys)))).argmax(dim=-1)
     return torch.where(scores.amax(dim=-1) > -math.inf, choice, fallback)
 
@@ -88,20 +105,27 @@ def _fmix32(h):
 
 
 @jit
-def _chunk_max_kernel(logits_ptr, row_keys_ptr, token_keys_ptr, max_ptr, index_ptr, n_cols, row_stride, n_chunks,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr):
+def _chunk_max_kernel(logits_ptr, row_keys_ptr, token_keys_ptr, inverse_temperature_ptr, max_ptr, index_ptr, n_cols,
+                      row_stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
+                      TEMPER: tl.constexpr, HUGE: tl.constexpr):
     """Program (row, chunk): the chunk's largest value (NaN never) and the first column holding it; with NOISE,
-    of the values minus log(-log u), u the row's counter noise (counter_uniforms, computed the same way)."""
+    of the values minus log(-log u), u the row's counter noise (counter_uniforms, computed the same way); with
+    TEMPER, the values tempered first as temper_ref does (one multiply, then NaN and +inf mapped)."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     start = chunk * CHUNK
     best = float("-inf")
     best_col = start
     if NOISE:
         row_key = tl.load(row_keys_ptr + row).to(tl.uint32)
+    if TEMPER:
+        inverse_temperature = tl.load(inverse_temperature_ptr + row)
     for offset in tl.static_range(0, CHUNK, BLOCK):
         cols = start + offset + tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(logits_ptr + row * row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        if TEMPER:
+            x = x * inverse_temperature
+            x = tl.where(x != x, float("-inf"), tl.where(x == float("inf"), HUGE, x))
         if NOISE:
             token_key = tl.load(token_keys_ptr + cols, mask=inside, other=0).to(tl.uint32)
             u = ((_fmix32(row_key ^ token_key) >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)    # exact, as in torch
@@ -138,9 +162,10 @@ def _row_pick_kernel(max_ptr, index_ptr, fallback_ptr, out_ptr, n_chunks, CHUNKS
 
 
 def _pick(scores: torch.Tensor, row_keys: torch.Tensor | None, token_keys: torch.Tensor | None,
-          fallback: torch.Tensor | None) -> torch.Tensor:
-    """The two launches: each row's first column at its max, of the scores or (keys given) of the noised scores,
-    or (fallback given) the row's fallback where its max is -inf."""
+          fallback: torch.Tensor | None, inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The two launches: each row's first column at its max, of the scores or (keys given) of the noised scores
+    (inverse_temperature given: of the tempered logits), or (fallback given) the row's fallback where its max is
+    -inf."""
     assert scores.dim() == 2 and scores.stride(-1) == 1
     rows, n_cols = scores.shape
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
@@ -154,9 +179,13 @@ def _pick(scores: torch.Tensor, row_keys: torch.Tensor | None, token_keys: torch
     n_chunks = triton.cdiv(n_cols, CHUNK)
     best = torch.empty(rows, n_chunks, dtype=torch.float32, device=scores.device)
     index = torch.empty(rows, n_chunks, dtype=torch.int32, device=scores.device)
-    _chunk_max_kernel[(rows, n_chunks)](scores, row_keys if noise else scores, token_keys if noise else scores, best,
-                                        index, n_cols, scores.stride(0), n_chunks, CHUNK=CHUNK,
-                                        BLOCK=min(BLOCK, CHUNK), NOISE=noise, num_warps=4)
+    temper = inverse_temperature is not None
+    if temper:
+        assert inverse_temperature.shape == (rows,) and inverse_temperature.dtype == torch.float32
+    _chunk_max_kernel[(rows, n_chunks)](scores, row_keys if noise else scores, token_keys if noise else scores,
+                                        inverse_temperature if temper else scores, best, index, n_cols,
+                                        scores.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=min(BLOCK, CHUNK), NOISE=noise,
+                                        TEMPER=temper, HUGE=FLOAT32_HUGE, num_warps=4)
     if fallback is not None:
         assert fallback.shape == (rows,) and fallback.dtype == torch.int64
     _row_pick_kernel[(rows,)](best, index, fallback if fallback is not None else out, out, n_chunks,
@@ -170,6 +199,6 @@ def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_tokens_triton(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torch.Tensor,
-                         fallback: torch.Tensor) -> torch.Tensor:
-    """gumbel_tokens_ref's result, in two launches and no [R, V] temporary."""
-    return _pick(scores, row_keys, token_keys, fallback)
+                         fallback: torch.Tensor, inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """gumbel_tokens_ref's result, in two launches and no [R, V] temporary (tempering included)."""
+    return _pick(scores, row_keys, token_keys, fallback, inverse_temperature)
