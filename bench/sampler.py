@@ -2,8 +2,7 @@
 (kernels/greedy.py: greedy, and Gumbel-max over the sampler's counter noise) against the torch ops they replace,
 then whole sampler calls as a decode step makes them (greedy rows, sampled ones with and without top-k / top-p /
 min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way), and where top-k
-applies, with each row sorted whole instead of read from its largest values (engine/sampler.TOP_K_WIDTHS), and
-where top-p applies alone, with the radix-walk kernel for its cut (kernels/top_p.py, COBATCH_TOP_P_KERNEL=1).
+applies, with each row sorted whole instead of read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS).
 
     PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40]
 
@@ -30,7 +29,6 @@ from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from cobatch import ops  # noqa: E402
 from cobatch.engine import sampler as sampler_module  # noqa: E402
-from cobatch.kernels import top_p as top_p_kernels  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
 from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
                                     gumbel_tokens_triton, token_noise_key)
@@ -87,35 +85,26 @@ def call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[Sample
 
 def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float) -> list[dict]:
     """A sampler call per parameter set, with the kernels and with torch's ops alone; where top-k applies, also
-    with the kernels and a sort of every whole row in place of the row's largest values (`sorted`); where top-p
-    applies alone, also with the radix-walk kernel for its cut (`top_p_kernel`, COBATCH_TOP_P_KERNEL=1)."""
+    with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`)."""
     out = []
-    widths, top_p_kernel = sampler_module.TOP_K_WIDTHS, top_p_kernels.TOP_P_KERNEL
+    widths = sampler_module.TOP_K_WIDTHS
     for name, params in PARAMS.items():
         rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
         row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
         tokens = {}
-        # (way, torch's ops alone, top-k widths, the top-p kernel)
-        ways = [("torch", True, widths, False), ("kernels", False, widths, False)]
-        if params.top_k:
-            ways.append(("sorted", False, (), False))
-        elif params.top_p < 1.0:
-            ways.append(("top_p_kernel", False, widths, True))
-        for way, torch_only, top_k_widths, walk in ways:
-            ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, top_p_kernels.TOP_P_KERNEL = torch_only, top_k_widths, walk
+        ways = [("torch", True, widths), ("kernels", False, widths)] + ([("sorted", False, ())] if params.top_k else [])
+        for way, torch_only, top_k_widths in ways:
+            ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = torch_only, top_k_widths
             try:
                 sampler = Sampler()
                 tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
                 timed_row(row, way, call_seconds(sampler, inputs, rows, calls), copy_gbps)
             finally:
-                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, top_p_kernels.TOP_P_KERNEL = False, widths, top_p_kernel
-        # the top-p kernel's cut may fall a token apart where the mass before it is p to a float32 rounding
-        row["same_tokens"] = all(t == tokens["kernels"] for way, t in tokens.items() if way != "top_p_kernel")
-        if "top_p_kernel" in tokens:
-            row["top_p_kernel_same_tokens"] = sum(a == b for a, b in zip(tokens["top_p_kernel"], tokens["kernels"]))
+                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = False, widths
+        row["same_tokens"] = all(t == tokens["kernels"] for t in tokens.values())
         out.append(row)
-        extra = "".join(f"  {way} {row[way + '_us']:8.1f} us" for way in ("sorted", "top_p_kernel") if way + "_us" in row)
-        print(f"  B {batch:3d} {name:16s} torch {row['torch_us']:8.1f} us  kernels {row['kernels_us']:8.1f} us{extra}"
+        sort = f"  whole-row sort {row['sorted_us']:8.1f} us" if "sorted_us" in row else ""
+        print(f"  B {batch:3d} {name:16s} torch {row['torch_us']:8.1f} us  kernels {row['kernels_us']:8.1f} us{sort}"
               f"{'' if row['same_tokens'] else '  (tokens differ)'}", flush=True)
     return out
 
@@ -153,10 +142,6 @@ def main() -> None:
     for r in (r for r in calls if "sorted_us" in r):
         print(f"{r['batch']:4d} {r['params']:16s} {r['sorted_us']:10.1f} {r['kernels_us']:10.1f} "
               f"{r['sorted_us'] / r['kernels_us']:8.2f}x")
-    print(f"\n{'B':>4} {'params':16s} {'sort us':>10} {'walk us':>10} {'speed-up':>9} {'same tokens':>12}")
-    for r in (r for r in calls if "top_p_kernel_us" in r):
-        print(f"{r['batch']:4d} {r['params']:16s} {r['kernels_us']:10.1f} {r['top_p_kernel_us']:10.1f} "
-              f"{r['kernels_us'] / r['top_p_kernel_us']:8.2f}x {r['top_p_kernel_same_tokens']:6d}/{r['batch']}")
 
 
 if __name__ == "__main__":
