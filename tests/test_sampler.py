@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cobatch.engine import sampler as sampler_module
-from cobatch.kernels import top_p as top_p_kernels
 from cobatch.engine.sampler import (
     MAX_TOP_LOGPROBS,
     Sampler,
@@ -297,6 +296,25 @@ def test_a_rows_top_k_and_top_p_do_not_depend_on_the_other_rows():
     for row, (k, p) in enumerate(TOP_K_TOP_P_ROWS):
         alone = filter_logits(scores[row:row + 1], [k], [p], [0.0])
         assert torch.equal(alone[0], together[row]), (k, p)
+
+
+def test_prefix_below_is_the_prefix_a_running_sum_keeps(monkeypatch):
+    monkeypatch.setattr(sampler_module, "PREFIX_BLOCK", 8)         # rows of several blocks and a partial last one
+    generator = torch.Generator().manual_seed(23)
+    weights = torch.rand(6, 29, generator=generator)
+    limits = torch.tensor([0.0, 0.3, 4.0, 7.77, float(weights[4].sum()) + 1.0, math.inf])
+    ties = weights > 0.5
+    rooms = torch.tensor([0, 1, 3, 8, 9, 100])
+    for values, bounds in ((weights, limits), (ties, rooms)):
+        counts = sampler_module._prefix_below(values, bounds).tolist()
+        for row in range(values.shape[0]):
+            running, expected = 0.0, 0
+            for value in values[row].tolist():        # entries kept while the sum before them is below the limit
+                if running >= float(bounds[row]):
+                    break
+                expected += 1
+                running += float(value)
+            assert counts[row] == expected, (row, counts[row], expected)
 
 
 def test_largest_values_in_blocks_are_the_sorted_rows_head():
@@ -627,9 +645,7 @@ def test_sampler_never_reads_device_data_back(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
-@pytest.mark.parametrize("top_p_kernel", [False, True])
-def test_cuda_matches_cpu_and_does_not_synchronize(top_p_kernel, monkeypatch):
-    monkeypatch.setattr(top_p_kernels, "TOP_P_KERNEL", top_p_kernel)      # top-p alone: the radix walk or a sort
+def test_cuda_matches_cpu_and_does_not_synchronize():
     logits = random_logits(len(_varied_params()) * 4, 2000, seed=11)
     rows = [make_row(p, seed=i, step=i, prompt_ids=[1, 2], output_ids=[3]) for i, p in enumerate(_varied_params() * 4)]
     on_cpu = Sampler()(logits, rows)

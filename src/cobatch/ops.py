@@ -24,7 +24,6 @@ from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
-from cobatch.kernels import top_p as top_p_kernels
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
 
@@ -48,15 +47,6 @@ def gumbel_tokens(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torc
     if _triton(scores) and scores.stride(-1) == 1 and scores.shape[-1] > 0:
         return gumbel_tokens_triton(scores, row_keys, token_keys, fallback, inverse_temperature)
     return gumbel_tokens_ref(scores, row_keys, token_keys, fallback, inverse_temperature)
-
-
-def top_p_cut(scores: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top-p cut of float32 scores [R, V] (tempered, no NaN) at top_p (float32 [R], below 1): (the
-    threshold value, how many of the tokens equal to it are kept, lowest ids first); the tokens above it are kept.
-    The radix-walk kernel where COBATCH_TOP_P_KERNEL=1 (kernels/top_p.py), else a sort of each row."""
-    if top_p_kernels.TOP_P_KERNEL and _triton(scores) and scores.stride(-1) == 1:
-        return top_p_kernels.top_p_cut_triton(scores, top_p)
-    return top_p_kernels.top_p_cut_ref(scores, top_p)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -30,7 +30,6 @@ from cobatch import ops
 from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
 from cobatch.kernels.greedy import temper_ref, token_noise_key
-from cobatch.kernels.top_p import BLOCK_COLUMNS, prefix_below
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
@@ -427,31 +426,26 @@ def top_k_width(top_k: int, vocab: int) -> int:
 def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Top-k, then top-p over the top-k-renormalized distribution: each row keeps its `count` largest tokens, the
     lowest ids first among equal values (the order of a stable descending sort), where `count` is k cut to the
-    smallest prefix of that order whose mass reaches p. Rows with top-p alone take their cut from ops.top_p_cut;
-    the others are grouped by `top_k_width`; rows with neither filter are not touched."""
+    smallest prefix of that order whose mass reaches p. Rows are grouped by `top_k_width`; rows with neither filter
+    are not touched."""
     rows, vocab = scores.shape
     groups: dict[int, list[int]] = {}
     for row, (k, p) in enumerate(zip(top_k, top_p)):
-        if 0 < k < vocab:
+        if 0 < k < vocab or p < 1.0:
             groups.setdefault(top_k_width(k, vocab), []).append(row)
-        elif p < 1.0:
-            groups.setdefault(0, []).append(row)         # top-p alone
     for width, members in groups.items():
         index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
         group = scores if index is None else scores.index_select(0, index)
-        if width == 0:
-            threshold, room = ops.top_p_cut(group, to_device([top_p[r] for r in members], torch.float32,
-                                                             scores.device))
-            kept = _keep_cut(group, threshold, room)
-        else:
-            kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
+        kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
         scores = kept if index is None else scores.index_copy(0, index, kept)
     return scores
 
 
 def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """_top_k_top_p for rows with top-k that share one width: the kept count comes from each row's `width` largest
-    values (sorted, no indices needed), cut by top-p over the first k of them."""
+    """_top_k_top_p for rows that share one width: the kept count comes from each row's `width` largest values
+    (sorted, no indices needed), and the kept tokens are those above the count-th value plus the lowest ids of
+    those equal to it."""
+    rows, vocab = scores.shape
     device = scores.device
     largest = _largest_values(scores, width)
     count = to_device([k if 0 < k < width else width for k in top_k], torch.int64, device)
@@ -460,29 +454,47 @@ def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: lis
         probs = largest.masked_fill(~within_k, -math.inf).softmax(dim=-1)
         # Rows with top_p = 1 compare against +inf, so rounding (mass ~ 1) never trims their tail.
         p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
-        count = torch.minimum(count, prefix_below(probs, p_per_row))
+        count = torch.minimum(count, _prefix_below(probs, p_per_row))
     count = count.clamp(min=1)                          # the largest value always stays
-    threshold = largest.gather(1, (count - 1)[:, None])[:, 0]
-    return _keep_cut(scores, threshold, count - (scores > threshold[:, None]).sum(dim=-1))
-
-
-def _keep_cut(scores: torch.Tensor, threshold: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
-    """Keep each row's tokens above its threshold and the first `room` (lowest ids) of those equal to it."""
-    above = scores > threshold[:, None]
-    ties = scores == threshold[:, None]
-    first_ids = torch.arange(scores.shape[1], device=scores.device)[None, :] < prefix_below(ties, room)[:, None]
+    threshold = largest.gather(1, (count - 1)[:, None])
+    above = scores > threshold
+    ties = scores == threshold
+    room = count - above.sum(dim=-1)                    # how many of the tied tokens fit, lowest ids first
+    first_ids = torch.arange(vocab, device=device)[None, :] < _prefix_below(ties, room)[:, None]
     return scores.masked_fill(~(above | (ties & first_ids)), -math.inf)
+
+
+# Cumulative sums over a whole row of 128k values are one slow scan a row on the GPU (about 0.2 ms at 64 rows of
+# Llama-3's vocabulary): _prefix_below sums blocks of this many values, then scans the one block where the limit
+# is crossed.
+PREFIX_BLOCK = 4096
+
+
+def _prefix_below(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Per row of `weights` ([R, N], nonnegative; bool counts as 0/1), how many leading entries have a sum of the
+    entries before them below `limit` ([R]): the length of the prefix a running sum keeps. The sum before an
+    entry is its block's start (a cumulative sum of block sums) plus the entries before it in its block, so it never
+    decreases along the row."""
+    rows, n = weights.shape
+    size = min(n, PREFIX_BLOCK)
+    blocks = torch.nn.functional.pad(weights, (0, -n % size)).view(rows, -1, size)
+    sums = blocks.sum(dim=-1)
+    block_start = torch.nn.functional.pad(sums.cumsum(dim=-1)[:, :-1], (1, 0))
+    crossing = ((block_start < limit[:, None]).sum(dim=-1) - 1).clamp(min=0)   # the last block starting below
+    block = blocks[torch.arange(rows, device=weights.device), crossing]
+    before = block_start.gather(1, crossing[:, None]) + torch.nn.functional.pad(block.cumsum(dim=-1)[:, :-1], (1, 0))
+    return (crossing * size + (before < limit[:, None]).sum(dim=-1)).clamp(max=n)
 
 
 def _largest_values(scores: torch.Tensor, width: int) -> torch.Tensor:
     """Each row's `width` largest values, largest first. torch.topk over a whole 128k row is one program a row on
-    the GPU; up to 256 values, each BLOCK_COLUMNS-wide block's own largest go first, then the largest of those."""
+    the GPU; up to 256 values, each PREFIX_BLOCK-wide block's own largest go first, then the largest of those."""
     rows, vocab = scores.shape
     if width >= vocab:
         return scores.sort(dim=-1, descending=True).values
-    if width > 256 or vocab < 2 * BLOCK_COLUMNS:
+    if width > 256 or vocab < 2 * PREFIX_BLOCK:
         return scores.topk(width, dim=-1).values
-    blocks = torch.nn.functional.pad(scores, (0, -vocab % BLOCK_COLUMNS), value=-math.inf).view(rows, -1, BLOCK_COLUMNS)
+    blocks = torch.nn.functional.pad(scores, (0, -vocab % PREFIX_BLOCK), value=-math.inf).view(rows, -1, PREFIX_BLOCK)
     return blocks.topk(width, dim=-1).values.flatten(1).topk(width, dim=-1).values
 
 
