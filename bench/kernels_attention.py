@@ -10,6 +10,8 @@ copies of the inputs (R sized so that they overflow the 60 MB L2, and at least 4
 Prefill: one 2048-token prompt, causal, against torch SDPA on the same (contiguous) K/V.
 --fp8-words: an fp8 cache's decode and prefill with its tiles loaded as bytes against as 32-bit words
 (DecodeConfig.fp8_words) and FP8_VARIANTS' deeper pipelines, with the bf16 cache beside them.
+--fp8-tiles: an fp8 cache's decode kernel in FP8_TILE_VARIANTS' tiles, warps and stages (each checked against the
+torch reference first), the default and the bf16 cache beside them (ATTN_CONTEXTS: the contexts, default 512,4096).
 --mla: the MLA decode path instead, as the package runs it (kernels/mla_attention.py: the CUDA C++ split kernel
 on Hopper, else the Triton one; --mla --sweep: each of MLA_SWEEP's configs;
 --mla --cuda: the Triton split kernel against the CUDA C++ one, kernels/mla_decode_cuda.py, in MLA_CUDA_SWEEP's
@@ -35,7 +37,7 @@ import torch
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.attention import (DECODE_CONFIG, PREFILL_CONFIG, DecodeConfig, PrefillConfig,
-                                       paged_decode_attention, paged_prefill_attention)
+                                       paged_attention_ref, paged_decode_attention, paged_prefill_attention)
 from cobatch.kernels import mla_attention
 from cobatch.kernels.mla_attention import MLA_DECODE_CONFIG, mla_attention_ref, mla_decode_attention
 from cobatch.kernels.mla_decode_cuda import MlaCudaConfig
@@ -342,20 +344,53 @@ FP8_VARIANTS = (("bf16", torch.bfloat16, DECODE_CONFIG),
                 ("words 32x3", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_words=True, block_n=32)))
 
 
-def run_fp8_words(copy_gbps: float) -> list[dict]:
+# An fp8 cache's tile of 64 tokens is half a bf16 one's bytes for the same chain of waits, dots and softmax:
+# tiles of 128 tokens carry a bf16 tile's bytes; 8 warps keep them within 128 registers (sm_90 compile: 126
+# registers and no spills at 2-3 stages, where 4 warps spill 16 bytes), at 2 or 3 programs an SM (74 / 106 KB).
+FP8_TILE_VARIANTS = (
+    ("bf16", torch.bfloat16, DECODE_CONFIG),
+    ("fp8 64x3 w4", torch.float8_e4m3fn, DECODE_CONFIG),
+    ("bf16 64x3 w8", torch.bfloat16, replace(DECODE_CONFIG, num_warps=8, num_stages=3)),
+    ("fp8 64x4 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, num_warps=8, fp8_num_stages=4)),
+    ("fp8 128x2 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=2)),
+    ("fp8 128x3 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=3)),
+    ("fp8 128x3 w8 pps2", torch.float8_e4m3fn,
+     replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=3, programs_per_sm=2)),
+    ("fp8 128x4 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=4)),
+)
+
+
+def check_decode(cfg: DecodeConfig, kv_dtype: torch.dtype, gen: torch.Generator, batch: int = 8,
+                 context: int = 1000) -> float:
+    """Largest error of the decode kernel on cfg against the torch reference, on one set of random inputs."""
+    k_cache, v_cache, sets = _decode_inputs(batch, context, 1, gen, None, kv_dtype)
+    q, meta = sets[0]
+    out = paged_decode_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, cfg=cfg)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def run_fp8_words(copy_gbps: float, variants=None, contexts=CONTEXTS) -> list[dict]:
     """An fp8 cache's tiles loaded as bytes against as 32-bit words (DecodeConfig.fp8_words), each shape's rows
-    one after the other, with the bf16 cache beside them; and prefill both ways."""
+    one after the other, with the bf16 cache beside them; and prefill both ways. variants (name, KV dtype,
+    config): others instead, each first checked against the reference (and no prefill)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    errors = {}
+    for name, kv_dtype, cfg in variants or ():
+        errors[name] = check_decode(cfg, kv_dtype, gen)
+        print(f"{name}: max error {errors[name]:.2e} against the reference", flush=True)
     for batch in BATCHES:
-        for context in CONTEXTS:
-            for name, kv_dtype, cfg in FP8_VARIANTS:
+        for context in contexts:
+            for name, kv_dtype, cfg in variants or FP8_VARIANTS:
                 r = bench_decode(batch, context, cfg, gen, kv_dtype=kv_dtype)
-                r.update(variant=name, ratio_to_copy=r["gbps"] / copy_gbps)
+                r.update(variant=name, ratio_to_copy=r["gbps"] / copy_gbps, max_error=errors.get(name))
                 rows.append(r)
                 print(f"B={batch} x {context} {name}: {r['us']:.1f} us, {r['ratio_to_copy']:.0%} of copy", flush=True)
     for name, kv_dtype, words in (("bf16", torch.bfloat16, False), ("fp8 bytes", torch.float8_e4m3fn, False),
                                   ("fp8 words", torch.float8_e4m3fn, True)):
+        if variants:
+            break
         r = bench_prefill(replace(PREFILL_CONFIG, fp8_words=words), gen, kv_dtype=kv_dtype)
         r["variant"] = name
         rows.append(r)
@@ -363,16 +398,21 @@ def run_fp8_words(copy_gbps: float) -> list[dict]:
     return [{k: r.get(k) for k in keys} for r in rows]
 
 
-def print_fp8_words(rows: list[dict], copy_gbps: float) -> None:
-    names = [name for name, _, _ in FP8_VARIANTS]
+def print_fp8_words(rows: list[dict], copy_gbps: float, variants=None, contexts=CONTEXTS) -> None:
+    """Each shape's row of times; the last column: the second variant's time over the third's (FP8_VARIANTS:
+    bytes over words), or (variants) the best fp8 variant's over the second's (the fp8 default's)."""
+    names = [name for name, _, _ in variants or FP8_VARIANTS]
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s; decode us (of copy, in the cache's own bytes)")
-    print(f"{'B':>4} {'context':>8} " + " ".join(f"{n:>16}" for n in names) + f" {'bytes / words':>14}")
+    last = "best / default" if variants else "bytes / words"
+    print(f"{'B':>4} {'context':>8} " + " ".join(f"{n:>18}" for n in names) + f" {last:>15}")
     by = {(r["batch"], r["context"], r["variant"]): r for r in rows if r["kernel"] == "decode_attention"}
     for batch in BATCHES:
-        for context in CONTEXTS:
+        for context in contexts:
             cells = [by[(batch, context, n)] for n in names]
-            print(f"{batch:>4} {context:>8} " + " ".join(f"{c['us']:>8.1f} ({c['ratio_to_copy']:>4.0%})" for c in cells)
-                  + f" {cells[1]['us'] / cells[2]['us']:>13.2f}x")
+            fp8 = [c for c in cells[1:] if c["kv_dtype"] != "bfloat16"]
+            ratio = min(c["us"] for c in fp8) / cells[1]["us"] if variants else cells[1]["us"] / cells[2]["us"]
+            print(f"{batch:>4} {context:>8} " + " ".join(f"{c['us']:>10.1f} ({c['ratio_to_copy']:>4.0%})" for c in cells)
+                  + f" {ratio:>14.2f}x")
     for r in rows:
         if r["kernel"] == "prefill_attention":
             print(f"prefill {r['tokens']} tokens, {r['variant']}: {r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s")
@@ -467,6 +507,12 @@ def main() -> None:
             with open(os.path.join(os.environ["OUT"], name), "w") as f:
                 json.dump(payload, f, indent=1)
 
+    if "--fp8-tiles" in sys.argv:
+        contexts = tuple(int(c) for c in os.environ.get("ATTN_CONTEXTS", "512,4096").split(","))
+        result["rows"] = run_fp8_words(copy_gbps, FP8_TILE_VARIANTS, contexts)
+        dump("kernels_attention_fp8_tiles.json", result)
+        print_fp8_words(result["rows"], copy_gbps, FP8_TILE_VARIANTS, contexts)
+        return
     if "--fp8-words" in sys.argv:
         result["rows"] = run_fp8_words(copy_gbps)
         dump("kernels_attention_fp8_words.json", result)
