@@ -317,8 +317,8 @@ def test_prefix_below_is_the_prefix_a_running_sum_keeps(monkeypatch):
             assert counts[row] == expected, (row, counts[row], expected)
 
 
-def test_largest_values_in_blocks_are_the_sorted_rows_head():
-    scores = (random_logits(3, 3 * 4096 + 5, seed=24, scale=4.0) * 2).round()    # ties across blocks
+def test_largest_values_are_the_sorted_rows_head():
+    scores = (random_logits(3, 3 * 4096 + 5, seed=24, scale=4.0) * 2).round()    # ties
     for width in (1, 40, 256, 300):
         assert torch.equal(sampler_module._largest_values(scores, width), scores.sort(dim=-1, descending=True).values[:, :width])
 

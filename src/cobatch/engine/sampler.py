@@ -487,15 +487,11 @@ def _prefix_below(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 
 
 def _largest_values(scores: torch.Tensor, width: int) -> torch.Tensor:
-    """Each row's `width` largest values, largest first. torch.topk over a whole 128k row is one program a row on
-    the GPU; up to 256 values, each PREFIX_BLOCK-wide block's own largest go first, then the largest of those."""
-    rows, vocab = scores.shape
-    if width >= vocab:
+    """Each row's `width` largest values, largest first. (Each 4096-wide block's largest first, then the largest of
+    those, was slower on the GPU than torch.topk over the whole row: docs/kernels.md, the sampler.)"""
+    if width >= scores.shape[1]:
         return scores.sort(dim=-1, descending=True).values
-    if width > 256 or vocab < 2 * PREFIX_BLOCK:
-        return scores.topk(width, dim=-1).values
-    blocks = torch.nn.functional.pad(scores, (0, -vocab % PREFIX_BLOCK), value=-math.inf).view(rows, -1, PREFIX_BLOCK)
-    return blocks.topk(width, dim=-1).values.flatten(1).topk(width, dim=-1).values
+    return scores.topk(width, dim=-1).values
 
 
 def _unsorted(drop_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
