@@ -170,7 +170,7 @@ parallel)
   timeout "$(left "$TIMEOUT")" python3 bench/parallel.py serve --model "$(llama8b)" 2>&1 | quiet \
     | tee "$OUT/parallel-serve.log" ;;
 sampler)
-  timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -46 ;;
+  timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -78 ;;
 size)
   timeout "$(left 100)" python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
   cp bench/results/size-ceiling*.json "$OUT/" 2>/dev/null ;;

@@ -2,13 +2,15 @@
 (kernels/greedy.py: greedy, and Gumbel-max over the sampler's counter noise) against the torch ops they replace,
 then whole sampler calls as a decode step makes them (greedy rows, sampled ones with and without top-k / top-p /
 min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way), and where top-k
-applies, with each row sorted whole instead of read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS).
+applies, with each row sorted whole instead of read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS), and where
+a filter applies, with whole-row cumulative sums in place of sampler._prefix_below's one-block scans.
 
     PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40]
 
 The kernels alone are checked against the torch ops, then timed as CUDA-graph replays (bench/timing.py); a whole
 call is timed from CUDA events around `calls` calls queued back to back (its host work included, as a step pays it
-where it is not overlapped), and records whether both ways drew the same tokens (the GPU tests assert it). Inputs
+where it is not overlapped) and by its GPU time alone (torch.profiler: what it adds to an overlapped step), and
+records whether the ways drew the same tokens (the GPU tests assert it for torch and kernels). Inputs
 rotate past L2. GB/s counts the logits read once; the ratio is to a device-to-device copy in the same run. Prints
 short tables last; JSON to $OUT or bench/results/sampler.json.
 """
@@ -83,24 +85,48 @@ def call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[Sample
     return start.elapsed_time(end) / 1e3 / calls
 
 
+def call_gpu_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[SampleRow], calls: int) -> float:
+    """The GPU time of one call: its kernels' and copies' durations (torch.profiler), summed over `calls` calls.
+    With overlapped steps this, not the host's work, is what a call adds to a decode step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            sampler(inputs[i % len(inputs)], rows)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e6 / calls
+
+
+def prefix_below_row_scan(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """sampler._prefix_below by one cumulative sum over the whole row (the way before it): fewer launches, one
+    scan program a row."""
+    before = torch.nn.functional.pad(weights.cumsum(dim=-1)[:, :-1], (1, 0))
+    return (before < limit[:, None]).sum(dim=-1)
+
+
 def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float) -> list[dict]:
     """A sampler call per parameter set, with the kernels and with torch's ops alone; where top-k applies, also
-    with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`)."""
+    with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`); where a filter
+    applies, also with whole-row scans for its running sums (`row scans`). Each way's GPU time too (`_gpu_us`)."""
     out = []
-    widths = sampler_module.TOP_K_WIDTHS
+    widths, prefix_below = sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below
     for name, params in PARAMS.items():
         rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
         row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
         tokens = {}
-        ways = [("torch", True, widths), ("kernels", False, widths)] + ([("sorted", False, ())] if params.top_k else [])
-        for way, torch_only, top_k_widths in ways:
-            ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = torch_only, top_k_widths
+        ways = [("torch", True, widths, prefix_below), ("kernels", False, widths, prefix_below)]
+        if params.top_k:
+            ways.append(("sorted", False, (), prefix_below))
+        if params.top_k or params.top_p < 1.0:
+            ways.append(("row_scans", False, widths, prefix_below_row_scan))
+        for way, torch_only, top_k_widths, scan in ways:
+            ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below = torch_only, top_k_widths, scan
             try:
                 sampler = Sampler()
                 tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
                 timed_row(row, way, call_seconds(sampler, inputs, rows, calls), copy_gbps)
+                row[f"{way}_gpu_us"] = call_gpu_seconds(sampler, inputs, rows, min(calls, 10)) * 1e6
             finally:
-                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = False, widths
+                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below = False, widths, prefix_below
         row["same_tokens"] = all(t == tokens["kernels"] for t in tokens.values())
         out.append(row)
         sort = f"  whole-row sort {row['sorted_us']:8.1f} us" if "sorted_us" in row else ""
@@ -142,6 +168,11 @@ def main() -> None:
     for r in (r for r in calls if "sorted_us" in r):
         print(f"{r['batch']:4d} {r['params']:16s} {r['sorted_us']:10.1f} {r['kernels_us']:10.1f} "
               f"{r['sorted_us'] / r['kernels_us']:8.2f}x")
+    ways = ("torch", "kernels", "sorted", "row_scans")
+    print(f"\nGPU us a call (call us)\n{'B':>4} {'params':16s} " + " ".join(f"{w:>18s}" for w in ways))
+    for r in calls:
+        print(f"{r['batch']:4d} {r['params']:16s} " + " ".join(
+            f"{r[w + '_gpu_us']:7.1f} ({r[w + '_us']:7.1f})" if w + "_us" in r else f"{'':18s}" for w in ways))
 
 
 if __name__ == "__main__":
