@@ -351,12 +351,12 @@ FP8_TILE_VARIANTS = (
     ("bf16", torch.bfloat16, DECODE_CONFIG),
     ("fp8 64x3 w4", torch.float8_e4m3fn, DECODE_CONFIG),
     ("bf16 64x3 w8", torch.bfloat16, replace(DECODE_CONFIG, num_warps=8, num_stages=3)),
-    ("fp8 64x4 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_num_warps=8, fp8_num_stages=4)),
-    ("fp8 128x2 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_block_n=128, fp8_num_warps=8, fp8_num_stages=2)),
-    ("fp8 128x3 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_block_n=128, fp8_num_warps=8, fp8_num_stages=3)),
+    ("fp8 64x4 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, num_warps=8, fp8_num_stages=4)),
+    ("fp8 128x2 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=2)),
+    ("fp8 128x3 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=3)),
     ("fp8 128x3 w8 pps2", torch.float8_e4m3fn,
-     replace(DECODE_CONFIG, fp8_block_n=128, fp8_num_warps=8, fp8_num_stages=3, programs_per_sm=2)),
-    ("fp8 128x4 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, fp8_block_n=128, fp8_num_warps=8, fp8_num_stages=4)),
+     replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=3, programs_per_sm=2)),
+    ("fp8 128x4 w8", torch.float8_e4m3fn, replace(DECODE_CONFIG, block_n=128, num_warps=8, fp8_num_stages=4)),
 )
 
 

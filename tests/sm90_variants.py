@@ -100,15 +100,14 @@ for softcap in (False, True):
 F16 = triton.language.float16        # what an fp8 cache's tiles are widened to (attention.operand_dtype)
 # an fp8 cache's tiles as words with the conversion's PTX (FP8_WORDS=2, the default), and as bytes (the switch:
 # no groups then, attention.plan_has_groups)
-dec8 = dec.for_cache(torch.float8_e4m3fn)    # an fp8 cache's own tile and warps
 for single, groups, words in ((False, False, 2), (False, True, 2), (True, False, 2), (False, False, 0)):
     name = f"decode softcap=False single_split={single} groups={groups} windowed=False fp8 cache words={words}"
     variants[name] = (
         attention._decode_split_kernel,
-        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec8.block_n, **SPLITS,
+        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=F16,
              ROPE=False, NEOX=False, QK_NORM=False, FP8_WORDS=words),
-        dec8.num_warps, dec8.fp8_num_stages if words else dec8.num_stages, FP8_CACHE,
+        dec.num_warps, dec.fp8_num_stages if words else dec.num_stages, FP8_CACHE,
         attention.decode_register_cap(2, torch.float8_e4m3fn, 128, dec))
 # Rope and the cache write in the decode kernel (ops.rope_attention): within the same 128 registers
 for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), (False, True, False, False, False),
@@ -117,19 +116,19 @@ for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), 
                                            (False, True, True, False, True)):
     variants[f"decode rope single_split={single} groups={groups} neox={neox} fp8={fp8} qk_norm={qk_norm}"] = (
         attention._decode_split_kernel,
-        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=(dec8 if fp8 else dec).block_n, **SPLITS,
+        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False,
              OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm, FP8_WORDS=2 if fp8 else 0),
-        (dec8 if fp8 else dec).num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
+        dec.num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(1 if single else 2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills
 for fp8 in (False, True):
     variants[f"decode head_d=256 softcap=True single_split=False windowed=True fp8={fp8}"] = (
         attention._decode_split_kernel,
-        dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=(dec8 if fp8 else dec).block_n, **SPLITS,
-             GROUPS=True, SINGLE_SPLIT=False, PDL=True, DOT_F32=False, SOFTCAP=True, WINDOWED=True,
-             OPERAND=F16 if fp8 else BF16, ROPE=False, NEOX=False, QK_NORM=False, FP8_WORDS=2 if fp8 else 0),
-        (dec8 if fp8 else dec).num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
+        dict(GROUP=2, HEAD_D=256, PAGE=16, BLOCK_G=16, BLOCK_D=256, BLOCK_N=dec.block_n, **SPLITS, GROUPS=True,
+             SINGLE_SPLIT=False, PDL=True, DOT_F32=False, SOFTCAP=True, WINDOWED=True, OPERAND=F16 if fp8 else BF16,
+             ROPE=False, NEOX=False, QK_NORM=False, FP8_WORDS=2 if fp8 else 0),
+        dec.num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 256, dec))
 variants["prefill fp8 cache"] = (
     attention._prefill_kernel, dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n,

@@ -189,19 +189,6 @@ def test_decode_small_fp8_cache(variant, words):
                     decode_cfg=replace(DECODE_VARIANTS[variant], fp8_words=words), kv_dtype=FP8)
 
 
-def test_an_fp8_cache_runs_its_own_tile_and_warps():
-    """DecodeConfig.fp8_block_n / fp8_num_warps: an fp8 cache's kernel walks tiles of its own length (here twice
-    the bf16 one's, over several splits and a short last tile) and still matches the reference; a bf16 cache keeps
-    the config as it is."""
-    cfg = replace(TINY_DECODE, fp8_block_n=32, fp8_num_warps=8, fp8_words=True)
-    assert cfg.for_cache(torch.bfloat16) is cfg
-    fp8 = cfg.for_cache(FP8)
-    assert (fp8.block_n, fp8.num_warps, fp8.fp8_block_n) == (32, 8, None)
-    assert fp8.min_split == cfg.min_split and fp8.fp8_num_stages == cfg.fp8_num_stages
-    check_attention([37, 0, 100, 5], [1, 1, 1, 1], 8, 2, head_dim=32, dtype=torch.bfloat16, seed=16,
-                    decode_cfg=cfg, kv_dtype=FP8)
-
-
 def test_fp8_words_of_heads_narrower_than_their_block():
     """Heads of 24 values in blocks of 32 (as Phi-3's 96 in 128), loaded as words: a head's 6 words widen into
     its 24 columns of the tile, against the reference."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -250,22 +250,10 @@ class DecodeConfig:
     # 87 -> 92 %, 8 x 32k 73 -> 78 %, 1 x 32k 56 -> 59 %, B = 1 and 8 x 512 level
     # (bench/results/kernels_attention_fp8_words.json; 32-token tiles in 3 stages lost everywhere).
     fp8_num_stages: int = 3
-    # An fp8 cache's own tile length and warps (None: block_n's and num_warps'). Its 64-token tile carries half a
-    # bf16 tile's bytes for the same chain of waits, dots and softmax (for_cache).
-    fp8_block_n: int | None = None
-    fp8_num_warps: int | None = None
     # Tried and removed: letting the last split program of a (sequence, KV head) merge the partials instead of
     # launching the reduce kernel. One program merging GROUP heads serially is a tail that the reduce kernel's
     # (seq, head) grid spreads out: B=1 x 4k fell from 34 to 22 % of copy, B=8 x 4k from 74 to 69 %
     # (bench/results/kernels_attention-2026-11-29-fused-merge.json, variants 0 = fused, 1 = reduce kernel).
-
-    def for_cache(self, kv_dtype: torch.dtype) -> DecodeConfig:
-        """The config the decode kernels run on a cache of kv_dtype: an fp8 cache's own tile and warps where set.
-        The split plan follows the tile, so a row's bits depend on its cache's dtype, as they already do."""
-        if kv_dtype not in FP8_DTYPES or (self.fp8_block_n is None and self.fp8_num_warps is None):
-            return self
-        return replace(self, block_n=self.fp8_block_n or self.block_n, num_warps=self.fp8_num_warps or self.num_warps,
-                       fp8_block_n=None, fp8_num_warps=None)
 
 
 DECODE_CONFIG = DecodeConfig()
@@ -669,7 +657,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q) if out is None else out
     if n_rows == 0:
         return out
-    cfg = cfg.for_cache(k_cache.dtype)
     group = n_heads // n_kv_heads
     num_splits, chunks = plan_decode_splits(n_rows, n_kv_heads, meta.max_seq_len, device_sms(q), cfg)
     block_d = next_pow2(head_dim)
