@@ -35,12 +35,10 @@ from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CASES = {"qkv": ["qkv"], "o": ["o"], "gate_up": ["gate_up"], "down": ["down"], "mlp": ["gate_up", "down"],
          "layer": ["qkv", "o", "gate_up", "down"]}
-# The two-group engine as measured (gemv_chain.md), then one load group a warp (DB off) at the GEMV's footprint:
-# fewer registers, so 6-8 CTAs of 4 warps an SM hold loads in flight as the GEMV's 1024 CTAs of o do.
-CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1), ChainConfig(W=4, RT=2, CTAS=4, U=2, ITEMS=1, PIPE=True),
-           ChainConfig(W=4, RT=1, CTAS=8, U=2, ITEMS=1, DB=False), ChainConfig(W=4, RT=1, CTAS=6, U=4, ITEMS=1, DB=False),
-           ChainConfig(W=4, RT=2, CTAS=7, U=2, ITEMS=1, DB=False), ChainConfig(W=8, RT=1, CTAS=3, U=4, ITEMS=1, DB=False),
-           ChainConfig(W=4, RT=1, CTAS=8, U=2, ITEMS=2, DB=False, PIPE=True)]
+CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1), ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1, PIPE=True),
+           ChainConfig(W=4, RT=2, CTAS=4, U=2, ITEMS=1), ChainConfig(W=4, RT=2, CTAS=4, U=2, ITEMS=1, PIPE=True),
+           ChainConfig(W=4, RT=1, CTAS=4, U=4, ITEMS=2, PIPE=True),
+           ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=2, PIPE=True)]
 SETS = 4          # weight sets rotating: 4 x 232 MB, well past the 50 MB L2
 
 

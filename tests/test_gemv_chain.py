@@ -20,8 +20,7 @@ from test_quant_gemv import make_weight
 
 CONFIGS = [ChainConfig(), ChainConfig(W=4, RT=2, CTAS=2, U=4, ITEMS=2, PF=True), ChainConfig(W=4, RT=4, U=2),
            ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1), ChainConfig(PIPE=True),
-           ChainConfig(W=2, RT=2, CTAS=1, U=1, ITEMS=1, PIPE=True), ChainConfig(W=4, RT=1, CTAS=8, U=2, DB=False),
-           ChainConfig(W=4, RT=2, CTAS=2, U=2, DB=False, PIPE=True)]
+           ChainConfig(W=2, RT=2, CTAS=1, U=1, ITEMS=1, PIPE=True)]
 
 
 # --- CPU ----------------------------------------------------------------------------------------------------

@@ -20,10 +20,8 @@
 // stage before has counted all its row blocks done. The last CTA out sets the counters back to zero.
 //
 // PIPE: the next item's first load group is issued before the current item's reduction and stores (same stage).
-// DB: two load groups a warp (the next one's loads in flight while the current one is multiplied); without it one,
-// for fewer registers and so more warps an SM, as the GEMV holds them.
 //
-// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DB, DT (x and out: 0 f16,
+// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x and out: 0 f16,
 // 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
 // shared with quant_gemm_cuda.cu (cuda_common.cuh).
 
@@ -191,10 +189,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
         int item = shared_item;
         bool ready = s == 0;
         // with PIPE, the next item's first load group is issued before this item's reduction, into `a`
-        Group a;
-#if DB
-        Group b;
-#endif
+        Group a, b;
         bool preloaded = false;
         while (item < items) {
             __syncthreads();                                // every thread has read shared_item
@@ -230,7 +225,6 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
             if (!preloaded) load_group(a, wq, wd, tile_qs, tile_d, x, token_live);
-#if DB
             for (int c0 = 0; c0 < per_warp; c0 += 2 * U) {
                 if (c0 + U < per_warp)
                     load_group(b, wq + (c0 + U) * 512, wd + (c0 + U) * 32, tile_qs, tile_d, x + (c0 + U) * 32,
@@ -241,13 +235,6 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
                                x + (c0 + 2 * U) * 32, token_live);
                 if (c0 + U < per_warp) mma_group(acc, b);
             }
-#else
-            // one load group in flight a warp: fewer registers, so more warps an SM with loads in flight
-            for (int c0 = 0; c0 < per_warp; c0 += U) {
-                if (c0 > 0) load_group(a, wq + c0 * 512, wd + c0 * 32, tile_qs, tile_d, x + c0 * 32, token_live);
-                mma_group(acc, a);
-            }
-#endif
             // the warps' sums, added in warp order: warp r (and r + W ...) reduces tile r
 #pragma unroll
             for (int r = 0; r < RT; ++r)

@@ -44,7 +44,6 @@ class ChainConfig:
     ITEMS: int = 1
     PF: bool = False
     PIPE: bool = False   # the next item's first loads issued before this item's reduction
-    DB: bool = True      # two load groups a warp (else one: fewer registers, more warps an SM)
 
     def __post_init__(self):
         if self.W not in (1, 2, 4, 8) or self.RT not in (1, 2, 4) or self.CTAS < 1 or self.U not in (1, 2, 4, 8) \
@@ -63,7 +62,7 @@ class ChainStage:
 
 
 def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
-    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DB=int(cfg.DB), DT=DTYPES[dtype],
+    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype],
                    MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
