@@ -135,12 +135,37 @@ def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: f
     return out
 
 
+def profile_calls(batch: int, vocab: int, params: SamplingParams, calls: int) -> None:
+    """Where a call's GPU time goes: `calls` calls (the kernels' way) under torch.profiler, by kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(batch, vocab, device="cuda", generator=gen) * 3 for _ in range(4)]
+    rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
+    sampler = Sampler()
+    for x in inputs:
+        sampler(x, rows)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            sampler(inputs[i % len(inputs)], rows)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"B = {batch}, {params}: {total / calls:.1f} GPU us a call; by kernel (us a call, launches a call):")
+    for e in events[:20]:
+        print(f"  {e.self_device_time_total / calls:8.1f} {e.count / calls:5.1f}  {e.key[:110]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--profile", metavar="PARAMS", help="instead: one PARAMS set's calls at the first batch size, "
+                                                         "their GPU time by kernel (torch.profiler), largest first")
     args = ap.parse_args()
+    if args.profile:
+        profile_calls(int(args.batches.split(",")[0]), args.vocab, PARAMS[args.profile], args.calls)
+        return
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)

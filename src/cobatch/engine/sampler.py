@@ -450,8 +450,11 @@ def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: lis
     largest = _largest_values(scores, width)
     count = to_device([k if 0 < k < width else width for k in top_k], torch.int64, device)
     if any(p < 1.0 for p in top_p):
-        within_k = torch.arange(width, device=device)[None, :] < count[:, None]
-        probs = largest.masked_fill(~within_k, -math.inf).softmax(dim=-1)
+        kept_by_k = largest
+        if any(0 < k < width for k in top_k):        # top-p over the top-k-renormalized distribution
+            within_k = torch.arange(width, device=device)[None, :] < count[:, None]
+            kept_by_k = largest.masked_fill(~within_k, -math.inf)
+        probs = kept_by_k.softmax(dim=-1)
         # Rows with top_p = 1 compare against +inf, so rounding (mass ~ 1) never trims their tail.
         p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
         count = torch.minimum(count, _prefix_below(probs, p_per_row))
