@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -516,12 +517,16 @@ def test_structured_outputs_as_vllm_and_llama_cpp_take_them(oai):
     assert isinstance(json.loads(anything.choices[0].text), dict)
 
 
-def test_embeddings_through_the_openai_client(server, oai):
+def test_embeddings_through_the_openai_client(server, oai, caplog):
     """The client asks for base64 by default and decodes it; float must agree. A text and its token ids give
     the same vector, as does an input alone and inside a batch. (transformers checks the values:
-    test_reference.py.)"""
+    test_reference.py.) The request log has no time to first token for them ("-", not "nan")."""
     texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock markets fell sharply today."]
+    caplog.set_level(logging.INFO, logger="cobatch.server.requests")
     batch = oai.embeddings.create(model="any", input=texts)
+    logged = wait_for(lambda: [r.getMessage() for r in caplog.records if r.getMessage().startswith("embeddings ")],
+                      what="the embeddings request's log line")
+    assert all(" ttft=- " in line and "nan" not in line for line in logged), logged
     width = server.context.llm.config.d_model
     assert [d.index for d in batch.data] == [0, 1, 2] and all(len(d.embedding) == width for d in batch.data)
     for d in batch.data:

@@ -225,11 +225,11 @@ class Generation:
         m.generation_tokens.inc(usage.completion_tokens)
         m.prefix_cache_hit_tokens.inc(usage.cached_tokens)
         m.duration.observe(end - self.arrival)
-        ttft = (first - self.arrival) if first is not None else float("nan")
+        ttft = f"{first - self.arrival:.3f}s" if first is not None else "-"     # "-": no token came (embeddings)
         decode_s = end - first if first is not None else 0.0
         rate = (usage.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
         adapter = f" adapter={self.request.params.adapter}" if self.request.params.adapter else ""
-        request_log.info("%s %s slot=%s prompt=%d cached=%d completion=%d ttft=%.3fs total=%.3fs decode=%.1f "
+        request_log.info("%s %s slot=%s prompt=%d cached=%d completion=%d ttft=%s total=%.3fs decode=%.1f "
                          "tok/s finish=%s%s", self.request.api, self.handle.id, self.handle.slot, usage.prompt_tokens,
                          usage.cached_tokens, usage.completion_tokens, ttft, end - self.arrival, rate, reason,
                          adapter)
