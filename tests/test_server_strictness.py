@@ -1,7 +1,11 @@
-"""What the server refuses rather than silently ignores: unknown models, unimplemented sampling fields; and a
-final assistant message, continued rather than closed."""
+"""What the server refuses rather than silently ignores: unknown models, unimplemented sampling fields; a final
+assistant message, continued rather than closed; and malformed bodies, answered with a 4xx, never a 500."""
 
 from __future__ import annotations
+
+import copy
+import json
+import random
 
 import anthropic
 import httpx
@@ -92,3 +96,77 @@ def test_continue_final_message_needs_an_assistant_message(oai):
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(model="smol", messages=QUESTION, max_tokens=2, extra_body=extra)
         assert err.value.body["param"] == next(iter(extra))
+
+
+# --- malformed bodies: a 4xx with an error body, never a 500 -----------------------------------------------
+
+FUZZ_MESSAGES = [{"role": "user", "content": "hi"}]
+FUZZ_BODIES = {     # a valid body per endpoint, whose fields the fuzz swaps for junk
+    "/v1/chat/completions": {"model": "smol", "messages": FUZZ_MESSAGES, "max_tokens": 2, "temperature": 0.5,
+                             "top_p": 0.9, "logprobs": True, "top_logprobs": 2, "stop": ["\n"], "seed": 1,
+                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                             "response_format": {"type": "json_object"}, "logit_bias": {"5": 1.0}},
+    "/v1/completions": {"model": "smol", "prompt": "hello", "max_tokens": 2, "echo": True, "logprobs": 2},
+    "/v1/messages": {"model": "smol", "messages": FUZZ_MESSAGES, "max_tokens": 2, "system": "be brief", "top_k": 5,
+                     "stop_sequences": ["x"], "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+    "/v1/messages/count_tokens": {"model": "smol", "messages": FUZZ_MESSAGES},
+    "/v1/responses": {"model": "smol", "input": "hello", "max_output_tokens": 16, "instructions": "brief"},
+    "/completion": {"prompt": "hello", "n_predict": 2, "temperature": 0.5, "grammar": 'root ::= "a"', "n_probs": 2},
+    "/tokenize": {"content": "hello", "with_pieces": True},
+    "/detokenize": {"tokens": [1, 2, 3]},
+    "/apply-template": {"messages": FUZZ_MESSAGES},
+    "/infill": {"input_prefix": "def f(", "input_suffix": ")", "n_predict": 2},
+    "/v1/embeddings": {"model": "smol", "input": ["hello"]},
+}
+FUZZ_JUNK = [None, True, 0, -1, 2 ** 31, 2 ** 63, -2 ** 63, 1e308, 0.5, "", "x", "NaN", [], [None], [1, "a"], {},
+             {"a": 1}, "\u0000", "é" * 3000, [[1]], {"type": None}, [{"role": None}], [{"role": "user"}],
+             [{"role": "tool", "content": "x"}], [{"role": "assistant", "tool_calls": [{"id": 1, "function": None}]}],
+             float("nan"), float("inf"), 10 ** 30]
+FUZZ_FIELDS = ["stream", "n", "logprobs", "top_logprobs", "stop", "seed", "temperature", "messages",
+               "prompt", "tool_choice", "response_format", "stream_options", "min_p", "top_k", "grammar", "json_schema",
+               "n_probs", "id_slot", "lora", "metadata", "parallel_tool_calls", "logit_bias", "input", "content"]
+
+
+# The fields that bound a generation keep their small values: without them a valid request may run to the end of
+# the context (llama.cpp's n_predict -1), which is no error, only slow.
+FUZZ_LIMITS = ("max_tokens", "n_predict", "max_output_tokens")
+
+
+def _fuzzed(rng: random.Random, valid: dict):
+    body = copy.deepcopy(valid)
+    for _ in range(rng.randint(1, 3)):
+        op = rng.random()
+        if op < 0.55:
+            body[rng.choice(list(body))] = copy.deepcopy(rng.choice(FUZZ_JUNK))
+        elif op < 0.7 and body:
+            del body[rng.choice(list(body))]
+        elif op < 0.95:
+            body[rng.choice(FUZZ_FIELDS)] = copy.deepcopy(rng.choice(FUZZ_JUNK))
+        else:
+            return copy.deepcopy(rng.choice(FUZZ_JUNK))       # not an object at all
+        if not body:
+            break
+    body.update({key: valid[key] for key in FUZZ_LIMITS if key in valid})
+    return body
+
+
+def test_malformed_bodies_get_a_4xx_with_an_error_body_never_a_500(server):
+    """Valid bodies with fields swapped for junk (wrong types, huge and NaN numbers, broken messages), fields
+    dropped, or no object at all, on every generating and tokenizing route (fixed seed): each answer is a success
+    or a 4xx whose body is an OpenAI- or Anthropic-style error, and the server still answers afterwards."""
+    rng = random.Random(7)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(80):
+            path = rng.choice(list(FUZZ_BODIES))
+            body = _fuzzed(rng, FUZZ_BODIES[path])
+            if rng.random() < 0.05:
+                r = client.post(path, content=rng.choice([b"{", b"", b"null", b"\xff\xfe", b'{"messages": ']),
+                                headers={"Content-Type": "application/json"})
+            else:
+                r = client.post(path, content=json.dumps(body, allow_nan=True),
+                                headers={"Content-Type": "application/json"})
+            assert r.status_code < 500, (path, body, r.text[:300])
+            if r.status_code >= 400:
+                error = r.json()
+                assert "error" in error, (path, body, error)
+        assert client.get("/health").json()["status"] == "ok"
