@@ -12,8 +12,8 @@ the max and first-index rules are exact and the noise's arithmetic is the refere
 Where a sampled step has no filter (temperature alone: the chat APIs' default), the chunk programs also temper the
 raw logits as they load them (temper_ref: one multiply by 1 / T, NaN and +inf mapped), so no tempered [R, V] copy
 is written and read back.
-Measured alone (bench/results/sampler.json, H100): greedy B = 1 28.5 -> 4.8 us, B = 64 61.3 -> 14.7, B = 256
-147.1 -> 47.5; Gumbel-max B = 64 854.2 -> 30.9.
+Measured alone (bench/results/sampler.json, H100): greedy B = 1 28.9 -> 4.8 us, B = 64 61.2 -> 14.9, B = 256
+146.8 -> 47.6; Gumbel-max B = 64 854.6 -> 31.1.
 """
 
 from __future__ import annotations
