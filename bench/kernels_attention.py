@@ -387,10 +387,9 @@ def run_fp8_words(copy_gbps: float, variants=None, contexts=CONTEXTS) -> list[di
                 r.update(variant=name, ratio_to_copy=r["gbps"] / copy_gbps, max_error=errors.get(name))
                 rows.append(r)
                 print(f"B={batch} x {context} {name}: {r['us']:.1f} us, {r['ratio_to_copy']:.0%} of copy", flush=True)
-    for name, kv_dtype, words in (("bf16", torch.bfloat16, False), ("fp8 bytes", torch.float8_e4m3fn, False),
-                                  ("fp8 words", torch.float8_e4m3fn, True)):
-        if variants:
-            break
+    prefills = () if variants else (("bf16", torch.bfloat16, False), ("fp8 bytes", torch.float8_e4m3fn, False),
+                                     ("fp8 words", torch.float8_e4m3fn, True))
+    for name, kv_dtype, words in prefills:
         r = bench_prefill(replace(PREFILL_CONFIG, fp8_words=words), gen, kv_dtype=kv_dtype)
         r["variant"] = name
         rows.append(r)
