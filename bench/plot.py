@@ -22,7 +22,7 @@ def decode_series(result: dict) -> dict[str, list[tuple[int, float]]]:
     """{label: [(batch, tok/s), ...]} per model and context."""
     series = {}
     for model in result["models"]:
-        name = Path(model["model"]).stem
+        name = Path(model["model"]).stem + (", fp8 KV cache" if "float8" in model.get("kv_cache_dtype", "") else "")
         for row in model["decode"]:
             label = f"engine, ctx {row['context']}" + (f" ({name})" if len(result["models"]) > 1 else "")
             series.setdefault(label, []).append((row["batch"], row["tok_s"]))
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     series = decode_series(decode)
     if args.serve and Path(args.serve).exists():
         series.update(serve_series(json.loads(Path(args.serve).read_text())))
-    quants = ", ".join(Path(m["model"]).stem.rsplit("-", 1)[-1] for m in decode["models"])
+    quants = ", ".join(dict.fromkeys(Path(m["model"]).stem.rsplit("-", 1)[-1] for m in decode["models"]))
     title = f"{decode.get('device', 'GPU')}: random Llama-3-8B {quants}, decode ({decode.get('date', '')})"
     Path(args.output).write_text(svg(series, title))
     return 0
