@@ -1177,8 +1177,11 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         # two accumulators over x's block of bn tokens where the call's tile is not a power of two (one tile:
         # the grid stands)
         bn1, bn2 = (bn, 0) if routing else split_tile(n_tok)
-        x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
-        x_operands(x, p.fmt_id, x16[:n_tok])
+        if X_AS_IS and x.dtype == torch.float16 and x.stride(0) == p.cols and n_tok % bn == 0:
+            x16 = x
+        else:
+            x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
+            x_operands(x, p.fmt_id, x16[:n_tok])
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
@@ -1209,6 +1212,11 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
 # hold: a token's column of the MMA never meets another's, and the epilogue stores only the call's tokens) instead
 # of the copy engine's out-of-bounds fill
 PAD_X_TO_TILE = os.environ.get("COBATCH_GEMM_PAD_X", "1") != "0"
+
+
+# X_AS_IS (a timing switch, wrong sums): the ring streams an f16 x of whole token tiles as it comes, its columns not
+# put in the planes' order and no x_operands launched: what a kernel writing x in that order would save
+X_AS_IS = os.environ.get("COBATCH_GEMM_X_AS_IS") == "1"
 
 
 def _padded(n_tok: int, bn: int) -> int:
