@@ -63,6 +63,30 @@ def test_rms_norm_writes_the_normed_rows_in_the_next_weights_operand_dtype():
     assert_matches(stream, h.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("order", [1, 2])
+def test_rms_norm_writes_the_normed_rows_in_the_order_the_next_gemm_reads(order):
+    """ops.rms_norm(out_order=...) stores each normed column where quant_pack.k_order puts it (the gather of the
+    natural result through k_order, as x_operands' reference does), in whole 256-row tiles; the residual stream
+    keeps the model's order."""
+    from cobatch import ops
+    from cobatch.kernels import operand_order, quant_pack
+    g = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(5, 96, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(DEVICE)
+    natural, want_stream = rms_norm_ref(x, weight, 1e-5, residual, out_dtype=torch.float16)
+    index = quant_pack.k_order(quant_pack.Q6_K if order == operand_order.BY_16 else quant_pack.Q8_0)
+    want = natural.reshape(5, 3, 32)[:, :, index].reshape(5, 96)
+    kernel_out = poisoned((5, 96), torch.float16)
+    rms_norm_triton(x, weight, 1e-5, residual, out=kernel_out, order=order)      # the kernel (interpreted on CPU)
+    normed, stream = ops.rms_norm(x, weight, 1e-5, residual, out_dtype=torch.float16, out_order=order)
+    for got in (kernel_out, normed):     # to a bf16 ulp: the interpreter rounds the residual sum toward zero
+        assert_matches(got[:, 32 + 3], natural[:, 32 + index[3]], dtype=torch.bfloat16)
+        assert_matches(got, want, dtype=torch.bfloat16)
+    assert torch.equal(stream, want_stream)
+    if DEVICE != "cpu":
+        assert normed.untyped_storage().nbytes() == 256 * 96 * 2
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 7, 2048])
 def test_rms_norm_llama8b(rows):

@@ -296,6 +296,32 @@ def test_gemm_variants_give_the_same_bits(fmt_name):
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "nvfp4"])
+def test_gemm_streams_an_x_already_in_its_order_to_the_same_bits(fmt_name):
+    """An f16 x whose writer put its columns in the planes' order (operand_order; in whole 256-row tiles, or only
+    its own rows) goes to the ring and TMA variants as it is, with no x_operands launch: the same bits as a bf16 x
+    put in order by x_operands, at token counts that fill their tiles and that do not."""
+    from cobatch.kernels import operand_order
+    w = make_weight(fmt_name, 512, 2048, seed=18, device="cuda")
+    pw = PackedWeight.from_quant(w, "cuda")
+    order = operand_order.order_of(pw.planes.fmt_id)
+    xb = torch.randn(96, 2048, generator=torch.Generator().manual_seed(19)).to("cuda", torch.bfloat16)
+    x = xb.to(torch.float16)           # the same values (bf16's fit f16's here)
+    for cfg in (GemmConfig(NW=8, split_k=2, RING=4), GemmConfig(NW=4, split_k=1, RING=6, PERSIST=2),
+                GemmConfig(NW=8, split_k=2, TMA=3)):
+        for n_tok in (64, 40):
+            want = run_poisoned(pw, xb[:n_tok], cfg)
+            padded = operand_order.empty_ordered(n_tok, 2048, torch.float16, "cuda")
+            padded.copy_(operand_order.ordered_ref(x[:n_tok], order))
+            for ordered in (padded, operand_order.ordered_ref(x[:n_tok], order).clone()):
+                out = poisoned((n_tok, pw.rows), torch.bfloat16, "cuda")
+                assert torch.equal(pw.matmul(ordered, config=cfg, out=out, x_order=order), want), (cfg, n_tok)
+    with pytest.raises(AssertionError):
+        pw.matmul(x[:4], config=GemmConfig(NW=8, split_k=2), x_order=order)     # the plain kernel reads x as is
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "nvfp4"])
 def test_gemm_persistent_grid_gives_the_same_bits(fmt_name):
     """PERSIST launches at most one or two CTAs an SM, each walking several (token tile, row block, K split) items
     with the ring running from one into the next: 128 row blocks x 4 splits x 2 token tiles (1024 items) give

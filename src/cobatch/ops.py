@@ -23,6 +23,7 @@ from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attentio
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
+from cobatch.kernels.operand_order import NATURAL, empty_ordered
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
@@ -50,15 +51,21 @@ def gumbel_tokens(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torc
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             inplace_residual: bool = False, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             inplace_residual: bool = False, out_dtype: torch.dtype | None = None,
+             out_order: int = NATURAL) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, residual_stream). inplace_residual=True writes x + residual into `residual` and returns it
     as the residual stream (saves an allocation; the caller must not need the old residual). out_dtype: the
-    normed rows' dtype (default x's; operand_dtype of the weight they go to), the residual stream stays x's."""
+    normed rows' dtype (default x's; operand_dtype of the weight they go to), the residual stream stays x's.
+    out_order: the normed rows' column order (operand_order of the weight they go to, given to its linear)."""
     if _triton(x):
-        out = None if out_dtype in (None, x.dtype) else torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        return rms_norm_triton(x, weight, eps, residual, out=out,
+        out = None
+        if out_order != NATURAL:
+            out = empty_ordered(x.reshape(-1, x.shape[-1]).shape[0], x.shape[-1], out_dtype or x.dtype, x.device)
+        elif out_dtype not in (None, x.dtype):
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        return rms_norm_triton(x, weight, eps, residual, out=out, order=out_order,
                                residual_out=residual if inplace_residual and residual is not None else None)
-    normed, h = rms_norm_ref(x, weight, eps, residual, out_dtype)
+    normed, h = rms_norm_ref(x, weight, eps, residual, out_dtype, out_order)
     if inplace_residual and residual is not None:
         h = residual.copy_(h)
     return normed, h
@@ -169,17 +176,20 @@ def gated_linear(x: torch.Tensor, gate_up, act: str = "silu") -> torch.Tensor:
     return gated_mul(linear(x, gate_up), act)
 
 
-def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu", dtype: torch.dtype | None = None
-                 ) -> torch.Tensor:
+def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu", dtype: torch.dtype | None = None,
+                 h_order: int = NATURAL) -> torch.Tensor:
     """(act(h @ gate.T) * (h @ up.T)) @ down.T in `dtype` (default h's). Where the gate|up GEMV or GEMM applies
     act itself, its output is written in the dtype down's kernels read (operand_dtype: f16 for the GEMV and the
-    GEMM), so down does not convert it: rounded once, from float32, instead of to bf16 and then to f16."""
+    GEMM), so down does not convert it: rounded once, from float32, instead of to bf16 and then to f16.
+    h_order: h's column order (operand_order of gate_up, which its writer followed)."""
     dtype = dtype or h.dtype
     rows = h.reshape(-1, h.shape[-1]).shape[0]
     if getattr(gate_up, "gate_up_interleaved", False):
-        mid = gate_up.matmul(h, act=act, out=torch.empty(rows, gate_up.rows // 2,
-                                                         dtype=operand_dtype(down, rows, dtype), device=h.device))
+        mid = gate_up.matmul(h, act=act, x_order=h_order,
+                             out=torch.empty(rows, gate_up.rows // 2, dtype=operand_dtype(down, rows, dtype),
+                                             device=h.device))
     else:
+        assert h_order == NATURAL, "an ordered h is for a gate|up weight the GEMM reads"
         mid = gated_linear(h, gate_up, act)
     return linear(mid.reshape(rows, -1), down, dtype=dtype).reshape(*h.shape[:-1], -1)
 
@@ -194,6 +204,13 @@ def operand_dtype(weight, rows: int, dtype: torch.dtype) -> torch.dtype:
         kinds = {operand_dtype(p, rows, dtype) for p in parts}
         return kinds.pop() if len(kinds) == 1 else dtype
     return dtype
+
+
+def operand_order(weight, rows: int, dtype: torch.dtype) -> int:
+    """The column order in which weight's kernels read an x of `rows` rows whose model dtype is `dtype`
+    (PackedWeight.operand_order: the planes' order where the ring GEMM streams it), else NATURAL: what the kernel
+    producing that x should write, and then tell `linear` through x_order."""
+    return weight.operand_order(rows, dtype) if hasattr(weight, "operand_order") else NATURAL
 
 
 def moe_route(h: torch.Tensor, router: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None
@@ -230,11 +247,16 @@ def _weight_times_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, cols.T).T[:x.shape[0]]
 
 
-def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+           x_order: int = NATURAL) -> torch.Tensor:
     """weight: a dense tensor [N, K] (CPU path, float weights) or a packed quantized weight (GPU). out: where to
     write the [n, N] result (x 2-D; it may be a column slice of a wider matrix), else a new tensor of `dtype`
-    (default x's: x may come in its operand_dtype, the result in the model's)."""
+    (default x's: x may come in its operand_dtype, the result in the model's). x_order: x's column order, the
+    weight's operand_order where its writer followed it."""
+    if x_order != NATURAL:
+        if out is None:
+            out = torch.empty(*x.shape[:-1], weight.rows, dtype=dtype or x.dtype, device=x.device)
+        return weight.matmul(x, out=out, x_order=x_order)
     if isinstance(weight, torch.Tensor):
         w = weight.to(x.dtype) if weight.dtype != x.dtype else weight
         if _as_columns(x):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from cobatch.kernels import quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.matmul_plans import DEQUANT_CUBLAS, MatmulPlan, load_plan, uses_gemv
+from cobatch.kernels.operand_order import NATURAL, order_of
 from cobatch.kernels.quant_gemm import GemmConfig
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig
 from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
@@ -30,6 +31,10 @@ from cobatch.quant.weight import QuantWeight
 # PackedWeight.operand_dtype: f16 where the GEMV and the GEMM read it natively (COBATCH_F16_OPERANDS=0: the model's
 # dtype throughout)
 F16_OPERANDS = os.environ.get("COBATCH_F16_OPERANDS", "1") != "0"
+
+# PackedWeight.operand_order: the kernel writing an x that the ring GEMM reads writes it in the planes' column order,
+# so the GEMM launches no x_operands (COBATCH_ORDERED_OPERANDS=0: x_operands puts every x in order)
+ORDERED_OPERANDS = os.environ.get("COBATCH_ORDERED_OPERANDS", "0") == "1"
 
 # Q5_0 (what llama.cpp writes where a width is not whole 256-blocks: DeepSeek-V2-Lite's down experts and dense down,
 # 133 of the 170 quantized tensors of Qwen2.5-Coder-0.5B's Q4_K_M) has fragment planes of its own, the GEMV and the
@@ -140,11 +145,23 @@ class PackedWeight:
         config = self.plan.config_for(n_tok)
         return torch.float16 if isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)) else dtype
 
+    def operand_order(self, n_tok: int, dtype: torch.dtype) -> int:
+        """The column order in which this weight's kernels read an x of n_tok rows whose model dtype is `dtype`
+        (operand_order.py): the planes' where the ring or TMA GEMM streams an f16 x, so that the kernel writing x
+        writes it so (and tells matmul through x_order); else NATURAL."""
+        if not ORDERED_OPERANDS or self.dense is not None or self.cols % 32:
+            return NATURAL
+        config = self.plan.config_for(n_tok)
+        streamed = isinstance(config, GemmConfig) and bool(config.RING or config.TMA)
+        f16 = self.operand_dtype(n_tok, dtype) == torch.float16
+        return order_of(self.planes.fmt_id) if streamed and f16 else NATURAL
+
     def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None,
-               act: str | None = None) -> torch.Tensor:
+               act: str | None = None, x_order: int = NATURAL) -> torch.Tensor:
         """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks).
         act ("silu", "gelu_tanh"; gate_up_interleaved weights only): act(gate) * up, [n_tok, rows / 2], applied
-        in the GEMV's epilogue, or by gated_mul after the other kernels."""
+        in the GEMV's epilogue, or by gated_mul after the other kernels. x_order: x's columns are already in
+        operand_order's order (its writer put them there), which must be this call's."""
         assert act is None or self.gate_up_interleaved, "act needs a gate|up weight packed interleaved"
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.cols)
@@ -152,6 +169,9 @@ class PackedWeight:
         out_cols = self.rows // 2 if act else self.rows
         if config is None and self.dense is None:
             config = self.plan.config_for(n_tok)
+        assert x_order == NATURAL or (isinstance(config, GemmConfig) and bool(config.RING or config.TMA)
+                                      and x_order == order_of(self.planes.fmt_id)), \
+            f"an x in order {x_order} is for the ring or TMA GEMM of {self.fmt_name}, not {config}"
         if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)):
             y = self.matmul(x2, config)
             return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
@@ -183,8 +203,11 @@ class PackedWeight:
             if config.split_k > 1:
                 SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = SplitScratch.get(x.device)
-            gemm = quant_gemm if isinstance(config, GemmConfig) else quant_gemm_cuda
-            gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
+            if isinstance(config, GemmConfig):
+                quant_gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act,
+                                  x_ordered=x_order != NATURAL)
+            else:
+                quant_gemm_cuda.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         else:
             quant_matmul.launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)

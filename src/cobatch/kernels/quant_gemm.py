@@ -1144,8 +1144,9 @@ def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
            partial: torch.Tensor, count: torch.Tensor, act: str | None = None,
-           routing: "quant_gemv.Routing | None" = None) -> None:
+           routing: "quant_gemv.Routing | None" = None, x_ordered: bool = False) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
+    x_ordered (the TMA and ring variants): x is f16 in the planes' column order already (operand_order.py).
     With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T (as
     quant_gemv.launch), a slot being one token tile of max_count pairs: the plain or the ring kernel, without
@@ -1177,11 +1178,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         # two accumulators over x's block of bn tokens where the call's tile is not a power of two (one tile:
         # the grid stands)
         bn1, bn2 = (bn, 0) if routing else split_tile(n_tok)
-        if X_AS_IS and x.dtype == torch.float16 and x.stride(0) == p.cols and n_tok % bn == 0:
-            x16 = x
-        else:
-            x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
-            x_operands(x, p.fmt_id, x16[:n_tok])
+        x16 = _x_streamed(p, x, n_tok, bn, x_ordered)
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
@@ -1193,14 +1190,14 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
-        x16 = _x_scratch(x.device, _padded(n_tok, bn), p.cols)
-        x_operands(x, p.fmt_id, x16[:n_tok])
+        x16 = _x_streamed(p, x, n_tok, bn, x_ordered)
         _gemm_tma_kernel[grid](
             _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
             out.stride(0), n_chunks,
             steps(p, cfg), FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, D=cfg.D, P=cfg.P, S=cfg.TMA,
             ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
         return
+    assert not x_ordered, f"{cfg} reads x in the model's column order"
     _gemm_kernel[grid](
         x, out, partial, count, p.qs, p.d, sub, qh, *slots,
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg), rows // 16,
@@ -1214,13 +1211,22 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
 PAD_X_TO_TILE = os.environ.get("COBATCH_GEMM_PAD_X", "1") != "0"
 
 
-# X_AS_IS (a timing switch, wrong sums): the ring streams an f16 x of whole token tiles as it comes, its columns not
-# put in the planes' order and no x_operands launched: what a kernel writing x in that order would save
-X_AS_IS = os.environ.get("COBATCH_GEMM_X_AS_IS") == "1"
-
-
 def _padded(n_tok: int, bn: int) -> int:
     return -(-n_tok // bn) * bn if PAD_X_TO_TILE else n_tok
+
+
+def _x_streamed(p: "quant_pack.PackedPlanes", x: torch.Tensor, n_tok: int, bn: int, x_ordered: bool) -> torch.Tensor:
+    """The f16 x in the planes' column order that the TMA and ring variants stream, over whole token tiles: x
+    itself where its writer put it in that order (x_ordered; the tiles' rows past n_tok where its storage holds
+    them, as operand_order.padded_rows allocates), else x_operands' copy of it in the scratch."""
+    rows = _padded(n_tok, bn)
+    if x_ordered:
+        assert x.dtype == torch.float16 and x.stride(0) == p.cols, (x.dtype, x.stride(), p.cols)
+        whole = x.untyped_storage().nbytes() >= (x.storage_offset() + rows * p.cols) * x.element_size()
+        return x.as_strided((rows, p.cols), (p.cols, 1)) if whole else x
+    x16 = _x_scratch(x.device, rows, p.cols)
+    x_operands(x, p.fmt_id, x16[:n_tok])
+    return x16
 
 
 def x_scratch_rows(max_tok: int) -> int:

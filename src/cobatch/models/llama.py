@@ -15,6 +15,7 @@ import torch
 from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
+from cobatch.kernels.operand_order import NATURAL
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.weights import WeightSource
@@ -157,9 +158,12 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             # each normed or attended x in the dtype its weight's kernels read (ops.operand_dtype), so they need
             # not convert it; their outputs and the residual stream in the model's dtype
+            # and where qkv's and gate|up's GEMM streams it, in its planes' column order (ops.operand_order), unless
+            # an adapter reads the same rows
+            order = ops.operand_order(layer.qkv, n, dtype) if lora is None else NATURAL
             h, residual = ops.rms_norm(x, layer.attn_norm, cfg.rms_eps, residual,
-                                       out_dtype=ops.operand_dtype(layer.qkv, n, dtype))
-            qkv = ops.linear(h, layer.qkv, dtype=dtype)
+                                       out_dtype=ops.operand_dtype(layer.qkv, n, dtype), out_order=order)
+            qkv = ops.linear(h, layer.qkv, dtype=dtype, x_order=order)
             if lora is not None:
                 qkv = lora.add(i, "qkv", h, qkv)
             if layer.qkv_bias is not None:
@@ -180,14 +184,15 @@ class LlamaModel:
                 x = self.tp.all_reduce(x)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
+            order = ops.operand_order(layer.gate_up, n, dtype) if lora is None else NATURAL   # MoE: no gate_up
             h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual,
-                                       out_dtype=ops.operand_dtype(layer.gate_up, n, dtype))   # MoE: no gate_up
+                                       out_dtype=ops.operand_dtype(layer.gate_up, n, dtype), out_order=order)
             if layer.moe is not None:
                 x = layer.moe(h)
             elif lora is not None and (lora.touches(i, "gate_up") or lora.touches(i, "down")):
                 x = lora.feed_forward(i, h, layer.gate_up, layer.down, cfg.activation, dtype)
             else:
-                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation, dtype=dtype)
+                x = ops.feed_forward(h, layer.gate_up, layer.down, cfg.activation, dtype=dtype, h_order=order)
             if self.tp is not None:
                 x = self.tp.all_reduce(x)
             if layer.post_ffn_norm is not None:
