@@ -191,9 +191,9 @@ for words in (2, 0):
 for gelu, interleaved in ((False, False), (True, False), (False, True)):
     variants[f"gated_mul gelu={gelu} interleaved={interleaved}"] = (
         activation._gated_mul_kernel, dict(BLOCK=1024, GELU=gelu, INTERLEAVED=interleaved, PDL=True), 4, 2)
-for residual in (False, True):
-    variants[f"rms_norm residual={residual}"] = (norm._rms_norm_kernel,
-                                                 dict(HAS_RESIDUAL=residual, BLOCK=4096, PDL=True), 16, 2)
+for residual, order in ((False, 0), (True, 0), (True, 1), (True, 2)):     # order: operand_order's, for the GEMM
+    variants[f"rms_norm residual={residual} order={order}"] = (
+        norm._rms_norm_kernel, dict(HAS_RESIDUAL=residual, BLOCK=4096, PDL=True, ORDER=order), 16, 2)
 for neox, half, qk_norm in ((False, 64, False), (True, 64, False), (True, 24, False), (True, 64, True)):
     # 24: Phi-4-mini's partial rotary (48 of 64 dims); qk_norm: qwen3's per-head norms
     variants[f"rope+kv_write neox={neox} half={half} qk_norm={qk_norm}"] = (

@@ -5,7 +5,9 @@ The ring (quant_gemm) streams x through TMA in the column order of the weight's 
 order, one launch per GEMM call. A kernel that writes x anyway (the RMSNorm before qkv and gate|up) can store each
 column where that order wants it instead, for the cost of an index computation; the GEMM then streams x as it
 comes (PackedWeight.operand_order says when, `matmul(x_order=...)` that it was done). The values are the same, only
-their places differ, so a row's sums and bits are the same as through x_operands.
+their places differ, so a row's sums and bits are the same as through x_operands. Two of a layer's four
+x_operands launches go (bench/results/decode_ordered_operands_ab.md); o's input (decode attention's output) and
+down's (gate|up's GEMM epilogue) are still put in order by x_operands.
 """
 
 from __future__ import annotations
