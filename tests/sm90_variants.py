@@ -282,10 +282,11 @@ def compile_gemv_for_h200(constants, R):
 
 gemv_variants = {}
 if quant_gemv.gluon is not None:
-    # every format; the act*mul epilogue with and without split-K, at both token tiles; routed experts
+    # every format; the act*mul epilogue with and without split-K, at both token tiles, its output in the next
+    # GEMM's column order (quant_gemv.act_code: 5 silu by 32, 10 gelu by 16); routed experts
     for fmt in (quant_pack.Q8_0, quant_pack.Q4_0, quant_pack.Q4_1, quant_pack.Q5_0, quant_pack.Q5_1, quant_pack.Q6_K,
                 quant_pack.FP8_E4M3, quant_pack.NVFP4):
-        for act, split, bt, routed in ((0, 2, 8, False), (1, 1, 16, False), (2, 2, 16, False), (1, 1, 8, True)):
+        for act, split, bt, routed in ((0, 2, 8, False), (5, 1, 16, False), (10, 2, 16, False), (1, 1, 8, True)):
             if fmt == quant_pack.FP8_E4M3 and not routed:
                 continue                  # FP8 is q8_0 but for its byte decode: one variant
             if fmt == quant_pack.NVFP4 and (act, routed) not in ((0, False), (1, True)):
@@ -394,7 +395,7 @@ if quant_gemm.warpgroup_mma is not None:
     for fmt, nw, bn, split, act, s, c, apart, persist, lag, ahead in (
             (quant_pack.Q8_0, 8, 64, 1, 0, 4, 2, False, False, False, False),
             (quant_pack.Q4_1, 8, 256, 1, 0, 3, 1, False, False, False, False),
-            (quant_pack.Q6_K, 4, 64, 2, 1, 4, 2, False, False, True, True),
+            (quant_pack.Q6_K, 4, 64, 2, 9, 4, 2, False, False, True, True),      # act 9: silu, stored by 16
             (quant_pack.Q8_0, 8, 128, 2, 1, 4, 2, True, False, False, False),
             (quant_pack.Q6_K, 8, 64, 1, 0, 4, 2, True, False, False, False),
             (quant_pack.FP8_E4M3, 8, 64, 1, 1, 8, 2, True, False, True, False),
@@ -413,7 +414,7 @@ if quant_gemm.warpgroup_mma is not None:
     # token tiles of 96, 160 and 192 as two accumulators (quant_gemm.SPLIT_TILES): the committed plans' kinds of ring
     # (q8_0's and q4_K's decode configs, a wide one of two warpgroups apart, split-K) and a format of four k16 MMAs
     for fmt, nw, bn, bn2, split, act, s, c, apart, persist, lag, ahead in (
-            (quant_pack.Q8_0, 8, 64, 32, 1, 1, 6, 4, False, True, True, True),
+            (quant_pack.Q8_0, 8, 64, 32, 1, 5, 6, 4, False, True, True, True),   # act 5: silu, stored by 32
             (quant_pack.Q8_0, 4, 64, 32, 2, 0, 6, 4, False, False, True, True),
             (quant_pack.Q4_1, 8, 128, 32, 1, 0, 4, 2, False, False, True, True),
             (quant_pack.Q8_0, 8, 128, 64, 4, 0, 4, 2, True, False, True, False),

@@ -270,6 +270,30 @@ def test_gemm_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
+def test_act_epilogue_stores_in_the_column_order_the_next_gemm_reads(fmt_name):
+    """out_order: the GEMV's and the GEMM's act(gate) * up stored where operand_order puts each column, bit for bit
+    the gather of the natural output through quant_pack.k_order (both orders, with and without split-K)."""
+    from cobatch.kernels import operand_order
+    inter, cols = 256, 1280
+    gate, up = make_weight(fmt_name, inter, cols, seed=21), make_weight(fmt_name, inter, cols, seed=22)
+    pw = PackedWeight.from_quant(QuantWeight.interleave_rows(gate, up, 8), "cuda", gate_up_interleaved=True)
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(23)).to("cuda", torch.bfloat16)
+    n_chunks = pw.planes.qs.shape[1] // 512
+    calls = [(None, 4)] + [(cfg, n) for cfg in (GemmConfig(NW=8), GemmConfig(NW=8, RING=4, CHUNKS=2),
+                                                GemmConfig(NW=8, split_k=2, RING=4, CHUNKS=2, APART=True))
+                           if not n_chunks % (cfg.split_k * cfg.steps_per_iteration()) for n in (17, 64)]
+    assert len(calls) >= 3
+    for cfg, n_tok in calls:            # None: the plan's, the GEMV at 4 tokens
+        natural = run_poisoned(pw, x[:n_tok], cfg, act="silu")
+        for order in (operand_order.BY_32, operand_order.BY_16):
+            out = poisoned((n_tok, inter), torch.bfloat16, "cuda")
+            got = pw.matmul(x[:n_tok], config=cfg, out=out, act="silu", out_order=order)
+            assert torch.equal(got, operand_order.ordered_ref(natural, order)), (cfg, n_tok, order)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k"])
 def test_gemm_variants_give_the_same_bits(fmt_name):
     """P (loads one step ahead), D (L2 prefetch), TMA (x converted once and streamed by TMA) and RING (weights
     and x through a shared-memory ring) only move loads (AHEAD: a ring stage's at once), LAG only when MMAs

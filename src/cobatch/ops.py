@@ -184,14 +184,18 @@ def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu", dtype: torch
     h_order: h's column order (operand_order of gate_up, which its writer followed)."""
     dtype = dtype or h.dtype
     rows = h.reshape(-1, h.shape[-1]).shape[0]
+    mid_order = NATURAL
     if getattr(gate_up, "gate_up_interleaved", False):
-        mid = gate_up.matmul(h, act=act, x_order=h_order,
-                             out=torch.empty(rows, gate_up.rows // 2, dtype=operand_dtype(down, rows, dtype),
-                                             device=h.device))
+        # act's output in the dtype, and where gate|up's epilogue can, the column order that down's kernels read
+        mid_dtype = operand_dtype(down, rows, dtype)
+        mid_order = operand_order(down, rows, dtype) if gate_up.act_orders(rows) else NATURAL
+        mid = (empty_ordered(rows, gate_up.rows // 2, mid_dtype, h.device) if mid_order != NATURAL
+               else torch.empty(rows, gate_up.rows // 2, dtype=mid_dtype, device=h.device))
+        mid = gate_up.matmul(h, act=act, x_order=h_order, out=mid, out_order=mid_order)
     else:
         assert h_order == NATURAL, "an ordered h is for a gate|up weight the GEMM reads"
         mid = gated_linear(h, gate_up, act)
-    return linear(mid.reshape(rows, -1), down, dtype=dtype).reshape(*h.shape[:-1], -1)
+    return linear(mid.reshape(rows, -1), down, dtype=dtype, x_order=mid_order).reshape(*h.shape[:-1], -1)
 
 
 def operand_dtype(weight, rows: int, dtype: torch.dtype) -> torch.dtype:

@@ -36,6 +36,9 @@ F16_OPERANDS = os.environ.get("COBATCH_F16_OPERANDS", "1") != "0"
 # so the GEMM launches no x_operands (bench/results/decode_ordered_operands_ab.md: q8_0 B = 64 2.4 % shorter;
 # COBATCH_ORDERED_OPERANDS=0: x_operands puts every x in order)
 ORDERED_OPERANDS = os.environ.get("COBATCH_ORDERED_OPERANDS", "1") != "0"
+# PackedWeight.act_orders: gate|up's act epilogue stores down's x in down's GEMM's column order too
+# (COBATCH_ORDERED_ACT=1; off until its GPU tests and whole steps have run)
+ORDERED_ACT = os.environ.get("COBATCH_ORDERED_ACT", "0") == "1"
 
 # Q5_0 (what llama.cpp writes where a width is not whole 256-blocks: DeepSeek-V2-Lite's down experts and dense down,
 # 133 of the 170 quantized tensors of Qwen2.5-Coder-0.5B's Q4_K_M) has fragment planes of its own, the GEMV and the
@@ -157,12 +160,20 @@ class PackedWeight:
         f16 = self.operand_dtype(n_tok, dtype) == torch.float16
         return order_of(self.planes.fmt_id) if streamed and f16 else NATURAL
 
+    def act_orders(self, n_tok: int) -> bool:
+        """Can this gate|up weight's act(gate) * up of n_tok rows be stored in another column order (matmul's
+        out_order)? Where the Gluon GEMV or GEMM applies act in its epilogue, and ORDERED_ACT is on."""
+        if not ORDERED_ACT or self.dense is not None:
+            return False
+        return self.gate_up_interleaved and isinstance(self.plan.config_for(n_tok), (GemvConfig, GemvPlan, GemmConfig))
+
     def matmul(self, x: torch.Tensor, config: TileConfig | str | None = None, out: torch.Tensor | None = None,
-               act: str | None = None, x_order: int = NATURAL) -> torch.Tensor:
+               act: str | None = None, x_order: int = NATURAL, out_order: int = NATURAL) -> torch.Tensor:
         """x [n_tok, cols] bf16/f16 -> [n_tok, rows] in x's dtype. `config` overrides the plan (benchmarks).
         act ("silu", "gelu_tanh"; gate_up_interleaved weights only): act(gate) * up, [n_tok, rows / 2], applied
         in the GEMV's epilogue, or by gated_mul after the other kernels. x_order: x's columns are already in
-        operand_order's order (its writer put them there), which must be this call's."""
+        operand_order's order (its writer put them there), which must be this call's. out_order: act's output
+        stored in that column order (the next weight's operand_order; where act_orders)."""
         assert act is None or self.gate_up_interleaved, "act needs a gate|up weight packed interleaved"
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.cols)
@@ -173,6 +184,8 @@ class PackedWeight:
         assert x_order == NATURAL or (isinstance(config, GemmConfig) and bool(config.RING or config.TMA)
                                       and x_order == order_of(self.planes.fmt_id)), \
             f"an x in order {x_order} is for the ring or TMA GEMM of {self.fmt_name}, not {config}"
+        assert out_order == NATURAL or (act and isinstance(config, (GemvConfig, GemvPlan, GemmConfig))), \
+            f"only act's output in the Gluon GEMV's or GEMM's epilogue takes another column order, not {config}"
         if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)):
             y = self.matmul(x2, config)
             return gated_mul_triton(y, act, out=out, interleaved=True).reshape(*lead, out_cols)
@@ -197,7 +210,8 @@ class PackedWeight:
             if config.split_k > 1:
                 SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = SplitScratch.get(x.device)
-            quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
+            quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act,
+                              out_order=out_order)
         elif isinstance(config, (GemmConfig, CudaGemmConfig)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
             partial, count = out, out
@@ -206,7 +220,7 @@ class PackedWeight:
                 partial, count = SplitScratch.get(x.device)
             if isinstance(config, GemmConfig):
                 quant_gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act,
-                                  x_ordered=x_order != NATURAL)
+                                  x_ordered=x_order != NATURAL, out_order=out_order)
             else:
                 quant_gemm_cuda.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         else:

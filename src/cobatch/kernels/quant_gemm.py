@@ -60,7 +60,8 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import quant_gemv, quant_pack
-from cobatch.kernels.quant_gemv import ACTS, F_NVFP4, F_Q4_0, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, gl, gluon
+from cobatch.kernels.quant_gemv import (F_NVFP4, F_Q4_0, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, act_code, gl,
+                                       gluon)
 from cobatch.kernels.scratch import DeviceScratch
 from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
@@ -1144,10 +1145,11 @@ def scratch_need(cfg: GemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
            partial: torch.Tensor, count: torch.Tensor, act: str | None = None,
-           routing: "quant_gemv.Routing | None" = None, x_ordered: bool = False) -> None:
+           routing: "quant_gemv.Routing | None" = None, x_ordered: bool = False, out_order: int = 0) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
     x_ordered (the TMA and ring variants): x is f16 in the planes' column order already (operand_order.py).
-    With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch).
+    With `act`, W's rows are gate|up interleaved 8 by 8 and out gets act(gate) * up (quant_gemv.launch), its
+    columns in out_order's order (operand_order: the next GEMM's).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T (as
     quant_gemv.launch), a slot being one token tile of max_count pairs: the plain or the ring kernel, without
     split-K."""
@@ -1185,7 +1187,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         _gemm_ring_kernel[grid](
             *descs, out, partial, count, p.d, *slots, n_tok, rows, out.stride(0), steps(p, cfg) // cfg.CHUNKS, n_nk,
             n_slots, rows // 16, FMT=p.fmt_id, NW=cfg.NW, BN=bn1, SPLIT_K=cfg.split_k, C=cfg.CHUNKS, S=stages,
-            ACT=ACTS[act], APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD,
+            ACT=act_code(act, out_order), APART=cfg.APART, PERSIST=bool(cfg.PERSIST), LAG=cfg.LAG, AHEAD=cfg.AHEAD,
             ROUTED=routing is not None, BN2=bn2, **_chained(x), num_warps=cfg.NW // 2 if cfg.APART else cfg.NW,
             maxnreg=cfg.registers(bn))
         return
@@ -1195,14 +1197,14 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
             out.stride(0), n_chunks,
             steps(p, cfg), FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, D=cfg.D, P=cfg.P, S=cfg.TMA,
-            ACT=ACTS[act], num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+            ACT=act_code(act, out_order), num_warps=cfg.NW, maxnreg=cfg.registers(bn))
         return
     assert not x_ordered, f"{cfg} reads x in the model's column order"
     _gemm_kernel[grid](
         x, out, partial, count, p.qs, p.d, sub, qh, *slots,
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg), rows // 16,
         FMT=p.fmt_id, NW=cfg.NW, BN=bn, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad, D=cfg.D, P=cfg.P,
-        ACT=ACTS[act], ROUTED=routing is not None, num_warps=cfg.NW, maxnreg=cfg.registers(bn))
+        ACT=act_code(act, out_order), ROUTED=routing is not None, num_warps=cfg.NW, maxnreg=cfg.registers(bn))
 
 
 # The TMA variants' x as whole token tiles: a tile's box past the last token then reads scratch rows (whatever they

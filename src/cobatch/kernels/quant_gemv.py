@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import fp8_cache, quant_pack
+from cobatch.kernels.operand_order import NATURAL
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
@@ -92,6 +93,14 @@ F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q6_K, F_FP8, F_NVFP4 = (
 # The epilogue: store the rows as they are, or act(gate) * up of gate|up rows interleaved 8 by 8.
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 ACT_NONE, ACT_SILU, ACT_GELU_TANH = (_c(v) for v in ACTS.values())
+
+
+def act_code(act: str | None, order: int = NATURAL) -> int:
+    """The kernels' ACT constexpr: the activation's code (ACTS), plus 4 x the column order (operand_order) in which
+    act(gate) * up is stored, for a next GEMM that streams it so. One constexpr carries both, so every function
+    between a kernel and its epilogue passes the order on as it passes ACT."""
+    assert order == NATURAL or act is not None, "only act's output is stored in another column order"
+    return ACTS[act] + 4 * order
 
 # --- dequantization, 4 bytes at a time (pack=4) -------------------------------------------------------
 # Input word bytes (quant_pack.fragment_order): b0 = (row g, k), b1 = (g+8, k), b2 = (g, k+1),
@@ -618,14 +627,30 @@ if gluon is not None:
         return gl.split(gl.permute(gl.reshape(v, [RT, 2, 8, BT]), [0, 2, 3, 1]))
 
     @gluon.jit
+    def _ordered_column(col, ORDER: gl.constexpr):
+        """operand_order.ordered_columns in Gluon: where column col goes in ORDER (the same places; tested against
+        operand_order.ordered_ref through the epilogue)."""
+        placed = col
+        if ORDER == 1:
+            within = col % 32
+            placed = col - within + 8 * ((within // 2) % 4) + 2 * (within // 8) + within % 2
+        if ORDER == 2:
+            within = col % 16
+            placed = col - within + 8 * ((within // 2) % 2) + 2 * (within // 4) + within % 2
+        return placed
+
+    @gluon.jit
     def _store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, RT: gl.constexpr, BT: gl.constexpr,
                     ACT: gl.constexpr):
-        """Store the [16 RT, BT] result of rows r ([16 RT, 1]) and tokens t ([1, BT]). With ACT, the rows are
-        gate|up interleaved 8 by 8 and what is stored is act(gate) * up, column (r // 16) * 8 + r % 16 of
-        n_rows / 2: each value rounded to the output dtype first, as the separate act*mul kernel would read
-        it (activation._gated_mul_kernel; the same float math, in the same order)."""
+        """Store the [16 RT, BT] result of rows r ([16 RT, 1]) and tokens t ([1, BT]). With ACT (act_code), the
+        rows are gate|up interleaved 8 by 8 and what is stored is act(gate) * up, column (r // 16) * 8 + r % 16
+        of n_rows / 2, or where ACT's column order puts that column: each value rounded to the output dtype
+        first, as the separate act*mul kernel would read it (activation._gated_mul_kernel; the same float math,
+        in the same order)."""
         dtype: gl.constexpr = out_ptr.dtype.element_ty
-        if ACT == ACT_NONE:
+        FN: gl.constexpr = ACT % 4
+        ORDER: gl.constexpr = ACT // 4
+        if FN == ACT_NONE:
             gl.store(out_ptr + t * out_stride + r, total.to(dtype), mask=(t < n_tok) & (r < n_rows))
         else:
             gate, up = _gate_up_halves(total, RT, BT)
@@ -633,12 +658,13 @@ if gluon is not None:
             tg, _ = _gate_up_halves(t + 0 * r, RT, BT)
             g = gate.to(dtype).to(gl.float32)
             u = up.to(dtype).to(gl.float32)
-            if ACT == ACT_GELU_TANH:   # g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+            if FN == ACT_GELU_TANH:    # g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
                 a = g * (1 / (1 + gl.exp(-(1.5957691216057308 * (g + 0.044715 * g * g * g)))))
             else:                      # SiLU
                 a = g * (1 / (1 + gl.exp(-g)))
             col = (rg // 16) * 8 + rg % 16
-            gl.store(out_ptr + tg * out_stride + col, (a * u).to(dtype), mask=(tg < n_tok) & (col < n_rows // 2))
+            gl.store(out_ptr + tg * out_stride + _ordered_column(col, ORDER), (a * u).to(dtype),
+                     mask=(tg < n_tok) & (col < n_rows // 2))
 
     @gluon.jit
     def _finish_rows(total, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k, n_rows,
@@ -858,13 +884,13 @@ GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
-           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None
-           ) -> None:
+           partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None,
+           out_order: int = NATURAL) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T, out having
     rows_per_expert columns; the plan's tier is the one for max_count tokens.
     With `act` ("silu", "gelu_tanh"), W's rows (each expert's) are gate|up interleaved 8 by 8
-    (activation.GATE_UP_GROUP) and out gets act(gate) * up: half as many columns."""
+    (activation.GATE_UP_GROUP) and out gets act(gate) * up: half as many columns, in out_order's column order."""
     assert p.fragment and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
     n_tok = x.shape[0]
     tokens = routing.max_count if routing else n_tok          # the most rows one weight is dotted with
@@ -887,6 +913,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=ACTS[act], num_warps=cfg.W, maxnreg=cfg.R or None,
+        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order), num_warps=cfg.W,
+        maxnreg=cfg.R or None,
         **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))
