@@ -96,7 +96,8 @@ for softcap in (False, True):
         variants[f"prefill softcap={softcap} windowed={windowed}"] = (
             attention._prefill_kernel,
             dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n, BLOCK_D=128, DOT_F32=False,
-                 WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16), pre.num_warps, pre.num_stages)
+                 WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16, ORDER=2 if windowed else 0), pre.num_warps,
+            pre.num_stages)
 F16 = triton.language.float16        # what an fp8 cache's tiles are widened to (attention.operand_dtype)
 # an fp8 cache's tiles as words with the conversion's PTX (FP8_WORDS=2, the default), and as bytes (the switch:
 # no groups then, attention.plan_has_groups)
@@ -118,7 +119,8 @@ for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), 
         attention._decode_split_kernel,
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False,
-             OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm, FP8_WORDS=2 if fp8 else 0),
+             OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm, FP8_WORDS=2 if fp8 else 0,
+             ORDER=1 if single else 0),       # a single split's rows stored in o's GEMM's order (operand_order)
         dec.num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(1 if single else 2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills
@@ -146,7 +148,7 @@ variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLO
 for groups in (False, True):
     variants[f"decode reduce groups={groups}"] = (
         attention._decode_reduce_kernel, dict(HEAD_D=128, BLOCK_D=128, BLOCK_GROUPS=64 // dec.split_group, PDL=True,
-                                              BLOCK_N=dec.block_n, **SPLITS, GROUPS=groups), 4, 2)
+                                              BLOCK_N=dec.block_n, **SPLITS, GROUPS=groups, ORDER=int(groups)), 4, 2)
 # MLA decode over the latent cache: DeepSeek's 512 + 64 wide latent, 16 heads a program, 8 warps (the launcher's)
 for single in (False, True):
     variants[f"mla decode single_split={single}"] = (

@@ -217,6 +217,31 @@ def test_output_in_the_next_weights_operand_dtype(q_lens):
     assert same.dtype == torch.bfloat16 and relative_error(got, same) < 1e-2
 
 
+@pytest.mark.parametrize("variant", ["single", "split", "prefill"])
+@pytest.mark.parametrize("order", [1, 2])
+def test_output_in_the_column_order_of_the_next_gemm(variant, order):
+    """out_order: each row stored where operand_order puts its columns (within each 32-dim tile of a head), bit for
+    bit the gather of the natural output through quant_pack.k_order: from the split kernel's direct write, the
+    reduce kernel's merge and the prefill kernel, in whole 256-row tiles where allocated here."""
+    from cobatch.kernels import quant_pack
+    from cobatch.kernels.attention import paged_attention_triton
+    q_lens = [3, 1, 5] if variant == "prefill" else [1, 1, 1]
+    q, k_cache, v_cache, meta = paged_setup([40, 7, 70], q_lens, 8, 2, 64, torch.bfloat16, seed=15)
+    cfg = DECODE_VARIANTS.get(variant)
+    run = ((lambda out, o: paged_prefill_attention(q, k_cache, v_cache, meta, 0.2, out=out, cfg=TINY_PREFILL,
+                                                   out_order=o)) if cfg is None else
+           (lambda out, o: paged_decode_attention(q, k_cache, v_cache, meta, 0.2, out=out, cfg=cfg, out_order=o)))
+    natural = run(torch.zeros(q.shape, dtype=torch.float16, device=q.device), 0)
+    got = run(torch.zeros(q.shape, dtype=torch.float16, device=q.device), order)
+    index = quant_pack.k_order(quant_pack.Q6_K if order == 2 else quant_pack.Q8_0)
+    n = q.shape[0]
+    assert torch.equal(got.reshape(n, -1), natural.reshape(n, -1, 32)[:, :, index].reshape(n, -1))
+    assert not torch.equal(got, natural)
+    if cfg is not None and q.is_cuda:
+        allocated = paged_attention_triton(q, k_cache, v_cache, meta, 0.2, out_dtype=torch.float16, out_order=order)
+        assert allocated.untyped_storage().nbytes() == 256 * 8 * 64 * 2
+
+
 def test_decode_padded_rows_are_zero():
     q, k_cache, v_cache, meta = paged_setup([0, 0], [1, 1], 4, 2, 32, torch.bfloat16, seed=12, capacity=64)
     for cfg in DECODE_VARIANTS.values():

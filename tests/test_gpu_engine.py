@@ -98,20 +98,24 @@ def test_gpu_logits_close_to_cpu_teacher_forced(models, name):
 
 @pytest.mark.parametrize("name", ["tiny", "cut"])
 def test_norms_writing_the_gemms_column_order_give_the_same_logits(models, name, monkeypatch):
-    """With ORDERED_OPERANDS the RMSNorms before qkv and gate|up, and gate|up's act epilogue before down, store their
-    rows in the column order the ring GEMM streams, and the GEMM launches no x_operands: the same values in the same
-    places, so the same logits to the bit on a 40-token prefill (the GEMM's range)."""
+    """With ORDERED_OPERANDS the RMSNorms before qkv and gate|up, with ORDERED_ACT gate|up's act epilogue before down
+    and with attention's ORDERED_OUTPUT the prefill kernel before o, store their rows in the column order the ring
+    GEMM streams, and the GEMM launches no x_operands: the same values in the same places, so the same logits to
+    the bit on a 40-token prefill (the GEMM's range)."""
     from cobatch import ops
-    from cobatch.kernels import operand_order, packed_weight
+    from cobatch.kernels import attention, operand_order, packed_weight
     cpu, gpu = models[name]
     ids = cpu.encode_prompt(PROMPTS[2]) + cpu.engine.generate([cpu.encode_prompt(PROMPTS[2])], GREEDY)[0][:24]
     layer = gpu.model.layers[0]
     monkeypatch.setattr(packed_weight, "ORDERED_OPERANDS", False)
     monkeypatch.setattr(packed_weight, "ORDERED_ACT", False)
+    monkeypatch.setattr(attention, "ORDERED_OUTPUT", False)
     assert ops.operand_order(layer.gate_up, len(ids), torch.float16) == operand_order.NATURAL
     natural = _gpu_logits(gpu, ids)
     monkeypatch.setattr(packed_weight, "ORDERED_OPERANDS", True)
     monkeypatch.setattr(packed_weight, "ORDERED_ACT", True)
+    monkeypatch.setattr(attention, "ORDERED_OUTPUT", True)
+    assert ops.attention_orders(gpu.config.head_dim)          # attention writes o's x in o's order
     assert ops.operand_order(layer.gate_up, len(ids), torch.float16) == operand_order.BY_32
     assert ops.operand_order(layer.gate_up, 1, torch.float16) == operand_order.NATURAL      # the GEMV's x
     assert layer.gate_up.act_orders(len(ids))            # and gate|up's epilogue writes down's x in its order

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
-from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton
+from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton, writes_order
 from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref, gumbel_tokens_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
-from cobatch.kernels.operand_order import NATURAL, empty_ordered
+from cobatch.kernels.operand_order import NATURAL, empty_ordered, ordered_ref
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
@@ -106,33 +106,42 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     return q, k
 
 
+def attention_orders(head_dim: int) -> bool:
+    """Can attention store its rows in an operand_order (its out_order)? kernels/attention.py's writes_order."""
+    return writes_order(head_dim)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-              scale: float, window: int = 0, softcap: float = 0.0, out_dtype: torch.dtype | None = None
-              ) -> torch.Tensor:
+              scale: float, window: int = 0, softcap: float = 0.0, out_dtype: torch.dtype | None = None,
+              out_order: int = NATURAL) -> torch.Tensor:
     """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise.
     window > 0: each row sees only its last `window` keys (sliding-window layers); softcap > 0: scores are
-    soft-capped (Gemma 2). out_dtype: the output's dtype (default q's; operand_dtype of the weight it goes to)."""
+    soft-capped (Gemma 2). out_dtype: the output's dtype (default q's; operand_dtype of the weight it goes to).
+    out_order: each row's columns in that order (operand_order of the weight it goes to; where attention_orders)."""
     if _triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, out_order=out_order)
     out = paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
-    return out if out_dtype is None else out.to(out_dtype)
+    out = out if out_dtype is None else out.to(out_dtype)
+    return ordered_ref(out.reshape(out.shape[0], -1), out_order).reshape(out.shape)
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
                    out_dtype: torch.dtype | None = None,
-                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                   out_order: int = NATURAL) -> torch.Tensor:
     """rope_kv_write, then attention over the caches it wrote. On the Triton path a decode step whose heads
     rotate whole (with qwen3's q/k norms or without) runs both in the decode attention kernel (one launch less a
     layer; COBATCH_FUSED_ROPE=0 keeps them apart). q, k are not rotated in place then: only the caches and the
-    output are this op's results."""
+    output are this op's results. out_order: as attention's."""
     if _triton(q) and fuses_rope(q, meta, cos_sin):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                                      out_dtype=out_dtype, rope=DecodeRope(k, v, positions, cos_sin, neox, qk_norm))
+                                      out_dtype=out_dtype, rope=DecodeRope(k, v, positions, cos_sin, neox, qk_norm),
+                                      out_order=out_order)
     q, _ = rope_kv_write(q, k, v, positions, cos_sin, neox, k_cache, v_cache, meta.slot_mapping, qk_norm)
-    return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype)
+    return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype, out_order)
 
 
 def mla_latent(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,

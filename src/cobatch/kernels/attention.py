@@ -9,6 +9,7 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.fp8_cache import FP8_DTYPES, kernel_view, to_cache, widen_words, words_mode
+from cobatch.kernels.operand_order import NATURAL, empty_ordered, ordered_columns
 from cobatch.kernels.rope import rotary_dims, rotated
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait,
                                              jit, next_pow2, pdl_launch, tl, triton)
@@ -322,7 +323,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
                          ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-                         FP8_WORDS: tl.constexpr = 0):
+                         FP8_WORDS: tl.constexpr = 0, ORDER: tl.constexpr = 0):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -433,7 +434,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     if SINGLE_SPLIT:
         # Empty context (padded row): l == 0 and acc == 0, so the row comes out as zeros.
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + d[None, :],
+        tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + ordered_columns(d, ORDER)[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
 
@@ -492,7 +493,7 @@ def _merge_partial(m, l, acc, m_s, l_s, acc_s):
 @jit
 def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits_per_program, out_row_ptr,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SPLIT_GROUP: tl.constexpr,
-                  GROUPS: tl.constexpr):
+                  GROUPS: tl.constexpr, ORDER: tl.constexpr = 0):
     """Merge one head's splits first_valid .. n_valid - 1 (max, sum, acc), stored from partial index part0
     on, into its output row: each group of SPLIT_GROUP splits folded in order (_merge_partial), then the groups
     at once. GROUPS: a group that lay wholly in one split program (of splits_per_program) was folded there and
@@ -527,16 +528,18 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_row_ptr + d, out.to(out_row_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_row_ptr + ordered_columns(d, ORDER), out.to(out_row_ptr.dtype.element_ty), mask=d_mask)
 
 
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_row_stride, out_head_stride,
                           num_splits, chunks, window, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                           MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-                          SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+                          SPLIT_GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
+                          ORDER: tl.constexpr = 0):
     """Program (seq, q_head): merge the splits that seq_len (and the window) reach into the final row. `chunks`:
-    the split kernel's programs per row and KV head, which decide whether they stored groups or splits."""
+    the split kernel's programs per row and KV head, which decide whether they stored groups or splits. ORDER:
+    the row's columns in operand_order's order (within each head: HEAD_D a multiple of 32)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if PDL:
@@ -551,7 +554,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
         gdc_wait()                     # the split kernel's partials
     _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid, n_valid,
                   tl.maximum(tl.cdiv(n_valid, chunks), 1), out_ptr + seq * out_row_stride + head * out_head_stride,
-                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
+                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS,
+                  ORDER=ORDER)
 
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,
@@ -634,8 +638,9 @@ class DecodeRope:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
                            cfg: DecodeConfig = DECODE_CONFIG, window: int = 0, softcap: float = 0.0,
-                           rope: DecodeRope | None = None) -> torch.Tensor:
-    """paged_attention_ref for a decode step (one row per sequence). Graph-safe: the grid depends only on
+                           rope: DecodeRope | None = None, out_order: int = NATURAL) -> torch.Tensor:
+    """paged_attention_ref for a decode step (one row per sequence), each row's columns in out_order's order
+    (operand_order; head_dim a multiple of 32). Graph-safe: the grid depends only on
     q's shape, the heads and meta.max_seq_len; no host syncs. With cfg.pdl the kernels are launched as
     programmatic dependents and read meta.seq_lens and meta.block_tables before waiting for the previous
     kernel, so that kernel must not be the one writing them (q and the caches may come from it).
@@ -678,7 +683,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
-        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=words,
+        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=words, ORDER=out_order,
         num_warps=cfg.num_warps, num_stages=cfg.fp8_num_stages if words else cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
@@ -686,7 +691,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, window,
             HEAD_D=head_dim, BLOCK_D=block_d, MIN_SPLIT=cfg.min_split, BLOCK_N=cfg.block_n,
             BLOCK_GROUPS=next_pow2(triton.cdiv(num_splits, cfg.split_group)), SPLIT_GROUP=cfg.split_group,
-            GROUPS=groups, num_warps=4, **launch)
+            GROUPS=groups, ORDER=out_order, num_warps=4, **launch)
     return out
 
 
@@ -713,7 +718,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
                     cache_head_stride, out_row_stride, out_head_stride, qk_scale, window, softcap,
                     GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
+                    SOFTCAP: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
+                    ORDER: tl.constexpr = 0):
     """Program (q_head, seq, query tile). Row i of the chunk sits at position seq_len - q_len + i and sees
     keys 0..position; the keys come from the cache (the chunk's own K/V are already written there).
     Tiles go last-first: the longest programs start first and the short ones fill the tail, and the heads
@@ -777,15 +783,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr
                                              softcap=softcap, SOFTCAP=SOFTCAP)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + d[None, :],
+    tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + ordered_columns(d, ORDER)[None, :],
              out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                             scale: float, out: torch.Tensor | None = None,
-                            cfg: PrefillConfig = PREFILL_CONFIG, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            cfg: PrefillConfig = PREFILL_CONFIG, window: int = 0, softcap: float = 0.0,
+                            out_order: int = NATURAL) -> torch.Tensor:
     """paged_attention_ref for chunks of several tokens per sequence (any q_len, 1 included). Rows past
-    query_start[-1] stay zero when `out` is allocated here and untouched when it is passed in."""
+    query_start[-1] stay zero when `out` is allocated here and untouched when it is passed in. out_order: each
+    row's columns in operand_order's order (head_dim a multiple of 32)."""
     n_rows, n_heads, head_dim = q.shape
     n_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert n_heads % n_kv_heads == 0 and q.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
@@ -799,9 +807,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
-        OPERAND=operand_dtype(q, k_cache), FP8_WORDS=words_mode(k_cache, head_dim, cfg.fp8_words),
+        OPERAND=operand_dtype(q, k_cache), FP8_WORDS=words_mode(k_cache, head_dim, cfg.fp8_words), ORDER=out_order,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+# writes_order: attention's output rows in the column order of the GEMM they go to (o's), so that it launches no
+# x_operands (COBATCH_ORDERED_ATTENTION=1; off until its GPU tests and whole steps have run)
+ORDERED_OUTPUT = os.environ.get("COBATCH_ORDERED_ATTENTION", "0") == "1"
+
+
+def writes_order(head_dim: int) -> bool:
+    """Whether the kernels store each row in an operand_order: heads of whole 32-column tiles, ORDERED_OUTPUT on."""
+    return ORDERED_OUTPUT and head_dim % 32 == 0
 
 
 def is_decode_step(q: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -818,14 +836,22 @@ def fuses_rope(q: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor) 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None, window: int = 0,
                            softcap: float = 0.0, out_dtype: torch.dtype | None = None,
-                           rope: DecodeRope | None = None) -> torch.Tensor:
+                           rope: DecodeRope | None = None, out_order: int = NATURAL) -> torch.Tensor:
     """out_dtype: the output's dtype where `out` is not given (default q's). rope: a decode step's rotation and
-    cache write, done by the decode kernel (paged_decode_attention)."""
+    cache write, done by the decode kernel (paged_decode_attention). out_order: each row's columns in
+    operand_order's order, in whole 256-row tiles where `out` is allocated here (head_dim a multiple of 32)."""
     decode = is_decode_step(q, meta)
+    n_rows, n_heads, head_dim = q.shape
     assert rope is None or decode
-    if out is None and out_dtype not in (None, q.dtype):     # prefill leaves rows past the chunks zero
+    assert out_order == NATURAL or head_dim % 32 == 0, "a head's columns are put in order within the head"
+    if out is None and out_order != NATURAL:
+        out = empty_ordered(n_rows, n_heads * head_dim, out_dtype or q.dtype, q.device).view(q.shape)
+        if not decode:
+            out.zero_()                                 # prefill leaves rows past the chunks zero
+    elif out is None and out_dtype not in (None, q.dtype):
         out = (torch.empty if decode else torch.zeros)(q.shape, dtype=out_dtype, device=q.device)
     if decode:
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, cfg=DECODE_CONFIG,
-                                      window=window, softcap=softcap, rope=rope)
-    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
+                                      window=window, softcap=softcap, rope=rope, out_order=out_order)
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap,
+                                   out_order=out_order)

@@ -7,8 +7,8 @@ column where that order wants it instead, for the cost of an index computation; 
 comes (PackedWeight.operand_order says when, `matmul(x_order=...)` that it was done). The values are the same, only
 their places differ, so a row's sums and bits are the same as through x_operands. Two of a layer's four
 x_operands launches go (bench/results/decode_ordered_operands_ab.md). Down's input can come in order from gate|up's
-act epilogue (quant_gemv.act_code, behind packed_weight.ORDERED_ACT until it has run on a GPU); o's (decode
-attention's output) is still put in order by x_operands.
+act epilogue (quant_gemv.act_code) and o's from the attention kernels (their ORDER), behind packed_weight.ORDERED_ACT
+and attention.ORDERED_OUTPUT until they have run on a GPU.
 """
 
 from __future__ import annotations

@@ -173,11 +173,14 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].reshape(n, cfg.n_kv_heads, cfg.head_dim)
             cos_sin = self.cos_sin_local if layer.window else self.cos_sin
             qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_eps) if layer.q_norm is not None else None
+            order = (ops.operand_order(layer.o, n, dtype) if lora is None and ops.attention_orders(cfg.head_dim)
+                     else NATURAL)
             attn = ops.rope_attention(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i], meta,
                                       self.scale, layer.window, cfg.attn_softcap,
-                                      out_dtype=ops.operand_dtype(layer.o, n, dtype), qk_norm=qk_norm)
+                                      out_dtype=ops.operand_dtype(layer.o, n, dtype), qk_norm=qk_norm,
+                                      out_order=order)
             attn = attn.reshape(n, q_size)
-            x = ops.linear(attn, layer.o, dtype=dtype)
+            x = ops.linear(attn, layer.o, dtype=dtype, x_order=order)
             if lora is not None:
                 x = lora.add(i, "o", attn, x)
             if self.tp is not None:
