@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.kernels import fp8_cache, quant_pack
-from cobatch.kernels.operand_order import NATURAL
+from cobatch.kernels.operand_order import NATURAL, ordered_columns
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
@@ -627,19 +627,6 @@ if gluon is not None:
         return gl.split(gl.permute(gl.reshape(v, [RT, 2, 8, BT]), [0, 2, 3, 1]))
 
     @gluon.jit
-    def _ordered_column(col, ORDER: gl.constexpr):
-        """operand_order.ordered_columns in Gluon: where column col goes in ORDER (the same places; tested against
-        operand_order.ordered_ref through the epilogue)."""
-        placed = col
-        if ORDER == 1:
-            within = col % 32
-            placed = col - within + 8 * ((within // 2) % 4) + 2 * (within // 8) + within % 2
-        if ORDER == 2:
-            within = col % 16
-            placed = col - within + 8 * ((within // 2) % 2) + 2 * (within // 4) + within % 2
-        return placed
-
-    @gluon.jit
     def _store_rows(total, out_ptr, out_stride, r, t, n_rows, n_tok, RT: gl.constexpr, BT: gl.constexpr,
                     ACT: gl.constexpr):
         """Store the [16 RT, BT] result of rows r ([16 RT, 1]) and tokens t ([1, BT]). With ACT (act_code), the
@@ -663,7 +650,7 @@ if gluon is not None:
             else:                      # SiLU
                 a = g * (1 / (1 + gl.exp(-g)))
             col = (rg // 16) * 8 + rg % 16
-            gl.store(out_ptr + tg * out_stride + _ordered_column(col, ORDER), (a * u).to(dtype),
+            gl.store(out_ptr + tg * out_stride + ordered_columns(col, ORDER), (a * u).to(dtype),
                      mask=(tg < n_tok) & (col < n_rows // 2))
 
     @gluon.jit
