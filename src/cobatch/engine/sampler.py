@@ -442,12 +442,16 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """_top_k_top_p for rows that share one width: the kept count comes from each row's `width` largest values
-    (sorted, no indices needed), and the kept tokens are those above the count-th value plus the lowest ids of
-    those equal to it."""
+    """_top_k_top_p for rows that share one width: the kept count comes from each row's `width` largest values,
+    and the kept tokens are those above the count-th value plus the lowest ids of those equal to it; or, where
+    the width is the whole row, whose stable sort gives its order too, the first `count` of that order (the
+    same tokens, by one scatter instead of the passes over the row that find the ties)."""
     rows, vocab = scores.shape
     device = scores.device
-    largest = _largest_values(scores, width)
+    if width >= vocab:
+        largest, order = scores.sort(dim=-1, descending=True, stable=True)
+    else:
+        largest, order = _largest_values(scores, width), None
     count = to_device([k if 0 < k < width else width for k in top_k], torch.int64, device)
     if any(p < 1.0 for p in top_p):
         kept_by_k = largest
@@ -459,6 +463,9 @@ def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: lis
         p_per_row = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
         count = torch.minimum(count, _prefix_below(probs, p_per_row))
     count = count.clamp(min=1)                          # the largest value always stays
+    if order is not None:
+        drop_sorted = torch.arange(vocab, device=device)[None, :] >= count[:, None]
+        return scores.masked_fill(_unsorted(drop_sorted, order), -math.inf)
     threshold = largest.gather(1, (count - 1)[:, None])
     above = scores > threshold
     ties = scores == threshold
@@ -490,10 +497,9 @@ def _prefix_below(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 
 
 def _largest_values(scores: torch.Tensor, width: int) -> torch.Tensor:
-    """Each row's `width` largest values, largest first. (Each 4096-wide block's largest first, then the largest of
-    those, was slower on the GPU than torch.topk over the whole row: docs/kernels.md, the sampler.)"""
-    if width >= scores.shape[1]:
-        return scores.sort(dim=-1, descending=True).values
+    """Each row's `width` largest values (fewer than the row's), largest first. (Each 4096-wide block's largest
+    first, then the largest of those, was slower on the GPU than torch.topk over the whole row: docs/kernels.md,
+    the sampler.)"""
     return scores.topk(width, dim=-1).values
 
 
