@@ -484,14 +484,18 @@ def _prefix_below(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """Per row of `weights` ([R, N], nonnegative; bool counts as 0/1), how many leading entries have a sum of the
     entries before them below `limit` ([R]): the length of the prefix a running sum keeps. The sum before an
     entry is its block's start (a cumulative sum of block sums) plus the entries before it in its block, so it never
-    decreases along the row."""
+    decreases along the row. The whole blocks are summed through a view of the row and the last part block apart,
+    so the [R, N] weights are never copied."""
     rows, n = weights.shape
     size = min(n, PREFIX_BLOCK)
-    blocks = torch.nn.functional.pad(weights, (0, -n % size)).view(rows, -1, size)
-    sums = blocks.sum(dim=-1)
+    whole = n - n % size
+    sums = weights[:, :whole].reshape(rows, -1, size).sum(dim=-1)
+    if whole < n:
+        sums = torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
     block_start = torch.nn.functional.pad(sums.cumsum(dim=-1)[:, :-1], (1, 0))
     crossing = ((block_start < limit[:, None]).sum(dim=-1) - 1).clamp(min=0)   # the last block starting below
-    block = blocks[torch.arange(rows, device=weights.device), crossing]
+    cols = crossing[:, None] * size + torch.arange(size, device=weights.device)
+    block = weights.gather(1, cols.clamp(max=n - 1)) * (cols < n)              # past the row: 0
     before = block_start.gather(1, crossing[:, None]) + torch.nn.functional.pad(block.cumsum(dim=-1)[:, :-1], (1, 0))
     return (crossing * size + (before < limit[:, None]).sum(dim=-1)).clamp(max=n)
 
