@@ -412,8 +412,8 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
 
 
 # A row whose top-k fits one of these widths is filtered from its `width` largest values (_largest_values), not
-# from a sort of its whole row (128k values for Llama-3). The width follows from the row's own k alone, so its result does
-# not depend on the other rows of the batch.
+# from a sort of its whole row (128k values for Llama-3). The width follows from the row's own k alone, so its result
+# does not depend on the other rows of the batch.
 TOP_K_WIDTHS = (64, 256, 1024, 4096)
 
 
