@@ -45,7 +45,8 @@ def ordered_ref(x: torch.Tensor, order: int) -> torch.Tensor:
 def ordered_columns(cols, ORDER: tl.constexpr):
     """Where column `cols` of a row goes in ORDER: the place k_order gives it within its 32-column tile. BY_32:
     column 8 c + 2 j + e goes to 8 j + 2 c + e; BY_16: column 16 h + 4 c + 2 p + e goes to 16 h + 8 p + 2 c + e.
-    Called from the Triton kernels (the norm, attention) and from the Gluon GEMV's and GEMM's epilogue alike."""
+    Called from the Triton kernels (the norm, attention) and from the Gluon GEMV's and GEMM's epilogue alike.
+    (A jit function reads no module global that is not a constexpr: 1 is BY_32, 2 BY_16.)"""
     placed = cols
     if ORDER == 1:
         within = cols % 32
