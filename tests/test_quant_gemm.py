@@ -334,7 +334,7 @@ def test_gemm_streams_an_x_already_in_its_order_to_the_same_bits(fmt_name):
                 GemmConfig(NW=8, split_k=2, TMA=3)):
         for n_tok in (64, 40):
             want = run_poisoned(pw, xb[:n_tok], cfg)
-            padded = operand_order.empty_ordered(n_tok, 2048, torch.float16, "cuda")
+            padded = operand_order.operand_buffer(n_tok, 2048, torch.float16, "cuda", order)
             padded.copy_(operand_order.ordered_ref(x[:n_tok], order))
             for ordered in (padded, operand_order.ordered_ref(x[:n_tok], order).clone()):
                 out = poisoned((n_tok, pw.rows), torch.bfloat16, "cuda")

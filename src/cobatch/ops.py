@@ -23,7 +23,7 @@ from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attentio
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
-from cobatch.kernels.operand_order import NATURAL, empty_ordered, ordered_ref
+from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_ref
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
@@ -59,10 +59,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out_order: the normed rows' column order (operand_order of the weight they go to, given to its linear)."""
     if _triton(x):
         out = None
-        if out_order != NATURAL:
-            out = empty_ordered(x.reshape(-1, x.shape[-1]).shape[0], x.shape[-1], out_dtype or x.dtype, x.device)
-        elif out_dtype not in (None, x.dtype):
-            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        if out_order != NATURAL or out_dtype not in (None, x.dtype):
+            out = operand_buffer(x.numel() // x.shape[-1], x.shape[-1], out_dtype or x.dtype, x.device,
+                                 out_order).view(x.shape)
         return rms_norm_triton(x, weight, eps, residual, out=out, order=out_order,
                                residual_out=residual if inplace_residual and residual is not None else None)
     normed, h = rms_norm_ref(x, weight, eps, residual, out_dtype, out_order)
@@ -198,9 +197,8 @@ def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu", dtype: torch
         # act's output in the dtype, and where gate|up's epilogue can, the column order that down's kernels read
         mid_dtype = operand_dtype(down, rows, dtype)
         mid_order = operand_order(down, rows, dtype) if gate_up.act_orders(rows) else NATURAL
-        mid = (empty_ordered(rows, gate_up.rows // 2, mid_dtype, h.device) if mid_order != NATURAL
-               else torch.empty(rows, gate_up.rows // 2, dtype=mid_dtype, device=h.device))
-        mid = gate_up.matmul(h, act=act, x_order=h_order, out=mid, out_order=mid_order)
+        mid = gate_up.matmul(h, act=act, x_order=h_order, out_order=mid_order,
+                             out=operand_buffer(rows, gate_up.rows // 2, mid_dtype, h.device, mid_order))
     else:
         assert h_order == NATURAL, "an ordered h is for a gate|up weight the GEMM reads"
         mid = gated_linear(h, gate_up, act)

@@ -9,7 +9,7 @@ import torch
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.fp8_cache import FP8_DTYPES, kernel_view, to_cache, widen_words, words_mode
-from cobatch.kernels.operand_order import NATURAL, empty_ordered, ordered_columns
+from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_columns
 from cobatch.kernels.rope import rotary_dims, rotated
 from cobatch.kernels.triton_support import (device_sms, dot_in_f32, gdc_launch_dependents, gdc_wait,
                                              jit, next_pow2, pdl_launch, tl, triton)
@@ -844,12 +844,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     n_rows, n_heads, head_dim = q.shape
     assert rope is None or decode
     assert out_order == NATURAL or head_dim % 32 == 0, "a head's columns are put in order within the head"
-    if out is None and out_order != NATURAL:
-        out = empty_ordered(n_rows, n_heads * head_dim, out_dtype or q.dtype, q.device).view(q.shape)
+    if out is None and (out_order != NATURAL or out_dtype not in (None, q.dtype)):
+        out = operand_buffer(n_rows, n_heads * head_dim, out_dtype or q.dtype, q.device, out_order).view(q.shape)
         if not decode:
             out.zero_()                                 # prefill leaves rows past the chunks zero
-    elif out is None and out_dtype not in (None, q.dtype):
-        out = (torch.empty if decode else torch.zeros)(q.shape, dtype=out_dtype, device=q.device)
     if decode:
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, cfg=DECODE_CONFIG,
                                       window=window, softcap=softcap, rope=rope, out_order=out_order)

@@ -64,6 +64,7 @@ def padded_rows(n: int) -> int:
     return -(-n // 256) * 256
 
 
-def empty_ordered(n: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An [n, cols] tensor for an ordered x, its storage padded_rows(n) rows long."""
-    return torch.empty(padded_rows(n), cols, dtype=dtype, device=device)[:n]
+def operand_buffer(n: int, cols: int, dtype: torch.dtype, device: torch.device, order: int = NATURAL) -> torch.Tensor:
+    """An empty [n, cols] tensor for the x a kernel writes in `order`: its storage padded_rows(n) rows long where
+    the order is a GEMM's (NATURAL: n rows)."""
+    return torch.empty(n if order == NATURAL else padded_rows(n), cols, dtype=dtype, device=device)[:n]

@@ -1220,7 +1220,7 @@ def _padded(n_tok: int, bn: int) -> int:
 def _x_streamed(p: "quant_pack.PackedPlanes", x: torch.Tensor, n_tok: int, bn: int, x_ordered: bool) -> torch.Tensor:
     """The f16 x in the planes' column order that the TMA and ring variants stream, over whole token tiles: x
     itself where its writer put it in that order (x_ordered; the tiles' rows past n_tok where its storage holds
-    them, as operand_order.padded_rows allocates), else x_operands' copy of it in the scratch."""
+    them, as operand_order.operand_buffer allocates), else x_operands' copy of it in the scratch."""
     rows = _padded(n_tok, bn)
     if x_ordered:
         assert x.dtype == torch.float16 and x.stride(0) == p.cols, (x.dtype, x.stride(), p.cols)
