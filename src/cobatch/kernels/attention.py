@@ -813,8 +813,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 # writes_order: attention's output rows in the column order of the GEMM they go to (o's), so that it launches no
-# x_operands (COBATCH_ORDERED_ATTENTION=1; off until its GPU tests and whole steps have run)
-ORDERED_OUTPUT = os.environ.get("COBATCH_ORDERED_ATTENTION", "0") == "1"
+# x_operands (bench/results/decode_ordered_operands_ab.md; COBATCH_ORDERED_ATTENTION=0: x_operands puts o's x in order)
+ORDERED_OUTPUT = os.environ.get("COBATCH_ORDERED_ATTENTION", "1") != "0"
 
 
 def writes_order(head_dim: int) -> bool:

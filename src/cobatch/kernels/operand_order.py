@@ -6,9 +6,9 @@ order, one launch per GEMM call. A kernel that writes x anyway (the RMSNorm befo
 column where that order wants it instead, for the cost of an index computation; the GEMM then streams x as it
 comes (PackedWeight.operand_order says when, `matmul(x_order=...)` that it was done). The values are the same, only
 their places differ, so a row's sums and bits are the same as through x_operands. Two of a layer's four
-x_operands launches go (bench/results/decode_ordered_operands_ab.md). Down's input can come in order from gate|up's
-act epilogue (quant_gemv.act_code) and o's from the attention kernels (their ORDER), behind packed_weight.ORDERED_ACT
-and attention.ORDERED_OUTPUT until they have run on a GPU.
+x_operands launches go that way; down's input comes in order from gate|up's act epilogue (quant_gemv.act_code) and
+o's from the attention kernels (their ORDER), so a dense layer launches none
+(bench/results/decode_ordered_operands_ab.md).
 """
 
 from __future__ import annotations
