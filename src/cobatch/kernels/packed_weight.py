@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import dequant_ahead, quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
+from cobatch.kernels import quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.matmul_plans import DEQUANT_CUBLAS, MatmulPlan, load_plan, uses_gemv
 from cobatch.kernels.operand_order import NATURAL, order_of
@@ -66,17 +66,6 @@ def _dense_scratch(device: torch.device, rows: int, cols: int, dtype: torch.dtyp
     return _DENSE_SCRATCH.get(device, rows * cols * 2).view(dtype).view(rows, cols)
 
 
-# The dense path's next weight dequantized on a side stream while cuBLAS multiplies this one (dequant_ahead.py), in
-# two more scratch matrices of the largest size (COBATCH_DEQUANT_AHEAD=1). Eager CUDA steps only: a captured graph
-# and the CPU keep the dense scratch above.
-DEQUANT_AHEAD = os.environ.get("COBATCH_DEQUANT_AHEAD", "0") == "1"
-_AHEAD = dequant_ahead.DequantAhead()
-
-
-def _dequantize_into(weight: "PackedWeight", matrix: torch.Tensor) -> torch.Tensor:
-    return dequantize_planes(weight.planes, matrix)
-
-
 def _scratch_need(cfg: TileConfig | GemvConfig | GemvPlan | GemmConfig | CudaGemmConfig, n_rows_pad: int,
                   max_tok: int) -> tuple[int, int]:
     """(partial elements, tile counters) of the split-K reduction of calls of up to max_tok tokens in `cfg`, by the
@@ -103,8 +92,6 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
             quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DENSE_SCRATCH.reserve(device, rows * cols * 2)
-        if DEQUANT_AHEAD and torch.device(device).type == "cuda":
-            _AHEAD.reserve(device, rows * cols * 2)
 
 
 class PackedWeight:
@@ -117,7 +104,6 @@ class PackedWeight:
         # rows are a gate|up pair interleaved 8 by 8 (kernels/activation.py): matmul(x, act=...) applies act*mul
         self.gate_up_interleaved = gate_up_interleaved
         self.resident_dense: torch.Tensor | None = None   # see from_quant(keep_dense=True)
-        self.next_dense: PackedWeight | None = None          # the forward's next matmul (dequant_ahead.link)
         self.nbytes = planes.nbytes if planes is not None else dense.numel() * dense.element_size()
 
     @classmethod
@@ -174,12 +160,6 @@ class PackedWeight:
         f16 = self.operand_dtype(n_tok, dtype) == torch.float16
         return order_of(self.planes.fmt_id) if streamed and f16 else NATURAL
 
-    def takes_dense_path(self, n_tok: int) -> bool:
-        """Will a matmul of n_tok rows dequantize this weight for cuBLAS (its plan's DEQUANT_CUBLAS, no resident
-        dense copy)?"""
-        return (self.dense is None and self.resident_dense is None and self.plan is not None
-                and self.plan.config_for(n_tok) == DEQUANT_CUBLAS)
-
     def act_orders(self, n_tok: int) -> bool:
         """Can this gate|up weight's act(gate) * up of n_tok rows be stored in another column order (matmul's
         out_order)? Where the Gluon GEMV or GEMM applies act in its epilogue, and ORDERED_ACT is on."""
@@ -221,8 +201,6 @@ class PackedWeight:
             x2 = x2.to(out.dtype)        # cuBLAS multiplies in one dtype (an x in another op's operand_dtype)
         if config == DEQUANT_CUBLAS and self.resident_dense is not None and self.resident_dense.dtype == x.dtype:
             torch.mm(x2, self.resident_dense.t(), out=out.view(n_tok, self.rows))
-        elif config == DEQUANT_CUBLAS and DEQUANT_AHEAD and dequant_ahead.usable(x2):
-            _AHEAD.multiply(self, x2, out.view(n_tok, self.rows), _dequantize_into)
         elif config == DEQUANT_CUBLAS:
             w = dequantize_planes(self.planes, _dense_scratch(x.device, self.rows, self.cols, x.dtype))
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))

@@ -15,7 +15,6 @@ import torch
 from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
-from cobatch.kernels import dequant_ahead
 from cobatch.kernels.operand_order import NATURAL
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
@@ -115,9 +114,6 @@ class LlamaModel:
             ))
             if progress is not None:
                 progress(1)
-        # a prefill's dense path dequantizes each matmul's successor ahead, in this order (dequant_ahead.py)
-        dequant_ahead.link(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                           if w is not None)
         # The embedding is a gather, not a matmul: keep it dense. Tied models reuse it as the output head.
         # MoE: steps of up to ROUTED_MAX_ROWS rows route on the device and can be captured; where the experts'
         # format has no routed kernel, routing needs a host sync per layer (models/moe.py), which a captured
