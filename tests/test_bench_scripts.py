@@ -46,7 +46,8 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "moe_experts", "speculative", "parallel", "ncu_source",
-                                  "gemm", "plan_ab", "serve", "model_gemv_plans", "sass_loop", "sampler"])
+                                  "gemm", "plan_ab", "serve", "model_gemv_plans", "sass_loop", "sampler",
+                                  "prefill_host"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name
