@@ -35,3 +35,21 @@ def test_each_step_sees_its_rows_and_harmless_padding():
     assert staged_rows(inputs, 4) == ([21, 22, 23, 0], [41, 8, 20, 0], [73, 8, 36, -1], [42, 9, 21, 0])
     # Each row's own pages are what attention reads (entries past a row's length are never read).
     assert inputs.block_tables[1, :1].tolist() == [9] and inputs.block_tables[2, :2].tolist() == [2, 3]
+
+
+def test_a_prefill_step_stages_its_sequences_apart_from_its_rows():
+    """The prefill graphs' inputs: rows and sequences counted apart, each sequence's first row staged, and the
+    bucket's padding sequences without rows or length, after a wider step left its values behind."""
+    inputs = StagedInputs(max_batch=16, max_blocks=4, device=torch.device("cpu"), max_seqs=4)
+    assert inputs.query_start.tolist() == [0] * 5 and inputs.slot_mapping.tolist() == [-1] * 16
+    # a prompt chunk of 5 rows (positions 3..7) and two decode rows, in a bucket of 16 rows and 4 sequences
+    inputs.stage_step([1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 40, 9], [19, 20, 21, 22, 23, 72, 9], [8, 41, 10],
+                      [0, 5, 6, 7], [[1, 2], [4, 5, 6], [0]], rows=16, seqs=4)
+    assert inputs.token_ids[:8].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert inputs.slot_mapping[:9].tolist() == [19, 20, 21, 22, 23, 72, 9, -1, -1]
+    assert inputs.seq_lens.tolist() == [8, 41, 10, 0]
+    assert inputs.query_start.tolist() == [0, 5, 6, 7, 7]          # the padding sequence: no rows
+    assert inputs.block_tables[1, :3].tolist() == [4, 5, 6]
+    inputs.stage_step([9, 8], [0, 1], [0, 1], [2], [0, 2], [[3]], rows=16, seqs=4)
+    assert inputs.seq_lens.tolist() == [2, 0, 0, 0] and inputs.query_start.tolist() == [0, 2, 2, 2, 2]
+    assert inputs.slot_mapping[:7].tolist() == [0, 1, -1, -1, -1, -1, -1]

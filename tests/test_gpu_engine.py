@@ -123,6 +123,90 @@ def test_norms_writing_the_gemms_column_order_give_the_same_logits(models, name,
     assert torch.equal(_gpu_logits(gpu, ids), natural)
 
 
+@pytest.mark.parametrize("name", ["tiny", "cut"])
+def test_a_prefill_graph_gives_the_eager_forwards_hidden_states(models, name):
+    """A 40-token prefill replayed from the (64 rows, 1 sequence) graph, and two sequences' chunks (40 and 7
+    rows) from the (64, 4) one, give the hidden states of the eager forward to the bit: the GEMM's rows are the
+    same at any count in its range, attention's rows the same in any grid, and the padding rows and sequences
+    write and read no KV."""
+    cpu, gpu = models[name]
+    graphs = _step_graphs(gpu)
+    assert graphs.bucket_for(40, 1) == (64, 1) and graphs.bucket_for(47, 2) == (64, 4)
+    ids = cpu.encode_prompt(PROMPTS[2]) + cpu.engine.generate([cpu.encode_prompt(PROMPTS[2])], GREEDY)[0][:24]
+    ids = ids[:40]
+    other = cpu.encode_prompt(PROMPTS[1])[:7]
+    assert len(ids) == 40 and len(other) == 7
+    want = _gpu_hidden(gpu, [ids])
+    got = _gpu_hidden(gpu, [ids], graphs)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    want2 = _gpu_hidden(gpu, [ids, other])
+    assert torch.equal(_gpu_hidden(gpu, [ids, other], graphs), want2) and torch.equal(want2[:40], want)
+
+
+def test_prefill_steps_replay_graphs_and_generate_as_eager_steps(models, monkeypatch):
+    """Greedy generation of six prompts arriving together (their prefills one step of six sequences, then
+    decode steps): the prefill step replays a graph, and the tokens are the eager engine's or part at a tie."""
+    cpu, gpu = models["cut"]
+    runner = gpu.engine.runner
+    graphs = _step_graphs(gpu)
+    real, replays = graphs.run, []
+    monkeypatch.setattr(graphs, "run", lambda *a: replays.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(runner, "step_graphs", graphs)
+    prompts = [cpu.encode_prompt(p) for p in PROMPTS]
+    graphed = gpu.engine.generate(prompts, GREEDY)
+    assert replays and sum(replays) >= sum(len(p) for p in prompts)     # every prompt row in a graph's step
+    monkeypatch.setattr(runner, "step_graphs", None)
+    eager = gpu.engine.generate(prompts, GREEDY)
+    for p, want, got in zip(prompts, eager, graphed):
+        assert_same_or_tie(lambda ids: _gpu_logits(gpu, ids), p, want, got, 0.05)
+
+
+_STEP_GRAPHS = {}
+
+
+def _step_graphs(llm):
+    """The prefill steps' graphs of a test model, captured once (COBATCH_STEP_GRAPHS=1 has LLM.load capture them;
+    the fixture's models load without)."""
+    from cobatch.engine.cuda_graphs import StepGraphs
+    if id(llm) not in _STEP_GRAPHS:
+        runner = llm.engine.runner
+        _STEP_GRAPHS[id(llm)] = runner.step_graphs or StepGraphs(
+            llm.model, llm.engine.pool, 512, 40, 256, quiet=True, mempool=runner.graphs.mempool)
+    return _STEP_GRAPHS[id(llm)]
+
+
+def _gpu_hidden(llm, prompts: list[list[int]], graphs=None) -> torch.Tensor:
+    """The final hidden states of one prefill step of these prompts (each from position 0): eager, or replayed
+    from `graphs` (a StepGraphs)."""
+    bs, dev = llm.engine.pool.block_size, "cuda"
+    tables = [llm.engine.blocks.allocate(-(-len(p) // bs)) for p in prompts]
+    ids = [t for p in prompts for t in p]
+    pos = [i for p in prompts for i in range(len(p))]
+    slots = [table[i // bs] * bs + i % bs for p, table in zip(prompts, tables) for i in range(len(p))]
+    starts = [0]
+    for p in prompts:
+        starts.append(starts[-1] + len(p))
+    lens = [len(p) for p in prompts]
+    try:
+        with torch.inference_mode():
+            if graphs is not None:
+                return graphs.run(ids, pos, slots, lens, starts, tables).clone()
+            from cobatch.batch import AttentionMetadata
+            width = max(len(t) for t in tables)
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, device=dev), query_start=torch.tensor(starts, dtype=torch.int32,
+                                                                                         device=dev),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                          device=dev),
+                max_query_len=max(lens), max_seq_len=max(lens))
+            return llm.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
+                                     llm.engine.pool.k, llm.engine.pool.v).clone()
+    finally:
+        for table in tables:
+            llm.engine.blocks.release(table)
+
+
 def _gpu_logits(llm, ids):
     from cobatch.batch import AttentionMetadata
     n, bs = len(ids), llm.engine.pool.block_size

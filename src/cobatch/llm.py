@@ -255,6 +255,7 @@ class LLM:
                 raise UserError(f"--kv-disk-gb must be positive (got {options.kv_disk_gb})")
             spill = DiskPrefixCache(options.kv_disk_cache, int(options.kv_disk_gb * (1 << 30)), pool, identity)
         runner.graphs = _capture_graphs(w, options, link)
+        runner.step_graphs = _capture_step_graphs(w, options, runner.graphs)
         engine = Engine(runner, tokenizer.stop_ids, max_context=ctx, max_num_seqs=options.max_num_seqs,
                         max_step_tokens=options.max_step_tokens, prefill_chunk=options.prefill_chunk,
                         grammars=Grammars(tokenizer, cfg.vocab_size), speculative=options.speculative,
@@ -462,6 +463,24 @@ def _load_draft(options: EngineOptions, w: _Weights, tp: TensorParallelGroup | N
         print(f"draft model: {path.name} ({cfg.arch}, {cfg.n_layers} layers), {options.speculative.num_tokens} drafts "
               f"a step", file=sys.stderr)
     return model
+
+
+# COBATCH_STEP_GRAPHS=1: steps with prefill chunks replay graphs too (engine/cuda_graphs.StepGraphs); off until its
+# GPU tests and an A/B of prefills have run
+STEP_GRAPHS = os.environ.get("COBATCH_STEP_GRAPHS", "0") == "1"
+
+
+def _capture_step_graphs(w: _Weights, options: EngineOptions, decode_graphs):
+    """The prefill steps' graphs (engine/cuda_graphs.StepGraphs), in the decode graphs' memory pool: where those
+    were captured, on one device, for a model that allows it (models/llama.py's step_graph_safe)."""
+    model = w.model
+    if decode_graphs is None or not STEP_GRAPHS or model.tp is not None or not getattr(model, "step_graph_safe", False):
+        return None
+    from cobatch.engine.cuda_graphs import STEP_ROWS, StepGraphs
+    rows = min(options.prefill_chunk, options.max_step_tokens)
+    if rows < STEP_ROWS[0]:
+        return None
+    return StepGraphs(model, w.pool, rows, options.max_num_seqs, w.ctx, options.quiet, mempool=decode_graphs.mempool)
 
 
 def _capture_graphs(w: _Weights, options: EngineOptions, link: StepLink | None):

@@ -1,15 +1,19 @@
-"""CUDA graphs for the decode step: one captured forward per padded batch bucket.
+"""CUDA graphs for the engine's steps: one captured forward per padded bucket.
 
 In eager mode each Triton launch costs ~16 us of host time, more than a whole 8B decode step's worth of
 kernels can afford; replaying a captured graph costs ~1.2 us per kernel. A decode step of B sequences
-replays the graph of the smallest bucket >= B. Padded rows have slot -1 (they write no KV) and sequence
-length 0 (their attention reads nothing), so they cost almost nothing and harm no one.
-All buckets share one memory pool and one set of static input buffers.
+replays the graph of the smallest bucket >= B (DecodeGraphs). A step with prefill chunks of up to
+STEP_ROWS[-1] rows in all, over up to STEP_SEQS[-1] sequences, replays the graph of the smallest (rows,
+sequences) bucket that holds it (StepGraphs, with COBATCH_STEP_GRAPHS=1): eagerly, a 512-token prefill took
+twice its GPU time in launches. Padded rows have slot -1 (they write no KV) and belong to no sequence; padded sequences have
+length 0 and no rows (their attention reads nothing), so they cost almost nothing and harm no one.
+The graphs share one memory pool; each kind has one set of static input buffers.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Hashable
 
 import torch
 from tqdm import tqdm
@@ -17,6 +21,29 @@ from tqdm import tqdm
 from cobatch.batch import AttentionMetadata
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# StepGraphs' buckets: rows (tokens) in the step, and sequences (a prefill chunk or a decode row each)
+STEP_ROWS = (16, 32, 64, 128, 256, 512)
+STEP_SEQS = (1, 4, 16)
+
+
+@torch.inference_mode()
+def capture(keys: list[Hashable], forward: Callable[[Hashable], torch.Tensor], mempool, desc: str,
+            quiet: bool) -> tuple[dict, dict]:
+    """A graph of forward(key) for each key, largest first (smaller graphs then reuse the pool's blocks), each
+    run once eagerly before its capture (Triton compiles outside it): ({key: graph}, {key: its output})."""
+    graphs, outputs = {}, {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    for key in tqdm(sorted(keys, reverse=True), desc=desc, unit="graph", disable=quiet, file=sys.stderr):
+        with torch.cuda.stream(stream):
+            forward(key)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool, stream=stream):
+            outputs[key] = forward(key)
+        graphs[key] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 class DecodeGraphs:
@@ -32,8 +59,6 @@ class DecodeGraphs:
         self.slot_mapping, self.seq_lens = self.inputs.slot_mapping, self.inputs.seq_lens
         self.block_tables = self.inputs.block_tables
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self._capture_all(quiet)
 
@@ -45,21 +70,8 @@ class DecodeGraphs:
         hidden = self.model.forward(self.token_ids[:b], self.positions[:b], self._meta(b), self.pool.k, self.pool.v)
         return self.model.logits(hidden)
 
-    @torch.inference_mode()
     def _capture_all(self, quiet: bool) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        # Largest first: smaller graphs then reuse the pool's blocks.
-        for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", unit="graph",
-                      disable=quiet, file=sys.stderr):
-            with torch.cuda.stream(stream):
-                self._forward(b)            # warm-up: Triton compiles outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
-                self.logits[b] = self._forward(b)
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.logits = capture(self.buckets, self._forward, self.mempool, "capturing decode graphs", quiet)
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -79,48 +91,121 @@ class DecodeGraphs:
 
 
 class StagedInputs:
-    """The decode graphs' static inputs and their host mirror, a pinned buffer reused every step.
+    """The graphs' static inputs and their host mirror, a pinned buffer reused every step.
 
     A step writes its rows into the mirror (and the padding rows of its bucket: slot -1, length 0) and sends
     them in two copies: the per-row vectors, then the used part of the block tables. Building five pinned
-    tensors per step, five copies and two fills cost host time the GPU waited for, each step."""
+    tensors per step, five copies and two fills cost host time the GPU waited for, each step.
+    Decode graphs have one row a sequence (`stage`); with max_seqs, rows and sequences are counted apart and
+    each sequence's first row (query_start) is staged too (`stage_step`)."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, max_seqs: int | None = None):
         n = self.max_batch = max_batch
+        s = self.max_seqs = max_seqs or max_batch
+        self.has_starts = max_seqs is not None
         pin = device.type == "cuda"
-        # token ids, positions, slots (int64), then sequence lengths (int32): one byte buffer, one copy
-        self.vector_bytes = 3 * 8 * n + 4 * n
+        # token ids, positions, slots (int64, a row each), then sequence lengths and, for steps, the sequences'
+        # first rows (int32): one byte buffer, one copy
+        self.vector_bytes = 3 * 8 * n + 4 * s + (4 * (s + 1) if self.has_starts else 0)
         self._host = torch.zeros(self.vector_bytes, dtype=torch.uint8, pin_memory=pin)
         self._device = torch.zeros(self.vector_bytes, dtype=torch.uint8, device=device)
-        self.token_ids, self.positions, self.slot_mapping, self.seq_lens = self._views(self._device)
+        views = self._views(self._device)
+        self.token_ids, self.positions, self.slot_mapping, self.seq_lens = views[:4]
+        self.query_start = views[4] if self.has_starts else None
         self._host_views = [t.numpy() for t in self._views(self._host)]
         self._host_views[2][:] = -1             # no slot: rows the capture runs write no KV
         self._device.copy_(self._host)
-        self._host_tables = torch.zeros(n, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(s, max_blocks, dtype=torch.int32, pin_memory=pin)
         self._host_tables_np = self._host_tables.numpy()
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
         self._sent = torch.cuda.Event() if device.type == "cuda" else None
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = self.max_batch
+        n, s = self.max_batch, self.max_seqs
         ids, pos, slots = buf[:24 * n].view(torch.int64).view(3, n)
-        return ids, pos, slots, buf[24 * n:].view(torch.int32)
+        lens = buf[24 * n:24 * n + 4 * s].view(torch.int32)
+        return (ids, pos, slots, lens) + ((buf[24 * n + 4 * s:].view(torch.int32),) if self.has_starts else ())
 
     def stage(self, token_ids: list[int], positions: list[int], slot_mapping: list[int],
               block_tables: list[list[int]], bucket: int) -> None:
+        """A decode step: one row a sequence, each of length position + 1."""
+        n = len(token_ids)
+        self._stage_rows(token_ids, positions, slot_mapping, bucket)
+        lens = self._host_views[3]
+        lens[:n] = self._host_views[1][:n] + 1
+        lens[n:bucket] = 0
+        self._send(block_tables)
+
+    def stage_step(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
+                   query_start: list[int], block_tables: list[list[int]], rows: int, seqs: int) -> None:
+        """A step of len(seq_lens) sequences whose rows start at query_start (its last entry: the rows in all),
+        in a bucket of `rows` rows and `seqs` sequences: the padding sequences have no rows and no length."""
+        assert self.has_starts and len(query_start) == len(seq_lens) + 1 == len(block_tables) + 1
+        n, k = len(token_ids), len(seq_lens)
+        self._stage_rows(token_ids, positions, slot_mapping, rows)
+        lens, starts = self._host_views[3], self._host_views[4]
+        lens[:k], lens[k:seqs] = seq_lens, 0
+        starts[:k + 1], starts[k + 1:seqs + 1] = query_start, n
+        self._send(block_tables)
+
+    def _stage_rows(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], bucket: int) -> None:
         n = len(token_ids)
         if self._sent is not None:
             self._sent.synchronize()    # the previous step's copies have left the mirror (they have by now: the
                                         # step before it was collected, and they queue right behind it)
-        ids, pos, slots, lens = self._host_views
+        ids, pos, slots = self._host_views[:3]
         ids[:n], pos[:n], slots[:n] = token_ids, positions, slot_mapping
-        lens[:n] = pos[:n] + 1
-        ids[n:bucket], pos[n:bucket], slots[n:bucket], lens[n:bucket] = 0, 0, -1, 0
+        ids[n:bucket], pos[n:bucket], slots[n:bucket] = 0, 0, -1
+
+    def _send(self, block_tables: list[list[int]]) -> None:
+        k = len(block_tables)
         width = max(len(t) for t in block_tables)
         tables = self._host_tables_np
         for i, table in enumerate(block_tables):
             tables[i, :len(table)] = table      # entries past a row's length are never read (length bounds it)
         self._device.copy_(self._host, non_blocking=True)
-        self.block_tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=True)
+        self.block_tables[:k, :width].copy_(self._host_tables[:k, :width], non_blocking=True)
         if self._sent is not None:
             self._sent.record()
+
+
+class StepGraphs:
+    """Graphs of the steps with prefill chunks (alone, or beside other sequences' chunks and decode rows), one
+    per (rows, sequences) bucket of STEP_ROWS x STEP_SEQS up to max_rows and max_seqs: each returns the step's
+    final hidden states, from which the runner takes the rows it samples (and prompt logprobs, embeddings)."""
+
+    def __init__(self, model, pool, max_rows: int, max_seqs: int, max_context: int, quiet: bool = False,
+                 mempool=None):
+        dev = pool.k[0].device
+        self.model, self.pool = model, pool
+        self.rows = [r for r in STEP_ROWS if r <= max_rows]
+        self.seqs = [s for s in STEP_SEQS if s <= max_seqs]
+        self.max_rows, self.max_seqs = self.rows[-1], self.seqs[-1]
+        self.max_blocks = -(-max_context // pool.block_size)
+        self.max_context = self.max_blocks * pool.block_size
+        self.inputs = StagedInputs(self.max_rows, self.max_blocks, dev, max_seqs=self.max_seqs)
+        self.mempool = mempool if mempool is not None else torch.cuda.graph_pool_handle()
+        buckets = [(r, s) for r in self.rows for s in self.seqs]
+        self.graphs, self.hidden = capture(buckets, self._forward, self.mempool, "capturing prefill graphs", quiet)
+
+    def _forward(self, bucket: tuple[int, int]) -> torch.Tensor:
+        rows, seqs = bucket
+        i = self.inputs
+        # max_query_len = the bucket's rows: the prefill kernel's grid covers any sequence's chunk in it
+        meta = AttentionMetadata(i.slot_mapping[:rows], i.query_start[:seqs + 1], i.seq_lens[:seqs],
+                                 i.block_tables[:seqs], max_query_len=rows, max_seq_len=self.max_context)
+        return self.model.forward(i.token_ids[:rows], i.positions[:rows], meta, self.pool.k, self.pool.v)
+
+    def bucket_for(self, rows: int, seqs: int) -> tuple[int, int] | None:
+        r = next((b for b in self.rows if b >= rows), None)
+        s = next((b for b in self.seqs if b >= seqs), None)
+        return None if r is None or s is None else (r, s)
+
+    def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
+            query_start: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """A step that bucket_for holds (host lists, as the eager step's metadata) -> its final hidden states
+        [rows, d_model] (a view: use it before the next run)."""
+        bucket = self.bucket_for(len(token_ids), len(seq_lens))
+        self.inputs.stage_step(token_ids, positions, slot_mapping, seq_lens, query_start, block_tables, *bucket)
+        self.graphs[bucket].replay()
+        return self.hidden[bucket][:len(token_ids)]

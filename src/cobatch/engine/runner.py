@@ -81,8 +81,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = pool.block_size
         self.graphs = None          # DecodeGraphs (CUDA only), set by LLM.load
+        self.step_graphs = None     # StepGraphs (CUDA only), set by LLM.load
 
-    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _host_inputs(self, plan: StepPlan) -> tuple[list[int], list[int], list[int], list[int], list[int],
+                                                    list[list[int]], list[int]]:
+        """A step's token ids, positions, KV slots (a row each), each sequence's first row (and the rows in all),
+        lengths and block tables, and the rows that sample, as host lists."""
         bs, ahead = self.block_size, plan.ahead
         ids, pos, slots, starts, lens, tables, sample_rows = [], [], [], [0], [], [], []
         for i, (seq, n) in enumerate(plan.items):
@@ -99,6 +103,20 @@ class ModelRunner:
             tables.append(seq.block_table)
             if ahead or _samples(seq, n):   # the last row, and each draft's
                 sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
+        return ids, pos, slots, starts, lens, tables, sample_rows
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """The step's final hidden states (through a prefill graph where one holds the step, else eagerly), and
+        the rows that sample."""
+        if self._use_step_graph(plan):
+            ids, pos, slots, starts, lens, tables, sample_rows = self._host_inputs(plan)
+            return self.step_graphs.run(ids, pos, slots, lens, starts, tables), sample_rows
+        token_ids, positions, meta, sample_rows = self._inputs(plan)
+        return self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v), sample_rows
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """An eager step's input tokens, positions and attention metadata on the device, and the rows that sample."""
+        ids, pos, slots, starts, lens, tables, sample_rows = self._host_inputs(plan)
         width = max(len(t) for t in tables)
         dev = self.device
         # Pinned, non-blocking copies: the host must not wait here for a step still running on the device.
@@ -110,8 +128,13 @@ class ModelRunner:
             max_query_len=max(n for _, n in plan.items),
             max_seq_len=max(lens),
         )
-        token_ids = self._followed_tokens(plan) if ahead else to_device(ids, torch.int64, dev)
+        token_ids = self._followed_tokens(plan) if plan.ahead else to_device(ids, torch.int64, dev)
         return token_ids, to_device(pos, torch.int64, dev), meta, sample_rows
+
+    def _use_step_graph(self, plan: StepPlan) -> bool:
+        """A step of its own tokens (not planned ahead), without drafts, that a prefill graph's bucket holds."""
+        return (self.step_graphs is not None and not plan.ahead and all(not seq.draft for seq, _ in plan.items)
+                and self.step_graphs.bucket_for(sum(n for _, n in plan.items), len(plan.items)) is not None)
 
     def _followed_tokens(self, plan: StepPlan) -> torch.Tensor:
         """The input tokens of a step planned ahead: the ones the step it follows samples, on the device."""
@@ -164,8 +187,7 @@ class ModelRunner:
         if self._use_graph(plan):
             logits = self._graph_logits(plan)
         else:
-            token_ids, positions, meta, sample_rows = self._inputs(plan)
-            hidden = self.model.forward(token_ids, positions, meta, self.pool.k, self.pool.v)
+            hidden, sample_rows = self._forward(plan)
             if not plan.ahead:              # (a row planned ahead is past its prompt)
                 step.prompt_logprobs = self._prompt_logprobs(plan, hidden)
             if not step.samplers:

@@ -142,6 +142,9 @@ class LlamaModel:
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.lora = (LoraSet(cfg, list(adapters), dev, dtype, adapter_rows, adapter_slots, adapter_rank,
                              runtime_adapters) if adapters or runtime_adapters else None)
+        # Steps with prefill chunks may replay graphs too (engine/cuda_graphs.StepGraphs), but not with routed
+        # experts (their slots are sized for decode steps) or adapters (staged a row each for the decode graphs).
+        self.step_graph_safe = not moes and self.lora is None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
