@@ -26,7 +26,7 @@ from cobatch.kernels import (activation, attention, fragment_dequant, greedy, kv
 H200 = GPUTarget("cuda", 90, 32)
 AMPERE = GPUTarget("cuda", 80, 32)     # an A100: Triton has no e4m3 there
 INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_expert_ptr", "slot_start_ptr",
-                "slot_count_ptr"}
+                "slot_count_ptr", "work_ptr"}
 LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr", "pair_rows_ptr", "row_pairs_ptr"}
 FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr", "weights_ptr",
                   "row_weights_ptr", "bias_ptr"}
@@ -96,7 +96,8 @@ for softcap in (False, True):
         variants[f"prefill softcap={softcap} windowed={windowed}"] = (
             attention._prefill_kernel,
             dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_M=pre.block_m, BLOCK_N=pre.block_n, BLOCK_D=128, DOT_F32=False,
-                 WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16, ORDER=2 if windowed else 0), pre.num_warps,
+                 WINDOWED=windowed, SOFTCAP=softcap, OPERAND=BF16, ORDER=2 if windowed else 0,
+                 WORK_LIST=softcap), pre.num_warps,        # a step's (sequence, tile) list: the prefill graphs'
             pre.num_stages)
 F16 = triton.language.float16        # what an fp8 cache's tiles are widened to (attention.operand_dtype)
 # an fp8 cache's tiles as words with the conversion's PTX (FP8_WORDS=2, the default), and as bytes (the switch:

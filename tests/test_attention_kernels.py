@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
-    plan_decode_splits, plan_has_groups, row_split_len, whole_groups)
+    plan_decode_splits, plan_has_groups, prefill_work, prefill_work_items, row_split_len, whole_groups)
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import assert_matches, paged_setup, poisoned, relative_error  # noqa: E402
 
@@ -353,6 +353,44 @@ def test_prefill_small(n_q, n_kv):
     # A fresh prompt, a chunk after a cached prefix, a single-row sequence, an empty one.
     check_attention([29, 70, 33, 0], [29, 21, 1, 0], n_q, n_kv, head_dim=32, dtype=torch.bfloat16, seed=20 + n_q,
                     prefill_cfg=TINY_PREFILL)
+
+
+def test_prefill_work_lists_each_tile_heaviest_first_and_pads_with_minus_one():
+    """Sequences of 29, 21, 1 and 0 rows (the second after a 49-token prefix) in 16-row tiles: 2 + 2 + 1 tiles,
+    ordered by the keys their last row sees (70, 65, 33, 29, 16), then padding."""
+    starts, lens = [0, 29, 50, 51, 51], [29, 70, 33, 0]
+    work = prefill_work(starts, lens, items=8, cfg=TINY_PREFILL)
+    assert [(w >> 16, w & 0xFFFF) if w >= 0 else -1 for w in work] == [(1, 1), (1, 0), (2, 0), (0, 1), (0, 0), -1, -1,
+                                                                        -1]
+    assert len(prefill_work(starts, lens, cfg=TINY_PREFILL)) == 5
+    assert prefill_work_items(51, 4, TINY_PREFILL) >= 5
+    # the bound holds for any split of the rows among the sequences
+    for q_lens in ([16, 16, 16, 3], [1, 1, 1, 48], [15, 15, 15, 6], [51, 0, 0, 0]):
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        assert len(prefill_work(starts, q_lens, cfg=TINY_PREFILL)) <= prefill_work_items(51, 4, TINY_PREFILL)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_prefill_by_work_list_gives_the_bits_of_the_full_grid(window):
+    """The kernel over a work list (padded with -1 items, as a graph's fixed grid is) stores what the grid of
+    every sequence times its longest chunk's tiles stores, and nothing in the rows past the step's."""
+    seq_lens, q_lens = [29, 70, 33, 0, 5], [29, 21, 1, 0, 5]
+    q, k_cache, v_cache, meta = paged_setup(seq_lens, q_lens, 8, 2, 32, torch.bfloat16, seed=33)
+    scale = 32 ** -0.5
+    want = paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=poisoned(q.shape, torch.bfloat16),
+                                   cfg=TINY_PREFILL, window=window)
+    starts = meta.query_start.tolist()
+    work = prefill_work(starts, seq_lens, items=prefill_work_items(q.shape[0], len(seq_lens), TINY_PREFILL) + 3,
+                        cfg=TINY_PREFILL)
+    listed = replace(meta, prefill_work=torch.tensor(work, dtype=torch.int32))
+    got = paged_prefill_attention(q, k_cache, v_cache, listed, scale, out=want.clone(), cfg=TINY_PREFILL,
+                                  window=window)
+    assert torch.equal(got, want)
+    fresh = paged_prefill_attention(q, k_cache, v_cache, listed, scale, cfg=TINY_PREFILL, window=window)
+    assert torch.equal(fresh, want)
+    assert_matches(fresh, paged_attention_ref(q, k_cache, v_cache, meta, scale, window))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cobatch.engine.cuda_graphs import StagedInputs
+from cobatch.engine.cuda_graphs import STEP_ROWS, STEP_SEQS, StagedInputs, _up_to
 
 
 def staged_rows(inputs: StagedInputs, bucket: int):
@@ -42,6 +42,7 @@ def test_a_prefill_step_stages_its_sequences_apart_from_its_rows():
     bucket's padding sequences without rows or length, after a wider step left its values behind."""
     inputs = StagedInputs(max_batch=16, max_blocks=4, device=torch.device("cpu"), max_seqs=4)
     assert inputs.query_start.tolist() == [0] * 5 and inputs.slot_mapping.tolist() == [-1] * 16
+    assert inputs.prefill_work.tolist() == [-1] * 4            # 16 rows: one 64-row tile a sequence at most
     # a prompt chunk of 5 rows (positions 3..7) and two decode rows, in a bucket of 16 rows and 4 sequences
     inputs.stage_step([1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 40, 9], [19, 20, 21, 22, 23, 72, 9], [8, 41, 10],
                       [0, 5, 6, 7], [[1, 2], [4, 5, 6], [0]], rows=16, seqs=4)
@@ -50,6 +51,16 @@ def test_a_prefill_step_stages_its_sequences_apart_from_its_rows():
     assert inputs.seq_lens.tolist() == [8, 41, 10, 0]
     assert inputs.query_start.tolist() == [0, 5, 6, 7, 7]          # the padding sequence: no rows
     assert inputs.block_tables[1, :3].tolist() == [4, 5, 6]
+    # the prefill kernel's (sequence, 64-row tile) items, the most keys first: sequence 1 (41 keys), 2 (10), 0 (8)
+    assert inputs.prefill_work.tolist() == [1 << 16, 2 << 16, 0, -1]
     inputs.stage_step([9, 8], [0, 1], [0, 1], [2], [0, 2], [[3]], rows=16, seqs=4)
     assert inputs.seq_lens.tolist() == [2, 0, 0, 0] and inputs.query_start.tolist() == [0, 2, 2, 2, 2]
     assert inputs.slot_mapping[:7].tolist() == [0, 1, -1, -1, -1, -1, -1]
+    assert inputs.prefill_work.tolist() == [0, -1, -1, -1]
+
+
+def test_step_buckets_reach_the_first_size_that_holds_the_most():
+    """A 512-row chunk beside 64 decode rows (576 rows) has a bucket; so has a step of 40 sequences."""
+    assert _up_to(STEP_ROWS, 576) == [16, 32, 64, 128, 256, 512, 768]
+    assert _up_to(STEP_SEQS, 40) == [1, 4, 16, 64] and _up_to(STEP_SEQS, 4) == [1, 4]
+    assert _up_to(STEP_ROWS, 99999) == list(STEP_ROWS)

@@ -21,6 +21,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # int32 [S, max_blocks]: KV block ids of each sequence (unused entries: 0)
     max_query_len: int           # host-side bound on q_len (1 for a pure decode step)
     max_seq_len: int             # host-side bound on seq_lens (a fixed capacity under CUDA graphs)
+    # int32 [items]: the prefill kernel's (sequence, query tile) pairs, packed seq << 16 | tile, -1 past the last
+    # (attention.prefill_work); None: its grid covers every sequence's tiles up to max_query_len
+    prefill_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -476,10 +476,8 @@ def _capture_step_graphs(w: _Weights, options: EngineOptions, decode_graphs):
     model = w.model
     if decode_graphs is None or not STEP_GRAPHS or model.tp is not None or not getattr(model, "step_graph_safe", False):
         return None
-    from cobatch.engine.cuda_graphs import STEP_ROWS, StepGraphs
-    rows = min(options.prefill_chunk, options.max_step_tokens)
-    if rows < STEP_ROWS[0]:
-        return None
+    from cobatch.engine.cuda_graphs import StepGraphs
+    rows = min(options.prefill_chunk + options.max_num_seqs, options.max_step_tokens)   # a chunk beside decode rows
     return StepGraphs(model, w.pool, rows, options.max_num_seqs, w.ctx, options.quiet, mempool=decode_graphs.mempool)
 
 

@@ -2,11 +2,12 @@
 
 In eager mode each Triton launch costs ~16 us of host time, more than a whole 8B decode step's worth of
 kernels can afford; replaying a captured graph costs ~1.2 us per kernel. A decode step of B sequences
-replays the graph of the smallest bucket >= B (DecodeGraphs). A step with prefill chunks of up to
-STEP_ROWS[-1] rows in all, over up to STEP_SEQS[-1] sequences, replays the graph of the smallest (rows,
-sequences) bucket that holds it (StepGraphs, with COBATCH_STEP_GRAPHS=1): eagerly, a 512-token prefill took
-twice its GPU time in launches. Padded rows have slot -1 (they write no KV) and belong to no sequence; padded sequences have
-length 0 and no rows (their attention reads nothing), so they cost almost nothing and harm no one.
+replays the graph of the smallest bucket >= B (DecodeGraphs). A step with prefill chunks, alone or beside
+decode rows, replays the graph of the smallest (rows, sequences) bucket of STEP_ROWS x STEP_SEQS that holds it
+(StepGraphs, with COBATCH_STEP_GRAPHS=1): eagerly, a 512-token prefill took twice its GPU time in launches.
+Its prefill attention runs over a work list of the step's (sequence, query tile) pairs, so the bucket's
+padding sequences cost no programs. Padded rows have slot -1 (they write no KV) and belong to no sequence;
+padded sequences have length 0 and no rows (their attention reads nothing), so they harm no one.
 The graphs share one memory pool; each kind has one set of static input buffers.
 """
 
@@ -19,11 +20,13 @@ import torch
 from tqdm import tqdm
 
 from cobatch.batch import AttentionMetadata
+from cobatch.kernels.attention import prefill_work, prefill_work_items
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-# StepGraphs' buckets: rows (tokens) in the step, and sequences (a prefill chunk or a decode row each)
-STEP_ROWS = (16, 32, 64, 128, 256, 512)
-STEP_SEQS = (1, 4, 16)
+# StepGraphs' buckets: rows (tokens) in the step, and sequences (a prefill chunk or a decode row each). A chunk
+# of --prefill-chunk rows beside the decode rows of every other session is a step of up to chunk + sessions rows.
+STEP_ROWS = (16, 32, 64, 128, 256, 512, 768, 1024)
+STEP_SEQS = (1, 4, 16, 64, 256)
 
 
 @torch.inference_mode()
@@ -90,6 +93,11 @@ class DecodeGraphs:
         return self.logits[b][:len(token_ids)]
 
 
+def _up_to(sizes: tuple[int, ...], most: int) -> list[int]:
+    """The sizes below `most`, and the first that holds it (all of them if none does)."""
+    return [b for b in sizes if b < most] + [b for b in sizes if b >= most][:1]
+
+
 class StagedInputs:
     """The graphs' static inputs and their host mirror, a pinned buffer reused every step.
 
@@ -103,17 +111,20 @@ class StagedInputs:
         n = self.max_batch = max_batch
         s = self.max_seqs = max_seqs or max_batch
         self.has_starts = max_seqs is not None
+        self.work_items = prefill_work_items(n, s) if self.has_starts else 0
         pin = device.type == "cuda"
         # token ids, positions, slots (int64, a row each), then sequence lengths and, for steps, the sequences'
-        # first rows (int32): one byte buffer, one copy
-        self.vector_bytes = 3 * 8 * n + 4 * s + (4 * (s + 1) if self.has_starts else 0)
+        # first rows and the prefill kernel's work list (int32): one byte buffer, one copy
+        self.vector_bytes = 3 * 8 * n + 4 * s + (4 * (s + 1 + self.work_items) if self.has_starts else 0)
         self._host = torch.zeros(self.vector_bytes, dtype=torch.uint8, pin_memory=pin)
         self._device = torch.zeros(self.vector_bytes, dtype=torch.uint8, device=device)
         views = self._views(self._device)
         self.token_ids, self.positions, self.slot_mapping, self.seq_lens = views[:4]
-        self.query_start = views[4] if self.has_starts else None
+        self.query_start, self.prefill_work = views[4:] if self.has_starts else (None, None)
         self._host_views = [t.numpy() for t in self._views(self._host)]
         self._host_views[2][:] = -1             # no slot: rows the capture runs write no KV
+        if self.has_starts:
+            self._host_views[5][:] = -1         # no work: the capture's attention reads and writes nothing
         self._device.copy_(self._host)
         self._host_tables = torch.zeros(s, max_blocks, dtype=torch.int32, pin_memory=pin)
         self._host_tables_np = self._host_tables.numpy()
@@ -124,7 +135,10 @@ class StagedInputs:
         n, s = self.max_batch, self.max_seqs
         ids, pos, slots = buf[:24 * n].view(torch.int64).view(3, n)
         lens = buf[24 * n:24 * n + 4 * s].view(torch.int32)
-        return (ids, pos, slots, lens) + ((buf[24 * n + 4 * s:].view(torch.int32),) if self.has_starts else ())
+        if not self.has_starts:
+            return ids, pos, slots, lens
+        starts_and_work = buf[24 * n + 4 * s:].view(torch.int32)
+        return ids, pos, slots, lens, starts_and_work[:s + 1], starts_and_work[s + 1:]
 
     def stage(self, token_ids: list[int], positions: list[int], slot_mapping: list[int],
               block_tables: list[list[int]], bucket: int) -> None:
@@ -139,13 +153,15 @@ class StagedInputs:
     def stage_step(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
                    query_start: list[int], block_tables: list[list[int]], rows: int, seqs: int) -> None:
         """A step of len(seq_lens) sequences whose rows start at query_start (its last entry: the rows in all),
-        in a bucket of `rows` rows and `seqs` sequences: the padding sequences have no rows and no length."""
+        in a bucket of `rows` rows and `seqs` sequences: the padding sequences have no rows and no length. The
+        prefill kernel's work list (attention.prefill_work) names the step's query tiles, -1 past them."""
         assert self.has_starts and len(query_start) == len(seq_lens) + 1 == len(block_tables) + 1
         n, k = len(token_ids), len(seq_lens)
         self._stage_rows(token_ids, positions, slot_mapping, rows)
-        lens, starts = self._host_views[3], self._host_views[4]
+        lens, starts, work = self._host_views[3:]
         lens[:k], lens[k:seqs] = seq_lens, 0
         starts[:k + 1], starts[k + 1:seqs + 1] = query_start, n
+        work[:] = prefill_work(query_start, seq_lens, items=self.work_items)
         self._send(block_tables)
 
     def _stage_rows(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], bucket: int) -> None:
@@ -171,34 +187,38 @@ class StagedInputs:
 
 class StepGraphs:
     """Graphs of the steps with prefill chunks (alone, or beside other sequences' chunks and decode rows), one
-    per (rows, sequences) bucket of STEP_ROWS x STEP_SEQS up to max_rows and max_seqs: each returns the step's
-    final hidden states, from which the runner takes the rows it samples (and prompt logprobs, embeddings)."""
+    per (rows, sequences) bucket of STEP_ROWS x STEP_SEQS up to the first that holds max_rows and max_seqs
+    (never more sequences than rows): each returns the step's final hidden states, from which the runner takes
+    the rows it samples (and prompt logprobs, embeddings)."""
 
     def __init__(self, model, pool, max_rows: int, max_seqs: int, max_context: int, quiet: bool = False,
                  mempool=None):
         dev = pool.k[0].device
         self.model, self.pool = model, pool
-        self.rows = [r for r in STEP_ROWS if r <= max_rows]
-        self.seqs = [s for s in STEP_SEQS if s <= max_seqs]
+        self.rows, self.seqs = _up_to(STEP_ROWS, max_rows), _up_to(STEP_SEQS, max_seqs)
         self.max_rows, self.max_seqs = self.rows[-1], self.seqs[-1]
         self.max_blocks = -(-max_context // pool.block_size)
         self.max_context = self.max_blocks * pool.block_size
         self.inputs = StagedInputs(self.max_rows, self.max_blocks, dev, max_seqs=self.max_seqs)
         self.mempool = mempool if mempool is not None else torch.cuda.graph_pool_handle()
-        buckets = [(r, s) for r in self.rows for s in self.seqs]
+        buckets = [(r, s) for r in self.rows for s in self.seqs if s <= r]
         self.graphs, self.hidden = capture(buckets, self._forward, self.mempool, "capturing prefill graphs", quiet)
 
     def _forward(self, bucket: tuple[int, int]) -> torch.Tensor:
         rows, seqs = bucket
         i = self.inputs
-        # max_query_len = the bucket's rows: the prefill kernel's grid covers any sequence's chunk in it
+        # max_query_len = the bucket's rows (any sequence's chunk fits); the prefill kernel's programs are the
+        # work list's items that a step of this bucket can have
         meta = AttentionMetadata(i.slot_mapping[:rows], i.query_start[:seqs + 1], i.seq_lens[:seqs],
-                                 i.block_tables[:seqs], max_query_len=rows, max_seq_len=self.max_context)
+                                 i.block_tables[:seqs], max_query_len=rows, max_seq_len=self.max_context,
+                                 prefill_work=i.prefill_work[:prefill_work_items(rows, seqs)])
         return self.model.forward(i.token_ids[:rows], i.positions[:rows], meta, self.pool.k, self.pool.v)
 
     def bucket_for(self, rows: int, seqs: int) -> tuple[int, int] | None:
-        r = next((b for b in self.rows if b >= rows), None)
+        """The smallest bucket of at least `rows` rows and `seqs` sequences (no bucket has more sequences than
+        rows), or None."""
         s = next((b for b in self.seqs if b >= seqs), None)
+        r = next((b for b in self.rows if b >= max(rows, s or 0)), None)
         return None if r is None or s is None else (r, s)
 
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],

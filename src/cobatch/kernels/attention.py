@@ -713,23 +713,32 @@ PREFILL_CONFIG = PrefillConfig()
 
 
 @jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr, work_ptr,
                     q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                     cache_head_stride, out_row_stride, out_head_stride, qk_scale, window, softcap,
                     GROUP: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr,
                     SOFTCAP: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
-                    ORDER: tl.constexpr = 0):
+                    ORDER: tl.constexpr = 0, WORK_LIST: tl.constexpr = False):
     """Program (q_head, seq, query tile). Row i of the chunk sits at position seq_len - q_len + i and sees
     keys 0..position; the keys come from the cache (the chunk's own K/V are already written there).
     Tiles go last-first: the longest programs start first and the short ones fill the tail, and the heads
-    of one tile, which share K/V through L2, run together."""
+    of one tile, which share K/V through L2, run together. WORK_LIST: program (q_head, item) takes the
+    (sequence, tile) packed in work_ptr[item] (prefill_work: the heaviest first), and an item of -1 reads and
+    writes nothing: a step's programs are its tiles, not every sequence times its longest chunk's tiles."""
     head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    if WORK_LIST:
+        packed = tl.load(work_ptr + tl.program_id(1))
+        seq = (tl.maximum(packed, 0) >> 16).to(tl.int64)
+        tile = tl.maximum(packed, 0) & 0xFFFF
+    else:
+        seq = tl.program_id(1).to(tl.int64)
+        tile = tl.num_programs(2) - 1 - tl.program_id(2)
     kv_head = head // GROUP
     row0 = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - row0
+    if WORK_LIST:
+        q_len = tl.where(packed >= 0, q_len, 0)      # an item past the list: no rows, so no keys and no stores
     seq_len = tl.load(seq_lens_ptr + seq)
 
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -800,16 +809,46 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.zeros_like(q) if out is None else out
     if n_rows == 0 or meta.num_seqs == 0:
         return out
-    grid = (n_heads, meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), cfg.block_m))
+    work = meta.prefill_work
+    if work is not None:
+        grid = (n_heads, work.shape[0], 1)
+    else:
+        grid, work = (n_heads, meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), cfg.block_m)), meta.seq_lens
     _prefill_kernel[grid](
-        q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, meta.query_start, out, work,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), scale * LOG2E, window, softcap,
         GROUP=n_heads // n_kv_heads, HEAD_D=head_dim, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), DOT_F32=dot_in_f32(k_cache.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
         OPERAND=operand_dtype(q, k_cache), FP8_WORDS=words_mode(k_cache, head_dim, cfg.fp8_words), ORDER=out_order,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        WORK_LIST=meta.prefill_work is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def prefill_work(query_start: list[int], seq_lens: list[int], items: int | None = None,
+                 cfg: PrefillConfig = PREFILL_CONFIG) -> list[int]:
+    """The prefill kernel's work list (AttentionMetadata.prefill_work) for sequences whose rows start at
+    query_start and whose lengths are seq_lens: a (sequence, query tile of cfg.block_m rows) pair for each tile,
+    packed sequence << 16 | tile, the tiles with the most keys first, then -1 up to `items` entries (a graph's
+    fixed grid). A sequence without rows has no tile."""
+    tiles = []
+    for s, (start, end, seq_len) in enumerate(zip(query_start, query_start[1:], seq_lens)):
+        q_len = end - start
+        for t in range(-(-q_len // cfg.block_m)):
+            keys = seq_len - q_len + min((t + 1) * cfg.block_m, q_len)      # the tile's last row's keys
+            tiles.append((-keys, s, t))
+    assert len(seq_lens) < 1 << 15 and all(t < 1 << 16 for _, _, t in tiles)
+    work = [s << 16 | t for _, s, t in sorted(tiles)]
+    if items is not None:
+        assert len(work) <= items, (len(work), items)
+        work += [-1] * (items - len(work))
+    return work
+
+
+def prefill_work_items(max_rows: int, max_seqs: int, cfg: PrefillConfig = PREFILL_CONFIG) -> int:
+    """The most entries prefill_work gives a step of up to max_rows rows over up to max_seqs sequences: each
+    sequence's tiles, at most one partial tile a sequence beyond the rows' whole tiles."""
+    return max_rows // cfg.block_m + max_seqs
 
 
 # writes_order: attention's output rows in the column order of the GEMM they go to (o's), so that it launches no
