@@ -208,22 +208,10 @@ def _gpu_hidden(llm, prompts: list[list[int]], graphs=None) -> torch.Tensor:
 
 
 def _gpu_logits(llm, ids):
-    from cobatch.batch import AttentionMetadata
-    n, bs = len(ids), llm.engine.pool.block_size
-    blocks = llm.engine.blocks.allocate(-(-n // bs))
-    dev = "cuda"
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)], device=dev),
-        query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        block_tables=torch.tensor([blocks], dtype=torch.int32, device=dev), max_query_len=n, max_seq_len=n)
-    try:
-        with torch.inference_mode():
-            hidden = llm.model.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta,
-                                       llm.engine.pool.k, llm.engine.pool.v)
-            return llm.model.logits(hidden).float().cpu()
-    finally:
-        llm.engine.blocks.release(blocks)
+    """The eager forward's logits of one prefill of ids, every row."""
+    hidden = _gpu_hidden(llm, [ids])
+    with torch.inference_mode():
+        return llm.model.logits(hidden).float().cpu()
 
 
 def _staggered(eng, prompts: list[list[int]]) -> list[list[int]]:
