@@ -26,8 +26,8 @@
 #   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   prefill [ARGS]           the prefill graphs' GPU tests, then bench/prefill_host.py ARGS (default --tokens
-#                            128,512,2048) with COBATCH_STEP_GRAPHS=0 and 1 alternating, twice, on MODEL (default
-#                            the random Llama-3-8B q8_0 cut to LAYERS, default 8), to $OUT/steps0 and steps1
+#                            128,512,2048 --graphs --beside 0,8,64: each step eager and replayed, one process) on
+#                            MODEL (default the random Llama-3-8B q8_0 cut to LAYERS, default 8), to $OUT
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
 #   sampler [ARGS]           bench/sampler.py ARGS: the token-pick kernels alone, then whole sampler calls (greedy and
 #                            sampled), against torch's ops
@@ -178,13 +178,10 @@ prefill)
   [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gpu_engine.py tests/test_cuda_graph_inputs.py \
     -k "prefill_graph or replay_graphs or stage"
   model=${MODEL:-$(random_model llama3-8b q8_0 "${LAYERS:-8}")}
-  [ $# -eq 0 ] && set -- --tokens 128,512,2048
-  for g in 0 1 0 1; do
-    mkdir -p "$OUT/steps$g"
-    COBATCH_STEP_GRAPHS=$g OUT=$OUT/steps$g timeout "$(left "$TIMEOUT")" python3 bench/prefill_host.py --model "$model" \
-      "$@" 2>&1 | quiet > "$OUT/steps$g/prefill_host.log"
-    echo "COBATCH_STEP_GRAPHS=$g"; tail -5 "$OUT/steps$g/prefill_host.log"
-  done ;;
+  [ $# -eq 0 ] && set -- --tokens 128,512,2048 --graphs --beside 0,8,64
+  timeout "$(left "$TIMEOUT")" python3 bench/prefill_host.py --model "$model" "$@" 2>&1 | quiet \
+    > "$OUT/prefill_host.log"
+  tail -16 "$OUT/prefill_host.log" ;;
 size)
   timeout "$(left 100)" python3 bench/size_ceiling.py --date "${DATE:-$(date +%F)}" 2>&1 | tail -14 | tee "$OUT/size.log"
   cp bench/results/size-ceiling*.json "$OUT/" 2>/dev/null ;;

@@ -1,12 +1,16 @@
 """Where an eager prefill's wall time goes when the GPU is not busy: the host's work, function by function.
 
     PYTHONPATH=src python bench/prefill_host.py --model L3-8B-q8_0.gguf [--tokens 512,2048] [--top 40]
+        [--graphs --beside 0,8,64]
 
 A prefill chunk runs eagerly (decode steps replay CUDA graphs), so at a few hundred tokens its kernels can take
 less time than the host needs to launch them. For each prompt length: the wall time of a one-token generate (the
 median of 3, prefix cache defeated), the GPU's busy time and launch count under torch.profiler, and then the
 host's time by function under cProfile (the GPU work queued asynchronously, so a function's time is its Python
-and launch cost), summed over 3 calls. Prints the tables; JSON to $OUT or bench/results/.
+and launch cost), summed over 3 calls. With --graphs, the same steps are also timed eagerly against replays of
+the prefill graphs (engine/cuda_graphs.StepGraphs, captured here whatever COBATCH_STEP_GRAPHS says), in one
+process and alternating: a prompt of each length alone, and beside each --beside count of sessions decoding at
+ctx 512 (a serving step with a chunk in it). Prints the tables; JSON to $OUT or bench/results/.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import provenance  # noqa: E402
 
 provenance.use_tree_source()
-from cobatch.engine.sampler import SamplingParams  # noqa: E402
+from cobatch.batch import AttentionMetadata  # noqa: E402
+from cobatch.engine.cuda_graphs import StepGraphs  # noqa: E402
+from cobatch.engine.sampler import SamplingParams, to_device  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 from decode import prefill_profile  # noqa: E402
@@ -54,15 +60,78 @@ def host_functions(stats: pstats.Stats, calls: int, top: int) -> list[dict]:
     return rows[:top]
 
 
+def step_lists(llm, n: int, beside: int, context: int):
+    """One step's host lists: a prompt of n tokens from position 0, and `beside` sessions decoding their
+    context-th token (blocks allocated here; release them with the returned tables)."""
+    bs, vocab = llm.engine.pool.block_size, llm.config.vocab_size
+    gen = torch.Generator().manual_seed(n + beside)
+    ids, pos, slots, starts, lens, tables = [], [], [], [0], [], []
+    for q_len, seq_len in [(n, n)] + [(1, context)] * beside:
+        table = llm.engine.blocks.allocate(-(-seq_len // bs))
+        first = seq_len - q_len
+        ids += torch.randint(0, vocab, (q_len,), generator=gen).tolist()
+        pos += range(first, seq_len)
+        slots += [table[p // bs] * bs + p % bs for p in range(first, seq_len)]
+        starts.append(starts[-1] + q_len)
+        lens.append(seq_len)
+        tables.append(table)
+    return ids, pos, slots, starts, lens, tables
+
+
+def eager_step(llm, lists) -> torch.Tensor:
+    """The step's forward as the runner's eager path runs it: metadata sent from the host lists, then the layers."""
+    ids, pos, slots, starts, lens, tables = lists
+    dev = llm.engine.runner.device
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=to_device(slots, torch.int64, dev), query_start=to_device(starts, torch.int32, dev),
+        seq_lens=to_device(lens, torch.int32, dev),
+        block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
+        max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lens))
+    return llm.model.forward(to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), meta,
+                             llm.engine.pool.k, llm.engine.pool.v)
+
+
+def step_ab(llm, graphs, n: int, beside: int, context: int, rounds: int) -> dict:
+    """Wall ms of one step (its host work, launches and GPU work, then a sync), eager and replayed from `graphs`,
+    alternating, the median of `rounds` each; and the largest difference of their hidden states."""
+    lists = step_lists(llm, n, beside, context)
+    ids, pos, slots, starts, lens, tables = lists
+    runs = {"eager": lambda: eager_step(llm, lists), "graph": lambda: graphs.run(ids, pos, slots, lens, starts, tables)}
+    times = {k: [] for k in runs}
+    try:
+        with torch.inference_mode():
+            out = {k: run().clone() for k, run in runs.items()}        # warm-up (and the hidden states compared)
+            for _ in range(rounds):
+                for k, run in runs.items():
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    run()
+                    torch.cuda.synchronize()
+                    times[k].append((time.perf_counter() - t) * 1e3)
+    finally:
+        for table in tables:
+            llm.engine.blocks.release(table)
+    return dict(prompt_tokens=n, beside=beside, rows=len(ids), bucket=list(graphs.bucket_for(len(ids), len(lens))),
+                eager_ms=statistics.median(times["eager"]), graph_ms=statistics.median(times["graph"]),
+                eager_samples=times["eager"], graph_samples=times["graph"],
+                max_abs_diff=(out["eager"].float() - out["graph"].float()).abs().max().item())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", default="512,2048")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--graphs", action="store_true", help="also time each step eagerly against a graph replay")
+    ap.add_argument("--beside", default="0", help="with --graphs: sessions decoding beside the prompt")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
-    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(lengths) + 128, max_num_seqs=4, kv_cache_gb=8,
-                                             prefill_chunk=max(lengths), max_step_tokens=max(lengths)))
+    besides = [int(b) for b in args.beside.split(",")]
+    llm = LLM.load(args.model, EngineOptions(device="cuda", ctx=max(lengths) + 1024, max_num_seqs=max(4, *besides) + 1,
+                                             kv_cache_gb=8, prefill_chunk=max(lengths),
+                                             max_step_tokens=max(lengths) + max(besides)))
     params = SamplingParams(temperature=0.0, max_tokens=1)
     engine, vocab = llm.engine, llm.config.vocab_size
     results = []
@@ -94,15 +163,34 @@ def main() -> None:
         print(f"  {'host function (cProfile, per prefill)':70s} {'calls':>7s} {'own ms':>8s} {'cum ms':>8s}")
         for r in host:
             print(f"  {r['function'][:70]:70s} {r['calls']:7.0f} {r['own_ms']:8.2f} {r['cum_ms']:8.2f}")
+    steps = []
+    if args.graphs:
+        runner = llm.engine.runner
+        graphs = runner.step_graphs or StepGraphs(llm.model, llm.engine.pool, max(lengths) + max(besides),
+                                                  max(besides) + 1, llm.engine.max_context, quiet=True,
+                                                  mempool=runner.graphs.mempool)
+        print("\n prompt  beside  bucket        eager ms   graph ms   max |diff|")
+        for n in lengths:
+            for beside in besides:
+                if graphs.bucket_for(n + beside, 1 + beside) is None:
+                    continue
+                r = step_ab(llm, graphs, n, beside, 512, args.rounds)
+                steps.append(r)
+                print(f" {n:6d}  {beside:6d}  {str(tuple(r['bucket'])):12s}  {r['eager_ms']:8.2f}  {r['graph_ms']:9.2f}"
+                      f"   {r['max_abs_diff']:.2e}", flush=True)
     out_dir = Path(os.environ.get("OUT", ROOT / "bench" / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = dict(date=datetime.date.today().isoformat(), command="bench/prefill_host.py " + " ".join(sys.argv[1:]),
                device=torch.cuda.get_device_name(), torch=torch.__version__, tree=provenance.tree(),
-               prefill=results)
+               prefill=results, steps=steps)
     (out_dir / "prefill_host.json").write_text(json.dumps(doc, indent=1))
     print("\n prompt   wall ms   GPU busy ms   launches")
     for r in results:
         print(f" {r['prompt_tokens']:6d}  {r['wall_ms']:8.1f}  {r['gpu_busy_ms']:12.1f}  {r['launches']:9d}")
+    if steps:
+        print("\n prompt  beside   eager ms   graph ms")
+        for r in steps:
+            print(f" {r['prompt_tokens']:6d}  {r['beside']:6d}  {r['eager_ms']:8.2f}  {r['graph_ms']:9.2f}")
 
 
 if __name__ == "__main__":
