@@ -54,6 +54,7 @@ kernels run on CUDA only (tests/test_quant_gemm.py); the CPU CI compiles them fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -1240,7 +1241,14 @@ def x_scratch_rows(max_tok: int) -> int:
 def _x_descriptor(x16: torch.Tensor, bn: int, fmt_id: int):
     """x16's TMA descriptor: one K step's [bn tokens, chunk columns] block, swizzled for the MMA."""
     kc = 32 if fmt_id in quant_pack.BYTE_FORMATS else 64
-    return TensorDescriptor.from_tensor(x16, [bn, kc], gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16))
+    return TensorDescriptor.from_tensor(x16, [bn, kc], _x_block_layout(bn, kc))
+
+
+@functools.cache
+def _x_block_layout(bn: int, kc: int):
+    """The swizzled shared layout of x's [bn, kc] block (built once a shape: a launch of an eager step paid for
+    Gluon's layout construction every call)."""
+    return gl.NVMMASharedLayout.get_default_for([bn, kc], gl.float16)
 
 
 # Entries per 16-row tile and chunk of the plane a ring stage carries as its d (_side_shape's table, for the host):
