@@ -215,7 +215,7 @@ for fallback in (False, True):
         greedy._row_pick_kernel, dict(CHUNKS=32, FALLBACK=fallback), 1, 2,
         {"max_ptr": "*fp32", "index_ptr": "*i32", "fallback_ptr": "*i64", "out_ptr": "*i64"})
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
-variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(BY16=False, BLOCK=1024, PDL=True), 4, 2,
+variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(ORDER=1, BLOCK=1024, PDL=True), 4, 2,
                                {"out_ptr": "*fp16"})
 # LoRA's shrink (K split, the last split adding the partials) and expand; the slots int64, as the model keeps them
 LORA_POINTERS = {"slots_ptr": "*i64", "scale_ptr": "*fp32", "partial_ptr": "*fp32", "count_ptr": "*i32"}

@@ -63,6 +63,7 @@ import torch
 from cobatch.kernels import quant_gemv, quant_pack
 from cobatch.kernels.quant_gemv import (F_NVFP4, F_Q4_0, F_Q5_0, F_Q6_K, _byte_fmt, _fifth_bit, act_code, gl,
                                        gluon)
+from cobatch.kernels.operand_order import order_of, ordered_columns, ordered_ref
 from cobatch.kernels.scratch import DeviceScratch
 from cobatch.kernels.triton_support import device_sms, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
@@ -977,25 +978,19 @@ if gluon is not None and warpgroup_mma is not None:
             ], [1], [_PRODUCER_REGS])
 
 @jit
-def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, BY16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = x[t] as f16 in the planes' column order (quant_pack.k_order), one program per (row, BLOCK columns):
-    within each 32-column tile logical column 8 j + 2 c + e holds GGUF column 8 c + 2 j + e (BY16, q6_K and
-    NVFP4: per 16-column half, 8 p + 2 c + e holds 4 c + 2 p + e)."""
+def _x_operands_kernel(x_ptr, out_ptr, n_cols, x_stride, ORDER: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    """out[t] = x[t] as f16 in the planes' column order (operand_order's ORDER, quant_pack.k_order), one program per
+    (row, BLOCK columns): each column stored where ordered_columns puts it, as the kernels that write x in order
+    store it."""
     if PDL:  # a programmatic dependent: let the GEMM after it launch, and wait for the kernel before
         gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    within = k % 32
-    if BY16:
-        half, p, c, e = within // 16, (within // 8) % 2, (within // 2) % 4, within % 2
-        src = k - within + 16 * half + 4 * c + 2 * p + e
-    else:
-        j, c, e = within // 8, (within // 2) % 4, within % 2
-        src = k - within + 8 * c + 2 * j + e
     ok = k < n_cols
-    v = tl.load(x_ptr + t.to(tl.int64) * x_stride + src, mask=ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * n_cols + k, v.to(tl.float16), mask=ok)
+    v = tl.load(x_ptr + t.to(tl.int64) * x_stride + k, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * n_cols + ordered_columns(k, ORDER), v.to(tl.float16), mask=ok)
 
 
 # COBATCH_GEMM_PDL=0 launches x_operands and the ring variant plainly: each then starts only once the kernel before
@@ -1015,16 +1010,14 @@ def x_operands(x: torch.Tensor, fmt_id: int, out: torch.Tensor | None = None) ->
     assert cols % 32 == 0 and x.stride(-1) == 1
     out = torch.empty(n_tok, cols, dtype=torch.float16, device=x.device) if out is None else out
     block = 1024
-    _x_operands_kernel[(n_tok, -(-cols // block))](x, out, cols, x.stride(0), BY16=fmt_id in quant_pack.SCALED_BY_16,
-                                                   BLOCK=block, **_chained(x))
+    _x_operands_kernel[(n_tok, -(-cols // block))](x, out, cols, x.stride(0), ORDER=order_of(fmt_id), BLOCK=block,
+                                                   **_chained(x))
     return out
 
 
 def x_operands_ref(x: torch.Tensor, fmt_id: int) -> torch.Tensor:
-    """The torch reference of x_operands: a gather through quant_pack.k_order."""
-    order = torch.tensor(quant_pack.k_order(fmt_id), device=x.device)
-    n_tok, cols = x.shape
-    return x.reshape(n_tok, cols // 32, 32)[:, :, order].reshape(n_tok, cols).to(torch.float16)
+    """The torch reference of x_operands: x in fmt_id's planes' order (operand_order.ordered_ref), as f16."""
+    return ordered_ref(x, order_of(fmt_id)).to(torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
