@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import provenance  # noqa: E402
 
 provenance.use_tree_source()
-from cobatch.batch import AttentionMetadata  # noqa: E402
 from cobatch.engine.cuda_graphs import StepGraphs  # noqa: E402
+from cobatch.engine.runner import step_metadata  # noqa: E402
 from cobatch.engine.sampler import SamplingParams, to_device  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
@@ -82,12 +82,7 @@ def eager_step(llm, lists) -> torch.Tensor:
     """The step's forward as the runner's eager path runs it: metadata sent from the host lists, then the layers."""
     ids, pos, slots, starts, lens, tables = lists
     dev = llm.engine.runner.device
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64, dev), query_start=to_device(starts, torch.int32, dev),
-        seq_lens=to_device(lens, torch.int32, dev),
-        block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
-        max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lens))
+    meta = step_metadata(slots, starts, lens, tables, dev)
     return llm.model.forward(to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), meta,
                              llm.engine.pool.k, llm.engine.pool.v)
 

@@ -74,6 +74,21 @@ def _samples(seq, n: int) -> bool:
     return seq.num_computed + n == len(seq.token_ids) + len(seq.draft)
 
 
+def step_metadata(slots: list[int], starts: list[int], lens: list[int], tables: list[list[int]],
+                  device: torch.device) -> AttentionMetadata:
+    """An eager step's attention metadata from its host lists (ModelRunner._host_inputs): pinned, non-blocking
+    copies, so the host does not wait here for a step still running on the device."""
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        slot_mapping=to_device(slots, torch.int64, device),
+        query_start=to_device(starts, torch.int32, device),
+        seq_lens=to_device(lens, torch.int32, device),
+        block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+        max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+        max_seq_len=max(lens),
+    )
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, device: torch.device, stop_ids: frozenset[int] = frozenset()):
         self.model, self.pool, self.device = model, pool, device
@@ -117,17 +132,8 @@ class ModelRunner:
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """An eager step's input tokens, positions and attention metadata on the device, and the rows that sample."""
         ids, pos, slots, starts, lens, tables, sample_rows = self._host_inputs(plan)
-        width = max(len(t) for t in tables)
         dev = self.device
-        # Pinned, non-blocking copies: the host must not wait here for a step still running on the device.
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.int64, dev),
-            query_start=to_device(starts, torch.int32, dev),
-            seq_lens=to_device(lens, torch.int32, dev),
-            block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
-            max_query_len=max(n for _, n in plan.items),
-            max_seq_len=max(lens),
-        )
+        meta = step_metadata(slots, starts, lens, tables, dev)
         token_ids = self._followed_tokens(plan) if plan.ahead else to_device(ids, torch.int64, dev)
         return token_ids, to_device(pos, torch.int64, dev), meta, sample_rows
 
