@@ -191,15 +191,8 @@ def _gpu_hidden(llm, prompts: list[list[int]], graphs=None) -> torch.Tensor:
         with torch.inference_mode():
             if graphs is not None:
                 return graphs.run(ids, pos, slots, lens, starts, tables).clone()
-            from cobatch.batch import AttentionMetadata
-            width = max(len(t) for t in tables)
-            meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, device=dev), query_start=torch.tensor(starts, dtype=torch.int32,
-                                                                                         device=dev),
-                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                          device=dev),
-                max_query_len=max(lens), max_seq_len=max(lens))
+            from cobatch.engine.runner import step_metadata
+            meta = step_metadata(slots, starts, lens, tables, torch.device(dev))
             return llm.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
                                      llm.engine.pool.k, llm.engine.pool.v).clone()
     finally:
