@@ -188,6 +188,12 @@ class Scheduler:
                 rows = 1 + len(seq.draft)
             else:
                 rows = min(seq.pending, self.prefill_chunk, budget)
+                if rows < seq.pending:
+                    # A prompt cut here anyway ends the step on a multiple of prefill_chunk rows: the size of a
+                    # prefill step's graph (engine/cuda_graphs.StepGraphs), which the decode rows before it
+                    # would otherwise push into the next size up, mostly padding.
+                    past = (self.max_step_tokens - budget + rows) % self.prefill_chunk
+                    rows -= min(rows - 1, past)
             if rows <= 0:
                 continue
             while not self._ensure_blocks(seq, rows):
