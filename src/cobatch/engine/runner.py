@@ -138,8 +138,11 @@ class ModelRunner:
         return token_ids, to_device(pos, torch.int64, dev), meta, sample_rows
 
     def _use_step_graph(self, plan: StepPlan) -> bool:
-        """A step of its own tokens (not planned ahead), without drafts, that a prefill graph's bucket holds."""
+        """A step with a prefill chunk, of its own tokens (not planned ahead), without drafts, that a prefill
+        graph's bucket holds. Decoders alone run as decode steps (graphs or eager) whatever graphs exist: the
+        prefill graphs' attention would give their rows other bits than decode attention does."""
         return (self.step_graphs is not None and not plan.ahead and all(not seq.draft for seq, _ in plan.items)
+                and any(not seq.is_decoding for seq, _ in plan.items)
                 and self.step_graphs.bucket_for(sum(n for _, n in plan.items), len(plan.items)) is not None)
 
     def _followed_tokens(self, plan: StepPlan) -> torch.Tensor:
