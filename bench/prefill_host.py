@@ -10,7 +10,8 @@ host's time by function under cProfile (the GPU work queued asynchronously, so a
 and launch cost), summed over 3 calls. With --graphs, the same steps are also timed eagerly against replays of
 the prefill graphs (engine/cuda_graphs.StepGraphs, captured here whatever COBATCH_STEP_GRAPHS says), in one
 process and alternating: a prompt of each length alone, and beside each --beside count of sessions decoding at
-ctx 512 (a serving step with a chunk in it). Prints the tables; JSON to $OUT or bench/results/.
+ctx 512 (a serving step with a chunk in it; with --cut, the chunk of a longer prompt as the scheduler cuts it there,
+so that the step has the length's rows). Prints the tables; JSON to $OUT or bench/results/.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def eager_step(llm, lists) -> torch.Tensor:
 
 
 def step_ab(llm, graphs, n: int, beside: int, context: int, rounds: int) -> dict:
-    """Wall ms of one step (its host work, launches and GPU work, then a sync), eager and replayed from `graphs`,
-    alternating, the median of `rounds` each; and the largest difference of their hidden states."""
+    """Wall ms of one step (its host work, launches and GPU work, then a sync) of an n-token prompt chunk beside
+    `beside` decoders, eager and replayed from `graphs`, alternating, the median of `rounds` each; and the largest
+    difference of their hidden states."""
     lists = step_lists(llm, n, beside, context)
     ids, pos, slots, starts, lens, tables = lists
     runs = {"eager": lambda: eager_step(llm, lists), "graph": lambda: graphs.run(ids, pos, slots, lens, starts, tables)}
@@ -120,6 +122,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--graphs", action="store_true", help="also time each step eagerly against a graph replay")
     ap.add_argument("--beside", default="0", help="with --graphs: sessions decoding beside the prompt")
+    ap.add_argument("--cut", action="store_true",
+                    help="with --beside: the prompt's chunk shrinks by the decode rows (engine/scheduler.py's cut)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
@@ -167,9 +171,10 @@ def main() -> None:
         print("\n prompt  beside  bucket        eager ms   graph ms   max |diff|")
         for n in lengths:
             for beside in besides:
-                if graphs.bucket_for(n + beside, 1 + beside) is None:
+                chunk = n - beside if args.cut else n
+                if chunk < 1 or graphs.bucket_for(chunk + beside, 1 + beside) is None:
                     continue
-                r = step_ab(llm, graphs, n, beside, 512, args.rounds)
+                r = step_ab(llm, graphs, chunk, beside, 512, args.rounds)
                 steps.append(r)
                 print(f" {n:6d}  {beside:6d}  {str(tuple(r['bucket'])):12s}  {r['eager_ms']:8.2f}  {r['graph_ms']:9.2f}"
                       f"   {r['max_abs_diff']:.2e}", flush=True)
