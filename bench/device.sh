@@ -26,7 +26,7 @@
 #   parallel [ARGS]          bench/parallel.py on 2 GPUs (nvidia-h200-x2): the decode step at TP 1 and 2 (ARGS), then
 #                            serving at DP 1 and 2; MODEL (default the random Llama-3-8B)
 #   prefill [ARGS]           the prefill graphs' GPU tests, then bench/prefill_host.py ARGS (default --tokens
-#                            128,512,2048 --graphs --beside 0,8,64: each step eager and replayed, one process) on
+#                            128,512 --graphs --beside 0,8,64 --cut: each step eager and replayed, one process) on
 #                            MODEL (default the random Llama-3-8B q8_0 cut to LAYERS, default 8), to $OUT
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
 #   sampler [ARGS]           bench/sampler.py ARGS: the token-pick kernels alone, then whole sampler calls (greedy and
@@ -178,7 +178,7 @@ prefill)
   [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gpu_engine.py tests/test_cuda_graph_inputs.py \
     -k "prefill_graph or replay_graphs or stage"
   model=${MODEL:-$(random_model llama3-8b q8_0 "${LAYERS:-8}")}
-  [ $# -eq 0 ] && set -- --tokens 128,512,2048 --graphs --beside 0,8,64
+  [ $# -eq 0 ] && set -- --tokens 128,512 --graphs --beside 0,8,64 --cut
   timeout "$(left "$TIMEOUT")" python3 bench/prefill_host.py --model "$model" "$@" 2>&1 | quiet \
     > "$OUT/prefill_host.log"
   tail -16 "$OUT/prefill_host.log" ;;

@@ -465,9 +465,10 @@ def _load_draft(options: EngineOptions, w: _Weights, tp: TensorParallelGroup | N
     return model
 
 
-# COBATCH_STEP_GRAPHS=1: steps with prefill chunks replay graphs too (engine/cuda_graphs.StepGraphs); off until its
-# GPU tests and an A/B of prefills have run
-STEP_GRAPHS = os.environ.get("COBATCH_STEP_GRAPHS", "0") == "1"
+# Steps with prefill chunks replay graphs too (engine/cuda_graphs.StepGraphs): a 128-token prefill of the random
+# Llama-3-8B q8_0 took 5.8 ms replayed against 25.2 ms eagerly, the host launching (bench/results/prefill_host.json).
+# COBATCH_STEP_GRAPHS=0 runs them eagerly.
+STEP_GRAPHS = os.environ.get("COBATCH_STEP_GRAPHS", "1") == "1"
 
 
 def _capture_step_graphs(w: _Weights, options: EngineOptions, decode_graphs):
@@ -477,7 +478,8 @@ def _capture_step_graphs(w: _Weights, options: EngineOptions, decode_graphs):
     if decode_graphs is None or not STEP_GRAPHS or model.tp is not None or not getattr(model, "step_graph_safe", False):
         return None
     from cobatch.engine.cuda_graphs import StepGraphs
-    rows = min(options.prefill_chunk + options.max_num_seqs, options.max_step_tokens)   # a chunk beside decode rows
+    # A chunk beside decode rows: the scheduler cuts a long prompt so that the step fits prefill_chunk rows.
+    rows = min(options.prefill_chunk, options.max_step_tokens)
     return StepGraphs(model, w.pool, rows, options.max_num_seqs, w.ctx, options.quiet, mempool=decode_graphs.mempool)
 
 
