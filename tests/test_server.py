@@ -906,7 +906,7 @@ def test_tool_results_must_answer_a_call(oai, claude):
         oai.chat.completions.create(model="any", max_tokens=2, messages=[
             *asked, {"role": "tool", "tool_call_id": "call_2", "content": "noon"}])
     assert err.value.body["param"] == "messages" and "'call_2'" in err.value.body["message"]
-    answered = oai.chat.completions.create(model="any", max_tokens=2, messages=[
+    answered = oai.chat.completions.create(model="any", max_tokens=2, **GREEDY, messages=[
         *asked, {"role": "tool", "tool_call_id": "call_1", "content": "noon"}])
     assert answered.choices[0].finish_reason == "length"
 
@@ -915,7 +915,7 @@ def test_tool_results_must_answer_a_call(oai, claude):
         claude.messages.create(model="any", max_tokens=2, messages=[{"role": "user", "content": [result]}])
     assert err.value.body["error"]["type"] == "invalid_request_error" and "'toolu_1'" in str(err.value.body)
     use = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {}}
-    reply = claude.messages.create(model="any", max_tokens=2, messages=[
+    reply = claude.messages.create(model="any", max_tokens=2, extra_body=GREEDY, messages=[
         *QUESTION, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}])
     assert reply.stop_reason == "max_tokens"
 
