@@ -67,3 +67,15 @@ def transformers_logits(path, ids: list[int], **config) -> torch.Tensor:
                                                            **config)
     with torch.inference_mode():
         return hf(torch.tensor([ids])).logits[0].float()
+
+
+def assert_same_or_tie(ref_logits, prompt, want, got, tol):
+    """Token lists equal, or they first differ where the reference scores both choices within tol."""
+    i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if i is None:
+        assert len(want) == len(got)
+        return None
+    logits = ref_logits(prompt + want[:i])[-1]
+    gap = (logits[want[i]] - logits[got[i]]).abs().item()
+    assert gap <= tol, f"diverged at step {i} with a reference margin of {gap:.4f} (> {tol}): not a tie"
+    return i, gap

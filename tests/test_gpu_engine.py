@@ -13,6 +13,7 @@ import torch
 from cobatch.engine.sampler import SamplingParams
 from cobatch.kernels import matmul_plans
 from cobatch.llm import LLM, EngineOptions
+from model_checks import assert_same_or_tie
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 
@@ -50,18 +51,6 @@ def models(tmp_path_factory):
 # f16 GPU logits differ from f32 CPU logits by ~2e-3 relative (see the teacher-forced test). Two greedy
 # runs may therefore part ways only where the reference's top two candidates are that close: a tie.
 TIE_TOL = {"tiny": 0.01, "cut": 0.2}
-
-
-def assert_same_or_tie(ref_logits, prompt, want, got, tol):
-    """Token lists equal, or they first differ where the reference scores both choices within tol."""
-    i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    if i is None:
-        assert len(want) == len(got)
-        return None
-    logits = ref_logits(prompt + want[:i])[-1]
-    gap = (logits[want[i]] - logits[got[i]]).abs().item()
-    assert gap <= tol, f"diverged at step {i} with a reference margin of {gap:.4f} (> {tol}): not a tie"
-    return i, gap
 
 
 @pytest.mark.parametrize("name", ["tiny", "cut"])
