@@ -15,11 +15,13 @@ from cobatch.config import ModelConfig
 from cobatch.engine.sampler import SamplingParams
 from cobatch.errors import UserError
 from cobatch.testing.gguf_writer import write_random_model
+from cobatch import llm as llm_module
 from cobatch.llm import LLM, EngineOptions
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
 from cobatch.quant.weight import QuantWeight
-from model_checks import gpu_and_cpu_logits, load_model, prompt_logits, transformers_logits
+from model_checks import (assert_same_or_tie, gpu_and_cpu_logits, load_model, open_gguf, prompt_logits,
+                          transformers_logits)
 
 REL_ERR_BOUND = 1e-4
 
@@ -201,14 +203,17 @@ def test_gpu_logits_close_to_cpu_through_the_routed_gemm(moe_models, monkeypatch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "qwen2moe"])
-def test_gpu_engine_batched_equals_alone(moe_models, arch):
+def test_gpu_engine_batched_equals_alone(moe_models, arch, monkeypatch):
     """Serving an MoE model on CUDA: decode steps in CUDA graphs where the experts route on the device
     (qwen2moe-tiny's down experts are q5_0, the GEMV reading their fifth bits), batched rows equal to
     each alone, and the graphs give the tokens eager steps give."""
     def load(eager):
         # Steps of at most 16 rows: all of them stay under the GEMV crossover, whose kernels are bitwise
         # batch-invariant (a 3-prompt prefill step of 18 rows would put the attention projections through
-        # cuBLAS, where only ties may part ways: tests/test_gpu_engine.py)
+        # cuBLAS, where only ties may part ways: tests/test_gpu_engine.py). Prefill steps eager on both sides:
+        # a prefill graph's 16-row bucket runs the 16-token kernels where a 5-row step runs the GEMV's 8-token
+        # tier (test_gpu_prefill_steps_replay_graphs_with_routed_experts covers them).
+        monkeypatch.setattr(llm_module, "STEP_GRAPHS", False)
         return LLM.load(moe_models[arch], EngineOptions(device="cuda", ctx=256, max_num_seqs=4, quiet=True,
                                                         kv_cache_gb=1, eager=eager, max_step_tokens=16))
     llm = load(False)
@@ -218,6 +223,51 @@ def test_gpu_engine_batched_equals_alone(moe_models, arch):
     alone = [llm.engine.generate([p], greedy)[0] for p in prompts]
     assert llm.engine.generate(prompts, greedy) == alone
     assert load(True).engine.generate(prompts, greedy) == alone
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+def test_gpu_prefill_steps_replay_graphs_with_routed_experts(moe_models, arch, monkeypatch):
+    """Where the experts route on the device at every size (the routed GEMM past ROUTED_MAX_ROWS), steps with
+    prefill chunks replay graphs up to --prefill-chunk rows (without the routed GEMM, up to ROUTED_MAX_ROWS):
+    a 40-token prompt's hidden states from the (64, 1) graph close to the eager forward's (a 40-row step runs
+    the routed GEMV's slots where the 64-row graph runs its own), and greedy generation of three prompts at once
+    replaying the prefill step, the eager engine's tokens or part at a tie."""
+    from cobatch.kernels import packed_experts
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", True)
+    llm = LLM.load(moe_models[arch], EngineOptions(device="cuda", ctx=256, max_num_seqs=4, quiet=True, kv_cache_gb=1))
+    runner = llm.engine.runner
+    assert runner.step_graphs is not None and runner.step_graphs.rows[-1] == 512
+    assert llm.model.step_graph_holds(512)
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", False)
+    assert llm.model.step_graph_holds(packed_experts.ROUTED_MAX_ROWS) and not llm.model.step_graph_holds(512)
+    monkeypatch.setattr(packed_experts, "ROUTED_GEMM", True)
+    ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(5))]
+    graphs, bs = runner.step_graphs, llm.engine.pool.block_size
+    assert graphs.bucket_for(40, 1) == (64, 1)
+    table = llm.engine.blocks.allocate(-(-40 // bs))
+    slots = [table[i // bs] * bs + i % bs for i in range(40)]
+    try:
+        with torch.inference_mode():
+            got = graphs.run(ids, list(range(40)), slots, [40], [0, 40], [table]).float()
+            from cobatch.engine.runner import step_metadata
+            meta = step_metadata(slots, [0, 40], [40], [table], torch.device("cuda"))
+            want = llm.model.forward(torch.tensor(ids, device="cuda"), torch.arange(40, device="cuda"), meta,
+                                     llm.engine.pool.k, llm.engine.pool.v).float()
+    finally:
+        llm.engine.blocks.release(table)
+    assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()).item() < 2e-2
+    real, replays = graphs.run, []
+    monkeypatch.setattr(graphs, "run", lambda *a: replays.append(len(a[0])) or real(*a))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,")]
+    graphed = llm.engine.generate(prompts, greedy)
+    assert replays and sum(replays) >= sum(len(p) for p in prompts)
+    monkeypatch.setattr(runner, "step_graphs", None)
+    eager = llm.engine.generate(prompts, greedy)
+    _, cfg = open_gguf(moe_models[arch])
+    for p, want, got in zip(prompts, eager, graphed):
+        assert_same_or_tie(lambda ids: prompt_logits(llm.model, cfg, ids), p, want, got, 0.05)
 
 
 def test_serve_banner_says_how_decode_runs():

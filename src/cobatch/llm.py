@@ -473,13 +473,15 @@ STEP_GRAPHS = os.environ.get("COBATCH_STEP_GRAPHS", "1") == "1"
 
 def _capture_step_graphs(w: _Weights, options: EngineOptions, decode_graphs):
     """The prefill steps' graphs (engine/cuda_graphs.StepGraphs), in the decode graphs' memory pool: where those
-    were captured, on one device, for a model that allows it (models/llama.py's step_graph_safe)."""
+    were captured, on one device, for a model that holds some (models/llama.py's step_graph_holds)."""
     model = w.model
-    if decode_graphs is None or not STEP_GRAPHS or model.tp is not None or not getattr(model, "step_graph_safe", False):
+    if decode_graphs is None or not STEP_GRAPHS or model.tp is not None or not hasattr(model, "step_graph_holds"):
         return None
-    from cobatch.engine.cuda_graphs import StepGraphs
+    from cobatch.engine.cuda_graphs import StepGraphs, step_graph_rows
     # A chunk beside decode rows: the scheduler cuts a long prompt so that the step fits prefill_chunk rows.
     rows = min(options.prefill_chunk, options.max_step_tokens)
+    if not step_graph_rows(model, rows):
+        return None
     return StepGraphs(model, w.pool, rows, options.max_num_seqs, w.ctx, options.quiet, mempool=decode_graphs.mempool)
 
 

@@ -186,6 +186,13 @@ class StagedInputs:
             self._sent.record()
 
 
+def step_graph_rows(model, max_rows: int) -> list[int]:
+    """The prefill steps' row buckets: STEP_ROWS up to the first that holds max_rows, those the model's forward can
+    be captured at (models/llama.py's step_graph_holds: with experts routed by a host sync at some sizes, a step of
+    such a size replays a bigger bucket or runs eagerly)."""
+    return [r for r in _up_to(STEP_ROWS, max_rows) if model.step_graph_holds(r)]
+
+
 class StepGraphs:
     """Graphs of the steps with prefill chunks (alone, or beside other sequences' chunks and decode rows), one
     per (rows, sequences) bucket of STEP_ROWS x STEP_SEQS up to the first that holds max_rows and max_seqs
@@ -196,7 +203,8 @@ class StepGraphs:
                  mempool=None):
         dev = pool.k[0].device
         self.model, self.pool = model, pool
-        self.rows, self.seqs = _up_to(STEP_ROWS, max_rows), _up_to(STEP_SEQS, max_seqs)
+        self.rows, self.seqs = step_graph_rows(model, max_rows), _up_to(STEP_SEQS, max_seqs)
+        assert self.rows, "the model's forward can be captured at no step size"
         self.max_rows, self.max_seqs = self.rows[-1], self.seqs[-1]
         self.max_blocks = -(-max_context // pool.block_size)
         self.max_context = self.max_blocks * pool.block_size

@@ -118,7 +118,7 @@ class LlamaModel:
         # MoE: steps of up to ROUTED_MAX_ROWS rows route on the device and can be captured; where the experts'
         # format has no routed kernel, routing needs a host sync per layer (models/moe.py), which a captured
         # CUDA graph cannot hold.
-        moes = [layer.moe for layer in self.layers if layer.moe is not None]
+        moes = self._moes = [layer.moe for layer in self.layers if layer.moe is not None]
         self.graph_safe = all(m.routed for m in moes)
         self.graph_max_rows: int | None = None
         if moes and self.graph_safe:
@@ -142,9 +142,12 @@ class LlamaModel:
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.lora = (LoraSet(cfg, list(adapters), dev, dtype, adapter_rows, adapter_slots, adapter_rank,
                              runtime_adapters) if adapters or runtime_adapters else None)
-        # Steps with prefill chunks may replay graphs too (engine/cuda_graphs.StepGraphs), but not with routed
-        # experts (their slots are sized for decode steps) or adapters (staged a row each for the decode graphs).
-        self.step_graph_safe = not moes and self.lora is None
+
+    def step_graph_holds(self, rows: int) -> bool:
+        """Can a CUDA graph hold a step of `rows` rows with prefill chunks (engine/cuda_graphs.StepGraphs)? Not
+        with adapters (staged a row each for the decode graphs), nor where an MoE layer would route them with a
+        host sync (models/moe.py)."""
+        return self.lora is None and all(moe.routes_on_device(rows) for moe in self._moes)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:

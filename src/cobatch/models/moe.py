@@ -98,10 +98,14 @@ class MoeFeedForward:
         """Do steps of up to ROUTED_MAX_ROWS rows run without a host sync?"""
         return self.routed_gate_up is not None
 
+    def routes_on_device(self, n_rows: int) -> bool:
+        """Does a step of n_rows rows run the routed path whole (no host sync, so a CUDA graph may hold it)?"""
+        return self.routed and (n_rows <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(n_rows))
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(h)
         shared = self._shared(h)
-        if self.routed and (h.shape[0] <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(h.shape[0])):
+        if self.routes_on_device(h.shape[0]):
             return self._routed(h, weights, ids, shared)
         if self.routed and ROUTED_PREFILL:
             # a prefill chunk in slices of the routed path's rows: no host sync and no loop over experts in Python
