@@ -79,3 +79,69 @@ def assert_same_or_tie(ref_logits, prompt, want, got, tol):
     gap = (logits[want[i]] - logits[got[i]]).abs().item()
     assert gap <= tol, f"diverged at step {i} with a reference margin of {gap:.4f} (> {tol}): not a tie"
     return i, gap
+
+
+def step_hidden(llm, prompts: list[list[int]], graphs=None) -> torch.Tensor:
+    """The final hidden states of one prefill step of these prompts (each from position 0) on an engine's device:
+    eager, or replayed from `graphs` (engine/cuda_graphs.StepGraphs)."""
+    from cobatch.engine.runner import step_metadata
+    bs, dev = llm.engine.pool.block_size, llm.engine.runner.device
+    tables = [llm.engine.blocks.allocate(-(-len(p) // bs)) for p in prompts]
+    ids = [t for p in prompts for t in p]
+    pos = [i for p in prompts for i in range(len(p))]
+    slots = [table[i // bs] * bs + i % bs for p, table in zip(prompts, tables) for i in range(len(p))]
+    starts = [0]
+    for p in prompts:
+        starts.append(starts[-1] + len(p))
+    lens = [len(p) for p in prompts]
+    try:
+        with torch.inference_mode():
+            if graphs is not None:
+                return graphs.run(ids, pos, slots, lens, starts, tables).clone()
+            meta = step_metadata(slots, starts, lens, tables, dev)
+            return llm.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
+                                     llm.engine.pool.k, llm.engine.pool.v).clone()
+    finally:
+        for table in tables:
+            llm.engine.blocks.release(table)
+
+
+def generate_with_and_without_step_graphs(llm, prompts: list[list[int]], params) -> tuple[list, list, list[int]]:
+    """(tokens with the engine's prefill graphs, tokens with its prefill steps eager, the rows of each replayed
+    step) of the same prompts, arriving together."""
+    runner = llm.engine.runner
+    graphs = runner.step_graphs
+    replays = []
+
+    def counted(*args):
+        replays.append(len(args[0]))
+        return type(graphs).run(graphs, *args)
+
+    graphs.run = counted
+    try:
+        graphed = llm.engine.generate(prompts, params)
+    finally:
+        del graphs.run
+    runner.step_graphs = None
+    try:
+        eager = llm.engine.generate(prompts, params)
+    finally:
+        runner.step_graphs = graphs
+    return graphed, eager, replays
+
+
+def assert_prefill_graphs_close_to_eager(llm, cfg: ModelConfig, prompts: list[list[int]], tol: float = 0.05):
+    """A model whose engine captured prefill graphs: a 40-token prompt's hidden states replayed from the (64, 1)
+    graph close to the eager forward's (its kernels may be another row count's), and greedy generation of the
+    prompts at once replaying the prefill step, the eager engine's tokens or parting at a tie (within tol)."""
+    from cobatch.engine.sampler import SamplingParams
+    graphs = llm.engine.runner.step_graphs
+    assert graphs is not None and graphs.bucket_for(40, 1) == (64, 1)
+    ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(5))]
+    got, want = step_hidden(llm, [ids], graphs).float(), step_hidden(llm, [ids]).float()
+    assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()).item() < 2e-2
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    graphed, eager, replays = generate_with_and_without_step_graphs(llm, prompts, greedy)
+    assert replays and sum(replays) >= sum(len(p) for p in prompts)      # every prompt row in a graph's step
+    for p, want_ids, got_ids in zip(prompts, eager, graphed):
+        assert_same_or_tie(lambda ids: prompt_logits(llm.model, cfg, ids), p, want_ids, got_ids, tol)

@@ -13,7 +13,7 @@ import torch
 from cobatch.engine.sampler import SamplingParams
 from cobatch.kernels import matmul_plans
 from cobatch.llm import LLM, EngineOptions
-from model_checks import assert_same_or_tie
+from model_checks import assert_same_or_tie, step_hidden
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 
@@ -124,11 +124,11 @@ def test_a_prefill_graph_gives_the_eager_forwards_hidden_states(models, name):
     ids = ([t for p in PROMPTS for t in cpu.encode_prompt(p)] * 4)[:40]     # the prompts end to end: 40 real tokens
     other = (cpu.encode_prompt(PROMPTS[1]) + cpu.encode_prompt(PROMPTS[0]))[:7]
     assert len(ids) == 40 and len(other) == 7
-    want = _gpu_hidden(gpu, [ids])
-    got = _gpu_hidden(gpu, [ids], graphs)
+    want = step_hidden(gpu, [ids])
+    got = step_hidden(gpu, [ids], graphs)
     assert torch.isfinite(want).all() and torch.equal(got, want)
-    want2 = _gpu_hidden(gpu, [ids, other])
-    assert torch.equal(_gpu_hidden(gpu, [ids, other], graphs), want2) and torch.equal(want2[:40], want)
+    want2 = step_hidden(gpu, [ids, other])
+    assert torch.equal(step_hidden(gpu, [ids, other], graphs), want2) and torch.equal(want2[:40], want)
 
 
 def test_prefill_steps_replay_graphs_and_generate_as_eager_steps(models, monkeypatch):
@@ -163,34 +163,9 @@ def _step_graphs(llm):
     return _STEP_GRAPHS[id(llm)]
 
 
-def _gpu_hidden(llm, prompts: list[list[int]], graphs=None) -> torch.Tensor:
-    """The final hidden states of one prefill step of these prompts (each from position 0): eager, or replayed
-    from `graphs` (a StepGraphs)."""
-    bs, dev = llm.engine.pool.block_size, "cuda"
-    tables = [llm.engine.blocks.allocate(-(-len(p) // bs)) for p in prompts]
-    ids = [t for p in prompts for t in p]
-    pos = [i for p in prompts for i in range(len(p))]
-    slots = [table[i // bs] * bs + i % bs for p, table in zip(prompts, tables) for i in range(len(p))]
-    starts = [0]
-    for p in prompts:
-        starts.append(starts[-1] + len(p))
-    lens = [len(p) for p in prompts]
-    try:
-        with torch.inference_mode():
-            if graphs is not None:
-                return graphs.run(ids, pos, slots, lens, starts, tables).clone()
-            from cobatch.engine.runner import step_metadata
-            meta = step_metadata(slots, starts, lens, tables, torch.device(dev))
-            return llm.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
-                                     llm.engine.pool.k, llm.engine.pool.v).clone()
-    finally:
-        for table in tables:
-            llm.engine.blocks.release(table)
-
-
 def _gpu_logits(llm, ids):
     """The eager forward's logits of one prefill of ids, every row."""
-    hidden = _gpu_hidden(llm, [ids])
+    hidden = step_hidden(llm, [ids])
     with torch.inference_mode():
         return llm.model.logits(hidden).float().cpu()
 

@@ -20,8 +20,8 @@ from cobatch.llm import LLM, EngineOptions
 from cobatch.loader.gguf import GGUFFile
 from cobatch.model_files import smollm2_path
 from cobatch.quant.weight import QuantWeight
-from model_checks import (assert_same_or_tie, gpu_and_cpu_logits, load_model, open_gguf, prompt_logits,
-                          transformers_logits)
+from model_checks import (assert_prefill_graphs_close_to_eager, gpu_and_cpu_logits, load_model, open_gguf,
+                          prompt_logits, transformers_logits)
 
 REL_ERR_BOUND = 1e-4
 
@@ -242,32 +242,8 @@ def test_gpu_prefill_steps_replay_graphs_with_routed_experts(moe_models, arch, m
     monkeypatch.setattr(packed_experts, "ROUTED_GEMM", False)
     assert llm.model.step_graph_holds(packed_experts.ROUTED_MAX_ROWS) and not llm.model.step_graph_holds(512)
     monkeypatch.setattr(packed_experts, "ROUTED_GEMM", True)
-    ids = [int(i) for i in torch.randint(0, 49000, (40,), generator=torch.Generator().manual_seed(5))]
-    graphs, bs = runner.step_graphs, llm.engine.pool.block_size
-    assert graphs.bucket_for(40, 1) == (64, 1)
-    table = llm.engine.blocks.allocate(-(-40 // bs))
-    slots = [table[i // bs] * bs + i % bs for i in range(40)]
-    try:
-        with torch.inference_mode():
-            got = graphs.run(ids, list(range(40)), slots, [40], [0, 40], [table]).float()
-            from cobatch.engine.runner import step_metadata
-            meta = step_metadata(slots, [0, 40], [40], [table], torch.device("cuda"))
-            want = llm.model.forward(torch.tensor(ids, device="cuda"), torch.arange(40, device="cuda"), meta,
-                                     llm.engine.pool.k, llm.engine.pool.v).float()
-    finally:
-        llm.engine.blocks.release(table)
-    assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()).item() < 2e-2
-    real, replays = graphs.run, []
-    monkeypatch.setattr(graphs, "run", lambda *a: replays.append(len(a[0])) or real(*a))
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,")]
-    graphed = llm.engine.generate(prompts, greedy)
-    assert replays and sum(replays) >= sum(len(p) for p in prompts)
-    monkeypatch.setattr(runner, "step_graphs", None)
-    eager = llm.engine.generate(prompts, greedy)
-    _, cfg = open_gguf(moe_models[arch])
-    for p, want, got in zip(prompts, eager, graphed):
-        assert_same_or_tie(lambda ids: prompt_logits(llm.model, cfg, ids), p, want, got, 0.05)
+    assert_prefill_graphs_close_to_eager(llm, open_gguf(moe_models[arch])[1], prompts)
 
 
 def test_serve_banner_says_how_decode_runs():
