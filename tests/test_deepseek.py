@@ -25,7 +25,7 @@ from cobatch.model_files import smollm2_path
 from cobatch.testing.gguf_writer import write_random_model
 from cobatch.batch import AttentionMetadata
 from conftest import requires_cuda
-from model_checks import load_model
+from model_checks import assert_prefill_graphs_close_to_eager, load_model, open_gguf
 
 # float32 both sides; what is left is the order of sums (absorbed attention against decompressed K/V) and q8_0 /
 # q5_0 weights dequantized by two implementations
@@ -262,3 +262,15 @@ def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name, k
     eager = eng.generate(prompts, greedy)
     eng.runner.graphs = graphs
     assert eng.generate(prompts, greedy) == eager and all(len(t) == 8 for t in eager)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_prefill_steps_replay_graphs(models, name):
+    """DeepSeek's steps with prefill chunks replay graphs (the MLA prefill kernel, the latent write, the experts
+    routed on the device, the routed GEMM past ROUTED_MAX_ROWS): a 40-token prompt's hidden states close to the
+    eager forward's, and greedy generation of four prompts at once the eager engine's tokens or parting at a tie."""
+    llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True, kv_cache_gb=1))
+    assert llm.engine.runner.step_graphs is not None and llm.model.step_graph_holds(64)
+    prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,", "Hello")]
+    assert_prefill_graphs_close_to_eager(llm, open_gguf(models[name])[1], prompts)

@@ -36,7 +36,7 @@ from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import rope_cos_sin, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import WeightLoader, load_gate_up
-from cobatch.models.moe import MoeFeedForward
+from cobatch.models.moe import MoeFeedForward, route_on_device
 
 
 class DeepseekMoe(MoeFeedForward):
@@ -137,7 +137,7 @@ class DeepseekModel:
                 progress(1)
         # Captured in CUDA graphs as llama's MoE models are (steps of up to ROUTED_MAX_ROWS rows): the router is torch
         # code without a host sync, the experts route on the device, attention and the latent write are kernels.
-        moes = [layer.moe for layer in self.layers if layer.moe is not None]
+        moes = self._moes = [layer.moe for layer in self.layers if layer.moe is not None]
         self.graph_safe = all(m.routed for m in moes)
         self.graph_max_rows: int | None = ROUTED_MAX_ROWS if moes and self.graph_safe else None
         self.tp = None             # tensor parallelism does not shard MLA (llm._open refuses it)
@@ -148,6 +148,12 @@ class DeepseekModel:
         self.final_norm = vec("output_norm.weight")
         self.cos_sin = _rope_table(cfg, max_positions or cfg.context_length).to(dev)
         self.scale = mla.qk_head_dim ** -0.5 * yarn_mscale(cfg) ** 2
+
+    def step_graph_holds(self, rows: int) -> bool:
+        """Can a CUDA graph hold a step of `rows` rows with prefill chunks (engine/cuda_graphs.StepGraphs)? Where
+        the experts route on the device (models/moe.py); the MLA prefill kernel zeroes the padding rows' output,
+        so they route finite values."""
+        return route_on_device(self._moes, rows)
 
     def attention(self, layer: MlaLayer, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   cache: torch.Tensor) -> torch.Tensor:

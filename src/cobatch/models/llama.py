@@ -22,7 +22,7 @@ from cobatch.loader.weights import WeightSource
 from cobatch.loader.lora import Adapter
 from cobatch.models.linear import WeightLoader, load_gate_up
 from cobatch.models.lora import LoraSet
-from cobatch.models.moe import MoeFeedForward
+from cobatch.models.moe import MoeFeedForward, route_on_device
 
 
 @dataclass(slots=True)
@@ -147,7 +147,7 @@ class LlamaModel:
         """Can a CUDA graph hold a step of `rows` rows with prefill chunks (engine/cuda_graphs.StepGraphs)? Not
         with adapters (staged a row each for the decode graphs), nor where an MoE layer would route them with a
         host sync (models/moe.py)."""
-        return self.lora is None and all(moe.routes_on_device(rows) for moe in self._moes)
+        return self.lora is None and route_on_device(self._moes, rows)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:

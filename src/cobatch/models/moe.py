@@ -47,6 +47,12 @@ def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
     return [QuantWeight(w.fmt, rows, w.cols, w.raw[e * rows:(e + 1) * rows]) for e in range(n_experts)]
 
 
+def route_on_device(moes: list["MoeFeedForward"], n_rows: int) -> bool:
+    """Do all these MoE layers run a step of n_rows rows on the routed path whole (no host sync, so a CUDA graph
+    may hold it)?"""
+    return all(moe.routes_on_device(n_rows) for moe in moes)
+
+
 class MoeFeedForward:
     def __init__(self, cfg: ModelConfig, gguf: WeightSource, prefix: str, device: torch.device, dtype: torch.dtype,
                  keep_dense: bool = False):
