@@ -384,7 +384,7 @@ def test_prefill_by_work_list_gives_the_bits_of_the_full_grid(window):
     starts = meta.query_start.tolist()
     work = prefill_work(starts, seq_lens, items=prefill_work_items(q.shape[0], len(seq_lens), TINY_PREFILL) + 3,
                         cfg=TINY_PREFILL)
-    listed = replace(meta, prefill_work=torch.tensor(work, dtype=torch.int32))
+    listed = replace(meta, prefill_work=torch.tensor(work, dtype=torch.int32, device=q.device))
     got = paged_prefill_attention(q, k_cache, v_cache, listed, scale, out=want.clone(), cfg=TINY_PREFILL,
                                   window=window)
     assert torch.equal(got, want)
