@@ -137,6 +137,26 @@ def test_an_fp8_cache_is_widened_for_both_kernels(words):
     assert relative_error(got, mla_attention_ref(q, cache, meta, 0.3, 16)) < 1e-2
 
 
+def test_prefill_by_work_list_gives_the_bits_of_the_full_grid():
+    """Over attention.prefill_work's list (tiles of 8 rows, each four of the kernel's 2-row token tiles; padded
+    with -1 items, as a graph's fixed grid is) the kernel stores what the grid of every sequence times its longest
+    chunk's tiles stores, and nothing in the rows past the step's."""
+    from cobatch.kernels.attention import PrefillConfig, prefill_work, prefill_work_items
+    seq_lens, q_lens = [21, 40, 5, 0, 9], [21, 12, 1, 0, 9]
+    q, cache, meta = latent_setup(seq_lens, 12, 16, 8, torch.bfloat16, seed=8, q_lens=q_lens)
+    tiles = PrefillConfig(block_m=8)
+    want = mla_prefill_attention(q, cache, meta, 0.3, 16, out=poisoned(q.shape[:2] + (16,), torch.bfloat16),
+                                 cfg=PREFILL_SMALL)
+    work = prefill_work(meta.query_start.tolist(), seq_lens,
+                        items=prefill_work_items(q.shape[0], len(seq_lens), tiles) + 3, cfg=tiles)
+    listed = replace(meta, prefill_work=torch.tensor(work, dtype=torch.int32, device=q.device))
+    got = mla_prefill_attention(q, cache, listed, 0.3, 16, out=want.clone(), cfg=PREFILL_SMALL, work_rows=8)
+    assert torch.equal(got, want)
+    fresh = mla_prefill_attention(q, cache, listed, 0.3, 16, cfg=PREFILL_SMALL, work_rows=8)
+    assert torch.equal(fresh, want)
+    assert relative_error(fresh, mla_attention_ref(q, cache, meta, 0.3, 16)) < 1e-2
+
+
 def test_prefill_of_padded_rows_stays_zero():
     """Rows past query_start[-1] (a step padded to a bucket) come out as zeros, as the reference's do."""
     q, cache, meta = latent_setup([10, 4], 4, 16, 8, torch.float32, seed=7, q_lens=[6, 4])

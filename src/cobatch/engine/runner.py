@@ -20,6 +20,7 @@ from cobatch.engine.kv_cache import KVPool
 from cobatch.engine.sampler import (MAX_BAD_WORD_TOKENS, Sampler, SampleOutput, SampleRow, bad_word_bans,
                                     needs_penalties, to_device)
 from cobatch.engine.scheduler import StepPlan
+from cobatch.kernels.attention import prefill_work
 
 
 # A prompt token reported with its logprob: (token, logprob, the k likeliest (token, logprob), its rank: 1 + the
@@ -77,15 +78,19 @@ def _samples(seq, n: int) -> bool:
 def step_metadata(slots: list[int], starts: list[int], lens: list[int], tables: list[list[int]],
                   device: torch.device) -> AttentionMetadata:
     """An eager step's attention metadata from its host lists (ModelRunner._host_inputs): pinned, non-blocking
-    copies, so the host does not wait here for a step still running on the device."""
+    copies, so the host does not wait here for a step still running on the device. A step with a chunk of several
+    rows gets the prefill kernels' work list (attention.prefill_work), so that their programs are its tiles, not
+    every sequence times the longest chunk's."""
     width = max(len(t) for t in tables)
+    max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
     return AttentionMetadata(
         slot_mapping=to_device(slots, torch.int64, device),
         query_start=to_device(starts, torch.int32, device),
         seq_lens=to_device(lens, torch.int32, device),
         block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
-        max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+        max_query_len=max_query_len,
         max_seq_len=max(lens),
+        prefill_work=to_device(prefill_work(starts, lens), torch.int32, device) if max_query_len > 1 else None,
     )
 
 

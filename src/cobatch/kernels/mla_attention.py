@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, DecodeConfig, _decode_reduce_kernel, _load_rows,
-                                       _program_chunk, _softmax_fold, _store_partial, _tile_pages,
+from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, PREFILL_CONFIG, DecodeConfig, _decode_reduce_kernel,
+                                       _load_rows, _program_chunk, _softmax_fold, _store_partial, _tile_pages,
                                        hidden_keys, operand_dtype, plan_decode_splits, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.fp8_cache import kernel_view, words_mode
@@ -232,20 +232,31 @@ MLA_PREFILL_CONFIG = MlaPrefillConfig()
 
 
 @jit
-def _mla_prefill_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+def _mla_prefill_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, query_start_ptr, out_ptr, work_ptr,
                         q_row_stride, q_head_stride, q_rope_row_stride, q_rope_head_stride, bt_stride,
                         cache_block_stride, cache_slot_stride,
                         out_row_stride, out_head_stride, qk_scale,
                         N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, LAT: tl.constexpr,
                         ROPE: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
+                        DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
+                        WORK_SUBS: tl.constexpr = 0):
     """Program (head block, seq, token tile): BLOCK_T rows of the sequence's chunk x BLOCK_H heads as one block of
     query rows (token-major), against each cached row once. Row t of the chunk sits at position seq_len - q_len + t
-    and sees the rows 0..that position; tiles go last-first as in attention._prefill_kernel."""
-    seq = tl.program_id(1).to(tl.int64)
-    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    and sees the rows 0..that position; tiles go last-first as in attention._prefill_kernel. WORK_SUBS > 0: program
+    (head block, item, sub) takes token tile sub (last-first) of the WORK_SUBS in the (sequence, tile) packed in
+    work_ptr[item] (attention.prefill_work, whose tiles hold WORK_SUBS of ours), and an item of -1 reads and writes
+    nothing: a step's programs are its tiles, not every sequence times its longest chunk's tiles."""
+    if WORK_SUBS > 0:
+        packed = tl.load(work_ptr + tl.program_id(1))
+        seq = (tl.maximum(packed, 0) >> 16).to(tl.int64)
+        tile = (tl.maximum(packed, 0) & 0xFFFF) * WORK_SUBS + WORK_SUBS - 1 - tl.program_id(2)
+    else:
+        seq = tl.program_id(1).to(tl.int64)
+        tile = tl.num_programs(2) - 1 - tl.program_id(2)
     row0 = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - row0
+    if WORK_SUBS > 0:
+        q_len = tl.where(packed >= 0, q_len, 0)      # an item past the list: no rows, so no keys and no stores
     seq_len = tl.load(seq_lens_ptr + seq)
 
     i = tl.arange(0, BLOCK_T * BLOCK_H)
@@ -290,11 +301,12 @@ def _mla_prefill_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr, quer
 
 def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                           kv_lora_rank: int, out: torch.Tensor | None = None,
-                          cfg: MlaPrefillConfig = MLA_PREFILL_CONFIG, q_rope: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+                          cfg: MlaPrefillConfig = MLA_PREFILL_CONFIG, q_rope: torch.Tensor | None = None,
+                          work_rows: int = PREFILL_CONFIG.block_m) -> torch.Tensor:
     """mla_attention_ref for any step (chunks of several rows, decode rows among them), in q's dtype. Rows past
     query_start[-1] stay zero when `out` is allocated here. kv_lora_rank a power of two, as for the decode kernel.
-    q_rope: the queries' rope part apart (query_parts)."""
+    q_rope: the queries' rope part apart (query_parts). With meta.prefill_work (attention.prefill_work, tiles of
+    work_rows rows), the programs are the step's tiles only."""
     q, q_rope = query_parts(q, q_rope, kv_lora_rank)
     n_rows, n_heads, _ = q.shape
     cache = cache.flatten(2) if cache.dim() == 4 else cache
@@ -308,14 +320,21 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionM
         return out
     block_h = min(cfg.block_h, next_pow2(n_heads), cfg.rows)
     block_t = cfg.rows // block_h
-    grid = (triton.cdiv(n_heads, block_h), meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), block_t))
+    work, subs = meta.prefill_work, 0
+    if work is not None:
+        assert work_rows % block_t == 0, "a work list's tile holds whole token tiles of ours"
+        subs = work_rows // block_t
+        grid = (triton.cdiv(n_heads, block_h), work.shape[0], subs)
+    else:
+        grid, work = (triton.cdiv(n_heads, block_h), meta.num_seqs,
+                      triton.cdiv(max(meta.max_query_len, 1), block_t)), meta.seq_lens
     _mla_prefill_kernel[grid](
-        q, q_rope, kernel_view(cache), meta.block_tables, meta.seq_lens, meta.query_start, out,
+        q, q_rope, kernel_view(cache), meta.block_tables, meta.seq_lens, meta.query_start, out, work,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), meta.block_tables.stride(0), cache.stride(0),
         cache.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
         N_HEADS=n_heads, BLOCK_H=block_h, BLOCK_T=block_t, LAT=kv_lora_rank, ROPE=rope,
         BLOCK_R=max(16, next_pow2(rope)), PAGE=page, BLOCK_N=cfg.block_n, DOT_F32=dot_in_f32(cache.dtype),
         OPERAND=operand_dtype(q, cache), FP8_WORDS=words_mode(cache, cache.shape[2], cfg.fp8_words),
-        num_warps=cfg.num_warps if kv_lora_rank > 256 else 4, num_stages=cfg.num_stages)
+        WORK_SUBS=subs, num_warps=cfg.num_warps if kv_lora_rank > 256 else 4, num_stages=cfg.num_stages)
     return out
