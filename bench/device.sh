@@ -175,8 +175,9 @@ parallel)
 sampler)
   timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -78 ;;
 prefill)
-  [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gpu_engine.py tests/test_cuda_graph_inputs.py \
-    -k "prefill_graph or replay_graphs or stage"
+  [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gpu_engine.py tests/test_cuda_graph_inputs.py tests/test_moe.py \
+    tests/test_deepseek.py tests/test_mla_attention.py tests/test_attention_kernels.py \
+    -k "prefill_graph or replay_graphs or stage or work_list"
   model=${MODEL:-$(random_model llama3-8b q8_0 "${LAYERS:-8}")}
   [ $# -eq 0 ] && set -- --tokens 128,512 --graphs --beside 0,8,64 --cut
   timeout "$(left "$TIMEOUT")" python3 bench/prefill_host.py --model "$model" "$@" 2>&1 | quiet \

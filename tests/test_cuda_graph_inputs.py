@@ -1,4 +1,5 @@
-"""The decode graphs' staged inputs (engine/cuda_graphs.StagedInputs): host mirror -> static device buffers.
+"""The graphs' staged inputs (engine/cuda_graphs.StagedInputs): host mirror -> static device buffers; and an eager
+step's metadata (runner.step_metadata).
 
 The staging logic is device-independent, so it is checked on the CPU: what the graph reads after a step must
 be that step's rows, with the bucket's padding rows harmless (slot -1, length 0), whatever earlier steps
@@ -64,3 +65,17 @@ def test_step_buckets_reach_the_first_size_that_holds_the_most():
     assert _up_to(STEP_ROWS, 576) == [16, 32, 64, 128, 256, 512, 768]
     assert _up_to(STEP_SEQS, 40) == [1, 4, 16, 64] and _up_to(STEP_SEQS, 4) == [1, 4]
     assert _up_to(STEP_ROWS, 99999) == list(STEP_ROWS)
+
+
+def test_an_eager_step_with_a_chunk_gets_the_prefill_kernels_work_list():
+    """runner.step_metadata, an eager step's metadata: with a chunk of several rows, the (sequence, 64-row tile)
+    items of the step's tiles, the most keys first (the prefill kernels then run those programs only); a step of
+    decode rows alone has none (the decode kernel runs it)."""
+    from cobatch.engine.runner import step_metadata
+    cpu = torch.device("cpu")
+    # a 70-row chunk (positions 10..79: two tiles) and a decode row at position 40
+    meta = step_metadata(list(range(71)), [0, 70, 71], [80, 41], [[0, 1, 2, 3, 4], [5, 6, 7]], cpu)
+    assert meta.max_query_len == 70 and meta.prefill_work.dtype == torch.int32
+    assert meta.prefill_work.tolist() == [1, 0, 1 << 16]          # sequence 0 tile 1: 80 keys, tile 0: 74, then 41
+    decode = step_metadata([3, 9], [0, 1, 2], [4, 10], [[0], [1]], cpu)
+    assert decode.max_query_len == 1 and decode.prefill_work is None
