@@ -200,10 +200,11 @@ class StepGraphs:
     the rows it samples (and prompt logprobs, embeddings)."""
 
     def __init__(self, model, pool, max_rows: int, max_seqs: int, max_context: int, quiet: bool = False,
-                 mempool=None):
+                 mempool=None, seq_sizes: tuple[int, ...] = STEP_SEQS):
         dev = pool.k[0].device
         self.model, self.pool = model, pool
-        self.rows, self.seqs = step_graph_rows(model, max_rows), _up_to(STEP_SEQS, max_seqs)
+        # seq_sizes: the sequence buckets (bench/prefill_host.py --seq-sizes times others against these)
+        self.rows, self.seqs = step_graph_rows(model, max_rows), _up_to(seq_sizes, max_seqs)
         assert self.rows, "the model's forward can be captured at no step size"
         self.max_rows, self.max_seqs = self.rows[-1], self.seqs[-1]
         self.max_blocks = -(-max_context // pool.block_size)
