@@ -549,3 +549,18 @@ def test_bad_grammar_flags_fail_before_the_model_loads(flags, message, cli):
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cobatch: error:") and message in lines[0], r.stderr
+
+
+def test_running_out_of_gpu_memory_at_load_is_one_clear_line(cli, monkeypatch):
+    """torch's out-of-memory error while a model loads (here raised where the prefill graphs are captured) is one
+    line saying what must fit the GPU, exit 2, not a traceback: the first sentence of torch's message kept."""
+    import torch
+    from cobatch import llm
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.25 GiB is free.\nIncluding non-PyTorch memory ...")
+    monkeypatch.setattr(llm, "_capture_step_graphs", out_of_memory)
+    assert_clean_error(cli("generate", "hi", "-n", "1"), "out of GPU memory while loading the model",
+                       "Tried to allocate 20.00 GiB", "--kv-cache-gb", "--eager")
+    assert "1.25 GiB is free" not in cli("generate", "hi", "-n", "1").stderr

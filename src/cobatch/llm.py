@@ -5,6 +5,7 @@ The object the CLI, the server and the benchmarks share: `LLM.load(path)` and go
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -219,6 +220,18 @@ def _graph_rows(options: EngineOptions, model_limit: int | None, device: torch.d
     return min(rows, model_limit or rows)
 
 
+@contextlib.contextmanager
+def _gpu_memory_as_user_error():
+    """Out of GPU memory while loading: one line of what must fit, the CLI's exit 2, not a traceback."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        what = str(e).split(". GPU")[0].splitlines()[0]         # torch's first sentence: what it tried to allocate
+        raise UserError(f"out of GPU memory while loading the model ({what}): the weights, the KV cache "
+                        "(--kv-cache-gb, or --gpu-memory-utilization) and the CUDA graphs (--parallel, "
+                        "--prefill-chunk; none with --eager) must fit the GPU together") from None
+
+
 class LLM:
     def __init__(self, path: Path, weights: GGUFFile | HFCheckpoint, cfg: ModelConfig, tokenizer: Tokenizer,
                  template: ChatTemplate | None, model: Model, engine: Engine, options: EngineOptions):
@@ -230,6 +243,7 @@ class LLM:
         self.ranks = None          # tensor parallel: the other ranks' processes (parallel/launch.Ranks)
 
     @classmethod
+    @_gpu_memory_as_user_error()
     def load(cls, path: str | Path | None = None, options: EngineOptions | None = None,
              tp: TensorParallelGroup | None = None, link: StepLink | None = None) -> "LLM":
         """Load a model for serving. With tensor parallelism this process is rank 0 of the group `tp` (the other
