@@ -247,16 +247,18 @@ def test_gpu_prefill_steps_replay_graphs_with_routed_experts(moe_models, arch, m
 
 
 def test_serve_banner_says_how_decode_runs():
-    """`cobatch serve` prints whether decode steps run in CUDA graphs or eager, and why eager."""
+    """`cobatch serve` prints whether decode steps (and prefill steps) run in CUDA graphs or eager, and why eager."""
     from types import SimpleNamespace as NS
 
     from cobatch.server.app import _graphs_note
 
-    def llm(device, graphs, graph_safe):
-        return NS(engine=NS(runner=NS(device=torch.device(device), graphs=graphs)), model=NS(graph_safe=graph_safe))
+    def llm(device, graphs, graph_safe, step_graphs=None):
+        return NS(engine=NS(runner=NS(device=torch.device(device), graphs=graphs, step_graphs=step_graphs)),
+                  model=NS(graph_safe=graph_safe))
 
     assert _graphs_note(llm("cpu", None, True)) == ""
     assert _graphs_note(llm("cuda", object(), True)) == " (decode in CUDA graphs)"
+    assert _graphs_note(llm("cuda", object(), True, object())) == " (decode and prefill in CUDA graphs)"
     assert "no device routing" in _graphs_note(llm("cuda", None, False))
     assert "--eager" in _graphs_note(llm("cuda", None, True))
 

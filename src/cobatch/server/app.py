@@ -290,11 +290,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def _graphs_note(llm: LLM) -> str:
-    """How decode steps run on CUDA: captured graphs, or eager (experts the device cannot route, or --eager)."""
-    if llm.engine.runner.device.type != "cuda":
+    """How decode steps run on CUDA: captured graphs (and prefill steps too, where the model allows), or eager
+    (experts the device cannot route, or --eager)."""
+    runner = llm.engine.runner
+    if runner.device.type != "cuda":
         return ""
-    if llm.engine.runner.graphs is not None:
-        return " (decode in CUDA graphs)"
+    if runner.graphs is not None:
+        return " (decode and prefill in CUDA graphs)" if runner.step_graphs is not None else " (decode in CUDA graphs)"
     why = "these experts' format has no device routing" if not llm.model.graph_safe else "--eager"
     return f" (decode eager: {why})"
 
