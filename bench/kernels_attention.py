@@ -169,14 +169,15 @@ MLA_SWEEP = [(MLA_DECODE_CONFIG, 16)] + [
 
 
 # (split plan config, CUDA config or None for the Triton kernel) of --mla --cuda
+# (producers: the warps issuing the ring's row copies)
 MLA_CUDA_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
-    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(segments=segs, early=early))
-    for pps, segs, early in [(2, 10, True), (1, 10, True), (2, 5, True), (4, 5, True), (2, 10, False)]]
+    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(segments=segs, producers=producers))
+    for pps, segs, producers in [(1, 10, 1), (1, 10, 2), (1, 10, 4), (2, 5, 2)]]
 # the same with an fp8 latent cache: the Triton kernel, then the CUDA one's rings of e4m3 rows (8 segments or fewer
-# leave room for two CTAs an SM), widened by cvt or, in the output's product, by bit moves (out_bits)
+# leave room for two CTAs an SM)
 MLA_CUDA_FP8_SWEEP = [(MLA_DECODE_CONFIG, None)] + [
-    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(fp8_segments=segs, out_bits=bits))
-    for pps, segs, bits in [(1, 20, False), (1, 20, True), (1, 12, False), (2, 8, False), (2, 8, True), (2, 6, False)]]
+    (replace(MLA_DECODE_CONFIG, programs_per_sm=pps), MlaCudaConfig(fp8_segments=segs, fp8_producers=producers))
+    for pps, segs, producers in [(2, 8, 1), (2, 8, 2), (1, 20, 2), (1, 20, 4)]]
 
 
 class _cuda_fp8:

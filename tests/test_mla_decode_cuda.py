@@ -25,8 +25,9 @@ from kernel_checks import poisoned, relative_error  # noqa: E402
 
 LAT, ROPE, SCALE = 512, 64, 192 ** -0.5
 FP8 = torch.float8_e4m3fn
-CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5, fp8_segments=20, out_bits=True), MlaCudaConfig(early=False)]
-CONFIG_IDS = ["rings10-8", "rings5-20-bits", "late"]
+CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5, fp8_segments=20, out_bits=True), MlaCudaConfig(early=False),
+           MlaCudaConfig(producers=2, fp8_producers=1), MlaCudaConfig(producers=4, fp8_segments=20, fp8_producers=4)]
+CONFIG_IDS = ["rings10-8", "rings5-20-bits", "late", "producers2-1", "producers4-4"]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
@@ -144,6 +145,32 @@ def test_each_ring_gives_the_same_bits(cfg):
     want = mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=True)
     assert relative_error(want, _reference(q, pool, meta)) < 1e-2
     assert torch.equal(mla_decode_attention(q, pool, meta, SCALE, LAT, cuda=True, cuda_cfg=cfg), want)
+
+
+def test_producer_warps_join_the_consumer_warpgroup():
+    """The ring's copies are issued by one or more producer warps beside the 128 consumer threads, fp8 caches taking
+    their own count (two by default)."""
+    assert mla_decode_cuda.threads(MlaCudaConfig()) == 160 and mla_decode_cuda.threads(MlaCudaConfig(), fp8=True) == 192
+    assert mla_decode_cuda.threads(MlaCudaConfig(producers=4, fp8_producers=1), fp8=False) == 256
+
+
+@requires_hopper
+@pytest.mark.parametrize("n_heads", [16, 20])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_any_count_of_producer_warps_gives_the_same_bits(cuda_fp8, n_heads, fp8):
+    """Producer warp p copies segments p, p + P, ...: rows that end mid-segment, several splits a program, a second
+    head block and an empty row get the bits of one producer."""
+    q, pool, meta = _latent_inputs([1, 17, 65, 700, 0, 4000], n_heads, 16, seed=n_heads + 3)
+    if fp8:
+        pool = pool.to(FP8)
+    one = mla_decode_attention(q, pool, meta, SCALE, LAT, cfg=SPLITS, cuda=True,
+                               cuda_cfg=MlaCudaConfig(producers=1, fp8_producers=1))
+    assert relative_error(one, mla_attention_ref(q, torch.nan_to_num(pool.float()), meta, SCALE, LAT)) < 1e-2
+    for producers in (2, 3, 4):
+        many = mla_decode_attention(q, pool, meta, SCALE, LAT, out=poisoned((6, n_heads, LAT), torch.bfloat16),
+                                    cfg=SPLITS, cuda=True,
+                                    cuda_cfg=MlaCudaConfig(producers=producers, fp8_producers=producers))
+        assert torch.equal(many, one), producers
 
 
 @requires_hopper

@@ -1,9 +1,10 @@
 // MLA decode attention (DeepSeek's absorbed form) in CUDA C++, compiled by NVRTC (mla_decode_cuda.py): the split
 // kernel of mla_attention.mla_decode_attention, with the same split plan, partials and reduce kernel.
 //
-// A CTA is one consumer warpgroup and one producer warp, for HB (16) query heads of one row over its chunk of the
-// context. The producer copies the chunk's cached rows, 16 at a time (a segment: one cache block holds whole
-// segments), into a ring of SEGS segment slots with cp.async.bulk, one copy a row, so that each row lands 16 bytes
+// A CTA is one consumer warpgroup and PRODUCERS producer warps, for HB (16) query heads of one row over its chunk of
+// the context. The producers copy the chunk's cached rows, 16 at a time (a segment: one cache block holds whole
+// segments; producer p takes segments p, p + PRODUCERS, ...), into a ring of SEGS segment slots with cp.async.bulk,
+// one copy a row (a lane's copies of one instruction issue one after another), so that each row lands 16 bytes
 // further along the banks than the one before (PITCH) and the ldmatrix reads below are conflict-free. It looks
 // segments up in the block table 32 at a time, and, as a programmatic dependent, copies every segment before it
 // waits for the kernel before, but the one holding the step's new row (EARLY).
@@ -33,7 +34,7 @@
 // Compiled with: LAT, ROPE (the latent and rope widths, multiples of 64), BLOCK (the cache's rows a
 // block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 queries and output, 0: f16), FP8
 // (1: an e4m3 cache, 0: the queries' dtype), OUT_BITS, PDL,
-// EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget).
+// EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget), PRODUCERS (warps).
 
 #if SEGS < 4
 #error "the ring holds a whole tile: 4 segments at least"
@@ -60,7 +61,7 @@
 #define RED_OFF (P_OFF + P_BYTES)             // [2][4 warps][HB] maxima, then [4 warps][HB] sums
 #define BAR_OFF (RED_OFF + 3 * 4 * HB * 4)
 #define SMEM_BYTES (BAR_OFF + 16 * SEGS)
-#define THREADS 160
+#define THREADS (128 + 32 * PRODUCERS)
 #define AVB (MINB == 1 ? 2 : 1)   // the output's operand buffers: two where one CTA an SM has the registers
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -165,6 +166,256 @@ static __device__ __forceinline__ float warp_sum_over_rows(float v) {
     return v + __shfl_xor_sync(0xFFFFFFFF, v, 16);
 }
 
+// tile t of a program's chunk [start, end): its first row, rows, segments, and whether a split ends with it
+struct TileSpan {
+    int t, tile0, rows, segs;
+    bool split_end;
+};
+
+static __device__ __forceinline__ TileSpan tile_span(int t, int start, int end, int split_len) {
+    TileSpan span;
+    span.t = t;
+    span.tile0 = start + TILE * t;
+    span.rows = min(TILE, end - span.tile0);
+    span.segs = (span.rows + 15) / 16;
+    span.split_end = (span.tile0 + TILE) % split_len == 0 || span.tile0 + TILE >= end;
+    return span;
+}
+
+// A consumer thread's heads: (j, i) at h = 2 j + i is head 8 j + 2 c + i of the CTA's 16 (c = lane % 4).
+static __device__ __forceinline__ int head_of(int h, int lane) { return 8 * (h / 2) + 2 * (lane % 4) + h % 2; }
+
+// scores^T of the tile: warp w's segment as A, 4 k-steps a group, groups double-buffered in registers
+static __device__ __forceinline__ void scores_tile(float (&s)[8], u32 base, u32 q_img, u32 full, const TileSpan& span,
+                                                   int warp, int lane) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = 0.0f;
+    const bool have = warp < span.segs;
+    const int my_seg = 4 * span.t + warp;
+    if (have) mbar_wait(full + 8 * (my_seg % SEGS), (my_seg / SEGS) & 1);
+    const u32 rows_addr = base + (my_seg % SEGS) * SEG_BYTES + (lane % 16) * PITCH + (lane / 16) * 16;
+    u32 a[2][4][4];
+#pragma unroll
+    for (int grp = 0; grp < KSTEPS / 4; ++grp) {
+        u32 (&ag)[4][4] = a[grp & 1];
+#if FP8
+        // two k-steps an ldmatrix: units of rows g and g + 8 in each of two 16-byte chunks
+#pragma unroll
+        for (int k = 0; k < 4; k += 2) {
+            u32 r[4] = {0, 0, 0, 0};
+            if (have) ldsm_x4(rows_addr + (grp * 2 + k / 2) * 32, r);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)          // r[i]: row g (i even) or g + 8, k-step k + i / 2
+                e4m3x4_to_f16(r[i], ag[k + i / 2][i % 2], ag[k + i / 2][i % 2 + 2]);
+        }
+#else
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (have) ldsm_x4(rows_addr + (grp * 4 + k) * 32, ag[k]);
+            else ag[k][0] = ag[k][1] = ag[k][2] = ag[k][3] = 0;
+        }
+#endif
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma16(s, ag[k], b_descriptor(q_img + (grp * 4 + k) * 512));
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+}
+
+// online softmax, first half: the scores scaled (rows past the tile's end -inf), each head's max over the tile across
+// the warpgroup (through `red`, double-buffered by tile), the new running max m and the old one's rescale alpha
+static __device__ __forceinline__ void tile_max(float (&s)[8], float (&m)[4], float (&alpha)[4], float* red,
+                                                const TileSpan& span, int warp, int lane, float qk_scale) {
+    const int g = lane / 4;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const bool valid = 16 * warp + g + 8 * e < span.rows;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float& v = s[4 * j + 2 * e + i];
+                v = valid ? v * qk_scale : NEG_INF;
+            }
+    }
+    float tmax[4];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const int j = h / 2, i = h % 2;
+        tmax[h] = warp_max_over_rows(fmaxf(s[4 * j + i], s[4 * j + 2 + i]));
+    }
+    float* red_max = red + (span.t & 1) * 4 * HB;
+    if (g == 0)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) red_max[warp * HB + head_of(h, lane)] = tmax[h];
+    consumers_sync();
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const int head = head_of(h, lane);
+        const float mx = fmaxf(fmaxf(red_max[head], red_max[HB + head]),
+                               fmaxf(red_max[2 * HB + head], red_max[3 * HB + head]));
+        const float m_new = fmaxf(m[h], mx);           // finite: a tile holds at least one row
+        alpha[h] = exp2f(m[h] - m_new);
+        m[h] = m_new;
+    }
+}
+
+// online softmax, second half: p into the B image of the output's product (at p_img), and the running sums
+static __device__ __forceinline__ void write_p(const float (&s)[8], const float (&m)[4], float (&l)[4],
+                                               const float (&alpha)[4], unsigned char* p_img, int warp, int lane) {
+    const int g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const int j = h / 2, i = h % 2;
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float p = exp2f(s[4 * j + 2 * e + i] - m[h]);
+            sum += p;
+            // p^T image: row k = 16 w + g + 8 e (K), head 8 j + 2 c + i (N)
+            const int k = 16 * warp + g + 8 * e;
+            *(u16*)(p_img + (k / 8) * 256 + j * 128 + (2 * c + i) * 16 + (k % 8) * 2) = to_operand_half(p);
+        }
+        l[h] = l[h] * alpha[h] + sum;
+    }
+}
+
+static __device__ __forceinline__ void rescale(float (&o)[MT][8], const float (&alpha)[4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[mt][k] *= alpha[(k / 4) * 2 + k % 2];
+}
+
+// out^T += rows^T x p^T, a segment (16 rows of K) at a time (with two operand buffers the next segment's operands
+// load while the MMAs of one run); rows past the end are zeros. Then the tile's segments go back to the producer.
+static __device__ __forceinline__ void output_tile(float (&o)[MT][8], u32 base, u32 p_img, u32 full,
+                                                   const TileSpan& span, int warp, int lane) {
+    const int c = lane % 4;
+    u32 av[AVB][MT][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+        if (kt >= span.segs) break;
+        const int seg = 4 * span.t + kt;
+        mbar_wait(full + 8 * (seg % SEGS), (seg / SEGS) & 1);    // landed (another warp's segment)
+        const int seg_rows = min(16, span.rows - 16 * kt);
+        const u32 keep_lo = (2 * c < seg_rows ? 0xFFFFu : 0u) | (2 * c + 1 < seg_rows ? 0xFFFF0000u : 0u);
+        const u32 keep_hi = (2 * c + 8 < seg_rows ? 0xFFFFu : 0u) | (2 * c + 9 < seg_rows ? 0xFFFF0000u : 0u);
+        u32 (&ak)[MT][4] = av[kt % AVB];
+#if FP8
+        // two m64 tiles an ldmatrix: the warp's 16 dims of rows 0-7 and 8-15 in each; (row 2c, row 2c + 1) of
+        // dim 2g is the fragment's row g, of dim 2g + 1 its row g + 8
+        const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + (lane % 8 + ((lane / 8) & 1) * 8) * PITCH
+                           + (lane / 16) * 64 + warp * 16;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt += 2) {
+            u32 r[4];
+            ldsm_x4_trans(v_addr + mt * 64, r);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {        // r[i]: rows 0-7 (i even) or 8-15, m64 tile mt + i / 2
+                u32 (&dst)[4] = ak[mt + i / 2];
+                const int j = 2 * (i % 2);      // the fragment's K slots 2c, 2c + 1 or 2c + 8, 2c + 9
+#if OUT_BITS
+                dst[j] = e4m3x2_bits(prmt(r[i], 0x2404));           // dim 2g of rows 2c, 2c + 1
+                dst[j + 1] = e4m3x2_bits(prmt(r[i], 0x3414));       // dim 2g + 1
+#else
+                e4m3x4_to_f16(prmt(r[i], 0x3120), dst[j], dst[j + 1]);
+#endif
+            }
+        }
+#else
+        const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + ((lane / 16) * 8 + lane % 8) * PITCH
+                           + ((lane / 8) & 1) * 16 + warp * 32;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldsm_x4_trans(v_addr + mt * 128, ak[mt]);
+#endif
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            ak[mt][0] &= keep_lo; ak[mt][1] &= keep_lo; ak[mt][2] &= keep_hi; ak[mt][3] &= keep_hi;
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) wgmma16(o[mt], ak[mt], b_descriptor(p_img + kt * 512));
+        wgmma_commit();
+        wgmma_wait<AVB - 1>();
+    }
+    wgmma_wait<0>();
+}
+
+static __device__ __forceinline__ void release_tile(u32 empty, const TileSpan& span, int lane) {
+    __syncwarp();
+    if (lane == 0)
+        for (int kt = 0; kt < span.segs; ++kt) mbar_arrive(empty + 8 * ((4 * span.t + kt) % SEGS));
+}
+
+// a split's sum of each head over the warpgroup's rows (through `red`)
+static __device__ __forceinline__ void split_sums(const float (&l)[4], float (&lsum)[4], float* red, int warp,
+                                                  int lane) {
+    float* red_sum = red + 2 * 4 * HB;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) lsum[h] = warp_sum_over_rows(l[h]);
+    if (lane / 4 == 0)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) red_sum[warp * HB + head_of(h, lane)] = lsum[h];
+    consumers_sync();
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const int head = head_of(h, lane);
+        lsum[h] = red_sum[head] + red_sum[HB + head] + red_sum[2 * HB + head] + red_sum[3 * HB + head];
+    }
+    consumers_sync();                               // red_sum is read before the next split writes it
+}
+
+// a split's (max, sum) for the reduce kernel (with one split, nothing: the output is stored whole)
+static __device__ __forceinline__ void store_ml(const float (&m)[4], const float (&lsum)[4], float* part_ml, int seq,
+                                                int head0, int n_heads, int num_splits, int split, int warp,
+                                                int lane) {
+#if !SINGLE
+    if (warp == 0 && lane / 4 == 0)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int head = head0 + head_of(h, lane);
+            if (head >= n_heads) continue;
+            const long long part = ((long long)seq * n_heads + head) * num_splits + split;
+            part_ml[part * 2] = m[h];
+            part_ml[part * 2 + 1] = lsum[h];
+        }
+#endif
+}
+
+// a split's accumulator for the reduce kernel, or with one split the row's output (divided by the sums)
+static __device__ __forceinline__ void store_o(const float (&o)[MT][8], const float (&lsum)[4], u16* out,
+                                               float* part_acc, long long out_row_stride, long long out_head_stride,
+                                               int seq, int head0, int n_heads, int num_splits, int split, int warp,
+                                               int lane) {
+    const int g = lane / 4;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const int head = head0 + head_of(h, lane);
+        if (head >= n_heads) continue;
+#if SINGLE
+        const float inv = 1.0f / (lsum[h] > 0.0f ? lsum[h] : 1.0f);
+        u16* row = out + seq * out_row_stride + head * out_head_stride;
+#else
+        const long long part = ((long long)seq * n_heads + head) * num_splits + split;
+#endif
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int dim = 64 * mt + 16 * warp + (FP8 ? 2 * g + e : g + 8 * e);
+                const float v = o[mt][(h / 2) * 4 + 2 * e + h % 2] * (OUT_BITS ? 256.0f : 1.0f);
+#if SINGLE
+                row[dim] = to_half(v * inv);
+#else
+                part_acc[part * LAT + dim] = v;
+#endif
+            }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsigned char* __restrict__ cache,
            const int* __restrict__ block_tables, const int* __restrict__ seq_lens, u16* __restrict__ out,
@@ -191,23 +442,24 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
     if (threadIdx.x == 0) {
         for (int s = 0; s < SEGS; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 4);
+            mbar_init(empty + 8 * s, 4);                   // the warps of the output's product
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
-    if (warp == 4) {                                       // the producer warp
+    if (warp >= 4) {                                       // the producer warps
+        const int producer = warp - 4;
         const int* bt_row = block_tables + seq * bt_stride;
         bool waited = !(PDL && EARLY);
 #if PDL && !EARLY
         asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-        for (int sg0 = 0; sg0 < n_seg; sg0 += 32) {
-            const int mine = sg0 + lane;
+        for (int sg0 = producer; sg0 < n_seg; sg0 += 32 * PRODUCERS) {
+            const int mine = sg0 + lane * PRODUCERS;        // this warp's segments sg0, sg0 + PRODUCERS, ...
             const int block = mine < n_seg ? bt_row[(start + 16 * mine) / BLOCK] : 0;
-            for (int i = 0; i < 32 && sg0 + i < n_seg; ++i) {
-                const int sg = sg0 + i, slot = sg % SEGS;
+            for (int i = 0; i < 32 && sg0 + i * PRODUCERS < n_seg; ++i) {
+                const int sg = sg0 + i * PRODUCERS, slot = sg % SEGS;
                 const long long blk = __shfl_sync(0xFFFFFFFF, block, i);
                 const int t0 = start + 16 * sg, rows = min(16, end - t0);
                 if (!waited && t0 + rows == seq_len) {     // the step's new row: written by the kernels before
@@ -227,24 +479,26 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
         return;
     }
 
-    // the consumers: warp w's rows of a tile are its segment 4 t + w; its lane holds (wgmma's accumulators) rows
-    // g, g + 8 of them and heads 8 j + 2 c + i (j, i = 0, 1)
-    const int tid = threadIdx.x, g = lane / 4, c = lane % 4;
+    // the consumers: warp w takes segment 4 t + w of tile t in the scores' product and dims 16 w.. of each m64 tile
+    // in the output's; its lane holds (wgmma's accumulators) rows g, g + 8 and heads head_of(h, lane)
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");     // the queries come from the kernels before
 #endif
-    // the queries' image: for 8 values kc of K and head h, 16 bytes at kc 256 + (h / 8) 128 + (h % 8) 16
     const u32 q_img = base + Q_OFF, p_img = base + P_OFF;
-    for (int idx = tid; idx < HB * WIDTH / 8; idx += 128) {
+    float* red = (float*)(smem + RED_OFF);
+    const int n_tiles = (n_seg + 3) / 4;
+    // the queries' image: for 8 values kc of K and head h, 16 bytes at kc 256 + (h / 8) 128 + (h % 8) 16
+    for (int idx = threadIdx.x; idx < HB * WIDTH / 8; idx += 128) {
         const int kc = idx / HB, h = idx % HB, head = head0 + h;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (head < n_heads) {
             const u16* src = kc < LAT / 8 ? q + seq * q_row_stride + head * q_head_stride + 8 * kc
                                           : q_rope + seq * qr_row_stride + head * qr_head_stride + 8 * (kc - LAT / 8);
 #if FP8
-            const u32* w = (const u32*)(src - 8 * (kc & 1));    // the 16-value chunk
+            const u32* words = (const u32*)(src - 8 * (kc & 1));    // the 16-value chunk
             const int odd = kc & 1;
-            v = make_uint4(to_operand(w[odd]), to_operand(w[2 + odd]), to_operand(w[4 + odd]), to_operand(w[6 + odd]));
+            v = make_uint4(to_operand(words[odd]), to_operand(words[2 + odd]), to_operand(words[4 + odd]),
+                           to_operand(words[6 + odd]));
 #else
             v = *(const uint4*)src;
 #endif
@@ -261,203 +515,24 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int k = 0; k < 8; ++k) o[mt][k] = 0.0f;
-
-    float* red = (float*)(smem + RED_OFF);
-    const int n_tiles = (n_seg + 3) / 4;
     for (int t = 0; t < n_tiles; ++t) {
-        const int tile0 = start + TILE * t, tile_rows = min(TILE, end - tile0);
-        const int tile_segs = (tile_rows + 15) / 16;
-        // scores^T: warp w's segment as A, 4 k-steps a group, groups double-buffered in registers
-        float s[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) s[k] = 0.0f;
-        const bool have = warp < tile_segs;
-        const int my_seg = 4 * t + warp;
-        if (have) mbar_wait(full + 8 * (my_seg % SEGS), (my_seg / SEGS) & 1);
-        const u32 rows_addr = base + (my_seg % SEGS) * SEG_BYTES + (lane % 16) * PITCH + (lane / 16) * 16;
-        u32 a[2][4][4];
-#pragma unroll
-        for (int grp = 0; grp < KSTEPS / 4; ++grp) {
-            u32 (&ag)[4][4] = a[grp & 1];
-#if FP8
-            // two k-steps an ldmatrix: units of rows g and g + 8 in each of two 16-byte chunks
-#pragma unroll
-            for (int k = 0; k < 4; k += 2) {
-                u32 r[4] = {0, 0, 0, 0};
-                if (have) ldsm_x4(rows_addr + (grp * 2 + k / 2) * 32, r);
-#pragma unroll
-                for (int i = 0; i < 4; ++i)          // r[i]: row g (i even) or g + 8, k-step k + i / 2
-                    e4m3x4_to_f16(r[i], ag[k + i / 2][i % 2], ag[k + i / 2][i % 2 + 2]);
-            }
-#else
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                if (have) ldsm_x4(rows_addr + (grp * 4 + k) * 32, ag[k]);
-                else ag[k][0] = ag[k][1] = ag[k][2] = ag[k][3] = 0;
-            }
-#endif
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) wgmma16(s, ag[k], b_descriptor(q_img + (grp * 4 + k) * 512));
-            wgmma_commit();
-            wgmma_wait<1>();
-        }
-        wgmma_wait<0>();
-
-        // online softmax: a head's max over the tile across the warpgroup, p into the B image of the second product
-        float tmax[4];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const bool valid = 16 * warp + g + 8 * e < tile_rows;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    float& v = s[4 * j + 2 * e + i];
-                    v = valid ? v * qk_scale : NEG_INF;
-                }
-        }
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int j = h / 2, i = h % 2;
-            tmax[h] = warp_max_over_rows(fmaxf(s[4 * j + i], s[4 * j + 2 + i]));
-        }
-        float* red_max = red + (t & 1) * 4 * HB;
-        if (g == 0)
-#pragma unroll
-            for (int h = 0; h < 4; ++h) red_max[warp * HB + 8 * (h / 2) + 2 * c + h % 2] = tmax[h];
-        consumers_sync();
-        float alpha[4];
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int head = 8 * (h / 2) + 2 * c + h % 2;
-            const float mx = fmaxf(fmaxf(red_max[head], red_max[HB + head]),
-                                   fmaxf(red_max[2 * HB + head], red_max[3 * HB + head]));
-            const float m_new = fmaxf(m[h], mx);           // finite: a tile holds at least one row
-            alpha[h] = exp2f(m[h] - m_new);
-            m[h] = m_new;
-        }
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int j = h / 2, i = h % 2;
-            float sum = 0.0f;
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = exp2f(s[4 * j + 2 * e + i] - m[h]);
-                sum += p;
-                // p^T image: row k = 16 w + g + 8 e (K), head 8 j + 2 c + i (N)
-                const int k = 16 * warp + g + 8 * e;
-                *(u16*)(smem + P_OFF + (k / 8) * 256 + j * 128 + (2 * c + i) * 16 + (k % 8) * 2) =
-                    to_operand_half(p);
-            }
-            l[h] = l[h] * alpha[h] + sum;
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int k = 0; k < 8; ++k) o[mt][k] *= alpha[(k / 4) * 2 + k % 2];
+        const TileSpan span = tile_span(t, start, end, split_len);
+        float s[8], alpha[4];
+        scores_tile(s, base, q_img, full, span, warp, lane);
+        tile_max(s, m, alpha, red, span, warp, lane, qk_scale);
+        write_p(s, m, l, alpha, smem + P_OFF, warp, lane);
+        rescale(o, alpha);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         consumers_sync();
-
-        // out^T += rows^T x p^T, a segment (16 rows of K) at a time (with two operand buffers the next segment's
-        // operands load while the MMAs of one run); rows past the end are zeros
-        u32 av[AVB][MT][4];
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {
-            if (kt >= tile_segs) break;
-            const int seg = 4 * t + kt;
-            mbar_wait(full + 8 * (seg % SEGS), (seg / SEGS) & 1);    // landed (another warp's segment)
-            const int seg_rows = min(16, tile_rows - 16 * kt);
-            const u32 keep_lo = (2 * c < seg_rows ? 0xFFFFu : 0u) | (2 * c + 1 < seg_rows ? 0xFFFF0000u : 0u);
-            const u32 keep_hi = (2 * c + 8 < seg_rows ? 0xFFFFu : 0u) | (2 * c + 9 < seg_rows ? 0xFFFF0000u : 0u);
-            u32 (&ak)[MT][4] = av[kt % AVB];
-#if FP8
-            // two m64 tiles an ldmatrix: the warp's 16 dims of rows 0-7 and 8-15 in each; (row 2c, row 2c + 1) of
-            // dim 2g is the fragment's row g, of dim 2g + 1 its row g + 8
-            const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + (lane % 8 + ((lane / 8) & 1) * 8) * PITCH
-                               + (lane / 16) * 64 + warp * 16;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt += 2) {
-                u32 r[4];
-                ldsm_x4_trans(v_addr + mt * 64, r);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {        // r[i]: rows 0-7 (i even) or 8-15, m64 tile mt + i / 2
-                    u32 (&dst)[4] = ak[mt + i / 2];
-                    const int j = 2 * (i % 2);      // the fragment's K slots 2c, 2c + 1 or 2c + 8, 2c + 9
-#if OUT_BITS
-                    dst[j] = e4m3x2_bits(prmt(r[i], 0x2404));           // dim 2g of rows 2c, 2c + 1
-                    dst[j + 1] = e4m3x2_bits(prmt(r[i], 0x3414));       // dim 2g + 1
-#else
-                    e4m3x4_to_f16(prmt(r[i], 0x3120), dst[j], dst[j + 1]);
-#endif
-                }
-            }
-#else
-            const u32 v_addr = base + (seg % SEGS) * SEG_BYTES + ((lane / 16) * 8 + lane % 8) * PITCH
-                               + ((lane / 8) & 1) * 16 + warp * 32;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) ldsm_x4_trans(v_addr + mt * 128, ak[mt]);
-#endif
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                ak[mt][0] &= keep_lo; ak[mt][1] &= keep_lo; ak[mt][2] &= keep_hi; ak[mt][3] &= keep_hi;
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) wgmma16(o[mt], ak[mt], b_descriptor(p_img + kt * 512));
-            wgmma_commit();
-            wgmma_wait<AVB - 1>();
-        }
-        wgmma_wait<0>();
-        __syncwarp();
-        if (lane == 0)
-            for (int kt = 0; kt < tile_segs; ++kt) mbar_arrive(empty + 8 * ((4 * t + kt) % SEGS));
-
+        output_tile(o, base, p_img, full, span, warp, lane);
+        release_tile(empty, span, lane);
         // the end of a split: its partial (or, with one split, the row's output), then the next split from scratch
-        const int tile_end = tile0 + TILE;
-        if (tile_end % split_len == 0 || tile_end >= end) {
-            float* red_sum = red + 2 * 4 * HB;
+        if (span.split_end) {
             float lsum[4];
-#pragma unroll
-            for (int h = 0; h < 4; ++h) lsum[h] = warp_sum_over_rows(l[h]);
-            if (g == 0)
-#pragma unroll
-                for (int h = 0; h < 4; ++h) red_sum[warp * HB + 8 * (h / 2) + 2 * c + h % 2] = lsum[h];
-            consumers_sync();
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                const int head = 8 * (h / 2) + 2 * c + h % 2;
-                lsum[h] = red_sum[head] + red_sum[HB + head] + red_sum[2 * HB + head] + red_sum[3 * HB + head];
-            }
-            consumers_sync();                               // red_sum is read before the next split writes it
-            const int split = tile0 / split_len;
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                const int head = head0 + 8 * (h / 2) + 2 * c + h % 2;
-                if (head >= n_heads) continue;
-                const long long part = ((long long)seq * n_heads + head) * num_splits + split;
-#if SINGLE
-                const float inv = 1.0f / (lsum[h] > 0.0f ? lsum[h] : 1.0f);
-                u16* row = out + seq * out_row_stride + head * out_head_stride;
-#else
-                if (warp == 0 && g == 0) {
-                    part_ml[part * 2] = m[h];
-                    part_ml[part * 2 + 1] = lsum[h];
-                }
-#endif
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int dim = 64 * mt + 16 * warp + (FP8 ? 2 * g + e : g + 8 * e);
-                        const float v = o[mt][(h / 2) * 4 + 2 * e + h % 2] * (OUT_BITS ? 256.0f : 1.0f);
-#if SINGLE
-                        row[dim] = to_half(v * inv);
-#else
-                        part_acc[part * LAT + dim] = v;
-#endif
-                    }
-            }
+            split_sums(l, lsum, red, warp, lane);
+            store_ml(m, lsum, part_ml, seq, head0, n_heads, num_splits, span.tile0 / split_len, warp, lane);
+            store_o(o, lsum, out, part_acc, out_row_stride, out_head_stride, seq, head0, n_heads, num_splits,
+                    span.tile0 / split_len, warp, lane);
 #pragma unroll
             for (int h = 0; h < 4; ++h) m[h] = NEG_INF;  // the next tile's alpha clears l and the accumulator
         }
@@ -467,7 +542,7 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
 #endif
 #if SINGLE
     if (n_tiles == 0) {                                    // an empty row (a padded slot): zeros, as the reference
-        for (int idx = tid; idx < HB * LAT; idx += 128) {
+        for (int idx = threadIdx.x; idx < HB * LAT; idx += 128) {
             const int head = head0 + idx / LAT;
             if (head < n_heads) out[seq * out_row_stride + head * out_head_stride + idx % LAT] = 0;
         }

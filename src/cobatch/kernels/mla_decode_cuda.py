@@ -50,14 +50,22 @@ class MlaCudaConfig:
     576-wide rows), fp8_segments: the same with an fp8 cache (up to 20; 8 leave room for two CTAs an SM). early: as
     a programmatic dependent, copy every segment but the step's new row's before waiting for the kernel before
     (older rows are never written by it). out_bits: the output's product widens e4m3 rows by bit moves on the
-    integer pipe instead of the conversion unit's cvt (the .cu header says how)."""
+    integer pipe instead of the conversion unit's cvt (the .cu header says how). producers, fp8_producers: the warps
+    copying rows into the ring, with a 16-bit and an fp8 cache (a warp's copies, one a row, issue one after another:
+    at about 45 ns a row, one warp held the fp8 ring of two CTAs an SM to 74 % of copy at 64 rows x 8192 on the H100,
+    two took it to 77 %; bench/results/mla_producers.md)."""
     segments: int = 10
     early: bool = True
     fp8_segments: int = 8
     out_bits: bool = False
+    producers: int = 1
+    fp8_producers: int = 2
 
     def ring(self, fp8: bool) -> int:
         return self.fp8_segments if fp8 else self.segments
+
+    def producer_warps(self, fp8: bool) -> int:
+        return self.fp8_producers if fp8 else self.producers
 
 
 MLA_CUDA_CONFIG = MlaCudaConfig()
@@ -68,6 +76,11 @@ def smem_bytes(cfg: MlaCudaConfig, lat: int, rope: int, fp8: bool = False) -> in
     exchange and the ring's barriers."""
     segments, pitch = cfg.ring(fp8), (lat + rope) * (1 if fp8 else 2) + 16
     return segments * 16 * pitch + HEADS * (lat + rope) * 2 + HEADS * TILE * 2 + 3 * 4 * HEADS * 4 + 16 * segments
+
+
+def threads(cfg: MlaCudaConfig, fp8: bool = False) -> int:
+    """A warpgroup of consumers and the producer warps."""
+    return 128 + 32 * cfg.producer_warps(fp8)
 
 
 def ctas_per_sm(cfg: MlaCudaConfig, lat: int, rope: int, fp8: bool = False) -> int:
@@ -81,7 +94,8 @@ def source(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf
     else the queries' dtype."""
     defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.ring(fp8), SINGLE=int(single), BF16=int(bf16),
                    FP8=int(fp8), OUT_BITS=int(fp8 and cfg.out_bits), PDL=int(pdl), EARLY=int(cfg.early),
-                   MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope, fp8))
+                   MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope, fp8),
+                   PRODUCERS=cfg.producer_warps(fp8))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + COMMON.read_text() + SOURCE.read_text()
 
@@ -169,5 +183,5 @@ def launch_split(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, blo
             ptr(part_ml), i64(q.stride(0)), i64(q.stride(1)), i64(q_rope.stride(0)), i64(q_rope.stride(1)),
             i64(block_tables.stride(0)), i64(cache.stride(0)), i64(out.stride(0)), i64(out.stride(1)),
             ctypes.c_int(n_heads), ctypes.c_int(num_splits), ctypes.c_float(qk_scale)]
-    k.launch((-(-n_heads // HEADS), n_rows, chunks), 160, args, torch.cuda.current_stream(device).cuda_stream,
+    k.launch((-(-n_heads // HEADS), n_rows, chunks), threads(cfg, cache.dtype == FP8), args, torch.cuda.current_stream(device).cuda_stream,
              pdl=pdl)
