@@ -149,8 +149,8 @@ def test_each_ring_gives_the_same_bits(cfg):
 
 def test_producer_warps_join_the_consumer_warpgroup():
     """The ring's copies are issued by one or more producer warps beside the 128 consumer threads, fp8 caches taking
-    their own count (two by default)."""
-    assert mla_decode_cuda.threads(MlaCudaConfig()) == 160 and mla_decode_cuda.threads(MlaCudaConfig(), fp8=True) == 192
+    their own count (two each by default)."""
+    assert mla_decode_cuda.threads(MlaCudaConfig()) == mla_decode_cuda.threads(MlaCudaConfig(), fp8=True) == 192
     assert mla_decode_cuda.threads(MlaCudaConfig(producers=4, fp8_producers=1), fp8=False) == 256
 
 

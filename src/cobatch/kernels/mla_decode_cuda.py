@@ -51,14 +51,14 @@ class MlaCudaConfig:
     a programmatic dependent, copy every segment but the step's new row's before waiting for the kernel before
     (older rows are never written by it). out_bits: the output's product widens e4m3 rows by bit moves on the
     integer pipe instead of the conversion unit's cvt (the .cu header says how). producers, fp8_producers: the warps
-    copying rows into the ring, with a 16-bit and an fp8 cache (a warp's copies, one a row, issue one after another:
-    at about 45 ns a row, one warp held the fp8 ring of two CTAs an SM to 74 % of copy at 64 rows x 8192 on the H100,
-    two took it to 77 %; bench/results/mla_producers.md)."""
+    copying rows into the ring, with a 16-bit and an fp8 cache (a warp's copies, one a row, issue one after another,
+    at about 45 ns a row: one warp held bf16 rows to 73 % of copy at 64 rows x 8192 on the H200, two took them to
+    86 %; bench/results/mla_producers.md)."""
     segments: int = 10
     early: bool = True
     fp8_segments: int = 8
     out_bits: bool = False
-    producers: int = 1
+    producers: int = 2
     fp8_producers: int = 2
 
     def ring(self, fp8: bool) -> int:
