@@ -128,6 +128,34 @@ def test_gpu_logits_close_to_cpu(moe_models, arch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+def test_gpu_shared_experts_beside_the_routed_ones_give_the_same_bits(moe_models):
+    """Qwen2-MoE's shared expert (and its sigmoid gate) on the side stream at 1-8 rows, eager and replayed from a
+    CUDA graph, gives the bits of the shared expert run in line."""
+    _, cfg, model = load_model(moe_models["qwen2moe"], "cuda", torch.bfloat16)
+    moe = model.layers[0].moe
+    assert moe.shared_gate_up is not None and moe.shared_beside_rows == 8
+    gen = torch.Generator().manual_seed(11)
+    for n in (1, 3, 8):
+        h = torch.randn(n, cfg.d_model, generator=gen).bfloat16().cuda()
+        beside = moe(h)
+        moe.shared_beside_rows = 0
+        in_line = moe(h)
+        moe.shared_beside_rows = 8
+        assert torch.equal(beside, in_line), n
+    h = torch.randn(4, cfg.d_model, generator=gen).bfloat16().cuda()
+    moe(h)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(h)
+    for _ in range(2):
+        h.copy_(torch.randn(4, cfg.d_model, generator=gen).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(h))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
 def test_gpu_routed_layer_matches_expert_by_expert(moe_models, arch):
     """The device-routed experts (two stacked launches) against the same experts run one by one."""

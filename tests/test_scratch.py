@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from cobatch.kernels.scratch import DeviceScratch
+from cobatch.kernels.scratch import DeviceScratch, SplitScratch, side_lane
 
 
 def test_get_grows_and_returns_views_of_the_asked_size():
@@ -36,3 +36,16 @@ def test_zeroed_scratch_starts_at_zero_after_growth():
     s = DeviceScratch(torch.int32, zeroed=True)
     s.get("cpu", 4).fill_(7)
     assert torch.equal(s.get("cpu", 64), torch.zeros(64, dtype=torch.int32))
+
+
+def test_the_side_lane_has_split_k_buffers_of_its_own():
+    """Kernels on a side stream (an MoE layer's shared experts beside its routed ones) may run at the same time as
+    the step's own: their split-K partials and counters must not be the same memory."""
+    SplitScratch.reserve("cpu", 64, 8)
+    with side_lane():
+        SplitScratch.reserve("cpu", 16, 4)
+        side_partial, side_count = SplitScratch.get("cpu")
+    partial, count = SplitScratch.get("cpu")
+    assert not SplitScratch.on_side
+    assert side_partial.data_ptr() != partial.data_ptr() and side_count.data_ptr() != count.data_ptr()
+    assert side_partial.numel() >= 16 and partial.numel() >= 64

@@ -139,6 +139,15 @@ class PackedWeight:
             reserve_scratch(device, plan, planes.rows_pad, w.rows, w.cols, dense=not resident)
         return self
 
+    def narrow_upto(self) -> int:
+        """The most rows a call runs in the plan's narrow kernel (the GEMV's), 0 without planes."""
+        return self.plan.crossover if self.planes is not None else 0
+
+    def reserve_narrow_scratch(self, max_tok: int) -> None:
+        """Grow the split-K buffers (of the lane in effect: scratch.side_lane) for narrow calls of up to max_tok
+        rows (at load)."""
+        SplitScratch.reserve(self.planes.qs.device, *_scratch_need(self.plan.narrow, self.planes.rows_pad, max_tok))
+
     def operand_dtype(self, n_tok: int, dtype: torch.dtype) -> torch.dtype:
         """The dtype in which this weight's kernels read an x of n_tok rows: f16 where they are the GEMV or the
         mid-batch GEMM, which read f16 x as it is and convert bf16 x as they load it (on the H200 that costs a

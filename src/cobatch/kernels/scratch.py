@@ -7,6 +7,8 @@ to new tensors (the next model's weights), their replays would write into them.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -49,15 +51,35 @@ class SplitScratch:
     quantized kernel that splits K (the Triton matmul, the Gluon GEMV and GEMM, the CUDA C++ GEMM).
 
     Kernels on one stream run one after another, so they can share them; every counter is back at 0 when a
-    kernel ends. Grown at load (packed_weight.reserve_scratch), never inside a CUDA-graph capture."""
+    kernel ends. Grown at load (packed_weight.reserve_scratch), never inside a CUDA-graph capture. Kernels on a
+    side stream (an MoE layer's shared experts beside its routed ones) take a second set, within side_lane()."""
     partial = DeviceScratch(torch.float32)
     count = DeviceScratch(torch.int32, zeroed=True)
+    side_partial = DeviceScratch(torch.float32)
+    side_count = DeviceScratch(torch.int32, zeroed=True)
+    on_side = False
+
+    @classmethod
+    def _buffers(cls) -> tuple[DeviceScratch, DeviceScratch]:
+        return (cls.side_partial, cls.side_count) if cls.on_side else (cls.partial, cls.count)
 
     @classmethod
     def reserve(cls, device: torch.device, partial_elems: int, tiles: int) -> None:
-        cls.partial.reserve(device, partial_elems)
-        cls.count.reserve(device, tiles)
+        partial, count = cls._buffers()
+        partial.reserve(device, partial_elems)
+        count.reserve(device, tiles)
 
     @classmethod
     def get(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return cls.partial.get(device), cls.count.get(device)
+        partial, count = cls._buffers()
+        return partial.get(device), count.get(device)
+
+
+@contextmanager
+def side_lane():
+    """Within: the split-K kernels enqueued (and reservations made) take SplitScratch's side set."""
+    SplitScratch.on_side = True
+    try:
+        yield
+    finally:
+        SplitScratch.on_side = False
