@@ -266,6 +266,23 @@ def test_a_captured_decode_step_computes_what_the_eager_one_does(models, name, k
 
 @requires_cuda
 @pytest.mark.parametrize("name", ["v2", "v3"])
+def test_work_beside_the_steps_stream_gives_the_tokens_in_line(models, name, monkeypatch):
+    """Decode steps of up to 8 rows run the shared experts and MLA's absorbed query product on a second stream
+    (models/side_stream.py): the same greedy tokens as with that work in line, for one session and four."""
+    from cobatch.models import side_stream
+    llm = LLM.load(models[name], EngineOptions(device="cuda", ctx=128, max_num_seqs=4, quiet=True, kv_cache_gb=1))
+    eng = llm.engine
+    eng.runner.graphs = eng.runner.step_graphs = None               # eager steps: the switch is read each step
+    assert any(layer.moe is not None and layer.moe.shared_beside for layer in llm.model.layers)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [llm.encode_prompt(p) for p in ("The capital of France is", "def f(x):", "1, 2, 3,", "Hello")]
+    beside = [eng.generate(prompts[:1], greedy), eng.generate(prompts, greedy)]
+    monkeypatch.setattr(side_stream, "SIDE_STREAM", False)
+    assert [eng.generate(prompts[:1], greedy), eng.generate(prompts, greedy)] == beside
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["v2", "v3"])
 def test_prefill_steps_replay_graphs(models, name):
     """DeepSeek's steps with prefill chunks replay graphs (the MLA prefill kernel, the latent write, the experts
     routed on the device, the routed GEMM past ROUTED_MAX_ROWS): a 40-token prompt's hidden states close to the

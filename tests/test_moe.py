@@ -133,14 +133,14 @@ def test_gpu_shared_experts_beside_the_routed_ones_give_the_same_bits(moe_models
     CUDA graph, gives the bits of the shared expert run in line."""
     _, cfg, model = load_model(moe_models["qwen2moe"], "cuda", torch.bfloat16)
     moe = model.layers[0].moe
-    assert moe.shared_gate_up is not None and moe.shared_beside_rows == 8
+    assert moe.shared_gate_up is not None and moe.shared_beside
     gen = torch.Generator().manual_seed(11)
     for n in (1, 3, 8):
         h = torch.randn(n, cfg.d_model, generator=gen).bfloat16().cuda()
         beside = moe(h)
-        moe.shared_beside_rows = 0
+        moe.shared_beside = False
         in_line = moe(h)
-        moe.shared_beside_rows = 8
+        moe.shared_beside = True
         assert torch.equal(beside, in_line), n
     h = torch.randn(4, cfg.d_model, generator=gen).bfloat16().cuda()
     moe(h)

@@ -36,6 +36,7 @@ from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import rope_cos_sin, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
 from cobatch.models.linear import WeightLoader, load_gate_up
+from cobatch.models import side_stream
 from cobatch.models.moe import MoeFeedForward, route_on_device
 
 
@@ -166,9 +167,12 @@ class DeepseekModel:
             q = ops.linear(ops.rms_norm(q.contiguous(), layer.q_a_norm, cfg.rms_eps)[0], layer.q_b)
         q = q.reshape(n, heads, mla.qk_head_dim)
         # the latent row [rms_norm(c_kv) | rotated k_rope] into the cache, and the queries' rope dims rotated
+        # W_UK absorbed into the query; at a few rows on the side stream, beside the latent write (side_stream.py)
+        absorb = ("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)
+        beside = side_stream.Beside(h.device, torch.einsum, *absorb) if side_stream.takes(h.device, n) else None
         q_rope = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions, self.cos_sin,
                                 False, cache, meta.slot_mapping)
-        q_latent = torch.einsum("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)      # W_UK absorbed
+        q_latent = beside.join() if beside else torch.einsum(*absorb)
         latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale)
         # W_UV, each head's product written where o's input row keeps it (no copy of a [heads, N, v] result)
         out = torch.empty(n, heads, mla.v_head_dim, dtype=h.dtype, device=h.device)

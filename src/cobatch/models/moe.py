@@ -29,8 +29,9 @@ from cobatch.kernels import packed_experts
 from cobatch.kernels.activation import GATE_UP_GROUP
 from cobatch.kernels.moe_routing import RouterRule, expert_slots
 from cobatch.kernels.packed_weight import PackedWeight, as_q8_0_on
-from cobatch.kernels.scratch import device_key as scratch_device, side_lane
+from cobatch.kernels.scratch import side_lane
 from cobatch.loader.weights import WeightSource
+from cobatch.models import side_stream
 from cobatch.models.linear import load_gate_up, load_linear
 from cobatch.quant.weight import QuantWeight
 
@@ -40,36 +41,6 @@ from cobatch.quant.weight import QuantWeight
 # slice reads the experts it chose again): 783 and 197 ms for 64 prompts of 128 tokens on DeepSeek-V2-Lite cut to 8
 # layers, against 79 ms in the routed GEMM (bench/results/moe_prefill_deepseek_v2_lite.json).
 ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "experts") == "routed"
-
-# A decode step of up to SHARED_BESIDE_ROWS rows runs the shared experts (DeepSeek's, Qwen2-MoE's) on a side stream,
-# beside the router and the routed experts on the step's own (COBATCH_SHARED_BESIDE=0: in line, for comparisons). At
-# a few rows each of those launches takes its latency more than its bytes, so two chains at once keep more of the
-# GPU busy. The same kernels on the same inputs, with split-K buffers of their own (scratch.side_lane): the same bits.
-SHARED_BESIDE = os.environ.get("COBATCH_SHARED_BESIDE", "1") != "0"
-SHARED_BESIDE_ROWS = 8
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-class SharedBeside:
-    """The shared experts' output for rows h, made on the device's side stream from where the current stream is;
-    join() makes the current stream wait for it. (Blocks allocated on either stream are next used on their own
-    stream only after the other's fork or join, so no record_stream is needed, nor taken inside a capture.)"""
-
-    def __init__(self, moe: "MoeFeedForward", h: torch.Tensor):
-        self.main = torch.cuda.current_stream(h.device)
-        device = scratch_device(h.device)
-        side = _side_streams.get(device)
-        if side is None:
-            side = _side_streams[device] = torch.cuda.Stream(device)
-        self.side = side
-        side.wait_stream(self.main)
-        with torch.cuda.stream(side), side_lane():
-            self.out = moe._shared(h)
-
-    def join(self) -> torch.Tensor:
-        self.main.wait_stream(self.side)
-        return self.out
-
 
 def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
     """A stacked [n_experts * rows, cols] expert tensor as one QuantWeight per expert (views, no copy)."""
@@ -124,20 +95,20 @@ class MoeFeedForward:
                                            keep_dense)
             if prefix + "ffn_gate_inp_shexp.weight" in gguf.tensors:   # a sigmoid gate on the shared expert
                 self.shared_gate = gguf.float_tensor(prefix + "ffn_gate_inp_shexp.weight").to(device)
-        self.shared_beside_rows = self._reserve_shared_beside(device)
+        self.shared_beside = self._reserve_shared_beside(device)
 
-    def _reserve_shared_beside(self, device: torch.device) -> int:
-        """The most rows whose shared experts may run on the side stream (0: none), their split-K buffers reserved:
-        steps of the GEMV's rows, on packed weights (SHARED_BESIDE)."""
-        if not (SHARED_BESIDE and device.type == "cuda" and self.shared_gate_up is not None):
-            return 0
+    def _reserve_shared_beside(self, device: torch.device) -> bool:
+        """May the shared experts run on the side stream (models/side_stream.py)? On packed weights whose GEMV
+        takes its steps, their split-K buffers reserved there."""
+        if not (side_stream.takes(device, 1) and self.shared_gate_up is not None):
+            return False
         parts = [p for w in (self.shared_gate_up, self.shared_down) for p in getattr(w, "parts", [w])]
-        if not all(isinstance(p, PackedWeight) and p.narrow_upto() >= SHARED_BESIDE_ROWS for p in parts):
-            return 0
+        if not all(isinstance(p, PackedWeight) and p.narrow_upto() >= side_stream.SIDE_MAX_ROWS for p in parts):
+            return False
         with side_lane():
             for p in parts:
-                p.reserve_narrow_scratch(SHARED_BESIDE_ROWS)
-        return SHARED_BESIDE_ROWS
+                p.reserve_narrow_scratch(side_stream.SIDE_MAX_ROWS)
+        return True
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, expert ids [N, k]) for rows h [N, d]."""
@@ -153,8 +124,9 @@ class MoeFeedForward:
         return self.routed and (n_rows <= packed_experts.ROUTED_MAX_ROWS or self._gemm_slots(n_rows))
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        if self.routes_on_device(h.shape[0]) and 0 < h.shape[0] <= self.shared_beside_rows:
-            shared = SharedBeside(self, h)          # forked first: it runs while the router and the experts do
+        if self.shared_beside and self.routes_on_device(h.shape[0]) and side_stream.takes(h.device, h.shape[0]):
+            shared = side_stream.Beside(h.device, self._shared, h)   # forked first: it runs beside the router and
+            # the routed experts
             weights, ids = self.route(h)
             return self._routed(h, weights, ids, shared)
         weights, ids = self.route(h)
@@ -190,7 +162,7 @@ class MoeFeedForward:
         return packed_experts.gemm_slots(self._slot_size(n_rows))
 
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                shared: torch.Tensor | SharedBeside | None) -> torch.Tensor:
+                shared: torch.Tensor | side_stream.Beside | None) -> torch.Tensor:
         """[N, d] in h's dtype: all experts of the step in two routed launches, grouped on the device, and their
         combine adding the shared experts' output (so no float32 sum is stored, added to and cast apart), joined
         from the side stream there when it was made beside them."""
@@ -198,7 +170,7 @@ class MoeFeedForward:
         wide = h.shape[0] > packed_experts.ROUTED_MAX_ROWS         # a prefill chunk: the GEMM's wide config
         y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu", wide=wide)  # act*mul in it
         down = self.routed_down.routed_matmul(y, slots, wide=wide)
-        if isinstance(shared, SharedBeside):
+        if isinstance(shared, side_stream.Beside):
             shared = shared.join()
         return ops.moe_combine(down, slots, h.dtype, shared)
 
