@@ -35,8 +35,8 @@ from cobatch.kernels.moe_routing import RouterRule
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import rope_cos_sin, yarn_freq_factors
 from cobatch.loader.gguf import GGUFFile
-from cobatch.models.linear import WeightLoader, load_gate_up
 from cobatch.models import side_stream
+from cobatch.models.linear import WeightLoader, load_gate_up
 from cobatch.models.moe import MoeFeedForward, route_on_device
 
 
@@ -166,10 +166,10 @@ class DeepseekModel:
         if layer.q_b is not None:
             q = ops.linear(ops.rms_norm(q.contiguous(), layer.q_a_norm, cfg.rms_eps)[0], layer.q_b)
         q = q.reshape(n, heads, mla.qk_head_dim)
-        # the latent row [rms_norm(c_kv) | rotated k_rope] into the cache, and the queries' rope dims rotated
         # W_UK absorbed into the query; at a few rows on the side stream, beside the latent write (side_stream.py)
         absorb = ("nhd,hdr->nhr", q[..., :mla.qk_nope_dim], layer.k_up)
         beside = side_stream.Beside(h.device, torch.einsum, *absorb) if side_stream.takes(h.device, n) else None
+        # the latent row [rms_norm(c_kv) | rotated k_rope] into the cache, and the queries' rope dims rotated
         q_rope = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions, self.cos_sin,
                                 False, cache, meta.slot_mapping)
         q_latent = beside.join() if beside else torch.einsum(*absorb)

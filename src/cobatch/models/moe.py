@@ -42,6 +42,7 @@ from cobatch.quant.weight import QuantWeight
 # layers, against 79 ms in the routed GEMM (bench/results/moe_prefill_deepseek_v2_lite.json).
 ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "experts") == "routed"
 
+
 def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
     """A stacked [n_experts * rows, cols] expert tensor as one QuantWeight per expert (views, no copy)."""
     rows = w.rows // n_experts
