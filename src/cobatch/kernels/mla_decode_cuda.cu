@@ -185,6 +185,15 @@ static __device__ __forceinline__ TileSpan tile_span(int t, int start, int end, 
 // A consumer thread's heads: (j, i) at h = 2 j + i is head 8 j + 2 c + i of the CTA's 16 (c = lane % 4).
 static __device__ __forceinline__ int head_of(int h, int lane) { return 8 * (h / 2) + 2 * (lane % 4) + h % 2; }
 
+// each warp's values of its lanes' heads into buf [4 warps][HB] (the lanes of g = 0 hold them), for every consumer
+// thread to read after the warpgroup's barrier
+static __device__ __forceinline__ void publish(float* buf, const float (&v)[4], int warp, int lane) {
+    if (lane / 4 == 0)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) buf[warp * HB + head_of(h, lane)] = v[h];
+    consumers_sync();
+}
+
 // scores^T of the tile: warp w's segment as A, 4 k-steps a group, groups double-buffered in registers
 static __device__ __forceinline__ void scores_tile(float (&s)[8], u32 base, u32 q_img, u32 full, const TileSpan& span,
                                                    int warp, int lane) {
@@ -247,10 +256,7 @@ static __device__ __forceinline__ void tile_max(float (&s)[8], float (&m)[4], fl
         tmax[h] = warp_max_over_rows(fmaxf(s[4 * j + i], s[4 * j + 2 + i]));
     }
     float* red_max = red + (span.t & 1) * 4 * HB;
-    if (g == 0)
-#pragma unroll
-        for (int h = 0; h < 4; ++h) red_max[warp * HB + head_of(h, lane)] = tmax[h];
-    consumers_sync();
+    publish(red_max, tmax, warp, lane);
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
         const int head = head_of(h, lane);
@@ -356,10 +362,7 @@ static __device__ __forceinline__ void split_sums(const float (&l)[4], float (&l
     float* red_sum = red + 2 * 4 * HB;
 #pragma unroll
     for (int h = 0; h < 4; ++h) lsum[h] = warp_sum_over_rows(l[h]);
-    if (lane / 4 == 0)
-#pragma unroll
-        for (int h = 0; h < 4; ++h) red_sum[warp * HB + head_of(h, lane)] = lsum[h];
-    consumers_sync();
+    publish(red_sum, lsum, warp, lane);
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
         const int head = head_of(h, lane);
