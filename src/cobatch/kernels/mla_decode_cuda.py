@@ -183,5 +183,5 @@ def launch_split(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, blo
             ptr(part_ml), i64(q.stride(0)), i64(q.stride(1)), i64(q_rope.stride(0)), i64(q_rope.stride(1)),
             i64(block_tables.stride(0)), i64(cache.stride(0)), i64(out.stride(0)), i64(out.stride(1)),
             ctypes.c_int(n_heads), ctypes.c_int(num_splits), ctypes.c_float(qk_scale)]
-    k.launch((-(-n_heads // HEADS), n_rows, chunks), threads(cfg, cache.dtype == FP8), args, torch.cuda.current_stream(device).cuda_stream,
-             pdl=pdl)
+    k.launch((-(-n_heads // HEADS), n_rows, chunks), threads(cfg, cache.dtype == FP8), args,
+             torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
