@@ -49,12 +49,12 @@ def chunks(fmt: str, shape: str) -> int:
     return SHAPES[shape][1] // (32 if fmt == "q8_0" else 64)
 
 
-def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[CudaGemmConfig]:
+def candidates(rows: int, n_chunks: int, variants=("ring", "wreg"), producers=(1,)) -> list[CudaGemmConfig]:
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
     (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
     of 4 or 8 chunks. The occupancy variant (occ): one warpgroup of one row block, 3 or 4 CTAs an SM, stages of 2
-    or 4 chunks, LAG or not.
+    or 4 chunks, LAG or not. Each with every count of producer warps in `producers`.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
@@ -74,7 +74,7 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg")) -> list[Cuda
                 continue
             if split > 1 and blocks * split // 2 >= SMS * shape["MINB"]:
                 continue      # the GPU was full with half the splits
-            out.append(CudaGemmConfig(S=8, split_k=split, **shape))
+            out += [CudaGemmConfig(S=8, split_k=split, PRODUCERS=p, **shape) for p in producers]
     return out
 
 
@@ -82,7 +82,7 @@ def unfit(cfg: CudaGemmConfig, toks: list[int], fmt_id: int) -> bool:
     """Does ptxas spill registers, or serialize the wgmmas (its C7511 warning), in this config at any of the token
     tiles it would run? (not timed then)"""
     device = torch.device("cuda", torch.cuda.current_device())
-    runs = [tile(n) for n in toks if cfg.stages(tile(n), fmt_id) >= 2]
+    runs = [tile(n) for n in toks if cfg.runs_at(tile(n), fmt_id)]
     return any(quant_gemm_cuda.kernel(cfg, bn, 0, 2, quant_gemm_cuda.PDL, device, fmt_id).spill_bytes
                or "C7511" in quant_gemm_cuda.cubin(cfg, bn, 0, 2, quant_gemm_cuda.PDL, fmt_id)[1] for bn in runs)
 
@@ -116,7 +116,7 @@ def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
             (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "") + \
-            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "")
+            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "") + (f" prod{cfg.PRODUCERS}" if cfg.PRODUCERS > 1 else "")
     return f"plan {cfg}"
 
 
@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--variants", default="ring,wreg", help="the CUDA kernel's variants to time: ring (weights "
                     "through the shared-memory ring), wreg (weights straight into registers), occ (one warpgroup, "
                     "3-4 CTAs an SM)")
+    ap.add_argument("--producers", default="1", help="producer warps of the candidates (1, 2, 4; each count a "
+                    "candidate of its own); with --probe, the ring alone of the best config with 1, 2 and 4 too")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
@@ -139,9 +141,11 @@ def main() -> None:
     torch.manual_seed(0)
     # compile every candidate at every token tile first, in threads (NVRTC runs outside the GIL)
     variants = args.variants.split(",")
+    producers = tuple(int(p) for p in args.producers.split(","))
     cases = [(f, s) for f in args.formats.split(",") for s in shapes]
-    jobs = {(c, tile(n), PLANES[f]) for f, s in cases for c in candidates(SHAPES[s][0], chunks(f, s), variants)
-            for n in toks if c.stages(tile(n), PLANES[f]) >= 2}
+    jobs = {(c, tile(n), PLANES[f]) for f, s in cases
+            for c in candidates(SHAPES[s][0], chunks(f, s), variants, producers)
+            for n in toks if c.runs_at(tile(n), PLANES[f])}
     with cf.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda j: quant_gemm_cuda.cubin(j[0], j[1], 0, 2, quant_gemm_cuda.PDL, j[2]), jobs))
     copy_gbps = copy_bandwidth()
@@ -152,10 +156,11 @@ def main() -> None:
         w = random_weight(fmt, rows, cols)
         pw = PackedWeight.from_quant(w, "cuda")
         copies = rotating(pw)
-        cands = [c for c in candidates(rows, chunks(fmt, name), variants) if not unfit(c, toks, PLANES[fmt])
-                 and any(c.stages(tile(n), PLANES[fmt]) >= 2 for n in toks)]
+        cands = [c for c in candidates(rows, chunks(fmt, name), variants, producers)
+                 if not unfit(c, toks, PLANES[fmt])
+                 and any(c.runs_at(tile(n), PLANES[fmt]) for n in toks)]
         # each at its widest measured tile, three tokens short of it (a partial tile)
-        errors = {key(c): check(pw, w, c, max(n for n in toks if c.stages(tile(n), PLANES[fmt]) >= 2) - 3)
+        errors = {key(c): check(pw, w, c, max(n for n in toks if c.runs_at(tile(n), PLANES[fmt])) - 3)
                   for c in cands}
         bad = {k: e for k, e in errors.items() if not e < 5e-3}
         assert not bad, f"{name}: wrong results {bad}"
@@ -164,20 +169,28 @@ def main() -> None:
             plan_cfg = pw.plan.config_for(n)
             times = {key(plan_cfg): time_config(copies, n, plan_cfg) * 1e6}
             for c in cands:
-                if c.stages(bn, PLANES[fmt]) >= 2:
+                if c.runs_at(bn, PLANES[fmt]):
                     times[key(c)] = time_config(copies, n, c) * 1e6
             best = min((k for k in times if k.startswith("cuda")), key=times.get)
             best_cfg = next(c for c in cands if key(c) == best)
             quant_gemm_cuda.PDL = False
             no_pdl = time_config(copies, n, best_cfg) * 1e6
             quant_gemm_cuda.PDL = True
+            # the best candidate with each count of producer warps
+            by_producers = {p: min((times[key(c)] for c in cands if c.PRODUCERS == p and key(c) in times), default=None)
+                            for p in producers}
             row = dict(fmt=fmt, shape=name, rows=rows, cols=cols, n_tok=n, weight_bytes=pw.nbytes,
+                       best_us_by_producers=by_producers,
                        plan=key(plan_cfg), plan_us=times[key(plan_cfg)], best=best, best_us=times[best],
                        best_kernel_alone_us=time_staged(copies, n, best_cfg) * 1e6, best_without_pdl_us=no_pdl,
                        all_us=times, max_rel_err=max(errors.values()))
             if args.probe:
                 row["probe_us"] = {p: time_staged(copies, n, dataclasses.replace(best_cfg, PROBE=p)) * 1e6
                                    for p in (1, 2, 3)}
+                # the ring alone (its copies, shared loads and barriers) at each count of producer warps
+                rings = {k: dataclasses.replace(best_cfg, PROBE=3, PRODUCERS=k) for k in sorted(set(producers) | {1, 2, 4})}
+                row["ring_alone_us"] = {k: time_staged(copies, n, c) * 1e6 if c.runs_at(bn, PLANES[fmt]) else None
+                                        for k, c in rings.items()}
             for side in ("plan", "best"):
                 row[f"{side}_gbps"] = pw.nbytes / row[f"{side}_us"] / 1e3
                 row[f"{side}_copy"] = row[f"{side}_gbps"] / copy_gbps
@@ -232,7 +245,8 @@ def config_of_key(k: str) -> CudaGemmConfig:
     values = {f.rstrip("0123456789"): f[len(f.rstrip("0123456789")):] for f in fields}
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
                           split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
-                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0))
+                          WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0),
+                          PRODUCERS=int(values.get("prod") or 1))
 
 
 def markdown(result: dict) -> str:
@@ -262,6 +276,16 @@ def markdown(result: dict) -> str:
             floor = r["weight_bytes"] / pr[3] / 1e3 / result["copy_gbps"]
             lines.append(f"| {r.get('fmt', 'q8_0')} | {r['shape']} | {r['n_tok']} | {r['best_kernel_alone_us']:.1f} | "
                          f"{pr[1]:.1f} | {pr[2]:.1f} | {pr[3]:.1f} | {floor:.0%} |")
+    if all("ring_alone_us" in r for r in result["rows"]) and result["rows"]:
+        counts = list(result["rows"][0]["ring_alone_us"])
+        lines += ["", "The ring alone (the best config without MMAs and dequantization) with 1, 2 or 4 producer warps "
+                  "filling alternate stages: us (% of copy).", "",
+                  "| format | shape | n | " + " | ".join(f"{k} producers" for k in counts) + " |",
+                  "|---|---|---|" + "---|" * len(counts)]
+        for r in result["rows"]:
+            cells = [f"{v:.1f} ({r['weight_bytes'] / v / 1e3 / result['copy_gbps']:.0%})" if v else "-"
+                     for v in r["ring_alone_us"].values()]
+            lines.append(f"| {r.get('fmt', 'q8_0')} | {r['shape']} | {r['n_tok']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

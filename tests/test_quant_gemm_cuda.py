@@ -32,14 +32,17 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, WREG=1), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=4, S=8, MINB=1, WREG=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64)],
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, PRODUCERS=2), 64),
+        (CudaGemmConfig(WG=2, RB=1, CH=4, S=6, PRODUCERS=4), 64)],
     quant_pack.Q4_1: [
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
         (CudaGemmConfig(WG=2, RB=1, CH=1, S=8, MINB=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, LAG=True), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1, WREG=1), 128),
-        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64)]}
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64),
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, PRODUCERS=2), 64)]}
 
 # --- CPU ----------------------------------------------------------------------------------------------------
 
@@ -74,6 +77,12 @@ def test_config_stages_fit_an_sm():
         assert cfg.smem_bytes(bn, quant_pack.Q4_1) <= quant_gemm_cuda.SMEM_LIMIT
     with pytest.raises(ValueError):
         CudaGemmConfig(RB=3)
+    with pytest.raises(ValueError):
+        CudaGemmConfig(PRODUCERS=3)
+    # a stage a producer warp at least: 4 producers run where the 4-bit ring holds 4 stages, not at 128 tokens (2)
+    four = CudaGemmConfig(WG=2, RB=1, CH=4, S=8, PRODUCERS=4)
+    assert four.runs_at(64, quant_pack.Q4_1) and not four.runs_at(128, quant_pack.Q4_1)
+    assert CudaGemmConfig(WG=2, PRODUCERS=2).threads() == 320
 
 
 def test_a_plan_table_names_the_cuda_kernel(monkeypatch, tmp_path):
@@ -181,7 +190,7 @@ def test_the_planned_configs_compile_without_spills_or_serialized_wgmma():
         tiles = sorted({quant_gemm_cuda.token_tile(n) for n in (lo, hi)} |
                        {b for b in quant_gemm_cuda.TOKEN_TILES if lo <= b <= hi})
         for bn in tiles:
-            assert cfg.stages(bn, fmt_id) >= 2, (fmt, shape, cfg, bn)
+            assert cfg.runs_at(bn, fmt_id), (fmt, shape, cfg, bn)
             _, log = nvrtc.compile_cubin(quant_gemm_cuda.source(cfg, bn, 0, 2, True, fmt_id), "quant_gemm", "90a",
                                          ("--ptxas-options=-v",))
             assert "0 bytes spill stores" in log and "C751" not in log, (fmt, shape, cfg, bn, log)
@@ -200,7 +209,7 @@ def test_the_probes_compile(fmt_id, probe):
 @pytest.mark.parametrize("fmt_id,cfg,bn", [(f, c, bn) for f, cases in COMPILED.items() for c, bn in cases])
 @pytest.mark.parametrize("act", [0, 1])
 def test_kernel_compiles_without_spills_or_serialized_wgmma(fmt_id, cfg, bn, act):
-    assert cfg.stages(bn, fmt_id) >= 2
+    assert cfg.runs_at(bn, fmt_id)
     _, log = nvrtc.compile_cubin(quant_gemm_cuda.source(cfg, bn, act, 2, True, fmt_id), "quant_gemm", "90a",
                                  ("--ptxas-options=-v",))
     assert "0 bytes spill stores" in log, log
@@ -214,7 +223,9 @@ CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=
            CudaGemmConfig(WG=2, RB=2, CH=1, S=2, split_k=4), CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=2, LAG=True),
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
-           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2)]
+           CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2),
+           CudaGemmConfig(WG=1, RB=1, CH=2, S=5, split_k=2, MINB=2, PRODUCERS=2),
+           CudaGemmConfig(WG=2, RB=1, CH=2, S=4, PRODUCERS=4)]
 
 
 FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both

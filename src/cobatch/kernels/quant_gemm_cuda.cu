@@ -2,15 +2,16 @@
 // q8_0 (FMT 0) or q4_1 / q4_K (FMT 1: q4_1's planes) weight in fragment-order planes (quant_pack.py), 16-128 tokens
 // a token tile, on Hopper's wgmma.
 //
-// A CTA is WG consumer warpgroups and one producer warp. The producer streams each stage's weight rows (qs and d
-// planes, as they are) and x (the token tile's image, laid out as wgmma reads it: quant_gemm_cuda.x_image) into a
-// ring of S shared-memory stages with cp.async.bulk, counted by the stage's `full` mbarrier. Consumer warp w of
+// A CTA is WG consumer warpgroups and PRODUCERS producer warps. The producers stream each stage's weight rows (qs
+// and d planes, as they are) and x (the token tile's image, laid out as wgmma reads it: quant_gemm_cuda.x_image)
+// into a ring of S shared-memory stages with cp.async.bulk, counted by the stage's `full` mbarrier; producer p
+// fills stages p, p + PRODUCERS, ... (a warp's copies go out one after another: more warps, more in flight). Consumer warp w of
 // warpgroup g reads its 16-row tiles' bytes of each chunk back with one 16-byte shared load a lane (the fragment
 // order is the wgmma A fragment), dequantizes them in registers (quant_gemv.ASM_Q8's instructions) and issues
 // the chunk's wgmmas; once they retired, each warp arrives on the stage's `empty` mbarrier on its own (count:
 // every consumer warp). No CTA barrier runs in the main loop.
 //
-// Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), CH (32-column
+// Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), PRODUCERS, CH (32-column
 // chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile), ACT (0: store
 // the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
 // PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
@@ -30,7 +31,7 @@ typedef uint4 side_t;
 typedef u32 side_t;
 #endif
 #define CONSUMERS (WG * 128)
-#define THREADS (CONSUMERS + 32)
+#define THREADS (CONSUMERS + 32 * PRODUCERS)
 #define TILES (WG * RB * 4)                 // 16-row tiles of a CTA
 #define ROWS (TILES * 16)
 #if WREG                                     // the weights go from global memory straight into registers
@@ -182,7 +183,8 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 
-    if (warp == WG * 4) {                                  // the producer warp
+    if (warp >= WG * 4) {                                  // a producer warp: stages p, p + PRODUCERS, ...
+        const int producer = warp - WG * 4;
         const u64 tile_bytes = (u64)n_chunks * 512, side_bytes = (u64)n_chunks * SIDE;
         const unsigned char* x_tile = x_image + (u64)tok_tile * n_chunks * BLOCKS * X_CHUNK_BYTES;
         // a stage's weights: lane t < TILES copies 16-row tile t's CH chunks of qs and of d; the bytes of the whole
@@ -200,18 +202,16 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
 #if PDL
         // weights are never written: the first stages' copies start while the kernel before finishes
         ahead = n_stages < S ? n_stages : S;
-        for (int s = 0; s < ahead; ++s) {
-            const u32 stage = base + s * STAGE_BYTES, bar = bars + 8 * s;
-            const int chunk0 = chunk_first + s * CH;
-            copy_stage_weights(stage, bar, chunk0);
-        }
+        for (int s = producer; s < ahead; s += PRODUCERS)
+            copy_stage_weights(base + s * STAGE_BYTES, bars + 8 * s, chunk_first + s * CH);
         asm volatile("griddepcontrol.wait;" ::: "memory");
         if (lane == 0)
-            for (int s = 0; s < ahead; ++s)
+            for (int s = producer; s < ahead; s += PRODUCERS)
                 bulk_copy(base + s * STAGE_BYTES + QS_BYTES + D_BYTES,
                           x_tile + (u64)(chunk_first + s * CH) * BLOCKS * X_CHUNK_BYTES, X_BYTES, bars + 8 * s);
 #endif
-        for (int s = ahead; s < n_stages; ++s) {
+        for (int s = producer; s < n_stages; s += PRODUCERS) {
+            if (s < ahead) continue;
             const int slot = s % S;
             const u32 stage = base + slot * STAGE_BYTES, bar = bars + 8 * slot;
             const int chunk0 = chunk_first + s * CH;

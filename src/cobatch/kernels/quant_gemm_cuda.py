@@ -63,11 +63,16 @@ class CudaGemmConfig:
     # carries x only (shared memory's traffic per weight byte: x's alone)
     WREG: int = 0
     L2PF: int = 0         # with WREG: the quant bytes that many stages further ahead prefetched into L2
+    PRODUCERS: int = 1    # producer warps, filling alternate stages (one warp's bulk copies issue one by one)
 
     def __post_init__(self):
         if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2 \
-                or self.WREG not in (0, 1, 2):
-            raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8, 2+ stages, WREG 0-2: {self}")
+                or self.WREG not in (0, 1, 2) or self.PRODUCERS not in (1, 2, 4):
+            raise ValueError(f"CudaGemmConfig needs WG 1-2, RB 1-2, CH 1, 2, 4 or 8, 2+ stages, WREG 0-2, "
+                             f"1, 2 or 4 producers: {self}")
+
+    def threads(self) -> int:
+        return 128 * self.WG + 32 * self.PRODUCERS
 
     def rows_per_cta(self) -> int:
         return 64 * self.WG * self.RB
@@ -81,6 +86,12 @@ class CudaGemmConfig:
         """The ring's depth at token tile bn: S, or as many as fit an SM's share of MINB CTAs (x's share of a
         stage grows with bn). Below 2 the config cannot run at this tile."""
         return min(self.S, (SMEM_LIMIT // self.MINB - 1024) // self.stage_bytes(bn, fmt_id))
+
+    def runs_at(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> bool:
+        """Does the ring hold 2 stages at token tile bn, and one a producer warp at least? (A producer waits on a
+        slot's `empty` barrier by its phase's parity, which names the right phase only while no producer runs a
+        whole lap of the ring ahead of the consumers.)"""
+        return self.stages(bn, fmt_id) >= max(2, self.PRODUCERS)
 
     def smem_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
         return self.stages(bn, fmt_id) * self.stage_bytes(bn, fmt_id) + 16 * self.stages(bn, fmt_id) + 16
@@ -108,7 +119,8 @@ def wgmma_source(bn: int) -> str:
 def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
     defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH,
                    S=cfg.stages(bn, fmt_id), SPLIT=cfg.split_k, ACT=act, OUT=out_type, PDL=int(pdl), MINB=cfg.MINB,
-                   LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF)
+                   LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF,
+                   PRODUCERS=cfg.PRODUCERS)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
@@ -165,7 +177,7 @@ def supports(p: "quant_pack.PackedPlanes", cfg: CudaGemmConfig, max_tok: int = 1
     """Can cfg run these planes, at every token count up to max_tok (its stages must fit an SM at the tile)?"""
     n_chunks = p.qs.shape[1] // 512
     return (p.fragment and p.fmt_id in FORMATS and p.cols == p.cols_pad and p.rows_pad % cfg.rows_per_cta() == 0
-            and n_chunks % (cfg.split_k * cfg.CH) == 0 and cfg.stages(token_tile(max_tok), p.fmt_id) >= 2)
+            and n_chunks % (cfg.split_k * cfg.CH) == 0 and cfg.runs_at(token_tile(max_tok), p.fmt_id))
 
 
 def scratch_need(cfg: CudaGemmConfig, rows_pad: int, max_tok: int) -> tuple[int, int]:
@@ -259,6 +271,6 @@ def launch_staged(p: "quant_pack.PackedPlanes", img: torch.Tensor, n_tok: int, o
     args = [ptr(p.qs), ptr(p.d), ptr(img), ptr(out), ptr(partial), ptr(count), ctypes.c_int(n_tok),
             ctypes.c_int(p.rows), ctypes.c_int(out.stride(0)), ctypes.c_int(p.qs.shape[1] // 512),
             ctypes.c_int(row_blocks)]
-    k.launch((-(-n_tok // bn), row_blocks * cfg.split_k, 1), 128 * cfg.WG + 32, args,
+    k.launch((-(-n_tok // bn), row_blocks * cfg.split_k, 1), cfg.threads(), args,
              torch.cuda.current_stream(device).cuda_stream, pdl=PDL)
 
