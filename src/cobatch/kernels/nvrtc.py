@@ -213,6 +213,28 @@ class Kernel:
         _check_cu(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None), "cuLaunchKernelEx")
 
 
+class TensorMap:
+    """A TMA tensor map (cuTensorMapEncodeTiled's 128-byte CUtensorMap, 64-byte aligned) of f16 elements: `arg` is
+    the kernel argument (a `const __grid_constant__` struct of 16 u64 in the kernel). dims, innermost first; strides
+    in bytes of dims 1..; box: the elements one copy moves along each dim. Out-of-bounds elements land as zeros."""
+
+    F16 = 6              # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    L2_128B = 2          # CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+
+    def __init__(self, address: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]):
+        self._buffer = ctypes.create_string_buffer(128 + 64)
+        aligned = (ctypes.addressof(self._buffer) + 63) & ~63
+        rank = len(dims)
+        u64s = (ctypes.c_uint64 * rank)
+        u32s = (ctypes.c_uint32 * rank)
+        _ensure_context()
+        _check_cu(_cuda().cuTensorMapEncodeTiled(
+            ctypes.c_void_p(aligned), self.F16, rank, ctypes.c_void_p(address), u64s(*dims),
+            (ctypes.c_uint64 * (rank - 1))(*strides), u32s(*box), u32s(*([1] * rank)), 0, 0, self.L2_128B, 0),
+            "cuTensorMapEncodeTiled")
+        self.arg = (ctypes.c_uint64 * 16).from_address(aligned)
+
+
 def arch_of(device: torch.device) -> str:
     """The NVRTC architecture of a device: "90a" on Hopper (wgmma and setmaxnreg need the a)."""
     major, minor = torch.cuda.get_device_capability(device)
