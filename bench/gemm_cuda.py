@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cobatch.kernels import matmul_plans, scratch  # noqa: E402
 from cobatch.kernels import quant_gemm_cuda, quant_pack  # noqa: E402
-from cobatch.kernels.operand_order import order_of, ordered_ref  # noqa: E402
 from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 from cobatch.kernels.quant_gemm_cuda import CudaGemmConfig  # noqa: E402
 import provenance  # noqa: E402
@@ -50,14 +49,12 @@ def chunks(fmt: str, shape: str) -> int:
     return SHAPES[shape][1] // (32 if fmt == "q8_0" else 64)
 
 
-def candidates(rows: int, n_chunks: int, variants=("ring", "wreg"), producers=(1,),
-               xmaps=(False,)) -> list[CudaGemmConfig]:
+def candidates(rows: int, n_chunks: int, variants=("ring", "wreg"), producers=(1,)) -> list[CudaGemmConfig]:
     """The ring variant: every shape of CTA (1-2 warpgroups of 1-2 row blocks, 1-2 CTAs an SM) with stages of 4
     chunks, LAG or not (one row block: two need too many registers for it). The weights-in-registers variant
     (WREG, 1 or 2 stages ahead): one row block a warpgroup, one warpgroup and two CTAs an SM or two and one, stages
     of 4 or 8 chunks. The occupancy variant (occ): one warpgroup of one row block, 3 or 4 CTAs an SM, stages of 2
-    or 4 chunks, LAG or not. Each with every count of producer warps in `producers`, and x from x_image's image
-    and through the tensor map (XMAP) as `xmaps` says.
+    or 4 chunks, LAG or not. Each with every count of producer warps in `producers`.
     K split until the CTAs fill the GPU one to two times over."""
     shapes = []
     if "ring" in variants:
@@ -77,8 +74,7 @@ def candidates(rows: int, n_chunks: int, variants=("ring", "wreg"), producers=(1
                 continue
             if split > 1 and blocks * split // 2 >= SMS * shape["MINB"]:
                 continue      # the GPU was full with half the splits
-            out += [CudaGemmConfig(S=8, split_k=split, PRODUCERS=p, XMAP=xm, **shape) for p in producers
-                    for xm in xmaps]
+            out += [CudaGemmConfig(S=8, split_k=split, PRODUCERS=p, **shape) for p in producers]
     return out
 
 
@@ -105,35 +101,22 @@ def check(pw: PackedWeight, w, cfg, n: int) -> float:
 
 
 def time_staged(copies: list[PackedWeight], n: int, cfg) -> float:
-    """The kernel alone: x staged once before (x_image's image, or with XMAP the ordered f16 x), every launch
-    reading the same."""
+    """The kernel alone: x staged once before, every launch reading the same image."""
     x = torch.randn(n, copies[0].cols, device="cuda").to(torch.bfloat16)
     out = torch.empty(n, copies[0].rows, device="cuda", dtype=torch.bfloat16)
     bn = quant_gemm_cuda.token_tile(n)
-    if cfg.XMAP:      # x as the kernel before writes it for XMAP: f16 in the planes' column order
-        img = ordered_ref(x.half(), order_of(copies[0].planes.fmt_id)).contiguous()
-    else:
-        img = torch.empty(-(-n // bn), copies[0].cols // 32, bn * 32, device="cuda", dtype=torch.float16)
-        quant_gemm_cuda.x_image(x, bn, img, pdl=False)
+    img = torch.empty(-(-n // bn), copies[0].cols // 32, bn * 32, device="cuda", dtype=torch.float16)
+    quant_gemm_cuda.x_image(x, bn, img, pdl=False)
     partial, count = scratch.SplitScratch.get(x.device)
     return graph_time([lambda w=w: quant_gemm_cuda.launch_staged(w.planes, img, n, out, cfg, partial, count)
                        for w in copies])
-
-
-def time_ordered(copies: list[PackedWeight], n: int, cfg: CudaGemmConfig) -> float:
-    """An XMAP config as the model runs it: x written by the kernel before in f16 and the planes' column order."""
-    order = order_of(copies[0].planes.fmt_id)
-    x = ordered_ref(torch.randn(n, copies[0].cols, device="cuda").half(), order).contiguous()
-    out = torch.empty(n, copies[0].rows, device="cuda", dtype=torch.bfloat16)
-    return graph_time([lambda w=w: w.matmul(x, config=cfg, out=out, x_order=order) for w in copies])
 
 
 def key(cfg) -> str:
     if isinstance(cfg, CudaGemmConfig):
         return f"cuda WG{cfg.WG} RB{cfg.RB} CH{cfg.CH} S{cfg.S} split{cfg.split_k} minb{cfg.MINB}" + \
             (" lag" if cfg.LAG else "") + (f" wreg{cfg.WREG}" if cfg.WREG else "") + \
-            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "") + (f" prod{cfg.PRODUCERS}" if cfg.PRODUCERS > 1 else "") + \
-            (" xmap" if cfg.XMAP else "")
+            (f" l2pf{cfg.L2PF}" if cfg.L2PF else "") + (f" prod{cfg.PRODUCERS}" if cfg.PRODUCERS > 1 else "")
     return f"plan {cfg}"
 
 
@@ -149,8 +132,6 @@ def main() -> None:
                     "3-4 CTAs an SM)")
     ap.add_argument("--producers", default="1", help="producer warps of the candidates (1, 2, 4; each count a "
                     "candidate of its own); with --probe, the ring alone of the best config with 1, 2 and 4 too")
-    ap.add_argument("--xmap", action="store_true", help="also every candidate with x through the tensor map (XMAP), "
-                    "timed as the model runs it: x already f16 in the planes' order, no launch before the GEMM")
     ap.add_argument("--markdown-from", type=Path, help="a gemm_cuda.json: write its markdown again, no GPU")
     args = ap.parse_args()
     if args.markdown_from:
@@ -161,10 +142,9 @@ def main() -> None:
     # compile every candidate at every token tile first, in threads (NVRTC runs outside the GIL)
     variants = args.variants.split(",")
     producers = tuple(int(p) for p in args.producers.split(","))
-    xmaps = (False, True) if args.xmap else (False,)
     cases = [(f, s) for f in args.formats.split(",") for s in shapes]
     jobs = {(c, tile(n), PLANES[f]) for f, s in cases
-            for c in candidates(SHAPES[s][0], chunks(f, s), variants, producers, xmaps)
+            for c in candidates(SHAPES[s][0], chunks(f, s), variants, producers)
             for n in toks if c.runs_at(tile(n), PLANES[f])}
     with cf.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda j: quant_gemm_cuda.cubin(j[0], j[1], 0, 2, quant_gemm_cuda.PDL, j[2]), jobs))
@@ -176,7 +156,7 @@ def main() -> None:
         w = random_weight(fmt, rows, cols)
         pw = PackedWeight.from_quant(w, "cuda")
         copies = rotating(pw)
-        cands = [c for c in candidates(rows, chunks(fmt, name), variants, producers, xmaps)
+        cands = [c for c in candidates(rows, chunks(fmt, name), variants, producers)
                  if not unfit(c, toks, PLANES[fmt])
                  and any(c.runs_at(tile(n), PLANES[fmt]) for n in toks)]
         # each at its widest measured tile, three tokens short of it (a partial tile)
@@ -190,11 +170,11 @@ def main() -> None:
             times = {key(plan_cfg): time_config(copies, n, plan_cfg) * 1e6}
             for c in cands:
                 if c.runs_at(bn, PLANES[fmt]):
-                    times[key(c)] = (time_ordered(copies, n, c) if c.XMAP else time_config(copies, n, c)) * 1e6
+                    times[key(c)] = time_config(copies, n, c) * 1e6
             best = min((k for k in times if k.startswith("cuda")), key=times.get)
             best_cfg = next(c for c in cands if key(c) == best)
             quant_gemm_cuda.PDL = False
-            no_pdl = (time_ordered if best_cfg.XMAP else time_config)(copies, n, best_cfg) * 1e6
+            no_pdl = time_config(copies, n, best_cfg) * 1e6
             quant_gemm_cuda.PDL = True
             # the best candidate with each count of producer warps
             by_producers = {p: min((times[key(c)] for c in cands if c.PRODUCERS == p and key(c) in times), default=None)
@@ -266,7 +246,7 @@ def config_of_key(k: str) -> CudaGemmConfig:
     return CudaGemmConfig(WG=int(values["WG"]), RB=int(values["RB"]), CH=int(values["CH"]), S=int(values["S"]),
                           split_k=int(values["split"]), MINB=int(values["minb"]), LAG="lag" in values,
                           WREG=int(values.get("wreg") or 0), L2PF=int(values.get("l2pf") or 0),
-                          PRODUCERS=int(values.get("prod") or 1), XMAP="xmap" in values)
+                          PRODUCERS=int(values.get("prod") or 1))
 
 
 def markdown(result: dict) -> str:

@@ -34,9 +34,7 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, MINB=2, WREG=2, L2PF=2), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=4, MINB=2, PRODUCERS=2), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=4, S=6, PRODUCERS=4), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=2, MINB=2, PRODUCERS=2, XMAP=True), 64),
-        (CudaGemmConfig(WG=2, RB=1, CH=8, S=4, XMAP=True), 128)],
+        (CudaGemmConfig(WG=2, RB=1, CH=4, S=6, PRODUCERS=4), 64)],
     quant_pack.Q4_1: [
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=6), 64), (CudaGemmConfig(WG=2, RB=2, CH=2, S=4), 64),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=6, split_k=2, MINB=2), 32),
@@ -44,8 +42,7 @@ COMPILED = {
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, LAG=True), 64),
         (CudaGemmConfig(WG=2, RB=1, CH=2, S=8, MINB=1, WREG=1), 128),
         (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, MINB=2, WREG=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, PRODUCERS=2), 64),
-        (CudaGemmConfig(WG=1, RB=1, CH=4, S=8, split_k=2, MINB=2, XMAP=True), 32)]}
+        (CudaGemmConfig(WG=1, RB=1, CH=2, S=8, split_k=4, MINB=2, PRODUCERS=2), 64)]}
 
 # --- CPU ----------------------------------------------------------------------------------------------------
 
@@ -228,9 +225,7 @@ CONFIGS = [CudaGemmConfig(WG=2, RB=1, CH=4, S=6), CudaGemmConfig(WG=1, RB=2, CH=
            CudaGemmConfig(WG=1, RB=1, CH=8, S=4, split_k=2, MINB=2, WREG=1),
            CudaGemmConfig(WG=2, RB=1, CH=4, S=3, split_k=4, WREG=2, L2PF=2),
            CudaGemmConfig(WG=1, RB=1, CH=2, S=5, split_k=2, MINB=2, PRODUCERS=2),
-           CudaGemmConfig(WG=2, RB=1, CH=2, S=4, PRODUCERS=4),
-           CudaGemmConfig(WG=1, RB=1, CH=4, S=6, split_k=2, MINB=2, PRODUCERS=2, XMAP=True),
-           CudaGemmConfig(WG=2, RB=2, CH=2, S=3, XMAP=True)]
+           CudaGemmConfig(WG=2, RB=1, CH=2, S=4, PRODUCERS=4)]
 
 
 FORMATS = ["q8_0", "q4_k", "q4_1"]     # q4_K's fragment planes are q4_1's: one kernel format serves both
@@ -258,29 +253,6 @@ def test_product_matches_the_reference(fmt, cfg, n_tok):
     ref = quant_matmul_ref(x, w)
     assert not out.isnan().any()
     assert relative_error(out, ref) < 4e-3, (cfg, n_tok)
-
-
-@requires_cuda
-@requires_hopper
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
-def test_xmap_reads_x_in_the_planes_order(fmt):
-    """XMAP (x through a tensor map, no x_image launch): the bits of the x_image path, from a natural x (x_operands'
-    copy) and from an f16 x that its writer already put in the planes' column order (x_order), tokens past a
-    tile's last landing as zeros."""
-    import dataclasses
-    from cobatch.kernels.operand_order import order_of, ordered_ref
-    w, pw = _weight(fmt=fmt)
-    order = order_of(pw.planes.fmt_id)
-    cfg = CudaGemmConfig(WG=1, RB=1, CH=4, S=6, split_k=2, MINB=1, PRODUCERS=2)    # 2+ 4-bit stages at 128 tokens
-    mapped = dataclasses.replace(cfg, XMAP=True)
-    for n_tok in (5, 40, 64, 100):
-        x = torch.randn(n_tok, w.cols, generator=torch.Generator().manual_seed(n_tok)).to("cuda", torch.bfloat16)
-        staged = pw.matmul(x, config=cfg, out=poisoned((n_tok, w.rows), torch.bfloat16))
-        natural = pw.matmul(x, config=mapped, out=poisoned((n_tok, w.rows), torch.bfloat16))
-        ordered = pw.matmul(ordered_ref(x.half(), order).contiguous(), config=mapped, x_order=order,
-                            out=poisoned((n_tok, w.rows), torch.bfloat16))
-        assert relative_error(staged, quant_matmul_ref(x, w)) < 4e-3
-        assert torch.equal(natural, staged) and torch.equal(ordered, staged), n_tok
 
 
 @requires_cuda

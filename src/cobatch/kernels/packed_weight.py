@@ -86,9 +86,9 @@ def reserve_scratch(device: torch.device, plan: MatmulPlan, rows_pad: int, rows:
     SplitScratch.reserve(device, *_scratch_need(plan.narrow, rows_pad, plan.crossover))
     for cfg, upto in plan.gemm_ranges():
         SplitScratch.reserve(device, *_scratch_need(cfg, rows_pad, upto))
-        if isinstance(cfg, CudaGemmConfig) and not cfg.XMAP:
+        if isinstance(cfg, CudaGemmConfig):
             quant_gemm_cuda.reserve_scratch(device, upto, cols)
-        elif isinstance(cfg, CudaGemmConfig) or cfg.streams_x():
+        elif cfg.streams_x():
             quant_gemm.reserve_x_scratch(device, quant_gemm.x_scratch_rows(upto) * cols)
     if dense and plan.gemm == DEQUANT_CUBLAS:
         _DENSE_SCRATCH.reserve(device, rows * cols * 2)
@@ -160,14 +160,12 @@ class PackedWeight:
 
     def operand_order(self, n_tok: int, dtype: torch.dtype) -> int:
         """The column order in which this weight's kernels read an x of n_tok rows whose model dtype is `dtype`
-        (operand_order.py): the planes' where the ring or TMA GEMM (or the CUDA GEMM with XMAP) streams an f16 x, so
-        that the kernel writing x
+        (operand_order.py): the planes' where the ring or TMA GEMM streams an f16 x, so that the kernel writing x
         writes it so (and tells matmul through x_order); else NATURAL."""
         if not ORDERED_OPERANDS or self.dense is not None or self.cols % 32:
             return NATURAL
         config = self.plan.config_for(n_tok)
-        streamed = (isinstance(config, GemmConfig) and bool(config.RING or config.TMA)) or \
-            (isinstance(config, CudaGemmConfig) and config.XMAP)
+        streamed = isinstance(config, GemmConfig) and bool(config.RING or config.TMA)
         f16 = self.operand_dtype(n_tok, dtype) == torch.float16
         return order_of(self.planes.fmt_id) if streamed and f16 else NATURAL
 
@@ -192,10 +190,9 @@ class PackedWeight:
         out_cols = self.rows // 2 if act else self.rows
         if config is None and self.dense is None:
             config = self.plan.config_for(n_tok)
-        assert x_order == NATURAL or (((isinstance(config, GemmConfig) and bool(config.RING or config.TMA))
-                                       or (isinstance(config, CudaGemmConfig) and config.XMAP))
+        assert x_order == NATURAL or (isinstance(config, GemmConfig) and bool(config.RING or config.TMA)
                                       and x_order == order_of(self.planes.fmt_id)), \
-            f"an x in order {x_order} is for the ring, TMA or XMAP GEMM of {self.fmt_name}, not {config}"
+            f"an x in order {x_order} is for the ring or TMA GEMM of {self.fmt_name}, not {config}"
         assert out_order == NATURAL or (act and isinstance(config, (GemvConfig, GemvPlan, GemmConfig))), \
             f"only act's output in the Gluon GEMV's or GEMM's epilogue takes another column order, not {config}"
         if act and not isinstance(config, (GemvConfig, GemvPlan, GemmConfig, CudaGemmConfig)):
@@ -234,8 +231,7 @@ class PackedWeight:
                 quant_gemm.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act,
                                   x_ordered=x_order != NATURAL, out_order=out_order)
             else:
-                quant_gemm_cuda.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act,
-                                       x_ordered=x_order != NATURAL)
+                quant_gemm_cuda.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act)
         else:
             quant_matmul.launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)

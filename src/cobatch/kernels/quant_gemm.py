@@ -1174,7 +1174,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         # two accumulators over x's block of bn tokens where the call's tile is not a power of two (one tile:
         # the grid stands)
         bn1, bn2 = (bn, 0) if routing else split_tile(n_tok)
-        x16 = x_streamed(p, x, n_tok, bn, x_ordered)
+        x16 = _x_streamed(p, x, n_tok, bn, x_ordered)
         descs = ring_descriptors(p, cfg) + (_x_descriptor(x16, bn, p.fmt_id),)
         if cfg.PERSIST:
             grid = (min(grid[0] * grid[1], cfg.PERSIST * device_sms(x)),)
@@ -1186,7 +1186,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
             maxnreg=cfg.registers(bn))
         return
     if cfg.TMA:
-        x16 = x_streamed(p, x, n_tok, bn, x_ordered)
+        x16 = _x_streamed(p, x, n_tok, bn, x_ordered)
         _gemm_tma_kernel[grid](
             _x_descriptor(x16, bn, p.fmt_id), out, partial, count, p.qs, p.d, sub, qh, n_tok, p.rows, p.cols,
             out.stride(0), n_chunks,
@@ -1211,10 +1211,8 @@ def _padded(n_tok: int, bn: int) -> int:
     return -(-n_tok // bn) * bn if PAD_X_TO_TILE else n_tok
 
 
-def x_streamed(p: "quant_pack.PackedPlanes", x: torch.Tensor, n_tok: int, bn: int,
-               x_ordered: bool) -> torch.Tensor:
-    """The f16 x in the planes' column order that the TMA and ring variants (and the CUDA GEMM's XMAP configs)
-    stream, over whole token tiles: x
+def _x_streamed(p: "quant_pack.PackedPlanes", x: torch.Tensor, n_tok: int, bn: int, x_ordered: bool) -> torch.Tensor:
+    """The f16 x in the planes' column order that the TMA and ring variants stream, over whole token tiles: x
     itself where its writer put it in that order (x_ordered; the tiles' rows past n_tok where its storage holds
     them, as operand_order.operand_buffer allocates), else x_operands' copy of it in the scratch."""
     rows = _padded(n_tok, bn)

@@ -18,8 +18,7 @@
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
 // ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into
-// L2), XMAP (x copied by one TMA tensor copy a stage from the f16 x in the planes' column order, through the
-// 3-D map of quant_gemm_cuda.x_map, instead of from x_image's staged image), and the host's pieces: wgmma_bn() (the wgmma of BN tokens), the GEMV's dequantization PTX
+// L2), and the host's pieces: wgmma_bn() (the wgmma of BN tokens), the GEMV's dequantization PTX
 // (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4) and the helpers shared with gemv_chain.cu (cuda_common.cuh).
 
 #if FMT                                      // q4_1 and q4_K (q4_1's planes): 64 columns a chunk, two 32-blocks
@@ -96,9 +95,6 @@ static __device__ __forceinline__ side_t lds_side(u32 addr) {
 #endif
 }
 
-// The x tensor map: the kernel argument holding quant_gemm_cuda.x_map's CUtensorMap (unused without XMAP)
-struct __align__(64) TensorMap { u64 words[16]; };
-
 // x's image: a no-swizzle K-major B image of the token tile's BN tokens
 static __device__ __forceinline__ u64 b_descriptor(u32 addr) { return no_swizzle_b_descriptor(addr, BN); }
 
@@ -165,8 +161,7 @@ static __device__ __forceinline__ void store_rows(const float* acc, out_t* out, 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict__ d,
               const unsigned char* __restrict__ x_image, out_t* __restrict__ out, float* __restrict__ partial,
-              int* __restrict__ count, int n_tok, int n_rows, int out_stride, int n_chunks, int row_blocks,
-              const __grid_constant__ TensorMap x_map) {
+              int* __restrict__ count, int n_tok, int n_rows, int out_stride, int n_chunks, int row_blocks) {
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 base = smem_u32(smem);
     const u32 bars = base + S * STAGE_BYTES;               // full[S], empty[S], then the split-K flag
@@ -203,19 +198,6 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
                           CH * SIDE, bar);
             }
         };
-        // a stage's x (one lane): its CH chunks of the token tile, laid out as wgmma's B operand reads them,
-        // [8-column group][token][8 columns]: from x_image's image (one bulk copy), or with XMAP from x itself (one
-        // tensor copy of the map's box: 8 columns x BN tokens x the stage's groups; tokens past n_tok land as zeros)
-        auto copy_stage_x = [&](u32 stage, u32 bar, int chunk0) {
-#if XMAP
-            asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                         " [%0], [%1, {%2, %3, %4}], [%5];"
-                         :: "r"(stage + QS_BYTES + D_BYTES), "l"(&x_map), "r"(0), "r"(tok_tile * BN),
-                            "r"(chunk0 * BLOCKS * 4), "r"(bar) : "memory");
-#else
-            bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * BLOCKS * X_CHUNK_BYTES, X_BYTES, bar);
-#endif
-        };
         int ahead = 0;
 #if PDL
         // weights are never written: the first stages' copies start while the kernel before finishes
@@ -225,7 +207,8 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
         asm volatile("griddepcontrol.wait;" ::: "memory");
         if (lane == 0)
             for (int s = producer; s < ahead; s += PRODUCERS)
-                copy_stage_x(base + s * STAGE_BYTES, bars + 8 * s, chunk_first + s * CH);
+                bulk_copy(base + s * STAGE_BYTES + QS_BYTES + D_BYTES,
+                          x_tile + (u64)(chunk_first + s * CH) * BLOCKS * X_CHUNK_BYTES, X_BYTES, bars + 8 * s);
 #endif
         for (int s = producer; s < n_stages; s += PRODUCERS) {
             if (s < ahead) continue;
@@ -234,7 +217,8 @@ quant_gemm(const unsigned char* __restrict__ qs, const unsigned char* __restrict
             const int chunk0 = chunk_first + s * CH;
             mbar_wait(bars + 8 * (S + slot), ((s / S) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
             copy_stage_weights(stage, bar, chunk0);
-            if (lane == 0) copy_stage_x(stage, bar, chunk0);
+            if (lane == 0)
+                bulk_copy(stage + QS_BYTES + D_BYTES, x_tile + (u64)chunk0 * BLOCKS * X_CHUNK_BYTES, X_BYTES, bar);
         }
         return;
     }

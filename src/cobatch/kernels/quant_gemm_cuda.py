@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from cobatch.kernels import nvrtc, quant_gemm, quant_gemv, quant_pack
+from cobatch.kernels import nvrtc, quant_gemv, quant_pack
 from cobatch.kernels.scratch import DeviceScratch, device_key
 from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl
 
@@ -64,9 +64,6 @@ class CudaGemmConfig:
     WREG: int = 0
     L2PF: int = 0         # with WREG: the quant bytes that many stages further ahead prefetched into L2
     PRODUCERS: int = 1    # producer warps, filling alternate stages (one warp's bulk copies issue one by one)
-    # x by a TMA tensor map from the f16 x in the planes' column order (the ring GEMM's operand, which the kernels
-    # writing x write where operand_order asks): no x_image launch
-    XMAP: bool = False
 
     def __post_init__(self):
         if self.WG not in (1, 2) or self.RB not in (1, 2) or self.CH not in (1, 2, 4, 8) or self.S < 2 \
@@ -123,7 +120,7 @@ def source(cfg: CudaGemmConfig, bn: int, act: int, out_type: int, pdl: bool, fmt
     defines = dict(FMT=int(fmt_id == quant_pack.Q4_1), BN=bn, RB=cfg.RB, WG=cfg.WG, CH=cfg.CH,
                    S=cfg.stages(bn, fmt_id), SPLIT=cfg.split_k, ACT=act, OUT=out_type, PDL=int(pdl), MINB=cfg.MINB,
                    LAG=int(cfg.LAG), PROBE=cfg.PROBE, WREG=cfg.WREG, L2PF=cfg.L2PF,
-                   PRODUCERS=cfg.PRODUCERS, XMAP=int(cfg.XMAP))
+                   PRODUCERS=cfg.PRODUCERS)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
@@ -251,58 +248,29 @@ PDL = os.environ.get("COBATCH_GEMM_PDL", "1") != "0"
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: CudaGemmConfig,
-           partial: torch.Tensor, count: torch.Tensor, act: str | None = None, x_ordered: bool = False) -> None:
-    """out[n_tok, rows] = x @ W.T (quant_gemm.launch's contract). Without XMAP: x_image, then the CUDA kernel. With
-    XMAP: the kernel reads x through a tensor map, x as its writer put it where x_ordered (f16, the planes' column
-    order), else x_operands' copy."""
+           partial: torch.Tensor, count: torch.Tensor, act: str | None = None) -> None:
+    """out[n_tok, rows] = x @ W.T (quant_gemm.launch's contract): x_image, then the CUDA kernel."""
     n_tok = x.shape[0]
     if not supports(p, cfg, n_tok):
         raise ValueError(f"{cfg} cannot run these planes ({p.fmt_id}, {p.rows_pad}x{p.cols}) at {n_tok} tokens")
     bn = token_tile(n_tok)
-    if cfg.XMAP:
-        x16 = quant_gemm.x_streamed(p, x, n_tok, bn, x_ordered)
-        launch_staged(p, x16, n_tok, out, cfg, partial, count, act)
-        return
-    assert not x_ordered, "an x in the planes' order is for XMAP configs"
     tiles = -(-n_tok // bn)
     img = _IMAGE_SCRATCH.get(x.device, tiles * bn * p.cols).view(tiles, p.cols // 32, bn * 32)
     x_image(x, bn, img, pdl=PDL)
     launch_staged(p, img, n_tok, out, cfg, partial, count, act)
 
 
-def x_map(x16: torch.Tensor, n_tok: int, bn: int, cfg: CudaGemmConfig, fmt_id: int) -> nvrtc.TensorMap:
-    """The tensor map through which an XMAP kernel copies a stage's x from x16 (f16 [n_tok, cols] in the planes'
-    column order, rows 16-byte aligned): dims (8 columns, n_tok tokens, cols / 8 groups), the groups 16 bytes
-    apart, so one box of (8, bn, the stage's groups) lands as x_image lays a stage out: [group][token][8 columns].
-    Kept per address and shape (a graph's launches hold their maps by value)."""
-    key = (x16.data_ptr(), n_tok, x16.shape[1], x16.stride(0), bn, cfg.CH * _BLOCKS_SIDE[fmt_id][0])
-    m = _MAPS.get(key)
-    if m is None:
-        if len(_MAPS) >= 4096:       # eager steps' x buffers come and go: forget the old ones' maps
-            _MAPS.clear()
-        groups = 4 * cfg.CH * _BLOCKS_SIDE[fmt_id][0]
-        m = _MAPS[key] = nvrtc.TensorMap(x16.data_ptr(), (8, n_tok, x16.shape[1] // 8), (x16.stride(0) * 2, 16),
-                                         (8, bn, groups))
-    return m
-
-
-_MAPS: dict[tuple, nvrtc.TensorMap] = {}
-_NO_MAP = (ctypes.c_uint64 * 16)()
-
-
-def launch_staged(p: "quant_pack.PackedPlanes", x_staged: torch.Tensor, n_tok: int, out: torch.Tensor,
+def launch_staged(p: "quant_pack.PackedPlanes", img: torch.Tensor, n_tok: int, out: torch.Tensor,
                   cfg: CudaGemmConfig, partial: torch.Tensor, count: torch.Tensor, act: str | None = None) -> None:
-    """The kernel alone, on x already staged: by x_image into its image, or with XMAP as the f16 x in the planes'
-    column order."""
+    """The kernel alone, on x already staged by x_image into `img`."""
     bn = token_tile(n_tok)
     device = device_key(out.device)
     k = kernel(cfg, bn, quant_gemv.ACTS[act], OUT_TYPES[out.dtype], PDL, device, p.fmt_id)
     row_blocks = p.rows_pad // cfg.rows_per_cta()
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731
-    xm = x_map(x_staged, n_tok, bn, cfg, p.fmt_id).arg if cfg.XMAP else _NO_MAP
-    args = [ptr(p.qs), ptr(p.d), ptr(x_staged), ptr(out), ptr(partial), ptr(count), ctypes.c_int(n_tok),
+    args = [ptr(p.qs), ptr(p.d), ptr(img), ptr(out), ptr(partial), ptr(count), ctypes.c_int(n_tok),
             ctypes.c_int(p.rows), ctypes.c_int(out.stride(0)), ctypes.c_int(p.qs.shape[1] // 512),
-            ctypes.c_int(row_blocks), xm]
+            ctypes.c_int(row_blocks)]
     k.launch((-(-n_tok // bn), row_blocks * cfg.split_k, 1), cfg.threads(), args,
              torch.cuda.current_stream(device).cuda_stream, pdl=PDL)
 
