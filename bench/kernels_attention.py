@@ -425,6 +425,10 @@ DECODE_SWEEP = [
     # bench/results/decode_wide_attention_tiles_ab.md).
     replace(DECODE_CONFIG, block_n=32, num_stages=3),
     replace(DECODE_CONFIG, block_n=32, num_stages=4),
+    # The split plan's aim (2026-12-06): fewer, longer programs where 16-32 rows of a short context split into
+    # 2-tile programs (B = 16 x 512: 4 splits, 512 programs, at 52 % of copy).
+    replace(DECODE_CONFIG, programs_per_sm=2),
+    replace(DECODE_CONFIG, programs_per_sm=1),
 ]
 PREFILL_SWEEP = [
     PREFILL_CONFIG,
