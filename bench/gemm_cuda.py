@@ -188,7 +188,8 @@ def main() -> None:
                 row["probe_us"] = {p: time_staged(copies, n, dataclasses.replace(best_cfg, PROBE=p)) * 1e6
                                    for p in (1, 2, 3)}
                 # the ring alone (its copies, shared loads and barriers) at each count of producer warps
-                rings = {k: dataclasses.replace(best_cfg, PROBE=3, PRODUCERS=k) for k in sorted(set(producers) | {1, 2, 4})}
+                rings = {k: dataclasses.replace(best_cfg, PROBE=3, PRODUCERS=k)
+                         for k in sorted(set(producers) | {1, 2, 4})}
                 row["ring_alone_us"] = {k: time_staged(copies, n, c) * 1e6 if c.runs_at(bn, PLANES[fmt]) else None
                                         for k, c in rings.items()}
             for side in ("plan", "best"):

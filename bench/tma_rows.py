@@ -131,7 +131,8 @@ def main() -> None:
                 s = time_copies(k, buf, w, tensor, ctas, args.stages)
                 moved = ctas * args.stages * STAGE
                 gbps = moved / s / 1e9
-                row = dict(source=where, ctas_per_sm=per_sm, copy="bulk" if not tensor else f"tensor, {width}-byte rows",
+                kind = f"tensor, {width}-byte rows" if tensor else "bulk"
+                row = dict(source=where, ctas_per_sm=per_sm, copy=kind,
                            width=width, seconds=s, gbps=gbps, of_copy=gbps / copy_gbps,
                            rows_per_cycle_per_sm=(moved / w) / sms / (s * clock_hz) if tensor else None)
                 rows_out.append(row)

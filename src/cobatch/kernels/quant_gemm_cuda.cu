@@ -5,14 +5,14 @@
 // A CTA is WG consumer warpgroups and PRODUCERS producer warps. The producers stream each stage's weight rows (qs
 // and d planes, as they are) and x (the token tile's image, laid out as wgmma reads it: quant_gemm_cuda.x_image)
 // into a ring of S shared-memory stages with cp.async.bulk, counted by the stage's `full` mbarrier; producer p
-// fills stages p, p + PRODUCERS, ... (a warp's copies go out one after another: more warps, more in flight). Consumer warp w of
-// warpgroup g reads its 16-row tiles' bytes of each chunk back with one 16-byte shared load a lane (the fragment
-// order is the wgmma A fragment), dequantizes them in registers (quant_gemv.ASM_Q8's instructions) and issues
-// the chunk's wgmmas; once they retired, each warp arrives on the stage's `empty` mbarrier on its own (count:
-// every consumer warp). No CTA barrier runs in the main loop.
+// fills stages p, p + PRODUCERS, ... (a warp's copies go out one after another: more warps, more in flight).
+// Consumer warp w of warpgroup g reads its 16-row tiles' bytes of each chunk back with one 16-byte shared load a
+// lane (the fragment order is the wgmma A fragment), dequantizes them in registers (quant_gemv.ASM_Q8's
+// instructions) and issues the chunk's wgmmas; once they retired, each warp arrives on the stage's `empty`
+// mbarrier on its own (count: every consumer warp). No CTA barrier runs in the main loop.
 //
-// Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), PRODUCERS, CH (32-column
-// chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile), ACT (0: store
+// Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), PRODUCERS, CH
+// (32-column chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile), ACT (0: store
 // the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1 f16, 2 bf16),
 // PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
