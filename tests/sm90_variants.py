@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cobatch.kernels import (activation, attention, fragment_dequant, greedy, kv_write, lora, mla_attention, mla_latent,
-                             moe_routing, norm, quant_gemm, quant_gemv, quant_matmul, quant_pack, rope)
+                             mla_value, moe_routing, norm, quant_gemm, quant_gemv, quant_matmul, quant_pack, rope)
 
 H200 = GPUTarget("cuda", 90, 32)
 AMPERE = GPUTarget("cuda", 80, 32)     # an A100: Triton has no e4m3 there
@@ -145,6 +145,11 @@ for fp8 in (False, True):    # MLA's step prologue (DeepSeek-V2's 512 + 64 laten
     variants[f"mla latent fp8={fp8}"] = (
         mla_latent._mla_latent_kernel, dict(RANK=512, HALF=32, BLOCK_R=512, BLOCK_H=16, NEOX=False, PDL=True), 4, 2,
         {"w_ptr": "*bf16", **({"cache_ptr": "*fp8e4nv"} if fp8 else {})})
+for order in (0, 1):     # W_UV on MLA's latent output (DeepSeek-V2-Lite's 16 x 128 from 512), o's operand in f16
+    variants[f"mla value order={order}"] = (
+        mla_value._value_up_kernel, dict(RANK=512, V=128, BLOCK_V=mla_value.BLOCK_V, BLOCK_N=mla_value.BLOCK_N,
+                                         ORDER=order, DOT_F32=False, PDL=True), 4, 2,
+        {"lat_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp16"})
 variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2, FP8_CACHE)
 for groups in (False, True):
     variants[f"decode reduce groups={groups}"] = (

@@ -21,6 +21,7 @@ from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton, gumb
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
+from cobatch.kernels import mla_value as mla_value_kernel
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_ref
@@ -167,6 +168,20 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
             return mla_decode_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
         return mla_prefill_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
     return mla_attention_ref(torch.cat([q_latent, q_rope], dim=-1), cache, meta, scale, kv_lora_rank)
+
+
+def mla_value(latent: torch.Tensor, w_uv: torch.Tensor, o_weight, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """W_UV applied to MLA's latent output [N, H, R] (W_UV [H, V, R]) -> (o's input [N, H V], its column order). The
+    Triton kernel (kernels/mla_value.py, where it takes the step) writes it as o_weight's kernels read it (their
+    dtype and operand_order); else torch's batched product, in `dtype` and the natural order, each head's product
+    written where o's input row keeps it."""
+    n, heads, _ = latent.shape
+    if mla_value_kernel.takes(latent, w_uv):
+        order = operand_order(o_weight, n, dtype)
+        return mla_value_kernel.value_up(latent, w_uv, operand_dtype(o_weight, n, dtype), order), order
+    out = torch.empty(n, heads, w_uv.shape[1], dtype=dtype, device=latent.device)
+    torch.bmm(latent.to(dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out.view(n, -1), NATURAL
 
 
 def gated_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:

@@ -174,10 +174,9 @@ class DeepseekModel:
                                 False, cache, meta.slot_mapping)
         q_latent = beside.join() if beside else torch.einsum(*absorb)
         latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale)
-        # W_UV, each head's product written where o's input row keeps it (no copy of a [heads, N, v] result)
-        out = torch.empty(n, heads, mla.v_head_dim, dtype=h.dtype, device=h.device)
-        torch.bmm(latent_out.to(h.dtype).transpose(0, 1), layer.v_up.transpose(1, 2), out=out.transpose(0, 1))
-        return ops.linear(out.view(n, heads * mla.v_head_dim), layer.o)
+        # W_UV, written as o's input (in o's operand dtype and column order where the kernel takes it)
+        out, order = ops.mla_value(latent_out, layer.v_up, layer.o, h.dtype)
+        return ops.linear(out, layer.o, dtype=h.dtype, x_order=order)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
