@@ -84,6 +84,7 @@ def test_a_wide_step_that_fills_the_gpu_unsplit_does_not_split():
     assert plan_decode_splits(40, 8, 512, 132, on) == (1, 1)
     for b, ctx in [(16, 512), (24, 4096), (1, 32768), (8, 4096), (64, 512)]:
         assert plan_decode_splits(b, 8, ctx, 132, on) == plan_decode_splits(b, 8, ctx, 132, off), (b, ctx)
+    assert plan_decode_splits(8, 32, 4096, 132, on) == plan_decode_splits(8, 32, 4096, 132, off)   # 32 KV heads
     # the kernels take the one-split plan: the reference's output for 12 rows of 4 KV heads (the interpreter's 4 SMs)
     wide = replace(TINY_DECODE, unsplit_fill=12.0)
     assert plan_decode_splits(12, 4, 96, 4, wide)[0] == 1 and plan_decode_splits(12, 4, 96, 4, TINY_DECODE)[0] > 1

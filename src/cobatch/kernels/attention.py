@@ -578,8 +578,8 @@ def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: in
         return max(1, min(cfg.max_splits, round(cfg.programs_per_sm * sms / (rows * n_kv_heads))))
 
     own = splits_for(num_seqs)
-    if cfg.unsplit_fill and num_seqs * n_kv_heads >= cfg.unsplit_fill * sms:
-        own = 1          # past invariant_rows: the unsplit programs fill the GPU already (unsplit_fill)
+    if cfg.unsplit_fill and num_seqs > cfg.invariant_rows and num_seqs * n_kv_heads >= cfg.unsplit_fill * sms:
+        own = 1          # the unsplit programs fill the GPU already
     num_splits = own if num_seqs > cfg.invariant_rows else splits_for(1)
     reachable = min(num_splits, triton.cdiv(max(max_seq_len, 1), cfg.min_split))   # splits of a row <= capacity
     return num_splits, min(own, reachable)
