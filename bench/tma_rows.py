@@ -76,17 +76,10 @@ extern "C" __global__ void tma_rows(const __grid_constant__ TensorMap map, const
 
 
 def kernel() -> nvrtc.Kernel:
+    # cuda_common.cuh's q8_0 helper wants its dequantization macro; this kernel dequantizes nothing
     src = f"#define STAGE {STAGE}\n#define SLOTS {SLOTS}\n#define ASM_DEQUANT_Q8 \"\"\n" + COMMON.read_text() + SOURCE
     cubin, _ = nvrtc.compile_cubin(src, "tma_rows", nvrtc.arch_of(torch.device("cuda")))
     return nvrtc.Kernel(cubin, "tma_rows", SLOTS * STAGE)
-
-
-def sm_clock_hz() -> float:
-    """The SMs' peak clock (the driver's CU_DEVICE_ATTRIBUTE_CLOCK_RATE, kHz)."""
-    nvrtc._ensure_context()
-    khz = ctypes.c_int()
-    nvrtc._cuda().cuDeviceGetAttribute(ctypes.byref(khz), 13, torch.cuda.current_device())
-    return khz.value * 1e3
 
 
 def time_copies(k: nvrtc.Kernel, buf: torch.Tensor, width: int, tensor: bool, ctas: int, n_iter: int) -> float:
@@ -116,7 +109,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=1500, help="16 KB stages a CTA copies")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    clock_hz = sm_clock_hz()
+    clock_hz = nvrtc.device_attribute(torch.cuda.current_device(), nvrtc.CLOCK_RATE_KHZ) * 1e3
     copy_gbps = copy_bandwidth()
     k = kernel()
     sources = {"L2 (4 MB)": torch.empty(4 << 20, dtype=torch.uint8, device="cuda").random_(),

@@ -235,6 +235,17 @@ class TensorMap:
         self.arg = (ctypes.c_uint64 * 16).from_address(aligned)
 
 
+CLOCK_RATE_KHZ = 13      # CU_DEVICE_ATTRIBUTE_CLOCK_RATE: the SMs' peak clock
+
+
+def device_attribute(device_index: int, attribute: int) -> int:
+    """cuDeviceGetAttribute of the device (what torch's device properties do not carry, such as the clock)."""
+    _ensure_context()
+    value = ctypes.c_int()
+    _check_cu(_cuda().cuDeviceGetAttribute(ctypes.byref(value), attribute, device_index), "cuDeviceGetAttribute")
+    return value.value
+
+
 def arch_of(device: torch.device) -> str:
     """The NVRTC architecture of a device: "90a" on Hopper (wgmma and setmaxnreg need the a)."""
     major, minor = torch.cuda.get_device_capability(device)
