@@ -72,7 +72,7 @@ GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_gemm.py tests/test_qua
   tests/test_attention_kernels.py tests/test_moe_routing.py tests/test_moe.py tests/test_gpu_engine.py
   tests/test_cuda_graph_inputs.py tests/test_gemma.py tests/test_phi3.py tests/test_sampler.py tests/test_mla_attention.py
   tests/test_mla_decode_cuda.py tests/test_deepseek.py tests/test_hf_checkpoints.py tests/test_lora.py
-  tests/test_fp8_cache.py tests/test_greedy.py)
+  tests/test_fp8_cache.py tests/test_greedy.py tests/test_mla_value.py)
 
 llama8b() { echo "${MODEL:-$(random_model llama3-8b "${QUANT%%,*}")}"; }
 
