@@ -24,7 +24,7 @@ SPLIT = DecodeConfig(block_n=16, min_split=16, max_splits=8, programs_per_sm=64)
 UNSPLIT = DecodeConfig(block_n=16, max_splits=1)
 
 
-def _inputs(n: int, heads: int = 3, v: int = 64, rank: int = 64, device: str = "cpu", seed: int = 0):
+def _inputs(n: int, heads: int = 3, v: int = 64, rank: int = 64, device: str = DEVICE, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     latent = torch.randn(n, heads, rank, generator=g).to(device, torch.bfloat16)
     w_uv = (torch.randn(heads, v, rank, generator=g) / rank ** 0.5).to(device, torch.bfloat16)
@@ -56,7 +56,7 @@ def test_value_up_stores_the_next_gemms_column_order():
 
 
 def test_the_kernel_is_off_or_declines_what_it_cannot_tile(monkeypatch):
-    latent, w_uv = _inputs(4)
+    latent, w_uv = _inputs(4, device="cpu")
     assert not mla_value.takes(latent, w_uv)                     # the CPU: torch's batched product
     monkeypatch.setattr(mla_value, "ENABLED", True)
     assert not mla_value.takes(latent, w_uv)                     # still the CPU
@@ -69,7 +69,7 @@ def _split_step(seq_lens, heads=20, lat=16, rope=8, v=32, seed=5, cfg=SPLIT):
     q, cache, _, meta = paged_setup(seq_lens, [1] * len(seq_lens), heads, 1, lat + rope, torch.bfloat16, seed)
     partials = mla_decode_attention(q, cache, meta, 0.3, lat, cfg=cfg, merge=False)
     merged = mla_decode_attention(q, cache, meta, 0.3, lat, cfg=cfg)
-    w_uv = _inputs(1, heads=heads, v=v, rank=lat, device=DEVICE, seed=seed)[1]
+    w_uv = _inputs(1, heads=heads, v=v, rank=lat, seed=seed)[1]
     return q, cache, meta, partials, merged, w_uv
 
 
