@@ -145,13 +145,10 @@ for fp8 in (False, True):    # MLA's step prologue (DeepSeek-V2's 512 + 64 laten
     variants[f"mla latent fp8={fp8}"] = (
         mla_latent._mla_latent_kernel, dict(RANK=512, HALF=32, BLOCK_R=512, BLOCK_H=16, NEOX=False, PDL=True), 4, 2,
         {"w_ptr": "*bf16", **({"cache_ptr": "*fp8e4nv"} if fp8 else {})})
-# W_UV on MLA's latent output (DeepSeek-V2-Lite's 16 x 128 from 512), o's operand in f16; merge: from split partials
-for order, merge in ((0, False), (1, False), (1, True)):
-    variants[f"mla value order={order} merge={merge}"] = (
+for order in (0, 1):     # W_UV on MLA's latent output (DeepSeek-V2-Lite's 16 x 128 from 512), o's operand in f16
+    variants[f"mla value order={order}"] = (
         mla_value._value_up_kernel, dict(RANK=512, V=128, BLOCK_V=mla_value.BLOCK_V, BLOCK_N=mla_value.BLOCK_N,
-                                         ORDER=order, DOT_F32=False, PDL=True, MERGE=merge,
-                                         MIN_SPLIT=dec.min_split, SPLIT_BLOCK_N=dec.block_n,
-                                         BLOCK_GROUPS=64 // dec.split_group, SPLIT_GROUP=dec.split_group), 4, 2,
+                                         ORDER=order, DOT_F32=False, PDL=True), 4, 2,
         {"lat_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp16"})
 variants["kv_write fp8 cache"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2, FP8_CACHE)
 for groups in (False, True):

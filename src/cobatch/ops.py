@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 from cobatch.batch import AttentionMetadata
 from cobatch.kernels.activation import gated_mul_ref, gated_mul_triton
-from cobatch.kernels.attention import (DecodeRope, SplitPartials, fuses_rope, paged_attention_ref,
-                                       paged_attention_triton, writes_order)
+from cobatch.kernels.attention import DecodeRope, fuses_rope, paged_attention_ref, paged_attention_triton, writes_order
 from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref, gumbel_tokens_triton
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
@@ -156,34 +155,30 @@ def mla_latent(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tens
 
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, w_uv: torch.Tensor | None = None) -> torch.Tensor | SplitPartials:
+                  scale: float) -> torch.Tensor:
     """MLA in the absorbed form: queries q_latent [N, H, kv_lora_rank] and q_rope [N, H, R] against the cached
     latents -> [N, H, kv_lora_rank] (float32, or q's dtype from the kernels), W_UV still to apply
     (kernels/mla_attention.py). On CUDA a decode step runs the MLA decode kernel, any other step the MLA prefill
-    kernel; both read the two query parts apart. w_uv: the W_UV that mla_value applies next; where its kernel
-    merges a decode step's split partials as it loads them, they are returned unmerged (SplitPartials)."""
+    kernel; both read the two query parts apart."""
     kv_lora_rank = q_latent.shape[-1]
     if _triton(q_latent) and kv_lora_rank & (kv_lora_rank - 1) == 0:
         # any row and head strides (W_UK's einsum hands q_latent over as a [H, N, R] product's transposed view)
         q_latent, q_rope = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_rope))
         if meta.is_decode and q_latent.shape[0] == meta.num_seqs:
-            merge = w_uv is None or not mla_value_kernel.merges(q_latent.shape[0], w_uv, q_latent.device)
-            return mla_decode_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope, merge=merge)
+            return mla_decode_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
         return mla_prefill_attention(q_latent, cache, meta, scale, kv_lora_rank, q_rope=q_rope)
     return mla_attention_ref(torch.cat([q_latent, q_rope], dim=-1), cache, meta, scale, kv_lora_rank)
 
 
-def mla_value(latent: torch.Tensor | SplitPartials, w_uv: torch.Tensor, o_weight,
-              dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def mla_value(latent: torch.Tensor, w_uv: torch.Tensor, o_weight, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """W_UV applied to MLA's latent output [N, H, R] (W_UV [H, V, R]) -> (o's input [N, H V], its column order). The
     Triton kernel (kernels/mla_value.py, where it takes the step) writes it as o_weight's kernels read it (their
-    dtype and operand_order), merging the rows first where mla_attention left them as SplitPartials; else torch's
-    batched product, in `dtype` and the natural order, each head's product written where o's input row keeps it."""
+    dtype and operand_order); else torch's batched product, in `dtype` and the natural order, each head's product
+    written where o's input row keeps it."""
     n, heads, _ = latent.shape
     if mla_value_kernel.takes(latent, w_uv):
         order = operand_order(o_weight, n, dtype)
         return mla_value_kernel.value_up(latent, w_uv, operand_dtype(o_weight, n, dtype), order), order
-    assert not isinstance(latent, SplitPartials), "split partials are left unmerged only for the kernel"
     out = torch.empty(n, heads, w_uv.shape[1], dtype=dtype, device=latent.device)
     torch.bmm(latent.to(dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
     return out.view(n, -1), NATURAL

@@ -497,11 +497,11 @@ def _merge_partial(m, l, acc, m_s, l_s, acc_s):
 
 
 @jit
-def _merged_row(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits_per_program,
-                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SPLIT_GROUP: tl.constexpr,
-                GROUPS: tl.constexpr):
-    """One head's output row [BLOCK_D] (float32) from its splits first_valid .. n_valid - 1 (max, sum, acc), stored
-    from partial index part0 on: each group of SPLIT_GROUP splits folded in order (_merge_partial), then the groups
+def _merge_splits(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits_per_program, out_row_ptr,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SPLIT_GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr, ORDER: tl.constexpr = 0):
+    """Merge one head's splits first_valid .. n_valid - 1 (max, sum, acc), stored from partial index part0
+    on, into its output row: each group of SPLIT_GROUP splits folded in order (_merge_partial), then the groups
     at once. GROUPS: a group that lay wholly in one split program (of splits_per_program) was folded there and
     stored under its first split; it is read as that one partial (folded into an empty group: the same bits)."""
     grp = tl.arange(0, BLOCK_GROUPS)
@@ -533,20 +533,8 @@ def _merged_row(part_acc_ptr, part_ml_ptr, part0, first_valid, n_valid, splits_p
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # empty row: every weight exp2(-inf) = 0, no NaN
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l, axis=0)
-    return tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
-
-
-@jit
-def _row_merge_span(seq_len, num_splits, chunks, window, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(first_valid, n_valid, splits_per_program) of a row of seq_len tokens: the splits _merged_row merges, the
-    ones its length (and the window) reach, and how many of them each of the split kernel's `chunks` programs
-    walked."""
-    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
-    n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
-    first_valid = 0
-    if window > 0:                     # splits wholly before the window hold no partial
-        first_valid = tl.maximum(seq_len - window, 0) // split_len
-    return first_valid, n_valid, tl.maximum(tl.cdiv(n_valid, chunks), 1)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_row_ptr + ordered_columns(d, ORDER), out.to(out_row_ptr.dtype.element_ty), mask=d_mask)
 
 
 @jit
@@ -563,41 +551,17 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, out_
     if PDL:
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_valid, n_valid, per_program = _row_merge_span(seq_len, num_splits, chunks, window, MIN_SPLIT, BLOCK_N)
+    split_len = _row_split_len(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
+    n_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
+    first_valid = 0
+    if window > 0:                     # splits wholly before the window hold no partial
+        first_valid = tl.maximum(seq_len - window, 0) // split_len
     if PDL:
         gdc_wait()                     # the split kernel's partials
-    out = _merged_row(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid,
-                      n_valid, per_program, HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS,
-                      SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS)
-    d = tl.arange(0, BLOCK_D)
-    out_row_ptr = out_ptr + seq * out_row_stride + head * out_head_stride
-    tl.store(out_row_ptr + ordered_columns(d, ORDER), out.to(out_row_ptr.dtype.element_ty), mask=d < HEAD_D)
-
-
-@dataclass(frozen=True, slots=True)
-class SplitPartials:
-    """A decode step's split partials left unmerged (mla_decode_attention's merge=False), for a consumer that merges
-    each row as it loads it (_row_merge_span, _merged_row) in place of _decode_reduce_kernel's launch: part_acc
-    [rows, heads, num_splits, head_d] and part_ml [rows, heads, num_splits, 2] float32 as the split kernel stored
-    them, with the plan that placed them. `dtype`: the output the reduce kernel would have stored (a merged row is
-    rounded to it, so a consumer sees the reduce's bits)."""
-    part_acc: torch.Tensor
-    part_ml: torch.Tensor
-    seq_lens: torch.Tensor
-    num_splits: int
-    chunks: int
-    cfg: DecodeConfig
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(rows, heads, head_d), the merged output's."""
-        rows, heads, _, head_d = self.part_acc.shape
-        return rows, heads, head_d
-
-    @property
-    def block_groups(self) -> int:
-        return next_pow2(triton.cdiv(self.num_splits, self.cfg.split_group))
+    _merge_splits(part_acc_ptr, part_ml_ptr, (seq * tl.num_programs(1) + head) * num_splits, first_valid, n_valid,
+                  tl.maximum(tl.cdiv(n_valid, chunks), 1), out_ptr + seq * out_row_stride + head * out_head_stride,
+                  HEAD_D=HEAD_D, BLOCK_D=BLOCK_D, BLOCK_GROUPS=BLOCK_GROUPS, SPLIT_GROUP=SPLIT_GROUP, GROUPS=GROUPS,
+                  ORDER=ORDER)
 
 
 def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: int,

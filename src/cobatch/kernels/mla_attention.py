@@ -28,10 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, PREFILL_CONFIG, DecodeConfig, SplitPartials,
-                                       _decode_reduce_kernel, _load_rows, _program_chunk, _softmax_fold,
-                                       _store_partial, _tile_pages, hidden_keys, operand_dtype, plan_decode_splits,
-                                       reference_sequences)
+from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, PREFILL_CONFIG, DecodeConfig, _decode_reduce_kernel,
+                                       _load_rows, _program_chunk, _softmax_fold, _store_partial, _tile_pages,
+                                       hidden_keys, operand_dtype, plan_decode_splits, reference_sequences)
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.fp8_cache import kernel_view, words_mode
 from cobatch.kernels.kv_write import to_cache_dtype
@@ -152,16 +151,13 @@ def query_parts(q: torch.Tensor, q_rope: torch.Tensor | None, kv_lora_rank: int)
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, out: torch.Tensor | None = None, cfg: DecodeConfig | None = None,
                          block_h: int = 16, q_rope: torch.Tensor | None = None, cuda: bool | None = None,
-                         cuda_cfg: mla_decode_cuda.MlaCudaConfig = mla_decode_cuda.MLA_CUDA_CONFIG,
-                         merge: bool = True) -> torch.Tensor | SplitPartials:
+                         cuda_cfg: mla_decode_cuda.MlaCudaConfig = mla_decode_cuda.MLA_CUDA_CONFIG) -> torch.Tensor:
     """mla_attention_ref for a decode step (one row per sequence), in q's dtype; graph-safe as
     paged_decode_attention is: the grid depends only on q's shape and meta.max_seq_len. cache may be
     [num_blocks, block_size, 1, width] (the KV pool's one-head layout) or [num_blocks, block_size, width].
     kv_lora_rank must be a power of two (512 in every DeepSeek model); the rope part is padded to one. q_rope:
     the queries' rope part apart (query_parts). cuda: the CUDA C++ split kernel (cuda_cfg) where it supports the
-    call (default: MLA_CUDA). cfg: the split plan (default: the kernel's own, MLA_CUDA_PLAN or MLA_DECODE_CONFIG).
-    merge=False: where the rows split, their SplitPartials instead of the reduce kernel's launch (for W_UV's
-    kernel, kernels/mla_value.py, to merge as it loads them)."""
+    call (default: MLA_CUDA). cfg: the split plan (default: the kernel's own, MLA_CUDA_PLAN or MLA_DECODE_CONFIG)."""
     q, q_rope = query_parts(q, q_rope, kv_lora_rank)
     n_rows, n_heads, _ = q.shape
     cuda = MLA_CUDA if cuda is None else cuda
@@ -194,8 +190,6 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     else:
         _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, num_splits, chunks,
                              head_blocks, block_h, cfg, launch)
-    if num_splits > 1 and not merge:
-        return SplitPartials(part_acc, part_ml, meta.seq_lens, num_splits, chunks, cfg, out.dtype)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,

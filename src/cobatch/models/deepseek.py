@@ -173,7 +173,7 @@ class DeepseekModel:
         q_rope = ops.mla_latent(q[..., mla.qk_nope_dim:], kv_a, layer.kv_a_norm, cfg.rms_eps, positions, self.cos_sin,
                                 False, cache, meta.slot_mapping)
         q_latent = beside.join() if beside else torch.einsum(*absorb)
-        latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale, w_uv=layer.v_up)
+        latent_out = ops.mla_attention(q_latent, q_rope, cache, meta, self.scale)
         # W_UV, written as o's input (in o's operand dtype and column order where the kernel takes it)
         out, order = ops.mla_value(latent_out, layer.v_up, layer.o, h.dtype)
         return ops.linear(out, layer.o, dtype=h.dtype, x_order=order)
