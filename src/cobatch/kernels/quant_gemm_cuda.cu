@@ -13,9 +13,9 @@
 //
 // Compiled with: BN (token tile), RB (64-row blocks per warpgroup), WG (consumer warpgroups), PRODUCERS, CH
 // (32-column chunks per stage), S (stages), SPLIT (K splits, reduced in split order by the last CTA of a tile),
-// ACT (0: store the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32, 1
-// f16, 2 bf16),
-// PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is dequantized),
+// ACT (0: store the rows, 1: SiLU(gate) * up, 2: GELU-tanh(gate) * up of rows interleaved 8 by 8), OUT (0 f32,
+// 1 f16, 2 bf16), PDL (launched as a programmatic dependent), LAG (a stage's MMAs in flight while the next is
+// dequantized),
 // PROBE (a diagnostic, bench/gemm_cuda.py --probe: 1 skips the MMAs, 2 the dequantization, 3 both), MINB (CTAs an
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
 // ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into

@@ -126,8 +126,8 @@ class MoeFeedForward:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if self.shared_beside and self.routes_on_device(h.shape[0]) and side_stream.takes(h.device, h.shape[0]):
-            shared = side_stream.Beside(h.device, self._shared, h)   # forked first: it runs beside the router and
-            # the routed experts
+            # forked first, so that the shared experts run beside the router and the routed experts
+            shared = side_stream.Beside(h.device, self._shared, h)
             weights, ids = self.route(h)
             return self._routed(h, weights, ids, shared)
         weights, ids = self.route(h)
