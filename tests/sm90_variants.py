@@ -161,7 +161,8 @@ for single in (False, True):
     variants[f"mla decode single_split={single}"] = (
         mla_attention._mla_decode_split_kernel,
         dict(N_HEADS=128, BLOCK_H=16, LAT=512, ROPE=64, BLOCK_R=64, PAGE=64, BLOCK_N=dec.block_n,
-             MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, OPERAND=BF16),
+             MIN_SPLIT=dec.min_split, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, OPERAND=BF16,
+             EARLY=single),                   # its dependents launched at its start (EARLY_DEPENDENTS_ROWS)
         8, dec.num_stages, {"cache_ptr": "*bf16"})
 mla_dec = mla_attention.MLA_DECODE_CONFIG
 for words in (2,):     # an fp8 latent cache (--kv-cache-dtype fp8), as words (as bytes: 80 bytes of spills)
