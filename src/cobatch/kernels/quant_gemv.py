@@ -683,7 +683,7 @@ if gluon is not None:
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
-                     E4M3_CVT: gl.constexpr = True, PF_L2: gl.constexpr = False):
+                     E4M3_CVT: gl.constexpr = True, PF_L2: gl.constexpr = False, DEPS_EARLY: gl.constexpr = False):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -703,6 +703,8 @@ if gluon is not None:
         acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
         first = pid_k * steps_per_split
         last = first + steps_per_split - 1
+        if PDL and DEPS_EARLY:      # GEMV_DEPENDENTS_EARLY: the next kernel may launch now
+            gdc_launch_dependents()
         if PDL:
             # A programmatic dependent (GEMV_PDL): the first loop iteration's weight bytes are asked into this SM's
             # L1 while the kernel before finishes (weights are never written), then the wait for that kernel
@@ -756,8 +758,8 @@ if gluon is not None:
                     acc = mma_v2(lo, x0, acc)
                     if not _byte_fmt(FMT):
                         acc = mma_v2(hi, x1, acc)
-        if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
-            gdc_launch_dependents()      # resident at once would starve the GEMV still running)
+        if PDL and not DEPS_EARLY:  # the next kernel may launch once every CTA's loop is done (not before: a chain
+            gdc_launch_dependents()      # of GEMVs resident at once slowed whole steps, decode_gemv_pdl_ab.md)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         if FMT == F_NVFP4:
@@ -876,6 +878,10 @@ GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
 # (attention.EARLY_DEPENDENTS_ROWS), o's weights can stream while attention runs. 0: off, until
 # whole steps say (COBATCH_GEMV_PDL_L2_MB=32).
 GEMV_PDL_L2_BYTES = int(float(os.environ.get("COBATCH_GEMV_PDL_L2_MB", "0")) * 2 ** 20)
+# Such a call lets the next kernel launch at its start, not once its loops are done, so that the kernels after it
+# (attention after qkv, down after gate_up, the norm and qkv after down) ask for their first bytes while it runs.
+# Off until whole steps say (COBATCH_GEMV_DEPENDENTS_EARLY=1).
+GEMV_DEPENDENTS_EARLY = os.environ.get("COBATCH_GEMV_DEPENDENTS_EARLY", "0") == "1"
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
@@ -914,4 +920,5 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         **(pdl_launch(x) if pdl else {}),
         **({"PF_L2": True} if pdl and not routing and p.qs.numel() * p.qs.element_size() <= GEMV_PDL_L2_BYTES
            else {}),
+        **({"DEPS_EARLY": True} if pdl and GEMV_DEPENDENTS_EARLY else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))
