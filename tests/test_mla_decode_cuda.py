@@ -26,9 +26,8 @@ from kernel_checks import poisoned, relative_error  # noqa: E402
 LAT, ROPE, SCALE = 512, 64, 192 ** -0.5
 FP8 = torch.float8_e4m3fn
 CONFIGS = [MlaCudaConfig(), MlaCudaConfig(segments=5, fp8_segments=20, out_bits=True), MlaCudaConfig(early=False),
-           MlaCudaConfig(producers=2, fp8_producers=1, dependents_early=True),
-           MlaCudaConfig(producers=4, fp8_segments=20, fp8_producers=4)]
-CONFIG_IDS = ["rings10-8", "rings5-20-bits", "late", "producers2-1-dependents-early", "producers4-4"]
+           MlaCudaConfig(producers=2, fp8_producers=1), MlaCudaConfig(producers=4, fp8_segments=20, fp8_producers=4)]
+CONFIG_IDS = ["rings10-8", "rings5-20-bits", "late", "producers2-1", "producers4-4"]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")

@@ -488,52 +488,6 @@ def test_only_calls_of_one_8_token_tile_launch_as_programmatic_dependents(monkey
     assert [k.get("PDL", False) for k in launched] == [True, True, False, False] + [False] * 4
 
 
-def test_a_programmatic_dependent_asks_l2_for_all_its_weight_bytes_only_up_to_the_bound(monkeypatch):
-    """GEMV_PDL_L2_BYTES: an 8-token-tile call of a weight whose quant bytes are within the bound prefetches all of
-    them into L2 before its wait (PF_L2); a larger weight, a 16-token tile or GEMV_PDL off does not. Recorded, not
-    run (Gluon needs CUDA)."""
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs)
-
-    monkeypatch.setattr(quant_gemv, "_gemv_kernel", Recorder(), raising=False)
-    monkeypatch.setattr(quant_gemv, "pdl_launch", lambda t: {"PDL": True, "launch_pdl": True})
-    small, large = (planes_of(make_weight("q8_0", rows, 256, seed=4)) for rows in (128, 256))
-    assert small.qs.numel() < large.qs.numel()
-    monkeypatch.setattr(quant_gemv, "GEMV_PDL_L2_BYTES", small.qs.numel() * small.qs.element_size())
-    cfg = GemvConfig(W=4, RT=1, split_k=1, U=1)
-    for gemv_pdl in (True, False):
-        monkeypatch.setattr(quant_gemv, "GEMV_PDL", gemv_pdl)
-        for planes in (small, large):
-            for n_tok in (1, 16):
-                x = torch.zeros(n_tok, 256, dtype=torch.float16)
-                quant_gemv.launch(planes, x, torch.empty(n_tok, planes.rows), cfg, x, x)
-    assert [k.get("PF_L2", False) for k in launched] == [True, False, False, False] + [False] * 4
-
-
-def test_only_a_programmatic_dependent_lets_the_next_kernel_launch_at_its_start(monkeypatch):
-    """GEMV_DEPENDENTS_EARLY: an 8-token-tile call (a programmatic dependent) lets the next kernel launch at its start
-    (DEPS_EARLY); a 16-token tile, launched plainly, does not. Recorded, not run (Gluon needs CUDA)."""
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs)
-
-    monkeypatch.setattr(quant_gemv, "_gemv_kernel", Recorder(), raising=False)
-    monkeypatch.setattr(quant_gemv, "pdl_launch", lambda t: {"PDL": True, "launch_pdl": True})
-    planes = planes_of(make_weight("q8_0", 128, 256, seed=5))
-    cfg = GemvConfig(W=4, RT=1, split_k=1, U=1)
-    for early in (True, False):
-        monkeypatch.setattr(quant_gemv, "GEMV_DEPENDENTS_EARLY", early)
-        for n_tok in (1, 8, 16):
-            x = torch.zeros(n_tok, 256, dtype=torch.float16)
-            quant_gemv.launch(planes, x, torch.empty(n_tok, 128), cfg, x, x)
-    assert [k.get("DEPS_EARLY", False) for k in launched] == [True, True, False] + [False] * 3
-
-
 def test_plan_reads_the_token_tiers(tmp_path, monkeypatch):
     table = {"formats": {"q8_0": {"shapes": {"4096x4096": {
         "gemv": {"W": 4, "RT": 4, "split_k": 2, "U": 1, "D": 2},
@@ -725,18 +679,14 @@ def test_a_chain_of_gemvs_as_programmatic_dependents_gives_the_bits_of_plain_lau
         want = chain(x[:n_tok])
         assert torch.isfinite(want).all() and want.abs().max() > 0
         monkeypatch.setattr(quant_gemv, "GEMV_PDL", True)
-        # and with every weight's bytes asked into L2 before the wait, and the next kernel launched at the start
-        for l2_bytes, early in ((0, False), (1 << 40, False), (0, True)):
-            monkeypatch.setattr(quant_gemv, "GEMV_PDL_L2_BYTES", l2_bytes)
-            monkeypatch.setattr(quant_gemv, "GEMV_DEPENDENTS_EARLY", early)
-            assert torch.equal(chain(x[:n_tok]), want), (n_tok, l2_bytes, early)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                got = chain(x[:n_tok])
-            for _ in range(3):
-                got.zero_()
-                graph.replay()
-                assert torch.equal(got, want), (n_tok, l2_bytes, early)
+        assert torch.equal(chain(x[:n_tok]), want), n_tok
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(x[:n_tok])
+        for _ in range(3):
+            got.zero_()
+            graph.replay()
+            assert torch.equal(got, want), n_tok
 
 
 @requires_cuda

@@ -31,7 +31,6 @@ from cobatch.batch import AttentionMetadata
 from cobatch.kernels.attention import (DECODE_CONFIG, LOG2E, PREFILL_CONFIG, DecodeConfig, _decode_reduce_kernel,
                                        _load_rows, _program_chunk, _softmax_fold, _store_partial, _tile_pages,
                                        hidden_keys, operand_dtype, plan_decode_splits, reference_sequences)
-from cobatch.kernels import attention as gqa_attention
 from cobatch.kernels import mla_decode_cuda
 from cobatch.kernels.fp8_cache import kernel_view, words_mode
 from cobatch.kernels.kv_write import to_cache_dtype
@@ -71,16 +70,12 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                              N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                              BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              MIN_SPLIT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
-                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
-                             EARLY: tl.constexpr = False):
+                             DOT_F32: tl.constexpr, OPERAND: tl.constexpr, FP8_WORDS: tl.constexpr = 0):
     """Program (head block, seq, chunk): BLOCK_H query heads over a chunk of the row's splits, reading each
     latent tile once for all of them. Each split's partial (max, sum, acc) is computed from scratch over its own
     tiles and stored for _decode_reduce_kernel, laid out [seq, head, split] as the GQA kernel's. The head blocks
     of a row's chunk are neighbours in the grid (axis 0), so where there are several (DeepSeek-V2/V3's 128
-    heads: 8) they run together and all but the first find the row's latent tiles in L2. EARLY (with PDL): the
-    next kernel may launch at the start (attention.EARLY_DEPENDENTS_ROWS), not after the loop."""
-    if PDL and EARLY:
-        gdc_launch_dependents()
+    heads: 8) they run together and all but the first find the row's latent tiles in L2."""
     seq = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len, _, _, start, end = _program_chunk(seq_len, num_splits, MIN_SPLIT, BLOCK_N)
@@ -121,7 +116,7 @@ def _mla_decode_split_kernel(q_ptr, q_rope_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
             _store_partial(part_acc_ptr, part_ml_ptr, part_row + tok0 // split_len, m, l, acc, c,
                            h_mask & split_done, h_mask[:, None] & split_done, LAT)
             m = tl.where(split_done, float("-inf"), m)   # the next split starts from scratch
-    if PDL and not EARLY:
+    if PDL:
         gdc_launch_dependents()
     if SINGLE_SPLIT:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]      # an empty context (padded row) comes out as zeros
@@ -189,14 +184,12 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}
-    early = n_rows <= gqa_attention.EARLY_DEPENDENTS_ROWS     # the next kernels may launch at the split's start
     if cuda:
         mla_decode_cuda.launch_split(q, q_rope, cache, meta.block_tables, meta.seq_lens, scale * LOG2E, num_splits,
-                                     chunks, cfg.min_split, out, part_acc, part_ml, launch["PDL"],
-                                     replace(cuda_cfg, dependents_early=early) if early else cuda_cfg)
+                                     chunks, cfg.min_split, out, part_acc, part_ml, launch["PDL"], cuda_cfg)
     else:
         _split_kernel_triton(q, q_rope, cache, meta, scale, kv_lora_rank, out, part_acc, part_ml, num_splits, chunks,
-                             head_blocks, block_h, cfg, {**launch, "EARLY": early})
+                             head_blocks, block_h, cfg, launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](
             part_acc, part_ml, meta.seq_lens, out, out.stride(0), out.stride(1), num_splits, chunks, 0,

@@ -34,8 +34,7 @@
 // Compiled with: LAT, ROPE (the latent and rope widths, multiples of 64), BLOCK (the cache's rows a
 // block, a multiple of 16), SEGS (the ring's segment slots), SINGLE, BF16 (1: bf16 queries and output, 0: f16), FP8
 // (1: an e4m3 cache, 0: the queries' dtype), OUT_BITS, PDL,
-// EARLY, DEPS_EARLY (with PDL: the next kernel may launch at the start, not after the loop), MIN_SPLIT
-// (DecodeConfig.min_split), MINB (CTAs an SM: the register budget), PRODUCERS (warps).
+// EARLY, MIN_SPLIT (DecodeConfig.min_split), MINB (CTAs an SM: the register budget), PRODUCERS (warps).
 
 #if SEGS < 4
 #error "the ring holds a whole tile: 4 segments at least"
@@ -432,9 +431,6 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
     const u32 full = base + BAR_OFF, empty = full + 8 * SEGS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int seq = blockIdx.y, head0 = blockIdx.x * HB;
-#if PDL && DEPS_EARLY
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 
     // the program's chunk of the row's splits (attention._program_chunk with 64-row tiles)
     const int seq_len = seq_lens[seq];
@@ -544,7 +540,7 @@ mla_decode(const u16* __restrict__ q, const u16* __restrict__ q_rope, const unsi
             for (int h = 0; h < 4; ++h) m[h] = NEG_INF;  // the next tile's alpha clears l and the accumulator
         }
     }
-#if PDL && !DEPS_EARLY
+#if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 #if SINGLE

@@ -53,15 +53,13 @@ class MlaCudaConfig:
     integer pipe instead of the conversion unit's cvt (the .cu header says how). producers, fp8_producers: the warps
     copying rows into the ring, with a 16-bit and an fp8 cache (a warp's copies, one a row, issue one after another,
     at about 45 ns a row: one warp held bf16 rows to 73 % of copy at 64 rows x 8192 on the H200, two took them to
-    86 %; bench/results/mla_producers.md). dependents_early: as a programmatic dependent, let the next kernel launch
-    at the start, not after the loop (attention.EARLY_DEPENDENTS_ROWS)."""
+    86 %; bench/results/mla_producers.md)."""
     segments: int = 10
     early: bool = True
     fp8_segments: int = 8
     out_bits: bool = False
     producers: int = 2
     fp8_producers: int = 2
-    dependents_early: bool = False
 
     def ring(self, fp8: bool) -> int:
         return self.fp8_segments if fp8 else self.segments
@@ -96,7 +94,7 @@ def source(cfg: MlaCudaConfig, lat: int, rope: int, block: int, single: bool, bf
     else the queries' dtype."""
     defines = dict(LAT=lat, ROPE=rope, BLOCK=block, SEGS=cfg.ring(fp8), SINGLE=int(single), BF16=int(bf16),
                    FP8=int(fp8), OUT_BITS=int(fp8 and cfg.out_bits), PDL=int(pdl), EARLY=int(cfg.early),
-                   DEPS_EARLY=int(cfg.dependents_early), MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope, fp8),
+                   MIN_SPLIT=min_split, MINB=ctas_per_sm(cfg, lat, rope, fp8),
                    PRODUCERS=cfg.producer_warps(fp8))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + COMMON.read_text() + SOURCE.read_text()

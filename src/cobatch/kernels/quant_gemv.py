@@ -683,7 +683,7 @@ if gluon is not None:
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
-                     E4M3_CVT: gl.constexpr = True, PF_L2: gl.constexpr = False, DEPS_EARLY: gl.constexpr = False):
+                     E4M3_CVT: gl.constexpr = True):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -703,8 +703,6 @@ if gluon is not None:
         acc = gl.zeros([W, 16 * RT, BT], gl.float32, MMA)
         first = pid_k * steps_per_split
         last = first + steps_per_split - 1
-        if PDL and DEPS_EARLY:      # GEMV_DEPENDENTS_EARLY: the next kernel may launch now
-            gdc_launch_dependents()
         if PDL:
             # A programmatic dependent (GEMV_PDL): the first loop iteration's weight bytes are asked into this SM's
             # L1 while the kernel before finishes (weights are never written), then the wait for that kernel
@@ -713,9 +711,6 @@ if gluon is not None:
                 for u in gl.static_range(U):
                     _prefetch_tile(qs_ptr, tile0, gl.minimum(first + u, last) * W + warp, tile_stride, RT, LD,
                                    ASM_PREFETCH_L1)
-                if PF_L2:       # and the rest of the CTA's quant bytes into L2 (GEMV_PDL_L2_BYTES)
-                    for ahead in range(first + U, last + 1):
-                        _prefetch_tile(qs_ptr, tile0, ahead * W + warp, tile_stride, RT, LD)
             gdc_wait()
         if ROUTED:
             # Stacked experts (moe_routing.py): token tile pid_t is slot pid_t, at most BT pairs (rows of x and
@@ -758,8 +753,8 @@ if gluon is not None:
                     acc = mma_v2(lo, x0, acc)
                     if not _byte_fmt(FMT):
                         acc = mma_v2(hi, x1, acc)
-        if PDL and not DEPS_EARLY:  # the next kernel may launch once every CTA's loop is done (not before: a chain
-            gdc_launch_dependents()      # of GEMVs resident at once slowed whole steps, decode_gemv_pdl_ab.md)
+        if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
+            gdc_launch_dependents()      # resident at once would starve the GEMV still running)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         if FMT == F_NVFP4:
@@ -873,15 +868,6 @@ class Routing:
 # 16-token tiles: there the kernel before may be the mid-batch GEMM, which lets its dependents launch at its
 # start, and a GEMV resident that early slowed whole steps by 3-5 % (bench/results/decode_gemv_pdl_ab.md).
 GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
-# Such a call of a weight whose quant bytes are at most this many asks L2 for all of them before its wait, not
-# only L1 for its first loop iteration's: behind a decode attention that lets it launch at its start
-# (attention.EARLY_DEPENDENTS_ROWS), o's weights can stream while attention runs. 0: off, until
-# whole steps say (COBATCH_GEMV_PDL_L2_MB=32).
-GEMV_PDL_L2_BYTES = int(float(os.environ.get("COBATCH_GEMV_PDL_L2_MB", "0")) * 2 ** 20)
-# Such a call lets the next kernel launch at its start, not once its loops are done, so that the kernels after it
-# (attention after qkv, down after gate_up, the norm and qkv after down) ask for their first bytes while it runs.
-# Off until whole steps say (COBATCH_GEMV_DEPENDENTS_EARLY=1).
-GEMV_DEPENDENTS_EARLY = os.environ.get("COBATCH_GEMV_DEPENDENTS_EARLY", "0") == "1"
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
@@ -905,7 +891,6 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     assert out.shape[-1] == (rows // 2 if act else rows) and (not act or rows % 16 == 0), (out.shape, rows, act)
     token_tiles = routing.slot_expert.shape[0] if routing else -(-n_tok // bt)
     grid = (token_tiles, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
-    pdl = GEMV_PDL and bt == 8
     dummy = p.qs
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
@@ -917,8 +902,5 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
         U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order), num_warps=cfg.W,
         maxnreg=cfg.R or None,
-        **(pdl_launch(x) if pdl else {}),
-        **({"PF_L2": True} if pdl and not routing and p.qs.numel() * p.qs.element_size() <= GEMV_PDL_L2_BYTES
-           else {}),
-        **({"DEPS_EARLY": True} if pdl and GEMV_DEPENDENTS_EARLY else {}),
+        **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))
