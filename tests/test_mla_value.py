@@ -59,14 +59,15 @@ def test_the_kernel_is_off_or_declines_what_it_cannot_tile(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("n", [1, 8, 16, 64])
 def test_value_up_on_the_gpu_at_deepseek_v2_lites_shape(n, monkeypatch):
-    """16 heads x 128 value dims from a 512-wide latent: within bf16's error of the reference, and ops.mla_value
-    takes it (up to MAX_ROWS rows) or leaves it to torch's batched product (more rows, or off)."""
+    """16 heads x 128 value dims from a 512-wide latent: within bf16's error of the reference (the kernel at any
+    rows), and ops.mla_value takes it (up to MAX_ROWS rows) or leaves it to torch's batched product (more rows, or
+    off)."""
     latent, w_uv = _inputs(n, heads=16, v=128, rank=512, device="cuda", seed=n)
     got = mla_value.value_up(latent, w_uv, torch.float16, NATURAL)
     assert relative_error(got, mla_value.value_up_ref(latent, w_uv)) < 1e-2
     monkeypatch.setattr(mla_value, "ENABLED", True)
-    assert mla_value.takes(latent, w_uv)
+    assert mla_value.takes(latent, w_uv) == (n <= mla_value.MAX_ROWS)
     big, _ = _inputs(mla_value.MAX_ROWS + 1, heads=16, v=128, rank=512, device="cuda")
     assert not mla_value.takes(big, w_uv)
