@@ -6,9 +6,9 @@ programmatic dependent, and whose result o's kernels then convert (bf16 to their
 Here a decode step's rows go through one Triton launch instead: each program loads its block of W_UV before it
 waits for attention (weights are never written), and stores o's operand as o's kernels read it, in their dtype
 and column order (PackedWeight.operand_dtype, operand_order). A row's sums have the same bits in any batch (tiles of
-a fixed BLOCK_N rows). On by default: 8 layers of DeepSeek-V2-Lite at B = 1 / 4 / 8, 0.635 / 0.905 / 1.155 ->
-0.61 / 0.88 / 1.14 ms a step (H100, bench/results/mla_value_ab.md); COBATCH_MLA_VALUE_KERNEL=0 gives the product
-back to torch. The torch reference is value_up_ref.
+a fixed BLOCK_N rows). On by default for steps of up to MAX_ROWS rows: 8 layers of DeepSeek-V2-Lite at
+B = 1 / 4 / 8, 0.635 / 0.905 / 1.155 -> 0.61 / 0.88 / 1.14 ms a step (H100, bench/results/mla_value_ab.md);
+COBATCH_MLA_VALUE_KERNEL=0 gives the product back to torch. The torch reference is value_up_ref.
 """
 
 from __future__ import annotations
