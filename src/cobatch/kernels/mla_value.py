@@ -21,10 +21,10 @@ from cobatch.kernels.operand_order import ordered_columns
 from cobatch.kernels.triton_support import dot_in_f32, gdc_launch_dependents, gdc_wait, jit, pdl_launch, tl, triton
 
 ENABLED = os.environ.get("COBATCH_MLA_VALUE_KERNEL", "1") != "0"
+BLOCK_N = 16           # rows a program (fixed: a row's bits do not depend on the step's)
 # Decode steps of up to one BLOCK_N tile of rows, which read W_UV once (timed in whole steps at 1-8 rows:
 # mla_value_ab.md). Wider steps would read it again per tile and keep torch's product until timed.
-MAX_ROWS = 16
-BLOCK_N = 16           # rows a program (fixed: a row's bits do not depend on the step's)
+MAX_ROWS = BLOCK_N
 BLOCK_V = 32           # value dims a program
 
 
