@@ -23,7 +23,8 @@ from cobatch.kernels.triton_support import dot_in_f32, gdc_launch_dependents, gd
 ENABLED = os.environ.get("COBATCH_MLA_VALUE_KERNEL", "1") != "0"
 BLOCK_N = 16           # rows a program (fixed: a row's bits do not depend on the step's)
 # Decode steps of up to one BLOCK_N tile of rows, which read W_UV once (timed in whole steps at 1-8 rows:
-# mla_value_ab.md). Wider steps would read it again per tile and keep torch's product until timed.
+# mla_value_ab.md). Wider steps read it again per tile: level at 16 rows, 0.01-0.03 ms a step slower at 32 and 64
+# (same file), so they keep torch's product.
 MAX_ROWS = BLOCK_N
 BLOCK_V = 32           # value dims a program
 
