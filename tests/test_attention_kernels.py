@@ -76,22 +76,6 @@ def test_plan_decode_splits_fills_the_gpu():
     assert plan_decode_splits(64, 8, 32768, 132)[0] <= 2
 
 
-def test_a_wide_step_that_fills_the_gpu_unsplit_does_not_split():
-    """unsplit_fill: a step past invariant_rows whose rows x KV heads reach that many programs an SM runs one split
-    (no partials, no reduce); the steps below it keep the plan's aim, and invariant rows are untouched."""
-    off, on = DecodeConfig(), DecodeConfig(unsplit_fill=1.5)
-    assert plan_decode_splits(32, 8, 4096, 132, off)[0] == 2 and plan_decode_splits(32, 8, 4096, 132, on) == (1, 1)
-    assert plan_decode_splits(40, 8, 512, 132, on) == (1, 1)
-    for b, ctx in [(16, 512), (24, 4096), (1, 32768), (8, 4096), (64, 512)]:
-        assert plan_decode_splits(b, 8, ctx, 132, on) == plan_decode_splits(b, 8, ctx, 132, off), (b, ctx)
-    assert plan_decode_splits(8, 32, 4096, 132, on) == plan_decode_splits(8, 32, 4096, 132, off)   # 32 KV heads
-    # the kernels take the one-split plan: the reference's output for 12 rows of 4 KV heads (the interpreter's 4 SMs)
-    wide = replace(TINY_DECODE, unsplit_fill=12.0)
-    assert plan_decode_splits(12, 4, 96, 4, wide)[0] == 1 and plan_decode_splits(12, 4, 96, 4, TINY_DECODE)[0] > 1
-    check_attention([96, 1, 40, 77, 64, 5, 96, 33, 0, 17, 80, 96], [1] * 12, n_q=8, n_kv=4, head_dim=32,
-                    dtype=torch.float32, seed=31, decode_cfg=wide)
-
-
 def test_a_short_row_splits_its_own_length_not_the_capacity():
     """A row in a step planned for a 32k capacity splits and spreads as in a step planned for its own length:
     planned from the capacity, a 4k row was one or two 512-token splits walked by one program (decode graphs

@@ -251,12 +251,10 @@ class DecodeConfig:
     # 87 -> 92 %, 8 x 32k 73 -> 78 %, 1 x 32k 56 -> 59 %, B = 1 and 8 x 512 level
     # (bench/results/kernels_attention_fp8_words.json; 32-token tiles in 3 stages lost everywhere).
     fp8_num_stages: int = 3
-    # A step past invariant_rows whose rows and KV heads alone make this many programs an SM or more does not
-    # split (0: off, the plan's aim decides). H100, kernel alone (kernels_attention_split_aim.json): 32 x 512 took
-    # 29.7 us unsplit against 34.0 in 2 splits and their reduce, 32 x 4096 190 against 185; 16 rows want their 4
-    # splits. Off: in whole steps (H100, decode_unsplit_fill_ab.md) 1.5, which takes 25-43 rows of 8 KV heads on
-    # 132 SMs off their 2 splits, lost at B = 32 and gained only at B = 40 x 4096.
-    unsplit_fill: float = float(os.environ.get("COBATCH_DECODE_UNSPLIT_FILL", "0"))
+    # Tried and removed (2bab51b has it): past invariant_rows, a step whose rows and KV heads alone made a given
+    # number of programs an SM ran unsplit. The kernel alone took 32 x 512 from 34.0 to 29.7 us
+    # (kernels_attention_split_aim.json), but whole steps (decode_unsplit_fill_ab.md, H100) were level or slower
+    # at fills of 1.5 and 2.2.
     # Tried and removed: letting the last split program of a (sequence, KV head) merge the partials instead of
     # launching the reduce kernel. One program merging GROUP heads serially is a tail that the reduce kernel's
     # (seq, head) grid spreads out: B=1 x 4k fell from 34 to 22 % of copy, B=8 x 4k from 74 to 69 %
@@ -572,14 +570,11 @@ def plan_decode_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, sms: in
     holding 4k tokens in a graph planned for 32k still spreads over the GPU. It aims at about
     cfg.programs_per_sm programs per SM: B=1 splits up to 64 ways, while B=64 (already 512 programs) does not
     split, which spares the reduce launch (H200: 0.78 vs 0.69 of copy at 512 tokens, 0.99 vs 0.94 at 4k). Up to
-    cfg.invariant_rows sequences split as one does, and the fewer programs they want walk several splits each;
-    past them, a step whose unsplit programs fill the GPU cfg.unsplit_fill times over does not split."""
+    cfg.invariant_rows sequences split as one does, and the fewer programs they want walk several splits each."""
     def splits_for(rows: int) -> int:
         return max(1, min(cfg.max_splits, round(cfg.programs_per_sm * sms / (rows * n_kv_heads))))
 
     own = splits_for(num_seqs)
-    if cfg.unsplit_fill and num_seqs > cfg.invariant_rows and num_seqs * n_kv_heads >= cfg.unsplit_fill * sms:
-        own = 1          # the unsplit programs fill the GPU already
     num_splits = own if num_seqs > cfg.invariant_rows else splits_for(1)
     reachable = min(num_splits, triton.cdiv(max(max_seq_len, 1), cfg.min_split))   # splits of a row <= capacity
     return num_splits, min(own, reachable)
