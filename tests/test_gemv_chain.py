@@ -153,3 +153,49 @@ def test_graph_replay():
         graph.replay()
         ref = gemv_chain.chain_ref([(wg, "silu"), (wd, None)], x)
         assert not out.isnan().any() and relative_error(out, ref) < 1e-2
+
+
+# --- the resident GEMV (gemv_chain.cu's resident_gemv) ----------------------------------------------------------
+
+RESIDENT_CONFIGS = [ChainConfig(W=8, RT=2, U=4), ChainConfig(W=4, RT=1, U=8), ChainConfig(W=8, RT=2, U=8)]
+
+
+def test_resident_gemv_refuses_what_it_cannot_hold():
+    x = torch.zeros(4, 4096, dtype=torch.bfloat16)
+    wide = _cpu_planes(64, 4096 * 4, seed=2)                         # 4 tiles of 512 chunks: 278 KB a 2-tile block
+    with pytest.raises(ValueError, match="cannot hold"):
+        gemv_chain.resident_launch(wide, x.new_zeros(4, 4096 * 4), x.new_zeros(4, 64), 4, ChainConfig(W=8, RT=2))
+    odd = _cpu_planes(64, 256, seed=3)                               # 8 chunks: no 4-chunk group for 8 warps
+    with pytest.raises(ValueError, match="cannot hold"):
+        gemv_chain.resident_launch(odd, x.new_zeros(4, 256), x.new_zeros(4, 64), 4, ChainConfig(W=8, RT=1, U=4))
+    assert gemv_chain.resident_smem(_cpu_planes(32, 4096), ChainConfig(RT=2)) == 2 * 128 * 544
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("cfg", RESIDENT_CONFIGS)
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_resident_gemv_matches_the_reference(cfg, n_tok, dtype, pdl):
+    from cobatch.kernels.quant_matmul import quant_matmul_ref
+    (w, pw), = _weights([(1024, 4096)], seed=11)
+    x = torch.randn(n_tok, 4096, generator=torch.Generator().manual_seed(n_tok)).to("cuda", dtype)
+    out = poisoned((n_tok, 1024), dtype)
+    gemv_chain.resident_launch(pw.planes, x, out, n_tok, cfg, pdl=pdl)
+    assert not out.isnan().any()
+    assert relative_error(out, quant_matmul_ref(x, w)) < 4e-3, (cfg, n_tok)
+
+
+@requires_cuda
+@requires_hopper
+def test_resident_gemv_row_is_bitwise_identical_whatever_the_batch():
+    (w, pw), = _weights([(1024, 4096)], seed=12)
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
+    cfg = ChainConfig(W=8, RT=2, U=4)
+    full = poisoned((8, 1024), torch.bfloat16)
+    gemv_chain.resident_launch(pw.planes, x, full, 8, cfg)
+    for n_tok in (1, 2, 5, 7):
+        got = poisoned((n_tok, 1024), torch.bfloat16)
+        gemv_chain.resident_launch(pw.planes, x[:n_tok], got, n_tok, cfg)
+        assert torch.equal(got, full[:n_tok]), n_tok

@@ -166,6 +166,37 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
     k.launch((ctas, 1, 1), 32 * cfg.W, [chain], torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
 
 
+RESIDENT_SMEM_LIMIT = 227 * 1024 - 16 * 1024     # the SM's shared memory less the warps' reduction buffer
+
+
+def resident_smem(planes: quant_pack.PackedPlanes, cfg: ChainConfig) -> int:
+    """Shared bytes of resident_gemv: its RT tiles' quant and scale planes, all of K."""
+    return cfg.RT * (planes.qs.shape[1] // 512) * (512 + 32)
+
+
+def resident_launch(planes: quant_pack.PackedPlanes, x: torch.Tensor, out: torch.Tensor, n_tok: int,
+                    cfg: ChainConfig, pdl: bool = False) -> None:
+    """out[:n_tok] = x[:n_tok] @ W.T by gemv_chain.cu's resident_gemv: a CTA a row block of cfg.RT tiles, its weights
+    copied into shared memory before it waits for the kernel before (pdl), its cfg.W warps splitting K in groups of
+    cfg.U chunks. Not used by the models: bench/resident_gemv.py times it against the GEMV."""
+    check(ChainStage(planes, x, out), n_tok)
+    n_chunks, smem = planes.qs.shape[1] // 512, resident_smem(planes, cfg)
+    if planes.rows_pad % (16 * cfg.RT) or n_chunks % (cfg.W * cfg.U) or smem > RESIDENT_SMEM_LIMIT:
+        raise ValueError(f"resident_gemv cannot hold {planes.rows_pad} rows x {n_chunks} chunks in row blocks of "
+                         f"{cfg.RT} tiles and {cfg.W} warps' groups of {cfg.U} chunks: {cfg}")
+    device = out.device
+    key = ("resident", cfg, x.dtype, pdl, device.index, smem)
+    k = _kernels.get(key)
+    if k is None:
+        with torch.cuda.device(device):
+            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, x.dtype, pdl, nvrtc.arch_of(device))[0], "resident_gemv", smem)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731
+    args = [ptr(planes.qs), ptr(planes.d), ptr(x), ptr(out), ctypes.c_int(n_tok), ctypes.c_int(n_chunks),
+            ctypes.c_int(planes.rows), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0))]
+    k.launch((planes.rows_pad // (16 * cfg.RT), 1, 1), 32 * cfg.W, args, torch.cuda.current_stream(device).cuda_stream,
+             pdl=pdl)
+
+
 def chain_ref(stages: list[tuple[object, str | None]], x: torch.Tensor) -> torch.Tensor:
     """The torch reference: each stage's product (quant_matmul_ref on its QuantWeight) of the stage before's output,
     rounded to x's dtype between stages, and act(gate) * up where a stage has an act."""
