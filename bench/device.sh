@@ -14,7 +14,9 @@
 #                            launch against the plans), to $OUT
 #   resident-gemv [ARGS]     the resident GEMV's tests, then bench/resident_gemv.py ARGS (q8_0 o and qkv at 1-8 tokens
 #                            with the weights in shared memory before the wait, alone and behind a spin, against the
-#                            plan's GEMV), to $OUT
+#                            plan's GEMV), then whole steps (B = 1, 4, 8; random Llama-3-8B q8_0 cut to 8 layers)
+#                            without and with it on RESIDENT (default 4096x4096=8,2,4: o) and attention's early
+#                            dependents, a process each, twice; to $OUT
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
@@ -139,7 +141,15 @@ gemv-chain)
 resident-gemv)
   [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gemv_chain.py -k resident
   timeout "$(left "$TIMEOUT")" python3 bench/resident_gemv.py --out "$OUT/resident_gemv.json" "$@" 2>&1 | quiet \
-    | tee "$OUT/resident_gemv.log" ;;
+    | tee "$OUT/resident_gemv.log"
+  model=${MODEL:-$(random_model llama3-8b q8_0 8)}
+  for early in 0 8 0 8; do
+    resident=""; [ "$early" = 8 ] && resident=${RESIDENT:-4096x4096=8,2,4}
+    echo "== early dependents $early, resident GEMV '$resident'"
+    COBATCH_DECODE_EARLY_DEPENDENTS=$early COBATCH_RESIDENT_GEMV=$resident timeout "$(left 200)" \
+      python3 bench/plan_ab.py --model "$model" --batches 1,4,8 --rounds 1 --context 512 --kv-cache-gb 8 --tables . \
+      --out "$OUT/plan_ab_resident_${early}_$SECONDS.json" 2>&1 | quiet | tail -3
+  done ;;
 attention)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
 decode)

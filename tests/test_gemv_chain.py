@@ -199,3 +199,30 @@ def test_resident_gemv_row_is_bitwise_identical_whatever_the_batch():
         got = poisoned((n_tok, 1024), torch.bfloat16)
         gemv_chain.resident_launch(pw.planes, x[:n_tok], got, n_tok, cfg)
         assert torch.equal(got, full[:n_tok]), n_tok
+
+
+def test_resident_gemv_shapes_parse():
+    from cobatch.kernels.packed_weight import parse_resident_gemv
+    assert parse_resident_gemv("") == {}
+    assert parse_resident_gemv("4096x4096=8,2,4; 6144x4096=4,1,8") == {
+        (4096, 4096): ChainConfig(W=8, RT=2, U=4), (6144, 4096): ChainConfig(W=4, RT=1, U=8)}
+
+
+@requires_cuda
+@requires_hopper
+def test_a_named_shape_runs_the_resident_gemv(monkeypatch):
+    """packed_weight.RESIDENT_GEMV (COBATCH_RESIDENT_GEMV): the weight's calls of up to 8 tokens run the resident
+    kernel, an f16 x into a bf16 out as decode attention and o's caller hand them; wider calls keep the plan."""
+    from cobatch.kernels import packed_weight
+    from cobatch.kernels.quant_matmul import quant_matmul_ref
+    (w, pw), = _weights([(1024, 4096)], seed=13)
+    cfg = ChainConfig(W=8, RT=2, U=4)
+    x = torch.randn(12, 4096, generator=torch.Generator().manual_seed(14)).to("cuda", torch.float16)
+    want = poisoned((4, 1024), torch.bfloat16)
+    gemv_chain.resident_launch(pw.planes, x[:4], want, 4, cfg)
+    plan_wide = pw.matmul(x, out=poisoned((12, 1024), torch.bfloat16))
+    monkeypatch.setattr(packed_weight, "RESIDENT_GEMV", {(1024, 4096): cfg})
+    got = pw.matmul(x[:4], out=poisoned((4, 1024), torch.bfloat16))
+    assert torch.equal(got, want)
+    assert relative_error(got, quant_matmul_ref(x[:4], w)) < 4e-3
+    assert torch.equal(pw.matmul(x, out=poisoned((12, 1024), torch.bfloat16)), plan_wide)

@@ -21,9 +21,9 @@
 //
 // PIPE: the next item's first load group is issued before the current item's reduction and stores (same stage).
 //
-// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x and out: 0 f16,
-// 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
-// shared with quant_gemm_cuda.cu (cuda_common.cuh).
+// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x: 0 f16, 1 bf16),
+// ODT (out, the same: DT in a chain, whose stages read each other's outputs), MAX_STAGES, PDL, and the host's pieces:
+// the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers shared with quant_gemm_cuda.cu (cuda_common.cuh).
 
 struct Stage {
     const unsigned char* qs;     // fragment-order q8_0 planes: [tiles][n_chunks * 512]
@@ -78,7 +78,7 @@ static __device__ __forceinline__ void mma(float (&acc)[4], u32 a0, u32 a1, u32 
 
 static __device__ __forceinline__ u16 to_out(float v) {
     u16 h;
-#if DT
+#if ODT
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
 #else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -88,7 +88,7 @@ static __device__ __forceinline__ u16 to_out(float v) {
 
 static __device__ __forceinline__ float rounded(float v) {
     const u16 h = to_out(v);
-#if DT
+#if ODT
     return __uint_as_float(((u32)h) << 16);
 #else
     float f;

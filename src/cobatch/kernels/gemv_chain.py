@@ -61,17 +61,19 @@ class ChainStage:
     act: str | None = None
 
 
-def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
+def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, out_dtype: torch.dtype | None = None) -> str:
+    """out_dtype: the resident kernel's output, where it differs from x's (a chain's stages share one dtype)."""
     defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype],
-                   MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+                   ODT=DTYPES[out_dtype or dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     return head + COMMON.read_text() + SOURCE.read_text()
 
 
 @functools.cache
-def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a") -> tuple[bytes, str]:
-    return nvrtc.compile_cubin(source(cfg, dtype, pdl), "gemv_chain", arch)
+def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a",
+          out_dtype: torch.dtype | None = None) -> tuple[bytes, str]:
+    return nvrtc.compile_cubin(source(cfg, dtype, pdl, out_dtype), "gemv_chain", arch)
 
 
 _kernels: dict[tuple, nvrtc.Kernel] = {}
@@ -127,13 +129,14 @@ class ChainScratch:
             self.arrivals[s] = torch.zeros(blocks, dtype=torch.int32, device=self.device)
 
 
-def check(stage: ChainStage, n_tok: int) -> None:
+def check(stage: ChainStage, n_tok: int, one_dtype: bool = True) -> None:
+    """one_dtype: x and out must share theirs (a chain's stages read each other's outputs)."""
     p, x, out = stage.planes, stage.x, stage.out
     problems = []
     if p.fmt_id != quant_pack.Q8_0 or not p.fragment or p.cols != p.cols_pad:
         problems.append("q8_0 fragment-order planes without padded columns")
-    if x.dtype not in DTYPES or out.dtype != x.dtype:
-        problems.append("x and out of one dtype, f16 or bf16")
+    if x.dtype not in DTYPES or out.dtype not in DTYPES or (one_dtype and out.dtype != x.dtype):
+        problems.append("x and out of one dtype, f16 or bf16" if one_dtype else "x and out f16 or bf16")
     if x.shape[-1] != p.cols or x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         problems.append("x [n_tok, cols], rows 16-byte aligned")
     if out.stride(-1) != 1 or out.shape[-1] != (p.rows // 2 if stage.act else p.rows):
@@ -178,18 +181,20 @@ def resident_launch(planes: quant_pack.PackedPlanes, x: torch.Tensor, out: torch
                     cfg: ChainConfig, pdl: bool = False) -> None:
     """out[:n_tok] = x[:n_tok] @ W.T by gemv_chain.cu's resident_gemv: a CTA a row block of cfg.RT tiles, its weights
     copied into shared memory before it waits for the kernel before (pdl), its cfg.W warps splitting K in groups of
-    cfg.U chunks. Not used by the models: bench/resident_gemv.py times it against the GEMV."""
-    check(ChainStage(planes, x, out), n_tok)
+    cfg.U chunks. out may be f16 or bf16 whatever x's dtype. Used by the models only where COBATCH_RESIDENT_GEMV
+    names a shape (PackedWeight.matmul): bench/resident_gemv.py times it against the GEMV."""
+    check(ChainStage(planes, x, out), n_tok, one_dtype=False)
     n_chunks, smem = planes.qs.shape[1] // 512, resident_smem(planes, cfg)
     if planes.rows_pad % (16 * cfg.RT) or n_chunks % (cfg.W * cfg.U) or smem > RESIDENT_SMEM_LIMIT:
         raise ValueError(f"resident_gemv cannot hold {planes.rows_pad} rows x {n_chunks} chunks in row blocks of "
                          f"{cfg.RT} tiles and {cfg.W} warps' groups of {cfg.U} chunks: {cfg}")
     device = out.device
-    key = ("resident", cfg, x.dtype, pdl, device.index, smem)
+    key = ("resident", cfg, x.dtype, out.dtype, pdl, device.index, smem)
     k = _kernels.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, x.dtype, pdl, nvrtc.arch_of(device))[0], "resident_gemv", smem)
+            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, x.dtype, pdl, nvrtc.arch_of(device), out.dtype)[0],
+                                             "resident_gemv", smem)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731
     args = [ptr(planes.qs), ptr(planes.d), ptr(x), ptr(out), ctypes.c_int(n_tok), ctypes.c_int(n_chunks),
             ctypes.c_int(planes.rows), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0))]
