@@ -5,8 +5,9 @@ its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV
 HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
 stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only, q8_0, one stream,
-and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
-yet (bench/results/gemv_chain.md).
+and not used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
+yet (bench/results/gemv_chain.md). The same source holds the resident GEMV (resident_launch), which the models run
+only where COBATCH_RESIDENT_GEMV names a shape.
 
 Each stage reads the planes the GEMV reads (fragment order), so no second copy of the weights exists. The torch
 reference is `chain_ref`; quant_matmul.quant_matmul_ref is the product's.
