@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cobatch.kernels import nvrtc, quant_gemv, quant_pack
-from cobatch.kernels.quant_gemm_cuda import COMMON, asm_literal
+from cobatch.kernels.quant_gemm_cuda import COMMON, SMEM_LIMIT, asm_literal
 
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_STAGES = 8
@@ -170,7 +170,7 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
     k.launch((ctas, 1, 1), 32 * cfg.W, [chain], torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
 
 
-RESIDENT_SMEM_LIMIT = 227 * 1024 - 16 * 1024     # the SM's shared memory less the warps' reduction buffer
+RESIDENT_SMEM_LIMIT = SMEM_LIMIT - 16 * 1024     # a CTA's shared memory less the warps' reduction buffer
 
 
 def resident_smem(planes: quant_pack.PackedPlanes, cfg: ChainConfig) -> int:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from cobatch.kernels import gemv_chain, quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
-from cobatch.kernels.gemv_chain import ChainConfig
 from cobatch.kernels.matmul_plans import DEQUANT_CUBLAS, MatmulPlan, load_plan, uses_gemv
 from cobatch.kernels.operand_order import NATURAL, order_of
 from cobatch.kernels.quant_gemm import GemmConfig
@@ -58,14 +57,14 @@ def as_q8_0_on(w: QuantWeight, device: torch.device) -> QuantWeight:
 RESIDENT_DENSE_CROSSOVER = 16   # with a resident dense copy (keep_dense), see from_quant
 
 
-def parse_resident_gemv(spec: str) -> dict[tuple[int, int], ChainConfig]:
+def parse_resident_gemv(spec: str) -> dict[tuple[int, int], gemv_chain.ChainConfig]:
     """"ROWSxCOLS=W,RT,U;..." -> {(rows, cols): the resident GEMV's config}."""
     table = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         shape, cfg = part.split("=")
         rows, cols = (int(v) for v in shape.split("x"))
         w, rt, u = (int(v) for v in cfg.split(","))
-        table[(rows, cols)] = ChainConfig(W=w, RT=rt, U=u)
+        table[(rows, cols)] = gemv_chain.ChainConfig(W=w, RT=rt, U=u)
     return table
 
 
@@ -260,7 +259,7 @@ class PackedWeight:
             quant_matmul.launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)
 
-    def _resident(self, n_tok: int, act: str | None, out_order: int) -> ChainConfig | None:
+    def _resident(self, n_tok: int, act: str | None, out_order: int) -> gemv_chain.ChainConfig | None:
         """The resident GEMV's config where RESIDENT_GEMV names this weight's shape and it takes the call."""
         if not RESIDENT_GEMV or act or out_order != NATURAL or n_tok > gemv_chain.MAX_TOK \
                 or self.planes.fmt_id != quant_pack.Q8_0:
