@@ -139,10 +139,13 @@ gemv-chain)
   [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_gemv_chain.py
   timeout "$(left "$TIMEOUT")" python3 bench/gemv_chain.py "$@" 2>&1 | quiet | tee "$OUT/gemv_chain.log" | tail -16 ;;
 resident-gemv)
+  # the steps' model is written while the tests and the kernel benchmark run
+  [ -z "${MODEL:-}" ] && { random_model llama3-8b q8_0 8 > /tmp/resident_model.path & }
   [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gemv_chain.py -k resident
   timeout "$(left "$TIMEOUT")" python3 bench/resident_gemv.py --out "$OUT/resident_gemv.json" "$@" 2>&1 | quiet \
     | tee "$OUT/resident_gemv.log"
-  model=${MODEL:-$(random_model llama3-8b q8_0 8)}
+  wait
+  model=${MODEL:-$(cat /tmp/resident_model.path)}
   for early in 0 8 0 8; do
     resident=""; [ "$early" = 8 ] && resident=${RESIDENT:-4096x4096=8,2,4}
     echo "== early dependents $early, resident GEMV '$resident'"
