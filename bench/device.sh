@@ -12,11 +12,6 @@
 #                            --probe: where its time goes), to $OUT and bench/results
 #   gemv-chain [ARGS]        the GEMV chain's tests, then bench/gemv_chain.py ARGS (q8_0 GEMVs chained in one persistent
 #                            launch against the plans), to $OUT
-#   resident-gemv [ARGS]     the resident GEMV's tests, then bench/resident_gemv.py ARGS (q8_0 o and qkv at 1-8 tokens
-#                            with the weights in shared memory before the wait, alone and behind a spin, against the
-#                            plan's GEMV), then whole steps (B = 1, 4, 8; random Llama-3-8B q8_0 cut to 8 layers)
-#                            without and with it on RESIDENT (default 4096x4096=8,2,4: o) and attention's early
-#                            dependents, a process each, twice; to $OUT
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
@@ -64,7 +59,7 @@ cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
 SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe moe-experts speculative hf parallel size "
 SUITES+="sampler prefill "
-SUITES+="gemv-configs profile plan-ab ab resident-gemv "
+SUITES+="gemv-configs profile plan-ab ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi
@@ -138,21 +133,6 @@ gemm-cuda)
 gemv-chain)
   [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_gemv_chain.py
   timeout "$(left "$TIMEOUT")" python3 bench/gemv_chain.py "$@" 2>&1 | quiet | tee "$OUT/gemv_chain.log" | tail -16 ;;
-resident-gemv)
-  # the steps' model is written while the tests and the kernel benchmark run
-  [ -z "${MODEL:-}" ] && { random_model llama3-8b q8_0 8 > /tmp/resident_model.path & }
-  [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gemv_chain.py -k resident
-  timeout "$(left "$TIMEOUT")" python3 bench/resident_gemv.py --out "$OUT/resident_gemv.json" "$@" 2>&1 | quiet \
-    | tee "$OUT/resident_gemv.log"
-  wait
-  model=${MODEL:-$(cat /tmp/resident_model.path)}
-  for early in 0 8 0 8; do
-    resident=""; [ "$early" = 8 ] && resident=${RESIDENT:-4096x4096=8,2,4}
-    echo "== early dependents $early, resident GEMV '$resident'"
-    COBATCH_DECODE_EARLY_DEPENDENTS=$early COBATCH_RESIDENT_GEMV=$resident timeout "$(left 200)" \
-      python3 bench/plan_ab.py --model "$model" --batches 1,4,8 --rounds 1 --context 512 --kv-cache-gb 8 --tables . \
-      --out "$OUT/plan_ab_resident_${early}_$SECONDS.json" 2>&1 | quiet | tail -3
-  done ;;
 attention)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
 decode)

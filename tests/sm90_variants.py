@@ -121,8 +121,7 @@ for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), 
         dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS,
              GROUPS=groups, SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False,
              OPERAND=F16 if fp8 else BF16, ROPE=True, NEOX=neox, QK_NORM=qk_norm, FP8_WORDS=2 if fp8 else 0,
-             ORDER=1 if single else 0,        # a single split's rows stored in o's GEMM's order (operand_order)
-             EARLY=single),                   # and its dependents launched at its start (EARLY_DEPENDENTS_ROWS)
+             ORDER=1 if single else 0),       # a single split's rows stored in o's GEMM's order (operand_order)
         dec.num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(1 if single else 2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills

@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("triton")
 
 from cobatch.batch import AttentionMetadata  # noqa: E402
-from cobatch.kernels import attention  # noqa: E402
 from cobatch.kernels.attention import (  # noqa: E402
     DecodeConfig, PrefillConfig, paged_attention_ref, paged_decode_attention, paged_prefill_attention,
     plan_decode_splits, plan_has_groups, prefill_work, prefill_work_items, row_split_len, whole_groups)
@@ -465,13 +464,10 @@ LLAMA8B = dict(n_q=32, n_kv=8, head_dim=128)
 @requires_cuda
 @pytest.mark.parametrize("seq_lens", [[512], [4096], [32768], [4096] * 8, [1, 511, 0, 4097, 32768, 77, 2048, 16],
                                       [513] * 64])
-@pytest.mark.parametrize("pdl", [False, True, "early"])
-def test_decode_llama8b(seq_lens, pdl, monkeypatch):
-    """pdl "early": the split kernel lets the next kernel launch at its start (EARLY_DEPENDENTS_ROWS)."""
-    monkeypatch.setattr(attention, "EARLY_DEPENDENTS_ROWS", 64 if pdl == "early" else 0)
-    cfg = replace(DecodeConfig(), pdl=bool(pdl))
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_llama8b(seq_lens, pdl):
     check_attention(seq_lens, [1] * len(seq_lens), **LLAMA8B, dtype=torch.bfloat16, seed=len(seq_lens),
-                    capacity=32768, decode_cfg=cfg)
+                    capacity=32768, decode_cfg=replace(DecodeConfig(), pdl=pdl))
 
 
 @requires_cuda
@@ -535,16 +531,15 @@ def test_decode_row_is_bitwise_the_same_in_any_step_of_up_to_invariant_rows(dtyp
 
 
 @requires_cuda
-@pytest.mark.parametrize("pdl", [False, True, "early"])
-def test_decode_cuda_graph_replay(pdl, monkeypatch):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_cuda_graph_replay(pdl):
     """Captured once at a fixed capacity, replayed with other lengths, pages and queries written in place."""
     n, capacity = 6, 8192
     # The pool of the capture is sized for full-capacity sequences, so every later scenario fits in it.
     q, k_cache, v_cache, meta = paged_setup([capacity] * n, [1] * n, **LLAMA8B, dtype=torch.bfloat16, seed=30,
                                             capacity=capacity)
     scale = 128 ** -0.5
-    monkeypatch.setattr(attention, "EARLY_DEPENDENTS_ROWS", 8 if pdl == "early" else 0)
-    cfg = replace(DecodeConfig(), pdl=bool(pdl))
+    cfg = replace(DecodeConfig(), pdl=pdl)
     # q is produced by a kernel right before attention (as rope is in the model), and two attention calls
     # run back to back: with PDL, each must still wait for its inputs.
     q_src = q.clone()

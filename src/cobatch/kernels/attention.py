@@ -263,14 +263,6 @@ class DecodeConfig:
 
 DECODE_CONFIG = DecodeConfig()
 
-# With PDL, a decode step of at most this many rows lets the next kernels launch at the split kernel's start, not
-# after its loop (0: never): at a few rows its programs leave most SMs free, so the reduce and the o projection
-# after it become resident while attention runs. The Gluon GEMV gained nothing so (decode_early_dependents_ab.md),
-# nor did o on the CUDA GEMM with its whole share in shared memory (decode_o_resident_ab.md); the resident GEMV
-# (packed_weight.RESIDENT_GEMV) is the kernel it is kept for. Off until whole steps say
-# (COBATCH_DECODE_EARLY_DEPENDENTS=8).
-EARLY_DEPENDENTS_ROWS = int(os.environ.get("COBATCH_DECODE_EARLY_DEPENDENTS", "0"))
-
 
 @jit
 def _step_rows_of_sequence(slot_ptr, bt_row, row, seq_len, PAGE: tl.constexpr):
@@ -335,7 +327,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
                          ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-                         FP8_WORDS: tl.constexpr = 0, ORDER: tl.constexpr = 0, EARLY: tl.constexpr = False):
+                         FP8_WORDS: tl.constexpr = 0, ORDER: tl.constexpr = 0):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -347,10 +339,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     ROPE: q and this step's k arrive unrotated (every dim rotates; NEOX: halves, else adjacent pairs). The
     program rotates its q heads, and writes the rotated k and the v of the step's rows whose positions fall
     in its chunk into the cache before reading it (the rope kernel's work, same bits, one launch less). QK_NORM:
-    each q and k head RMS-normed first (qwen3), as the rope kernel does. EARLY (with PDL): the next kernel may
-    launch at the start (EARLY_DEPENDENTS_ROWS), not after the loop."""
-    if PDL and EARLY:
-        gdc_launch_dependents()
+    each q and k head RMS-normed first (qwen3), as the rope kernel does."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
@@ -442,7 +431,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                            gd_mask & split_store, BLOCK_D)
             # The next split starts from scratch: with m = -inf its first tile scales l and acc by exp2(-inf) = 0.
             m = tl.where(split_done, float("-inf"), m)
-    if PDL and not EARLY:
+    if PDL:
         # The next kernel may launch now (not at the start: a chain would get resident all at once).
         gdc_launch_dependents()
 
@@ -699,8 +688,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
         QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=words, ORDER=out_order,
-        EARLY=n_rows <= EARLY_DEPENDENTS_ROWS, num_warps=cfg.num_warps,
-        num_stages=cfg.fp8_num_stages if words else cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.fp8_num_stages if words else cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(n_rows, n_heads)](

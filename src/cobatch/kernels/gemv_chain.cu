@@ -21,9 +21,9 @@
 //
 // PIPE: the next item's first load group is issued before the current item's reduction and stores (same stage).
 //
-// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x: 0 f16, 1 bf16),
-// ODT (out, the same: DT in a chain, whose stages read each other's outputs), MAX_STAGES, PDL, and the host's pieces:
-// the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers shared with quant_gemm_cuda.cu (cuda_common.cuh).
+// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x and out: 0 f16,
+// 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
+// shared with quant_gemm_cuda.cu (cuda_common.cuh).
 
 struct Stage {
     const unsigned char* qs;     // fragment-order q8_0 planes: [tiles][n_chunks * 512]
@@ -78,7 +78,7 @@ static __device__ __forceinline__ void mma(float (&acc)[4], u32 a0, u32 a1, u32 
 
 static __device__ __forceinline__ u16 to_out(float v) {
     u16 h;
-#if ODT
+#if DT
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
 #else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -88,7 +88,7 @@ static __device__ __forceinline__ u16 to_out(float v) {
 
 static __device__ __forceinline__ float rounded(float v) {
     const u16 h = to_out(v);
-#if ODT
+#if DT
     return __uint_as_float(((u32)h) << 16);
 #else
     float f;
@@ -318,97 +318,6 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
             for (int i = 0; i < 2 * MAX_STAGES; ++i) chain.counters[i] = 0;
             __threadfence();
             *ctas_out = 0;
-        }
-    }
-}
-
-// One q8_0 GEMV of up to 8 tokens whose CTAs hold their rows' whole weights in shared memory, copied there before
-// the kernel waits for the one before it (RESIDENT): a CTA owns RT 16-row tiles with all their K, so with PDL and
-// the kernel before letting it launch early, its bytes arrive while that kernel runs, and after the wait it only
-// reads x, multiplies out of shared memory and stores. Its W warps split K evenly (U chunks of loads in flight a
-// warp), their sums added in warp order; no K split across CTAs, so a row's bits do not depend on the batch. The
-// question it answers: how short a matrix's kernel gets once its weights are resident (docs/kernels.md).
-extern "C" __global__ void __launch_bounds__(W * 32, 1)
-resident_gemv(const unsigned char* __restrict__ qs, const unsigned char* __restrict__ d, const u16* x, u16* out,
-              int n_tok, int n_chunks, int rows, int x_stride, int out_stride) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ float red[W][RT * 128];
-    __shared__ __align__(8) u64 bar;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const u32 base = smem_u32(smem), bar_addr = smem_u32(&bar);
-    const u32 qs_bytes = RT * n_chunks * 512, d_bytes = RT * n_chunks * 32;   // [tile][chunk][512], then [.][.][32]
-    const int tile0 = blockIdx.x * RT;
-    if (threadIdx.x == 0) {
-        mbar_init(bar_addr, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == 0) {                     // the tiles' planes are contiguous: copies of 8 KB, a lane's share each
-        if (lane == 0) mbar_expect(bar_addr, qs_bytes + d_bytes);
-        __syncwarp();
-        const unsigned char* q0 = qs + (u64)tile0 * n_chunks * 512;
-        const unsigned char* d0 = d + (u64)tile0 * n_chunks * 32;
-        for (u32 at = lane * 8192; at < qs_bytes; at += 32 * 8192)
-            bulk_copy(base + at, q0 + at, min(8192u, qs_bytes - at), bar_addr);
-        for (u32 at = lane * 8192; at < d_bytes; at += 32 * 8192)
-            bulk_copy(base + qs_bytes + at, d0 + at, min(8192u, d_bytes - at), bar_addr);
-    }
-#if PDL
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");     // x is the kernel before's output
-#endif
-    const int per_warp = n_chunks / W, chunk0 = warp * per_warp;
-    const bool token_live = g < n_tok;
-    const u16* xw = x + (u64)g * x_stride + chunk0 * 32 + c * 8;
-    float acc[RT][4];
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
-    uint4 xv[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) xv[u] = token_live ? ldg_cg(xw + u * 32) : make_uint4(0, 0, 0, 0);
-    mbar_wait(bar_addr, 0);
-    for (int c0 = 0; c0 < per_warp; c0 += U) {
-        Group grp;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            grp.xv[u] = xv[u];
-            const int chunk = chunk0 + c0 + u;
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-                grp.q[r][u] = lds128(base + (r * n_chunks + chunk) * 512 + lane * 16);
-                grp.sc[r][u] = lds32(base + qs_bytes + (r * n_chunks + chunk) * 32 + g * 4);
-            }
-        }
-        if (c0 + U < per_warp)           // the next group's x in flight while this one is multiplied
-#pragma unroll
-            for (int u = 0; u < U; ++u) xv[u] = token_live ? ldg_cg(xw + (c0 + U + u) * 32) : make_uint4(0, 0, 0, 0);
-        mma_group(acc, grp);
-    }
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        if (r % W != warp) continue;
-        float sum[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float v = 0.0f;
-#pragma unroll
-            for (int w = 0; w < W; ++w) v += red[w][r * 128 + lane * 4 + i];
-            sum[i] = v;
-        }
-        const int row = (tile0 + r) * 16 + g;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int t = 2 * c + i;
-            if (t >= n_tok) continue;
-            if (row < rows) out[(u64)t * out_stride + row] = to_out(sum[i]);
-            if (row + 8 < rows) out[(u64)t * out_stride + row + 8] = to_out(sum[2 + i]);
         }
     }
 }

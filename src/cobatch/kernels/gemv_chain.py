@@ -5,9 +5,8 @@ its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV
 HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
 stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only, q8_0, one stream,
-and not used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
-yet (bench/results/gemv_chain.md). The same source holds the resident GEMV (resident_launch), which the models run
-only where COBATCH_RESIDENT_GEMV names a shape.
+and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
+yet (bench/results/gemv_chain.md).
 
 Each stage reads the planes the GEMV reads (fragment order), so no second copy of the weights exists. The torch
 reference is `chain_ref`; quant_matmul.quant_matmul_ref is the product's.
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cobatch.kernels import nvrtc, quant_gemv, quant_pack
-from cobatch.kernels.quant_gemm_cuda import COMMON, SMEM_LIMIT, asm_literal
+from cobatch.kernels.quant_gemm_cuda import COMMON, asm_literal
 
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_STAGES = 8
@@ -62,19 +61,17 @@ class ChainStage:
     act: str | None = None
 
 
-def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, out_dtype: torch.dtype | None = None) -> str:
-    """out_dtype: the resident kernel's output, where it differs from x's (a chain's stages share one dtype)."""
+def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
     defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype],
-                   ODT=DTYPES[out_dtype or dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+                   MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     return head + COMMON.read_text() + SOURCE.read_text()
 
 
 @functools.cache
-def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a",
-          out_dtype: torch.dtype | None = None) -> tuple[bytes, str]:
-    return nvrtc.compile_cubin(source(cfg, dtype, pdl, out_dtype), "gemv_chain", arch)
+def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a") -> tuple[bytes, str]:
+    return nvrtc.compile_cubin(source(cfg, dtype, pdl), "gemv_chain", arch)
 
 
 _kernels: dict[tuple, nvrtc.Kernel] = {}
@@ -130,14 +127,13 @@ class ChainScratch:
             self.arrivals[s] = torch.zeros(blocks, dtype=torch.int32, device=self.device)
 
 
-def check(stage: ChainStage, n_tok: int, one_dtype: bool = True) -> None:
-    """one_dtype: x and out must share theirs (a chain's stages read each other's outputs)."""
+def check(stage: ChainStage, n_tok: int) -> None:
     p, x, out = stage.planes, stage.x, stage.out
     problems = []
     if p.fmt_id != quant_pack.Q8_0 or not p.fragment or p.cols != p.cols_pad:
         problems.append("q8_0 fragment-order planes without padded columns")
-    if x.dtype not in DTYPES or out.dtype not in DTYPES or (one_dtype and out.dtype != x.dtype):
-        problems.append("x and out of one dtype, f16 or bf16" if one_dtype else "x and out f16 or bf16")
+    if x.dtype not in DTYPES or out.dtype != x.dtype:
+        problems.append("x and out of one dtype, f16 or bf16")
     if x.shape[-1] != p.cols or x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         problems.append("x [n_tok, cols], rows 16-byte aligned")
     if out.stride(-1) != 1 or out.shape[-1] != (p.rows // 2 if stage.act else p.rows):
@@ -168,39 +164,6 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
     chain.counters, chain.n_stages, chain.n_tok = scratch.counters.data_ptr(), len(stages), n_tok
     k = kernel(cfg, stages[0].x.dtype, pdl, device)
     k.launch((ctas, 1, 1), 32 * cfg.W, [chain], torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
-
-
-RESIDENT_SMEM_LIMIT = SMEM_LIMIT - 16 * 1024     # a CTA's shared memory less the warps' reduction buffer
-
-
-def resident_smem(planes: quant_pack.PackedPlanes, cfg: ChainConfig) -> int:
-    """Shared bytes of resident_gemv: its RT tiles' quant and scale planes, all of K."""
-    return cfg.RT * (planes.qs.shape[1] // 512) * (512 + 32)
-
-
-def resident_launch(planes: quant_pack.PackedPlanes, x: torch.Tensor, out: torch.Tensor, n_tok: int,
-                    cfg: ChainConfig, pdl: bool = False) -> None:
-    """out[:n_tok] = x[:n_tok] @ W.T by gemv_chain.cu's resident_gemv: a CTA a row block of cfg.RT tiles, its weights
-    copied into shared memory before it waits for the kernel before (pdl), its cfg.W warps splitting K in groups of
-    cfg.U chunks. out may be f16 or bf16 whatever x's dtype. Used by the models only where COBATCH_RESIDENT_GEMV
-    names a shape (PackedWeight.matmul): bench/resident_gemv.py times it against the GEMV."""
-    check(ChainStage(planes, x, out), n_tok, one_dtype=False)
-    n_chunks, smem = planes.qs.shape[1] // 512, resident_smem(planes, cfg)
-    if planes.rows_pad % (16 * cfg.RT) or n_chunks % (cfg.W * cfg.U) or smem > RESIDENT_SMEM_LIMIT:
-        raise ValueError(f"resident_gemv cannot hold {planes.rows_pad} rows x {n_chunks} chunks in row blocks of "
-                         f"{cfg.RT} tiles and {cfg.W} warps' groups of {cfg.U} chunks: {cfg}")
-    device = out.device
-    key = ("resident", cfg, x.dtype, out.dtype, pdl, device.index, smem)
-    k = _kernels.get(key)
-    if k is None:
-        with torch.cuda.device(device):
-            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, x.dtype, pdl, nvrtc.arch_of(device), out.dtype)[0],
-                                             "resident_gemv", smem)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())     # noqa: E731
-    args = [ptr(planes.qs), ptr(planes.d), ptr(x), ptr(out), ctypes.c_int(n_tok), ctypes.c_int(n_chunks),
-            ctypes.c_int(planes.rows), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0))]
-    k.launch((planes.rows_pad // (16 * cfg.RT), 1, 1), 32 * cfg.W, args, torch.cuda.current_stream(device).cuda_stream,
-             pdl=pdl)
 
 
 def chain_ref(stages: list[tuple[object, str | None]], x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import gemv_chain, quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
+from cobatch.kernels import quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.matmul_plans import DEQUANT_CUBLAS, MatmulPlan, load_plan, uses_gemv
 from cobatch.kernels.operand_order import NATURAL, order_of
@@ -55,24 +55,6 @@ def as_q8_0_on(w: QuantWeight, device: torch.device) -> QuantWeight:
 
 
 RESIDENT_DENSE_CROSSOVER = 16   # with a resident dense copy (keep_dense), see from_quant
-
-
-def parse_resident_gemv(spec: str) -> dict[tuple[int, int], gemv_chain.ChainConfig]:
-    """"ROWSxCOLS=W,RT,U;..." -> {(rows, cols): the resident GEMV's config}."""
-    table = {}
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        shape, cfg = part.split("=")
-        rows, cols = (int(v) for v in shape.split("x"))
-        w, rt, u = (int(v) for v in cfg.split(","))
-        table[(rows, cols)] = gemv_chain.ChainConfig(W=w, RT=rt, U=u)
-    return table
-
-
-# q8_0 weights of these shapes run their calls of up to 8 tokens on the resident GEMV (gemv_chain.resident_launch:
-# each CTA's weights copied into shared memory before its wait) instead of the plan's GEMV. Empty by default: set
-# for the whole-step A/B that decides it (docs/kernels.md, The resident GEMV), e.g. with decode attention's early
-# dependents, COBATCH_RESIDENT_GEMV="4096x4096=8,2,4" for Llama-3-8B's o.
-RESIDENT_GEMV = parse_resident_gemv(os.environ.get("COBATCH_RESIDENT_GEMV", ""))
 
 
 # The DEQUANT_CUBLAS path's dense matrix, as bytes: grown at load to the largest matrix.
@@ -233,11 +215,6 @@ class PackedWeight:
             torch.mm(x2, w.t(), out=out.view(n_tok, self.rows))
         elif isinstance(config, (GemvConfig, GemvPlan)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)   # f32 x
-            resident = self._resident(n_tok, act, out_order)
-            if resident is not None:
-                gemv_chain.resident_launch(self.planes, xg, out.view(n_tok, out_cols), n_tok, resident,
-                                           pdl=quant_gemv.GEMV_PDL)
-                return out.reshape(*lead, out_cols)
             partial, count = out, out
             if config.split_k > 1:
                 SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
@@ -258,13 +235,6 @@ class PackedWeight:
         else:
             quant_matmul.launch(self.planes, x2, out, config)
         return out.reshape(*lead, out_cols)
-
-    def _resident(self, n_tok: int, act: str | None, out_order: int) -> gemv_chain.ChainConfig | None:
-        """The resident GEMV's config where RESIDENT_GEMV names this weight's shape and it takes the call."""
-        if not RESIDENT_GEMV or act or out_order != NATURAL or n_tok > gemv_chain.MAX_TOK \
-                or self.planes.fmt_id != quant_pack.Q8_0:
-            return None
-        return RESIDENT_GEMV.get((self.rows, self.cols))
 
     def __repr__(self) -> str:
         kind = "dense" if self.dense is not None else "packed"
