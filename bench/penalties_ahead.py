@@ -43,6 +43,7 @@ PENALIZED = SamplingParams(temperature=0.7, seed=3, max_tokens=1 << 20, ignore_e
 VARIANTS = {"no penalties": ("none", False), "one penalized, waits": ("one", False),
             "one penalized, ahead": ("one", True), "all penalized, waits": ("all", False),
             "all penalized, ahead": ("all", True)}
+WARMUP = 4             # untimed steps before the timed ones (the overlap starts on the second step)
 
 
 def start_sessions(llm: LLM, batch: int, context: int, penalized: str) -> None:
@@ -69,7 +70,7 @@ def timed_steps(llm: LLM, steps: int) -> tuple[float, int]:
 
     runner.launch = counting
     try:
-        return time_steps(llm, steps=steps, warmup=4), sum(ahead)
+        return time_steps(llm, steps=steps, warmup=WARMUP), sum(ahead)
     finally:
         runner.launch = launch
 
@@ -96,13 +97,13 @@ def main() -> None:
             step_s, ahead_steps = timed_steps(llm, args.steps)
             clear(llm)
             bytes_read = wbytes + batch * (args.context + args.steps) * kvtok
-            row = dict(batch=batch, variant=variant, steps_planned_ahead=ahead_steps, steps=args.steps + 4,
+            row = dict(batch=batch, variant=variant, steps_planned_ahead=ahead_steps, steps=args.steps + WARMUP,
                        step_ms=step_s * 1e3, tok_s=batch / step_s,
                        gbps=bytes_read / step_s / 1e9, of_copy=bytes_read / step_s / copy_bps)
             rows.append(row)
             print(f"  B {batch:3d} {variant:22} {row['step_ms']:6.3f} ms  {row['tok_s']:8.0f} tok/s  "
                   f"{row['gbps']:5.0f} GB/s ({row['of_copy']:4.0%} of copy), "
-                  f"{ahead_steps} of {args.steps + 4} steps planned ahead", flush=True)
+                  f"{ahead_steps} of {args.steps + WARMUP} steps planned ahead", flush=True)
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results") / "penalties_ahead.json"
     out.write_text(json.dumps(dict(tree=provenance.tree(), command=" ".join(sys.argv),
                                    device=torch.cuda.get_device_name(), copy_gbps=copy_bps / 1e9,
