@@ -1,11 +1,13 @@
 """The sampler on the GPU, over [B, V] float32 logits of Llama-3's vocabulary: first the token-pick kernels alone
 (kernels/greedy.py: greedy, and Gumbel-max over the sampler's counter noise) against the torch ops they replace,
-then whole sampler calls as a decode step makes them (greedy rows, sampled ones with and without top-k / top-p /
-min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way), and where top-k
-applies, with each row sorted whole instead of read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS), and where
-a filter applies, with whole-row cumulative sums in place of sampler._prefix_below's one-block scans.
+and top-p's cut without a sort (kernels/top_p.py) against the stable sort; then whole sampler calls as a decode
+step makes them (greedy rows, sampled ones with and without top-k / top-p / min-p), with the kernels (the default)
+and with torch's ops alone (COBATCH_TORCH_OPS's way); where top-p is alone, also with its kernel
+(engine/sampler.TOP_P_KERNEL, COBATCH_TOP_P_KERNEL=1); where top-k applies, with each row sorted whole instead of
+read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS); and where a filter applies, with whole-row cumulative
+sums in place of sampler._prefix_below's one-block scans.
 
-    PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40]
+    PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40] [--params NAMES]
 
 The kernels alone are checked against the torch ops, then timed as CUDA-graph replays (bench/timing.py); a whole
 call is timed from CUDA events around `calls` calls queued back to back (its host work included, as a step pays it
@@ -34,6 +36,7 @@ from cobatch.engine import sampler as sampler_module  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
 from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
                                     gumbel_tokens_triton, token_noise_key)
+from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ROTATE_BYTES = 256 << 20      # past the H200's 60 MB of L2
@@ -54,7 +57,9 @@ def timed_row(row: dict, way: str, seconds: float, copy_gbps: float) -> None:
 
 
 def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> list[dict]:
-    """The two picks as kernels and as torch ops, each on every input in one graph."""
+    """The two picks as kernels and as torch ops, each on every input in one graph; then top-p 0.9 of scores
+    tempered by 0.7 (kernels/top_p.py: the cut found without a sort, against the stable sort), with the rows
+    whose kept tokens differ (a mass landing on p within rounding) counted."""
     row_keys = torch.arange(batch, device="cuda", dtype=torch.int64) * 2654435761 % (1 << 32)
     token_keys = token_noise_key(torch.arange(inputs[0].shape[1], device="cuda"))
     fallback = torch.zeros(batch, device="cuda", dtype=torch.int64)
@@ -69,6 +74,16 @@ def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> l
         for way, pick in (("torch", reference), ("kernel", kernel)):
             timed_row(row, way, graph_time([lambda x=x, pick=pick: pick(x) for x in inputs]), copy_gbps)
         rows.append(row)
+    top_p = torch.full((batch,), 0.9, device="cuda")
+    tempered = [x / 0.7 for x in inputs]
+    row = dict(batch=batch, pick="top_p 0.9", logits_bytes=inputs[0].numel() * 4)
+    row["rows_differ"] = sum(int((torch.isfinite(top_p_keep_triton(x, top_p)) != torch.isfinite(top_p_keep_ref(
+        x, top_p))).any(dim=-1).sum()) for x in tempered[:4])
+    for way, keep in (("torch", top_p_keep_ref), ("kernel", top_p_keep_triton)):
+        timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x, top_p) for x in tempered]), copy_gbps)
+    rows.append(row)
+    print(f"  B {batch:3d} top-p 0.9 sort {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us  "
+          f"rows kept otherwise {row['rows_differ']} of {4 * batch}", flush=True)
     return rows
 
 
@@ -103,30 +118,36 @@ def prefix_below_row_scan(weights: torch.Tensor, limit: torch.Tensor) -> torch.T
     return (before < limit[:, None]).sum(dim=-1)
 
 
-def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float) -> list[dict]:
+def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float,
+                names: list[str]) -> list[dict]:
     """A sampler call per parameter set, with the kernels and with torch's ops alone; where top-k applies, also
     with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`); where a filter
     applies, also with whole-row scans for its running sums (`row scans`). Each way's GPU time too (`_gpu_us`)."""
     out = []
     widths, prefix_below = sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below
-    for name, params in PARAMS.items():
+    for name in names:
+        params = PARAMS[name]
         rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
         row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
         tokens = {}
-        ways = [("torch", True, widths, prefix_below), ("kernels", False, widths, prefix_below)]
+        ways = [("torch", True, widths, prefix_below, False), ("kernels", False, widths, prefix_below, False)]
         if params.top_k:
-            ways.append(("sorted", False, (), prefix_below))
+            ways.append(("sorted", False, (), prefix_below, False))
         if params.top_k or params.top_p < 1.0:
-            ways.append(("row_scans", False, widths, prefix_below_row_scan))
-        for way, torch_only, top_k_widths, scan in ways:
+            ways.append(("row_scans", False, widths, prefix_below_row_scan, False))
+        if params.top_p < 1.0 and not params.top_k:
+            ways.append(("top_p_kernel", False, widths, prefix_below, True))
+        for way, torch_only, top_k_widths, scan, p_kernel in ways:
             ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below = torch_only, top_k_widths, scan
+            sampler_module.TOP_P_KERNEL = p_kernel
             try:
                 sampler = Sampler()
                 tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
                 timed_row(row, way, call_seconds(sampler, inputs, rows, calls), copy_gbps)
                 row[f"{way}_gpu_us"] = call_gpu_seconds(sampler, inputs, rows, min(calls, 10)) * 1e6
             finally:
-                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below = False, widths, prefix_below
+                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = False, widths
+                sampler_module._prefix_below, sampler_module.TOP_P_KERNEL = prefix_below, False
         row["same_tokens"] = all(t == tokens["kernels"] for t in tokens.values())
         out.append(row)
         sort = f"  whole-row sort {row['sorted_us']:8.1f} us" if "sorted_us" in row else ""
@@ -160,6 +181,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--params", default=",".join(PARAMS), help="the parameter sets of the whole calls, by name")
     ap.add_argument("--profile", metavar="PARAMS", help="instead: one PARAMS set's calls at the first batch size, "
                                                          "their GPU time by kernel (torch.profiler), largest first")
     args = ap.parse_args()
@@ -174,7 +196,7 @@ def main() -> None:
         count = max(2, min(64, ROTATE_BYTES // (batch * args.vocab * 4)))
         inputs = [torch.randn(batch, args.vocab, device="cuda", generator=gen) * 3 for _ in range(count)]
         picks += kernels_alone(batch, inputs, copy_gbps)
-        calls += whole_calls(batch, inputs, args.calls, copy_gbps)
+        calls += whole_calls(batch, inputs, args.calls, copy_gbps, args.params.split(","))
         del inputs
     result = dict(measures="the sampler's token picks alone (kernels/greedy.py against the torch ops they replace), "
                            "then whole sampler calls with them and with torch's ops alone, on float32 logits",
@@ -193,7 +215,7 @@ def main() -> None:
     for r in (r for r in calls if "sorted_us" in r):
         print(f"{r['batch']:4d} {r['params']:16s} {r['sorted_us']:10.1f} {r['kernels_us']:10.1f} "
               f"{r['sorted_us'] / r['kernels_us']:8.2f}x")
-    ways = ("torch", "kernels", "sorted", "row_scans")
+    ways = ("torch", "kernels", "sorted", "row_scans", "top_p_kernel")
     print(f"\nGPU us a call (call us)\n{'B':>4} {'params':16s} " + " ".join(f"{w:>18s}" for w in ways))
     for r in calls:
         print(f"{r['batch']:4d} {r['params']:16s} " + " ".join(

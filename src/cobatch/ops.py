@@ -26,6 +26,7 @@ from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, co
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_ref
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
+from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
 
@@ -49,6 +50,14 @@ def gumbel_tokens(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torc
     if _triton(scores) and scores.stride(-1) == 1 and scores.shape[-1] > 0:
         return gumbel_tokens_triton(scores, row_keys, token_keys, fallback, inverse_temperature)
     return gumbel_tokens_ref(scores, row_keys, token_keys, fallback, inverse_temperature)
+
+
+def top_p_keep(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """float32 [R, V] scores with the tokens outside each row's nucleus (the smallest prefix of its tokens by
+    value, lowest ids first among equals, whose mass reaches p: float32 [R], each < 1) at -inf."""
+    if _triton(scores) and scores.stride(-1) == 1:
+        return top_p_keep_triton(scores, top_p)
+    return top_p_keep_ref(scores, top_p)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -20,6 +20,7 @@ their place -> Gumbel-max). logprobs are always of the raw logits (no penalties,
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -423,20 +424,31 @@ def top_k_width(top_k: int, vocab: int) -> int:
     return next((width for width in TOP_K_WIDTHS if 0 < top_k <= width < vocab), vocab)
 
 
+# Rows with top-p alone on CUDA: ops.top_p_keep's kernel finds each row's cut without sorting the row (else the
+# whole-row sort of _keep_largest). To be measured on the GPU before it becomes the default.
+TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "0") == "1"
+TOP_P_ALONE = 0         # _top_k_top_p's group of those rows
+
+
 def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Top-k, then top-p over the top-k-renormalized distribution: each row keeps its `count` largest tokens, the
     lowest ids first among equal values (the order of a stable descending sort), where `count` is k cut to the
-    smallest prefix of that order whose mass reaches p. Rows are grouped by `top_k_width`; rows with neither filter
-    are not touched."""
+    smallest prefix of that order whose mass reaches p. Rows are grouped by `top_k_width` (or TOP_P_ALONE); rows
+    with neither filter are not touched."""
     rows, vocab = scores.shape
+    p_alone = TOP_P_KERNEL and scores.is_cuda
     groups: dict[int, list[int]] = {}
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         if 0 < k < vocab or p < 1.0:
-            groups.setdefault(top_k_width(k, vocab), []).append(row)
+            alone = p_alone and not 0 < k < vocab
+            groups.setdefault(TOP_P_ALONE if alone else top_k_width(k, vocab), []).append(row)
     for width, members in groups.items():
         index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
         group = scores if index is None else scores.index_select(0, index)
-        kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
+        if width == TOP_P_ALONE:
+            kept = ops.top_p_keep(group, to_device([top_p[r] for r in members], torch.float32, scores.device))
+        else:
+            kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
         scores = kept if index is None else scores.index_copy(0, index, kept)
     return scores
 

@@ -1,0 +1,160 @@
+"""Top-p (nucleus) filtering of whole rows without sorting them: each row keeps the smallest prefix of its tokens,
+ordered by value (largest first, the lower id first among equal values), whose probability mass reaches p, and the
+rest become -inf.
+
+The reference sorts every row (`top_p_keep_ref`): on the GPU, a sort of [B, 128256] float32 and some forty more
+launches over the row, about 1.1 ms of GPU time a call at B = 64 (docs/kernels.md, the sampler). The kernel finds
+the row's cut value instead, one program a row:
+- the row's max m and mass Z = sum exp(x - m) (two passes);
+- the cut value t is the largest value whose tokens at or above it hold at least p Z. No token below
+  L = m + ln((1 - p) Z / V) can be in the nucleus (all V of them together hold less than (1 - p) Z), so the search
+  starts in [L, m]: halving passes over the row, each summing exp(x - m) above a midpoint, narrow it until at most
+  CAP tokens lie inside, which are copied aside and searched in registers down to one value;
+- the output pass keeps the tokens above t, and of those equal to t the lowest ids, as many as the mass left needs.
+The search runs over the floats' order as 32-bit integer keys, so it ends on a value of the row, exactly. The masses
+are summed in another order than the sort's running sum, so a row whose mass lands on p within rounding may keep
+one token more or less than the reference; a row's result depends on its own values alone (one program a row).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cobatch.kernels.triton_support import jit, tl
+
+BLOCK = 2048          # columns a program loads at once
+CAP = 4096            # tokens of the search's last interval copied aside and searched in registers
+VALUE_STEPS = 8       # halving passes that split the interval's values before they split its keys (always progress)
+
+
+def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """float32 [R, V] scores, float32 [R] p in (0, 1] -> the scores with the tokens outside each row's nucleus at
+    -inf: a stable descending sort, the softmax of it, and the tokens whose mass before them is below p."""
+    ordered, order = scores.sort(dim=-1, descending=True, stable=True)
+    probs = ordered.softmax(dim=-1)
+    before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    drop_sorted = before >= top_p[:, None]
+    drop_sorted[:, 0] = False                           # the largest value always stays
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
+
+
+@jit
+def _key(x):
+    """float32 -> int32 in the floats' order (-0.0 as 0.0)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@jit
+def _value(key):
+    """_key's inverse (an int32 or int64 key that fits int32)."""
+    bits = key.to(tl.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@jit
+def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                  VALUE_STEPS: tl.constexpr):
+    row = tl.program_id(0)
+    src = scores_ptr + row.to(tl.int64) * stride_row
+    dst = out_ptr + row.to(tl.int64) * n_cols
+    aside = aside_ptr + row.to(tl.int64) * CAP
+    cols = tl.arange(0, BLOCK)
+    neg_inf = -float("inf")
+
+    m_vec = tl.full([BLOCK], neg_inf, tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        m_vec = tl.maximum(m_vec, tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf))
+    m_row = tl.max(m_vec, 0)
+    empty = m_row == neg_inf                           # every token already -inf: the row passes through
+    m = tl.where(empty, 0.0, m_row)
+    z_vec = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        z_vec += tl.exp(tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf) - m)
+    z = tl.sum(z_vec, 0)
+    p = tl.load(p_ptr + row)
+    target = p * z
+
+    # lo: a key whose tokens at or above hold >= target; hi: one whose hold less (mass_hi); n_inside: tokens in
+    # [lo, hi). The margin (- 1) keeps lo's side of the bound against rounding.
+    lo = _key(m + tl.log((1.0 - p) * tl.where(empty, 1.0, z) / n_cols) - 1.0).to(tl.int64)
+    hi = _key(m_row).to(tl.int64) + 1
+    lo = tl.minimum(lo, hi - 1)
+    mass_hi = z * 0.0
+    n_inside = n_cols + 0 * row
+    step = 0 * row
+    while (hi - lo > 1) & (n_inside > CAP):
+        mid = _key((_value(lo) + _value(hi)) * 0.5).to(tl.int64)
+        by_keys = (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi)
+        mid = tl.where(by_keys, lo + (hi - lo) // 2, mid)
+        mass_vec = tl.zeros([BLOCK], tl.float32)
+        n_low = tl.zeros([BLOCK], tl.int32)
+        n_high = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, n_cols, BLOCK):
+            x = tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf)
+            key = _key(x)
+            inside = (key >= lo) & (key < hi)
+            high = inside & (key >= mid)
+            mass_vec += tl.where(high, tl.exp(x - m), 0.0)
+            n_low += (inside & (key < mid)).to(tl.int32)
+            n_high += high.to(tl.int32)
+        mass_mid = mass_hi + tl.sum(mass_vec, 0)
+        reaches = mass_mid >= target
+        n_inside = tl.where(reaches, tl.sum(n_high, 0), tl.sum(n_low, 0))
+        lo = tl.where(reaches, mid, lo)
+        hi = tl.where(reaches, hi, mid)
+        mass_hi = tl.where(reaches, mass_hi, mass_mid)
+        step += 1
+
+    # At most CAP tokens left inside [lo, hi): copy them aside (no pass when the search is over) and finish there.
+    copy_cols = tl.where(hi - lo > 1, n_cols, 0)
+    offset = 0 * row
+    for start in range(0, copy_cols, BLOCK):
+        x = tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf)
+        key = _key(x)
+        inside = ((key >= lo) & (key < hi)).to(tl.int32)
+        tl.store(aside + offset + tl.cumsum(inside, 0) - 1, x, mask=inside != 0)
+        offset += tl.sum(inside, 0)
+    slots = tl.arange(0, CAP)
+    kept_x = tl.load(aside + slots, mask=slots < offset, other=neg_inf)
+    kept_key = tl.where(slots < offset, _key(kept_x), -2147483647 - 1)
+    kept_e = tl.exp(kept_x - m)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        mass_mid = mass_hi + tl.sum(tl.where((kept_key >= mid) & (kept_key < hi), kept_e, 0.0), 0)
+        reaches = mass_mid >= target
+        lo = tl.where(reaches, mid, lo)
+        hi = tl.where(reaches, hi, mid)
+        mass_hi = tl.where(reaches, mass_hi, mass_mid)
+
+    # lo is the cut value's key, mass_hi the mass above it: ties at the cut kept lowest ids first while the mass
+    # before each is below target.
+    cut = tl.where(empty, -2147483647 - 1, lo).to(tl.int32)      # an empty row: every key above the cut
+    cut_mass = tl.where(empty, 1.0, tl.exp(_value(lo) - m))
+    ties_kept = tl.minimum(tl.ceil((target - mass_hi) / cut_mass), 1073741824.0)
+    ties_kept = tl.maximum(ties_kept, 1.0).to(tl.int32)
+    tie_base = 0 * row
+    for start in range(0, n_cols, BLOCK):
+        in_row = start + cols < n_cols
+        x = tl.load(src + start + cols, mask=in_row, other=neg_inf)
+        key = _key(x)
+        tie = ((key == cut) & in_row).to(tl.int32)
+        rank = tie_base + tl.cumsum(tie, 0)
+        keep = (key > cut) | ((tie != 0) & (rank <= ties_kept))
+        tl.store(dst + start + cols, tl.where(keep, x, neg_inf), mask=in_row)
+        tie_base += tl.sum(tie, 0)
+
+
+def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p_keep_ref's result (up to rows whose mass lands on p within rounding), one program a row; scores'
+    rows contiguous, every p < 1."""
+    rows, vocab = scores.shape
+    out = torch.empty_like(scores)
+    aside = torch.empty(rows, CAP, dtype=torch.float32, device=scores.device)
+    if rows:
+        _top_p_kernel[(rows,)](scores, out, top_p.to(torch.float32).contiguous(), aside, vocab, scores.stride(0),
+                               BLOCK=BLOCK, CAP=CAP, VALUE_STEPS=VALUE_STEPS, num_warps=8)
+    return out
