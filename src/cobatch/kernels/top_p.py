@@ -90,20 +90,18 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
         mid = _key((_value(lo) + _value(hi)) * 0.5).to(tl.int64)
         by_keys = (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi)
         mid = tl.where(by_keys, lo + (hi - lo) // 2, mid)
+        hi32, mid32 = tl.minimum(hi, 2147483647).to(tl.int32), mid.to(tl.int32)
         mass_vec = tl.zeros([BLOCK], tl.float32)
-        n_low = tl.zeros([BLOCK], tl.int32)
         n_high = tl.zeros([BLOCK], tl.int32)
         for start in range(0, n_cols, BLOCK):
             x = tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf)
             key = _key(x)
-            inside = (key >= lo) & (key < hi)
-            high = inside & (key >= mid)
+            high = (key >= mid32) & (key < hi32)
             mass_vec += tl.where(high, tl.exp(x - m), 0.0)
-            n_low += (inside & (key < mid)).to(tl.int32)
             n_high += high.to(tl.int32)
         mass_mid = mass_hi + tl.sum(mass_vec, 0)
         reaches = mass_mid >= target
-        n_inside = tl.where(reaches, tl.sum(n_high, 0), tl.sum(n_low, 0))
+        n_inside = tl.where(reaches, tl.sum(n_high, 0), n_inside - tl.sum(n_high, 0))
         lo = tl.where(reaches, mid, lo)
         hi = tl.where(reaches, hi, mid)
         mass_hi = tl.where(reaches, mass_hi, mass_mid)
@@ -141,11 +139,15 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
         in_row = start + cols < n_cols
         x = tl.load(src + start + cols, mask=in_row, other=neg_inf)
         key = _key(x)
-        tie = ((key == cut) & in_row).to(tl.int32)
-        rank = tie_base + tl.cumsum(tie, 0)
-        keep = (key > cut) | ((tie != 0) & (rank <= ties_kept))
+        tie = (key == cut) & in_row
+        n_tie = tl.sum(tie.to(tl.int32), 0)
+        keep = key > cut
+        if tie_base + n_tie <= ties_kept:         # the block's ties all kept: no running count
+            keep = keep | tie
+        else:
+            keep = keep | (tie & (tie_base + tl.cumsum(tie.to(tl.int32), 0) <= ties_kept))
         tl.store(dst + start + cols, tl.where(keep, x, neg_inf), mask=in_row)
-        tie_base += tl.sum(tie, 0)
+        tie_base += n_tie
 
 
 def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
