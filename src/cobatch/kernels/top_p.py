@@ -109,11 +109,12 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
 
     # At most CAP tokens left inside [lo, hi): copy them aside (no pass when the search is over) and finish there.
     copy_cols = tl.where(hi - lo > 1, n_cols, 0)
+    lo32, hi32 = lo.to(tl.int32), tl.minimum(hi, 2147483647).to(tl.int32)
     offset = 0 * row
     for start in range(0, copy_cols, BLOCK):
         x = tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf)
         key = _key(x)
-        inside = ((key >= lo) & (key < hi)).to(tl.int32)
+        inside = ((key >= lo32) & (key < hi32)).to(tl.int32)
         tl.store(aside + offset + tl.cumsum(inside, 0) - 1, x, mask=inside != 0)
         offset += tl.sum(inside, 0)
     slots = tl.arange(0, CAP)
