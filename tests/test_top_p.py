@@ -103,6 +103,25 @@ def test_ops_top_p_keep_on_the_cpu_is_the_reference():
     assert torch.equal(ops.top_p_keep(scores, torch.tensor(ps)), top_p_keep_ref(scores, torch.tensor(ps)))
 
 
+def test_the_sampler_filters_top_p_alone_through_ops_top_p_keep(monkeypatch):
+    """With TOP_P_KERNEL, rows with top-p alone go through ops.top_p_keep (the reference here, the kernel on CUDA)
+    and the others through the top-k path: each row keeps the tokens of its definition."""
+    monkeypatch.setattr(sampler_module, "TOP_P_KERNEL", True)
+    calls = []
+    monkeypatch.setattr(ops, "top_p_keep", lambda scores, top_p: calls.append(top_p.tolist()) or top_p_keep_ref(
+        scores, top_p))
+    g = torch.Generator().manual_seed(13)
+    scores = torch.randn(5, 700, generator=g) * 3
+    top_k, top_p = [0, 40, 0, 0, 700], [0.9, 0.8, 1.0, 0.5, 0.7]
+    filtered = sampler_module.filter_logits(scores, top_k, top_p, [0.0] * 5)
+    assert calls == [[pytest.approx(0.9), pytest.approx(0.5), pytest.approx(0.7)]]     # rows 0, 3 and 4
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        order = sorted(range(700), key=lambda i: (-float(scores[row, i]), i))
+        pool = order[:k] if 0 < k < 700 else order
+        want = nucleus([float(scores[row, i]) if i in set(pool) else -math.inf for i in range(700)], p)
+        assert set(torch.nonzero(torch.isfinite(filtered[row])).flatten().tolist()) == want, row
+
+
 def agrees_up_to_rounding(got: set[int], want: set[int], row: torch.Tensor, p: float) -> bool:
     """Equal sets, or one token apart where the mass before it lies within float32 rounding of p (the kernel sums
     the masses in another order than the sort's running sum)."""

@@ -424,8 +424,8 @@ def top_k_width(top_k: int, vocab: int) -> int:
     return next((width for width in TOP_K_WIDTHS if 0 < top_k <= width < vocab), vocab)
 
 
-# Rows with top-p alone on CUDA: ops.top_p_keep's kernel finds each row's cut without sorting the row (else the
-# whole-row sort of _keep_largest). To be measured on the GPU before it becomes the default.
+# Rows with top-p alone through ops.top_p_keep, whose kernel finds each row's cut on CUDA without sorting the row
+# (else the whole-row sort of _keep_largest). To be measured on the GPU before it becomes the default.
 TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "0") == "1"
 TOP_P_ALONE = 0         # _top_k_top_p's group of those rows
 
@@ -436,11 +436,10 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     smallest prefix of that order whose mass reaches p. Rows are grouped by `top_k_width` (or TOP_P_ALONE); rows
     with neither filter are not touched."""
     rows, vocab = scores.shape
-    p_alone = TOP_P_KERNEL and scores.is_cuda
     groups: dict[int, list[int]] = {}
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         if 0 < k < vocab or p < 1.0:
-            alone = p_alone and not 0 < k < vocab
+            alone = TOP_P_KERNEL and not 0 < k < vocab
             groups.setdefault(TOP_P_ALONE if alone else top_k_width(k, vocab), []).append(row)
     for width, members in groups.items():
         index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
