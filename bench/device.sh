@@ -29,8 +29,9 @@
 #                            128,512 --graphs --beside 0,8,64 --cut: each step eager and replayed, one process) on
 #                            MODEL (default the random Llama-3-8B q8_0 cut to LAYERS, default 8), to $OUT
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
-#   sampler [ARGS]           bench/sampler.py ARGS: the token-pick kernels alone, then whole sampler calls (greedy and
-#                            sampled), against torch's ops
+#   sampler [ARGS]           the sampler's GPU tests (top-p's kernel's too), then bench/sampler.py ARGS: the token-pick
+#                            and top-p kernels alone, then whole sampler calls (greedy and sampled), against torch's ops
+#                            (e.g. --params "T=0.7 top_p=0.9": top-p alone with its kernel and with the sort)
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
@@ -72,7 +73,8 @@ GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_gemm.py tests/test_qua
   tests/test_attention_kernels.py tests/test_moe_routing.py tests/test_moe.py tests/test_gpu_engine.py
   tests/test_cuda_graph_inputs.py tests/test_gemma.py tests/test_phi3.py tests/test_sampler.py tests/test_mla_attention.py
   tests/test_mla_decode_cuda.py tests/test_deepseek.py tests/test_hf_checkpoints.py tests/test_lora.py
-  tests/test_fp8_cache.py tests/test_greedy.py tests/test_mla_value.py)
+  tests/test_fp8_cache.py tests/test_greedy.py tests/test_mla_value.py
+  tests/test_top_p.py)
 
 llama8b() { echo "${MODEL:-$(random_model llama3-8b "${QUANT%%,*}")}"; }
 
@@ -173,6 +175,7 @@ parallel)
   timeout "$(left "$TIMEOUT")" python3 bench/parallel.py serve --model "$(llama8b)" 2>&1 | quiet \
     | tee "$OUT/parallel-serve.log" ;;
 sampler)
+  run_tests tests/test_sampler.py tests/test_top_p.py tests/test_greedy.py
   timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -78 ;;
 prefill)
   [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gpu_engine.py tests/test_cuda_graph_inputs.py tests/test_moe.py \
