@@ -32,6 +32,9 @@
 #   sampler [ARGS]           the sampler's GPU tests (top-p's kernel's too), then bench/sampler.py ARGS: the token-pick
 #                            and top-p kernels alone, then whole sampler calls (greedy and sampled), against torch's ops
 #                            (e.g. --params "T=0.7 top_p=0.9": top-p alone with its kernel and with the sort)
+#   penalties [ARGS]         the overlapped steps' GPU tests, then bench/penalties_ahead.py ARGS (default --batches
+#                            1,64) on MODEL (default the random Llama-3-8B q8_0): steps with none, one or all sessions
+#                            penalized, planned ahead on the device or waiting for the host
 #   gemv-configs ARGS        bench/gemv_configs.py ARGS: time given GEMV tile configs
 #   profile "FMT SHAPE N"... Nsight Compute stall profiles of the committed GEMV plan's launches ("gemm FMT SHAPE N":
 #                            the quantized GEMM's, bench/gemm_once.py; "gemm-source FMT SHAPE N": its stall
@@ -59,7 +62,7 @@ cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
 SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe moe-experts speculative hf parallel size "
-SUITES+="sampler prefill "
+SUITES+="sampler penalties prefill "
 SUITES+="gemv-configs profile plan-ab ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
@@ -177,6 +180,11 @@ parallel)
 sampler)
   run_tests tests/test_sampler.py tests/test_top_p.py tests/test_greedy.py
   timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -78 ;;
+penalties)
+  run_tests tests/test_gpu_engine.py -k "penalties or overlapped"
+  [ $# -eq 0 ] && set -- --batches 1,64
+  timeout "$(left "$TIMEOUT")" python3 bench/penalties_ahead.py --model "${MODEL:-$(random_model llama3-8b q8_0)}" \
+    --context 512 --kv-cache-gb 16 "$@" 2>&1 | quiet | tee "$OUT/penalties_ahead.log" | tail -16 ;;
 prefill)
   [ -z "${SKIP_TESTS:-}" ] && run_tests tests/test_gpu_engine.py tests/test_cuda_graph_inputs.py tests/test_moe.py \
     tests/test_deepseek.py tests/test_mla_attention.py tests/test_attention_kernels.py \
