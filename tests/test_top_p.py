@@ -142,8 +142,8 @@ def test_top_p_kernel_on_llama3s_vocabulary():
     scores = torch.randn(64, 128256, generator=g) * 3 / 0.7
     scores[8:16] = torch.randn(8, 128256, generator=g) * 0.05                  # nuclei of more than CAP tokens
     scores[16:24, :1000] += 12.0                                              # a peaked head
-    ps = [0.5, 0.8, 0.9, 0.95, 0.99, 0.3][: 6] * 11
-    top_p = torch.tensor(ps[:64], device="cuda")
+    ps = ([0.5, 0.8, 0.9, 0.95, 0.99, 0.3] * 11)[:64]
+    top_p = torch.tensor(ps, device="cuda")
     got = top_p_keep_triton(scores.cuda(), top_p).cpu()
     want = top_p_keep_ref(scores.cuda(), top_p).cpu()
     for row in range(64):
