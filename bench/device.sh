@@ -77,7 +77,7 @@ GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_gemm.py tests/test_qua
   tests/test_cuda_graph_inputs.py tests/test_gemma.py tests/test_phi3.py tests/test_sampler.py tests/test_mla_attention.py
   tests/test_mla_decode_cuda.py tests/test_deepseek.py tests/test_hf_checkpoints.py tests/test_lora.py
   tests/test_fp8_cache.py tests/test_greedy.py tests/test_mla_value.py
-  tests/test_top_p.py)
+  tests/test_top_p.py tests/test_top_k.py)
 
 llama8b() { echo "${MODEL:-$(random_model llama3-8b "${QUANT%%,*}")}"; }
 
@@ -178,7 +178,7 @@ parallel)
   timeout "$(left "$TIMEOUT")" python3 bench/parallel.py serve --model "$(llama8b)" 2>&1 | quiet \
     | tee "$OUT/parallel-serve.log" ;;
 sampler)
-  run_tests tests/test_sampler.py tests/test_top_p.py tests/test_greedy.py
+  run_tests tests/test_sampler.py tests/test_top_p.py tests/test_top_k.py tests/test_greedy.py
   timeout "$(left "$TIMEOUT")" python3 bench/sampler.py "$@" 2>&1 | quiet | tee "$OUT/sampler.log" | tail -78 ;;
 penalties)
   run_tests tests/test_gpu_engine.py -k "penalties or overlapped"

@@ -4,8 +4,9 @@ and top-p's cut without a sort (kernels/top_p.py) against the stable sort; then 
 step makes them (greedy rows, sampled ones with and without top-k / top-p / min-p), with the kernels (the default)
 and with torch's ops alone (COBATCH_TORCH_OPS's way); where top-p is alone, also with its kernel
 (engine/sampler.TOP_P_KERNEL, COBATCH_TOP_P_KERNEL=1); where top-k applies, with each row sorted whole instead of
-read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS); and where a filter applies, with whole-row cumulative
-sums in place of sampler._prefix_below's one-block scans.
+read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS), and with the top-k kernel (kernels/top_k.py,
+COBATCH_TOP_K_KERNEL=1; also timed alone against torch.topk's prefix); and where a filter applies, with whole-row
+cumulative sums in place of sampler._prefix_below's one-block scans.
 
     PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40] [--params NAMES]
 
@@ -36,6 +37,7 @@ from cobatch.engine import sampler as sampler_module  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
 from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
                                     gumbel_tokens_triton, token_noise_key)
+from cobatch.kernels.top_k import top_k_keep_triton  # noqa: E402
 from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +86,31 @@ def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> l
     rows.append(row)
     print(f"  B {batch:3d} top-p 0.9 sort {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us  "
           f"rows kept otherwise {row['rows_differ']} of {4 * batch}", flush=True)
+    rows.append(top_k_alone(batch, [x / 0.8 for x in inputs], copy_gbps))
     return rows
+
+
+def top_k_alone(batch: int, tempered: list[torch.Tensor], copy_gbps: float) -> dict:
+    """Top-k 40 then top-p 0.95 (llama.cpp's settings without min-p) as the sampler takes them from torch.topk's
+    prefix (sampler._keep_largest: `torch`) and through kernels/top_k.py (`kernel`), rows kept otherwise counted."""
+    k, p = 40, 0.95
+    top_k, top_p = torch.full((batch,), k, device="cuda"), torch.full((batch,), p, device="cuda")
+    width = sampler_module.top_k_width(k, tempered[0].shape[1])
+
+    def prefix(x):
+        return sampler_module._keep_largest(x, width, [k] * batch, [p] * batch)
+
+    def kernel(x):
+        return top_k_keep_triton(x, top_k, top_p)
+
+    row = dict(batch=batch, pick=f"top_k {k} p {p}", logits_bytes=tempered[0].numel() * 4)
+    row["rows_differ"] = sum(int((torch.isfinite(kernel(x)) != torch.isfinite(prefix(x))).any(dim=-1).sum())
+                             for x in tempered[:4])
+    for way, keep in (("torch", prefix), ("kernel", kernel)):
+        timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x) for x in tempered]), copy_gbps)
+    print(f"  B {batch:3d} top-k {k} top-p {p} topk {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us  "
+          f"rows kept otherwise {row['rows_differ']} of {4 * batch}", flush=True)
+    return row
 
 
 def call_seconds(sampler: Sampler, inputs: list[torch.Tensor], rows: list[SampleRow], calls: int) -> float:
@@ -118,11 +144,18 @@ def prefix_below_row_scan(weights: torch.Tensor, limit: torch.Tensor) -> torch.T
     return (before < limit[:, None]).sum(dim=-1)
 
 
+def set_way(settings: dict) -> None:
+    """A way of the sampler: ops' torch switch and the sampler module's settings, by name."""
+    for name, value in settings.items():
+        setattr(ops if name == "_FORCE_TORCH" else sampler_module, name, value)
+
+
 def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float,
                 names: list[str]) -> list[dict]:
     """A sampler call per parameter set, with the kernels and with torch's ops alone; where top-k applies, also
     with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`); where a filter
-    applies, also with whole-row scans for its running sums (`row scans`). Each way's GPU time too (`_gpu_us`)."""
+    applies, also with whole-row scans for its running sums (`row scans`); with the top-p and top-k kernels where
+    they apply (`top_p_kernel`, `top_k_kernel`). Each way's GPU time too (`_gpu_us`)."""
     out = []
     widths, prefix_below = sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below
     for name in names:
@@ -130,24 +163,25 @@ def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: f
         rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
         row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
         tokens = {}
-        ways = [("torch", True, widths, prefix_below, False), ("kernels", False, widths, prefix_below, False)]
+        ways = {"torch": dict(_FORCE_TORCH=True), "kernels": {}}
         if params.top_k:
-            ways.append(("sorted", False, (), prefix_below, False))
+            ways["sorted"] = dict(TOP_K_WIDTHS=())
+            ways["top_k_kernel"] = dict(TOP_K_KERNEL=True)
         if params.top_k or params.top_p < 1.0:
-            ways.append(("row_scans", False, widths, prefix_below_row_scan, False))
+            ways["row_scans"] = dict(_prefix_below=prefix_below_row_scan)
         if params.top_p < 1.0 and not params.top_k:
-            ways.append(("top_p_kernel", False, widths, prefix_below, True))
-        for way, torch_only, top_k_widths, scan, p_kernel in ways:
-            ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below = torch_only, top_k_widths, scan
-            sampler_module.TOP_P_KERNEL = p_kernel
+            ways["top_p_kernel"] = dict(TOP_P_KERNEL=True)
+        defaults = dict(_FORCE_TORCH=False, TOP_K_WIDTHS=widths, _prefix_below=prefix_below, TOP_P_KERNEL=False,
+                        TOP_K_KERNEL=False)
+        for way, settings in ways.items():
+            set_way({**defaults, **settings})
             try:
                 sampler = Sampler()
                 tokens[way] = sampler(inputs[0], rows).token_ids.tolist()
                 timed_row(row, way, call_seconds(sampler, inputs, rows, calls), copy_gbps)
                 row[f"{way}_gpu_us"] = call_gpu_seconds(sampler, inputs, rows, min(calls, 10)) * 1e6
             finally:
-                ops._FORCE_TORCH, sampler_module.TOP_K_WIDTHS = False, widths
-                sampler_module._prefix_below, sampler_module.TOP_P_KERNEL = prefix_below, False
+                set_way(defaults)
         row["same_tokens"] = all(t == tokens["kernels"] for t in tokens.values())
         out.append(row)
         sort = f"  whole-row sort {row['sorted_us']:8.1f} us" if "sorted_us" in row else ""
@@ -215,7 +249,7 @@ def main() -> None:
     for r in (r for r in calls if "sorted_us" in r):
         print(f"{r['batch']:4d} {r['params']:16s} {r['sorted_us']:10.1f} {r['kernels_us']:10.1f} "
               f"{r['sorted_us'] / r['kernels_us']:8.2f}x")
-    ways = ("torch", "kernels", "sorted", "row_scans", "top_p_kernel")
+    ways = ("torch", "kernels", "sorted", "row_scans", "top_p_kernel", "top_k_kernel")
     print(f"\nGPU us a call (call us)\n{'B':>4} {'params':16s} " + " ".join(f"{w:>18s}" for w in ways))
     for r in calls:
         print(f"{r['batch']:4d} {r['params']:16s} " + " ".join(

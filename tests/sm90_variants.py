@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 
 from cobatch.kernels import (activation, attention, fragment_dequant, greedy, kv_write, lora, mla_attention, mla_latent,
                              mla_value, moe_routing, norm, quant_gemm, quant_gemv, quant_matmul, quant_pack, rope,
-                             top_p)
+                             top_k, top_p)
 
 H200 = GPUTarget("cuda", 90, 32)
 AMPERE = GPUTarget("cuda", 80, 32)     # an A100: Triton has no e4m3 there
@@ -224,6 +224,9 @@ for fallback in (False, True):
 variants["top_p keep"] = (
     top_p._top_p_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), 8, 2,
     {"scores_ptr": "*fp32", "out_ptr": "*fp32", "p_ptr": "*fp32", "aside_ptr": "*fp32"})
+variants["top_k keep"] = (
+    top_k._top_k_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), 8, 2,
+    {"scores_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": "*i32", "p_ptr": "*fp32", "aside_ptr": "*fp32"})
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)
 variants["gemm x_operands"] = (quant_gemm._x_operands_kernel, dict(ORDER=1, BLOCK=1024, PDL=True), 4, 2,
                                {"out_ptr": "*fp16"})

@@ -26,6 +26,7 @@ from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, co
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_ref
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
+from cobatch.kernels.top_k import top_k_keep_ref, top_k_keep_triton
 from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
@@ -58,6 +59,15 @@ def top_p_keep(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if _triton(scores) and scores.stride(-1) == 1:
         return top_p_keep_triton(scores, top_p)
     return top_p_keep_ref(scores, top_p)
+
+
+def top_k_keep(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """float32 [R, V] scores with the tokens outside each row's top-k (int [R], 1 <= k <= kernels.top_k.CAP)
+    then top-p (float32 [R], 1: none) set at -inf: the k largest, lowest ids first among equals, cut to the
+    smallest prefix of them whose mass over the k reaches p."""
+    if _triton(scores) and scores.stride(-1) == 1:
+        return top_k_keep_triton(scores, top_k, top_p)
+    return top_k_keep_ref(scores, top_k, top_p)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -31,6 +31,7 @@ from cobatch import ops
 from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
 from cobatch.kernels.greedy import temper_ref, token_noise_key
+from cobatch.kernels.top_p import CAP as TOP_K_CAP
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
@@ -425,31 +426,48 @@ def top_k_width(top_k: int, vocab: int) -> int:
 
 
 # Rows with top-p alone through ops.top_p_keep, whose kernel finds each row's cut on CUDA without sorting the row
-# (else the whole-row sort of _keep_largest). To be measured on the GPU before it becomes the default.
+# (else the whole-row sort of _keep_largest); rows with a top-k of at most TOP_K_CAP through ops.top_k_keep,
+# whose kernel finds the k-th value by counts (else torch.topk's prefix). To be measured on the GPU before they
+# become the default.
 TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "0") == "1"
-TOP_P_ALONE = 0         # _top_k_top_p's group of those rows
+TOP_K_KERNEL = os.environ.get("COBATCH_TOP_K_KERNEL", "0") == "1"
+TOP_P_ALONE = 0         # _top_k_top_p's groups of those rows (the others' are their widths)
+TOP_K_SET = -1
 
 
 def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Top-k, then top-p over the top-k-renormalized distribution: each row keeps its `count` largest tokens, the
     lowest ids first among equal values (the order of a stable descending sort), where `count` is k cut to the
-    smallest prefix of that order whose mass reaches p. Rows are grouped by `top_k_width` (or TOP_P_ALONE); rows
-    with neither filter are not touched."""
+    smallest prefix of that order whose mass reaches p. Rows are grouped by `_filter_group`; rows with neither
+    filter are not touched."""
     rows, vocab = scores.shape
     groups: dict[int, list[int]] = {}
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         if 0 < k < vocab or p < 1.0:
-            alone = TOP_P_KERNEL and not 0 < k < vocab
-            groups.setdefault(TOP_P_ALONE if alone else top_k_width(k, vocab), []).append(row)
+            groups.setdefault(_filter_group(k, vocab), []).append(row)
     for width, members in groups.items():
         index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
         group = scores if index is None else scores.index_select(0, index)
         if width == TOP_P_ALONE:
             kept = ops.top_p_keep(group, to_device([top_p[r] for r in members], torch.float32, scores.device))
+        elif width == TOP_K_SET:
+            kept = ops.top_k_keep(group, to_device([top_k[r] for r in members], torch.int32, scores.device),
+                                  to_device([top_p[r] for r in members], torch.float32, scores.device))
         else:
             kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
         scores = kept if index is None else scores.index_copy(0, index, kept)
     return scores
+
+
+def _filter_group(top_k: int, vocab: int) -> int:
+    """_top_k_top_p's group of a row with this k (0: none): a kernel's group where its switch is on, else its
+    top_k_width."""
+    has_top_k = 0 < top_k < vocab
+    if TOP_P_KERNEL and not has_top_k:
+        return TOP_P_ALONE
+    if TOP_K_KERNEL and has_top_k and top_k <= TOP_K_CAP:
+        return TOP_K_SET
+    return top_k_width(top_k, vocab)
 
 
 def _keep_largest(scores: torch.Tensor, width: int, top_k: list[int], top_p: list[float]) -> torch.Tensor:

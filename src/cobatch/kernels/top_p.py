@@ -42,17 +42,53 @@ def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _key(x):
+def float_key(x):
     """float32 -> int32 in the floats' order (-0.0 as 0.0)."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @jit
-def _value(key):
-    """_key's inverse (an int32 or int64 key that fits int32)."""
+def key_float(key):
+    """float_key's inverse (an int32 or int64 key that fits int32)."""
     bits = key.to(tl.int32)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@jit
+def copy_aside(src, aside, copy_cols, n_cols, lo32, hi32, BLOCK: tl.constexpr):
+    """Store the values of the row's first copy_cols columns whose keys lie in [lo32, hi32) at aside[0:n], in
+    column order; returns n."""
+    cols = tl.arange(0, BLOCK)
+    offset = lo32 * 0
+    for start in range(0, copy_cols, BLOCK):
+        x = tl.load(src + start + cols, mask=start + cols < n_cols, other=-float("inf"))
+        key = float_key(x)
+        inside = ((key >= lo32) & (key < hi32)).to(tl.int32)
+        tl.store(aside + offset + tl.cumsum(inside, 0) - 1, x, mask=inside != 0)
+        offset += tl.sum(inside, 0)
+    return offset
+
+
+@jit
+def store_kept(src, dst, n_cols, cut, ties_kept, BLOCK: tl.constexpr):
+    """Write the row to dst with the tokens whose keys lie above `cut` (int32) kept, and of those equal to it the
+    ties_kept lowest ids; the rest -inf."""
+    cols = tl.arange(0, BLOCK)
+    tie_base = ties_kept * 0
+    for start in range(0, n_cols, BLOCK):
+        in_row = start + cols < n_cols
+        x = tl.load(src + start + cols, mask=in_row, other=-float("inf"))
+        key = float_key(x)
+        tie = (key == cut) & in_row
+        n_tie = tl.sum(tie.to(tl.int32), 0)
+        keep = key > cut
+        if tie_base + n_tie <= ties_kept:         # the block's ties all kept: no running count
+            keep = keep | tie
+        else:
+            keep = keep | (tie & (tie_base + tl.cumsum(tie.to(tl.int32), 0) <= ties_kept))
+        tl.store(dst + start + cols, tl.where(keep, x, -float("inf")), mask=in_row)
+        tie_base += n_tie
 
 
 @jit
@@ -80,14 +116,14 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
 
     # lo: a key whose tokens at or above hold >= target; hi: one whose hold less (mass_hi); n_inside: tokens in
     # [lo, hi). The margin (- 1) keeps lo's side of the bound against rounding.
-    lo = _key(m + tl.log((1.0 - p) * tl.where(empty, 1.0, z) / n_cols) - 1.0).to(tl.int64)
-    hi = _key(m_row).to(tl.int64) + 1
+    lo = float_key(m + tl.log((1.0 - p) * tl.where(empty, 1.0, z) / n_cols) - 1.0).to(tl.int64)
+    hi = float_key(m_row).to(tl.int64) + 1
     lo = tl.minimum(lo, hi - 1)
     mass_hi = z * 0.0
     n_inside = n_cols + 0 * row
     step = 0 * row
     while (hi - lo > 1) & (n_inside > CAP):
-        mid = _key((_value(lo) + _value(hi)) * 0.5).to(tl.int64)
+        mid = float_key((key_float(lo) + key_float(hi)) * 0.5).to(tl.int64)
         by_keys = (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi)
         mid = tl.where(by_keys, lo + (hi - lo) // 2, mid)
         hi32, mid32 = tl.minimum(hi, 2147483647).to(tl.int32), mid.to(tl.int32)
@@ -95,7 +131,7 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
         n_high = tl.zeros([BLOCK], tl.int32)
         for start in range(0, n_cols, BLOCK):
             x = tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf)
-            key = _key(x)
+            key = float_key(x)
             high = (key >= mid32) & (key < hi32)
             mass_vec += tl.where(high, tl.exp(x - m), 0.0)
             n_high += high.to(tl.int32)
@@ -108,18 +144,11 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
         step += 1
 
     # At most CAP tokens left inside [lo, hi): copy them aside (no pass when the search is over) and finish there.
-    copy_cols = tl.where(hi - lo > 1, n_cols, 0)
-    lo32, hi32 = lo.to(tl.int32), tl.minimum(hi, 2147483647).to(tl.int32)
-    offset = 0 * row
-    for start in range(0, copy_cols, BLOCK):
-        x = tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf)
-        key = _key(x)
-        inside = ((key >= lo32) & (key < hi32)).to(tl.int32)
-        tl.store(aside + offset + tl.cumsum(inside, 0) - 1, x, mask=inside != 0)
-        offset += tl.sum(inside, 0)
+    offset = copy_aside(src, aside, tl.where(hi - lo > 1, n_cols, 0), n_cols, lo.to(tl.int32),
+                        tl.minimum(hi, 2147483647).to(tl.int32), BLOCK)
     slots = tl.arange(0, CAP)
     kept_x = tl.load(aside + slots, mask=slots < offset, other=neg_inf)
-    kept_key = tl.where(slots < offset, _key(kept_x), -2147483647 - 1)
+    kept_key = tl.where(slots < offset, float_key(kept_x), -2147483647 - 1)
     kept_e = tl.exp(kept_x - m)
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
@@ -132,23 +161,10 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
     # lo is the cut value's key, mass_hi the mass above it: ties at the cut kept lowest ids first while the mass
     # before each is below target.
     cut = tl.where(empty, -2147483647 - 1, lo).to(tl.int32)      # an empty row: every key above the cut
-    cut_mass = tl.where(empty, 1.0, tl.exp(_value(lo) - m))
+    cut_mass = tl.where(empty, 1.0, tl.exp(key_float(lo) - m))
     ties_kept = tl.minimum(tl.ceil((target - mass_hi) / cut_mass), 1073741824.0)
     ties_kept = tl.maximum(ties_kept, 1.0).to(tl.int32)
-    tie_base = 0 * row
-    for start in range(0, n_cols, BLOCK):
-        in_row = start + cols < n_cols
-        x = tl.load(src + start + cols, mask=in_row, other=neg_inf)
-        key = _key(x)
-        tie = (key == cut) & in_row
-        n_tie = tl.sum(tie.to(tl.int32), 0)
-        keep = key > cut
-        if tie_base + n_tie <= ties_kept:         # the block's ties all kept: no running count
-            keep = keep | tie
-        else:
-            keep = keep | (tie & (tie_base + tl.cumsum(tie.to(tl.int32), 0) <= ties_kept))
-        tl.store(dst + start + cols, tl.where(keep, x, neg_inf), mask=in_row)
-        tie_base += n_tie
+    store_kept(src, dst, n_cols, cut, ties_kept, BLOCK)
 
 
 def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
