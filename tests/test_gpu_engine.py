@@ -284,8 +284,8 @@ def test_overlapped_steps_on_cuda(models):
 
 
 def test_penalties_and_mirostat_keep_overlapped_steps_on_cuda(models, monkeypatch):
-    """With COBATCH_PENALTIES_AHEAD, sequences with repetition, presence and frequency penalties or mirostat are
-    planned ahead like the others (the sampler counts each one's last token, and takes mirostat's state, on the
+    """With PENALTIES_AHEAD (the default), sequences with repetition, presence and frequency penalties or mirostat
+    are planned ahead like the others (the sampler counts each one's last token, and takes mirostat's state, on the
     device): the same outputs as steps that read their tokens first, and most steps planned ahead, where one such
     sequence used to stop every step's overlap."""
     from cobatch.engine import engine as engine_module

@@ -3,7 +3,7 @@ On by default on CUDA only; these tests turn it on for the CPU path, where the s
 
 The same requests, stepped with and without overlap on the same engine, must give the same tokens and finish
 reasons, and logprobs within float32 noise, whatever ends them (stop token, max_tokens, abort) and whichever rows
-cannot be planned ahead (penalties, late arrivals); and every block must be free at the end. (Logprobs only within
+cannot be planned ahead (DRY, late arrivals); and every block must be free at the end. (Logprobs only within
 noise: a session that a stop token ends still computes one row in the step in flight, and the CPU path's matmuls
 are not batch-invariant in their last bits.)
 """
@@ -98,12 +98,13 @@ def test_overlap_gives_the_same_tokens(smol):
 
 
 def test_overlap_with_arrivals_aborts_and_penalties(smol):
-    """Rows that cannot be planned ahead (a repetition penalty reads the tokens) and late arrivals make the
-    engine fall back to plain steps and back; an abort lands while a step is in flight."""
+    """Rows that cannot be planned ahead (DRY reads the tokens on the host) and late arrivals make the engine fall
+    back to plain steps and back; an abort lands while a step is in flight."""
     requests = [
         (_ids(smol, "def fibonacci(n):"), SamplingParams(temperature=0.0, max_tokens=30)),
         (_ids(smol, "Count to twenty: 1, 2,"), SamplingParams(temperature=0.0, max_tokens=30)),
-        (_ids(smol, "The weather today"), SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)),
+        (_ids(smol, "The weather today"),
+         SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, dry_multiplier=0.8)),
         (_ids(smol, "A list of fruits:"), SamplingParams(temperature=0.8, seed=11, max_tokens=16)),
     ]
     arrivals, abort_at = {5: 2, 20: 3}, {9: 1}

@@ -9,9 +9,9 @@ it wait for step n's tokens and turn them into outputs. The GPU no longer idles 
 stages inputs and post-processes (H200, a random Llama-3-8B: bench/results/decode-*-overlap-ab.log). A step is
 planned ahead only where nothing but the input token depends on step n's results: every running sequence
 decodes, samples without reading its own tokens (no penalties, grammar, bad words or drafts), and nobody
-waits for a free slot. With COBATCH_PENALTIES_AHEAD=1 (to be measured on the GPU before it becomes the default),
-the repetition, presence and frequency penalties and mirostat do not stop it: the sampler counts the last token
-and takes mirostat's state on the device (sampler.reads_host_feedback); DRY still does. A sequence that step n
+waits for a free slot. The repetition, presence and frequency penalties and mirostat do not stop it: the sampler
+counts the last token and takes mirostat's state on the device (sampler.reads_host_feedback; COBATCH_PENALTIES_AHEAD=0
+makes their steps wait for the host instead); DRY still does. A sequence that step n
 ends (a stop token) has computed one token too many, which is dropped; its blocks are freed only after that step
 in device order, so no one else's KV is touched.
 step() then returns step n's outputs, so the outputs trail the device by one step, never by tokens.
@@ -36,8 +36,9 @@ from cobatch.engine.speculative import can_speculate, step_rows_with_drafts
 from cobatch.errors import UserError
 
 # Sequences with repetition / presence / frequency penalties or mirostat planned ahead too (their last token counted,
-# mirostat's state taken, on the device), where they made every step of their batch wait for the host
-PENALTIES_AHEAD = os.environ.get("COBATCH_PENALTIES_AHEAD", "0") == "1"
+# mirostat's state taken, on the device), where they made every step of their batch wait for the host (one penalized
+# session: q8_0 B = 64 6.67 -> 6.16 ms a step, bench/results/penalties_ahead.md)
+PENALTIES_AHEAD = os.environ.get("COBATCH_PENALTIES_AHEAD", "1") == "1"
 
 
 class ContextLengthExceeded(UserError):
