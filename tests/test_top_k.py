@@ -106,10 +106,11 @@ def test_ops_top_k_keep_on_the_cpu_is_the_reference():
 
 
 def test_the_sampler_filters_top_k_rows_through_ops_top_k_keep(monkeypatch):
-    """With TOP_K_KERNEL, rows with a top-k of at most CAP go through ops.top_k_keep (the reference here, the kernel
-    on CUDA), with their top-p or 1; the others through the other paths: each row keeps the tokens of its
-    definition."""
+    """Where ops run kernels (made so here), rows with a top-k of at most CAP go through ops.top_k_keep (the
+    reference here, the kernel on CUDA), with their top-p or 1; the others through the other paths: each row keeps
+    the tokens of its definition."""
     monkeypatch.setattr(sampler_module, "TOP_K_KERNEL", True)
+    monkeypatch.setattr(ops, "runs_kernels", lambda scores: True)
     calls = []
     monkeypatch.setattr(ops, "top_k_keep", lambda scores, top_k, top_p: calls.append(
         (top_k.tolist(), top_p.tolist())) or top_k_keep_ref(scores, top_k, top_p))
@@ -121,6 +122,23 @@ def test_the_sampler_filters_top_k_rows_through_ops_top_k_keep(monkeypatch):
     assert calls == [([40, 7], [pytest.approx(0.8), 1.0])]                    # rows 1 and 3
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         want = top_k_set(scores[row].tolist(), k if k else n_cols, p)
+        assert set(torch.nonzero(torch.isfinite(filtered[row])).flatten().tolist()) == want, row
+
+
+def test_on_the_cpu_the_sampler_keeps_its_torch_ways(monkeypatch):
+    """Where ops run no kernels (the CPU), the sampler filters by torch.topk's prefix and the sort, not by the
+    kernels' references (which sort every row)."""
+    def no_kernel(*args):
+        raise AssertionError("a kernel's op called on the CPU")
+
+    monkeypatch.setattr(ops, "top_k_keep", no_kernel)
+    monkeypatch.setattr(ops, "top_p_keep", no_kernel)
+    g = torch.Generator().manual_seed(14)
+    scores = torch.randn(3, 500, generator=g) * 3
+    top_k, top_p = [40, 0, 5], [0.9, 0.8, 1.0]
+    filtered = sampler_module.filter_logits(scores, top_k, top_p, [0.0] * 3)
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        want = top_k_set(scores[row].tolist(), k if k else 500, p)
         assert set(torch.nonzero(torch.isfinite(filtered[row])).flatten().tolist()) == want, row
 
 

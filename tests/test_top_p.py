@@ -104,9 +104,10 @@ def test_ops_top_p_keep_on_the_cpu_is_the_reference():
 
 
 def test_the_sampler_filters_top_p_alone_through_ops_top_p_keep(monkeypatch):
-    """With TOP_P_KERNEL, rows with top-p alone go through ops.top_p_keep (the reference here, the kernel on CUDA)
-    and the others through the top-k path: each row keeps the tokens of its definition."""
+    """Where ops run kernels (made so here), rows with top-p alone go through ops.top_p_keep (the reference here,
+    the kernel on CUDA) and the others through the top-k paths: each row keeps the tokens of its definition."""
     monkeypatch.setattr(sampler_module, "TOP_P_KERNEL", True)
+    monkeypatch.setattr(ops, "runs_kernels", lambda scores: True)
     calls = []
     monkeypatch.setattr(ops, "top_p_keep", lambda scores, top_p: calls.append(top_p.tolist()) or top_p_keep_ref(
         scores, top_p))

@@ -36,6 +36,12 @@ def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda and not _FORCE_TORCH
 
 
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether ops run their kernels on x (CUDA, and COBATCH_TORCH_OPS unset), where a caller picks between an op
+    and a torch way of its own."""
+    return _triton(x)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: each row's first index of its largest logit, a NaN counting as -inf."""
     if _triton(logits) and logits.stride(-1) == 1 and logits.shape[-1] > 0:

@@ -425,12 +425,13 @@ def top_k_width(top_k: int, vocab: int) -> int:
     return next((width for width in TOP_K_WIDTHS if 0 < top_k <= width < vocab), vocab)
 
 
-# Rows with top-p alone through ops.top_p_keep, whose kernel finds each row's cut on CUDA without sorting the row
-# (else the whole-row sort of _keep_largest); rows with a top-k of at most TOP_K_CAP through ops.top_k_keep,
-# whose kernel finds the k-th value by counts (else torch.topk's prefix). To be measured on the GPU before they
-# become the default.
-TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "0") == "1"
-TOP_K_KERNEL = os.environ.get("COBATCH_TOP_K_KERNEL", "0") == "1"
+# Where ops run kernels: rows with top-p alone through ops.top_p_keep, whose kernel finds each row's cut without
+# sorting the row (else the whole-row sort of _keep_largest); rows with a top-k of at most TOP_K_CAP through
+# ops.top_k_keep, whose kernel finds the k-th value by counts (else torch.topk's prefix). H100, GPU time a call at
+# B = 64: top-p 0.9 1,157 -> 324 us, llama.cpp's settings 831 -> 511 (bench/results/sampler_filter_kernels.json).
+# On the CPU the torch ways stay (the kernels' references sort every row).
+TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "1") == "1"
+TOP_K_KERNEL = os.environ.get("COBATCH_TOP_K_KERNEL", "1") == "1"
 TOP_P_ALONE = 0         # _top_k_top_p's groups of those rows (the others' are their widths)
 TOP_K_SET = -1
 
@@ -441,10 +442,11 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     smallest prefix of that order whose mass reaches p. Rows are grouped by `_filter_group`; rows with neither
     filter are not touched."""
     rows, vocab = scores.shape
+    kernels = ops.runs_kernels(scores)
     groups: dict[int, list[int]] = {}
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         if 0 < k < vocab or p < 1.0:
-            groups.setdefault(_filter_group(k, vocab), []).append(row)
+            groups.setdefault(_filter_group(k, vocab, kernels), []).append(row)
     for width, members in groups.items():
         index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
         group = scores if index is None else scores.index_select(0, index)
@@ -459,13 +461,13 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return scores
 
 
-def _filter_group(top_k: int, vocab: int) -> int:
-    """_top_k_top_p's group of a row with this k (0: none): a kernel's group where its switch is on, else its
-    top_k_width."""
+def _filter_group(top_k: int, vocab: int, kernels: bool) -> int:
+    """_top_k_top_p's group of a row with this k (0: none): a kernel's group where ops run kernels and its switch
+    is on, else its top_k_width."""
     has_top_k = 0 < top_k < vocab
-    if TOP_P_KERNEL and not has_top_k:
+    if kernels and TOP_P_KERNEL and not has_top_k:
         return TOP_P_ALONE
-    if TOP_K_KERNEL and has_top_k and top_k <= TOP_K_CAP:
+    if kernels and TOP_K_KERNEL and has_top_k and top_k <= TOP_K_CAP:
         return TOP_K_SET
     return top_k_width(top_k, vocab)
 
