@@ -33,6 +33,12 @@ def top_k_set(row: list[float], k: int, p: float) -> set[int]:
     return nucleus([v if i in pool else -math.inf for i, v in enumerate(row)], p)
 
 
+def above_min_p(row: list[float], kept, min_p: float) -> set[int]:
+    """Of the tokens `kept`, those whose probability is at least min_p times the row's largest."""
+    top = max(row)
+    return {i for i in kept if math.exp(row[i] - top) >= min_p}
+
+
 def crafted_rows(n_cols: int, seed: int) -> tuple[torch.Tensor, list[int], list[float]]:
     g = torch.Generator().manual_seed(seed)
     rows, ks, ps = [], [], []
@@ -70,10 +76,11 @@ def crafted_rows(n_cols: int, seed: int) -> tuple[torch.Tensor, list[int], list[
 def test_top_k_keeps_the_set_of_its_definition(n_cols):
     scores, ks, ps = crafted_rows(n_cols, seed=n_cols)
     top_k, top_p = torch.tensor(ks), torch.tensor(ps)
+    min_ps = [(0.0, 0.05, 0.2)[row % 3] for row in range(len(ks))]
     for way in (top_k_keep_ref, top_k_keep_triton):
-        kept = way(scores.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)).cpu()
+        kept = way(scores.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), torch.tensor(min_ps).to(DEVICE)).cpu()
         for row, (k, p) in enumerate(zip(ks, ps)):
-            want = top_k_set(scores[row].tolist(), k, p)
+            want = above_min_p(scores[row].tolist(), top_k_set(scores[row].tolist(), k, p), min_ps[row])
             got = set(torch.nonzero(torch.isfinite(kept[row])).flatten().tolist())
             assert got == want, (way.__name__, row, len(got), len(want))
             assert torch.equal(kept[row][list(got)], scores[row][list(got)])
@@ -112,17 +119,18 @@ def test_the_sampler_filters_top_k_rows_through_ops_top_k_keep(monkeypatch):
     monkeypatch.setattr(sampler_module, "TOP_K_KERNEL", True)
     monkeypatch.setattr(ops, "runs_kernels", lambda scores: True)
     calls = []
-    monkeypatch.setattr(ops, "top_k_keep", lambda scores, top_k, top_p: calls.append(
-        (top_k.tolist(), top_p.tolist())) or top_k_keep_ref(scores, top_k, top_p))
+    monkeypatch.setattr(ops, "top_k_keep", lambda scores, top_k, top_p, min_p: calls.append(
+        (top_k.tolist(), top_p.tolist(), min_p.tolist())) or top_k_keep_ref(scores, top_k, top_p, min_p))
     n_cols = CAP + 300
     g = torch.Generator().manual_seed(13)
     scores = torch.randn(5, n_cols, generator=g) * 3
-    top_k, top_p = [0, 40, CAP + 1, 7, 0], [0.9, 0.8, 0.7, 1.0, 1.0]
-    filtered = sampler_module.filter_logits(scores, top_k, top_p, [0.0] * 5)
-    assert calls == [([40, 7], [pytest.approx(0.8), 1.0])]                    # rows 1 and 3
-    for row, (k, p) in enumerate(zip(top_k, top_p)):
-        want = top_k_set(scores[row].tolist(), k if k else n_cols, p)
+    top_k, top_p, min_p = [0, 40, CAP + 1, 7, 0], [0.9, 0.8, 0.7, 1.0, 1.0], [0.0, 0.3, 0.05, 0.0, 0.1]
+    filtered = sampler_module.filter_logits(scores, top_k, top_p, min_p)
+    assert calls == [([40, 7], [pytest.approx(0.8), 1.0], [pytest.approx(0.3), 0.0])]       # rows 1 and 3
+    for row, (k, p, least) in enumerate(zip(top_k, top_p, min_p)):
+        want = above_min_p(scores[row].tolist(), top_k_set(scores[row].tolist(), k if k else n_cols, p), least)
         assert set(torch.nonzero(torch.isfinite(filtered[row])).flatten().tolist()) == want, row
+    assert len(top_k_set(scores[1].tolist(), 40, 0.8)) > len(above_min_p(scores[1].tolist(), range(n_cols), 0.3))
 
 
 def test_on_the_cpu_the_sampler_keeps_its_torch_ways(monkeypatch):

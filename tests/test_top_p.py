@@ -80,6 +80,24 @@ def test_top_p_keeps_the_nucleus_of_its_definition(n_cols):
         assert len(nucleus(scores[4].tolist(), 0.99)) > CAP      # the search's last interval was too wide to set aside
 
 
+def test_top_p_then_min_p():
+    """min-p in the output pass: of the nucleus, the tokens whose probability is at least min_p times the
+    largest's."""
+    scores, ps = crafted_rows(BLOCK + 1, seed=5)
+    min_ps = [(0.05, 0.2, 0.0)[row % 3] for row in range(len(ps))]
+    for way in (top_p_keep_ref, top_p_keep_triton):
+        kept = way(scores.to(DEVICE), torch.tensor(ps).to(DEVICE), torch.tensor(min_ps).to(DEVICE)).cpu()
+        for row, p in enumerate(ps):
+            row_values = scores[row].tolist()
+            top = max(row_values)
+            want = {i for i in nucleus(row_values, p) if math.exp(row_values[i] - top) >= min_ps[row]}
+            got = set(torch.nonzero(torch.isfinite(kept[row])).flatten().tolist())
+            assert got == want, (way.__name__, row, len(got), len(want))
+            assert torch.equal(kept[row][list(got)], scores[row][list(got)])
+    assert len(nucleus(scores[0].tolist(), 0.9)) > sum(math.exp(v - float(scores[0].max())) >= 0.05
+                                                       for v in scores[0].tolist())      # min-p cut row 0's nucleus
+
+
 def test_a_rows_nucleus_does_not_depend_on_the_other_rows():
     scores, ps = crafted_rows(BLOCK + 300, seed=7)
     scores, top_p = scores.to(DEVICE), torch.tensor(ps, device=DEVICE)
@@ -109,8 +127,8 @@ def test_the_sampler_filters_top_p_alone_through_ops_top_p_keep(monkeypatch):
     monkeypatch.setattr(sampler_module, "TOP_P_KERNEL", True)
     monkeypatch.setattr(ops, "runs_kernels", lambda scores: True)
     calls = []
-    monkeypatch.setattr(ops, "top_p_keep", lambda scores, top_p: calls.append(top_p.tolist()) or top_p_keep_ref(
-        scores, top_p))
+    monkeypatch.setattr(ops, "top_p_keep", lambda scores, top_p, min_p: calls.append(top_p.tolist()) or
+                        top_p_keep_ref(scores, top_p, min_p))
     g = torch.Generator().manual_seed(13)
     scores = torch.randn(5, 700, generator=g) * 3
     top_k, top_p = [0, 40, 0, 0, 700], [0.9, 0.8, 1.0, 0.5, 0.7]

@@ -59,21 +59,23 @@ def gumbel_tokens(scores: torch.Tensor, row_keys: torch.Tensor, token_keys: torc
     return gumbel_tokens_ref(scores, row_keys, token_keys, fallback, inverse_temperature)
 
 
-def top_p_keep(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_p_keep(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, V] scores with the tokens outside each row's nucleus (the smallest prefix of its tokens by
-    value, lowest ids first among equals, whose mass reaches p: float32 [R], each < 1) at -inf."""
+    value, lowest ids first among equals, whose mass reaches p: float32 [R], each < 1) at -inf; then min-p's
+    (float32 [R], 0: none: probability below min_p times the largest's)."""
     if _triton(scores) and scores.stride(-1) == 1:
-        return top_p_keep_triton(scores, top_p)
-    return top_p_keep_ref(scores, top_p)
+        return top_p_keep_triton(scores, top_p, min_p)
+    return top_p_keep_ref(scores, top_p, min_p)
 
 
-def top_k_keep(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_k_keep(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, V] scores with the tokens outside each row's top-k (int [R], 1 <= k <= kernels.top_k.CAP)
     then top-p (float32 [R], 1: none) set at -inf: the k largest, lowest ids first among equals, cut to the
-    smallest prefix of them whose mass over the k reaches p."""
+    smallest prefix of them whose mass over the k reaches p; then min-p's as top_p_keep's."""
     if _triton(scores) and scores.stride(-1) == 1:
-        return top_k_keep_triton(scores, top_k, top_p)
-    return top_k_keep_ref(scores, top_k, top_p)
+        return top_k_keep_triton(scores, top_k, top_p, min_p)
+    return top_k_keep_ref(scores, top_k, top_p, min_p)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -400,7 +400,7 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
     if top_n_sigma is not None and any(n > 0 for n in top_n_sigma):
         scores = _top_n_sigma(scores, to_device([n if n > 0 else math.inf for n in top_n_sigma], torch.float32,
                                                 device))
-    scores = _top_k_top_p(scores, top_k, top_p)
+    scores, min_p = _top_k_top_p(scores, top_k, top_p, min_p)
     if any(p > 0.0 for p in min_p):
         relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
         min_p_per_row = to_device(list(min_p), torch.float32, device)
@@ -436,29 +436,37 @@ TOP_P_ALONE = 0         # _top_k_top_p's groups of those rows (the others' are t
 TOP_K_SET = -1
 
 
-def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float],
+                 min_p: list[float]) -> tuple[torch.Tensor, list[float]]:
     """Top-k, then top-p over the top-k-renormalized distribution: each row keeps its `count` largest tokens, the
     lowest ids first among equal values (the order of a stable descending sort), where `count` is k cut to the
     smallest prefix of that order whose mass reaches p. Rows are grouped by `_filter_group`; rows with neither
-    filter are not touched."""
+    filter are not touched. The kernels' groups apply their rows' min-p in the same pass: returns the scores and the
+    min-p left to apply (0 for those rows)."""
     rows, vocab = scores.shape
     kernels = ops.runs_kernels(scores)
     groups: dict[int, list[int]] = {}
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         if 0 < k < vocab or p < 1.0:
             groups.setdefault(_filter_group(k, vocab, kernels), []).append(row)
+    min_p_left = list(min_p)
     for width, members in groups.items():
         index = None if len(members) == rows else to_device(members, torch.int64, scores.device)
         group = scores if index is None else scores.index_select(0, index)
+        if width in (TOP_P_ALONE, TOP_K_SET):
+            p_values = to_device([top_p[r] for r in members], torch.float32, scores.device)
+            min_p_values = to_device([min_p[r] for r in members], torch.float32, scores.device)
+            for r in members:
+                min_p_left[r] = 0.0
         if width == TOP_P_ALONE:
-            kept = ops.top_p_keep(group, to_device([top_p[r] for r in members], torch.float32, scores.device))
+            kept = ops.top_p_keep(group, p_values, min_p_values)
         elif width == TOP_K_SET:
             kept = ops.top_k_keep(group, to_device([top_k[r] for r in members], torch.int32, scores.device),
-                                  to_device([top_p[r] for r in members], torch.float32, scores.device))
+                                  p_values, min_p_values)
         else:
             kept = _keep_largest(group, width, [top_k[r] for r in members], [top_p[r] for r in members])
         scores = kept if index is None else scores.index_copy(0, index, kept)
-    return scores
+    return scores, min_p_left
 
 
 def _filter_group(top_k: int, vocab: int, kernels: bool) -> int:

@@ -21,14 +21,16 @@ import math
 
 import torch
 
-from cobatch.kernels.top_p import BLOCK, CAP, VALUE_STEPS, copy_aside, float_key, key_float, store_kept
+from cobatch.kernels.top_p import (BLOCK, CAP, VALUE_STEPS, apply_min_p, copy_aside, float_key, key_float,
+                                  min_p_values, store_kept)
 from cobatch.kernels.triton_support import jit, tl
 
 
-def top_k_keep_ref(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_k_keep_ref(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, V] scores, int [R] k in [1, V], float32 [R] p in (0, 1] -> the scores with every token outside
     each row's top-k-then-top-p set at -inf: a stable descending sort, the softmax of its first k, and the tokens
-    among them whose mass before them is below p."""
+    among them whose mass before them is below p; then min_p's (float32 [R], 0: none; top_p.apply_min_p)."""
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)
     within_k = torch.arange(scores.shape[-1], device=scores.device)[None, :] < top_k[:, None]
     probs = ordered.masked_fill(~within_k, -math.inf).softmax(dim=-1)
@@ -37,11 +39,11 @@ def top_k_keep_ref(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     drop_sorted = ~within_k | (before >= torch.where(top_p < 1.0, top_p, no_top_p)[:, None])
     drop_sorted[:, 0] = False                           # the largest value always stays
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return scores.masked_fill(drop, -math.inf)
+    return apply_min_p(scores.masked_fill(drop, -math.inf), min_p)
 
 
 @jit
-def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
+def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
                   CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
     row = tl.program_id(0)
     src = scores_ptr + row.to(tl.int64) * stride_row
@@ -134,17 +136,18 @@ def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, aside_ptr, n_cols, stride_r
     ties_kept = tl.where((p < 1.0) & (cut_mass > 0.0), tl.maximum(by_mass, 1.0), 1073741824.0).to(tl.int32)
     ties_kept = tl.where(at_kth, tl.minimum(ties_kept, kth_ties), ties_kept)
     cut = tl.where(empty, min_key, lo).to(tl.int32)    # an empty row: every key above the cut
-    store_kept(src, dst, n_cols, cut, ties_kept, BLOCK)
+    store_kept(src, dst, n_cols, cut, ties_kept, m, tl.load(min_p_ptr + row), BLOCK)
 
 
-def top_k_keep_triton(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top_k_keep_ref's result (up to rows whose mass lands on p within rounding), one program a row; scores' rows
-    contiguous, every k at most CAP."""
+def top_k_keep_triton(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """top_k_keep_ref's result (up to rows whose mass lands on p, or a token on min-p's bound, within rounding), one
+    program a row; scores' rows contiguous, every k at most CAP."""
     rows, vocab = scores.shape
     out = torch.empty_like(scores)
     aside = torch.empty(rows, CAP, dtype=torch.float32, device=scores.device)
     if rows:
         _top_k_kernel[(rows,)](scores, out, top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
-                               aside, vocab, scores.stride(0), BLOCK=BLOCK, CAP=CAP, VALUE_STEPS=VALUE_STEPS,
-                               num_warps=8)
+                               min_p_values(min_p, rows, scores), aside, vocab, scores.stride(0), BLOCK=BLOCK, CAP=CAP,
+                               VALUE_STEPS=VALUE_STEPS, num_warps=8)
     return out

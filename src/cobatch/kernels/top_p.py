@@ -29,16 +29,26 @@ CAP = 4096            # tokens of the search's last interval copied aside and se
 VALUE_STEPS = 8       # halving passes that split the interval's values before they split its keys (always progress)
 
 
-def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, V] scores, float32 [R] p in (0, 1] -> the scores with the tokens outside each row's nucleus at
-    -inf: a stable descending sort, the softmax of it, and the tokens whose mass before them is below p."""
+    -inf: a stable descending sort, the softmax of it, and the tokens whose mass before them is below p; then
+    min_p's (float32 [R], 0: none) below min_p times the largest token's probability (apply_min_p)."""
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)
     probs = ordered.softmax(dim=-1)
     before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
     drop_sorted = before >= top_p[:, None]
     drop_sorted[:, 0] = False                           # the largest value always stays
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return scores.masked_fill(drop, -math.inf)
+    return apply_min_p(scores.masked_fill(drop, -math.inf), min_p)
+
+
+def apply_min_p(scores: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """min-p: the tokens whose probability is below min_p (float32 [R]) times the row's largest set to -inf, as
+    exp(x - max) < min_p (the sampler's form, which the kernels' output pass repeats); None: the scores as they are."""
+    if min_p is None:
+        return scores
+    relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    return scores.masked_fill(relative_prob < min_p.to(scores.device, torch.float32)[:, None], -math.inf)
 
 
 @jit
@@ -71,9 +81,9 @@ def copy_aside(src, aside, copy_cols, n_cols, lo32, hi32, BLOCK: tl.constexpr):
 
 
 @jit
-def store_kept(src, dst, n_cols, cut, ties_kept, BLOCK: tl.constexpr):
+def store_kept(src, dst, n_cols, cut, ties_kept, m, min_p, BLOCK: tl.constexpr):
     """Write the row to dst with the tokens whose keys lie above `cut` (int32) kept, and of those equal to it the
-    ties_kept lowest ids; the rest -inf."""
+    ties_kept lowest ids, then min-p's: those whose exp(x - m) (m the row's max) is at least min_p; the rest -inf."""
     cols = tl.arange(0, BLOCK)
     tie_base = ties_kept * 0
     for start in range(0, n_cols, BLOCK):
@@ -87,13 +97,14 @@ def store_kept(src, dst, n_cols, cut, ties_kept, BLOCK: tl.constexpr):
             keep = keep | tie
         else:
             keep = keep | (tie & (tie_base + tl.cumsum(tie.to(tl.int32), 0) <= ties_kept))
+        keep = keep & (tl.exp(x - m) >= min_p)
         tl.store(dst + start + cols, tl.where(keep, x, -float("inf")), mask=in_row)
         tie_base += n_tie
 
 
 @jit
-def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                  VALUE_STEPS: tl.constexpr):
+def _top_p_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
+                  CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
     row = tl.program_id(0)
     src = scores_ptr + row.to(tl.int64) * stride_row
     dst = out_ptr + row.to(tl.int64) * n_cols
@@ -164,16 +175,24 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, aside_ptr, n_cols, stride_row, BLO
     cut_mass = tl.where(empty, 1.0, tl.exp(key_float(lo) - m))
     ties_kept = tl.minimum(tl.ceil((target - mass_hi) / cut_mass), 1073741824.0)
     ties_kept = tl.maximum(ties_kept, 1.0).to(tl.int32)
-    store_kept(src, dst, n_cols, cut, ties_kept, BLOCK)
+    store_kept(src, dst, n_cols, cut, ties_kept, m, tl.load(min_p_ptr + row), BLOCK)
 
 
-def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top_p_keep_ref's result (up to rows whose mass lands on p within rounding), one program a row; scores'
-    rows contiguous, every p < 1."""
+def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """top_p_keep_ref's result (up to rows whose mass lands on p, or a token on min-p's bound, within rounding), one
+    program a row; scores' rows contiguous, every p < 1."""
     rows, vocab = scores.shape
     out = torch.empty_like(scores)
     aside = torch.empty(rows, CAP, dtype=torch.float32, device=scores.device)
     if rows:
-        _top_p_kernel[(rows,)](scores, out, top_p.to(torch.float32).contiguous(), aside, vocab, scores.stride(0),
+        _top_p_kernel[(rows,)](scores, out, top_p.to(torch.float32).contiguous(), min_p_values(min_p, rows, scores),
+                               aside, vocab, scores.stride(0),
                                BLOCK=BLOCK, CAP=CAP, VALUE_STEPS=VALUE_STEPS, num_warps=8)
     return out
+
+
+def min_p_values(min_p: torch.Tensor | None, rows: int, scores: torch.Tensor) -> torch.Tensor:
+    """The kernels' float32 [R] min-p operand: min_p, or zeros (none) where it is None."""
+    if min_p is None:
+        return torch.zeros(rows, dtype=torch.float32, device=scores.device)
+    return min_p.to(scores.device, torch.float32).contiguous()
