@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from cobatch.kernels.top_p import (BLOCK, CAP, VALUE_STEPS, apply_min_p, copy_aside, float_key, key_float,
-                                  min_p_values, store_kept)
+from cobatch.kernels.top_p import (BLOCK, CAP, VALUE_STEPS, apply_min_p, copy_aside, cut_by_mass, float_key, key_float,
+                                  load_aside, min_p_values, row_pointers, search_midpoint, store_kept)
 from cobatch.kernels.triton_support import jit, tl
 
 
@@ -46,9 +46,7 @@ def top_k_keep_ref(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
                   CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
     row = tl.program_id(0)
-    src = scores_ptr + row.to(tl.int64) * stride_row
-    dst = out_ptr + row.to(tl.int64) * n_cols
-    aside = aside_ptr + row.to(tl.int64) * CAP
+    src, dst, aside = row_pointers(scores_ptr, out_ptr, aside_ptr, n_cols, stride_row, CAP)
     cols = tl.arange(0, BLOCK)
     neg_inf = -float("inf")
     min_key = -2147483647 - 1
@@ -79,9 +77,7 @@ def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, min_p_ptr, aside_ptr, n_col
     n_hi = tl.where(few, n_finite, 0)
     step = 0 * row
     while (hi - lo > 1) & (n_lo > CAP):
-        mid = float_key((key_float(lo) + key_float(hi)) * 0.5).to(tl.int64)
-        by_keys = (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi)
-        mid = tl.where(by_keys, lo + (hi - lo) // 2, mid)
+        mid = search_midpoint(lo, hi, step, VALUE_STEPS)
         hi32, mid32 = tl.minimum(hi, 2147483647).to(tl.int32), mid.to(tl.int32)
         n_high = tl.zeros([BLOCK], tl.int32)
         for start in range(0, n_cols, BLOCK):
@@ -100,10 +96,7 @@ def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, min_p_ptr, aside_ptr, n_col
     overflow = n_lo > CAP
     floor = tl.where(overflow, hi, lo).to(tl.int32)
     offset = copy_aside(src, aside, n_cols, n_cols, floor, 2147483647, BLOCK)
-    slots = tl.arange(0, CAP)
-    kept_x = tl.load(aside + slots, mask=slots < offset, other=neg_inf)
-    kept_key = tl.where(slots < offset, float_key(kept_x), min_key)
-    kept_e = tl.exp(kept_x - m)
+    kept_key, kept_e = load_aside(aside, offset, m, CAP)
     while hi - lo > 1:                                 # the k-th value's key: the largest with k tokens at or above
         mid = lo + (hi - lo) // 2
         n_mid = n_hi + tl.sum(((kept_key >= mid) & (kept_key < hi)).to(tl.int32), 0)
@@ -119,16 +112,8 @@ def _top_k_kernel(scores_ptr, out_ptr, k_ptr, p_ptr, min_p_ptr, aside_ptr, n_col
 
     # Top-p's cut: the largest key at or above the k-th value's whose tokens in the set hold >= target (mass_hi:
     # the set's mass at or above hi). Top-k alone (p = 1) cuts at the k-th value.
-    lo = kth
-    hi = float_key(m_row).to(tl.int64) + 1
-    mass_hi = target * 0.0
-    while (hi - lo > 1) & (p < 1.0):
-        mid = lo + (hi - lo) // 2
-        mass_mid = mass_hi + tl.sum(tl.where((kept_key >= mid) & (kept_key < hi), kept_e, 0.0), 0)
-        reaches = mass_mid >= target
-        lo = tl.where(reaches, mid, lo)
-        hi = tl.where(reaches, hi, mid)
-        mass_hi = tl.where(reaches, mass_hi, mass_mid)
+    hi = tl.where(p < 1.0, float_key(m_row).to(tl.int64) + 1, kth + 1)
+    lo, mass_hi = cut_by_mass(kept_key, kept_e, kth, hi, target * 0.0, target)
 
     at_kth = lo == kth
     cut_mass = tl.exp(key_float(lo) - m)

@@ -66,6 +66,45 @@ def key_float(key):
 
 
 @jit
+def row_pointers(scores_ptr, out_ptr, aside_ptr, n_cols, stride_row, CAP: tl.constexpr):
+    """This program's row: its scores, its output (contiguous) and its CAP slots aside."""
+    row = tl.program_id(0).to(tl.int64)
+    return scores_ptr + row * stride_row, out_ptr + row * n_cols, aside_ptr + row * CAP
+
+
+@jit
+def search_midpoint(lo, hi, step, VALUE_STEPS: tl.constexpr):
+    """A halving pass's midpoint key in [lo, hi) (int64 keys): the midpoint of the interval's values for the first
+    VALUE_STEPS passes, where it makes progress, else of its keys (always progress)."""
+    mid = float_key((key_float(lo) + key_float(hi)) * 0.5).to(tl.int64)
+    by_keys = (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi)
+    return tl.where(by_keys, lo + (hi - lo) // 2, mid)
+
+
+@jit
+def load_aside(aside, offset, m, CAP: tl.constexpr):
+    """The `offset` values copy_aside stored, as keys (the least key past them) and exp(x - m)."""
+    slots = tl.arange(0, CAP)
+    kept_x = tl.load(aside + slots, mask=slots < offset, other=-float("inf"))
+    return tl.where(slots < offset, float_key(kept_x), -2147483647 - 1), tl.exp(kept_x - m)
+
+
+@jit
+def cut_by_mass(kept_key, kept_e, lo, hi, mass_hi, target):
+    """The search's end in registers: halve [lo, hi) over the keys set aside (every token inside it among them) down
+    to the largest key whose tokens at or above it hold >= target, mass_hi being the mass at or above hi. Returns
+    that key and the mass above it."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        mass_mid = mass_hi + tl.sum(tl.where((kept_key >= mid) & (kept_key < hi), kept_e, 0.0), 0)
+        reaches = mass_mid >= target
+        lo = tl.where(reaches, mid, lo)
+        hi = tl.where(reaches, hi, mid)
+        mass_hi = tl.where(reaches, mass_hi, mass_mid)
+    return lo, mass_hi
+
+
+@jit
 def copy_aside(src, aside, copy_cols, n_cols, lo32, hi32, BLOCK: tl.constexpr):
     """Store the values of the row's first copy_cols columns whose keys lie in [lo32, hi32) at aside[0:n], in
     column order; returns n."""
@@ -106,9 +145,7 @@ def store_kept(src, dst, n_cols, cut, ties_kept, m, min_p, BLOCK: tl.constexpr):
 def _top_p_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
                   CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
     row = tl.program_id(0)
-    src = scores_ptr + row.to(tl.int64) * stride_row
-    dst = out_ptr + row.to(tl.int64) * n_cols
-    aside = aside_ptr + row.to(tl.int64) * CAP
+    src, dst, aside = row_pointers(scores_ptr, out_ptr, aside_ptr, n_cols, stride_row, CAP)
     cols = tl.arange(0, BLOCK)
     neg_inf = -float("inf")
 
@@ -134,9 +171,7 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stri
     n_inside = n_cols + 0 * row
     step = 0 * row
     while (hi - lo > 1) & (n_inside > CAP):
-        mid = float_key((key_float(lo) + key_float(hi)) * 0.5).to(tl.int64)
-        by_keys = (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi)
-        mid = tl.where(by_keys, lo + (hi - lo) // 2, mid)
+        mid = search_midpoint(lo, hi, step, VALUE_STEPS)
         hi32, mid32 = tl.minimum(hi, 2147483647).to(tl.int32), mid.to(tl.int32)
         mass_vec = tl.zeros([BLOCK], tl.float32)
         n_high = tl.zeros([BLOCK], tl.int32)
@@ -157,17 +192,8 @@ def _top_p_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stri
     # At most CAP tokens left inside [lo, hi): copy them aside (no pass when the search is over) and finish there.
     offset = copy_aside(src, aside, tl.where(hi - lo > 1, n_cols, 0), n_cols, lo.to(tl.int32),
                         tl.minimum(hi, 2147483647).to(tl.int32), BLOCK)
-    slots = tl.arange(0, CAP)
-    kept_x = tl.load(aside + slots, mask=slots < offset, other=neg_inf)
-    kept_key = tl.where(slots < offset, float_key(kept_x), -2147483647 - 1)
-    kept_e = tl.exp(kept_x - m)
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        mass_mid = mass_hi + tl.sum(tl.where((kept_key >= mid) & (kept_key < hi), kept_e, 0.0), 0)
-        reaches = mass_mid >= target
-        lo = tl.where(reaches, mid, lo)
-        hi = tl.where(reaches, hi, mid)
-        mass_hi = tl.where(reaches, mass_hi, mass_mid)
+    kept_key, kept_e = load_aside(aside, offset, m, CAP)
+    lo, mass_hi = cut_by_mass(kept_key, kept_e, lo, hi, mass_hi, target)
 
     # lo is the cut value's key, mass_hi the mass above it: ties at the cut kept lowest ids first while the mass
     # before each is below target.
