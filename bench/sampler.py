@@ -1,12 +1,13 @@
 """The sampler on the GPU, over [B, V] float32 logits of Llama-3's vocabulary: first the token-pick kernels alone
 (kernels/greedy.py: greedy, and Gumbel-max over the sampler's counter noise) against the torch ops they replace,
-and top-p's cut without a sort (kernels/top_p.py) against the stable sort; then whole sampler calls as a decode
-step makes them (greedy rows, sampled ones with and without top-k / top-p / min-p), with the kernels (the default)
-and with torch's ops alone (COBATCH_TORCH_OPS's way); where top-p is alone, also with its kernel
-(engine/sampler.TOP_P_KERNEL, COBATCH_TOP_P_KERNEL=1); where top-k applies, with each row sorted whole instead of
-read from torch.topk's prefix (engine/sampler.TOP_K_WIDTHS), and with the top-k kernel (kernels/top_k.py,
-COBATCH_TOP_K_KERNEL=1; also timed alone against torch.topk's prefix); and where a filter applies, with whole-row
-cumulative sums in place of sampler._prefix_below's one-block scans.
+and the top-p and top-k cuts without a sort (kernels/top_p.py, kernels/top_k.py) against the stable sort and
+torch.topk's prefix; then whole sampler calls as a decode step makes them (greedy rows, sampled ones with and
+without top-k / top-p / min-p), with the kernels (the default) and with torch's ops alone (COBATCH_TORCH_OPS's way);
+where top-k or top-p applies, also with their torch ways (`torch_filters`: COBATCH_TOP_P_KERNEL=0 and
+COBATCH_TOP_K_KERNEL=0), those with whole-row cumulative sums in place of sampler._prefix_below's one-block scans
+(`row_scans`), and, where top-k applies, with each row sorted whole instead of read from torch.topk's prefix
+(`sorted`); where min-p comes with them, with min-p in the kernels' output pass (`min_p_inside`,
+COBATCH_MIN_P_IN_KERNELS=1).
 
     PYTHONPATH=src python bench/sampler.py [--batches 1,8,64,256] [--vocab 128256] [--calls 40] [--params NAMES]
 
@@ -152,10 +153,8 @@ def set_way(settings: dict) -> None:
 
 def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: float,
                 names: list[str]) -> list[dict]:
-    """A sampler call per parameter set, with the kernels and with torch's ops alone; where top-k applies, also
-    with the kernels and a sort of every whole row in place of torch.topk's prefix (`sorted`); where a filter
-    applies, also with whole-row scans for its running sums (`row scans`); with the top-p and top-k kernels where
-    they apply (`top_p_kernel`, `top_k_kernel`). Each way's GPU time too (`_gpu_us`)."""
+    """A sampler call per parameter set in each of the ways the module docstring names, each way's GPU time too
+    (`_gpu_us`)."""
     out = []
     widths, prefix_below = sampler_module.TOP_K_WIDTHS, sampler_module._prefix_below
     for name in names:
@@ -163,16 +162,18 @@ def whole_calls(batch: int, inputs: list[torch.Tensor], calls: int, copy_gbps: f
         rows = [SampleRow(params, seed=i, step=5, prompt_ids=(), output_ids=()) for i in range(batch)]
         row = dict(batch=batch, params=name, logits_bytes=inputs[0].numel() * 4)
         tokens = {}
+        off = dict(TOP_P_KERNEL=False, TOP_K_KERNEL=False)     # the filters' torch ways
         ways = {"torch": dict(_FORCE_TORCH=True), "kernels": {}}
-        if params.top_k:
-            ways["sorted"] = dict(TOP_K_WIDTHS=())
-            ways["top_k_kernel"] = dict(TOP_K_KERNEL=True)
         if params.top_k or params.top_p < 1.0:
-            ways["row_scans"] = dict(_prefix_below=prefix_below_row_scan)
-        if params.top_p < 1.0 and not params.top_k:
-            ways["top_p_kernel"] = dict(TOP_P_KERNEL=True)
-        defaults = dict(_FORCE_TORCH=False, TOP_K_WIDTHS=widths, _prefix_below=prefix_below, TOP_P_KERNEL=False,
-                        TOP_K_KERNEL=False)
+            ways["torch_filters"] = off
+            ways["row_scans"] = dict(off, _prefix_below=prefix_below_row_scan)
+        if params.top_k:
+            ways["sorted"] = dict(off, TOP_K_WIDTHS=())
+        if params.min_p > 0.0 and (params.top_k or params.top_p < 1.0):
+            ways["min_p_inside"] = dict(MIN_P_IN_KERNELS=True)
+        defaults = dict(_FORCE_TORCH=False, TOP_K_WIDTHS=widths, _prefix_below=prefix_below,
+                        TOP_P_KERNEL=sampler_module.TOP_P_KERNEL, TOP_K_KERNEL=sampler_module.TOP_K_KERNEL,
+                        MIN_P_IN_KERNELS=sampler_module.MIN_P_IN_KERNELS)
         for way, settings in ways.items():
             set_way({**defaults, **settings})
             try:
@@ -245,11 +246,11 @@ def main() -> None:
         for r in rows:
             print(f"{r['batch']:4d} {r[label]:16s} {r[a + '_us']:10.1f} {r[a + '_of_copy']:8.1%} "
                   f"{r[b + '_us']:11.1f} {r[b + '_of_copy']:8.1%} {r[a + '_us'] / r[b + '_us']:8.2f}x")
-    print(f"\n{'B':>4} {'params':16s} {'sorted us':>10} {'top-k us':>10} {'speed-up':>9}")
+    print(f"\n{'B':>4} {'params':16s} {'sorted us':>10} {'kernels us':>10} {'speed-up':>9}")
     for r in (r for r in calls if "sorted_us" in r):
         print(f"{r['batch']:4d} {r['params']:16s} {r['sorted_us']:10.1f} {r['kernels_us']:10.1f} "
               f"{r['sorted_us'] / r['kernels_us']:8.2f}x")
-    ways = ("torch", "kernels", "sorted", "row_scans", "top_p_kernel", "top_k_kernel")
+    ways = ("torch", "kernels", "torch_filters", "sorted", "row_scans", "min_p_inside")
     print(f"\nGPU us a call (call us)\n{'B':>4} {'params':16s} " + " ".join(f"{w:>18s}" for w in ways))
     for r in calls:
         print(f"{r['batch']:4d} {r['params']:16s} " + " ".join(

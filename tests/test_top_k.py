@@ -114,9 +114,10 @@ def test_ops_top_k_keep_on_the_cpu_is_the_reference():
 
 def test_the_sampler_filters_top_k_rows_through_ops_top_k_keep(monkeypatch):
     """Where ops run kernels (made so here), rows with a top-k of at most CAP go through ops.top_k_keep (the
-    reference here, the kernel on CUDA), with their top-p or 1; the others through the other paths: each row keeps
-    the tokens of its definition."""
+    reference here, the kernel on CUDA), with their top-p or 1 and, with MIN_P_IN_KERNELS, their min-p; the others
+    through the other paths: each row keeps the tokens of its definition."""
     monkeypatch.setattr(sampler_module, "TOP_K_KERNEL", True)
+    monkeypatch.setattr(sampler_module, "MIN_P_IN_KERNELS", True)
     monkeypatch.setattr(ops, "runs_kernels", lambda scores: True)
     calls = []
     monkeypatch.setattr(ops, "top_k_keep", lambda scores, top_k, top_p, min_p: calls.append(
@@ -183,3 +184,6 @@ def test_sampler_with_the_top_k_kernel_draws_from_the_same_set(monkeypatch):
     monkeypatch.setattr(sampler_module, "TOP_K_KERNEL", True)
     kernel_tokens = Sampler()(logits, rows).token_ids.tolist()
     assert sum(a == b for a, b in zip(topk_tokens, kernel_tokens)) >= 31
+    monkeypatch.setattr(sampler_module, "MIN_P_IN_KERNELS", True)
+    min_p_inside = Sampler()(logits, rows).token_ids.tolist()
+    assert sum(a == b for a, b in zip(topk_tokens, min_p_inside)) >= 31

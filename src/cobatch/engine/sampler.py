@@ -432,6 +432,9 @@ def top_k_width(top_k: int, vocab: int) -> int:
 # On the CPU the torch ways stay (the kernels' references sort every row).
 TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "1") == "1"
 TOP_K_KERNEL = os.environ.get("COBATCH_TOP_K_KERNEL", "1") == "1"
+# Those kernels' rows take their min-p in the kernels' output pass (else torch's five launches after the cut). To be
+# tested and timed on the GPU before it becomes the default.
+MIN_P_IN_KERNELS = os.environ.get("COBATCH_MIN_P_IN_KERNELS", "0") == "1"
 TOP_P_ALONE = 0         # _top_k_top_p's groups of those rows (the others' are their widths)
 TOP_K_SET = -1
 
@@ -441,8 +444,8 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float],
     """Top-k, then top-p over the top-k-renormalized distribution: each row keeps its `count` largest tokens, the
     lowest ids first among equal values (the order of a stable descending sort), where `count` is k cut to the
     smallest prefix of that order whose mass reaches p. Rows are grouped by `_filter_group`; rows with neither
-    filter are not touched. The kernels' groups apply their rows' min-p in the same pass: returns the scores and the
-    min-p left to apply (0 for those rows)."""
+    filter are not touched. With MIN_P_IN_KERNELS the kernels' groups apply their rows' min-p in the same pass:
+    returns the scores and the min-p left to apply (0 for those rows)."""
     rows, vocab = scores.shape
     kernels = ops.runs_kernels(scores)
     groups: dict[int, list[int]] = {}
@@ -455,9 +458,11 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float],
         group = scores if index is None else scores.index_select(0, index)
         if width in (TOP_P_ALONE, TOP_K_SET):
             p_values = to_device([top_p[r] for r in members], torch.float32, scores.device)
-            min_p_values = to_device([min_p[r] for r in members], torch.float32, scores.device)
-            for r in members:
-                min_p_left[r] = 0.0
+            min_p_values = None
+            if MIN_P_IN_KERNELS:
+                min_p_values = to_device([min_p[r] for r in members], torch.float32, scores.device)
+                for r in members:
+                    min_p_left[r] = 0.0
         if width == TOP_P_ALONE:
             kept = ops.top_p_keep(group, p_values, min_p_values)
         elif width == TOP_K_SET:
