@@ -31,7 +31,7 @@ from cobatch import ops
 from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_WINDOW, dry_penalties
 from cobatch.engine.grammar import apply_token_masks
 from cobatch.kernels.greedy import temper_ref, token_noise_key
-from cobatch.kernels.top_p import CAP as TOP_K_CAP
+from cobatch.kernels.top_k import CAP as TOP_K_CAP
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
