@@ -39,6 +39,7 @@ from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E
 from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
                                     gumbel_tokens_triton, token_noise_key)
 from cobatch.kernels.top_k import top_k_keep_triton  # noqa: E402
+from cobatch.kernels import top_p as top_p_module  # noqa: E402
 from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,25 @@ def timed_row(row: dict, way: str, seconds: float, copy_gbps: float) -> None:
     row[f"{way}_of_copy"] = row[f"{way}_gbps"] / copy_gbps
 
 
-def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> list[dict]:
+def time_filter(row: dict, ways: dict, inputs: list[torch.Tensor], copy_gbps: float, warps: list[int]) -> None:
+    """Time each way (name -> a function of one input) on every input in one graph; the kernel's way also with
+    each program's warps in `warps` other than the package's (`kernel_w<n>`)."""
+    for way, keep in ways.items():
+        timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x) for x in inputs]), copy_gbps)
+    default = top_p_module.WARPS
+    for n in (n for n in warps if n != default):
+        top_p_module.WARPS = n
+        try:
+            timed_row(row, f"kernel_w{n}", graph_time([lambda x=x: ways["kernel"](x) for x in inputs]), copy_gbps)
+        finally:
+            top_p_module.WARPS = default
+    others = "".join(f"  {key[:-3]} {value:8.1f} us" for key, value in row.items()
+                     if key.startswith("kernel_w") and key.endswith("_us"))
+    print(f"  B {row['batch']:3d} {row['pick']:18s} torch {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us"
+          f"{others}  rows kept otherwise {row['rows_differ']} of {4 * row['batch']}", flush=True)
+
+
+def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float, warps: list[int]) -> list[dict]:
     """The two picks as kernels and as torch ops, each on every input in one graph; then top-p 0.9 of scores
     tempered by 0.7 (kernels/top_p.py: the cut found without a sort, against the stable sort), with the rows
     whose kept tokens differ (a mass landing on p within rounding) counted."""
@@ -82,16 +101,14 @@ def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float) -> l
     row = dict(batch=batch, pick="top_p 0.9", logits_bytes=inputs[0].numel() * 4)
     row["rows_differ"] = sum(int((torch.isfinite(top_p_keep_triton(x, top_p)) != torch.isfinite(top_p_keep_ref(
         x, top_p))).any(dim=-1).sum()) for x in tempered[:4])
-    for way, keep in (("torch", top_p_keep_ref), ("kernel", top_p_keep_triton)):
-        timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x, top_p) for x in tempered]), copy_gbps)
+    time_filter(row, dict(torch=lambda x: top_p_keep_ref(x, top_p), kernel=lambda x: top_p_keep_triton(x, top_p)),
+                tempered, copy_gbps, warps)
     rows.append(row)
-    print(f"  B {batch:3d} top-p 0.9 sort {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us  "
-          f"rows kept otherwise {row['rows_differ']} of {4 * batch}", flush=True)
-    rows.append(top_k_alone(batch, [x / 0.8 for x in inputs], copy_gbps))
+    rows.append(top_k_alone(batch, [x / 0.8 for x in inputs], copy_gbps, warps))
     return rows
 
 
-def top_k_alone(batch: int, tempered: list[torch.Tensor], copy_gbps: float) -> dict:
+def top_k_alone(batch: int, tempered: list[torch.Tensor], copy_gbps: float, warps: list[int]) -> dict:
     """Top-k 40 then top-p 0.95 (llama.cpp's settings without min-p) as the sampler takes them from torch.topk's
     prefix (sampler._keep_largest: `torch`) and through kernels/top_k.py (`kernel`), rows kept otherwise counted."""
     k, p = 40, 0.95
@@ -107,10 +124,7 @@ def top_k_alone(batch: int, tempered: list[torch.Tensor], copy_gbps: float) -> d
     row = dict(batch=batch, pick=f"top_k {k} p {p}", logits_bytes=tempered[0].numel() * 4)
     row["rows_differ"] = sum(int((torch.isfinite(kernel(x)) != torch.isfinite(prefix(x))).any(dim=-1).sum())
                              for x in tempered[:4])
-    for way, keep in (("torch", prefix), ("kernel", kernel)):
-        timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x) for x in tempered]), copy_gbps)
-    print(f"  B {batch:3d} top-k {k} top-p {p} topk {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us  "
-          f"rows kept otherwise {row['rows_differ']} of {4 * batch}", flush=True)
+    time_filter(row, dict(torch=prefix, kernel=kernel), tempered, copy_gbps, warps)
     return row
 
 
@@ -216,6 +230,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--warps", default="", help="the filter kernels alone also with these warps a program (e.g. 4,16)")
     ap.add_argument("--params", default=",".join(PARAMS), help="the parameter sets of the whole calls, by name")
     ap.add_argument("--profile", metavar="PARAMS", help="instead: one PARAMS set's calls at the first batch size, "
                                                          "their GPU time by kernel (torch.profiler), largest first")
@@ -230,7 +245,7 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         count = max(2, min(64, ROTATE_BYTES // (batch * args.vocab * 4)))
         inputs = [torch.randn(batch, args.vocab, device="cuda", generator=gen) * 3 for _ in range(count)]
-        picks += kernels_alone(batch, inputs, copy_gbps)
+        picks += kernels_alone(batch, inputs, copy_gbps, [int(n) for n in args.warps.split(",") if n])
         calls += whole_calls(batch, inputs, args.calls, copy_gbps, args.params.split(","))
         del inputs
     result = dict(measures="the sampler's token picks alone (kernels/greedy.py against the torch ops they replace), "

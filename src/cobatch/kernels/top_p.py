@@ -27,6 +27,7 @@ from cobatch.kernels.triton_support import jit, tl
 BLOCK = 2048          # columns a program loads at once
 CAP = 4096            # tokens of the search's last interval copied aside and searched in registers
 VALUE_STEPS = 8       # halving passes that split the interval's values before they split its keys (always progress)
+WARPS = 8             # a program's warps (bench/sampler.py --warps times others)
 
 
 def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,7 +214,7 @@ def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Te
     if rows:
         _top_p_kernel[(rows,)](scores, out, top_p.to(torch.float32).contiguous(), min_p_values(min_p, rows, scores),
                                aside, vocab, scores.stride(0),
-                               BLOCK=BLOCK, CAP=CAP, VALUE_STEPS=VALUE_STEPS, num_warps=8)
+                               BLOCK=BLOCK, CAP=CAP, VALUE_STEPS=VALUE_STEPS, num_warps=WARPS)
     return out
 
 
