@@ -171,6 +171,33 @@ def test_gpu_routed_layer_matches_expert_by_expert(moe_models, arch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+def test_gpu_pairs_gathered_by_the_slots_kernel_give_the_same_bits(moe_models, monkeypatch):
+    """With GATHER_IN_SLOTS the slots kernel copies each pair's row (no torch gather): the routed layer's bits at
+    1-64 rows, and replayed from a CUDA graph."""
+    from cobatch.models import moe as moe_module
+    _, cfg, model = load_model(moe_models["qwen3moe"], "cuda", torch.bfloat16)
+    moe = model.layers[0].moe
+    gen = torch.Generator().manual_seed(12)
+    for n in (1, 8, 64):
+        h = torch.randn(n, cfg.d_model, generator=gen).bfloat16().cuda()
+        weights, ids = moe.route(h)
+        monkeypatch.setattr(moe_module, "GATHER_IN_SLOTS", False)
+        want = moe._routed(h, weights, ids, None)
+        monkeypatch.setattr(moe_module, "GATHER_IN_SLOTS", True)
+        assert torch.equal(moe._routed(h, weights, ids, None), want), n
+    h = torch.randn(4, cfg.d_model, generator=gen).bfloat16().cuda()
+    moe(h)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(h)
+    h.copy_(torch.randn(4, cfg.d_model, generator=gen).bfloat16())
+    graph.replay()
+    monkeypatch.setattr(moe_module, "GATHER_IN_SLOTS", False)
+    assert torch.equal(out, moe(h))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
 def test_gpu_prefill_runs_the_routed_experts_slice_by_slice(moe_models, arch, monkeypatch):
     """With COBATCH_MOE_PREFILL=routed, a step of more rows than the routed path takes (a prefill chunk; 8 rows
