@@ -127,6 +127,16 @@ def test_gpu_logits_close_to_cpu(moe_models, arch):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
+def captured(moe, h: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """moe(h) captured in a CUDA graph after a warm-up call: the graph and its output."""
+    moe(h)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(h)
+    return graph, out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 def test_gpu_shared_experts_beside_the_routed_ones_give_the_same_bits(moe_models):
     """Qwen2-MoE's shared expert (and its sigmoid gate) on the side stream at 1-8 rows, eager and replayed from a
@@ -143,11 +153,7 @@ def test_gpu_shared_experts_beside_the_routed_ones_give_the_same_bits(moe_models
         moe.shared_beside = True
         assert torch.equal(beside, in_line), n
     h = torch.randn(4, cfg.d_model, generator=gen).bfloat16().cuda()
-    moe(h)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(h)
+    graph, out = captured(moe, h)
     for _ in range(2):
         h.copy_(torch.randn(4, cfg.d_model, generator=gen).bfloat16())
         graph.replay()
@@ -186,11 +192,7 @@ def test_gpu_pairs_gathered_by_the_slots_kernel_give_the_same_bits(moe_models, m
         monkeypatch.setattr(moe_module, "GATHER_IN_SLOTS", True)
         assert torch.equal(moe._routed(h, weights, ids, None), want), n
     h = torch.randn(4, cfg.d_model, generator=gen).bfloat16().cuda()
-    moe(h)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(h)
+    graph, out = captured(moe, h)
     h.copy_(torch.randn(4, cfg.d_model, generator=gen).bfloat16())
     graph.replay()
     monkeypatch.setattr(moe_module, "GATHER_IN_SLOTS", False)

@@ -334,6 +334,7 @@ def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int
     # steps of any size share a few compiled variants.
     q = min(256, max(chunk, triton.next_power_of_2(n_pairs)))
     qe = max(chunk, min(q, 8192 // block_e))
+    # Without rows the kernel reads no x and writes no pair_x: row_weights stands in for both pointers.
     _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
         ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
         row_weights, row_weights if rows is None else rows, row_weights if pair_x is None else pair_x, n_pairs,
