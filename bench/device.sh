@@ -29,9 +29,9 @@
 #                            128,512 --graphs --beside 0,8,64 --cut: each step eager and replayed, one process) on
 #                            MODEL (default the random Llama-3-8B q8_0 cut to LAYERS, default 8), to $OUT
 #   size                     bench/size_ceiling.py: what one kernel moving N bytes reaches
-#   sampler [ARGS]           the sampler's GPU tests (top-p's kernel's too), then bench/sampler.py ARGS: the token-pick
-#                            and top-p kernels alone, then whole sampler calls (greedy and sampled), against torch's ops
-#                            (e.g. --params "T=0.7 top_p=0.9": top-p alone with its kernel and with the sort)
+#   sampler [ARGS]           the sampler's GPU tests (the top-p and top-k kernels' too), then bench/sampler.py ARGS: the
+#                            token-pick and filter kernels alone, then whole sampler calls (greedy and sampled), each
+#                            way (e.g. --params "T=0.7 top_p=0.9,llama.cpp's"; --warps 4,16: the filters' warps)
 #   penalties [ARGS]         the overlapped steps' GPU tests, then bench/penalties_ahead.py ARGS (default --batches
 #                            1,64) on MODEL (default the random Llama-3-8B q8_0): steps with none, one or all sessions
 #                            penalized, planned ahead on the device or waiting for the host

@@ -32,6 +32,7 @@ from cobatch.engine.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS
 from cobatch.engine.grammar import apply_token_masks
 from cobatch.kernels.greedy import temper_ref, token_noise_key
 from cobatch.kernels.top_k import CAP as TOP_K_CAP
+from cobatch.kernels.top_p import apply_min_p
 
 MAX_TOP_LOGPROBS = 20            # same cap as the OpenAI API's top_logprobs
 MAX_ABS_OPENAI_PENALTY = 2.0     # presence/frequency penalty range of the OpenAI API
@@ -402,9 +403,7 @@ def filter_logits(scores: torch.Tensor, top_k: list[int], top_p: list[float], mi
                                                 device))
     scores, min_p = _top_k_top_p(scores, top_k, top_p, min_p)
     if any(p > 0.0 for p in min_p):
-        relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()   # p / p_max
-        min_p_per_row = to_device(list(min_p), torch.float32, device)
-        scores = scores.masked_fill(relative_prob < min_p_per_row[:, None], -math.inf)
+        scores = apply_min_p(scores, to_device(list(min_p), torch.float32, device))
     if typical_p is not None and any(p < 1.0 for p in typical_p):
         scores = _typical(scores, to_device([p if p < 1.0 else math.inf for p in typical_p], torch.float32,
                                             device))

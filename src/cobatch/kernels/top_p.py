@@ -45,7 +45,8 @@ def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tenso
 
 def apply_min_p(scores: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
     """min-p: the tokens whose probability is below min_p (float32 [R]) times the row's largest set to -inf, as
-    exp(x - max) < min_p (the sampler's form, which the kernels' output pass repeats); None: the scores as they are."""
+    exp(x - max) < min_p (the sampler's torch way, and the form the kernels' output pass repeats); None: the scores
+    as they are."""
     if min_p is None:
         return scores
     relative_prob = (scores - scores.amax(dim=-1, keepdim=True)).exp()
