@@ -21,6 +21,11 @@ from test_quant_gemv import make_weight
 CONFIGS = [ChainConfig(), ChainConfig(W=4, RT=2, CTAS=2, U=4, ITEMS=2, PF=True), ChainConfig(W=4, RT=4, U=2),
            ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1), ChainConfig(PIPE=True),
            ChainConfig(W=2, RT=2, CTAS=1, U=1, ITEMS=1, PIPE=True)]
+# the ring engine: slots fewer than an item's (the producer laps the ring within an item), more (it runs ahead into
+# the next items and stages), several CTAs an SM, RT above W
+RING_CONFIGS = [ChainConfig(W=4, CTAS=1, RING=4, CH=8), ChainConfig(W=2, RT=2, CTAS=2, RING=3, CH=4),
+                ChainConfig(W=4, RT=1, CTAS=1, RING=16, CH=16), ChainConfig(W=2, RT=4, CTAS=1, RING=2, CH=32)]
+CONFIGS += RING_CONFIGS
 
 
 # --- CPU ----------------------------------------------------------------------------------------------------
@@ -48,6 +53,21 @@ def test_k_splits_give_each_cta_its_items():
     assert small.qs.shape[1] // 512 == 8
     with pytest.raises(ValueError, match="do not divide"):
         gemv_chain.split_of(small, ChainConfig(W=4, RT=1, U=8), ctas=1)   # 8 chunks: no 8-chunk group for 4 warps
+
+
+def test_ring_engine_takes_whole_row_blocks_and_refuses_what_it_cannot_run():
+    planes = _cpu_planes(1024, 4096)                              # 128 chunks a row
+    assert gemv_chain.split_of(planes, ChainConfig(W=4, RT=2, RING=8, CH=16), ctas=10_000) == 1
+    with pytest.raises(ValueError, match="slots of 16"):
+        gemv_chain.split_of(_cpu_planes(16, 256), ChainConfig(W=4, RING=2, CH=16), ctas=1)    # 8 chunks a row
+    assert gemv_chain.split_of(_cpu_planes(16, 1024), ChainConfig(W=4, RING=2, CH=32), ctas=1) == 1
+    for bad in (dict(RING=1), dict(RING=4, CH=12), dict(RING=4, W=8, CH=4), dict(RING=4, PF=True),
+                dict(RING=4, PIPE=True), dict(RING=4, ITEMS=2)):
+        with pytest.raises(ValueError, match="ring engine"):
+            ChainConfig(**{"W": 4, **bad})
+    cfg = ChainConfig(W=4, RT=2, RING=8, CH=16)
+    assert cfg.threads == 160 and cfg.smem_bytes == 8 * 2 * 16 * 544
+    assert ChainConfig().threads == 256 and ChainConfig().smem_bytes == 0
 
 
 def test_unsupported_inputs_are_refused():
@@ -126,7 +146,7 @@ def test_row_is_bitwise_identical_whatever_the_batch():
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     scratch = gemv_chain.ChainScratch(torch.device("cuda"))
     for cfg in (ChainConfig(), ChainConfig(W=2, RT=1, CTAS=1, U=2, ITEMS=8, PF=True),
-                ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1, PIPE=True)):
+                ChainConfig(W=2, RT=1, CTAS=1, U=1, ITEMS=1, PIPE=True), *RING_CONFIGS[:2]):
         full = _run([(pg, "silu"), (pd, None)], x, 8, cfg, scratch, torch.bfloat16)
         for n_tok in (1, 2, 5, 7):
             got = _run([(pg, "silu"), (pd, None)], x[:n_tok], n_tok, cfg, scratch, torch.bfloat16)
@@ -135,18 +155,19 @@ def test_row_is_bitwise_identical_whatever_the_batch():
 
 @requires_cuda
 @requires_hopper
-def test_graph_replay():
+@pytest.mark.parametrize("cfg", [ChainConfig(), RING_CONFIGS[0]])
+def test_graph_replay(cfg):
     (wg, pg), (wd, pd) = _weights([(2048, 1024), (512, 1024)])
     dtype = torch.bfloat16
     x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(8)).to("cuda", dtype)
     mid, out = poisoned((4, 1024), dtype), poisoned((4, 512), dtype)
     scratch = gemv_chain.ChainScratch(torch.device("cuda"))
     stages = [ChainStage(pg.planes, x, mid, "silu"), ChainStage(pd.planes, mid, out)]
-    gemv_chain.launch(stages, 4, ChainConfig(), scratch)            # compile, and the scratch grown, outside
+    gemv_chain.launch(stages, 4, cfg, scratch)            # compile, and the scratch grown, outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gemv_chain.launch(stages, 4, ChainConfig(), scratch)
+        gemv_chain.launch(stages, 4, cfg, scratch)
     for seed in range(3):
         x.copy_(torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype))
         out.fill_(float("nan"))

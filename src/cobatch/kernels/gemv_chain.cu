@@ -21,8 +21,12 @@
 //
 // PIPE: the next item's first load group is issued before the current item's reduction and stores (same stage).
 //
-// Compiled with: W (warps a CTA), RT (tiles a row block), U (chunks a load group), PF, PIPE, DT (x and out: 0 f16,
-// 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
+// RING > 0 compiles the ring engine instead (at the end of this file): a producer warp streams every item's weights
+// through shared memory, ahead of the consumers and across stages.
+//
+// Compiled with: W (warps a CTA; the ring engine's consumers), RT (tiles a row block), U (chunks a load group), PF,
+// PIPE, RING and CH (the ring engine's slots and chunks a slot), DT (x and out: 0 f16, 1 bf16), MAX_STAGES, PDL, and
+// the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
 // shared with quant_gemm_cuda.cu (cuda_common.cuh).
 
 struct Stage {
@@ -104,6 +108,26 @@ static __device__ __forceinline__ float gated(float gate, float up, int act) {
     return gr * (1.0f / (1.0f + __expf(-z))) * ur;
 }
 
+// Store a tile's sums: acc[i] row g, acc[2 + i] row g + 8, token 2 c + i
+static __device__ __forceinline__ void store_tile(const Stage& st, int tile, int n_tok, const float* acc, int lane) {
+    const int g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int t = 2 * c + i;
+        if (t >= n_tok) continue;
+        u16* row = st.out + (u64)t * st.out_stride;
+        if (st.act) {
+            const int col = tile * 8 + g;                  // the tile's gate row g, up row g + 8
+            if (col < st.rows / 2) row[col] = to_out(gated(acc[i], acc[2 + i], st.act));
+        } else {
+            const int r = tile * 16 + g;
+            if (r < st.rows) row[r] = to_out(acc[i]);
+            if (r + 8 < st.rows) row[r + 8] = to_out(acc[2 + i]);
+        }
+    }
+}
+
+#if !RING
 // A group of U chunks' loads: each lane's 16 quant bytes and its rows' scale pair per tile, and its 8 columns of
 // token g
 struct Group {
@@ -141,25 +165,6 @@ static __device__ __forceinline__ void mma_group(float (&acc)[RT][4], const Grou
             // k16 half h: words 2 h, 2 h + 1 of the weights; x elements 4 h .. 4 h + 3 (GGUF columns 8 c + 4 h ..)
             mma(acc[r], a[0], a[1], a[2], a[3], b0, b1);
             mma(acc[r], a[4], a[5], a[6], a[7], b2, b3);
-        }
-    }
-}
-
-// Store a tile's sums: acc[i] row g, acc[2 + i] row g + 8, token 2 c + i
-static __device__ __forceinline__ void store_tile(const Stage& st, int tile, int n_tok, const float* acc, int lane) {
-    const int g = lane / 4, c = lane % 4;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int t = 2 * c + i;
-        if (t >= n_tok) continue;
-        u16* row = st.out + (u64)t * st.out_stride;
-        if (st.act) {
-            const int col = tile * 8 + g;                  // the tile's gate row g, up row g + 8
-            if (col < st.rows / 2) row[col] = to_out(gated(acc[i], acc[2 + i], st.act));
-        } else {
-            const int r = tile * 16 + g;
-            if (r < st.rows) row[r] = to_out(acc[i]);
-            if (r + 8 < st.rows) row[r + 8] = to_out(acc[2 + i]);
         }
     }
 }
@@ -321,3 +326,167 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
         }
     }
 }
+#endif
+
+#if RING
+// The ring engine (RING > 0): a producer warp streams the weights through a ring of RING shared-memory slots of CH
+// chunks, and the W consumer warps multiply out of it. Why: the engine above runs each item's latency chain in series
+// (its handout, its loads, the CTA's reduction, the done count), and its bytes in flight are what its warps' registers
+// hold. Here the schedule is static (no handout), a row block is one item with all of its K (no partial sums), and the
+// producer never waits for a stage before: the weights depend on nothing, so it runs up to RING slots ahead across
+// items and stages, and the next matrix's bytes stream in while the consumers finish this one, reduce, store, or wait
+// for the stage before.
+//
+// Item i of a stage goes to CTA (i + first) % grid, first the items of the stages before: the CTAs that took fewer
+// items of one stage take the first of the next. Consumer warp w takes chunks w CH / W .. (w + 1) CH / W - 1 of each
+// slot (one 16-byte shared load a lane and tile, and its rows' scales: the GEMV's fragment order), x from L2 (the
+// stage before wrote it in this launch), one slot's x loaded ahead; the warps' sums are added in warp order, so a
+// row's bits depend on W and CH only. A slot is handed back (its `empty` barrier, count W) once each warp has read it.
+
+#define SLOT_QS (RT * CH * 512)                 // a slot: [tile][chunk][512] quant bytes, then [tile][chunk][32] scales
+#define SLOT_BYTES (SLOT_QS + RT * CH * 32)
+#define PER_WARP (CH / W)
+
+static __device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" :: "n"(W * 32) : "memory");
+}
+
+// this CTA's first item of a stage whose items start at CTA `first` (mod grid)
+static __device__ __forceinline__ int first_item(int first, int grid) {
+    return ((int)blockIdx.x - first % grid + grid) % grid;
+}
+
+extern "C" __global__ void __launch_bounds__(W * 32 + 32) gemv_chain(const Chain chain) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float red[W][RT * 128];                  // the warps' sums of an item, for the reduction
+    __shared__ __align__(8) u64 barriers[2 * RING];      // full[RING], then empty[RING]
+    const u32 base = smem_u32(smem), full = smem_u32(barriers), empty = full + 8 * RING;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, grid = gridDim.x;
+    int* done = chain.counters + MAX_STAGES;
+    int* ctas_out = chain.counters + 2 * MAX_STAGES;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < RING; ++i) {
+            mbar_init(full + 8 * i, 1);
+            mbar_init(empty + 8 * i, W);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == W) {                                    // the producer: every slot of every item, in order
+        u32 q = 0;
+        for (int s = 0, first = 0; s < chain.n_stages; first += chain.stage[s].blocks, ++s) {
+            const Stage& st = chain.stage[s];
+            const u64 tile_qs = (u64)st.n_chunks * 512, tile_d = (u64)st.n_chunks * 32;
+            const int slots = st.n_chunks / CH;
+            for (int item = first_item(first, grid); item < st.blocks; item += grid) {
+                for (int k = 0; k < slots; ++k, ++q) {
+                    const int slot = q % RING;
+                    const u32 dst = base + slot * SLOT_BYTES, bar = full + 8 * slot;
+                    mbar_wait(empty + 8 * slot, ((q / RING) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete
+                    if (lane == 0) mbar_expect(bar, SLOT_BYTES);
+                    __syncwarp();
+                    if (lane < RT) {
+                        const u64 tile = (u64)item * RT + lane;
+                        bulk_copy(dst + lane * CH * 512, st.qs + tile * tile_qs + (u64)k * CH * 512, CH * 512, bar);
+                        bulk_copy(dst + SLOT_QS + lane * CH * 32, st.d + tile * tile_d + (u64)k * CH * 32, CH * 32,
+                                  bar);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    const bool token_live = g < chain.n_tok;
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");     // the first stage's x, and the counters
+#endif
+    u32 q = 0;
+    for (int s = 0, first = 0; s < chain.n_stages; first += chain.stage[s].blocks, ++s) {
+        const Stage& st = chain.stage[s];
+        const int slots = st.n_chunks / CH;
+        bool ready = s == 0;
+        for (int item = first_item(first, grid); item < st.blocks; item += grid) {
+            if (!ready) {                               // x is the stage before's output: wait for all of it
+                if (threadIdx.x == 0)
+                    while (ld_acquire(done + s - 1) < chain.stage[s - 1].blocks) {
+                    }
+                consumers_sync();
+                ready = true;
+            }
+            // lane (g, c): token g's 8 columns of each of the warp's chunks (the planes' column order)
+            const u16* x = st.x + (u64)g * st.x_stride + warp * PER_WARP * 32 + c * 8;
+            float acc[RT][4];
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
+            uint4 xv[PER_WARP], xn[PER_WARP];
+#pragma unroll
+            for (int u = 0; u < PER_WARP; ++u) xv[u] = token_live ? ldg_cg(x + u * 32) : make_uint4(0, 0, 0, 0);
+            for (int k = 0; k < slots; ++k, ++q) {
+#pragma unroll
+                for (int u = 0; u < PER_WARP; ++u)
+                    xn[u] = token_live && k + 1 < slots ? ldg_cg(x + ((k + 1) * CH + u) * 32) : make_uint4(0, 0, 0, 0);
+                const int slot = q % RING;
+                const u32 src = base + slot * SLOT_BYTES;
+                mbar_wait(full + 8 * slot, (q / RING) & 1);
+#pragma unroll
+                for (int u = 0; u < PER_WARP; ++u) {
+                    const int chunk = warp * PER_WARP + u;
+                    const u32 b0 = x_pair(xv[u].x), b1 = x_pair(xv[u].y), b2 = x_pair(xv[u].z), b3 = x_pair(xv[u].w);
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        const uint4 wq = lds128(src + (r * CH + chunk) * 512 + lane * 16);
+                        const u32 sc = lds32(src + SLOT_QS + (r * CH + chunk) * 32 + g * 4);
+                        const u32 s_g = broadcast_lo(sc), s_g8 = broadcast_hi(sc);
+                        u32 a[8];
+                        dequant_q8(wq.x, s_g, s_g8, a[0], a[1]);
+                        dequant_q8(wq.y, s_g, s_g8, a[2], a[3]);
+                        dequant_q8(wq.z, s_g, s_g8, a[4], a[5]);
+                        dequant_q8(wq.w, s_g, s_g8, a[6], a[7]);
+                        mma(acc[r], a[0], a[1], a[2], a[3], b0, b1);
+                        mma(acc[r], a[4], a[5], a[6], a[7], b2, b3);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + 8 * slot);
+#pragma unroll
+                for (int u = 0; u < PER_WARP; ++u) xv[u] = xn[u];
+            }
+            // the warps' sums, added in warp order: warp r % W reduces and stores tile r
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
+            consumers_sync();
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                if (r % W != warp) continue;
+                float sum[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float v = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < W; ++w) v += red[w][r * 128 + lane * 4 + i];
+                    sum[i] = v;
+                }
+                store_tile(st, item * RT + r, chain.n_tok, sum, lane);
+            }
+            __threadfence();
+            consumers_sync();                           // the stores before the count; red free for the next item
+            if (threadIdx.x == 0) atomicAdd(done + s, 1);
+        }
+    }
+    // the last CTA out re-arms the counters: every other CTA is past its last read of them
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(ctas_out, 1) == grid - 1) {
+            for (int i = 0; i < 2 * MAX_STAGES; ++i) chain.counters[i] = 0;
+            __threadfence();
+            *ctas_out = 0;
+        }
+    }
+}
+#endif

@@ -6,7 +6,9 @@ HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back t
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
 stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only, q8_0, one stream,
 and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
-yet (bench/results/gemv_chain.md).
+yet (bench/results/gemv_chain.md). Two engines: items handed out to CTAs whose warps load their own weights, and
+(ChainConfig.RING) a static schedule whose producer warp streams the weights through a ring in shared memory, never
+waiting for the stage before, so the next matrix's bytes arrive while this one's last items finish.
 
 Each stage reads the planes the GEMV reads (fragment order), so no second copy of the weights exists. The torch
 reference is `chain_ref`; quant_matmul.quant_matmul_ref is the product's.
@@ -44,12 +46,27 @@ class ChainConfig:
     ITEMS: int = 1
     PF: bool = False
     PIPE: bool = False   # the next item's first loads issued before this item's reduction
+    RING: int = 0        # > 0: the ring engine, a producer warp streaming the weights through RING slots
+    CH: int = 16         # the ring engine's chunks a slot (each of the W warps takes CH / W of them)
 
     def __post_init__(self):
         if self.W not in (1, 2, 4, 8) or self.RT not in (1, 2, 4) or self.CTAS < 1 or self.U not in (1, 2, 4, 8) \
                 or self.ITEMS < 1:
             raise ValueError(f"ChainConfig needs W of 1-8, RT of 1, 2 or 4, U of 1-8 (powers of 2), CTAS and ITEMS "
                              f">= 1: {self}")
+        if self.RING and (self.RING < 2 or self.CH not in (2, 4, 8, 16, 32) or self.CH % self.W
+                          or self.PF or self.PIPE or self.ITEMS != 1):
+            raise ValueError(f"the ring engine needs RING >= 2, CH of 2-32 (a power of 2) divisible by W, and neither "
+                             f"PF, PIPE nor ITEMS (its items are whole row blocks): {self}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.W + 1) if self.RING else 32 * self.W
+
+    @property
+    def smem_bytes(self) -> int:
+        """The ring engine's slots (dynamic shared memory); the other engine has none."""
+        return self.RING * self.RT * self.CH * (512 + 32)
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,8 @@ class ChainStage:
 
 
 def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
-    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), DT=DTYPES[dtype],
-                   MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+    defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), RING=cfg.RING, CH=cfg.CH,
+                   DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     return head + COMMON.read_text() + SOURCE.read_text()
@@ -82,7 +99,8 @@ def kernel(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, device: torch.device
     k = _kernels.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device))[0], "gemv_chain", 0)
+            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device))[0], "gemv_chain",
+                                             cfg.smem_bytes)
     return k
 
 
@@ -90,6 +108,11 @@ def split_of(planes: quant_pack.PackedPlanes, cfg: ChainConfig, ctas: int) -> in
     """K ranges a row block is split into across CTAs: the fewest that give ITEMS items a CTA of the grid, each warp's
     share of a range a whole number of U-chunk groups (at most down to one group a warp)."""
     blocks, n_chunks = planes.rows_pad // (16 * cfg.RT), planes.qs.shape[1] // 512
+    if cfg.RING:
+        if n_chunks % cfg.CH or planes.rows_pad % (16 * cfg.RT):
+            raise ValueError(f"{planes.rows_pad} rows x {n_chunks} chunks do not divide into row blocks of {cfg.RT} "
+                             f"tiles and slots of {cfg.CH} chunks: {cfg}")
+        return 1
     splits = [s for s in range(1, n_chunks + 1) if n_chunks % s == 0 and (n_chunks // s) % (cfg.W * cfg.U) == 0]
     if not splits or planes.rows_pad % (16 * cfg.RT):
         raise ValueError(f"{planes.rows_pad} rows x {n_chunks} chunks do not divide into row blocks of {cfg.RT} tiles "
@@ -163,7 +186,11 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
                                 quant_gemv.ACTS[st.act], st.x.stride(0), st.out.stride(0), p.rows, 0)
     chain.counters, chain.n_stages, chain.n_tok = scratch.counters.data_ptr(), len(stages), n_tok
     k = kernel(cfg, stages[0].x.dtype, pdl, device)
-    k.launch((ctas, 1, 1), 32 * cfg.W, [chain], torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
+    if cfg.RING and k.resident_per_sm(cfg.threads) < cfg.CTAS:
+        # a static schedule waits for items that only running CTAs can finish: every CTA must be resident at once
+        raise ValueError(f"the ring engine's {cfg.CTAS} CTAs an SM do not fit ({k.resident_per_sm(cfg.threads)} do): "
+                         f"{cfg}")
+    k.launch((ctas, 1, 1), cfg.threads, [chain], torch.cuda.current_stream(device).cuda_stream, pdl=pdl)
 
 
 def chain_ref(stages: list[tuple[object, str | None]], x: torch.Tensor) -> torch.Tensor:

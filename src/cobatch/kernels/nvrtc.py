@@ -203,6 +203,14 @@ class Kernel:
         _check_cu(_cuda().cuFuncGetAttribute(ctypes.byref(v), which, self.func), "cuFuncGetAttribute")
         return v.value
 
+    def resident_per_sm(self, block: int) -> int:
+        """How many CTAs of `block` threads (and this kernel's dynamic shared memory) an SM holds at once."""
+        n = ctypes.c_int()
+        _check_cu(_cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.func, block,
+                                                                      ctypes.c_size_t(self.smem_bytes)),
+                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n.value
+
     def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False) -> None:
         """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order. pdl: launched
         as a programmatic dependent of the kernel before."""
