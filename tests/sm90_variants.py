@@ -244,13 +244,10 @@ variants["moe combine shared"] = (moe_routing._combine_kernel, dict(K=6, SHARED=
                                   {"shared_ptr": "*bf16", "out_ptr": "*bf16"})
 variants["moe router logits"] = (moe_routing._router_logits_kernel, dict(BLOCK_E=1, BLOCK_K=2048, PDL=True), 4, 2)
 variants["moe slots"] = (moe_routing._slots_kernel, dict(K=8, CHUNK=32, Q=256, QE=64, BLOCK_E=128, BLOCK_S=256,
-                                                           SIZE=16, MAX_PER_EXPERT=4, GATHER=True, BLOCK_D=256,
-                                                           PDL=True), 4, 2,
-                         {"x_ptr": "*bf16", "pair_x_ptr": "*bf16"})
+                                                           SIZE=16, MAX_PER_EXPERT=4, PDL=True), 4, 2)
 # a prefill chunk's slots for the routed GEMM: 2048 rows of DeepSeek-V2-Lite's 6 of 64 experts, 64 pairs a slot
 variants["moe slots gemm"] = (moe_routing._slots_kernel, dict(K=6, CHUNK=32, Q=256, QE=128, BLOCK_E=64, BLOCK_S=256,
-                                                              SIZE=64, MAX_PER_EXPERT=32, GATHER=False, BLOCK_D=256,
-                                                              PDL=True), 4, 2)
+                                                              SIZE=64, MAX_PER_EXPERT=32, PDL=True), 4, 2)
 # Qwen's softmax top-k, with and without renormalizing; DeepSeek-V3's sigmoid, bias and group limit (256 experts
 # in 8 groups: 4 warps)
 for normalize in (False, True):

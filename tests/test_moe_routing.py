@@ -317,21 +317,3 @@ def test_slots_kernel_matches_reference(n_rows, n_experts, k, size):
     for field in ("pair_rows", "slot_expert", "slot_start", "slot_count", "row_pairs", "row_weights"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert got.slot_size == want.slot_size
-    assert got.pair_x is None
-
-
-@pytest.mark.parametrize("n_rows, n_experts, k, d", [(1, 64, 6, 300), (40, 16, 4, 64), (130, 8, 2, 257)])
-def test_slots_kernel_gathers_each_pairs_row(n_rows, n_experts, k, d):
-    """Given the step's rows (a strided view, as a layer's input may be), the slots kernel also copies each pair's
-    row to the pair's place: the routed kernels' x, the same values as rows[pair_rows]."""
-    from cobatch.kernels.moe_routing import expert_slots_ref, expert_slots_triton
-    ids, weights = random_routing(n_rows, n_experts, k, seed=d)
-    rows = torch.randn(n_rows, d + 5, generator=torch.Generator().manual_seed(d)).to(torch.bfloat16)[:, :d]
-    if torch.cuda.is_available():
-        ids, weights, rows = ids.cuda(), weights.cuda(), rows.cuda()
-    want = expert_slots_ref(ids, weights, n_experts, None, rows)
-    got = expert_slots_triton(ids, weights, n_experts, None, rows)
-    assert torch.equal(got.pair_rows, want.pair_rows)
-    assert torch.equal(got.pair_x, rows[got.pair_rows]) and torch.equal(want.pair_x, got.pair_x)
-    if n_rows > 1:
-        assert not torch.equal(got.pair_x, rows[torch.arange(n_rows * k) // k])  # sorted by expert, not by row

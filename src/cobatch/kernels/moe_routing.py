@@ -202,7 +202,6 @@ class ExpertSlots:
     row_pairs: torch.Tensor    # [N, k] int64: each row's pairs, in ascending expert id
     row_weights: torch.Tensor  # [N, k] float32: the router weights in the same order
     slot_size: int             # the routed kernel's token tile (the GEMV's 8 or 16, or the GEMM's 32 or 64)
-    pair_x: torch.Tensor | None = None   # [P, d]: each pair's input row, where expert_slots was given the rows
 
     @property
     def n_slots(self) -> int:
@@ -223,11 +222,10 @@ def slot_bound(n_rows: int, k: int, n_experts: int, size: int | None = None) -> 
     return min(used * -(-n_rows // size), -(-n_pairs // size) + used)
 
 
-def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None,
-                     rows: torch.Tensor | None = None) -> ExpertSlots:
+def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
+                     ) -> ExpertSlots:
     """ids, weights: [N, k] (a row's k ids distinct) -> the slots of `size` pairs at most (slot_size(N) if not
-    given), written plainly (host loops: the test oracle of the kernel; the CPU path never routes). rows ([N, d])
-    given: also each pair's row, gathered (`pair_x`)."""
+    given), written plainly (host loops: the test oracle of the kernel; the CPU path never routes)."""
     n, k = ids.shape
     size = size or slot_size(n)
     flat = ids.reshape(-1).cpu()
@@ -250,22 +248,19 @@ def expert_slots_ref(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, s
     row_pairs, perm = position.view(n, k).sort(dim=1)    # a row's pairs by position = by expert id
     dev = ids.device
     as_i32 = (lambda v: torch.tensor(v, dtype=torch.int32, device=dev))
-    pair_rows = (order // k).to(dev)
-    return ExpertSlots(pair_rows, as_i32(expert), as_i32(start), as_i32(count), row_pairs.to(dev),
-                       weights.float().gather(1, perm.to(dev)), size, None if rows is None else rows[pair_rows])
+    return ExpertSlots((order // k).to(dev), as_i32(expert), as_i32(start), as_i32(count), row_pairs.to(dev),
+                       weights.float().gather(1, perm.to(dev)), size)
 
 
 @jit
 def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, row_pairs_ptr,
-                  row_weights_ptr, x_ptr, pair_x_ptr, n_pairs, n_experts, n_slots, d, x_stride, K: tl.constexpr,
-                  CHUNK: tl.constexpr, Q: tl.constexpr, QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                  SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr, GATHER: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PDL: tl.constexpr):
+                  row_weights_ptr, n_pairs, n_experts, n_slots, K: tl.constexpr, CHUNK: tl.constexpr,
+                  Q: tl.constexpr, QE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                  SIZE: tl.constexpr, MAX_PER_EXPERT: tl.constexpr, PDL: tl.constexpr):
     """Program i: the sorted position ("rank") of pairs i*CHUNK.. (a stable counting sort: the pairs before a
     pair have a lower expert id, or the same id and a lower index), comparing them with Q pairs at a time, and
-    their place in their row's expert-id order; with GATHER, it copies each of its pairs' input rows to the pair's
-    place (the routed kernels' x, where a torch gather took a launch of its own). Program 0 also lays out the
-    slots: each used expert's run (its pairs counted QE at a time) cut into slots of SIZE pairs."""
+    their place in their row's expert-id order. Program 0 also lays out the slots: each used expert's run (its
+    pairs counted QE at a time) cut into slots of SIZE pairs."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -287,13 +282,6 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
         in_row += (other < id_p).to(tl.int32)
     tl.store(row_pairs_ptr + row * K + in_row, rank.to(tl.int64), mask=p_ok)
     tl.store(row_weights_ptr + row * K + in_row, tl.load(w_ptr + p, mask=p_ok, other=0.0), mask=p_ok)
-    if GATHER:
-        src = x_ptr + row.to(tl.int64)[:, None] * x_stride
-        dst = pair_x_ptr + rank.to(tl.int64)[:, None] * d
-        for c0 in range(0, d, BLOCK_D):
-            c = c0 + tl.arange(0, BLOCK_D)[None, :]
-            inside = p_ok[:, None] & (c < d)
-            tl.store(dst + c, tl.load(src + c, mask=inside), mask=inside)
     if tl.program_id(0) == 0:
         e = tl.arange(0, BLOCK_E)
         count = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -316,9 +304,9 @@ def _slots_kernel(ids_ptr, w_ptr, pair_rows_ptr, slot_expert_ptr, slot_start_ptr
         tl.store(slot_count_ptr + s, tl.zeros([BLOCK_S], dtype=tl.int32), mask=empty)
 
 
-def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None,
-                        rows: torch.Tensor | None = None) -> ExpertSlots:
-    """As expert_slots_ref, in one launch and without a host sync (rows' last dimension contiguous)."""
+def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
+                        ) -> ExpertSlots:
+    """As expert_slots_ref, in one launch and without a host sync."""
     n, k = ids.shape
     n_pairs, size = n * k, size or slot_size(n)
     n_slots = slot_bound(n, k, n_experts, size)
@@ -327,31 +315,27 @@ def expert_slots_triton(ids: torch.Tensor, weights: torch.Tensor, n_experts: int
     slot_expert, slot_start, slot_count = (torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3))
     row_pairs = torch.empty(n, k, dtype=torch.int64, device=dev)
     row_weights = torch.empty(n, k, dtype=torch.float32, device=dev)
-    pair_x = None if rows is None else torch.empty(n_pairs, rows.shape[1], dtype=rows.dtype, device=dev)
     chunk, block_e = 32, triton.next_power_of_2(n_experts)
     # A prefill chunk's thousands of pairs are compared 256 at a time (a decode step's few in one block), and
     # program 0 counts them in blocks of up to 8192 (expert, pair) tests; the bounds are powers of two, so
     # steps of any size share a few compiled variants.
     q = min(256, max(chunk, triton.next_power_of_2(n_pairs)))
     qe = max(chunk, min(q, 8192 // block_e))
-    # Without rows the kernel reads no x and writes no pair_x: row_weights stands in for both pointers.
     _slots_kernel[(triton.cdiv(n_pairs, chunk),)](
         ids.contiguous(), weights.float().contiguous(), pair_rows, slot_expert, slot_start, slot_count, row_pairs,
-        row_weights, row_weights if rows is None else rows, row_weights if pair_x is None else pair_x, n_pairs,
-        n_experts, n_slots, 0 if rows is None else rows.shape[1], 0 if rows is None else rows.stride(0), K=k,
-        CHUNK=chunk, Q=q, QE=qe, BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size,
-        MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)), GATHER=rows is not None, BLOCK_D=256,
+        row_weights, n_pairs, n_experts, n_slots, K=k, CHUNK=chunk, Q=q, QE=qe, BLOCK_E=block_e,
+        BLOCK_S=triton.next_power_of_2(n_slots), SIZE=size, MAX_PER_EXPERT=triton.next_power_of_2(-(-n // size)),
         **pdl_launch(ids), num_warps=4)
-    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, size, pair_x)
+    return ExpertSlots(pair_rows, slot_expert, slot_start, slot_count, row_pairs, row_weights, size)
 
 
-def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None,
-                 rows: torch.Tensor | None = None) -> ExpertSlots:
+def expert_slots(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, size: int | None = None
+                 ) -> ExpertSlots:
     """The slots of a step's routing, of `size` pairs at most (the GEMV's token tile for the step if not given):
     one kernel on CUDA, the reference elsewhere."""
     if ids.is_cuda:
-        return expert_slots_triton(ids, weights, n_experts, size, rows)
-    return expert_slots_ref(ids, weights, n_experts, size, rows)
+        return expert_slots_triton(ids, weights, n_experts, size)
+    return expert_slots_ref(ids, weights, n_experts, size)
 
 
 def combine_ref(y: torch.Tensor, slots: ExpertSlots, out_dtype: torch.dtype,

@@ -42,11 +42,6 @@ from cobatch.quant.weight import QuantWeight
 # layers, against 79 ms in the routed GEMM (bench/results/moe_prefill_deepseek_v2_lite.json).
 ROUTED_PREFILL = os.environ.get("COBATCH_MOE_PREFILL", "experts") == "routed"
 
-# The routed kernels' x, each pair's input row, copied by the slots kernel as it sorts the pairs, where a torch
-# gather took a launch a layer of its own (36 us of DeepSeek-V2-Lite's eager B = 1 step, 27 layers, H100). To be
-# tested and timed on the GPU before it becomes the default.
-GATHER_IN_SLOTS = os.environ.get("COBATCH_MOE_GATHER_IN_SLOTS", "0") == "1"
-
 
 def _expert_rows(w: QuantWeight, n_experts: int) -> list[QuantWeight]:
     """A stacked [n_experts * rows, cols] expert tensor as one QuantWeight per expert (views, no copy)."""
@@ -172,11 +167,9 @@ class MoeFeedForward:
         """[N, d] in h's dtype: all experts of the step in two routed launches, grouped on the device, and their
         combine adding the shared experts' output (so no float32 sum is stored, added to and cast apart), joined
         from the side stream there when it was made beside them."""
-        gather = GATHER_IN_SLOTS and h.stride(-1) == 1
-        slots = expert_slots(ids, weights, self.n_experts, self._slot_size(h.shape[0]), h if gather else None)
+        slots = expert_slots(ids, weights, self.n_experts, self._slot_size(h.shape[0]))
         wide = h.shape[0] > packed_experts.ROUTED_MAX_ROWS         # a prefill chunk: the GEMM's wide config
-        pair_x = slots.pair_x if gather else h[slots.pair_rows]
-        y = self.routed_gate_up.routed_matmul(pair_x, slots, act="silu", wide=wide)  # act*mul in it
+        y = self.routed_gate_up.routed_matmul(h[slots.pair_rows], slots, act="silu", wide=wide)  # act*mul in it
         down = self.routed_down.routed_matmul(y, slots, wide=wide)
         if isinstance(shared, side_stream.Beside):
             shared = shared.join()
