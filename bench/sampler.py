@@ -38,8 +38,9 @@ from cobatch.engine import sampler as sampler_module  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
 from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gumbel_tokens_ref,  # noqa: E402
                                     gumbel_tokens_triton, token_noise_key)
-from cobatch.kernels.top_k import top_k_keep_triton  # noqa: E402
+from cobatch.kernels import top_k as top_k_module  # noqa: E402
 from cobatch.kernels import top_p as top_p_module  # noqa: E402
+from cobatch.kernels.top_k import top_k_keep_triton  # noqa: E402
 from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,18 +61,19 @@ def timed_row(row: dict, way: str, seconds: float, copy_gbps: float) -> None:
     row[f"{way}_of_copy"] = row[f"{way}_gbps"] / copy_gbps
 
 
-def time_filter(row: dict, ways: dict, inputs: list[torch.Tensor], copy_gbps: float, warps: list[int]) -> None:
-    """Time each way (name -> a function of one input) on every input in one graph; the kernel's way also with
-    each program's warps in `warps` other than the package's (`kernel_w<n>`)."""
+def time_filter(row: dict, ways: dict, inputs: list[torch.Tensor], copy_gbps: float, warps: list[int],
+                kernel_module) -> None:
+    """Time each way (name -> a function of one input) on every input in one graph; the kernel's way (of
+    kernel_module, top_p or top_k) also with each program's warps in `warps` other than the package's (`kernel_w<n>`)."""
     for way, keep in ways.items():
         timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x) for x in inputs]), copy_gbps)
-    default = top_p_module.WARPS
+    default = kernel_module.WARPS
     for n in (n for n in warps if n != default):
-        top_p_module.WARPS = n
+        kernel_module.WARPS = n
         try:
             timed_row(row, f"kernel_w{n}", graph_time([lambda x=x: ways["kernel"](x) for x in inputs]), copy_gbps)
         finally:
-            top_p_module.WARPS = default
+            kernel_module.WARPS = default
     others = "".join(f"  {key[:-3]} {value:8.1f} us" for key, value in row.items()
                      if key.startswith("kernel_w") and key.endswith("_us"))
     print(f"  B {row['batch']:3d} {row['pick']:18s} torch {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us"
@@ -102,7 +104,7 @@ def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float, warp
     row["rows_differ"] = sum(int((torch.isfinite(top_p_keep_triton(x, top_p)) != torch.isfinite(top_p_keep_ref(
         x, top_p))).any(dim=-1).sum()) for x in tempered[:4])
     time_filter(row, dict(torch=lambda x: top_p_keep_ref(x, top_p), kernel=lambda x: top_p_keep_triton(x, top_p)),
-                tempered, copy_gbps, warps)
+                tempered, copy_gbps, warps, top_p_module)
     rows.append(row)
     rows.append(top_k_alone(batch, [x / 0.8 for x in inputs], copy_gbps, warps))
     return rows
@@ -124,7 +126,7 @@ def top_k_alone(batch: int, tempered: list[torch.Tensor], copy_gbps: float, warp
     row = dict(batch=batch, pick=f"top_k {k} p {p}", logits_bytes=tempered[0].numel() * 4)
     row["rows_differ"] = sum(int((torch.isfinite(kernel(x)) != torch.isfinite(prefix(x))).any(dim=-1).sum())
                              for x in tempered[:4])
-    time_filter(row, dict(torch=prefix, kernel=kernel), tempered, copy_gbps, warps)
+    time_filter(row, dict(torch=prefix, kernel=kernel), tempered, copy_gbps, warps, top_k_module)
     return row
 
 

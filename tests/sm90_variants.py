@@ -222,10 +222,10 @@ for fallback in (False, True):
         {"max_ptr": "*fp32", "index_ptr": "*i32", "fallback_ptr": "*i64", "out_ptr": "*i64"})
 # top-p without a sort: one program a row over float32 scores
 variants["top_p keep"] = (
-    top_p._top_p_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), 8, 2,
+    top_p._top_p_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), top_p.WARPS, 2,
     {"scores_ptr": "*fp32", "out_ptr": "*fp32", "p_ptr": "*fp32", "min_p_ptr": "*fp32", "aside_ptr": "*fp32"})
 variants["top_k keep"] = (
-    top_k._top_k_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), 8, 2,
+    top_k._top_k_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), top_k.WARPS, 2,
     {"scores_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": "*i32", "p_ptr": "*fp32", "min_p_ptr": "*fp32",
      "aside_ptr": "*fp32"})
 variants["kv_write"] = (kv_write._kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128), 4, 2)

@@ -427,13 +427,13 @@ def top_k_width(top_k: int, vocab: int) -> int:
 # Where ops run kernels: rows with top-p alone through ops.top_p_keep, whose kernel finds each row's cut without
 # sorting the row (else the whole-row sort of _keep_largest); rows with a top-k of at most TOP_K_CAP through
 # ops.top_k_keep, whose kernel finds the k-th value by counts (else torch.topk's prefix). H100, GPU time a call at
-# B = 64: top-p 0.9 1,157 -> 324 us, llama.cpp's settings 831 -> 511 (bench/results/sampler_filter_kernels.json).
+# B = 64: top-p 0.9 1,151 -> 336 us, llama.cpp's settings 822 -> 519 (bench/results/sampler_filter_kernels.json).
 # On the CPU the torch ways stay (the kernels' references sort every row).
 TOP_P_KERNEL = os.environ.get("COBATCH_TOP_P_KERNEL", "1") == "1"
 TOP_K_KERNEL = os.environ.get("COBATCH_TOP_K_KERNEL", "1") == "1"
-# Those kernels' rows take their min-p in the kernels' output pass (else torch's five launches after the cut). To be
-# tested and timed on the GPU before it becomes the default.
-MIN_P_IN_KERNELS = os.environ.get("COBATCH_MIN_P_IN_KERNELS", "0") == "1"
+# Those kernels' rows take their min-p in the kernels' output pass, not torch's five launches after the cut:
+# llama.cpp's settings at B = 1 / 64 / 256 255 / 519 / 1,342 -> 232 / 367 / 814 GPU us a call (the same file).
+MIN_P_IN_KERNELS = os.environ.get("COBATCH_MIN_P_IN_KERNELS", "1") == "1"
 TOP_P_ALONE = 0         # _top_k_top_p's groups of those rows (the others' are their widths)
 TOP_K_SET = -1
 

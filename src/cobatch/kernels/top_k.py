@@ -21,10 +21,13 @@ import math
 
 import torch
 
-from cobatch.kernels import top_p as top_p_kernel
 from cobatch.kernels.top_p import (BLOCK, CAP, VALUE_STEPS, apply_min_p, copy_aside, cut_by_mass, float_key, key_float,
                                   load_aside, min_p_values, row_pointers, search_midpoint, store_kept)
 from cobatch.kernels.triton_support import jit, tl
+
+# a program's warps: 16 took 8-12 % off 8's time at 1 and 64 rows, level at 256 (H100,
+# bench/results/sampler_filter_kernels.json; bench/sampler.py --warps times others)
+WARPS = 16
 
 
 def top_k_keep_ref(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -135,5 +138,5 @@ def top_k_keep_triton(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     if rows:
         _top_k_kernel[(rows,)](scores, out, top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
                                min_p_values(min_p, rows, scores), aside, vocab, scores.stride(0), BLOCK=BLOCK, CAP=CAP,
-                               VALUE_STEPS=VALUE_STEPS, num_warps=top_p_kernel.WARPS)
+                               VALUE_STEPS=VALUE_STEPS, num_warps=WARPS)
     return out
