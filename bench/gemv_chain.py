@@ -35,12 +35,16 @@ from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CASES = {"qkv": ["qkv"], "o": ["o"], "gate_up": ["gate_up"], "down": ["down"], "mlp": ["gate_up", "down"],
          "layer": ["qkv", "o", "gate_up", "down"]}
-# the item engine's best in gemv_chain.md, then the ring engine: one CTA an SM with a deep ring, or 2-3 with
-# shallower ones (slots of 8.5 KB a 16-row tile at CH 16)
+# the item engine's best in gemv_chain.md; the ring engine's best two with every slot's chunks split over the warps
+# (docs/kernels.md); then warps taking whole slots (OWN), one or two CTAs an SM
 CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1, PIPE=True),
-           ChainConfig(W=4, RT=1, CTAS=1, RING=24, CH=16), ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8),
-           ChainConfig(W=4, RT=2, CTAS=1, RING=12, CH=16), ChainConfig(W=8, RT=2, CTAS=1, RING=24, CH=8),
-           ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=16), ChainConfig(W=4, RT=1, CTAS=3, RING=16, CH=8)]
+           ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=16), ChainConfig(W=4, RT=2, CTAS=1, RING=12, CH=16),
+           ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8, OWN=True),
+           ChainConfig(W=8, RT=2, CTAS=1, RING=12, CH=8, OWN=True),
+           ChainConfig(W=4, RT=2, CTAS=2, RING=12, CH=8, OWN=True),
+           ChainConfig(W=8, RT=1, CTAS=1, RING=12, CH=16, OWN=True),
+           ChainConfig(W=8, RT=4, CTAS=1, RING=6, CH=8, OWN=True),
+           ChainConfig(W=8, RT=1, CTAS=2, RING=24, CH=4, OWN=True)]
 SETS = 4          # weight sets rotating: 4 x 232 MB, well past the 50 MB L2
 
 

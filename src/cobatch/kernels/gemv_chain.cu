@@ -335,7 +335,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 // hold. Here the schedule is static (no handout), a row block is one item with all of its K (no partial sums), and the
 // producer never waits for a stage before: the weights depend on nothing, so it runs up to RING slots ahead across
 // items and stages, and the next matrix's bytes stream in while the consumers finish this one, reduce, store, or wait
-// for the stage before.
+// for the stage before. With OWN a warp takes whole slots (slot k of an item to warp k % W): each warp then has W
+// slots' time to bring in its next slot's x from L2, where splitting every slot's chunks leaves one slot's time.
 //
 // Item i of a stage goes to CTA (i + first) % grid, first the items of the stages before: the CTAs that took fewer
 // items of one stage take the first of the next. Consumer warp w takes chunks w CH / W .. (w + 1) CH / W - 1 of each
@@ -345,7 +346,11 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 
 #define SLOT_QS (RT * CH * 512)                 // a slot: [tile][chunk][512] quant bytes, then [tile][chunk][32] scales
 #define SLOT_BYTES (SLOT_QS + RT * CH * 32)
+#if OWN             // a warp takes whole slots: slot k of an item goes to warp k % W
+#define PER_WARP CH
+#else               // each warp takes its CH / W chunks of every slot
 #define PER_WARP (CH / W)
+#endif
 
 static __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(W * 32) : "memory");
@@ -356,7 +361,7 @@ static __device__ __forceinline__ int first_item(int first, int grid) {
     return ((int)blockIdx.x - first % grid + grid) % grid;
 }
 
-extern "C" __global__ void __launch_bounds__(W * 32 + 32) gemv_chain(const Chain chain) {
+extern "C" __global__ void __launch_bounds__(W * 32 + 32, 1) gemv_chain(const Chain chain) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[W][RT * 128];                  // the warps' sums of an item, for the reduction
     __shared__ __align__(8) u64 barriers[2 * RING];      // full[RING], then empty[RING]
@@ -367,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(W * 32 + 32) gemv_chain(const Chain
     if (threadIdx.x == 0) {
         for (int i = 0; i < RING; ++i) {
             mbar_init(full + 8 * i, 1);
-            mbar_init(empty + 8 * i, W);
+            mbar_init(empty + 8 * i, OWN ? 1 : W);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -402,12 +407,12 @@ extern "C" __global__ void __launch_bounds__(W * 32 + 32) gemv_chain(const Chain
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");     // the first stage's x, and the counters
 #endif
-    u32 q = 0;
+    u32 q0 = 0;                                         // the item's first slot in the ring's order
     for (int s = 0, first = 0; s < chain.n_stages; first += chain.stage[s].blocks, ++s) {
         const Stage& st = chain.stage[s];
         const int slots = st.n_chunks / CH;
         bool ready = s == 0;
-        for (int item = first_item(first, grid); item < st.blocks; item += grid) {
+        for (int item = first_item(first, grid); item < st.blocks; item += grid, q0 += slots) {
             if (!ready) {                               // x is the stage before's output: wait for all of it
                 if (threadIdx.x == 0)
                     while (ld_acquire(done + s - 1) < chain.stage[s - 1].blocks) {
@@ -415,26 +420,32 @@ extern "C" __global__ void __launch_bounds__(W * 32 + 32) gemv_chain(const Chain
                 consumers_sync();
                 ready = true;
             }
+            // the warp's slots k0, k0 + dk, ... and its chunks chunk0 .. chunk0 + PER_WARP - 1 of each
+            const int k0 = OWN ? warp : 0, dk = OWN ? W : 1, chunk0 = OWN ? 0 : warp * PER_WARP;
             // lane (g, c): token g's 8 columns of each of the warp's chunks (the planes' column order)
-            const u16* x = st.x + (u64)g * st.x_stride + warp * PER_WARP * 32 + c * 8;
+            const u16* x = st.x + (u64)g * st.x_stride + chunk0 * 32 + c * 8;
             float acc[RT][4];
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
+            // x one of the warp's slots ahead (with OWN, W slots of the ring)
             uint4 xv[PER_WARP], xn[PER_WARP];
 #pragma unroll
-            for (int u = 0; u < PER_WARP; ++u) xv[u] = token_live ? ldg_cg(x + u * 32) : make_uint4(0, 0, 0, 0);
-            for (int k = 0; k < slots; ++k, ++q) {
+            for (int u = 0; u < PER_WARP; ++u)
+                xv[u] = token_live && k0 < slots ? ldg_cg(x + (k0 * CH + u) * 32) : make_uint4(0, 0, 0, 0);
+            for (int k = k0; k < slots; k += dk) {
 #pragma unroll
                 for (int u = 0; u < PER_WARP; ++u)
-                    xn[u] = token_live && k + 1 < slots ? ldg_cg(x + ((k + 1) * CH + u) * 32) : make_uint4(0, 0, 0, 0);
+                    xn[u] = token_live && k + dk < slots ? ldg_cg(x + ((k + dk) * CH + u) * 32)
+                                                          : make_uint4(0, 0, 0, 0);
+                const u32 q = q0 + k;
                 const int slot = q % RING;
                 const u32 src = base + slot * SLOT_BYTES;
                 mbar_wait(full + 8 * slot, (q / RING) & 1);
 #pragma unroll
                 for (int u = 0; u < PER_WARP; ++u) {
-                    const int chunk = warp * PER_WARP + u;
+                    const int chunk = chunk0 + u;
                     const u32 b0 = x_pair(xv[u].x), b1 = x_pair(xv[u].y), b2 = x_pair(xv[u].z), b3 = x_pair(xv[u].w);
 #pragma unroll
                     for (int r = 0; r < RT; ++r) {
