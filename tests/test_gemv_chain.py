@@ -29,7 +29,10 @@ RING_CONFIGS = [ChainConfig(W=4, CTAS=1, RING=4, CH=8), ChainConfig(W=2, RT=2, C
                 # than the warps, more slots than warps
                 ChainConfig(W=4, RT=1, CTAS=1, RING=8, CH=16, OWN=True), ChainConfig(W=8, RT=2, CTAS=1, RING=3, CH=2,
                                                                                 OWN=True),
-                ChainConfig(W=2, RT=1, CTAS=2, RING=6, CH=4, OWN=True)]
+                ChainConfig(W=2, RT=1, CTAS=2, RING=6, CH=4, OWN=True),
+                # two producers, slots split and whole
+                ChainConfig(W=4, RT=1, CTAS=1, RING=4, CH=8, PRODUCERS=2),
+                ChainConfig(W=4, RT=2, CTAS=1, RING=8, CH=4, OWN=True, PRODUCERS=2)]
 CONFIGS += RING_CONFIGS
 
 
@@ -67,13 +70,15 @@ def test_ring_engine_takes_whole_row_blocks_and_refuses_what_it_cannot_run():
         gemv_chain.split_of(_cpu_planes(16, 256), ChainConfig(W=4, RING=2, CH=16), ctas=1)    # 8 chunks a row
     assert gemv_chain.split_of(_cpu_planes(16, 1024), ChainConfig(W=4, RING=2, CH=32), ctas=1) == 1
     for bad in (dict(RING=1), dict(RING=4, CH=12), dict(RING=4, W=8, CH=4), dict(RING=4, PF=True),
-                dict(RING=4, PIPE=True), dict(RING=4, ITEMS=2), dict(OWN=True)):
+                dict(RING=4, PIPE=True), dict(RING=4, ITEMS=2), dict(OWN=True), dict(PRODUCERS=2),
+                dict(RING=6, PRODUCERS=4), dict(RING=6, PRODUCERS=3)):
         with pytest.raises(ValueError, match="ring engine"):
             ChainConfig(**{"W": 4, **bad})
     assert ChainConfig(W=8, RING=4, CH=4, OWN=True).CH == 4     # whole slots: CH need not divide among the warps
     cfg = ChainConfig(W=4, RT=2, RING=8, CH=16)
     assert cfg.threads == 160 and cfg.smem_bytes == 8 * 2 * 16 * 544
     assert ChainConfig().threads == 256 and ChainConfig().smem_bytes == 0
+    assert ChainConfig(W=4, RING=4, PRODUCERS=2).threads == 192
 
 
 def test_unsupported_inputs_are_refused():

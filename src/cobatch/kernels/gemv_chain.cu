@@ -343,6 +343,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 // slot (one 16-byte shared load a lane and tile, and its rows' scales: the GEMV's fragment order), x from L2 (the
 // stage before wrote it in this launch), one slot's x loaded ahead; the warps' sums are added in warp order, so a
 // row's bits depend on W and CH only. A slot is handed back (its `empty` barrier, count W) once each warp has read it.
+// PRODUCERS warps may share the copies (producer p fills slots p, p + PRODUCERS, ...: one warp's bulk copies go out
+// one after another).
 
 #define SLOT_QS (RT * CH * 512)                 // a slot: [tile][chunk][512] quant bytes, then [tile][chunk][32] scales
 #define SLOT_BYTES (SLOT_QS + RT * CH * 32)
@@ -361,7 +363,7 @@ static __device__ __forceinline__ int first_item(int first, int grid) {
     return ((int)blockIdx.x - first % grid + grid) % grid;
 }
 
-extern "C" __global__ void __launch_bounds__(W * 32 + 32, 1) gemv_chain(const Chain chain) {
+extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_chain(const Chain chain) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[W][RT * 128];                  // the warps' sums of an item, for the reduction
     __shared__ __align__(8) u64 barriers[2 * RING];      // full[RING], then empty[RING]
@@ -378,7 +380,8 @@ extern "C" __global__ void __launch_bounds__(W * 32 + 32, 1) gemv_chain(const Ch
     }
     __syncthreads();
 
-    if (warp == W) {                                    // the producer: every slot of every item, in order
+    if (warp >= W) {                    // a producer: slots q with q % PRODUCERS its own, of every item, in order
+        const u32 producer = warp - W;
         u32 q = 0;
         for (int s = 0, first = 0; s < chain.n_stages; first += chain.stage[s].blocks, ++s) {
             const Stage& st = chain.stage[s];
@@ -386,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(W * 32 + 32, 1) gemv_chain(const Ch
             const int slots = st.n_chunks / CH;
             for (int item = first_item(first, grid); item < st.blocks; item += grid) {
                 for (int k = 0; k < slots; ++k, ++q) {
+                    if (q % PRODUCERS != producer) continue;
                     const int slot = q % RING;
                     const u32 dst = base + slot * SLOT_BYTES, bar = full + 8 * slot;
                     mbar_wait(empty + 8 * slot, ((q / RING) & 1) ^ 1);   // a fresh barrier's phase before 0 is complete

@@ -49,21 +49,25 @@ class ChainConfig:
     RING: int = 0        # > 0: the ring engine, a producer warp streaming the weights through RING slots
     CH: int = 16         # the ring engine's chunks a slot (each of the W warps takes CH / W of them)
     OWN: bool = False    # the ring engine's warps take whole slots (slot k of an item to warp k % W)
+    PRODUCERS: int = 1   # the ring engine's producer warps (producer p fills slots p, p + PRODUCERS, ...)
 
     def __post_init__(self):
         if self.W not in (1, 2, 4, 8) or self.RT not in (1, 2, 4) or self.CTAS < 1 or self.U not in (1, 2, 4, 8) \
                 or self.ITEMS < 1:
             raise ValueError(f"ChainConfig needs W of 1-8, RT of 1, 2 or 4, U of 1-8 (powers of 2), CTAS and ITEMS "
                              f">= 1: {self}")
-        if self.RING and (self.RING < 2 or self.CH not in (2, 4, 8, 16, 32) or (self.CH % self.W and not self.OWN)
-                          or self.PF or self.PIPE or self.ITEMS != 1) or (self.OWN and not self.RING):
+        ring_ok = (self.RING >= 2 and self.CH in (2, 4, 8, 16, 32) and (self.OWN or self.CH % self.W == 0)
+                   and not (self.PF or self.PIPE) and self.ITEMS == 1
+                   and self.PRODUCERS in (1, 2, 4) and self.RING % self.PRODUCERS == 0)
+        if (self.RING and not ring_ok) or (not self.RING and (self.OWN or self.PRODUCERS != 1)):
+            # a slot filled by one producer only: its waits for the slot's release by parity then never alias a lap
             raise ValueError(f"the ring engine needs RING >= 2, CH of 2-32 (a power of 2) divisible by W unless OWN, "
-                             f"and neither PF, PIPE nor ITEMS (its items are whole row blocks); OWN is the ring "
-                             f"engine's: {self}")
+                             f"1, 2 or 4 PRODUCERS dividing RING, and neither PF, PIPE nor ITEMS (its items are whole "
+                             f"row blocks); OWN and PRODUCERS are the ring engine's: {self}")
 
     @property
     def threads(self) -> int:
-        return 32 * (self.W + 1) if self.RING else 32 * self.W
+        return 32 * (self.W + self.PRODUCERS) if self.RING else 32 * self.W
 
     @property
     def smem_bytes(self) -> int:
@@ -82,7 +86,7 @@ class ChainStage:
 
 def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
     defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), RING=cfg.RING, CH=cfg.CH,
-                   OWN=int(cfg.OWN), DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+                   OWN=int(cfg.OWN), PRODUCERS=cfg.PRODUCERS, DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     return head + COMMON.read_text() + SOURCE.read_text()
