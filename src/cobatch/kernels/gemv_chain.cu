@@ -25,9 +25,9 @@
 // through shared memory, ahead of the consumers and across stages.
 //
 // Compiled with: W (warps a CTA; the ring engine's consumers), RT (tiles a row block), U (chunks a load group), PF,
-// PIPE, RING and CH (the ring engine's slots and chunks a slot), DT (x and out: 0 f16, 1 bf16), MAX_STAGES, PDL, and
-// the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8) and the helpers
-// shared with quant_gemm_cuda.cu (cuda_common.cuh).
+// PIPE, RING, CH, OWN and PRODUCERS (the ring engine's slots, chunks a slot, whole slots a warp, producer warps), DT
+// (x and out: 0 f16, 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8)
+// and the helpers shared with quant_gemm_cuda.cu (cuda_common.cuh).
 
 struct Stage {
     const unsigned char* qs;     // fragment-order q8_0 planes: [tiles][n_chunks * 512]
@@ -342,7 +342,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 // items of one stage take the first of the next. Consumer warp w takes chunks w CH / W .. (w + 1) CH / W - 1 of each
 // slot (one 16-byte shared load a lane and tile, and its rows' scales: the GEMV's fragment order), x from L2 (the
 // stage before wrote it in this launch), one slot's x loaded ahead; the warps' sums are added in warp order, so a
-// row's bits depend on W and CH only. A slot is handed back (its `empty` barrier, count W) once each warp has read it.
+// row's bits depend on W, CH and OWN only. A slot is handed back (its `empty` barrier, count W, 1 with OWN) once each
+// warp that reads it has.
 // PRODUCERS warps may share the copies (producer p fills slots p, p + PRODUCERS, ...: one warp's bulk copies go out
 // one after another).
 
