@@ -46,3 +46,12 @@ def test_launch_attributes_hold_their_values():
     assert struct.unpack_from("<I", raw, 0) == (6,)        # programmatic stream serialization
     assert struct.unpack_from("<I", raw, 8) == (1,)        # on
     assert nvrtc.launch_attributes(pdl=False) is None
+
+
+def test_spills_reads_the_counts_whole():
+    clean = "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+    assert not nvrtc.spills(clean)
+    assert nvrtc.spills("ptxas         .     0 bytes stack frame, 100 bytes spill stores, 100 bytes spill loads")
+    assert nvrtc.spills("ptxas         .     8 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+    with pytest.raises(ValueError, match="no spill counts"):
+        nvrtc.spills("ptxas info    : Used 64 registers")

@@ -17,6 +17,7 @@ import functools
 import glob
 import hashlib
 import os
+import re
 import sys
 
 import torch
@@ -107,6 +108,15 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
     except OSError:
         pass      # a read-only cache: compile again next time
     return cubin, log
+
+
+def spills(log: str) -> bool:
+    """Does a log of `--ptxas-options=-v` report spill stores or a stack frame (its numbers read whole: "10 bytes spill
+    stores" is a spill)?"""
+    counts = re.findall(r"(\d+) bytes (?:spill stores|stack frame)", log)
+    if not counts:
+        raise ValueError("not a log of --ptxas-options=-v: no spill counts in it")
+    return any(int(n) for n in counts)
 
 
 def _compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> tuple[bytes, str]:
