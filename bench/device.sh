@@ -10,8 +10,9 @@
 #                            writes the chosen configs merged into quant_configs.json, to $OUT and bench/results)
 #   gemm-cuda [ARGS]         the CUDA C++ GEMM's tests, then bench/gemm_cuda.py ARGS (its candidates against the plans;
 #                            --probe: where its time goes), to $OUT and bench/results
-#   gemv-chain [ARGS]        the GEMV chain's tests, then bench/gemv_chain.py ARGS (q8_0 GEMVs chained in one persistent
-#                            launch against the plans), to $OUT
+#   gemv-chain [ARGS]        the GEMV chain's tests, then bench/gemv_chain.py ARGS (a layer's GEMVs chained in one
+#                            persistent launch against the plans; --format q4_k: the ring engine on q4_K's planes),
+#                            to $OUT
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8

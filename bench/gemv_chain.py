@@ -1,7 +1,7 @@
-"""q8_0 GEMVs of a Llama-3-8B layer chained in one persistent launch (kernels/gemv_chain.py) against the package's
-plans, one launch a matrix (GPU only).
+"""GEMVs of a Llama-3-8B layer chained in one persistent launch (kernels/gemv_chain.py) against the package's
+plans, one launch a matrix (GPU only): q8_0, or with --format q4_k the ring engine's configs on q4_K's planes.
 
-    python bench/gemv_chain.py [--out gemv_chain.json]
+    python bench/gemv_chain.py [--format q4_k] [--out gemv_chain.json]
     ncu -k regex:gemv --launch-skip 1 --launch-count 3 ... python bench/gemv_chain.py --once   # o, for a profiler
 
 At n_tok 1 and 8, each as a CUDA graph of calls over copies of the weights rotating past L2 (bench/timing.py):
@@ -30,7 +30,9 @@ from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from cobatch.kernels import gemv_chain  # noqa: E402
 from cobatch.kernels.gemv_chain import ChainConfig, ChainStage  # noqa: E402
+from cobatch.kernels import nvrtc, quant_pack  # noqa: E402
 from cobatch.kernels.packed_weight import PackedWeight  # noqa: E402
+from cobatch.kernels.quant_gemm_cuda import SMEM_LIMIT  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CASES = {"qkv": ["qkv"], "o": ["o"], "gate_up": ["gate_up"], "down": ["down"], "mlp": ["gate_up", "down"],
@@ -47,7 +49,30 @@ CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1, PIPE=True),
            ChainConfig(W=8, RT=1, CTAS=2, RING=24, CH=4, OWN=True),
            ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8, OWN=True, PRODUCERS=2),
            ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=16, PRODUCERS=2)]
+# on 4-bit planes a chunk is 64 columns (two x loads, 128 bytes of sides): fewer chunks a warp and a slot
+CONFIGS_4BIT = [ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=8), ChainConfig(W=4, RT=2, CTAS=1, RING=12, CH=8),
+                ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=4, OWN=True),
+                ChainConfig(W=8, RT=1, CTAS=2, RING=24, CH=4, OWN=True),
+                ChainConfig(W=8, RT=2, CTAS=1, RING=12, CH=4, OWN=True),
+                ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=4, OWN=True),
+                ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=4, OWN=True, PRODUCERS=2)]
 SETS = 4          # weight sets rotating: 4 x 232 MB, well past the 50 MB L2
+
+
+def configs_for(fmt: str) -> list[ChainConfig]:
+    """The item engine reads q8_0 only; on 4-bit planes, CONFIGS_4BIT's ring configs whose slots fit an SM's shared
+    memory and whose registers do not spill."""
+    if fmt == "q8_0":
+        return CONFIGS
+    fits = []
+    for cfg in CONFIGS_4BIT:
+        if cfg.CTAS * cfg.smem_bytes(quant_pack.Q4_1) > SMEM_LIMIT:
+            continue
+        _, log = nvrtc.compile_cubin(gemv_chain.source(cfg, torch.bfloat16, False, quant_pack.Q4_1), "gemv_chain",
+                                     "90a", ("--ptxas-options=-v",))
+        if not nvrtc.spills(log):
+            fits.append(cfg)
+    return fits
 
 
 def once() -> None:
@@ -65,6 +90,7 @@ def once() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--format", default="q8_0", choices=["q8_0", "q4_k"])
     ap.add_argument("--once", action="store_true",
                     help="only o at one token: the plan's GEMV twice, then the chain twice (for Nsight Compute)")
     args = ap.parse_args()
@@ -78,7 +104,7 @@ def main() -> None:
     for i in range(SETS):
         ws = {}
         for name, (rows, cols) in SHAPES.items():
-            w = random_weight("q8_0", rows, cols, seed=i)
+            w = random_weight(args.format, rows, cols, seed=i)
             ws[name] = PackedWeight.from_quant(w, dev, gate_up_interleaved=name == "gate_up")
             if i == 0:
                 first[name] = w
@@ -88,7 +114,7 @@ def main() -> None:
     x = torch.randn(8, 4096, device=dev).to(dtype)
     mid, y = torch.empty(8, 14336, device=dev, dtype=dtype), torch.empty(8, 4096, device=dev, dtype=dtype)
     pair = [ChainStage(sets[0]["gate_up"].planes, x, mid, "silu"), ChainStage(sets[0]["down"].planes, mid, y)]
-    gemv_chain.launch(pair, 8, ChainConfig(), scratch)
+    gemv_chain.launch(pair, 8, ChainConfig() if args.format == "q8_0" else configs_for(args.format)[0], scratch)
     ref = gemv_chain.chain_ref([(first["gate_up"], "silu"), (first["down"], None)], x)
     err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
     print(f"MLP pair, 8 tokens: relative error {err:.2e} against the torch reference", flush=True)
@@ -119,7 +145,7 @@ def main() -> None:
                                                     act="silu" if m == "gate_up" else None)
                     for ws in sets for m in case]
             record("plan (one launch a matrix)", graph_time(plan) * len(case))
-            for cfg in CONFIGS:
+            for cfg in configs_for(args.format):
                 stages_of = [[ChainStage(ws[m].planes, ins[m], outs[m], "silu" if m == "gate_up" else None)
                               for m in case] for ws in sets]
                 try:
@@ -142,10 +168,12 @@ def main() -> None:
                                 chain_config=best and best["variant"]))
             print(f"{case_name:8s} {n_tok:2d} {plan['us']:8.2f} {plan['pct_copy']:5.0f}% "
                   + (f"{best['us']:8.2f} {best['pct_copy']:5.0f}%  {best['variant'][6:]}" if best else "-"))
-    result = dict(date=datetime.date.today().isoformat(), tree=provenance.tree(), command="bench/gemv_chain.py",
+    result = dict(date=datetime.date.today().isoformat(), tree=provenance.tree(),
+                  command=f"bench/gemv_chain.py --format {args.format}", format=args.format,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy_gbps,
                   rows=rows_out, summary=summary, mlp_relative_error=err)
-    out = args.out or (os.path.join(os.environ["OUT"], "gemv_chain.json") if os.environ.get("OUT") else None)
+    name = "gemv_chain.json" if args.format == "q8_0" else f"gemv_chain_{args.format}.json"
+    out = args.out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(result, indent=1))
 

@@ -347,8 +347,15 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 // PRODUCERS warps may share the copies (producer p fills slots p, p + PRODUCERS, ...: one warp's bulk copies go out
 // one after another).
 
-#define SLOT_QS (RT * CH * 512)                 // a slot: [tile][chunk][512] quant bytes, then [tile][chunk][32] scales
-#define SLOT_BYTES (SLOT_QS + RT * CH * 32)
+#if FMT             // q4_1's planes (q4_1 and q4_K): 64 columns a chunk, two 32-blocks
+#define BLOCKS 2
+#define SIDE 128
+#else               // q8_0: 32 columns a chunk, an f16 scale a row
+#define BLOCKS 1
+#define SIDE 32
+#endif
+#define SLOT_QS (RT * CH * 512)        // a slot: [tile][chunk][512] quant bytes, then [tile][chunk][SIDE] sides
+#define SLOT_BYTES (SLOT_QS + RT * CH * SIDE)
 #if OWN             // a warp takes whole slots: slot k of an item goes to warp k % W
 #define PER_WARP CH
 #else               // each warp takes its CH / W chunks of every slot
@@ -386,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
         u32 q = 0;
         for (int s = 0, first = 0; s < chain.n_stages; first += chain.stage[s].blocks, ++s) {
             const Stage& st = chain.stage[s];
-            const u64 tile_qs = (u64)st.n_chunks * 512, tile_d = (u64)st.n_chunks * 32;
+            const u64 tile_qs = (u64)st.n_chunks * 512, tile_d = (u64)st.n_chunks * SIDE;
             const int slots = st.n_chunks / CH;
             for (int item = first_item(first, grid); item < st.blocks; item += grid) {
                 for (int k = 0; k < slots; ++k, ++q) {
@@ -399,8 +406,8 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
                     if (lane < RT) {
                         const u64 tile = (u64)item * RT + lane;
                         bulk_copy(dst + lane * CH * 512, st.qs + tile * tile_qs + (u64)k * CH * 512, CH * 512, bar);
-                        bulk_copy(dst + SLOT_QS + lane * CH * 32, st.d + tile * tile_d + (u64)k * CH * 32, CH * 32,
-                                  bar);
+                        bulk_copy(dst + SLOT_QS + lane * CH * SIDE, st.d + tile * tile_d + (u64)k * CH * SIDE,
+                                  CH * SIDE, bar);
                     }
                 }
             }
@@ -427,23 +434,26 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
             }
             // the warp's slots k0, k0 + dk, ... and its chunks chunk0 .. chunk0 + PER_WARP - 1 of each
             const int k0 = OWN ? warp : 0, dk = OWN ? W : 1, chunk0 = OWN ? 0 : warp * PER_WARP;
-            // lane (g, c): token g's 8 columns of each of the warp's chunks (the planes' column order)
-            const u16* x = st.x + (u64)g * st.x_stride + chunk0 * 32 + c * 8;
+            // lane (g, c): token g's 8 columns of each 32-block of the warp's chunks (the planes' column order)
+            const u16* x = st.x + (u64)g * st.x_stride + chunk0 * BLOCKS * 32 + c * 8;
             float acc[RT][4];
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
             // x one of the warp's slots ahead (with OWN, W slots of the ring)
-            uint4 xv[PER_WARP], xn[PER_WARP];
-#pragma unroll
-            for (int u = 0; u < PER_WARP; ++u)
-                xv[u] = token_live && k0 < slots ? ldg_cg(x + (k0 * CH + u) * 32) : make_uint4(0, 0, 0, 0);
-            for (int k = k0; k < slots; k += dk) {
+            uint4 xv[PER_WARP][BLOCKS], xn[PER_WARP][BLOCKS];
+            auto load_x = [&](uint4 (&dst)[PER_WARP][BLOCKS], int k) {
 #pragma unroll
                 for (int u = 0; u < PER_WARP; ++u)
-                    xn[u] = token_live && k + dk < slots ? ldg_cg(x + ((k + dk) * CH + u) * 32)
-                                                          : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                    for (int b = 0; b < BLOCKS; ++b)
+                        dst[u][b] = token_live && k < slots ? ldg_cg(x + ((k * CH + u) * BLOCKS + b) * 32)
+                                                            : make_uint4(0, 0, 0, 0);
+            };
+            load_x(xv, k0);
+            for (int k = k0; k < slots; k += dk) {
+                load_x(xn, k + dk);
                 const u32 q = q0 + k;
                 const int slot = q % RING;
                 const u32 src = base + slot * SLOT_BYTES;
@@ -451,25 +461,34 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
 #pragma unroll
                 for (int u = 0; u < PER_WARP; ++u) {
                     const int chunk = chunk0 + u;
-                    const u32 b0 = x_pair(xv[u].x), b1 = x_pair(xv[u].y), b2 = x_pair(xv[u].z), b3 = x_pair(xv[u].w);
 #pragma unroll
                     for (int r = 0; r < RT; ++r) {
                         const uint4 wq = lds128(src + (r * CH + chunk) * 512 + lane * 16);
-                        const u32 sc = lds32(src + SLOT_QS + (r * CH + chunk) * 32 + g * 4);
+                        u32 a[BLOCKS][8];       // per 32-block: k16 half h in a[b][4 h .. 4 h + 3]
+#if FMT
+                        dequant_q4_chunk(wq, lds128(src + SLOT_QS + (r * CH + chunk) * SIDE + g * 16), a[0], a[1]);
+#else
+                        const u32 sc = lds32(src + SLOT_QS + (r * CH + chunk) * SIDE + g * 4);
                         const u32 s_g = broadcast_lo(sc), s_g8 = broadcast_hi(sc);
-                        u32 a[8];
-                        dequant_q8(wq.x, s_g, s_g8, a[0], a[1]);
-                        dequant_q8(wq.y, s_g, s_g8, a[2], a[3]);
-                        dequant_q8(wq.z, s_g, s_g8, a[4], a[5]);
-                        dequant_q8(wq.w, s_g, s_g8, a[6], a[7]);
-                        mma(acc[r], a[0], a[1], a[2], a[3], b0, b1);
-                        mma(acc[r], a[4], a[5], a[6], a[7], b2, b3);
+                        dequant_q8(wq.x, s_g, s_g8, a[0][0], a[0][1]);
+                        dequant_q8(wq.y, s_g, s_g8, a[0][2], a[0][3]);
+                        dequant_q8(wq.z, s_g, s_g8, a[0][4], a[0][5]);
+                        dequant_q8(wq.w, s_g, s_g8, a[0][6], a[0][7]);
+#endif
+#pragma unroll
+                        for (int b = 0; b < BLOCKS; ++b) {
+                            const uint4 xb = xv[u][b];
+                            mma(acc[r], a[b][0], a[b][1], a[b][2], a[b][3], x_pair(xb.x), x_pair(xb.y));
+                            mma(acc[r], a[b][4], a[b][5], a[b][6], a[b][7], x_pair(xb.z), x_pair(xb.w));
+                        }
                     }
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty + 8 * slot);
 #pragma unroll
-                for (int u = 0; u < PER_WARP; ++u) xv[u] = xn[u];
+                for (int u = 0; u < PER_WARP; ++u)
+#pragma unroll
+                    for (int b = 0; b < BLOCKS; ++b) xv[u][b] = xn[u][b];
             }
             // the warps' sums, added in warp order: warp r % W reduces and stores tile r
 #pragma unroll

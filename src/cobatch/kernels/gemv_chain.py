@@ -29,6 +29,10 @@ from cobatch.kernels.quant_gemm_cuda import COMMON, asm_literal
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_STAGES = 8
 MAX_TOK = 8                    # mma.sync m16n8k16: the tokens are its N = 8
+# the planes each engine reads: the item engine q8_0's; the ring engine also q4_1's (q4_1 and q4_K: 64-column chunks)
+FORMATS = (quant_pack.Q8_0,)
+RING_FORMATS = (quant_pack.Q8_0, quant_pack.Q4_1)
+_SIDE = {quant_pack.Q8_0: 32, quant_pack.Q4_1: 128}    # a 16-row tile's chunk of scales (and offsets)
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -69,10 +73,9 @@ class ChainConfig:
     def threads(self) -> int:
         return 32 * (self.W + self.PRODUCERS) if self.RING else 32 * self.W
 
-    @property
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, fmt_id: int = quant_pack.Q8_0) -> int:
         """The ring engine's slots (dynamic shared memory); the other engine has none."""
-        return self.RING * self.RT * self.CH * (512 + 32)
+        return self.RING * self.RT * self.CH * (512 + _SIDE[fmt_id])
 
 
 @dataclass(frozen=True)
@@ -84,29 +87,33 @@ class ChainStage:
     act: str | None = None
 
 
-def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool) -> str:
+def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
     defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), RING=cfg.RING, CH=cfg.CH,
-                   OWN=int(cfg.OWN), PRODUCERS=cfg.PRODUCERS, DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+                   OWN=int(cfg.OWN), PRODUCERS=cfg.PRODUCERS, FMT=int(fmt_id == quant_pack.Q4_1), DT=DTYPES[dtype],
+                   MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
+    head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
     return head + COMMON.read_text() + SOURCE.read_text()
 
 
 @functools.cache
-def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a") -> tuple[bytes, str]:
-    return nvrtc.compile_cubin(source(cfg, dtype, pdl), "gemv_chain", arch)
+def cubin(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, arch: str = "90a",
+          fmt_id: int = quant_pack.Q8_0) -> tuple[bytes, str]:
+    return nvrtc.compile_cubin(source(cfg, dtype, pdl, fmt_id), "gemv_chain", arch)
 
 
 _kernels: dict[tuple, nvrtc.Kernel] = {}
 
 
-def kernel(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, device: torch.device) -> nvrtc.Kernel:
-    key = (cfg, dtype, pdl, device.index)
+def kernel(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, device: torch.device,
+           fmt_id: int = quant_pack.Q8_0) -> nvrtc.Kernel:
+    key = (cfg, dtype, pdl, device.index, fmt_id)
     k = _kernels.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device))[0], "gemv_chain",
-                                             cfg.smem_bytes)
+            k = _kernels[key] = nvrtc.Kernel(cubin(cfg, dtype, pdl, nvrtc.arch_of(device), fmt_id)[0], "gemv_chain",
+                                             cfg.smem_bytes(fmt_id))
     return k
 
 
@@ -156,11 +163,12 @@ class ChainScratch:
             self.arrivals[s] = torch.zeros(blocks, dtype=torch.int32, device=self.device)
 
 
-def check(stage: ChainStage, n_tok: int) -> None:
+def check(stage: ChainStage, n_tok: int, formats: tuple[int, ...] = FORMATS) -> None:
     p, x, out = stage.planes, stage.x, stage.out
     problems = []
-    if p.fmt_id != quant_pack.Q8_0 or not p.fragment or p.cols != p.cols_pad:
-        problems.append("q8_0 fragment-order planes without padded columns")
+    if p.fmt_id not in formats or not p.fragment or p.cols != p.cols_pad:
+        names = " or ".join("q8_0" if f == quant_pack.Q8_0 else "q4_1's (q4_1, q4_K)" for f in formats)
+        problems.append(f"{names} fragment-order planes without padded columns")
     if x.dtype not in DTYPES or out.dtype != x.dtype:
         problems.append("x and out of one dtype, f16 or bf16")
     if x.shape[-1] != p.cols or x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -175,15 +183,19 @@ def check(stage: ChainStage, n_tok: int) -> None:
 
 def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: ChainScratch,
            pdl: bool = False) -> None:
-    """Run the stages in order in one launch on the current stream. A stage may read what an earlier one wrote."""
+    """Run the stages in order in one launch on the current stream. A stage may read what an earlier one wrote.
+    The stages' planes are of one format (the kernel is compiled for it)."""
     if not 1 <= len(stages) <= MAX_STAGES:
         raise ValueError(f"gemv_chain runs 1 to {MAX_STAGES} stages, not {len(stages)}")
+    fmt_id = stages[0].planes.fmt_id
+    if any(st.planes.fmt_id != fmt_id for st in stages):
+        raise ValueError("gemv_chain needs the stages' planes of one format")
     device = scratch.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     ctas = sms * cfg.CTAS
     chain = _Chain()
     for s, st in enumerate(stages):
-        check(st, n_tok)
+        check(st, n_tok, RING_FORMATS if cfg.RING else FORMATS)
         p = st.planes
         split, blocks, n_chunks = split_of(p, cfg, ctas), p.rows_pad // (16 * cfg.RT), p.qs.shape[1] // 512
         scratch.reserve(s, blocks * split, blocks, cfg.RT)
@@ -191,7 +203,7 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
                                 scratch.partial[s].data_ptr(), scratch.arrivals[s].data_ptr(), blocks, n_chunks, split,
                                 quant_gemv.ACTS[st.act], st.x.stride(0), st.out.stride(0), p.rows, 0)
     chain.counters, chain.n_stages, chain.n_tok = scratch.counters.data_ptr(), len(stages), n_tok
-    k = kernel(cfg, stages[0].x.dtype, pdl, device)
+    k = kernel(cfg, stages[0].x.dtype, pdl, device, fmt_id)
     if cfg.RING and k.resident_per_sm(cfg.threads) < cfg.CTAS:
         # a static schedule waits for items that only running CTAs can finish: every CTA must be resident at once
         raise ValueError(f"the ring engine's {cfg.CTAS} CTAs an SM do not fit ({k.resident_per_sm(cfg.threads)} do): "
