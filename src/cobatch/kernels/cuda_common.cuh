@@ -49,6 +49,18 @@ static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> 
     return r;
 }
 
+#ifdef ASM_DEQUANT_Q8
+// A 32-column q8_0 chunk of one 16-row tile (the lane's 16 fragment-order bytes q, its rows' f16 scale pair) -> the
+// mma.sync / wgmma A operands (k16 half h in registers 4 h .. 4 h + 3: rows g, g + 8 of the words 2 h and 2 h + 1)
+static __device__ __forceinline__ void dequant_q8_chunk(const uint4 q, u32 scales, u32 (&a)[8]) {
+    const u32 s_g = broadcast_lo(scales), s_g8 = broadcast_hi(scales);
+    dequant_q8(q.x, s_g, s_g8, a[0], a[1]);
+    dequant_q8(q.y, s_g, s_g8, a[2], a[3]);
+    dequant_q8(q.z, s_g, s_g8, a[4], a[5]);
+    dequant_q8(q.w, s_g, s_g8, a[6], a[7]);
+}
+#endif
+
 #ifdef ASM_DEQUANT_Q4
 // One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
 // its high block (the high nibbles, used in place as 16 q: their scales come in divided by 16), rows g and g + 8:

@@ -156,12 +156,8 @@ static __device__ __forceinline__ void mma_group(float (&acc)[RT][4], const Grou
                   b3 = x_pair(grp.xv[u].w);
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-            const u32 s_g = broadcast_lo(grp.sc[r][u]), s_g8 = broadcast_hi(grp.sc[r][u]);
             u32 a[8];
-            dequant_q8(grp.q[r][u].x, s_g, s_g8, a[0], a[1]);
-            dequant_q8(grp.q[r][u].y, s_g, s_g8, a[2], a[3]);
-            dequant_q8(grp.q[r][u].z, s_g, s_g8, a[4], a[5]);
-            dequant_q8(grp.q[r][u].w, s_g, s_g8, a[6], a[7]);
+            dequant_q8_chunk(grp.q[r][u], grp.sc[r][u], a);
             // k16 half h: words 2 h, 2 h + 1 of the weights; x elements 4 h .. 4 h + 3 (GGUF columns 8 c + 4 h ..)
             mma(acc[r], a[0], a[1], a[2], a[3], b0, b1);
             mma(acc[r], a[4], a[5], a[6], a[7], b2, b3);
@@ -468,12 +464,7 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
 #if FMT
                         dequant_q4_chunk(wq, lds128(src + SLOT_QS + (r * CH + chunk) * SIDE + g * 16), a[0], a[1]);
 #else
-                        const u32 sc = lds32(src + SLOT_QS + (r * CH + chunk) * SIDE + g * 4);
-                        const u32 s_g = broadcast_lo(sc), s_g8 = broadcast_hi(sc);
-                        dequant_q8(wq.x, s_g, s_g8, a[0][0], a[0][1]);
-                        dequant_q8(wq.y, s_g, s_g8, a[0][2], a[0][3]);
-                        dequant_q8(wq.z, s_g, s_g8, a[0][4], a[0][5]);
-                        dequant_q8(wq.w, s_g, s_g8, a[0][6], a[0][7]);
+                        dequant_q8_chunk(wq, lds32(src + SLOT_QS + (r * CH + chunk) * SIDE + g * 4), a[0]);
 #endif
 #pragma unroll
                         for (int b = 0; b < BLOCKS; ++b) {

@@ -53,11 +53,7 @@ static __device__ __forceinline__ void dequant_chunk(const uint4 q, const side_t
 #if FMT
     dequant_q4_chunk(q, sc, a[0], a[1]);
 #else
-    const u32 s_g = broadcast_lo(sc), s_g8 = broadcast_hi(sc);
-    dequant_q8(q.x, s_g, s_g8, a[0][0], a[0][1]);
-    dequant_q8(q.y, s_g, s_g8, a[0][2], a[0][3]);
-    dequant_q8(q.z, s_g, s_g8, a[0][4], a[0][5]);
-    dequant_q8(q.w, s_g, s_g8, a[0][6], a[0][7]);
+    dequant_q8_chunk(q, sc, a[0]);
 #endif
 }
 
