@@ -4,8 +4,8 @@ Why: at a few tokens a step is a chain of small kernels, and each GEMV of a 10-6
 its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV still takes 6.7 us against 9.2 from
 HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
-stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only, q8_0, one stream,
-and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
+stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only (q8_0; the ring
+engine also q4_1's planes), one stream, and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
 yet (bench/results/gemv_chain.md). Two engines: items handed out to CTAs whose warps load their own weights, and
 (ChainConfig.RING) a static schedule whose producer warp streams the weights through a ring in shared memory, never
 waiting for the stage before, so the next matrix's bytes arrive while this one's last items finish.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from cobatch.kernels import nvrtc, quant_gemv, quant_pack
-from cobatch.kernels.quant_gemm_cuda import COMMON, asm_literal
+from cobatch.kernels.quant_gemm_cuda import BLOCKS_SIDE, COMMON, asm_literal
 
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_STAGES = 8
@@ -32,7 +32,6 @@ MAX_TOK = 8                    # mma.sync m16n8k16: the tokens are its N = 8
 # the planes each engine reads: the item engine q8_0's; the ring engine also q4_1's (q4_1 and q4_K: 64-column chunks)
 FORMATS = (quant_pack.Q8_0,)
 RING_FORMATS = (quant_pack.Q8_0, quant_pack.Q4_1)
-_SIDE = {quant_pack.Q8_0: 32, quant_pack.Q4_1: 128}    # a 16-row tile's chunk of scales (and offsets)
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -75,7 +74,7 @@ class ChainConfig:
 
     def smem_bytes(self, fmt_id: int = quant_pack.Q8_0) -> int:
         """The ring engine's slots (dynamic shared memory); the other engine has none."""
-        return self.RING * self.RT * self.CH * (512 + _SIDE[fmt_id])
+        return self.RING * self.RT * self.CH * (512 + BLOCKS_SIDE[fmt_id][1])
 
 
 @dataclass(frozen=True)

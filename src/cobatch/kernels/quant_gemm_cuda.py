@@ -79,7 +79,7 @@ class CudaGemmConfig:
 
     def stage_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
         tiles = 0 if self.WREG else 4 * self.WG * self.RB
-        blocks, side = _BLOCKS_SIDE[fmt_id]
+        blocks, side = BLOCKS_SIDE[fmt_id]
         return tiles * self.CH * (512 + side) + self.CH * blocks * bn * 64
 
     def stages(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
@@ -98,7 +98,7 @@ class CudaGemmConfig:
 
 
 # per format: (32-column blocks a chunk, bytes of a 16-row tile's chunk of scale data)
-_BLOCKS_SIDE = {quant_pack.Q8_0: (1, 32), quant_pack.Q4_1: (2, 128)}
+BLOCKS_SIDE = {quant_pack.Q8_0: (1, 32), quant_pack.Q4_1: (2, 128)}
 
 
 def wgmma_source(bn: int) -> str:
