@@ -64,7 +64,8 @@ def timed_row(row: dict, way: str, seconds: float, copy_gbps: float) -> None:
 def time_filter(row: dict, ways: dict, inputs: list[torch.Tensor], copy_gbps: float, warps: list[int],
                 kernel_module) -> None:
     """Time each way (name -> a function of one input) on every input in one graph; the kernel's way (of
-    kernel_module, top_p or top_k) also with each program's warps in `warps` other than the package's (`kernel_w<n>`)."""
+    kernel_module, top_p or top_k) also with each program's warps in `warps` other than the package's
+    (`kernel_w<n>`)."""
     for way, keep in ways.items():
         timed_row(row, way, graph_time([lambda x=x, keep=keep: keep(x) for x in inputs]), copy_gbps)
     default = kernel_module.WARPS

@@ -110,6 +110,11 @@ def test_unsupported_inputs_are_refused():
         gemv_chain.check(q4, 4)
     with pytest.raises(ValueError, match="one format"):
         gemv_chain.launch([ok, q4], 4, ChainConfig(W=4, RING=4, CH=4), scratch=None)
+    # x of one dtype in a launch (the kernel's); each stage's out may be f16 or bf16
+    gemv_chain.check(ChainStage(planes, x, torch.zeros(4, 64, dtype=torch.float16)), 4)
+    f16 = ChainStage(planes, x.half(), torch.zeros(4, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x of one dtype"):
+        gemv_chain.launch([ok, f16], 4, ChainConfig(), scratch=None)
 
 
 # --- Hopper -------------------------------------------------------------------------------------------------
@@ -170,6 +175,22 @@ def test_ring_chain_of_4bit_planes_matches_the_reference(fmt, cfg, n_tok):
     if n_tok == 8:                                   # a row's bits whatever the batch
         one = _run(spec, x[:3], 3, cfg, scratch, torch.bfloat16)
         assert torch.equal(one, got[:3])
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("cfg", [ChainConfig(), RING_CONFIGS[0], RING_CONFIGS[4]])
+def test_f16_operands_and_a_bf16_output(cfg):
+    """As a decode step's MLP would run it: f16 x and gate|up's output (the GEMV's operand dtype), down's output in
+    the model's bf16."""
+    (wg, pg), (wd, pd) = _weights([(2048, 1024), (1024, 1024)])
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(3)).to("cuda", torch.float16)
+    mid, out = poisoned((5, 1024), torch.float16), poisoned((5, 1024), torch.bfloat16)
+    scratch = gemv_chain.ChainScratch(torch.device("cuda"))
+    gemv_chain.launch([ChainStage(pg.planes, x, mid, "silu"), ChainStage(pd.planes, mid, out)], 5, cfg, scratch)
+    ref = gemv_chain.chain_ref([(wg, "silu"), (wd, None)], x)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert relative_error(out, ref) < 1e-2
 
 
 @requires_cuda

@@ -26,8 +26,9 @@
 //
 // Compiled with: W (warps a CTA; the ring engine's consumers), RT (tiles a row block), U (chunks a load group), PF,
 // PIPE, RING, CH, OWN and PRODUCERS (the ring engine's slots, chunks a slot, whole slots a warp, producer warps), DT
-// (x and out: 0 f16, 1 bf16), MAX_STAGES, PDL, and the host's pieces: the GEMV's dequantization PTX (ASM_DEQUANT_Q8)
-// and the helpers shared with quant_gemm_cuda.cu (cuda_common.cuh).
+// (x: 0 f16, 1 bf16; each stage's out has its own), MAX_STAGES, PDL, and the host's pieces: the GEMV's
+// dequantization PTX (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4) and the helpers shared with quant_gemm_cuda.cu
+// (cuda_common.cuh).
 
 struct Stage {
     const unsigned char* qs;     // fragment-order q8_0 planes: [tiles][n_chunks * 512]
@@ -36,7 +37,8 @@ struct Stage {
     u16* out;                    // [n_tok][out_stride]
     float* partial;              // [row blocks * split][RT * 128], split > 1
     int* arrivals;               // [row blocks], split > 1; zero between launches
-    int blocks, n_chunks, split, act, x_stride, out_stride, rows, pad;
+    int blocks, n_chunks, split, act, x_stride, out_stride, rows;
+    int out_dt;                  // out's dtype: 0 f16, 1 bf16 (x's is DT: a stage's out read by the next is of DT)
 };
 
 struct Chain {
@@ -80,30 +82,27 @@ static __device__ __forceinline__ void mma(float (&acc)[4], u32 a0, u32 a1, u32 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-static __device__ __forceinline__ u16 to_out(float v) {
+// v in out's dtype (dt: 0 f16, 1 bf16), rounded to nearest
+static __device__ __forceinline__ u16 to_out(float v, int dt) {
     u16 h;
-#if DT
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#endif
+    if (dt)
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    else
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
     return h;
 }
 
-static __device__ __forceinline__ float rounded(float v) {
-    const u16 h = to_out(v);
-#if DT
-    return __uint_as_float(((u32)h) << 16);
-#else
+static __device__ __forceinline__ float rounded(float v, int dt) {
+    const u16 h = to_out(v, dt);
+    if (dt) return __uint_as_float(((u32)h) << 16);
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
-#endif
 }
 
 // act(gate) * up, each rounded to the output type first (activation._gated_mul_kernel's numerics)
-static __device__ __forceinline__ float gated(float gate, float up, int act) {
-    const float gr = rounded(gate), ur = rounded(up);
+static __device__ __forceinline__ float gated(float gate, float up, int act, int dt) {
+    const float gr = rounded(gate, dt), ur = rounded(up, dt);
     const float z = act == 2 ? 1.5957691216057308f * (gr + 0.044715f * gr * gr * gr) : gr;
     return gr * (1.0f / (1.0f + __expf(-z))) * ur;
 }
@@ -118,11 +117,11 @@ static __device__ __forceinline__ void store_tile(const Stage& st, int tile, int
         u16* row = st.out + (u64)t * st.out_stride;
         if (st.act) {
             const int col = tile * 8 + g;                  // the tile's gate row g, up row g + 8
-            if (col < st.rows / 2) row[col] = to_out(gated(acc[i], acc[2 + i], st.act));
+            if (col < st.rows / 2) row[col] = to_out(gated(acc[i], acc[2 + i], st.act, st.out_dt), st.out_dt);
         } else {
             const int r = tile * 16 + g;
-            if (r < st.rows) row[r] = to_out(acc[i]);
-            if (r + 8 < st.rows) row[r + 8] = to_out(acc[2 + i]);
+            if (r < st.rows) row[r] = to_out(acc[i], st.out_dt);
+            if (r + 8 < st.rows) row[r + 8] = to_out(acc[2 + i], st.out_dt);
         }
     }
 }

@@ -5,10 +5,11 @@ its launch, ramp and tail as in its bytes: read from L2, the o projection's GEMV
 HBM (bench/results/l2_prefetch.md). One launch that runs several matrices back to back, each CTA asking L2 for its
 next weights before it waits for the stage before, lets the weights of stage s + 1 stream in under the tail of
 stage s. This is a first step towards a persistent decode step (docs/kernels.md): products only (q8_0; the ring
-engine also q4_1's planes), one stream, and not yet used by the models: bench/gemv_chain.py measures it against the package's plans, which it does not beat
-yet (bench/results/gemv_chain.md). Two engines: items handed out to CTAs whose warps load their own weights, and
-(ChainConfig.RING) a static schedule whose producer warp streams the weights through a ring in shared memory, never
-waiting for the stage before, so the next matrix's bytes arrive while this one's last items finish.
+engine also q4_1's planes), one stream, and not yet used by the models: bench/gemv_chain.py measures it against the
+package's plans, which it does not beat yet (bench/results/gemv_chain.md). Two engines: items handed out to CTAs
+whose warps load their own weights, and (ChainConfig.RING) a static schedule whose producer warp streams the weights
+through a ring in shared memory, never waiting for the stage before, so the next matrix's bytes arrive while this
+one's last items finish.
 
 Each stage reads the planes the GEMV reads (fragment order), so no second copy of the weights exists. The torch
 reference is `chain_ref`; quant_matmul.quant_matmul_ref is the product's.
@@ -137,7 +138,7 @@ class _Stage(ctypes.Structure):
                 ("partial", ctypes.c_void_p), ("arrivals", ctypes.c_void_p),
                 ("blocks", ctypes.c_int), ("n_chunks", ctypes.c_int), ("split", ctypes.c_int), ("act", ctypes.c_int),
                 ("x_stride", ctypes.c_int), ("out_stride", ctypes.c_int), ("rows", ctypes.c_int),
-                ("pad", ctypes.c_int)]
+                ("out_dt", ctypes.c_int)]
 
 
 class _Chain(ctypes.Structure):
@@ -168,8 +169,8 @@ def check(stage: ChainStage, n_tok: int, formats: tuple[int, ...] = FORMATS) -> 
     if p.fmt_id not in formats or not p.fragment or p.cols != p.cols_pad:
         names = " or ".join("q8_0" if f == quant_pack.Q8_0 else "q4_1's (q4_1, q4_K)" for f in formats)
         problems.append(f"{names} fragment-order planes without padded columns")
-    if x.dtype not in DTYPES or out.dtype != x.dtype:
-        problems.append("x and out of one dtype, f16 or bf16")
+    if x.dtype not in DTYPES or out.dtype not in DTYPES:
+        problems.append("x and out f16 or bf16")
     if x.shape[-1] != p.cols or x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         problems.append("x [n_tok, cols], rows 16-byte aligned")
     if out.stride(-1) != 1 or out.shape[-1] != (p.rows // 2 if stage.act else p.rows):
@@ -186,9 +187,11 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
     The stages' planes are of one format (the kernel is compiled for it)."""
     if not 1 <= len(stages) <= MAX_STAGES:
         raise ValueError(f"gemv_chain runs 1 to {MAX_STAGES} stages, not {len(stages)}")
-    fmt_id = stages[0].planes.fmt_id
+    fmt_id, dtype = stages[0].planes.fmt_id, stages[0].x.dtype
     if any(st.planes.fmt_id != fmt_id for st in stages):
         raise ValueError("gemv_chain needs the stages' planes of one format")
+    if any(st.x.dtype != dtype for st in stages):
+        raise ValueError("gemv_chain needs the stages' x of one dtype (the kernel is compiled for it)")
     device = scratch.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     ctas = sms * cfg.CTAS
@@ -200,9 +203,10 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
         scratch.reserve(s, blocks * split, blocks, cfg.RT)
         chain.stage[s] = _Stage(p.qs.data_ptr(), p.d.data_ptr(), st.x.data_ptr(), st.out.data_ptr(),
                                 scratch.partial[s].data_ptr(), scratch.arrivals[s].data_ptr(), blocks, n_chunks, split,
-                                quant_gemv.ACTS[st.act], st.x.stride(0), st.out.stride(0), p.rows, 0)
+                                quant_gemv.ACTS[st.act], st.x.stride(0), st.out.stride(0), p.rows,
+                                DTYPES[st.out.dtype])
     chain.counters, chain.n_stages, chain.n_tok = scratch.counters.data_ptr(), len(stages), n_tok
-    k = kernel(cfg, stages[0].x.dtype, pdl, device, fmt_id)
+    k = kernel(cfg, dtype, pdl, device, fmt_id)
     if cfg.RING and k.resident_per_sm(cfg.threads) < cfg.CTAS:
         # a static schedule waits for items that only running CTAs can finish: every CTA must be resident at once
         raise ValueError(f"the ring engine's {cfg.CTAS} CTAs an SM do not fit ({k.resident_per_sm(cfg.threads)} do): "
