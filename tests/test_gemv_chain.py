@@ -244,3 +244,63 @@ def test_graph_replay(cfg):
         graph.replay()
         ref = gemv_chain.chain_ref([(wg, "silu"), (wd, None)], x)
         assert not out.isnan().any() and relative_error(out, ref) < 1e-2
+
+
+# --- the decode feed-forward behind COBATCH_CHAIN_MLP -------------------------------------------------------------
+
+def test_chain_mlp_switch_reads_a_ring_config():
+    assert gemv_chain.config_from_spec("") is None and gemv_chain.config_from_spec("0") is None
+    assert gemv_chain.config_from_spec("1") == gemv_chain.RING_MLP_DEFAULT
+    assert gemv_chain.config_from_spec("RING=12, CH=16,W=4,CTAS=2") == ChainConfig(W=4, CTAS=2, RING=12, CH=16)
+    assert gemv_chain.config_from_spec("RING=24,CH=8,OWN=1,W=8,CTAS=1").OWN is True
+    for bad in ("RING=x", "RINGS=4", "W=4", "RING=4,CH=12"):
+        with pytest.raises(ValueError):
+            gemv_chain.config_from_spec(bad)
+
+
+def test_chain_mlp_leaves_what_it_does_not_take_to_the_caller():
+    planes = _cpu_planes(64, 256)
+    h = torch.zeros(2, 256, dtype=torch.float16)
+    weight = type("W", (), {"planes": planes, "gate_up_interleaved": True})()
+    assert gemv_chain.feed_forward(h, weight, weight, "silu", torch.bfloat16, gemv_chain.RING_MLP_DEFAULT) is None
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_ops_feed_forward_through_the_chain(monkeypatch, fmt):
+    """ops.feed_forward with the switch on: one chain launch for gate|up (act) and down, the product of the kernels
+    it replaces within rounding, in a CUDA graph too; 9 rows go back to the GEMM's path."""
+    from cobatch import ops
+    cfg = ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=8)
+    monkeypatch.setattr(gemv_chain, "MLP_CONFIG", cfg)
+    gemv_chain.reserve_mlp_scratch(torch.device("cuda"))
+    launches = []
+    real_launch = gemv_chain.launch
+    monkeypatch.setattr(gemv_chain, "launch", lambda *a, **k: launches.append(a[1]) or real_launch(*a, **k))
+    gen = torch.Generator().manual_seed(11)
+    wg = make_weight(fmt, 2 * 1024, 1024, seed=21, device="cuda")
+    wd = make_weight(fmt, 1024, 1024, seed=22, device="cuda")
+    gate_up = PackedWeight.from_quant(wg, torch.device("cuda"), gate_up_interleaved=True)
+    down = PackedWeight.from_quant(wd, torch.device("cuda"))
+    for rows in (1, 5, 8):
+        h = torch.randn(rows, 1024, generator=gen).to("cuda", torch.float16)
+        got = ops.feed_forward(h, gate_up, down, "silu", dtype=torch.bfloat16)
+        monkeypatch.setattr(gemv_chain, "MLP_CONFIG", None)
+        want = ops.feed_forward(h, gate_up, down, "silu", dtype=torch.bfloat16)
+        monkeypatch.setattr(gemv_chain, "MLP_CONFIG", cfg)
+        assert got.dtype == torch.bfloat16 and relative_error(got, want) < 1e-2, (fmt, rows)
+    assert launches == [1, 5, 8]
+    ops.feed_forward(torch.randn(9, 1024, generator=gen).to("cuda", torch.float16), gate_up, down, "silu",
+                     dtype=torch.bfloat16)
+    assert launches == [1, 5, 8]                       # 9 rows: not the chain's
+    h = torch.randn(4, 1024, generator=gen).to("cuda", torch.float16)
+    eager = ops.feed_forward(h, gate_up, down, "silu", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ops.feed_forward(h, gate_up, down, "silu", dtype=torch.bfloat16)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,7 +201,8 @@ def launch(stages: list[ChainStage], n_tok: int, cfg: ChainConfig, scratch: Chai
         check(st, n_tok, RING_FORMATS if cfg.RING else FORMATS)
         p = st.planes
         split, blocks, n_chunks = split_of(p, cfg, ctas), p.rows_pad // (16 * cfg.RT), p.qs.shape[1] // 512
-        scratch.reserve(s, blocks * split, blocks, cfg.RT)
+        if split > 1:                                  # partial sums only where K is split (never on the ring)
+            scratch.reserve(s, blocks * split, blocks, cfg.RT)
         chain.stage[s] = _Stage(p.qs.data_ptr(), p.d.data_ptr(), st.x.data_ptr(), st.out.data_ptr(),
                                 scratch.partial[s].data_ptr(), scratch.arrivals[s].data_ptr(), blocks, n_chunks, split,
                                 quant_gemv.ACTS[st.act], st.x.stride(0), st.out.stride(0), p.rows,
@@ -223,3 +225,72 @@ def chain_ref(stages: list[tuple[object, str | None]], x: torch.Tensor) -> torch
         y = quant_matmul_ref(x, weight).to(x.dtype)
         x = gated_mul_ref(y, act, interleaved=True) if act else y
     return x
+
+
+# Decode steps' feed-forward through the chain, behind a switch until whole steps are timed: COBATCH_CHAIN_MLP
+# names a ring config's fields ("RING=24,CH=8,OWN=1,W=8"; "1": RING_MLP_DEFAULT), and steps of up to MAX_TOK rows
+# whose gate|up and down planes it reads run gate|up (act) then down in one launch (ops.feed_forward). The ring needs
+# no partial sums, only the device's counters (reserve_mlp_scratch, at load): one chain at a time on a device, which
+# holds while the models' only feed-forward beside another stream's work is DeepSeek's shared experts beside the
+# routed ones.
+RING_MLP_DEFAULT = ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8, OWN=True)
+
+
+def config_from_spec(spec: str) -> ChainConfig | None:
+    """"" or "0": None (the switch off); "1": RING_MLP_DEFAULT; else comma-separated FIELD=int of a ring
+    ChainConfig (RING > 0)."""
+    spec = spec.strip()
+    if spec in ("", "0"):
+        return None
+    if spec == "1":
+        return RING_MLP_DEFAULT
+    fields = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in ChainConfig.__dataclass_fields__ or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"COBATCH_CHAIN_MLP: {part!r} is not FIELD=int of ChainConfig")
+        kind = ChainConfig.__dataclass_fields__[name.strip()].type
+        fields[name.strip()] = bool(int(value)) if kind in (bool, "bool") else int(value)
+    cfg = ChainConfig(**fields)
+    if not cfg.RING:
+        raise ValueError(f"COBATCH_CHAIN_MLP: the feed-forward takes the ring engine (RING > 0), not {cfg}")
+    return cfg
+
+
+MLP_CONFIG = config_from_spec(os.environ.get("COBATCH_CHAIN_MLP", ""))
+_mlp_scratch: dict[int, ChainScratch] = {}
+
+
+def reserve_mlp_scratch(device: torch.device) -> None:
+    """The device's counters for feed_forward's chains (at load: never inside a CUDA-graph capture)."""
+    if MLP_CONFIG is None or device.type != "cuda":
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _mlp_scratch:
+        _mlp_scratch[index] = ChainScratch(torch.device("cuda", index))
+
+
+def feed_forward(h: torch.Tensor, gate_up, down, act: str, dtype: torch.dtype,
+                 cfg: ChainConfig) -> torch.Tensor | None:
+    """(act(h @ gate.T) * (h @ up.T)) @ down.T in `dtype` as one chain launch, or None where the chain does not take
+    these weights and rows (then the caller runs its own kernels). h: [rows, cols] in its weights' operand dtype."""
+    rows = h.shape[0]
+    planes = [getattr(w, "planes", None) for w in (gate_up, down)]
+    formats = RING_FORMATS if cfg.RING else FORMATS
+    if (not h.is_cuda or not 1 <= rows <= MAX_TOK or h.dtype not in DTYPES or dtype not in DTYPES
+            or not getattr(gate_up, "gate_up_interleaved", False) or act is None or act not in quant_gemv.ACTS
+            or any(p is None or not p.fragment or p.fmt_id not in formats or p.cols != p.cols_pad for p in planes)
+            or planes[0].fmt_id != planes[1].fmt_id or h.stride(-1) != 1 or h.stride(0) % 8 or h.data_ptr() % 16):
+        return None
+    scratch = _mlp_scratch.get(h.device.index)
+    if scratch is None:
+        return None
+    try:
+        for p in planes:
+            split_of(p, cfg, 1)
+    except ValueError:
+        return None
+    mid = torch.empty(rows, planes[0].rows // 2, dtype=h.dtype, device=h.device)
+    out = torch.empty(rows, planes[1].rows, dtype=dtype, device=h.device)
+    launch([ChainStage(planes[0], h, mid, act), ChainStage(planes[1], mid, out)], rows, cfg, scratch)
+    return out
