@@ -4,7 +4,8 @@
 # that tree (`git archive OLD src bench | tar -x -C .ab_old`). docs/development.md has the workflow.
 # Everything lands in $OUT (default /tmp/out).
 #
-#   tests [PYTEST ARGS]      the GPU tests against the CPU path (default: every test file with CUDA tests)
+#   tests [PYTEST ARGS]      the GPU tests against the CPU path (default: every test file with CUDA tests but the CUDA
+#                            C++ kernels', which their suites run: gemm-cuda, gemv-chain)
 #   kernels [ARGS]           GEMV probe, the GEMV tests, then bench/kernels.py ARGS (e.g. --sweep)
 #   gemm [ARGS]              the quantized GEMM's tests, then bench/gemm.py ARGS (every config at 16-256 tokens;
 #                            writes the chosen configs merged into quant_configs.json, to $OUT and bench/results)
@@ -78,7 +79,7 @@ GPU_TEST_FILES=(tests/test_quant_gemv.py tests/test_quant_gemm.py tests/test_qua
   tests/test_cuda_graph_inputs.py tests/test_gemma.py tests/test_phi3.py tests/test_sampler.py tests/test_mla_attention.py
   tests/test_mla_decode_cuda.py tests/test_deepseek.py tests/test_hf_checkpoints.py tests/test_lora.py
   tests/test_fp8_cache.py tests/test_greedy.py tests/test_mla_value.py
-  tests/test_top_p.py tests/test_top_k.py)
+  tests/test_top_p.py tests/test_top_k.py tests/test_mla_latent.py tests/test_lora_kernels.py)
 
 llama8b() { echo "${MODEL:-$(random_model llama3-8b "${QUANT%%,*}")}"; }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,18 @@ def test_device_sh_parses_and_lists_its_suites():
     listed = [line.split()[0] for line in usage.stdout.splitlines() if line.startswith("  ") and line[2] != " "]
     script = DEVICE_SH.read_text()
     assert listed and all(f"\n{suite})" in script for suite in listed), listed
+
+
+def test_device_sh_runs_every_test_file_with_gpu_tests():
+    """Each test file with CUDA tests is in GPU_TEST_FILES (the `tests` suite's default) or run by a suite of its
+    own, so no GPU test goes unrun on the device."""
+    script = DEVICE_SH.read_text()
+    default = re.search(r"GPU_TEST_FILES=\((.*?)\)", script, re.S).group(1).split()
+    run_by_suites = set(re.findall(r"run_tests[^\n]*?(tests/test_\w+\.py)", script))
+    with_gpu_tests = {f"tests/{path.name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+                      if re.search(r"@requires_(cuda|hopper)\b", path.read_text())}
+    assert with_gpu_tests and with_gpu_tests <= set(default) | run_by_suites, \
+        sorted(with_gpu_tests - set(default) - run_by_suites)
 
 
 def test_device_sh_refuses_an_unknown_suite_before_touching_the_machine(tmp_path):
