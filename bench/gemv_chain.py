@@ -38,7 +38,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 CASES = {"qkv": ["qkv"], "o": ["o"], "gate_up": ["gate_up"], "down": ["down"], "mlp": ["gate_up", "down"],
          "layer": ["qkv", "o", "gate_up", "down"]}
 # the item engine's best in gemv_chain.md; the ring engine's best two with every slot's chunks split over the warps
-# (docs/kernels.md); then warps taking whole slots (OWN), one or two CTAs an SM; two producer warps
+# (docs/kernels.md); then warps taking whole slots (OWN), one or two CTAs an SM; two producer warps; two accumulators
 CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1, PIPE=True),
            ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=16), ChainConfig(W=4, RT=2, CTAS=1, RING=12, CH=16),
            ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8, OWN=True),
@@ -48,14 +48,16 @@ CONFIGS = [ChainConfig(W=8, RT=1, CTAS=2, U=4, ITEMS=1, PIPE=True),
            ChainConfig(W=8, RT=4, CTAS=1, RING=6, CH=8, OWN=True),
            ChainConfig(W=8, RT=1, CTAS=2, RING=24, CH=4, OWN=True),
            ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8, OWN=True, PRODUCERS=2),
-           ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=16, PRODUCERS=2)]
+           ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=16, PRODUCERS=2),
+           ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=8, OWN=True, ACC=2)]
 # on 4-bit planes a chunk is 64 columns (two x loads, 128 bytes of sides): fewer chunks a warp and a slot
 CONFIGS_4BIT = [ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=8), ChainConfig(W=4, RT=2, CTAS=1, RING=12, CH=8),
                 ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=4, OWN=True),
                 ChainConfig(W=8, RT=1, CTAS=2, RING=24, CH=4, OWN=True),
                 ChainConfig(W=8, RT=2, CTAS=1, RING=12, CH=4, OWN=True),
                 ChainConfig(W=4, RT=1, CTAS=2, RING=12, CH=4, OWN=True),
-                ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=4, OWN=True, PRODUCERS=2)]
+                ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=4, OWN=True, PRODUCERS=2),
+                ChainConfig(W=8, RT=1, CTAS=1, RING=24, CH=4, OWN=True, ACC=2)]
 SETS = 4          # weight sets rotating: 4 x 232 MB, well past the 50 MB L2
 
 

@@ -32,7 +32,10 @@ RING_CONFIGS = [ChainConfig(W=4, CTAS=1, RING=4, CH=8), ChainConfig(W=2, RT=2, C
                 ChainConfig(W=2, RT=1, CTAS=2, RING=6, CH=4, OWN=True),
                 # two producers, slots split and whole
                 ChainConfig(W=4, RT=1, CTAS=1, RING=4, CH=8, PRODUCERS=2),
-                ChainConfig(W=4, RT=2, CTAS=1, RING=8, CH=4, OWN=True, PRODUCERS=2)]
+                ChainConfig(W=4, RT=2, CTAS=1, RING=8, CH=4, OWN=True, PRODUCERS=2),
+                # several accumulators a row tile, slots split and whole
+                ChainConfig(W=2, RT=2, CTAS=1, RING=4, CH=8, ACC=2),
+                ChainConfig(W=4, RT=1, CTAS=1, RING=8, CH=4, OWN=True, ACC=4)]
 CONFIGS += RING_CONFIGS
 # with 4-bit planes a chunk is two 32-blocks, so a warp's x ahead is twice the registers: at most 8 chunks a warp
 RING_4BIT_CONFIGS = [c for c in RING_CONFIGS if (c.CH if c.OWN else c.CH // c.W) <= 8]
@@ -81,7 +84,7 @@ def test_ring_engine_takes_whole_row_blocks_and_refuses_what_it_cannot_run():
     assert gemv_chain.split_of(_cpu_planes(16, 1024), ChainConfig(W=4, RING=2, CH=32), ctas=1) == 1
     for bad in (dict(RING=1), dict(RING=4, CH=12), dict(RING=4, W=8, CH=4), dict(RING=4, PF=True),
                 dict(RING=4, PIPE=True), dict(RING=4, ITEMS=2), dict(OWN=True), dict(PRODUCERS=2),
-                dict(RING=6, PRODUCERS=4), dict(RING=6, PRODUCERS=3)):
+                dict(RING=6, PRODUCERS=4), dict(RING=6, PRODUCERS=3), dict(ACC=2), dict(RING=4, ACC=3)):
         with pytest.raises(ValueError, match="ring engine"):
             ChainConfig(**{"W": 4, **bad})
     assert ChainConfig(W=8, RING=4, CH=4, OWN=True).CH == 4     # whole slots: CH need not divide among the warps

@@ -339,6 +339,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) gemv_chain(const Chain chai
 // stage before wrote it in this launch), one slot's x loaded ahead; the warps' sums are added in warp order, so a
 // row's bits depend on W, CH and OWN only. A slot is handed back (its `empty` barrier, count W, 1 with OWN) once each
 // warp that reads it has.
+// ACC > 1 spreads a warp's MMAs of a row tile over that many accumulators (MMA m of a slot to m % ACC), so their
+// latencies overlap where one accumulator makes every MMA wait for the one before; the bits then depend on ACC too.
 // PRODUCERS warps may share the copies (producer p fills slots p, p + PRODUCERS, ...: one warp's bulk copies go out
 // one after another).
 
@@ -431,11 +433,13 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
             const int k0 = OWN ? warp : 0, dk = OWN ? W : 1, chunk0 = OWN ? 0 : warp * PER_WARP;
             // lane (g, c): token g's 8 columns of each 32-block of the warp's chunks (the planes' column order)
             const u16* x = st.x + (u64)g * st.x_stride + chunk0 * BLOCKS * 32 + c * 8;
-            float acc[RT][4];
+            float acc[RT][ACC][4];          // ACC independent chains of MMAs a row tile, added at the item's end
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
+                for (int j = 0; j < ACC; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[r][j][i] = 0.0f;
             // x one of the warp's slots ahead (with OWN, W slots of the ring)
             uint4 xv[PER_WARP][BLOCKS], xn[PER_WARP][BLOCKS];
             auto load_x = [&](uint4 (&dst)[PER_WARP][BLOCKS], int k) {
@@ -468,8 +472,10 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
 #pragma unroll
                         for (int b = 0; b < BLOCKS; ++b) {
                             const uint4 xb = xv[u][b];
-                            mma(acc[r], a[b][0], a[b][1], a[b][2], a[b][3], x_pair(xb.x), x_pair(xb.y));
-                            mma(acc[r], a[b][4], a[b][5], a[b][6], a[b][7], x_pair(xb.z), x_pair(xb.w));
+                            const int m = (u * BLOCKS + b) * 2;     // the slot's MMA m goes to chain m % ACC
+                            mma(acc[r][m % ACC], a[b][0], a[b][1], a[b][2], a[b][3], x_pair(xb.x), x_pair(xb.y));
+                            mma(acc[r][(m + 1) % ACC], a[b][4], a[b][5], a[b][6], a[b][7], x_pair(xb.z),
+                                x_pair(xb.w));
                         }
                     }
                 }
@@ -480,11 +486,16 @@ extern "C" __global__ void __launch_bounds__(W * 32 + PRODUCERS * 32, 1) gemv_ch
 #pragma unroll
                     for (int b = 0; b < BLOCKS; ++b) xv[u][b] = xn[u][b];
             }
-            // the warps' sums, added in warp order: warp r % W reduces and stores tile r
+            // the chains' sums in chain order, then the warps' in warp order: warp r % W reduces and stores tile r
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) red[warp][r * 128 + lane * 4 + i] = acc[r][i];
+                for (int i = 0; i < 4; ++i) {
+                    float v = acc[r][0][i];
+#pragma unroll
+                    for (int j = 1; j < ACC; ++j) v += acc[r][j][i];
+                    red[warp][r * 128 + lane * 4 + i] = v;
+                }
             consumers_sync();
 #pragma unroll
             for (int r = 0; r < RT; ++r) {

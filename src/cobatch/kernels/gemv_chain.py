@@ -55,6 +55,7 @@ class ChainConfig:
     CH: int = 16         # the ring engine's chunks a slot (each of the W warps takes CH / W of them)
     OWN: bool = False    # the ring engine's warps take whole slots (slot k of an item to warp k % W)
     PRODUCERS: int = 1   # the ring engine's producer warps (producer p fills slots p, p + PRODUCERS, ...)
+    ACC: int = 1         # the ring engine's accumulators a row tile (MMA m of a slot to m % ACC: shorter chains)
 
     def __post_init__(self):
         if self.W not in (1, 2, 4, 8) or self.RT not in (1, 2, 4) or self.CTAS < 1 or self.U not in (1, 2, 4, 8) \
@@ -63,12 +64,12 @@ class ChainConfig:
                              f">= 1: {self}")
         ring_ok = (self.RING >= 2 and self.CH in (2, 4, 8, 16, 32) and (self.OWN or self.CH % self.W == 0)
                    and not (self.PF or self.PIPE) and self.ITEMS == 1
-                   and self.PRODUCERS in (1, 2, 4) and self.RING % self.PRODUCERS == 0)
-        if (self.RING and not ring_ok) or (not self.RING and (self.OWN or self.PRODUCERS != 1)):
+                   and self.PRODUCERS in (1, 2, 4) and self.RING % self.PRODUCERS == 0 and self.ACC in (1, 2, 4))
+        if (self.RING and not ring_ok) or (not self.RING and (self.OWN or self.PRODUCERS != 1 or self.ACC != 1)):
             # a slot filled by one producer only: its waits for the slot's release by parity then never alias a lap
             raise ValueError(f"the ring engine needs RING >= 2, CH of 2-32 (a power of 2) divisible by W unless OWN, "
-                             f"1, 2 or 4 PRODUCERS dividing RING, and neither PF, PIPE nor ITEMS (its items are whole "
-                             f"row blocks); OWN and PRODUCERS are the ring engine's: {self}")
+                             f"1, 2 or 4 PRODUCERS dividing RING, ACC of 1, 2 or 4, and neither PF, PIPE nor ITEMS "
+                             f"(its items are whole row blocks); OWN, PRODUCERS and ACC are the ring engine's: {self}")
 
     @property
     def threads(self) -> int:
@@ -90,8 +91,8 @@ class ChainStage:
 
 def source(cfg: ChainConfig, dtype: torch.dtype, pdl: bool, fmt_id: int = quant_pack.Q8_0) -> str:
     defines = dict(W=cfg.W, RT=cfg.RT, U=cfg.U, PF=int(cfg.PF), PIPE=int(cfg.PIPE), RING=cfg.RING, CH=cfg.CH,
-                   OWN=int(cfg.OWN), PRODUCERS=cfg.PRODUCERS, FMT=int(fmt_id == quant_pack.Q4_1), DT=DTYPES[dtype],
-                   MAX_STAGES=MAX_STAGES, PDL=int(pdl))
+                   OWN=int(cfg.OWN), PRODUCERS=cfg.PRODUCERS, ACC=cfg.ACC, FMT=int(fmt_id == quant_pack.Q4_1),
+                   DT=DTYPES[dtype], MAX_STAGES=MAX_STAGES, PDL=int(pdl))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"#define ASM_DEQUANT_Q8 {asm_literal(quant_gemv.ASM_Q8)}\n"
     head += f"#define ASM_DEQUANT_Q4 {asm_literal(quant_gemv.ASM_NIB_AFFINE)}\n"
