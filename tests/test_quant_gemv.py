@@ -216,7 +216,7 @@ def _word(halves: np.ndarray) -> int:
 
 def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     """Run the lines of an inline-PTX block on 32-bit words, registers by name: the integer ones (shl, shr, and, or,
-    mov, a word's halves into two registers, prmt without sign modes, lop3 with 0xEA = (a & b) | c) exactly,
+    mul.lo, mov, a word's halves into two registers, prmt without sign modes, lop3 with 0xEA = (a & b) | c) exactly,
     sub.rn.f16x2 and mul.rn.f16x2 in numpy's float16 (each half rounded once, as the instruction does)."""
     regs = dict(inputs)
     value = (lambda t: regs[t] if t in regs else int(t, 0))
@@ -241,6 +241,8 @@ def run_ptx_bit_ops(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[dst] = a[0] & a[1]
         elif op == "or.b32":
             regs[dst] = a[0] | a[1]
+        elif op == "mul.lo.u32":
+            regs[dst] = (a[0] * a[1]) & 0xFFFFFFFF
         elif op == "lop3.b32" and a[3] == 0xEA:
             regs[dst] = (a[0] & a[1]) | a[2]
         elif op == "mov.b32":

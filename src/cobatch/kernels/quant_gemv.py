@@ -247,19 +247,20 @@ ASM_Q6_SCALES = _c("""{
 # exponent field then equals e2m1's, with f16's subnormals where e2m1 has its own). sm_90 has no e2m1 conversion.
 # Times the block scales ($5,$6 low block rows g, g + 8; $7,$8 high block; e4m3 values, exact in f16), every
 # product exact; the 2^14 and the row scale are the epilogue's (_fp4_row_scale).
+# The third and fourth operands keep sign and magnitude apart (bits 13 and 2..0, 14 and 5..3 of each half): one
+# multiply by 2^2 + 2^9 (2^1 + 2^6) of just those bits moves both fields at once, the two shifted copies never
+# overlapping, so no carry reaches a kept bit: and, multiply, and, where two shifts, a mask and a merge took four.
 ASM_FP4 = _c("""{
- .reg .b32 m0, m1, m2, m3, s2, s3;
+ .reg .b32 m0, m1, m2, m3;
  and.b32 m0, $4, 0x8E008E00;
  shl.b32 m1, $4, 3;
  and.b32 m1, m1, 0x8E008E00;
- shl.b32 m2, $4, 9;
- shl.b32 s2, $4, 2;
- and.b32 m2, m2, 0x0E000E00;
- lop3.b32 m2, s2, 0x80008000, m2, 0xEA;
- shl.b32 m3, $4, 6;
- shl.b32 s3, $4, 1;
- and.b32 m3, m3, 0x0E000E00;
- lop3.b32 m3, s3, 0x80008000, m3, 0xEA;
+ and.b32 m2, $4, 0x20072007;
+ mul.lo.u32 m2, m2, 516;
+ and.b32 m2, m2, 0x8E008E00;
+ and.b32 m3, $4, 0x40384038;
+ mul.lo.u32 m3, m3, 66;
+ and.b32 m3, m3, 0x8E008E00;
  mul.rn.f16x2 $0, m0, $5;
  mul.rn.f16x2 $1, m1, $6;
  mul.rn.f16x2 $2, m2, $7;
