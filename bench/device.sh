@@ -5,15 +5,12 @@
 # Everything lands in $OUT (default /tmp/out).
 #
 #   tests [PYTEST ARGS]      the GPU tests against the CPU path (default: every test file with CUDA tests but the CUDA
-#                            C++ kernels', which their suites run: gemm-cuda, gemv-chain)
+#                            C++ GEMM's, which its suite runs: gemm-cuda)
 #   kernels [ARGS]           GEMV probe, the GEMV tests, then bench/kernels.py ARGS (e.g. --sweep)
 #   gemm [ARGS]              the quantized GEMM's tests, then bench/gemm.py ARGS (every config at 16-256 tokens;
 #                            writes the chosen configs merged into quant_configs.json, to $OUT and bench/results)
 #   gemm-cuda [ARGS]         the CUDA C++ GEMM's tests, then bench/gemm_cuda.py ARGS (its candidates against the plans;
 #                            --probe: where its time goes), to $OUT and bench/results
-#   gemv-chain [ARGS]        the GEMV chain's tests, then bench/gemv_chain.py ARGS (a layer's GEMVs chained in one
-#                            persistent launch against the plans; --format q4_k: the ring engine on q4_K's planes),
-#                            to $OUT
 #   attention [ARGS]         bench/kernels_attention.py ARGS (ATTN_BATCHES, ATTN_KV_DTYPES, SWEEP_* in the env)
 #   decode [ARGS]            bench/decode.py ARGS on random Llama-3-8B files, one per QUANT (default q4_k_m;
 #                            e.g. QUANT=q8_0,q4_k_m); ARGS such as --contexts, --batches, --kv-cache-dtype auto,fp8
@@ -63,7 +60,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
-SUITES=" tests kernels gemm gemm-cuda gemv-chain attention decode serve moe moe-experts speculative hf parallel size "
+SUITES=" tests kernels gemm gemm-cuda attention decode serve moe moe-experts speculative hf parallel size "
 SUITES+="sampler penalties prefill "
 SUITES+="gemv-configs profile plan-ab ab "
 SUITE=${1:-}
@@ -137,9 +134,6 @@ gemm)
 gemm-cuda)
   [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_quant_gemm_cuda.py
   timeout "$(left "$TIMEOUT")" python3 bench/gemm_cuda.py "$@" 2>&1 | grep -v Warning | tee "$OUT/gemm_cuda.log" | tail -45 ;;
-gemv-chain)
-  [ -z "${SKIP_TESTS:-}" ] && run_tests -n 8 --dist load tests/test_gemv_chain.py
-  timeout "$(left "$TIMEOUT")" python3 bench/gemv_chain.py "$@" 2>&1 | quiet | tee "$OUT/gemv_chain.log" | tail -16 ;;
 attention)
   timeout "$(left "$TIMEOUT")" python3 bench/kernels_attention.py "$@" 2>&1 | quiet | tee "$OUT/attention.log" ;;
 decode)

@@ -21,7 +21,6 @@ from cobatch.kernels.greedy import greedy_tokens_ref, greedy_tokens_triton, gumb
 from cobatch.kernels.kv_write import kv_write_ref, kv_write_triton
 from cobatch.kernels.mla_attention import mla_attention_ref, mla_decode_attention, mla_prefill_attention
 from cobatch.kernels.mla_latent import mla_latent_ref, mla_latent_triton
-from cobatch.kernels import gemv_chain
 from cobatch.kernels import mla_value as mla_value_kernel
 from cobatch.kernels.moe_routing import ExpertSlots, RouterRule, combine_ref, combine_triton, route_ref, route_triton
 from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
@@ -235,11 +234,6 @@ def feed_forward(h: torch.Tensor, gate_up, down, act: str = "silu", dtype: torch
     h_order: h's column order (operand_order of gate_up, which its writer followed)."""
     dtype = dtype or h.dtype
     rows = h.reshape(-1, h.shape[-1]).shape[0]
-    if gemv_chain.MLP_CONFIG is not None and h_order == NATURAL:
-        # COBATCH_CHAIN_MLP: gate|up and down in one launch where the chain takes them (steps of up to 8 rows)
-        out = gemv_chain.feed_forward(h.reshape(rows, -1), gate_up, down, act, dtype, gemv_chain.MLP_CONFIG)
-        if out is not None:
-            return out.reshape(*h.shape[:-1], -1)
     mid_order = NATURAL
     if getattr(gate_up, "gate_up_interleaved", False):
         # act's output in the dtype, and where gate|up's epilogue can, the column order that down's kernels read

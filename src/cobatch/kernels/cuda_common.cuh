@@ -1,4 +1,4 @@
-// Device helpers the package's CUDA C++ kernels share (quant_gemm_cuda.cu, gemv_chain.cu, mla_decode_cuda.cu): their
+// Device helpers the package's CUDA C++ kernels share (quant_gemm_cuda.cu, mla_decode_cuda.cu): their
 // hosts put this text after their #defines (ASM_DEQUANT_Q8 among them, where the kernel dequantizes) and before the
 // kernel's own source.
 

@@ -205,7 +205,6 @@ class Kernel:
             _check_cu(cu.cuFuncSetAttribute(self.func, _FUNC_ATTR_MAX_DYNAMIC_SHARED, smem_bytes),
                       "cuFuncSetAttribute")
         self.smem_bytes = smem_bytes
-        self._resident: dict[int, int] = {}
         self.registers = self._attribute(_FUNC_ATTR_NUM_REGS)
         self.spill_bytes = self._attribute(_FUNC_ATTR_LOCAL_SIZE)
 
@@ -213,17 +212,6 @@ class Kernel:
         v = ctypes.c_int()
         _check_cu(_cuda().cuFuncGetAttribute(ctypes.byref(v), which, self.func), "cuFuncGetAttribute")
         return v.value
-
-    def resident_per_sm(self, block: int) -> int:
-        """How many CTAs of `block` threads (and this kernel's dynamic shared memory) an SM holds at once; asked of
-        the driver once per block size (launches on a hot path check it)."""
-        if block not in self._resident:
-            n = ctypes.c_int()
-            _check_cu(_cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.func, block,
-                                                                          ctypes.c_size_t(self.smem_bytes)),
-                      "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-            self._resident[block] = n.value
-        return self._resident[block]
 
     def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: int, pdl: bool = False) -> None:
         """args: ctypes values (c_void_p for pointers, c_int for ints), in the kernel's parameter order. pdl: launched

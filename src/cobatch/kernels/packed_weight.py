@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cobatch.kernels import gemv_chain, quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
+from cobatch.kernels import quant_gemm, quant_gemm_cuda, quant_gemv, quant_matmul, quant_pack
 from cobatch.kernels.activation import gated_mul_triton
 from cobatch.kernels.matmul_plans import DEQUANT_CUBLAS, MatmulPlan, load_plan, uses_gemv
 from cobatch.kernels.operand_order import NATURAL, order_of
@@ -137,8 +137,6 @@ class PackedWeight:
                 self.resident_dense = dequantize_planes(planes, torch.empty(w.rows, w.cols, dtype=dtype,
                                                                             device=device))
             reserve_scratch(device, plan, planes.rows_pad, w.rows, w.cols, dense=not resident)
-            if gate_up_interleaved:
-                gemv_chain.reserve_mlp_scratch(device)       # COBATCH_CHAIN_MLP's counters, where it is set
         return self
 
     def narrow_upto(self) -> int:

@@ -20,7 +20,7 @@
 // SM for the register budget), WREG (the weights loaded from global memory straight into registers, 1 or 2 stages
 // ahead: the ring carries x only), L2PF (with WREG: the quant bytes L2PF stages further ahead prefetched into
 // L2), and the host's pieces: wgmma_bn() (the wgmma of BN tokens), the GEMV's dequantization PTX
-// (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4) and the helpers shared with gemv_chain.cu (cuda_common.cuh).
+// (ASM_DEQUANT_Q8, ASM_DEQUANT_Q4) and the helpers shared with mla_decode_cuda.cu (cuda_common.cuh).
 
 #if FMT                                      // q4_1 and q4_K (q4_1's planes): 64 columns a chunk, two 32-blocks
 #define BLOCKS 2

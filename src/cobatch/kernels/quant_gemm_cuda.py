@@ -37,7 +37,7 @@ from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit,
 TOKEN_TILES = (16, 32, 64, 128)
 FORMATS = (quant_pack.Q8_0, quant_pack.Q4_1)     # q4_K's fragment planes are q4_1's
 SOURCE = Path(__file__).with_suffix(".cu")
-COMMON = Path(__file__).with_name("cuda_common.cuh")   # device helpers shared with gemv_chain.cu
+COMMON = Path(__file__).with_name("cuda_common.cuh")   # device helpers shared with the other CUDA C++ kernels
 SMEM_LIMIT = 227 * 1024
 OUT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
