@@ -239,10 +239,10 @@ def from_fragment_order(frag: torch.Tensor, fmt_id: int) -> torch.Tensor:
 # ASM_FP4) takes them in the fewest instructions. A word holds f16x2 operands whose half 0 comes from fragment
 # byte b and half 1 from byte b + 2; each value belongs at f16's sign bit 15 and the bits below its exponent's
 # top (bits 13..7 for an e4m3 byte, 11..9 for an e2m1 code). Operand 0's values are stored there already, the
-# others where one shift, or two and a mask, put them.
+# others where one shift, or two and a mask (NVFP4's last two: one multiply by two powers of 2), put them.
 # DECODE_SLOTS[fmt][operand] = (bit of the value's low field, bit of its sign) for half 0 (half 1: 16 higher).
 # FP8: operand b & 1 is byte b (bits 0..6 the field, 7 the sign): 5 instructions a word where bytes in place took 7.
-# NVFP4: operand (b & 1) + 2 nibble is a code (bits 0..2 e1 e0 m, 3 the sign): 11 where codes in place took 15.
+# NVFP4: operand (b & 1) + 2 nibble is a code (bits 0..2 e1 e0 m, 3 the sign): 9 where codes in place took 15.
 DECODE_SLOTS = {FP8_E4M3: ((7, 15), (0, 14)), NVFP4: ((9, 15), (6, 12), (0, 13), (3, 14))}
 
 
