@@ -49,46 +49,6 @@ static __device__ __forceinline__ u32 broadcast_hi(u32 pair) {     // (a, b) -> 
     return r;
 }
 
-#ifdef ASM_DEQUANT_Q8
-// A 32-column q8_0 chunk of one 16-row tile (the lane's 16 fragment-order bytes q, its rows' f16 scale pair) -> the
-// mma.sync / wgmma A operands (k16 half h in registers 4 h .. 4 h + 3: rows g, g + 8 of the words 2 h and 2 h + 1)
-static __device__ __forceinline__ void dequant_q8_chunk(const uint4 q, u32 scales, u32 (&a)[8]) {
-    const u32 s_g = broadcast_lo(scales), s_g8 = broadcast_hi(scales);
-    dequant_q8(q.x, s_g, s_g8, a[0], a[1]);
-    dequant_q8(q.y, s_g, s_g8, a[2], a[3]);
-    dequant_q8(q.z, s_g, s_g8, a[4], a[5]);
-    dequant_q8(q.w, s_g, s_g8, a[6], a[7]);
-}
-#endif
-
-#ifdef ASM_DEQUANT_Q4
-// One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
-// its high block (the high nibbles, used in place as 16 q: their scales come in divided by 16), rows g and g + 8:
-// each nibble under 0x64 (1024 + q as f16), minus 1024 exactly, times d plus m: quant_gemv.ASM_NIB_AFFINE, which
-// the host defines as ASM_DEQUANT_Q4.
-static __device__ __forceinline__ void dequant_q4(u32 word, const u32 (&sc)[8], u32& lo_g, u32& lo_g8, u32& hi_g,
-                                                  u32& hi_g8) {
-    asm(ASM_DEQUANT_Q4
-        : "=r"(lo_g), "=r"(lo_g8), "=r"(hi_g), "=r"(hi_g8)
-        : "r"(word), "r"(sc[0]), "r"(sc[1]), "r"(sc[2]), "r"(sc[3]), "r"(sc[4]), "r"(sc[5]), "r"(sc[6]), "r"(sc[7]));
-}
-
-// A 64-column chunk of one 16-row tile (the lane's 16 fragment-order bytes q, its lane group's sides sc) -> the
-// mma.sync / wgmma A operands of its low and high 32-column blocks (per block: k16 half h in registers 4 h .. 4 h + 3,
-// rows g and g + 8 of the words 2 h and 2 h + 1)
-static __device__ __forceinline__ void dequant_q4_chunk(const uint4 q, const uint4 sc, u32 (&lo)[8], u32 (&hi)[8]) {
-    // the lane group's (d, m) x (low, high block) x (row g, g + 8): the high block's d divided by 16 (exact)
-    u32 d_hi16;
-    asm("{\n .reg .b32 k;\n mov.b32 k, 0x2C002C00;\n mul.rn.f16x2 %0, %1, k;\n}" : "=r"(d_hi16) : "r"(sc.y));
-    const u32 f[8] = {broadcast_lo(sc.x), broadcast_hi(sc.x), broadcast_lo(d_hi16), broadcast_hi(d_hi16),
-                      broadcast_lo(sc.z), broadcast_hi(sc.z), broadcast_lo(sc.w), broadcast_hi(sc.w)};
-    dequant_q4(q.x, f, lo[0], lo[1], hi[0], hi[1]);
-    dequant_q4(q.y, f, lo[2], lo[3], hi[2], hi[3]);
-    dequant_q4(q.z, f, lo[4], lo[5], hi[4], hi[5]);
-    dequant_q4(q.w, f, lo[6], lo[7], hi[6], hi[7]);
-}
-#endif
-
 // shared memory, mbarriers and bulk copies (the producer / consumer rings)
 static __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;

@@ -47,13 +47,36 @@ typedef u32 side_t;
 #define STAGE_BYTES (QS_BYTES + D_BYTES + X_BYTES)
 #define NACC (BN / 2)                        // accumulators a thread holds per 64-row block
 
+// One word of a 4-bit chunk (q4_1's planes: q4_1 and q4_K) -> the operands of its low block (the low nibbles) and
+// its high block (the high nibbles, used in place as 16 q: their scales come in divided by 16), rows g and g + 8:
+// each nibble under 0x64 (1024 + q as f16), minus 1024 exactly, times d plus m: quant_gemv.ASM_NIB_AFFINE, which
+// the host defines as ASM_DEQUANT_Q4.
+static __device__ __forceinline__ void dequant_q4(u32 word, const u32 (&sc)[8], u32& lo_g, u32& lo_g8, u32& hi_g,
+                                                  u32& hi_g8) {
+    asm(ASM_DEQUANT_Q4
+        : "=r"(lo_g), "=r"(lo_g8), "=r"(hi_g), "=r"(hi_g8)
+        : "r"(word), "r"(sc[0]), "r"(sc[1]), "r"(sc[2]), "r"(sc[3]), "r"(sc[4]), "r"(sc[5]), "r"(sc[6]), "r"(sc[7]));
+}
+
 // A chunk of one 16-row tile -> the wgmma A operands of its BLOCKS 32-column blocks (per block: k16 half h in
 // registers 4 h .. 4 h + 3: rows g, g + 8 of the words 2 h and 2 h + 1)
 static __device__ __forceinline__ void dequant_chunk(const uint4 q, const side_t sc, u32 (&a)[BLOCKS][8]) {
 #if FMT
-    dequant_q4_chunk(q, sc, a[0], a[1]);
+    // the lane group's (d, m) x (low, high block) x (row g, g + 8): the high block's d divided by 16 (exact)
+    u32 d_hi16;
+    asm("{\n .reg .b32 k;\n mov.b32 k, 0x2C002C00;\n mul.rn.f16x2 %0, %1, k;\n}" : "=r"(d_hi16) : "r"(sc.y));
+    const u32 f[8] = {broadcast_lo(sc.x), broadcast_hi(sc.x), broadcast_lo(d_hi16), broadcast_hi(d_hi16),
+                      broadcast_lo(sc.z), broadcast_hi(sc.z), broadcast_lo(sc.w), broadcast_hi(sc.w)};
+    dequant_q4(q.x, f, a[0][0], a[0][1], a[1][0], a[1][1]);
+    dequant_q4(q.y, f, a[0][2], a[0][3], a[1][2], a[1][3]);
+    dequant_q4(q.z, f, a[0][4], a[0][5], a[1][4], a[1][5]);
+    dequant_q4(q.w, f, a[0][6], a[0][7], a[1][6], a[1][7]);
 #else
-    dequant_q8_chunk(q, sc, a[0]);
+    const u32 s_g = broadcast_lo(sc), s_g8 = broadcast_hi(sc);
+    dequant_q8(q.x, s_g, s_g8, a[0][0], a[0][1]);
+    dequant_q8(q.y, s_g, s_g8, a[0][2], a[0][3]);
+    dequant_q8(q.z, s_g, s_g8, a[0][4], a[0][5]);
+    dequant_q8(q.w, s_g, s_g8, a[0][6], a[0][7]);
 #endif
 }
 

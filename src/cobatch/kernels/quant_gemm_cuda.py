@@ -37,7 +37,7 @@ from cobatch.kernels.triton_support import gdc_launch_dependents, gdc_wait, jit,
 TOKEN_TILES = (16, 32, 64, 128)
 FORMATS = (quant_pack.Q8_0, quant_pack.Q4_1)     # q4_K's fragment planes are q4_1's
 SOURCE = Path(__file__).with_suffix(".cu")
-COMMON = Path(__file__).with_name("cuda_common.cuh")   # device helpers shared with the other CUDA C++ kernels
+COMMON = Path(__file__).with_name("cuda_common.cuh")   # device helpers shared with mla_decode_cuda.cu
 SMEM_LIMIT = 227 * 1024
 OUT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -79,7 +79,7 @@ class CudaGemmConfig:
 
     def stage_bytes(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
         tiles = 0 if self.WREG else 4 * self.WG * self.RB
-        blocks, side = BLOCKS_SIDE[fmt_id]
+        blocks, side = _BLOCKS_SIDE[fmt_id]
         return tiles * self.CH * (512 + side) + self.CH * blocks * bn * 64
 
     def stages(self, bn: int, fmt_id: int = quant_pack.Q8_0) -> int:
@@ -98,7 +98,7 @@ class CudaGemmConfig:
 
 
 # per format: (32-column blocks a chunk, bytes of a 16-row tile's chunk of scale data)
-BLOCKS_SIDE = {quant_pack.Q8_0: (1, 32), quant_pack.Q4_1: (2, 128)}
+_BLOCKS_SIDE = {quant_pack.Q8_0: (1, 32), quant_pack.Q4_1: (2, 128)}
 
 
 def wgmma_source(bn: int) -> str:
