@@ -377,6 +377,53 @@ def test_typical_sampling_matches_its_definition(temperature, typical_p):
     assert_matches_distribution(draw_many(SMALL_LOGITS, params), expected)
 
 
+def reference_dynamic_temperature(logits: list[float], kept: list[int], temperature: float, spread: float,
+                                  exponent: float) -> list[float]:
+    """llama.cpp's temp-ext sampler (dynatemp) as its source reads, on the tokens `kept` by the filters before it:
+    entropy of their softmax (untempered) over its maximum ln n, mapped into [max(0, T - spread), T + spread] by
+    the power `exponent`; the kept tokens' logits divided by that temperature."""
+    low, high = max(0.0, temperature - spread), temperature + spread
+    weights = [math.exp(logits[i]) for i in kept]
+    probs = [w / sum(weights) for w in weights]
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    dynamic = low + (high - low) * (entropy / math.log(len(kept))) ** exponent
+    scaled = {i: math.exp(logits[i] / dynamic) for i in kept}
+    return [scaled[i] / sum(scaled.values()) if i in scaled else 0.0 for i in range(len(logits))]
+
+
+@pytest.mark.parametrize("temperature, spread, exponent, top_k", [(1.0, 0.5, 1.0, 0), (0.8, 0.8, 2.0, 0),
+                                                                  (1.0, 0.6, 0.5, 4)])
+def test_dynamic_temperature_matches_llama_cpp_definition(temperature, spread, exponent, top_k):
+    params = SamplingParams(temperature=temperature, dynatemp_range=spread, dynatemp_exponent=exponent, top_k=top_k)
+    kept = sorted(range(len(SMALL_LOGITS)), key=lambda i: -SMALL_LOGITS[i])[:top_k or len(SMALL_LOGITS)]
+    expected = reference_dynamic_temperature(SMALL_LOGITS, kept, temperature, spread, exponent)
+    # the test means something: the dynamic temperature moves the distribution away from plain T
+    plain = reference_probs(SMALL_LOGITS, temperature, top_k=top_k)
+    assert max(abs(a - b) for a, b in zip(expected, plain)) > 0.02
+    assert_matches_distribution(draw_many(SMALL_LOGITS, params), expected)
+
+
+def test_dynamic_temperature_near_zero_keeps_the_likeliest_and_skips_other_rows():
+    # T = range puts the low end at 0; a large exponent maps this row's entropy (0.92 of its maximum) to
+    # T' ~ 0.01, so the likeliest token is drawn every time, where T = 0.5 alone draws another one 29 % of the time
+    flat = [1.0, 0.0, 0.0, 0.0]
+    tokens = draw_many(flat, SamplingParams(temperature=0.5, dynatemp_range=0.5, dynatemp_exponent=50.0), n=500)
+    assert set(tokens.tolist()) == {0}
+    assert set(draw_many(flat, SamplingParams(temperature=0.5), n=500).tolist()) == {0, 1, 2, 3}
+    # entropy 0 in float32 (the others' probabilities underflow): T' = 0 keeps the likeliest alone, no NaN
+    peaked = torch.tensor([[200.0, 0.0, -1.0, -math.inf]])
+    rows = [SampleRow(SamplingParams(temperature=0.5, dynatemp_range=0.5), 1, 0, (), ())]
+    out = sampler_module._dynamic_temperature(peaked, peaked * 2, rows, [True])
+    assert out.tolist() == [[0.0, -math.inf, -math.inf, -math.inf]]
+    # in one batch, a row without dynatemp draws exactly what it draws alone
+    logits = torch.tensor([SMALL_LOGITS, SMALL_LOGITS], dtype=torch.float32)
+    plain, dynamic = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, dynatemp_range=0.9)
+    for step in range(50):
+        mixed = Sampler()(logits, [SampleRow(plain, 7, step, (), ()), SampleRow(dynamic, 8, step, (), ())])
+        alone = Sampler()(logits[:1], [SampleRow(plain, 7, step, (), ())])
+        assert mixed.token_ids[0] == alone.token_ids[0]
+
+
 def test_xtc_removes_the_top_choices_on_the_steps_its_coin_picks():
     probs = reference_probs(SMALL_LOGITS, 1.0)
     assert sum(p >= 0.1 for p in probs) >= 3                        # several top choices to remove
@@ -590,6 +637,7 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5), ("typical_p", 0.0), ("typical_p", 1.2),
     ("xtc_probability", -0.1), ("xtc_probability", 1.5), ("xtc_threshold", -0.1), ("xtc_threshold", 1.1),
     ("mirostat", 3), ("mirostat", True), ("mirostat_tau", -1.0), ("mirostat_eta", 2.0),
+    ("dynatemp_range", -0.1), ("dynatemp_range", math.inf), ("dynatemp_exponent", -1.0),
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 257), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),

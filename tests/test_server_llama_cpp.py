@@ -122,6 +122,13 @@ def test_typical_and_xtc_samplers(server):
     assert narrow == post(server, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0}).json()["content"]
     bad = post(server, "/completion", {"prompt": PROMPT, "typical_p": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "typical_p"
+    # dynamic temperature: T' in [0, 2 T] by the step's entropy, drawn reproducibly by seed; refused below 0
+    assert (params["dynatemp_range"], params["dynatemp_exponent"]) == (0.0, 1.0)
+    hot = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.0, "dynatemp_range": 1.0, "dynatemp_exponent": 0.5,
+           "seed": 5}
+    assert post(server, "/completion", hot).json()["content"] == post(server, "/completion", hot).json()["content"]
+    bad = post(server, "/completion", {"prompt": PROMPT, "dynatemp_range": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dynatemp_range"
 
 
 def test_dry_breaks_a_repeat(server):

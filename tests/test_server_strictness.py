@@ -57,21 +57,25 @@ def test_unimplemented_field_is_400_naming_it(oai, extra):
 def test_neutral_values_are_documented_no_ops(server, oai):
     out = oai.chat.completions.create(model="smol", messages=QUESTION, max_tokens=2, extra_body={
         "typical_p": 1.0, "use_beam_search": False, "dry_multiplier": 0, "dry_base": 1.75, "xtc_probability": 0,
-        "mirostat": 0})
+        "mirostat": 0, "dynatemp_range": 0, "dynatemp_exponent": 1.0})
     assert out.choices[0].finish_reason == "length"
     r = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 2, "use_beam_search": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    # a sampler's parameter with the sampler off passes where the sampler is not implemented
+    r = httpx.post(server.url + "/v1/messages", json={"model": "smol", "messages": QUESTION, "max_tokens": 2,
+                                                      "dynatemp_range": 0, "dynatemp_exponent": 2.0})
+    assert r.status_code == 200, r.text
 
 
 def test_a_field_one_endpoint_implements_is_refused_by_the_others(server):
-    """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p, XTC, DRY and
-    mirostat its own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion
+    """vLLM's prompt_logprobs is the OpenAI routes' (tests/test_server.py), llama.cpp's typical_p, XTC, DRY,
+    mirostat and dynatemp its own and the OpenAI routes' (tests/test_sampler.py, tests/test_dry.py); llama.cpp's /completion
     refuses the first, Anthropic's /v1/messages all of them, rather than ignore them."""
     messages = ("/v1/messages", {"model": "smol", "messages": QUESTION, "max_tokens": 2})
     for (path, body), extra in ((("/completion", {"prompt": "Hi", "n_predict": 2}), {"prompt_logprobs": 1}),
                                 (messages, {"prompt_logprobs": 1}), (messages, {"typical_p": 0.5}),
                                 (messages, {"xtc_probability": 0.5}), (messages, {"dry_multiplier": 0.8}),
-                                (messages, {"mirostat": 2})):
+                                (messages, {"mirostat": 2}), (messages, {"dynatemp_range": 0.5})):
         r = httpx.post(server.url + path, json={**body, **extra})
         (name, _), = extra.items()
         assert r.status_code == 400 and name in r.text, (path, name)

@@ -91,7 +91,9 @@ LLAMA_CPP_SAMPLER_FLAGS = ((("--typical", "--typical-p"), "typical_p", float),
                            (("--dry-allowed-length",), "dry_allowed_length", int),
                            (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
                            (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
-                           (("--mirostat-lr",), "mirostat_eta", float))
+                           (("--mirostat-lr",), "mirostat_eta", float),
+                           (("--dynatemp-range",), "dynatemp_range", float),
+                           (("--dynatemp-exp",), "dynatemp_exponent", float))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -571,7 +573,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
                         "(temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold, "
                         "dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, mirostat, mirostat_tau, "
-                        "mirostat_eta, repetition_penalty, seed, max_new_tokens; the flags above win over it)")
+                        "mirostat_eta, dynatemp_range, dynatemp_exponent, repetition_penalty, seed, max_new_tokens; "
+                        "the flags above win over it)")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step, so running streams keep going")

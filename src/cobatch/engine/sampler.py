@@ -14,7 +14,8 @@ token on CPU and CUDA except at float32-level near-ties.
 Pipeline per row: raw logits -> penalties (repetition, presence, frequency, then DRY) -> logit bias -> allowed
 tokens, grammar mask and bans -> (greedy: argmax) | (temperature -> top-n-sigma -> top-k -> top-p over the
 top-k-renormalized distribution -> min-p relative to the most likely token -> typical-p -> XTC, or mirostat in
-their place -> Gumbel-max). logprobs are always of the raw logits (no penalties, no temperature).
+their place -> dynamic temperature -> Gumbel-max). logprobs are always of the raw logits (no penalties, no
+temperature).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class SamplingParams:
     mirostat: int = 0                 # 0 -> off
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # llama.cpp's dynamic temperature (its temp-ext sampler): after the filters, the tokens left are tempered by
+    # T' in [max(0, T - dynatemp_range), T + dynatemp_range], placed by their entropy (_dynamic_temperature)
+    dynatemp_range: float = 0.0       # 0 -> off
+    dynatemp_exponent: float = 1.0
     seed: int | None = None           # None -> resolved_seed() draws one per request
     repetition_penalty: float = 1.0   # HF/llama.cpp: logit>0 ? logit/p : logit*p over prompt+output tokens
     presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
@@ -113,6 +118,8 @@ class SamplingParams:
         _check_int("mirostat", self.mirostat, "0 (off), 1 or 2", lambda v: v in (0, 1, 2))
         _check_real("mirostat_tau", self.mirostat_tau, "in [0, 100]", lambda v: 0 <= v <= 100)
         _check_real("mirostat_eta", self.mirostat_eta, "in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_real("dynatemp_range", self.dynatemp_range, ">= 0 (0 means off)", lambda v: v >= 0)
+        _check_real("dynatemp_exponent", self.dynatemp_exponent, ">= 0", lambda v: v >= 0)
         breakers = self.dry_sequence_breakers
         if not (isinstance(breakers, tuple) and len(breakers) <= MAX_BREAKERS
                 and all(isinstance(b, str) and 0 < len(b) <= MAX_BREAKER_CHARS for b in breakers)):
@@ -638,6 +645,33 @@ def _xtc_threshold(row: SampleRow) -> float:
     return p.xtc_threshold if row_uniform(row.seed, row.step, XTC_STREAM) < p.xtc_probability else math.inf
 
 
+def _dynamic_temperature(logits: torch.Tensor, filtered: torch.Tensor, rows: list[SampleRow],
+                         dynamic: list[bool]) -> torch.Tensor:
+    """llama.cpp's dynamic temperature on the `dynamic` rows of `filtered` (their scores after the filters, at the
+    base temperature T; -inf: removed): the n tokens left are tempered anew by T' = lo + (hi - lo) * (H / ln n) **
+    dynatemp_exponent, where lo = max(0, T - dynatemp_range), hi = T + dynatemp_range and H is the entropy of the
+    softmax of their untempered `logits`. So a confident step draws cooler, a flat one hotter. A row with one token
+    left keeps it; T' = 0 keeps the likeliest (llama.cpp's temperature 0). Other rows pass through."""
+    device = logits.device
+    kept = filtered > -math.inf
+    raw = torch.where(kept, temper_ref(logits, torch.ones(len(rows), device=device)), -math.inf)
+    log_p = torch.log_softmax(raw, dim=-1)
+    entropy = -torch.where(kept, log_p.exp() * log_p, 0.0).sum(dim=-1)
+    count = kept.sum(dim=-1)
+    normalized = entropy / torch.log(count.clamp_min(2).float())
+    base = to_device([r.params.temperature for r in rows], torch.float32, device)
+    spread = to_device([r.params.dynatemp_range for r in rows], torch.float32, device)
+    exponent = to_device([r.params.dynatemp_exponent for r in rows], torch.float32, device)
+    low = (base - spread).clamp_min(0.0)
+    temperature = (low + (base + spread - low) * normalized.pow(exponent))[:, None]
+    # from the row's largest value down, so that a tiny T' sends the others to -inf, never to NaN or +inf
+    shifted = raw - raw.max(dim=-1, keepdim=True).values
+    tempered = torch.where(temperature > 0, shifted / temperature.clamp_min(1e-30),
+                           torch.where(shifted == 0, 0.0, -math.inf))
+    retempered = torch.where((count > 1)[:, None], tempered, filtered)
+    return torch.where(to_device(dynamic, torch.bool, device)[:, None], retempered, filtered)
+
+
 # --- the sampler -------------------------------------------------------------------------------------
 
 class Sampler:
@@ -702,11 +736,14 @@ class Sampler:
                        min_p=[r.params.min_p for r in rows], typical_p=[r.params.typical_p for r in rows],
                        xtc_threshold=[_xtc_threshold(r) for r in rows],
                        top_n_sigma=[r.params.top_n_sigma for r in rows])
-        if not mirostat and not filters_apply(logits.shape[1], **filters):
+        dynamic = [r.params.dynatemp_range > 0 and not r.params.mirostat for r in rows]
+        if not mirostat and not any(dynamic) and not filters_apply(logits.shape[1], **filters):
             # temperature alone (the chat APIs' default): tempered in the pick's own pass over the logits
             return ops.gumbel_tokens(logits, row_keys, token_keys, greedy, inverse_temperature), None
         scores = temper_ref(logits, inverse_temperature)
         filtered = filter_logits(scores, **filters) if len(mirostat) < len(rows) else scores
+        if any(dynamic):
+            filtered = _dynamic_temperature(logits, filtered, rows, dynamic)
         if mirostat:
             mu = to_device([_mu(r) for r in rows], torch.float32, device)
             if pending_mu is not None:          # the state the step before left on the device, where it left one

@@ -123,6 +123,8 @@ def _defaults(ctx: ServerContext) -> dict:
                        "dry_penalty_last_n": sampling.get("dry_penalty_last_n", -1),
                        "mirostat": sampling.get("mirostat", 0), "mirostat_tau": sampling.get("mirostat_tau", 5.0),
                        "mirostat_eta": sampling.get("mirostat_eta", 0.1),
+                       "dynatemp_range": sampling.get("dynatemp_range", 0.0),
+                       "dynatemp_exponent": sampling.get("dynatemp_exponent", 1.0),
                        "seed": sampling.get("seed", d.seed), "repeat_penalty": sampling.get("repetition_penalty", 1.0),
                        "stop": d.stop}}
 

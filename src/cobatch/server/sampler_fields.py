@@ -1,5 +1,5 @@
-"""llama.cpp's samplers as request fields (engine/sampler.py, engine/dry.py): typical-p, top-n-sigma, XTC, DRY and
-mirostat, with llama.cpp's names. The OpenAI routes' requests and llama.cpp's /completion inherit them from here, so
+"""llama.cpp's samplers as request fields (engine/sampler.py, engine/dry.py): typical-p, top-n-sigma, XTC, DRY,
+mirostat and dynamic temperature, with llama.cpp's names. The OpenAI routes' requests and llama.cpp's /completion inherit them from here, so
 both validate them alike; unset (None), a field takes the server's default, else SamplingParams' own."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class LlamaCppSamplers(BaseModel):
     mirostat: int | None = Field(None, ge=0, le=2, description="0: off; 1 or 2: mirostat in place of top-k ... XTC")
     mirostat_tau: float | None = Field(None, ge=0, le=100)
     mirostat_eta: float | None = Field(None, ge=0, le=1)
+    dynatemp_range: float | None = Field(None, ge=0, description="0: off")
+    dynatemp_exponent: float | None = Field(None, ge=0)
 
     def sampler_fields(self) -> dict[str, Any]:
         """These fields as SamplingParams takes them (None: unset)."""

@@ -3,7 +3,7 @@ vLLM answers) and sampling fields it does not implement (400 naming the field; a
 declares one of them implements it there).
 
 A refused field left at its neutral value (typical_p 1, mirostat 0, dry_multiplier 0, xtc_probability 0,
-use_beam_search false) is a documented no-op and passes: clients that send every knob at its default work.
+dynatemp_range 0, use_beam_search false) is a documented no-op and passes: clients that send every knob at its default work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False, "typical_p": 1.0, "mirostat": 0, "mirostat_mode": 0, "mirostat_tau": None,
     "mirostat_eta": None, "dry_multiplier": 0.0, "dry_base": None, "dry_allowed_length": None,
     "dry_penalty_last_n": None, "dry_sequence_breakers": None, "xtc_probability": 0.0, "xtc_threshold": None,
-    "prompt_logprobs": None,
+    "prompt_logprobs": None, "dynatemp_range": 0.0, "dynatemp_exponent": None,
 }
 
 
@@ -30,14 +30,15 @@ def refuse_unsupported(given: dict, implemented=()) -> None:
             continue
         if value is None or (neutral is not None and value == neutral):
             continue
-        if name.startswith(("dry_", "mirostat_", "xtc_")) and _family_off(given, name):
+        if name.startswith(("dry_", "mirostat_", "xtc_", "dynatemp_")) and _family_off(given, name):
             continue              # a parameter of a sampler left off (e.g. dry_base with dry_multiplier 0)
         raise bad_request(f"{name} is not supported by this server (remove it, or set it to its neutral value"
                           f"{f' {neutral!r}' if neutral is not None else ''})", param=name)
 
 
 def _family_off(given: dict, name: str) -> bool:
-    switch = {"dry_": "dry_multiplier", "mirostat_": "mirostat", "xtc_": "xtc_probability"}
+    switch = {"dry_": "dry_multiplier", "mirostat_": "mirostat", "xtc_": "xtc_probability",
+              "dynatemp_": "dynatemp_range"}
     key = next(v for k, v in switch.items() if name.startswith(k))
     if key == "mirostat" and given.get("mirostat_mode") not in (None, 0):
         return False
