@@ -177,6 +177,34 @@ def test_penalties_match_hand_computation():
     torch.testing.assert_close(apply_penalties(logits, rows), expected, rtol=0, atol=1e-6)
 
 
+def test_penalties_over_the_last_tokens_match_hand_computation():
+    """repeat_last_n (llama.cpp's penalty_last_n): all three penalties count the window's tokens, prompt ones too;
+    0 turns them off; a pending token (on the device) is the window's last."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]] * 3)
+    params = dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    rows = [
+        # the last 4 of prompt [0, 1, 2] + output [3, 3, 4]: 2, 3, 3, 4 (0 and 1 fall out)
+        make_row(SamplingParams(repeat_last_n=4, **params), prompt_ids=[0, 1, 2], output_ids=[3, 3, 4]),
+        make_row(SamplingParams(repeat_last_n=0, **params), prompt_ids=[0, 1, 2], output_ids=[3, 3, 4]),
+        # the last 2 of the prompt [5, 2, 2]: token 2 counted twice, from the prompt
+        make_row(SamplingParams(repeat_last_n=2, **params), prompt_ids=[5, 2, 2], output_ids=[]),
+    ]
+    expected = torch.tensor([
+        # token 2: 0.5/2 - 0.25 - 0.5; token 3: -0.5*2 - 0.5 - 0.5; token 4: 3/2 - 0.25 - 0.5
+        [2.0, -1.0, -0.5, -2.0, 0.75, 0.0],
+        [2.0, -1.0, 0.5, -0.5, 3.0, 0.0],
+        # token 2: 0.5/2 - 0.5 - 0.5
+        [2.0, -1.0, -0.75, -0.5, 3.0, 0.0],
+    ])
+    torch.testing.assert_close(apply_penalties(logits, rows), expected, rtol=0, atol=1e-6)
+    # with the step's last token pending on the device (4 for the first row), the host's window is one shorter:
+    # 3, 3, 4 and the pending 4
+    pending = torch.tensor([4, 0, 0])
+    first = apply_penalties(logits[:1], rows[:1], pending[:1])
+    # token 3: -0.5*2 - 0.5 - 0.5; token 4: 3/2 - 0.5 - 0.5; token 2 out of the window
+    torch.testing.assert_close(first, torch.tensor([[2.0, -1.0, 0.5, -2.0, 0.5, 0.0]]), rtol=0, atol=1e-6)
+
+
 def test_penalty_changes_the_greedy_choice():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
@@ -639,6 +667,7 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("mirostat", 3), ("mirostat", True), ("mirostat_tau", -1.0), ("mirostat_eta", 2.0),
     ("dynatemp_range", -0.1), ("dynatemp_range", math.inf), ("dynatemp_exponent", -1.0),
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("repeat_last_n", -2), ("repeat_last_n", 1.5),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 257), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
     ("logprobs", -1), ("logprobs", MAX_TOP_LOGPROBS + 1), ("prompt_logprobs", -1), ("prompt_logprobs", 1.5),

@@ -129,6 +129,13 @@ def test_typical_and_xtc_samplers(server):
     assert post(server, "/completion", hot).json()["content"] == post(server, "/completion", hot).json()["content"]
     bad = post(server, "/completion", {"prompt": PROMPT, "dynatemp_range": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dynatemp_range"
+    # repeat_last_n: llama.cpp's window of 64 by default; 0 turns the penalties off
+    assert params["repeat_last_n"] == 64
+    greedy = {"prompt": "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,", "n_predict": 4, "temperature": 0}
+    plain = post(server, "/completion", greedy).json()["content"]
+    assert plain.startswith(" 4")
+    assert not post(server, "/completion", {**greedy, "repeat_penalty": 3.0}).json()["content"].startswith(" 4")
+    assert post(server, "/completion", {**greedy, "repeat_penalty": 3.0, "repeat_last_n": 0}).json()["content"] == plain
 
 
 def test_dry_breaks_a_repeat(server):

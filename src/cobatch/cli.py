@@ -92,6 +92,7 @@ LLAMA_CPP_SAMPLER_FLAGS = ((("--typical", "--typical-p"), "typical_p", float),
                            (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
                            (("--mirostat",), "mirostat", int), (("--mirostat-ent",), "mirostat_tau", float),
                            (("--mirostat-lr",), "mirostat_eta", float),
+                           (("--repeat-last-n",), "repeat_last_n", int),
                            (("--dynatemp-range",), "dynatemp_range", float),
                            (("--dynatemp-exp",), "dynatemp_exponent", float))
 
@@ -573,7 +574,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
                         "(temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold, "
                         "dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, mirostat, mirostat_tau, "
-                        "mirostat_eta, dynatemp_range, dynatemp_exponent, repetition_penalty, seed, max_new_tokens; "
+                        "mirostat_eta, repeat_last_n, dynatemp_range, dynatemp_exponent, repetition_penalty, seed, "
+                        "max_new_tokens; "
                         "the flags above win over it)")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,

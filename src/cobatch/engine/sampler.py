@@ -83,6 +83,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # HF/llama.cpp: logit>0 ? logit/p : logit*p over prompt+output tokens
     presence_penalty: float = 0.0     # OpenAI: logit -= presence * (count>0), over output tokens
     frequency_penalty: float = 0.0    # OpenAI: logit -= frequency * count, over output tokens
+    # llama.cpp's penalty_last_n: n > 0, the three penalties above count the last n tokens of prompt and output
+    # alike (llama.cpp's); -1, the whole prompt and output for repetition and the output for the others (vLLM's);
+    # 0, no penalties
+    repeat_last_n: int = -1
     max_tokens: int = 256
     min_tokens: int = 0               # vLLM: no end of turn (nor stop_token_ids) before this many tokens
     stop_token_ids: tuple[int, ...] = ()
@@ -128,6 +132,8 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, "an integer or None", lambda v: True)
         _check_real("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)", lambda v: v > 0)
+        _check_int("repeat_last_n", self.repeat_last_n, ">= -1 (-1: the whole context, 0: no penalties)",
+                   lambda v: v >= -1)
         bound = MAX_ABS_OPENAI_PENALTY
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name), f"in [-{bound}, {bound}]", lambda v: abs(v) <= bound)
@@ -262,8 +268,13 @@ def _padded_ids(id_lists: list[Sequence[int]], pad: int, device: torch.device) -
 
 def needs_penalties(params: SamplingParams) -> bool:
     """Does sampling read the row's tokens (repetition, presence, frequency or DRY penalties)?"""
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or uses_dry(params))
+    return uses_penalties(params) or uses_dry(params)
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    """Does a row take the repetition, presence or frequency penalty?"""
+    return params.repeat_last_n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                                          or params.frequency_penalty != 0.0)
 
 
 def reads_feedback(params: SamplingParams) -> bool:
@@ -346,7 +357,8 @@ def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> torc
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    """Repetition (prompt+output), then frequency and presence (output) penalties; float32 [B, V].
+    """Repetition (prompt+output), then frequency and presence (output) penalties; float32 [B, V]. A row with
+    repeat_last_n > 0 takes all three over its last repeat_last_n tokens of prompt and output instead.
 
     Token counts come from padded id tensors scattered on the device; the pad id V lands in an extra
     column that is dropped. Rows without penalties get neutral values (exactly the identity). `pending`: one
@@ -356,10 +368,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: to
     batch, vocab = logits.shape
     device = logits.device
     logits = logits.float()
-    uses_repetition = [r.params.repetition_penalty != 1.0 for r in rows]
-    uses_any = [needs_penalties(r.params) for r in rows]
-    # Only ship the ids a row's penalties actually read.
-    output_ids = _padded_ids([r.output_ids if use else () for r, use in zip(rows, uses_any)], vocab, device)
+    uses_any = [uses_penalties(r.params) for r in rows]
+    windowed = [use and r.params.repeat_last_n > 0 for r, use in zip(rows, uses_any)]
+    uses_repetition = [use and r.params.repetition_penalty != 1.0 and not window
+                       for r, use, window in zip(rows, uses_any, windowed)]
+    # Only ship the ids a row's penalties actually read: a windowed row's last tokens as its "output"
+    counted = [_last_tokens(r, pending is not None) if window else r.output_ids if use else ()
+               for r, use, window in zip(rows, uses_any, windowed)]
+    output_ids = _padded_ids(counted, vocab, device)
     output_counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=device)
     output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
     if pending is not None:
@@ -367,19 +383,33 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: to
     output_counts = output_counts[:, :vocab]
     output_seen = output_counts > 0
 
-    if any(uses_repetition):
+    if any(r.params.repetition_penalty != 1.0 for r, use in zip(rows, uses_any) if use):
         prompt_ids = _padded_ids([r.prompt_ids if use else () for r, use in zip(rows, uses_repetition)],
                                  vocab, device)
         seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, prompt_ids, True)
         seen = seen[:, :vocab] | output_seen
-        penalty = to_device([r.params.repetition_penalty for r in rows], torch.float32, device)[:, None]
+        penalty = to_device([r.params.repetition_penalty if use else 1.0 for r, use in zip(rows, uses_any)],
+                            torch.float32, device)[:, None]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
 
-    frequency = to_device([r.params.frequency_penalty for r in rows], torch.float32, device)[:, None]
-    presence = to_device([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
+    frequency = to_device([r.params.frequency_penalty if use else 0.0 for r, use in zip(rows, uses_any)],
+                          torch.float32, device)[:, None]
+    presence = to_device([r.params.presence_penalty if use else 0.0 for r, use in zip(rows, uses_any)],
+                         torch.float32, device)[:, None]
     return logits - (frequency * output_counts + presence * output_seen.float())
+
+
+def _last_tokens(row: SampleRow, pending: bool) -> list[int]:
+    """A windowed row's last repeat_last_n tokens of prompt and output, less one where the step's `pending` token
+    (on the device) is the last."""
+    take = row.params.repeat_last_n - int(pending)
+    if take <= 0:
+        return []
+    output = list(row.output_ids[-take:])
+    return list(row.prompt_ids[max(0, len(row.prompt_ids) - (take - len(output))):]) + output if len(output) < take \
+        else output
 
 
 def filters_apply(vocab: int, top_k: list[int], top_p: list[float], min_p: list[float],

@@ -250,7 +250,7 @@ def sampling_defaults(args) -> dict:
     from cobatch.errors import UserError
     names = ("temperature", "top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
              "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
-             "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "repetition_penalty", "seed", "max_tokens")
+             "mirostat_eta", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "repetition_penalty", "seed", "max_tokens")
     defaults = _generation_config(getattr(args, "override_generation_config", None), names)
     defaults.update({n: getattr(args, f"default_{n}") for n in names
                      if getattr(args, f"default_{n}", None) is not None})

@@ -63,7 +63,7 @@ class CompletionRequest(LlamaCppSamplers):
 
 
 # llama.cpp server's sampling defaults, for /completion and /infill fields neither the request nor serve sets
-LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64}
 
 
 class ExtraFile(BaseModel):
@@ -126,6 +126,7 @@ def _defaults(ctx: ServerContext) -> dict:
                        "dynatemp_range": sampling.get("dynatemp_range", 0.0),
                        "dynatemp_exponent": sampling.get("dynatemp_exponent", 1.0),
                        "seed": sampling.get("seed", d.seed), "repeat_penalty": sampling.get("repetition_penalty", 1.0),
+                       "repeat_last_n": sampling["repeat_last_n"],
                        "stop": d.stop}}
 
 

@@ -22,6 +22,8 @@ class LlamaCppSamplers(BaseModel):
     mirostat: int | None = Field(None, ge=0, le=2, description="0: off; 1 or 2: mirostat in place of top-k ... XTC")
     mirostat_tau: float | None = Field(None, ge=0, le=100)
     mirostat_eta: float | None = Field(None, ge=0, le=1)
+    repeat_last_n: int | None = Field(None, ge=-1, description="penalties over the last n tokens of prompt and "
+                                      "output; -1: vLLM's (repetition over all, presence and frequency the output); 0: off")
     dynatemp_range: float | None = Field(None, ge=0, description="0: off")
     dynatemp_exponent: float | None = Field(None, ge=0)
 
