@@ -1,6 +1,6 @@
 """llama.cpp's samplers as request fields (engine/sampler.py, engine/dry.py): typical-p, top-n-sigma, XTC, DRY,
-mirostat and dynamic temperature, with llama.cpp's names. The OpenAI routes' requests and llama.cpp's /completion inherit them from here, so
-both validate them alike; unset (None), a field takes the server's default, else SamplingParams' own."""
+mirostat, the penalties' window and dynamic temperature, with llama.cpp's names. The OpenAI routes' requests and
+llama.cpp's /completion inherit them from here, so both validate them alike; unset (None), a field takes the server's default, else SamplingParams' own."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class LlamaCppSamplers(BaseModel):
     mirostat_tau: float | None = Field(None, ge=0, le=100)
     mirostat_eta: float | None = Field(None, ge=0, le=1)
     repeat_last_n: int | None = Field(None, ge=-1, description="penalties over the last n tokens of prompt and "
-                                      "output; -1: vLLM's (repetition over all, presence and frequency the output); 0: off")
+                                      "output; -1: repetition over all, presence and frequency the output; 0: off")
     dynatemp_range: float | None = Field(None, ge=0, description="0: off")
     dynatemp_exponent: float | None = Field(None, ge=0)
 
