@@ -1,6 +1,7 @@
 """llama.cpp's samplers as request fields (engine/sampler.py, engine/dry.py): typical-p, top-n-sigma, XTC, DRY,
 mirostat, the penalties' window and dynamic temperature, with llama.cpp's names. The OpenAI routes' requests and
-llama.cpp's /completion inherit them from here, so both validate them alike; unset (None), a field takes the server's default, else SamplingParams' own."""
+llama.cpp's /completion inherit them from here, so both validate them alike; unset (None), a field takes the
+server's default, else SamplingParams' own."""
 
 from __future__ import annotations
 
