@@ -81,6 +81,16 @@ def test_a_field_one_endpoint_implements_is_refused_by_the_others(server):
         assert r.status_code == 400 and name in r.text, (path, name)
 
 
+def test_audio_output_is_refused_and_text_output_accepted(oai):
+    for extra in ({"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy", "format": "wav"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model="smol", messages=QUESTION, max_tokens=2, extra_body=extra)
+        (name, _), = extra.items()
+        assert err.value.body["param"].startswith(name), err.value.body
+    out = oai.chat.completions.create(model="smol", messages=QUESTION, max_tokens=2, modalities=["text"])
+    assert out.choices[0].message.content
+
+
 def test_a_final_assistant_message_is_continued(server, oai):
     system = {"role": "system", "content": "You are terse."}
     start = "The capital of France is"

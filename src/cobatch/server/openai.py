@@ -156,6 +156,9 @@ class ChatCompletionRequest(_SamplingBody):
     continue_final_message: bool = False
     add_generation_prompt: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=PROMPT_LOGPROBS)
+    # the server writes text only: a request for spoken output is refused rather than answered in text
+    modalities: list[Literal["text"]] | None = None
+    audio: None = Field(None, description="audio output is not supported")
 
 
 class CompletionRequest(_SamplingBody):
