@@ -250,6 +250,20 @@ def test_anthropic_messages_plain_streamed_and_count_tokens(claude):
     assert final.usage.cache_read_input_tokens > 0     # the second time, the prefix is cached
 
 
+def test_anthropic_text_document_reads_as_its_title_and_text(claude):
+    document = {"type": "document", "title": "Notes", "source": {"type": "text", "media_type": "text/plain",
+                                                                 "data": "The capital of France is Paris."}}
+    ask = {"type": "text", "text": "What does the note say?"}
+    as_document = claude.messages.count_tokens(model="any", messages=[{"role": "user", "content": [document, ask]}])
+    as_text = claude.messages.count_tokens(model="any", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Notes\n\nThe capital of France is Paris."}, ask]}])
+    assert as_document.input_tokens == as_text.input_tokens
+    blocks = {**document, "source": {"type": "content", "content": [{"type": "text", "text": "The capital of "
+                                                                                        "France is Paris."}]}}
+    assert claude.messages.count_tokens(model="any", messages=[
+        {"role": "user", "content": [blocks, ask]}]).input_tokens == as_text.input_tokens
+
+
 def test_anthropic_stream_event_sequence(server):
     body = {"model": "any", "max_tokens": 5, "messages": QUESTION, "stream": True, **GREEDY}
     with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
@@ -845,6 +859,12 @@ ERROR_CASES = [
                                                         "tool_choice": {"type": "maybe"}}, 400, None),
     ("anthropic server tool", "POST", MESSAGES, {**OK_MSG, "tools": [{"type": "web_search_20250305",
                                                                     "name": "web_search"}]}, 400, None),
+    ("anthropic remote MCP servers", "POST", MESSAGES, {**OK_MSG, "mcp_servers": [
+        {"type": "url", "url": "https://example.com/mcp", "name": "x"}]}, 400, None),
+    ("anthropic code container", "POST", MESSAGES, {**OK_MSG, "container": "container_1"}, 400, None),
+    ("anthropic PDF document", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}]}]},
+     400, None),
     ("anthropic empty content list", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": []}]},
      400, None),
     ("anthropic thinking budget not a number", "POST", MESSAGES,

@@ -57,6 +57,9 @@ class _Conversation(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # Anthropic-hosted features this server cannot give: refused when set (_refuse_hosted), not silently dropped
+    mcp_servers: list[Any] | None = None
+    container: Any = None
 
 
 class MessagesRequest(_Conversation):
@@ -102,7 +105,33 @@ def _field(block: dict, key: str, kind: type, where: str):
     return value
 
 
+def _document_text(block: dict, where: str) -> str:
+    """A document block of plain text (a "text" source, or a "content" source of text blocks) as the text the
+    model reads: its title and context, if given, then the document. PDFs and URLs are not read."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text":
+        text = _field(source, "data", str, f"{where}.source")
+    elif kind == "content":
+        text = _text(source.get("content"), f"{where}.source.content")
+    else:
+        raise bad_request(f"{where}.source: documents of plain text only (a 'text' or 'content' source), "
+                          f"not {kind!r}")
+    head = [value for value in (block.get("title"), block.get("context")) if isinstance(value, str) and value]
+    return "\n\n".join([*head, text])
+
+
+def _refuse_hosted(body: _Conversation) -> None:
+    """A 400 for the Anthropic-hosted features a request asks for (remote MCP servers, a code container)."""
+    if body.mcp_servers:
+        raise bad_request("mcp_servers: this server does not connect to MCP servers; declare their tools as client "
+                          "tools (with an input_schema) and run them yourself")
+    if body.container is not None:
+        raise bad_request("container: this server runs no code containers")
+
+
 def _template_messages(body: _Conversation) -> list[dict]:
+    _refuse_hosted(body)
     out: list[dict] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system, "system")})
@@ -129,6 +158,8 @@ def _template_messages(body: _Conversation) -> list[dict]:
                 thinking.append(_field(block, "thinking", str, at))
             elif kind == "redacted_thinking" and m.role == "assistant":
                 continue
+            elif kind == "document" and m.role == "user":
+                texts.append(_document_text(block, at))
             else:
                 raise bad_request(f"{at}: content block of type {kind!r} is not supported in a {m.role} message")
         if not m.content:
