@@ -292,8 +292,9 @@ def test_serve_renders_every_conversation_with_the_default_template_variables(cl
     from cobatch.server.app import engine_options
     from cobatch.server.context import ServerOptions
     from test_server_support import live_server
-    template = ("{{ 'THINK' if enable_thinking | default(true) else 'PLAIN' }}{% for m in messages %}"
-                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    template = ("{{ 'THINK' if enable_thinking | default(true) else 'PLAIN' }}{{ reasoning_effort | default('') }}"
+                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
     for flags in (["--default-chat-template-kwargs", '{"enable_thinking": false}'], ["--reasoning-budget", "0"]):
         args = build_parser().parse_args(["serve", "--device", "cpu", "--ctx", "256", "--chat-template-file",
                                           template, *flags])
@@ -304,6 +305,14 @@ def test_serve_renders_every_conversation_with_the_default_template_variables(cl
             ids = httpx.post(srv.url + "/tokenize", json={"messages": messages, "chat_template_kwargs": {
                 "enable_thinking": True}}).json()["tokens"]
             assert srv.context.llm.tokenizer.decode(ids).startswith("THINK"), flags
+            # a request's reasoning effort is the template's reasoning_effort, on the chat and Responses routes
+            usage = {effort: httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "messages": messages, "max_tokens": 1, **({"reasoning_effort": effort} if effort else {})}).json()[
+                "usage"]["prompt_tokens"] for effort in (None, "high")}
+            assert usage["high"] > usage[None], flags
+            responses = httpx.post(srv.url + "/v1/responses", timeout=120, json={
+                "input": "Hi", "max_output_tokens": 1, "reasoning": {"effort": "high"}}).json()
+            assert responses["usage"]["input_tokens"] == usage["high"], flags
     for bad in (["--chat-template-kwargs", "{not json"], ["--reasoning-budget", "512"]):
         assert_clean_error(cli("chat", "hello", "-n", "1", *bad), bad[0])
 

@@ -708,6 +708,35 @@ def test_responses_are_stored_continued_retrieved_and_deleted(server, oai):
     assert exc.value.body["param"] == "previous_response_id"
 
 
+def test_responses_truncation_auto_drops_the_oldest_turns_until_the_input_fits(oai):
+    """truncation "auto" keeps the instructions and the longest tail of the conversation that fits the context
+    (1,024 here), as OpenAI's; "disabled" (the default) answers 400. The tail is found here by sending shorter and
+    shorter tails whole."""
+    story = " ".join(f"Fact {i}: the number {i} comes after {i - 1}." for i in range(1, 12))
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}. {story}"} for i in range(13)]
+    kwargs = dict(model="any", instructions="Be brief.", max_output_tokens=1, store=False, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(input=items, **kwargs)
+    assert exc.value.body["code"] == "context_length_exceeded"
+    cut = oai.responses.create(input=items, truncation="auto", **kwargs)
+    for start in range(1, len(items)):
+        try:
+            tail = oai.responses.create(input=items[start:], **kwargs)
+            break
+        except openai.BadRequestError:
+            continue
+    assert start > 1 and cut.usage.input_tokens == tail.usage.input_tokens < 1024
+    assert cut.truncation == "auto" and tail.truncation == "disabled"
+
+
+@pytest.mark.parametrize("extra", [{"background": True}, {"prompt": {"id": "pmpt_1"}}, {"conversation": "conv_1"},
+                                   {"top_logprobs": 2}])
+def test_responses_refuse_what_only_openai_runs(oai, extra):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(model="any", input="Hi", max_output_tokens=2, extra_body=extra)
+    assert exc.value.body["param"] == next(iter(extra))
+
+
 # --- tokenize / detokenize ------------------------------------------------------------------------------
 
 def test_tokenize_and_detokenize(server, oai):

@@ -150,7 +150,7 @@ class ChatCompletionRequest(_SamplingBody):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None          # the template's `reasoning_effort` variable, as vLLM passes it
     # vLLM's: the reply continues the final assistant message (a prefill). A final assistant message is
     # continued anyway; continue_final_message true / add_generation_prompt false just insist on one.
     continue_final_message: bool = False
@@ -265,6 +265,14 @@ def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens
         allowed_token_ids=_allowed_token_ids(body.allowed_token_ids),
         bad_words=_bad_words(ctx, body.bad_words), prediction=prediction, adapter=ctx.adapter_for(body.model),
         max_tokens=max_new_tokens(ctx, max_tokens, n_prompt))
+
+
+def effort_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chat template's variables with a request's reasoning effort among them (templates such as gpt-oss's
+    read `reasoning_effort`); the request's own chat_template_kwargs win."""
+    if effort is None:
+        return kwargs
+    return {"reasoning_effort": effort, **(kwargs or {})}
 
 
 def _message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
@@ -458,7 +466,8 @@ async def chat_completions(request: Request):
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
                                    response_format=body.response_format, structured=_structured(body))
     messages = template_messages(body.messages)
-    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools, body.chat_template_kwargs,
+    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, messages, tools,
+                                                   effort_kwargs(body.reasoning_effort, body.chat_template_kwargs),
                                                    _continues_final(body))
     prompt_ids = _truncated(body, prompt_ids)
     check_prompt_fits(ctx.llm, len(prompt_ids), "messages")

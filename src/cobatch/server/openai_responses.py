@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import ApiError, bad_request, error_body
 from cobatch.server.generation import Finish, Generation, GenerationRequest, make_sampling_params
-from cobatch.server.openai import arguments_object, call_id
+from cobatch.server.openai import arguments_object, call_id, effort_kwargs
 from cobatch.server.output_events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from cobatch.server.prompting import check_prompt_fits, max_new_tokens, named_tool_only, output_grammar, render_chat
 from cobatch.server.openapi import accepts
@@ -64,6 +64,14 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     store: bool = True
     metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None       # its effort goes to the template, as the chat route's does
+    # "auto": the oldest turns are dropped until the input fits the context (OpenAI's); "disabled": a 400
+    truncation: Literal["auto", "disabled"] = "disabled"
+    # OpenAI-hosted features this server cannot give: refused when asked for (_refuse_hosted), not dropped
+    background: bool = False
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0)
 
 
 # --- input -> chat messages ----------------------------------------------------------------------------
@@ -160,6 +168,31 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
 
 
+def _refuse_hosted(body: ResponsesRequest) -> None:
+    """A 400 for what a request asks of OpenAI's own storage and workers: background runs, stored prompts,
+    conversations (previous_response_id continues a conversation here), and logprobs."""
+    for name, asked in (("background", body.background), ("prompt", body.prompt is not None),
+                        ("conversation", body.conversation is not None), ("top_logprobs", bool(body.top_logprobs))):
+        if asked:
+            raise bad_request(f"{name} is not supported by this server's /v1/responses (conversations continue by "
+                              "previous_response_id; logprobs come from /v1/chat/completions)", param=name)
+
+
+def _render_input(ctx: ServerContext, body: ResponsesRequest, messages: list[dict],
+                  tools: list[dict] | None) -> tuple[list[int], bool]:
+    """render_chat of the conversation; with truncation "auto", its oldest turns (a message and the tool results
+    after it; the instructions and the last turn stay) dropped one by one until it fits the context."""
+    effort = (body.reasoning or {}).get("effort")
+    kwargs = effort_kwargs(effort if isinstance(effort, str) else None, None)
+    while True:
+        ids, in_think = render_chat(ctx.llm, messages, tools, kwargs, param="input")
+        system = 1 if messages and messages[0]["role"] == "system" else 0
+        turns = [i for i in range(system, len(messages)) if messages[i]["role"] != "tool"]
+        if body.truncation != "auto" or len(ids) < ctx.llm.engine.max_context or len(turns) < 2:
+            return ids, in_think
+        messages = messages[:system] + messages[turns[1]:]
+
+
 # --- the route -------------------------------------------------------------------------------------------
 
 @router.post("/v1/responses")
@@ -178,8 +211,8 @@ async def create_response(request: Request):
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
                                    response_format=_response_format(body.text), format_param="text.format")
-    prompt_ids, in_think = await run_in_threadpool(render_chat, ctx.llm, chat_messages(body, earlier), tools,
-                                                   param="input")
+    _refuse_hosted(body)
+    prompt_ids, in_think = await run_in_threadpool(_render_input, ctx, body, chat_messages(body, earlier), tools)
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,
                                   ctx.by_priority, priority=body.priority, cache_salt=body.cache_salt,
@@ -229,7 +262,8 @@ class _Shell:
                        "tool_choice": body.tool_choice or "auto",
                        "parallel_tool_calls": body.parallel_tool_calls is not False,
                        "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
-                       "store": body.store, "previous_response_id": body.previous_response_id, "error": None}
+                       "store": body.store, "previous_response_id": body.previous_response_id, "error": None,
+                       "truncation": body.truncation, "reasoning": body.reasoning or {"effort": None, "summary": None}}
 
     def response(self, output: list[dict], finish: Finish | None) -> dict:
         status, incomplete, usage = "in_progress", None, None
