@@ -201,6 +201,30 @@ def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
         assert post(srv, "/completion", {"prompt": PROMPT}).json()["tokens_predicted"] == 3
 
 
+def test_native_embeddings_and_routes_without_v1(server):
+    """llama.cpp's /embedding and /embeddings: [{"index", "embedding": [[...]]}] with its normalizations, the same
+    vector as /v1/embeddings under each; /chat/completions and /models answer as their /v1 routes do."""
+    texts = ["The capital of France is Paris.", "def fibonacci(n):"]
+    oai = post(server, "/v1/embeddings", {"input": texts}).json()["data"]
+    for path in ("/embedding", "/embeddings"):
+        got = post(server, path, {"content": texts}).json()
+        assert [item["index"] for item in got] == [0, 1] and all(len(item["embedding"]) == 1 for item in got)
+        for item, reference in zip(got, oai):
+            assert item["embedding"][0] == pytest.approx(reference["embedding"], abs=1e-6)
+    raw = post(server, "/embedding", {"content": texts[0], "embd_normalize": -1}).json()[0]["embedding"][0]
+    length = sum(v * v for v in raw) ** 0.5
+    assert length > 1.5 and [v / length for v in raw] == pytest.approx(oai[0]["embedding"], abs=1e-6)
+    taxicab = post(server, "/embedding", {"input": texts[0], "embd_normalize": 1}).json()[0]["embedding"][0]
+    assert sum(abs(v) for v in taxicab) == pytest.approx(1.0, abs=1e-5)
+    widest = post(server, "/embedding", {"content": texts[0], "embd_normalize": 0}).json()[0]["embedding"][0]
+    assert max(abs(v) for v in widest) == pytest.approx(32760.0, rel=1e-6)
+    assert post(server, "/embedding", {"embd_normalize": 2}).status_code == 400
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
+    assert post(server, "/chat/completions", chat).json()["choices"] == \
+        post(server, "/v1/chat/completions", chat).json()["choices"]
+    assert httpx.get(server.url + "/models").json()["data"] == httpx.get(server.url + "/v1/models").json()["data"]
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/completion", {"prompt": PROMPT, "n_predict": 0}, "n_predict"),
     ("/completion", {"prompt": PROMPT, "n_predict": -2}, "n_predict"),

@@ -1,4 +1,4 @@
-"""OpenAI's embeddings endpoint: POST /v1/embeddings.
+"""Embeddings: OpenAI's POST /v1/embeddings, and llama.cpp's POST /embedding and /embeddings (its own shapes).
 
 A generative model's embedding of a text, as vLLM and llama.cpp's server give it: the final-normed hidden
 state of the text's last token, L2-normalized (vLLM's LAST pooling for decoder models; llama.cpp normalizes
@@ -39,8 +39,26 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-def normalized(vector: list[float]) -> list[float]:
-    norm = math.sqrt(sum(v * v for v in vector))
+class LlamaCppEmbeddingRequest(BaseModel):
+    """llama.cpp's native form: `content` (or `input`) and its normalizations."""
+    model_config = ConfigDict(extra="ignore")
+    content: str | list[str] | list[int] | list[list[int]] | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    embd_normalize: int = Field(2, ge=-1, description="-1: none, 0: max absolute to int16's range, 1: taxicab, "
+                                                      "2: euclidean, p > 2: the p-norm")
+
+
+def normalized(vector: list[float], p: int = 2) -> list[float]:
+    """llama.cpp's embd_normalize: the vector over its p-norm (p = 1, 2 or more), over its largest magnitude
+    / 32760 (0: int16's range, as floats), or as it is (-1); a zero vector stays zero."""
+    if p == -1:
+        return vector
+    if p == 0:
+        norm = max((abs(v) for v in vector), default=0.0) / 32760.0
+    elif p == 2:
+        norm = math.sqrt(sum(v * v for v in vector))
+    else:
+        norm = sum(abs(v) ** p for v in vector) ** (1.0 / p)
     return [v / norm for v in vector] if norm > 0 else vector
 
 
@@ -61,19 +79,39 @@ async def embeddings(request: Request):
     if body.dimensions is not None and body.dimensions != width:
         raise bad_request(f"this model's embeddings have {width} dimensions; it cannot shorten them to "
                           f"{body.dimensions}", param="dimensions")
-    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.input, None, "input", MAX_INPUTS)
+    vectors, n_prompt = await _embed(ctx, body.input, "input", ctx.adapter_for(body.model))
+    data = [{"object": "embedding", "index": i, "embedding": encoded(normalized(v), body.encoding_format)}
+            for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": ctx.answered_by(body.model),
+            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt}}
+
+
+@router.post("/embedding")
+@router.post("/embeddings")
+@accepts(LlamaCppEmbeddingRequest)
+async def llama_cpp_embeddings(request: Request):
+    """llama.cpp's shape: a list of {"index", "embedding": [[...]]}, one pooled vector an input."""
+    ctx = get_context(request)
+    body = await read_body(request, LlamaCppEmbeddingRequest, ctx.options.max_body_bytes)
+    given, param = (body.content, "content") if body.content is not None else (body.input, "input")
+    if given is None:
+        raise bad_request("content is required: a text, token ids, or a list of either", param="content")
+    vectors, _ = await _embed(ctx, given, param, None)
+    return [{"index": i, "embedding": [normalized(v, body.embd_normalize)]} for i, v in enumerate(vectors)]
+
+
+async def _embed(ctx, inputs, param: str, adapter: str | None) -> tuple[list[list[float]], int]:
+    """Each input's embedding (the final-normed hidden state of its last token, not normalized) and the prompt
+    tokens they took, through the engine's batched steps."""
+    prompts = await run_in_threadpool(raw_prompts, ctx.llm, inputs, None, param, MAX_INPUTS)
     requests = []
     for ids, _ in prompts:
-        check_prompt_fits(ctx.llm, len(ids), "input")
-        params = SamplingParams(temperature=0, max_tokens=1, embed=True, adapter=ctx.adapter_for(body.model))
+        check_prompt_fits(ctx.llm, len(ids), param)
+        params = SamplingParams(temperature=0, max_tokens=1, embed=True, adapter=adapter)
         requests.append(GenerationRequest("embeddings", ids, params, report_output=False))
     choices = Choices(ctx.generation, requests, 1)
     try:
         done = await choices.collect()
     finally:
         choices.close()
-    data = [{"object": "embedding", "index": i, "embedding": encoded(normalized(d.embedding), body.encoding_format)}
-            for i, d in enumerate(done)]
-    n_prompt = choices.total_usage([d.finish for d in done]).prompt_tokens
-    return {"object": "list", "data": data, "model": ctx.answered_by(body.model),
-            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt}}
+    return [d.embedding for d in done], choices.total_usage([d.finish for d in done]).prompt_tokens

@@ -431,6 +431,7 @@ def _stream_error(err: ApiError) -> str:
 # --- routes ------------------------------------------------------------------------------------------
 
 @router.get("/v1/models")
+@router.get("/models")                  # llama.cpp's server answers both, as clients set base URLs with or without /v1
 async def list_models(request: Request) -> dict:
     ctx = get_context(request)
     return {"object": "list", "data": [_model_card(ctx, name) for name in ctx.model_names]}
@@ -454,6 +455,7 @@ def _model_card(ctx: ServerContext, name: str) -> dict:
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")
 @accepts(ChatCompletionRequest)
 async def chat_completions(request: Request):
     ctx = get_context(request)
