@@ -466,6 +466,21 @@ def test_override_generation_config_gives_the_defaults_and_the_flags_win():
     assert sampling_defaults(args) == {"temperature": 0.3, "top_k": 20, "max_tokens": 64}
 
 
+def test_generation_config_folder_and_penalty_flags_give_the_defaults(tmp_path):
+    """vLLM's --generation-config DIR reads DIR/generation_config.json under the flags; llama.cpp's
+    --presence-penalty / --frequency-penalty are defaults too; a folder without the file is one clear line."""
+    from cobatch.cli import build_parser
+    from cobatch.errors import UserError
+    from cobatch.server.app import sampling_defaults
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9, "do_sample": true}')
+    args = build_parser().parse_args(["serve", "--generation-config", str(tmp_path), "--temp", "0.3",
+                                      "--presence-penalty", "0.5", "--frequency-penalty", "0.25"])
+    assert sampling_defaults(args) == {"temperature": 0.3, "top_p": 0.9, "presence_penalty": 0.5,
+                                       "frequency_penalty": 0.25}
+    with pytest.raises(UserError, match="--generation-config"):
+        sampling_defaults(build_parser().parse_args(["serve", "--generation-config", str(tmp_path / "none")]))
+
+
 def test_serve_takes_vllm_flags_that_copied_commands_carry():
     import logging
 
@@ -477,8 +492,11 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
         "--enable-prefix-caching", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning",
         "--enable-chunked-prefill", "--swap-space", "4", "--max-seq-len-to-capture", "8192", "--download-dir", "/d",
         "--load-format", "auto", "--revision", "main", "--distributed-executor-backend", "mp",
-        "--disable-custom-all-reduce", "--disable-uvicorn-access-log"])
+        "--disable-custom-all-reduce", "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--root-path",
+        "/llm", "--ssl-key-file", "k.pem", "--ssl-cert-file", "c.pem", "--webui"])
     assert (args.eager, args.tensor_parallel_size, args.log_level) == (True, 1, "warning")
+    assert (args.openapi, args.root_path, args.ssl_keyfile, args.ssl_certfile, args.webui) == (
+        False, "/llm", "k.pem", "c.pem", True)
     assert not args.access_log
     requests = logging.getLogger("cobatch.server.requests")
     try:

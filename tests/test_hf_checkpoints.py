@@ -440,6 +440,11 @@ def test_generate_from_a_folder_uses_its_tokenizer_template_and_generation_confi
     from cobatch.llm import LLM, EngineOptions
     llm = LLM.load(folders["qwen2"][0], EngineOptions(device="cpu", ctx=64, max_num_seqs=1, quiet=True))
     assert llm.generation_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.9}
+    # what serve's requests take: these under the flags (vLLM's --generation-config auto), or none (vllm)
+    from cobatch.server.context import ServerContext, ServerOptions
+    assert ServerContext(llm, ServerOptions(sampling_defaults={"top_k": 5})).options.sampling_defaults == {
+        "temperature": 0.6, "top_k": 5, "top_p": 0.9}
+    assert ServerContext(llm, ServerOptions(checkpoint_defaults=False)).options.sampling_defaults == {}
     assert {1, 2} <= llm.tokenizer.stop_ids                       # generation_config's eos_token_id list
     ids = llm.encode_chat([{"role": "user", "content": "Hello"}])
     assert llm.tokenizer.decode(ids) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"

@@ -1074,6 +1074,37 @@ def test_cors_can_be_limited_or_off():
         assert (r.headers.get("access-control-allow-origin") == origin) == allowed, (origins, origin)
 
 
+def test_cors_methods_headers_request_ids_and_flags_as_vllm_gives_them():
+    """vLLM's --allowed-methods / --allowed-headers (JSON lists or comma-separated) limit the preflight;
+    --enable-request-id-headers echoes a request's X-Request-Id or makes one; the flags reach ServerOptions."""
+    from cobatch.cli import build_parser
+    from cobatch.server.app import create_app, server_options
+    from fastapi.testclient import TestClient
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["https://app.example"]', "--allowed-methods",
+                                      '["GET", "POST"]', "--allowed-headers", "content-type",
+                                      "--enable-request-id-headers", "--generation-config", "vllm"])
+    options = server_options(args)
+    assert (options.allowed_origins, options.allowed_methods, options.allowed_headers) == (
+        ("https://app.example",), ("GET", "POST"), ("content-type",))
+    assert options.request_id_headers and not options.checkpoint_defaults
+    client = TestClient(create_app(load_llm("smollm2"), options))
+    origin = {"Origin": "https://app.example"}
+    put = client.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "PUT"})
+    post = client.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                  "Access-Control-Request-Headers": "content-type"})
+    assert put.status_code == 400 and post.status_code == 200
+    auth = client.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                  "Access-Control-Request-Headers": "x-custom"})
+    assert auth.status_code == 400
+    mine = client.get("/version", headers={"X-Request-Id": "req-42"})
+    assert mine.headers["x-request-id"] == "req-42"
+    made = client.get("/version").headers["x-request-id"]
+    assert len(made) == 32 and made != client.get("/version").headers["x-request-id"]
+    from cobatch.errors import UserError
+    with pytest.raises(UserError, match="--allowed-methods"):
+        server_options(build_parser().parse_args(["serve", "--allowed-methods", '["GET", 5]']))
+
+
 def test_body_over_the_limit_is_413(server):
     options = server.context.options
     saved, options.max_body_bytes = options.max_body_bytes, 1000

@@ -460,20 +460,36 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "/openapi.json and the web pages' files (the pages ask for it); repeat it for several keys "
                         "(also: $COBATCH_API_KEY)")
     p.add_argument("--api-key-file", default=None, help="a file of accepted keys, one a line")
-    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile, serve HTTPS")
-    p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
-    p.add_argument("--no-docs", dest="openapi", action="store_false",
-                   help="do not serve /openapi.json and /docs")
+    p.add_argument("--ssl-keyfile", "--ssl-key-file", dest="ssl_keyfile", default=None,
+                   help="TLS private key (PEM); with --ssl-certfile, serve HTTPS (--ssl-key-file: llama.cpp's name)")
+    p.add_argument("--ssl-certfile", "--ssl-cert-file", dest="ssl_certfile", default=None,
+                   help="TLS certificate chain (PEM)")
+    p.add_argument("--root-path", default="",
+                   help="vLLM's: the path prefix a proxy serves this server under (ASGI root_path), for the "
+                        "links of /docs")
+    p.add_argument("--no-docs", "--disable-fastapi-docs", dest="openapi", action="store_false",
+                   help="do not serve /openapi.json and /docs (--disable-fastapi-docs: vLLM's name)")
     p.add_argument("--no-webui", dest="webui", action="store_false",
                    help="do not serve the chat page (/) and the dashboard (/dashboard); llama.cpp's name")
+    p.add_argument("--webui", dest="webui", action="store_true", default=True,
+                   help="llama.cpp's; the chat page and the dashboard are served unless --no-webui")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="vLLM's: every answer carries X-Request-Id, the request's own or a new one")
+    p.add_argument("--generation-config", default="auto",
+                   help="vLLM's: where requests' unset sampling fields come from after the flags: auto, a "
+                        "checkpoint folder's generation_config.json (the default); vllm, none; or a folder's")
     p.add_argument("--metrics-compat", choices=["vllm"], default=None,
                    help="vllm: /metrics also under vLLM's names (vllm:num_requests_running, ...) for its "
                         "dashboards")
     p.add_argument("--config", default=None, help="a YAML file of these flags (max_num_seqs: 16); the command "
                                                   "line wins over it")
     p.add_argument("--allowed-origins", default="*",
-                   help="origins browsers may call the API from (CORS), comma-separated; '*' any (the default, "
-                        "as vLLM and llama.cpp's server); '' none")
+                   help="origins browsers may call the API from (CORS), comma-separated or a JSON list; '*' any "
+                        "(the default, as vLLM and llama.cpp's server); '' none")
+    p.add_argument("--allowed-methods", default="*", help="vLLM's: the methods those origins may use (CORS), as "
+                                                          "--allowed-origins (default '*')")
+    p.add_argument("--allowed-headers", default="*", help="vLLM's: the request headers they may send (CORS), as "
+                                                          "--allowed-origins (default '*')")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, help="activation/KV dtype: f32 | bf16 | f16 (default: bf16 on a GPU, f32 "
                    "on the CPU)")
@@ -566,6 +582,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                               (("--top-p",), "top_p", float), (("--min-p",), "min_p", float),
                               *LLAMA_CPP_SAMPLER_FLAGS,
                               (("--repeat-penalty", "--repetition-penalty"), "repetition_penalty", float),
+                              (("--presence-penalty",), "presence_penalty", float),
+                              (("--frequency-penalty",), "frequency_penalty", float),
                               (("--seed", "-s"), "seed", int),
                               (("-n", "--n-predict", "--max-tokens"), "max_tokens", int)):
         p.add_argument(*flags, dest=f"default_{name}", type=kind, default=None,
@@ -574,8 +592,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: the same defaults as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' "
                         "(temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold, "
                         "dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, mirostat, mirostat_tau, "
-                        "mirostat_eta, repeat_last_n, dynatemp_range, dynatemp_exponent, repetition_penalty, seed, "
-                        "max_new_tokens; "
+                        "mirostat_eta, repeat_last_n, dynatemp_range, dynatemp_exponent, repetition_penalty, "
+                        "presence_penalty, frequency_penalty, seed, max_new_tokens; "
                         "the flags above win over it)")
     _add_speculative_arg(p)
     p.add_argument("--prefill-chunk", "-ub", "--ubatch-size", dest="prefill_chunk", type=int, default=512,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import socket
 import sys
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -74,9 +76,33 @@ def create_app(llm: LLM, options: ServerOptions | None = None, lifecycle: Lifecy
     if server.options.allowed_origins:
         # Added last, so outermost: a browser's preflight is answered before the key check (it carries no
         # key), and errors, the 401 among them, carry the CORS headers the browser needs to read them.
-        app.add_middleware(CORSMiddleware, allow_origins=list(server.options.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.options.allowed_origins),
+                           allow_methods=list(server.options.allowed_methods),
+                           allow_headers=list(server.options.allowed_headers))
+    if server.options.request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     return app
+
+
+class RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every answer carries X-Request-Id, the request's own when it sent one,
+    else a new one (so a client can quote it against the server's log)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given if given and len(given) <= 256 else uuid.uuid4().hex.encode()
+
+        async def with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 def _add_error_handlers(app: FastAPI, server: ServerContext) -> None:
@@ -250,8 +276,10 @@ def sampling_defaults(args) -> dict:
     from cobatch.errors import UserError
     names = ("temperature", "top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
              "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
-             "mirostat_eta", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "repetition_penalty", "seed", "max_tokens")
-    defaults = _generation_config(getattr(args, "override_generation_config", None), names)
+             "mirostat_eta", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "seed", "max_tokens")
+    defaults = {**_generation_config_folder(getattr(args, "generation_config", "auto"), names),
+                **_generation_config(getattr(args, "override_generation_config", None), names)}
     defaults.update({n: getattr(args, f"default_{n}") for n in names
                      if getattr(args, f"default_{n}", None) is not None})
     try:
@@ -259,6 +287,18 @@ def sampling_defaults(args) -> dict:
     except (ValueError, TypeError) as exc:
         raise UserError(f"sampling default: {exc}") from None
     return defaults
+
+
+def _generation_config_folder(value: str, names: tuple[str, ...]) -> dict:
+    """vLLM's --generation-config DIR: the sampling defaults of DIR/generation_config.json (auto: the served
+    checkpoint's own, vllm: none; ServerOptions.checkpoint_defaults)."""
+    from cobatch.errors import UserError
+    from cobatch.loader.hf import generation_defaults
+    if value in ("auto", "vllm"):
+        return {}
+    if not (Path(value) / "generation_config.json").is_file():
+        raise UserError(f"--generation-config: auto, vllm, or a folder holding generation_config.json (got {value!r})")
+    return {k: v for k, v in generation_defaults(value).items() if k in names}
 
 
 def _generation_config(raw: str | None, names: tuple[str, ...]) -> dict:
@@ -352,7 +392,7 @@ def serve(args) -> int:
           file=sys.stderr, flush=True)
     lifecycle = Lifecycle("loading")
     config = uvicorn.Config(None, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=args.graceful_shutdown_s, **_tls(args))
+                            timeout_graceful_shutdown=args.graceful_shutdown_s, root_path=args.root_path, **_tls(args))
 
     def build(llm: LLM) -> FastAPI:
         app = create_app(llm, options, lifecycle)
@@ -375,18 +415,37 @@ def serve(args) -> int:
 
 
 def server_options(args) -> ServerOptions:
-    origins = tuple(o.strip() for o in getattr(args, "allowed_origins", "*").split(",") if o.strip())
+    origins = _name_list(getattr(args, "allowed_origins", "*"), "--allowed-origins")
     names = getattr(args, "model_name", None) or []
     names = [names] if isinstance(names, str) else names
     return ServerOptions(model_name=names[0] if names else None, model_aliases=tuple(names[1:]),
                          accept_any_model=getattr(args, "accept_any_model", False),
                          api_keys=api_keys(args), max_queue=args.max_queue,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), allowed_origins=origins,
+                         allowed_methods=_name_list(getattr(args, "allowed_methods", "*"), "--allowed-methods"),
+                         allowed_headers=_name_list(getattr(args, "allowed_headers", "*"), "--allowed-headers"),
+                         request_id_headers=getattr(args, "enable_request_id_headers", False),
+                         checkpoint_defaults=getattr(args, "generation_config", "auto") == "auto",
                          sampling_defaults=sampling_defaults(args), openapi=getattr(args, "openapi", True),
                          metrics_compat=getattr(args, "metrics_compat", None),
                          slot_save_path=getattr(args, "slot_save_path", None), webui=getattr(args, "webui", True),
                          parse_reasoning=getattr(args, "reasoning_format", "auto") != "none",
                          max_logprobs=_max_logprobs(args))
+
+
+def _name_list(value: str, flag: str) -> tuple[str, ...]:
+    """A CORS flag's names: comma-separated (a, b), or a JSON list as vLLM takes them (["a", "b"])."""
+    from cobatch.errors import UserError
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError:
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise UserError(f"{flag}: a JSON list of strings or comma-separated names (got {value!r})")
+        return tuple(n.strip() for n in names if n.strip())
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _max_logprobs(args) -> int:

@@ -29,6 +29,12 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     num_slots: int | None = None         # default: the engine's max_num_seqs (--parallel)
     allowed_origins: tuple[str, ...] = ("*",)   # CORS: origins browsers may call from ("*": any; (): none)
+    allowed_methods: tuple[str, ...] = ("*",)   # CORS: the methods and headers they may use (vLLM's flags)
+    allowed_headers: tuple[str, ...] = ("*",)
+    request_id_headers: bool = False     # answer with X-Request-Id (the request's own, or a new one): vLLM's flag
+    # a checkpoint's generation_config.json gives the sampling defaults the flags do not (vLLM's --generation-config
+    # auto); False: it does not ("vllm")
+    checkpoint_defaults: bool = True
     # Sampling fields a request leaves unset take these values (serve's --temperature, --top-k, ...)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     openapi: bool = True                 # serve /openapi.json and /docs
@@ -48,7 +54,8 @@ class ServerOptions:
 class ServerContext:
     def __init__(self, llm: LLM, options: ServerOptions):
         # a checkpoint's generation_config.json gives the defaults the flags did not (vLLM's --generation-config auto)
-        checkpoint_defaults = _valid_defaults(getattr(llm, "generation_defaults", {}))
+        checkpoint_defaults = (_valid_defaults(getattr(llm, "generation_defaults", {}))
+                               if options.checkpoint_defaults else {})
         options = dataclasses.replace(options, sampling_defaults={**checkpoint_defaults, **options.sampling_defaults})
         self.llm, self.options = llm, options
         self.worker = EngineWorker(llm.engine, max_queue=options.max_queue, num_slots=options.num_slots)

@@ -47,8 +47,8 @@ class CompletionRequest(LlamaCppSamplers):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int = Field(-1, description="-1: random")
     repeat_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stop: list[str] = Field(default_factory=list, max_length=16)
     stream: bool = False
     n_probs: int = Field(0, ge=0, le=20, description="top alternatives per token (completion_probabilities)")
@@ -127,6 +127,8 @@ def _defaults(ctx: ServerContext) -> dict:
                        "dynatemp_exponent": sampling.get("dynatemp_exponent", 1.0),
                        "seed": sampling.get("seed", d.seed), "repeat_penalty": sampling.get("repetition_penalty", 1.0),
                        "repeat_last_n": sampling["repeat_last_n"],
+                       "presence_penalty": sampling.get("presence_penalty", 0.0),
+                       "frequency_penalty": sampling.get("frequency_penalty", 0.0),
                        "stop": d.stop}}
 
 
