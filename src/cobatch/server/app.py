@@ -392,8 +392,8 @@ def serve(args) -> int:
           file=sys.stderr, flush=True)
     lifecycle = Lifecycle("loading")
     config = uvicorn.Config(None, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=args.graceful_shutdown_s, root_path=getattr(args, "root_path", ""),
-                            **_tls(args))
+                            timeout_graceful_shutdown=args.graceful_shutdown_s,
+                            root_path=getattr(args, "root_path", ""), **_tls(args))
 
     def build(llm: LLM) -> FastAPI:
         app = create_app(llm, options, lifecycle)
