@@ -493,7 +493,9 @@ def test_serve_takes_vllm_flags_that_copied_commands_carry():
         "--enable-chunked-prefill", "--swap-space", "4", "--max-seq-len-to-capture", "8192", "--download-dir", "/d",
         "--load-format", "auto", "--revision", "main", "--distributed-executor-backend", "mp",
         "--disable-custom-all-reduce", "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--root-path",
-        "/llm", "--ssl-key-file", "k.pem", "--ssl-cert-file", "c.pem", "--webui"])
+        "/llm", "--ssl-key-file", "k.pem", "--ssl-cert-file", "c.pem", "--webui", "--block-size", "16",
+        "--preemption-mode", "recompute", "--compilation-config", '{"level": 3}', "--guided-decoding-backend",
+        "xgrammar", "--enable-reasoning", "--tokenizer-mode", "auto", "--no-context-shift", "--numa", "distribute"])
     assert (args.eager, args.tensor_parallel_size, args.log_level) == (True, 1, "warning")
     assert (args.openapi, args.root_path, args.ssl_keyfile, args.ssl_certfile, args.webui) == (
         False, "/llm", "k.pem", "c.pem", True)

@@ -527,12 +527,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         (("--metrics",), "/metrics is always served"), (("--slots",), "/slots is always served"),
                         (("--props",), "GET /props is always served"),
                         (("--embedding", "--embeddings"), "/v1/embeddings is always served"),
-                        (("--mlock", "--no-mmap"), "weights are read into memory and repacked at load")):
+                        (("--mlock", "--no-mmap"), "weights are read into memory and repacked at load"),
+                        (("--no-context-shift",), "a sequence that fills its context ends there (finish_reason "
+                                                  "length); nothing is shifted out"),
+                        (("--kv-unified",), "every slot takes its KV blocks from one shared pool"),
+                        (("--swa-full",), "sliding-window layers keep the whole context's KV"),
+                        (("--offline",), "nothing is downloaded: the model is a local file or folder"),
+                        (("--no-perf", "--log-colors"), "without effect here")):
         p.add_argument(*flags, action="store_true", help=f"llama.cpp's; {what}")
     for flags, kind, what in ((("--cache-reuse",), int, "the prefix cache reuses the KV blocks of earlier prompts"),
                               (("-dt", "--defrag-thold"), float, "the paged KV cache does not fragment"),
                               (("--threads-http",), int, "one asyncio loop serves HTTP"),
-                              (("-to", "--timeout"), int, "no read or write timeout applies to a request")):
+                              (("-to", "--timeout"), int, "no read or write timeout applies to a request"),
+                              (("--numa",), str, "torch places the CPU path's threads")):
         p.add_argument(*flags, type=kind, default=None, help=f"llama.cpp's; {what}")
     p.add_argument("--reasoning-format", choices=("auto", "deepseek", "deepseek-legacy", "none"), default="auto",
                    help="llama.cpp's: none leaves a reply's <think> block in its content; the others give it as "
@@ -559,7 +566,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         (("--enable-chunked-prefill",), "prefill is always chunked (--prefill-chunk)"),
                         (("--enable-log-requests",), "cobatch logs a line per request anyway"),
                         (("--disable-uvicorn-access-log",), "uvicorn's access log is off unless --access-log"),
-                        (("--disable-custom-all-reduce",), "tensor parallelism runs torch.distributed's all-reduce")):
+                        (("--disable-custom-all-reduce",), "tensor parallelism runs torch.distributed's all-reduce"),
+                        (("--enable-reasoning",), "a reply's <think> block is always parsed (--reasoning-format)"),
+                        (("--disable-frontend-multiprocessing",), "the HTTP side runs on its own thread")):
         p.add_argument(*flags, action="store_true", help=f"vLLM's; {what}")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="vLLM's: the most alternatives a request's logprobs, top_logprobs or prompt_logprobs may ask "
@@ -569,7 +578,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                                                      "(--kv-disk-cache spills the prefix cache)"),
                              ("--max-seq-len-to-capture", int, "the decode graphs cover every batch bucket"),
                              ("--download-dir", str, local), ("--load-format", str, local), ("--revision", str, local),
-                             ("--distributed-executor-backend", str, "tensor parallelism runs one process a GPU")):
+                             ("--distributed-executor-backend", str, "tensor parallelism runs one process a GPU"),
+                             ("--block-size", int, "the paged KV cache's blocks are 16 tokens"),
+                             ("--preemption-mode", str, "a preempted sequence is recomputed"),
+                             ("--compilation-config", str, "decode steps are captured in CUDA graphs (--enforce-eager: "
+                                                           "not)"),
+                             ("--max-parallel-loading-workers", int, "the weights load in one process"),
+                             ("--tokenizer-mode", str, "the model's own tokenizer runs through tokenizers"),
+                             ("--chat-template-content-format", str, "messages' content may be a string or a list "
+                                                                     "of text parts either way"),
+                             ("--guided-decoding-backend", str, "structured output always runs llguidance"),
+                             ("--limit-mm-per-prompt", str, "the models served here take text only")):
         p.add_argument(flag, type=kind, default=None, help=f"vLLM's; {what}")
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         p.add_argument(flag, default=None, help="vLLM's; the output's format is recognized whatever it is: Hermes / "
