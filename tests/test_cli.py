@@ -466,6 +466,17 @@ def test_override_generation_config_gives_the_defaults_and_the_flags_win():
     assert sampling_defaults(args) == {"temperature": 0.3, "top_k": 20, "max_tokens": 64}
 
 
+def test_metadata_override_flags_load_or_fail_in_one_line(cli):
+    """llama.cpp's --override-kv and rope flags on generate: a bad override, or a context past the file's without a
+    scale, is one clear line and exit code 2; with --rope-scale 2 the doubled context loads."""
+    assert_clean_error(cli("generate", "hi", "-n", "1", "--device", "cpu", "--override-kv", "llama.x=int:y"),
+                       "--override-kv")
+    assert_clean_error(cli("generate", "hi", "-n", "1", "--device", "cpu", "--ctx", "16384"), "--ctx")
+    proc = cli("generate", "hi", "-n", "1", "--device", "cpu", "--ctx", "16384", "--rope-scale", "2",
+               "--temp", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_generation_config_folder_and_penalty_flags_give_the_defaults(tmp_path):
     """vLLM's --generation-config DIR reads DIR/generation_config.json under the flags; llama.cpp's
     --presence-penalty / --frequency-penalty are defaults too; a folder without the file is one clear line."""

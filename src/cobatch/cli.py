@@ -24,6 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "on the CPU)")
     _add_quantization_arg(p)
     _add_kv_cache_args(p)
+    _add_metadata_override_args(p)
     p.add_argument("--ctx", type=int, default=None, help="context window in tokens")
     p.add_argument("--eager", action="store_true", help="CUDA: run decode steps without CUDA graphs (debugging)")
     _add_chat_template_args(p)
@@ -68,6 +69,24 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctk", "--cache-type-k", default=None,
                    help="llama.cpp's: f16, f32, q8_0 (= fp8); default the activations' dtype")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="llama.cpp's: the same types; as -ctk")
+
+
+def _add_metadata_override_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's flags that change a GGUF file's metadata at load (loader/metadata_overrides.py)."""
+    p.add_argument("--override-kv", action="append", default=None, metavar="KEY=TYPE:VALUE",
+                   help="llama.cpp's: set a GGUF metadata key (TYPE int, float, bool or str); may repeat")
+    p.add_argument("--rope-freq-base", type=float, default=None, help="llama.cpp's: the rope base (theta)")
+    p.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
+                   help="llama.cpp's: how positions past the trained context are scaled")
+    p.add_argument("--rope-scale", type=float, default=None,
+                   help="llama.cpp's: stretch the context by this factor (the context length grows with it)")
+    p.add_argument("--rope-freq-scale", type=float, default=None,
+                   help="llama.cpp's: the same as --rope-scale 1/N")
+    for flag, what in (("--yarn-orig-ctx", "the context the model was trained at (default: the file's)"),
+                       ("--yarn-beta-fast", "YaRN's high-frequency cut"), ("--yarn-beta-slow", "its low cut"),
+                       ("--yarn-attn-factor", "its attention scale")):
+        p.add_argument(flag, type=int if flag == "--yarn-orig-ctx" else float, default=None,
+                       help=f"llama.cpp's: {what}")
 
 
 def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
@@ -169,13 +188,16 @@ def _load(args, max_num_seqs: int = 1):
     from cobatch.engine.speculative import speculative_flags
     from cobatch.llm import LLM, EngineOptions, kv_cache_dtype_arg
     from cobatch.loader.lora import adapter_flags
+    from cobatch.loader.metadata_overrides import override_flags
     return LLM.load(args.model, EngineOptions(device=args.device, dtype=args.dtype, ctx=args.ctx,
                                               kv_cache_dtype=kv_cache_dtype_arg(args),
                                               max_num_seqs=max_num_seqs, eager=args.eager,
                                               chat_template=args.chat_template, quantization=args.quantization,
                                               chat_template_kwargs=template_kwargs_flags(args),
                                               speculative=speculative_flags(args),
-                                              lora_modules=adapter_flags(args), quiet=getattr(args, "quiet", False)))
+                                              lora_modules=adapter_flags(args),
+                                              metadata_overrides=override_flags(args),
+                                              quiet=getattr(args, "quiet", False)))
 
 
 def _stream(llm, prompt_ids: list[int], params) -> str:
@@ -503,6 +525,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which its "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also turns on)")
     _add_kv_cache_args(p)
+    _add_metadata_override_args(p)
     p.add_argument("--slot-save-path", default=None,
                    help="llama.cpp's: the directory of POST /slots/{id}?action=save|restore files (default: refused)")
     p.add_argument("--kv-disk-cache", default=None, metavar="DIR",

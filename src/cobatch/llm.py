@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -31,6 +32,7 @@ from cobatch.loader.gguf import GGUFFile
 from cobatch.loader.hf import HFCheckpoint, generation_defaults, is_checkpoint_folder
 from cobatch.loader.hf_tokenizer import chat_template_source, tokenizer_from_folder
 from cobatch.loader.lora import load_adapter
+from cobatch.loader.metadata_overrides import apply_overrides
 from cobatch.model_files import default_model_path
 from cobatch.models.linear import resident_bytes
 from cobatch.models.registry import Model, model_class
@@ -75,13 +77,19 @@ class EngineOptions:
     max_loras: int = 0                 # adapter slots (default: the start-up adapters, or 1 with runtime_lora)
     max_lora_rank: int = 0             # their rank (default: the start-up adapters', or 16 with runtime_lora)
     runtime_lora: bool = False         # adapters may be loaded and unloaded while serving (vLLM's endpoints)
+    # a GGUF file's metadata changed at load (loader/metadata_overrides.py: --override-kv, the rope flags)
+    metadata_overrides: tuple[tuple[str, Any], ...] = ()
     quiet: bool = False
 
 
-def _open_model(path: Path, quantization: str, device: torch.device
+def _open_model(path: Path, quantization: str, device: torch.device, overrides: tuple[tuple[str, Any], ...] = ()
                 ) -> tuple[GGUFFile | HFCheckpoint, ModelConfig, Tokenizer, str | None]:
-    """(weights, config, tokenizer, the model's chat template) of a GGUF file or a checkpoint folder."""
+    """(weights, config, tokenizer, the model's chat template) of a GGUF file (its metadata changed by
+    `overrides`) or a checkpoint folder."""
     if is_checkpoint_folder(path):
+        if overrides:
+            raise UserError("--override-kv and the rope flags change a GGUF file's metadata; a checkpoint folder's "
+                            "config.json is changed in the folder")
         weights = HFCheckpoint(path, quantization, device)
         return (weights, weights.config, tokenizer_from_folder(path, weights.config.vocab_size),
                 chat_template_source(path))
@@ -89,6 +97,7 @@ def _open_model(path: Path, quantization: str, device: torch.device
         raise UserError(f"--quantization {quantization}: a GGUF file is already quantized (the flag is for "
                         "checkpoint folders)")
     gguf = GGUFFile(path)
+    apply_overrides(gguf.metadata, overrides)
     cfg = ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors))
     gguf.check_tensor_types()
     return gguf, cfg, Tokenizer.from_metadata(gguf.metadata), gguf.metadata.get(CHAT_TEMPLATE_KEY) or None
@@ -348,7 +357,8 @@ def _open(path: Path, options: EngineOptions, tp: TensorParallelGroup | None) ->
     device = resolve_device(options.device) if tp is None else tp.device
     dtype = activation_dtype(options.dtype, device)
     kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)     # a bad name fails before the model loads
-    weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device)
+    weights, cfg, tokenizer, model_template = _open_model(path, options.quantization, device,
+                                                          options.metadata_overrides)
     # 0: the model's own context (llama.cpp's -c 0); unset: that, at most 8192
     ctx = cfg.context_length if options.ctx == 0 else options.ctx or min(cfg.context_length, 8192)
     if ctx < 2:

@@ -28,6 +28,7 @@ from cobatch.config import ModelConfig
 from cobatch.errors import UserError
 from cobatch.llm import LLM, EngineOptions, load_rank, resolve_device
 from cobatch.loader.gguf import GGUFFile
+from cobatch.loader.metadata_overrides import apply_overrides
 from cobatch.model_files import default_model_path
 from cobatch.parallel.group import TensorParallelGroup
 from cobatch.parallel.shard import check_tensor_parallel
@@ -51,6 +52,7 @@ def check(path: str | Path | None, options: EngineOptions) -> None:
             raise UserError(f"--tensor-parallel-size {world} needs {world} GPUs; "
                             f"{torch.cuda.device_count()} are visible")
     gguf = GGUFFile(Path(path) if path else default_model_path())
+    apply_overrides(gguf.metadata, options.metadata_overrides)
     check_tensor_parallel(ModelConfig.from_metadata(gguf.metadata, set(gguf.tensors)), gguf, world)
 
 

@@ -31,6 +31,7 @@ from cobatch import __version__
 from cobatch.chat_template import template_kwargs_flags
 from cobatch.llm import LLM, kv_cache_dtype_arg
 from cobatch.loader.lora import adapter_flags
+from cobatch.loader.metadata_overrides import override_flags
 from cobatch.server import (anthropic, embeddings, events, llama_cpp, lora_adapters, openai, openai_responses, openapi,
                             slot_files, tokens, webui)
 from cobatch.server.context import ServerContext, ServerOptions, get_context
@@ -371,7 +372,8 @@ def engine_options(args):
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), lora_modules=adapter_flags(args),
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, runtime_lora=runtime_lora(args))
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, runtime_lora=runtime_lora(args),
+        metadata_overrides=override_flags(args))
 
 
 def serve(args) -> int:
