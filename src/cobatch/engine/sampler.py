@@ -304,9 +304,7 @@ def apply_dry(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         if not uses_dry(p):
             continue
         window = min(p.dry_penalty_last_n if p.dry_penalty_last_n > 0 else MAX_WINDOW, MAX_WINDOW)
-        output = list(r.output_ids[-window:])
-        context = (list(r.prompt_ids[max(0, len(r.prompt_ids) - (window - len(output))):]) if len(output) < window
-                   else []) + output
+        context = _context_tail(r, window)
         entries += [(i, token, -amount) for token, amount in dry_penalties(
             context, p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_breaker_ids)]
     return _add_at(logits, entries)
@@ -373,8 +371,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: to
     uses_repetition = [use and r.params.repetition_penalty != 1.0 and not window
                        for r, use, window in zip(rows, uses_any, windowed)]
     # Only ship the ids a row's penalties actually read: a windowed row's last tokens as its "output"
-    counted = [_last_tokens(r, pending is not None) if window else r.output_ids if use else ()
-               for r, use, window in zip(rows, uses_any, windowed)]
+    # (less one where the step's pending token, on the device, is the window's last)
+    counted = [_context_tail(r, r.params.repeat_last_n - (pending is not None)) if window
+               else r.output_ids if use else () for r, use, window in zip(rows, uses_any, windowed)]
     output_ids = _padded_ids(counted, vocab, device)
     output_counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=device)
     output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
@@ -401,15 +400,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: to
     return logits - (frequency * output_counts + presence * output_seen.float())
 
 
-def _last_tokens(row: SampleRow, pending: bool) -> list[int]:
-    """A windowed row's last repeat_last_n tokens of prompt and output, less one where the step's `pending` token
-    (on the device) is the last."""
-    take = row.params.repeat_last_n - int(pending)
-    if take <= 0:
+def _context_tail(row: SampleRow, n: int) -> list[int]:
+    """The last n tokens of a row's prompt and output together (DRY's window, the penalties' repeat_last_n)."""
+    if n <= 0:
         return []
-    output = list(row.output_ids[-take:])
-    return list(row.prompt_ids[max(0, len(row.prompt_ids) - (take - len(output))):]) + output if len(output) < take \
-        else output
+    output = list(row.output_ids[-n:])
+    if len(output) == n:
+        return output
+    return list(row.prompt_ids[max(0, len(row.prompt_ids) - (n - len(output))):]) + output
 
 
 def filters_apply(vocab: int, top_k: list[int], top_p: list[float], min_p: list[float],
