@@ -93,10 +93,13 @@ def test_drain_turns_new_requests_away_and_finishes_those_in_flight():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
-def test_serve_exits_0_after_a_signal_with_a_stream_in_flight(sig):
+def test_serve_exits_0_after_a_signal_with_a_stream_in_flight(sig, tmp_path):
+    """... and with llama.cpp's --log-file, its log lines in that file too."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log_file = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "cobatch.cli", "serve", "--port", "0", "--parallel", "2",
-                             "--ctx", "512", "--threads", "1", "--graceful-shutdown-s", "60", "--served-model-name", "m"],
+                             "--ctx", "512", "--threads", "1", "--graceful-shutdown-s", "60", "--served-model-name", "m",
+                             "--log-file", str(log_file)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         url = next(line.split()[1] for line in proc.stderr if line.strip().startswith("url:")).removesuffix("/v1")
@@ -110,6 +113,7 @@ def test_serve_exits_0_after_a_signal_with_a_stream_in_flight(sig):
         chunks = list(stream)
         assert chunks[-1].choices[0].finish_reason == "length"
         assert proc.wait(timeout=60) == 0
+        assert "chat" in log_file.read_text()             # the stream's request line, as on stderr
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -567,6 +567,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-format", choices=("auto", "deepseek", "deepseek-legacy", "none"), default="auto",
                    help="llama.cpp's: none leaves a reply's <think> block in its content; the others give it as "
                         "reasoning_content (Anthropic: thinking blocks), the default")
+    p.add_argument("--log-file", default=None, help="llama.cpp's: also append the log to this file")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="llama.cpp's: CUDA, skip the made-up step at load that compiles every kernel variant (the "
+                        "first requests then wait for the compiles)")
     p.add_argument("--log-disable", dest="log_level", action="store_const", const="warning", default="info",
                    help="llama.cpp's; only warnings and errors are logged")
     p.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="debug", default="info",

@@ -79,6 +79,7 @@ class EngineOptions:
     runtime_lora: bool = False         # adapters may be loaded and unloaded while serving (vLLM's endpoints)
     # a GGUF file's metadata changed at load (loader/metadata_overrides.py: --override-kv, the rope flags)
     metadata_overrides: tuple[tuple[str, Any], ...] = ()
+    warmup: bool = True                # CUDA: run one made-up mixed step at load, so no request waits on a compile
     quiet: bool = False
 
 
@@ -286,7 +287,7 @@ class LLM:
                         # hold each step's tokens back until the next one is computed.
                         overlap=options.overlap_steps and device.type == "cuda", drafter=w.drafter,
                         scheduling_policy=options.scheduling_policy)
-        if device.type == "cuda":
+        if device.type == "cuda" and options.warmup:
             _warm_up(engine, cfg.vocab_size, options.prefill_chunk, ctx)
         engine.blocks.spill = spill          # after the warm-up: its made-up prompts are not worth a file
         llm = cls(path, w.weights, cfg, tokenizer, template, model, engine, options)

@@ -343,8 +343,16 @@ def _graphs_note(llm: LLM) -> str:
 
 
 def configure_logging(args) -> None:
+    """The server's log to stderr, and with llama.cpp's --log-file to that file too (appended)."""
+    from cobatch.errors import UserError
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if getattr(args, "log_file", None):
+        try:
+            handlers.append(logging.FileHandler(args.log_file, encoding="utf-8"))
+        except OSError as exc:
+            raise UserError(f"--log-file {args.log_file}: {exc.strerror or exc}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+                        handlers=handlers)
     # vLLM's --disable-log-requests: the line each finished request logs (server/generation.py) goes
     logging.getLogger("cobatch.server.requests").setLevel(
         logging.WARNING if getattr(args, "disable_log_requests", False) else logging.NOTSET)
@@ -373,7 +381,7 @@ def engine_options(args):
         kv_disk_cache=getattr(args, "kv_disk_cache", None), kv_disk_gb=getattr(args, "kv_disk_gb", 16.0),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), lora_modules=adapter_flags(args),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, runtime_lora=runtime_lora(args),
-        metadata_overrides=override_flags(args))
+        metadata_overrides=override_flags(args), warmup=getattr(args, "warmup", True))
 
 
 def serve(args) -> int:
