@@ -98,8 +98,8 @@ def test_serve_exits_0_after_a_signal_with_a_stream_in_flight(sig, tmp_path):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log_file = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "cobatch.cli", "serve", "--port", "0", "--parallel", "2",
-                             "--ctx", "512", "--threads", "1", "--graceful-shutdown-s", "60", "--served-model-name", "m",
-                             "--log-file", str(log_file)],
+                             "--ctx", "512", "--threads", "1", "--graceful-shutdown-s", "60",
+                             "--served-model-name", "m", "--log-file", str(log_file)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         url = next(line.split()[1] for line in proc.stderr if line.strip().startswith("url:")).removesuffix("/v1")
