@@ -665,7 +665,7 @@ def test_degenerate_logits_still_give_valid_tokens():
     ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.01), ("min_p", 1.5), ("typical_p", 0.0), ("typical_p", 1.2),
     ("xtc_probability", -0.1), ("xtc_probability", 1.5), ("xtc_threshold", -0.1), ("xtc_threshold", 1.1),
     ("mirostat", 3), ("mirostat", True), ("mirostat_tau", -1.0), ("mirostat_eta", 2.0),
-    ("dynatemp_range", -0.1), ("dynatemp_range", math.inf), ("dynatemp_exponent", -1.0),
+    ("dynatemp_range", -0.1), ("dynatemp_range", math.inf), ("dynatemp_range", 1e308), ("dynatemp_exponent", -1.0),
     ("seed", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repeat_last_n", -2), ("repeat_last_n", 1.5),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", math.nan),

@@ -219,6 +219,9 @@ def test_native_embeddings_and_routes_without_v1(server):
     widest = post(server, "/embedding", {"content": texts[0], "embd_normalize": 0}).json()[0]["embedding"][0]
     assert max(abs(v) for v in widest) == pytest.approx(32760.0, rel=1e-6)
     assert post(server, "/embedding", {"embd_normalize": 2}).status_code == 400
+    assert post(server, "/embedding", {"content": [], "embd_normalize": 2}).status_code == 400
+    steep = post(server, "/embedding", {"content": texts[0], "embd_normalize": 1000}).json()[0]["embedding"][0]
+    assert max(abs(v) for v in steep) == pytest.approx(1.0, rel=1e-2)     # the 1000-norm is about the largest
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
     assert post(server, "/chat/completions", chat).json()["choices"] == \
         post(server, "/v1/chat/completions", chat).json()["choices"]

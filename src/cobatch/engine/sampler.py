@@ -122,8 +122,8 @@ class SamplingParams:
         _check_int("mirostat", self.mirostat, "0 (off), 1 or 2", lambda v: v in (0, 1, 2))
         _check_real("mirostat_tau", self.mirostat_tau, "in [0, 100]", lambda v: 0 <= v <= 100)
         _check_real("mirostat_eta", self.mirostat_eta, "in [0, 1]", lambda v: 0 <= v <= 1)
-        _check_real("dynatemp_range", self.dynatemp_range, ">= 0 (0 means off)", lambda v: v >= 0)
-        _check_real("dynatemp_exponent", self.dynatemp_exponent, ">= 0", lambda v: v >= 0)
+        _check_real("dynatemp_range", self.dynatemp_range, "in [0, 1000] (0 means off)", lambda v: 0 <= v <= 1000)
+        _check_real("dynatemp_exponent", self.dynatemp_exponent, "in [0, 1000]", lambda v: 0 <= v <= 1000)
         breakers = self.dry_sequence_breakers
         if not (isinstance(breakers, tuple) and len(breakers) <= MAX_BREAKERS
                 and all(isinstance(b, str) and 0 < len(b) <= MAX_BREAKER_CHARS for b in breakers)):

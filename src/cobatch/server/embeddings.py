@@ -53,13 +53,16 @@ def normalized(vector: list[float], p: int = 2) -> list[float]:
     / 32760 (0: int16's range, as floats), or as it is (-1); a zero vector stays zero."""
     if p == -1:
         return vector
+    largest = max((abs(v) for v in vector), default=0.0)
+    if largest == 0:
+        return vector
     if p == 0:
-        norm = max((abs(v) for v in vector), default=0.0) / 32760.0
+        norm = largest / 32760.0
     elif p == 2:
         norm = math.sqrt(sum(v * v for v in vector))
-    else:
-        norm = sum(abs(v) ** p for v in vector) ** (1.0 / p)
-    return [v / norm for v in vector] if norm > 0 else vector
+    else:           # over the largest first, so that no power overflows whatever p
+        norm = largest * sum((abs(v) / largest) ** p for v in vector) ** (1.0 / p)
+    return [v / norm for v in vector]
 
 
 def encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -25,8 +25,8 @@ class LlamaCppSamplers(BaseModel):
     mirostat_eta: float | None = Field(None, ge=0, le=1)
     repeat_last_n: int | None = Field(None, ge=-1, description="penalties over the last n tokens of prompt and "
                                       "output; -1: repetition over all, presence and frequency the output; 0: off")
-    dynatemp_range: float | None = Field(None, ge=0, description="0: off")
-    dynatemp_exponent: float | None = Field(None, ge=0)
+    dynatemp_range: float | None = Field(None, ge=0, le=1000, description="0: off")
+    dynatemp_exponent: float | None = Field(None, ge=0, le=1000)
 
     def sampler_fields(self) -> dict[str, Any]:
         """These fields as SamplingParams takes them (None: unset)."""
