@@ -161,7 +161,7 @@ def _template_messages(body: _Conversation) -> list[dict]:
             elif kind == "document" and m.role == "user":
                 texts.append(_document_text(block, at))
             else:
-                raise bad_request(f"{at}: content block of type {kind!r} is not supported in a {m.role} message")
+                raise bad_request(f"{at}: content block of type {kind!r} is not supported in the {m.role}'s message")
         if not m.content:
             raise bad_request(f"{where}: a message's content is a string or a non-empty list of blocks")
         if m.role == "user":
