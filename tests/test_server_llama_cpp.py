@@ -70,6 +70,26 @@ def test_stop_word_and_stream(server):
     assert chunks[-1]["stop_type"] == "word" and chunks[-1]["tokens_predicted"] == plain["tokens_predicted"]
 
 
+def test_several_prompts_answer_a_list_or_indexed_streams(server):
+    """A /completion of several prompts (texts or id lists), as llama.cpp's server takes it: a list of the answers
+    each prompt gets alone, with its index; streamed, each line carries its prompt's index."""
+    prompts = [PROMPT, "The capital of France is", "1, 2, 3,"]
+    body = {"n_predict": 6, "temperature": 0}
+    alone = [post(server, "/completion", {**body, "prompt": p}).json()["content"] for p in prompts]
+    together = post(server, "/completion", {**body, "prompt": prompts}).json()
+    assert [a["index"] for a in together] == [0, 1, 2] and [a["content"] for a in together] == alone
+    ids = post(server, "/tokenize", {"content": prompts[1]}).json()["tokens"]
+    as_ids = post(server, "/completion", {**body, "prompt": [ids, ids]}).json()
+    assert [a["content"] for a in as_ids] == [alone[1]] * 2
+    with httpx.stream("POST", server.url + "/completion", json={**body, "prompt": prompts, "stream": True},
+                      timeout=120) as r:
+        chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line]
+    for i, text in enumerate(alone):
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["content"] for c in mine) == text and mine[-1]["stop"]
+    assert post(server, "/completion", {**body, "prompt": ["a"] * 65}).status_code == 400
+
+
 def test_infill_builds_the_fim_prompt_and_matches_openai_suffix(server):
     llm = server.context.llm
     pre, suf, mid = llm.tokenizer.fim_ids

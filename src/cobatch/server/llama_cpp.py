@@ -20,7 +20,7 @@ from cobatch.errors import UserError
 from cobatch.server.context import ServerContext, get_context
 from cobatch.server.errors import bad_request
 from cobatch.server.generation import (Choices, Completed, Finish, Generation, GenerationRequest, TokenLogprob,
-                                       make_sampling_params)
+                                       interleave, make_sampling_params)
 from cobatch.server.output_events import ContentDelta
 from cobatch.server.prompting import StructuredOutput, check_prompt_fits, max_new_tokens, output_grammar, raw_prompts
 from cobatch.server.openapi import accepts
@@ -30,6 +30,8 @@ from cobatch.server.responses import EventStreamResponse, GeneratedJSONResponse,
 
 router = APIRouter()
 
+MAX_PROMPTS = 64        # prompts in one /completion request: each is a session in the engine's queue
+
 
 class LoraScale(BaseModel):
     id: int
@@ -38,7 +40,8 @@ class LoraScale(BaseModel):
 
 class CompletionRequest(LlamaCppSamplers):
     model_config = ConfigDict(extra="ignore")       # the fields of llama.cpp it does not know are ignored
-    prompt: str | list[int] = ""
+    # one prompt (text or token ids), or several (texts or id lists: answered as a list, streamed with an index)
+    prompt: str | list[int] | list[str] | list[list[int]] = ""
     n_predict: int = Field(-1, ge=-1, description="-1: until the end of turn or the context is full")
     # Unset: the server's default (serve --temperature ...), else llama.cpp's (LLAMA_CPP_SAMPLING)
     temperature: float | None = Field(None, ge=0)
@@ -138,8 +141,8 @@ def _defaults(ctx: ServerContext) -> dict:
 async def completion(request: Request):
     ctx = get_context(request)
     body = await read_body(request, CompletionRequest, ctx.options.max_body_bytes)
-    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.prompt, None, "prompt", 1)
-    return await _run(request, ctx, body, prompts[0][0])
+    prompts = await run_in_threadpool(raw_prompts, ctx.llm, body.prompt, None, "prompt", MAX_PROMPTS)
+    return await _run(request, ctx, body, [ids for ids, _ in prompts])
 
 
 @router.post("/infill")
@@ -154,7 +157,7 @@ async def infill(request: Request):
                                       [(f.filename, f.text) for f in body.input_extra], body.prompt)
     except UserError as exc:
         raise bad_request(str(exc), param="input_suffix") from None
-    return await _run(request, ctx, body, ids)
+    return await _run(request, ctx, body, [ids])
 
 
 def _logit_bias(ctx: ServerContext, raw: list[list[Any]] | dict[str, float] | None
@@ -188,8 +191,11 @@ def _logit_bias(ctx: ServerContext, raw: list[list[Any]] | dict[str, float] | No
     return (tuple(sorted(bias.items())) or None), (tuple((t,) for t in dict.fromkeys(banned)) or None)
 
 
-async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, ids: list[int]):
-    check_prompt_fits(ctx.llm, len(ids), "prompt")
+async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, prompts: list[list[int]]):
+    """Generate for each prompt: one prompt answers llama.cpp's object (or stream), several a list of them (or
+    their streams interleaved, each line with its prompt's index), as llama.cpp's server does."""
+    for ids in prompts:
+        check_prompt_fits(ctx.llm, len(ids), "prompt")
     if body.n_predict == 0:
         raise bad_request("n_predict must be -1 or at least 1", param="n_predict")
     if body.grammar is not None and body.json_schema is not None:
@@ -198,7 +204,26 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
                   StructuredOutput("json", body.json_schema, "json_schema") if body.json_schema is not None else None)
     grammar = await output_grammar(ctx.llm, None, force_call=False, parallel=False, structured=structured)
     bias, banned = _logit_bias(ctx, body.logit_bias)
-    params = make_sampling_params(
+    requests = [GenerationRequest("llama.cpp", ids, _params(ctx, body, grammar, bias, banned, len(ids)),
+                                  list(body.stop)) for ids in prompts]
+    choices = Choices(ctx.generation, requests, 1)
+    gens = choices.generations
+    if len(gens) == 1:
+        if body.stream:
+            return EventStreamResponse(_stream(ctx, gens[0], body), choices.close)
+        return GeneratedJSONResponse(lambda: _result(ctx, gens[0], body), choices.close, request.url.path)
+    if body.stream:
+        return EventStreamResponse(interleave([_stream(ctx, g, body, i) for i, g in enumerate(gens)]), choices.close)
+
+    async def results() -> list[dict]:
+        return [{"index": i, **await _result(ctx, g, body)} for i, g in enumerate(gens)]
+    return GeneratedJSONResponse(results, choices.close, request.url.path)
+
+
+def _params(ctx: ServerContext, body: CompletionRequest, grammar, bias, banned, n_prompt: int):
+    """A prompt's sampling parameters: the request's fields over the server's and llama.cpp's defaults, its length
+    cut to the room its prompt leaves."""
+    return make_sampling_params(
         ctx.llm.tokenizer.vocab_size, _sampling_defaults(ctx), tokenizer=ctx.llm.tokenizer,
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed == -1 else body.seed, repetition_penalty=body.repeat_penalty,
@@ -207,12 +232,7 @@ async def _run(request: Request, ctx: ServerContext, body: CompletionRequest, id
         # token ids travel with the logprobs: ask for them (top 0) when the client wants ids only
         logprobs=body.n_probs if body.n_probs or body.return_tokens else None, grammar=grammar,
         logit_bias=bias, bad_words=banned, adapter=_adapter(ctx, body.lora),
-        max_tokens=max_new_tokens(ctx, None if body.n_predict == -1 else body.n_predict, len(ids)))
-    choices = Choices(ctx.generation, [GenerationRequest("llama.cpp", ids, params, list(body.stop))], 1)
-    gen = choices.generations[0]
-    if body.stream:
-        return EventStreamResponse(_stream(ctx, gen, body), choices.close)
-    return GeneratedJSONResponse(lambda: _result(ctx, gen, body), choices.close, request.url.path)
+        max_tokens=max_new_tokens(ctx, None if body.n_predict == -1 else body.n_predict, n_prompt))
 
 
 async def _result(ctx: ServerContext, gen: Generation, body: CompletionRequest) -> dict:
@@ -225,13 +245,16 @@ async def _result(ctx: ServerContext, gen: Generation, body: CompletionRequest) 
     return out
 
 
-async def _stream(ctx: ServerContext, gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
+async def _stream(ctx: ServerContext, gen: Generation, body: CompletionRequest,
+                  index: int | None = None) -> AsyncIterator[str]:
+    """A generation's stream lines; `index`: its prompt's, on every line, where the request gave several."""
+    tag = {} if index is None else {"index": index}
     async for item in gen.events():
         if isinstance(item, Finish):
-            yield sse_data({"content": "", **_final(ctx, gen, item)})
+            yield sse_data({**tag, "content": "", **_final(ctx, gen, item)})
             return
         text = "".join(e.text for e in item.events if isinstance(e, ContentDelta))
-        chunk: dict[str, Any] = {"content": text, "stop": False, "id_slot": gen.handle.slot}
+        chunk: dict[str, Any] = {**tag, "content": text, "stop": False, "id_slot": gen.handle.slot}
         if body.n_probs:
             chunk["completion_probabilities"] = _probabilities(ctx, item.logprobs)
         if body.return_tokens:
