@@ -88,6 +88,9 @@ def test_several_prompts_answer_a_list_or_indexed_streams(server):
         mine = [c for c in chunks if c["index"] == i]
         assert "".join(c["content"] for c in mine) == text and mine[-1]["stop"]
     assert post(server, "/completion", {**body, "prompt": ["a"] * 65}).status_code == 400
+    picked = post(server, "/completion", {**body, "prompt": prompts[1], "response_fields": [
+        "content", "timings/predicted_n", "nothing/here"]}).json()
+    assert picked == {"content": alone[1], "timings/predicted_n": 6}
 
 
 def test_infill_builds_the_fim_prompt_and_matches_openai_suffix(server):

@@ -61,6 +61,8 @@ class CompletionRequest(LlamaCppSamplers):
     return_tokens: bool = False
     # [[token id or text, bias or false], ...] (false: never), or {"token id": bias}
     logit_bias: list[list[Any]] | dict[str, float] | None = None
+    # llama.cpp's: only these fields of the answer (not streamed), "a/b" naming b inside a, each under its path
+    response_fields: list[str] | None = Field(None, max_length=64)
     # llama.cpp's per-request LoRA scales, by adapter id (GET /lora-adapters); scale 0: not applied
     lora: list[LoraScale] | None = None
 
@@ -242,7 +244,24 @@ async def _result(ctx: ServerContext, gen: Generation, body: CompletionRequest) 
         out["completion_probabilities"] = _probabilities(ctx, done.logprobs)
     if body.return_tokens:
         out["tokens"] = [p.token_id for p in done.logprobs]
-    return out
+    return out if body.response_fields is None else _fields(out, body.response_fields)
+
+
+_MISSING = object()
+
+
+def _fields(answer: dict, paths: list[str]) -> dict:
+    """llama.cpp's response_fields: each path's value ("timings/predicted_n" inside "timings") under the path
+    itself; a path the answer lacks is left out."""
+    picked = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is not _MISSING:
+            picked[path] = value
+    return picked
+
 
 
 async def _stream(ctx: ServerContext, gen: Generation, body: CompletionRequest,
