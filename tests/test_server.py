@@ -556,6 +556,33 @@ def test_embeddings_through_the_openai_client(server, oai, caplog):
     assert similar > unrelated
 
 
+def test_logprobs_name_tokens_by_id_with_vllms_flag(server, oai):
+    """vLLM's --return-tokens-as-token-ids: logprobs name each token "token_id:ID" (the ids return_token_ids
+    gives), chat and completions alike; a request asking otherwise than the server was started is a 400."""
+    kwargs = dict(model="any", messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY,
+                  extra_body={"return_token_ids": True})
+    plain = oai.chat.completions.create(**kwargs)
+    options = server.context.options
+    options.tokens_as_ids = True
+    try:
+        named = oai.chat.completions.create(**kwargs)
+        ids = named.choices[0].model_extra["token_ids"]
+        entries = named.choices[0].logprobs.content
+        assert [e.token for e in entries] == [f"token_id:{i}" for i in ids]
+        assert all(e.top_logprobs[0].token == e.token and bytes(e.bytes) == e.token.encode() for e in entries)
+        assert [e.logprob for e in entries] == [e.logprob for e in plain.choices[0].logprobs.content]
+        completion = oai.completions.create(model="any", prompt="The capital of France is", max_tokens=3, logprobs=1,
+                                            **GREEDY, extra_body={"return_token_ids": True,
+                                                                  "return_tokens_as_token_ids": True})
+        assert completion.choices[0].logprobs.tokens == [
+            f"token_id:{i}" for i in completion.choices[0].model_extra["token_ids"]]
+    finally:
+        options.tokens_as_ids = False
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(**{**kwargs, "extra_body": {"return_tokens_as_token_ids": True}})
+    assert err.value.body["param"] == "return_tokens_as_token_ids"
+
+
 def test_echo_with_logprobs_scores_the_prompt(oai):
     """lm-eval-harness' loglikelihood request: echo, logprobs and max_tokens 0 give each prompt token's logprob."""
     prompt = "The capital of France is Paris"

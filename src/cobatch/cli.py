@@ -597,6 +597,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         (("--enable-reasoning",), "a reply's <think> block is always parsed (--reasoning-format)"),
                         (("--disable-frontend-multiprocessing",), "the HTTP side runs on its own thread")):
         p.add_argument(*flags, action="store_true", help=f"vLLM's; {what}")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="vLLM's: logprobs name their tokens \"token_id:ID\" (partial UTF-8 tokens stay apart)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="vLLM's: the most alternatives a request's logprobs, top_logprobs or prompt_logprobs may ask "
                         "for (0-20, default 20)")

@@ -441,7 +441,8 @@ def server_options(args) -> ServerOptions:
                          metrics_compat=getattr(args, "metrics_compat", None),
                          slot_save_path=getattr(args, "slot_save_path", None), webui=getattr(args, "webui", True),
                          parse_reasoning=getattr(args, "reasoning_format", "auto") != "none",
-                         max_logprobs=_max_logprobs(args))
+                         max_logprobs=_max_logprobs(args),
+                         tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False))
 
 
 def _name_list(value: str, flag: str) -> tuple[str, ...]:

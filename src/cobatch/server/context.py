@@ -49,6 +49,7 @@ class ServerOptions:
     # left in the content as the model wrote it
     parse_reasoning: bool = True
     max_logprobs: int = 20               # the most alternatives logprobs may ask for (vLLM's --max-logprobs)
+    tokens_as_ids: bool = False          # logprobs name tokens "token_id:ID" (vLLM's --return-tokens-as-token-ids)
 
 
 class ServerContext:

@@ -95,6 +95,8 @@ class _SamplingBody(_Body, LlamaCppSamplers):        # llama.cpp's samplers: its
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the prompt's last k tokens")
     priority: int = Field(0, ge=-2 ** 62, le=2 ** 62, description="lower runs first (--scheduling-policy priority)")
     return_token_ids: bool = Field(False, description="vLLM's: the prompt's and the output's token ids beside the text")
+    # vLLM's: logprobs name tokens "token_id:ID"; here the server's --return-tokens-as-token-ids decides it
+    return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = Field(None, description="prefix-cache blocks are shared only with the same salt")
 
 
@@ -248,6 +250,10 @@ def _truncated(body: _SamplingBody, prompt_ids: list[int]) -> list[int]:
 def _sampling(ctx: ServerContext, body: _SamplingBody, n_prompt: int, max_tokens: int | None,
               logprobs: int | None, grammar: str | None, prompt_logprobs: int | None = None,
               prediction: tuple[int, ...] | None = None):
+    if body.return_tokens_as_token_ids is not None and body.return_tokens_as_token_ids != ctx.options.tokens_as_ids:
+        raise bad_request("return_tokens_as_token_ids: logprobs name tokens as the server was started "
+                          f"({'with' if ctx.options.tokens_as_ids else 'without'} --return-tokens-as-token-ids)",
+                          param="return_tokens_as_token_ids")
     limit = ctx.options.max_logprobs
     for name, value in (("top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs", logprobs),
                         ("prompt_logprobs", prompt_logprobs)):
@@ -368,12 +374,16 @@ def _tools(body: ChatCompletionRequest) -> list[dict] | None:
 # --- formatting --------------------------------------------------------------------------------------
 
 def _token_entry(ctx: ServerContext, token_id: int, logprob: float) -> dict:
-    raw = ctx.llm.tokenizer.token_bytes(token_id)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    name = _token_text(ctx, token_id)
+    raw = name.encode() if ctx.options.tokens_as_ids else ctx.llm.tokenizer.token_bytes(token_id)
+    return {"token": name, "logprob": logprob, "bytes": list(raw)}
 
 
 def _token_text(ctx: ServerContext, token_id: int) -> str:
-    """A token's text as logprobs name it (its bytes, a partial UTF-8 character replaced)."""
+    """A token's text as logprobs name it (its bytes, a partial UTF-8 character replaced), or with vLLM's
+    --return-tokens-as-token-ids "token_id:ID", which names every token, whole or not, apart."""
+    if ctx.options.tokens_as_ids:
+        return f"token_id:{token_id}"
     return ctx.llm.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
