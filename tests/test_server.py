@@ -918,6 +918,9 @@ ERROR_CASES = [
     ("anthropic remote MCP servers", "POST", MESSAGES, {**OK_MSG, "mcp_servers": [
         {"type": "url", "url": "https://example.com/mcp", "name": "x"}]}, 400, None),
     ("anthropic code container", "POST", MESSAGES, {**OK_MSG, "container": "container_1"}, 400, None),
+    ("anthropic document citations", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"},
+         "citations": {"enabled": True}}]}]}, 400, None),
     ("anthropic PDF document", "POST", MESSAGES, {**OK_MSG, "messages": [{"role": "user", "content": [
         {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}]}]},
      400, None),

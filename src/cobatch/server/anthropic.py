@@ -117,6 +117,9 @@ def _document_text(block: dict, where: str) -> str:
     else:
         raise bad_request(f"{where}.source: documents of plain text only (a 'text' or 'content' source), "
                           f"not {kind!r}")
+    citations = block.get("citations")
+    if isinstance(citations, dict) and citations.get("enabled"):
+        raise bad_request(f"{where}.citations: this server does not cite documents (leave citations off)")
     head = [value for value in (block.get("title"), block.get("context")) if isinstance(value, str) and value]
     return "\n\n".join([*head, text])
 
