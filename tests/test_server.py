@@ -56,6 +56,7 @@ def test_models_and_health(server, oai):
     assert health["status"] == "ok" and health["slots_total"] == 8
     head = httpx.head(server.url + "/health")
     assert head.status_code == 200 and head.content == b""
+    assert httpx.get(server.url + "/v1/health").json()["status"] == "ok"      # llama.cpp's other path
 
 
 def test_sagemaker_ping_and_invocations(server, oai):
@@ -1060,6 +1061,7 @@ def test_api_key(server):
         claude = anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)
         assert claude.messages.count_tokens(model="m", messages=QUESTION).input_tokens > 0
         assert httpx.get(server.url + "/health").status_code == 200      # health stays open
+        assert httpx.get(server.url + "/v1/health").status_code == 200
         assert httpx.get(server.url + "/ping").status_code == 200
         assert httpx.post(server.url + "/invocations", json=OK_CHAT).status_code == 401
     finally:

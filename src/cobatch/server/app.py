@@ -41,7 +41,7 @@ from cobatch.server.sagemaker import InvocationsMiddleware
 
 log = logging.getLogger("cobatch.server")
 
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/docs", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/ping", "/version", "/docs", "/openapi.json"})
 SLOTS_VIEW_TIMEOUT_S = 10.0
 
 
@@ -137,6 +137,7 @@ def _add_error_handlers(app: FastAPI, server: ServerContext) -> None:
 
 def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health")
+    @app.get("/v1/health")              # llama.cpp's server answers both
     @app.head("/health")                # load balancers' probes
     @app.get("/ping")                   # SageMaker's (server/sagemaker.py)
     async def health(request: Request):
