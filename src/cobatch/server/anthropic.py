@@ -57,9 +57,6 @@ class _Conversation(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-    # Anthropic-hosted features this server cannot give: refused when set (_refuse_hosted), not silently dropped
-    mcp_servers: list[Any] | None = None
-    container: Any = None
 
 
 class MessagesRequest(_Conversation):
@@ -124,17 +121,7 @@ def _document_text(block: dict, where: str) -> str:
     return "\n\n".join([*head, text])
 
 
-def _refuse_hosted(body: _Conversation) -> None:
-    """A 400 for the Anthropic-hosted features a request asks for (remote MCP servers, a code container)."""
-    if body.mcp_servers:
-        raise bad_request("mcp_servers: this server does not connect to MCP servers; declare their tools as client "
-                          "tools (with an input_schema) and run them yourself")
-    if body.container is not None:
-        raise bad_request("container: this server runs no code containers")
-
-
 def _template_messages(body: _Conversation) -> list[dict]:
-    _refuse_hosted(body)
     out: list[dict] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system, "system")})

@@ -67,11 +67,6 @@ class ResponsesRequest(_Body):
     reasoning: dict[str, Any] | None = None       # its effort goes to the template, as the chat route's does
     # "auto": the oldest turns are dropped until the input fits the context (OpenAI's); "disabled": a 400
     truncation: Literal["auto", "disabled"] = "disabled"
-    # OpenAI-hosted features this server cannot give: refused when asked for (_refuse_hosted), not dropped
-    background: bool = False
-    prompt: dict[str, Any] | None = None
-    conversation: str | dict[str, Any] | None = None
-    top_logprobs: int | None = Field(None, ge=0)
 
 
 # --- input -> chat messages ----------------------------------------------------------------------------
@@ -168,16 +163,6 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
 
 
-def _refuse_hosted(body: ResponsesRequest) -> None:
-    """A 400 for what a request asks of OpenAI's own storage and workers: background runs, stored prompts,
-    conversations (previous_response_id continues a conversation here), and logprobs."""
-    for name, asked in (("background", body.background), ("prompt", body.prompt is not None),
-                        ("conversation", body.conversation is not None), ("top_logprobs", bool(body.top_logprobs))):
-        if asked:
-            raise bad_request(f"{name} is not supported by this server's /v1/responses (conversations continue by "
-                              "previous_response_id; logprobs come from /v1/chat/completions)", param=name)
-
-
 def _render_input(ctx: ServerContext, body: ResponsesRequest, messages: list[dict],
                   tools: list[dict] | None) -> tuple[list[int], bool]:
     """render_chat of the conversation; with truncation "auto", its oldest turns (a message and the tool results
@@ -211,7 +196,6 @@ async def create_response(request: Request):
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
                                    response_format=_response_format(body.text), format_param="text.format")
-    _refuse_hosted(body)
     prompt_ids, in_think = await run_in_threadpool(_render_input, ctx, body, chat_messages(body, earlier), tools)
     check_prompt_fits(ctx.llm, len(prompt_ids), "input")
     params = make_sampling_params(ctx.llm.tokenizer.vocab_size, ctx.options.sampling_defaults,

@@ -18,6 +18,11 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "mirostat_eta": None, "dry_multiplier": 0.0, "dry_base": None, "dry_allowed_length": None,
     "dry_penalty_last_n": None, "dry_sequence_breakers": None, "xtc_probability": 0.0, "xtc_threshold": None,
     "prompt_logprobs": None, "dynatemp_range": 0.0, "dynatemp_exponent": None,
+    # what OpenAI's and Anthropic's own storage and workers give (the routes that implement one declare it:
+    # a completions prompt, chat's top_logprobs): background runs, stored prompts, conversations, remote MCP
+    # servers, code containers
+    "background": False, "prompt": None, "conversation": None, "top_logprobs": 0, "mcp_servers": [],
+    "container": None,
 }
 
 
