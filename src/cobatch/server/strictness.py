@@ -1,9 +1,10 @@
 """What the server refuses instead of silently ignoring: a model it does not serve (404 model_not_found, as
-vLLM answers) and sampling fields it does not implement (400 naming the field; an endpoint whose request model
-declares one of them implements it there).
+vLLM answers) and fields it does not implement, sampling ones and hosted features (400 naming the field; an
+endpoint whose request model declares one of them implements it there).
 
 A refused field left at its neutral value (typical_p 1, mirostat 0, dry_multiplier 0, xtc_probability 0,
-dynatemp_range 0, use_beam_search false) is a documented no-op and passes: clients that send every knob at its default work.
+dynatemp_range 0, use_beam_search false, background false, mcp_servers []) is a documented no-op and passes: clients
+that send every knob at its default work.
 """
 
 from __future__ import annotations
