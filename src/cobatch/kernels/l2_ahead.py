@@ -5,9 +5,9 @@ gate|up, each read tens of MB. Here the attention programs ask L2 for o's planes
 with bulk prefetches (`cp.async.bulk.prefetch.L2`: no register, no wait, no launch of their own), each program a
 slice of the ranges, so those bytes stream while attention runs instead of after it.
 
-gate|up's share is the first SHARE of each K quarter of every 16-row tile: its GEMV and GEMM walk a tile's K from
-the start of their split, so every CTA, whatever its K split of 1, 2 or 4, finds the same share of its bytes in L2
-and none finishes alone early.
+gate|up's share is its first tiles (SHARE of each plane's bytes from the start): the GEMV's CTAs are dealt out in
+tile order, so those are the bytes it reads first, and one bulk prefetch covers PIECE contiguous bytes (one range a
+K quarter of every tile, 14 thousand prefetches for q8_0's gate|up, was slower: docs/kernels.md).
 
 A plane is described by one row (address, tiles, bytes a tile, whole); the kernel derives the ranges from it
 (`issue`, mirrored by `ranges_ref`), so SHARE may change between captures. A prefetch is a hint: no result depends
@@ -28,7 +28,7 @@ ROWS = int(os.environ.get("COBATCH_L2_AHEAD_ROWS", "0"))
 SHARE = float(os.environ.get("COBATCH_L2_AHEAD_SHARE", "0.25"))
 O_WHOLE = os.environ.get("COBATCH_L2_AHEAD_O", "1") != "0"
 
-SEGMENTS = 4          # a tile's K quarters (splits of 1, 2 and 4 start at one)
+PIECE = 64 * 1024     # bytes a bulk prefetch (its size field holds up to 1 MB); piece i from program i % programs
 BLOCK = 128           # ranges a program issues at once (one a thread)
 ALIGN = 16            # a bulk copy's address and size unit
 
@@ -42,15 +42,15 @@ def plane_rows(weight, whole: bool) -> list[tuple[int, int, int, int]]:
     rows = []
     for t in planes.tensors():
         tile_bytes = t.stride(0) * t.element_size()
-        if t.shape[0] == 0 or tile_bytes % (ALIGN * SEGMENTS) or t.data_ptr() % ALIGN:
-            continue                     # no whole 16-byte quarters: left to HBM
+        if t.shape[0] == 0 or tile_bytes % ALIGN or t.data_ptr() % ALIGN or not t.is_contiguous():
+            continue                     # not whole 16-byte units: left to HBM
         rows.append((t.data_ptr(), t.shape[0], tile_bytes, int(whole)))
     return rows
 
 
 def descriptors(whole: list, shared: list, device: torch.device) -> torch.Tensor | None:
     """The int64 [planes, 4] table a layer's attention reads: `whole` weights' planes entire, `shared` weights'
-    SHARE of each K quarter (the share is applied at launch). None where no plane qualifies or off CUDA."""
+    first SHARE of their bytes (the share is applied at launch). None where no plane qualifies or off CUDA."""
     if torch.device(device).type != "cuda":
         return None
     rows = [r for w in whole for r in plane_rows(w, True)] + [r for w in shared for r in plane_rows(w, False)]
@@ -78,11 +78,8 @@ def ranges_ref(table: torch.Tensor, whole_on: int, share_256: int) -> list[tuple
     """(address, bytes) of every prefetch `issue` makes from `table`: its torch-free mirror, for the tests."""
     out = []
     for addr, tiles, tile_bytes, whole in table.tolist():
-        quarter = tile_bytes // SEGMENTS
-        take = quarter if whole else (quarter * share_256 // 256) // ALIGN * ALIGN
-        if (whole and not whole_on) or take == 0:
-            continue
-        out += [(addr + t * tile_bytes + s * quarter, take) for t in range(tiles) for s in range(SEGMENTS)]
+        total = tiles * tile_bytes * whole_on if whole else tiles * tile_bytes * share_256 // 256 // ALIGN * ALIGN
+        out += [(addr + at, min(PIECE, total - at)) for at in range(0, total, PIECE)]
     return out
 
 
@@ -93,7 +90,7 @@ def _c(v):
 # One bulk prefetch a lane, none where its size is 0.
 _ASM_BULK_PREFETCH = _c("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
                         "mov.u32 $0, 0; }")
-_SEGMENTS, _BLOCK = _c(SEGMENTS), _c(BLOCK)
+_PIECE, _BLOCK = _c(PIECE), _c(BLOCK)
 
 
 @jit
@@ -105,12 +102,12 @@ def issue(table_ptr, n_planes, whole_on, share_256, program, programs):
         tiles = tl.load(table_ptr + 4 * p + 1)
         tile_bytes = tl.load(table_ptr + 4 * p + 2)
         whole = tl.load(table_ptr + 4 * p + 3)
-        quarter = tile_bytes // _SEGMENTS
-        take = tl.where(whole != 0, quarter * whole_on, (quarter * share_256 // 256) // 16 * 16)
-        n = tl.where(take > 0, tiles * _SEGMENTS, 0)
-        for i0 in range(program * _BLOCK, n, programs * _BLOCK):
-            i = i0 + lane
-            at = addr + (i // _SEGMENTS) * tile_bytes + (i % _SEGMENTS) * quarter
-            size = tl.where(i < n, take, 0).to(tl.int32)
+        total = tl.where(whole != 0, tiles * tile_bytes * whole_on, tiles * tile_bytes * share_256 // 256 // 16 * 16)
+        n = tl.cdiv(total, _PIECE)
+        for i0 in range(0, n, programs * _BLOCK):
+            i = i0 + program + lane * programs
+            at = i.to(tl.int64) * _PIECE
+            size = tl.where(i < n, tl.minimum(total - at, _PIECE), 0).to(tl.int32)
+            at += addr
             tl.inline_asm_elementwise(_ASM_BULK_PREFETCH, "=r,l,r", [at, size], dtype=tl.int32, is_pure=False,
                                       pack=1)
