@@ -28,7 +28,7 @@ H200 = GPUTarget("cuda", 90, 32)
 AMPERE = GPUTarget("cuda", 80, 32)     # an A100: Triton has no e4m3 there
 INT_POINTERS = {"bt_ptr", "seq_lens_ptr", "query_start_ptr", "pos_ptr", "slot_expert_ptr", "slot_start_ptr",
                 "slot_count_ptr", "work_ptr"}
-LONG_POINTERS = {"slot_ptr", "ahead_ptr", "pairs_ptr", "ids_ptr", "pair_rows_ptr", "row_pairs_ptr"}
+LONG_POINTERS = {"slot_ptr", "pairs_ptr", "ids_ptr", "pair_rows_ptr", "row_pairs_ptr"}
 FLOAT_POINTERS = {"part_acc_ptr", "part_ml_ptr", "cs_ptr", "w_ptr", "logits_ptr", "weights_ptr",
                   "row_weights_ptr", "bias_ptr"}
 FLOAT_SCALARS = {"qk_scale", "softcap", "eps", "scale"}
@@ -125,15 +125,6 @@ for single, groups, neox, fp8, qk_norm in ((False, False, False, False, False), 
              ORDER=1 if single else 0),       # a single split's rows stored in o's GEMM's order (operand_order)
         dec.num_warps, dec.fp8_num_stages if fp8 else dec.num_stages, FP8_CACHE if fp8 else None,
         attention.decode_register_cap(1 if single else 2, torch.float8_e4m3fn if fp8 else torch.bfloat16, 128, dec))
-# The next weights asked into L2 by a decode step's programs (l2_ahead): the same budget
-for single in (False, True):
-    variants[f"decode rope l2 ahead single_split={single}"] = (
-        attention._decode_split_kernel,
-        dict(GROUP=4, HEAD_D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=dec.block_n, **SPLITS, GROUPS=not single,
-             SINGLE_SPLIT=single, PDL=True, DOT_F32=False, SOFTCAP=False, WINDOWED=False, OPERAND=BF16, ROPE=True,
-             NEOX=False, QK_NORM=False, ORDER=1 if single else 0, AHEAD=True),
-        dec.num_warps, dec.num_stages, None,
-        attention.decode_register_cap(1 if single else 2, torch.bfloat16, 128, dec))
 # Gemma's 256-wide heads (GQA group 2, as Gemma 2/3-4B), bf16 and fp8 caches: past 128 registers, but no spills
 for fp8 in (False, True):
     variants[f"decode head_d=256 softcap=True single_split=False windowed=True fp8={fp8}"] = (
@@ -468,14 +459,13 @@ jobs = [(name, compile_for_h200, spec) for name, spec in variants.items()]
 
 
 def on_ampere(kernel, constants, num_warps=4, num_stages=2, pointers=None, maxnreg=None):
-    """A variant as an A100 runs it: no programmatic launch nor L2 bulk prefetch (Hopper's); an fp8 cache as uint8
+    """A variant as an A100 runs it: no programmatic launch (Hopper's); an fp8 cache as uint8
     (fp8_cache.kernel_view), its rows widened by bit moves (FP8_WORDS = BITS)."""
     from cobatch.kernels import fp8_cache
     fp8 = "*fp8e4nv" in (pointers or {}).values()
     pointers = {name: "*u8" if kind == "*fp8e4nv" else kind for name, kind in (pointers or {}).items()}
     constants = {**constants, **({"FP8_WORDS": fp8_cache.BITS} if fp8 and "FP8_WORDS" in constants else {}),
-                 **({"PDL": False} if "PDL" in constants else {}),
-                 **({"AHEAD": False} if "AHEAD" in constants else {})}     # its bulk prefetches are Hopper's too
+                 **({"PDL": False} if "PDL" in constants else {})}
     return compile_for_h200(kernel, constants, num_warps, num_stages, pointers, maxnreg, target=AMPERE)
 
 

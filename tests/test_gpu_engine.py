@@ -255,22 +255,6 @@ def test_graph_and_eager_agree(models):
     assert with_graphs == eager
 
 
-def test_weights_asked_into_l2_under_attention_change_no_token(models, monkeypatch):
-    """Decode attention asking L2 for o's and gate|up's bytes (kernels/l2_ahead.py) is a hint: the same tokens."""
-    from cobatch.kernels import l2_ahead
-    _, gpu = models["cut"]
-    assert all(layer.l2_next is not None for layer in gpu.model.layers)
-    prompts = [gpu.encode_prompt(p) for p in PROMPTS[:3]]
-    graphs, gpu.engine.runner.graphs = gpu.engine.runner.graphs, None     # eager steps read ROWS at each call
-    try:
-        plain = gpu.engine.generate(prompts, GREEDY)
-        monkeypatch.setattr(l2_ahead, "ROWS", 64)
-        ahead = gpu.engine.generate(prompts, GREEDY)
-    finally:
-        gpu.engine.runner.graphs = graphs
-    assert ahead == plain
-
-
 def test_overlapped_steps_on_cuda(models):
     """Overlapped steps (the default on CUDA) against steps that read their tokens first, on CUDA, through the decode
     graphs and eagerly: 4 sessions (under every kernel's batch-invariant row count, so the row that a stopped

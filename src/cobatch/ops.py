@@ -140,15 +140,14 @@ def attention_orders(head_dim: int) -> bool:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
               scale: float, window: int = 0, softcap: float = 0.0, out_dtype: torch.dtype | None = None,
-              out_order: int = NATURAL, l2_next: torch.Tensor | None = None) -> torch.Tensor:
+              out_order: int = NATURAL) -> torch.Tensor:
     """Decode kernel when meta.max_query_len == 1 (one row per sequence), the prefill kernel otherwise.
     window > 0: each row sees only its last `window` keys (sliding-window layers); softcap > 0: scores are
     soft-capped (Gemma 2). out_dtype: the output's dtype (default q's; operand_dtype of the weight it goes to).
-    out_order: each row's columns in that order (operand_order of the weight it goes to; where attention_orders).
-    l2_next: the weights read next, asked into L2 by the decode kernel (kernels/l2_ahead.py; a hint)."""
+    out_order: each row's columns in that order (operand_order of the weight it goes to; where attention_orders)."""
     if _triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                                      out_dtype=out_dtype, out_order=out_order, l2_next=l2_next)
+                                      out_dtype=out_dtype, out_order=out_order)
     out = paged_attention_ref(q, k_cache, v_cache, meta, scale, window, softcap)
     out = out if out_dtype is None else out.to(out_dtype)
     return ordered_ref(out.reshape(out.shape[0], -1), out_order).reshape(out.shape)
@@ -159,17 +158,17 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
                    out_dtype: torch.dtype | None = None,
                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                   out_order: int = NATURAL, l2_next: torch.Tensor | None = None) -> torch.Tensor:
+                   out_order: int = NATURAL) -> torch.Tensor:
     """rope_kv_write, then attention over the caches it wrote. On the Triton path a decode step whose heads
     rotate whole (with qwen3's q/k norms or without) runs both in the decode attention kernel (one launch less a
     layer; COBATCH_FUSED_ROPE=0 keeps them apart). q, k are not rotated in place then: only the caches and the
-    output are this op's results. out_order, l2_next: as attention's."""
+    output are this op's results. out_order: as attention's."""
     if _triton(q) and fuses_rope(q, meta, cos_sin):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
                                       out_dtype=out_dtype, rope=DecodeRope(k, v, positions, cos_sin, neox, qk_norm),
-                                      out_order=out_order, l2_next=l2_next)
+                                      out_order=out_order)
     q, _ = rope_kv_write(q, k, v, positions, cos_sin, neox, k_cache, v_cache, meta.slot_mapping, qk_norm)
-    return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype, out_order, l2_next)
+    return attention(q, k_cache, v_cache, meta, scale, window, softcap, out_dtype, out_order)
 
 
 def mla_latent(q_rope: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,

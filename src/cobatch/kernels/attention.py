@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from cobatch.batch import AttentionMetadata
-from cobatch.kernels import l2_ahead
 from cobatch.kernels.fp8_cache import FP8_DTYPES, kernel_view, to_cache, widen_words, words_mode
 from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_columns
 from cobatch.kernels.rope import rotary_dims, rotated
@@ -319,7 +318,7 @@ def _write_new_kv(k_new_ptr, v_new_ptr, kc_ptr, vc_ptr, slot_ptr, row, kv_head, 
 @jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, qn_ptr, kn_ptr,
-                         ahead_ptr, n_ahead, ahead_whole, ahead_share, q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
+                         q_row_stride, q_head_stride, bt_stride, cache_block_stride, cache_slot_stride,
                          cache_head_stride, out_row_stride, out_head_stride, k_row_stride, k_head_stride,
                          v_row_stride, v_head_stride, cs_stride, qk_scale, eps,
                          num_splits, window, softcap, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
@@ -328,7 +327,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
                          SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, OPERAND: tl.constexpr,
                          ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-                         FP8_WORDS: tl.constexpr = 0, ORDER: tl.constexpr = 0, AHEAD: tl.constexpr = False):
+                         FP8_WORDS: tl.constexpr = 0, ORDER: tl.constexpr = 0):
     """Program (seq, kv_head, chunk): all GROUP query heads of one KV head over a chunk of the row's splits
     (its splits shared evenly among the grid's chunks), so each KV tile is read once per sequence. Each split's
     partial (max, sum, acc) is computed from scratch over its own tiles, so it has the same bits however many
@@ -340,8 +339,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
     ROPE: q and this step's k arrive unrotated (every dim rotates; NEOX: halves, else adjacent pairs). The
     program rotates its q heads, and writes the rotated k and the v of the step's rows whose positions fall
     in its chunk into the cache before reading it (the rope kernel's work, same bits, one launch less). QK_NORM:
-    each q and k head RMS-normed first (qwen3), as the rope kernel does. AHEAD: the program asks L2 for its slice
-    of the next weights' bytes (l2_ahead) once the kernel before is done."""
+    each q and k head RMS-normed first (qwen3), as the rope kernel does."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # Sequence metadata is written before the step starts, so it may be read before the predecessor finishes.
@@ -373,10 +371,6 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, p
         i_hi = tl.minimum(_step_rows_of_sequence(slot_ptr, bt_row, seq, seq_len, PAGE), seq_len - chunk_start)
     if PDL:
         gdc_wait()                     # q and this step's K/V come from the previous kernel
-    if AHEAD:                          # after the wait: the kernel before no longer streams its own weights
-        l2_ahead.issue(ahead_ptr, n_ahead, ahead_whole, ahead_share,
-                       (tl.program_id(0) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + tl.program_id(2),
-                       tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
 
     q_row = q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride
     if ROPE:
@@ -648,16 +642,14 @@ class DecodeRope:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
                            cfg: DecodeConfig = DECODE_CONFIG, window: int = 0, softcap: float = 0.0,
-                           rope: DecodeRope | None = None, out_order: int = NATURAL,
-                           l2_next: torch.Tensor | None = None) -> torch.Tensor:
+                           rope: DecodeRope | None = None, out_order: int = NATURAL) -> torch.Tensor:
     """paged_attention_ref for a decode step (one row per sequence), each row's columns in out_order's order
     (operand_order; head_dim a multiple of 32). Graph-safe: the grid depends only on
     q's shape, the heads and meta.max_seq_len; no host syncs. With cfg.pdl the kernels are launched as
     programmatic dependents and read meta.seq_lens and meta.block_tables before waiting for the previous
     kernel, so that kernel must not be the one writing them (q and the caches may come from it).
     rope: q unrotated, and this step's k and v still to rotate and write (ops.rope_kv_write then this, in one
-    launch less). l2_next: the weights read after this kernel, as l2_ahead.descriptors, asked into L2 while it
-    runs."""
+    launch less)."""
     n_rows, n_heads, head_dim = q.shape
     n_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert meta.max_query_len == 1 and n_rows == meta.num_seqs and n_heads % n_kv_heads == 0
@@ -685,11 +677,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out   # unused
     launch = pdl_launch(q) if cfg.pdl else {"PDL": False}   # the PDL constexpr and the launch option
-    ahead_whole, ahead_share = l2_ahead.share_of()
-    ahead = l2_next is not None and (ahead_whole or ahead_share) and l2_ahead.runs_on(q)
     _decode_split_kernel[(n_rows, n_kv_heads, chunks)](
         q, kernel_view(k_cache), kernel_view(v_cache), meta.block_tables, meta.seq_lens, out, part_acc, part_ml,
-        *new_rows, l2_next if ahead else meta.seq_lens, l2_next.shape[0] if ahead else 0, ahead_whole, ahead_share,
+        *new_rows,
         q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), *new_strides, scale * LOG2E, eps, num_splits, window, softcap,
         GROUP=group, HEAD_D=head_dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
@@ -697,7 +687,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_in_f32(k_cache.dtype), SOFTCAP=softcap > 0, WINDOWED=window > 0, OPERAND=operand_dtype(q, k_cache),
         ROPE=rope is not None, NEOX=rope is not None and rope.neox,
-        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=words, ORDER=out_order, AHEAD=bool(ahead),
+        QK_NORM=rope is not None and rope.qk_norm is not None, FP8_WORDS=words, ORDER=out_order,
         num_warps=cfg.num_warps, num_stages=cfg.fp8_num_stages if words else cfg.num_stages,
         maxnreg=decode_register_cap(num_splits, k_cache.dtype, head_dim, cfg), **launch)
     if num_splits > 1:
@@ -889,12 +879,10 @@ def fuses_rope(q: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor) 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None, window: int = 0,
                            softcap: float = 0.0, out_dtype: torch.dtype | None = None,
-                           rope: DecodeRope | None = None, out_order: int = NATURAL,
-                           l2_next: torch.Tensor | None = None) -> torch.Tensor:
+                           rope: DecodeRope | None = None, out_order: int = NATURAL) -> torch.Tensor:
     """out_dtype: the output's dtype where `out` is not given (default q's). rope: a decode step's rotation and
     cache write, done by the decode kernel (paged_decode_attention). out_order: each row's columns in
-    operand_order's order, in whole 256-row tiles where `out` is allocated here (head_dim a multiple of 32).
-    l2_next: as paged_decode_attention's (decode steps only)."""
+    operand_order's order, in whole 256-row tiles where `out` is allocated here (head_dim a multiple of 32)."""
     decode = is_decode_step(q, meta)
     n_rows, n_heads, head_dim = q.shape
     assert rope is None or decode
@@ -905,7 +893,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             out.zero_()                                 # prefill leaves rows past the chunks zero
     if decode:
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, cfg=DECODE_CONFIG,
-                                      window=window, softcap=softcap, rope=rope, out_order=out_order,
-                                      l2_next=l2_next)
+                                      window=window, softcap=softcap, rope=rope, out_order=out_order)
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap,
                                    out_order=out_order)

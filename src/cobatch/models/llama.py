@@ -15,7 +15,6 @@ import torch
 from cobatch import ops
 from cobatch.batch import AttentionMetadata
 from cobatch.config import ModelConfig
-from cobatch.kernels import l2_ahead
 from cobatch.kernels.operand_order import NATURAL
 from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
@@ -41,7 +40,6 @@ class Layer:
     post_attn_norm: torch.Tensor | None = None   # gemma: on the attention output, before the residual add
     post_ffn_norm: torch.Tensor | None = None    # gemma: on the feed-forward output, likewise
     window: int = 0              # sliding window of a local layer (0: global)
-    l2_next: torch.Tensor | None = None   # o and gate|up's planes, asked into L2 under attention (l2_ahead)
 
 
 def _gate_up(prefix: str, gguf: WeightSource, device: torch.device, dtype: torch.dtype, keep_dense: bool,
@@ -116,8 +114,6 @@ class LlamaModel:
             ))
             if progress is not None:
                 progress(1)
-        for layer in self.layers:
-            layer.l2_next = l2_ahead.descriptors([layer.o], [] if layer.gate_up is None else [layer.gate_up], dev)
         # The embedding is a gather, not a matmul: keep it dense. Tied models reuse it as the output head.
         # MoE: steps of up to ROUTED_MAX_ROWS rows route on the device and can be captured; where the experts'
         # format has no routed kernel, routing needs a host sync per layer (models/moe.py), which a captured
@@ -188,7 +184,7 @@ class LlamaModel:
             attn = ops.rope_attention(q, k, v, positions, cos_sin, cfg.rope_neox, k_caches[i], v_caches[i], meta,
                                       self.scale, layer.window, cfg.attn_softcap,
                                       out_dtype=ops.operand_dtype(layer.o, n, dtype), qk_norm=qk_norm,
-                                      out_order=order, l2_next=layer.l2_next if n <= l2_ahead.ROWS else None)
+                                      out_order=order)
             attn = attn.reshape(n, q_size)
             x = ops.linear(attn, layer.o, dtype=dtype, x_order=order)
             if lora is not None:
