@@ -420,6 +420,10 @@ def print_fp8_words(rows: list[dict], copy_gbps: float, variants=None, contexts=
 
 DECODE_SWEEP = [
     DECODE_CONFIG,
+    # More, shorter programs (2026-12-07): B = 16 x 512 reads its KV at 2.3x copy's time in whole steps (decode.json);
+    # 8 and 16 programs an SM give its rows 8 one-tile splits.
+    replace(DECODE_CONFIG, programs_per_sm=8),
+    replace(DECODE_CONFIG, programs_per_sm=16),
     # Pages a tile ahead (2026-11-30): K/V get num_stages - 1 shared buffers. 64-token tiles x 2 stages: one
     # buffer in 45 KB (4 programs per SM); 32-token tiles x 3 stages: two buffers in 45 KB (level in whole steps:
     # bench/results/decode_wide_attention_tiles_ab.md).
