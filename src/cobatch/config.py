@@ -17,14 +17,16 @@ from cobatch.errors import UserError
 # gemma3 (with their own rope base).
 # deepseek2 (DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2, Moonlight): multi-head latent attention (MLA) and shared plus
 # routed experts after some dense layers; its rope dims rotate adjacent pairs (NORM), unpermuted.
+# granite / granitemoe (IBM Granite 3.x): llama's layout (granitemoe: with routed experts) and four multipliers,
+# on the embeddings, q.k, each sublayer's output before the residual add, and the logits (divided).
 SUPPORTED_ARCHS = {"llama": False, "qwen2": True, "qwen3": True, "qwen2moe": True, "qwen3moe": True, "phi3": True,
-                   "gemma2": True, "gemma3": True, "deepseek2": False}
+                   "gemma2": True, "gemma3": True, "deepseek2": False, "granite": False, "granitemoe": False}
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}   # every n-th layer is global (llama.cpp's and transformers')
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models scale q by d_model / n_heads, not head_dim
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # gemma3's sliding-window layers' rope base (not in the GGUF metadata)
 # Whether the top-k routing weights are renormalized to sum to 1, as llama.cpp's build_moe_ffn is told per
 # arch (Mixtral and Qwen3-MoE do; Qwen1.5/2-MoE do not). `{arch}.expert_weights_norm` overrides it.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "deepseek2": False}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "deepseek2": False, "granitemoe": True}
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}   # {arch}.expert_gating_func, as gguf-py's ExpertGatingFuncType
 
 
@@ -72,6 +74,9 @@ class ModelConfig:
     rope_attn_factor: float = 1.0   # phi3 LongRoPE: cos and sin are scaled by it (HF's attention_factor)
     activation: str = "silu"      # of the gated feed-forward: "silu" or "gelu_tanh" (gemma)
     embed_scale: float = 1.0      # input embeddings are multiplied by it (gemma: sqrt(d_model))
+    embed_scale_in_dtype: bool = True  # gemma rounds that scale to the activations' dtype first; granite does not
+    residual_scale: float = 1.0   # granite: each sublayer's output is multiplied by it before the residual add
+    logit_scale: float = 1.0      # granite: the output logits are divided by it
     attn_scale: float = 0.0       # q.k scale (0: head_dim ** -0.5)
     post_norms: bool = False      # gemma: RMSNorm on each sublayer's output before the residual add
     sliding_window: int = 0       # > 0: the local layers attend to their last sliding_window keys only
@@ -137,6 +142,8 @@ class ModelConfig:
             fields.update(_gemma(md, arch, n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads))
         if arch == "deepseek2":
             fields.update(_deepseek(md, arch, tensor_names))
+        if arch.startswith("granite"):
+            fields.update(_granite(md, arch))
         return cls(**fields)
 
     @property
@@ -182,6 +189,21 @@ def _gemma(md: Mapping[str, Any], arch: str, n_layers: int, d_model: int, n_head
                       final_softcap=float(md.get("gemma2.final_logit_softcapping") or 0.0))
     else:
         traits["rope_theta_local"] = GEMMA3_LOCAL_ROPE_THETA
+    return traits
+
+
+def _granite(md: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """Granite's multipliers (HF's embedding_multiplier, attention_multiplier, residual_multiplier and
+    logits_scaling), each 1 where the file leaves it out; a zero or negative one is refused."""
+    def scale(key: str) -> float:
+        value = float(md.get(f"{arch}.{key}") or 1.0)
+        if not value > 0:
+            raise UserError(f"{arch}.{key} is {value}, expected a positive number")
+        return value
+    traits = {"embed_scale": scale("embedding_scale"), "embed_scale_in_dtype": False,
+              "residual_scale": scale("residual_scale"), "logit_scale": scale("logit_scale")}
+    if md.get(f"{arch}.attention.scale") is not None:
+        traits["attn_scale"] = scale("attention.scale")
     return traits
 
 

@@ -5,7 +5,7 @@ ModelConfig.from_metadata and models/ see one description whatever the source. W
 is handled: HF keeps q/k unpermuted (rotate_half), so every HF family rotates halves (NEOX) but DeepSeek, whose
 rope dims rotate adjacent pairs in both (HF's complex or interleaved rope); gemma's RMSNorm weights are stored
 less 1 (HF computes x * (1 + w)); gemma's q scale and gemma3's local rope base are in the config rather than
-inferred. DeepSeek-V2 and V3 map onto llama.cpp's deepseek2 as its convert_hf_to_gguf.py writes it: the MLA
+inferred; granite's four multipliers are config fields that become the GGUF keys llama.cpp writes. DeepSeek-V2 and V3 map onto llama.cpp's deepseek2 as its convert_hf_to_gguf.py writes it: the MLA
 widths, the router's kind (V3: sigmoid and a correction bias, e_score_correction_bias), its groups and scale,
 and YaRN's log multiplier (0.1 mscale_all_dim).
 """
@@ -28,7 +28,11 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3moe"), "Phi3ForCausalLM": ("phi3", "phi3"),
     "Gemma2ForCausalLM": ("gemma2", "gemma2"), "Gemma3ForCausalLM": ("gemma3_text", "gemma3"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek2"), "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek2"),
+    "GraniteForCausalLM": ("granite", "granite"),
 }
+# granite's multipliers: config.json's name -> the GGUF key (after `granite.`)
+GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "attention_multiplier": "attention.scale",
+                  "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
@@ -110,6 +114,9 @@ def metadata(config: Mapping[str, Any], model_type: str, arch: str, name: str) -
                    f"{arch}.expert_weights_norm": bool(config.get("norm_topk_prob", model_type == "mixtral"))})
         if config.get("shared_expert_intermediate_size"):
             md[f"{arch}.expert_shared_feed_forward_length"] = int(config["shared_expert_intermediate_size"])
+    if arch == "granite":
+        md.update({f"granite.{key}": float(config[name]) for name, key in GRANITE_SCALES.items()
+                   if config.get(name) is not None})
     if arch in GEMMA_SWA_PATTERN:
         md[f"{arch}.attention.sliding_window"] = int(config["sliding_window"])
         if arch == "gemma2":

@@ -156,8 +156,8 @@ class LlamaModel:
         n = token_ids.shape[0]
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         x = self.embed[token_ids] if self.tp is None else self.tp.embed(self.embed, token_ids)
-        if cfg.embed_scale != 1.0:
-            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)    # rounded to the dtype first, as gemma does
+        if cfg.embed_scale != 1.0:       # gemma rounds the scale to the dtype first, granite does not
+            x = x * (torch.tensor(cfg.embed_scale, dtype=x.dtype) if cfg.embed_scale_in_dtype else cfg.embed_scale)
         residual = None
         dtype = x.dtype
         lora = self.lora
@@ -193,6 +193,8 @@ class LlamaModel:
                 x = self.tp.all_reduce(x)
             if layer.post_attn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_attn_norm, cfg.rms_eps)
+            if cfg.residual_scale != 1.0:   # granite
+                x = x * cfg.residual_scale
             order = ops.operand_order(layer.gate_up, n, dtype) if lora is None else NATURAL   # MoE: no gate_up
             h, residual = ops.rms_norm(x, layer.ffn_norm, cfg.rms_eps, residual,
                                        out_dtype=ops.operand_dtype(layer.gate_up, n, dtype), out_order=order)
@@ -206,6 +208,8 @@ class LlamaModel:
                 x = self.tp.all_reduce(x)
             if layer.post_ffn_norm is not None:
                 x, _ = ops.rms_norm(x, layer.post_ffn_norm, cfg.rms_eps)
+            if cfg.residual_scale != 1.0:
+                x = x * cfg.residual_scale
         out, _ = ops.rms_norm(x, self.final_norm, cfg.rms_eps, residual)
         return out
 
@@ -214,6 +218,8 @@ class LlamaModel:
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
         logits = logits.float()
+        if self.cfg.logit_scale != 1.0:     # granite
+            logits = logits / self.cfg.logit_scale
         if self.cfg.final_softcap:      # gemma2
             logits = self.cfg.final_softcap * torch.tanh(logits / self.cfg.final_softcap)
         return logits

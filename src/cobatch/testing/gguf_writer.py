@@ -89,6 +89,11 @@ class ModelShape:
     rope_yarn_factor: float = 0.0  # rope.scaling yarn over YARN_ORIGINAL_CONTEXT (Qwen3 / Qwen2.5 past 32k)
     yarn_original_context: int = 0  # ... or over this context (DeepSeek's 4096)
     yarn_log_multiplier: float = 0.0  # deepseek2: 0.1 * HF's mscale_all_dim
+    # granite: the multipliers of the embeddings, q.k, each sublayer's output and (divided) the logits; 0: not written
+    embedding_scale: float = 0.0
+    attention_scale: float = 0.0
+    residual_scale: float = 0.0
+    logit_scale: float = 0.0
     # deepseek2: multi-head latent attention, the first layers dense, shared experts, and the routing
     mla: MlaShape | None = None
     split_kv_b: bool = True      # llama.cpp's current layout (attn_k_b, attn_v_b), else attn_kv_b (older files)
@@ -143,6 +148,15 @@ SHAPES: dict[str, ModelShape] = {
     # Gemma 3 (text): 6 layers so that one (the last) is global; a window of 12 keys on the others.
     "gemma3-tiny": ModelShape("gemma3", 6, 128, 4, 2, 256, None, 1e6, 1e-6, 4096, tied_embeddings=True,
                               qk_norm=True, head_size=64, sliding_window=12, rope_linear_factor=8.0),
+    # Granite 3.x: llama's layout and tied embeddings with its four multipliers (Granite-3.3-8B's values);
+    # granitemoe: the same with routed experts.
+    "granite-tiny": ModelShape("granite", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 4096, tied_embeddings=True,
+                               embedding_scale=12.0, attention_scale=0.0078125, residual_scale=0.22,
+                               logit_scale=16.0),
+    "granitemoe-tiny": ModelShape("granitemoe", 2, 256, 4, 2, 512, None, 10000.0, 1e-5, 4096,
+                                  tied_embeddings=True, n_experts=8, n_experts_used=2, expert_ffn_dim=128,
+                                  embedding_scale=12.0, attention_scale=0.0078125, residual_scale=0.22,
+                                  logit_scale=16.0),
     # DeepSeek (deepseek2): V2-Lite's layout (no q LoRA, softmax routing, weights not renormalized) in the older
     # attn_kv_b tensor layout, a scale on the routed weights so that it counts; and V3's (q LoRA, sigmoid routing
     # with the correction bias, 4 groups of which 2 are used, weights renormalized, YaRN) in the current split one.
@@ -502,6 +516,11 @@ def _random_model_writer(shape_name: str, quant: str, tokenizer_from: str | os.P
             writer.add_expert_shared_feed_forward_length(shape.shared_expert_ffn_dim)
     if shape.mla is not None:
         _add_deepseek_metadata(writer, shape)
+    for value, add in ((shape.embedding_scale, writer.add_embedding_scale),
+                       (shape.attention_scale, writer.add_attention_scale),
+                       (shape.residual_scale, writer.add_residual_scale), (shape.logit_scale, writer.add_logit_scale)):
+        if value:
+            add(value)
     writer.add_vocab_size(vocab_size)
     writer.add_file_type(int(recipe.file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -58,6 +58,9 @@ FAMILIES = {
                                 "final_logit_softcapping": 30.0, "num_hidden_layers": 4}),
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 8, "query_pre_attn_scalar": 64,
                                          "num_hidden_layers": 6, "rope_local_base_freq": 10000.0}),
+    # Granite: Granite-3.3-8B's multipliers but q.k's (its 1/128 would flatten these 64-wide heads' scores)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.1,
+                                  "residual_multiplier": 0.22, "logits_scaling": 16.0}),
     # DeepSeek: MLA (V2 with q straight from h, V3 through its LoRA pair), a dense first layer, shared experts; V2's
     # softmax router limited to 2 of 4 groups, V3's sigmoid with its correction bias and YaRN
     "deepseek_v2": ("DeepseekV2Config", {**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "n_group": 4,
