@@ -52,17 +52,19 @@ def test_config_reads_the_multipliers(granite_files):
     assert (twin.embed_scale, twin.attn_scale, twin.residual_scale, twin.logit_scale) == (1.0, 0.0, 1.0, 1.0)
 
 
-@pytest.mark.parametrize("key", ["granite.residual_scale", "granite.logit_scale", "granite.embedding_scale"])
-@pytest.mark.parametrize("value", [0.0, -2.0])
-def test_a_multiplier_that_is_not_positive_is_refused(granite_files, key, value):
+@pytest.mark.parametrize("key, field, default", [("residual_scale", "residual_scale", 1.0),
+                                                  ("logit_scale", "logit_scale", 1.0),
+                                                  ("embedding_scale", "embed_scale", 1.0),
+                                                  ("attention.scale", "attn_scale", 0.0)])
+def test_a_multiplier_left_out_or_0_is_the_default_and_a_negative_one_is_refused(granite_files, key, field, default):
+    """As llama.cpp reads them; attn_scale 0 means head_dim ** -0.5."""
     from cobatch.config import ModelConfig
     f, _ = open_gguf(granite_files["granite"])
-    md = {**f.metadata, key: value}
-    if value == 0.0:     # 0 reads as absent (1), as llama.cpp's loader defaults it
-        assert ModelConfig.from_metadata(md, set(f.tensors)) is not None
-        return
+    left_out = {k: v for k, v in f.metadata.items() if k != f"granite.{key}"}
+    for md in (left_out, {**f.metadata, f"granite.{key}": 0.0}):
+        assert getattr(ModelConfig.from_metadata(md, set(f.tensors)), field) == default
     with pytest.raises(UserError, match=key):
-        ModelConfig.from_metadata(md, set(f.tensors))
+        ModelConfig.from_metadata({**f.metadata, f"granite.{key}": -2.0}, set(f.tensors))
 
 
 def test_granite_matches_transformers(granite_files):

@@ -194,17 +194,16 @@ def _gemma(md: Mapping[str, Any], arch: str, n_layers: int, d_model: int, n_head
 
 def _granite(md: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """Granite's multipliers (HF's embedding_multiplier, attention_multiplier, residual_multiplier and
-    logits_scaling), each 1 where the file leaves it out; a zero or negative one is refused."""
-    def scale(key: str) -> float:
-        value = float(md.get(f"{arch}.{key}") or 1.0)
-        if not value > 0:
+    logits_scaling). One left out or 0 is the default (1; q.k's head_dim ** -0.5), as llama.cpp reads them; a
+    negative one is refused."""
+    def scale(key: str, default: float) -> float:
+        value = float(md.get(f"{arch}.{key}") or 0.0)
+        if value < 0 or value != value:
             raise UserError(f"{arch}.{key} is {value}, expected a positive number")
-        return value
-    traits = {"embed_scale": scale("embedding_scale"), "embed_scale_in_dtype": False,
-              "residual_scale": scale("residual_scale"), "logit_scale": scale("logit_scale")}
-    if md.get(f"{arch}.attention.scale") is not None:
-        traits["attn_scale"] = scale("attention.scale")
-    return traits
+        return value or default
+    return {"embed_scale": scale("embedding_scale", 1.0), "embed_scale_in_dtype": False,
+            "attn_scale": scale("attention.scale", 0.0), "residual_scale": scale("residual_scale", 1.0),
+            "logit_scale": scale("logit_scale", 1.0)}
 
 
 def _experts(md: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
