@@ -30,16 +30,29 @@ def as_stored(value: float) -> float:
     return torch.tensor(value, dtype=torch.float32).item()
 
 
+def write_with_llama_twin(folder, shape: str, seed: int, **twin_changes) -> dict:
+    """The random file of a granite shape and its llama twin: the same tensors by name (our writer seeds each by
+    its name), no multipliers, and twin_changes (the MoE's twin drops its experts)."""
+    tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()
+    twin = replace(SHAPES[shape], arch="llama", embedding_scale=0.0, attention_scale=0.0, residual_scale=0.0,
+                   logit_scale=0.0, **twin_changes)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(gguf_writer.SHAPES, f"{shape}-llama-twin", twin)
+        return {name: write_random_model(folder / f"{name}.gguf", name_shape, "q8_0", tokenizer_from=tokenizer,
+                                         seed=seed)
+                for name, name_shape in (("granite", shape), ("llama", f"{shape}-llama-twin"))}
+
+
+def hf_multipliers(shape) -> dict:
+    """A shape's multipliers as transformers' Granite configs name them, as the GGUF stores them (float32)."""
+    return dict(embedding_multiplier=as_stored(shape.embedding_scale),
+                attention_multiplier=as_stored(shape.attention_scale),
+                residual_multiplier=as_stored(shape.residual_scale), logits_scaling=as_stored(shape.logit_scale))
+
+
 @pytest.fixture(scope="module")
 def granite_files(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("granite")
-    tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()
-    twin = replace(SHAPE, arch="llama", embedding_scale=0.0, attention_scale=0.0, residual_scale=0.0, logit_scale=0.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(gguf_writer.SHAPES, "granite-tiny-as-llama", twin)
-        files = {name: write_random_model(tmp / f"{name}.gguf", shape, "q8_0", tokenizer_from=tokenizer, seed=31)
-                 for name, shape in (("granite", "granite-tiny"), ("llama", "granite-tiny-as-llama"))}
-    return files
+    return write_with_llama_twin(tmp_path_factory.mktemp("granite"), "granite-tiny", seed=31)
 
 
 def test_config_reads_the_multipliers(granite_files):
@@ -73,10 +86,8 @@ def test_granite_matches_transformers(granite_files):
     llama = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     config = {k: v for k, v in llama.config.to_dict().items() if k not in ("model_type", "architectures")}
-    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
-        **config, embedding_multiplier=as_stored(SHAPE.embedding_scale),
-        attention_multiplier=as_stored(SHAPE.attention_scale), residual_multiplier=as_stored(SHAPE.residual_scale),
-        logits_scaling=as_stored(SHAPE.logit_scale))).float().eval()
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**config, **hf_multipliers(SHAPE)))
+    granite = granite.float().eval()
     granite.load_state_dict(llama.state_dict(), strict=True)
     with torch.inference_mode():
         ref = granite(torch.tensor([IDS])).logits[0].float()
@@ -102,25 +113,16 @@ def test_granitemoe_matches_transformers(tmp_path):
     and router from the granitemoe file through gguf-py."""
     transformers = pytest.importorskip("transformers")
     moe_shape = SHAPES["granitemoe-tiny"]
-    twin = replace(moe_shape, arch="llama", n_experts=0, n_experts_used=0, expert_ffn_dim=0, embedding_scale=0.0,
-                   attention_scale=0.0, residual_scale=0.0, logit_scale=0.0)
-    tokenizer = os.environ.get("COBATCH_CUT_MODEL") or smollm2_path()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(gguf_writer.SHAPES, "granitemoe-tiny-dense-twin", twin)
-        path = write_random_model(tmp_path / "granitemoe.gguf", "granitemoe-tiny", "q8_0", tokenizer_from=tokenizer,
-                                  seed=32)
-        twin_path = write_random_model(tmp_path / "twin.gguf", "granitemoe-tiny-dense-twin", "q8_0",
-                                       tokenizer_from=tokenizer, seed=32)
+    files = write_with_llama_twin(tmp_path, "granitemoe-tiny", seed=32, n_experts=0, n_experts_used=0,
+                                  expert_ffn_dim=0)
+    path, twin_path = files["granite"], files["llama"]
     llama = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=twin_path.name,
                                                               dtype=torch.float32)
     config = {k: v for k, v in llama.config.to_dict().items()
               if k not in ("model_type", "architectures", "intermediate_size")}
     hf = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
         **config, intermediate_size=moe_shape.expert_ffn_dim, num_local_experts=moe_shape.n_experts,
-        num_experts_per_tok=moe_shape.n_experts_used, embedding_multiplier=as_stored(moe_shape.embedding_scale),
-        attention_multiplier=as_stored(moe_shape.attention_scale),
-        residual_multiplier=as_stored(moe_shape.residual_scale),
-        logits_scaling=as_stored(moe_shape.logit_scale))).float().eval()
+        num_experts_per_tok=moe_shape.n_experts_used, **hf_multipliers(moe_shape))).float().eval()
     state = {k: v for k, v in llama.state_dict().items() if ".mlp." not in k}
     for i in range(moe_shape.n_layers):
         moe = f"model.layers.{i}.block_sparse_moe"

@@ -5,9 +5,10 @@ ModelConfig.from_metadata and models/ see one description whatever the source. W
 is handled: HF keeps q/k unpermuted (rotate_half), so every HF family rotates halves (NEOX) but DeepSeek, whose
 rope dims rotate adjacent pairs in both (HF's complex or interleaved rope); gemma's RMSNorm weights are stored
 less 1 (HF computes x * (1 + w)); gemma's q scale and gemma3's local rope base are in the config rather than
-inferred; granite's four multipliers are config fields that become the GGUF keys llama.cpp writes. DeepSeek-V2 and V3 map onto llama.cpp's deepseek2 as its convert_hf_to_gguf.py writes it: the MLA
-widths, the router's kind (V3: sigmoid and a correction bias, e_score_correction_bias), its groups and scale,
-and YaRN's log multiplier (0.1 mscale_all_dim).
+inferred; granite's four multipliers are config fields that become the GGUF keys llama.cpp writes. DeepSeek-V2
+and V3 map onto llama.cpp's deepseek2 as its convert_hf_to_gguf.py writes it: the MLA widths, the router's kind
+(V3: sigmoid and a correction bias, e_score_correction_bias), its groups and scale, and YaRN's log multiplier
+(0.1 mscale_all_dim).
 """
 
 from __future__ import annotations
