@@ -7,9 +7,9 @@ its sm_90 SASS (Triton's own ptxas and nvdisasm; no GPU).
 
 The variants are tests/sm90_variants.py's, every one the package can launch; WORDs pick those whose names hold
 all of them (e.g. `decode single_split=True fp8`). --plans compiles instead every GEMV config that
-quant_configs.json's plans launch (each tier at its token tile, gate|up shapes with their act*mul epilogue, f16
-activations as decode steps hand them over: PackedWeight.operand_dtype) and names those that spill under their
-register budget. --cuda reads the CUDA C++ kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16
+quant_configs.json's plans launch, for their own formats and for those that borrow them (each tier at its token
+tile, gate|up shapes with their act*mul epilogue, f16 activations as decode steps hand them over:
+PackedWeight.operand_dtype) and names those that spill under their register budget. --cuda reads the CUDA C++ kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16
 cache and an fp8 one, its rows widened by cvt or by bit moves). Counting a loop's instructions per iteration against
 the bytes
 it moves is how the fp8 KV cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls
@@ -63,27 +63,39 @@ def disassemble(cubin: bytes) -> str:
         return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def plan_gemv_launches(table: dict) -> list[tuple[str, dict, int]]:
+def plan_gemv_launches(table: dict, borrowed: bool = False) -> list[tuple[str, dict, int]]:
     """(label, the GEMV kernel's constants, register budget) of every GEMV call quant_configs.json's plans make:
     each "gemv_upto" tier at 8-token tiles (16 past 8 tokens), and "gemv" at 16 and, without a tier up to 8
     tokens, at 8 too (a shape's GEMM may take the 16-token calls: compiled anyway; a routed GEMV's slots are
-    8 or 16 pairs as well)."""
+    8 or 16 pairs as well). With `borrowed`, also the calls a format makes on the plans it borrows
+    (matmul_plans.PLANS_LIKE: NVFP4 on q4_K's, FP8 on q8_0's, ...) where it has no GEMV plan of its own: the same
+    config runs another decode, whose registers differ."""
+    from cobatch.kernels import matmul_plans
+    formats = table["formats"]
+    entries = [(fmt_name, shape, entry, "") for fmt_name, fmt_table in formats.items()
+               for shape, entry in fmt_table.get("shapes", {}).items()]
+    if borrowed:
+        entries += [(borrower, shape, entry, f" (as {lender})")
+                    for borrower, lender in matmul_plans.PLANS_LIKE.items()
+                    for shape, entry in formats.get(lender, {}).get("shapes", {}).items()
+                    if "gemv" not in formats.get(borrower, {}).get("shapes", {}).get(shape, {})]
+    return [launch for fmt_name, shape, entry, note in entries if "gemv" in entry
+            for launch in _entry_launches(fmt_name, shape, entry, note)]
+
+
+def _entry_launches(fmt_name: str, shape: str, entry: dict, note: str) -> list[tuple[str, dict, int]]:
     from cobatch.kernels import quant_pack
+    fmt = quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[fmt_name])
+    act, routed = int(shape in GATE_UP_SHAPES), shape in ROUTED_SHAPES
+    tiers = sorted((int(n), c) for n, c in (entry.get("gemv_upto") or {}).items())
+    calls = [(f"upto {n}", c, 8 if n <= 8 else 16) for n, c in tiers] + [("gemv", entry["gemv"], 16)]
+    if not any(n >= 8 for n, _ in tiers):
+        calls.append(("gemv", entry["gemv"], 8))
     launches = []
-    for fmt_name, fmt_table in table["formats"].items():
-        fmt = quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[fmt_name])
-        for shape, entry in fmt_table.get("shapes", {}).items():
-            if "gemv" not in entry:
-                continue
-            act, routed = int(shape in GATE_UP_SHAPES), shape in ROUTED_SHAPES
-            tiers = sorted((int(n), c) for n, c in (entry.get("gemv_upto") or {}).items())
-            calls = [(f"upto {n}", c, 8 if n <= 8 else 16) for n, c in tiers] + [("gemv", entry["gemv"], 16)]
-            if not any(n >= 8 for n, _ in tiers):
-                calls.append(("gemv", entry["gemv"], 8))
-            for tier, c, bt in calls:
-                constants = dict(FMT=fmt, W=c["W"], RT=c["RT"], BT=bt, SPLIT_K=c["split_k"], EVEN_K=True, U=c["U"],
-                                 D=c["D"], ROUTED=routed, ACT=act, PDL=bt == 8)
-                launches.append((f"{fmt_name} {shape} {tier} bt={bt}", constants, c.get("R") or None))
+    for tier, c, bt in calls:
+        constants = dict(FMT=fmt, W=c["W"], RT=c["RT"], BT=bt, SPLIT_K=c["split_k"], EVEN_K=True, U=c["U"],
+                         D=c["D"], ROUTED=routed, ACT=act, PDL=bt == 8)
+        launches.append((f"{fmt_name}{note} {shape} {tier} bt={bt}", constants, c.get("R") or None))
     return launches
 
 
@@ -151,7 +163,8 @@ def main() -> None:
     if args.plans:
         import json
         from cobatch.kernels import matmul_plans, quant_gemv
-        for label, constants, budget in plan_gemv_launches(json.loads(matmul_plans.CONFIG_PATH.read_text())):
+        table = json.loads(matmul_plans.CONFIG_PATH.read_text())
+        for label, constants, budget in plan_gemv_launches(table, borrowed=True):
             compiled = sm90_variants.compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"],
                                                             budget, activations="fp16")
             regs, stack = sm90_variants.registers(compiled)

@@ -431,3 +431,21 @@ def test_sass_loop_lists_every_gemv_launch_of_a_plan_table():
     assert tier["FMT"] == quant_pack.Q4_1 and tier["U"] == 4 and tier["PDL"] and budget == 128
     assert gate_up["ACT"] == 1 and gate_up["BT"] == 16 and not gate_up["PDL"] and not gate_up["ROUTED"]
     assert q8["FMT"] == quant_pack.Q8_0 and q8["ACT"] == 0 and no_budget is None
+
+
+def test_sass_loop_compiles_the_plans_a_format_borrows_where_it_has_none_of_its_own():
+    """NVFP4 runs q4_K's plan of a shape unless it has a GEMV plan of its own there: with `borrowed` that call is
+    listed in NVFP4's decode, and the shape NVFP4 plans itself is not listed twice."""
+    from cobatch.kernels import quant_pack
+    sass_loop = load("sass_loop")
+    cfg = {"W": 4, "RT": 1, "split_k": 1, "U": 16, "D": 0, "R": 128}
+    table = {"formats": {
+        "q4_k": {"shapes": {"6144x4096": {"gemv": cfg}, "4096x4096": {"gemv": cfg}}},
+        "nvfp4": {"shapes": {"4096x4096": {"gemv": {**cfg, "U": 4}}}}}}
+    own = [label for label, _, _ in sass_loop.plan_gemv_launches(table)]
+    assert not any("(as" in label for label in own)
+    borrowed = {label: c for label, c, _ in sass_loop.plan_gemv_launches(table, borrowed=True)}
+    lent = [label for label in borrowed if label.startswith("nvfp4 (as q4_k)")]
+    assert sorted(lent) == ["nvfp4 (as q4_k) 6144x4096 gemv bt=16", "nvfp4 (as q4_k) 6144x4096 gemv bt=8"]
+    assert all(borrowed[label]["FMT"] == quant_pack.fragment_layout(quant_pack.NVFP4) for label in lent)
+    assert borrowed["nvfp4 4096x4096 gemv bt=8"]["U"] == 4
