@@ -3,7 +3,7 @@
     python bench/gemv_configs.py --formats q4_1,q8_0 --shapes gate_up,lm_head --toks 8,16 \
         --configs '4,8,1,1,0;2,8,1,1,0' [--out $OUT/gemv_configs.json]
 
-A config is W,RT,split_k,U,D[,R[,D_L1]] (quant_gemv.GemvConfig). Each row: microseconds, GB/s of weight bytes and % of
+A config is W,RT,split_k,U,D[,R] (quant_gemv.GemvConfig). Each row: microseconds, GB/s of weight bytes and % of
 the copy bandwidth measured in the same run; "plan" is the committed plan (quant_configs.json). Every
 config is checked against the plan's output first (rows are computed in the same K order only within a
 plan, so the check is a tolerance, not bitwise).
@@ -29,8 +29,8 @@ def parse_configs(text: str) -> list[GemvConfig]:
     out = []
     for part in filter(None, text.split(";")):
         values = [int(v) for v in part.split(",")]
-        if len(values) not in (5, 6, 7):
-            raise ValueError(f"a config is W,RT,split_k,U,D[,R[,D_L1]]: {part!r}")
+        if len(values) not in (5, 6):
+            raise ValueError(f"a config is W,RT,split_k,U,D[,R]: {part!r}")
         out.append(GemvConfig(*values))
     return out
 
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--model-shape", default=None,
                     help="the matrices of this `cobatch make-model --shape` instead of Llama-3-8B's (adds kv)")
     ap.add_argument("--toks", default="8,16")
-    ap.add_argument("--configs", required=True, help="W,RT,split_k,U,D[,R[,D_L1]];...")
+    ap.add_argument("--configs", required=True, help="W,RT,split_k,U,D[,R];...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kernels.use_model_shapes(kernels.SHAPES, args.model_shape, with_kv=True)

@@ -684,7 +684,7 @@ if gluon is not None:
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
-                     E4M3_CVT: gl.constexpr = True, D_L1: gl.constexpr = False):
+                     E4M3_CVT: gl.constexpr = True):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -722,16 +722,14 @@ if gluon is not None:
             if tok0 >= n_tok:
                 last = first - 1
         # U K steps per iteration, all their loads issued before their math; with D > 0 the quant bytes
-        # of step s + D are prefetched into L2 meanwhile (D_L1: into this SM's L1, so that a warp's next loads are
-        # in flight while it does this iteration's math). The warps of a CTA read adjacent chunks.
+        # of step s + D are prefetched into L2 meanwhile. The warps of a CTA read adjacent chunks.
         # (Tried on the H200: a cp.async shared-memory ring of 2-6 stages was slower, and Triton put a CTA
         # barrier in every step of it; a one-step register pipeline compiled to ~1 PRMT per byte, as
         # loop-carried bytes are unpacked, and was not run.)
         for s in range(first, last + 1, U):
             if D > 0:
                 for u in gl.static_range(U):
-                    _prefetch_tile(qs_ptr, tile0, gl.minimum(s + u + D, last) * W + warp, tile_stride, RT, LD,
-                                   ASM_PREFETCH_L1 if D_L1 else ASM_PREFETCH)
+                    _prefetch_tile(qs_ptr, tile0, gl.minimum(s + u + D, last) * W + warp, tile_stride, RT, LD)
             for u in gl.static_range(U):
                 chunk = (s + u) * W + warp
                 q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
@@ -772,8 +770,8 @@ if gluon is not None:
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """W warps per CTA (they split K), RT 16-row tiles per warp, split_k CTAs per row block, U K steps
-    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off; D_L1: into
-    L1 instead), R registers per thread allowed to ptxas (0: its own choice).
+    per loop iteration (their loads issued before their math), L2 prefetch D K steps ahead (0: off),
+    R registers per thread allowed to ptxas (0: its own choice).
 
     Why R: ptxas, left to itself, often issues each weight load just before its data is used, to save
     registers: one 512-byte tile in flight per warp instead of the RT x U the loop issues before its math
@@ -790,7 +788,6 @@ class GemvConfig:
     U: int = 1
     D: int = 0
     R: int = 0
-    D_L1: int = 0
 
     def rows_per_cta(self) -> int:
         return 16 * self.RT
@@ -904,7 +901,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, D_L1=bool(cfg.D_L1), ROUTED=routing is not None, ACT=act_code(act, out_order),
-        num_warps=cfg.W, maxnreg=cfg.R or None,
+        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order), num_warps=cfg.W,
+        maxnreg=cfg.R or None,
         **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))
