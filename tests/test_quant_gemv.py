@@ -9,6 +9,8 @@ odd shapes, every config knob, batch invariance, and CUDA-graph replay.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -405,6 +407,29 @@ def test_deep_default_config_keeps_k_whole_where_the_rows_fill_the_gpu():
         assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0
 
 
+def test_with_tails_the_deep_default_runs_16_steps_ahead_whatever_a_warps_step_count(monkeypatch):
+    """GEMV_TAILS: U is the largest power of two up to 16 and the warp's steps (the rest runs as the kernel's tail),
+    where without it U divides the steps: Qwen2.5-7B's q4_K qkv (56 chunks, 14 steps a warp) ran at U = 2."""
+    assert [matmul_plans.loads_ahead_with_tail(s) for s in (1, 2, 3, 7, 14, 28, 74, 148)] == [1, 2, 2, 4, 8, 16, 16, 16]
+    cases = {(4608, 56): (1, 2, 8), (3584, 296): (1, 2, 16), (4608, 112): (1, 4, 16), (1024, 56): (7, 2, 2)}
+    for (rows_pad, n_chunks), (split, u_divisor, u_tail) in cases.items():
+        monkeypatch.setattr(matmul_plans, "GEMV_TAILS", False)
+        plain = matmul_plans.deep_gemv_config(rows_pad, n_chunks)
+        monkeypatch.setattr(matmul_plans, "GEMV_TAILS", True)
+        tailed = matmul_plans.deep_gemv_config(rows_pad, n_chunks)
+        assert (plain.split_k, plain.U) == (split, u_divisor), (rows_pad, n_chunks, plain)
+        assert (tailed.W, tailed.split_k, tailed.U) == (plain.W, split, u_tail), (rows_pad, n_chunks, tailed)
+
+
+def test_a_warps_steps_need_only_divide_among_its_warps_and_splits():
+    """quant_gemv.steps: U need not divide a warp's steps (the tail runs the rest); W x split_k must divide K."""
+    planes = types.SimpleNamespace(qs=torch.empty(1, 56 * 512, dtype=torch.uint8))
+    assert quant_gemv.steps(planes, GemvConfig(W=4, RT=1, split_k=1, U=8)) == 14
+    assert quant_gemv.steps(planes, GemvConfig(W=2, RT=1, split_k=2, U=16)) == 14
+    with pytest.raises(AssertionError):
+        quant_gemv.steps(planes, GemvConfig(W=16, RT=1, split_k=1, U=1))
+
+
 def test_shapes_without_a_plan_run_the_deep_default_unless_switched_off(monkeypatch):
     monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)   # the interpreter has its own small plan
     plan = matmul_plans.plan_for("q8_0", 4608, 3584, 3584, gemv=True)  # Qwen2.5-7B's qkv: no entry of its own
@@ -569,6 +594,12 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
                             [(4, 1, 1, 1, 0, 0), (2, 2, 2, 1, 1, 128), (1, 4, 1, 2, 2, 0), (4, 2, 2, 2, 0, 96),
                              (2, 1, 4, 1, 3, 0), (4, 4, 1, 1, 9, 128), (4, 1, 1, 8, 0, 0), (8, 1, 1, 4, 2, 128)]
                             if n_chunks % (wp * s * u) == 0]     # prefetches past the last step are clamped
+        # U not dividing a warp's steps: the steps past the last whole iteration run as the tail
+        tails = [GemvConfig(W=wp, RT=rt, split_k=s, U=u, D=d, R=r) for wp, rt, s, u, d, r in
+                 [(4, 1, 1, 4, 0, 128), (2, 1, 2, 3, 1, 0), (1, 2, 1, 16, 0, 128)]
+                 if n_chunks % (wp * s) == 0 and n_chunks // (wp * s) % u]
+        assert tails, (rows, cols, n_chunks)
+        configs += tails
         for cfg in configs:
             for n_tok in (1, 3, 8, 9, 16):
                 for dtype in (torch.float16, torch.bfloat16):
@@ -581,8 +612,11 @@ def test_gemv_matches_reference_on_odd_shapes(fmt_name):
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
 @pytest.mark.parametrize("plan", [None, GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=1, D=2),
                                                  ((1, GemvConfig(W=4, RT=1, split_k=2, U=8, R=128)),
-                                                  (4, GemvConfig(W=4, RT=2, split_k=2, U=4))))],
-                         ids=["table", "tiers"])
+                                                  (4, GemvConfig(W=4, RT=2, split_k=2, U=4)))),
+                                  GemvPlan(GemvConfig(W=4, RT=2, split_k=2, U=3),     # tails of 1-8 steps
+                                           ((1, GemvConfig(W=4, RT=1, split_k=2, U=6, R=128)),
+                                            (4, GemvConfig(W=4, RT=1, split_k=2, U=16))))],
+                         ids=["table", "tiers", "tails"])
 def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):
     """Token counts 1, 2..4, 5..8 (8-token tiles) and 9..16 (a 16-token tile) run different configs of the
     plan: a row must not change."""

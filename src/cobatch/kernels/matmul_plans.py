@@ -57,6 +57,11 @@ RING_DEFAULT = os.environ.get("COBATCH_GEMM_RING_DEFAULT", "1") != "0"
 # loads up to 16 K steps ahead (deep_gemv_config), else default_gemv_config's 4 row tiles a warp with K split to 2 CTAs
 # an SM. COBATCH_DEEP_GEMV_DEFAULT=0 keeps the second, for comparisons.
 DEEP_GEMV_DEFAULT = os.environ.get("COBATCH_DEEP_GEMV_DEFAULT", "1") != "0"
+# With GEMV_TAILS (COBATCH_GEMV_TAILS=1) the deep default's loads run up to 16 K steps ahead whatever a warp's step
+# count, the steps past its last whole iteration running as a tail (quant_gemv's TAIL), where they otherwise run as
+# far ahead as a power of two that divides the count: Qwen2.5-7B's 4-bit qkv, o and down (14 and 74 steps a warp) at
+# U = 2, its q8_0 weights at U = 4. Off until measured in whole steps.
+GEMV_TAILS = os.environ.get("COBATCH_GEMV_TAILS", "0") == "1"
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
@@ -162,7 +167,8 @@ def deep_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConf
     steps = n_chunks // warps                        # K steps a warp walks without a split
     splits = [d for d in range(1, 17) if steps % d == 0 and n_rows_pad // 16 * d >= sms] or [1]
     split = next((d for d in splits if steps // d % 4 == 0), splits[0])
-    return GemvConfig(W=warps, RT=1, split_k=split, U=loads_ahead(steps // split, most=16), D=0, R=128)
+    u = loads_ahead_with_tail(steps // split) if GEMV_TAILS else loads_ahead(steps // split, most=16)
+    return GemvConfig(W=warps, RT=1, split_k=split, U=u, D=0, R=128)
 
 
 def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int, sms: int = 132) -> GemmConfig:
@@ -179,6 +185,12 @@ def loads_ahead(steps: int, most: int = 4) -> int:
     whose steps run one at a time waits a load round trip each (DeepSeek-V2-Lite's routed down at one token: 12
     steps, 21 us for 18 MB)."""
     return next(u for u in (16, 8, 4, 2, 1) if u <= most and steps % u == 0)
+
+
+def loads_ahead_with_tail(steps: int, most: int = 16) -> int:
+    """The GEMV's U for a warp of `steps` K steps when the steps past the last whole iteration run as a tail: the
+    largest power of two up to `most` and `steps`."""
+    return next(u for u in (16, 8, 4, 2, 1) if u <= most and u <= steps)
 
 
 def uses_quant_gemm(device: torch.device) -> bool:

@@ -33,6 +33,8 @@ Gluon lets the kernel say where every byte lives:
     the round trip of the 2 x wider output through memory go away.
   - A call of one 8-token tile is a programmatic dependent (GEMV_PDL): its CTAs start while the kernel before
     finishes and ask their SM's L1 for the first loop iteration's weight bytes, then wait for that kernel.
+  - A warp walks its K steps U at a time, their loads issued before their math; a step count U does not divide
+    ends in a tail of steps % U (TAIL), in the same K order, so the bits do not depend on U.
 
 MMA operands are f16 (bf16 has too few mantissa bits for the exact byte-to-float trick of q8_0): bf16 x
 is converted as it is loaded. The torch reference is `quant_matmul.quant_matmul_ref`; the repack is
@@ -676,6 +678,33 @@ if gluon is not None:
                 _store_rows(acc2, out_ptr, out_stride, r, t, n_rows, n_tok, RT, BT, ACT)
                 gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
+    @gluon.jit
+    def _k_step(acc, chunk, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0,
+                tile_stride, side32, side256, FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
+                A: gl.constexpr, B: gl.constexpr, LD: gl.constexpr, SIDE: gl.constexpr, EVEN_K: gl.constexpr,
+                E4M3_CVT: gl.constexpr):
+        """One K step of each warp (its chunk: [W]): the tile's bytes loaded, dequantized and multiplied into acc."""
+        q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
+        if FMT == F_Q6_K:
+            h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, RT, _byte_layout(W, 8), 8))
+            a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+            acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, EVEN_K)
+        elif FMT == F_NVFP4:
+            a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+            acc = _fp4_chunk(acc, q, a, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, EVEN_K, E4M3_CVT)
+        else:
+            a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0,
+                                              chunk, side32, side256, FMT, BT, W, RT, SIDE, B, EVEN_K)
+            if _fifth_bit(FMT):
+                h = _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
+            else:
+                h = q
+            lo, hi = _dequant(q, a, b, c, e, h, FMT, W, RT, A)
+            acc = mma_v2(lo, x0, acc)
+            if not _byte_fmt(FMT):
+                acc = mma_v2(hi, x1, acc)
+        return acc
+
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split", "tiles_per_expert"])
     def _gemv_kernel(x_ptr, out_ptr, partial_ptr, count_ptr, qs_ptr, d_ptr, m_ptr, sub_ptr, qh_ptr,
                      slot_expert_ptr, slot_start_ptr, slot_count_ptr,
@@ -684,7 +713,7 @@ if gluon is not None:
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
-                     E4M3_CVT: gl.constexpr = True):
+                     E4M3_CVT: gl.constexpr = True, TAIL: gl.constexpr = 0):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -726,34 +755,24 @@ if gluon is not None:
         # (Tried on the H200: a cp.async shared-memory ring of 2-6 stages was slower, and Triton put a CTA
         # barrier in every step of it; a one-step register pipeline compiled to ~1 PRMT per byte, as
         # loop-carried bytes are unpacked, and was not run.)
-        for s in range(first, last + 1, U):
+        body_end = last + 1 - TAIL
+        for s in range(first, body_end, U):
             if D > 0:
                 for u in gl.static_range(U):
                     _prefetch_tile(qs_ptr, tile0, gl.minimum(s + u + D, last) * W + warp, tile_stride, RT, LD)
             for u in gl.static_range(U):
-                chunk = (s + u) * W + warp
-                q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
-                if FMT == F_Q6_K:
-                    h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, RT, _byte_layout(W, 8), 8))
-                    a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
-                    acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B,
-                                    EVEN_K)
-                elif FMT == F_NVFP4:
-                    a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
-                    acc = _fp4_chunk(acc, q, a, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, EVEN_K,
-                                     E4M3_CVT)
-                else:
-                    a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok,
-                                                      n_cols, tile0, chunk, side32, side256, FMT, BT, W, RT, SIDE,
-                                                      B, EVEN_K)
-                    if _fifth_bit(FMT):
-                        h = _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
-                    else:
-                        h = q
-                    lo, hi = _dequant(q, a, b, c, e, h, FMT, W, RT, A)
-                    acc = mma_v2(lo, x0, acc)
-                    if not _byte_fmt(FMT):
-                        acc = mma_v2(hi, x1, acc)
+                acc = _k_step(acc, (s + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0,
+                              n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD, SIDE,
+                              EVEN_K, E4M3_CVT)
+        if TAIL > 0:
+            # The steps past the last whole iteration (TAIL = a warp's steps % U), their loads again issued before
+            # their math; the same order of K steps as any U, so a row's bits do not depend on U. An empty routed
+            # slot (last < first) runs none.
+            if last >= first:
+                for u in gl.static_range(TAIL):
+                    acc = _k_step(acc, (body_end + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
+                                  x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT,
+                                  A, B, LD, SIDE, EVEN_K, E4M3_CVT)
         if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
             gdc_launch_dependents()      # resident at once would starve the GEMV still running)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
@@ -832,8 +851,9 @@ class GemvPlan:
 
 
 def steps(p: "quant_pack.PackedPlanes", cfg: GemvConfig) -> int:
+    """K steps a warp walks in one split; a count U does not divide ends in a tail of steps % U."""
     n_chunks = p.qs.shape[1] // 512
-    assert n_chunks % (cfg.W * cfg.split_k * cfg.U) == 0, (n_chunks, cfg)
+    assert n_chunks % (cfg.W * cfg.split_k) == 0, (n_chunks, cfg)
     return n_chunks // (cfg.W * cfg.split_k)
 
 
@@ -893,15 +913,16 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
     token_tiles = routing.slot_expert.shape[0] if routing else -(-n_tok // bt)
     grid = (token_tiles, (rows_pad // cfg.rows_per_cta()) * cfg.split_k)
     dummy = p.qs
+    warp_steps = steps(p, cfg)
     _gemv_kernel[grid](
         x, out, partial, count, p.qs, p.d, p.m if p.m is not None else dummy,
         p.sub if p.sub is not None else dummy, p.qh if p.qh is not None else dummy,
         routing.slot_expert if routing else dummy, routing.slot_start if routing else dummy,
         routing.slot_count if routing else dummy,
-        n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, steps(p, cfg),
+        n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, warp_steps,
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
-        U=cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order), num_warps=cfg.W,
-        maxnreg=cfg.R or None,
+        U=cfg.U, TAIL=warp_steps % cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order),
+        num_warps=cfg.W, maxnreg=cfg.R or None,
         **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))
