@@ -9,11 +9,11 @@ The variants are tests/sm90_variants.py's, every one the package can launch; WOR
 all of them (e.g. `decode single_split=True fp8`). --plans compiles instead every GEMV config that
 quant_configs.json's plans launch, for their own formats and for those that borrow them (each tier at its token
 tile, gate|up shapes with their act*mul epilogue, f16 activations as decode steps hand them over:
-PackedWeight.operand_dtype) and names those that spill under their register budget. --cuda reads the CUDA C++ kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16
-cache and an fp8 one, its rows widened by cvt or by bit moves). Counting a loop's instructions per iteration against
-the bytes
-it moves is how the fp8 KV cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls
-themselves need the GPU (bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
+PackedWeight.operand_dtype) and names those that spill under their register budget. --cuda reads the CUDA C++
+kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16 cache and an fp8 one, its rows widened by
+cvt or by bit moves). Counting a loop's instructions per iteration against the bytes it moves is how the fp8 KV
+cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls themselves need the GPU
+(bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
 """
 
 from __future__ import annotations
