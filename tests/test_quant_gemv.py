@@ -421,6 +421,19 @@ def test_with_tails_the_deep_default_runs_16_steps_ahead_whatever_a_warps_step_c
         assert (tailed.W, tailed.split_k, tailed.U) == (plain.W, split, u_tail), (rows_pad, n_chunks, tailed)
 
 
+def test_where_k_is_long_the_wide_deep_default_runs_8_warps(monkeypatch):
+    """DEEP_GEMV_WIDE_LONG_K: 8 warps where 4 would each walk 56 K steps or more (Llama-3-8B's down in q8_0 and q4_K,
+    Qwen2.5-7B's down), 4 elsewhere; off, 4 everywhere."""
+    cases = {(4096, 448): 8, (4096, 224): 8, (3584, 296): 8, (3584, 592): 8, (4096, 128): 4, (4608, 112): 4,
+             (4096, 64): 4}
+    for (rows_pad, n_chunks), warps in cases.items():
+        monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", True)
+        wide = matmul_plans.deep_gemv_config(rows_pad, n_chunks)
+        monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", False)
+        assert (wide.W, matmul_plans.deep_gemv_config(rows_pad, n_chunks).W) == (warps, 4), (rows_pad, n_chunks)
+        assert n_chunks % (wide.W * wide.split_k * wide.U) == 0 and wide.RT == 1
+
+
 def test_a_warps_steps_need_only_divide_among_its_warps_and_splits():
     """quant_gemv.steps: U need not divide a warp's steps (the tail runs the rest); W x split_k must divide K."""
     planes = types.SimpleNamespace(qs=torch.empty(1, 56 * 512, dtype=torch.uint8))

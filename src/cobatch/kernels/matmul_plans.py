@@ -62,6 +62,11 @@ DEEP_GEMV_DEFAULT = os.environ.get("COBATCH_DEEP_GEMV_DEFAULT", "1") != "0"
 # far ahead as a power of two that divides the count: Qwen2.5-7B's 4-bit qkv, o and down (14 and 74 steps a warp) at
 # U = 2, its q8_0 weights at U = 4. Off until measured in whole steps.
 GEMV_TAILS = os.environ.get("COBATCH_GEMV_TAILS", "0") == "1"
+# With DEEP_GEMV_WIDE_LONG_K (COBATCH_DEEP_GEMV_WIDE_LONG_K=1) the deep default runs 8 warps a CTA where 4 would each
+# walk LONG_K_STEPS K steps or more, as every Llama-3-8B down plan that won does (q8_0's, q4_K's, q6_K's:
+# bench/results/gemv_plans_whole_k_ab.md). Off until measured on shapes without a plan (Qwen2.5-7B's down).
+DEEP_GEMV_WIDE_LONG_K = os.environ.get("COBATCH_DEEP_GEMV_WIDE_LONG_K", "0") == "1"
+LONG_K_STEPS = 56
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
 DEQUANT_CUBLAS = "dequant+cublas"
@@ -155,15 +160,15 @@ def default_gemv_plan(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int = 
 
 
 def deep_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConfig:
-    """4 warps of one 16-row tile each (16 rows a CTA), K split only as far as one CTA an SM needs, by the fewest
-    divisor that leaves each warp a multiple of 4 K steps (else the fewest), and each warp's loads up to 16 K steps
-    ahead, with a register budget to hold them. Why: the plans the sweeps chose where they beat the split default
-    by most were of this shape (DeepSeek-V2-Lite's q|kv_a, o and shared gate|up, Llama-3-8B q8_0's qkv: one row
-    tile a warp, 8-16 K steps in flight, no split), and a warp that walks K one step at a time waits a load round
-    trip each (Qwen2.5-7B's qkv and down, 7 and 37 steps a warp, ran so). In whole steps it took Qwen2.5-7B's
-    from 1.7-2.1x their roofline to 1.36-1.54x at B = 1-16, and beat Llama-3-8B q8_0's own plans
-    (bench/results/gemv_deep_default.md)."""
-    warps = 4
+    """4 warps (DEEP_GEMV_WIDE_LONG_K: 8 where K is long) of one 16-row tile each (16 rows a CTA), K split only as far
+    as one CTA an SM needs, by the fewest divisor that leaves each warp a multiple of 4 K steps (else the fewest), and
+    each warp's loads up to 16 K steps ahead, with a register budget to hold them. Why: the plans the sweeps chose
+    where they beat the split default by most were of this shape (DeepSeek-V2-Lite's q|kv_a, o and shared gate|up,
+    Llama-3-8B q8_0's qkv: one row tile a warp, 8-16 K steps in flight, no split), and a warp that walks K one step
+    at a time waits a load round trip each (Qwen2.5-7B's qkv and down, 7 and 37 steps a warp, ran so). In whole
+    steps it took Qwen2.5-7B's from 1.7-2.1x their roofline to 1.36-1.54x at B = 1-16, and beat Llama-3-8B q8_0's
+    own plans (bench/results/gemv_deep_default.md)."""
+    warps = 8 if DEEP_GEMV_WIDE_LONG_K and n_chunks // 4 >= LONG_K_STEPS else 4
     steps = n_chunks // warps                        # K steps a warp walks without a split
     splits = [d for d in range(1, 17) if steps % d == 0 and n_rows_pad // 16 * d >= sms] or [1]
     split = next((d for d in splits if steps // d % 4 == 0), splits[0])
