@@ -410,7 +410,8 @@ def test_deep_default_config_keeps_k_whole_where_the_rows_fill_the_gpu():
 def test_with_tails_the_deep_default_runs_16_steps_ahead_whatever_a_warps_step_count(monkeypatch):
     """GEMV_TAILS: U is the largest power of two up to 16 and the warp's steps (the rest runs as the kernel's tail),
     where without it U divides the steps: Qwen2.5-7B's q4_K qkv (56 chunks, 14 steps a warp) ran at U = 2."""
-    assert [matmul_plans.loads_ahead_with_tail(s) for s in (1, 2, 3, 7, 14, 28, 74, 148)] == [1, 2, 2, 4, 8, 16, 16, 16]
+    tailed = [matmul_plans.loads_ahead(s, most=16, tail=True) for s in (1, 2, 3, 7, 14, 28, 74, 148)]
+    assert tailed == [1, 2, 2, 4, 8, 16, 16, 16]
     cases = {(4608, 56): (1, 2, 8), (3584, 296): (1, 2, 16), (4608, 112): (1, 4, 16), (1024, 56): (7, 2, 2)}
     for (rows_pad, n_chunks), (split, u_divisor, u_tail) in cases.items():
         monkeypatch.setattr(matmul_plans, "GEMV_TAILS", False)

@@ -172,7 +172,7 @@ def deep_gemv_config(n_rows_pad: int, n_chunks: int, sms: int = 132) -> GemvConf
     steps = n_chunks // warps                        # K steps a warp walks without a split
     splits = [d for d in range(1, 17) if steps % d == 0 and n_rows_pad // 16 * d >= sms] or [1]
     split = next((d for d in splits if steps // d % 4 == 0), splits[0])
-    u = loads_ahead_with_tail(steps // split) if GEMV_TAILS else loads_ahead(steps // split, most=16)
+    u = loads_ahead(steps // split, most=16, tail=GEMV_TAILS)
     return GemvConfig(W=warps, RT=1, split_k=split, U=u, D=0, R=128)
 
 
@@ -185,17 +185,12 @@ def default_gemm_config(fmt_name: str, rows_pad: int, n_chunks: int, sms: int = 
     return quant_gemm.default_config(rows_pad, n_chunks, sms)
 
 
-def loads_ahead(steps: int, most: int = 4) -> int:
-    """The GEMV's U for a warp of `steps` K steps: the largest power of two up to `most` that divides them. A warp
+def loads_ahead(steps: int, most: int = 4, tail: bool = False) -> int:
+    """The GEMV's U for a warp of `steps` K steps: the largest power of two up to `most` that divides them, or with
+    `tail` (the steps past the last whole iteration run as the kernel's tail) that is no more than them. A warp
     whose steps run one at a time waits a load round trip each (DeepSeek-V2-Lite's routed down at one token: 12
     steps, 21 us for 18 MB)."""
-    return next(u for u in (16, 8, 4, 2, 1) if u <= most and steps % u == 0)
-
-
-def loads_ahead_with_tail(steps: int, most: int = 16) -> int:
-    """The GEMV's U for a warp of `steps` K steps when the steps past the last whole iteration run as a tail: the
-    largest power of two up to `most` and `steps`."""
-    return next(u for u in (16, 8, 4, 2, 1) if u <= most and u <= steps)
+    return next(u for u in (16, 8, 4, 2, 1) if u <= most and (u <= steps if tail else steps % u == 0))
 
 
 def uses_quant_gemm(device: torch.device) -> bool:
