@@ -391,9 +391,12 @@ def test_default_config_divides_k_and_fills_the_gpu():
     assert [matmul_plans.loads_ahead(s, most=16) for s in (7, 28, 32, 112, 148)] == [1, 4, 16, 16, 4]
 
 
-def test_deep_default_config_keeps_k_whole_where_the_rows_fill_the_gpu():
+def test_deep_default_config_keeps_k_whole_where_the_rows_fill_the_gpu(monkeypatch):
     """One row tile a warp; K split only where the 16-row CTAs are fewer than the SMs, by the fewest divisor that
-    leaves each warp a multiple of 4 K steps; the loads up to 16 K steps ahead, dividing the warp's steps."""
+    leaves each warp a multiple of 4 K steps; the loads up to 16 K steps ahead, dividing the warp's steps (the rule
+    under the tails and the wide CTAs, which the next two tests add)."""
+    monkeypatch.setattr(matmul_plans, "GEMV_TAILS", False)
+    monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", False)
     cases = {  # (rows_pad, chunks): (split_k, U)
         (4608, 112): (1, 4),      # Qwen2.5-7B q8_0 qkv: 288 CTAs, 28 steps a warp (the split default: 4 ways, U 1)
         (3584, 592): (1, 4),      # its down: 148 steps a warp (the split default: 4 ways, 37 steps, U 1)
@@ -413,6 +416,7 @@ def test_with_tails_the_deep_default_runs_16_steps_ahead_whatever_a_warps_step_c
     tailed = [matmul_plans.loads_ahead(s, most=16, tail=True) for s in (1, 2, 3, 7, 14, 28, 74, 148)]
     assert tailed == [1, 2, 2, 4, 8, 16, 16, 16]
     cases = {(4608, 56): (1, 2, 8), (3584, 296): (1, 2, 16), (4608, 112): (1, 4, 16), (1024, 56): (7, 2, 2)}
+    monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", False)    # 4 warps, whose step counts these are
     for (rows_pad, n_chunks), (split, u_divisor, u_tail) in cases.items():
         monkeypatch.setattr(matmul_plans, "GEMV_TAILS", False)
         plain = matmul_plans.deep_gemv_config(rows_pad, n_chunks)
@@ -428,6 +432,7 @@ def test_where_k_is_long_the_wide_deep_default_runs_8_warps(monkeypatch):
     cases = {(4096, 448): 8, (4096, 224): 8, (3584, 296): 8, (3584, 592): 8, (4096, 128): 4, (4608, 112): 4,
              (4096, 64): 4}
     for (rows_pad, n_chunks), warps in cases.items():
+        monkeypatch.setattr(matmul_plans, "GEMV_TAILS", False)
         monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", True)
         wide = matmul_plans.deep_gemv_config(rows_pad, n_chunks)
         monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", False)

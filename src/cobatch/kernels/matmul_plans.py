@@ -57,15 +57,17 @@ RING_DEFAULT = os.environ.get("COBATCH_GEMM_RING_DEFAULT", "1") != "0"
 # loads up to 16 K steps ahead (deep_gemv_config), else default_gemv_config's 4 row tiles a warp with K split to 2 CTAs
 # an SM. COBATCH_DEEP_GEMV_DEFAULT=0 keeps the second, for comparisons.
 DEEP_GEMV_DEFAULT = os.environ.get("COBATCH_DEEP_GEMV_DEFAULT", "1") != "0"
-# With GEMV_TAILS (COBATCH_GEMV_TAILS=1) the deep default's loads run up to 16 K steps ahead whatever a warp's step
-# count, the steps past its last whole iteration running as a tail (quant_gemv's TAIL), where they otherwise run as
-# far ahead as a power of two that divides the count: Qwen2.5-7B's 4-bit qkv, o and down (14 and 74 steps a warp) at
-# U = 2, its q8_0 weights at U = 4. Off until measured in whole steps.
-GEMV_TAILS = os.environ.get("COBATCH_GEMV_TAILS", "0") == "1"
-# With DEEP_GEMV_WIDE_LONG_K (COBATCH_DEEP_GEMV_WIDE_LONG_K=1) the deep default runs 8 warps a CTA where 4 would each
-# walk LONG_K_STEPS K steps or more, as every Llama-3-8B down plan that won does (q8_0's, q4_K's, q6_K's:
-# bench/results/gemv_plans_whole_k_ab.md). Off until measured on shapes without a plan (Qwen2.5-7B's down).
-DEEP_GEMV_WIDE_LONG_K = os.environ.get("COBATCH_DEEP_GEMV_WIDE_LONG_K", "0") == "1"
+# With GEMV_TAILS the deep default's loads run up to 16 K steps ahead whatever a warp's step count, the steps past its
+# last whole iteration running as a tail (quant_gemv's TAIL); without it (COBATCH_GEMV_TAILS=0, for comparisons) they
+# run as far ahead as a power of two that divides the count: Qwen2.5-7B's 4-bit qkv, o and down (14 and 74 steps a
+# warp) at U = 2, its q8_0 weights at U = 4. Whole Qwen2.5-7B steps, 14 layers, B = 1 / 8: q8_0 1.83 / 1.96 -> 1.75 /
+# 1.89 ms, Q4_K_M 1.47 / 1.59 -> 1.42 / 1.57 (bench/results/gemv_default_tails_ab.md, H100).
+GEMV_TAILS = os.environ.get("COBATCH_GEMV_TAILS", "1") != "0"
+# With DEEP_GEMV_WIDE_LONG_K the deep default runs 8 warps a CTA where 4 would each walk LONG_K_STEPS K steps or more,
+# as every Llama-3-8B down plan that won does (q8_0's, q4_K's, q6_K's: bench/results/gemv_plans_whole_k_ab.md).
+# Qwen2.5-7B's steps on top of the tails, B = 1 / 8: q8_0 1.75 / 1.89 -> 1.72 / 1.84 ms, Q4_K_M 1.42 / 1.57 -> 1.35 /
+# 1.49 (the same file). COBATCH_DEEP_GEMV_WIDE_LONG_K=0 keeps 4 warps, for comparisons.
+DEEP_GEMV_WIDE_LONG_K = os.environ.get("COBATCH_DEEP_GEMV_WIDE_LONG_K", "1") != "0"
 LONG_K_STEPS = 56
 
 # plan.gemm may be this instead of a TileConfig: dequantize into a shared scratch matrix, then cuBLAS.
