@@ -479,6 +479,11 @@ def test_routed_experts_walk_k_with_loads_ahead():
     assert without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=11, U=1)), 44).default.U == 1   # 11 a warp
     timed = GemvPlan(GemvConfig(W=2, RT=1, split_k=1, U=16), ((8, GemvConfig(W=2, RT=1, split_k=1, U=4)),))
     assert without_split_k(timed, 32) == timed      # a routed plan as a table names it: unchanged
+    # the deep default's U under GEMV_TAILS (16 for 28 steps): routed launches keep whole iterations (28 = 7 x 4)
+    tailed = GemvPlan(GemvConfig(W=4, RT=1, split_k=2, U=8))
+    assert quant_gemv.steps(types.SimpleNamespace(qs=torch.empty(1, 112 * 512)), tailed.default) % 8 == 6
+    assert without_split_k(tailed, 112).default.U == 4
+    assert without_split_k(GemvPlan(GemvConfig(W=4, RT=1, split_k=1, U=16)), 112).default.U == 4
 
 
 def test_gemv_plan_tiers_must_split_k_the_same_way():

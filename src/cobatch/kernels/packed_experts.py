@@ -95,10 +95,15 @@ def without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.Gemv
     extra CTAs (mostly idle ones, for slots that got few rows) would only cost. Each warp then walks all of K:
     its loads go up to 4 steps ahead (loads_ahead), as many as the plan's or more. A plan already so comes back as
     it is: a table entry for a stack's per-expert shape holds its routed configs as bench/model_gemv_plans.py timed
-    them."""
+    them. A U that leaves a tail (the deep default's under matmul_plans.GEMV_TAILS) gives way to the largest power of
+    two up to it that divides the warp's steps: routed launches have not yet run the GEMV's tail in their GPU tests
+    (tests/test_moe.py) nor in a timed step."""
     def routed(c: quant_gemv.GemvConfig) -> quant_gemv.GemvConfig:
-        u = max(c.U, loads_ahead(n_chunks // c.W))
-        return replace(c, split_k=1, U=u if n_chunks % (c.W * u) == 0 else c.U)
+        steps = n_chunks // c.W
+        u = max(c.U, loads_ahead(steps))
+        if steps % u:
+            u = c.U if steps % c.U == 0 else max(loads_ahead(steps, most=c.U), loads_ahead(steps))
+        return replace(c, split_k=1, U=u)
     return quant_gemv.GemvPlan(routed(plan.default), tuple((bound, routed(c)) for bound, c in plan.upto))
 
 
