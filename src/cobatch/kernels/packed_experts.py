@@ -43,10 +43,9 @@ ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM", "1") != "0"
 # more MMA work on the expert runs of a prefill chunk (about 190 pairs an expert at 2048 rows of 6 of 64).
 ROUTED_GEMM_MAX_SLOT = 64
 ROUTED_GEMM_RING = os.environ.get("COBATCH_MOE_GEMM_RING", "1") != "0"
-# With ROUTED_GEMV_TAILS (COBATCH_ROUTED_GEMV_TAILS=1) a routed GEMV's warps run their loads as far ahead as they
-# would with whole iterations, or further, whatever their step count, the rest running as the GEMV's tail: 11 steps a
-# warp (V2-Lite's shared down, K split 11 ways, as a routed stack would run it) 1 -> 4 ahead. Off until the MoE GPU
-# tests and a timed step have run it (without_split_k).
+# With ROUTED_GEMV_TAILS (COBATCH_ROUTED_GEMV_TAILS=1) a routed GEMV's warps run their loads up to 4 K steps ahead
+# whatever their step count, the rest running as the GEMV's tail (a warp of 11 steps: 4 ahead, not 1), and keep a
+# plan's U that leaves a tail. Off until the MoE GPU tests and a timed MoE step have run it (without_split_k).
 ROUTED_GEMV_TAILS = os.environ.get("COBATCH_ROUTED_GEMV_TAILS", "0") == "1"
 # The routed GEMM's configs, fastest first, for steps of up to ROUTED_MAX_ROWS rows (decode, captured in graphs)
 # and for bigger ones (prefill chunks), as timed on one DeepSeek-V2-Lite layer (module docstring): a stack takes
