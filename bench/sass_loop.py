@@ -2,14 +2,15 @@
 its sm_90 SASS (Triton's own ptxas and nvdisasm; no GPU).
 
     PYTHONPATH=src python bench/sass_loop.py [--list] [--dump DIR] WORD...
-    PYTHONPATH=src python bench/sass_loop.py --plans
+    PYTHONPATH=src python bench/sass_loop.py --plans [--model-shape qwen2.5-7b [--formats q8_0,q4_k,q6_k]]
     PYTHONPATH=src python bench/sass_loop.py --cuda [WORD...]
 
 The variants are tests/sm90_variants.py's, every one the package can launch; WORDs pick those whose names hold
 all of them (e.g. `decode single_split=True fp8`). --plans compiles instead every GEMV config that
 quant_configs.json's plans launch, for their own formats and for those that borrow them (each tier at its token
 tile, gate|up shapes with their act*mul epilogue, f16 activations as decode steps hand them over:
-PackedWeight.operand_dtype) and names those that spill under their register budget. --cuda reads the CUDA C++
+PackedWeight.operand_dtype) and names those that spill under their register budget; with --model-shape, every GEMV
+call a model of that shape makes instead, on the plans or the defaults it gets. --cuda reads the CUDA C++
 kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16 cache and an fp8 one, its rows widened by
 cvt or by bit moves). Counting a loop's instructions per iteration against the bytes it moves is how the fp8 KV
 cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls themselves need the GPU
@@ -84,18 +85,47 @@ def plan_gemv_launches(table: dict, borrowed: bool = False) -> list[tuple[str, d
 
 
 def _entry_launches(fmt_name: str, shape: str, entry: dict, note: str) -> list[tuple[str, dict, int]]:
+    from cobatch.kernels import matmul_plans
+    from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
+    tiers = tuple(sorted((int(n), GemvConfig(**c)) for n, c in (entry.get("gemv_upto") or {}).items()))
+    cols = int(shape.split("x")[1])
+    return _gemv_plan_launches(f"{fmt_name}{note} {shape}", fmt_name, GemvPlan(GemvConfig(**entry["gemv"]), tiers),
+                               matmul_plans.gemv_chunks(fmt_name, cols), int(shape in GATE_UP_SHAPES),
+                               shape in ROUTED_SHAPES)
+
+
+def _gemv_plan_launches(label: str, fmt_name: str, plan, n_chunks: int, act: int,
+                        routed: bool) -> list[tuple[str, dict, int]]:
+    """(label, constants, register budget) of each call a GEMV plan makes: each tier at 8-token tiles (16 past 8
+    tokens), the default at 16 and, without a tier up to 8 tokens, at 8 too; with the tail a config's U leaves."""
     from cobatch.kernels import quant_pack
     fmt = quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[fmt_name])
-    act, routed = int(shape in GATE_UP_SHAPES), shape in ROUTED_SHAPES
-    tiers = sorted((int(n), c) for n, c in (entry.get("gemv_upto") or {}).items())
-    calls = [(f"upto {n}", c, 8 if n <= 8 else 16) for n, c in tiers] + [("gemv", entry["gemv"], 16)]
-    if not any(n >= 8 for n, _ in tiers):
-        calls.append(("gemv", entry["gemv"], 8))
+    calls = [(f"upto {n}", c, 8 if n <= 8 else 16) for n, c in plan.upto] + [("gemv", plan.default, 16)]
+    if not any(n >= 8 for n, _ in plan.upto):
+        calls.append(("gemv", plan.default, 8))
     launches = []
     for tier, c, bt in calls:
-        constants = dict(FMT=fmt, W=c["W"], RT=c["RT"], BT=bt, SPLIT_K=c["split_k"], EVEN_K=True, U=c["U"],
-                         D=c["D"], ROUTED=routed, ACT=act, PDL=bt == 8)
-        launches.append((f"{fmt_name}{note} {shape} {tier} bt={bt}", constants, c.get("R") or None))
+        steps = n_chunks // (c.W * c.split_k)
+        constants = dict(FMT=fmt, W=c.W, RT=c.RT, BT=bt, SPLIT_K=c.split_k, EVEN_K=True, U=c.U, D=c.D,
+                         ROUTED=routed, ACT=act, PDL=bt == 8, TAIL=steps % c.U)
+        launches.append((f"{label} {tier} bt={bt}", constants, c.R or None))
+    return launches
+
+
+def model_gemv_launches(model_shape: str, formats: list[str]) -> list[tuple[str, dict, int]]:
+    """(label, constants, register budget) of every GEMV call a model of that `cobatch make-model --shape` makes in
+    each of `formats`: its q|k|v, o, gate|up (with the act*mul epilogue), down, k or v alone and head, each on the
+    plan it would get at load (the table's, a lender's or matmul_plans.default_gemv_plan; K a whole number of
+    super-blocks, as these shapes' are)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kernels
+    from cobatch.kernels import matmul_plans
+    launches = []
+    for fmt_name in formats:
+        for name, (rows, cols) in kernels.model_shapes(model_shape).items():
+            plan = matmul_plans.plan_for(fmt_name, rows, cols, cols, gemv=True).narrow
+            launches += _gemv_plan_launches(f"{fmt_name} {model_shape} {name} {rows}x{cols}", fmt_name, plan,
+                                            matmul_plans.gemv_chunks(fmt_name, cols), int(name == "gate_up"), False)
     return launches
 
 
@@ -152,6 +182,9 @@ def main() -> None:
     ap.add_argument("--dump", type=Path, help="write each variant's SASS to DIR")
     ap.add_argument("--plans", action="store_true", help="every GEMV config of quant_configs.json's plans: spills")
     ap.add_argument("--cuda", action="store_true", help="the CUDA C++ kernels NVRTC compiles (cuda_variants())")
+    ap.add_argument("--model-shape", help="with --plans: the GEMV calls a model of this `cobatch make-model --shape` "
+                                          "makes instead (its plans or the defaults)")
+    ap.add_argument("--formats", default="q8_0,q4_k,q6_k", help="with --model-shape: these formats")
     args = ap.parse_args()
     if args.cuda:
         read_cuda(args.words, args.list, args.dump)
@@ -164,7 +197,9 @@ def main() -> None:
         import json
         from cobatch.kernels import matmul_plans, quant_gemv
         table = json.loads(matmul_plans.CONFIG_PATH.read_text())
-        for label, constants, budget in plan_gemv_launches(table, borrowed=True):
+        launches = (model_gemv_launches(args.model_shape, args.formats.split(",")) if args.model_shape
+                    else plan_gemv_launches(table, borrowed=True))
+        for label, constants, budget in launches:
             compiled = sm90_variants.compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"],
                                                             budget, activations="fp16")
             regs, stack = sm90_variants.registers(compiled)

@@ -433,6 +433,23 @@ def test_sass_loop_lists_every_gemv_launch_of_a_plan_table():
     assert q8["FMT"] == quant_pack.Q8_0 and q8["ACT"] == 0 and no_budget is None
 
 
+def test_sass_loop_lists_the_gemv_calls_of_a_model_shape_with_their_tails(monkeypatch):
+    """--model-shape: each matrix of the shape on the plan it gets at load. Qwen2.5-7B has none of its own: its q4_K
+    qkv (56 chunks, 14 steps a warp) runs 8 ahead with a tail of 6, its down (296 chunks, 8 warps of 37) 16 ahead with
+    a tail of 5; gate|up gets the act*mul epilogue."""
+    from cobatch.kernels import matmul_plans
+    monkeypatch.setattr(matmul_plans, "interpreting", lambda: False)   # the interpreter has its own small plan
+    monkeypatch.setattr(matmul_plans, "GEMV_TAILS", True)
+    monkeypatch.setattr(matmul_plans, "DEEP_GEMV_WIDE_LONG_K", True)
+    launches = {label: c for label, c, _ in load("sass_loop").model_gemv_launches("qwen2.5-7b", ["q4_k"])}
+    assert len(launches) == 12 and all(label.endswith(("bt=8", "bt=16")) for label in launches)
+    qkv = launches["q4_k qwen2.5-7b qkv 4608x3584 gemv bt=8"]
+    down = launches["q4_k qwen2.5-7b down 3584x18944 gemv bt=16"]
+    assert (qkv["W"], qkv["U"], qkv["TAIL"], qkv["PDL"]) == (4, 8, 6, True)
+    assert (down["W"], down["U"], down["TAIL"], down["BT"], down["PDL"]) == (8, 16, 5, 16, False)
+    assert launches["q4_k qwen2.5-7b gate_up 37888x3584 gemv bt=16"]["ACT"] == 1 and qkv["ACT"] == 0
+
+
 def test_sass_loop_compiles_the_plans_a_format_borrows_where_it_has_none_of_its_own():
     """NVFP4 runs q4_K's plan of a shape unless it has a GEMV plan of its own there: with `borrowed` that call is
     listed in NVFP4's decode, and the shape NVFP4 plans itself is not listed twice."""
