@@ -28,6 +28,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # `kernels` by name: its model shapes (--model-shape)
+import kernels  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 # an instruction line of nvdisasm's listing: /*0a10*/ [@!P0] OPCODE.MODIFIERS operands ;
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -117,8 +120,6 @@ def model_gemv_launches(model_shape: str, formats: list[str]) -> list[tuple[str,
     each of `formats`: its q|k|v, o, gate|up (with the act*mul epilogue), down, k or v alone and head, each on the
     plan it would get at load (the table's, a lender's or matmul_plans.default_gemv_plan; K a whole number of
     super-blocks, as these shapes' are)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import kernels
     from cobatch.kernels import matmul_plans
     launches = []
     for fmt_name in formats:
