@@ -436,12 +436,8 @@ if gluon is not None and warpgroup_mma is not None:
                 if u < U - 1:   # retire the step before this one
                     acc = warpgroup_mma_wait(num_outstanding=NB, deps=(acc,))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        acc = _row_scaled(acc, d_ptr, tile0, FMT, NW, MMA)
-        r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
-        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
-        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
-        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
-                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
+        _finish_tile(acc, d_ptr, out_ptr, out_stride, partial_ptr, count_ptr, pid_t, pid_n, pid_k, tile0, tok0, n_rows,
+                     n_tok, FMT, NW, BN, SPLIT_K, ACT)
 
 
     @gluon.jit(do_not_specialize=["n_tok", "n_rows", "n_cols", "n_chunks", "steps_per_split"])
@@ -513,12 +509,8 @@ if gluon is not None and warpgroup_mma is not None:
                                                 xs.index(free), pred=nxt < steps_per_split)
         for i in gl.static_range(S):
             mbarrier.invalidate(ready.index(i))
-        acc = _row_scaled(acc, d_ptr, tile0, FMT, NW, MMA)
-        r = pid_n * (16 * NW) + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, MMA))[:, None]
-        t = tok0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))[None, :]
-        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
-        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
-                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
+        _finish_tile(acc, d_ptr, out_ptr, out_stride, partial_ptr, count_ptr, pid_t, pid_n, pid_k, tile0, tok0, n_rows,
+                     n_tok, FMT, NW, BN, SPLIT_K, ACT)
 
 
     # --- the ring variant: weights and x streamed by TMA through shared memory --------------------------------
@@ -847,6 +839,19 @@ if gluon is not None and warpgroup_mma is not None:
             r, t = _rows_and_tokens(row0, tok0, NW, BN)
             quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, row0, tok0, tile, pid_k,
                                     n_rows, tok_end, NW, BN, SPLIT_K, ACT)
+
+    @gluon.jit
+    def _finish_tile(acc, d_ptr, out_ptr, out_stride, partial_ptr, count_ptr, pid_t, pid_n, pid_k, tile0, tok0, n_rows,
+                     n_tok, FMT: gl.constexpr, NW: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
+                     ACT: gl.constexpr):
+        """The register and TMA kernels' epilogue: acc's rows scaled (_row_scaled), then quant_gemv._finish_rows for
+        token tile pid_t, row block pid_n and K split pid_k of a grid (token tiles, row blocks x SPLIT_K)."""
+        MMA: gl.constexpr = _layouts(NW, BN)[0]
+        acc = _row_scaled(acc, d_ptr, tile0, FMT, NW, MMA)
+        r, t = _rows_and_tokens(pid_n * (16 * NW), tok0, NW, BN)
+        tile = pid_t * (gl.num_programs(1) // SPLIT_K) + pid_n
+        quant_gemv._finish_rows(acc, out_ptr, out_stride, partial_ptr, count_ptr, r, t, pid_n * (16 * NW), tok0,
+                                tile, pid_k, n_rows, n_tok, NW, BN, SPLIT_K, ACT)
 
     @gluon.jit
     def _rows_and_tokens(row0, tok0, NW: gl.constexpr, BN: gl.constexpr):
