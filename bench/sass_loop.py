@@ -89,28 +89,30 @@ def plan_gemv_launches(table: dict, borrowed: bool = False) -> list[tuple[str, d
 
 def _entry_launches(fmt_name: str, shape: str, entry: dict, note: str) -> list[tuple[str, dict, int]]:
     from cobatch.kernels import matmul_plans
-    from cobatch.kernels.quant_gemv import GemvConfig, GemvPlan
-    tiers = tuple(sorted((int(n), GemvConfig(**c)) for n, c in (entry.get("gemv_upto") or {}).items()))
-    cols = int(shape.split("x")[1])
-    return _gemv_plan_launches(f"{fmt_name}{note} {shape}", fmt_name, GemvPlan(GemvConfig(**entry["gemv"]), tiers),
-                               matmul_plans.gemv_chunks(fmt_name, cols), int(shape in GATE_UP_SHAPES),
-                               shape in ROUTED_SHAPES)
+    return _gemv_plan_launches(f"{fmt_name}{note} {shape}", fmt_name, matmul_plans.table_gemv_plan(entry),
+                               matmul_plans.gemv_chunks(fmt_name, _cols_pad(int(shape.split("x")[1]))),
+                               int(shape in GATE_UP_SHAPES), shape in ROUTED_SHAPES)
+
+
+def _cols_pad(cols: int) -> int:
+    """K as a weight's planes hold it: padded to quant_pack.COL_PAD (K = 1408 takes 24 K steps of 64, not 22)."""
+    from cobatch.kernels import quant_pack
+    return -(-cols // quant_pack.COL_PAD) * quant_pack.COL_PAD
 
 
 def _gemv_plan_launches(label: str, fmt_name: str, plan, n_chunks: int, act: int,
                         routed: bool) -> list[tuple[str, dict, int]]:
     """(label, constants, register budget) of each call a GEMV plan makes: each tier at 8-token tiles (16 past 8
     tokens), the default at 16 and, without a tier up to 8 tokens, at 8 too; with the tail a config's U leaves."""
-    from cobatch.kernels import quant_pack
+    from cobatch.kernels import quant_gemv, quant_pack
     fmt = quant_pack.fragment_layout(quant_pack.PACKED_FORMATS[fmt_name])
     calls = [(f"upto {n}", c, 8 if n <= 8 else 16) for n, c in plan.upto] + [("gemv", plan.default, 16)]
     if not any(n >= 8 for n, _ in plan.upto):
         calls.append(("gemv", plan.default, 8))
     launches = []
     for tier, c, bt in calls:
-        steps = n_chunks // (c.W * c.split_k)
         constants = dict(FMT=fmt, W=c.W, RT=c.RT, BT=bt, SPLIT_K=c.split_k, EVEN_K=True, U=c.U, D=c.D,
-                         ROUTED=routed, ACT=act, PDL=bt == 8, TAIL=steps % c.U)
+                         ROUTED=routed, ACT=act, PDL=bt == 8, TAIL=quant_gemv.warp_steps(n_chunks, c) % c.U)
         launches.append((f"{label} {tier} bt={bt}", constants, c.R or None))
     return launches
 
@@ -118,15 +120,16 @@ def _gemv_plan_launches(label: str, fmt_name: str, plan, n_chunks: int, act: int
 def model_gemv_launches(model_shape: str, formats: list[str]) -> list[tuple[str, dict, int]]:
     """(label, constants, register budget) of every GEMV call a model of that `cobatch make-model --shape` makes in
     each of `formats`: its q|k|v, o, gate|up (with the act*mul epilogue), down, k or v alone and head, each on the
-    plan it would get at load (the table's, a lender's or matmul_plans.default_gemv_plan; K a whole number of
-    super-blocks, as these shapes' are)."""
+    plan it would get at load (the table's, a lender's or matmul_plans.default_gemv_plan)."""
     from cobatch.kernels import matmul_plans
     launches = []
     for fmt_name in formats:
         for name, (rows, cols) in kernels.model_shapes(model_shape).items():
-            plan = matmul_plans.plan_for(fmt_name, rows, cols, cols, gemv=True).narrow
+            cols_pad = _cols_pad(cols)
+            plan = matmul_plans.plan_for(fmt_name, rows, cols, cols_pad, gemv=True).narrow
             launches += _gemv_plan_launches(f"{fmt_name} {model_shape} {name} {rows}x{cols}", fmt_name, plan,
-                                            matmul_plans.gemv_chunks(fmt_name, cols), int(name == "gate_up"), False)
+                                            matmul_plans.gemv_chunks(fmt_name, cols_pad), int(name == "gate_up"),
+                                            False)
     return launches
 
 

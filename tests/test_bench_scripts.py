@@ -450,6 +450,15 @@ def test_sass_loop_lists_the_gemv_calls_of_a_model_shape_with_their_tails(monkey
     assert launches["q4_k qwen2.5-7b gate_up 37888x3584 gemv bt=16"]["ACT"] == 1 and qkv["ACT"] == 0
 
 
+def test_sass_loop_counts_k_steps_as_the_padded_planes_hold_them():
+    """K = 1408 (V2-Lite's routed down) is padded to 1536 in its planes: 24 K steps of 64, 6 a warp at W = 4, so U = 2
+    leaves no tail (22 steps would not even split among 4 warps)."""
+    cfg = {"W": 4, "RT": 4, "split_k": 1, "U": 2, "D": 0, "R": 0}
+    table = {"formats": {"q5_0": {"shapes": {"2048x1408": {"gemv": cfg}}}}}
+    launches = load("sass_loop").plan_gemv_launches(table)
+    assert [c["TAIL"] for _, c, _ in launches] == [0, 0] and all(c["ROUTED"] for _, c, _ in launches)
+
+
 def test_sass_loop_compiles_the_plans_a_format_borrows_where_it_has_none_of_its_own():
     """NVFP4 runs q4_K's plan of a shape unless it has a GEMV plan of its own there: with `borrowed` that call is
     listed in NVFP4's decode, and the shape NVFP4 plans itself is not listed twice."""

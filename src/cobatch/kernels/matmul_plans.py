@@ -203,6 +203,13 @@ def uses_quant_gemm(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9 and os.environ.get("COBATCH_QUANT_GEMM") != "0")
 
 
+def table_gemv_plan(entry: dict) -> GemvPlan:
+    """The GEMV plan of a table entry: "gemv", and "gemv_upto" {"max_tok": config}, the sweep's better configs for
+    calls of few tokens."""
+    upto = sorted((int(n), GemvConfig(**c)) for n, c in (entry.get("gemv_upto") or {}).items())
+    return GemvPlan(GemvConfig(**entry["gemv"]), tuple(upto))
+
+
 def gemv_chunks(fmt_name: str, n_cols_pad: int) -> int:
     return n_cols_pad // (32 if PACKED_FORMATS.get(fmt_name) in quant_pack.BYTE_FORMATS else 64)
 
@@ -277,9 +284,7 @@ def plan_for(fmt_name: str, n_rows: int, n_cols: int, n_cols_pad: int, gemv: boo
         gemm = DEQUANT_CUBLAS
         rows_pad = -(-n_rows // quant_pack.ROW_PAD) * quant_pack.ROW_PAD
         if "gemv" in entry:
-            # "gemv_upto": {"max_tok": config}, the sweep's better configs for calls of few tokens
-            upto = sorted((int(n), GemvConfig(**c)) for n, c in entry.get("gemv_upto", {}).items())
-            narrow = GemvPlan(GemvConfig(**entry["gemv"]), tuple(upto))
+            narrow = table_gemv_plan(entry)
         else:
             narrow = default_gemv_plan(fmt_name, rows_pad, gemv_chunks(fmt_name, n_cols_pad), sms)
         crossover = int(entry.get("gemv_crossover", GEMV_CROSSOVER))

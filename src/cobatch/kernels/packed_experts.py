@@ -104,9 +104,10 @@ def without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.Gemv
     GEMV's tail in their GPU tests (tests/test_moe.py) nor in a timed step."""
     def routed(c: quant_gemv.GemvConfig) -> quant_gemv.GemvConfig:
         steps = n_chunks // c.W
-        u = max(c.U, loads_ahead(steps, tail=ROUTED_GEMV_TAILS))
-        if steps % u and not ROUTED_GEMV_TAILS:
-            u = c.U if steps % c.U == 0 else max(loads_ahead(steps, most=c.U), loads_ahead(steps))
+        if ROUTED_GEMV_TAILS:
+            u = max(c.U, loads_ahead(steps, tail=True))
+        else:   # whole iterations: a U that leaves a tail gives way to the largest power of two up to it dividing them
+            u = max(c.U if steps % c.U == 0 else loads_ahead(steps, most=c.U), loads_ahead(steps))
         return replace(c, split_k=1, U=u)
     return quant_gemv.GemvPlan(routed(plan.default), tuple((bound, routed(c)) for bound, c in plan.upto))
 

@@ -851,8 +851,12 @@ class GemvPlan:
 
 
 def steps(p: "quant_pack.PackedPlanes", cfg: GemvConfig) -> int:
-    """K steps a warp walks in one split; a count U does not divide ends in a tail of steps % U."""
-    n_chunks = p.qs.shape[1] // 512
+    """K steps a warp walks in one split of planes p (warp_steps)."""
+    return warp_steps(p.qs.shape[1] // 512, cfg)
+
+
+def warp_steps(n_chunks: int, cfg: GemvConfig) -> int:
+    """K steps a warp walks in one split of n_chunks; a count U does not divide ends in a tail of steps % U."""
     assert n_chunks % (cfg.W * cfg.split_k) == 0, (n_chunks, cfg)
     return n_chunks // (cfg.W * cfg.split_k)
 
