@@ -48,6 +48,9 @@
 #                            quant_configs.json paths, `.` the package's), the model loaded once, the tables
 #                            alternating (ARGS: --batches, --rounds, --context; --ring-depths, --gemm-from,
 #                            --without-gemv and --switch add generated variants: bench/plan_ab.py)
+#   phases [ARGS]            bench/step_phases.py on MODEL (default a random file of SHAPE, default llama3-8b, in QUANT,
+#                            cut to LAYERS): one graph replay's kernels by phase (each matrix, attention, norms),
+#                            GB/s and idle time, and a middle layer's kernels in order (ARGS: --batches, --context)
 #   ab OLD NEW [ROUNDS]      a benchmark (BENCH: decode, the default; attention, moe, serve, speculative) run with
 #                            OLD then NEW, alternating, ROUNDS times (default 2). A side is a tree (a directory
 #                            holding src/ and bench/), a GEMV config table (.json, this tree's code), an environment
@@ -243,6 +246,10 @@ plan-ab)
   model=${MODEL:-$(random_model "${SHAPE:-llama3-8b}" "${QUANT%%,*}" ${LAYERS:-})}
   timeout "$(left "$TIMEOUT")" python3 bench/plan_ab.py --model "$model" --tables "$tables" "$@" 2>&1 | quiet \
     | tee "$OUT/plan_ab.log" ;;
+phases)
+  model=${MODEL:-$(random_model "${SHAPE:-llama3-8b}" "${QUANT%%,*}" ${LAYERS:-})}
+  timeout "$(left "$TIMEOUT")" python3 bench/step_phases.py --model "$model" "$@" 2>&1 | quiet \
+    | tee "$OUT/step_phases.log" ;;
 ab)
   [ $# -ge 2 ] || { echo "bench/device.sh ab OLD NEW [ROUNDS] [ARGS]" >&2; exit 2; }
   old=$1 new=$2; shift 2

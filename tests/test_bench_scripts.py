@@ -48,7 +48,7 @@ def load(name: str):
 @pytest.mark.parametrize("name", ["kernels", "kernels_attention", "decode", "size_ceiling", "gemv_ab", "plot",
                                   "gemv_configs", "moe_decode", "moe_experts", "speculative", "parallel", "ncu_source",
                                   "gemm", "plan_ab", "serve", "model_gemv_plans", "sass_loop", "sampler",
-                                  "prefill_host"])
+                                  "prefill_host", "step_phases"])
 def test_bench_script_imports(name):
     module = load(name)
     assert callable(getattr(module, "main", None)), name
@@ -475,3 +475,29 @@ def test_sass_loop_compiles_the_plans_a_format_borrows_where_it_has_none_of_its_
     assert sorted(lent) == ["nvfp4 (as q4_k) 6144x4096 gemv bt=16", "nvfp4 (as q4_k) 6144x4096 gemv bt=8"]
     assert all(borrowed[label]["FMT"] == quant_pack.fragment_layout(quant_pack.NVFP4) for label in lent)
     assert borrowed["nvfp4 4096x4096 gemv bt=8"]["U"] == 4
+
+
+def test_step_phases_names_each_kernel_by_its_matmul_call():
+    """bench/step_phases.py: main matmul kernels take the recorded calls in order, x staging the call after it,
+    attention and norms their own phases; idle time is the span no kernel covers, overlaps counted once."""
+    sp = load("step_phases")
+
+    def k(name, ts, dur):
+        return dict(name=name, ts=ts, dur=dur)
+    kernels = [k("_rms_norm_kernel", 0, 2), k("_x_image_kernel", 3, 1), k("quant_gemm", 4, 10),
+               k("_decode_split_kernel", 16, 5), k("_decode_reduce_kernel", 20, 2),    # overlaps the split
+               k("_gemv_kernel", 25, 8), k("_gemm_ring_kernel", 33, 20), k("_chunk_max_kernel", 60, 1)]
+    calls = [("qkv", 1000), ("o", 800), ("gate_up", 4000)]
+    assert sp.label_kernels(kernels, calls)
+    assert [x["phase"] for x in kernels] == ["norm", "qkv", "qkv", "attention", "attention", "o", "gate_up",
+                                             "other"]
+    assert [x["bytes"] for x in kernels] == [0, 0, 1000, 0, 0, 800, 4000, 0]
+    # span 61 us; nothing runs in 2-3, 14-16, 22-25 and 53-60
+    assert sp.idle_us(kernels) == (61.0, 13.0)
+    rows = {r["phase"]: r for r in sp.phases([kernels], copy_bps=1e9)}
+    assert rows["qkv"]["calls"] == 1 and rows["qkv"]["us"] == 11.0
+    assert rows["gate_up"]["gbps"] == 4000 / 20 / 1e3 and rows["gate_up"]["of_copy"] == 0.2
+    assert rows["attention"]["us"] == 7.0 and rows["attention"]["gbps"] is None
+    # a call count that does not match leaves the matmuls unnamed
+    assert not sp.label_kernels(kernels, calls[:2])
+    assert {x["phase"] for x in kernels if x["bytes"] == 0 and "gemv" in x["name"]} == {"matmul"}
