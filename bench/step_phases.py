@@ -17,6 +17,7 @@ early under PDL). JSON to --out (default $OUT/step_phases.json when OUT is set).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -31,6 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
+
+provenance.use_tree_source()
 from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, randomize_kv  # noqa: E402
 from decode import time_steps  # noqa: E402
 
@@ -220,8 +224,12 @@ def main() -> None:
                             phases=rows, layer=layer_calls(replays[len(replays) // 2])))
     out = args.out or (str(Path(os.environ["OUT"]) / "step_phases.json") if os.environ.get("OUT") else None)
     if out:
-        Path(out).write_text(json.dumps({"model": args.model, "context": args.context, "copy_gbps": copy_bps / 1e9,
-                                         "device": torch.cuda.get_device_name(), "results": results}, indent=1))
+        record = dict(measures="one decode graph replay's kernels by phase: each matrix's, attention's, the norms' "
+                               "time, GB/s and share of copy, and the time no kernel runs",
+                      reproduce=" ".join(["bench/step_phases.py"] + sys.argv[1:]), recorded=str(datetime.date.today()),
+                      tree=provenance.tree(), device=torch.cuda.get_device_name(), model=args.model,
+                      context=args.context, copy_gbps=copy_bps / 1e9, results=results)
+        Path(out).write_text(json.dumps(record, indent=1))
     for r in results:
         print(f"\nB={r['batch']}: a middle layer's kernels (us, and start after the one before ends)")
         for c in r["layer"]:
