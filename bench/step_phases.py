@@ -6,10 +6,12 @@ For each batch B, sessions are placed at the context (random KV, as bench/decode
 under the torch profiler, and each kernel is put in a phase:
 - a matrix (qkv, o, gate_up, down, head, ...): the main kernel of each `PackedWeight.matmul` call, in the order an
   eager step makes those calls, with the small kernels that stage its x (`_x_operands_kernel`, `_x_image_kernel`);
-  its weight bytes over its kernels' summed time give its GB/s and share of copy;
+  its GB/s and share of copy are its weight bytes over its kernels' charged time (below);
 - attention (the split and reduce kernels), norm (RMSNorm), other (sampling, embedding, copies).
-Kernels chained by programmatic dependent launch overlap, so a phase's summed time can exceed its share of the
-step; `idle` is the replay's span with no kernel running at all, the time between weight reads that nothing uses.
+Kernels chained by programmatic dependent launch overlap: one launched early sits waiting for the kernel before.
+So each kernel is charged only for how far it moves the replay's end past every kernel before it; the charges add
+up to the replay's busy time, and each matrix's GB/s is over its charged time. `idle` is the replay's span with no
+kernel running at all, the time between weight reads that nothing uses.
 Also printed: one middle layer's kernels in order, each with its start after the one before (negative: launched
 early under PDL). JSON to --out (default $OUT/step_phases.json when OUT is set).
 """
@@ -150,24 +152,40 @@ def idle_us(kernels: list[dict]) -> tuple[float, float]:
     return span, span - busy
 
 
+def charge(kernels: list[dict]) -> None:
+    """Each kernel's `charged` time: how far it moves the replay's end past every kernel before it. A programmatic
+    dependent that launched early and waited is charged only for what it runs after the kernel before ends, so the
+    charges add up to the replay's busy time (span - idle) and say where the step's time goes."""
+    end = kernels[0]["ts"]
+    for k in kernels:
+        k["charged"] = max(0.0, k["ts"] + k["dur"] - max(k["ts"], end))
+        end = max(end, k["ts"] + k["dur"])
+
+
 def phases(replays: list[list[dict]], copy_bps: float) -> list[dict]:
-    """Per phase, the median over replays of its kernels' summed time, its calls and bytes, GB/s and share of copy."""
+    """Per phase, the median over replays of its kernels' charged time (charge) and summed time (overlaps
+    counted in each kernel), its calls and bytes, and GB/s and share of copy over the charged time."""
     per: dict[str, list[float]] = defaultdict(list)
+    summed: dict[str, list[float]] = defaultdict(list)
     calls, nbytes = {}, {}
     for kernels in replays:
         t: dict[str, float] = defaultdict(float)
+        whole: dict[str, float] = defaultdict(float)
         for k in kernels:
-            t[k["phase"]] += k["dur"]
+            t[k["phase"]] += k["charged"]
+            whole[k["phase"]] += k["dur"]
         for p, v in t.items():
             per[p].append(v)
+            summed[p].append(whole[p])
         for p in t:
             calls[p] = sum(k["phase"] == p and not X_STAGING.search(k["name"]) for k in kernels)
             nbytes[p] = sum(k["bytes"] for k in kernels if k["phase"] == p)
     rows = []
     for p, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
         us = statistics.median(v)
-        gbps = nbytes[p] / us / 1e3 if nbytes[p] else None
-        rows.append(dict(phase=p, calls=calls[p], us=us, bytes=nbytes[p], gbps=gbps,
+        gbps = nbytes[p] / us / 1e3 if nbytes[p] and us > 0 else None
+        rows.append(dict(phase=p, calls=calls[p], us=us, summed_us=statistics.median(summed[p]), bytes=nbytes[p],
+                         gbps=gbps,
                          of_copy=gbps * 1e9 / copy_bps if gbps else None))
     return rows
 
@@ -180,7 +198,7 @@ def layer_calls(kernels: list[dict]) -> list[dict]:
     a, b = starts[len(starts) // 2 - 1], starts[len(starts) // 2]
     rows, prev_end = [], None
     for k in kernels[a:b]:
-        rows.append(dict(kernel=k["name"][:48], phase=k["phase"], us=k["dur"],
+        rows.append(dict(kernel=k["name"][:48], phase=k["phase"], us=k["dur"], charged_us=k["charged"],
                          after_prev_us=None if prev_end is None else k["ts"] - prev_end))
         prev_end = k["ts"] + k["dur"]
     return rows
@@ -211,13 +229,15 @@ def main() -> None:
         calls = eager_matmul_calls(llm)
         replays = replay_kernels(llm, b, args.replays)
         matched = all([label_kernels(k, calls) for k in replays])
+        for k in replays:
+            charge(k)
         clear(llm)
         spans = [idle_us(k) for k in replays]
         span, idle = statistics.median(s for s, _ in spans), statistics.median(i for _, i in spans)
         kv_bytes = b * (args.context + 8) * kvtok
         rows = phases(replays, copy_bps)
         for r in rows:          # attention's bytes are the KV it reads
-            if r["phase"] == "attention":
+            if r["phase"] == "attention" and r["us"] > 0:
                 r["bytes"], r["gbps"] = kv_bytes, kv_bytes / r["us"] / 1e3
                 r["of_copy"] = r["gbps"] * 1e9 / copy_bps
         results.append(dict(batch=b, step_ms=step_ms, replay_span_us=span, idle_us=idle, labelled=matched,
@@ -231,16 +251,16 @@ def main() -> None:
                       context=args.context, copy_gbps=copy_bps / 1e9, results=results)
         Path(out).write_text(json.dumps(record, indent=1))
     for r in results:
-        print(f"\nB={r['batch']}: a middle layer's kernels (us, and start after the one before ends)")
+        print(f"\nB={r['batch']}: a middle layer's kernels (us: run, charged, start after the one before ends)")
         for c in r["layer"]:
             gap = "" if c["after_prev_us"] is None else f"{c['after_prev_us']:+6.1f}"
-            print(f"  {c['phase']:10} {c['kernel']:48} {c['us']:7.1f} {gap}")
+            print(f"  {c['phase']:10} {c['kernel']:48} {c['us']:7.1f} {c['charged_us']:7.1f} {gap}")
     for r in results:
         print(f"\nB={r['batch']} ctx {args.context}: step {r['step_ms']:.3f} ms, replay span {r['replay_span_us']:.0f} us,"
               f" idle {r['idle_us']:.0f} us{'' if r['labelled'] else ' (matmuls not matched to weights)'}")
         for p in r["phases"]:
             rate = "" if not p["gbps"] else f"{p['gbps']:7.0f} GB/s {p['of_copy']:5.0%} of copy"
-            print(f"  {p['phase']:10} {p['calls']:4d} calls {p['us']:8.1f} us  {rate}")
+            print(f"  {p['phase']:10} {p['calls']:4d} calls {p['us']:8.1f} us charged ({p['summed_us']:7.1f} run)  {rate}")
 
 
 if __name__ == "__main__":

@@ -494,10 +494,15 @@ def test_step_phases_names_each_kernel_by_its_matmul_call():
     assert [x["bytes"] for x in kernels] == [0, 0, 1000, 0, 0, 800, 4000, 0]
     # span 61 us; nothing runs in 2-3, 14-16, 22-25 and 53-60
     assert sp.idle_us(kernels) == (61.0, 13.0)
+    sp.charge(kernels)
+    # the reduce (20-22) overlaps the split (16-21): charged 1 us; the rest run alone
+    assert [x["charged"] for x in kernels] == [2, 1, 10, 5, 1, 8, 20, 1]
+    assert sum(x["charged"] for x in kernels) == 61.0 - 13.0
     rows = {r["phase"]: r for r in sp.phases([kernels], copy_bps=1e9)}
     assert rows["qkv"]["calls"] == 1 and rows["qkv"]["us"] == 11.0
     assert rows["gate_up"]["gbps"] == 4000 / 20 / 1e3 and rows["gate_up"]["of_copy"] == 0.2
-    assert rows["attention"]["us"] == 7.0 and rows["attention"]["gbps"] is None
+    assert rows["attention"]["us"] == 6.0 and rows["attention"]["summed_us"] == 7.0
+    assert rows["attention"]["gbps"] is None
     # a call count that does not match leaves the matmuls unnamed
     assert not sp.label_kernels(kernels, calls[:2])
     assert {x["phase"] for x in kernels if x["bytes"] == 0 and "gemv" in x["name"]} == {"matmul"}
