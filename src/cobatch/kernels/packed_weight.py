@@ -103,6 +103,8 @@ class PackedWeight:
         self.planes, self.dense, self.plan = planes, dense, plan
         # rows are a gate|up pair interleaved 8 by 8 (kernels/activation.py): matmul(x, act=...) applies act*mul
         self.gate_up_interleaved = gate_up_interleaved
+        # the kernel before each call is decode attention (o's): quant_gemv.launch(dependent=...)
+        self.follows_attention = False
         self.resident_dense: torch.Tensor | None = None   # see from_quant(keep_dense=True)
         self.nbytes = planes.nbytes if planes is not None else dense.numel() * dense.element_size()
 
@@ -220,7 +222,7 @@ class PackedWeight:
                 SplitScratch.reserve(x.device, *_scratch_need(config, self.planes.rows_pad, n_tok))
                 partial, count = SplitScratch.get(x.device)
             quant_gemv.launch(self.planes, xg, out.view(n_tok, out_cols), config, partial, count, act=act,
-                              out_order=out_order)
+                              out_order=out_order, dependent=self.follows_attention)
         elif isinstance(config, (GemmConfig, CudaGemmConfig)):
             xg = x2 if x2.dtype in (torch.float16, torch.bfloat16) else x2.to(torch.float16)
             partial, count = out, out

@@ -893,12 +893,17 @@ class Routing:
 # 16-token tiles: there the kernel before may be the mid-batch GEMM, which lets its dependents launch at its
 # start, and a GEMV resident that early slowed whole steps by 3-5 % (bench/results/decode_gemv_pdl_ab.md).
 GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
+# A call whose kernel before is decode attention (`launch(dependent=True)`: o's) launches as a programmatic dependent
+# at 16-token tiles too: attention's kernels let their dependents launch only after their loops, not at their start
+# as the mid-batch GEMM does. COBATCH_GEMV_PDL_AFTER_ATTENTION=1; off until whole steps are timed.
+GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "0") == "1"
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
            partial: torch.Tensor, count: torch.Tensor, routing: Routing | None = None, act: str | None = None,
-           out_order: int = NATURAL) -> None:
+           out_order: int = NATURAL, dependent: bool = False) -> None:
     """out[n_tok, rows] = x @ W.T for fragment-order planes; x f16 or bf16 [n_tok, cols] (row stride free).
+    dependent: the kernel before is decode attention (GEMV_PDL_AFTER_ATTENTION).
     With `routing`, p holds the experts stacked and out[pair] = x[pair] @ W[expert of its slot].T, out having
     rows_per_expert columns; the plan's tier is the one for max_count tokens.
     With `act` ("silu", "gelu_tanh"), W's rows (each expert's) are gate|up interleaved 8 by 8
@@ -928,5 +933,5 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
         U=cfg.U, TAIL=warp_steps % cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order),
         num_warps=cfg.W, maxnreg=cfg.R or None,
-        **(pdl_launch(x) if GEMV_PDL and bt == 8 else {}),
+        **(pdl_launch(x) if GEMV_PDL and (bt == 8 or (dependent and GEMV_PDL_AFTER_ATTENTION)) else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))

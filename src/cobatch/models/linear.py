@@ -90,6 +90,15 @@ class WeightLoader:
         return load_linear([self.source.quant_weight(n) for n in names], self.device, self.dtype, self.keep_dense)
 
 
+def after_attention(projection: object) -> object:
+    """Mark a projection whose input decode attention writes (o): its GEMV may then launch as a programmatic
+    dependent at every token tile (quant_gemv.GEMV_PDL_AFTER_ATTENTION). Dense CPU tensors are left as they are."""
+    for part in getattr(projection, "parts", [projection]):
+        if hasattr(part, "follows_attention"):
+            part.follows_attention = True
+    return projection
+
+
 def gate_up_interleavable(gate: QuantWeight, up: QuantWeight, device: torch.device) -> bool:
     """Will the GEMV read this gate|up pair (CUDA, a fragment format), so that it is worth interleaving?"""
     if torch.device(device).type != "cuda" or gate.fmt is not up.fmt or gate.rows % GATE_UP_GROUP:

@@ -20,7 +20,7 @@ from cobatch.kernels.packed_experts import ROUTED_MAX_ROWS
 from cobatch.kernels.rope import llama3_freq_factors, rope_cos_sin, yarn_attn_factor, yarn_freq_factors
 from cobatch.loader.weights import WeightSource
 from cobatch.loader.lora import Adapter
-from cobatch.models.linear import WeightLoader, load_gate_up
+from cobatch.models.linear import WeightLoader, after_attention, load_gate_up
 from cobatch.models.lora import LoraSet
 from cobatch.models.moe import MoeFeedForward, route_on_device
 
@@ -102,7 +102,7 @@ class LlamaModel:
                 qkv_bias=torch.cat([vec(p + f"attn_{x}.bias") for x in "qkv"]) if cfg.qkv_bias else None,
                 q_norm=vec(p + "attn_q_norm.weight") if cfg.qk_norm else None,
                 k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
-                o=lin(p + "attn_output.weight"),
+                o=after_attention(lin(p + "attn_output.weight")),
                 ffn_norm=vec(p + "ffn_norm.weight"),
                 gate_up=None if cfg.n_experts else _gate_up(p, gguf, dev, dtype, keep_dense,
                                                             interleave=i not in adapted_gate_up),
