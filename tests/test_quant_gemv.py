@@ -545,6 +545,16 @@ def test_only_calls_of_one_8_token_tile_launch_as_programmatic_dependents(monkey
             quant_gemv.launch(planes, x, torch.empty(n_tok, 64), cfg, x, x)
     assert [k.get("launch_pdl", False) for k in launched] == [True, True, False, False] + [False] * 4
     assert [k.get("PDL", False) for k in launched] == [True, True, False, False] + [False] * 4
+    # a call after decode attention (o's) at every tile, where GEMV_PDL_AFTER_ATTENTION is on
+    launched.clear()
+    monkeypatch.setattr(quant_gemv, "GEMV_PDL", True)
+    for after in (True, False):
+        monkeypatch.setattr(quant_gemv, "GEMV_PDL_AFTER_ATTENTION", after)
+        for n_tok in (8, 16):
+            for dependent in (True, False):
+                x = torch.zeros(n_tok, 256, dtype=torch.float16)
+                quant_gemv.launch(planes, x, torch.empty(n_tok, 64), cfg, x, x, dependent=dependent)
+    assert [k.get("PDL", False) for k in launched] == [True, True, True, False] + [True, True, False, False]
 
 
 def test_plan_reads_the_token_tiers(tmp_path, monkeypatch):
@@ -721,7 +731,8 @@ def test_a_chain_of_gemvs_as_programmatic_dependents_gives_the_bits_of_plain_lau
     """With GEMV_PDL, each GEMV starts while the kernel before finishes: its first weight bytes asked into L1, then
     the wait before x, the split-K scratch and its stores. A chain RMSNorm -> GEMV -> GEMV (act) -> GEMV -> ...
     (each reading the one before, split-K counters shared), eager and replayed in a CUDA graph, gives the bits of
-    the same chain launched plainly."""
+    the same chain launched plainly; at 12 and 16 tokens too, each weight marked as o's is (follows_attention,
+    GEMV_PDL_AFTER_ATTENTION)."""
     from cobatch.kernels import norm
     assert quant_gemv.pdl_launch(torch.empty(1, device="cuda"))["PDL"]
     gen = torch.Generator().manual_seed(37)
@@ -742,7 +753,11 @@ def test_a_chain_of_gemvs_as_programmatic_dependents_gives_the_bits_of_plain_lau
             x = torch.cat([gate_up.matmul(x, act="silu")] * 2, dim=1)      # a GEMV straight after a GEMV
         return x
 
-    for n_tok in (1, 8):
+    for pw in weights:          # as o's: 16-token tiles launch as dependents too under GEMV_PDL_AFTER_ATTENTION
+        pw.follows_attention = True
+    monkeypatch.setattr(quant_gemv, "GEMV_PDL_AFTER_ATTENTION", True)
+    x = torch.cat([x, torch.randn(8, cols, generator=gen).to("cuda", torch.bfloat16)])
+    for n_tok in (1, 8, 12, 16):
         monkeypatch.setattr(quant_gemv, "GEMV_PDL", False)
         want = chain(x[:n_tok])
         assert torch.isfinite(want).all() and want.abs().max() > 0

@@ -227,6 +227,20 @@ def test_row_stack_writes_each_part_s_columns_of_one_output():
         assert torch.equal(y, torch.cat(parts, dim=-1))
 
 
+def test_after_attention_marks_every_packed_part_and_leaves_dense_tensors():
+    """o's projection is marked as following decode attention (quant_gemv.launch's `dependent`): a packed matrix, each
+    packed part of a RowStack; a dense tensor (the CPU path) comes back as it was. Other projections stay unmarked."""
+    from cobatch.models.linear import RowStack, after_attention
+    a, b = make_weight("q4_k", 40, 256, seed=7, device="cpu"), make_weight("q6_k", 24, 256, seed=8, device="cpu")
+    single = PackedWeight.from_quant(a, DEVICE, plan=SMALL_PLAN)
+    assert single.follows_attention is False
+    assert after_attention(single) is single and single.follows_attention is True
+    dense = torch.zeros(8, 256)
+    stack = RowStack([PackedWeight.from_quant(b, DEVICE, plan=SMALL_PLAN), dense])
+    assert after_attention(stack) is stack and stack.parts[0].follows_attention is True
+    assert not hasattr(dense, "follows_attention") and after_attention(dense) is dense
+
+
 @pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "nvfp4"])
 def test_checkpoint_formats_hand_batches_past_the_narrow_kernel_to_cublas(monkeypatch, fmt_name):
     """Row-major FP8 and NVFP4 planes (no Hopper GPU, or COBATCH_TRITON_GEMV=1) are read by the Triton kernel up to
