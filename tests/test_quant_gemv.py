@@ -524,10 +524,11 @@ def test_gemv_plan_scratch_covers_every_tier():
             assert elems <= need[0] and tiles <= need[1], (max_tok, n_tok)
 
 
-def test_only_calls_of_one_8_token_tile_launch_as_programmatic_dependents(monkeypatch):
-    """GEMV_PDL makes a call a programmatic dependent only at the 8-token tile: a 16-token call may follow the
-    mid-batch GEMM, which lets its dependents launch at its start (decode_gemv_pdl_ab.md). The launch itself is
-    recorded here, not run (Gluon needs CUDA)."""
+def test_only_calls_of_one_8_token_tile_or_after_attention_launch_as_programmatic_dependents(monkeypatch):
+    """GEMV_PDL makes a call a programmatic dependent at the 8-token tile: a 16-token call may follow the mid-batch
+    GEMM, which lets its dependents launch at its start (decode_gemv_pdl_ab.md), unless it follows decode attention
+    (o's: `dependent`, GEMV_PDL_AFTER_ATTENTION). The launch itself is recorded here, not run (Gluon needs CUDA)."""
+    assert quant_gemv.GEMV_PDL_AFTER_ATTENTION         # on by default
     launched = []
 
     class Recorder:

@@ -895,8 +895,9 @@ class Routing:
 GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
 # A call whose kernel before is decode attention (`launch(dependent=True)`: o's) launches as a programmatic dependent
 # at 16-token tiles too: attention's kernels let their dependents launch only after their loops, not at their start
-# as the mid-batch GEMM does. COBATCH_GEMV_PDL_AFTER_ATTENTION=1; off until whole steps are timed.
-GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "0") == "1"
+# as the mid-batch GEMM does. Q4_K_M steps (o on the GEMV to 16 tokens) of 12 / 16 rows 0.6 / 0.9 % shorter
+# (bench/results/decode_gemv_pdl_after_attention_ab.md, H100); COBATCH_GEMV_PDL_AFTER_ATTENTION=0 turns it off.
+GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "1") != "0"
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
