@@ -139,9 +139,9 @@ def graph_replay_ms(llm: LLM, batch: int) -> float:
     return replay_seconds(g.graphs[b], reps=10) * 1e3
 
 
-def graph_kernel_breakdown(llm: LLM, batch: int, replays: int = 5) -> list[dict]:
-    """Per-kernel GPU time inside the captured decode graph, per replay (kernels in a graph run back to back,
-    with programmatic dependent launch overlapping them: not the same as one eager step's)."""
+def profiled_replays(llm: LLM, batch: int, replays: int):
+    """The torch profiler (CUDA activity) over `replays` replays of the decode graph for `batch` rows, after one
+    replay unprofiled."""
     from torch.profiler import ProfilerActivity, profile
     g = llm.engine.runner.graphs
     graph = g.graphs[g.bucket_for(batch)]
@@ -151,7 +151,13 @@ def graph_kernel_breakdown(llm: LLM, batch: int, replays: int = 5) -> list[dict]
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    return _top_kernels(prof, replays)
+    return prof
+
+
+def graph_kernel_breakdown(llm: LLM, batch: int, replays: int = 5) -> list[dict]:
+    """Per-kernel GPU time inside the captured decode graph, per replay (kernels in a graph run back to back,
+    with programmatic dependent launch overlapping them: not the same as one eager step's)."""
+    return _top_kernels(profiled_replays(llm, batch, replays), replays)
 
 
 def _kernel_rows(prof, per: int = 1) -> list[dict]:

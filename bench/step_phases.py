@@ -38,7 +38,7 @@ import provenance  # noqa: E402
 
 provenance.use_tree_source()
 from decode import clear, copy_bandwidth, kv_bytes_per_token, place_sessions, randomize_kv  # noqa: E402
-from decode import time_steps  # noqa: E402
+from decode import profiled_replays, time_steps  # noqa: E402
 
 from cobatch.kernels import packed_weight  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
@@ -101,15 +101,7 @@ def eager_matmul_calls(llm: LLM) -> list[tuple[str, int]]:
 
 def replay_kernels(llm: LLM, batch: int, replays: int) -> list[list[dict]]:
     """Each replay's kernels as dicts (name, start and duration in us), in start order."""
-    from torch.profiler import ProfilerActivity, profile
-    g = llm.engine.runner.graphs
-    graph = g.graphs[g.bucket_for(batch)]
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-            torch.cuda.synchronize()
+    prof = profiled_replays(llm, batch, replays)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
