@@ -13,7 +13,8 @@ and the steps at each batch are timed.
 A table is a quant_configs.json (`.`: the package's). Generated variants of the package's table:
 --ring-depths FMT=D,... every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep;
 --gemm-from FMT=N,... every weight of that format with a GEMM plan handing the GEMM the calls of more than N tokens
-(`quant_gemm_crossover`; 0: the GEMV's range too). --switch MODULE.ATTR=V,... runs the package's table once per
+(`quant_gemm_crossover`; 0: the GEMV's range too). FMT:ROWSxCOLS=... in either: only that table entry's weights
+(q4_k:6144x4096=16: q4_K qkv's GEMV up to 16 tokens). --switch MODULE.ATTR=V,... runs the package's table once per
 value of a module-level switch of cobatch.kernels (set before the graphs are captured again, put back after), or
 --switch-table's (`no-gemv`: the one --without-gemv FMT,... writes, the package's table without those formats' GEMV
 plans, itself a variant unless the switches run it).
@@ -70,20 +71,28 @@ def expert_stacks(model) -> list[packed_experts.PackedExperts]:
     return [s for m in moes for s in (m.routed_gate_up, m.routed_down) if s is not None]
 
 
-def ring_depth_table(table: dict, fmt_name: str, depth: int) -> dict:
-    """`table` (quant_configs.json's contents) with every ring GEMM config of fmt_name's shapes `depth` stages deep."""
+def shape_entries(table: dict, fmt_name: str, shape: str | None = None) -> list[dict]:
+    """The entries of fmt_name's shapes in `table`, or only the one of `shape` ("ROWSxCOLS")."""
+    shapes = table["formats"].get(fmt_name, {}).get("shapes", {})
+    return [e for name, e in shapes.items() if shape in (None, name)]
+
+
+def ring_depth_table(table: dict, fmt_name: str, depth: int, shape: str | None = None) -> dict:
+    """`table` (quant_configs.json's contents) with every ring GEMM config of fmt_name's shapes (or of one `shape`)
+    `depth` stages deep."""
     out = json.loads(json.dumps(table))
-    for entry in out["formats"].get(fmt_name, {}).get("shapes", {}).values():
+    for entry in shape_entries(out, fmt_name, shape):
         for key in ("quant_gemm", "quant_gemm_wide"):
             if entry.get(key, {}).get("RING"):
                 entry[key]["RING"] = depth
     return out
 
 
-def gemm_from_table(table: dict, fmt_name: str, crossover: int) -> dict:
-    """`table` with every fmt_name weight that has a GEMM plan handing it the calls of more than `crossover` tokens."""
+def gemm_from_table(table: dict, fmt_name: str, crossover: int, shape: str | None = None) -> dict:
+    """`table` with every fmt_name weight (or the one of `shape`) that has a GEMM plan handing it the calls of more
+    than `crossover` tokens."""
     out = json.loads(json.dumps(table))
-    for entry in out["formats"].get(fmt_name, {}).get("shapes", {}).values():
+    for entry in shape_entries(out, fmt_name, shape):
         if "quant_gemm" in entry:
             entry["quant_gemm_crossover"] = crossover
     return out
@@ -103,14 +112,17 @@ VARIANTS = {"ring": ring_depth_table, "gemm-from": gemm_from_table}
 
 
 def variant_tables(spec: str, into: Path, kind: str = "ring") -> list[str]:
-    """FMT=V,V,...: one table file per value V of variant `kind` (VARIANTS), written into `into`, from the
-    package's table."""
-    fmt_name, values = spec.split("=")
+    """FMT[:ROWSxCOLS]=V,V,...: one table file per value V of variant `kind` (VARIANTS), for every weight of the
+    format or only that shape's, written into `into`, from the package's table."""
+    weights, values = spec.split("=")
+    fmt_name, _, shape = weights.partition(":")
     package = json.loads(Path(PACKAGE_TABLE).read_text())
+    if shape and not shape_entries(package, fmt_name, shape):
+        raise SystemExit(f"plan_ab.py: {fmt_name} has no table entry {shape}")
     paths = []
     for value in (int(v) for v in values.split(",")):
-        path = into / f"{fmt_name}-{kind}{value}.json"
-        path.write_text(json.dumps(VARIANTS[kind](package, fmt_name, value), indent=1))
+        path = into / f"{fmt_name}{'-' + shape if shape else ''}-{kind}{value}.json"
+        path.write_text(json.dumps(VARIANTS[kind](package, fmt_name, value, shape or None), indent=1))
         paths.append(str(path))
     return paths
 
@@ -171,9 +183,11 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tables", default="", help="comma-separated quant_configs.json paths ('.': the package's)")
     ap.add_argument("--ring-depths", action="append", default=[],
-                    help="FMT=D,D,...: the package's table with FMT's ring configs D stages deep, one table per D")
+                    help="FMT[:ROWSxCOLS]=D,D,...: the package's table with FMT's ring configs (or that shape's) D "
+                         "stages deep, one table per D")
     ap.add_argument("--gemm-from", action="append", default=[],
-                    help="FMT=N,N,...: the package's table with FMT's GEMM plans taking calls of more than N tokens")
+                    help="FMT[:ROWSxCOLS]=N,N,...: the package's table with FMT's GEMM plans (or that shape's) "
+                         "taking calls of more than N tokens")
     ap.add_argument("--switch", action="append", default=[],
                     help="MODULE.ATTR=V,V,...: the package's table with cobatch.kernels.MODULE.ATTR set to each V "
                          "(a module-level switch read at launch, e.g. quant_gemm.PAD_X_TO_TILE=0,1)")
