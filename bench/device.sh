@@ -65,7 +65,7 @@ cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^$/p' "$0" | sed -n '/^#/s/^# \{0,1\}//p'; }
 SUITES=" tests kernels gemm gemm-cuda attention decode serve moe moe-experts speculative hf parallel size "
 SUITES+="sampler penalties prefill "
-SUITES+="gemv-configs profile plan-ab ab "
+SUITES+="gemv-configs profile model-plans plan-ab phases ab "
 SUITE=${1:-}
 if [ -z "$SUITE" ] || [ "$SUITE" = help ] || [ "$SUITE" = -h ]; then usage; exit 2; fi
 if [[ $SUITES != *" $SUITE "* ]]; then echo "bench/device.sh: unknown suite '$SUITE'" >&2; usage >&2; exit 2; fi

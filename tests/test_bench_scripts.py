@@ -116,6 +116,9 @@ def test_device_sh_parses_and_lists_its_suites():
     listed = [line.split()[0] for line in usage.stdout.splitlines() if line.startswith("  ") and line[2] != " "]
     script = DEVICE_SH.read_text()
     assert listed and all(f"\n{suite})" in script for suite in listed), listed
+    # and the check that refuses unknown suites accepts it
+    accepted = " ".join(re.findall(r'SUITES\+?="([^"]*)"', script)).split()
+    assert sorted(set(listed) - set(accepted)) == []
 
 
 def test_device_sh_runs_every_test_file_with_gpu_tests():
