@@ -263,11 +263,11 @@ def test_plan_ab_gemm_from_tables_move_only_the_gemm_crossover(tmp_path):
     paths = plan_ab.variant_tables("q8_0=0,4", tmp_path, "gemm-from")
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["q8_0-gemm-from0.json", "q8_0-gemm-from4.json"]
     # one table entry only (the package's: q4_K qkv's and o's both have GEMM plans)
-    path, = plan_ab.variant_tables("q4_k:6144x4096=16", tmp_path, "gemm-from")
-    assert path.rsplit("/", 1)[-1] == "q4_k-6144x4096-gemm-from16.json"
+    path, = plan_ab.variant_tables("q4_k:6144x4096=24", tmp_path, "gemm-from")
+    assert path.rsplit("/", 1)[-1] == "q4_k-6144x4096-gemm-from24.json"
     shapes = json.loads(open(path).read())["formats"]["q4_k"]["shapes"]
     package = json.loads(open(plan_ab.PACKAGE_TABLE).read())["formats"]["q4_k"]["shapes"]
-    assert shapes["6144x4096"]["quant_gemm_crossover"] == 16 != package["6144x4096"]["quant_gemm_crossover"]
+    assert shapes["6144x4096"]["quant_gemm_crossover"] == 24 != package["6144x4096"]["quant_gemm_crossover"]
     others = [k for k in package if k != "6144x4096"]
     assert others and all(shapes[k] == package[k] for k in others)
     with pytest.raises(SystemExit):
