@@ -468,12 +468,10 @@ def test_the_defaults_fill_the_gpu_they_run_on(monkeypatch):
     assert a100.narrow == GemvPlan(matmul_plans.deep_gemv_config(2048, 112, 108)) and a100.narrow.default.split_k == 1
 
 
-def test_routed_experts_walk_k_with_loads_ahead(monkeypatch):
+def test_routed_experts_walk_k_with_loads_ahead():
     """A routed launch drops split-K; its warps then walk every chunk, 4 K steps' loads in flight where they
-    divide (with ROUTED_GEMV_TAILS whatever the steps), and never fewer than the plan's."""
-    from cobatch.kernels import packed_experts
+    divide, and never fewer than the plan's."""
     from cobatch.kernels.packed_experts import without_split_k
-    monkeypatch.setattr(packed_experts, "ROUTED_GEMV_TAILS", False)
     plan = GemvPlan(GemvConfig(W=4, RT=4, split_k=12, U=1), ((1, GemvConfig(W=4, RT=1, split_k=12, U=1)),))
     routed = without_split_k(plan, 48)
     assert [(c.split_k, c.U) for c in routed.configs()] == [(1, 4), (1, 4)]
@@ -487,11 +485,6 @@ def test_routed_experts_walk_k_with_loads_ahead(monkeypatch):
     assert quant_gemv.steps(types.SimpleNamespace(qs=torch.empty(1, 112 * 512)), tailed.default) % 8 == 6
     assert without_split_k(tailed, 112).default.U == 4
     assert without_split_k(GemvPlan(GemvConfig(W=4, RT=1, split_k=1, U=16)), 112).default.U == 4
-    # with ROUTED_GEMV_TAILS the steps past the whole iterations run as the tail: 11 steps a warp 4 ahead, not 1
-    monkeypatch.setattr(packed_experts, "ROUTED_GEMV_TAILS", True)
-    assert without_split_k(GemvPlan(GemvConfig(W=4, RT=4, split_k=11, U=1)), 44).default.U == 4
-    assert without_split_k(tailed, 112).default.U == 8
-    assert without_split_k(timed, 32) == timed
 
 
 def test_gemv_plan_tiers_must_split_k_the_same_way():

@@ -43,10 +43,6 @@ ROUTED_GEMM = os.environ.get("COBATCH_MOE_GEMM", "1") != "0"
 # more MMA work on the expert runs of a prefill chunk (about 190 pairs an expert at 2048 rows of 6 of 64).
 ROUTED_GEMM_MAX_SLOT = 64
 ROUTED_GEMM_RING = os.environ.get("COBATCH_MOE_GEMM_RING", "1") != "0"
-# With ROUTED_GEMV_TAILS (COBATCH_ROUTED_GEMV_TAILS=1) a routed GEMV's warps run their loads up to 4 K steps ahead
-# whatever their step count, the rest running as the GEMV's tail (a warp of 11 steps: 4 ahead, not 1), and keep a
-# plan's U that leaves a tail. Off until the MoE GPU tests and a timed MoE step have run it (without_split_k).
-ROUTED_GEMV_TAILS = os.environ.get("COBATCH_ROUTED_GEMV_TAILS", "0") == "1"
 # The routed GEMM's configs, fastest first, for steps of up to ROUTED_MAX_ROWS rows (decode, captured in graphs)
 # and for bigger ones (prefill chunks), as timed on one DeepSeek-V2-Lite layer (module docstring): a stack takes
 # the first that its shape allows (routed_config). The plain kernel's come last, as they run without a ring.
@@ -100,14 +96,11 @@ def without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.Gemv
     its loads go up to 4 steps ahead (loads_ahead), as many as the plan's or more. A plan already so comes back as
     it is: a table entry for a stack's per-expert shape holds its routed configs as bench/model_gemv_plans.py timed
     them. A U that leaves a tail (the deep default's under matmul_plans.GEMV_TAILS) gives way to the largest power of
-    two up to it that divides the warp's steps, unless ROUTED_GEMV_TAILS: routed launches have not yet run the
-    GEMV's tail in their GPU tests (tests/test_moe.py) nor in a timed step."""
+    two up to it that divides the warp's steps: routed GEMVs running the tail, loads 4 ahead whatever the steps,
+    were level at 1 and 8 rows and 3.5 % slower at 64 (bench/results/moe_routed_gemv_tails_ab.md)."""
     def routed(c: quant_gemv.GemvConfig) -> quant_gemv.GemvConfig:
         steps = n_chunks // c.W
-        if ROUTED_GEMV_TAILS:
-            u = max(c.U, loads_ahead(steps, tail=True))
-        else:   # whole iterations: a U that leaves a tail gives way to the largest power of two up to it dividing them
-            u = max(c.U if steps % c.U == 0 else loads_ahead(steps, most=c.U), loads_ahead(steps))
+        u = max(c.U if steps % c.U == 0 else loads_ahead(steps, most=c.U), loads_ahead(steps))
         return replace(c, split_k=1, U=u)
     return quant_gemv.GemvPlan(routed(plan.default), tuple((bound, routed(c)) for bound, c in plan.upto))
 
