@@ -97,7 +97,7 @@ def without_split_k(plan: quant_gemv.GemvPlan, n_chunks: int) -> quant_gemv.Gemv
     it is: a table entry for a stack's per-expert shape holds its routed configs as bench/model_gemv_plans.py timed
     them. A U that leaves a tail (the deep default's under matmul_plans.GEMV_TAILS) gives way to the largest power of
     two up to it that divides the warp's steps: routed GEMVs running the tail, loads 4 ahead whatever the steps,
-    were level at 1 and 8 rows and 3.5 % slower at 64 (bench/results/moe_routed_gemv_tails_ab.md)."""
+    were level at 1 and 8 rows and 3.6 % slower at 64 (bench/results/moe_routed_gemv_tails_ab.md)."""
     def routed(c: quant_gemv.GemvConfig) -> quant_gemv.GemvConfig:
         steps = n_chunks // c.W
         u = max(c.U if steps % c.U == 0 else loads_ahead(steps, most=c.U), loads_ahead(steps))
