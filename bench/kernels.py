@@ -219,7 +219,7 @@ def narrow_candidates(rows: int, cols: int) -> list[TileConfig]:
 # W, RT, U. RT = 1 with many K steps per iteration tends to win 8-token tiles, RT = 2-4 the 16-token ones.
 # (2, 4, 1) was q8_0 lm_head's config at 91-92 % of copy for 1..8 tokens: keep it a candidate.
 # (4, 4, 2) and (2, 4, 2) with R = 128 won q8_0 gate_up / lm_head by 7-16 points
-# (results/gemv-configs-2026-11-29-u2.md).
+# (results/gemv-configs-2026-11-29-u2.md at 5a66009^).
 GEMV_BASES = [(4, 4, 1), (2, 4, 1), (4, 1, 8), (4, 1, 16), (8, 1, 4), (8, 1, 8), (4, 2, 4), (2, 1, 16), (8, 2, 2),
               (2, 2, 8), (4, 4, 2), (2, 4, 2)]
 GEMV_PREFETCH = [0, 2]                                                                   # D

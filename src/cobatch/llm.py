@@ -535,7 +535,7 @@ def _warm_up(engine: Engine, vocab: int, chunk: int, ctx: int) -> None:
     """Run a multi-chunk prefill next to a decoding session once, at start.
 
     Kernels compile (and buffers grow) on first use of a shape class; without this the first long prompt
-    a server sees stalls every running stream for over a second (H200: 1.35 s, bench/results/serve-*).
+    a server sees stalls every running stream for over a second (H200: 1.35 s, bench/results/serve-* at 5a66009^).
     """
     from cobatch.engine.sampler import SamplingParams
     n_long = min(2 * chunk + 17, ctx - 8)

@@ -6,8 +6,8 @@ runs it in its own thread and talks to it through queues).
 Overlapped steps (`overlap=True`, vLLM's "async scheduling"): while decode step n runs on the device, the
 host plans and launches step n + 1, whose input tokens are step n's, read on the device; only then does
 it wait for step n's tokens and turn them into outputs. The GPU no longer idles while the host plans,
-stages inputs and post-processes (H200, a random Llama-3-8B: bench/results/decode-*-overlap-ab.log). A step is
-planned ahead only where nothing but the input token depends on step n's results: every running sequence
+stages inputs and post-processes (H200, a random Llama-3-8B: bench/results/decode-*-overlap-ab.log at 5a66009^).
+A step is planned ahead only where nothing but the input token depends on step n's results: every running sequence
 decodes, samples without reading its own tokens (no penalties, grammar, bad words or drafts), and nobody
 waits for a free slot. The repetition, presence and frequency penalties and mirostat do not stop it: the sampler
 counts the last token and takes mirostat's state on the device (sampler.reads_host_feedback; COBATCH_PENALTIES_AHEAD=0

@@ -73,7 +73,7 @@ def speculative_flags(args) -> NgramSpec | DraftModelSpec | None:
 # more, and past the GEMV's crossover (32-64 rows) every weight is dequantized for cuBLAS. H200, Llama-3-8B
 # Q4_K_M, one step: 1 row 2.96 ms, 5 rows 3.25, 8 rows 3.08-3.31, 10-16 rows 4.0-4.3, 40 rows 8.7. With
 # drafts all rejected, a cap of 8 rows cost 1-8 % and one of 16 rows 18-28 %; with drafts all kept, 16 rows
-# beat 8 only at B = 4-8 (bench/results/speculative-2026-11-30-cuda*.log). So drafts fill a step up to 8
+# beat 8 only at B = 4-8 (bench/results/speculative-2026-11-30-cuda*.log at 5a66009^). So drafts fill a step up to 8
 # rows there; decode attention plans such steps as one row (kernels/attention.py, invariant_rows), so their
 # rows are bitwise plain decoding's. On the CPU a row costs its compute wherever it is: no cap.
 CUDA_STEP_ROWS = 8

@@ -111,7 +111,8 @@ def _tile_pages(bt_row_ptr, toks, end, PAGE: tl.constexpr):
 
     The decode loop looks up the next tile's pages at the end of each iteration and carries them, and the first
     tile's before waiting for the previous kernel: one DRAM round trip less after the wait (H200: a call of
-    B = 1 x 512 6.6 -> 5.7 us, 1 x 4k 11.6 -> 11.0 us; bench/results/kernels_attention-2026-11-30-pages-ahead.log).
+    B = 1 x 512 6.6 -> 5.7 us, 1 x 4k 11.6 -> 11.0 us;
+    bench/results/kernels_attention-2026-11-30-pages-ahead.log at 5a66009^).
     With the lookup carried, Triton's pipeliner gives K/V num_stages - 1 shared buffers (looked up in their own
     iteration, it gave one at any num_stages); two buffers (77 KB at 64-token tiles, 2 programs per SM) or 32-token
     tiles in 3 stages measured no better. Prefill looks up each tile's pages in its own iteration: carried there,
@@ -210,9 +211,10 @@ class DecodeConfig:
     num_warps: int = 4
     # The next tile's pages are looked up a tile ahead in the loop (_tile_pages), so 2 stages keep the pipeline
     # that 3 stages gave when the lookup was in the tile's own iteration (2026-11-29: the lookup a stage ahead of
-    # the K/V loads, B=8 x 4k 0.75 -> 0.80, kernels_attention-2026-11-29-stages.md): one K/V buffer, 45 KB of
-    # shared memory, 128 registers, 4 programs per SM (one wave of 512). 3 stages would double-buffer K/V in 77 KB
-    # and halve the programs per SM: B=8 x 4k 0.75 -> 0.71 (kernels_attention-2026-11-30-pages-ahead.log).
+    # the K/V loads, B=8 x 4k 0.75 -> 0.80, kernels_attention-2026-11-29-stages.md at 5a66009^): one K/V buffer,
+    # 45 KB of shared memory, 128 registers, 4 programs per SM (one wave of 512). 3 stages would double-buffer K/V
+    # in 77 KB and halve the programs per SM: B=8 x 4k 0.75 -> 0.71 (kernels_attention-2026-11-30-pages-ahead.log
+    # at 5a66009^).
     num_stages: int = 2
     min_split: int = 64          # fewest tokens one program walks (B=1 x 4k: 0.35 -> 0.38 against 128)
     max_splits: int = 64         # the reduce holds all splits of a row in registers
@@ -222,7 +224,8 @@ class DecodeConfig:
     # batch, or beside its speculative drafts (the GEMV is batch-invariant up to 16 rows too). The batch's
     # programs walk several splits each (as many programs as its own plan), yet pay for the extra partials
     # at long contexts: H200, of copy, 8 x 4k 0.84 -> 0.73, 4 x 4k 0.70 -> 0.63; 16 x 4k would be
-    # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md).
+    # 0.93 -> 0.80, so 16 rows keep their own plan (bench/results/kernels_attention-2026-11-30-invariant.md at
+    # 5a66009^).
     invariant_rows: int = 8
     # A row's splits merge in groups of this many (splits 0..G-1, G..2G-1, ...: folded in order, then the groups
     # at once). A group that one program walks whole is folded in its registers and stored as one partial; the
@@ -230,7 +233,7 @@ class DecodeConfig:
     # batch of invariant rows (8 x 4k: 8 splits a program) writes and reads a G-th of the partials. H200, of
     # copy, G = 1 -> 4 / 8: 8 x 4k 0.72 -> 0.76 / 0.78, 4 x 4k 0.62 -> 0.64 / 0.61 (4 splits a program: no
     # group is whole at G = 8, and its reduce folds 8 deep), B = 1 the same
-    # (bench/results/kernels_attention-2026-11-30-split-groups.log). 1: no groups.
+    # (bench/results/kernels_attention-2026-11-30-split-groups.log at 5a66009^). 1: no groups.
     split_group: int = 4
     # ptxas's register cap for 128-wide heads, for 4 programs per SM. Left alone, an fp8 cache's kernel took
     # 160-184 registers (its tiles widened in registers), a windowed or soft-capped one 134-136 since splits
@@ -241,7 +244,8 @@ class DecodeConfig:
     # Programmatic dependent launch (where the device has it): the split kernel reads the sequence lengths
     # while the previous kernel finishes and waits for it before touching q, the caches or the outputs.
     # H200: B=1 x 512 8.5 -> 6.6 us a call, big shapes within 3 %; prefetching the first 64-256 tokens of
-    # K/V into L2 before the wait gained nothing (bench/results/kernels_attention-2026-11-29-pdl-sweep.json).
+    # K/V into L2 before the wait gained nothing (bench/results/kernels_attention-2026-11-29-pdl-sweep.json at
+    # 5a66009^).
     pdl: bool = True
     # An fp8 cache's tiles loaded as 32-bit words and widened a word at a time (_gather_kv_tile's FP8_WORDS);
     # COBATCH_FP8_KV_WORDS=0: loaded as bytes, as before, for comparisons.
@@ -258,7 +262,7 @@ class DecodeConfig:
     # Tried and removed: letting the last split program of a (sequence, KV head) merge the partials instead of
     # launching the reduce kernel. One program merging GROUP heads serially is a tail that the reduce kernel's
     # (seq, head) grid spreads out: B=1 x 4k fell from 34 to 22 % of copy, B=8 x 4k from 74 to 69 %
-    # (bench/results/kernels_attention-2026-11-29-fused-merge.json, variants 0 = fused, 1 = reduce kernel).
+    # (bench/results/kernels_attention-2026-11-29-fused-merge.json at 5a66009^, variants 0 = fused, 1 = reduce kernel).
 
 
 DECODE_CONFIG = DecodeConfig()

@@ -145,7 +145,7 @@ def default_gemv_config(fmt_name: str, n_rows_pad: int, n_chunks: int, sms: int 
     chunks' divisors up to 16 that get there (11 splits for 44 chunks a warp group, where doubling from 1 stopped
     at 1: DeepSeek-V2-Lite's shared down, 32 CTAs); each warp's loads up to 4 K steps ahead (loads_ahead). The
     4-bit formats (the 5-bit ones with them) get a register budget: it won 14 of their 16 plan tiers on the Llama-3-8B
-    shapes, q8_0 and q6_K about half (bench/results/gemv-ab-2026-11-29-xvec-regs.json)."""
+    shapes, q8_0 and q6_K about half (bench/results/gemv-ab-2026-11-29-xvec-regs.json at 5a66009^)."""
     w, rt = 4, 4
     ctas = n_rows_pad // (16 * rt)
     splits = [d for d in range(1, 17) if (n_chunks // w) % d == 0]

@@ -33,7 +33,7 @@ from cobatch.quant.weight import QuantWeight
 
 # Steps of up to this many rows route on the device. Every decode step up to this batch can be captured in
 # a CUDA graph; bigger steps (prefill chunks) run expert by expert, through the dequant GEMM where an expert
-# gets many rows. (Measured on the H200 up to 64: bench/results/moe-decode-2026-11-29-*.)
+# gets many rows. (Measured on the H200 up to 64: bench/results/moe-decode-2026-11-29-* at 5a66009^.)
 ROUTED_MAX_ROWS = 256
 
 

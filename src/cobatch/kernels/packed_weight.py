@@ -130,7 +130,7 @@ class PackedWeight:
         if keep_dense and plan.gemm == DEQUANT_CUBLAS:
             # Past 16 tokens the narrow kernel's time grows per 16-token tile, while cuBLAS on the resident
             # bf16 copy costs about the same from 16 to 64 tokens (H200: B=32 11.3 ms/step narrow vs
-            # B=64 8.7 ms dense, bench/results/decode-2026-11-29-dense.md): hand over at 16.
+            # B=64 8.7 ms dense, bench/results/decode-2026-11-29-dense.md at 5a66009^): hand over at 16.
             plan = MatmulPlan(plan.narrow, plan.gemm, min(plan.crossover, RESIDENT_DENSE_CROSSOVER))
         self = cls(w.fmt.name, w.rows, w.cols, planes=planes, plan=plan, gate_up_interleaved=gate_up_interleaved)
         if device.type == "cuda" or interpreting():

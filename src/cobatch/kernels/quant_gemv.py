@@ -796,7 +796,7 @@ class GemvConfig:
     registers: one 512-byte tile in flight per warp instead of the RT x U the loop issues before its math
     (SASS of q4_1 W=4 RT=4 at 8 tokens: 1 of 4 tile loads ahead of the first mma; 4 of 4 with R = 128).
     More bytes in flight per warp, fewer warps per SM: which wins depends on the shape
-    (bench/results/gemv-ab-2026-11-29-xvec-regs.json), so the plans choose.
+    (bench/results/gemv-ab-2026-11-29-xvec-regs.json at 5a66009^), so the plans choose.
 
     A call of one 8-token tile is launched as a programmatic dependent (GEMV_PDL), its first weight bytes asked
     into L1 before it waits. (Prefetching into L2 instead, in a chain of GEMVs alone, cost 2-15 points of copy:
