@@ -41,7 +41,7 @@ from cobatch.kernels.greedy import (greedy_tokens_ref, greedy_tokens_triton, gum
 from cobatch.kernels import top_k as top_k_module  # noqa: E402
 from cobatch.kernels import top_p as top_p_module  # noqa: E402
 from cobatch.kernels.top_k import top_k_keep_triton  # noqa: E402
-from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_split, top_p_keep_triton  # noqa: E402
+from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ROTATE_BYTES = 256 << 20      # past the H200's 60 MB of L2
@@ -76,7 +76,7 @@ def time_filter(row: dict, ways: dict, inputs: list[torch.Tensor], copy_gbps: fl
         finally:
             kernel_module.WARPS = default
     others = "".join(f"  {key[:-3]} {value:8.1f} us" for key, value in row.items()
-                     if key.startswith(("kernel_w", "split")) and key.endswith("_us"))
+                     if key.startswith("kernel_w") and key.endswith("_us"))
     print(f"  B {row['batch']:3d} {row['pick']:18s} torch {row['torch_us']:8.1f} us  kernel {row['kernel_us']:8.1f} us"
           f"{others}  rows kept otherwise {row['rows_differ']} of {4 * row['batch']}", flush=True)
 
@@ -102,11 +102,10 @@ def kernels_alone(batch: int, inputs: list[torch.Tensor], copy_gbps: float, warp
     top_p = torch.full((batch,), 0.9, device="cuda")
     tempered = [x / 0.7 for x in inputs]
     row = dict(batch=batch, pick="top_p 0.9", logits_bytes=inputs[0].numel() * 4)
-    for name, way in (("rows_differ", top_p_keep_triton), ("split_rows_differ", top_p_keep_split)):
-        row[name] = sum(int((torch.isfinite(way(x, top_p)) != torch.isfinite(top_p_keep_ref(x, top_p))).any(
-            dim=-1).sum()) for x in tempered[:4])
-    time_filter(row, dict(torch=lambda x: top_p_keep_ref(x, top_p), kernel=lambda x: top_p_keep_triton(x, top_p),
-                          split=lambda x: top_p_keep_split(x, top_p)), tempered, copy_gbps, warps, top_p_module)
+    row["rows_differ"] = sum(int((torch.isfinite(top_p_keep_triton(x, top_p)) != torch.isfinite(top_p_keep_ref(
+        x, top_p))).any(dim=-1).sum()) for x in tempered[:4])
+    time_filter(row, dict(torch=lambda x: top_p_keep_ref(x, top_p), kernel=lambda x: top_p_keep_triton(x, top_p)),
+                tempered, copy_gbps, warps, top_p_module)
     rows.append(row)
     rows.append(top_k_alone(batch, [x / 0.8 for x in inputs], copy_gbps, warps))
     return rows

@@ -224,19 +224,6 @@ for fallback in (False, True):
 variants["top_p keep"] = (
     top_p._top_p_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), top_p.WARPS, 2,
     {"scores_ptr": "*fp32", "out_ptr": "*fp32", "p_ptr": "*fp32", "min_p_ptr": "*fp32", "aside_ptr": "*fp32"})
-# the split search (COBATCH_TOP_P_SPLIT): chunk stats, a level of many programs a row, the one-program finish
-SPLIT_POINTERS = {"scores_ptr": "*fp32", "out_ptr": "*fp32", "p_ptr": "*fp32", "min_p_ptr": "*fp32",
-                  "aside_ptr": "*fp32", "stats_ptr": "*fp32", "mass_ptr": "*fp32", "count_ptr": "*i32",
-                  "state_ptr": "*i64"}
-SPLIT_SEARCH = dict(CHUNKS=64, WAYS=top_p.SPLIT_WAYS, LEVELS=top_p.SPLIT_LEVELS, CAP=top_p.CAP,
-                    VALUE_LEVELS=top_p.SPLIT_VALUE_LEVELS)
-variants["top_p split stats"] = (top_p._split_stats_kernel, dict(BLOCK=top_p.SPLIT_BLOCK), top_p.WARPS, 2,
-                                 SPLIT_POINTERS)
-variants["top_p split level"] = (top_p._split_level_kernel, dict(BLOCK=top_p.SPLIT_BLOCK, SUB=256, **SPLIT_SEARCH),
-                                 top_p.WARPS, 2, SPLIT_POINTERS)
-variants["top_p split finish"] = (
-    top_p._split_finish_kernel, dict(BLOCK=top_p.BLOCK, **SPLIT_SEARCH, VALUE_STEPS=top_p.VALUE_STEPS,
-                                     STORE_STATE=False), top_p.WARPS, 2, SPLIT_POINTERS)
 variants["top_k keep"] = (
     top_k._top_k_kernel, dict(BLOCK=top_p.BLOCK, CAP=top_p.CAP, VALUE_STEPS=top_p.VALUE_STEPS), top_k.WARPS, 2,
     {"scores_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": "*i32", "p_ptr": "*fp32", "min_p_ptr": "*fp32",

@@ -1,5 +1,5 @@
-"""Top-p without a sort (kernels/top_p.py): the kernel, its split search and the sort reference against the nucleus
-written out in Python (float64 masses, the tokens by value with the lower id first among equals), on rows made to reach every
+"""Top-p without a sort (kernels/top_p.py): the kernel and the sort reference against the nucleus written out in
+Python (float64 masses, the tokens by value with the lower id first among equals), on rows made to reach every
 part of the kernel's search: a nucleus of one token, of hundreds of ties, of more tokens than the kernel sets
 aside, filtered (-inf) tokens, an empty row. Rows of a few thousand columns run in the Triton interpreter on the
 CPU; Llama-3's vocabulary on CUDA."""
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from cobatch import ops  # noqa: E402
 from cobatch.engine import sampler as sampler_module  # noqa: E402
 from cobatch.engine.sampler import Sampler, SampleRow, SamplingParams  # noqa: E402
-from cobatch.kernels.top_p import BLOCK, CAP, top_p_keep_ref, top_p_keep_split, top_p_keep_triton  # noqa: E402
+from cobatch.kernels.top_p import BLOCK, CAP, top_p_keep_ref, top_p_keep_triton  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
 from kernel_checks import DEVICE  # noqa: E402
 
@@ -69,7 +69,7 @@ def crafted_rows(n_cols: int, seed: int) -> tuple[torch.Tensor, list[float]]:
 def test_top_p_keeps_the_nucleus_of_its_definition(n_cols):
     scores, ps = crafted_rows(n_cols, seed=n_cols)
     top_p = torch.tensor(ps)
-    for way in (top_p_keep_ref, top_p_keep_triton, top_p_keep_split):
+    for way in (top_p_keep_ref, top_p_keep_triton):
         kept = way(scores.to(DEVICE), top_p.to(DEVICE)).cpu()
         for row, p in enumerate(ps):
             want = nucleus(scores[row].tolist(), p)
@@ -80,42 +80,12 @@ def test_top_p_keeps_the_nucleus_of_its_definition(n_cols):
         assert len(nucleus(scores[4].tolist(), 0.99)) > CAP      # the search's last interval was too wide to set aside
 
 
-def float_keys(row: torch.Tensor) -> torch.Tensor:
-    """float32 values -> int64 keys in their order, as kernels/top_p.float_key maps them (-0.0 as 0.0)."""
-    bits = torch.where(row == 0, torch.zeros_like(row), row).view(torch.int32).to(torch.int64)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def test_the_split_search_levels_narrow_the_interval_around_the_cut():
-    """The split search with 1024 columns a program (a row in 6 chunks, the levels' sums added across them), on
-    rows whose search starts wider than the finish sets aside: each row keeps its nucleus, and where the levels
-    leave it the interval holds the tokens they counted, the mass at or above lo reaches p and the mass at or above
-    hi does not (float64), and, but for the rows whose nucleus alone is wider, at most CAP tokens."""
-    scores, ps = crafted_rows(CAP + 1900, seed=3)
-    state = torch.zeros(len(ps), 3, dtype=torch.int64, device=DEVICE)
-    kept = top_p_keep_split(scores.to(DEVICE), torch.tensor(ps).to(DEVICE), block=1024, state=state).cpu()
-    narrowed = 0
-    for row, p in enumerate(ps):
-        want = nucleus(scores[row].tolist(), p)
-        got = set(torch.nonzero(torch.isfinite(kept[row])).flatten().tolist())
-        assert got == want, (row, len(got), len(want))
-        lo, hi, inside = state[row].tolist()
-        if not torch.isfinite(scores[row]).any():
-            continue
-        keys = float_keys(scores[row])
-        assert inside == int(((keys >= lo) & (keys < hi)).sum()), row
-        probs = torch.softmax(scores[row].double(), dim=-1)
-        assert float(probs[keys >= lo].sum()) >= p > float(probs[keys >= hi].sum()), row
-        narrowed += inside <= CAP
-    assert narrowed == len(ps) - 2        # all but the empty row and the row of one value
-
-
 def test_top_p_then_min_p():
     """min-p in the output pass: of the nucleus, the tokens whose probability is at least min_p times the
     largest's."""
     scores, ps = crafted_rows(BLOCK + 1, seed=5)
     min_ps = [(0.05, 0.2, 0.0)[row % 3] for row in range(len(ps))]
-    for way in (top_p_keep_ref, top_p_keep_triton, top_p_keep_split):
+    for way in (top_p_keep_ref, top_p_keep_triton):
         kept = way(scores.to(DEVICE), torch.tensor(ps).to(DEVICE), torch.tensor(min_ps).to(DEVICE)).cpu()
         for row, p in enumerate(ps):
             row_values = scores[row].tolist()
@@ -131,11 +101,10 @@ def test_top_p_then_min_p():
 def test_a_rows_nucleus_does_not_depend_on_the_other_rows():
     scores, ps = crafted_rows(BLOCK + 300, seed=7)
     scores, top_p = scores.to(DEVICE), torch.tensor(ps, device=DEVICE)
-    for way in (top_p_keep_triton, top_p_keep_split):
-        together = way(scores, top_p)
-        for row in range(len(ps)):
-            alone = way(scores[row:row + 1], top_p[row:row + 1])
-            assert torch.equal(alone[0], together[row]), (way.__name__, row)
+    together = top_p_keep_triton(scores, top_p)
+    for row in range(len(ps)):
+        alone = top_p_keep_triton(scores[row:row + 1], top_p[row:row + 1])
+        assert torch.equal(alone[0], together[row]), row
 
 
 def test_top_p_reads_row_strides():
@@ -150,21 +119,6 @@ def test_top_p_reads_row_strides():
 def test_ops_top_p_keep_on_the_cpu_is_the_reference():
     scores, ps = crafted_rows(50, seed=9)
     assert torch.equal(ops.top_p_keep(scores, torch.tensor(ps)), top_p_keep_ref(scores, torch.tensor(ps)))
-
-
-def test_ops_top_p_keep_takes_the_split_search_under_its_switch(monkeypatch):
-    """COBATCH_TOP_P_SPLIT=1 (ops.TOP_P_SPLIT) sends the kernels' rows through the split search; off, through the
-    one-program kernel."""
-    scores, ps = crafted_rows(BLOCK + 1, seed=10)
-    top_p = torch.tensor(ps)
-    monkeypatch.setattr(ops, "_triton", lambda scores: True)
-    called = []
-    for switch, way in ((True, "top_p_keep_split"), (False, "top_p_keep_triton")):
-        monkeypatch.setattr(ops, "TOP_P_SPLIT", switch)
-        monkeypatch.setattr(ops, way, lambda *args, way=way, real=getattr(ops, way): called.append(way) or real(*args))
-        kept = ops.top_p_keep(scores.to(DEVICE), top_p.to(DEVICE)).cpu()
-        assert set(torch.nonzero(torch.isfinite(kept[0])).flatten().tolist()) == nucleus(scores[0].tolist(), ps[0])
-    assert called == ["top_p_keep_split", "top_p_keep_triton"]
 
 
 def test_the_sampler_filters_top_p_alone_through_ops_top_p_keep(monkeypatch):
@@ -202,15 +156,14 @@ def agrees_up_to_rounding(got: set[int], want: set[int], row: torch.Tensor, p: f
 
 
 @requires_cuda
-@pytest.mark.parametrize("way", [top_p_keep_triton, top_p_keep_split])
-def test_top_p_kernel_on_llama3s_vocabulary(way):
+def test_top_p_kernel_on_llama3s_vocabulary():
     g = torch.Generator().manual_seed(11)
     scores = torch.randn(64, 128256, generator=g) * 3 / 0.7
     scores[8:16] = torch.randn(8, 128256, generator=g) * 0.05                  # nuclei of more than CAP tokens
     scores[16:24, :1000] += 12.0                                              # a peaked head
     ps = ([0.5, 0.8, 0.9, 0.95, 0.99, 0.3] * 11)[:64]
     top_p = torch.tensor(ps, device="cuda")
-    got = way(scores.cuda(), top_p).cpu()
+    got = top_p_keep_triton(scores.cuda(), top_p).cpu()
     want = top_p_keep_ref(scores.cuda(), top_p).cpu()
     for row in range(64):
         kept = set(torch.nonzero(torch.isfinite(got[row])).flatten().tolist())

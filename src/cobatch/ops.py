@@ -27,7 +27,7 @@ from cobatch.kernels.norm import rms_norm_ref, rms_norm_triton
 from cobatch.kernels.operand_order import NATURAL, operand_buffer, ordered_ref
 from cobatch.kernels.rope import fuses_qk_norm, rope_ref, rope_triton
 from cobatch.kernels.top_k import top_k_keep_ref, top_k_keep_triton
-from cobatch.kernels.top_p import TOP_P_SPLIT, top_p_keep_ref, top_p_keep_split, top_p_keep_triton
+from cobatch.kernels.top_p import top_p_keep_ref, top_p_keep_triton
 
 _FORCE_TORCH = os.environ.get("COBATCH_TORCH_OPS") == "1"
 
@@ -64,7 +64,7 @@ def top_p_keep(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | 
     value, lowest ids first among equals, whose mass reaches p: float32 [R], each < 1) at -inf; then min-p's
     (float32 [R], 0: none: probability below min_p times the largest's)."""
     if _triton(scores) and scores.stride(-1) == 1:
-        return (top_p_keep_split if TOP_P_SPLIT else top_p_keep_triton)(scores, top_p, min_p)
+        return top_p_keep_triton(scores, top_p, min_p)
     return top_p_keep_ref(scores, top_p, min_p)
 
 

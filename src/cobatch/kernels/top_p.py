@@ -14,33 +14,20 @@ the row's cut value instead, one program a row:
 The search runs over the floats' order as 32-bit integer keys, so it ends on a value of the row, exactly. The masses
 are summed in another order than the sort's running sum, so a row whose mass lands on p within rounding may keep
 one token more or less than the reference; a row's result depends on its own values alone (one program a row).
-
-The split search (`top_p_keep_split`, below) runs the same search with the row's passes spread over a program per
-chunk of columns: a few levels, each sizing the interval's mass at 16 thresholds at once, then the same finish.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from cobatch.kernels.triton_support import jit, next_pow2, tl
+from cobatch.kernels.triton_support import jit, tl
 
 BLOCK = 2048          # columns a program loads at once
 CAP = 4096            # tokens of the search's last interval copied aside and searched in registers
 VALUE_STEPS = 8       # halving passes that split the interval's values before they split its keys (always progress)
 WARPS = 8             # a program's warps (bench/sampler.py --warps times others)
-# The split search (top_p_keep_split): a row's halvings as levels of many programs a row, each program sizing its
-# SPLIT_BLOCK columns' mass and count above SPLIT_WAYS thresholds of the interval at once, so one program no longer
-# walks the whole row a dozen times (docs/kernels.md, *The sampler's kernels*). Not yet timed on a GPU: off unless
-# COBATCH_TOP_P_SPLIT=1.
-TOP_P_SPLIT = os.environ.get("COBATCH_TOP_P_SPLIT", "0") == "1"
-SPLIT_BLOCK = 2048    # columns a program of a level owns
-SPLIT_WAYS = 16       # thresholds a level sizes: the interval shrinks to about a sixteenth each level
-SPLIT_LEVELS = 3      # levels before the one-program finish (which halves on where they leave a wide interval)
-SPLIT_VALUE_LEVELS = 2   # levels that space their thresholds by value before they space them by key
 
 
 def top_p_keep_ref(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,24 +144,34 @@ def store_kept(src, dst, n_cols, cut, ties_kept, m, min_p, BLOCK: tl.constexpr):
 
 
 @jit
-def search_start(m_row, m, z, p, n_cols):
-    """The search's target mass p Z and first interval [lo, hi) (int64 keys) from the row's max m_row (m: it, or 0
-    for an empty row) and mass z: lo's tokens and those above hold >= target (the bound L, less a margin of 1
-    against rounding), hi's hold nothing."""
-    target = p * z
-    lo = float_key(m + tl.log((1.0 - p) * tl.where(m_row == -float("inf"), 1.0, z) / n_cols) - 1.0).to(tl.int64)
-    hi = float_key(m_row).to(tl.int64) + 1
-    return target, tl.minimum(lo, hi - 1), hi
-
-
-@jit
-def finish_row(src, dst, aside, n_cols, lo, hi, mass_hi, n_inside, step, m, target, empty, min_p,
-               BLOCK: tl.constexpr, CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
-    """From a search interval [lo, hi) (int64 keys: lo's tokens and those above hold >= target, the n_inside inside
-    it and mass_hi above it): halving passes over the row until at most CAP tokens lie inside, the end in
-    registers over them set aside, then the output pass (store_kept)."""
+def _top_p_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
+                  CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
+    row = tl.program_id(0)
+    src, dst, aside = row_pointers(scores_ptr, out_ptr, aside_ptr, n_cols, stride_row, CAP)
     cols = tl.arange(0, BLOCK)
     neg_inf = -float("inf")
+
+    m_vec = tl.full([BLOCK], neg_inf, tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        m_vec = tl.maximum(m_vec, tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf))
+    m_row = tl.max(m_vec, 0)
+    empty = m_row == neg_inf                           # every token already -inf: the row passes through
+    m = tl.where(empty, 0.0, m_row)
+    z_vec = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        z_vec += tl.exp(tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf) - m)
+    z = tl.sum(z_vec, 0)
+    p = tl.load(p_ptr + row)
+    target = p * z
+
+    # lo: a key whose tokens at or above hold >= target; hi: one whose hold less (mass_hi); n_inside: tokens in
+    # [lo, hi). The margin (- 1) keeps lo's side of the bound against rounding.
+    lo = float_key(m + tl.log((1.0 - p) * tl.where(empty, 1.0, z) / n_cols) - 1.0).to(tl.int64)
+    hi = float_key(m_row).to(tl.int64) + 1
+    lo = tl.minimum(lo, hi - 1)
+    mass_hi = z * 0.0
+    n_inside = n_cols + 0 * row
+    step = 0 * row
     while (hi - lo > 1) & (n_inside > CAP):
         mid = search_midpoint(lo, hi, step, VALUE_STEPS)
         hi32, mid32 = tl.minimum(hi, 2147483647).to(tl.int32), mid.to(tl.int32)
@@ -206,30 +203,7 @@ def finish_row(src, dst, aside, n_cols, lo, hi, mass_hi, n_inside, step, m, targ
     cut_mass = tl.where(empty, 1.0, tl.exp(key_float(lo) - m))
     ties_kept = tl.minimum(tl.ceil((target - mass_hi) / cut_mass), 1073741824.0)
     ties_kept = tl.maximum(ties_kept, 1.0).to(tl.int32)
-    store_kept(src, dst, n_cols, cut, ties_kept, m, min_p, BLOCK)
-
-
-@jit
-def _top_p_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, n_cols, stride_row, BLOCK: tl.constexpr,
-                  CAP: tl.constexpr, VALUE_STEPS: tl.constexpr):
-    row = tl.program_id(0)
-    src, dst, aside = row_pointers(scores_ptr, out_ptr, aside_ptr, n_cols, stride_row, CAP)
-    cols = tl.arange(0, BLOCK)
-    neg_inf = -float("inf")
-
-    m_vec = tl.full([BLOCK], neg_inf, tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        m_vec = tl.maximum(m_vec, tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf))
-    m_row = tl.max(m_vec, 0)
-    empty = m_row == neg_inf                           # every token already -inf: the row passes through
-    m = tl.where(empty, 0.0, m_row)
-    z_vec = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        z_vec += tl.exp(tl.load(src + start + cols, mask=start + cols < n_cols, other=neg_inf) - m)
-    z = tl.sum(z_vec, 0)
-    target, lo, hi = search_start(m_row, m, z, tl.load(p_ptr + row), n_cols)
-    finish_row(src, dst, aside, n_cols, lo, hi, z * 0.0, n_cols + 0 * row, 0 * row, m, target, empty,
-               tl.load(min_p_ptr + row), BLOCK, CAP, VALUE_STEPS)
+    store_kept(src, dst, n_cols, cut, ties_kept, m, tl.load(min_p_ptr + row), BLOCK)
 
 
 def top_p_keep_triton(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,149 +224,3 @@ def min_p_values(min_p: torch.Tensor | None, rows: int, scores: torch.Tensor) ->
     if min_p is None:
         return torch.zeros(rows, dtype=torch.float32, device=scores.device)
     return min_p.to(scores.device, torch.float32).contiguous()
-
-
-# --- the split search -----------------------------------------------------------------------------------------
-
-
-@jit
-def split_thresholds(lo, hi, level, WAYS: tl.constexpr, VALUE_LEVELS: tl.constexpr):
-    """A level's WAYS ascending int64 keys in [lo, hi), the first lo: spaced by value for the first VALUE_LEVELS
-    levels where the middle one lies strictly inside (so the interval shrinks), else by key (hi - lo >= 2)."""
-    t = tl.arange(0, WAYS).to(tl.int64)
-    flo = key_float(lo)
-    by_value = float_key(flo + (key_float(hi) - flo) * (t.to(tl.float32) / WAYS)).to(tl.int64)
-    by_value = tl.minimum(tl.maximum(by_value, lo), hi - 1)
-    middle = tl.sum(tl.where(t == WAYS // 2, by_value, 0), 0)
-    by_key = lo + (hi - lo) * t // WAYS
-    use_value = (level < VALUE_LEVELS) & (middle > lo)
-    return tl.where(t == 0, lo, tl.where(use_value, by_value, by_key))
-
-
-@jit
-def split_search_state(row, p_ptr, stats_ptr, mass_ptr, count_ptr, n_cols, n_chunks, levels,
-                       CHUNKS: tl.constexpr, WAYS: tl.constexpr, LEVELS: tl.constexpr, CAP: tl.constexpr,
-                       VALUE_LEVELS: tl.constexpr):
-    """The row's search after its first `levels` levels, from the chunks' stats and the levels' partial sums (every
-    program of a row derives the same, in the same order): (lo, hi, mass_hi, n_inside) as finish_row takes them,
-    then m (the row's max, 0 for an empty row), the target mass and whether the row is empty."""
-    c = tl.arange(0, CHUNKS)
-    in_row = c < n_chunks
-    stats = stats_ptr + row.to(tl.int64) * n_chunks * 2
-    chunk_max = tl.load(stats + 2 * c, mask=in_row, other=-float("inf"))
-    chunk_sum = tl.load(stats + 2 * c + 1, mask=in_row, other=0.0)
-    m_row = tl.max(chunk_max, 0)
-    empty = m_row == -float("inf")
-    m = tl.where(empty, 0.0, m_row)
-    z = tl.sum(chunk_sum * tl.exp(chunk_max - m), 0)
-    target, lo, hi = search_start(m_row, m, z, tl.load(p_ptr + row), n_cols)
-    mass_hi = z * 0.0
-    n_inside = n_cols + 0 * row
-    t = tl.arange(0, WAYS)
-    parts = (row.to(tl.int64) * LEVELS * n_chunks + c[:, None]) * WAYS + t[None, :]
-    for level in range(levels):
-        active = (hi - lo > 1) & (n_inside > CAP)
-        thresholds = split_thresholds(lo, hi, level, WAYS, VALUE_LEVELS)
-        at = parts + level * n_chunks * WAYS
-        mass_ge = mass_hi + tl.sum(tl.load(mass_ptr + at, mask=in_row[:, None] & active, other=0.0), 0)
-        count_ge = tl.sum(tl.load(count_ptr + at, mask=in_row[:, None] & active, other=0), 0)
-        # the last threshold whose tokens at or above it (and below hi) hold the target; lo's always do
-        last = tl.max(tl.where((mass_ge >= target) & (t > 0), t, 0), 0)
-        top = last == WAYS - 1
-        next_lo = tl.sum(tl.where(t == last, thresholds, 0), 0)
-        next_hi = tl.where(top, hi, tl.sum(tl.where(t == last + 1, thresholds, 0), 0))
-        next_mass_hi = tl.where(top, mass_hi, tl.sum(tl.where(t == last + 1, mass_ge, 0.0), 0))
-        next_n = tl.sum(tl.where(t == last, count_ge, 0), 0) - tl.sum(tl.where(t == last + 1, count_ge, 0), 0)
-        lo = tl.where(active, next_lo, lo)
-        hi = tl.where(active, next_hi, hi)
-        mass_hi = tl.where(active, next_mass_hi, mass_hi)
-        n_inside = tl.where(active, next_n, n_inside)
-    return lo, hi, mass_hi, n_inside, m, target, empty
-
-
-@jit
-def _split_stats_kernel(scores_ptr, stats_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr):
-    """A chunk's max c and sum of exp(x - c) (0 where the chunk is all -inf)."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=-float("inf"))
-    chunk_max = tl.max(x, 0)
-    chunk_sum = tl.sum(tl.exp(x - tl.where(chunk_max == -float("inf"), 0.0, chunk_max)), 0)
-    stats = stats_ptr + (row.to(tl.int64) * n_chunks + chunk) * 2
-    tl.store(stats, chunk_max)
-    tl.store(stats + 1, chunk_sum)
-
-
-@jit
-def _split_level_kernel(scores_ptr, p_ptr, stats_ptr, mass_ptr, count_ptr, n_cols, stride_row, n_chunks, level,
-                        BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNKS: tl.constexpr, WAYS: tl.constexpr,
-                        LEVELS: tl.constexpr, CAP: tl.constexpr, VALUE_LEVELS: tl.constexpr):
-    """One level: this program's chunk's mass and count at or above each threshold of the row's interval (below
-    hi), stored apart for the next levels and the finish to add in chunk order."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    lo, hi, mass_hi, n_inside, m, target, empty = split_search_state(
-        row, p_ptr, stats_ptr, mass_ptr, count_ptr, n_cols, n_chunks, level, CHUNKS, WAYS, LEVELS, CAP, VALUE_LEVELS)
-    if (hi - lo > 1) & (n_inside > CAP):
-        thresholds = split_thresholds(lo, hi, level, WAYS, VALUE_LEVELS).to(tl.int32)
-        hi32 = tl.minimum(hi, 2147483647).to(tl.int32)
-        mass = tl.zeros([WAYS], tl.float32)
-        count = tl.zeros([WAYS], tl.int32)
-        for start in tl.static_range(0, BLOCK, SUB):
-            cols = chunk * BLOCK + start + tl.arange(0, SUB)
-            x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=-float("inf"))
-            key = float_key(x)
-            above = (key[:, None] >= thresholds[None, :]) & (key < hi32)[:, None]
-            mass += tl.sum(tl.where(above, tl.exp(x - m)[:, None], 0.0), 0)
-            count += tl.sum(above.to(tl.int32), 0)
-        at = ((row.to(tl.int64) * LEVELS + level) * n_chunks + chunk) * WAYS + tl.arange(0, WAYS)
-        tl.store(mass_ptr + at, mass)
-        tl.store(count_ptr + at, count)
-
-
-@jit
-def _split_finish_kernel(scores_ptr, out_ptr, p_ptr, min_p_ptr, aside_ptr, stats_ptr, mass_ptr, count_ptr,
-                         state_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                         WAYS: tl.constexpr, LEVELS: tl.constexpr, CAP: tl.constexpr, VALUE_LEVELS: tl.constexpr,
-                         VALUE_STEPS: tl.constexpr, STORE_STATE: tl.constexpr):
-    row = tl.program_id(0)
-    src, dst, aside = row_pointers(scores_ptr, out_ptr, aside_ptr, n_cols, stride_row, CAP)
-    lo, hi, mass_hi, n_inside, m, target, empty = split_search_state(
-        row, p_ptr, stats_ptr, mass_ptr, count_ptr, n_cols, n_chunks, LEVELS, CHUNKS, WAYS, LEVELS, CAP,
-        VALUE_LEVELS)
-    if STORE_STATE:      # where the levels left the search (tests)
-        tl.store(state_ptr + 3 * row, lo)
-        tl.store(state_ptr + 3 * row + 1, hi)
-        tl.store(state_ptr + 3 * row + 2, n_inside.to(tl.int64))
-    finish_row(src, dst, aside, n_cols, lo, hi, mass_hi, n_inside, 0 * row, m, target, empty,
-               tl.load(min_p_ptr + row), BLOCK, CAP, VALUE_STEPS)
-
-
-def top_p_keep_split(scores: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None,
-                     block: int = SPLIT_BLOCK, state: torch.Tensor | None = None) -> torch.Tensor:
-    """top_p_keep_triton's result by the split search: SPLIT_LEVELS levels of a program per `block` columns of a
-    row narrow its interval, then one program a row ends as top_p_keep_triton's does. A row's result depends on
-    its own values alone (its chunks' sums added in chunk order), not on the other rows. `state` (int64 [R, 3]),
-    if given, receives each row's interval after the levels: its keys lo and hi (float_key) and the tokens in it."""
-    rows, vocab = scores.shape
-    out = torch.empty_like(scores)
-    if not rows:
-        return out
-    n_chunks = -(-vocab // block)
-    device = scores.device
-    stats = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=device)
-    mass = torch.empty(rows, SPLIT_LEVELS, n_chunks, SPLIT_WAYS, dtype=torch.float32, device=device)
-    count = torch.empty(rows, SPLIT_LEVELS, n_chunks, SPLIT_WAYS, dtype=torch.int32, device=device)
-    aside = torch.empty(rows, CAP, dtype=torch.float32, device=device)
-    p = top_p.to(torch.float32).contiguous()
-    search = dict(CHUNKS=next_pow2(n_chunks), WAYS=SPLIT_WAYS, LEVELS=SPLIT_LEVELS, CAP=CAP,
-                  VALUE_LEVELS=SPLIT_VALUE_LEVELS)
-    _split_stats_kernel[(rows, n_chunks)](scores, stats, vocab, scores.stride(0), n_chunks, BLOCK=block,
-                                          num_warps=WARPS)
-    for level in range(SPLIT_LEVELS):
-        _split_level_kernel[(rows, n_chunks)](scores, p, stats, mass, count, vocab, scores.stride(0), n_chunks,
-                                              level, BLOCK=block, SUB=min(block, 256), **search, num_warps=WARPS)
-    _split_finish_kernel[(rows,)](scores, out, p, min_p_values(min_p, rows, scores), aside, stats, mass, count,
-                                  stats if state is None else state, vocab, scores.stride(0), n_chunks, BLOCK=BLOCK,
-                                  **search, VALUE_STEPS=VALUE_STEPS, STORE_STATE=state is not None,
-                                  num_warps=WARPS)
-    return out
