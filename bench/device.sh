@@ -47,7 +47,7 @@
 #                            cut to LAYERS): whole decode steps under each plan table (comma-separated
 #                            quant_configs.json paths, `.` the package's), the model loaded once, the tables
 #                            alternating (ARGS: --batches, --rounds, --context; --ring-depths, --gemm-from,
-#                            --without-gemv and --switch add generated variants: bench/plan_ab.py)
+#                            --without-gemv, --switch and --knockout add generated variants: bench/plan_ab.py)
 #   phases [ARGS]            bench/step_phases.py on MODEL (default a random file of SHAPE, default llama3-8b, in QUANT,
 #                            cut to LAYERS): one graph replay's kernels by phase (each matrix, attention, norms),
 #                            GB/s and idle time, and a middle layer's kernels in order (ARGS: --batches, --context)

@@ -9,6 +9,7 @@ and the steps at each batch are timed.
     python bench/plan_ab.py --model M.gguf --switch quant_gemm.PAD_X_TO_TILE=0,1 --batches 40,64,96,128
     python bench/plan_ab.py --model M.gguf --tables . --without-gemv q8_0 --switch-table no-gemv \
         --switch matmul_plans.DEEP_GEMV_DEFAULT=0,1 --batches 1,8,16
+    python bench/plan_ab.py --model M.gguf --tables . --knockout norms,reduce,attention --batches 1,8,16,64
 
 A table is a quant_configs.json (`.`: the package's). Generated variants of the package's table:
 --ring-depths FMT=D,... every ring config of that format's plans (`quant_gemm`, `quant_gemm_wide`) D stages deep;
@@ -18,6 +19,9 @@ A table is a quant_configs.json (`.`: the package's). Generated variants of the 
 value of a module-level switch of cobatch.kernels (set before the graphs are captured again, put back after), or
 --switch-table's (`no-gemv`: the one --without-gemv FMT,... writes, the package's table without those formats' GEMV
 plans, itself a variant unless the switches run it).
+--knockout NAME,... runs the package's table with a kind of kernel left out of the captured steps (KNOCKOUTS:
+the RMSNorms, decode attention's reduce, or decode attention whole), the most that making it free could give. Those
+steps compute nothing meaningful (greedy sampling takes any scores), so they are timings only.
 Why a benchmark of its own: a plan can pay in whole steps and not in its kernel alone (a deeper GEMM ring copies
 more weights before its griddepcontrol.wait, under the kernel before: docs/kernels.md), and `bench/device.sh ab`
 loads the model once a side and round (30-50 s each on Llama-3-8B), where a variant here costs a graph capture
@@ -47,6 +51,7 @@ from moe_decode import dense_bytes  # noqa: E402
 
 from cobatch.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from cobatch.kernels import matmul_plans, packed_experts, packed_weight  # noqa: E402
+from cobatch.kernels.operand_order import NATURAL, operand_buffer  # noqa: E402
 from cobatch.llm import LLM, EngineOptions  # noqa: E402
 
 PACKAGE_TABLE = str(matmul_plans.CONFIG_PATH)
@@ -160,6 +165,54 @@ def switched(switch: tuple[str, str, object] | None):
         setattr(mod, attr, before)
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: kernel[grid](...) launches nothing."""
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _no_norm(x, weight, eps, residual=None, inplace_residual=False, out_dtype=None, out_order=NATURAL):
+    """ops.rms_norm with no kernel: the normed rows' buffer as the op would hand it on, unwritten, and the residual
+    stream as it was."""
+    if out_order != NATURAL or out_dtype not in (None, x.dtype):
+        out = operand_buffer(x.numel() // x.shape[-1], x.shape[-1], out_dtype or x.dtype, x.device, out_order)
+        x_normed = out.view(x.shape)
+    else:
+        x_normed = x
+    return x_normed, x if residual is None else residual
+
+
+def _no_attention(q, k, v, positions, cos_sin, neox, k_caches, v_caches, meta, scale, window=0, softcap=0.0,
+                  out_dtype=None, qk_norm=None, out_order=NATURAL):
+    """ops.rope_attention with no kernel (no rope, no cache write, no attention): its output buffer, unwritten."""
+    n, heads, dim = q.shape
+    return operand_buffer(n, heads * dim, out_dtype or q.dtype, q.device, out_order).view(q.shape)
+
+
+# --knockout's kinds of kernel: (module, attribute, stand-in) each
+KNOCKOUTS = {
+    "norms": [("cobatch.ops", "rms_norm", _no_norm)],
+    "reduce": [("cobatch.kernels.attention", "_decode_reduce_kernel", _NoLaunch()),
+               ("cobatch.kernels.mla_attention", "_decode_reduce_kernel", _NoLaunch())],
+    "attention": [("cobatch.ops", "rope_attention", _no_attention)],
+}
+
+
+@contextlib.contextmanager
+def knocked_out(name: str | None):
+    """KNOCKOUTS[name]'s stand-ins in place while the block runs (the graphs captured in it launch none of those
+    kernels), then the real ones back."""
+    patches = KNOCKOUTS[name] if name else []
+    before = [getattr(importlib.import_module(m), a) for m, a, _ in patches]
+    for m, a, stand_in in patches:
+        setattr(importlib.import_module(m), a, stand_in)
+    try:
+        yield
+    finally:
+        for (m, a, _), real in zip(patches, before):
+            setattr(importlib.import_module(m), a, real)
+
+
 def use_table(llm: LLM, weights: list[packed_weight.PackedWeight], table: str) -> None:
     """Every weight's plan from `table` (as LLM.load would choose it with COBATCH_QUANT_CONFIGS=table), its
     scratch reserved, and the decode graphs captured again with them (same rows and context as before)."""
@@ -196,6 +249,9 @@ def main() -> None:
     ap.add_argument("--without-gemv", default="",
                     help="FMT,FMT,...: a variant, the package's table without those formats' GEMV plans (their weights "
                          "on the default GEMV plan)")
+    ap.add_argument("--knockout", default="",
+                    help=f"NAME,...: the package's table with one kind of kernel left out per NAME "
+                         f"({', '.join(KNOCKOUTS)}): timings only")
     ap.add_argument("--batches", default="32,64,128")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
@@ -226,8 +282,13 @@ def main() -> None:
     for spec in args.switch:
         variants += [(f"{module}.{attr}={value}", switch_table, (module, attr, value))
                      for module, attr, value in parse_switch(spec)]
+    knockouts = [k for k in args.knockout.split(",") if k]
+    unknown = [k for k in knockouts if k not in KNOCKOUTS]
+    if unknown:
+        raise SystemExit(f"plan_ab.py: no knockout {', '.join(unknown)} (one of {', '.join(KNOCKOUTS)})")
+    variants += [(f"without {k}", PACKAGE_TABLE, ("knockout", k)) for k in knockouts]
     if not variants:
-        raise SystemExit("plan_ab.py: give --tables, --ring-depths, --gemm-from or --switch")
+        raise SystemExit("plan_ab.py: give --tables, --ring-depths, --gemm-from, --switch or --knockout")
     batches = [int(b) for b in args.batches.split(",")]
     max_batch, ctx = max(batches), args.context + 128
     copy_bps = copy_bandwidth()
@@ -244,7 +305,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name, table, switch in variants:
             t1 = time.perf_counter()
-            with switched(switch):
+            knockout = switch[1] if switch and switch[0] == "knockout" else None
+            with switched(None if knockout else switch), knocked_out(knockout):
                 use_table(llm, weights, table)
                 for b in batches:
                     place_sessions(llm, b, args.context)
