@@ -21,7 +21,7 @@ value of a module-level switch of cobatch.kernels (set before the graphs are cap
 plans, itself a variant unless the switches run it).
 --knockout NAME,... runs the package's table with a kind of kernel left out of the captured steps (KNOCKOUTS:
 the RMSNorms, decode attention's reduce, or decode attention whole), the most that making it free could give. Those
-steps compute nothing meaningful (greedy sampling takes any scores), so they are timings only.
+steps compute nothing meaningful (greedy sampling takes any scores), so they are timings only, of dense models.
 Why a benchmark of its own: a plan can pay in whole steps and not in its kernel alone (a deeper GEMM ring copies
 more weights before its griddepcontrol.wait, under the kernel before: docs/kernels.md), and `bench/device.sh ab`
 loads the model once a side and round (30-50 s each on Llama-3-8B), where a variant here costs a graph capture
@@ -297,6 +297,10 @@ def main() -> None:
                                              kv_cache_gb=args.kv_cache_gb, quiet=True))
     print(f"loaded {Path(args.model).name} in {time.perf_counter() - t0:.0f} s; copy {copy_bps / 1e9:.0f} GB/s",
           flush=True)
+    if knockouts and llm.config.n_experts:
+        # the router would read the left-out kernels' unwritten buffers (a DeepSeek-V2-Lite run aborted inside
+        # torch; expert ids from garbage scores are the likely cause)
+        raise SystemExit("plan_ab.py: --knockout takes dense models only (an MoE model routes on the values)")
     weights = packed_weights(llm.model)
     # an MoE model's roofline counts the weights every step reads, not its routed experts (they vary by step)
     wbytes, kvtok = dense_bytes(llm) if llm.config.n_experts else weight_bytes(llm), kv_bytes_per_token(llm)
