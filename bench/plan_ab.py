@@ -182,7 +182,7 @@ def _no_norm(x, weight, eps, residual=None, inplace_residual=False, out_dtype=No
     return x_normed, x if residual is None else residual
 
 
-def _no_attention(q, k, v, positions, cos_sin, neox, k_caches, v_caches, meta, scale, window=0, softcap=0.0,
+def _no_attention(q, k, v, positions, cos_sin, neox, k_cache, v_cache, meta, scale, window=0, softcap=0.0,
                   out_dtype=None, qk_norm=None, out_order=NATURAL):
     """ops.rope_attention with no kernel (no rope, no cache write, no attention): its output buffer, unwritten."""
     n, heads, dim = q.shape
@@ -278,15 +278,16 @@ def main() -> None:
     if missing:
         raise SystemExit(f"plan_ab.py: no such table: {', '.join(missing)}")
     names = [Path(t).name for t in tables]
-    variants = [(name if names.count(name) == 1 else t, t, None) for name, t in zip(names, tables)]
+    # (name, table, switch, knockout) each
+    variants = [(name if names.count(name) == 1 else t, t, None, None) for name, t in zip(names, tables)]
     for spec in args.switch:
-        variants += [(f"{module}.{attr}={value}", switch_table, (module, attr, value))
+        variants += [(f"{module}.{attr}={value}", switch_table, (module, attr, value), None)
                      for module, attr, value in parse_switch(spec)]
     knockouts = [k for k in args.knockout.split(",") if k]
     unknown = [k for k in knockouts if k not in KNOCKOUTS]
     if unknown:
         raise SystemExit(f"plan_ab.py: no knockout {', '.join(unknown)} (one of {', '.join(KNOCKOUTS)})")
-    variants += [(f"without {k}", PACKAGE_TABLE, ("knockout", k)) for k in knockouts]
+    variants += [(f"without {k}", PACKAGE_TABLE, None, k) for k in knockouts]
     if not variants:
         raise SystemExit("plan_ab.py: give --tables, --ring-depths, --gemm-from, --switch or --knockout")
     batches = [int(b) for b in args.batches.split(",")]
@@ -305,12 +306,11 @@ def main() -> None:
     # an MoE model's roofline counts the weights every step reads, not its routed experts (they vary by step)
     wbytes, kvtok = dense_bytes(llm) if llm.config.n_experts else weight_bytes(llm), kv_bytes_per_token(llm)
     randomize_kv(llm)
-    times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name, _, _ in variants}
+    times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name, *_ in variants}
     for rnd in range(args.rounds):
-        for name, table, switch in variants:
+        for name, table, switch, knockout in variants:
             t1 = time.perf_counter()
-            knockout = switch[1] if switch and switch[0] == "knockout" else None
-            with switched(None if knockout else switch), knocked_out(knockout):
+            with switched(switch), knocked_out(knockout):
                 use_table(llm, weights, table)
                 for b in batches:
                     place_sessions(llm, b, args.context)
@@ -319,14 +319,14 @@ def main() -> None:
             print(f"round {rnd + 1} {name} (plans and graphs {time.perf_counter() - t1:.0f} s): "
                   + "  ".join(f"B={b} {times[name][b][-1]:.2f} ms" for b in batches), flush=True)
     rows = []
-    for name, table, switch in variants:
+    for name, table, *_ in variants:
         for b in batches:
             ms = statistics.median(times[name][b])
             roofline_ms = (wbytes + b * (args.context + 8) * kvtok) / copy_bps * 1e3
             rows.append(dict(variant=name, table=table, batch=b, step_ms=ms, rounds_ms=times[name][b],
                              tok_s=b / ms * 1e3, step_over_roofline=ms / roofline_ms))
     print(f"\n{'variant':40} " + "".join(f"{'B=' + str(b):>22}" for b in batches))
-    for name, _, _ in variants:
+    for name, *_ in variants:
         cells = [next(r for r in rows if r["variant"] == name and r["batch"] == b) for b in batches]
         print(f"{name[:40]:40} " + "".join(
             f"{' / '.join(f'{v:.2f}' for v in c['rounds_ms']):>14} {c['step_over_roofline']:5.2f}x " for c in cells))

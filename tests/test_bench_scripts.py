@@ -251,6 +251,28 @@ def test_plan_ab_ring_depth_tables_change_only_the_ring_depths(tmp_path):
     assert all(e["quant_gemm"]["RING"] == 6 for e in six.values() if e.get("quant_gemm", {}).get("RING"))
 
 
+def test_plan_ab_knockouts_stand_in_for_their_kernels_and_put_them_back():
+    """--knockout's stand-ins take the real ops' arguments and hand on what the next op accepts (a wrong shape would
+    show only on the device, in a call), and the real ops come back after."""
+    from cobatch import ops
+    from cobatch.engine.sampler import SamplingParams
+    from cobatch.kernels import attention
+    from model_fixtures import load_llm
+    plan_ab = load("plan_ab")
+    real = (ops.rms_norm, ops.rope_attention, attention._decode_reduce_kernel)
+    llm = load_llm("smollm2")
+    ids = llm.encode_prompt("The capital of France is")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    plain = llm.engine.generate([ids], params)
+    for name, patches in plan_ab.KNOCKOUTS.items():
+        with plan_ab.knocked_out(name):
+            assert all(getattr(importlib.import_module(m), a) is stand_in for m, a, stand_in in patches)
+            (tokens,) = llm.engine.generate([ids], params)
+        assert len(tokens) == 3 and all(0 <= t < llm.config.vocab_size for t in tokens), (name, tokens)
+    assert (ops.rms_norm, ops.rope_attention, attention._decode_reduce_kernel) == real
+    assert llm.engine.generate([ids], params) == plain
+
+
 def test_plan_ab_gemm_from_tables_move_only_the_gemm_crossover(tmp_path):
     plan_ab = load("plan_ab")
     table = {"formats": {"q8_0": {"shapes": {
