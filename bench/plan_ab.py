@@ -147,22 +147,30 @@ def parse_switch(spec: str) -> list[tuple[str, str, object]]:
 
 
 @contextlib.contextmanager
+def patched(patches: list[tuple[str, str, object]]):
+    """Each (module, attribute, value) set while the block runs, then the attributes as they were put back."""
+    targets = [(importlib.import_module(m), a, value) for m, a, value in patches]
+    before = [getattr(mod, a) for mod, a, _ in targets]
+    for mod, a, value in targets:
+        setattr(mod, a, value)
+    try:
+        yield
+    finally:
+        for (mod, a, _), real in zip(targets, before):
+            setattr(mod, a, real)
+
+
 def switched(switch: tuple[str, str, object] | None):
     """cobatch.kernels.MODULE.ATTR set to the value while the block runs (a module-level switch such as
     quant_gemm.PAD_X_TO_TILE, read at launch), then put back."""
     if switch is None:
-        yield
-        return
+        return patched([])
     module, attr, value = switch
     mod = importlib.import_module(f"cobatch.kernels.{module}")
     if not hasattr(mod, attr):
         raise SystemExit(f"plan_ab.py: cobatch.kernels.{module} has no {attr}")
     before = getattr(mod, attr)
-    setattr(mod, attr, type(before)(value) if isinstance(before, (bool, int, float)) else value)
-    try:
-        yield
-    finally:
-        setattr(mod, attr, before)
+    return patched([(mod.__name__, attr, type(before)(value) if isinstance(before, (bool, int, float)) else value)])
 
 
 class _NoLaunch:
@@ -198,19 +206,10 @@ KNOCKOUTS = {
 }
 
 
-@contextlib.contextmanager
 def knocked_out(name: str | None):
     """KNOCKOUTS[name]'s stand-ins in place while the block runs (the graphs captured in it launch none of those
     kernels), then the real ones back."""
-    patches = KNOCKOUTS[name] if name else []
-    before = [getattr(importlib.import_module(m), a) for m, a, _ in patches]
-    for m, a, stand_in in patches:
-        setattr(importlib.import_module(m), a, stand_in)
-    try:
-        yield
-    finally:
-        for (m, a, _), real in zip(patches, before):
-            setattr(importlib.import_module(m), a, real)
+    return patched(KNOCKOUTS[name] if name else [])
 
 
 def use_table(llm: LLM, weights: list[packed_weight.PackedWeight], table: str) -> None:
