@@ -298,6 +298,7 @@ def compile_gemv_for_h200(constants, R):
 
 
 gemv_variants = {}
+MASKED_TOKENS, CLAMPED_TOKENS = (quant_gemv.X_LOAD_MODES[m] for m in ("masked_tokens", "clamped_tokens"))
 if quant_gemv.gluon is not None:
     # every format; the act*mul epilogue with and without split-K, at both token tiles, its output in the next
     # GEMM's column order (quant_gemv.act_code: 5 silu by 32, 10 gelu by 16); routed experts
@@ -309,11 +310,17 @@ if quant_gemv.gluon is not None:
             if fmt == quant_pack.NVFP4 and (act, routed) not in ((0, False), (1, True)):
                 continue                  # NVFP4: its decode and its row-scale epilogue, plain and routed
             gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
-                FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=act, PDL=False)
+                FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, X_LOADS=MASKED_TOKENS, U=2, D=0, ROUTED=routed, ACT=act,
+                PDL=False)
+    # x's tokens clamped to the call's last instead of masked (quant_gemv.GEMV_CLAMP_X): each loader of x
+    for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True), (quant_pack.Q6_K, False),
+                        (quant_pack.NVFP4, False)):
+        gemv_variants[f"gemv clamped x fmt={fmt} routed={routed}"] = dict(
+            FMT=fmt, W=4, RT=4, BT=8, SPLIT_K=1, X_LOADS=CLAMPED_TOKENS, U=2, D=0, ROUTED=routed, ACT=0, PDL=False)
     # as a programmatic dependent (quant_gemv.GEMV_PDL): L1 prefetches and the wait before the loop, the trigger after
     for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True)):
         gemv_variants[f"gemv pdl fmt={fmt} routed={routed}"] = dict(
-            FMT=fmt, W=4, RT=4, BT=8, SPLIT_K=2, EVEN_K=True, U=2, D=0, ROUTED=routed, ACT=0, PDL=True)
+            FMT=fmt, W=4, RT=4, BT=8, SPLIT_K=2, X_LOADS=MASKED_TOKENS, U=2, D=0, ROUTED=routed, ACT=0, PDL=True)
 
 def compile_gemm_for_h200(constants):
     # The Gluon mid-batch GEMM (quant_gemm.py): its wgmmas must stay pipelined (ptxas serializes them, and says

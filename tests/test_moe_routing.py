@@ -165,6 +165,26 @@ ROUTED_CASES = ([(fmt, n_rows, None, None) for fmt in ("q8_0", "q4_0", "q4_k", "
 
 
 @requires_cuda
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "nvfp4"])
+def test_routed_gemv_with_x_tokens_clamped_gives_the_bits_of_x_tokens_masked(fmt_name, monkeypatch):
+    """quant_gemv.GEMV_CLAMP_X in the routed GEMV: a slot's token columns past its pairs read its last pair's x,
+    never another slot's (nor a row before the first when the first slot is short); every pair keeps its bits."""
+    from cobatch.kernels import quant_gemv
+    from cobatch.kernels.packed_experts import PackedExperts
+    n_experts, k, rows, cols = 12, 3, 256, 512
+    experts = PackedExperts.from_quant(make_weight(fmt_name, n_experts * rows, cols, seed=7), n_experts,
+                                       torch.device("cuda"), gate_up_interleaved=True)
+    for n_rows in (1, 3, 13):
+        ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
+        s = expert_slots(ids.cuda(), weights.cuda(), n_experts, None)
+        xp = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()[s.pair_rows]
+        monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", False)
+        masked = experts.routed_matmul(xp, s, act="silu")
+        monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", True)
+        assert torch.equal(experts.routed_matmul(xp, s, act="silu"), masked), n_rows
+
+
+@requires_cuda
 @pytest.mark.parametrize("fmt_name, n_rows, size, ring", ROUTED_CASES)
 def test_routed_kernels_equal_each_experts_own(fmt_name, n_rows, size, ring):
     """The routed GEMV (slots of its token tile: size None) and the routed GEMM (slots of 32 to 128 pairs; the

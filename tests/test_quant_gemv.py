@@ -670,6 +670,26 @@ def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):
 
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
+def test_x_tokens_clamped_give_the_bits_of_x_tokens_masked(fmt_name, monkeypatch):
+    """GEMV_CLAMP_X: a token tile's columns past the call read the call's last token again instead of zeros. The
+    call's rows keep their bits at 8- and 16-token tiles, with K split and not; a ragged K (320 columns) stays
+    masked."""
+    plans = [None, GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=1), ((1, GemvConfig(W=4, RT=1, split_k=2, U=8, R=128)),
+                                                                   (8, GemvConfig(W=4, RT=2, split_k=2, U=4))))]
+    gen = torch.Generator().manual_seed(8)
+    for rows, cols in [(1024, 4096), (200, 320 if fmt_name not in K_QUANTS else 1280)]:     # K whole, K ragged
+        pw = PackedWeight.from_quant(make_weight(fmt_name, rows, cols, seed=9, device="cuda"), "cuda")
+        x = torch.randn(16, cols, generator=gen).to("cuda", torch.float16)
+        for plan in plans:
+            for n_tok in (1, 3, 8, 11, 16):
+                monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", False)
+                masked = run_poisoned(pw, x[:n_tok], plan)
+                monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", True)
+                assert torch.equal(run_poisoned(pw, x[:n_tok], plan), masked), (rows, cols, plan, n_tok)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt_name", FRAGMENT)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gemv_act_epilogue_equals_the_act_kernel_after_it(fmt_name, act):
     """A gate|up weight packed interleaved: the GEMV's act*mul epilogue against the GEMV's own output put

@@ -95,6 +95,10 @@ F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q6_K, F_FP8, F_NVFP4 = (
 # The epilogue: store the rows as they are, or act(gate) * up of gate|up rows interleaved 8 by 8.
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 ACT_NONE, ACT_SILU, ACT_GELU_TANH = (_c(v) for v in ACTS.values())
+# How the loop loads x (the X_LOADS constexpr, x_loads()): K ragged (x's columns and the tokens past the call masked),
+# K whole (the tokens masked), or K whole with the tokens clamped to the call's last (GEMV_CLAMP_X).
+X_LOAD_MODES = {"ragged_k": 0, "masked_tokens": 1, "clamped_tokens": 2}
+X_RAGGED_K, X_MASKED_TOKENS, X_CLAMPED_TOKENS = (_c(v) for v in X_LOAD_MODES.values())
 
 
 def act_code(act: str | None, order: int = NATURAL) -> int:
@@ -377,25 +381,29 @@ if gluon is not None:
 
     @gluon.jit
     def _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT: gl.constexpr, W: gl.constexpr, B: gl.constexpr,
-                EVEN_K: gl.constexpr, K: gl.constexpr = 32):
+                X_LOADS: gl.constexpr, K: gl.constexpr = 32):
         """x[tok0 : tok0 + BT, k0 + 0..K-1] as the [W, K, BT] B operand (k0: [W], one K offset per warp),
         in the planes' column order (quant_pack.k_order): lane 4 g + c's logical columns
         k = 16 h + 8 a + 2 c + e are the K / 4 contiguous columns k0 + K / 4 c + .. of token g (and g + 8),
         one vector load per lane and token (a 4-byte load per (k, k + 1) pair made 4x the L1 wavefronts,
         the bottleneck at 16 tokens). The reshape/permute after it only renames registers into the B
-        fragment's order, which convert_layout(..., assert_trivial=True) checks at compile time."""
+        fragment's order, which convert_layout(..., assert_trivial=True) checks at compile time.
+        X_LOADS (X_RAGGED_K, X_MASKED_TOKENS, X_CLAMPED_TOKENS): which loads are masked (x_loads)."""
         V: gl.constexpr = K // 4
         L: gl.constexpr = gl.BlockedLayout([1, 1, V, 1], [1, 4, 1, 8], [W, 1, 1, 1], [2, 1, 3, 0])
         k = gl.convert_layout(k0, _axis_layout(L, 0))[:, None, None, None] \
             + (V * gl.arange(0, 4, layout=_axis_layout(L, 1)))[None, :, None, None] \
             + gl.arange(0, V, layout=_axis_layout(L, 2))[None, None, :, None]
         t = tok0 + gl.arange(0, BT, layout=_axis_layout(L, 3))[None, None, None, :]
-        mask = t < n_tok
-        if not EVEN_K:
-            mask = mask & (k < n_cols)
         # bf16 x is converted here (a few instructions per step, shared by the RT row tiles) rather than by
         # a separate launch per call
-        x = gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)   # [W, c, V, BT]
+        if X_LOADS == X_CLAMPED_TOKENS:
+            x = gl.load(x_ptr + gl.minimum(t, n_tok - 1) * x_stride + k).to(gl.float16)   # [W, c, V, BT]
+        else:
+            mask = t < n_tok
+            if X_LOADS == X_RAGGED_K:
+                mask = mask & (k < n_cols)
+            x = gl.load(x_ptr + t * x_stride + k, mask=mask, other=0.0).to(gl.float16)
         if K == 32:
             x = gl.permute(gl.reshape(x, [W, 4, 2, 2, 2, BT]), [0, 2, 3, 1, 4, 5])        # w, h, a, c, e, t
         else:
@@ -475,15 +483,15 @@ if gluon is not None:
     @gluon.jit
     def _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0, chunk, side32, side256,
                      FMT: gl.constexpr, BT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr,
-                     B: gl.constexpr, EVEN_K: gl.constexpr):
+                     B: gl.constexpr, X_LOADS: gl.constexpr):
         """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
         a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
         if _byte_fmt(FMT):
-            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, EVEN_K)
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, X_LOADS)
             x1 = x0
         else:
-            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, W, B, EVEN_K)
-            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, W, B, EVEN_K)
+            x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, BT, W, B, X_LOADS)
+            x1 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 32, BT, W, B, X_LOADS)
         return a, b, c, e, x0, x1
 
     @gluon.jit
@@ -556,31 +564,31 @@ if gluon is not None:
 
     @gluon.jit
     def _q6_half(acc, q, y, s_lo, s_hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr,
-                 RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+                 RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X_LOADS: gl.constexpr):
         """acc += one k16 half of a q6_K chunk: low block columns k0..k0+15, high block k0+32..k0+47."""
         lo, hi = _q6_operands(_as_half_operand(q, W, RT, A), _as_half_operand(y, W, RT, A), s_lo, s_hi)
-        return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, EVEN_K)
+        return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, X_LOADS)
 
     @gluon.jit
     def _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr, BT: gl.constexpr,
-                   B: gl.constexpr, EVEN_K: gl.constexpr):
+                   B: gl.constexpr, X_LOADS: gl.constexpr):
         """acc += one k16 half of a chunk whose scales change every 16 weights (q6_K, NVFP4), its operands
         dequantized: the low block's half times x columns k0..k0+15, the high block's times k0+32..k0+47."""
-        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, EVEN_K, 16), acc)
-        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, EVEN_K, 16), acc)
+        acc = mma_v2(lo, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0, BT, W, B, X_LOADS, 16), acc)
+        return mma_v2(hi, _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, k0 + 32, BT, W, B, X_LOADS, 16), acc)
 
     @gluon.jit
     def _q6_chunk(acc, q, h, sc, d, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W: gl.constexpr,
-                  RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+                  RT: gl.constexpr, BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X_LOADS: gl.constexpr):
         """acc += a q6_K chunk (64 weights per row), as two k16 halves: its scales change every 16 weights,
         and a half is one mma's K. q: the quant bytes [W, RT, lane, 16]; h: the high bits [W, RT, lane, 8]."""
         s0, s1, s2, s3 = _q6_scales(sc, d)
         q0, q1 = _halves(q, W, RT, 8)
         h0, h1 = _halves(h, W, RT, 4)
         acc = _q6_half(acc, q0, _twice(h0, W, RT, 4), s0, s2, x_ptr, x_stride, tok0, n_tok, n_cols,
-                       chunk * 64, W, RT, BT, A, B, EVEN_K)
+                       chunk * 64, W, RT, BT, A, B, X_LOADS)
         return _q6_half(acc, q1, _twice(h1, W, RT, 4), s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols,
-                        chunk * 64 + 16, W, RT, BT, A, B, EVEN_K)
+                        chunk * 64 + 16, W, RT, BT, A, B, X_LOADS)
 
     @gluon.jit
     def _fp4_scales(sc, CVT: gl.constexpr = True):
@@ -598,22 +606,22 @@ if gluon is not None:
 
     @gluon.jit
     def _fp4_half(acc, q, s_lo, s_hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W: gl.constexpr, RT: gl.constexpr,
-                  BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr):
+                  BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X_LOADS: gl.constexpr):
         """acc += one k16 half of an NVFP4 chunk: low block columns k0..k0+15, high block k0+32..k0+47."""
         lo, hi = _fp4_operands(_as_half_operand(q, W, RT, A), s_lo, s_hi)
-        return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, EVEN_K)
+        return _half_mmas(acc, lo, hi, x_ptr, x_stride, tok0, n_tok, n_cols, k0, W, BT, B, X_LOADS)
 
     @gluon.jit
     def _fp4_chunk(acc, q, sc, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W: gl.constexpr, RT: gl.constexpr,
-                   BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, EVEN_K: gl.constexpr,
+                   BT: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X_LOADS: gl.constexpr,
                    E4M3_CVT: gl.constexpr = True):
         """acc += an NVFP4 chunk (64 weights per row) as two k16 halves, q6_K's way: a scale every 16 weights
         (widened by cvt, or without E4M3_CVT by bit moves)."""
         s0, s1, s2, s3 = _fp4_scales(sc, E4M3_CVT)
         q0, q1 = _halves(q, W, RT, 8)
-        acc = _fp4_half(acc, q0, s0, s2, x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, W, RT, BT, A, B, EVEN_K)
+        acc = _fp4_half(acc, q0, s0, s2, x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64, W, RT, BT, A, B, X_LOADS)
         return _fp4_half(acc, q1, s1, s3, x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 64 + 16, W, RT, BT, A, B,
-                         EVEN_K)
+                         X_LOADS)
 
     @gluon.jit
     def _fp4_row_scale(total, d_ptr, tile0, RT: gl.constexpr, OUT: gl.constexpr):
@@ -681,20 +689,20 @@ if gluon is not None:
     @gluon.jit
     def _k_step(acc, chunk, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0,
                 tile_stride, side32, side256, FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
-                A: gl.constexpr, B: gl.constexpr, LD: gl.constexpr, SIDE: gl.constexpr, EVEN_K: gl.constexpr,
+                A: gl.constexpr, B: gl.constexpr, LD: gl.constexpr, SIDE: gl.constexpr, X_LOADS: gl.constexpr,
                 E4M3_CVT: gl.constexpr):
         """One K step of each warp (its chunk: [W]): the tile's bytes loaded, dequantized and multiplied into acc."""
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
         if FMT == F_Q6_K:
             h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, RT, _byte_layout(W, 8), 8))
             a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
-            acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, EVEN_K)
+            acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, X_LOADS)
         elif FMT == F_NVFP4:
             a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
-            acc = _fp4_chunk(acc, q, a, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, EVEN_K, E4M3_CVT)
+            acc = _fp4_chunk(acc, q, a, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, X_LOADS, E4M3_CVT)
         else:
             a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0,
-                                              chunk, side32, side256, FMT, BT, W, RT, SIDE, B, EVEN_K)
+                                              chunk, side32, side256, FMT, BT, W, RT, SIDE, B, X_LOADS)
             if _fifth_bit(FMT):
                 h = _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
             else:
@@ -711,7 +719,7 @@ if gluon is not None:
                      n_tok, n_rows, n_cols, x_stride, out_stride, n_chunks, steps_per_split,
                      tiles_per_expert,
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
-                     SPLIT_K: gl.constexpr, EVEN_K: gl.constexpr, U: gl.constexpr,
+                     SPLIT_K: gl.constexpr, X_LOADS: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
                      E4M3_CVT: gl.constexpr = True, TAIL: gl.constexpr = 0):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
@@ -763,7 +771,7 @@ if gluon is not None:
             for u in gl.static_range(U):
                 acc = _k_step(acc, (s + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0,
                               n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD, SIDE,
-                              EVEN_K, E4M3_CVT)
+                              X_LOADS, E4M3_CVT)
         if TAIL > 0:
             # The steps past the last whole iteration (TAIL = a warp's steps % U), their loads again issued before
             # their math; the same order of K steps as any U, so a row's bits do not depend on U. An empty routed
@@ -772,7 +780,7 @@ if gluon is not None:
                 for u in gl.static_range(TAIL):
                     acc = _k_step(acc, (body_end + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
                                   x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT,
-                                  A, B, LD, SIDE, EVEN_K, E4M3_CVT)
+                                  A, B, LD, SIDE, X_LOADS, E4M3_CVT)
         if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
             gdc_launch_dependents()      # resident at once would starve the GEMV still running)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
@@ -898,6 +906,21 @@ GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
 # as the mid-batch GEMM does. Q4_K_M steps (o on the GEMV to 16 tokens) of 12 / 16 rows 0.6 / 0.9 % shorter
 # (bench/results/decode_gemv_pdl_after_attention_ab.md, H100); COBATCH_GEMV_PDL_AFTER_ATTENTION=0 turns it off.
 GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "1") != "0"
+# x's loads where K is whole (COBATCH_GEMV_CLAMP_X=1: X_CLAMPED_TOKENS). A token tile's columns past n_tok may read
+# the last token's x again (the same addresses, so no bytes more) instead of being masked to zeros: a column of the
+# product depends on its own x only, and those columns are never stored. Then no x load is predicated and no
+# register zeroed for it: 1-5 % fewer instructions in the GEMV's loop, the same bits (sm_90 SASS of the plans'
+# configs at an 8-token tile: q4_K W4 RT1 U16 1191 -> 1127 a warp per 16,384 weights, q8_0 W8 RT1 U8 359 -> 343
+# per 4,096, q4_K W4 RT4 U1 268 -> 264). Off until whole steps show it pays.
+GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "0") == "1"
+
+
+def x_loads(whole_k: bool) -> int:
+    """The X_LOADS constexpr of a call: a ragged K masks x's columns and tokens; a whole one its tokens, or clamps
+    them (GEMV_CLAMP_X)."""
+    if not whole_k:
+        return X_LOAD_MODES["ragged_k"]
+    return X_LOAD_MODES["clamped_tokens" if GEMV_CLAMP_X else "masked_tokens"]
 
 
 def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | GemvPlan,
@@ -931,7 +954,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         routing.slot_count if routing else dummy,
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, warp_steps,
         rows_pad // 16,
-        FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, EVEN_K=p.cols == p.cols_pad,
+        FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, X_LOADS=x_loads(p.cols == p.cols_pad),
         U=cfg.U, TAIL=warp_steps % cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order),
         num_warps=cfg.W, maxnreg=cfg.R or None,
         **(pdl_launch(x) if GEMV_PDL and (bt == 8 or (dependent and GEMV_PDL_AFTER_ATTENTION)) else {}),
