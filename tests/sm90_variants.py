@@ -312,11 +312,13 @@ if quant_gemv.gluon is not None:
             gemv_variants[f"gemv fmt={fmt} act={act} split_k={split} bt={bt} routed={routed}"] = dict(
                 FMT=fmt, W=4, RT=4, BT=bt, SPLIT_K=split, X_LOADS=MASKED_TOKENS, U=2, D=0, ROUTED=routed, ACT=act,
                 PDL=False)
-    # x's tokens clamped to the call's last instead of masked (quant_gemv.GEMV_CLAMP_X): each loader of x
-    for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True), (quant_pack.Q6_K, False),
-                        (quant_pack.NVFP4, False)):
-        gemv_variants[f"gemv clamped x fmt={fmt} routed={routed}"] = dict(
-            FMT=fmt, W=4, RT=4, BT=8, SPLIT_K=1, X_LOADS=CLAMPED_TOKENS, U=2, D=0, ROUTED=routed, ACT=0, PDL=False)
+    # the leaner loops (quant_gemv.GEMV_CLAMP_X, GEMV_FOLD_STEPS): each loader of x and of the side planes, q6_K's
+    # d moved by steps of whole super-blocks (W = 4) and not (W = 2), a tail, the fifth bits
+    for fmt, routed, w in ((quant_pack.Q8_0, False, 4), (quant_pack.Q4_1, True, 4), (quant_pack.Q6_K, False, 4),
+                           (quant_pack.Q6_K, False, 2), (quant_pack.NVFP4, False, 4), (quant_pack.Q5_0, False, 4)):
+        gemv_variants[f"gemv lean loop fmt={fmt} routed={routed} W={w}"] = dict(
+            FMT=fmt, W=w, RT=4, BT=8, SPLIT_K=1, X_LOADS=CLAMPED_TOKENS, U=4, TAIL=1, FOLD=True, D=0, ROUTED=routed,
+            ACT=0, PDL=False)
     # as a programmatic dependent (quant_gemv.GEMV_PDL): L1 prefetches and the wait before the loop, the trigger after
     for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True)):
         gemv_variants[f"gemv pdl fmt={fmt} routed={routed}"] = dict(

@@ -166,9 +166,9 @@ ROUTED_CASES = ([(fmt, n_rows, None, None) for fmt in ("q8_0", "q4_0", "q4_k", "
 
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "q6_k", "nvfp4"])
-def test_routed_gemv_with_x_tokens_clamped_gives_the_bits_of_x_tokens_masked(fmt_name, monkeypatch):
-    """quant_gemv.GEMV_CLAMP_X in the routed GEMV: a slot's token columns past its pairs read its last pair's x,
-    never another slot's (nor a row before the first when the first slot is short); every pair keeps its bits."""
+def test_routed_gemv_in_the_leaner_loops_gives_the_bits_of_the_plain_one(fmt_name, monkeypatch):
+    """quant_gemv.GEMV_CLAMP_X and GEMV_FOLD_STEPS in the routed GEMV: a slot's token columns past its pairs read
+    its last pair's x, never another slot's (nor a row before the first); every pair keeps its bits."""
     from cobatch.kernels import quant_gemv
     from cobatch.kernels.packed_experts import PackedExperts
     n_experts, k, rows, cols = 12, 3, 256, 512
@@ -178,10 +178,12 @@ def test_routed_gemv_with_x_tokens_clamped_gives_the_bits_of_x_tokens_masked(fmt
         ids, weights = random_routing(n_rows, n_experts, k, seed=n_rows)
         s = expert_slots(ids.cuda(), weights.cuda(), n_experts, None)
         xp = torch.randn(n_rows, cols, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()[s.pair_rows]
-        monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", False)
-        masked = experts.routed_matmul(xp, s, act="silu")
-        monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", True)
-        assert torch.equal(experts.routed_matmul(xp, s, act="silu"), masked), n_rows
+        plain_and_lean = []
+        for on in (False, True):
+            monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", on)
+            monkeypatch.setattr(quant_gemv, "GEMV_FOLD_STEPS", on)
+            plain_and_lean.append(experts.routed_matmul(xp, s, act="silu"))
+        assert torch.equal(*plain_and_lean), n_rows
 
 
 @requires_cuda

@@ -668,24 +668,32 @@ def test_gemv_row_is_bitwise_identical_whatever_the_batch(fmt_name, plan):
         assert torch.equal(run_poisoned(pw, x[:n_tok], plan), alone[:n_tok]), n_tok
 
 
+LEAN_LOOPS = [("GEMV_CLAMP_X",), ("GEMV_FOLD_STEPS",), ("GEMV_CLAMP_X", "GEMV_FOLD_STEPS")]
+
+
 @requires_cuda
 @pytest.mark.parametrize("fmt_name", FRAGMENT)
-def test_x_tokens_clamped_give_the_bits_of_x_tokens_masked(fmt_name, monkeypatch):
-    """GEMV_CLAMP_X: a token tile's columns past the call read the call's last token again instead of zeros. The
-    call's rows keep their bits at 8- and 16-token tiles, with K split and not; a ragged K (320 columns) stays
-    masked."""
-    plans = [None, GemvPlan(GemvConfig(W=4, RT=4, split_k=2, U=1), ((1, GemvConfig(W=4, RT=1, split_k=2, U=8, R=128)),
-                                                                   (8, GemvConfig(W=4, RT=2, split_k=2, U=4))))]
+@pytest.mark.parametrize("switches", LEAN_LOOPS, ids="+".join)
+def test_the_leaner_loops_give_the_bits_of_the_plain_one(fmt_name, switches, monkeypatch):
+    """GEMV_CLAMP_X (a token tile's columns past the call read its last token's x instead of zeros) and
+    GEMV_FOLD_STEPS (an iteration's steps take their offsets from one chunk, the pointers moved by constants) change
+    instructions, not values: the call's rows keep their bits at 8- and 16-token tiles, with K split and not, U of
+    1-16 with tails, 2 warps (q6_K's d then moves by a step that is no whole super-block), and a ragged K."""
+    plans = [None, GemvPlan(GemvConfig(W=4, RT=2, split_k=2, U=3), ((1, GemvConfig(W=4, RT=1, split_k=2, U=6, R=128)),
+                                                                   (8, GemvConfig(W=4, RT=1, split_k=2, U=16)))),
+             GemvPlan(GemvConfig(W=2, RT=4, split_k=1, U=4), ((8, GemvConfig(W=2, RT=1, split_k=1, U=5)),))]
     gen = torch.Generator().manual_seed(8)
     for rows, cols in [(1024, 4096), (200, 320 if fmt_name not in K_QUANTS else 1280)]:     # K whole, K ragged
         pw = PackedWeight.from_quant(make_weight(fmt_name, rows, cols, seed=9, device="cuda"), "cuda")
         x = torch.randn(16, cols, generator=gen).to("cuda", torch.float16)
-        for plan in plans:
+        for plan in plans if cols == 4096 else plans[:1]:
             for n_tok in (1, 3, 8, 11, 16):
-                monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", False)
-                masked = run_poisoned(pw, x[:n_tok], plan)
-                monkeypatch.setattr(quant_gemv, "GEMV_CLAMP_X", True)
-                assert torch.equal(run_poisoned(pw, x[:n_tok], plan), masked), (rows, cols, plan, n_tok)
+                for name in switches:
+                    monkeypatch.setattr(quant_gemv, name, False)
+                plain = run_poisoned(pw, x[:n_tok], plan)
+                for name in switches:
+                    monkeypatch.setattr(quant_gemv, name, True)
+                assert torch.equal(run_poisoned(pw, x[:n_tok], plan), plain), (rows, cols, plan, n_tok)
 
 
 @requires_cuda

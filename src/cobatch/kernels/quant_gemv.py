@@ -454,28 +454,32 @@ if gluon is not None:
 
     @gluon.jit
     def _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, W: gl.constexpr,
-                    RT: gl.constexpr, SIDE: gl.constexpr):
-        """The scale data of each warp's chunk, raw: four [W, 16 RT, 1] tensors (unused ones repeat)."""
+                    RT: gl.constexpr, SIDE: gl.constexpr, STEP: gl.constexpr = 0):
+        """The scale data of each warp's chunk chunk + STEP (_k_step), raw: four [W, 16 RT, 1] tensors (unused ones
+        repeat). Each plane's pointer moves by its entries of STEP chunks, the offsets come from chunk."""
         if _byte_fmt(FMT):
-            a = _row_side(d_ptr, tile0, side32, chunk, W, RT, SIDE)
+            a = _row_side(d_ptr + STEP * 16, tile0, side32, chunk, W, RT, SIDE)
             b = a
             c = a
             e = a
         elif FMT == F_Q6_K or FMT == F_NVFP4:
             # the four scales of the chunk's 16-weight groups as one word (q6_K's int8, NVFP4's e4m3); q6_K's f32 d
             # (NVFP4's row scale is the epilogue's)
-            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)), tile0, side32 // 2, chunk, W, RT, SIDE)
-            if FMT == F_Q6_K:
-                b = _row_side(d_ptr, tile0, side256, chunk // 4, W, RT, SIDE)
+            a = _row_side(sub_ptr.to(gl.pointer_type(gl.int32)) + STEP * 16, tile0, side32 // 2, chunk, W, RT, SIDE)
+            if FMT == F_Q6_K:      # one d a super-block of four chunks
+                if STEP % 4 == 0:
+                    b = _row_side(d_ptr + STEP // 4 * 16, tile0, side256, chunk // 4, W, RT, SIDE)
+                else:
+                    b = _row_side(d_ptr, tile0, side256, (chunk + STEP) // 4, W, RT, SIDE)
             else:
                 b = a
             c = a
             e = b
         elif _affine(FMT):    # q4_1 and q5_1: f16 scales and offsets of the two blocks, from one plane
-            a, b, c, e = _affine_sides(d_ptr, tile0, chunk, side32, W, RT, SIDE)
+            a, b, c, e = _affine_sides(d_ptr + STEP * 64, tile0, chunk, side32, W, RT, SIDE)
         else:                 # q4_0 and q5_0: f16 scales of the two blocks
-            a = _row_side(d_ptr, tile0, side32, 2 * chunk, W, RT, SIDE)
-            b = _row_side(d_ptr, tile0, side32, 2 * chunk + 1, W, RT, SIDE)
+            a = _row_side(d_ptr + STEP * 32, tile0, side32, 2 * chunk, W, RT, SIDE)
+            b = _row_side(d_ptr + STEP * 32, tile0, side32, 2 * chunk + 1, W, RT, SIDE)
             c = a
             e = b
         return a, b, c, e
@@ -483,9 +487,10 @@ if gluon is not None:
     @gluon.jit
     def _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0, chunk, side32, side256,
                      FMT: gl.constexpr, BT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, SIDE: gl.constexpr,
-                     B: gl.constexpr, X_LOADS: gl.constexpr):
-        """The register-side loads of one K step (each warp's chunk): scale data and the x blocks."""
-        a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+                     B: gl.constexpr, X_LOADS: gl.constexpr, STEP: gl.constexpr = 0):
+        """The register-side loads of one K step (each warp's chunk; x_ptr already moved by STEP chunks, _k_step):
+        scale data and the x blocks."""
+        a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE, STEP)
         if _byte_fmt(FMT):
             x0 = _load_x(x_ptr, x_stride, tok0, n_tok, n_cols, chunk * 32, BT, W, B, X_LOADS)
             x1 = x0
@@ -690,21 +695,28 @@ if gluon is not None:
     def _k_step(acc, chunk, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0,
                 tile_stride, side32, side256, FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                 A: gl.constexpr, B: gl.constexpr, LD: gl.constexpr, SIDE: gl.constexpr, X_LOADS: gl.constexpr,
-                E4M3_CVT: gl.constexpr):
-        """One K step of each warp (its chunk: [W]): the tile's bytes loaded, dequantized and multiplied into acc."""
+                E4M3_CVT: gl.constexpr, STEP: gl.constexpr = 0):
+        """One K step of each warp, its chunk chunk + STEP (chunk: [W]): the tile's bytes loaded, dequantized and
+        multiplied into acc. Each plane's pointer moves by STEP chunks and the offsets come from `chunk`
+        (GEMV_FOLD_STEPS: an iteration's steps share chunk and differ by constants, which fold into the loads'
+        immediates)."""
+        WPC: gl.constexpr = 32 if _byte_fmt(FMT) else 64
+        qs_ptr += STEP * 512
+        x_ptr += STEP * WPC
+        n_cols -= STEP * WPC               # x's columns, as a ragged K masks them
         q = gl.load(qs_ptr + _tile_offsets(tile0, chunk, tile_stride, RT, LD))
         if FMT == F_Q6_K:
-            h = gl.load(qh_ptr + _tile_offsets(tile0, chunk, tile_stride // 2, RT, _byte_layout(W, 8), 8))
-            a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+            h = gl.load(qh_ptr + STEP * 256 + _tile_offsets(tile0, chunk, tile_stride // 2, RT, _byte_layout(W, 8), 8))
+            a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE, STEP)
             acc = _q6_chunk(acc, q, h, a, b, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, X_LOADS)
         elif FMT == F_NVFP4:
-            a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE)
+            a, b, c, e = _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT, W, RT, SIDE, STEP)
             acc = _fp4_chunk(acc, q, a, x_ptr, x_stride, tok0, n_tok, n_cols, chunk, W, RT, BT, A, B, X_LOADS, E4M3_CVT)
         else:
             a, b, c, e, x0, x1 = _load_side_x(d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0,
-                                              chunk, side32, side256, FMT, BT, W, RT, SIDE, B, X_LOADS)
+                                              chunk, side32, side256, FMT, BT, W, RT, SIDE, B, X_LOADS, STEP)
             if _fifth_bit(FMT):
-                h = _fifth_bits(qh_ptr, tile0, chunk, tile_stride, W, RT)
+                h = _fifth_bits(qh_ptr + STEP * 128, tile0, chunk, tile_stride, W, RT)
             else:
                 h = q
             lo, hi = _dequant(q, a, b, c, e, h, FMT, W, RT, A)
@@ -721,7 +733,7 @@ if gluon is not None:
                      FMT: gl.constexpr, W: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr,
                      SPLIT_K: gl.constexpr, X_LOADS: gl.constexpr, U: gl.constexpr,
                      D: gl.constexpr, ROUTED: gl.constexpr, ACT: gl.constexpr, PDL: gl.constexpr = False,
-                     E4M3_CVT: gl.constexpr = True, TAIL: gl.constexpr = 0):
+                     E4M3_CVT: gl.constexpr = True, TAIL: gl.constexpr = 0, FOLD: gl.constexpr = False):
         MMA: gl.constexpr = _layouts(W, RT, BT)[0]
         A: gl.constexpr = _layouts(W, RT, BT)[1]
         B: gl.constexpr = _layouts(W, RT, BT)[2]
@@ -769,18 +781,28 @@ if gluon is not None:
                 for u in gl.static_range(U):
                     _prefetch_tile(qs_ptr, tile0, gl.minimum(s + u + D, last) * W + warp, tile_stride, RT, LD)
             for u in gl.static_range(U):
-                acc = _k_step(acc, (s + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0,
-                              n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD, SIDE,
-                              X_LOADS, E4M3_CVT)
+                if FOLD:     # the U steps' offsets from one chunk, each step's pointers moved by a constant
+                    acc = _k_step(acc, s * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0,
+                                  n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD, SIDE,
+                                  X_LOADS, E4M3_CVT, u * W)
+                else:
+                    acc = _k_step(acc, (s + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride,
+                                  tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD,
+                                  SIDE, X_LOADS, E4M3_CVT)
         if TAIL > 0:
             # The steps past the last whole iteration (TAIL = a warp's steps % U), their loads again issued before
             # their math; the same order of K steps as any U, so a row's bits do not depend on U. An empty routed
             # slot (last < first) runs none.
             if last >= first:
                 for u in gl.static_range(TAIL):
-                    acc = _k_step(acc, (body_end + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
-                                  x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT,
-                                  A, B, LD, SIDE, X_LOADS, E4M3_CVT)
+                    if FOLD:
+                        acc = _k_step(acc, body_end * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
+                                      x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT,
+                                      BT, A, B, LD, SIDE, X_LOADS, E4M3_CVT, u * W)
+                    else:
+                        acc = _k_step(acc, (body_end + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
+                                      x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT,
+                                      BT, A, B, LD, SIDE, X_LOADS, E4M3_CVT)
         if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
             gdc_launch_dependents()      # resident at once would starve the GEMV still running)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
@@ -913,6 +935,12 @@ GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "1
 # configs at an 8-token tile: q4_K W4 RT1 U16 1191 -> 1127 a warp per 16,384 weights, q8_0 W8 RT1 U8 359 -> 343
 # per 4,096, q4_K W4 RT4 U1 268 -> 264). Off until whole steps show it pays.
 GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "0") == "1"
+# The U steps of a loop iteration take their load offsets from one chunk index, each step's pointers moved by a
+# constant (COBATCH_GEMV_FOLD_STEPS=1; the kernel's FOLD). Indexed by step, each load's address was computed apart in
+# 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads' immediate offsets: 5-10 %
+# fewer instructions in the loop at U = 4-16 (sm_90 SASS at an 8-token tile, x clamped: q4_K W4 RT1 U16 1127 -> 1006
+# a warp per 16,384 weights, W8 RT1 U8 567 -> 518, q8_0 W8 RT1 U8 343 -> 294), the same bits. Off until measured.
+GEMV_FOLD_STEPS = os.environ.get("COBATCH_GEMV_FOLD_STEPS", "0") == "1"
 
 
 def x_loads(whole_k: bool) -> int:
@@ -955,7 +983,8 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, warp_steps,
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, X_LOADS=x_loads(p.cols == p.cols_pad),
-        U=cfg.U, TAIL=warp_steps % cfg.U, D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order),
+        U=cfg.U, TAIL=warp_steps % cfg.U, FOLD=GEMV_FOLD_STEPS,
+        D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order),
         num_warps=cfg.W, maxnreg=cfg.R or None,
         **(pdl_launch(x) if GEMV_PDL and (bt == 8 or (dependent and GEMV_PDL_AFTER_ATTENTION)) else {}),
         **({"E4M3_CVT": False} if p.fmt_id == F_NVFP4 and not fp8_cache.native(x.device) else {}))
