@@ -10,8 +10,10 @@ all of them (e.g. `decode single_split=True fp8`). --plans compiles instead ever
 quant_configs.json's plans launch, for their own formats and for those that borrow them (each tier at its token
 tile, gate|up shapes with their act*mul epilogue, f16 activations as decode steps hand them over:
 PackedWeight.operand_dtype) and names those that spill under their register budget; with --model-shape, every GEMV
-call a model of that shape makes instead, on the plans or the defaults it gets. --cuda reads the CUDA C++
-kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16 cache and an fp8 one, its rows widened by
+call a model of that shape makes instead, on the plans or the defaults it gets; each with its loop's length in
+instructions a warp, and those a weight and lane (32 x the length over the weights a warp's iteration dequantizes:
+what a weight costs the SM's issue slots; COBATCH_GEMV_CLAMP_X=1 and COBATCH_GEMV_FOLD_STEPS=1 compile the leaner
+loops). --cuda reads the CUDA C++ kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16 cache and an fp8 one, its rows widened by
 cvt or by bit moves). Counting a loop's instructions per iteration against the bytes it moves is how the fp8 KV
 cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls themselves need the GPU
 (bench/ncu_source.py). Run without TRITON_INTERPRET (it makes @jit interpreted).
@@ -111,8 +113,9 @@ def _gemv_plan_launches(label: str, fmt_name: str, plan, n_chunks: int, act: int
         calls.append(("gemv", plan.default, 8))
     launches = []
     for tier, c, bt in calls:
-        constants = dict(FMT=fmt, W=c.W, RT=c.RT, BT=bt, SPLIT_K=c.split_k, EVEN_K=True, U=c.U, D=c.D,
-                         ROUTED=routed, ACT=act, PDL=bt == 8, TAIL=quant_gemv.warp_steps(n_chunks, c) % c.U)
+        constants = dict(FMT=fmt, W=c.W, RT=c.RT, BT=bt, SPLIT_K=c.split_k, X_LOADS=quant_gemv.x_loads(True), U=c.U,
+                         D=c.D, ROUTED=routed, ACT=act, PDL=bt == 8, TAIL=quant_gemv.warp_steps(n_chunks, c) % c.U,
+                         FOLD=quant_gemv.GEMV_FOLD_STEPS)
         launches.append((f"{label} {tier} bt={bt}", constants, c.R or None))
     return launches
 
@@ -207,7 +210,10 @@ def main() -> None:
             compiled = sm90_variants.compile_gluon_for_h200(quant_gemv._gemv_kernel, constants, constants["W"],
                                                             budget, activations="fp16")
             regs, stack = sm90_variants.registers(compiled)
-            print(f"{'SPILLS' if stack else 'ok':>6} {regs:>3} registers, {stack:>3} bytes of stack: {label}")
+            loop = longest_loop(disassemble(compiled.asm["cubin"]))
+            weights = constants["U"] * constants["RT"] * 16 * (32 if quant_gemv._byte_fmt_of(constants["FMT"]) else 64)
+            print(f"{'SPILLS' if stack else 'ok':>6} {regs:>3} registers, {stack:>3} bytes of stack, loop "
+                  f"{len(loop):>4} instructions, {32 * len(loop) / weights:.2f} a weight and lane: {label}")
         return
     jobs = [job for job in sm90_variants.jobs if all(w in job[0] for w in args.words)]
     if not jobs:
