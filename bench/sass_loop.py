@@ -115,7 +115,7 @@ def _gemv_plan_launches(label: str, fmt_name: str, plan, n_chunks: int, act: int
     for tier, c, bt in calls:
         constants = dict(FMT=fmt, W=c.W, RT=c.RT, BT=bt, SPLIT_K=c.split_k, X_LOADS=quant_gemv.x_loads(True), U=c.U,
                          D=c.D, ROUTED=routed, ACT=act, PDL=bt == 8, TAIL=quant_gemv.warp_steps(n_chunks, c) % c.U,
-                         FOLD=quant_gemv.GEMV_FOLD_STEPS)
+                         FOLD=quant_gemv.folds_steps(c))
         launches.append((f"{label} {tier} bt={bt}", constants, c.R or None))
     return launches
 

@@ -317,7 +317,7 @@ if quant_gemv.gluon is not None:
     for fmt, routed, w in ((quant_pack.Q8_0, False, 4), (quant_pack.Q4_1, True, 4), (quant_pack.Q6_K, False, 4),
                            (quant_pack.Q6_K, False, 2), (quant_pack.NVFP4, False, 4), (quant_pack.Q5_0, False, 4)):
         gemv_variants[f"gemv lean loop fmt={fmt} routed={routed} W={w}"] = dict(
-            FMT=fmt, W=w, RT=4, BT=8, SPLIT_K=1, X_LOADS=CLAMPED_TOKENS, U=4, TAIL=1, FOLD=True, D=0, ROUTED=routed,
+            FMT=fmt, W=w, RT=2, BT=8, SPLIT_K=1, X_LOADS=CLAMPED_TOKENS, U=4, TAIL=1, FOLD=True, D=0, ROUTED=routed,
             ACT=0, PDL=False)
     # as a programmatic dependent (quant_gemv.GEMV_PDL): L1 prefetches and the wait before the loop, the trigger after
     for fmt, routed in ((quant_pack.Q8_0, False), (quant_pack.Q4_1, True)):

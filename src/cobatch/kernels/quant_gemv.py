@@ -939,8 +939,15 @@ GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "0") == "1"
 # constant (COBATCH_GEMV_FOLD_STEPS=1; the kernel's FOLD). Indexed by step, each load's address was computed apart in
 # 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads' immediate offsets: 5-10 %
 # fewer instructions in the loop at U = 4-16 (sm_90 SASS at an 8-token tile, x clamped: q4_K W4 RT1 U16 1127 -> 1006
-# a warp per 16,384 weights, W8 RT1 U8 567 -> 518, q8_0 W8 RT1 U8 343 -> 294), the same bits. Off until measured.
+# a warp per 16,384 weights, W8 RT1 U8 567 -> 518, q8_0 W8 RT1 U8 343 -> 294), the same bits. Configs of 4 row tiles
+# a warp keep the plain loop: there it added spills under their register caps (the output heads' plans: q6_K's 40 ->
+# 248 bytes of stack at 16 tokens; bench/sass_loop.py --plans) for 0-4 % fewer instructions. Off until measured.
 GEMV_FOLD_STEPS = os.environ.get("COBATCH_GEMV_FOLD_STEPS", "0") == "1"
+
+
+def folds_steps(cfg: GemvConfig) -> bool:
+    """The kernel's FOLD for a call in config cfg (GEMV_FOLD_STEPS, up to 2 row tiles a warp)."""
+    return GEMV_FOLD_STEPS and cfg.RT <= 2
 
 
 def x_loads(whole_k: bool) -> int:
@@ -983,7 +990,7 @@ def launch(p: "quant_pack.PackedPlanes", x: torch.Tensor, out: torch.Tensor, cfg
         n_tok, rows, p.cols, x.stride(0), out.stride(0), n_chunks, warp_steps,
         rows_pad // 16,
         FMT=p.fmt_id, W=cfg.W, RT=cfg.RT, BT=bt, SPLIT_K=cfg.split_k, X_LOADS=x_loads(p.cols == p.cols_pad),
-        U=cfg.U, TAIL=warp_steps % cfg.U, FOLD=GEMV_FOLD_STEPS,
+        U=cfg.U, TAIL=warp_steps % cfg.U, FOLD=folds_steps(cfg),
         D=cfg.D, ROUTED=routing is not None, ACT=act_code(act, out_order),
         num_warps=cfg.W, maxnreg=cfg.R or None,
         **(pdl_launch(x) if GEMV_PDL and (bt == 8 or (dependent and GEMV_PDL_AFTER_ATTENTION)) else {}),
