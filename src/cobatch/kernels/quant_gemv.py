@@ -456,7 +456,8 @@ if gluon is not None:
     def _load_sides(d_ptr, m_ptr, sub_ptr, tile0, chunk, side32, side256, FMT: gl.constexpr, W: gl.constexpr,
                     RT: gl.constexpr, SIDE: gl.constexpr, STEP: gl.constexpr = 0):
         """The scale data of each warp's chunk chunk + STEP (_k_step), raw: four [W, 16 RT, 1] tensors (unused ones
-        repeat). Each plane's pointer moves by its entries of STEP chunks, the offsets come from chunk."""
+        repeat). Each plane's pointer moves by its entries of STEP chunks (an entry: 8 lane groups x E values,
+        _side_pointers), the offsets come from chunk."""
         if _byte_fmt(FMT):
             a = _row_side(d_ptr + STEP * 16, tile0, side32, chunk, W, RT, SIDE)
             b = a
