@@ -87,6 +87,15 @@ _fifth_bit = _constexpr_function(_fifth_bit_of)
 _affine = _constexpr_function(_affine_of)
 
 
+def _moved_of(u, warps, fold) -> int:
+    """How many chunks step u of a loop iteration moves the planes' pointers (_k_step's STEP): u x W under FOLD
+    (GEMV_FOLD_STEPS), its offsets then those of the iteration's first step; else none."""
+    return int(u) * int(warps) if fold else 0
+
+
+_moved = _constexpr_function(_moved_of)
+
+
 # The planes' layouts (PackedPlanes.fmt_id); q4_K's fragment planes are q4_1's (quant_pack._q4k_as_affine), and
 # FP8's are q8_0's with e4m3 bytes (_byte_fmt: the one difference is the decode, _dequant_operand).
 F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q6_K, F_FP8, F_NVFP4 = (
@@ -782,28 +791,19 @@ if gluon is not None:
                 for u in gl.static_range(U):
                     _prefetch_tile(qs_ptr, tile0, gl.minimum(s + u + D, last) * W + warp, tile_stride, RT, LD)
             for u in gl.static_range(U):
-                if FOLD:     # the U steps' offsets from one chunk, each step's pointers moved by a constant
-                    acc = _k_step(acc, s * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride, tok0,
-                                  n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD, SIDE,
-                                  X_LOADS, E4M3_CVT, u * W)
-                else:
-                    acc = _k_step(acc, (s + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr, x_stride,
-                                  tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT, BT, A, B, LD,
-                                  SIDE, X_LOADS, E4M3_CVT)
+                # FOLD: the U steps' offsets from one chunk (s's), each step's pointers moved by a constant
+                acc = _k_step(acc, (s + u) * W - _moved(u, W, FOLD) + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr,
+                              x_ptr, x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT,
+                              BT, A, B, LD, SIDE, X_LOADS, E4M3_CVT, _moved(u, W, FOLD))
         if TAIL > 0:
             # The steps past the last whole iteration (TAIL = a warp's steps % U), their loads again issued before
             # their math; the same order of K steps as any U, so a row's bits do not depend on U. An empty routed
             # slot (last < first) runs none.
             if last >= first:
                 for u in gl.static_range(TAIL):
-                    if FOLD:
-                        acc = _k_step(acc, body_end * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
-                                      x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT,
-                                      BT, A, B, LD, SIDE, X_LOADS, E4M3_CVT, u * W)
-                    else:
-                        acc = _k_step(acc, (body_end + u) * W + warp, qs_ptr, qh_ptr, d_ptr, m_ptr, sub_ptr, x_ptr,
-                                      x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256, FMT, W, RT,
-                                      BT, A, B, LD, SIDE, X_LOADS, E4M3_CVT)
+                    acc = _k_step(acc, (body_end + u) * W - _moved(u, W, FOLD) + warp, qs_ptr, qh_ptr, d_ptr, m_ptr,
+                                  sub_ptr, x_ptr, x_stride, tok0, n_tok, n_cols, tile0, tile_stride, side32, side256,
+                                  FMT, W, RT, BT, A, B, LD, SIDE, X_LOADS, E4M3_CVT, _moved(u, W, FOLD))
         if PDL:     # the next kernel may launch once every CTA's loop is done (not before: a chain of GEMVs
             gdc_launch_dependents()      # resident at once would starve the GEMV still running)
         total = gl.sum(acc, axis=0)                          # [16 RT, BT]: the warps' K slices, in order
