@@ -940,10 +940,10 @@ GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "0") == "1"
 # constant (COBATCH_GEMV_FOLD_STEPS=1; the kernel's FOLD). Indexed by step, each load's address was computed apart in
 # 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads' immediate offsets:
 # 7-19 % fewer instructions in the loop at U = 4-16 (sm_90 SASS at an 8-token tile, x clamped: q4_K W4 RT1 U16
-# 1127 -> 990 a warp per 16,384 weights, W8 RT1 U8 567 -> 502, q8_0 W8 RT1 U8 343 -> 278), the same bits by construction. Configs
-# of 4 row tiles a warp keep the plain loop: there it added spills under their register caps (the output heads' plans:
-# q6_K's 40 -> 248 bytes of stack at 16 tokens; bench/sass_loop.py --plans) for 0-4 % fewer instructions. Off until
-# measured.
+# 1127 -> 990 a warp per 16,384 weights, W8 RT1 U8 567 -> 502, q8_0 W8 RT1 U8 343 -> 278), the same bits by
+# construction. Configs of 4 row tiles a warp keep the plain loop: there it added spills under their register caps
+# (the output heads' plans: q6_K's 40 -> 248 bytes of stack at 16 tokens; bench/sass_loop.py --plans) for 0-4 % fewer
+# instructions. Off until measured.
 GEMV_FOLD_STEPS = os.environ.get("COBATCH_GEMV_FOLD_STEPS", "0") == "1"
 
 
