@@ -132,18 +132,24 @@ def variant_tables(spec: str, into: Path, kind: str = "ring") -> list[str]:
     return paths
 
 
-def parse_switch(spec: str) -> list[tuple[str, str, object]]:
-    """--switch MODULE.ATTR=V,V,...: (module, attr, value) per value, MODULE a module of cobatch.kernels and each
-    value a JSON literal (0, 1, true, "x") or else the text itself."""
-    target, values = spec.split("=", 1)
-    module, attr = target.rsplit(".", 1)
-
+def parse_switch(spec: str) -> list[list[tuple[str, str, object]]]:
+    """--switch MODULE.ATTR=V,V,...: one variant per value, [(module, attr, value)], MODULE a module of
+    cobatch.kernels and each value a JSON literal (0, 1, true, "x") or else the text itself. Switches joined by
+    '&' (MODULE.ATTR=V&MODULE.ATTR=V) are one variant with all of them set."""
     def literal(text: str):
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             return text
-    return [(module, attr, literal(v)) for v in values.split(",")]
+
+    def target(part: str) -> tuple[str, str, str]:
+        name, values = part.split("=", 1)
+        module, attr = name.rsplit(".", 1)
+        return module, attr, values
+    if "&" in spec:
+        return [[(module, attr, literal(value)) for module, attr, value in map(target, spec.split("&"))]]
+    module, attr, values = target(spec)
+    return [[(module, attr, literal(v))] for v in values.split(",")]
 
 
 @contextlib.contextmanager
@@ -160,17 +166,17 @@ def patched(patches: list[tuple[str, str, object]]):
             setattr(mod, a, real)
 
 
-def switched(switch: tuple[str, str, object] | None):
-    """cobatch.kernels.MODULE.ATTR set to the value while the block runs (a module-level switch such as
+def switched(switches: list[tuple[str, str, object]] | None):
+    """Each cobatch.kernels.MODULE.ATTR set to its value while the block runs (module-level switches such as
     quant_gemm.PAD_X_TO_TILE, read at launch), then put back."""
-    if switch is None:
-        return patched([])
-    module, attr, value = switch
-    mod = importlib.import_module(f"cobatch.kernels.{module}")
-    if not hasattr(mod, attr):
-        raise SystemExit(f"plan_ab.py: cobatch.kernels.{module} has no {attr}")
-    before = getattr(mod, attr)
-    return patched([(mod.__name__, attr, type(before)(value) if isinstance(before, (bool, int, float)) else value)])
+    patches = []
+    for module, attr, value in switches or []:
+        mod = importlib.import_module(f"cobatch.kernels.{module}")
+        if not hasattr(mod, attr):
+            raise SystemExit(f"plan_ab.py: cobatch.kernels.{module} has no {attr}")
+        before = getattr(mod, attr)
+        patches.append((mod.__name__, attr, type(before)(value) if isinstance(before, (bool, int, float)) else value))
+    return patched(patches)
 
 
 class _NoLaunch:
@@ -242,7 +248,8 @@ def main() -> None:
                          "taking calls of more than N tokens")
     ap.add_argument("--switch", action="append", default=[],
                     help="MODULE.ATTR=V,V,...: the package's table with cobatch.kernels.MODULE.ATTR set to each V "
-                         "(a module-level switch read at launch, e.g. quant_gemm.PAD_X_TO_TILE=0,1)")
+                         "(a module-level switch read at launch, e.g. quant_gemm.PAD_X_TO_TILE=0,1); "
+                         "MODULE.ATTR=V&MODULE.ATTR=V: one variant with both set")
     ap.add_argument("--switch-table", default=".",
                     help="the table the --switch variants run ('.': the package's; 'no-gemv': the --without-gemv one)")
     ap.add_argument("--without-gemv", default="",
@@ -280,8 +287,8 @@ def main() -> None:
     # (name, table, switch, knockout) each
     variants = [(name if names.count(name) == 1 else t, t, None, None) for name, t in zip(names, tables)]
     for spec in args.switch:
-        variants += [(f"{module}.{attr}={value}", switch_table, (module, attr, value), None)
-                     for module, attr, value in parse_switch(spec)]
+        variants += [(" & ".join(f"{module}.{attr}={value}" for module, attr, value in switches), switch_table,
+                      switches, None) for switches in parse_switch(spec)]
     knockouts = [k for k in args.knockout.split(",") if k]
     unknown = [k for k in knockouts if k not in KNOCKOUTS]
     if unknown:

@@ -311,14 +311,18 @@ def test_plan_ab_without_gemv_tables_drop_only_those_formats_gemv_plans():
 def test_plan_ab_switch_sets_a_kernel_module_attribute_and_puts_it_back():
     plan_ab = load("plan_ab")
     from cobatch.kernels import quant_gemm
-    assert plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0,1") == [("quant_gemm", "PAD_X_TO_TILE", 0),
-                                                                    ("quant_gemm", "PAD_X_TO_TILE", 1)]
-    before = quant_gemm.PAD_X_TO_TILE
-    with plan_ab.switched(("quant_gemm", "PAD_X_TO_TILE", 0)):
+    assert plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0,1") == [[("quant_gemm", "PAD_X_TO_TILE", 0)],
+                                                                    [("quant_gemm", "PAD_X_TO_TILE", 1)]]
+    both = plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0&quant_gemv.GEMV_CLAMP_X=1")
+    assert both == [[("quant_gemm", "PAD_X_TO_TILE", 0), ("quant_gemv", "GEMV_CLAMP_X", 1)]]
+    from cobatch.kernels import quant_gemv
+    before, clamp_before = quant_gemm.PAD_X_TO_TILE, quant_gemv.GEMV_CLAMP_X
+    with plan_ab.switched(both[0]):
         assert quant_gemm.PAD_X_TO_TILE is False            # cast to the switch's own type
-    assert quant_gemm.PAD_X_TO_TILE is before
+        assert quant_gemv.GEMV_CLAMP_X is True
+    assert quant_gemm.PAD_X_TO_TILE is before and quant_gemv.GEMV_CLAMP_X is clamp_before
     with pytest.raises(SystemExit):
-        with plan_ab.switched(("quant_gemm", "NO_SUCH_SWITCH", 1)):
+        with plan_ab.switched([("quant_gemm", "NO_SUCH_SWITCH", 1)]):
             pass
 
 
