@@ -12,7 +12,7 @@ tile, gate|up shapes with their act*mul epilogue, f16 activations as decode step
 PackedWeight.operand_dtype) and names those that spill under their register budget; with --model-shape, every GEMV
 call a model of that shape makes instead, on the plans or the defaults it gets; each with its loop's length in
 instructions a warp, and those a weight and lane (32 x the length over the weights a warp's iteration dequantizes:
-what a weight costs the SM's issue slots; COBATCH_GEMV_CLAMP_X=1 and COBATCH_GEMV_FOLD_STEPS=1 compile the leaner
+what a weight costs the SM's issue slots; COBATCH_GEMV_CLAMP_X=0 and COBATCH_GEMV_FOLD_STEPS=0 compile the plain
 loops). --cuda reads the CUDA C++ kernels NVRTC compiles instead (cuda_variants(): MLA decode's with a bf16 cache and an fp8 one, its rows widened by
 cvt or by bit moves). Counting a loop's instructions per iteration against the bytes it moves is how the fp8 KV
 cache's single-byte shared-memory loads were found (docs/kernels.md); the stalls themselves need the GPU

@@ -313,13 +313,13 @@ def test_plan_ab_switch_sets_a_kernel_module_attribute_and_puts_it_back():
     from cobatch.kernels import quant_gemm
     assert plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0,1") == [[("quant_gemm", "PAD_X_TO_TILE", 0)],
                                                                     [("quant_gemm", "PAD_X_TO_TILE", 1)]]
-    both = plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0&quant_gemv.GEMV_CLAMP_X=1")
-    assert both == [[("quant_gemm", "PAD_X_TO_TILE", 0), ("quant_gemv", "GEMV_CLAMP_X", 1)]]
+    both = plan_ab.parse_switch("quant_gemm.PAD_X_TO_TILE=0&quant_gemv.GEMV_CLAMP_X=0")
+    assert both == [[("quant_gemm", "PAD_X_TO_TILE", 0), ("quant_gemv", "GEMV_CLAMP_X", 0)]]
     from cobatch.kernels import quant_gemv
     before, clamp_before = quant_gemm.PAD_X_TO_TILE, quant_gemv.GEMV_CLAMP_X
     with plan_ab.switched(both[0]):
         assert quant_gemm.PAD_X_TO_TILE is False            # cast to the switch's own type
-        assert quant_gemv.GEMV_CLAMP_X is True
+        assert quant_gemv.GEMV_CLAMP_X is False
     assert quant_gemm.PAD_X_TO_TILE is before and quant_gemv.GEMV_CLAMP_X is clamp_before
     with pytest.raises(SystemExit):
         with plan_ab.switched([("quant_gemm", "NO_SUCH_SWITCH", 1)]):

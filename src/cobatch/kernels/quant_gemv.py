@@ -929,22 +929,24 @@ GEMV_PDL = os.environ.get("COBATCH_GEMV_PDL", "1") != "0"
 # as the mid-batch GEMM does. Q4_K_M steps (o on the GEMV to 16 tokens) of 12 / 16 rows 0.6 / 0.9 % shorter
 # (bench/results/decode_gemv_pdl_after_attention_ab.md, H100); COBATCH_GEMV_PDL_AFTER_ATTENTION=0 turns it off.
 GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "1") != "0"
-# x's loads where K is whole (COBATCH_GEMV_CLAMP_X=1: X_CLAMPED_TOKENS). A token tile's columns past n_tok may read
-# the last token's x again (the same addresses, so no bytes more) instead of being masked to zeros: a column of the
-# product depends on its own x only, and those columns are never stored. Then no x load is predicated and no
-# register zeroed for it: 1-5 % fewer instructions in the GEMV's loop, the same bits (sm_90 SASS of the plans'
-# configs at an 8-token tile: q4_K W4 RT1 U16 1191 -> 1127 a warp per 16,384 weights, q8_0 W8 RT1 U8 359 -> 343
-# per 4,096, q4_K W4 RT4 U1 268 -> 264). Off until whole steps show it pays.
-GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "0") == "1"
+# x's loads where K is whole (X_CLAMPED_TOKENS; COBATCH_GEMV_CLAMP_X=0 masks them). A token tile's columns past n_tok
+# read the last token's x again (the same addresses, so no bytes more) instead of being masked to zeros: a column of the
+# product depends on its own x only, and those columns are never stored. Then no x load is predicated and no register
+# zeroed for it: 1-5 % fewer instructions in the GEMV's loop, the same bits (sm_90 SASS of the plans' configs at an
+# 8-token tile: q4_K W4 RT1 U16 1191 -> 1127 a warp per 16,384 weights, q8_0 W8 RT1 U8 359 -> 343 per 4,096, q4_K W4 RT4
+# U1 268 -> 264). With GEMV_FOLD_STEPS, whole steps (H100, 16 layers) 0.7-1.3 % shorter for Q4_K_M at B = 1 / 8 / 16,
+# 0.1-0.4 % for q8_0 (bench/results/decode_gemv_lean_loops_ab.md).
+GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "1") != "0"
 # The U steps of a loop iteration take their load offsets from one chunk index, each step's pointers moved by a
-# constant (COBATCH_GEMV_FOLD_STEPS=1; the kernel's FOLD). Indexed by step, each load's address was computed apart in
-# 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads' immediate offsets:
+# constant (the kernel's FOLD; COBATCH_GEMV_FOLD_STEPS=0 indexes them by step). Indexed by step, each load's address
+# was computed apart in 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads'
+# immediate offsets:
 # 7-19 % fewer instructions in the loop at U = 4-16 (sm_90 SASS at an 8-token tile, x clamped: q4_K W4 RT1 U16
 # 1127 -> 990 a warp per 16,384 weights, W8 RT1 U8 567 -> 502, q8_0 W8 RT1 U8 343 -> 278), the same bits by
 # construction. Configs of 4 row tiles a warp keep the plain loop: there it added spills under their register caps
 # (the output heads' plans: q6_K's 40 -> 248 bytes of stack at 16 tokens; bench/sass_loop.py --plans) for 0-4 % fewer
-# instructions. Off until measured.
-GEMV_FOLD_STEPS = os.environ.get("COBATCH_GEMV_FOLD_STEPS", "0") == "1"
+# instructions. Whole steps: with GEMV_CLAMP_X above.
+GEMV_FOLD_STEPS = os.environ.get("COBATCH_GEMV_FOLD_STEPS", "1") != "0"
 
 
 def folds_steps(cfg: GemvConfig) -> bool:
