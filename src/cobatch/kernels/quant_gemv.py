@@ -937,14 +937,13 @@ GEMV_PDL_AFTER_ATTENTION = os.environ.get("COBATCH_GEMV_PDL_AFTER_ATTENTION", "1
 # U1 268 -> 264). With GEMV_FOLD_STEPS, whole steps (H100, 16 layers) 0.7-1.3 % shorter for Q4_K_M at B = 1 / 8 / 16,
 # 0.1-0.4 % for q8_0 (bench/results/decode_gemv_lean_loops_ab.md).
 GEMV_CLAMP_X = os.environ.get("COBATCH_GEMV_CLAMP_X", "1") != "0"
-# The U steps of a loop iteration take their load offsets from one chunk index, each step's pointers moved by a
-# constant (the kernel's FOLD; COBATCH_GEMV_FOLD_STEPS=0 indexes them by step). Indexed by step, each load's address
-# was computed apart in 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads'
-# immediate offsets:
-# 7-19 % fewer instructions in the loop at U = 4-16 (sm_90 SASS at an 8-token tile, x clamped: q4_K W4 RT1 U16
+# The U steps of a loop iteration take their load offsets from one chunk index, each step's pointers moved by a constant
+# (the kernel's FOLD; COBATCH_GEMV_FOLD_STEPS=0 indexes them by step). Indexed by step, each load's address was computed
+# apart in 32 bits and widened (2-3 LEA / IADD3 a load); moved by constants, they fold into the loads' immediate
+# offsets: 7-19 % fewer instructions in the loop at U = 4-16 (sm_90 SASS at an 8-token tile, x clamped: q4_K W4 RT1 U16
 # 1127 -> 990 a warp per 16,384 weights, W8 RT1 U8 567 -> 502, q8_0 W8 RT1 U8 343 -> 278), the same bits by
-# construction. Configs of 4 row tiles a warp keep the plain loop: there it added spills under their register caps
-# (the output heads' plans: q6_K's 40 -> 248 bytes of stack at 16 tokens; bench/sass_loop.py --plans) for 0-4 % fewer
+# construction. Configs of 4 row tiles a warp keep the plain loop: there it added spills under their register caps (the
+# output heads' plans: q6_K's 40 -> 248 bytes of stack at 16 tokens; bench/sass_loop.py --plans) for 0-4 % fewer
 # instructions. Whole steps: with GEMV_CLAMP_X above.
 GEMV_FOLD_STEPS = os.environ.get("COBATCH_GEMV_FOLD_STEPS", "1") != "0"
 
