@@ -77,33 +77,33 @@ def test_interactive_chat_keeps_history_and_exits_on_eof():
     assert proc.stdout.count("> ") >= 2
 
 
-def test_generate_prints_only_the_continuation():
+def test_generate_prints_only_the_continuation(cli):
     proc = run_cli("generate", "--prompt", "The capital of France is", "-n", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "The capital of France is" not in proc.stdout
     assert "Paris" in proc.stdout
-    positional = run_cli("generate", "The capital of France is", "-n", "8", "--temperature", "0")
+    positional = cli("generate", "The capital of France is", "-n", "8", "--temperature", "0")
     assert positional.returncode == 0 and positional.stdout == proc.stdout
-    assert_clean_error(run_cli("generate", "one", "-p", "two"), "one prompt")
+    assert_clean_error(cli("generate", "one", "-p", "two"), "one prompt")
 
 
-def test_generate_takes_llama_clis_samplers():
+def test_generate_takes_llama_clis_samplers(cli):
     """--dry-multiplier: greedy decoding no longer repeats "1, 2, 3, 4" (DRY penalizes the token that extends the
     repeat); the other samplers' flags run (their sampling: tests/test_sampler.py)."""
     prompt = ("generate", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,", "-n", "4", "--temperature", "0")
-    plain, dry = run_cli(*prompt), run_cli(*prompt, "--dry-multiplier", "10")
+    plain, dry = cli(*prompt), cli(*prompt, "--dry-multiplier", "10")
     assert plain.returncode == dry.returncode == 0, dry.stderr[-2000:]
     assert plain.stdout.startswith(" 4") and not dry.stdout.startswith(" 4")
-    others = run_cli("generate", "Once upon a time", "-n", "6", "--temperature", "1", "--seed", "3", "--typical", "0.9",
-                     "--xtc-probability", "0.5", "--mirostat", "2", "--mirostat-ent", "4")
+    others = cli("generate", "Once upon a time", "-n", "6", "--temperature", "1", "--seed", "3", "--typical", "0.9",
+                 "--xtc-probability", "0.5", "--mirostat", "2", "--mirostat-ent", "4")
     assert others.returncode == 0 and others.stdout.strip(), others.stderr[-2000:]
 
 
-def test_generate_with_speculative_decoding_prints_the_same_text():
+def test_generate_with_speculative_decoding_prints_the_same_text(cli):
     prompt = "apple banana cherry dates elderberry fig grape. " * 3 + "apple banana"
     args = ("generate", "--prompt", prompt, "-n", "24", "--temperature", "0")
-    plain = run_cli(*args)
-    spec = run_cli(*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    plain = cli(*args)
+    spec = cli(*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
     assert plain.returncode == spec.returncode == 0, spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and "cherry" in plain.stdout
 
@@ -562,19 +562,19 @@ def test_gpu_memory_utilization_sizes_the_kv_cache(monkeypatch):
     assert kv_budget_bytes(EngineOptions(), torch.device("cpu"), 5000) == 5000
 
 
-def test_generate_and_chat_follow_a_grammar_or_json_schema(tmp_path):
+def test_generate_and_chat_follow_a_grammar_or_json_schema(tmp_path, cli):
     """llama-cli's flag names; each output checked by Python's own parsers, not by llguidance."""
     pytest.importorskip("llguidance")
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
-    r = run_cli("generate", "--prompt", "A cat as JSON:", "-n", "60", "--temperature", "0", "--json-schema",
-                json.dumps(schema))
+    r = cli("generate", "--prompt", "A cat as JSON:", "-n", "60", "--temperature", "0", "--json-schema",
+            json.dumps(schema))
     assert r.returncode == 0, r.stderr
     value = json.loads(r.stdout)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
     grammar = tmp_path / "yes_no.gbnf"
     grammar.write_text('root ::= ("yes" | "no") "."\n')
-    r = run_cli("chat", "Is Paris in France?", "--temperature", "0", "--grammar-file", str(grammar))
+    r = cli("chat", "Is Paris in France?", "--temperature", "0", "--grammar-file", str(grammar))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() in ("yes.", "no.")
 
