@@ -81,6 +81,34 @@ def test_a_field_one_endpoint_implements_is_refused_by_the_others(server):
         assert r.status_code == 400 and name in r.text, (path, name)
 
 
+def test_fields_that_contradict_the_request_are_400_naming_them(server):
+    """stream_options without stream (as vLLM refuses it), a tool without a name, and a tool_choice forcing a call
+    with no tools, on count_tokens as on /v1/messages: each a 400 in its protocol's error shape."""
+    tool = {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for path, body, param in (
+                ("/v1/chat/completions", {"messages": QUESTION, "stream_options": {"include_usage": True}},
+                 "stream_options"),
+                ("/v1/completions", {"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}},
+                 "stream_options"),
+                ("/v1/chat/completions", {"messages": QUESTION, "tools": [tool], "tool_choice": "required"}, None)):
+            r = client.post(path, json={"model": "smol", "max_tokens": 2, **body})
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and (param is None or error["param"] == param), error
+        forced = {"type": "tool", "name": "lookup"}
+        for path in ("/v1/messages/count_tokens", "/v1/messages"):
+            for extra in ({"tool_choice": forced}, {"tools": [{"name": "", "input_schema": {"type": "object"}}]}):
+                r = client.post(path, json={"model": "smol", "max_tokens": 2, "messages": QUESTION, **extra})
+                assert r.status_code == 400, (path, extra, r.text)
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+        # the same requests, set right, are answered
+        assert client.post("/v1/messages/count_tokens", json={"model": "smol", "messages": QUESTION}).json()[
+            "input_tokens"] > 0
+        assert client.post("/v1/completions", json={"model": "smol", "prompt": "hi", "max_tokens": 2, "stream": True,
+                                                    "stream_options": {"include_usage": True}}).status_code == 200
+
+
 def test_audio_output_is_refused_and_text_output_accepted(oai):
     for extra in ({"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy", "format": "wav"}}):
         with pytest.raises(openai.BadRequestError) as err:

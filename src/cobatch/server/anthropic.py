@@ -45,7 +45,7 @@ class AnthropicMessage(_Body):
 
 class AnthropicTool(_Body):
     type: str | None = None       # "custom" (or none); Anthropic's server tools (web_search_..., bash_...) are not run
-    name: str
+    name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
@@ -175,6 +175,8 @@ def _tools(body: _Conversation) -> list[dict] | None:
     if server_tool is not None:
         raise bad_request(f"tools: {server_tool.name!r} is a server tool ({server_tool.type}), which this server does "
                           "not run; declare client tools with an input_schema")
+    if choice in ("any", "tool") and not body.tools:    # as /v1/messages answers it, so count_tokens does too
+        raise bad_request(f"tool_choice.type {choice!r} forces a call and needs tools")
     if not body.tools or choice == "none":
         return None
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",

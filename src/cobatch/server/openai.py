@@ -101,7 +101,7 @@ class _SamplingBody(_Body, LlamaCppSamplers):        # llama.cpp's samplers: its
 
 
 class FunctionDef(_Body):
-    name: str
+    name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -417,9 +417,12 @@ def _prompt_logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> list[di
     return out
 
 
-def _refuse_streamed_prompt_logprobs(body: ChatCompletionRequest | CompletionRequest) -> None:
+def _check_stream_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """The fields that hold only with `stream` true, or only with it false (as vLLM checks them)."""
     if body.stream and body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available when streaming (as in vLLM)", param="prompt_logprobs")
+    if not body.stream and body.stream_options is not None:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
 
 def _usage(u: Usage) -> dict:
@@ -472,7 +475,7 @@ async def chat_completions(request: Request):
     body = await read_body(request, ChatCompletionRequest, ctx.options.max_body_bytes)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    _refuse_streamed_prompt_logprobs(body)
+    _check_stream_fields(body)
     tools = _tools(body)
     grammar = await output_grammar(ctx.llm, tools, parallel=body.parallel_tool_calls is not False,
                                    force_call=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
@@ -616,7 +619,7 @@ async def completions(request: Request):
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens 0 needs echo (it returns only the prompt, with its logprobs)",
                           param="max_tokens")
-    _refuse_streamed_prompt_logprobs(body)
+    _check_stream_fields(body)
     # echo + logprobs: the prompt's tokens get logprobs too (lm-eval-harness' loglikelihood requests)
     echo_logprobs = body.logprobs if body.echo else None
     wanted = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]

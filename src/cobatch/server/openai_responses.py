@@ -41,7 +41,7 @@ class _Body(BaseModel):
 
 class FunctionTool(_Body):
     type: Literal["function"]
-    name: str
+    name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
