@@ -10,6 +10,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -38,6 +39,14 @@ def wait_for(condition: Callable[[], object], timeout: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
+
+
+def together(*calls: Callable[[], object]) -> list:
+    """Each call's result, the calls run at once from threads: independent requests a server decodes in one batch
+    take about the time of the longest (a call's exception is raised here)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 def slots(url: str) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 from cobatch.chat_template import ChatTemplate
 from model_fixtures import load_llm
-from test_server_support import live_server
+from test_server_support import live_server, together
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",
@@ -39,7 +39,9 @@ def oai(server):
 
 
 def test_openai_tool_call_plain_streamed_and_answered(oai):
-    out = oai.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER_TOOL], max_tokens=40, **GREEDY)
+    kwargs = dict(model="qwen", messages=ASK, tools=[WEATHER_TOOL], max_tokens=40, **GREEDY)
+    out, stream = together(lambda: oai.chat.completions.create(**kwargs),
+                           lambda: list(oai.chat.completions.create(stream=True, **kwargs)))
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -49,8 +51,6 @@ def test_openai_tool_call_plain_streamed_and_answered(oai):
     assert not choice.message.content
 
     # Streamed: the name first, then the arguments in several partial deltas.
-    stream = oai.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER_TOOL], max_tokens=40,
-                                         stream=True, **GREEDY)
     deltas, finish = [], None
     for chunk in stream:
         for c in chunk.choices:
@@ -77,13 +77,15 @@ def test_anthropic_tool_use_plain_and_streamed(server):
     tool = {"name": "get_weather", "description": "Get the current weather for a city",
             "input_schema": WEATHER_TOOL["function"]["parameters"]}
     kwargs = dict(model="qwen", max_tokens=40, messages=ASK, tools=[tool], extra_body=GREEDY)
-    out = claude.messages.create(**kwargs)
+
+    def streamed():
+        with claude.messages.stream(**kwargs) as stream:
+            return [e.partial_json for e in stream if e.type == "input_json"], stream.get_final_message()
+
+    out, (partial_json, final) = together(lambda: claude.messages.create(**kwargs), streamed)
     assert out.stop_reason == "tool_use"
     (block,) = [b for b in out.content if b.type == "tool_use"]
     assert block.name == "get_weather" and block.input == {"city": "Paris"} and block.id.startswith("toolu_")
-    with claude.messages.stream(**kwargs) as stream:
-        partial_json = [e.partial_json for e in stream if e.type == "input_json"]
-        final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and len(partial_json) > 1
     assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Paris"}]
     counted = claude.messages.count_tokens(model="qwen", messages=ASK, tools=[tool]).input_tokens
@@ -102,20 +104,20 @@ def test_tool_choice_required_and_named_are_enforced(oai):
     call of that function."""
     pytest.importorskip("llguidance")
     tools = [WEATHER_TOOL, TIME_TOOL]
-    free = oai.chat.completions.create(model="qwen", messages=SMALL_TALK, tools=tools, max_tokens=12, **GREEDY)
+    free, forced, named = together(
+        lambda: oai.chat.completions.create(model="qwen", messages=SMALL_TALK, tools=tools, max_tokens=12, **GREEDY),
+        # greedy, with parallel calls allowed, this model calls both tools (51 tokens)
+        lambda: oai.chat.completions.create(model="qwen", messages=SMALL_TALK, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=60, **GREEDY),
+        lambda: oai.chat.completions.create(model="qwen", messages=ASK, tools=tools, max_tokens=60, **GREEDY,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert free.choices[0].finish_reason != "tool_calls" and free.choices[0].message.content
-
-    # greedy, with parallel calls allowed, this model calls both tools (51 tokens)
-    forced = oai.chat.completions.create(model="qwen", messages=SMALL_TALK, tools=tools, tool_choice="required",
-                                         parallel_tool_calls=False, max_tokens=60, **GREEDY)
     choice = forced.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     assert (call.function.name, sorted(args)) in [("get_weather", ["city"]), ("get_time", ["zone"])]
 
-    named = oai.chat.completions.create(model="qwen", messages=ASK, tools=tools, max_tokens=60, **GREEDY,
-                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments)["zone"], str)
 
@@ -147,14 +149,13 @@ def test_completion_suffix_fills_in_the_middle(oai):
 
 def test_responses_api_function_call_round_trip(oai):
     tool = {"type": "function", **WEATHER_TOOL["function"]}
-    r = oai.responses.create(model="qwen", input="What is the weather in Paris?", tools=[tool], max_output_tokens=40,
-                             **GREEDY)
+    kwargs = dict(model="qwen", input="What is the weather in Paris?", tools=[tool], max_output_tokens=40, **GREEDY)
+    r, events = together(lambda: oai.responses.create(**kwargs),
+                         lambda: list(oai.responses.create(stream=True, **kwargs)))
     (call,) = [o for o in r.output if o.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert call.call_id.startswith("call_") and r.status == "completed"
 
-    events = list(oai.responses.create(model="qwen", input="What is the weather in Paris?", tools=[tool],
-                                       max_output_tokens=40, stream=True, **GREEDY))
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Paris"}
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
@@ -185,13 +186,14 @@ def test_qwen3_coder_template_calls_in_xml_with_typed_arguments(server, oai, mon
     ask = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
     kw = dict(model="qwen", messages=ask, tools=[FORECAST_TOOL], tool_choice="required", parallel_tool_calls=False,
               max_tokens=40, **GREEDY)
-    out = oai.chat.completions.create(**kw)
+    out, chunks = together(lambda: oai.chat.completions.create(**kw),
+                           lambda: list(oai.chat.completions.create(**kw, stream=True)))
     (call,) = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_forecast"
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
 
-    pieces = [d.function.arguments for chunk in oai.chat.completions.create(**kw, stream=True) for c in chunk.choices
-              for d in c.delta.tool_calls or () if d.function.arguments]
+    pieces = [d.function.arguments for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or ()
+              if d.function.arguments]
     assert len(pieces) > 2 and "".join(pieces) == call.function.arguments     # the city's text came on its own
 
     # the call goes back in the history, its arguments the object the template iterates
