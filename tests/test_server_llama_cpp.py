@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from model_fixtures import load_llm
-from test_server_support import live_server
+from test_server_support import live_server, together
 
 PROMPT = "def fibonacci(n):"
 
@@ -129,13 +129,13 @@ def test_typical_and_xtc_samplers(server):
     lists the defaults."""
     probs = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "n_probs": 2}).json()
     second = probs["completion_probabilities"][0]["top_logprobs"][1]["token"]
-    for seed in range(3):
-        got = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "temperature": 1, "top_k": 2,
-                                           "xtc_probability": 1, "xtc_threshold": 0, "seed": seed}).json()
-        assert got["content"] == second
+    xtc = together(*(lambda seed=seed: post(server, "/completion", {
+        "prompt": PROMPT, "n_predict": 1, "temperature": 1, "top_k": 2, "xtc_probability": 1, "xtc_threshold": 0,
+        "seed": seed}).json() for seed in range(3)))
+    assert [got["content"] for got in xtc] == [second] * 3
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    same = [oai.completions.create(model="any", prompt=PROMPT, max_tokens=6, temperature=1.2, seed=3,
-                                   extra_body={"typical_p": 0.5}).choices[0].text for _ in range(2)]
+    same = [c.choices[0].text for c in together(*[lambda: oai.completions.create(
+        model="any", prompt=PROMPT, max_tokens=6, temperature=1.2, seed=3, extra_body={"typical_p": 0.5})] * 2)]
     assert same[0] == same[1]
     params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
     assert (params["typical_p"], params["xtc_probability"], params["xtc_threshold"]) == (1.0, 0.0, 0.1)
@@ -185,7 +185,8 @@ def test_mirostat_on_completion(server):
     """Mirostat 2 on /completion (its state from step to step: tests/test_engine.py): the same seed gives the same
     text, other seeds others; /props lists the defaults."""
     body = {"prompt": PROMPT, "n_predict": 8, "temperature": 1.0, "mirostat": 2, "mirostat_tau": 8.0}
-    texts = [post(server, "/completion", {**body, "seed": s}).json()["content"] for s in (0, 1, 2, 0)]
+    texts = [r.json()["content"] for r in together(*(lambda s=s: post(server, "/completion", {**body, "seed": s})
+                                                     for s in (0, 1, 2, 0)))]
     assert texts[0] == texts[3] and len(set(texts)) > 1
     params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
     assert (params["mirostat"], params["mirostat_tau"], params["mirostat_eta"]) == (0, 5.0, 0.1)
@@ -207,12 +208,12 @@ def test_serve_sampling_flags_are_the_defaults_of_every_protocol():
     with live_server(llm, ServerOptions(sampling_defaults=defaults)) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         greedy = oai.chat.completions.create(model="any", messages=question, max_tokens=12, temperature=0)
-        unset = [oai.chat.completions.create(model="any", messages=question, max_tokens=12) for _ in range(2)]
+        unset = together(*[lambda: oai.chat.completions.create(model="any", messages=question, max_tokens=12)] * 2)
         assert [u.choices[0].message.content for u in unset] == [greedy.choices[0].message.content] * 2
         want = oai.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
         assert post(srv, "/completion", {"prompt": PROMPT, "n_predict": 8}).json()["content"] == want
-        hot = [post(srv, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 1.5, "top_k": 0,
-                                         "seed": s}).json()["content"] for s in range(4)]
+        hot = [r.json()["content"] for r in together(*(lambda s=s: post(srv, "/completion", {
+            "prompt": PROMPT, "n_predict": 8, "temperature": 1.5, "top_k": 0, "seed": s}) for s in range(4)))]
         assert len(set(hot)) > 1             # the request's own temperature and top_k won
         anthropic_reply = httpx.post(srv.url + "/v1/messages", json={"model": "m", "max_tokens": 12,
                                                                       "messages": question}, timeout=120).json()
